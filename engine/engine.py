@@ -1,0 +1,416 @@
+"""The engine: ties the scheduler, KV manager, model runner, sampler and tokenizer, and runs the step loop.
+
+Requests arrive from any thread (`submit`, `abort`); a single engine thread owns all state and runs steps.
+Outputs leave through each request's `on_output` callback, called from the engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.config import MIB, EngineConfig
+from kvmesh.engine.events import EventLog
+from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
+from kvmesh.engine.kv.blocks import KVCacheManager
+from kvmesh.engine.kv.policy import make_policy
+from kvmesh.engine.metrics import EngineMetrics, EngineState
+from kvmesh.engine.model import loader
+from kvmesh.engine.model.llama import Llama
+from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmesh.engine.protocol import HashAlgo, KVConfig, KVEvent
+from kvmesh.engine.request import Request, RequestOutput, Status
+from kvmesh.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
+from kvmesh.engine.sampling import sample
+from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("kvmesh.engine")
+EMA = 0.2  # weight of the newest sample in the moving averages
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The serving dtype. `auto` measures: on CPUs without bf16 matrix units fp32 products are several times
+    faster than bf16 ones, on others the reverse; on CUDA it is bf16."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(32, 576, dtype=dtype)
+        w = torch.randn(1536, 576, dtype=dtype)
+        torch.nn.functional.linear(a, w)
+        start = time.perf_counter()
+        for _ in range(10):
+            torch.nn.functional.linear(a, w)
+        timings[dtype] = time.perf_counter() - start
+    return min(timings, key=timings.__getitem__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    config: loader.ModelConfig
+    tokenizer: Tokenizer
+    model: Llama
+    dtype: torch.dtype
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    model_dir = loader.resolve_model_dir(config.model)
+    model_config = loader.load_config(model_dir)
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if config.device == "auto" else config.device)
+    dtype = pick_dtype(config.dtype, device)
+    weights = loader.load_weights(model_dir, dtype)
+    model = Llama(model_config, weights, device)
+    name = config.served_model_name or model_config.name
+    return LoadedModel(name, model_config, Tokenizer.from_dir(model_dir), model, dtype)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config.validate()
+        self.config = config
+        loaded = loaded or load_model(config)
+        self.model_name = loaded.name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.dtype = loaded.dtype
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype)
+        num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_memory_mib * MIB // per_block)
+        self.events = EventLog(config.kv_events_buffer)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            HashAlgo(config.hash_algo),
+            config.hash_root,
+            make_policy(config.eviction_policy),
+            on_event=self._on_kv_event,
+            enable_prefix_cache=config.enable_prefix_cache,
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.model.device)
+        self.lengths = OutputLengthModel()
+        self.state = EngineState(kv=self.kv.stats())
+        self.metrics = EngineMetrics(self.model_name, lambda: self.state)
+        self.kv_config = KVConfig(
+            model=self.model_name,
+            block_size=config.block_size,
+            hash_algo=config.hash_algo,
+            hash_root=config.hash_root,
+            tokenizer_fingerprint=self.tokenizer.fingerprint,
+            num_device_blocks=num_blocks,
+            boot_id=self.events.boot_id,
+            role=config.role,
+        )
+        self.requests: dict[str, Request] = {}
+        self.draining = False
+        self.prefill_tps = 0.0
+        self.decode_step_s = 0.0
+        self.batch_sizes: list[int] = []  # sequences per step, for tests and benchmarks
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_forecast = 0.0
+        self.forecast: Forecast | None = None
+
+    # ---- from any thread ---------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; its outputs arrive through `request.on_output`."""
+        self._inbox.append(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks at the next step boundary (a client went away)."""
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def start(self) -> None:
+        self.warmup()
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- engine thread -----------------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Run the model once so the first request does not pay for lazy initialisation."""
+        self.runner.run([StepInput([0], 0, [0] * min(8, self.config.block_size), True)])
+        self.runner.computed_tokens = 0
+        self.runner.steps = 0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+                self._wake.wait(timeout=self.config.forecast_interval_seconds)
+                self._wake.clear()
+                self._maybe_forecast()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug in one step must not kill the server: fail what was running
+                log.exception("engine step failed")
+                for request in list(self.scheduler.running):
+                    self._finish(request, "error", error="internal error while computing this request")
+
+    def _on_kv_event(self, event: KVEvent) -> None:
+        self.events.record(event)
+        if event.kind == "removed":
+            self.metrics.evictions.labels(event.tier, "capacity").inc(len(event.block_hashes))
+
+    def _take_inbox(self) -> None:
+        while self._inbox:
+            request = self._inbox.popleft()
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+            if request.output_ids:
+                request.text = request.detokenizer.step(request.output_ids)
+                request.emitted_text = request.text
+            self.requests[request.request_id] = request
+            self.scheduler.add(request)
+        while self._aborts:
+            request = self.requests.get(self._aborts.popleft())
+            if request is not None:
+                self._finish(request, "abort")
+
+    def step(self) -> SchedulerOutput:
+        """One scheduling decision and one model step."""
+        self._take_inbox()
+        out = self.scheduler.schedule()
+        for request in out.unservable:
+            self._finish(request, "length", error="the request does not fit in this engine's KV cache")
+        if out.preempted:
+            self.metrics.preemptions.labels(self.model_name).inc(len(out.preempted))
+            self.metrics.preemptions_by_mode.labels("recompute").inc(len(out.preempted))
+        for request in out.admitted:
+            self._on_admitted(request)
+        if out.scheduled:
+            self._run(out)
+        self._publish()
+        return out
+
+    def _on_admitted(self, request: Request) -> None:
+        m = self.metrics
+        prompt = len(request.prompt_ids)
+        m.prefix_queries.labels(self.model_name).inc(prompt)
+        m.prefix_hits.labels(self.model_name).inc(request.cached_tokens)
+        m.query_tokens.inc(prompt)
+        m.hit_tokens.labels("device").inc(request.cached_tokens)
+        m.hit_length.observe(request.cached_tokens)
+        m.prompt_tokens.labels(self.model_name).inc(prompt)
+        if prompt < self.config.block_size:
+            m.short_queries.inc()
+        m.queue_time.observe(time.monotonic() - request.arrival_time)
+
+    def _run(self, out: SchedulerOutput) -> None:
+        inputs = []
+        for s in out.scheduled:
+            r = s.request
+            start = r.num_computed_tokens
+            inputs.append(
+                StepInput(
+                    self.kv.block_ids(r.request_id),
+                    start,
+                    r.token_ids[start : start + s.num_new_tokens],
+                    wants_logits=start + s.num_new_tokens == r.num_tokens,
+                )
+            )
+        result = self.runner.run(inputs)
+        sampling = [s.request for s, i in zip(out.scheduled, inputs, strict=True) if i.wants_logits]
+        prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        if prefill_tokens:
+            self.prefill_tps = _ema(self.prefill_tps, prefill_tokens / result.seconds)
+        else:
+            self.decode_step_s = _ema(self.decode_step_s, result.seconds)
+        self.batch_sizes.append(len(out.scheduled))
+        self.metrics.batch_size.observe(len(out.scheduled))
+        self.metrics.steps.inc()
+        self.metrics.computed_tokens.inc(result.num_tokens)
+        for s in out.scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
+        if not sampling:
+            return
+        samples = sample(result.logits, [r.params for r in sampling], [r.num_generated for r in sampling])
+        now = time.monotonic()
+        for row, r in enumerate(sampling):
+            logprob = samples.logprobs[row] if samples.logprobs is not None else None
+            top = samples.top_logprobs[row] if samples.top_logprobs is not None else None
+            self._append_token(r, samples.token_ids[row], logprob, top, now)
+
+    def _append_token(
+        self, r: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None, now: float
+    ) -> None:
+        m = self.metrics
+        if r.first_token_time is None:
+            r.first_token_time = now
+            m.ttft.labels(self.model_name).observe(now - r.arrival_time)
+            if r.first_scheduled_time is not None:
+                m.prefill_time.observe(now - r.first_scheduled_time)
+        elif r.last_token_time is not None:
+            m.itl.labels(self.model_name).observe(now - r.last_token_time)
+        r.last_token_time = now
+        r.output_ids.append(token)
+        m.generation_tokens.labels(self.model_name).inc()
+        p = r.params
+        finish = None
+        is_stop_token = (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if is_stop_token:
+            finish = "stop"
+        else:
+            r.text += r.detokenizer.step([token])
+        sendable = len(r.text)
+        for stop in p.stop:
+            at = r.text.find(stop, max(0, len(r.emitted_text) - len(stop) + 1))
+            if at != -1:
+                r.text = r.text[:at]
+                sendable = at
+                finish = "stop"
+                break
+        if finish is None:
+            if r.num_generated >= p.max_tokens or r.num_tokens >= self.max_model_len:
+                finish = "length"
+            else:
+                sendable = _safe_prefix_length(r.text, len(r.emitted_text), p.stop)
+        delta = r.text[len(r.emitted_text) : sendable]
+        r.emitted_text += delta
+        if finish is None:
+            self._emit(r, RequestOutput(r.request_id, [token], delta, _one(logprob), _one(top)))
+        else:
+            self._finish(r, finish, last=([token], delta, logprob, top))
+
+    def _finish(
+        self,
+        r: Request,
+        reason: str,
+        error: str | None = None,
+        last: tuple[list[int], str, float | None, list[tuple[int, float]] | None] | None = None,
+    ) -> None:
+        if r.status is Status.FINISHED:
+            return
+        self.scheduler.remove(r)
+        self.requests.pop(r.request_id, None)
+        r.finish_reason = reason
+        now = time.monotonic()
+        m = self.metrics
+        m.requests.labels(reason if reason in ("stop", "length", "abort") else "error").inc()
+        if reason in ("stop", "length"):
+            self.lengths.observe(r.workload, r.num_generated)
+            m.e2e.labels(self.model_name).observe(now - r.arrival_time)
+            m.request_generation_tokens.labels(self.model_name).observe(r.num_generated)
+            if r.first_token_time is not None:
+                m.decode_time.observe(now - r.first_token_time)
+                if r.num_generated > 1:
+                    m.tpot.observe((now - r.first_token_time) / (r.num_generated - 1))
+        tokens, text, logprob, top = last or ([], "", None, None)
+        self._emit(
+            r,
+            RequestOutput(
+                r.request_id,
+                tokens,
+                text,
+                _one(logprob),
+                _one(top),
+                finish_reason=reason,
+                error=error,
+                prompt_tokens=len(r.prompt_ids),
+                cached_tokens=r.cached_tokens,
+                completion_tokens=r.num_generated,
+            ),
+        )
+
+    def _emit(self, r: Request, output: RequestOutput) -> None:
+        if r.on_output is not None:
+            try:
+                r.on_output(output)
+            except Exception:  # a broken consumer loses its own stream, nothing else
+                log.exception("output callback of %s failed", r.request_id)
+
+    def _publish(self) -> None:
+        self.events.flush()
+        self._maybe_forecast()
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        pending += sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.scheduler.running if r.is_prefilling)
+        self.state = EngineState(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv=self.kv.stats(),
+            pending_prefill_tokens=pending,
+            prefill_tokens_per_second=self.prefill_tps,
+            decode_step_seconds=self.decode_step_s,
+            forecast=self.forecast,
+            events_seq=self.events.seq,
+            draining=self.draining,
+        )
+
+    def _maybe_forecast(self) -> None:
+        now = time.monotonic()
+        if now - self._last_forecast < self.config.forecast_interval_seconds:
+            return
+        self._last_forecast = now
+        loads = [
+            RequestLoad(
+                context_tokens=r.num_tokens,
+                generated_tokens=r.num_generated,
+                max_tokens=r.params.max_tokens,
+                workload=r.workload,
+                pending_prefill_tokens=r.num_tokens - r.num_computed_tokens,
+            )
+            for r in (*self.scheduler.running, *self.scheduler.waiting)
+        ]
+        self.forecast = forecast_usage(
+            loads,
+            self.kv.pool.num_blocks,
+            self.config.block_size,
+            self.config.forecast_horizon_seconds,
+            self.decode_step_s or 0.05,
+            self.prefill_tps or 1000.0,
+            self.lengths,
+        )
+        self.state = dataclasses.replace(self.state, forecast=self.forecast)
+
+    # ---- synchronous use (tests, benchmarks) ---------------------------------------------------------------
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Step in the calling thread until every queued request finished. Not with `start()`."""
+        for _ in range(max_steps):
+            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+                return
+            self.step()
+        raise RuntimeError("requests still pending after max_steps")
+
+
+def _ema(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - EMA) * old + EMA * new
+
+
+def _one(value):
+    return None if value is None else [value]
+
+
+def _safe_prefix_length(text: str, start: int, stops: list[str]) -> int:
+    """How much of `text` can be sent: hold back a tail that could still grow into a stop string."""
+    keep = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text) - start), 0, -1):
+            if text.endswith(stop[:k]):
+                keep = min(keep, len(text) - k)
+                break
+    return keep

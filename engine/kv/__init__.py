@@ -1,0 +1,1 @@
+"""The engine's KV manager: block pool, prefix hashing, eviction policy. Knows nothing of tensors."""

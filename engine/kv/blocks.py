@@ -1,0 +1,323 @@
+"""The block pool, block tables and prefix cache: tensor-free accounting that works with any block size.
+
+The engine's scheduler drives it with token ids; the trace simulators drive the same code with synthetic
+ids and 512-token blocks. Nothing here touches a tensor: a block is an index into whatever KV storage the
+runner owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.engine.kv.policy import EvictionPolicy, LRUPolicy
+from kvmesh.engine.protocol import (
+    DEFAULT_HASH_ROOT,
+    NO_EXTRA,
+    BlockExtra,
+    HashAlgo,
+    KVEvent,
+    block_hashes,
+)
+
+
+@dataclass
+class Block:
+    """One block of KV storage. `block_hash` is set once the block is full and registered in the cache."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """An immutable snapshot of the pool, published after each step so a scrape always sees a consistent one."""
+
+    total: int
+    used: int
+    evictable: int
+    free: int
+    block_size: int
+
+    @property
+    def usage(self) -> float:
+        """vLLM's usage: blocks held by requests over all blocks. Evictable blocks count as free."""
+        return self.used / self.total if self.total else 0.0
+
+
+class BlockPool:
+    """Fixed-size pool of blocks with reference counts and a hash -> block map of cached full blocks.
+
+    A block is in exactly one state: used (ref_count > 0), evictable (ref_count 0, hashed, known to the
+    policy) or free (ref_count 0, unhashed). Allocation takes free blocks first, then evicts.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy | None = None,
+        on_event: Callable[[KVEvent], None] | None = None,
+        tier: str = "device",
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.policy = policy if policy is not None else LRUPolicy()
+        self._on_event = on_event
+        self.tier = tier
+        self.evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take now: free plus evictable."""
+        return len(self._free) + len(self.policy)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(used, evictable, free)."""
+        evictable = len(self.policy)
+        free = len(self._free)
+        return self.num_blocks - evictable - free, evictable, free
+
+    def lookup(self, block_hash: int) -> Block | None:
+        block_id = self._cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
+    def touch(self, blocks: Sequence[Block]) -> None:
+        """Take a reference on cached blocks (a prefix hit); evictable ones become used."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.policy.remove(block.block_id)
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take `n` blocks, evicting cached ones when no free block is left; raises if fewer are available."""
+        if n > self.num_available:
+            raise MemoryError(f"asked for {n} KV blocks, {self.num_available} available")
+        taken: list[Block] = []
+        evicted: list[int] = []
+        for _ in range(n):
+            if self._free:
+                block = self.blocks[self._free.pop()]
+            else:
+                block = self.blocks[self.policy.pop_victim()]
+                assert block.block_hash is not None
+                del self._cached[block.block_hash]
+                evicted.append(block.block_hash)
+                block.block_hash = None
+            block.ref_count = 1
+            taken.append(block)
+        if evicted:
+            self.evictions += len(evicted)
+            self._emit(KVEvent("removed", tuple(evicted), tier=self.tier))
+        return taken
+
+    def register(self, block: Block, block_hash: int, parent_hash: int | None, token_count: int) -> bool:
+        """Make a full block findable by its hash. Returns False when another block already holds that hash
+        (two requests computed the same content at once): the duplicate stays private and is freed normally."""
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block.block_id
+        self._emit(KVEvent("stored", (block_hash,), tier=self.tier, parent_hash=parent_hash, token_count=token_count))
+        return True
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference from each block, tail first, so a request's deepest blocks are evicted first."""
+        for block in reversed(blocks):
+            if block.ref_count <= 0:
+                raise AssertionError(f"double free of block {block.block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free.append(block.block_id)
+                else:
+                    self.policy.add(block.block_id)
+
+    def clear(self) -> int:
+        """Forget every evictable cached block (the pool's "reset prefix cache"); used blocks stay."""
+        dropped: list[int] = []
+        while len(self.policy):
+            block = self.blocks[self.policy.pop_victim()]
+            assert block.block_hash is not None
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            self._free.append(block.block_id)
+            dropped.append(block.block_id)
+        if dropped:
+            self._emit(KVEvent("cleared", tier=self.tier))
+        return len(dropped)
+
+    def check_invariants(self) -> None:
+        """Every block in exactly one state; the hash map and the blocks agree. Raises AssertionError."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        for block in self.blocks:
+            in_policy = block.block_id in self.policy
+            if block.ref_count > 0:
+                assert not in_policy and block.block_id not in free, f"used block {block.block_id} also listed free"
+            elif block.block_hash is None:
+                assert block.block_id in free and not in_policy, f"unhashed idle block {block.block_id} not free"
+            else:
+                assert in_policy and block.block_id not in free, f"idle cached block {block.block_id} not evictable"
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) == block.block_id, "hash map disagrees with block"
+        assert len(self._cached) == sum(b.block_hash is not None for b in self.blocks)
+
+    def _emit(self, event: KVEvent) -> None:
+        if self._on_event is not None:
+            self._on_event(event)
+
+
+@dataclass
+class SequenceBlocks:
+    """One request's block table and the hashes of its full blocks so far."""
+
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0  # leading blocks already registered in (or found in) the cache
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached prefix found for a request at admission."""
+
+    blocks: list[Block]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Block tables per request on top of a BlockPool, with chained prefix hashing (DESIGN.md contract 1)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_algo: HashAlgo = HashAlgo.XXH3,
+        hash_root: int = DEFAULT_HASH_ROOT,
+        policy: EvictionPolicy | None = None,
+        on_event: Callable[[KVEvent], None] | None = None,
+        enable_prefix_cache: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.hash_algo = hash_algo
+        self.hash_root = hash_root
+        self.enable_prefix_cache = enable_prefix_cache
+        self.pool = BlockPool(num_blocks, policy, on_event)
+        self.seqs: dict[str, SequenceBlocks] = {}
+
+    def stats(self) -> KVStats:
+        used, evictable, free = self.pool.counts()
+        return KVStats(self.pool.num_blocks, used, evictable, free, self.block_size)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hashes(self, seq_id: str, token_ids: Sequence[int], extra: BlockExtra) -> list[int]:
+        seq = self.seqs.setdefault(seq_id, SequenceBlocks())
+        full = len(token_ids) // self.block_size
+        if len(seq.hashes) < full:
+            parent = seq.hashes[-1] if seq.hashes else None
+            seq.hashes += block_hashes(
+                token_ids[: full * self.block_size],
+                self.block_size,
+                extra,
+                self.hash_algo,
+                self.hash_root,
+                start=len(seq.hashes),
+                parent=parent,
+            )
+        return seq.hashes
+
+    def find_prefix(self, seq_id: str, token_ids: Sequence[int], extra: BlockExtra = NO_EXTRA) -> PrefixHit:
+        """The longest cached prefix of `token_ids`, leaving at least one token to compute (so the request
+        gets logits). Takes no reference; `allocate` does."""
+        if not self.enable_prefix_cache:
+            return PrefixHit([], 0)
+        hashes = self._hashes(seq_id, token_ids, extra)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hit: list[Block] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def can_allocate(self, seq_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Whether the table of `seq_id` can grow to cover `num_tokens` tokens."""
+        return self._new_blocks_needed(seq_id, num_tokens, hit) <= self.pool.num_available
+
+    def _new_blocks_needed(self, seq_id: str, num_tokens: int, hit: PrefixHit | None) -> int:
+        seq = self.seqs.get(seq_id)
+        have = len(seq.blocks) if seq else 0
+        need = self.blocks_for(num_tokens) - have
+        if hit is not None and hit.blocks:
+            need -= len(hit.blocks)
+            # hit blocks that are evictable now stop being available once referenced
+            need += sum(1 for b in hit.blocks if b.ref_count == 0)
+        return max(need, 0)
+
+    def allocate(self, seq_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Grow the table of `seq_id` to cover `num_tokens` tokens, first taking the prefix `hit` (at
+        admission). Returns False, changing nothing, when the pool cannot supply the blocks."""
+        if not self.can_allocate(seq_id, num_tokens, hit):
+            return False
+        seq = self.seqs.setdefault(seq_id, SequenceBlocks())
+        if hit is not None and hit.blocks:
+            assert not seq.blocks, "a prefix hit is taken only by a request holding no blocks"
+            self.pool.touch(hit.blocks)
+            seq.blocks.extend(hit.blocks)
+            seq.num_registered = len(hit.blocks)
+        missing = self.blocks_for(num_tokens) - len(seq.blocks)
+        if missing > 0:
+            seq.blocks.extend(self.pool.allocate(missing))
+        return True
+
+    def commit(
+        self, seq_id: str, token_ids: Sequence[int], num_computed: int, extra: BlockExtra = NO_EXTRA
+    ) -> None:
+        """Register the blocks that `num_computed` computed tokens have filled, so later requests find them."""
+        if not self.enable_prefix_cache:
+            return
+        seq = self.seqs[seq_id]
+        full = min(num_computed // self.block_size, len(seq.blocks))
+        if full <= seq.num_registered:
+            return
+        hashes = self._hashes(seq_id, token_ids[: full * self.block_size], extra)
+        for i in range(seq.num_registered, full):
+            parent = hashes[i - 1] if i else self.hash_root
+            self.pool.register(seq.blocks[i], hashes[i], parent, self.block_size)
+        seq.num_registered = full
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self.seqs[seq_id].blocks]
+
+    def free(self, seq_id: str) -> None:
+        """Release a request's blocks: registered ones stay cached (evictable), the rest become free."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.pool.release(seq.blocks)
+
+    def check_invariants(self) -> None:
+        """Pool invariants plus: reference counts equal the number of tables holding each block."""
+        self.pool.check_invariants()
+        refs = [0] * self.pool.num_blocks
+        for seq in self.seqs.values():
+            for block in seq.blocks:
+                refs[block.block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, held by {refs[block.block_id]} tables"
+            )

@@ -1,0 +1,154 @@
+"""The engine's Prometheus metrics (DESIGN.md contract 3), in one registry per engine.
+
+Counters and histograms are updated as things happen. Gauges of state (queue lengths, block states, the
+forecast) are read at scrape time from one immutable snapshot the engine publishes after each step, so a
+scrape never sees half of a step: used + evictable + free always equals the total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from kvmesh.engine.forecast import Forecast
+from kvmesh.engine.kv.blocks import KVStats
+from kvmesh.engine.protocol import (
+    EVICTION_REASONS,
+    FINISH_REASONS,
+    FORECAST_LEVELS,
+    KV_BLOCK_STATES,
+    PREEMPTION_MODES,
+    TIERS,
+)
+from kvmesh.engine.protocol import (
+    Metric as M,
+)
+from kvmesh.engine.protocol import (
+    VllmMetric as V,
+)
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
+)
+TOKEN_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the scrape-time gauges show; replaced whole after each step."""
+
+    running: int = 0
+    waiting: int = 0
+    kv: KVStats = field(default_factory=lambda: KVStats(0, 0, 0, 0, 16))
+    pending_prefill_tokens: int = 0
+    prefill_tokens_per_second: float = 0.0
+    decode_step_seconds: float = 0.0
+    forecast: Forecast | None = None
+    events_seq: int = 0
+    draining: bool = False
+
+
+class _StateCollector:
+    def __init__(self, state: Callable[[], EngineState], model: str) -> None:
+        self._state = state
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._state()
+        labels = ["model_name"]
+        mv = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(mv, value)
+            return g
+
+        yield gauge(V.RUNNING, "Requests in the running batch.", s.running)
+        yield gauge(V.WAITING, "Requests waiting to be scheduled.", s.waiting)
+        yield gauge(V.KV_USAGE, "Device KV blocks held by requests over all device blocks (0..1).", s.kv.usage)
+        info = GaugeMetricFamily(V.CACHE_CONFIG, "KV cache configuration.", labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(s.kv.block_size), str(s.kv.total)], 1)
+        yield info
+        blocks = GaugeMetricFamily(M.KV_BLOCKS, "KV blocks by state and tier; states sum to the tier's total.",
+                                   labels=["tier", "state"])
+        device = {"used": s.kv.used, "evictable": s.kv.evictable, "free": s.kv.free}
+        for tier in TIERS:
+            for state in KV_BLOCK_STATES:
+                blocks.add_metric([tier, state], device[state] if tier == "device" else 0)
+        yield blocks
+        tokens = GaugeMetricFamily(M.KV_TOKENS_USED, "KV tokens held by requests, by tier.", labels=["tier"])
+        for tier in TIERS:
+            tokens.add_metric([tier], s.kv.used * s.kv.block_size if tier == "device" else 0)
+        yield tokens
+        yield gauge(M.KV_BLOCK_SIZE, "Tokens per KV block.", s.kv.block_size)
+        yield gauge(M.QUEUED_PREFILL_TOKENS, "Uncached prompt tokens waiting or in flight.", s.pending_prefill_tokens)
+        yield gauge(M.PREFILL_THROUGHPUT, "Measured prefill speed (moving average).", s.prefill_tokens_per_second)
+        yield gauge(M.DECODE_STEP_SECONDS, "Measured decode step time (moving average).", s.decode_step_seconds)
+        yield gauge(M.EVENTS_SEQ, "Last KV event batch number published.", s.events_seq)
+        yield gauge(M.DRAINING, "1 while the engine drains.", float(s.draining))
+        f = s.forecast
+        usage = GaugeMetricFamily(M.FORECAST_USAGE, "Forecast device KV usage at the horizon.", labels=["level"])
+        for level in FORECAST_LEVELS:
+            usage.add_metric([level], f.usage_quantiles.get(level, 0.0) if f else 0.0)
+        yield usage
+        yield gauge(M.FORECAST_OVERLOAD, "Probability that usage passes 95 % within the horizon.",
+                    f.overload_probability if f else 0.0)
+        yield gauge(M.FORECAST_EXHAUSTION, "Expected seconds until the device KV pool is exhausted.",
+                    f.seconds_to_exhaustion if f else float("inf"))
+        yield gauge(M.FORECAST_HORIZON, "The forecast's horizon.", f.horizon_seconds if f else 0.0)
+
+
+class EngineMetrics:
+    """Event-driven metrics; `render()` gives the Prometheus text for /metrics."""
+
+    def __init__(self, model: str, state: Callable[[], EngineState]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        lm = ["model_name"]
+        self._m = model
+        self.prefix_queries = Counter(V.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.", lm, registry=r)
+        self.prefix_hits = Counter(V.PREFIX_HITS, "Prompt tokens found in the prefix cache.", lm, registry=r)
+        self.preemptions = Counter(V.PREEMPTIONS, "Preemptions.", lm, registry=r)
+        self.prompt_tokens = Counter(V.PROMPT_TOKENS, "Prompt tokens of admitted requests.", lm, registry=r)
+        self.generation_tokens = Counter(V.GENERATION_TOKENS, "Generated tokens.", lm, registry=r)
+        self.ttft = Histogram(V.TTFT, "Time to first token.", lm, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(V.ITL, "Time between output tokens.", lm, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(V.E2E, "Request latency, arrival to finish.", lm, buckets=LATENCY_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            V.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", lm, buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.query_tokens = Counter(M.PREFIX_QUERY_TOKENS, "Prompt tokens looked up in the cache.", registry=r)
+        self.hit_tokens = Counter(M.PREFIX_HIT_TOKENS, "Prompt tokens served from cache.", ["tier"], registry=r)
+        self.short_queries = Counter(M.PREFIX_SHORT_QUERIES, "Prompts shorter than one block.", registry=r)
+        self.hit_length = Histogram(M.PREFIX_HIT_LENGTH, "Cached prompt tokens per request.", buckets=TOKEN_BUCKETS,
+                                    registry=r)
+        self.evictions = Counter(M.EVICTIONS, "Blocks evicted, by tier and reason.", ["tier", "reason"], registry=r)
+        self.preemptions_by_mode = Counter(M.PREEMPTIONS, "Preemptions by mode.", ["mode"], registry=r)
+        self.queue_time = Histogram(M.QUEUE_TIME, "Arrival to first schedule.", buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(M.PREFILL_TIME, "First schedule to first token.", buckets=LATENCY_BUCKETS,
+                                      registry=r)
+        self.decode_time = Histogram(M.DECODE_TIME, "First token to finish.", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(M.TPOT, "Mean time per output token after the first.", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.batch_size = Histogram(M.STEP_BATCH_SIZE, "Sequences per model step.", buckets=BATCH_BUCKETS, registry=r)
+        self.steps = Counter(M.STEPS, "Model steps run.", registry=r)
+        self.computed_tokens = Counter(M.COMPUTED_TOKENS, "Tokens the model computed.", registry=r)
+        self.requests = Counter(M.REQUESTS, "Finished requests by reason.", ["finish_reason"], registry=r)
+        for tier in TIERS:
+            self.hit_tokens.labels(tier)
+            for reason in EVICTION_REASONS:
+                self.evictions.labels(tier, reason)
+        for mode in PREEMPTION_MODES:
+            self.preemptions_by_mode.labels(mode)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens):
+            c.labels(model)
+        r.register(_StateCollector(state, model))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,120 @@
+"""The Llama architecture (Llama, SmolLM, Qwen2-style) over a flat batch of tokens and the paged KV cache.
+
+Weights arrive under Hugging Face names and are fused on load (q, k, v into one projection; gate and up into
+one), so a layer is four matrix products. The model sees tokens, positions and attention metadata; it knows
+nothing of requests or blocks beyond that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.engine.model.loader import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the position scale for the configured RoPE scaling (none, linear, llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq, 1.0 / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+
+
+class Llama:
+    """Forward pass of a Llama-architecture decoder with fused weights."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        c = config
+        self.embed = weights["model.embed_tokens.weight"].to(device)
+        head = weights.get("lm_head.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings or head is None else head.to(device)
+        self.final_norm = weights["model.norm.weight"].to(device)
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in ("q", "k", "v")]).to(device)
+            self.layers.append(
+                {
+                    "attn_norm": weights[p + "input_layernorm.weight"].to(device),
+                    "qkv": torch.cat([weights[a + f"{n}_proj.weight"] for n in ("q", "k", "v")]).to(device),
+                    "qkv_bias": bias,
+                    "o": weights[a + "o_proj.weight"].to(device),
+                    "mlp_norm": weights[p + "post_attention_layernorm.weight"].to(device),
+                    "gate_up": torch.cat(
+                        [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+                    ).to(device),
+                    "down": weights[p + "mlp.down_proj.weight"].to(device),
+                }
+            )
+        self.dtype = self.embed.dtype
+        inv_freq, pos_scale = rope_inv_freq(c)
+        positions = torch.arange(c.max_position_embeddings, dtype=torch.float64) * pos_scale
+        freqs = torch.outer(positions, inv_freq)
+        self.cos = freqs.cos().to(torch.float32).to(device)
+        self.sin = freqs.sin().to(torch.float32).to(device)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE (HF's convention) on [T, heads, D], computed in fp32."""
+        half = x.shape[-1] // 2
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
+        c = self.config
+        t = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        for i, w in enumerate(self.layers):
+            x = self._rms_norm(h, w["attn_norm"])
+            qkv = F.linear(x, w["qkv"], w["qkv_bias"])
+            q = self._rope(qkv[:, : self.q_size].view(t, c.num_heads, c.head_dim), cos, sin)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_kv_heads, c.head_dim)
+            k = self._rope(k, cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)
+            h = h + F.linear(attn.reshape(t, self.q_size), w["o"])
+            x = self._rms_norm(h, w["mlp_norm"])
+            gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w["down"])
+        return self._rms_norm(h, self.final_norm)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits in fp32 for the given rows of hidden states."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,219 @@
+"""Tokenizer, chat template and streaming detokenizer of a model directory.
+
+Torch-free on purpose: the router imports this module to compute the same prompt tokens (and so the same block
+hashes) as the engine, and checks `Tokenizer.fingerprint` against each pod's before trusting those hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+from jinja2 import Template, TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Tokens an incremental detokenizer decodes again with each step: enough for a word boundary or a split character.
+_CONTEXT_TOKENS = 5
+
+
+def _token_text(value: object) -> str | None:
+    """A special token from tokenizer_config.json, which stores it as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
+    """The default chat template: chat_template.jinja (newer HF layout) or tokenizer_config.json's entry."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators: tuple | None = None,
+            sort_keys: bool = False) -> str:
+    """HF's tojson: plain json.dumps, without jinja's HTML escaping, which would change the prompt."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """The sandboxed environment transformers renders chat templates in, so templates written for it work here."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _content_text(index: int, content: object) -> str:
+    """A message's content as one string; OpenAI's list of text parts is joined with newlines (as vLLM does)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ValueError(f"messages[{index}].content must be a string or a non-empty list of text parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _normalize_messages(messages: object) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    normalized = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] needs a non-empty string 'role'")
+        if "content" not in message:
+            raise ValueError(f"messages[{i}] needs 'content'")
+        normalized.append({**message, "content": _content_text(i, message["content"])})
+    return normalized
+
+
+class Tokenizer:
+    """A model directory's tokenizer.json and chat template, as transformers would apply them.
+
+    Whether encode() adds a BOS token is decided by tokenizer.json's post-processor alone (SmolLM2's adds none);
+    bos_token_id only names the token.
+    """
+
+    def __init__(self, tokenizer_json: str, chat_template: str | None, special_tokens: dict[str, str | None],
+                 extra_eos_ids: Sequence[int]) -> None:
+        self._tokenizer = HFTokenizer.from_str(tokenizer_json)
+        self._tokenizer_json = tokenizer_json
+        self._chat_template = chat_template
+        self._special_tokens = special_tokens
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
+        self.bos_token_id: int | None = self._tokenizer.token_to_id(bos) if bos else None
+        eos_id = self._tokenizer.token_to_id(eos) if eos else None
+        self.eos_token_ids: frozenset[int] = frozenset([*extra_eos_ids, *([] if eos_id is None else [eos_id])])
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json, and the eos ids of generation_config.json and config.json."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        config = _read_json(model_dir / "tokenizer_config.json")
+        specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        eos_ids = [
+            *_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
+            *_ids(_read_json(model_dir / "config.json").get("eos_token_id")),
+        ]
+        return cls(path.read_text(), _chat_template(model_dir, config), specials, eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _compiled_template(self) -> Template:
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template; send a completion request instead")
+        return _template_env().from_string(self._chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages into the prompt text; malformed messages or a template's own refusal raise ValueError."""
+        normalized = _normalize_messages(messages)
+        try:
+            return self._compiled_template.render(
+                messages=normalized,
+                add_generation_prompt=add_generation_prompt,
+                **{k: v for k, v in self._special_tokens.items() if v is not None},
+            )
+        except TemplateError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of the rendered chat; the template already holds its special tokens, so none are added again."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Equal for tokenizers that turn the same messages into the same ids; the router compares it with pods'."""
+        settings = {
+            "tokenizer": hashlib.sha256(self._tokenizer_json.encode()).hexdigest(),
+            "chat_template": self._chat_template,
+            "special_tokens": self._special_tokens,
+            "eos_token_ids": sorted(self.eos_token_ids),
+        }
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas for streaming.
+
+    Each step decodes a short window of recent ids twice: up to the last emitted token (prefix) and to the end;
+    the difference is the new text. Decoding a window rather than single tokens keeps word boundaries right
+    (a tokenizer may drop a leading space at the start of what it decodes), and text ending in U+FFFD is held
+    back because the next token may complete that character. The window starts at prompt_ids' tail, so the
+    first output token sees its real left context.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids or [])[-_CONTEXT_TOKENS:]
+        self._read_offset = len(self._ids)
+        self._prefix_offset = 0
+        self._prefix_text = self._decode(self._ids)
+        if self._prefix_text.endswith(_REPLACEMENT_CHAR):  # a prompt ending mid-character gives no usable context
+            self._ids, self._read_offset, self._prefix_text = [], 0, ""
+        self._text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def step(self, new_ids: Sequence[int]) -> str:
+        """Append ids and return the text they complete (possibly empty while a character is still split)."""
+        delta = []
+        for token_id in new_ids:
+            self._ids.append(token_id)
+            text = self._decode(self._ids[self._prefix_offset:])
+            if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR):
+                continue
+            delta.append(text[len(self._prefix_text):])
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        self._text += "".join(delta)
+        return "".join(delta)
+
+    @property
+    def text(self) -> str:
+        return self._text

@@ -1,0 +1,310 @@
+"""The contracts between kvmesh's programs (DESIGN.md contracts 0 to 3).
+
+The router and the operator import this module (and the torch-free tokenizer) from the engine and nothing
+else, so it must stay free of torch and of engine internals. Every fact here has this one home: request
+extensions, block hashing, KV event types, metric names and the workload-class function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+import cbor2
+import xxhash
+
+# ---------------------------------------------------------------------------------------------------------
+# Contract 0: request extensions and pod conventions
+# ---------------------------------------------------------------------------------------------------------
+
+WORKLOAD_HEADER = "x-kvmesh-workload"
+PRIORITY_HEADER = "x-kvmesh-priority"
+CACHE_SALT_FIELD = "cache_salt"
+KV_TRANSFER_FIELD = "kv_transfer"
+RESUME_OUTPUT_IDS_FIELD = "resume_output_ids"
+
+POOL_LABEL = "kvmesh.io/pool"
+ROLE_LABEL = "kvmesh.io/role"
+Role = Literal["prefill", "decode", "both", "router"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "both", "router")
+
+DRAIN_PATH = "/v1/admin/drain"
+KV_CONFIG_PATH = "/v1/kv/config"
+KV_EVENTS_PATH = "/v1/kv/events"
+KV_BLOCKS_PATH = "/v1/kv/blocks"
+
+# Where cached tokens came from (usage.prompt_tokens_details.kvmesh_cached_by_source).
+CACHE_SOURCES: tuple[str, ...] = ("device", "host", "disk", "peer")
+Tier = Literal["device", "host", "disk"]
+TIERS: tuple[str, ...] = ("device", "host", "disk")
+
+# Workload classes: a bounded set, so it can be a metric label. The header may name one of these; any other
+# value is ignored and the class is derived.
+WORKLOAD_CLASSES: tuple[str, ...] = ("chat-short", "chat-long", "completion-short", "completion-long")
+LONG_PROMPT_TOKENS = 1024
+
+
+def workload_class(api: Literal["chat", "completion"], prompt_tokens: int, header: str | None = None) -> str:
+    """The workload class of a request, used by the forecast, eviction, the request log and the autoscaler.
+
+    A client that knows its class says so in the `x-kvmesh-workload` header; otherwise the class follows from
+    the API used (chat turns and raw completions have different output-length distributions) and whether the
+    prompt is long (long prompts are documents and agents; short ones are turns).
+    """
+    if header and header in WORKLOAD_CLASSES:
+        return header
+    size = "long" if prompt_tokens >= LONG_PROMPT_TOKENS else "short"
+    return f"{api}-{size}"
+
+
+def parse_priority(value: str | None) -> int:
+    """The `x-kvmesh-priority` header as an integer (0 when absent); raises ValueError when malformed."""
+    if value is None or value == "":
+        return 0
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Contract 1: block hashing
+# ---------------------------------------------------------------------------------------------------------
+
+
+class HashAlgo(StrEnum):
+    """How block hashes are built. xxh3 is the fast default; sha256_cbor is vLLM's construction."""
+
+    XXH3 = "xxh3_64"
+    SHA256_CBOR = "sha256_cbor_64bit"
+
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_HASH_ROOT = 0x6B766D657368  # "kvmesh" as an integer: the parent of block 0
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class BlockExtra:
+    """What makes equal token runs different caches: a LoRA adapter, and the tenant's salt (first block only)."""
+
+    lora: str | None = None
+    cache_salt: str | None = None
+
+
+def _encode_xxh3(parent: int, tokens: Sequence[int], extra: tuple[str, ...]) -> bytes:
+    head = struct.pack("<QI", parent & _U64, len(tokens))
+    body = struct.pack(f"<{len(tokens)}I", *tokens)
+    tail = b"".join(struct.pack("<I", len(e)) + e.encode() for e in extra)
+    return head + body + tail
+
+
+def hash_block(
+    parent: int, tokens: Sequence[int], extra: tuple[str, ...] = (), algo: HashAlgo = HashAlgo.XXH3
+) -> int:
+    """H(parent, token ids of the block, extra) as an unsigned 64-bit integer, stable across processes."""
+    if algo is HashAlgo.XXH3:
+        return xxhash.xxh3_64_intdigest(_encode_xxh3(parent, tokens, extra))
+    payload = cbor2.dumps((parent, tuple(tokens), extra if extra else None))
+    return int.from_bytes(hashlib.sha256(payload).digest()[-8:], "big")
+
+
+NO_EXTRA = BlockExtra()
+
+
+def block_extras(extra: BlockExtra, index: int) -> tuple[str, ...]:
+    """The extra keys of block `index`: the LoRA adapter for every block, the salt for the first only."""
+    keys: list[str] = []
+    if extra.lora:
+        keys.append(f"lora:{extra.lora}")
+    if index == 0 and extra.cache_salt:
+        keys.append(f"salt:{extra.cache_salt}")
+    return tuple(keys)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    extra: BlockExtra = NO_EXTRA,
+    algo: HashAlgo = HashAlgo.XXH3,
+    root: int = DEFAULT_HASH_ROOT,
+    start: int = 0,
+    parent: int | None = None,
+) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (a partial last block is not hashed).
+
+    `start` and `parent` continue a chain: hash blocks from index `start` on, given the hash of block start-1.
+    """
+    hashes: list[int] = []
+    prev = root if parent is None else parent
+    for i in range(start, len(token_ids) // block_size):
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size], block_extras(extra, i), algo)
+        hashes.append(prev)
+    return hashes
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """What a pod publishes at /v1/kv/config; a router indexes only pods whose config equals its own."""
+
+    model: str
+    block_size: int
+    hash_algo: str
+    hash_root: int
+    tokenizer_fingerprint: str
+    num_device_blocks: int
+    boot_id: str
+    role: str = "both"
+
+    def compatible_with(self, other: KVConfig) -> bool:
+        """Whether block hashes computed under `other` mean the same blocks here."""
+        return (self.model, self.block_size, self.hash_algo, self.hash_root, self.tokenizer_fingerprint) == (
+            other.model,
+            other.block_size,
+            other.hash_algo,
+            other.hash_root,
+            other.tokenizer_fingerprint,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Contract 2: KV events
+# ---------------------------------------------------------------------------------------------------------
+
+EventKind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One change to a pod's cache. `stored` carries the parent hash and token count; `cleared` may name a tier."""
+
+    kind: EventKind
+    block_hashes: tuple[int, ...] = ()
+    tier: str | None = "device"
+    parent_hash: int | None = None
+    token_count: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": self.kind, "tier": self.tier}
+        if self.kind != "cleared":
+            body["block_hashes"] = list(self.block_hashes)
+        if self.kind == "stored":
+            body["parent_hash"] = self.parent_hash
+            body["token_count"] = self.token_count
+        return body
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> KVEvent:
+        return cls(
+            kind=body["type"],
+            block_hashes=tuple(body.get("block_hashes", ())),
+            tier=body.get("tier"),
+            parent_hash=body.get("parent_hash"),
+            token_count=body.get("token_count", 0),
+        )
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """A line of the event stream: events under one boot id, numbered by `seq` (grows within a boot).
+
+    A batch with `reset` set tells the reader that its resume point is gone (new boot or events dropped):
+    it must forget the pod and read the /v1/kv/blocks snapshot.
+    """
+
+    boot_id: str
+    seq: int
+    events: tuple[KVEvent, ...] = ()
+    reset: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "boot_id": self.boot_id,
+            "seq": self.seq,
+            "reset": self.reset,
+            "events": [e.to_json() for e in self.events],
+        }
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> KVEventBatch:
+        return cls(
+            boot_id=body["boot_id"],
+            seq=body["seq"],
+            events=tuple(KVEvent.from_json(e) for e in body.get("events", ())),
+            reset=body.get("reset", False),
+        )
+
+
+@dataclass
+class KVBlocksSnapshot:
+    """GET /v1/kv/blocks: every cached block hash by tier, current to sequence number `seq`."""
+
+    boot_id: str
+    seq: int
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Contract 3: metric names (one home; engine, router and operator import them)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class VllmMetric:
+    """Names existing gateways read; exported under vLLM's names (with its colon) for compatibility."""
+
+    RUNNING = "vllm:num_requests_running"
+    WAITING = "vllm:num_requests_waiting"
+    KV_USAGE = "vllm:kv_cache_usage_perc"
+    CACHE_CONFIG = "vllm:cache_config_info"
+    PREFIX_QUERIES = "vllm:prefix_cache_queries"  # counter; exposed with the _total suffix
+    PREFIX_HITS = "vllm:prefix_cache_hits"
+    TTFT = "vllm:time_to_first_token_seconds"
+    ITL = "vllm:inter_token_latency_seconds"
+    E2E = "vllm:e2e_request_latency_seconds"
+    PREEMPTIONS = "vllm:num_preemptions"
+    PROMPT_TOKENS = "vllm:prompt_tokens"
+    GENERATION_TOKENS = "vllm:generation_tokens"
+    REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+
+
+class Metric:
+    """kvmesh's own metric names (Prometheus conventions: no colons, base units, _total for counters)."""
+
+    KV_BLOCKS = "kvmesh_kv_blocks"  # gauge; labels state (used, evictable, free), tier
+    KV_TOKENS_USED = "kvmesh_kv_tokens_used"  # gauge; label tier
+    KV_BLOCK_SIZE = "kvmesh_kv_block_size_tokens"
+    PREFIX_QUERY_TOKENS = "kvmesh_prefix_cache_query_tokens"  # counter
+    PREFIX_HIT_TOKENS = "kvmesh_prefix_cache_hit_tokens"  # counter; label tier
+    PREFIX_SHORT_QUERIES = "kvmesh_prefix_cache_short_queries"  # counter: prompts shorter than one block
+    PREFIX_HIT_LENGTH = "kvmesh_prefix_cache_hit_length_tokens"  # histogram per request
+    EVICTIONS = "kvmesh_kv_evictions"  # counter; labels tier, reason
+    PREEMPTIONS = "kvmesh_preemptions"  # counter; label mode (recompute, swap)
+    QUEUED_PREFILL_TOKENS = "kvmesh_prefill_tokens_pending"  # gauge: uncached prompt tokens waiting or in flight
+    PREFILL_THROUGHPUT = "kvmesh_prefill_throughput_tokens_per_second"  # gauge, moving average
+    DECODE_STEP_SECONDS = "kvmesh_decode_step_seconds_avg"  # gauge, moving average
+    QUEUE_TIME = "kvmesh_request_queue_seconds"  # histogram
+    PREFILL_TIME = "kvmesh_request_prefill_seconds"  # histogram
+    DECODE_TIME = "kvmesh_request_decode_seconds"  # histogram
+    TPOT = "kvmesh_request_time_per_output_token_seconds"  # histogram
+    STEP_BATCH_SIZE = "kvmesh_step_batch_size"  # histogram: sequences per model step
+    STEPS = "kvmesh_model_steps"  # counter
+    COMPUTED_TOKENS = "kvmesh_computed_tokens"  # counter: tokens the model ran (prompt and output)
+    REQUESTS = "kvmesh_requests"  # counter; label finish_reason
+    DRAINING = "kvmesh_draining"  # gauge 0/1
+    FORECAST_USAGE = "kvmesh_kv_forecast_usage_ratio"  # gauge; label level (p50, p90, p99)
+    FORECAST_OVERLOAD = "kvmesh_kv_forecast_overload_probability"  # gauge
+    FORECAST_EXHAUSTION = "kvmesh_kv_forecast_exhaustion_seconds"  # gauge
+    FORECAST_HORIZON = "kvmesh_kv_forecast_horizon_seconds"  # gauge
+    EVENTS_SEQ = "kvmesh_kv_events_seq"  # gauge: last sequence number published
+
+
+KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
+FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")
+EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared")
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold

@@ -1,0 +1,83 @@
+"""A request inside the engine: its tokens, progress, timings and where its outputs go."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvmesh.engine.protocol import BlockExtra
+from kvmesh.engine.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What the engine hands the API layer after a step: new tokens and text, and the end when finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Request:
+    """One generation request. `output_ids` only grows: a preempted request keeps what it generated and
+    recomputes its KV later, so a client's stream never sees a token twice."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    workload: str = "completion-short"
+    priority: int = 0
+    extra: BlockExtra = field(default_factory=BlockExtra)
+    on_output: Callable[[RequestOutput], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    resumed_count: int = 0  # leading output_ids that came in resume_output_ids (not sent again)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens supplied by the cache at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+    text: str = ""  # all text decoded so far
+    emitted_text: str = ""  # the part already sent (text minus what may still turn out to be a stop string)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still computing tokens it already knows (prompt, or output recomputed after a preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1

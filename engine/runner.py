@@ -1,0 +1,75 @@
+"""The model runner: owns the KV tensor, turns a scheduled step into model inputs, returns logits.
+
+It chooses the attention backend (the torch path on CPU) and counts the tokens it computes, which is what
+tests and metrics use to tell a cache hit from a recompute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.attention import build_metadata
+from kvmesh.engine.model.llama import Llama
+from kvmesh.engine.model.loader import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes in the block-first layout (all layers, K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's part of a step: its block table, tokens already computed, and the new token ids."""
+
+    block_table: list[int]
+    num_computed: int
+    token_ids: list[int]
+    wants_logits: bool
+
+
+@dataclass(frozen=True)
+class StepResult:
+    logits: torch.Tensor  # [rows wanting logits, vocab], fp32
+    num_tokens: int
+    seconds: float
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Llama, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device
+    ) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(
+            (num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim), dtype=kv_dtype, device=device
+        )
+        self.computed_tokens = 0
+        self.steps = 0
+
+    def run(self, seqs: list[StepInput]) -> StepResult:
+        start = time.perf_counter()
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for s in seqs:
+            ids += s.token_ids
+            positions += range(s.num_computed, s.num_computed + len(s.token_ids))
+            if s.wants_logits:
+                rows.append(len(ids) - 1)
+        meta = build_metadata(
+            [(s.block_table, s.num_computed, len(s.token_ids)) for s in seqs], self.block_size, self.device
+        )
+        input_ids = torch.tensor(ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        hidden = self.model.forward(input_ids, pos, meta, self.kv_cache)
+        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        self.computed_tokens += len(ids)
+        self.steps += 1
+        return StepResult(logits, len(ids), time.perf_counter() - start)

@@ -1,0 +1,118 @@
+"""Sampling parameters and the sampler.
+
+Seeded sampling derives a fresh random stream from (seed, output index) for every token, so any pod that
+knows the seed and how many tokens were already generated continues the stream exactly (DESIGN.md contract 0).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks of the sampler and the stop checks. Ranges follow OpenAI's documented ones."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seed is None:
+            # an unseeded request still gets one stream for its whole life, so a handoff continues it
+            self.seed = secrets.randbits(63)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first parameter outside its range."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be above 0 and at most 1, got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop sequences must not be empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids outside the vocabulary (0..{vocab_size - 1}): {bad}")
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    """The seed of the random stream for output token `output_index` (0 = first generated token)."""
+    return xxhash.xxh3_64_intdigest(f"{seed}:{output_index}".encode()) & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Per row: the sampled token, its logprob, and (when asked) the top alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # keep the smallest set whose mass reaches top_p: drop a token when the mass before it already does
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> SampleResult:
+    """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i]."""
+    logits = logits.float()
+    tokens = torch.argmax(logits, dim=-1)
+    for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
+        if p.greedy:
+            continue
+        scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        generator = torch.Generator().manual_seed(token_seed(p.seed or 0, index))
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        tokens[row] = torch.argmax(probs / noise)  # the exponential race: argmax p_i / E_i draws i with prob p_i
+    token_list = tokens.tolist()
+    want_logprobs = any(p.logprobs for p in params)
+    if not want_logprobs:
+        return SampleResult(token_list, None, None)
+    # logprobs of the model's own distribution (before temperature and filters), as vLLM reports them
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    k = max(p.top_logprobs for p in params)
+    tops: list[list[tuple[int, float]]] = [[] for _ in params]
+    if k > 0:
+        values, ids = torch.topk(logprobs, k, dim=-1)
+        for row, p in enumerate(params):
+            n = p.top_logprobs
+            tops[row] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist(), strict=True))
+    return SampleResult(token_list, chosen, tops)

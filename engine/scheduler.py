@@ -1,0 +1,124 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step the scheduler gives each running request the tokens it still has to compute (one for a decoding
+request, a chunk for a prefilling one) within a per-step token budget, then admits waiting requests with
+what is left, taking their cached prefix first. When blocks run out, the least important running request is
+preempted: its blocks are released (full ones stay cached) and it recomputes later. It knows nothing of
+model code.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from kvmesh.engine.kv.blocks import KVCacheManager
+from kvmesh.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """`num_new_tokens` of `request` to compute this step, starting at its `num_computed_tokens`."""
+
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # requests that can never fit the pool: the engine ends them with finish_reason "length"
+    unservable: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _order(request: Request) -> tuple[int, float]:
+    """Queue order: higher priority first, then earlier arrival."""
+    return (-request.priority, request.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        keys = [_order(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _order(request)), request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and release its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        request.status = Status.FINISHED
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        self.add(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+                victim = self.running[-1]  # the least important; never one scheduled earlier this step
+                if victim is request and len(self.running) == 1 and not out.scheduled:
+                    self.running.remove(request)
+                    out.unservable.append(request)
+                    break
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, n))
+                budget -= n
+                i += 1
+        if out.preempted or out.unservable:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self.kv.blocks_for(request.num_tokens) > self.kv.pool.num_blocks:
+                self.waiting.pop(0)
+                out.unservable.append(request)
+                continue
+            hit = self.kv.find_prefix(request.request_id, request.token_ids, request.extra)
+            n = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.kv.allocate(request.request_id, hit.num_tokens + n, hit):
+                break
+            self.waiting.pop(0)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.cached_tokens = hit.num_tokens
+                out.admitted.append(request)
+            request.num_computed_tokens = hit.num_tokens
+            request.status = Status.RUNNING
+            keys = [_order(r) for r in self.running]
+            self.running.insert(bisect.bisect_right(keys, _order(request)), request)
+            out.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+        return out

@@ -1,0 +1,497 @@
+"""The engine's HTTP edge: OpenAI API, /metrics, KV config, events and snapshot, health and drain.
+
+Handlers validate, turn a body into engine requests, and relay outputs from the engine thread through an
+asyncio queue per request. Nothing here computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
+from kvmesh.engine.protocol import (
+    CACHE_SOURCES,
+    DRAIN_PATH,
+    KV_BLOCKS_PATH,
+    KV_CONFIG_PATH,
+    KV_EVENTS_PATH,
+    PRIORITY_HEADER,
+    WORKLOAD_HEADER,
+    BlockExtra,
+    parse_priority,
+    workload_class,
+)
+from kvmesh.engine.request import Request, RequestOutput
+from kvmesh.engine.sampling import SamplingParams
+
+EVENTS_HEARTBEAT_SECONDS = 10.0
+DISCONNECT_CHECK_SECONDS = 0.5
+
+
+class ApiError(Exception):
+    """A client error: becomes an OpenAI error body with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class EngineHolder:
+    """The engine, or why there is none yet: the server answers /health 503 while the model loads."""
+
+    def __init__(self, engine: Engine | None = None, loader: Callable[[], Engine] | None = None) -> None:
+        self.engine = engine
+        self.error: str | None = None
+        self._loader = loader
+
+    def load_in_background(self) -> None:
+        def run() -> None:
+            try:
+                engine = self._loader()  # type: ignore[misc]
+                engine.start()
+                self.engine = engine
+            except Exception as exc:  # shown by /health; the process stays up for the operator to see it
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        threading.Thread(target=run, name="kvmesh-load", daemon=True).start()
+
+    def get(self) -> Engine:
+        if self.engine is None:
+            raise ApiError(503, self.error or "the engine is loading its model", code="not_ready")
+        return self.engine
+
+
+def _usage(out: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(o.prompt_tokens for o in out)
+    completion = sum(o.completion_tokens for o in out)
+    cached = sum(o.cached_tokens for o in out)
+    by_source = dict.fromkeys(CACHE_SOURCES, 0)
+    by_source["device"] = cached
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached, "kvmesh_cached_by_source": by_source},
+    }
+
+
+class _Job:
+    """The engine requests of one HTTP call (n choices, or several prompts) and their output queue."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.requests: list[Request] = []
+        self.open: set[int] = set()
+
+    def add(self, request: Request) -> None:
+        index = len(self.requests)
+        request.on_output = lambda out, i=index: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+        self.requests.append(request)
+        self.open.add(index)
+
+    def submit(self) -> None:
+        for request in self.requests:
+            self.engine.submit(request)
+
+    def abort(self) -> None:
+        for i in self.open:
+            self.engine.abort(self.requests[i].request_id)
+
+    async def next(self, http: HttpRequest | None) -> tuple[int, RequestOutput]:
+        """The next output; aborts the requests if the client has gone away meanwhile."""
+        while True:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK_SECONDS)
+            except TimeoutError:
+                if http is not None and await http.is_disconnected():
+                    self.abort()
+                    raise ConnectionAbortedError from None
+                continue
+            if item[1].finish_reason is not None:
+                self.open.discard(item[0])
+            return item
+
+
+def _logprob_token(engine: Engine, token: int) -> str:
+    return engine.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _chat_logprobs(engine: Engine, out: RequestOutput) -> list[dict[str, Any]]:
+    items = []
+    for k, token in enumerate(out.new_token_ids):
+        text = _logprob_token(engine, token)
+        top = (out.top_logprobs or [[]])[k] if out.top_logprobs else []
+        items.append(
+            {
+                "token": text,
+                "logprob": out.logprobs[k] if out.logprobs else None,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := _logprob_token(engine, tid)), "logprob": lp, "bytes": list(t.encode())}
+                    for tid, lp in top
+                ],
+            }
+        )
+    return items
+
+
+class _Completions:
+    """Body -> engine requests -> OpenAI responses, for both endpoints."""
+
+    def __init__(self, engine: Engine, chat: bool, body: ChatRequest | CompletionRequest, http: HttpRequest) -> None:
+        self.engine = engine
+        self.chat = chat
+        self.body = body
+        self.http = http
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.model = engine.model_name
+
+    # ---- building requests --------------------------------------------------------------------------------
+
+    def prompts(self) -> list[list[int]]:
+        tok = self.engine.tokenizer
+        if isinstance(self.body, ChatRequest):
+            messages = [m.model_dump(exclude_none=False) for m in self.body.messages]
+            try:
+                return [tok.encode_chat(messages)]
+            except ValueError as exc:
+                raise ApiError(400, f"messages: {exc}", param="messages") from None
+        prompt = self.body.prompt
+        if isinstance(prompt, str):
+            return [tok.encode(prompt)]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        if all(isinstance(p, str) for p in prompt):
+            return [tok.encode(p) for p in prompt]  # type: ignore[arg-type]
+        return [list(p) for p in prompt]  # type: ignore[union-attr]
+
+    def params(self, prompt_len: int) -> SamplingParams:
+        b = self.body
+        e = self.engine
+        room = e.max_model_len - prompt_len
+        asked = b.max_completion_tokens if isinstance(b, ChatRequest) and b.max_completion_tokens else b.max_tokens
+        if asked is not None and asked > room:
+            raise ApiError(
+                400,
+                f"max_tokens ({asked}) plus the prompt ({prompt_len} tokens) exceeds the context length "
+                f"({e.max_model_len})",
+                param="max_tokens",
+            )
+        if b.presence_penalty or b.frequency_penalty:
+            raise ApiError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+        if isinstance(b, ChatRequest):
+            logprobs, top = b.logprobs, b.top_logprobs or 0
+            if top and not logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        else:
+            logprobs, top = b.logprobs is not None, b.logprobs or 0
+        params = SamplingParams(
+            max_tokens=asked if asked is not None else room,
+            temperature=b.temperature,
+            top_p=b.top_p,
+            top_k=b.top_k,
+            seed=b.seed,
+            stop=b.stops,
+            stop_token_ids=b.stop_token_ids or [],
+            ignore_eos=b.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top,
+        )
+        try:
+            params.validate(e.tokenizer.vocab_size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        return params
+
+    def job(self) -> _Job:
+        b, e = self.body, self.engine
+        if b.model is not None and b.model != e.model_name:
+            raise ApiError(404, f"model {b.model!r} does not exist; this engine serves {e.model_name!r}",
+                           param="model", code="model_not_found")
+        if b.kv_transfer is not None:
+            raise ApiError(501, "kv_transfer is not supported by this engine yet", param="kv_transfer",
+                           code="not_supported")
+        if isinstance(b, CompletionRequest) and (b.echo or b.suffix):
+            raise ApiError(400, "echo and suffix are not supported", param="echo")
+        if e.draining:
+            raise ApiError(503, "the engine is draining and takes no new requests", code="draining")
+        try:
+            priority = parse_priority(self.http.headers.get(PRIORITY_HEADER))
+        except ValueError:
+            raise ApiError(400, f"{PRIORITY_HEADER} must be an integer", param=PRIORITY_HEADER) from None
+        vocab = e.tokenizer.vocab_size
+        job = _Job(e, asyncio.get_running_loop())
+        for prompt_ids in self.prompts():
+            if not prompt_ids:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}",
+                               param="prompt")
+            if len(prompt_ids) >= e.max_model_len:
+                raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context length is "
+                                    f"{e.max_model_len}, leaving no room to generate", param="prompt")
+            capacity = e.kv.pool.num_blocks * e.config.block_size
+            if len(prompt_ids) >= capacity:
+                raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this engine's KV cache holds "
+                                    f"{capacity}", param="prompt")
+            resume = list(b.resume_output_ids or [])
+            if any(not 0 <= t < vocab for t in resume):
+                raise ApiError(400, "resume_output_ids holds ids outside the vocabulary", param="resume_output_ids")
+            workload = workload_class("chat" if self.chat else "completion", len(prompt_ids),
+                                      self.http.headers.get(WORKLOAD_HEADER))
+            for i in range(b.n):
+                params = self.params(len(prompt_ids))
+                if b.seed is not None and i:
+                    params.seed = b.seed + i
+                if len(resume) >= params.max_tokens:
+                    raise ApiError(400, "resume_output_ids already reaches max_tokens", param="resume_output_ids")
+                job.add(
+                    Request(
+                        request_id=f"{self.id}-{len(job.requests)}",
+                        prompt_ids=list(prompt_ids),
+                        params=params,
+                        workload=workload,
+                        priority=priority,
+                        extra=BlockExtra(cache_salt=b.cache_salt),
+                        output_ids=list(resume),
+                        resumed_count=len(resume),
+                    )
+                )
+        return job
+
+    # ---- responses ----------------------------------------------------------------------------------------
+
+    def _choice_delta(self, index: int, out: RequestOutput, first: bool) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"content": out.new_text}
+            if first:
+                delta["role"] = "assistant"
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": out.finish_reason,
+                                      "logprobs": None}
+            if out.logprobs is not None:
+                choice["logprobs"] = {"content": _chat_logprobs(self.engine, out)}
+            return choice
+        choice = {"index": index, "text": out.new_text, "finish_reason": out.finish_reason, "logprobs": None}
+        if out.logprobs is not None:
+            choice["logprobs"] = self._completion_logprobs([out])
+        return choice
+
+    def _completion_logprobs(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        tokens, lps, tops, offsets, offset = [], [], [], [], 0
+        for o in outs:
+            for k, t in enumerate(o.new_token_ids):
+                text = _logprob_token(self.engine, t)
+                tokens.append(text)
+                lps.append(o.logprobs[k] if o.logprobs else None)
+                top = o.top_logprobs[k] if o.top_logprobs else []
+                tops.append({_logprob_token(self.engine, tid): lp for tid, lp in top})
+                offsets.append(offset)
+                offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self, job: _Job) -> AsyncIterator[str]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        finals: list[RequestOutput] = []
+        started: set[int] = set()
+        try:
+            job.submit()
+            while job.open:
+                index, out = await job.next(self.http)
+                if out.error and out.finish_reason not in ("stop", "length"):
+                    yield f"data: {json.dumps(error_body(out.error, 'server_error'))}\n\n"
+                    continue
+                if out.finish_reason is not None:
+                    finals.append(out)
+                if not out.new_text and not out.new_token_ids and out.finish_reason is None:
+                    continue
+                yield self._chunk([self._choice_delta(index, out, index not in started)])
+                started.add(index)
+            if include_usage:
+                yield self._chunk([], _usage(finals))
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, ConnectionAbortedError, GeneratorExit):
+            job.abort()
+            raise
+        finally:
+            if job.open:
+                job.abort()
+
+    async def complete(self, job: _Job) -> dict[str, Any]:
+        parts: dict[int, list[RequestOutput]] = {i: [] for i in range(len(job.requests))}
+        job.submit()
+        try:
+            while job.open:
+                index, out = await job.next(self.http)
+                parts[index].append(out)
+        except asyncio.CancelledError:
+            job.abort()
+            raise
+        choices = []
+        finals = []
+        for index, outs in parts.items():
+            final = outs[-1]
+            finals.append(final)
+            if final.error and final.finish_reason not in ("stop", "length"):
+                raise ApiError(500, final.error, code="engine_error")
+            text = "".join(o.new_text for o in outs)
+            if self.chat:
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": final.finish_reason,
+                    "logprobs": None,
+                }
+                if final.logprobs is not None or any(o.logprobs for o in outs):
+                    choice["logprobs"] = {"content": [x for o in outs for x in _chat_logprobs(self.engine, o)]}
+            else:
+                choice = {"index": index, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
+                if any(o.logprobs for o in outs):
+                    choice["logprobs"] = self._completion_logprobs(outs)
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": _usage(finals),
+        }
+
+
+def create_app(holder: EngineHolder) -> FastAPI:
+    app = FastAPI(title="kvmesh engine")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return JSONResponse(error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        param = None
+        for err in exc.errors():
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = param or (loc[0] if loc else None)
+            where = ".".join(loc) or "body"
+            msg = "malformed JSON" if err.get("type") == "json_invalid" else err.get("msg", "invalid")
+            problems.append(f"{where}: {msg}")
+        return JSONResponse(error_body("; ".join(problems[:5]), param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+
+    async def _serve(body: ChatRequest | CompletionRequest, http: HttpRequest, chat: bool) -> Response:
+        handler = _Completions(holder.get(), chat, body, http)
+        job = handler.job()
+        if body.stream:
+            return StreamingResponse(handler.stream(job), media_type="text/event-stream")
+        try:
+            return JSONResponse(await handler.complete(job))
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, http: HttpRequest) -> Response:
+        return await _serve(body, http, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
+        return await _serve(body, http, chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        e = holder.get()
+        return {
+            "object": "list",
+            "data": [{"id": e.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
+                      "max_model_len": e.max_model_len}],
+        }
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if holder.engine is None:
+            return JSONResponse({"status": "error" if holder.error else "loading", "error": holder.error},
+                                status_code=503)
+        if holder.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post(DRAIN_PATH)
+    async def drain() -> dict[str, Any]:
+        e = holder.get()
+        e.draining = True
+        return {"draining": True, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        e = holder.get()
+        return Response(e.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get(KV_CONFIG_PATH)
+    async def kv_config() -> dict[str, Any]:
+        return holder.get().kv_config.to_json()
+
+    @app.get(KV_BLOCKS_PATH)
+    async def kv_blocks() -> dict[str, Any]:
+        return asdict(holder.get().events.snapshot())
+
+    @app.get(KV_EVENTS_PATH)
+    async def kv_events(after: int = 0, boot_id: str | None = None) -> StreamingResponse:
+        e = holder.get()
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        unsubscribe = e.events.subscribe(lambda: loop.call_soon_threadsafe(wake.set))
+
+        async def lines() -> AsyncIterator[str]:
+            last, boot = after, boot_id
+            try:
+                while True:
+                    wake.clear()
+                    batches = e.events.read(last, boot)
+                    for batch in batches:
+                        yield json.dumps(batch.to_json()) + "\n"
+                        last, boot = batch.seq, batch.boot_id
+                    if not batches:
+                        try:
+                            await asyncio.wait_for(wake.wait(), EVENTS_HEARTBEAT_SECONDS)
+                        except TimeoutError:
+                            yield json.dumps({"boot_id": e.events.boot_id, "seq": last, "events": [],
+                                              "heartbeat": True}) + "\n"
+            finally:
+                unsubscribe()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app

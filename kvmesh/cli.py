@@ -1,0 +1,135 @@
+"""The one `kvmesh` command: `kvmesh serve`, `kvmesh chat`, `kvmesh bench engine` (more arrive with the router
+and operator)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvmesh import __version__
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run an engine: the OpenAI API for one model")
+    p.add_argument("--config", help="YAML file with an `engine` section (flags override it)")
+    p.add_argument("--model", help="HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu or cuda")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--kv-cache-memory-mib", type=int, help="device KV cache budget in MiB (default 512)")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (chunked prefill)")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
+    p.add_argument("--eviction-policy")
+    p.add_argument("--hash-algo", choices=["xxh3_64", "sha256_cbor_64bit"])
+    p.add_argument("--role", choices=["prefill", "decode", "both"])
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--log-level", default="info")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from kvmesh.engine.config import load_config
+    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.server import EngineHolder, create_app
+
+    keys = (
+        "model served_model_name host port dtype device block_size kv_cache_memory_mib max_num_seqs "
+        "max_num_batched_tokens max_model_len enable_prefix_cache eviction_policy hash_algo role threads"
+    ).split()
+    try:
+        config = load_config(args.config, {k: getattr(args, k) for k in keys})
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh serve: {exc}", file=sys.stderr)
+        return 2
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    holder = EngineHolder(loader=lambda: Engine(config))
+    holder.load_in_background()
+    uvicorn.run(create_app(holder), host=config.host, port=config.port, log_level=args.log_level)
+    if holder.engine is not None:
+        holder.engine.stop()
+    return 0
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="send one chat message to an OpenAI-compatible endpoint and print the answer")
+    p.add_argument("message")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint's base URL")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the endpoint to become healthy")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + args.wait
+    with httpx.Client(base_url=args.url, timeout=300) as client:
+        while True:
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                print(f"kvmesh chat: {args.url} did not become healthy in {args.wait:.0f} s", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        body = {"messages": [{"role": "user", "content": args.message}], "max_tokens": args.max_tokens,
+                "temperature": 0}
+        reply = client.post("/v1/chat/completions", json=body)
+        if reply.status_code != 200:
+            print(f"kvmesh chat: HTTP {reply.status_code}: {reply.text}", file=sys.stderr)
+            return 1
+        answer = reply.json()
+        print(answer["choices"][0]["message"]["content"])
+        usage = answer["usage"]
+        print(f"[{usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} completion tokens, "
+              f"{usage['prompt_tokens_details']['cached_tokens']} cached]", file=sys.stderr)
+    return 0
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    e = bench.add_parser("engine", help="engine throughput and prefix-cache TTFT, beside transformers' generate")
+    e.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
+    e.add_argument("--prompt-tokens", type=int, default=128)
+    e.add_argument("--output-tokens", type=int, default=128)
+    e.add_argument("--prefix-tokens", type=int, default=2000)
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
+    e.add_argument("--json", help="write the results here as JSON")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvmesh.bench.engine import run_engine_bench
+
+    return run_engine_bench(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-aware LLM serving")
+    parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _chat_parser(sub)
+    _bench_parser(sub)
+    args = parser.parse_args(argv)
+    handlers = {"serve": _serve, "chat": _chat, "bench": _bench}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The operator: reconciles InferencePool objects into engines and routers."""

@@ -1,0 +1,68 @@
+"""Shared fixtures: the bundled model's converted directory, a tiny random Llama with the same tokenizer, and
+engines built on them. Every engine a test touches has its block-pool invariants checked afterwards."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.model.loader import resolve_model_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct, converted once from its GGUF (cached across runs)."""
+    return resolve_model_dir(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -> Path:
+    """A two-layer random Llama (GQA 4:2) with the bundled tokenizer, saved by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (bundled_dir / name).exists() and not (path / name).exists():
+            shutil.copy(bundled_dir / name, path / name)
+    return path
+
+
+def make_engine(model_dir: Path, **overrides: object) -> Engine:
+    """An fp32 engine over `model_dir`, stepped synchronously unless the test starts it."""
+    settings: dict[str, object] = {"model": str(model_dir), "dtype": "float32", "kv_cache_blocks": 512}
+    settings.update(overrides)
+    return Engine(EngineConfig(**settings))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir: Path) -> Iterator[Engine]:
+    """One engine per module over the tiny model; tests must leave it idle."""
+    engine = make_engine(tiny_dir)
+    yield engine
+    engine.kv.check_invariants()

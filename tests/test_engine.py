@@ -1,0 +1,216 @@
+"""The engine stepped synchronously over the tiny model: prefix reuse, batching, preemption, sampling, stops,
+metrics conservation and tenants. Each test counts what the runner computed, so a stand-in cannot pass."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.protocol import BlockExtra
+from kvmesh.engine.request import Request, RequestOutput
+from kvmesh.engine.sampling import SamplingParams
+
+from .conftest import make_engine
+
+_ids = itertools.count()
+
+
+@dataclass
+class Result:
+    request: Request
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outputs for t in o.new_token_ids]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [x for o in self.outputs for x in (o.logprobs or [])]
+
+    @property
+    def final(self) -> RequestOutput:
+        return self.outputs[-1]
+
+
+def generate(
+    engine: Engine, prompts: list[list[int]], sequential: bool = False, salt: str | None = None, **params: object
+) -> list[Result]:
+    results = []
+    for prompt in prompts:
+        p = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **params})  # type: ignore[arg-type]
+        extra = BlockExtra(cache_salt=salt)
+        request = Request(f"req-{next(_ids)}", list(prompt), p, extra=extra)
+        result = Result(request)
+        request.on_output = result.outputs.append
+        results.append(result)
+        engine.submit(request)
+        if sequential:
+            engine.run_until_idle()
+    engine.run_until_idle()
+    engine.kv.check_invariants()
+    return results
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 1000 + i * 7919) % 49000 + 100 for i in range(n)]
+
+
+def test_prefix_reuse_computes_only_the_uncached_tail(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir)
+    shared = prompt(1, 96)
+    generate(engine, [[*shared, 5, 6, 7]], logprobs=True)
+    second = [*shared, 8, 9, 10, 11]
+    before = engine.runner.computed_tokens
+    (warm,) = generate(engine, [second], logprobs=True, max_tokens=6)
+    assert warm.final.cached_tokens == 96
+    # the runner computed the uncached prompt tokens plus one per output token after the first
+    assert engine.runner.computed_tokens - before == len(second) - 96 + 5
+    cold_engine = make_engine(tiny_dir, enable_prefix_cache=False)
+    (cold,) = generate(cold_engine, [second], logprobs=True, max_tokens=6)
+    assert cold.final.cached_tokens == 0
+    assert warm.tokens == cold.tokens
+    assert max(abs(a - b) for a, b in zip(warm.logprobs, cold.logprobs, strict=True)) < 1e-4
+
+
+def test_concurrent_requests_share_steps(tiny_dir: Path) -> None:
+    prompts = [prompt(s, 30) for s in range(8)]
+    seq_engine = make_engine(tiny_dir)
+    sequential = generate(seq_engine, prompts, sequential=True)
+    seq_steps = seq_engine.runner.steps
+    batch_engine = make_engine(tiny_dir)
+    batched = generate(batch_engine, prompts)
+    assert batch_engine.runner.steps < seq_steps
+    assert sum(batch_engine.batch_sizes) / len(batch_engine.batch_sizes) > 1
+    assert [r.tokens for r in batched] == [r.tokens for r in sequential]
+
+
+def test_memory_pressure_preempts_and_still_matches(tiny_dir: Path) -> None:
+    prompts = [prompt(s, 40) for s in range(8)]
+    free_engine = make_engine(tiny_dir)
+    expected = generate(free_engine, prompts, max_tokens=40)
+    tight = make_engine(tiny_dir, kv_cache_blocks=10)  # 80 tokens a request = 5 blocks: two fit
+    results = generate(tight, prompts, max_tokens=40)
+    assert [r.tokens for r in results] == [r.tokens for r in expected]
+    assert all(r.final.finish_reason == "length" for r in results)
+    assert tight.scheduler.num_preemptions > 0
+    text = tight.metrics.render().decode()
+    assert f'vllm:num_preemptions_total{{model_name="{tight.model_name}"}} {float(tight.scheduler.num_preemptions)}' in text
+    stats = tight.kv.stats()
+    assert stats.used == 0 and stats.used + stats.evictable + stats.free == stats.total
+
+
+def test_a_request_larger_than_the_pool_fails_alone(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir, kv_cache_blocks=4)
+    small, big = generate(engine, [prompt(1, 10), prompt(2, 62)], max_tokens=8)
+    assert small.final.finish_reason == "length" and len(small.tokens) == 8
+    assert big.final.error and "does not fit" in big.final.error
+
+
+def test_chunked_prefill_gives_the_same_output(tiny_dir: Path) -> None:
+    long_prompt = prompt(3, 300)
+    (whole,) = generate(make_engine(tiny_dir), [long_prompt], logprobs=True)
+    chunked_engine = make_engine(tiny_dir, max_num_batched_tokens=64)
+    (chunked,) = generate(chunked_engine, [long_prompt], logprobs=True)
+    assert chunked.tokens == whole.tokens
+    assert chunked_engine.runner.steps >= 300 // 64 + 8
+
+
+def test_seeded_sampling_is_reproducible_and_resumable(tiny_engine: Engine) -> None:
+    p = prompt(4, 20)
+    a, b, c = generate(tiny_engine, [p, p, p], temperature=1.0, seed=42, max_tokens=12) + []
+    assert a.tokens == b.tokens
+    (other,) = generate(tiny_engine, [p], temperature=1.0, seed=43, max_tokens=12)
+    assert other.tokens != a.tokens
+    # another engine continuing after 5 tokens (resume_output_ids) produces the same stream
+    request = Request("resume", list(p), SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True),
+                      output_ids=a.tokens[:5], resumed_count=5)
+    outputs: list[RequestOutput] = []
+    request.on_output = outputs.append
+    tiny_engine.submit(request)
+    tiny_engine.run_until_idle()
+    assert [t for o in outputs for t in o.new_token_ids] == a.tokens[5:]
+    assert outputs[-1].completion_tokens == 12
+
+
+def test_stop_strings_and_stop_tokens(tiny_engine: Engine) -> None:
+    (free,) = generate(tiny_engine, [prompt(5, 12)], max_tokens=20)
+    text = tiny_engine.tokenizer.decode(free.tokens)
+    assert len(text) > 4
+    stop = text[2:4]
+    (stopped,) = generate(tiny_engine, [prompt(5, 12)], max_tokens=20, stop=[stop])
+    out_text = "".join(o.new_text for o in stopped.outputs)
+    assert stopped.final.finish_reason == "stop" and out_text == text[: text.find(stop)]
+    (by_token,) = generate(tiny_engine, [prompt(5, 12)], max_tokens=20, stop_token_ids=[free.tokens[3]])
+    assert by_token.final.finish_reason == "stop"
+    assert by_token.tokens == free.tokens[: free.tokens.index(free.tokens[3]) + 1]
+
+
+def _samples(engine: Engine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(engine.metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_conservation_and_hits_equal_cached_tokens(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir, kv_cache_blocks=40)
+    before = _samples(engine)
+    hits_key = ("vllm:prefix_cache_hits_total", (("model_name", engine.model_name),))
+    shared = prompt(6, 64)
+    results = []
+    for k in range(6):
+        results += generate(engine, [[*shared, *prompt(10 + k, 30)]], max_tokens=10)
+        s = _samples(engine)
+        blocks = {state: s[("kvmesh_kv_blocks", (("state", state), ("tier", "device")))]
+                  for state in ("used", "evictable", "free")}
+        assert sum(blocks.values()) == engine.kv.pool.num_blocks
+    after = _samples(engine)
+    assert after[hits_key] - before.get(hits_key, 0.0) == sum(r.final.cached_tokens for r in results) > 0
+    assert after[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "40")))] == 1
+
+
+def test_cache_salt_isolates_tenants(tiny_engine: Engine) -> None:
+    p = prompt(7, 50)
+    generate(tiny_engine, [p], salt="tenant-a")
+    (same,) = generate(tiny_engine, [p], salt="tenant-a")
+    (other,) = generate(tiny_engine, [p], salt="tenant-b")
+    assert same.final.cached_tokens == 48
+    assert other.final.cached_tokens == 0
+
+
+def test_abort_frees_blocks_at_once(tiny_engine: Engine) -> None:
+    request = Request("to-abort", prompt(8, 40), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    outputs: list[RequestOutput] = []
+    request.on_output = outputs.append
+    tiny_engine.submit(request)
+    tiny_engine.step()
+    tiny_engine.step()
+    assert tiny_engine.kv.stats().used > 0
+    tiny_engine.abort("to-abort")
+    tiny_engine.step()
+    assert tiny_engine.kv.stats().used == 0
+    assert outputs[-1].finish_reason == "abort"
+    tiny_engine.kv.check_invariants()
+
+
+def test_events_and_snapshot_agree(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir, kv_cache_blocks=12)
+    for k in range(5):
+        generate(engine, [prompt(20 + k, 40)], max_tokens=4)
+    held: set[int] = set()
+    for batch in engine.events.read(0):
+        for event in batch.events:
+            if event.kind == "stored":
+                held.update(event.block_hashes)
+            elif event.kind == "removed":
+                held.difference_update(event.block_hashes)
+    snapshot = engine.events.snapshot()
+    assert set(snapshot.blocks["device"]) == held == set(engine.kv.pool.cached_hashes())
+    assert snapshot.seq == engine.events.seq > 0
+    assert engine.events.read(0, boot_id="another-boot")[0].reset
