@@ -25,9 +25,9 @@ class PrefillSeq:
 
     start: int
     end: int
-    ctx_blocks: torch.Tensor  # [context_len] block id of every context position
-    ctx_offsets: torch.Tensor  # [context_len]
-    mask: torch.Tensor | None  # [n, context_len] bool, None when n == 1
+    block_table: torch.Tensor  # [blocks covering the context]
+    context_len: int
+    mask: torch.Tensor  # [n, context_len] bool, True where attended (causal, shifted by the cached prefix)
 
 
 @dataclass
@@ -37,27 +37,22 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block of each new token
     slot_offsets: torch.Tensor  # [T] offset in that block
     decode_rows: torch.Tensor | None  # [B] flat-batch rows of single-token sequences
-    decode_blocks: torch.Tensor | None  # [B, L] padded context gather indices
-    decode_offsets: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True where attended
+    decode_tables: torch.Tensor | None  # [B, max blocks] block tables, padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max blocks * block size] bool, True where attended
     prefills: list[PrefillSeq]
-
-
-def _gather_positions(block_table: list[int], context_len: int, block_size: int) -> tuple[list[int], list[int]]:
-    blocks = [block_table[p // block_size] for p in range(context_len)]
-    offsets = [p % block_size for p in range(context_len)]
-    return blocks, offsets
 
 
 def build_metadata(
     seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device
 ) -> AttentionMetadata:
     """Metadata for a step. `seqs` holds (block table, tokens already computed, new tokens) per sequence, in
-    flat-batch order."""
+    flat-batch order. Contexts are gathered a whole block at a time: one copy of block_size tokens instead of
+    one per token."""
     slot_blocks: list[int] = []
     slot_offsets: list[int] = []
     decode_rows: list[int] = []
-    decode_ctx: list[tuple[list[int], list[int]]] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
     prefills: list[PrefillSeq] = []
     row = 0
     for table, computed, n in seqs:
@@ -65,22 +60,15 @@ def build_metadata(
         for pos in range(computed, context_len):
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
-        blocks, offsets = _gather_positions(table, context_len, block_size)
+        used = table[: -(-context_len // block_size)]
         if n == 1:
             decode_rows.append(row)
-            decode_ctx.append((blocks, offsets))
+            decode_tables.append(used)
+            decode_lens.append(context_len)
         else:
             q_pos = torch.arange(computed, context_len, device=device)[:, None]
             k_pos = torch.arange(context_len, device=device)[None, :]
-            prefills.append(
-                PrefillSeq(
-                    row,
-                    row + n,
-                    torch.tensor(blocks, device=device),
-                    torch.tensor(offsets, device=device),
-                    k_pos <= q_pos,
-                )
-            )
+            prefills.append(PrefillSeq(row, row + n, torch.tensor(used, device=device), context_len, k_pos <= q_pos))
         row += n
     meta = AttentionMetadata(
         torch.tensor(slot_blocks, device=device),
@@ -88,18 +76,15 @@ def build_metadata(
         None,
         None,
         None,
-        None,
         prefills,
     )
     if decode_rows:
-        width = max(len(b) for b, _ in decode_ctx)
-        pad_b = [b + [0] * (width - len(b)) for b, _ in decode_ctx]
-        pad_o = [o + [0] * (width - len(o)) for _, o in decode_ctx]
-        lens = torch.tensor([len(b) for b, _ in decode_ctx], device=device)
+        width = max(len(t) for t in decode_tables)
+        lens = torch.tensor(decode_lens, device=device)
         meta.decode_rows = torch.tensor(decode_rows, device=device)
-        meta.decode_blocks = torch.tensor(pad_b, device=device)
-        meta.decode_offsets = torch.tensor(pad_o, device=device)
-        meta.decode_mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
+        positions = torch.arange(width * block_size, device=device)
+        meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
     return meta
 
 
@@ -119,16 +104,20 @@ def paged_attention(
     k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(kv_cache.dtype)
     v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(kv_cache.dtype)
     out = torch.empty_like(q)
-    if meta.decode_rows is not None:
+    _, _, _, block_size, heads, dim = kv_cache.shape
+    if meta.decode_tables is not None:
+        b, width = meta.decode_tables.shape
+        ctx = kv_cache[meta.decode_tables, layer].to(q.dtype)  # [B, blocks, 2, bs, Hkv, D]: one copy a block
+        kd = ctx[:, :, 0].reshape(b, width * block_size, heads, dim).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = ctx[:, :, 1].reshape(b, width * block_size, heads, dim).transpose(1, 2)
         qd = q[meta.decode_rows][:, :, None, :]  # [B, Hq, 1, D]
-        kd = k_cache[meta.decode_blocks, meta.decode_offsets].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_blocks, meta.decode_offsets].transpose(1, 2).to(q.dtype)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         out[meta.decode_rows] = od[:, :, 0, :]
     for seq in meta.prefills:
+        ctx = kv_cache[seq.block_table, layer].to(q.dtype)  # [blocks, 2, bs, Hkv, D]
+        kp = ctx[:, 0].reshape(-1, heads, dim)[: seq.context_len].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+        vp = ctx[:, 1].reshape(-1, heads, dim)[: seq.context_len].transpose(0, 1)[None]
         qp = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, n, D]
-        kp = k_cache[seq.ctx_blocks, seq.ctx_offsets].transpose(0, 1)[None].to(q.dtype)
-        vp = v_cache[seq.ctx_blocks, seq.ctx_offsets].transpose(0, 1)[None].to(q.dtype)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[seq.start : seq.end] = op[0].transpose(0, 1)
     return out

@@ -248,7 +248,8 @@ class Engine:
             self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
         if not sampling:
             return
-        samples = sample(result.logits, [r.params for r in sampling], [r.num_generated for r in sampling])
+        samples = sample(result.logits, [r.params for r in sampling], [r.num_generated for r in sampling],
+                         self.tokenizer.eos_token_ids)
         now = time.monotonic()
         for row, r in enumerate(sampling):
             logprob = samples.logprobs[row] if samples.logprobs is not None else None

@@ -41,6 +41,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None

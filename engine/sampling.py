@@ -21,6 +21,7 @@ class SamplingParams:
     """What a request asks of the sampler and the stop checks. Ranges follow OpenAI's documented ones."""
 
     max_tokens: int = 16
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are suppressed until this many were generated
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -44,6 +45,8 @@ class SamplingParams:
         """Raise ValueError naming the first parameter outside its range."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -89,9 +92,20 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> SampleResult:
-    """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i]."""
+@torch.inference_mode()
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_indices: list[int],
+    stop_ids: frozenset[int] = frozenset(),
+) -> SampleResult:
+    """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i].
+    Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids."""
     logits = logits.float()
+    for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
+        if index < p.min_tokens:
+            banned = sorted(stop_ids | set(p.stop_token_ids))
+            logits[row, banned] = float("-inf")
     tokens = torch.argmax(logits, dim=-1)
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if p.greedy:

@@ -211,6 +211,7 @@ class _Completions:
             stop=b.stops,
             stop_token_ids=b.stop_token_ids or [],
             ignore_eos=b.ignore_eos,
+            min_tokens=b.min_tokens,
             logprobs=logprobs,
             top_logprobs=top,
         )

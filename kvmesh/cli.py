@@ -4,6 +4,7 @@ and operator)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -37,16 +38,13 @@ def _serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from kvmesh.engine.config import load_config
+    from kvmesh.engine.config import EngineConfig, load_config
     from kvmesh.engine.engine import Engine
     from kvmesh.engine.server import EngineHolder, create_app
 
-    keys = (
-        "model served_model_name host port dtype device block_size kv_cache_memory_mib max_num_seqs "
-        "max_num_batched_tokens max_model_len enable_prefix_cache eviction_policy hash_algo role threads"
-    ).split()
     try:
-        config = load_config(args.config, {k: getattr(args, k) for k in keys})
+        flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
+        config = load_config(args.config, flags)
     except (OSError, ValueError) as exc:
         print(f"kvmesh serve: {exc}", file=sys.stderr)
         return 2

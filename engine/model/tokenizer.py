@@ -56,8 +56,13 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators: tuple | None = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple | None = None,
+    sort_keys: bool = False,
+) -> str:
     """HF's tojson: plain json.dumps, without jinja's HTML escaping, which would change the prompt."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -108,8 +113,13 @@ class Tokenizer:
     bos_token_id only names the token.
     """
 
-    def __init__(self, tokenizer_json: str, chat_template: str | None, special_tokens: dict[str, str | None],
-                 extra_eos_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        chat_template: str | None,
+        special_tokens: dict[str, str | None],
+        extra_eos_ids: Sequence[int],
+    ) -> None:
         self._tokenizer = HFTokenizer.from_str(tokenizer_json)
         self._tokenizer_json = tokenizer_json
         self._chat_template = chat_template
@@ -185,8 +195,9 @@ class IncrementalDetokenizer:
     first output token sees its real left context.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_ids or [])[-_CONTEXT_TOKENS:]
@@ -205,12 +216,12 @@ class IncrementalDetokenizer:
         delta = []
         for token_id in new_ids:
             self._ids.append(token_id)
-            text = self._decode(self._ids[self._prefix_offset:])
+            text = self._decode(self._ids[self._prefix_offset :])
             if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR):
                 continue
-            delta.append(text[len(self._prefix_text):])
+            delta.append(text[len(self._prefix_text) :])
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         self._text += "".join(delta)
         return "".join(delta)
 

@@ -1,0 +1,1 @@
+"""Benchmarks and simulations: they drive the programs' real code and report ratios against baselines."""

@@ -1,0 +1,210 @@
+"""The engine's HTTP API over the tiny model, with the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.server import EngineHolder, create_app
+
+from .conftest import make_engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path) -> Iterator[tuple[str, Engine]]:
+    engine = make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=512)
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    yield url, engine
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.stop()
+    engine.kv.check_invariants()
+
+
+@pytest.fixture
+def client(served: tuple[str, Engine]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_idle(engine: Engine) -> None:
+    for _ in range(400):
+        if not engine.scheduler.has_work() and engine.kv.stats().used == 0:
+            return
+        time.sleep(0.025)
+    raise AssertionError("engine did not become idle")
+
+
+def test_chat_and_completion_with_openai_client(client: openai.OpenAI, served: tuple[str, Engine]) -> None:
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 6
+    text = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 5
+    again = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == text.choices[0].text
+    wait_idle(served[1])
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(client: openai.OpenAI, served: tuple[str, Engine]) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "Count to five"}]}]
+    whole = client.chat.completions.create(model=served[1].model_name, messages=messages, max_tokens=12,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=served[1].model_name, messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12 and usage.prompt_tokens == whole.usage.prompt_tokens
+    # the second identical request found the chat prefix cached
+    assert usage.prompt_tokens_details.cached_tokens >= 16
+    wait_idle(served[1])
+
+
+def test_logprobs_and_n_choices(client: openai.OpenAI, served: tuple[str, Engine]) -> None:
+    out = client.chat.completions.create(model=served[1].model_name, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)  # greedy = top-1
+    many = client.completions.create(model=served[1].model_name, prompt="abc", max_tokens=4, n=3, seed=5,
+                                     temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    wait_idle(served[1])
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, "context length"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"messages": "hello"}, "messages"),
+    ],
+)
+def test_chat_validation_errors_are_400s(served: tuple[str, Engine], body: dict, fragment: str) -> None:
+    reply = httpx.post(served[0] + "/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert fragment in reply.json()["error"]["message"]
+
+
+def test_completion_errors(served: tuple[str, Engine]) -> None:
+    url = served[0] + "/v1/completions"
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+    assert httpx.post(url, json={"prompt": [1, 2, 10**7]}).json()["error"]["message"].startswith("prompt token ids")
+    too_long = httpx.post(url, json={"prompt": [5] * 600})
+    assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+    unknown = httpx.post(url, json={"prompt": "x", "model": "gpt-99"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    bad_priority = httpx.post(url, json={"prompt": "x"}, headers={"x-kvmesh-priority": "high"})
+    assert bad_priority.status_code == 400
+    assert httpx.post(url, json={"prompt": []}).status_code == 400
+
+
+def test_openai_client_raises_on_bad_request(client: openai.OpenAI, served: tuple[str, Engine]) -> None:
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=served[1].model_name, messages=[{"role": "user", "content": "x"}],
+                                       temperature=5)
+
+
+def test_disconnect_mid_stream_frees_blocks(served: tuple[str, Engine]) -> None:
+    url, engine = served
+    body = {"prompt": "Tell me a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                break
+        assert engine.kv.stats().used > 0
+    wait_idle(engine)
+    assert engine.kv.stats().used == 0
+
+
+def test_kv_config_events_and_snapshot(served: tuple[str, Engine]) -> None:
+    url, engine = served
+    config = httpx.get(url + "/v1/kv/config").json()
+    assert config["block_size"] == 16 and config["tokenizer_fingerprint"] == engine.tokenizer.fingerprint
+    start = engine.events.seq
+    httpx.post(url + "/v1/completions", json={"prompt": [7] * 40, "max_tokens": 2}, timeout=60)
+    stored: list[int] = []
+    with httpx.stream("GET", url + "/v1/kv/events", params={"after": start}, timeout=30) as reply:
+        for line in reply.iter_lines():
+            batch = json.loads(line)
+            assert batch["boot_id"] == config["boot_id"] and batch["seq"] > start
+            stored += [h for e in batch["events"] if e["type"] == "stored" for h in e["block_hashes"]]
+            if len(stored) >= 2:
+                break
+    snapshot = httpx.get(url + "/v1/kv/blocks").json()
+    assert set(stored) <= set(snapshot["blocks"]["device"])
+    with httpx.stream("GET", url + "/v1/kv/events", params={"after": 0, "boot_id": "old"}, timeout=30) as reply:
+        first = json.loads(next(reply.iter_lines()))
+    assert first["reset"] is True and first["boot_id"] == config["boot_id"]
+
+
+def test_metrics_endpoint_exports_vllm_names(served: tuple[str, Engine]) -> None:
+    text = httpx.get(served[0] + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", 'kvmesh_kv_blocks{state="evictable",tier="host"} 0.0',
+                 "kvmesh_kv_forecast_usage_ratio", "kvmesh_prefill_tokens_pending"):
+        assert name in text, name
+
+
+def test_drain_refuses_new_requests_and_fails_health(tiny_dir: Path) -> None:
+    """On its own engine: drain cannot be undone."""
+    from fastapi.testclient import TestClient
+
+    engine = make_engine(tiny_dir, kv_cache_blocks=32)
+    engine.start()
+    try:
+        with TestClient(create_app(EngineHolder(engine))) as http:
+            assert http.get("/health").status_code == 200
+            assert http.post("/v1/admin/drain").json()["draining"] is True
+            assert http.get("/health").status_code == 503
+            refused = http.post("/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    finally:
+        engine.stop()
