@@ -107,16 +107,18 @@ def paged_attention(
     _, _, _, block_size, heads, dim = kv_cache.shape
     if meta.decode_tables is not None:
         b, width = meta.decode_tables.shape
-        ctx = kv_cache[meta.decode_tables, layer].to(q.dtype)  # [B, blocks, 2, bs, Hkv, D]: one copy a block
-        kd = ctx[:, :, 0].reshape(b, width * block_size, heads, dim).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = ctx[:, :, 1].reshape(b, width * block_size, heads, dim).transpose(1, 2)
+        # one copy a block: [B, blocks, bs, Hkv, D] is contiguous, so merging blocks and offsets is free
+        flat = meta.decode_tables.view(-1)
+        kd = k_cache.index_select(0, flat).view(b, width * block_size, heads, dim).transpose(1, 2).to(q.dtype)
+        vd = v_cache.index_select(0, flat).view(b, width * block_size, heads, dim).transpose(1, 2).to(q.dtype)
         qd = q[meta.decode_rows][:, :, None, :]  # [B, Hq, 1, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         out[meta.decode_rows] = od[:, :, 0, :]
     for seq in meta.prefills:
-        ctx = kv_cache[seq.block_table, layer].to(q.dtype)  # [blocks, 2, bs, Hkv, D]
-        kp = ctx[:, 0].reshape(-1, heads, dim)[: seq.context_len].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
-        vp = ctx[:, 1].reshape(-1, heads, dim)[: seq.context_len].transpose(0, 1)[None]
+        kp = k_cache.index_select(0, seq.block_table).view(-1, heads, dim)[: seq.context_len]
+        vp = v_cache.index_select(0, seq.block_table).view(-1, heads, dim)[: seq.context_len]
+        kp = kp.transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, ctx, D]
+        vp = vp.transpose(0, 1)[None].to(q.dtype)
         qp = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, n, D]
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[seq.start : seq.end] = op[0].transpose(0, 1)

@@ -14,13 +14,13 @@ from .conftest import make_engine
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir: Path):  # noqa: ANN201 - transformers' model
+def reference(tiny_dir: Path):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
 
 
-def _hf_last_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+def _hf_last_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0, -1].float()
 
@@ -29,7 +29,7 @@ def _table(engine: Engine, start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def test_prefill_and_16_decode_steps_match_transformers(tiny_engine: Engine, reference) -> None:  # noqa: ANN001
+def test_prefill_and_16_decode_steps_match_transformers(tiny_engine: Engine, reference) -> None:
     prompt = [(i * 7919) % 49152 for i in range(37)]
     table = _table(tiny_engine, 0, 8)
     logits = tiny_engine.runner.run([StepInput(table, 0, prompt, True)]).logits[0]
@@ -41,7 +41,7 @@ def test_prefill_and_16_decode_steps_match_transformers(tiny_engine: Engine, ref
         torch.testing.assert_close(logits, _hf_last_logits(reference, ids), atol=1e-4, rtol=0)
 
 
-def test_mixed_batch_of_chunks_and_decodes_matches_transformers(tiny_engine: Engine, reference) -> None:  # noqa: ANN001
+def test_mixed_batch_of_chunks_and_decodes_matches_transformers(tiny_engine: Engine, reference) -> None:
     """One step holding a decode, a first prefill chunk, and a second chunk over a cached prefix."""
     a = [(i * 31) % 49152 for i in range(21)]
     b = [(i * 17 + 5) % 49152 for i in range(40)]
@@ -54,7 +54,7 @@ def test_mixed_batch_of_chunks_and_decodes_matches_transformers(tiny_engine: Eng
         torch.testing.assert_close(out.logits[row], _hf_last_logits(reference, ids), atol=1e-4, rtol=0)
 
 
-def test_bf16_serving_stays_close(tiny_dir: Path, reference) -> None:  # noqa: ANN001
+def test_bf16_serving_stays_close(tiny_dir: Path, reference) -> None:
     engine = make_engine(tiny_dir, dtype="bfloat16", kv_cache_blocks=8)
     prompt = [(i * 7919) % 49152 for i in range(20)]
     logits = engine.runner.run([StepInput(list(range(2)), 0, prompt, True)]).logits[0]
