@@ -101,11 +101,12 @@ def sample(
 ) -> SampleResult:
     """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i].
     Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids."""
-    logits = logits.float()
+    raw = logits.float()
+    logits = raw
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if index < p.min_tokens:
-            banned = sorted(stop_ids | set(p.stop_token_ids))
-            logits[row, banned] = float("-inf")
+            logits = raw.clone() if logits is raw else logits
+            logits[row, sorted(stop_ids | set(p.stop_token_ids))] = float("-inf")
     tokens = torch.argmax(logits, dim=-1)
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if p.greedy:
@@ -120,7 +121,7 @@ def sample(
     if not want_logprobs:
         return SampleResult(token_list, None, None)
     # logprobs of the model's own distribution (before temperature and filters), as vLLM reports them
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(raw, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
     k = max(p.top_logprobs for p in params)
     tops: list[list[tuple[int, float]]] = [[] for _ in params]

@@ -208,3 +208,24 @@ def test_drain_refuses_new_requests_and_fails_health(tiny_dir: Path) -> None:
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     finally:
         engine.stop()
+
+
+def test_a_failing_step_fails_its_requests_not_the_server(served: tuple[str, Engine],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the runner raises once (a stand-in for a kernel error); the server keeps serving."""
+    url, engine = served
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def failing_once(seqs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real_run(seqs)
+
+    monkeypatch.setattr(engine.runner, "run", failing_once)
+    failed = httpx.post(url + "/v1/completions", json={"prompt": "boom", "max_tokens": 3}, timeout=60)
+    assert failed.status_code == 500 and "internal error" in failed.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    wait_idle(engine)

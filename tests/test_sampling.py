@@ -1,0 +1,74 @@
+"""The sampler alone: filters, seeded streams, min_tokens and logprobs, on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from kvmesh.engine.sampling import SamplingParams, sample, token_seed
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+
+
+def draw(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS) -> Counter[int]:
+    return Counter(sample(logits, [params], [i]).token_ids[0] for i in range(n))
+
+
+def test_greedy_and_top_k_1_pick_the_argmax() -> None:
+    assert draw(SamplingParams(temperature=0.0), 5) == Counter({0: 5})
+    assert draw(SamplingParams(temperature=1.5, top_k=1, seed=3), 20) == Counter({0: 20})
+
+
+def test_sampling_follows_the_softmax() -> None:
+    counts = draw(SamplingParams(temperature=1.0, seed=11), 4000)
+    probs = torch.softmax(LOGITS[0], -1).tolist()
+    for token, p in enumerate(probs):
+        # 5 standard deviations of a binomial: fails only if the sampler is wrong
+        assert abs(counts[token] / 4000 - p) < 5 * math.sqrt(p * (1 - p) / 4000)
+
+
+def test_top_k_and_top_p_exclude_the_tail() -> None:
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2, seed=1), 300)) == {0, 1}
+    # softmax of LOGITS: 0.55, 0.20, 0.12, 0.07, 0.03 -> top_p 0.7 keeps the first two
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.7, seed=2), 300)) == {0, 1}
+
+
+def test_the_stream_depends_only_on_seed_and_position() -> None:
+    p = SamplingParams(temperature=1.0, seed=99)
+    alone = [sample(LOGITS, [p], [i]).token_ids[0] for i in range(50)]
+    batched = sample(LOGITS.repeat(50, 1), [p] * 50, list(range(50))).token_ids
+    assert alone == batched
+    assert token_seed(99, 3) == token_seed(99, 3) != token_seed(99, 4)
+
+
+def test_min_tokens_suppresses_stop_tokens() -> None:
+    p = SamplingParams(temperature=0.0, min_tokens=2)
+    assert sample(LOGITS, [p], [0], frozenset({0})).token_ids == [1]
+    assert sample(LOGITS, [p], [2], frozenset({0})).token_ids == [0]
+
+
+def test_logprobs_are_the_models_own() -> None:
+    result = sample(LOGITS, [SamplingParams(temperature=0.7, logprobs=True, top_logprobs=2, seed=5)], [0])
+    expected = torch.log_softmax(LOGITS[0], -1)
+    assert result.logprobs[0] == pytest.approx(expected[result.token_ids[0]].item(), abs=1e-6)
+    assert [t for t, _ in result.top_logprobs[0]] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(temperature=2.5), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (SamplingParams(top_logprobs=21), "top_logprobs"),
+        (SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+    ],
+)
+def test_validation_names_the_parameter(params: SamplingParams, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        params.validate(vocab_size=1000)
