@@ -16,6 +16,7 @@ import yaml
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, ROLES, HashAlgo
 
 MIB = 1 << 20
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8")  # see engine/model/linear.py
 
 
 @dataclass
@@ -28,6 +29,7 @@ class EngineConfig:
     port: int = 8000
     dtype: str = "auto"  # auto: the faster of bf16 and fp32 on this CPU (measured), bf16 on CUDA
     device: str = "auto"
+    quantization: str = "none"  # or int8: int8 weights, dynamic int8 activations (CPU; about 2x faster)
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory_mib: int = 512  # modest: several engines share one machine in tests and local clusters
     kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget (tests, simulators)
@@ -55,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         HashAlgo(self.hash_algo)
 
 

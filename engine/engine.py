@@ -69,7 +69,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                           "cpu" if config.device == "auto" else config.device)
     dtype = pick_dtype(config.dtype, device)
     weights = loader.load_weights(model_dir, dtype)
-    model = Llama(model_config, weights, device)
+    model = Llama(model_config, weights, device, config.quantization)
     name = config.served_model_name or model_config.name
     return LoadedModel(name, model_config, Tokenizer.from_dir(model_dir), model, dtype)
 

@@ -21,6 +21,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
+    p.add_argument("--quantization", choices=["none", "int8"], help="int8: int8 weights and activations (CPU)")
     p.add_argument("--block-size", type=int)
     p.add_argument("--kv-cache-memory-mib", type=int, help="device KV cache budget in MiB (default 512)")
     p.add_argument("--max-num-seqs", type=int)
@@ -107,6 +108,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--output-tokens", type=int, default=128)
     e.add_argument("--prefix-tokens", type=int, default=2000)
     e.add_argument("--dtype", default="auto")
+    e.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="the engine's quantization; the transformers baseline gets the same (dynamic int8)")
     e.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     e.add_argument("--json", help="write the results here as JSON")
 

@@ -102,3 +102,12 @@ def test_serve_process_reads_its_config_and_exports_metrics(serve_process: str) 
     assert sum(blocks.values()) == httpx.get(serve_process + "/v1/kv/config").json()["num_device_blocks"]
     # 128 MiB of fp32 KV for SmolLM2 (30 layers, 3 KV heads of 64) is 182 blocks of 16 tokens
     assert sum(blocks.values()) == 182
+
+
+def test_int8_engine_still_answers_paris(bundled_dir: Path) -> None:
+    engine = make_engine(bundled_dir, quantization="int8", kv_cache_blocks=32)
+    outputs: list[RequestOutput] = []
+    engine.submit(Request("q", engine.tokenizer.encode_chat(QUESTION), SamplingParams(max_tokens=16, temperature=0),
+                          on_output=outputs.append))
+    engine.run_until_idle()
+    assert "Paris" in "".join(o.new_text for o in outputs)

@@ -60,3 +60,12 @@ def test_bf16_serving_stays_close(tiny_dir: Path, reference) -> None:
     logits = engine.runner.run([StepInput(list(range(2)), 0, prompt, True)]).logits[0]
     ref = _hf_last_logits(reference, prompt)
     assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
+
+
+def test_int8_quantization_stays_close(tiny_dir: Path, reference) -> None:
+    engine = make_engine(tiny_dir, quantization="int8", kv_cache_blocks=8)
+    prompt = [(i * 7919) % 49152 for i in range(20)]
+    logits = engine.runner.run([StepInput(list(range(2)), 0, prompt, True)]).logits[0]
+    ref = _hf_last_logits(reference, prompt)
+    assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
+    assert not torch.equal(logits, ref)  # it really is another computation

@@ -1,18 +1,20 @@
 """The Llama architecture (Llama, SmolLM, Qwen2-style) over a flat batch of tokens and the paged KV cache.
 
 Weights arrive under Hugging Face names and are fused on load (q, k, v into one projection; gate and up into
-one), so a layer is four matrix products. The model sees tokens, positions and attention metadata; it knows
-nothing of requests or blocks beyond that.
+one), so a layer is four matrix products, each in the form linear.py picks. The model sees tokens, positions
+and attention metadata; it knows nothing of requests or blocks beyond that.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.engine.model.linear import Linear, make_linear
 from kvmesh.engine.model.loader import ModelConfig
 
 
@@ -39,36 +41,54 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer: norms as weights, projections as callables (see linear.py)."""
+
+    attn_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
 class Llama:
     """Forward pass of a Llama-architecture decoder with fused weights."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        quantization: str = "none",
+    ) -> None:
         self.config = config
         self.device = device
         c = config
         self.embed = weights["model.embed_tokens.weight"].to(device)
         head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings or head is None else head.to(device)
+        head = weights["model.embed_tokens.weight"] if c.tie_word_embeddings or head is None else head
+        self.lm_head = make_linear(head, None, quantization, device, transpose=False)
         self.final_norm = weights["model.norm.weight"].to(device)
-        self.layers: list[dict[str, torch.Tensor | None]] = []
+        self.layers: list[Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             bias = None
             if c.attention_bias:
-                bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in ("q", "k", "v")]).to(device)
+                bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in ("q", "k", "v")])
+            qkv = torch.cat([weights[a + f"{n}_proj.weight"] for n in ("q", "k", "v")])
+            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
             self.layers.append(
-                {
-                    "attn_norm": weights[p + "input_layernorm.weight"].to(device),
-                    "qkv": torch.cat([weights[a + f"{n}_proj.weight"] for n in ("q", "k", "v")]).to(device),
-                    "qkv_bias": bias,
-                    "o": weights[a + "o_proj.weight"].to(device),
-                    "mlp_norm": weights[p + "post_attention_layernorm.weight"].to(device),
-                    "gate_up": torch.cat(
-                        [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
-                    ).to(device),
-                    "down": weights[p + "mlp.down_proj.weight"].to(device),
-                }
+                Layer(
+                    attn_norm=weights[p + "input_layernorm.weight"].to(device),
+                    qkv=make_linear(qkv, bias, quantization, device),
+                    o=make_linear(weights[a + "o_proj.weight"], None, quantization, device),
+                    mlp_norm=weights[p + "post_attention_layernorm.weight"].to(device),
+                    gate_up=make_linear(gate_up, None, quantization, device),
+                    down=make_linear(weights[p + "mlp.down_proj.weight"], None, quantization, device),
+                )
             )
         self.dtype = self.embed.dtype
         inv_freq, pos_scale = rope_inv_freq(c)
@@ -101,20 +121,20 @@ class Llama:
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         for i, w in enumerate(self.layers):
-            x = self._rms_norm(h, w["attn_norm"])
-            qkv = F.linear(x, w["qkv"], w["qkv_bias"])
+            x = self._rms_norm(h, w.attn_norm)
+            qkv = w.qkv(x)
             q = self._rope(qkv[:, : self.q_size].view(t, c.num_heads, c.head_dim), cos, sin)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_kv_heads, c.head_dim)
             k = self._rope(k, cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)
-            h = h + F.linear(attn.reshape(t, self.q_size), w["o"])
-            x = self._rms_norm(h, w["mlp_norm"])
-            gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w["down"])
+            h = h + w.o(attn.reshape(t, self.q_size))
+            x = self._rms_norm(h, w.mlp_norm)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
         return self._rms_norm(h, self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in fp32 for the given rows of hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

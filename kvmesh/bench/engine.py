@@ -88,11 +88,19 @@ def prefix_ttft(engine: Engine, prefix_tokens: int, seed: int) -> dict[str, floa
     }
 
 
-def transformers_generate(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], output_tokens: int) -> float:
-    """transformers' generate on the prompts as one padded batch (left padding, greedy); output tokens/s."""
+def transformers_generate(
+    model_dir: Path, dtype: torch.dtype, quantization: str, prompts: list[list[int]], output_tokens: int
+) -> float:
+    """transformers' generate on the prompts as one padded batch (left padding, greedy); output tokens/s.
+    With int8 the baseline gets torch's dynamic int8 quantization of its linear layers, per channel: the
+    same arithmetic as the engine's."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if quantization == "int8":
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        model = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -114,9 +122,9 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     print("loading the bundled model ...", file=sys.stderr)
     model_dir = resolve_model_dir(None)
-    engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=max(64, max(levels))))
+    engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(64, *levels)))
     engine.warmup()
-    print(f"engine: dtype {engine.dtype}, {engine.kv.pool.num_blocks} KV blocks, "
+    print(f"engine: dtype {engine.dtype}, quantization {args.quantization}, {engine.kv.pool.num_blocks} KV blocks, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     points = []
     for i, c in enumerate(levels):
@@ -130,7 +138,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         top = max(levels)
         print(f"transformers generate, {top} prompts as one batch ...", file=sys.stderr)
         prompts = _prompts(top, args.prompt_tokens, 100 + top, engine.tokenizer.vocab_size)
-        baseline = transformers_generate(model_dir, engine.dtype, prompts, args.output_tokens)
+        baseline = transformers_generate(model_dir, engine.dtype, args.quantization, prompts, args.output_tokens)
     print()
     extra = " vs transformers |" if baseline else ""
     print(f"| concurrent requests | output tok/s | mean TTFT (s) | model steps |{extra}")
@@ -151,6 +159,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
             "dtype": str(engine.dtype),
+            "quantization": args.quantization,
             "threads": torch.get_num_threads(),
             "throughput": [asdict(p) for p in points],
             "transformers_tokens_per_second": baseline,
