@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -40,7 +41,9 @@ def make_linear(
         w32 = weight.float()
         scales = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
         zero_points = torch.zeros(w32.shape[0], dtype=torch.long)
-        qweight = torch.quantize_per_channel(w32, scales, zero_points, 0, torch.qint8)
+        with warnings.catch_warnings():  # quantized tensors are deprecated upstream; constraints.txt pins torch
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(w32, scales, zero_points, 0, torch.qint8)
         packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
         # reduce_range: 7-bit activations, so AVX2's 16-bit intermediate sums cannot saturate
         return lambda x: torch.ops.quantized.linear_dynamic(x.float(), packed, True).to(x.dtype)
