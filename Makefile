@@ -21,7 +21,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 run: $(VENV)/.installed
-	@$(VENV)/bin/kvmesh serve --port $(PORT) & pid=$$!; \
+	@$(VENV)/bin/kvmesh serve --port $(PORT) --log-level warning & pid=$$!; \
 	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
 	$(VENV)/bin/kvmesh chat --url http://127.0.0.1:$(PORT) "What is the capital of France?"
 

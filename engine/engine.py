@@ -182,12 +182,18 @@ class Engine:
             if request.output_ids:
                 request.text = request.detokenizer.step(request.output_ids)
                 request.emitted_text = request.text
+            request.expected_cached_tokens = self.kv.find_prefix(request.request_id, request.token_ids,
+                                                                 request.extra).num_tokens
             self.requests[request.request_id] = request
             self.scheduler.add(request)
         while self._aborts:
-            request = self.requests.get(self._aborts.popleft())
+            request_id = self._aborts.popleft()
+            request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, "abort")
+            elif any(r.request_id == request_id for r in self._inbox):
+                self._aborts.append(request_id)  # submitted after the inbox was read: abort it next step
+                break
 
     def step(self) -> SchedulerOutput:
         """One scheduling decision and one model step."""
@@ -278,13 +284,11 @@ class Engine:
         else:
             r.text += r.detokenizer.step([token])
         sendable = len(r.text)
-        for stop in p.stop:
-            at = r.text.find(stop, max(0, len(r.emitted_text) - len(stop) + 1))
-            if at != -1:
-                r.text = r.text[:at]
-                sendable = at
-                finish = "stop"
-                break
+        hits = [at for stop in p.stop if (at := r.text.find(stop, max(0, len(r.emitted_text) - len(stop) + 1))) >= 0]
+        if hits:
+            r.text = r.text[: min(hits)]
+            sendable = len(r.text)
+            finish = "stop"
         if finish is None:
             if r.num_generated >= p.max_tokens or r.num_tokens >= self.max_model_len:
                 finish = "length"
@@ -312,7 +316,7 @@ class Engine:
         now = time.monotonic()
         m = self.metrics
         m.requests.labels(reason if reason in ("stop", "length", "abort") else "error").inc()
-        if reason in ("stop", "length"):
+        if reason in ("stop", "length") and error is None:
             self.lengths.observe(r.workload, r.num_generated)
             m.e2e.labels(self.model_name).observe(now - r.arrival_time)
             m.request_generation_tokens.labels(self.model_name).observe(r.num_generated)
@@ -347,8 +351,7 @@ class Engine:
     def _publish(self) -> None:
         self.events.flush()
         self._maybe_forecast()
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
-        pending += sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.scheduler.running if r.is_prefilling)
+        pending = sum(self._pending_prefill(r) for r in (*self.scheduler.waiting, *self.scheduler.running))
         self.state = EngineState(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -361,6 +364,21 @@ class Engine:
             draining=self.draining,
         )
 
+    def _pending_prefill(self, r: Request) -> int:
+        """Prompt tokens still to compute: a waiting request's uncached part (estimated at arrival), a running
+        one's unfinished prefill, nothing for a decoding one."""
+        if r.status is Status.WAITING:
+            return max(r.num_tokens - max(r.num_computed_tokens, r.expected_cached_tokens), 0)
+        return r.num_tokens - r.num_computed_tokens if r.is_prefilling else 0
+
+    def _held_tokens(self, r: Request) -> int:
+        """Tokens of KV a request holds alone: a block shared by k requests counts 1/k for each."""
+        blocks = self.kv.seqs.get(r.request_id)
+        if blocks is None or not blocks.blocks:
+            return r.num_tokens
+        shared = sum(1 - 1 / b.ref_count for b in blocks.blocks if b.ref_count > 1)
+        return max(int(r.num_tokens - shared * self.config.block_size), 1)
+
     def _maybe_forecast(self) -> None:
         now = time.monotonic()
         if now - self._last_forecast < self.config.forecast_interval_seconds:
@@ -368,11 +386,11 @@ class Engine:
         self._last_forecast = now
         loads = [
             RequestLoad(
-                context_tokens=r.num_tokens,
+                context_tokens=self._held_tokens(r),
                 generated_tokens=r.num_generated,
                 max_tokens=r.params.max_tokens,
                 workload=r.workload,
-                pending_prefill_tokens=r.num_tokens - r.num_computed_tokens,
+                pending_prefill_tokens=min(self._pending_prefill(r), self._held_tokens(r)),
             )
             for r in (*self.scheduler.running, *self.scheduler.waiting)
         ]

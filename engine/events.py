@@ -7,12 +7,15 @@ snapshot to the stream without a gap.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
 
 from kvmesh.engine.protocol import TIERS, KVBlocksSnapshot, KVEvent, KVEventBatch
+
+log = logging.getLogger("kvmesh.engine.events")
 
 
 class EventLog:
@@ -44,7 +47,10 @@ class EventLog:
             for event in events:
                 self._apply(event)
         for listener in list(self._listeners):
-            listener()
+            try:
+                listener()
+            except Exception:  # a reader's closed loop must not fail the engine's step
+                log.exception("KV event listener failed")
 
     def _apply(self, event: KVEvent) -> None:
         tiers = TIERS if event.tier is None else (event.tier,)

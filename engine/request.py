@@ -47,10 +47,10 @@ class Request:
     extra: BlockExtra = field(default_factory=BlockExtra)
     on_output: Callable[[RequestOutput], None] | None = None
     output_ids: list[int] = field(default_factory=list)
-    resumed_count: int = 0  # leading output_ids that came in resume_output_ids (not sent again)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens supplied by the cache at first admission
+    expected_cached_tokens: int = 0  # the cached prefix found at arrival (for load estimates while waiting)
     num_preemptions: int = 0
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)

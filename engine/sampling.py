@@ -14,6 +14,7 @@ import xxhash
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -39,7 +40,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Below 1e-5 the scaled logits overflow; such a temperature means greedy, as in vLLM."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first parameter outside its range."""
@@ -114,7 +116,8 @@ def sample(
         scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(scaled, dim=-1)
         generator = torch.Generator().manual_seed(token_seed(p.seed or 0, index))
-        noise = torch.empty_like(probs).exponential_(generator=generator)
+        # drawn on the CPU whatever the device, so every pod, CPU or GPU, continues the same stream
+        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator).to(probs.device)
         tokens[row] = torch.argmax(probs / noise)  # the exponential race: argmax p_i / E_i draws i with prob p_i
     token_list = tokens.tolist()
     want_logprobs = any(p.logprobs for p in params)

@@ -113,7 +113,7 @@ class Scheduler:
             self.waiting.pop(0)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-                request.cached_tokens = hit.num_tokens
+                request.cached_tokens = min(hit.num_tokens, len(request.prompt_ids))
                 out.admitted.append(request)
             request.num_computed_tokens = hit.num_tokens
             request.status = Status.RUNNING

@@ -39,6 +39,7 @@ from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 
 EVENTS_HEARTBEAT_SECONDS = 10.0
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI; chat gets the rest of the context
 DISCONNECT_CHECK_SECONDS = 0.5
 
 
@@ -75,10 +76,12 @@ class EngineHolder:
         return self.engine
 
 
-def _usage(out: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(o.prompt_tokens for o in out)
-    completion = sum(o.completion_tokens for o in out)
-    cached = sum(o.cached_tokens for o in out)
+def _usage(finals: dict[int, RequestOutput], job: _Job) -> dict[str, Any]:
+    """OpenAI's usage: each prompt counted once however many choices answer it, completions summed."""
+    first_of_prompt = {job.prompt_of[i]: o for i, o in sorted(finals.items(), reverse=True)}
+    prompt = sum(o.prompt_tokens for o in first_of_prompt.values())
+    cached = sum(o.cached_tokens for o in first_of_prompt.values())
+    completion = sum(o.completion_tokens for o in finals.values())
     by_source = dict.fromkeys(CACHE_SOURCES, 0)
     by_source["device"] = cached
     return {
@@ -97,10 +100,13 @@ class _Job:
         self.loop = loop
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.requests: list[Request] = []
+        self.prompt_of: list[int] = []  # which prompt each request answers (n choices share one)
         self.open: set[int] = set()
+        self._checked = time.monotonic()
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, prompt_index: int) -> None:
         index = len(self.requests)
+        self.prompt_of.append(prompt_index)
         request.on_output = lambda out, i=index: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
         self.requests.append(request)
         self.open.add(index)
@@ -114,14 +120,17 @@ class _Job:
             self.engine.abort(self.requests[i].request_id)
 
     async def next(self, http: HttpRequest | None) -> tuple[int, RequestOutput]:
-        """The next output; aborts the requests if the client has gone away meanwhile."""
+        """The next output; aborts the requests if the client has gone away meanwhile (checked at least every
+        DISCONNECT_CHECK_SECONDS, whether or not outputs keep arriving)."""
         while True:
+            if http is not None and time.monotonic() - self._checked > DISCONNECT_CHECK_SECONDS:
+                self._checked = time.monotonic()
+                if await http.is_disconnected():
+                    self.abort()
+                    raise ConnectionAbortedError
             try:
                 item = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK_SECONDS)
             except TimeoutError:
-                if http is not None and await http.is_disconnected():
-                    self.abort()
-                    raise ConnectionAbortedError from None
                 continue
             if item[1].finish_reason is not None:
                 self.open.discard(item[0])
@@ -186,7 +195,10 @@ class _Completions:
         b = self.body
         e = self.engine
         room = e.max_model_len - prompt_len
-        asked = b.max_completion_tokens if isinstance(b, ChatRequest) and b.max_completion_tokens else b.max_tokens
+        if isinstance(b, ChatRequest):
+            asked = b.max_completion_tokens or b.max_tokens
+        else:
+            asked = DEFAULT_COMPLETION_TOKENS if b.max_tokens is None else b.max_tokens
         if asked is not None and asked > room:
             raise ApiError(
                 400,
@@ -239,7 +251,7 @@ class _Completions:
             raise ApiError(400, f"{PRIORITY_HEADER} must be an integer", param=PRIORITY_HEADER) from None
         vocab = e.tokenizer.vocab_size
         job = _Job(e, asyncio.get_running_loop())
-        for prompt_ids in self.prompts():
+        for prompt_index, prompt_ids in enumerate(self.prompts()):
             if not prompt_ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
@@ -273,8 +285,8 @@ class _Completions:
                         priority=priority,
                         extra=BlockExtra(cache_salt=b.cache_salt),
                         output_ids=list(resume),
-                        resumed_count=len(resume),
-                    )
+                    ),
+                    prompt_index,
                 )
         return job
 
@@ -322,7 +334,7 @@ class _Completions:
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        finals: list[RequestOutput] = []
+        finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
         try:
             job.submit()
@@ -332,13 +344,13 @@ class _Completions:
                     yield f"data: {json.dumps(error_body(out.error, 'server_error'))}\n\n"
                     continue
                 if out.finish_reason is not None:
-                    finals.append(out)
+                    finals[index] = out
                 if not out.new_text and not out.new_token_ids and out.finish_reason is None:
                     continue
                 yield self._chunk([self._choice_delta(index, out, index not in started)])
                 started.add(index)
             if include_usage:
-                yield self._chunk([], _usage(finals))
+                yield self._chunk([], _usage(finals, job))
             yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, ConnectionAbortedError, GeneratorExit):
             job.abort()
@@ -358,10 +370,10 @@ class _Completions:
             job.abort()
             raise
         choices = []
-        finals = []
+        finals: dict[int, RequestOutput] = {}
         for index, outs in parts.items():
             final = outs[-1]
-            finals.append(final)
+            finals[index] = final
             if final.error and final.finish_reason not in ("stop", "length"):
                 raise ApiError(500, final.error, code="engine_error")
             text = "".join(o.new_text for o in outs)
@@ -385,7 +397,7 @@ class _Completions:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": _usage(finals),
+            "usage": _usage(finals, job),
         }
 
 

@@ -128,7 +128,7 @@ def test_seeded_sampling_is_reproducible_and_resumable(tiny_engine: Engine) -> N
     assert other.tokens != a.tokens
     # another engine continuing after 5 tokens (resume_output_ids) produces the same stream
     request = Request("resume", list(p), SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True),
-                      output_ids=a.tokens[:5], resumed_count=5)
+                      output_ids=a.tokens[:5])
     outputs: list[RequestOutput] = []
     request.on_output = outputs.append
     tiny_engine.submit(request)
@@ -214,3 +214,24 @@ def test_events_and_snapshot_agree(tiny_dir: Path) -> None:
     assert set(snapshot.blocks["device"]) == held == set(engine.kv.pool.cached_hashes())
     assert snapshot.seq == engine.events.seq > 0
     assert engine.events.read(0, boot_id="another-boot")[0].reset
+
+
+def test_the_earliest_stop_string_wins(tiny_engine: Engine) -> None:
+    (free,) = generate(tiny_engine, [prompt(9, 12)], max_tokens=20)
+    text = tiny_engine.tokenizer.decode(free.tokens)
+    early, late = text[1:3], text[6:9]
+    (stopped,) = generate(tiny_engine, [prompt(9, 12)], max_tokens=20, stop=[late, early])
+    assert "".join(o.new_text for o in stopped.outputs) == text[: text.find(early)]
+
+
+def test_cached_tokens_never_exceed_the_prompt_when_resuming(tiny_engine: Engine) -> None:
+    p = prompt(11, 20)
+    (first,) = generate(tiny_engine, [p], max_tokens=30)
+    request = Request("resume-cached", list(p), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                      output_ids=first.tokens[:25])
+    outputs: list[RequestOutput] = []
+    request.on_output = outputs.append
+    tiny_engine.submit(request)
+    tiny_engine.run_until_idle()
+    assert outputs[-1].cached_tokens <= 20
+    assert [t for o in outputs for t in o.new_token_ids] == first.tokens[25:]

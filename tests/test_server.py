@@ -229,3 +229,42 @@ def test_a_failing_step_fails_its_requests_not_the_server(served: tuple[str, Eng
     ok = httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     wait_idle(engine)
+
+
+def _aborts(engine: Engine) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(engine.metrics.render().decode()):
+        for s in family.samples:
+            if s.name == "kvmesh_requests_total" and s.labels["finish_reason"] == "abort":
+                return s.value
+    raise AssertionError("no abort counter")
+
+
+def test_disconnect_during_a_non_streaming_request_aborts_it(served: tuple[str, Engine]) -> None:
+    url, engine = served
+    before = _aborts(engine)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True}, timeout=0.5)
+    wait_idle(engine)
+    assert _aborts(engine) == before + 1
+
+
+def test_usage_counts_the_prompt_once_for_n_choices(served: tuple[str, Engine]) -> None:
+    url = served[0]
+    one = httpx.post(url + "/v1/completions", json={"prompt": "hello world", "max_tokens": 2, "ignore_eos": True})
+    two = httpx.post(url + "/v1/completions", json={"prompt": "hello world", "max_tokens": 2, "n": 3,
+                                                    "ignore_eos": True})
+    assert two.json()["usage"]["prompt_tokens"] == one.json()["usage"]["prompt_tokens"]
+    assert two.json()["usage"]["completion_tokens"] == 6
+
+
+def test_completions_default_to_16_tokens_and_tiny_temperature_is_greedy(served: tuple[str, Engine]) -> None:
+    url = served[0]
+    default = httpx.post(url + "/v1/completions", json={"prompt": "a b c", "ignore_eos": True}).json()
+    assert default["usage"]["completion_tokens"] == 16
+    greedy = httpx.post(url + "/v1/completions", json={"prompt": "a b c", "temperature": 0, "max_tokens": 5,
+                                                       "ignore_eos": True}).json()
+    tiny = httpx.post(url + "/v1/completions", json={"prompt": "a b c", "temperature": 1e-40, "max_tokens": 5,
+                                                     "ignore_eos": True}).json()
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"] != ""
