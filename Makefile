@@ -1,12 +1,13 @@
-# The two commands of the README: `make run` (install, start the engine with the bundled model, answer one
-# chat request) and `make test` (install with test dependencies, lint, run every test).
+# The two commands of the README: `make run` (install, start a local pool of two engines and a router with the
+# bundled model, answer one chat request through the router) and `make test` (install with test dependencies,
+# lint, run every test).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PORT ?= 8000
+PORT ?= 8080
 PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: run serve test lint bench clean
+.PHONY: run up serve test lint bench clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -21,12 +22,15 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 run: $(VENV)/.installed
-	@$(VENV)/bin/kvmesh serve --port $(PORT) --log-level warning & pid=$$!; \
+	@$(VENV)/bin/kvmesh up --port $(PORT) & pid=$$!; \
 	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
 	$(VENV)/bin/kvmesh chat --url http://127.0.0.1:$(PORT) "What is the capital of France?"
 
+up: $(VENV)/.installed
+	$(VENV)/bin/kvmesh up --port $(PORT)
+
 serve: $(VENV)/.installed
-	$(VENV)/bin/kvmesh serve --port $(PORT)
+	$(VENV)/bin/kvmesh serve --port 8000
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .

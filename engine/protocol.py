@@ -158,9 +158,9 @@ class KVConfig:
     role: str = "both"
 
     def compatible_with(self, other: KVConfig) -> bool:
-        """Whether block hashes computed under `other` mean the same blocks here."""
-        return (self.model, self.block_size, self.hash_algo, self.hash_root, self.tokenizer_fingerprint) == (
-            other.model,
+        """Whether block hashes computed under `other` name the same token runs here. The model is not part of
+        it: the router keeps one index per pod and filters pods by the model they serve."""
+        return (self.block_size, self.hash_algo, self.hash_root, self.tokenizer_fingerprint) == (
             other.block_size,
             other.hash_algo,
             other.hash_root,
@@ -302,6 +302,21 @@ class Metric:
     EVENTS_SEQ = "kvmesh_kv_events_seq"  # gauge: last sequence number published
 
 
+class RouterMetric:
+    """The router's own metrics."""
+
+    REQUESTS = "kvmesh_router_requests"  # counter; labels outcome, route
+    DECISION_SECONDS = "kvmesh_router_decision_seconds"  # histogram: tokenize + hash + pick
+    PREDICTED_CACHED_TOKENS = "kvmesh_router_predicted_cached_tokens"  # counter
+    ACTUAL_CACHED_TOKENS = "kvmesh_router_actual_cached_tokens"  # counter (from the engines' usage)
+    RETRIES = "kvmesh_router_retries"  # counter
+    INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed
+    PODS = "kvmesh_router_pods"  # gauge; label state (healthy, unhealthy, draining, refused)
+
+
+ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
+ROUTES: tuple[str, ...] = ("aggregated", "retry")
+POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")
 EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared")

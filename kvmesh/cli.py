@@ -1,5 +1,4 @@
-"""The one `kvmesh` command: `kvmesh serve`, `kvmesh chat`, `kvmesh bench engine` (more arrive with the router
-and operator)."""
+"""The one `kvmesh` command: `serve` (an engine), `router`, `up` (a local pool), `chat`, `bench`."""
 
 from __future__ import annotations
 
@@ -58,6 +57,65 @@ def _serve(args: argparse.Namespace) -> int:
     if holder.engine is not None:
         holder.engine.stop()
     return 0
+
+
+def _router_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run a router: one OpenAI endpoint in front of engines")
+    p.add_argument("--config", help="YAML file with a `router` section (flags override it)")
+    p.add_argument("--pod", dest="pods", action="append", default=[], help="an engine's base URL (repeatable)")
+    p.add_argument("--model", help="HF directory or .gguf holding the pool's tokenizer (default: the bundled model)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument("--pool", help="the pool's name (for the request log)")
+    p.add_argument("--database-url", help="request log, e.g. sqlite:///requests.db")
+    p.add_argument("--api-keys-file", help="YAML of tenants and sha256 key hashes; no file: no auth")
+    p.add_argument("--log-level", default="info")
+
+
+def _router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvmesh.engine.model.loader import resolve_model_dir
+    from kvmesh.router.app import build_router, create_router_app
+    from kvmesh.router.config import RouterConfig, load_router_config
+
+    try:
+        flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
+        config = load_router_config(args.config, flags)
+        router = build_router(config, resolve_model_dir(config.model))
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_router_app(router), host=config.host, port=config.port, log_level=args.log_level)
+    return 0
+
+
+def _up_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a local pool: engines and a router as processes")
+    p.add_argument("-f", "--file", help="an InferencePool YAML file")
+    p.add_argument("--engines", type=int, help="number of engines (default 2)")
+    p.add_argument("--model", help="HF directory or .gguf (default: the bundled model)")
+    p.add_argument("--port", type=int, default=8080, help="the router's port (default 8080)")
+    p.add_argument("--ready-file", help="write the endpoint here once every process is healthy")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kvmesh.up import PoolPlan, plan_from_file, run_pool
+
+    try:
+        plan = plan_from_file(args.file) if args.file else PoolPlan()
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 2
+    if args.engines is not None:
+        if args.engines < 1:
+            print("kvmesh up: --engines must be at least 1", file=sys.stderr)
+            return 2
+        plan.engines = args.engines
+    if args.model:
+        plan.model = args.model
+    return run_pool(plan, args.port, args.ready_file)
 
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
@@ -125,10 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _router_parser(sub)
+    _up_parser(sub)
     _chat_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "chat": _chat, "bench": _bench}
+    handlers = {"serve": _serve, "router": _router, "up": _up, "chat": _chat, "bench": _bench}
     return handlers[args.command](args)
 
 

@@ -1,0 +1,165 @@
+"""`kvmesh up`: a whole pool on one machine. N engines and a router as child processes, from flags or an
+InferencePool YAML file; waits until every child is healthy, prints the endpoint, and stops everything on
+Ctrl-C or as soon as one child dies (with the tail of its log)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from kvmesh.engine.model.loader import resolve_model_dir
+
+HEALTH_TIMEOUT_SECONDS = 600.0
+
+
+@dataclass
+class PoolPlan:
+    """What `kvmesh up` starts: engines (aggregated), their engine settings, and the router's."""
+
+    name: str = "local"
+    engines: int = 2
+    model: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    router: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_from_file(path: str | Path) -> PoolPlan:
+    """The fields of an InferencePool that a local pool uses: metadata.name, spec.model.source,
+    spec.replicas.both.min (or spec.replicas as a number), spec.engine and spec.router."""
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
+        raise ValueError(f"{path}: expected an InferencePool with a `spec`")
+    spec = doc["spec"]
+    replicas = spec.get("replicas", 2)
+    if isinstance(replicas, dict):
+        replicas = (replicas.get("both") or {}).get("min", 2)
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"{path}: spec.replicas must be a positive number of engines")
+    model = spec.get("model") or {}
+    return PoolPlan(
+        name=(doc.get("metadata") or {}).get("name", "local"),
+        engines=replicas,
+        model=model.get("source") if isinstance(model, dict) else None,
+        engine=dict(spec.get("engine") or {}),
+        router=dict(spec.get("router") or {}),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _spawn(name: str, args: list[str], port: int, workdir: Path) -> Child:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return Child(name, f"http://127.0.0.1:{port}", process, log)
+
+
+def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
+    """Wait until every child answers /health 200; the first child that died instead, if one did."""
+    pending = list(children)
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while pending and time.monotonic() < deadline:
+            for child in list(pending):
+                if child.process.poll() is not None:
+                    return child
+                try:
+                    if client.get(child.url + "/health").status_code == 200:
+                        pending.remove(child)
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.25)
+    if pending:
+        raise TimeoutError(f"{', '.join(c.name for c in pending)} not healthy after {timeout:.0f} s")
+    return None
+
+
+def _stop(children: list[Child]) -> None:
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 20
+    for child in children:
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None) -> int:
+    """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a child's death (1)."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(f"kvmesh up: preparing model {plan.model or 'SmolLM2-135M-Instruct (bundled)'} ...", file=sys.stderr)
+    model_dir = resolve_model_dir(plan.model)
+    threads = max(1, (os.cpu_count() or 2) // plan.engines)
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{plan.name}-"))
+    engine_file = workdir / "engine.yaml"
+    engine_file.write_text(yaml.safe_dump({"engine": {"threads": threads, "kv_cache_memory_mib": 256,
+                                                      **plan.engine}}))
+    children: list[Child] = []
+    try:
+        for i in range(plan.engines):
+            port = free_port()
+            children.append(_spawn(f"engine-{i}", ["serve", "--config", str(engine_file), "--model", str(model_dir),
+                                                   "--port", str(port), "--log-level", "warning"], port, workdir))
+        router_file = workdir / "router.yaml"
+        router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **plan.router,
+                                                          "pods": [c.url for c in children]}}))
+        children.append(_spawn("router", ["router", "--config", str(router_file), "--model", str(model_dir),
+                                          "--port", str(router_port), "--log-level", "warning"], router_port,
+                               workdir))
+        print(f"kvmesh up: starting {plan.engines} engines and a router (logs in {workdir}) ...", file=sys.stderr)
+        dead = _wait_healthy(children, HEALTH_TIMEOUT_SECONDS)
+        if dead is not None:
+            print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
+            return 1
+        endpoint = f"http://127.0.0.1:{router_port}/v1"
+        print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
+        if ready_file:
+            Path(ready_file).write_text(endpoint)
+        while True:
+            for child in children:
+                if child.process.poll() is not None:
+                    print(f"kvmesh up: {child.name} exited with {child.process.returncode}; stopping the pool:\n"
+                          f"{child.tail()}", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("kvmesh up: stopping", file=sys.stderr)
+        return 0
+    except TimeoutError as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _stop(children)

@@ -1,0 +1,358 @@
+"""The router's HTTP edge: one OpenAI endpoint for a pool of engines.
+
+Per request: validate the body (the engine's own request types, so errors read the same), derive the tenant
+and its cache salt, tokenize exactly as the engines do, hash the blocks (contract 1), ask the picker, and
+proxy to the chosen pod, streaming chunks through as they arrive. A pod that answers 429 or 503, or fails
+before its first byte, is skipped for the next best one. The choice itself is `picker.pick`, a pure function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+
+from kvmesh.engine.model.tokenizer import Tokenizer
+from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
+from kvmesh.engine.protocol import (
+    POD_STATES,
+    PRIORITY_HEADER,
+    ROUTER_OUTCOMES,
+    ROUTES,
+    WORKLOAD_HEADER,
+    BlockExtra,
+    HashAlgo,
+    KVConfig,
+    RouterMetric,
+    block_hashes,
+    parse_priority,
+    workload_class,
+)
+from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.index import PrefixIndex
+from kvmesh.router.picker import Decision, PickerConfig, RequestInfo, pick
+from kvmesh.router.pods import Pod, PodSet
+from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
+
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+RETRYABLE = (429, 503)
+
+
+class RouterMetrics:
+    def __init__(self, pods: PodSet, index: PrefixIndex) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(RouterMetric.REQUESTS, "Requests by outcome and route.", ["outcome", "route"],
+                                registry=r)
+        self.decision = Histogram(RouterMetric.DECISION_SECONDS, "Tokenize, hash and pick.",
+                                  buckets=DECISION_BUCKETS, registry=r)
+        self.predicted = Counter(RouterMetric.PREDICTED_CACHED_TOKENS, "Cached tokens the router predicted.",
+                                 registry=r)
+        self.actual = Counter(RouterMetric.ACTUAL_CACHED_TOKENS, "Cached tokens the engines reported.", registry=r)
+        self.retries = Counter(RouterMetric.RETRIES, "Requests sent to another pod after a refusal.", registry=r)
+        index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
+        index_blocks.set_function(index.size)
+        pod_states = Gauge(RouterMetric.PODS, "Pods by state.", ["state"], registry=r)
+        for state in POD_STATES:
+            pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
+        for outcome in ROUTER_OUTCOMES:
+            for route in ROUTES:
+                self.requests.labels(outcome, route)
+
+
+def _count_pods(pods: PodSet, state: str) -> int:
+    def state_of(pod: Pod) -> str:
+        if pod.refused:
+            return "refused"
+        if pod.draining:
+            return "draining"
+        return "healthy" if pod.healthy else "unhealthy"
+
+    return sum(1 for pod in pods.pods.values() if state_of(pod) == state)
+
+
+class RouteError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass
+class Trace:
+    """What the router learns about one request on its way, for the request log."""
+
+    info: RequestInfo
+    tenant: str
+    workload: str
+    start: float = field(default_factory=time.monotonic)
+    route: str = "aggregated"
+    pods: list[str] = field(default_factory=list)
+    predicted: int = 0
+    first_chunk_at: float | None = None
+    chunks: int = 0
+
+
+@dataclass
+class Router:
+    """The router's state: configuration, tokenizer, pods, index, metrics. Built once per process."""
+
+    config: RouterConfig
+    tokenizer: Tokenizer
+    pods: PodSet
+    index: PrefixIndex
+    picker: PickerConfig
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    keys: ApiKeys
+    log: AsyncRequestLog | None
+
+    def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
+        """One row of the request log (numbers only), when the pool has one."""
+        if self.log is None:
+            return
+        usage = usage or {}
+        now = time.monotonic()
+        itl = None
+        if trace.first_chunk_at is not None and trace.chunks > 1:
+            itl = (now - trace.first_chunk_at) / (trace.chunks - 1)
+        self.log.submit(RequestRecord(
+            pool=self.config.pool,
+            tenant=tenant_hash(trace.tenant),
+            workload=trace.workload,
+            route=trace.route,
+            outcome=outcome,
+            status_code=status,
+            priority=trace.info.priority,
+            prompt_tokens=usage.get("prompt_tokens", trace.info.prompt_tokens),
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            predicted_cached_tokens=trace.predicted,
+            output_tokens=usage.get("completion_tokens", 0),
+            ttft_seconds=None if trace.first_chunk_at is None else trace.first_chunk_at - trace.start,
+            mean_itl_seconds=itl,
+            e2e_seconds=now - trace.start,
+            pods=",".join(trace.pods),
+            retries=max(len(trace.pods) - 1, 0),
+            model=trace.info.model,
+        ))
+
+    def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
+        if isinstance(body, ChatRequest):
+            messages = [m.model_dump() for m in body.messages]
+            try:
+                return self.tokenizer.encode_chat(messages)
+            except ValueError as exc:
+                raise RouteError(400, f"messages: {exc}") from None
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            return list(prompt[0])  # several prompts: route by the first
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)  # type: ignore[arg-type]
+
+    def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
+        """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens)."""
+        ids = self._token_ids(body)
+        c = self.config
+        hashes = block_hashes(ids[: c.max_hashed_tokens], c.block_size, BlockExtra(cache_salt=body.cache_salt),
+                              HashAlgo(c.hash_algo), c.hash_root)
+        return RequestInfo(model=body.model or "", prompt_tokens=len(ids), block_hashes=tuple(hashes),
+                           priority=priority)
+
+    def decide(self, info: RequestInfo, exclude: set[str]) -> Decision:
+        now = time.monotonic()
+        states = [p for p in self.pods.snapshot(now) if p.name not in exclude]
+        if info.model:
+            served = {p.model for p in states if p.healthy}
+            if served and info.model not in served:
+                raise RouteError(404, f"model {info.model!r} does not exist; this pool serves "
+                                      f"{sorted(served)}", code="model_not_found")
+        matches = self.index.match(info.block_hashes, [p.name for p in states], now)
+        return pick(info, states, matches, self.picker)
+
+
+def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
+    """The router for `config`, tokenizing with the tokenizer and chat template in `tokenizer_dir`."""
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    expected = KVConfig(
+        model="",
+        block_size=config.block_size,
+        hash_algo=config.hash_algo,
+        hash_root=config.hash_root,
+        tokenizer_fingerprint=tokenizer.fingerprint,
+        num_device_blocks=0,
+        boot_id="",
+    )
+    index = PrefixIndex()
+    pods = PodSet(config.pods, expected, index, config.scrape_interval_seconds, config.stale_after_seconds)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=config.request_timeout_seconds))
+    keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys({})
+    log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None
+    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), client,
+                  keys, log)
+
+
+def create_router_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.pods.start()
+        yield
+        await router.pods.stop()
+        await router.client.aclose()
+        if router.log is not None:
+            router.log.close()
+
+    app = FastAPI(title="kvmesh router", lifespan=lifespan)
+
+    async def route(http: HttpRequest, path: str, chat: bool) -> Response:
+        try:
+            raw = json.loads(await http.body())
+            body = (ChatRequest if chat else CompletionRequest).model_validate(raw)
+            priority = parse_priority(http.headers.get(PRIORITY_HEADER))
+        except json.JSONDecodeError:
+            return JSONResponse(error_body("malformed JSON"), status_code=400)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+            return JSONResponse(error_body(problems), status_code=400)
+        except ValueError:
+            return JSONResponse(error_body(f"{PRIORITY_HEADER} must be an integer"), status_code=400)
+        tenant = router.keys.tenant_for(http.headers.get("authorization"))
+        if tenant is None:
+            return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
+                                           "authentication_error", code="invalid_api_key"), status_code=401)
+        if router.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
+            raw["cache_salt"] = body.cache_salt = cache_salt_for(tenant, router.config.pool)
+        try:
+            start = time.perf_counter()
+            info = await asyncio.to_thread(router.request_info, body, priority)
+            router.metrics.decision.observe(time.perf_counter() - start)
+            workload = workload_class("chat" if chat else "completion", info.prompt_tokens,
+                                      http.headers.get(WORKLOAD_HEADER))
+            return await forward(http, path, raw, Trace(info, tenant, workload), bool(body.stream))
+        except RouteError as exc:
+            outcome = "no_pod" if exc.status == 503 else "error"
+            router.metrics.requests.labels(outcome, "aggregated").inc()
+            return JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status)
+
+    async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
+        info = trace.info
+        tried: set[str] = set()
+        headers = {k: v for k, v in http.headers.items() if k.lower() in ("x-kvmesh-workload", PRIORITY_HEADER)}
+        for attempt in range(router.config.retries + 1):
+            decision = router.decide(info, tried)
+            if decision.pod is None:
+                break
+            pod = router.pods.pods[decision.pod.name]
+            tried.add(pod.name)
+            trace.pods.append(pod.name)
+            trace.predicted = decision.predicted_cached_tokens
+            trace.route = route_name = "retry" if attempt else "aggregated"
+            if attempt:
+                router.metrics.retries.inc()
+            router.index.add_provisional(pod.name, info.block_hashes, time.monotonic(),
+                                         router.config.provisional_ttl_seconds)
+            request = router.client.build_request("POST", pod.url + path, json=raw, headers=headers)
+            pod.inflight += 1
+            try:
+                reply = await router.client.send(request, stream=True)
+            except httpx.TransportError:
+                pod.inflight -= 1
+                continue
+            if reply.status_code in RETRYABLE:
+                await reply.aclose()
+                pod.inflight -= 1
+                continue
+            router.metrics.predicted.inc(decision.predicted_cached_tokens)
+            decided = {"x-kvmesh-pod": pod.name,
+                       "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
+            if stream and reply.status_code == 200:
+                return StreamingResponse(relay(reply, pod, trace), media_type="text/event-stream",
+                                         headers=decided)
+            try:
+                content = await reply.aread()
+            finally:
+                await reply.aclose()
+                pod.inflight -= 1
+            outcome = "ok" if reply.status_code == 200 else "error"
+            router.metrics.requests.labels(outcome, route_name).inc()
+            usage = None
+            if reply.status_code == 200:
+                usage = _count_cached(json.loads(content))
+            router.record(trace, outcome, reply.status_code, usage)
+            return Response(content, status_code=reply.status_code, media_type="application/json",
+                            headers=decided)
+        router.metrics.requests.labels("no_pod", "aggregated").inc()
+        router.record(trace, "shed", 503, None)
+        return JSONResponse(error_body("no pod can take this request now; retry later", "server_error",
+                                       code="no_pod"), status_code=503, headers={"Retry-After": "1"})
+
+    def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
+        usage = body.get("usage") or {}
+        router.metrics.actual.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        return usage
+
+    async def relay(reply: httpx.Response, pod: Pod, trace: Trace) -> AsyncIterator[str]:
+        """Pass SSE lines through as they arrive; read the usage chunk on the way for the metrics."""
+        outcome = "ok"
+        usage = None
+        try:
+            async for line in reply.aiter_lines():
+                if line.startswith("data: {"):
+                    trace.chunks += 1
+                    if trace.first_chunk_at is None:
+                        trace.first_chunk_at = time.monotonic()
+                    if '"usage"' in line:
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            usage = _count_cached(chunk)
+                yield line + "\n"
+        except httpx.TransportError:
+            outcome = "error"
+            yield f"data: {json.dumps(error_body('the pod serving this stream failed', 'server_error'))}\n\n"
+        except asyncio.CancelledError:
+            outcome = "client_gone"
+            raise
+        finally:
+            await reply.aclose()
+            pod.inflight -= 1
+            router.metrics.requests.labels(outcome, trace.route).inc()
+            router.record(trace, outcome, 200, usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await route(http, "/v1/chat/completions", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest) -> Response:
+        return await route(http, "/v1/completions", chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        names = sorted({p.model for p in router.pods.snapshot() if p.healthy and p.model})
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "kvmesh"}
+                                           for n in names]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = [p.name for p in router.pods.snapshot() if p.healthy and not p.draining]
+        return JSONResponse({"status": "ok" if healthy else "no_pods", "pods": healthy},
+                            status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app

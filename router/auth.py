@@ -1,0 +1,145 @@
+"""Optional API keys, each mapped to a tenant; the tenant decides the engine's `cache_salt` (contract 0).
+
+Keys are stored only as sha256 digests, so a leaked key file or ConfigMap grants nothing. Tenant names never
+reach the request log or the engines in the clear: the log gets `tenant_hash`, the engines `cache_salt_for`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+DEFAULT_TENANT = "default"  # every request's tenant when auth is off
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_ENTRY_FIELDS = frozenset({"tenant", "key_sha256"})
+_HOW_TO_HASH = (
+    "store the key's sha256 hex digest as key_sha256 instead, e.g. "
+    '`printf %s "$KEY" | sha256sum` or `kvmesh router hash-key`'
+)
+
+
+def hash_key(key: str) -> str:
+    """The sha256 hex digest under which a key is stored and looked up."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenant_hash(tenant: str) -> str:
+    """A short stable pseudonym for the request log: the same on every replica, 64 bits against collisions.
+
+    Domain-separated from `hash_key` and the cache salt, so no log column equals or prefixes either of them.
+    """
+    return hashlib.sha256(b"kvmesh-tenant\x00" + tenant.encode()).hexdigest()[:16]
+
+
+def cache_salt_for(tenant: str, pool_salt: str = "", *, share_across_tenants: bool = False) -> str | None:
+    """The `cache_salt` the router puts on every request it forwards (overwriting any the client sent).
+
+    By default each tenant gets its own salt, so one tenant's cached prefixes can never speed up, and so never
+    reveal themselves to, another's (prompt-cache timing attacks). A pool whose tenants trust one another may
+    set `share_across_tenants` to trade that isolation for hit ratio: then no salt is set and identical prompts
+    share blocks. `pool_salt` is a per-pool secret that keys the salt, so salts cannot be derived from tenant
+    names by anyone who reaches an engine directly. With auth off, all traffic is tenant "default" and shares
+    one salt.
+    """
+    if share_across_tenants:
+        return None
+    return hmac.new(pool_salt.encode(), b"kvmesh-cache-salt\x00" + tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _bearer_token(header: str | None) -> str | None:
+    """The KEY of "Bearer KEY" (scheme case-insensitive, as RFC 7235 says), or None."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """key hash -> tenant. Empty means auth is off (every request is tenant "default")."""
+
+    by_hash: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        for digest, tenant in self.by_hash.items():
+            if not _SHA256_HEX.fullmatch(digest):
+                raise ValueError(f"API key hashes must be 64 lowercase hex characters (sha256), got {digest!r}")
+            if not tenant:
+                raise ValueError("every API key needs a non-empty tenant")
+        object.__setattr__(self, "by_hash", MappingProxyType(dict(self.by_hash)))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.by_hash)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ApiKeys:
+        """Read `{"keys": [{"tenant": "acme", "key_sha256": "..."}, ...]}` from YAML; ValueError says what is wrong.
+
+        A file with no keys is refused rather than read as "auth off": an empty Secret would otherwise open the
+        pool to everyone. To run without auth, pass no file.
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                data: Any = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from e
+        where = str(path)
+        if not isinstance(data, dict) or "keys" not in data:
+            raise ValueError(f"{where}: expected a mapping with a 'keys' list")
+        if extra := set(data) - {"keys"}:
+            raise ValueError(f"{where}: unknown top-level fields {sorted(extra)}; only 'keys' is allowed")
+        entries = data["keys"]
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"{where}: 'keys' must be a non-empty list (to turn auth off, pass no key file)")
+        by_hash: dict[str, str] = {}
+        for i, entry in enumerate(entries):
+            digest, tenant = _parse_entry(entry, f"{where}: keys[{i}]")
+            if digest in by_hash:
+                raise ValueError(
+                    f"{where}: keys[{i}]: the same key is listed twice (tenants {by_hash[digest]!r}, {tenant!r})"
+                )
+            by_hash[digest] = tenant
+        return cls(by_hash)
+
+    def tenant_for(self, authorization_header: str | None) -> str | None:
+        """The tenant of an `Authorization: Bearer KEY` header; None when auth is on and the key is missing or unknown.
+
+        The key itself is never compared with anything: it is hashed, and the digest looked up. A lookup's timing
+        can reveal at most something about stored digests, which an attacker cannot steer (they would need
+        sha256 preimages) and which are useless without one; so this is as safe as a constant-time scan over
+        all keys, and O(1) instead of O(keys).
+        """
+        if not self.by_hash:
+            return DEFAULT_TENANT
+        token = _bearer_token(authorization_header)
+        if token is None:
+            return None
+        return self.by_hash.get(hash_key(token))
+
+
+def _parse_entry(entry: Any, where: str) -> tuple[str, str]:
+    """One `{"tenant", "key_sha256"}` item, checked."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected a mapping with 'tenant' and 'key_sha256'")
+    if "key" in entry or "api_key" in entry:
+        raise ValueError(f"{where}: plain API keys are not accepted; {_HOW_TO_HASH}")
+    if extra := set(entry) - _ENTRY_FIELDS:
+        raise ValueError(f"{where}: unknown fields {sorted(extra)}; allowed: {sorted(_ENTRY_FIELDS)}")
+    tenant, digest = entry.get("tenant"), entry.get("key_sha256")
+    if not isinstance(tenant, str) or not tenant.strip():
+        raise ValueError(f"{where}: 'tenant' must be a non-empty string")
+    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest.strip().lower()):
+        raise ValueError(f"{where}: 'key_sha256' must be a sha256 hex digest (64 hex characters); {_HOW_TO_HASH}")
+    return digest.strip().lower(), tenant.strip()

@@ -1,0 +1,71 @@
+"""Router configuration: defaults, the `router` section of a YAML config file, and flag overrides.
+
+The operator mounts the `router` section of an InferencePool spec; `kvmesh router --config FILE` reads it and
+flags win over the file (DESIGN.md contract 0), as for the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, HashAlgo
+
+
+@dataclass
+class RouterConfig:
+    """Everything `kvmesh router` can be told. Field names are the YAML keys (dashes or underscores)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    pods: list[str] = field(default_factory=list)  # engine base URLs (a static pool)
+    pool: str = "local"
+    model: str | None = None  # where the pool's tokenizer lives (HF dir or .gguf); None: the bundled model
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_algo: str = HashAlgo.XXH3.value
+    hash_root: int = DEFAULT_HASH_ROOT
+    scrape_interval_seconds: float = 0.25  # how often each pod's /metrics and /health are read
+    stale_after_seconds: float = 2.0  # a pod whose metrics are older than this is not routed to
+    provisional_ttl_seconds: float = 5.0  # how long the router trusts its own routing before events confirm it
+    max_hashed_tokens: int = 32768  # the router hashes at most this many leading prompt tokens
+    retries: int = 2  # other pods tried when one answers 429/503 or fails before its first byte
+    request_timeout_seconds: float = 600.0
+    api_keys_file: str | None = None
+    database_url: str | None = None  # the request log (SQLite locally, PostgreSQL in Kubernetes)
+    weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
+
+    def validate(self) -> None:
+        if not self.pods:
+            raise ValueError("the router needs at least one pod (--pod URL, or `pods:` in the config file)")
+        for url in self.pods:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"pod {url!r} is not an http(s) URL")
+        HashAlgo(self.hash_algo)
+
+
+def load_router_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    """Defaults, then the file's `router` section (or the whole file), then the flags that were given."""
+    names = {f.name for f in dataclasses.fields(RouterConfig)}
+    values: dict[str, Any] = {}
+
+    def take(raw: dict[str, Any]) -> None:
+        for key, value in raw.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                raise ValueError(f"unknown router setting {key!r}; known: {', '.join(sorted(names))}")
+            values[name] = value
+
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        section = data.get("router", data) if isinstance(data, dict) else None
+        if not isinstance(section, dict):
+            raise ValueError(f"{path}: expected a mapping with a `router` section")
+        take(section)
+    take({k: v for k, v in (overrides or {}).items() if v is not None and v != []})
+    config = RouterConfig(**values)
+    config.validate()
+    return config

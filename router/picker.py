@@ -1,0 +1,290 @@
+"""Choosing a pod: filters, then scorers, then a picker (the shape of the Gateway API Inference Extension).
+
+Pure functions over pod snapshots and prefix matches: no tokenizer, no HTTP, no clock. Two router replicas
+given the same state choose the same pod, because candidates are ordered by name before any arithmetic and
+ties go to the first name.
+
+The scores aim at the pod that answers soonest. The TTFT estimate already credits a pod's cached prefix to
+this request; the prefix score adds stickiness on top (keeping a prefix's traffic together keeps the pool's
+hit ratio up), so a pod holding the whole prefix keeps its traffic until its estimated TTFT is about 1.5
+times another pod's (prefix weight 1 against TTFT weight 3: 1 + 3 x (t_best / t) = 3 at t = 1.5 t_best).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.router.index import PrefixMatch
+
+_TTFT_FLOOR_SECONDS = 0.01  # TTFTs closer than this are the same to a client: 2 ms is not "twice" 1 ms
+
+
+@dataclass(frozen=True)
+class PodState:
+    """A snapshot of one pod as the router sees it (from /metrics, /health, /v1/kv/config and its own counters)."""
+
+    name: str
+    url: str
+    role: str = "both"
+    model: str = ""
+    healthy: bool = True
+    draining: bool = False
+    stale: bool = False  # metrics older than the staleness bound
+    running: int = 0
+    waiting: int = 0
+    inflight: int = 0  # requests this router has outstanding there
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc
+    forecast_usage_p90: float = 0.0  # kvmesh_kv_forecast_usage_ratio{level="p90"}
+    overload_probability: float = 0.0
+    pending_prefill_tokens: int = 0
+    prefill_tokens_per_second: float = 0.0  # 0 = not measured yet
+    decode_step_seconds: float = 0.0
+    num_blocks: int = 0
+    block_size: int = 16
+
+    @property
+    def load(self) -> int:
+        """Outstanding requests: what the pod reports plus what this router sent and has not seen finish."""
+        return self.running + self.waiting + self.inflight
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the picker knows of a request: its model, its size and its prompt's block hashes (contract 1)."""
+
+    model: str
+    prompt_tokens: int
+    block_hashes: tuple[int, ...]
+    priority: int = 0
+
+
+def _default_tier_weights() -> dict[str, float]:
+    return {"device": 1.0, "host": 0.8, "disk": 0.5}
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    """Weights and thresholds. The field names are the keys of the router config's `weights` section."""
+
+    prefix_weight: float = 1.0
+    kv_weight: float = 1.0
+    load_weight: float = 1.0
+    ttft_weight: float = 3.0
+    tier_weights: dict[str, float] = field(default_factory=_default_tier_weights)  # a hit's worth by tier
+    kv_penalty_threshold: float = 0.8  # PreServe: route away from pods predicted above 80 %
+    saturation_usage: float = 0.98  # a pod at or above this KV usage (current or p90 forecast) is saturated...
+    max_waiting: int = 64  # ...as is one with this many waiting requests
+    balance_factor: float = 2.0  # a pod whose load exceeds factor x the other candidates' mean load
+    balance_slack: int = 4  # (+ slack) is not chosen for its prefix
+    default_prefill_tokens_per_second: float = 2000.0  # for a pod that has not measured it yet
+
+    def weight(self, scorer: str) -> float:
+        return float(getattr(self, f"{scorer}_weight"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The picker's answer, with what the logs, metrics and the caller's load shedding need."""
+
+    pod: PodState | None  # None: no candidate (all filtered out)
+    scores: dict[str, float]  # final score per candidate pod name
+    predicted_cached_tokens: int  # what the chosen pod should report as cached_tokens
+    estimated_ttft_seconds: float  # for the chosen pod; 0.0 when there is none
+    reason: str  # what decided (one of REASONS): for logs and the decisions metric
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a filter or scorer may read besides the candidates."""
+
+    request: RequestInfo
+    matches: Mapping[str, PrefixMatch]
+    config: PickerConfig
+    roles: tuple[str, ...]
+
+
+Filter = Callable[[list[PodState], Context], list[PodState]]
+Scorer = Callable[[list[PodState], Context], dict[str, float]]
+
+# ---- estimates -----------------------------------------------------------------------------------------------
+
+
+def predicted_cached_tokens(pod: PodState, request: RequestInfo, match: PrefixMatch | None) -> int:
+    """Prompt tokens `pod` will not compute: its consecutive hit blocks, short of the last prompt token, which
+    the engine always computes (so at most prompt_tokens - 1, rounded down to a block)."""
+    usable_blocks = max(0, request.prompt_tokens - 1) // pod.block_size
+    return min(match.blocks if match else 0, usable_blocks) * pod.block_size
+
+
+def estimate_ttft(pod: PodState, request: RequestInfo, cached_tokens: int, config: PickerConfig) -> float:
+    """Seconds to the first token on `pod`: the prefill queued before this request, then its own uncached part,
+    both at the pod's measured prefill speed (DistServe's and Mooncake's TTFT model)."""
+    speed = pod.prefill_tokens_per_second or config.default_prefill_tokens_per_second
+    return (pod.pending_prefill_tokens + max(0, request.prompt_tokens - cached_tokens)) / speed
+
+
+def _kv_pressure(pod: PodState) -> float:
+    """The usage that matters: now, or where the pod's own forecast says it is heading, whichever is higher."""
+    return max(pod.kv_usage, pod.forecast_usage_p90)
+
+
+# ---- filters: each keeps the pods that may take the request --------------------------------------------------
+
+
+def available(pods: list[PodState], ctx: Context) -> list[PodState]:
+    """Healthy, not draining, and with fresh metrics (a pod we cannot see is not one to send to)."""
+    return [p for p in pods if p.healthy and not p.draining and not p.stale]
+
+
+def serves_model(pods: list[PodState], ctx: Context) -> list[PodState]:
+    """Serves the requested model (a request naming none may go to any pod)."""
+    model = ctx.request.model
+    return [p for p in pods if not model or p.model == model]
+
+
+def has_role(pods: list[PodState], ctx: Context) -> list[PodState]:
+    """Plays a role this step needs (aggregated: both; disaggregated: prefill or decode)."""
+    return [p for p in pods if p.role in ctx.roles]
+
+
+def not_saturated(pods: list[PodState], ctx: Context) -> list[PodState]:
+    """Drops pods at the edge of their KV or queue. When every pod is there, keeps them all: refusing is the
+    caller's call (it sheds by priority), not the picker's."""
+    c = ctx.config
+    kept = [p for p in pods if _kv_pressure(p) < c.saturation_usage and p.waiting < c.max_waiting]
+    return kept or pods
+
+
+FILTERS: tuple[Filter, ...] = (available, serves_model, has_role, not_saturated)
+
+# ---- scorers: each 0..1 per candidate, higher is better ------------------------------------------------------
+
+
+def prefix_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+    """The share of the request's blocks a pod holds as a consecutive prefix, each block weighted by the tier it
+    would be served from (a device hit is worth more than one that must come back from disk)."""
+    total = len(ctx.request.block_hashes)
+    weights = ctx.config.tier_weights
+    scores = {}
+    for p in pods:
+        match = ctx.matches.get(p.name)
+        held = sum(weights.get(tier, 0.0) * n for tier, n in match.by_tier.items()) if match else 0.0
+        scores[p.name] = min(1.0, held / total) if total else 0.0
+    return scores
+
+
+def kv_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+    """KV headroom, 1 - max(current, p90 forecast). Above the threshold the share of the way from threshold to
+    full is taken off too, so a pod forecast past it scores near zero (PreServe routes away from those)."""
+    threshold = ctx.config.kv_penalty_threshold
+    scores = {}
+    for p in pods:
+        usage = _kv_pressure(p)
+        penalty = (usage - threshold) / max(1.0 - threshold, 1e-9) if usage > threshold else 0.0
+        scores[p.name] = min(1.0, max(0.0, 1.0 - usage - penalty))
+    return scores
+
+
+def load_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+    """Fewer outstanding requests is better, relative to the least loaded candidate (which scores 1)."""
+    least = min(p.load for p in pods)
+    return {p.name: (least + 1) / (p.load + 1) for p in pods}
+
+
+def ttft_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+    """A lower estimated TTFT is better, relative to the best candidate (which scores 1): relative to the best
+    rather than the worst, so one hopeless pod does not flatten the differences among the good ones."""
+    request, config = ctx.request, ctx.config
+    estimates = {
+        p.name: estimate_ttft(p, request, predicted_cached_tokens(p, request, ctx.matches.get(p.name)), config)
+        for p in pods
+    }
+    best = min(estimates.values())
+    return {name: (best + _TTFT_FLOOR_SECONDS) / (t + _TTFT_FLOOR_SECONDS) for name, t in estimates.items()}
+
+
+SCORERS: dict[str, Scorer] = {"prefix": prefix_score, "kv": kv_score, "load": load_score, "ttft": ttft_score}
+
+REASONS: tuple[str, ...] = ("no-candidates", "only-candidate", "balance", "tie", *SCORERS)
+
+# ---- the picker ----------------------------------------------------------------------------------------------
+
+
+def overloaded_holders(pods: list[PodState], config: PickerConfig) -> set[str]:
+    """The balance guard: pods whose load exceeds factor x the mean of the other candidates' (+ slack). They
+    compete as if they held no prefix, so a popular prefix cannot pile all traffic onto one pod. (The mean of
+    the others, not of all: with two pods, the mean of all could never be exceeded by a factor of two.)"""
+    if len(pods) < 2:
+        return set()
+    total = sum(p.load for p in pods)
+    return {
+        p.name
+        for p in pods
+        if p.load > config.balance_factor * (total - p.load) / (len(pods) - 1) + config.balance_slack
+    }
+
+
+def _score(pods: list[PodState], ctx: Context) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Weighted totals per pod, and each scorer's weighted part (to tell which one decided)."""
+    weighted = {}
+    totals = dict.fromkeys((p.name for p in pods), 0.0)
+    for name, scorer in SCORERS.items():
+        weight = ctx.config.weight(name)
+        weighted[name] = part = {pod: weight * score for pod, score in scorer(pods, ctx).items()}
+        for pod, score in part.items():
+            totals[pod] += score
+    return totals, weighted
+
+
+def _best(pods: list[PodState], totals: Mapping[str, float]) -> list[PodState]:
+    """Candidates from best to worst; equal scores in name order, so every replica breaks ties alike."""
+    return sorted(pods, key=lambda p: (-totals[p.name], p.name))
+
+
+def _deciding_score(
+    chosen: PodState,
+    runner_up: PodState,
+    weighted: Mapping[str, Mapping[str, float]],
+    request: RequestInfo,
+    matches: Mapping[str, PrefixMatch],
+) -> str:
+    """The scorer with the largest weighted lead of the chosen pod over the runner-up. A TTFT lead that comes
+    with a longer cached prefix is the prefix's doing, and is reported as such."""
+    reason = max(SCORERS, key=lambda name: weighted[name][chosen.name] - weighted[name][runner_up.name])
+    cached, other = (predicted_cached_tokens(p, request, matches.get(p.name)) for p in (chosen, runner_up))
+    return "prefix" if reason == "ttft" and cached > other else reason
+
+
+def pick(
+    request: RequestInfo,
+    pods: Sequence[PodState],
+    matches: Mapping[str, PrefixMatch],
+    config: PickerConfig = PickerConfig(),
+    roles: tuple[str, ...] = ("both",),
+) -> Decision:
+    """Filter, score, guard and choose the pod for `request`."""
+    ctx = Context(request, matches, config, roles)
+    candidates = sorted(pods, key=lambda p: p.name)
+    for keep in FILTERS:
+        candidates = keep(candidates, ctx)
+    if not candidates:
+        return Decision(None, {}, 0, 0.0, "no-candidates")
+
+    guarded = overloaded_holders(candidates, config) & matches.keys()
+    fair = Context(request, {k: m for k, m in matches.items() if k not in guarded}, config, roles) if guarded else ctx
+    totals, weighted = _score(candidates, fair)
+    ranking = _best(candidates, totals)
+    chosen = ranking[0]
+
+    if len(ranking) == 1:
+        reason = "only-candidate"
+    elif guarded and _best(candidates, _score(candidates, ctx)[0])[0].name != chosen.name:
+        reason = "balance"
+    elif totals[chosen.name] == totals[ranking[1].name]:
+        reason = "tie"
+    else:
+        reason = _deciding_score(chosen, ranking[1], weighted, request, matches)
+
+    cached = predicted_cached_tokens(chosen, request, matches.get(chosen.name))
+    return Decision(chosen, totals, cached, estimate_ttft(chosen, request, cached, config), reason)

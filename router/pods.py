@@ -1,0 +1,196 @@
+"""The pods behind a router: discovery (a static list here), health, load from /metrics, and KV event streams
+feeding the global prefix index. Everything the picker needs, as snapshots.
+
+Each pod gets two tasks: a scraper (health, metrics, and /v1/kv/config whenever the pod's boot id changes)
+and an event reader (resume from the last sequence number; on a reset, a boot change or a gap, read the block
+snapshot and go on). A pod whose configuration differs from the router's (block size, hash construction,
+tokenizer or chat template) is refused loudly and never indexed or routed to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.engine.protocol import (
+    KV_BLOCKS_PATH,
+    KV_CONFIG_PATH,
+    KV_EVENTS_PATH,
+    KVBlocksSnapshot,
+    KVConfig,
+    KVEventBatch,
+    Metric,
+    VllmMetric,
+)
+from kvmesh.router.index import PrefixIndex
+from kvmesh.router.picker import PodState
+
+log = logging.getLogger("kvmesh.router.pods")
+RECONNECT_SECONDS = 0.5
+
+
+@dataclass
+class Pod:
+    """What the router knows of one engine; mutated only by its own tasks and the request path's counters."""
+
+    url: str
+    healthy: bool = False
+    draining: bool = False
+    kv_config: KVConfig | None = None
+    refused: str | None = None  # why the pod's configuration is not usable, if it is not
+    metrics: dict[str, float] = field(default_factory=dict)
+    scraped_at: float = 0.0
+    inflight: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The load numbers the picker reads, from an engine's Prometheus text."""
+    out: dict[str, float] = {}
+    wanted = {
+        VllmMetric.RUNNING: "running",
+        VllmMetric.WAITING: "waiting",
+        VllmMetric.KV_USAGE: "kv_usage",
+        Metric.FORECAST_OVERLOAD: "overload_probability",
+        Metric.QUEUED_PREFILL_TOKENS: "pending_prefill_tokens",
+        Metric.PREFILL_THROUGHPUT: "prefill_tokens_per_second",
+        Metric.DECODE_STEP_SECONDS: "decode_step_seconds",
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] = sample.value
+            elif sample.name == Metric.FORECAST_USAGE and sample.labels.get("level") == "p90":
+                out["forecast_usage_p90"] = sample.value
+            elif sample.name == VllmMetric.CACHE_CONFIG:
+                out["num_blocks"] = float(sample.labels.get("num_gpu_blocks", 0))
+                out["block_size"] = float(sample.labels.get("block_size", 16))
+    return out
+
+
+class PodSet:
+    def __init__(
+        self,
+        urls: list[str],
+        expected: KVConfig,
+        index: PrefixIndex,
+        scrape_interval: float,
+        stale_after: float,
+    ) -> None:
+        self.pods = {url.rstrip("/"): Pod(url.rstrip("/")) for url in urls}
+        self.expected = expected
+        self.index = index
+        self.scrape_interval = scrape_interval
+        self.stale_after = stale_after
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=None))
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        for pod in self.pods.values():
+            self._tasks.append(asyncio.create_task(self._scrape_loop(pod), name=f"scrape {pod.url}"))
+            self._tasks.append(asyncio.create_task(self._event_loop(pod), name=f"events {pod.url}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._client.aclose()
+
+    def snapshot(self, now: float | None = None) -> list[PodState]:
+        now = time.monotonic() if now is None else now
+        states = []
+        for pod in self.pods.values():
+            m = pod.metrics
+            config = pod.kv_config
+            states.append(
+                PodState(
+                    name=pod.name,
+                    url=pod.url,
+                    role=config.role if config else "both",
+                    model=config.model if config else "",
+                    healthy=pod.healthy and pod.refused is None and config is not None,
+                    draining=pod.draining,
+                    stale=now - pod.scraped_at > self.stale_after,
+                    running=int(m.get("running", 0)),
+                    waiting=int(m.get("waiting", 0)),
+                    inflight=pod.inflight,
+                    kv_usage=m.get("kv_usage", 0.0),
+                    forecast_usage_p90=m.get("forecast_usage_p90", 0.0),
+                    overload_probability=m.get("overload_probability", 0.0),
+                    pending_prefill_tokens=int(m.get("pending_prefill_tokens", 0)),
+                    prefill_tokens_per_second=m.get("prefill_tokens_per_second", 0.0),
+                    decode_step_seconds=m.get("decode_step_seconds", 0.0),
+                    num_blocks=int(m.get("num_blocks", 0)),
+                    block_size=int(m.get("block_size", self.expected.block_size)),
+                )
+            )
+        return states
+
+    # ---- per-pod tasks -------------------------------------------------------------------------------------
+
+    async def _read_config(self, pod: Pod) -> None:
+        body = (await self._client.get(pod.url + KV_CONFIG_PATH)).json()
+        config = KVConfig(**body)
+        if not config.compatible_with(self.expected):
+            pod.refused = (
+                f"pod {pod.url} hashes blocks differently from this router (block size {config.block_size}, "
+                f"hash {config.hash_algo}/{config.hash_root}, tokenizer {config.tokenizer_fingerprint}; router "
+                f"expects {self.expected.block_size}, {self.expected.hash_algo}/{self.expected.hash_root}, "
+                f"{self.expected.tokenizer_fingerprint}): not indexing or routing to it"
+            )
+            log.error(pod.refused)
+        else:
+            pod.refused = None
+        pod.kv_config = config
+
+    async def _scrape_loop(self, pod: Pod) -> None:
+        while True:
+            try:
+                health = await self._client.get(pod.url + "/health")
+                pod.draining = health.status_code == 503 and health.json().get("status") == "draining"
+                pod.healthy = health.status_code == 200
+                if pod.healthy:
+                    if pod.kv_config is None:
+                        await self._read_config(pod)
+                    pod.metrics = parse_metrics((await self._client.get(pod.url + "/metrics")).text)
+                    pod.scraped_at = time.monotonic()
+            except (httpx.HTTPError, ValueError) as exc:
+                if pod.healthy:
+                    log.warning("pod %s unreachable: %s", pod.url, exc)
+                pod.healthy = False
+                pod.kv_config = None  # read again when it comes back: it may be another boot
+            await asyncio.sleep(self.scrape_interval)
+
+    async def _resync(self, pod: Pod) -> None:
+        body = (await self._client.get(pod.url + KV_BLOCKS_PATH)).json()
+        self.index.load_snapshot(pod.name, KVBlocksSnapshot(**body))
+
+    async def _event_loop(self, pod: Pod) -> None:
+        while True:
+            try:
+                if pod.kv_config is None or pod.refused is not None:
+                    await asyncio.sleep(self.scrape_interval)
+                    continue
+                boot_id, seq = self.index.resume_point(pod.name)
+                params: dict[str, str | int] = {"after": seq}
+                if boot_id is not None:
+                    params["boot_id"] = boot_id
+                async with self._client.stream("GET", pod.url + KV_EVENTS_PATH, params=params) as reply:
+                    async for line in reply.aiter_lines():
+                        if not line:
+                            continue
+                        batch = KVEventBatch.from_json(json.loads(line))
+                        if not self.index.apply(pod.name, batch):
+                            await self._resync(pod)
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                log.info("event stream of %s ended: %s", pod.url, exc)
+            await asyncio.sleep(RECONNECT_SECONDS)

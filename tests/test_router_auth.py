@@ -1,0 +1,113 @@
+"""API keys and tenants: hashed storage, bearer parsing, refusals, and per-tenant cache salts."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvmesh.router.auth import DEFAULT_TENANT, ApiKeys, cache_salt_for, hash_key, tenant_hash
+
+ACME_KEY = "sk-acme-0123456789"
+GLOBEX_KEY = "sk-globex-abcdef"
+
+
+@pytest.fixture
+def keys_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys.yaml"
+    entries = [
+        {"tenant": "acme", "key_sha256": hash_key(ACME_KEY)},
+        {"tenant": "globex", "key_sha256": hash_key(GLOBEX_KEY).upper()},
+    ]
+    path.write_text(yaml.safe_dump({"keys": entries}))
+    return path
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_hashing() -> None:
+    assert hash_key("secret") == hashlib.sha256(b"secret").hexdigest()
+    assert len(tenant_hash("acme")) == 16 and tenant_hash("acme") == tenant_hash("acme")
+    assert tenant_hash("acme") != tenant_hash("globex")
+    assert int(tenant_hash("acme"), 16) >= 0  # hex, so it fits the log's short column
+    assert not hash_key("acme").startswith(tenant_hash("acme"))  # domain-separated
+
+
+def test_bearer_parsing_and_lookup(keys_file: Path) -> None:
+    keys = ApiKeys.from_file(keys_file)
+    assert keys.enabled
+    assert keys.tenant_for(f"Bearer {ACME_KEY}") == "acme"
+    assert keys.tenant_for(f"bearer   {ACME_KEY}  ") == "acme"  # scheme is case-insensitive, spaces trimmed
+    assert keys.tenant_for(f"Bearer {GLOBEX_KEY}") == "globex"  # upper-case digest in the file is normalised
+    assert keys.tenant_for("Bearer sk-unknown") is None
+    assert keys.tenant_for(None) is None
+    assert keys.tenant_for("") is None
+    assert keys.tenant_for("Bearer") is None
+    assert keys.tenant_for("Bearer ") is None
+    assert keys.tenant_for(f"Basic {ACME_KEY}") is None
+    assert keys.tenant_for(ACME_KEY) is None  # no scheme
+    assert keys.tenant_for(f"Bearer {hash_key(ACME_KEY)}") is None  # the stored hash is not a key
+
+
+def test_auth_off_means_default_tenant() -> None:
+    keys = ApiKeys({})
+    assert not keys.enabled
+    assert keys.tenant_for(None) == DEFAULT_TENANT == "default"
+    assert keys.tenant_for("Bearer anything") == "default"
+
+
+def test_keys_are_immutable_and_checked() -> None:
+    source = {hash_key("k"): "t"}
+    keys = ApiKeys(source)
+    source[hash_key("other")] = "intruder"
+    assert keys.tenant_for("Bearer other") is None
+    with pytest.raises(TypeError):
+        keys.by_hash[hash_key("x")] = "y"  # type: ignore[index]
+    with pytest.raises(ValueError, match="sha256"):
+        ApiKeys({"plain-key": "t"})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "mapping with a 'keys' list"),
+        ("- a\n- b\n", "mapping with a 'keys' list"),
+        ("keys: [\n", "not valid YAML"),
+        ("keys: []\n", "non-empty list"),
+        ("keys: {tenant: a}\n", "non-empty list"),
+        ("keys: [1]\n", "expected a mapping"),
+        ("keys: [{tenant: acme, key: sk-123}]\n", "plain API keys are not accepted.*sha256"),
+        ("keys: [{tenant: acme, key_sha256: sk-123}]\n", "64 hex characters.*sha256sum"),
+        (f"keys: [{{key_sha256: {'a' * 64}}}]\n", "'tenant' must be a non-empty string"),
+        (f"keys: [{{tenant: '', key_sha256: {'a' * 64}}}]\n", "'tenant' must be a non-empty string"),
+        (f"keys: [{{tenant: a, key_sha256: {'a' * 64}, role: admin}}]\n", r"unknown fields \['role'\]"),
+        (f"keys: [{{tenant: a, key_sha256: {'a' * 64}}}]\nextra: 1\n", "unknown top-level fields"),
+        (
+            f"keys: [{{tenant: a, key_sha256: {'a' * 64}}}, {{tenant: b, key_sha256: {'A' * 64}}}]\n",
+            r"keys\[1\]: the same key is listed twice",
+        ),
+    ],
+)
+def test_malformed_files_raise_value_error(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=message) as info:
+        ApiKeys.from_file(path)
+    assert str(path) in str(info.value)  # the message names the file
+
+
+def test_salts_differ_per_tenant_and_pool() -> None:
+    acme, globex = cache_salt_for("acme"), cache_salt_for("globex")
+    assert acme and globex and acme != globex
+    assert cache_salt_for("acme") == acme  # stable across calls (and so across replicas)
+    assert cache_salt_for("acme", pool_salt="secret") != acme  # keyed by the pool's secret
+    assert cache_salt_for("acme", pool_salt="secret") != cache_salt_for("globex", pool_salt="secret")
+    assert acme != tenant_hash("acme") and not acme.startswith(tenant_hash("acme"))  # the log never shows a salt
+    assert "acme" not in acme
+    assert cache_salt_for("acme", share_across_tenants=True) is None
+    assert cache_salt_for(DEFAULT_TENANT) is not None  # auth off: one shared salt for everybody

@@ -1,0 +1,200 @@
+"""The router in front of two real engine processes (the tiny model; one set of processes for the module):
+prefix affinity, predicted against reported cached tokens, draining, retries, tenants, replicas agreeing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvmesh.engine.openai_types import CompletionRequest
+from kvmesh.router.app import Router, build_router, create_router_app
+from kvmesh.router.config import RouterConfig
+
+from .test_server import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def wait_health(url: str, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    logs = tmp_path_factory.mktemp("engines")
+    procs, urls = [], []
+    for i in range(2):
+        port = free_port()
+        out = (logs / f"engine-{i}.log").open("w")
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvmesh.cli",
+                    "serve",
+                    "--model",
+                    str(tiny_dir),
+                    "--port",
+                    str(port),
+                    "--dtype",
+                    "float32",
+                    "--threads",
+                    "1",
+                    "--kv-cache-memory-mib",
+                    "16",
+                    "--log-level",
+                    "warning",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        )
+        urls.append(f"http://127.0.0.1:{port}")
+    for url, proc in zip(urls, procs, strict=True):
+        wait_health(url, proc)
+    yield urls
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def start_router(router: Router) -> tuple[str, uvicorn.Server, threading.Thread]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_router_app(router), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_health(url, timeout=30)
+    return url, server, thread
+
+
+@pytest.fixture(scope="module")
+def router(engines: list[str], tiny_dir: Path) -> Iterator[tuple[str, Router]]:
+    r = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1), tiny_dir)
+    url, server, thread = start_router(r)
+    yield url, r
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def complete(url: str, prompt: list[int], **extra: object) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+    reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 48000 + 200 for i in range(n)]
+
+
+def test_a_repeated_prefix_lands_on_the_pod_that_holds_it(router: tuple[str, Router]) -> None:
+    url, _ = router
+    shared = tokens(1, 160)
+    first = complete(url, [*shared, 1, 2, 3])
+    time.sleep(0.5)
+    pod = first.headers["x-kvmesh-pod"]
+    for k in range(4):
+        again = complete(url, [*shared, 10 + k, 11, 12])
+        assert again.headers["x-kvmesh-pod"] == pod
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+
+
+def test_predicted_cached_tokens_match_the_engines(router: tuple[str, Router]) -> None:
+    url, _ = router
+    agree = total = 0
+    for k in range(20):
+        prefix = tokens(100 + k % 5, 64 + 16 * (k % 5))
+        reply = complete(url, [*prefix, *tokens(500 + k, 20)])
+        predicted = int(reply.headers["x-kvmesh-predicted-cached-tokens"])
+        actual = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        agree += predicted == actual
+        total += 1
+        time.sleep(0.2)
+    assert agree / total >= 0.95, f"{agree} of {total} predictions matched"
+
+
+def test_another_tenants_salt_gets_nothing_cached(router: tuple[str, Router]) -> None:
+    url, _ = router
+    prompt = tokens(7, 80)
+    complete(url, prompt, cache_salt="tenant-a")
+    time.sleep(0.3)
+    assert complete(url, prompt, cache_salt="tenant-a").json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert complete(url, prompt, cache_salt="tenant-b").json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_streaming_through_the_router_with_openai(router: tuple[str, Router]) -> None:
+    url, _ = router
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    whole = client.completions.create(
+        model=model, prompt="The sky is", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="The sky is", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=1, temperature=9)
+
+
+def test_two_router_replicas_choose_the_same_pod(
+    router: tuple[str, Router], engines: list[str], tiny_dir: Path
+) -> None:
+    url, first = router
+    second = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1), tiny_dir)
+    _, server, thread = start_router(second)
+    try:
+        for k in range(3):
+            complete(url, [*tokens(300 + k, 96), 5])
+        time.sleep(1.0)  # both replicas read the same event streams
+        for k in range(3):
+            body = {"prompt": [*tokens(300 + k, 96), 9], "max_tokens": 1}
+            infos = [r.request_info(CompletionRequest.model_validate(body), 0) for r in (first, second)]
+            choices = [r.decide(info, set()).pod.name for r, info in zip((first, second), infos, strict=True)]
+            assert choices[0] == choices[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_drained_pod_gets_no_new_requests(router: tuple[str, Router], engines: list[str]) -> None:
+    """Last in the module: draining cannot be undone."""
+    url, _ = router
+    shared = tokens(9, 128)
+    pod = complete(url, [*shared, 1]).headers["x-kvmesh-pod"]
+    httpx.post(pod + "/v1/admin/drain")
+    for k in range(3):  # immediately, before the router's next scrape: a 503 is retried on the other pod
+        reply = complete(url, [*shared, 2 + k])
+        assert reply.headers["x-kvmesh-pod"] != pod
