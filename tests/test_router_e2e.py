@@ -198,3 +198,54 @@ def test_a_drained_pod_gets_no_new_requests(router: tuple[str, Router], engines:
     for k in range(3):  # immediately, before the router's next scrape: a 503 is retried on the other pod
         reply = complete(url, [*shared, 2 + k])
         assert reply.headers["x-kvmesh-pod"] != pod
+
+
+def test_kvmesh_up_runs_a_pool_and_stops_it(tiny_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_dir), "--engines", "2",
+                             "--port", str(port), "--ready-file", str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "kvmesh up did not get ready"
+            time.sleep(0.2)
+        endpoint = ready.read_text()
+        assert endpoint == f"http://127.0.0.1:{port}/v1"
+        reply = httpx.post(endpoint + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+        pods = httpx.get(f"http://127.0.0.1:{port}/health").json()["pods"]
+        assert len(pods) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for pod in pods:  # every child is gone with it
+            with pytest.raises(httpx.TransportError):
+                httpx.get(pod + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kvmesh_up_stops_the_pool_when_a_child_dies(tiny_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_dir), "--engines", "1",
+                             "--port", str(port), "--ready-file", str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "kvmesh up did not get ready"
+            time.sleep(0.2)
+        import psutil
+
+        (engine,) = [c for c in psutil.Process(proc.pid).children() if "serve" in c.cmdline()]
+        engine.kill()
+        assert proc.wait(timeout=60) == 1
+        assert b"engine-0 exited" in proc.stdout.read()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
