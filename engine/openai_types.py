@@ -48,6 +48,7 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer: KVTransfer | None = None
     resume_output_ids: list[int] | None = None
+    return_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod

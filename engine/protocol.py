@@ -26,6 +26,9 @@ PRIORITY_HEADER = "x-kvmesh-priority"
 CACHE_SALT_FIELD = "cache_salt"
 KV_TRANSFER_FIELD = "kv_transfer"
 RESUME_OUTPUT_IDS_FIELD = "resume_output_ids"
+# response extension (vLLM's name): each choice carries the token ids it adds, so a router that loses a pod
+# mid-stream knows exactly which tokens the client has and resumes with resume_output_ids
+RETURN_TOKEN_IDS_FIELD = "return_token_ids"
 
 POOL_LABEL = "kvmesh.io/pool"
 ROLE_LABEL = "kvmesh.io/role"
@@ -310,12 +313,13 @@ class RouterMetric:
     PREDICTED_CACHED_TOKENS = "kvmesh_router_predicted_cached_tokens"  # counter
     ACTUAL_CACHED_TOKENS = "kvmesh_router_actual_cached_tokens"  # counter (from the engines' usage)
     RETRIES = "kvmesh_router_retries"  # counter
+    MIGRATIONS = "kvmesh_router_migrations"  # counter: streams continued on another pod
     INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed
     PODS = "kvmesh_router_pods"  # gauge; label state (healthy, unhealthy, draining, refused)
 
 
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
-ROUTES: tuple[str, ...] = ("aggregated", "retry")
+ROUTES: tuple[str, ...] = ("aggregated", "retry", "migrated")
 POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")

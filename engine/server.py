@@ -293,6 +293,12 @@ class _Completions:
     # ---- responses ----------------------------------------------------------------------------------------
 
     def _choice_delta(self, index: int, out: RequestOutput, first: bool) -> dict[str, Any]:
+        choice = self._delta_body(index, out, first)
+        if self.body.return_token_ids:
+            choice["token_ids"] = out.new_token_ids
+        return choice
+
+    def _delta_body(self, index: int, out: RequestOutput, first: bool) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"content": out.new_text}
             if first:
@@ -390,6 +396,8 @@ class _Completions:
                 choice = {"index": index, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
                 if any(o.logprobs for o in outs):
                     choice["logprobs"] = self._completion_logprobs(outs)
+            if self.body.return_token_ids:
+                choice["token_ids"] = [t for o in outs for t in o.new_token_ids]
             choices.append(choice)
         return {
             "id": self.id,

@@ -29,6 +29,8 @@ from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_bod
 from kvmesh.engine.protocol import (
     POD_STATES,
     PRIORITY_HEADER,
+    RESUME_OUTPUT_IDS_FIELD,
+    RETURN_TOKEN_IDS_FIELD,
     ROUTER_OUTCOMES,
     ROUTES,
     WORKLOAD_HEADER,
@@ -62,6 +64,7 @@ class RouterMetrics:
                                  registry=r)
         self.actual = Counter(RouterMetric.ACTUAL_CACHED_TOKENS, "Cached tokens the engines reported.", registry=r)
         self.retries = Counter(RouterMetric.RETRIES, "Requests sent to another pod after a refusal.", registry=r)
+        self.migrations = Counter(RouterMetric.MIGRATIONS, "Streams continued on another pod.", registry=r)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
         pod_states = Gauge(RouterMetric.PODS, "Pods by state.", ["state"], registry=r)
@@ -102,6 +105,68 @@ class Trace:
     predicted: int = 0
     first_chunk_at: float | None = None
     chunks: int = 0
+
+
+@dataclass
+class Relay:
+    """A stream's progress as the router relays it: what the client has received, so another pod can go on."""
+
+    upstream: dict[str, Any]
+    path: str
+    headers: dict[str, str]
+    tried: set[str]
+    strip_ids: bool  # the client did not ask for token ids: the router asked for them, so it removes them
+    migratable: bool
+    sent_ids: list[int] = field(default_factory=list)  # output tokens the client has, in this request
+    sent_text: str = ""
+    stream_id: str | None = None
+    chat: bool = False
+    finished: bool = False  # a choice carried a finish_reason
+    done: bool = False  # [DONE] arrived
+    migrations: int = 0
+
+    def on_chunk(self, chunk: dict[str, Any], trace: Trace) -> dict[str, Any]:
+        """Record what a chunk delivers and make it look like one stream: first id, no second role."""
+        if "error" in chunk:
+            return chunk
+        trace.chunks += 1
+        if trace.first_chunk_at is None:
+            trace.first_chunk_at = time.monotonic()
+        self.stream_id = self.stream_id or chunk.get("id")
+        chunk["id"] = self.stream_id
+        self.chat = chunk.get("object") == "chat.completion.chunk"
+        for choice in chunk.get("choices", []):
+            ids = choice.pop("token_ids", []) if self.strip_ids else choice.get("token_ids", [])
+            self.sent_ids.extend(ids)
+            delta = choice.get("delta")
+            if delta is not None:
+                self.sent_text += delta.get("content") or ""
+                if self.migrations:
+                    delta.pop("role", None)
+            else:
+                self.sent_text += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                self.finished = True
+        return chunk
+
+    def resume_ids(self) -> list[int]:
+        return list(self.upstream.get(RESUME_OUTPUT_IDS_FIELD) or []) + self.sent_ids
+
+    def held_back_text(self, tokenizer: Tokenizer) -> str:
+        """Text of tokens the client has but whose text the lost pod still held back (a possible stop string,
+        half a character): the next pod starts after them, so the router sends it."""
+        full = tokenizer.decode(self.sent_ids).rstrip("\ufffd")
+        return full[len(self.sent_text):] if full.startswith(self.sent_text) else ""
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        self.sent_text += text
+        choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
+        if self.chat:
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = text
+        return {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": int(time.time()), "choices": [choice]}
 
 
 @dataclass
@@ -247,27 +312,28 @@ def create_router_app(router: Router) -> FastAPI:
             router.metrics.requests.labels(outcome, "aggregated").inc()
             return JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status)
 
-    async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
-        info = trace.info
-        tried: set[str] = set()
-        headers = {k: v for k, v in http.headers.items() if k.lower() in ("x-kvmesh-workload", PRIORITY_HEADER)}
-        for attempt in range(router.config.retries + 1):
-            decision = router.decide(info, tried)
+    async def open_upstream(
+        trace: Trace, body: dict[str, Any], path: str, headers: dict[str, str], tried: set[str]
+    ) -> tuple[httpx.Response, Pod, Decision] | None:
+        """Send `body` to the best pod not yet tried; skip pods that refuse (429, 503) or fail before their
+        first byte. None when no pod is left."""
+        for _ in range(router.config.retries + 1):
+            decision = router.decide(trace.info, tried)
             if decision.pod is None:
-                break
+                return None
             pod = router.pods.pods[decision.pod.name]
             tried.add(pod.name)
+            if trace.pods:
+                router.metrics.retries.inc()
+                trace.route = "retry" if trace.route == "aggregated" else trace.route
             trace.pods.append(pod.name)
             trace.predicted = decision.predicted_cached_tokens
-            trace.route = route_name = "retry" if attempt else "aggregated"
-            if attempt:
-                router.metrics.retries.inc()
-            router.index.add_provisional(pod.name, info.block_hashes, time.monotonic(),
+            router.index.add_provisional(pod.name, trace.info.block_hashes, time.monotonic(),
                                          router.config.provisional_ttl_seconds)
-            request = router.client.build_request("POST", pod.url + path, json=raw, headers=headers)
             pod.inflight += 1
             try:
-                reply = await router.client.send(request, stream=True)
+                reply = await router.client.send(
+                    router.client.build_request("POST", pod.url + path, json=body, headers=headers), stream=True)
             except httpx.TransportError:
                 pod.inflight -= 1
                 continue
@@ -275,59 +341,89 @@ def create_router_app(router: Router) -> FastAPI:
                 await reply.aclose()
                 pod.inflight -= 1
                 continue
-            router.metrics.predicted.inc(decision.predicted_cached_tokens)
-            decided = {"x-kvmesh-pod": pod.name,
-                       "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
-            if stream and reply.status_code == 200:
-                return StreamingResponse(relay(reply, pod, trace), media_type="text/event-stream",
-                                         headers=decided)
-            try:
-                content = await reply.aread()
-            finally:
-                await reply.aclose()
-                pod.inflight -= 1
-            outcome = "ok" if reply.status_code == 200 else "error"
-            router.metrics.requests.labels(outcome, route_name).inc()
-            usage = None
-            if reply.status_code == 200:
-                usage = _count_cached(json.loads(content))
-            router.record(trace, outcome, reply.status_code, usage)
-            return Response(content, status_code=reply.status_code, media_type="application/json",
-                            headers=decided)
-        router.metrics.requests.labels("no_pod", "aggregated").inc()
-        router.record(trace, "shed", 503, None)
-        return JSONResponse(error_body("no pod can take this request now; retry later", "server_error",
-                                       code="no_pod"), status_code=503, headers={"Retry-After": "1"})
+            return reply, pod, decision
+        return None
+
+    async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
+        tried: set[str] = set()
+        headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
+        migratable = stream and raw.get("n", 1) == 1
+        upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else raw
+        opened = await open_upstream(trace, upstream, path, headers, tried)
+        if opened is None:
+            router.metrics.requests.labels("no_pod", trace.route).inc()
+            router.record(trace, "shed", 503, None)
+            return JSONResponse(error_body("no pod can take this request now; retry later", "server_error",
+                                           code="no_pod"), status_code=503, headers={"Retry-After": "1"})
+        reply, pod, decision = opened
+        router.metrics.predicted.inc(decision.predicted_cached_tokens)
+        decided = {"x-kvmesh-pod": pod.name, "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
+        if stream and reply.status_code == 200:
+            stream_state = Relay(upstream, path, headers, tried, strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD),
+                                 migratable=migratable)
+            return StreamingResponse(relay(reply, pod, trace, stream_state), media_type="text/event-stream",
+                                     headers=decided)
+        try:
+            content = await reply.aread()
+        finally:
+            await reply.aclose()
+            pod.inflight -= 1
+        outcome = "ok" if reply.status_code == 200 else "error"
+        router.metrics.requests.labels(outcome, trace.route).inc()
+        usage = _count_cached(json.loads(content)) if reply.status_code == 200 else None
+        router.record(trace, outcome, reply.status_code, usage)
+        return Response(content, status_code=reply.status_code, media_type="application/json", headers=decided)
 
     def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
         usage = body.get("usage") or {}
         router.metrics.actual.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         return usage
 
-    async def relay(reply: httpx.Response, pod: Pod, trace: Trace) -> AsyncIterator[str]:
-        """Pass SSE lines through as they arrive; read the usage chunk on the way for the metrics."""
+    async def relay(reply: httpx.Response, pod: Pod, trace: Trace, state: Relay) -> AsyncIterator[str]:
+        """Pass SSE lines through as they arrive. If the pod fails mid-stream, continue on another pod with the
+        prompt plus the tokens already sent (`resume_output_ids`), so the client's stream goes on with no
+        repeated or missing token; only when no pod can continue does it end with an error event."""
         outcome = "ok"
         usage = None
         try:
-            async for line in reply.aiter_lines():
-                if line.startswith("data: {"):
-                    trace.chunks += 1
-                    if trace.first_chunk_at is None:
-                        trace.first_chunk_at = time.monotonic()
-                    if '"usage"' in line:
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage"):
-                            usage = _count_cached(chunk)
-                yield line + "\n"
-        except httpx.TransportError:
-            outcome = "error"
-            yield f"data: {json.dumps(error_body('the pod serving this stream failed', 'server_error'))}\n\n"
+            while True:
+                try:
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: {"):
+                            chunk = state.on_chunk(json.loads(line[6:]), trace)
+                            if chunk.get("usage"):
+                                usage = _count_cached(chunk)
+                            line = "data: " + json.dumps(chunk)
+                        elif line == "data: [DONE]":
+                            state.done = True
+                        yield line + "\n"
+                except httpx.TransportError:
+                    pass
+                finally:
+                    await reply.aclose()
+                    pod.inflight -= 1
+                if state.done or state.finished or not state.migratable:
+                    break
+                router.metrics.migrations.inc()
+                trace.route = "migrated"
+                body = {**state.upstream, RESUME_OUTPUT_IDS_FIELD: state.resume_ids()}
+                opened = await open_upstream(trace, body, state.path, state.headers, state.tried)
+                if opened is None:
+                    break
+                reply, pod, _ = opened
+                missing = state.held_back_text(router.tokenizer)
+                if missing:
+                    yield "data: " + json.dumps(state.text_chunk(missing)) + "\n\n"
+                state.migrations += 1
+            if not state.done:
+                outcome = "error"
+                failure = error_body("the pod serving this stream failed and no other pod could continue it",
+                                     "server_error")
+                yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n"
         except asyncio.CancelledError:
             outcome = "client_gone"
             raise
         finally:
-            await reply.aclose()
-            pod.inflight -= 1
             router.metrics.requests.labels(outcome, trace.route).inc()
             router.record(trace, outcome, 200, usage)
 

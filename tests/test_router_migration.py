@@ -1,0 +1,121 @@
+"""A pod killed mid-stream: the router continues the stream on another pod (its own engine processes, since
+this module kills one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from kvmesh.router.app import build_router, create_router_app
+from kvmesh.router.config import RouterConfig
+
+from .test_router_e2e import wait_health
+from .test_server import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def spawn(tiny_dir: Path, url: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "serve", "--model", str(tiny_dir), "--port", url.rsplit(":", 1)[1],
+         "--dtype", "float32", "--threads", "1", "--kv-cache-memory-mib", "16", "--log-level", "warning"],
+        stdout=log.open("a"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, subprocess.Popen]]]:
+    logs = tmp_path_factory.mktemp("migration")
+    procs = {f"http://127.0.0.1:{free_port()}": None for _ in range(2)}
+    for i, url in enumerate(procs):
+        procs[url] = spawn(tiny_dir, url, logs / f"engine-{i}.log")
+    for url, proc in procs.items():
+        wait_health(url, proc)
+    router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1), tiny_dir)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_router_app(router), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_health(url, timeout=30)
+    yield url, procs
+    server.should_exit = True
+    thread.join(timeout=10)
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=20)
+
+
+@pytest.fixture
+def both_alive(pool: tuple[str, dict[str, subprocess.Popen]], tiny_dir: Path, tmp_path: Path) -> None:
+    """Restart a pod an earlier test killed, and wait until the router sees both again."""
+    url, procs = pool
+    for i, (pod, proc) in enumerate(list(procs.items())):
+        if proc.poll() is not None:
+            procs[pod] = spawn(tiny_dir, pod, tmp_path / f"engine-{i}.log")
+            wait_health(pod, procs[pod])
+    for _ in range(100):
+        if len(httpx.get(url + "/health").json()["pods"]) == 2:
+            return
+        threading.Event().wait(0.1)
+    raise AssertionError("the router did not see both pods again")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.usefixtures("both_alive")
+def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(
+    pool: tuple[str, dict[str, subprocess.Popen]], chat: bool
+) -> None:
+    url, procs = pool
+    alive = [u for u, p in procs.items() if p.poll() is None]
+    if chat:
+        body = {"messages": [{"role": "user", "content": "Tell me a story"}]}
+        path = "/v1/chat/completions"
+    else:
+        body = {"prompt": "Once upon a time"}
+        path = "/v1/completions"
+    body |= {"max_tokens": 60, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    reference = httpx.post(alive[0] + path, json={**body, "stream": False}, timeout=60).json()
+    expected_ids = reference["choices"][0]["token_ids"]
+    expected_text = reference["choices"][0]["message"]["content"] if chat else reference["choices"][0]["text"]
+    ids: list[int] = []
+    text = ""
+    events = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as reply:
+        serving = reply.headers["x-kvmesh-pod"]
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            events.append(chunk)
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                ids += choice.get("token_ids", [])
+                text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            if len(ids) >= 10 and procs[serving].poll() is None:
+                procs[serving].kill()  # the serving pod dies mid-stream
+    assert procs[serving].poll() is not None, "the pod was not killed during the stream"
+    assert ids == expected_ids
+    assert text == expected_text
+    assert len({c["id"] for c in events}) == 1
+    assert "kvmesh_router_migrations_total 0.0" not in httpx.get(url + "/metrics").text
+
+
+def test_with_no_pod_left_the_stream_ends_with_an_error_event(pool: tuple[str, dict[str, subprocess.Popen]]) -> None:
+    url, procs = pool
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+    reply = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
