@@ -313,6 +313,7 @@ class RouterMetric:
     PREDICTED_CACHED_TOKENS = "kvmesh_router_predicted_cached_tokens"  # counter
     ACTUAL_CACHED_TOKENS = "kvmesh_router_actual_cached_tokens"  # counter (from the engines' usage)
     RETRIES = "kvmesh_router_retries"  # counter
+    SHED = "kvmesh_router_shed"  # counter; label priority (low, normal, high): 429s
     MIGRATIONS = "kvmesh_router_migrations"  # counter: streams continued on another pod
     INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed
     PODS = "kvmesh_router_pods"  # gauge; label state (healthy, unhealthy, draining, refused)
@@ -320,6 +321,7 @@ class RouterMetric:
 
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
 ROUTES: tuple[str, ...] = ("aggregated", "retry", "migrated")
+PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")
 POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")

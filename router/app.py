@@ -28,6 +28,7 @@ from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
 from kvmesh.engine.protocol import (
     POD_STATES,
+    PRIORITY_CLASSES,
     PRIORITY_HEADER,
     RESUME_OUTPUT_IDS_FIELD,
     RETURN_TOKEN_IDS_FIELD,
@@ -47,6 +48,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import Decision, PickerConfig, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
+from kvmesh.router.shed import ShedPolicy, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -65,6 +67,9 @@ class RouterMetrics:
         self.actual = Counter(RouterMetric.ACTUAL_CACHED_TOKENS, "Cached tokens the engines reported.", registry=r)
         self.retries = Counter(RouterMetric.RETRIES, "Requests sent to another pod after a refusal.", registry=r)
         self.migrations = Counter(RouterMetric.MIGRATIONS, "Streams continued on another pod.", registry=r)
+        self.shed = Counter(RouterMetric.SHED, "Requests refused with 429 under overload.", ["priority"], registry=r)
+        for priority in PRIORITY_CLASSES:
+            self.shed.labels(priority)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
         pod_states = Gauge(RouterMetric.PODS, "Pods by state.", ["state"], registry=r)
@@ -182,6 +187,7 @@ class Router:
     client: httpx.AsyncClient
     keys: ApiKeys
     log: AsyncRequestLog | None
+    shed: ShedPolicy
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
         """One row of the request log (numbers only), when the pool has one."""
@@ -266,8 +272,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=config.request_timeout_seconds))
     keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys({})
     log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None
+    shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), client,
-                  keys, log)
+                  keys, log, shed)
 
 
 def create_router_app(router: Router) -> FastAPI:
@@ -313,12 +320,17 @@ def create_router_app(router: Router) -> FastAPI:
             return JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status)
 
     async def open_upstream(
-        trace: Trace, body: dict[str, Any], path: str, headers: dict[str, str], tried: set[str]
+        trace: Trace,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+        tried: set[str],
+        first: Decision | None = None,
     ) -> tuple[httpx.Response, Pod, Decision] | None:
-        """Send `body` to the best pod not yet tried; skip pods that refuse (429, 503) or fail before their
-        first byte. None when no pod is left."""
+        """Send `body` to the best pod not yet tried (`first`, when already decided); skip pods that refuse
+        (429, 503) or fail before their first byte. None when no pod is left."""
         for _ in range(router.config.retries + 1):
-            decision = router.decide(trace.info, tried)
+            decision, first = first or router.decide(trace.info, tried), None
             if decision.pod is None:
                 return None
             pod = router.pods.pods[decision.pod.name]
@@ -349,7 +361,15 @@ def create_router_app(router: Router) -> FastAPI:
         headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
         migratable = stream and raw.get("n", 1) == 1
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else raw
-        opened = await open_upstream(trace, upstream, path, headers, tried)
+        first = router.decide(trace.info, tried)
+        refusal = should_shed(first, trace.info.priority, router.shed)
+        if refusal is not None:
+            router.metrics.shed.labels(priority_label(trace.info.priority)).inc()
+            router.metrics.requests.labels("shed", trace.route).inc()
+            router.record(trace, "shed", 429, None)
+            return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
+                                headers={"Retry-After": str(refusal.retry_after_seconds)})
+        opened = await open_upstream(trace, upstream, path, headers, tried, first)
         if opened is None:
             router.metrics.requests.labels("no_pod", trace.route).inc()
             router.record(trace, "shed", 503, None)

@@ -249,3 +249,21 @@ def test_kvmesh_up_stops_the_pool_when_a_child_dies(tiny_dir: Path, tmp_path: Pa
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: Path) -> None:
+    """A router whose TTFT SLO no pod can meet: normal requests get 429 with Retry-After, important ones pass."""
+    strict = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, ttft_slo_seconds=1e-6,
+                                       priority_headroom=1e9), tiny_dir)
+    url, server, thread = start_router(strict)
+    try:
+        body = {"prompt": tokens(42, 40), "max_tokens": 1}
+        shed = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert shed.status_code == 429 and int(shed.headers["retry-after"]) >= 1
+        assert shed.json()["error"]["code"] == "overloaded"
+        served = httpx.post(url + "/v1/completions", json=body, headers={"x-kvmesh-priority": "5"}, timeout=30)
+        assert served.status_code == 200
+        assert 'kvmesh_router_shed_total{priority="normal"} 1.0' in httpx.get(url + "/metrics").text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
