@@ -6,12 +6,16 @@ Outputs leave through each request's `on_output` callback, called from the engin
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,6 +24,7 @@ from kvmesh.engine.events import EventLog
 from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import make_policy
+from kvmesh.engine.kv.transfer import Layout, encode_frame
 from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.model import loader
 from kvmesh.engine.model.llama import Llama
@@ -31,6 +36,8 @@ from kvmesh.engine.sampling import sample
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("kvmesh.engine")
+T = TypeVar("T")
+PIN_PREFIXES = ("handle:", "send:", "import:")  # block holders that are not requests
 EMA = 0.2  # weight of the newest sample in the moving averages
 
 
@@ -124,6 +131,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._last_forecast = 0.0
         self.forecast: Forecast | None = None
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self.handles: dict[str, float] = {}  # handoff handle -> monotonic expiry; blocks held as "handle:<id>"
 
     # ---- from any thread ---------------------------------------------------------------------------------
 
@@ -136,6 +145,13 @@ class Engine:
         """Stop a request and free its blocks at the next step boundary (a client went away)."""
         self._aborts.append(request_id)
         self._wake.set()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread at the next step boundary (KV state is the engine thread's alone)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.append((fn, future))
+        self._wake.set()
+        return future
 
     def start(self) -> None:
         self.warmup()
@@ -158,10 +174,14 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._run_commands()
             if not (self._inbox or self._aborts or self.scheduler.has_work()):
                 self._wake.wait(timeout=self.config.forecast_interval_seconds)
                 self._wake.clear()
+                self._run_commands()
+                self._expire_handles()
                 self._maybe_forecast()
+                self._publish_state()
                 continue
             try:
                 self.step()
@@ -169,6 +189,70 @@ class Engine:
                 log.exception("engine step failed")
                 for request in list(self.scheduler.running):
                     self._finish(request, "error", error="internal error while computing this request")
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # the caller gets it; the engine goes on
+                    future.set_exception(exc)
+        self.events.flush()
+
+    # ---- KV transfer: these run on the engine thread, through `call` ---------------------------------------
+
+    def pin_for_send(self, hashes: list[int], handle: str | None) -> tuple[str, list[int]]:
+        """Hold the longest cached run of `hashes` for a peer's fetch; (release key, block ids)."""
+        if handle is not None and self.handles.get(handle, 0.0) < time.monotonic():
+            raise LookupError(f"unknown or expired KV handle {handle!r}")
+        key = f"send:{uuid.uuid4().hex}"
+        return key, self.kv.pin_cached(key, hashes)
+
+    def release(self, key: str) -> None:
+        self.kv.free(key)
+
+    def drop_handle(self, handle: str) -> None:
+        """A handoff's blocks were delivered: unpin them now rather than at expiry (they stay cached)."""
+        if self.handles.pop(handle, None) is not None:
+            self.kv.free(f"handle:{handle}")
+
+    def cached_run(self, hashes: list[int]) -> int:
+        """How many leading `hashes` this engine already holds (a pull fetches only the rest)."""
+        for i, block_hash in enumerate(hashes):
+            if self.kv.pool.lookup(block_hash) is None:
+                return i
+        return len(hashes)
+
+    def reserve_import(self, key: str, n: int) -> list[int] | None:
+        return self.kv.allocate_unregistered(key, n)
+
+    def finish_import(self, block_ids: list[int], hashes: list[int], parent: int | None) -> int:
+        """Make pulled blocks findable (and announce them as `stored` events)."""
+        return self.kv.register_filled(block_ids, hashes, parent)
+
+    # ---- KV transfer: these touch only pinned or reserved blocks, so any thread may run them ---------------
+
+    @property
+    def kv_layout(self) -> Layout:
+        return Layout.of(self.runner.kv_cache)
+
+    def read_frame(self, block_ids: list[int], hashes: list[int]) -> bytes:
+        """A frame of pinned blocks for a peer (a cached full block never changes while pinned)."""
+        return encode_frame(self.runner.kv_cache, block_ids, hashes)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Fill reserved blocks with a peer's KV: one copy for all of them."""
+        self.runner.kv_cache.index_copy_(0, torch.tensor(block_ids, device=self.runner.device),
+                                         data.to(self.runner.device))
+
+    def _expire_handles(self) -> None:
+        now = time.monotonic()
+        for handle, expires in list(self.handles.items()):
+            if expires < now:
+                del self.handles[handle]
+                self.kv.free(f"handle:{handle}")
+                self.metrics.handles_expired.inc()
 
     def _on_kv_event(self, event: KVEvent) -> None:
         self.events.record(event)
@@ -197,6 +281,8 @@ class Engine:
 
     def step(self) -> SchedulerOutput:
         """One scheduling decision and one model step."""
+        self._run_commands()
+        self._expire_handles()
         self._take_inbox()
         out = self.scheduler.schedule()
         for request in out.unservable:
@@ -223,6 +309,10 @@ class Engine:
         if prompt < self.config.block_size:
             m.short_queries.inc()
         m.queue_time.observe(time.monotonic() - request.arrival_time)
+        if request.import_key is not None:  # the request now holds the pulled blocks itself
+            request.peer_tokens = min(request.peer_tokens, request.cached_tokens)
+            self.kv.free(request.import_key)
+            request.import_key = None
 
     def _run(self, out: SchedulerOutput) -> None:
         inputs = []
@@ -310,6 +400,15 @@ class Engine:
     ) -> None:
         if r.status is Status.FINISHED:
             return
+        if r.import_key is not None:
+            self.kv.free(r.import_key)
+        handoff = None
+        if r.handoff_ttl is not None and reason in ("stop", "length") and error is None:
+            handle = uuid.uuid4().hex
+            self.kv.rename(r.request_id, f"handle:{handle}")  # the blocks outlive the request, until pulled
+            self.handles[handle] = time.monotonic() + r.handoff_ttl
+            handoff = {"handle": handle, "expires_at": time.time() + r.handoff_ttl,
+                       "num_blocks": len(self.kv.seqs[f"handle:{handle}"].blocks)}
         self.scheduler.remove(r)
         self.requests.pop(r.request_id, None)
         r.finish_reason = reason
@@ -338,6 +437,8 @@ class Engine:
                 prompt_tokens=len(r.prompt_ids),
                 cached_tokens=r.cached_tokens,
                 completion_tokens=r.num_generated,
+                peer_tokens=r.peer_tokens,
+                kv_transfer=handoff,
             ),
         )
 
@@ -351,6 +452,9 @@ class Engine:
     def _publish(self) -> None:
         self.events.flush()
         self._maybe_forecast()
+        self._publish_state()
+
+    def _publish_state(self) -> None:
         pending = sum(self._pending_prefill(r) for r in (*self.scheduler.waiting, *self.scheduler.running))
         self.state = EngineState(
             running=len(self.scheduler.running),
@@ -362,6 +466,7 @@ class Engine:
             forecast=self.forecast,
             events_seq=self.events.seq,
             draining=self.draining,
+            pinned_blocks=sum(len(s.blocks) for k, s in self.kv.seqs.items() if k.startswith(PIN_PREFIXES)),
         )
 
     def _pending_prefill(self, r: Request) -> int:

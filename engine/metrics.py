@@ -22,6 +22,9 @@ from kvmesh.engine.protocol import (
     KV_BLOCK_STATES,
     PREEMPTION_MODES,
     TIERS,
+    TRANSFER_DIRECTIONS,
+    TRANSFER_KINDS,
+    TRANSFER_OUTCOMES,
 )
 from kvmesh.engine.protocol import (
     Metric as M,
@@ -50,6 +53,7 @@ class EngineState:
     forecast: Forecast | None = None
     events_seq: int = 0
     draining: bool = False
+    pinned_blocks: int = 0
 
 
 class _StateCollector:
@@ -90,6 +94,7 @@ class _StateCollector:
         yield gauge(M.DECODE_STEP_SECONDS, "Measured decode step time (moving average).", s.decode_step_seconds)
         yield gauge(M.EVENTS_SEQ, "Last KV event batch number published.", s.events_seq)
         yield gauge(M.DRAINING, "1 while the engine drains.", float(s.draining))
+        yield gauge(M.KV_BLOCKS_PINNED, "Blocks held for transfers.", s.pinned_blocks)
         f = s.forecast
         usage = GaugeMetricFamily(M.FORECAST_USAGE, "Forecast device KV usage at the horizon.", labels=["level"])
         for level in FORECAST_LEVELS:
@@ -138,6 +143,18 @@ class EngineMetrics:
         self.steps = Counter(M.STEPS, "Model steps run.", registry=r)
         self.computed_tokens = Counter(M.COMPUTED_TOKENS, "Tokens the model computed.", registry=r)
         self.requests = Counter(M.REQUESTS, "Finished requests by reason.", ["finish_reason"], registry=r)
+        self.transfers = Counter(M.KV_TRANSFERS, "KV transfers by kind and outcome.", ["kind", "outcome"], registry=r)
+        self.transfer_bytes = Counter(M.KV_TRANSFER_BYTES, "KV bytes moved between pods.", ["direction"],
+                                      registry=r)
+        self.transfer_seconds = Histogram(M.KV_TRANSFER_SECONDS, "KV transfer time.", ["kind"],
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.handles_expired = Counter(M.KV_HANDLES_EXPIRED, "Handoff handles that expired unused.", registry=r)
+        for kind in TRANSFER_KINDS:
+            self.transfer_seconds.labels(kind)
+            for outcome in TRANSFER_OUTCOMES:
+                self.transfers.labels(kind, outcome)
+        for direction in TRANSFER_DIRECTIONS:
+            self.transfer_bytes.labels(direction)
         for tier in TIERS:
             self.hit_tokens.labels(tier)
             for reason in EVICTION_REASONS:

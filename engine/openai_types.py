@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvmesh.engine.sampling import MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
 
@@ -18,10 +18,34 @@ class StreamOptions(BaseModel):
 
 
 class KVTransfer(BaseModel):
-    """The `kv_transfer` request field; the engine answers "not supported" until KV moving lands."""
+    """The `kv_transfer` request field (DESIGN.md contract 0):
+    - prefill: compute the prompt, sample the first token, keep the KV under a handle for `ttl_seconds`;
+    - decode: pull the prompt's blocks this pod lacks from `source` (under `handle`) and continue after
+      `first_token`;
+    - pull: fetch the blocks of the first `tokens` prompt tokens from `source` before computing the rest."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     mode: Literal["prefill", "decode", "pull"]
+    source: str | None = Field(default=None, pattern=r"^https?://")
+    handle: str | None = None
+    first_token: int | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=1)
+    ttl_seconds: float | None = Field(default=None, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _fields_of_mode(self) -> KVTransfer:
+        needed = {"prefill": (), "decode": ("source", "handle", "first_token"), "pull": ("source", "tokens")}
+        missing = [name for name in needed[self.mode] if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"kv_transfer mode {self.mode!r} needs {', '.join(missing)}")
+        return self
+
+
+class FetchRequest(BaseModel):
+    """POST /v1/kv/fetch: blocks by hash, optionally under a handoff handle (checked for expiry)."""
+
+    block_hashes: list[int] = Field(min_length=1, max_length=100_000)
+    handle: str | None = None
 
 
 class _Common(BaseModel):

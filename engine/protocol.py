@@ -303,6 +303,11 @@ class Metric:
     FORECAST_EXHAUSTION = "kvmesh_kv_forecast_exhaustion_seconds"  # gauge
     FORECAST_HORIZON = "kvmesh_kv_forecast_horizon_seconds"  # gauge
     EVENTS_SEQ = "kvmesh_kv_events_seq"  # gauge: last sequence number published
+    KV_TRANSFERS = "kvmesh_kv_transfers"  # counter; labels kind (serve, pull, handoff), outcome (ok, failed)
+    KV_TRANSFER_BYTES = "kvmesh_kv_transfer_bytes"  # counter; label direction (sent, received)
+    KV_TRANSFER_SECONDS = "kvmesh_kv_transfer_seconds"  # histogram; label kind
+    KV_HANDLES_EXPIRED = "kvmesh_kv_handles_expired"  # counter: handoff handles whose time ran out unused
+    KV_BLOCKS_PINNED = "kvmesh_kv_blocks_pinned"  # gauge: blocks held for transfers (handles, sends, imports)
 
 
 class RouterMetric:
@@ -324,6 +329,9 @@ ROUTES: tuple[str, ...] = ("aggregated", "retry", "migrated")
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")
 POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
+TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff")
+TRANSFER_OUTCOMES: tuple[str, ...] = ("ok", "failed")
+TRANSFER_DIRECTIONS: tuple[str, ...] = ("sent", "received")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")
 EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")

@@ -32,6 +32,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    peer_tokens: int = 0  # of cached_tokens, those pulled from another pod
+    kv_transfer: dict[str, Any] | None = None  # a prefill's handoff: handle, expires_at, num_blocks
 
 
 @dataclass
@@ -51,6 +53,9 @@ class Request:
     num_computed_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens supplied by the cache at first admission
     expected_cached_tokens: int = 0  # the cached prefix found at arrival (for load estimates while waiting)
+    handoff_ttl: float | None = None  # a prefill for another pod: keep the KV under a handle this long
+    import_key: str | None = None  # blocks pulled from a peer for this request, held until it is admitted
+    peer_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -22,22 +25,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
+from kvmesh.engine.kv.transfer import KV_FETCH_PATH, TransferError, pull_blocks
+from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, FetchRequest, error_body
 from kvmesh.engine.protocol import (
     CACHE_SOURCES,
     DRAIN_PATH,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
+    KV_TRANSFER_FIELD,
     PRIORITY_HEADER,
     WORKLOAD_HEADER,
     BlockExtra,
+    HashAlgo,
+    block_hashes,
     parse_priority,
     workload_class,
 )
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 
+log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI; chat gets the rest of the context
 DISCONNECT_CHECK_SECONDS = 0.5
@@ -81,9 +89,11 @@ def _usage(finals: dict[int, RequestOutput], job: _Job) -> dict[str, Any]:
     first_of_prompt = {job.prompt_of[i]: o for i, o in sorted(finals.items(), reverse=True)}
     prompt = sum(o.prompt_tokens for o in first_of_prompt.values())
     cached = sum(o.cached_tokens for o in first_of_prompt.values())
+    peer = sum(o.peer_tokens for o in first_of_prompt.values())
     completion = sum(o.completion_tokens for o in finals.values())
     by_source = dict.fromkeys(CACHE_SOURCES, 0)
-    by_source["device"] = cached
+    by_source["device"] = cached - peer
+    by_source["peer"] = peer
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -238,9 +248,11 @@ class _Completions:
         if b.model is not None and b.model != e.model_name:
             raise ApiError(404, f"model {b.model!r} does not exist; this engine serves {e.model_name!r}",
                            param="model", code="model_not_found")
-        if b.kv_transfer is not None:
-            raise ApiError(501, "kv_transfer is not supported by this engine yet", param="kv_transfer",
-                           code="not_supported")
+        transfer = b.kv_transfer
+        if transfer is not None and transfer.mode == "prefill" and (b.stream or b.n > 1):
+            raise ApiError(400, "a kv_transfer prefill is one non-streamed choice", param="kv_transfer")
+        if transfer is not None and transfer.mode == "decode" and transfer.first_token >= e.tokenizer.vocab_size:
+            raise ApiError(400, "kv_transfer.first_token is outside the vocabulary", param="kv_transfer")
         if isinstance(b, CompletionRequest) and (b.echo or b.suffix):
             raise ApiError(400, "echo and suffix are not supported", param="echo")
         if e.draining:
@@ -270,10 +282,14 @@ class _Completions:
                 raise ApiError(400, "resume_output_ids holds ids outside the vocabulary", param="resume_output_ids")
             workload = workload_class("chat" if self.chat else "completion", len(prompt_ids),
                                       self.http.headers.get(WORKLOAD_HEADER))
+            if transfer is not None and transfer.mode == "decode":
+                resume = [transfer.first_token]  # the prefill pod sampled it: this pod continues after it
             for i in range(b.n):
                 params = self.params(len(prompt_ids))
                 if b.seed is not None and i:
                     params.seed = b.seed + i
+                if transfer is not None and transfer.mode == "prefill":
+                    params.max_tokens = 1
                 if len(resume) >= params.max_tokens:
                     raise ApiError(400, "resume_output_ids already reaches max_tokens", param="resume_output_ids")
                 job.add(
@@ -285,10 +301,51 @@ class _Completions:
                         priority=priority,
                         extra=BlockExtra(cache_salt=b.cache_salt),
                         output_ids=list(resume),
+                        handoff_ttl=(transfer.ttl_seconds or e.config.handoff_ttl_seconds)
+                        if transfer is not None and transfer.mode == "prefill" else None,
                     ),
                     prompt_index,
                 )
         return job
+
+    async def pull(self, job: _Job, client: httpx.AsyncClient) -> None:
+        """For a decode or pull request: fetch from the named peer the prompt blocks this pod lacks, so the
+        engine computes only the rest. A failed, refused or damaged transfer is logged and counted, and the
+        request simply computes its prompt: the client sees one answer either way."""
+        transfer, e = self.body.kv_transfer, self.engine
+        if transfer is None or transfer.mode == "prefill":
+            return
+        first = job.requests[0]
+        bs = e.config.block_size
+        limit = transfer.tokens if transfer.mode == "pull" else len(first.prompt_ids)
+        wanted = block_hashes(first.prompt_ids[: (min(limit, len(first.prompt_ids) - 1) // bs) * bs], bs,
+                              first.extra, HashAlgo(e.config.hash_algo), e.config.hash_root)
+        have = await asyncio.wrap_future(e.call(lambda: e.cached_run(wanted)))
+        if have == len(wanted):
+            return
+        kind = "handoff" if transfer.mode == "decode" else "pull"
+        key = f"import:{first.request_id}"
+        try:
+            pulled = await pull_blocks(client, transfer.source or "", wanted[have:], e.kv_layout, transfer.handle)
+            if not pulled.hashes:
+                raise TransferError(f"{transfer.source} holds none of the blocks")
+            ids = await asyncio.wrap_future(e.call(lambda: e.reserve_import(key, len(pulled.hashes))))
+            if ids is None:
+                raise TransferError("no room in this pod's KV cache for the pulled blocks")
+            # the reserved blocks belong to nobody else until registered: fill them off the engine thread
+            await asyncio.to_thread(e.write_blocks, ids, pulled.data)
+            parent = wanted[have - 1] if have else None
+            await asyncio.wrap_future(e.call(lambda: e.finish_import(ids, pulled.hashes, parent)))
+        except TransferError as exc:
+            log.warning("KV %s for %s failed, recomputing: %s", kind, first.request_id, exc)
+            e.metrics.transfers.labels(kind, "failed").inc()
+            e.call(lambda: e.release(key))
+            return
+        first.import_key = key
+        first.peer_tokens = len(pulled.hashes) * bs
+        e.metrics.transfers.labels(kind, "ok").inc()
+        e.metrics.transfer_bytes.labels("received").inc(pulled.nbytes)
+        e.metrics.transfer_seconds.labels(kind).observe(pulled.seconds)
 
     # ---- responses ----------------------------------------------------------------------------------------
 
@@ -406,11 +463,19 @@ class _Completions:
             "model": self.model,
             "choices": choices,
             "usage": _usage(finals, job),
+            **({KV_TRANSFER_FIELD: finals[0].kv_transfer} if finals[0].kv_transfer else {}),
         }
 
 
 def create_app(holder: EngineHolder) -> FastAPI:
-    app = FastAPI(title="kvmesh engine")
+    peers = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0))  # KV transfers from other pods
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await peers.aclose()
+
+    app = FastAPI(title="kvmesh engine", lifespan=lifespan)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -436,6 +501,7 @@ def create_app(holder: EngineHolder) -> FastAPI:
     async def _serve(body: ChatRequest | CompletionRequest, http: HttpRequest, chat: bool) -> Response:
         handler = _Completions(holder.get(), chat, body, http)
         job = handler.job()
+        await handler.pull(job, peers)
         if body.stream:
             return StreamingResponse(handler.stream(job), media_type="text/event-stream")
         try:
@@ -483,6 +549,36 @@ def create_app(holder: EngineHolder) -> FastAPI:
     @app.get(KV_CONFIG_PATH)
     async def kv_config() -> dict[str, Any]:
         return holder.get().kv_config.to_json()
+
+    @app.post(KV_FETCH_PATH)
+    async def kv_fetch(body: FetchRequest) -> Response:
+        """Cached blocks by hash, in frames of many blocks, for a peer (DESIGN.md contract 4)."""
+        e = holder.get()
+        try:
+            key, ids = await asyncio.wrap_future(e.call(lambda: e.pin_for_send(body.block_hashes, body.handle)))
+        except LookupError as exc:
+            raise ApiError(410, str(exc), param="handle", code="handle_expired") from None
+        hashes = body.block_hashes[: len(ids)]
+        frame = e.config.transfer_frame_blocks
+
+        async def frames() -> AsyncIterator[bytes]:
+            start, sent, outcome = time.perf_counter(), 0, "failed"
+            try:
+                for i in range(0, len(ids), frame):
+                    data = await asyncio.to_thread(e.read_frame, ids[i : i + frame], hashes[i : i + frame])
+                    sent += len(data)
+                    yield data
+                outcome = "ok"
+                if body.handle is not None:
+                    e.call(lambda: e.drop_handle(body.handle))
+            finally:
+                e.call(lambda: e.release(key))
+                e.metrics.transfers.labels("serve", outcome).inc()
+                e.metrics.transfer_bytes.labels("sent").inc(sent)
+                e.metrics.transfer_seconds.labels("serve").observe(time.perf_counter() - start)
+
+        return StreamingResponse(frames(), media_type="application/octet-stream",
+                                 headers={"x-kvmesh-blocks": str(len(ids))})
 
     @app.get(KV_BLOCKS_PATH)
     async def kv_blocks() -> dict[str, Any]:

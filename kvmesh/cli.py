@@ -170,9 +170,16 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the engine's quantization; the transformers baseline gets the same (dynamic int8)")
     e.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     e.add_argument("--json", help="write the results here as JSON")
+    from kvmesh.bench.router import add_parser as add_router_bench
+
+    add_router_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "router":
+        from kvmesh.bench.router import run as run_router_bench
+
+        return run_router_bench(args)
     from kvmesh.bench.engine import run_engine_bench
 
     return run_engine_bench(args)

@@ -268,7 +268,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
         boot_id="",
     )
     index = PrefixIndex()
-    pods = PodSet(config.pods, expected, index, config.scrape_interval_seconds, config.stale_after_seconds)
+    pods = PodSet.from_config(config, expected, index)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=config.request_timeout_seconds))
     keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys({})
     log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None

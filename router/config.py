@@ -13,7 +13,9 @@ from typing import Any
 
 import yaml
 
-from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, HashAlgo
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
+
+DISCOVERY_MODES = ("static", "kubernetes")
 
 
 @dataclass
@@ -24,6 +26,10 @@ class RouterConfig:
     port: int = 8080
     pods: list[str] = field(default_factory=list)  # engine base URLs (a static pool)
     pool: str = "local"
+    discovery: str = "static"  # "static": the `pods` list; "kubernetes": the pool's EndpointSlices, watched
+    namespace: str | None = None  # kubernetes: where the slices live; None: the kubeconfig's or the pod's own
+    label_selector: str | None = None  # kubernetes: which slices; None: see endpoint_selector()
+    kubeconfig: str | None = None  # kubernetes: a kubeconfig file; None: the in-cluster service account
     model: str | None = None  # where the pool's tokenizer lives (HF dir or .gguf); None: the bundled model
     block_size: int = DEFAULT_BLOCK_SIZE
     hash_algo: str = HashAlgo.XXH3.value
@@ -41,8 +47,18 @@ class RouterConfig:
     database_url: str | None = None  # the request log (SQLite locally, PostgreSQL in Kubernetes)
     weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
 
+    def endpoint_selector(self) -> str:
+        """The label selector of the pool's engine EndpointSlices. Slices inherit their Service's labels; the
+        role clause keeps a router Service labelled with the pool (if there is one) from listing the router."""
+        return self.label_selector or f"{POOL_LABEL}={self.pool},{ROLE_LABEL}!=router"
+
     def validate(self) -> None:
-        if not self.pods:
+        if self.discovery not in DISCOVERY_MODES:
+            raise ValueError(f"discovery {self.discovery!r} is not one of {', '.join(DISCOVERY_MODES)}")
+        if self.discovery == "kubernetes":
+            if self.pods:
+                raise ValueError("with `discovery: kubernetes` the pods come from EndpointSlices: list no pods")
+        elif not self.pods:
             raise ValueError("the router needs at least one pod (--pod URL, or `pods:` in the config file)")
         for url in self.pods:
             if not url.startswith(("http://", "https://")):

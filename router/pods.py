@@ -1,4 +1,5 @@
-"""The pods behind a router: discovery (a static list here), health, load from /metrics, and KV event streams
+"""The pods behind a router: discovery (a static list, or a source such as router/discovery.py's EndpointSlice
+watcher that adds, removes and drains pods at run time), health, load from /metrics, and KV event streams
 feeding the global prefix index. Everything the picker needs, as snapshots.
 
 Each pod gets two tasks: a scraper (health, metrics, and /v1/kv/config whenever the pod's boot id changes)
@@ -13,7 +14,9 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +31,7 @@ from kvmesh.engine.protocol import (
     Metric,
     VllmMetric,
 )
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import PodState
 
@@ -42,6 +46,7 @@ class Pod:
     url: str
     healthy: bool = False
     draining: bool = False
+    terminating: bool = False  # discovery says the pod is going away: drain it whatever /health says
     kv_config: KVConfig | None = None
     refused: str | None = None  # why the pod's configuration is not usable, if it is not
     metrics: dict[str, float] = field(default_factory=dict)
@@ -77,6 +82,15 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class Discovery(Protocol):
+    """A source of pods that change at run time. `start` runs on the event loop; the source then calls `apply`
+    there with its whole current view (pod URL -> draining) whenever that view changes."""
+
+    def start(self, apply: Callable[[Mapping[str, bool]], None]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class PodSet:
     def __init__(
         self,
@@ -85,25 +99,89 @@ class PodSet:
         index: PrefixIndex,
         scrape_interval: float,
         stale_after: float,
+        discovery: Discovery | None = None,
     ) -> None:
-        self.pods = {url.rstrip("/"): Pod(url.rstrip("/")) for url in urls}
+        self.pods: dict[str, Pod] = {}
         self.expected = expected
         self.index = index
         self.scrape_interval = scrape_interval
         self.stale_after = stale_after
+        self.discovery = discovery
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=None))
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Task[None]]] = {}
+        self._started = False
+        for url in urls:
+            self.add(url)
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, expected: KVConfig, index: PrefixIndex) -> PodSet:
+        """The pod set `config` asks for: its static list, or the pool's pods as Kubernetes reports them."""
+        discovery = None
+        if config.discovery == "kubernetes":
+            # Imported here: the kubernetes client takes most of a second to import, which static pools never need.
+            from kvmesh.router.discovery import EndpointSliceWatcher
+
+            discovery = EndpointSliceWatcher.from_config(config)
+        return cls(config.pods, expected, index, config.scrape_interval_seconds, config.stale_after_seconds, discovery)
 
     async def start(self) -> None:
+        self._started = True
         for pod in self.pods.values():
-            self._tasks.append(asyncio.create_task(self._scrape_loop(pod), name=f"scrape {pod.url}"))
-            self._tasks.append(asyncio.create_task(self._event_loop(pod), name=f"events {pod.url}"))
+            self._start_tasks(pod)
+        if self.discovery is not None:
+            self.discovery.start(self.sync)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        if self.discovery is not None:
+            await asyncio.to_thread(self.discovery.stop)  # it may wait for a thread: not on the event loop
+        self._started = False
+        tasks = [task for pair in self._tasks.values() for task in pair]
+        self._tasks.clear()
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
+
+    # ---- membership at run time (called on the event loop) -----------------------------------------------
+
+    def add(self, url: str) -> Pod:
+        """The pod at `url`, added (and, once started, scraped and indexed) if it was not there."""
+        url = url.rstrip("/")
+        pod = self.pods.get(url)
+        if pod is None:
+            pod = self.pods[url] = Pod(url)
+            if self._started:
+                log.info("pod %s joined the pool", url)
+                self._start_tasks(pod)
+        return pod
+
+    def remove(self, url: str) -> None:
+        """Forget a pod: stop its tasks and drop its blocks from the index. Requests already relayed from it
+        keep their own reference and finish."""
+        pod = self.pods.pop(url.rstrip("/"), None)
+        if pod is None:
+            return
+        log.info("pod %s left the pool", pod.url)
+        for task in self._tasks.pop(pod.url, ()):
+            task.cancel()
+        self.index.remove_pod(pod.name)
+
+    def mark_draining(self, url: str, draining: bool = True) -> None:
+        """Discovery's word that a pod is terminating: no new requests from now on, running ones finish."""
+        pod = self.pods[url.rstrip("/")]
+        if draining and not pod.terminating:
+            log.info("pod %s is terminating: draining it", pod.url)
+        pod.terminating = draining
+        pod.draining = draining or pod.draining  # /health decides again at the next scrape once not terminating
+
+    def sync(self, desired: Mapping[str, bool]) -> None:
+        """Make the set equal to a discovery source's view: pod URL -> draining."""
+        wanted = {url.rstrip("/"): draining for url, draining in desired.items()}
+        for url in [url for url in self.pods if url not in wanted]:
+            self.remove(url)
+        for url, draining in wanted.items():
+            self.add(url)
+            self.mark_draining(url, draining)
 
     def snapshot(self, now: float | None = None) -> list[PodState]:
         now = time.monotonic() if now is None else now
@@ -137,6 +215,12 @@ class PodSet:
 
     # ---- per-pod tasks -------------------------------------------------------------------------------------
 
+    def _start_tasks(self, pod: Pod) -> None:
+        self._tasks[pod.url] = (
+            asyncio.create_task(self._scrape_loop(pod), name=f"scrape {pod.url}"),
+            asyncio.create_task(self._event_loop(pod), name=f"events {pod.url}"),
+        )
+
     async def _read_config(self, pod: Pod) -> None:
         body = (await self._client.get(pod.url + KV_CONFIG_PATH)).json()
         config = KVConfig(**body)
@@ -156,7 +240,9 @@ class PodSet:
         while True:
             try:
                 health = await self._client.get(pod.url + "/health")
-                pod.draining = health.status_code == 503 and health.json().get("status") == "draining"
+                pod.draining = pod.terminating or (
+                    health.status_code == 503 and health.json().get("status") == "draining"
+                )
                 pod.healthy = health.status_code == 200
                 if pod.healthy:
                     if pod.kv_config is None:

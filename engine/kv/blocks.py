@@ -301,6 +301,44 @@ class KVCacheManager:
             self.pool.register(seq.blocks[i], hashes[i], parent, self.block_size)
         seq.num_registered = full
 
+    def pin_cached(self, key: str, hashes: Sequence[int]) -> list[int]:
+        """Take a reference, under `key`, on the longest cached prefix of `hashes` (blocks being sent to a peer
+        must not be evicted and overwritten mid-copy). Returns their block ids; `free(key)` lets them go."""
+        found: list[Block] = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        self.pool.touch(found)
+        self.seqs.setdefault(key, SequenceBlocks()).blocks.extend(found)
+        return [b.block_id for b in found]
+
+    def allocate_unregistered(self, key: str, n: int) -> list[int] | None:
+        """`n` fresh blocks held under `key`, to be filled from outside (a peer's KV) and then registered with
+        `register_filled`. None when the pool cannot spare them."""
+        if n > self.pool.num_available:
+            return None
+        blocks = self.pool.allocate(n)
+        self.seqs.setdefault(key, SequenceBlocks()).blocks.extend(blocks)
+        return [b.block_id for b in blocks]
+
+    def register_filled(self, block_ids: Sequence[int], hashes: Sequence[int], parent: int | None) -> int:
+        """Register filled blocks under their chained hashes (parent first); returns how many became findable.
+        A hash another block already holds stays with that block."""
+        registered = 0
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            block = self.pool.blocks[block_id]
+            registered += self.pool.register(block, block_hash, self.hash_root if parent is None else parent,
+                                             self.block_size)
+            parent = block_hash
+        return registered
+
+    def rename(self, seq_id: str, key: str) -> None:
+        """Hand a sequence's blocks to another holder (a finished prefill's blocks to its transfer handle)."""
+        if seq_id in self.seqs:
+            self.seqs.setdefault(key, SequenceBlocks()).blocks.extend(self.seqs.pop(seq_id).blocks)
+
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.seqs[seq_id].blocks]
 

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
@@ -32,12 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from kvmesh.engine.model.loader import resolve_model_dir
-from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ROOT,
@@ -54,6 +49,9 @@ from kvmesh.engine.protocol import (
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import Decision, PickerConfig, PodState, RequestInfo, pick
+
+if TYPE_CHECKING:  # httpx and the tokenizer load on use: `kvmesh --help` builds this command's parser
+    from kvmesh.engine.model.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 TARGET_MATCH_PICK_P99_MS = 1.0
@@ -117,6 +115,19 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def resolve_model_dir(model: str | None, progress: bool = True) -> Path:
+    """The loader's, imported on use: it brings torch, which `kvmesh --help` should not pay for."""
+    from kvmesh.engine.model.loader import resolve_model_dir as resolve
+
+    return resolve(model, progress)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    from kvmesh.engine.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
 
 
 def _progress(message: str) -> None:
@@ -402,7 +413,7 @@ def decision_latency(
     warmup: int = 20,
 ) -> DecisionResult:
     """Part 1 on its own: the bundled tokenizer, a prompt of `prompt_tokens`, a scene of `pods`, timed."""
-    tokenizer = Tokenizer.from_dir(resolve_model_dir(None, progress=False))
+    tokenizer = load_tokenizer(resolve_model_dir(None, progress=False))
     text = prompt_text(tokenizer, prompt_tokens, seed)
     scene = build_scene(tokenizer, text, pods, other_blocks, seed)
     return measure_decisions(tokenizer, text, scene, decisions, warmup)
@@ -418,6 +429,8 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -532,6 +545,8 @@ def proxy_overhead(requests: int = 200, warmup: int = 20, time_limit: float = 30
                    startup_timeout: float = 180.0) -> ProxyResult:
     """One engine process with a tiny model and a router process in front; `requests` interleaved pairs of
     direct and routed completions, stopping early at `time_limit` seconds."""
+    import httpx
+
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-router-") as tmp, Processes(Path(tmp)) as procs:
         _progress("proxy: saving a tiny random Llama ...")
         model_dir = make_tiny_model(Path(tmp) / "tiny")
@@ -619,6 +634,8 @@ def _stub_routes(fingerprint: str) -> dict[bytes, tuple[int, bytes, bytes]]:
 def serve_stub(port: int, fingerprint: str) -> None:
     """An upstream that answers every completion at once, with what the router needs to accept it as a pod.
     Raw asyncio HTTP/1.1 with keep-alive: it should cost the machine far less than the router does."""
+    import asyncio  # here, not at the top: `kvmesh --help` imports this module
+
     routes = _stub_routes(fingerprint)
     missing = (404, b"application/json", b'{"error": "not found"}')
 
@@ -655,6 +672,8 @@ def serve_stub(port: int, fingerprint: str) -> None:
 async def _load(port: int, body: bytes, concurrency: int, seconds: float) -> tuple[int, int, list[int]]:
     """`concurrency` keep-alive connections sending POST /v1/completions back to back for `seconds`:
     (ok responses, other responses, latencies in ns). A raw client, to leave the CPU to the server."""
+    import asyncio  # here, not at the top: `kvmesh --help` imports this module
+
     request = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                b"content-length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.monotonic() + seconds
@@ -699,8 +718,10 @@ class ThroughputResult:
 
 def router_throughput(concurrency: int = 32, seconds: float = 10.0, startup_timeout: float = 60.0) -> ThroughputResult:
     """Requests per second through the router against the stub, and the stub's own rate with the same client."""
+    import asyncio  # here, not at the top: `kvmesh --help` imports this module
+
     model_dir = resolve_model_dir(None, progress=False)
-    fingerprint = Tokenizer.from_dir(model_dir).fingerprint
+    fingerprint = load_tokenizer(model_dir).fingerprint
     body = json.dumps({"prompt": PROXY_PROMPT, "max_tokens": 1}).encode()
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-rps-") as tmp, Processes(Path(tmp)) as procs:
         port = free_port()
@@ -812,8 +833,12 @@ def print_throughput(r: ThroughputResult) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`kvmesh bench router`: every part in one run; markdown on stdout, progress on stderr."""
+    if min(args.pods, args.decisions, args.requests, args.concurrency) < 1 or args.pods < 2:
+        print("kvmesh bench router: --pods must be at least 2, and --decisions, --requests and --concurrency "
+              "at least 1", file=sys.stderr)
+        return 2
     _progress(f"decision latency: {args.pods} pods, {args.prompt_tokens}-token prompt, filling the index ...")
-    tokenizer = Tokenizer.from_dir(resolve_model_dir(None))
+    tokenizer = load_tokenizer(resolve_model_dir(None))
     text = prompt_text(tokenizer, args.prompt_tokens, args.seed)
     scene = build_scene(tokenizer, text, args.pods, args.other_blocks, args.seed)
     _progress(f"decision latency: {args.decisions} decisions ...")
