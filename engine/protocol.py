@@ -325,7 +325,7 @@ class RouterMetric:
 
 
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
-ROUTES: tuple[str, ...] = ("aggregated", "retry", "migrated")
+ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated")
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")
 POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")

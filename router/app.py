@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
 from kvmesh.engine.protocol import (
+    KV_TRANSFER_FIELD,
     POD_STATES,
     PRIORITY_CLASSES,
     PRIORITY_HEADER,
@@ -53,6 +54,7 @@ from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
+SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
 
 
 class RouterMetrics:
@@ -112,6 +114,13 @@ class Trace:
     chunks: int = 0
 
 
+def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+    """A disaggregated request's usage: prompt and cached tokens from the prefill pod (what it did not compute),
+    completion tokens from the decode pod (which counts the prefill's first token as generated)."""
+    completion = decode.get("completion_tokens", 0)
+    return {**prefill, "completion_tokens": completion, "total_tokens": prefill.get("prompt_tokens", 0) + completion}
+
+
 @dataclass
 class Relay:
     """A stream's progress as the router relays it: what the client has received, so another pod can go on."""
@@ -126,6 +135,8 @@ class Relay:
     sent_text: str = ""
     stream_id: str | None = None
     chat: bool = False
+    strip_role: bool = False  # the client already has the assistant role (a prefill hop or another pod sent it)
+    prefill_usage: dict[str, Any] | None = None  # after a prefill hop: the prompt side of the usage comes from it
     finished: bool = False  # a choice carried a finish_reason
     done: bool = False  # [DONE] arrived
     migrations: int = 0
@@ -146,12 +157,14 @@ class Relay:
             delta = choice.get("delta")
             if delta is not None:
                 self.sent_text += delta.get("content") or ""
-                if self.migrations:
+                if self.strip_role:
                     delta.pop("role", None)
             else:
                 self.sent_text += choice.get("text") or ""
             if choice.get("finish_reason"):
                 self.finished = True
+        if chunk.get("usage") and self.prefill_usage:
+            chunk["usage"] = merge_usage(self.prefill_usage, chunk["usage"])
         return chunk
 
     def resume_ids(self) -> list[int]:
@@ -243,7 +256,8 @@ class Router:
         return RequestInfo(model=body.model or "", prompt_tokens=len(ids), block_hashes=tuple(hashes),
                            priority=priority)
 
-    def decide(self, info: RequestInfo, exclude: set[str]) -> Decision:
+    def decide(self, info: RequestInfo, exclude: set[str], roles: tuple[str, ...] = SERVING_ROLES) -> Decision:
+        """The picker's choice among the pods in `roles`, not in `exclude`."""
         now = time.monotonic()
         states = [p for p in self.pods.snapshot(now) if p.name not in exclude]
         if info.model:
@@ -252,7 +266,11 @@ class Router:
                 raise RouteError(404, f"model {info.model!r} does not exist; this pool serves "
                                       f"{sorted(served)}", code="model_not_found")
         matches = self.index.match(info.block_hashes, [p.name for p in states], now)
-        return pick(info, states, matches, self.picker)
+        return pick(info, states, matches, self.picker, roles)
+
+    def disaggregated(self) -> bool:
+        """Whether the pool has healthy prefill pods (then decode pods serve what needs no prefill hop)."""
+        return any(p.role == "prefill" and p.healthy for p in self.pods.snapshot())
 
 
 def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
@@ -275,6 +293,21 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), client,
                   keys, log, shed)
+
+
+async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> AsyncIterator[str]:
+    """A finished one-token answer as a stream: one chunk, the usage if asked, [DONE]."""
+    chat = whole["object"] == "chat.completion"
+    choice = whole["choices"][0]
+    if chat:
+        delta = {"role": "assistant", "content": choice["message"]["content"]}
+        choice = {k: v for k, v in choice.items() if k != "message"} | {"delta": delta}
+    base = {"id": whole["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": whole["created"], "model": whole["model"]}
+    yield "data: " + json.dumps(base | {"choices": [choice]}) + "\n\n"
+    if (raw.get("stream_options") or {}).get("include_usage"):
+        yield "data: " + json.dumps(base | {"choices": [], "usage": whole["usage"]}) + "\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def create_router_app(router: Router) -> FastAPI:
@@ -326,11 +359,12 @@ def create_router_app(router: Router) -> FastAPI:
         headers: dict[str, str],
         tried: set[str],
         first: Decision | None = None,
+        roles: tuple[str, ...] = SERVING_ROLES,
     ) -> tuple[httpx.Response, Pod, Decision] | None:
-        """Send `body` to the best pod not yet tried (`first`, when already decided); skip pods that refuse
-        (429, 503) or fail before their first byte. None when no pod is left."""
+        """Send `body` to the best pod in `roles` not yet tried (`first`, when already decided); skip pods that
+        refuse (429, 503) or fail before their first byte. None when no pod is left."""
         for _ in range(router.config.retries + 1):
-            decision, first = first or router.decide(trace.info, tried), None
+            decision, first = first or router.decide(trace.info, tried, roles), None
             if decision.pod is None:
                 return None
             pod = router.pods.pods[decision.pod.name]
@@ -359,6 +393,12 @@ def create_router_app(router: Router) -> FastAPI:
     async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
         tried: set[str] = set()
         headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
+        if router.disaggregated() and raw.get("n", 1) == 1:
+            whole = router.decide(trace.info, tried)
+            if trace.info.prompt_tokens - whole.predicted_cached_tokens >= router.config.prefill_hop_min_tokens:
+                split = await disaggregate(path, raw, trace, stream, headers)
+                if split is not None:
+                    return split
         migratable = stream and raw.get("n", 1) == 1
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else raw
         first = router.decide(trace.info, tried)
@@ -393,6 +433,94 @@ def create_router_app(router: Router) -> FastAPI:
         usage = _count_cached(json.loads(content)) if reply.status_code == 200 else None
         router.record(trace, outcome, reply.status_code, usage)
         return Response(content, status_code=reply.status_code, media_type="application/json", headers=decided)
+
+    async def disaggregate(
+        path: str, raw: dict[str, Any], trace: Trace, stream: bool, headers: dict[str, str]
+    ) -> Response | None:
+        """Prefill on a prefill pod (it samples the first token and keeps the KV under a handle), then decode on
+        a decode pod that pulls the KV and continues. None when the prefill hop failed: serve it whole."""
+        prefill_body = {**raw, "stream": False, RETURN_TOKEN_IDS_FIELD: True, KV_TRANSFER_FIELD: {"mode": "prefill"}}
+        prefill_body.pop("stream_options", None)
+        opened = await open_upstream(trace, prefill_body, path, headers, set(), roles=("prefill",))
+        if opened is None:
+            return None
+        reply, prefill_pod, decision = opened
+        try:
+            content = await reply.aread()
+        finally:
+            await reply.aclose()
+            prefill_pod.inflight -= 1
+        if reply.status_code != 200:
+            return None
+        first = json.loads(content)
+        choice = first["choices"][0]
+        (token,) = choice.pop("token_ids")
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        ticket = first.pop(KV_TRANSFER_FIELD)
+        trace.route = "disaggregated"
+        router.metrics.predicted.inc(decision.predicted_cached_tokens)
+        _count_cached(first)
+        client_ids = bool(raw.get(RETURN_TOKEN_IDS_FIELD))
+        asked = raw.get("max_completion_tokens") or raw.get("max_tokens")
+        if choice["finish_reason"] == "stop" or asked == 1:
+            if client_ids:
+                choice["token_ids"] = [token]
+            router.metrics.requests.labels("ok", trace.route).inc()
+            router.record(trace, "ok", 200, first["usage"])
+            if not stream:
+                return JSONResponse(first)
+            return StreamingResponse(_single_chunk_stream(first, raw), media_type="text/event-stream")
+        decode_body = {**raw, KV_TRANSFER_FIELD: {"mode": "decode", "source": prefill_pod.url,
+                                                  "handle": ticket["handle"], "first_token": token}}
+        if stream:
+            decode_body[RETURN_TOKEN_IDS_FIELD] = True
+        tried: set[str] = set()
+        opened = await open_upstream(trace, decode_body, path, headers, tried)
+        if opened is None:
+            router.metrics.requests.labels("no_pod", trace.route).inc()
+            router.record(trace, "shed", 503, None)
+            return JSONResponse(error_body("no decode pod can take this request now; retry later", "server_error",
+                                           code="no_pod"), status_code=503, headers={"Retry-After": "1"})
+        reply, pod, _ = opened
+        decided = {"x-kvmesh-pod": f"{prefill_pod.name},{pod.name}",
+                   "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
+        if stream and reply.status_code == 200:
+            state = Relay({**raw, RETURN_TOKEN_IDS_FIELD: True}, path, headers, tried, strip_ids=not client_ids,
+                          migratable=True, sent_ids=[token], stream_id=first["id"], strip_role=True,
+                          prefill_usage=first["usage"], chat="message" in choice)
+            opening = state.text_chunk(text)
+            if state.chat:
+                opening["choices"][0]["delta"]["role"] = "assistant"
+            if client_ids:
+                opening["choices"][0]["token_ids"] = [token]
+
+            async def with_first_token() -> AsyncIterator[str]:
+                yield "data: " + json.dumps(opening) + "\n\n"
+                async for line in relay(reply, pod, trace, state):
+                    yield line
+
+            return StreamingResponse(with_first_token(), media_type="text/event-stream", headers=decided)
+        try:
+            rest = json.loads(await reply.aread())
+        finally:
+            await reply.aclose()
+            pod.inflight -= 1
+        if reply.status_code != 200:
+            router.metrics.requests.labels("error", trace.route).inc()
+            router.record(trace, "error", reply.status_code, None)
+            return JSONResponse(rest, status_code=reply.status_code, headers=decided)
+        merged = rest["choices"][0]
+        if "message" in merged:
+            merged["message"]["content"] = text + (merged["message"]["content"] or "")
+        else:
+            merged["text"] = text + merged["text"]
+        if client_ids:
+            merged["token_ids"] = [token, *merged.get("token_ids", [])]
+        rest["usage"] = merge_usage(first["usage"], rest["usage"])
+        rest["id"] = first["id"]
+        router.metrics.requests.labels("ok", trace.route).inc()
+        router.record(trace, "ok", 200, rest["usage"])
+        return JSONResponse(rest, headers=decided)
 
     def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
         usage = body.get("usage") or {}
@@ -435,6 +563,7 @@ def create_router_app(router: Router) -> FastAPI:
                 if missing:
                     yield "data: " + json.dumps(state.text_chunk(missing)) + "\n\n"
                 state.migrations += 1
+                state.strip_role = True
             if not state.done:
                 outcome = "error"
                 failure = error_body("the pod serving this stream failed and no other pod could continue it",

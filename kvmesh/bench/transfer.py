@@ -1,0 +1,440 @@
+"""`kvmesh bench transfer`: what moving KV between two engines costs, beside the prefill it saves.
+
+Real `kvmesh serve` processes on loopback, each with `--threads` torch threads, all serving the same model. A
+source's `transfer_frame_blocks` (blocks per frame on the wire) is fixed when it starts, so the engines form a
+chain, one per frame size plus a last puller: for each prompt length, a fresh random prompt (token ids >= 100)
+
+1. is computed cold on the first engine (a completion with max_tokens=1): the TTFT of recomputing it;
+2. is pulled by engine k+1 from engine k, for k = 1..n (`kv_transfer: {"mode": "pull", "source": ...}`,
+   max_tokens=1), so pull k crosses the wire in engine k's frame size; each puller lacks the prompt, computes
+   only the tail the pull leaves (at most one block), and then holds the prompt for the next pull. Measured: the
+   TTFT with the pull, and from the puller's /metrics the bytes received and the seconds of the transfer
+   (`kvmesh_kv_transfer_bytes_total{direction="received"}`, the `kvmesh_kv_transfer_seconds{kind="pull"}` sum);
+3. is fetched raw from each source with httpx (`POST /v1/kv/fetch` with the blocks' hashes), reading the
+   stream and nothing more: the wire alone, without the puller's checks and copies.
+
+One prefill per prompt length warms every source, instead of one per point. MB is 10^6 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.bench.router import Processes, free_port, percentile, resolve_model_dir, wait_healthy
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, block_hashes
+
+if TYPE_CHECKING:
+    import httpx
+
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
+DEFAULT_FRAMES = (1, 8, 32, 128)
+FIRST_ORDINARY_TOKEN = 100  # below this the bundled vocabulary holds special tokens
+KV_FETCH_PATH = "/v1/kv/fetch"  # engine/kv/transfer.py's; not imported, so `kvmesh --help` does not load torch
+MB = 1e6
+FLAT_WITHIN = 0.10  # the MB/s curve has flattened at the first frame size within 10 % of the best
+WARMUP_TOKENS = 64
+
+
+@dataclass
+class TransferPoint:
+    prompt_tokens: int
+    frame_blocks: int
+    source: str
+    puller: str
+    blocks: int  # blocks the pull asked for (the prompt's full blocks, less a last one that ends the prompt)
+    pull_ok: bool
+    peer_tokens: int  # prompt tokens the puller took from the peer (its usage)
+    bytes_moved: int  # the puller's received bytes (block payload, no frame headers)
+    transfer_seconds: float  # the puller's kvmesh_kv_transfer_seconds{kind="pull"}: request to last block checked
+    mb_per_s: float
+    ttft_pull_seconds: float  # the completion with the pull, max_tokens=1, as the client saw it
+    ttft_cold_seconds: float  # the same prompt computed from nothing (first engine of the chain)
+    speedup: float
+    computed_tokens_pull: int  # kvmesh_computed_tokens_total delta on the puller
+    computed_tokens_cold: int  # the same delta for the cold computation
+    raw_blocks: int  # blocks the source sent to a plain fetch (x-kvmesh-blocks)
+    raw_bytes: int  # the whole stream: blocks and frame headers
+    raw_seconds: float  # median over the repeats
+    raw_mb_per_s: float
+    frames: int  # frames the source sent
+    block_bytes: int  # one block's size, from the source's frame header
+
+
+@dataclass
+class TransferResult:
+    model: str
+    block_size: int
+    block_bytes: int
+    lengths: list[int]
+    frames: list[int]
+    threads: int
+    kv_cache_memory_mib: int
+    raw_repeats: int
+    points: list[TransferPoint]
+    flat_from: dict[str, dict[int, int]]  # "pull"/"raw" -> prompt tokens -> first frame size near the best MB/s
+    seconds: float
+    load_before: list[float]
+    load_after: list[float]
+    engines_peak_rss_mib: float | None
+    skipped_lengths: list[int] = field(default_factory=list)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def random_prompt(length: int, vocab: int, seed: int, tag: str) -> list[int]:
+    """`length` random token ids in [100, vocab), fresh for each (seed, tag, length)."""
+    rng = random.Random(f"kvmesh-bench-transfer:{seed}:{tag}:{length}")
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(length)]
+
+
+def pulled_blocks(prompt_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Blocks a pull of the whole prompt asks for: the engine computes at least the prompt's last token, so a
+    last full block that ends the prompt is left to compute (engine/server.py `_Completions.pull`)."""
+    return (prompt_tokens - 1) // block_size
+
+
+def flat_from(mb_per_s: dict[int, float], within: float = FLAT_WITHIN) -> int | None:
+    """The smallest frame size whose MB/s is within `within` of the best over all frame sizes."""
+    good = {f: v for f, v in mb_per_s.items() if v > 0}
+    if not good:
+        return None
+    best = max(good.values())
+    return min(f for f, v in good.items() if v >= (1 - within) * best)
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------------
+
+
+def read_metrics(client: httpx.Client, url: str) -> list[tuple[str, dict[str, str], float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = client.get(url + "/metrics")
+    reply.raise_for_status()
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(reply.text)
+            for s in family.samples]
+
+
+def metric(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """The first sample named `name` whose labels include `labels`; 0 when there is none yet."""
+    for sample_name, sample_labels, value in samples:
+        if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items()):
+            return value
+    return 0.0
+
+
+def _delta(before: list, after: list, name: str, **labels: str) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+# ---- requests --------------------------------------------------------------------------------------------------
+
+
+def complete(client: httpx.Client, url: str, prompt: list[int], **extra: Any) -> tuple[float, dict[str, Any]]:
+    """A non-streamed completion with max_tokens=1 (so its time is the TTFT); (seconds, body)."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
+    start = time.perf_counter()
+    reply = client.post(url + "/v1/completions", json=body)
+    seconds = time.perf_counter() - start
+    if reply.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text[:300]}")
+    return seconds, reply.json()
+
+
+@dataclass
+class RawFetch:
+    blocks: int
+    nbytes: int
+    seconds: float
+    block_bytes: int
+
+
+def raw_fetch(client: httpx.Client, source: str, hashes: Sequence[int]) -> RawFetch:
+    """POST /v1/kv/fetch and read the stream to its end, counting bytes; only the first frame's header is
+    parsed (after the clock stops) for the block size."""
+    head = bytearray()
+    nbytes = 0
+    start = time.perf_counter()
+    with client.stream("POST", source + KV_FETCH_PATH, json={"block_hashes": list(hashes)}) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{source}{KV_FETCH_PATH}: HTTP {reply.status_code}: {reply.read()[:300]!r}")
+        blocks = int(reply.headers.get("x-kvmesh-blocks", "0"))
+        for piece in reply.iter_raw():
+            nbytes += len(piece)
+            if len(head) < (1 << 16) and b"\n" not in head:
+                head.extend(piece[: 1 << 16])
+    seconds = time.perf_counter() - start
+    block_bytes = 0
+    if b"\n" in head:
+        header = json.loads(head[: head.index(b"\n")])
+        block_bytes = int(header["blocks"][0]["nbytes"]) if header.get("blocks") else 0
+    return RawFetch(blocks, nbytes, seconds, block_bytes)
+
+
+# ---- engines ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Chain:
+    urls: list[str]  # engine k serves with frames[k]; the last one only pulls
+    frames: list[int]
+    pids: list[int]
+
+    def sources(self) -> list[tuple[int, str, str]]:
+        """(frame blocks, source, puller) for each frame size."""
+        return [(f, self.urls[k], self.urls[k + 1]) for k, f in enumerate(self.frames)]
+
+
+def start_chain(procs: Processes, workdir: Path, frames: Sequence[int], model: str | None, threads: int,
+                kv_mib: int, timeout: float) -> Chain:
+    """One engine per frame size (its `transfer_frame_blocks` from a `--config` file) and a last puller, started
+    together, each waited for until healthy."""
+    urls, started = [], []
+    for k, frame in enumerate([*frames, None]):
+        name = f"engine{k}-frame{frame}" if frame is not None else f"engine{k}-puller"
+        port = free_port()
+        argv = [sys.executable, "-m", "kvmesh.cli", "serve", "--port", str(port), "--dtype", "float32", "--threads",
+                str(threads), "--kv-cache-memory-mib", str(kv_mib), "--log-level", "warning"]
+        if model is not None:
+            argv += ["--model", model]
+        if frame is not None:
+            config = workdir / f"{name}.yaml"
+            config.write_text(f"engine:\n  transfer_frame_blocks: {frame}\n")
+            argv += ["--config", str(config)]
+        proc, log = procs.start(name, argv)
+        urls.append(f"http://127.0.0.1:{port}")
+        started.append((proc, log))
+    for url, (proc, log) in zip(urls, started, strict=True):
+        wait_healthy(url, proc, timeout, log)
+    return Chain(urls, list(frames), [proc.pid for proc, _ in started])
+
+
+def peak_rss_mib(pids: Sequence[int]) -> float | None:
+    """The engines' summed peak resident memory (VmHWM), where /proc has it."""
+    total = 0.0
+    try:
+        for pid in pids:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return total
+
+
+# ---- one prompt length -----------------------------------------------------------------------------------------
+
+
+def measure_length(client: httpx.Client, chain: Chain, prompt: list[int], raw_repeats: int,
+                   block_size: int = DEFAULT_BLOCK_SIZE, log: bool = True) -> list[TransferPoint]:
+    """Cold on the first engine, then the pulls down the chain, then raw fetches from every source."""
+    length = len(prompt)
+    first = chain.urls[0]
+    before = read_metrics(client, first)
+    cold_seconds, _ = complete(client, first, prompt)
+    cold_computed = int(_delta(before, read_metrics(client, first), "kvmesh_computed_tokens_total"))
+    if log:
+        _progress(f"  cold on {first}: {cold_seconds:.3f} s ({cold_computed} tokens computed)")
+    blocks = pulled_blocks(length, block_size)
+    pulls = []
+    for frame, source, puller in chain.sources():
+        before = read_metrics(client, puller)
+        seconds, body = complete(client, puller, prompt,
+                                 kv_transfer={"mode": "pull", "source": source, "tokens": length})
+        after = read_metrics(client, puller)
+        details = body.get("usage", {}).get("prompt_tokens_details") or {}
+        peer = int((details.get("kvmesh_cached_by_source") or {}).get("peer", 0))
+        moved = int(_delta(before, after, "kvmesh_kv_transfer_bytes_total", direction="received"))
+        took = _delta(before, after, "kvmesh_kv_transfer_seconds_sum", kind="pull")
+        ok = (_delta(before, after, "kvmesh_kv_transfers_total", kind="pull", outcome="ok") == 1
+              and _delta(before, after, "kvmesh_kv_transfers_total", kind="pull", outcome="failed") == 0)
+        computed = int(_delta(before, after, "kvmesh_computed_tokens_total"))
+        pulls.append((frame, source, puller, ok, peer, moved, took, seconds, computed))
+        if log:
+            rate = f"{moved / took / MB:.0f} MB/s" if ok and took > 0 else "FAILED"
+            _progress(f"  pull, {frame} blocks/frame: {moved:,} bytes in {took:.3f} s ({rate}), TTFT {seconds:.3f} s, "
+                      f"{computed} tokens computed")
+    hashes = block_hashes(prompt[: blocks * block_size], block_size)
+    points = []
+    for frame, source, puller, ok, peer, moved, took, seconds, computed in pulls:
+        fetches = [raw_fetch(client, source, hashes) for _ in range(raw_repeats)]
+        raw_seconds = percentile([f.seconds for f in fetches], 0.5)
+        raw = fetches[0]
+        if log:
+            _progress(f"  raw fetch, {frame} blocks/frame: {raw.nbytes:,} bytes in {raw_seconds:.3f} s "
+                      f"({raw.nbytes / raw_seconds / MB:.0f} MB/s; median of {raw_repeats})")
+        points.append(TransferPoint(
+            prompt_tokens=length, frame_blocks=frame, source=source, puller=puller, blocks=blocks, pull_ok=ok,
+            peer_tokens=peer, bytes_moved=moved, transfer_seconds=took,
+            mb_per_s=moved / took / MB if ok and took > 0 else 0.0,
+            ttft_pull_seconds=seconds, ttft_cold_seconds=cold_seconds,
+            speedup=cold_seconds / seconds if seconds > 0 else 0.0,
+            computed_tokens_pull=computed, computed_tokens_cold=cold_computed,
+            raw_blocks=raw.blocks, raw_bytes=raw.nbytes, raw_seconds=raw_seconds,
+            raw_mb_per_s=raw.nbytes / raw_seconds / MB if raw_seconds > 0 else 0.0,
+            frames=-(-raw.blocks // frame), block_bytes=raw.block_bytes,
+        ))
+    return points
+
+
+def run_transfer_bench(lengths: Sequence[int] = DEFAULT_LENGTHS, frames: Sequence[int] = DEFAULT_FRAMES,
+                       model: str | None = None, threads: int = 1, kv_mib: int = 512, raw_repeats: int = 3,
+                       seed: int = 0, startup_timeout: float = 300.0, request_timeout: float = 600.0,
+                       time_limit: float = 3600.0) -> TransferResult:
+    """Start the chain, warm it up, measure every prompt length (stopping early past `time_limit` seconds), and
+    stop every engine, whatever happens."""
+    import httpx
+
+    from kvmesh.engine.model.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(model)
+    vocab = Tokenizer.from_dir(model_dir).vocab_size
+    load_before = _load()
+    start = time.monotonic()
+    points: list[TransferPoint] = []
+    skipped: list[int] = []
+    block_bytes = 0
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-transfer-") as tmp, Processes(Path(tmp)) as procs, \
+            httpx.Client(timeout=httpx.Timeout(request_timeout, connect=10.0)) as client:
+        _progress(f"starting {len(frames) + 1} engines (frames of {', '.join(map(str, frames))} blocks, and a puller;"
+                  f" {threads} thread(s), {kv_mib} MiB KV each) ...")
+        chain = start_chain(procs, Path(tmp), frames, model, threads, kv_mib, startup_timeout)
+        _progress(f"warm-up: a {WARMUP_TOKENS}-token prompt down the chain ...")
+        warm = measure_length(client, chain, random_prompt(WARMUP_TOKENS, vocab, seed, "warmup"), 1, log=False)
+        block_bytes = next((p.block_bytes for p in warm if p.block_bytes), 0)
+        for i, length in enumerate(lengths):
+            if time.monotonic() - start > time_limit:
+                _progress(f"time limit of {time_limit:.0f} s reached: skipping {list(lengths[i:])}")
+                skipped = list(lengths[i:])
+                break
+            _progress(f"[{i + 1}/{len(lengths)}] {length}-token prompt ...")
+            points += measure_length(client, chain, random_prompt(length, vocab, seed, "prompt"), raw_repeats)
+        rss = peak_rss_mib(chain.pids)
+        kv_config = client.get(chain.urls[0] + "/v1/kv/config").json()
+    flat = {kind: {} for kind in ("pull", "raw")}
+    for length in sorted({p.prompt_tokens for p in points}):
+        row = [p for p in points if p.prompt_tokens == length]
+        flat["pull"][length] = flat_from({p.frame_blocks: p.mb_per_s for p in row})
+        flat["raw"][length] = flat_from({p.frame_blocks: p.raw_mb_per_s for p in row})
+    return TransferResult(
+        model=str(kv_config.get("model", model_dir)), block_size=int(kv_config.get("block_size", DEFAULT_BLOCK_SIZE)),
+        block_bytes=block_bytes, lengths=list(lengths), frames=list(frames), threads=threads,
+        kv_cache_memory_mib=kv_mib, raw_repeats=raw_repeats, points=points, flat_from=flat,
+        seconds=time.monotonic() - start, load_before=load_before, load_after=_load(), engines_peak_rss_mib=rss,
+        skipped_lengths=skipped,
+    )
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    """`kvmesh bench transfer` and its options."""
+    p = bench_subparsers.add_parser("transfer", help="KV transfer between two engines: bytes, seconds and MB/s by "
+                                                     "prompt length and frame size, beside the prefill saved")
+    p.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS),
+                   help="comma-separated prompt lengths in tokens (default 512,1024,2048,4096)")
+    p.add_argument("--frames", type=_ints, default=list(DEFAULT_FRAMES),
+                   help="comma-separated blocks per frame, one source engine each (default 1,8,32,128)")
+    p.add_argument("--model", help="HF directory or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
+    p.add_argument("--kv-cache-memory-mib", type=int, default=512, help="KV cache per engine (default 512)")
+    p.add_argument("--raw-repeats", type=int, default=3, help="raw fetches per point; the median counts (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the engines to become healthy")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one request")
+    p.add_argument("--time-limit", type=float, default=3600.0,
+                   help="start no further prompt length after this many seconds (default 3600)")
+    p.add_argument("--json", help="write the results here as JSON")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def print_result(r: TransferResult) -> None:
+    print(f"KV transfer between engines on loopback: {r.model}, {r.block_size}-token blocks of {r.block_bytes:,} "
+          f"bytes; {len(r.frames) + 1} engines, {r.threads} torch thread(s) and {r.kv_cache_memory_mib} MiB of KV "
+          f"each; load average {r.load_before} before, {r.load_after} after")
+    print()
+    print("| prompt tokens | frame blocks | blocks (frames) | bytes moved | transfer (s) | MB/s | raw fetch (s) | "
+          "raw MB/s | TTFT with pull (s) | TTFT cold (s) | speedup | computed tokens (pull / cold) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for p in r.points:
+        pull = (f"{p.transfer_seconds:.3f} | {p.mb_per_s:.0f}" if p.pull_ok else "failed | -")
+        print(f"| {p.prompt_tokens} | {p.frame_blocks} | {p.blocks} ({p.frames}) | {p.bytes_moved:,} | {pull} | "
+              f"{p.raw_seconds:.3f} | {p.raw_mb_per_s:.0f} | {p.ttft_pull_seconds:.3f} | {p.ttft_cold_seconds:.3f} | "
+              f"{p.speedup:.1f}x | {p.computed_tokens_pull} / {p.computed_tokens_cold} |")
+    print()
+    for kind, label in (("pull", "pull (the puller's transfer)"), ("raw", "raw fetch (the wire alone)")):
+        where = ", ".join(f"{length} tokens: {frame}" for length, frame in r.flat_from[kind].items())
+        print(f"MB/s within {FLAT_WITHIN:.0%} of the best, from this many blocks per frame on, {label}: {where}")
+    if r.engines_peak_rss_mib is not None:
+        print(f"engines' peak resident memory, summed: {r.engines_peak_rss_mib:,.0f} MiB")
+    if r.skipped_lengths:
+        print(f"skipped (time limit): {r.skipped_lengths}")
+    failed = [p for p in r.points if not p.pull_ok]
+    if failed:
+        print(f"{len(failed)} pulls failed (the puller recomputed): see the table")
+    print(f"run time: {r.seconds:.0f} s")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvmesh bench transfer`: markdown on stdout, progress on stderr, JSON with --json."""
+    if min(args.threads, args.kv_cache_memory_mib, args.raw_repeats) < 1:
+        print("kvmesh bench transfer: --threads, --kv-cache-memory-mib and --raw-repeats must be at least 1",
+              file=sys.stderr)
+        return 2
+    if min(args.lengths) <= DEFAULT_BLOCK_SIZE:
+        print(f"kvmesh bench transfer: every prompt length must exceed one block ({DEFAULT_BLOCK_SIZE} tokens)",
+              file=sys.stderr)
+        return 2
+    result = run_transfer_bench(args.lengths, args.frames, args.model, args.threads, args.kv_cache_memory_mib,
+                                args.raw_repeats, args.seed, args.startup_timeout, args.request_timeout,
+                                args.time_limit)
+    print()
+    print_result(result)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            **asdict(result),
+        }, indent=2))
+    return 0
