@@ -83,7 +83,7 @@ def _router(args: argparse.Namespace) -> int:
         flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
         config = load_router_config(args.config, flags)
         router = build_router(config, resolve_model_dir(config.model))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError) as exc:  # TypeError: an unknown picker weight
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -173,6 +173,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.router import add_parser as add_router_bench
 
     add_router_bench(bench)
+    from kvmesh.bench.transfer import add_parser as add_transfer_bench
+
+    add_transfer_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -180,6 +183,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "transfer":
+        from kvmesh.bench.transfer import run as run_transfer_bench
+
+        return run_transfer_bench(args)
     from kvmesh.bench.engine import run_engine_bench
 
     return run_engine_bench(args)

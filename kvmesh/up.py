@@ -4,6 +4,7 @@ Ctrl-C or as soon as one child dies (with the tail of its log)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import yaml
 from kvmesh.engine.model.loader import resolve_model_dir
 
 HEALTH_TIMEOUT_SECONDS = 600.0
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -77,7 +79,8 @@ def _spawn(name: str, args: list[str], port: int, workdir: Path) -> Child:
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                   preexec_fn=_die_with_parent)
     return Child(name, f"http://127.0.0.1:{port}", process, log)
 
 
@@ -101,7 +104,16 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
     return None
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM when `kvmesh up` dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _stop(children: list[Child]) -> None:
+    """Stop every child: SIGINT, then SIGKILL after 20 s. A second Ctrl-C or SIGTERM cannot interrupt this."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for child in children:
         if child.process.poll() is None:
             child.process.send_signal(signal.SIGINT)

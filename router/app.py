@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -136,7 +138,9 @@ class Relay:
     stream_id: str | None = None
     chat: bool = False
     strip_role: bool = False  # the client already has the assistant role (a prefill hop or another pod sent it)
+    role_sent: bool = False
     prefill_usage: dict[str, Any] | None = None  # after a prefill hop: the prompt side of the usage comes from it
+    client_usage: bool = True  # the client asked for the usage chunk (the router always does, for its log)
     finished: bool = False  # a choice carried a finish_reason
     done: bool = False  # [DONE] arrived
     migrations: int = 0
@@ -159,6 +163,7 @@ class Relay:
                 self.sent_text += delta.get("content") or ""
                 if self.strip_role:
                     delta.pop("role", None)
+                self.role_sent = self.role_sent or "role" in delta
             else:
                 self.sent_text += choice.get("text") or ""
             if choice.get("finish_reason"):
@@ -201,6 +206,7 @@ class Router:
     keys: ApiKeys
     log: AsyncRequestLog | None
     shed: ShedPolicy
+    salt_secret: str
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
         """One row of the request log (numbers only), when the pool has one."""
@@ -250,6 +256,9 @@ class Router:
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens)."""
         ids = self._token_ids(body)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RouteError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1})")
         c = self.config
         hashes = block_hashes(ids[: c.max_hashed_tokens], c.block_size, BlockExtra(cache_salt=body.cache_salt),
                               HashAlgo(c.hash_algo), c.hash_root)
@@ -287,12 +296,28 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     )
     index = PrefixIndex()
     pods = PodSet.from_config(config, expected, index)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=config.request_timeout_seconds))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=config.request_timeout_seconds),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
     keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys({})
     log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None
     shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
+    secret = config.cache_salt_secret or os.environ.get("KVMESH_CACHE_SALT_SECRET") or ""
+    if keys.enabled and not secret:
+        logging.getLogger("kvmesh.router").warning(
+            "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
+            "an engine directly could use to probe another tenant's cached prefixes; set KVMESH_CACHE_SALT_SECRET")
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), client,
-                  keys, log, shed)
+                  keys, log, shed, secret or config.pool)
+
+
+def _wants_usage(raw: dict[str, Any]) -> bool:
+    return bool((raw.get("stream_options") or {}).get("include_usage"))
+
+
+def _several_prompts(raw: dict[str, Any]) -> bool:
+    """A completion body with a list of prompts (texts or token lists): one choice per prompt."""
+    prompt = raw.get("prompt")
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
 
 
 async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> AsyncIterator[str]:
@@ -327,7 +352,7 @@ def create_router_app(router: Router) -> FastAPI:
             raw = json.loads(await http.body())
             body = (ChatRequest if chat else CompletionRequest).model_validate(raw)
             priority = parse_priority(http.headers.get(PRIORITY_HEADER))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             return JSONResponse(error_body("malformed JSON"), status_code=400)
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
@@ -339,7 +364,7 @@ def create_router_app(router: Router) -> FastAPI:
             return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
                                            "authentication_error", code="invalid_api_key"), status_code=401)
         if router.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
-            raw["cache_salt"] = body.cache_salt = cache_salt_for(tenant, router.config.pool)
+            raw["cache_salt"] = body.cache_salt = cache_salt_for(tenant, router.salt_secret)
         try:
             start = time.perf_counter()
             info = await asyncio.to_thread(router.request_info, body, priority)
@@ -360,16 +385,18 @@ def create_router_app(router: Router) -> FastAPI:
         tried: set[str],
         first: Decision | None = None,
         roles: tuple[str, ...] = SERVING_ROLES,
+        require_ok: bool = False,
     ) -> tuple[httpx.Response, Pod, Decision] | None:
         """Send `body` to the best pod in `roles` not yet tried (`first`, when already decided); skip pods that
-        refuse (429, 503) or fail before their first byte. None when no pod is left."""
-        for _ in range(router.config.retries + 1):
+        refuse (429, 503; any non-200 with `require_ok`) or fail before their first byte. None when no pod is
+        left."""
+        for attempt in range(router.config.retries + 1):
             decision, first = first or router.decide(trace.info, tried, roles), None
             if decision.pod is None:
                 return None
             pod = router.pods.pods[decision.pod.name]
             tried.add(pod.name)
-            if trace.pods:
+            if attempt:
                 router.metrics.retries.inc()
                 trace.route = "retry" if trace.route == "aggregated" else trace.route
             trace.pods.append(pod.name)
@@ -383,9 +410,12 @@ def create_router_app(router: Router) -> FastAPI:
             except httpx.TransportError:
                 pod.inflight -= 1
                 continue
-            if reply.status_code in RETRYABLE:
-                await reply.aclose()
+            except BaseException:  # cancelled (the client left): the count must not leak
                 pod.inflight -= 1
+                raise
+            if reply.status_code in RETRYABLE or (require_ok and reply.status_code != 200):
+                pod.inflight -= 1
+                await reply.aclose()
                 continue
             return reply, pod, decision
         return None
@@ -393,14 +423,16 @@ def create_router_app(router: Router) -> FastAPI:
     async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
         tried: set[str] = set()
         headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
-        if router.disaggregated() and raw.get("n", 1) == 1:
+        if router.disaggregated() and raw.get("n", 1) == 1 and not _several_prompts(raw):
             whole = router.decide(trace.info, tried)
             if trace.info.prompt_tokens - whole.predicted_cached_tokens >= router.config.prefill_hop_min_tokens:
                 split = await disaggregate(path, raw, trace, stream, headers)
                 if split is not None:
                     return split
-        migratable = stream and raw.get("n", 1) == 1
-        upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else raw
+        migratable = stream and raw.get("n", 1) == 1 and not _several_prompts(raw)
+        upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
+        if stream:  # the request log and metrics need the usage even when the client did not ask for it
+            upstream["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
         first = router.decide(trace.info, tried)
         refusal = should_shed(first, trace.info.priority, router.shed)
         if refusal is not None:
@@ -420,7 +452,7 @@ def create_router_app(router: Router) -> FastAPI:
         decided = {"x-kvmesh-pod": pod.name, "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
         if stream and reply.status_code == 200:
             stream_state = Relay(upstream, path, headers, tried, strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD),
-                                 migratable=migratable)
+                                 migratable=migratable, client_usage=_wants_usage(raw))
             return StreamingResponse(relay(reply, pod, trace, stream_state), media_type="text/event-stream",
                                      headers=decided)
         try:
@@ -474,6 +506,7 @@ def create_router_app(router: Router) -> FastAPI:
                                                   "handle": ticket["handle"], "first_token": token}}
         if stream:
             decode_body[RETURN_TOKEN_IDS_FIELD] = True
+            decode_body["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
         tried: set[str] = set()
         opened = await open_upstream(trace, decode_body, path, headers, tried)
         if opened is None:
@@ -485,9 +518,11 @@ def create_router_app(router: Router) -> FastAPI:
         decided = {"x-kvmesh-pod": f"{prefill_pod.name},{pod.name}",
                    "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
         if stream and reply.status_code == 200:
-            state = Relay({**raw, RETURN_TOKEN_IDS_FIELD: True}, path, headers, tried, strip_ids=not client_ids,
-                          migratable=True, sent_ids=[token], stream_id=first["id"], strip_role=True,
-                          prefill_usage=first["usage"], chat="message" in choice)
+            resumable = {**raw, RETURN_TOKEN_IDS_FIELD: True,
+                         "stream_options": {**(raw.get("stream_options") or {}), "include_usage": True}}
+            state = Relay(resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
+                          sent_ids=[token], stream_id=first["id"], strip_role=True, role_sent=True,
+                          prefill_usage=first["usage"], chat="message" in choice, client_usage=_wants_usage(raw))
             opening = state.text_chunk(text)
             if state.chat:
                 opening["choices"][0]["delta"]["role"] = "assistant"
@@ -541,6 +576,8 @@ def create_router_app(router: Router) -> FastAPI:
                             chunk = state.on_chunk(json.loads(line[6:]), trace)
                             if chunk.get("usage"):
                                 usage = _count_cached(chunk)
+                                if not state.client_usage:
+                                    continue
                             line = "data: " + json.dumps(chunk)
                         elif line == "data: [DONE]":
                             state.done = True
@@ -550,12 +587,15 @@ def create_router_app(router: Router) -> FastAPI:
                 finally:
                     await reply.aclose()
                     pod.inflight -= 1
-                if state.done or state.finished or not state.migratable:
+                if state.finished and not state.done:  # the answer is whole; only the tail of the stream was lost
+                    state.done = True
+                    yield "data: [DONE]\n\n"
+                if state.done or not state.migratable:
                     break
                 router.metrics.migrations.inc()
                 trace.route = "migrated"
                 body = {**state.upstream, RESUME_OUTPUT_IDS_FIELD: state.resume_ids()}
-                opened = await open_upstream(trace, body, state.path, state.headers, state.tried)
+                opened = await open_upstream(trace, body, state.path, state.headers, state.tried, require_ok=True)
                 if opened is None:
                     break
                 reply, pod, _ = opened
@@ -563,7 +603,7 @@ def create_router_app(router: Router) -> FastAPI:
                 if missing:
                     yield "data: " + json.dumps(state.text_chunk(missing)) + "\n\n"
                 state.migrations += 1
-                state.strip_role = True
+                state.strip_role = state.role_sent
             if not state.done:
                 outcome = "error"
                 failure = error_body("the pod serving this stream failed and no other pod could continue it",

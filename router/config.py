@@ -45,6 +45,7 @@ class RouterConfig:
     priority_headroom: float = 0.5  # each priority level tolerates this much more overload before it is shed
     request_timeout_seconds: float = 600.0
     api_keys_file: str | None = None
+    cache_salt_secret: str | None = None  # keys the tenants' cache salts; every replica needs the same (a Secret)
     database_url: str | None = None  # the request log (SQLite locally, PostgreSQL in Kubernetes)
     weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
 

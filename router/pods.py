@@ -11,6 +11,7 @@ tokenizer or chat template) is refused loudly and never indexed or routed to.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from kvmesh.router.picker import PodState
 
 log = logging.getLogger("kvmesh.router.pods")
 RECONNECT_SECONDS = 0.5
+EVENT_READ_TIMEOUT_SECONDS = 30.0
 
 
 @dataclass
@@ -107,7 +109,9 @@ class PodSet:
         self.scrape_interval = scrape_interval
         self.stale_after = stale_after
         self.discovery = discovery
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=None))
+        # reads time out: engines send a heartbeat line every 10 s, so a silent stream is a dead connection
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=EVENT_READ_TIMEOUT_SECONDS),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Task[None]]] = {}
         self._started = False
         for url in urls:
@@ -223,7 +227,11 @@ class PodSet:
 
     async def _read_config(self, pod: Pod) -> None:
         body = (await self._client.get(pod.url + KV_CONFIG_PATH)).json()
-        config = KVConfig(**body)
+        known = {f.name for f in dataclasses.fields(KVConfig)}
+        config = KVConfig(**{k: v for k, v in body.items() if k in known})  # a newer engine may say more
+        boot_id, _ = self.index.resume_point(pod.name)
+        if boot_id is not None and boot_id != config.boot_id:
+            self.index.remove_pod(pod.name)  # a restarted pod: its old blocks are gone before its events say so
         if not config.compatible_with(self.expected):
             pod.refused = (
                 f"pod {pod.url} hashes blocks differently from this router (block size {config.block_size}, "
@@ -247,9 +255,12 @@ class PodSet:
                 if pod.healthy:
                     if pod.kv_config is None:
                         await self._read_config(pod)
-                    pod.metrics = parse_metrics((await self._client.get(pod.url + "/metrics")).text)
+                    text = (await self._client.get(pod.url + "/metrics")).text
+                    pod.metrics = await asyncio.to_thread(parse_metrics, text)  # milliseconds of parsing: off the loop
                     pod.scraped_at = time.monotonic()
-            except (httpx.HTTPError, ValueError) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a pod's bad answer must not end its scraper
                 if pod.healthy:
                     log.warning("pod %s unreachable: %s", pod.url, exc)
                 pod.healthy = False
@@ -277,6 +288,8 @@ class PodSet:
                         batch = KVEventBatch.from_json(json.loads(line))
                         if not self.index.apply(pod.name, batch):
                             await self._resync(pod)
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnect whatever went wrong
                 log.info("event stream of %s ended: %s", pod.url, exc)
             await asyncio.sleep(RECONNECT_SECONDS)

@@ -2,8 +2,9 @@
 
 Overload is how far the chosen pod (the best the pool has) is past the pool's limits: its estimated TTFT over
 the TTFT SLO, or its probability of running out of KV (the engine's own forecast) over the threshold. A request
-of priority p is shed when overload passes 1 + p x headroom: at priority 0 as soon as the SLO breaks, at higher
-priorities only as overload grows, at negative priorities before it breaks. Pure: no I/O.
+of priority p is shed when overload passes (1 + headroom) ** p: at priority 0 as soon as the SLO breaks, at
+higher priorities only as overload grows, at negative ones before it breaks, and never on an idle pool.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def overload(decision: Decision, policy: ShedPolicy) -> float:
 def should_shed(decision: Decision, priority: int, policy: ShedPolicy) -> Shed | None:
     """The refusal for a request of this priority, or None to serve it."""
     level = overload(decision, policy)
-    limit = 1.0 + priority * policy.priority_headroom
+    limit = (1.0 + policy.priority_headroom) ** max(min(priority, 64), -64)
     if level <= limit:
         return None
     wait = decision.estimated_ttft_seconds - (policy.ttft_slo_seconds or 0.0)

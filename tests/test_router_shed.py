@@ -34,6 +34,10 @@ def test_the_kv_forecast_alone_can_shed() -> None:
     assert overload(decision(0.1, 0.45), policy) == 0.5
 
 
+def test_an_idle_pool_sheds_no_priority() -> None:
+    assert all(should_shed(decision(0.0), p, ShedPolicy(ttft_slo_seconds=2.0)) is None for p in range(-50, 50))
+
+
 def test_retry_after_tracks_the_excess_wait() -> None:
     shed = should_shed(decision(9.2), 0, ShedPolicy(ttft_slo_seconds=2.0))
     assert shed is not None and shed.retry_after_seconds == 8

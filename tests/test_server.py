@@ -152,8 +152,12 @@ def test_openai_client_raises_on_bad_request(client: openai.OpenAI, served: tupl
                                        temperature=5)
 
 
-def test_disconnect_mid_stream_frees_blocks(served: tuple[str, Engine]) -> None:
+def test_disconnect_mid_stream_frees_blocks(served: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     url, engine = served
+    real_run = engine.runner.run
+    # the tiny model would finish 400 tokens before the client reads its first line: slow each step down
+    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
+    before = _aborts(engine)
     body = {"prompt": "Tell me a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body) as reply:
         for line in reply.iter_lines():
@@ -162,6 +166,7 @@ def test_disconnect_mid_stream_frees_blocks(served: tuple[str, Engine]) -> None:
         assert engine.kv.stats().used > 0
     wait_idle(engine)
     assert engine.kv.stats().used == 0
+    assert _aborts(engine) == before + 1
 
 
 def test_kv_config_events_and_snapshot(served: tuple[str, Engine]) -> None:
@@ -241,8 +246,11 @@ def _aborts(engine: Engine) -> float:
     raise AssertionError("no abort counter")
 
 
-def test_disconnect_during_a_non_streaming_request_aborts_it(served: tuple[str, Engine]) -> None:
+def test_disconnect_during_a_non_streaming_request_aborts_it(served: tuple[str, Engine],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     url, engine = served
+    real_run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
     before = _aborts(engine)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True}, timeout=0.5)

@@ -20,7 +20,6 @@ import torch
 import xxhash
 
 KV_FETCH_PATH = "/v1/kv/fetch"
-DEFAULT_FRAME_BLOCKS = 32  # 23 MB frames for SmolLM2 in fp32
 
 
 class TransferError(Exception):

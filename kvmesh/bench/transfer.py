@@ -13,7 +13,9 @@ chain, one per frame size plus a last puller: for each prompt length, a fresh ra
 3. is fetched raw from each source with httpx (`POST /v1/kv/fetch` with the blocks' hashes), reading the
    stream and nothing more: the wire alone, without the puller's checks and copies.
 
-One prefill per prompt length warms every source, instead of one per point. MB is 10^6 bytes.
+One prefill per prompt warms every source, instead of one per point, and is the cold TTFT as well. Each length
+gets `--repeats` fresh prompts; the table shows medians. Progress goes to stderr, the markdown table to stdout.
+Every engine is stopped at the end, whatever happens; every request has a timeout. MB is 10^6 bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ DEFAULT_FRAMES = (1, 8, 32, 128)
 FIRST_ORDINARY_TOKEN = 100  # below this the bundled vocabulary holds special tokens
 KV_FETCH_PATH = "/v1/kv/fetch"  # engine/kv/transfer.py's; not imported, so `kvmesh --help` does not load torch
 MB = 1e6
-FLAT_WITHIN = 0.10  # the MB/s curve has flattened at the first frame size within 10 % of the best
+NEAR_BEST = 0.10  # frame sizes within 10 % of the best MB/s are on the flat part of the curve
 WARMUP_TOKENS = 64
 
 
@@ -53,22 +55,28 @@ class TransferPoint:
     source: str
     puller: str
     blocks: int  # blocks the pull asked for (the prompt's full blocks, less a last one that ends the prompt)
-    pull_ok: bool
+    pull_ok: bool  # every pull of this point succeeded
     peer_tokens: int  # prompt tokens the puller took from the peer (its usage)
     bytes_moved: int  # the puller's received bytes (block payload, no frame headers)
     transfer_seconds: float  # the puller's kvmesh_kv_transfer_seconds{kind="pull"}: request to last block checked
     mb_per_s: float
     ttft_pull_seconds: float  # the completion with the pull, max_tokens=1, as the client saw it
-    ttft_cold_seconds: float  # the same prompt computed from nothing (first engine of the chain)
+    ttft_cold_seconds: float  # the same prompt computed from nothing (the first engine of the chain)
     speedup: float
     computed_tokens_pull: int  # kvmesh_computed_tokens_total delta on the puller
     computed_tokens_cold: int  # the same delta for the cold computation
     raw_blocks: int  # blocks the source sent to a plain fetch (x-kvmesh-blocks)
     raw_bytes: int  # the whole stream: blocks and frame headers
-    raw_seconds: float  # median over the repeats
+    raw_seconds: float  # median over every raw fetch of the point
     raw_mb_per_s: float
     frames: int  # frames the source sent
     block_bytes: int  # one block's size, from the source's frame header
+    pulls: int = 1  # fresh prompts measured; the times above are their medians
+    pulls_failed: int = 0
+    transfer_seconds_all: list[float] = field(default_factory=list)
+    ttft_pull_all: list[float] = field(default_factory=list)
+    ttft_cold_all: list[float] = field(default_factory=list)
+    raw_seconds_all: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -80,9 +88,10 @@ class TransferResult:
     frames: list[int]
     threads: int
     kv_cache_memory_mib: int
+    repeats: int
     raw_repeats: int
     points: list[TransferPoint]
-    flat_from: dict[str, dict[int, int]]  # "pull"/"raw" -> prompt tokens -> first frame size near the best MB/s
+    near_best: dict[str, dict[int, list[int]]]  # "pull"/"raw" -> prompt tokens -> best frame size, then those near
     seconds: float
     load_before: list[float]
     load_after: list[float]
@@ -113,13 +122,13 @@ def pulled_blocks(prompt_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> i
     return (prompt_tokens - 1) // block_size
 
 
-def flat_from(mb_per_s: dict[int, float], within: float = FLAT_WITHIN) -> int | None:
-    """The smallest frame size whose MB/s is within `within` of the best over all frame sizes."""
+def near_best(mb_per_s: dict[int, float], within: float = NEAR_BEST) -> list[int]:
+    """The frame sizes whose MB/s is within `within` of the best (the best first): where the curve is flat."""
     good = {f: v for f, v in mb_per_s.items() if v > 0}
     if not good:
-        return None
-    best = max(good.values())
-    return min(f for f, v in good.items() if v >= (1 - within) * best)
+        return []
+    best = max(good, key=lambda f: good[f])
+    return [best, *sorted(f for f, v in good.items() if f != best and v >= (1 - within) * good[best])]
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------------
@@ -241,11 +250,30 @@ def peak_rss_mib(pids: Sequence[int]) -> float | None:
     return total
 
 
-# ---- one prompt length -----------------------------------------------------------------------------------------
+# ---- one prompt ------------------------------------------------------------------------------------------------
 
 
-def measure_length(client: httpx.Client, chain: Chain, prompt: list[int], raw_repeats: int,
-                   block_size: int = DEFAULT_BLOCK_SIZE, log: bool = True) -> list[TransferPoint]:
+@dataclass
+class Sample:
+    """One fresh prompt's measurements for one frame size."""
+
+    frame: int
+    source: str
+    puller: str
+    blocks: int
+    ok: bool
+    peer_tokens: int
+    bytes_moved: int
+    transfer_seconds: float
+    ttft_pull: float
+    computed_pull: int
+    ttft_cold: float
+    computed_cold: int
+    raw: list[RawFetch]
+
+
+def measure_prompt(client: httpx.Client, chain: Chain, prompt: list[int], raw_repeats: int,
+                   block_size: int = DEFAULT_BLOCK_SIZE, log: bool = True) -> list[Sample]:
     """Cold on the first engine, then the pulls down the chain, then raw fetches from every source."""
     length = len(prompt)
     first = chain.urls[0]
@@ -253,55 +281,75 @@ def measure_length(client: httpx.Client, chain: Chain, prompt: list[int], raw_re
     cold_seconds, _ = complete(client, first, prompt)
     cold_computed = int(_delta(before, read_metrics(client, first), "kvmesh_computed_tokens_total"))
     if log:
-        _progress(f"  cold on {first}: {cold_seconds:.3f} s ({cold_computed} tokens computed)")
+        _progress(f"  cold on the first engine: {cold_seconds:.3f} s ({cold_computed} tokens computed)")
     blocks = pulled_blocks(length, block_size)
-    pulls = []
+    samples = []
     for frame, source, puller in chain.sources():
         before = read_metrics(client, puller)
         seconds, body = complete(client, puller, prompt,
                                  kv_transfer={"mode": "pull", "source": source, "tokens": length})
         after = read_metrics(client, puller)
         details = body.get("usage", {}).get("prompt_tokens_details") or {}
-        peer = int((details.get("kvmesh_cached_by_source") or {}).get("peer", 0))
         moved = int(_delta(before, after, "kvmesh_kv_transfer_bytes_total", direction="received"))
         took = _delta(before, after, "kvmesh_kv_transfer_seconds_sum", kind="pull")
         ok = (_delta(before, after, "kvmesh_kv_transfers_total", kind="pull", outcome="ok") == 1
               and _delta(before, after, "kvmesh_kv_transfers_total", kind="pull", outcome="failed") == 0)
-        computed = int(_delta(before, after, "kvmesh_computed_tokens_total"))
-        pulls.append((frame, source, puller, ok, peer, moved, took, seconds, computed))
+        samples.append(Sample(
+            frame=frame, source=source, puller=puller, blocks=blocks, ok=ok,
+            peer_tokens=int((details.get("kvmesh_cached_by_source") or {}).get("peer", 0)), bytes_moved=moved,
+            transfer_seconds=took, ttft_pull=seconds,
+            computed_pull=int(_delta(before, after, "kvmesh_computed_tokens_total")),
+            ttft_cold=cold_seconds, computed_cold=cold_computed, raw=[],
+        ))
         if log:
             rate = f"{moved / took / MB:.0f} MB/s" if ok and took > 0 else "FAILED"
             _progress(f"  pull, {frame} blocks/frame: {moved:,} bytes in {took:.3f} s ({rate}), TTFT {seconds:.3f} s, "
-                      f"{computed} tokens computed")
+                      f"{samples[-1].computed_pull} tokens computed")
     hashes = block_hashes(prompt[: blocks * block_size], block_size)
-    points = []
-    for frame, source, puller, ok, peer, moved, took, seconds, computed in pulls:
-        fetches = [raw_fetch(client, source, hashes) for _ in range(raw_repeats)]
-        raw_seconds = percentile([f.seconds for f in fetches], 0.5)
-        raw = fetches[0]
+    for sample in samples:
+        sample.raw = [raw_fetch(client, sample.source, hashes) for _ in range(raw_repeats)]
         if log:
-            _progress(f"  raw fetch, {frame} blocks/frame: {raw.nbytes:,} bytes in {raw_seconds:.3f} s "
-                      f"({raw.nbytes / raw_seconds / MB:.0f} MB/s; median of {raw_repeats})")
-        points.append(TransferPoint(
-            prompt_tokens=length, frame_blocks=frame, source=source, puller=puller, blocks=blocks, pull_ok=ok,
-            peer_tokens=peer, bytes_moved=moved, transfer_seconds=took,
-            mb_per_s=moved / took / MB if ok and took > 0 else 0.0,
-            ttft_pull_seconds=seconds, ttft_cold_seconds=cold_seconds,
-            speedup=cold_seconds / seconds if seconds > 0 else 0.0,
-            computed_tokens_pull=computed, computed_tokens_cold=cold_computed,
-            raw_blocks=raw.blocks, raw_bytes=raw.nbytes, raw_seconds=raw_seconds,
-            raw_mb_per_s=raw.nbytes / raw_seconds / MB if raw_seconds > 0 else 0.0,
-            frames=-(-raw.blocks // frame), block_bytes=raw.block_bytes,
-        ))
-    return points
+            seconds = percentile([f.seconds for f in sample.raw], 0.5)
+            _progress(f"  raw fetch, {sample.frame} blocks/frame: {sample.raw[0].nbytes:,} bytes in {seconds:.3f} s "
+                      f"({sample.raw[0].nbytes / seconds / MB:.0f} MB/s; median of {raw_repeats})")
+    return samples
+
+
+def _median(values: Sequence[float]) -> float:
+    return percentile(values, 0.5) if values else 0.0
+
+
+def combine(length: int, samples: Sequence[Sample]) -> TransferPoint:
+    """One table row from the samples of one (prompt length, frame size): medians over the fresh prompts."""
+    good = [s for s in samples if s.ok]
+    first = good[0] if good else samples[0]
+    raws = [f for s in samples for f in s.raw]
+    transfer = _median([s.transfer_seconds for s in good])
+    raw_seconds = _median([f.seconds for f in raws])
+    ttft_pull = _median([s.ttft_pull for s in samples])
+    ttft_cold = _median([s.ttft_cold for s in samples])
+    return TransferPoint(
+        prompt_tokens=length, frame_blocks=first.frame, source=first.source, puller=first.puller,
+        blocks=first.blocks, pull_ok=len(good) == len(samples), pulls=len(samples),
+        pulls_failed=len(samples) - len(good), peer_tokens=first.peer_tokens, bytes_moved=first.bytes_moved,
+        transfer_seconds=transfer, mb_per_s=first.bytes_moved / transfer / MB if good and transfer > 0 else 0.0,
+        ttft_pull_seconds=ttft_pull, ttft_cold_seconds=ttft_cold,
+        speedup=ttft_cold / ttft_pull if ttft_pull > 0 else 0.0,
+        computed_tokens_pull=max(s.computed_pull for s in samples), computed_tokens_cold=first.computed_cold,
+        raw_blocks=raws[0].blocks, raw_bytes=raws[0].nbytes, raw_seconds=raw_seconds,
+        raw_mb_per_s=raws[0].nbytes / raw_seconds / MB if raw_seconds > 0 else 0.0,
+        frames=-(-raws[0].blocks // first.frame), block_bytes=raws[0].block_bytes,
+        transfer_seconds_all=[s.transfer_seconds for s in samples], ttft_pull_all=[s.ttft_pull for s in samples],
+        ttft_cold_all=[s.ttft_cold for s in samples], raw_seconds_all=[f.seconds for f in raws],
+    )
 
 
 def run_transfer_bench(lengths: Sequence[int] = DEFAULT_LENGTHS, frames: Sequence[int] = DEFAULT_FRAMES,
-                       model: str | None = None, threads: int = 1, kv_mib: int = 512, raw_repeats: int = 3,
-                       seed: int = 0, startup_timeout: float = 300.0, request_timeout: float = 600.0,
-                       time_limit: float = 3600.0) -> TransferResult:
-    """Start the chain, warm it up, measure every prompt length (stopping early past `time_limit` seconds), and
-    stop every engine, whatever happens."""
+                       model: str | None = None, threads: int = 1, kv_mib: int = 512, repeats: int = 3,
+                       raw_repeats: int = 3, seed: int = 0, startup_timeout: float = 300.0,
+                       request_timeout: float = 600.0, time_limit: float = 3600.0) -> TransferResult:
+    """Start the chain, warm it up, measure every prompt length with `repeats` fresh prompts (starting no further
+    length past `time_limit` seconds), and stop every engine, whatever happens."""
     import httpx
 
     from kvmesh.engine.model.tokenizer import Tokenizer
@@ -312,33 +360,37 @@ def run_transfer_bench(lengths: Sequence[int] = DEFAULT_LENGTHS, frames: Sequenc
     start = time.monotonic()
     points: list[TransferPoint] = []
     skipped: list[int] = []
-    block_bytes = 0
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-transfer-") as tmp, Processes(Path(tmp)) as procs, \
             httpx.Client(timeout=httpx.Timeout(request_timeout, connect=10.0)) as client:
         _progress(f"starting {len(frames) + 1} engines (frames of {', '.join(map(str, frames))} blocks, and a puller;"
                   f" {threads} thread(s), {kv_mib} MiB KV each) ...")
         chain = start_chain(procs, Path(tmp), frames, model, threads, kv_mib, startup_timeout)
         _progress(f"warm-up: a {WARMUP_TOKENS}-token prompt down the chain ...")
-        warm = measure_length(client, chain, random_prompt(WARMUP_TOKENS, vocab, seed, "warmup"), 1, log=False)
-        block_bytes = next((p.block_bytes for p in warm if p.block_bytes), 0)
+        warm = measure_prompt(client, chain, random_prompt(WARMUP_TOKENS, vocab, seed, "warmup"), 1, log=False)
+        block_bytes = next((f.block_bytes for s in warm for f in s.raw if f.block_bytes), 0)
         for i, length in enumerate(lengths):
             if time.monotonic() - start > time_limit:
-                _progress(f"time limit of {time_limit:.0f} s reached: skipping {list(lengths[i:])}")
                 skipped = list(lengths[i:])
+                _progress(f"time limit of {time_limit:.0f} s reached: skipping {skipped}")
                 break
-            _progress(f"[{i + 1}/{len(lengths)}] {length}-token prompt ...")
-            points += measure_length(client, chain, random_prompt(length, vocab, seed, "prompt"), raw_repeats)
+            by_frame: dict[int, list[Sample]] = {f: [] for f in frames}
+            for r in range(repeats):
+                _progress(f"[{i + 1}/{len(lengths)}] {length}-token prompt, {r + 1} of {repeats} ...")
+                for sample in measure_prompt(client, chain, random_prompt(length, vocab, seed, f"prompt{r}"),
+                                             raw_repeats):
+                    by_frame[sample.frame].append(sample)
+            points += [combine(length, by_frame[f]) for f in frames]
         rss = peak_rss_mib(chain.pids)
         kv_config = client.get(chain.urls[0] + "/v1/kv/config").json()
-    flat = {kind: {} for kind in ("pull", "raw")}
+    near: dict[str, dict[int, list[int]]] = {"pull": {}, "raw": {}}
     for length in sorted({p.prompt_tokens for p in points}):
         row = [p for p in points if p.prompt_tokens == length]
-        flat["pull"][length] = flat_from({p.frame_blocks: p.mb_per_s for p in row})
-        flat["raw"][length] = flat_from({p.frame_blocks: p.raw_mb_per_s for p in row})
+        near["pull"][length] = near_best({p.frame_blocks: p.mb_per_s for p in row})
+        near["raw"][length] = near_best({p.frame_blocks: p.raw_mb_per_s for p in row})
     return TransferResult(
         model=str(kv_config.get("model", model_dir)), block_size=int(kv_config.get("block_size", DEFAULT_BLOCK_SIZE)),
         block_bytes=block_bytes, lengths=list(lengths), frames=list(frames), threads=threads,
-        kv_cache_memory_mib=kv_mib, raw_repeats=raw_repeats, points=points, flat_from=flat,
+        kv_cache_memory_mib=kv_mib, repeats=repeats, raw_repeats=raw_repeats, points=points, near_best=near,
         seconds=time.monotonic() - start, load_before=load_before, load_after=_load(), engines_peak_rss_mib=rss,
         skipped_lengths=skipped,
     )
@@ -365,7 +417,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="HF directory or .gguf (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
     p.add_argument("--kv-cache-memory-mib", type=int, default=512, help="KV cache per engine (default 512)")
-    p.add_argument("--raw-repeats", type=int, default=3, help="raw fetches per point; the median counts (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="fresh prompts per length (one cold prefill and one pull per frame size each; default 3)")
+    p.add_argument("--raw-repeats", type=int, default=3, help="raw fetches per prompt and frame size (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the engines to become healthy")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one request")
@@ -383,25 +437,36 @@ def print_result(r: TransferResult) -> None:
           f"bytes; {len(r.frames) + 1} engines, {r.threads} torch thread(s) and {r.kv_cache_memory_mib} MiB of KV "
           f"each; load average {r.load_before} before, {r.load_after} after")
     print()
+    print(f"Times are medians over {r.repeats} fresh prompt(s) per length (raw fetches: {r.raw_repeats} per prompt); "
+          f"MB is 10^6 bytes.")
+    print()
     print("| prompt tokens | frame blocks | blocks (frames) | bytes moved | transfer (s) | MB/s | raw fetch (s) | "
           "raw MB/s | TTFT with pull (s) | TTFT cold (s) | speedup | computed tokens (pull / cold) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in r.points:
-        pull = (f"{p.transfer_seconds:.3f} | {p.mb_per_s:.0f}" if p.pull_ok else "failed | -")
+        failed = f" ({p.pulls_failed} of {p.pulls} failed)" if p.pulls_failed else ""
+        pull = f"{p.transfer_seconds:.3f}{failed} | {p.mb_per_s:.0f}" if p.mb_per_s else "all failed | -"
         print(f"| {p.prompt_tokens} | {p.frame_blocks} | {p.blocks} ({p.frames}) | {p.bytes_moved:,} | {pull} | "
               f"{p.raw_seconds:.3f} | {p.raw_mb_per_s:.0f} | {p.ttft_pull_seconds:.3f} | {p.ttft_cold_seconds:.3f} | "
               f"{p.speedup:.1f}x | {p.computed_tokens_pull} / {p.computed_tokens_cold} |")
     print()
     for kind, label in (("pull", "pull (the puller's transfer)"), ("raw", "raw fetch (the wire alone)")):
-        where = ", ".join(f"{length} tokens: {frame}" for length, frame in r.flat_from[kind].items())
-        print(f"MB/s within {FLAT_WITHIN:.0%} of the best, from this many blocks per frame on, {label}: {where}")
+        parts = []
+        for length, near in r.near_best[kind].items():
+            if not near:
+                continue
+            (best,) = [p for p in r.points if p.prompt_tokens == length and p.frame_blocks == near[0]]
+            rate = best.mb_per_s if kind == "pull" else best.raw_mb_per_s
+            also = f" (within {NEAR_BEST:.0%}: {', '.join(map(str, near[1:]))})" if near[1:] else ""
+            parts.append(f"{length} tokens: {near[0]} at {rate:.0f} MB/s{also}")
+        print(f"best frame size (blocks), {label}: {'; '.join(parts)}")
     if r.engines_peak_rss_mib is not None:
         print(f"engines' peak resident memory, summed: {r.engines_peak_rss_mib:,.0f} MiB")
     if r.skipped_lengths:
         print(f"skipped (time limit): {r.skipped_lengths}")
-    failed = [p for p in r.points if not p.pull_ok]
+    failed = sum(p.pulls_failed for p in r.points)
     if failed:
-        print(f"{len(failed)} pulls failed (the puller recomputed): see the table")
+        print(f"{failed} pulls failed (the puller recomputed; the times are over the others): see the table")
     print(f"run time: {r.seconds:.0f} s")
 
 
@@ -417,17 +482,26 @@ def _cpu_name() -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`kvmesh bench transfer`: markdown on stdout, progress on stderr, JSON with --json."""
-    if min(args.threads, args.kv_cache_memory_mib, args.raw_repeats) < 1:
-        print("kvmesh bench transfer: --threads, --kv-cache-memory-mib and --raw-repeats must be at least 1",
+    if min(args.threads, args.kv_cache_memory_mib, args.repeats, args.raw_repeats) < 1:
+        print("kvmesh bench transfer: --threads, --kv-cache-memory-mib, --repeats and --raw-repeats must be at least 1",
               file=sys.stderr)
         return 2
     if min(args.lengths) <= DEFAULT_BLOCK_SIZE:
         print(f"kvmesh bench transfer: every prompt length must exceed one block ({DEFAULT_BLOCK_SIZE} tokens)",
               file=sys.stderr)
         return 2
-    result = run_transfer_bench(args.lengths, args.frames, args.model, args.threads, args.kv_cache_memory_mib,
-                                args.raw_repeats, args.seed, args.startup_timeout, args.request_timeout,
-                                args.time_limit)
+    if len(set(args.frames)) != len(args.frames):
+        print("kvmesh bench transfer: --frames must not repeat a frame size", file=sys.stderr)
+        return 2
+    import httpx
+
+    try:
+        result = run_transfer_bench(args.lengths, args.frames, args.model, args.threads, args.kv_cache_memory_mib,
+                                    args.repeats, args.raw_repeats, args.seed, args.startup_timeout,
+                                    args.request_timeout, args.time_limit)
+    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:  # the engines are stopped by now
+        print(f"kvmesh bench transfer: {exc}", file=sys.stderr)
+        return 1
     print()
     print_result(result)
     if args.json:
