@@ -118,6 +118,7 @@ class Engine:
             num_device_blocks=num_blocks,
             boot_id=self.events.boot_id,
             role=config.role,
+            block_bytes=per_block,
         )
         self.requests: dict[str, Request] = {}
         self.draining = False

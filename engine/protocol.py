@@ -159,6 +159,7 @@ class KVConfig:
     num_device_blocks: int
     boot_id: str
     role: str = "both"
+    block_bytes: int = 0  # bytes of one block, all layers (what a transfer of it moves)
 
     def compatible_with(self, other: KVConfig) -> bool:
         """Whether block hashes computed under `other` name the same token runs here. The model is not part of
@@ -318,6 +319,7 @@ class RouterMetric:
     PREDICTED_CACHED_TOKENS = "kvmesh_router_predicted_cached_tokens"  # counter
     ACTUAL_CACHED_TOKENS = "kvmesh_router_actual_cached_tokens"  # counter (from the engines' usage)
     RETRIES = "kvmesh_router_retries"  # counter
+    PULLS = "kvmesh_router_pulls"  # counter: requests sent with a prefix pull from a peer
     SHED = "kvmesh_router_shed"  # counter; label priority (low, normal, high): 429s
     MIGRATIONS = "kvmesh_router_migrations"  # counter: streams continued on another pod
     INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed

@@ -51,6 +51,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import Decision, PickerConfig, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
+from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.shed import ShedPolicy, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 
@@ -71,6 +72,7 @@ class RouterMetrics:
         self.actual = Counter(RouterMetric.ACTUAL_CACHED_TOKENS, "Cached tokens the engines reported.", registry=r)
         self.retries = Counter(RouterMetric.RETRIES, "Requests sent to another pod after a refusal.", registry=r)
         self.migrations = Counter(RouterMetric.MIGRATIONS, "Streams continued on another pod.", registry=r)
+        self.pulls = Counter(RouterMetric.PULLS, "Requests sent with a prefix pull from a peer.", registry=r)
         self.shed = Counter(RouterMetric.SHED, "Requests refused with 429 under overload.", ["priority"], registry=r)
         for priority in PRIORITY_CLASSES:
             self.shed.labels(priority)
@@ -207,6 +209,7 @@ class Router:
     log: AsyncRequestLog | None
     shed: ShedPolicy
     salt_secret: str
+    pull: PullPolicy
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
         """One row of the request log (numbers only), when the pool has one."""
@@ -277,6 +280,17 @@ class Router:
         matches = self.index.match(info.block_hashes, [p.name for p in states], now)
         return pick(info, states, matches, self.picker, roles)
 
+    def plan_pull(self, decision: Decision, info: RequestInfo) -> PullPlan | None:
+        """Whether the chosen pod should fetch a longer prefix from a peer before computing the rest."""
+        if decision.pod is None or not info.block_hashes or self.pull.bytes_per_second <= 0:
+            return None
+        now = time.monotonic()
+        states = self.pods.snapshot(now)
+        matches = self.index.match(info.block_hashes, [p.name for p in states], now)
+        config = self.pods.pods[decision.pod.name].kv_config
+        return plan_pull(decision.pod, info, states, matches, config.block_bytes if config else 0, self.picker,
+                         self.pull)
+
     def disaggregated(self) -> bool:
         """Whether the pool has healthy prefill pods (then decode pods serve what needs no prefill hop)."""
         return any(p.role == "prefill" and p.healthy for p in self.pods.snapshot())
@@ -307,7 +321,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
             "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
             "an engine directly could use to probe another tenant's cached prefixes; set KVMESH_CACHE_SALT_SECRET")
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), client,
-                  keys, log, shed, secret or config.pool)
+                  keys, log, shed, secret or config.pool, PullPolicy(bytes_per_second=config.pull_bytes_per_second))
 
 
 def _wants_usage(raw: dict[str, Any]) -> bool:
@@ -441,6 +455,10 @@ def create_router_app(router: Router) -> FastAPI:
             router.record(trace, "shed", 429, None)
             return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
                                 headers={"Retry-After": str(refusal.retry_after_seconds)})
+        pull = router.plan_pull(first, trace.info)
+        if pull is not None:  # cheaper to fetch the longer prefix a peer holds than to compute it
+            upstream[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
+            router.metrics.pulls.inc()
         opened = await open_upstream(trace, upstream, path, headers, tried, first)
         if opened is None:
             router.metrics.requests.labels("no_pod", trace.route).inc()

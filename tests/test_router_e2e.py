@@ -267,3 +267,22 @@ def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: 
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], tiny_dir: Path) -> None:
+    """Scoring by load alone makes the choice the first pod by name; the prefix lives on the other one."""
+    flat = {"prefix_weight": 0.0, "ttft_weight": 0.0, "kv_weight": 0.0, "load_weight": 1.0}
+    r = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, weights=flat), tiny_dir)
+    url, server, thread = start_router(r)
+    try:
+        chosen, holder = sorted(engines)
+        prompt = tokens(77, 300)
+        complete(holder, prompt)  # straight to the engine: only its events tell the router
+        time.sleep(1.0)
+        reply = complete(url, [*prompt, 3], return_token_ids=True)
+        assert reply.headers["x-kvmesh-pod"] == chosen
+        assert reply.json()["usage"]["prompt_tokens_details"]["kvmesh_cached_by_source"]["peer"] >= 256
+        assert "kvmesh_router_pulls_total 1.0" in httpx.get(url + "/metrics").text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
