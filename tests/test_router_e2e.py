@@ -189,17 +189,6 @@ def test_two_router_replicas_choose_the_same_pod(
         thread.join(timeout=10)
 
 
-def test_a_drained_pod_gets_no_new_requests(router: tuple[str, Router], engines: list[str]) -> None:
-    """Last in the module: draining cannot be undone."""
-    url, _ = router
-    shared = tokens(9, 128)
-    pod = complete(url, [*shared, 1]).headers["x-kvmesh-pod"]
-    httpx.post(pod + "/v1/admin/drain")
-    for k in range(3):  # immediately, before the router's next scrape: a 503 is retried on the other pod
-        reply = complete(url, [*shared, 2 + k])
-        assert reply.headers["x-kvmesh-pod"] != pod
-
-
 def test_kvmesh_up_runs_a_pool_and_stops_it(tiny_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     ready = tmp_path / "ready"
@@ -286,3 +275,14 @@ def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], 
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_drained_pod_gets_no_new_requests(router: tuple[str, Router], engines: list[str]) -> None:
+    """Last in the module: draining cannot be undone."""
+    url, _ = router
+    shared = tokens(9, 128)
+    pod = complete(url, [*shared, 1]).headers["x-kvmesh-pod"]
+    httpx.post(pod + "/v1/admin/drain")
+    for k in range(3):  # immediately, before the router's next scrape: a 503 is retried on the other pod
+        reply = complete(url, [*shared, 2 + k])
+        assert reply.headers["x-kvmesh-pod"] != pod
