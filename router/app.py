@@ -320,8 +320,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
         logging.getLogger("kvmesh.router").warning(
             "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
             "an engine directly could use to probe another tenant's cached prefixes; set KVMESH_CACHE_SALT_SECRET")
+    pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), client,
-                  keys, log, shed, secret or config.pool, PullPolicy(bytes_per_second=config.pull_bytes_per_second))
+                  keys, log, shed, secret or config.pool, pull)
 
 
 def _wants_usage(raw: dict[str, Any]) -> bool:

@@ -41,6 +41,7 @@ class RouterConfig:
     retries: int = 2  # other pods tried when one answers 429/503 or fails before its first byte
     prefill_hop_min_tokens: int = 256  # in a disaggregated pool, shorter uncached prompts skip the prefill pod
     pull_bytes_per_second: float = 150e6  # pod-to-pod KV pull speed the pull-or-recompute choice assumes; 0: never
+    pull_setup_seconds: float = 0.02  # a pull's fixed cost before its first byte
     ttft_slo_seconds: float | None = None  # the pool's TTFT SLO: past it, requests are shed by priority (429)
     shed_overload_probability: float = 0.9  # shed when the best pod's KV forecast says it runs out this likely
     priority_headroom: float = 0.5  # each priority level tolerates this much more overload before it is shed

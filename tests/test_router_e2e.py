@@ -261,7 +261,9 @@ def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: 
 def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], tiny_dir: Path) -> None:
     """Scoring by load alone makes the choice the first pod by name; the prefix lives on the other one."""
     flat = {"prefix_weight": 0.0, "ttft_weight": 0.0, "kv_weight": 0.0, "load_weight": 1.0}
-    r = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, weights=flat), tiny_dir)
+    # the tiny model prefills faster than any link: count the pull's setup as free so the choice is the link's
+    r = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, weights=flat, pull_setup_seconds=0.0,
+                                  pull_bytes_per_second=1e12), tiny_dir)
     url, server, thread = start_router(r)
     try:
         chosen, holder = sorted(engines)
