@@ -45,6 +45,7 @@ class EngineConfig:
     forecast_interval_seconds: float = 0.5
     kv_events_buffer: int = 10000  # event batches kept for resuming readers
     handoff_ttl_seconds: float = 30.0  # how long a prefill's KV stays pinned for its decode pod
+    transfer_timeout_seconds: float = 10.0  # a pull slower than this is abandoned: the request recomputes
     transfer_frame_blocks: int = 8  # blocks per frame served to a peer: measured best here (docs/benchmarks.md)
     threads: int | None = None  # torch intra-op threads; None: torch's default
 

@@ -326,7 +326,8 @@ class _Completions:
         kind = "handoff" if transfer.mode == "decode" else "pull"
         key = f"import:{first.request_id}"
         try:
-            pulled = await pull_blocks(client, transfer.source or "", wanted[have:], e.kv_layout, transfer.handle)
+            pulled = await pull_blocks(client, transfer.source or "", wanted[have:], e.kv_layout, transfer.handle,
+                                       e.config.transfer_timeout_seconds)
             if not pulled.hashes:
                 raise TransferError(f"{transfer.source} holds none of the blocks")
             ids = await asyncio.wrap_future(e.call(lambda: e.reserve_import(key, len(pulled.hashes))))

@@ -9,6 +9,7 @@ the layout of the whole; anything wrong and it recomputes instead.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Sequence
@@ -79,14 +80,24 @@ async def pull_blocks(
     timeout: float = 30.0,
 ) -> PulledBlocks:
     """Fetch the blocks of `hashes` from a peer. Returns the leading run the peer had, verified; raises
-    TransferError when the peer refuses (an unknown or expired handle), the layout differs, or a block is
-    damaged."""
+    TransferError when the peer refuses (an unknown or expired handle), the layout differs, a block is
+    damaged, or the whole transfer takes longer than `timeout` seconds (a slow peer costs at most that)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _pull(client, source, hashes, layout, handle)
+    except TimeoutError:
+        raise TransferError(f"transfer from {source} took longer than {timeout:.1f} s") from None
+
+
+async def _pull(
+    client: httpx.AsyncClient, source: str, hashes: Sequence[int], layout: Layout, handle: str | None
+) -> PulledBlocks:
     start = time.perf_counter()
     body = {"block_hashes": list(hashes), "handle": handle}
     got: list[int] = []
     chunks: list[bytes] = []
     try:
-        async with client.stream("POST", source.rstrip("/") + KV_FETCH_PATH, json=body, timeout=timeout) as reply:
+        async with client.stream("POST", source.rstrip("/") + KV_FETCH_PATH, json=body) as reply:
             if reply.status_code != 200:
                 detail = (await reply.aread()).decode(errors="replace")[:300]
                 raise TransferError(f"{source} refused the transfer ({reply.status_code}): {detail}")
