@@ -4,10 +4,8 @@ Ctrl-C or as soon as one child dies (with the tail of its log)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,9 +18,9 @@ import httpx
 import yaml
 
 from kvmesh.engine.model.loader import resolve_model_dir
+from kvmesh.processes import free_port, spawn, stop, tail
 
 HEALTH_TIMEOUT_SECONDS = 600.0
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -58,12 +56,6 @@ def plan_from_file(path: str | Path) -> PoolPlan:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Child:
     name: str
@@ -72,16 +64,14 @@ class Child:
     log: Path
 
     def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return tail(self.log, lines)
 
 
 def _spawn(name: str, args: list[str], port: int, workdir: Path) -> Child:
+    """In its own session (Ctrl-C reaches only `kvmesh up`, which stops the pool in order), and stopped with
+    `kvmesh up` even if that is killed."""
     log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                                   preexec_fn=_die_with_parent)
-    return Child(name, f"http://127.0.0.1:{port}", process, log)
+    return Child(name, f"http://127.0.0.1:{port}", spawn(args, log, new_session=True), log)
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
@@ -104,25 +94,11 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: on Linux, get SIGTERM when `kvmesh up` dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _stop(children: list[Child]) -> None:
     """Stop every child: SIGINT, then SIGKILL after 20 s. A second Ctrl-C or SIGTERM cannot interrupt this."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    for child in children:
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + 20
-    for child in children:
-        try:
-            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.process.kill()
+    stop([child.process for child in children], timeout=20)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -435,6 +435,13 @@ def create_router_app(router: Router) -> FastAPI:
             return reply, pod, decision
         return None
 
+    def no_pod(trace: Trace, message: str) -> JSONResponse:
+        """503 with Retry-After when every pod refused or failed: counted and logged as shed."""
+        router.metrics.requests.labels("no_pod", trace.route).inc()
+        router.record(trace, "shed", 503, None)
+        return JSONResponse(error_body(message, "server_error", code="no_pod"), status_code=503,
+                            headers={"Retry-After": "1"})
+
     async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
         tried: set[str] = set()
         headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
@@ -462,10 +469,7 @@ def create_router_app(router: Router) -> FastAPI:
             router.metrics.pulls.inc()
         opened = await open_upstream(trace, upstream, path, headers, tried, first)
         if opened is None:
-            router.metrics.requests.labels("no_pod", trace.route).inc()
-            router.record(trace, "shed", 503, None)
-            return JSONResponse(error_body("no pod can take this request now; retry later", "server_error",
-                                           code="no_pod"), status_code=503, headers={"Retry-After": "1"})
+            return no_pod(trace, "no pod can take this request now; retry later")
         reply, pod, decision = opened
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         decided = {"x-kvmesh-pod": pod.name, "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
@@ -529,10 +533,7 @@ def create_router_app(router: Router) -> FastAPI:
         tried: set[str] = set()
         opened = await open_upstream(trace, decode_body, path, headers, tried)
         if opened is None:
-            router.metrics.requests.labels("no_pod", trace.route).inc()
-            router.record(trace, "shed", 503, None)
-            return JSONResponse(error_body("no decode pod can take this request now; retry later", "server_error",
-                                           code="no_pod"), status_code=503, headers={"Retry-After": "1"})
+            return no_pod(trace, "no decode pod can take this request now; retry later")
         reply, pod, _ = opened
         decided = {"x-kvmesh-pod": f"{prefill_pod.name},{pod.name}",
                    "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}

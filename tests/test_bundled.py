@@ -3,11 +3,6 @@ real process answering the openai client."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +13,9 @@ import torch
 
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.processes import free_port, spawn, stop, wait_healthy
 
 from .conftest import make_engine
-from .test_server import free_port
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -53,30 +48,13 @@ def serve_process(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -
     config = tmp_path_factory.mktemp("serve") / "engine.yaml"
     config.write_text("engine:\n  kv-cache-memory-mib: 128\n  max-num-seqs: 16\n  dtype: float32\n")
     log = tmp_path_factory.mktemp("serve-log") / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--config", str(config), "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("kvmesh serve did not become healthy:\n" + log.read_text())
-    yield url
-    proc.send_signal(signal.SIGINT)
+    proc = spawn(["serve", "--config", str(config), "--port", str(port)], log)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, timeout=300, log=log)
+        yield url
+    finally:
+        stop([proc], timeout=30)
 
 
 def test_serve_process_answers_paris(serve_process: str) -> None:

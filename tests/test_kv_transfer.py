@@ -4,10 +4,6 @@ fallback to recompute, handle expiry; and the wire format against damaged frames
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,9 +15,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.kv.transfer import Layout, TransferError, encode_frame, pull_blocks
+from kvmesh.processes import free_port
 
-from .test_router_e2e import wait_health
-from .test_server import free_port
+from .engines import tiny_engines
 
 pytestmark = pytest.mark.slow
 
@@ -36,23 +32,9 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def pods(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    logs = tmp_path_factory.mktemp("transfer")
-    procs, urls = [], []
-    for role in ("prefill", "decode"):
-        port = free_port()
-        urls.append(f"http://127.0.0.1:{port}")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--model", str(tiny_dir), "--port", str(port), "--role",
-             role, "--dtype", "float32", "--threads", "1", "--kv-cache-memory-mib", "16", "--log-level", "warning"],
-            stdout=(logs / f"{role}.log").open("w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-    for url, proc in zip(urls, procs, strict=True):
-        wait_health(url, proc)
-    yield urls[0], urls[1]
-    for proc in procs:
-        proc.send_signal(signal.SIGINT)
-    for proc in procs:
-        proc.wait(timeout=20)
+    with tiny_engines(tiny_dir, tmp_path_factory.mktemp("transfer"), ("prefill", "decode")) as procs:
+        prefill, decode = procs
+        yield prefill, decode
 
 
 def tokens(seed: int, n: int) -> list[int]:

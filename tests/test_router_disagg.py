@@ -3,61 +3,33 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from kvmesh.router.app import build_router, create_router_app
+from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig
 
-from .test_router_e2e import wait_health
-from .test_server import free_port
+from .engines import serve_router, tiny_engines
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    logs = tmp_path_factory.mktemp("disagg")
-    procs, urls = [], {}
-    for role in ("prefill", "decode"):
-        port = free_port()
-        urls[role] = f"http://127.0.0.1:{port}"
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--model", str(tiny_dir), "--port", str(port), "--role",
-             role, "--dtype", "float32", "--threads", "1", "--kv-cache-memory-mib", "16", "--log-level", "warning"],
-            stdout=(logs / f"{role}.log").open("w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-    for url, proc in zip(urls.values(), procs, strict=True):
-        wait_health(url, proc)
-    router = build_router(RouterConfig(pods=list(urls.values()), scrape_interval_seconds=0.1,
-                                       prefill_hop_min_tokens=32), tiny_dir)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_router_app(router), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    urls["router"] = f"http://127.0.0.1:{port}"
-    wait_health(urls["router"], timeout=30)
-    for _ in range(100):  # the router knows both roles
-        if len(httpx.get(urls["router"] + "/health").json()["pods"]) == 2:
-            break
-        threading.Event().wait(0.1)
-    yield urls
-    server.should_exit = True
-    thread.join(timeout=10)
-    for proc in procs:
-        proc.send_signal(signal.SIGINT)
-    for proc in procs:
-        proc.wait(timeout=20)
+    with tiny_engines(tiny_dir, tmp_path_factory.mktemp("disagg"), ("prefill", "decode")) as procs:
+        prefill, decode = procs
+        router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, prefill_hop_min_tokens=32),
+                              tiny_dir)
+        with serve_router(router) as url:
+            for _ in range(100):  # the router knows both roles
+                if len(httpx.get(url + "/health").json()["pods"]) == 2:
+                    break
+                threading.Event().wait(0.1)
+            yield {"prefill": prefill, "decode": decode, "router": url}
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -3,105 +3,39 @@ prefix affinity, predicted against reported cached tokens, draining, retries, te
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from kvmesh.engine.openai_types import CompletionRequest
-from kvmesh.router.app import Router, build_router, create_router_app
+from kvmesh.processes import free_port
+from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig
 
-from .test_server import free_port
+from .engines import serve_router, tiny_engines
 
 pytestmark = pytest.mark.slow
 
 
-def wait_health(url: str, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    logs = tmp_path_factory.mktemp("engines")
-    procs, urls = [], []
-    for i in range(2):
-        port = free_port()
-        out = (logs / f"engine-{i}.log").open("w")
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvmesh.cli",
-                    "serve",
-                    "--model",
-                    str(tiny_dir),
-                    "--port",
-                    str(port),
-                    "--dtype",
-                    "float32",
-                    "--threads",
-                    "1",
-                    "--kv-cache-memory-mib",
-                    "16",
-                    "--log-level",
-                    "warning",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        )
-        urls.append(f"http://127.0.0.1:{port}")
-    for url, proc in zip(urls, procs, strict=True):
-        wait_health(url, proc)
-    yield urls
-    for proc in procs:
-        proc.send_signal(signal.SIGINT)
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def start_router(router: Router) -> tuple[str, uvicorn.Server, threading.Thread]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_router_app(router), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_health(url, timeout=30)
-    return url, server, thread
+    with tiny_engines(tiny_dir, tmp_path_factory.mktemp("engines")) as procs:
+        yield list(procs)
 
 
 @pytest.fixture(scope="module")
 def router(engines: list[str], tiny_dir: Path) -> Iterator[tuple[str, Router]]:
     r = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1), tiny_dir)
-    url, server, thread = start_router(r)
-    yield url, r
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_router(r) as url:
+        yield url, r
 
 
 def complete(url: str, prompt: list[int], **extra: object) -> httpx.Response:
@@ -174,8 +108,7 @@ def test_two_router_replicas_choose_the_same_pod(
 ) -> None:
     url, first = router
     second = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1), tiny_dir)
-    _, server, thread = start_router(second)
-    try:
+    with serve_router(second):
         for k in range(3):
             complete(url, [*tokens(300 + k, 96), 5])
         time.sleep(1.0)  # both replicas read the same event streams
@@ -184,22 +117,30 @@ def test_two_router_replicas_choose_the_same_pod(
             infos = [r.request_info(CompletionRequest.model_validate(body), 0) for r in (first, second)]
             choices = [r.decide(info, set()).pod.name for r, info in zip((first, second), infos, strict=True)]
             assert choices[0] == choices[1]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
-def test_kvmesh_up_runs_a_pool_and_stops_it(tiny_dir: Path, tmp_path: Path) -> None:
+@contextmanager
+def kvmesh_up(tiny_dir: Path, engines: int, ready: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`kvmesh up` over the tiny model (its output in a pipe), once it has written `ready`; yields it and its
+    router's port, and kills it at the end if it still runs."""
     port = free_port()
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_dir), "--engines", "2",
-                             "--port", str(port), "--ready-file", str(ready)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_dir), "--engines",
+                             str(engines), "--port", str(port), "--ready-file", str(ready)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while not ready.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "kvmesh up did not get ready"
             time.sleep(0.2)
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kvmesh_up_runs_a_pool_and_stops_it(tiny_dir: Path, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    with kvmesh_up(tiny_dir, 2, ready) as (proc, port):
         endpoint = ready.read_text()
         assert endpoint == f"http://127.0.0.1:{port}/v1"
         reply = httpx.post(endpoint + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
@@ -211,22 +152,10 @@ def test_kvmesh_up_runs_a_pool_and_stops_it(tiny_dir: Path, tmp_path: Path) -> N
         for pod in pods:  # every child is gone with it
             with pytest.raises(httpx.TransportError):
                 httpx.get(pod + "/health", timeout=2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_kvmesh_up_stops_the_pool_when_a_child_dies(tiny_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_dir), "--engines", "1",
-                             "--port", str(port), "--ready-file", str(ready)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "kvmesh up did not get ready"
-            time.sleep(0.2)
+    with kvmesh_up(tiny_dir, 1, tmp_path / "ready") as (proc, port):
         import psutil
 
         (engine,) = [c for c in psutil.Process(proc.pid).children() if "serve" in c.cmdline()]
@@ -235,17 +164,13 @@ def test_kvmesh_up_stops_the_pool_when_a_child_dies(tiny_dir: Path, tmp_path: Pa
         assert b"engine-0 exited" in proc.stdout.read()
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: Path) -> None:
     """A router whose TTFT SLO no pod can meet: normal requests get 429 with Retry-After, important ones pass."""
     strict = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, ttft_slo_seconds=1e-6,
                                        priority_headroom=1e9), tiny_dir)
-    url, server, thread = start_router(strict)
-    try:
+    with serve_router(strict) as url:
         body = {"prompt": tokens(42, 40), "max_tokens": 1}
         shed = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert shed.status_code == 429 and int(shed.headers["retry-after"]) >= 1
@@ -253,9 +178,6 @@ def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: 
         served = httpx.post(url + "/v1/completions", json=body, headers={"x-kvmesh-priority": "5"}, timeout=30)
         assert served.status_code == 200
         assert 'kvmesh_router_shed_total{priority="normal"} 1.0' in httpx.get(url + "/metrics").text
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], tiny_dir: Path) -> None:
@@ -264,8 +186,7 @@ def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], 
     # the tiny model prefills faster than any link: count the pull's setup as free so the choice is the link's
     r = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, weights=flat, pull_setup_seconds=0.0,
                                   pull_bytes_per_second=1e12), tiny_dir)
-    url, server, thread = start_router(r)
-    try:
+    with serve_router(r) as url:
         chosen, holder = sorted(engines)
         prompt = tokens(77, 300)
         complete(holder, prompt)  # straight to the engine: only its events tell the router
@@ -274,9 +195,6 @@ def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], 
         assert reply.headers["x-kvmesh-pod"] == chosen
         assert reply.json()["usage"]["prompt_tokens_details"]["kvmesh_cached_by_source"]["peer"] >= 256
         assert "kvmesh_router_pulls_total 1.0" in httpx.get(url + "/metrics").text
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_a_drained_pod_gets_no_new_requests(router: tuple[str, Router], engines: list[str]) -> None:

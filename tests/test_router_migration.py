@@ -4,57 +4,29 @@ this module kills one)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from kvmesh.router.app import build_router, create_router_app
+from kvmesh.processes import wait_healthy
+from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig
 
-from .test_router_e2e import wait_health
-from .test_server import free_port
+from .engines import serve_router, serve_tiny, tiny_engines
 
 pytestmark = pytest.mark.slow
 
 
-def spawn(tiny_dir: Path, url: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "serve", "--model", str(tiny_dir), "--port", url.rsplit(":", 1)[1],
-         "--dtype", "float32", "--threads", "1", "--kv-cache-memory-mib", "16", "--log-level", "warning"],
-        stdout=log.open("a"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
 @pytest.fixture(scope="module")
 def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, subprocess.Popen]]]:
-    logs = tmp_path_factory.mktemp("migration")
-    procs = {f"http://127.0.0.1:{free_port()}": None for _ in range(2)}
-    for i, url in enumerate(procs):
-        procs[url] = spawn(tiny_dir, url, logs / f"engine-{i}.log")
-    for url, proc in procs.items():
-        wait_health(url, proc)
-    router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1), tiny_dir)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_router_app(router), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_health(url, timeout=30)
-    yield url, procs
-    server.should_exit = True
-    thread.join(timeout=10)
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=20)
+    with tiny_engines(tiny_dir, tmp_path_factory.mktemp("migration")) as procs:
+        router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1), tiny_dir)
+        with serve_router(router) as url:
+            yield url, procs
 
 
 @pytest.fixture
@@ -63,8 +35,9 @@ def both_alive(pool: tuple[str, dict[str, subprocess.Popen]], tiny_dir: Path, tm
     url, procs = pool
     for i, (pod, proc) in enumerate(list(procs.items())):
         if proc.poll() is not None:
-            procs[pod] = spawn(tiny_dir, pod, tmp_path / f"engine-{i}.log")
-            wait_health(pod, procs[pod])
+            log = tmp_path / f"engine-{i}.log"
+            procs[pod] = serve_tiny(tiny_dir, pod, log)
+            wait_healthy(pod, procs[pod], log=log)
     for _ in range(100):
         if len(httpx.get(url + "/health").json()["pods"]) == 2:
             return

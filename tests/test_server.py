@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,14 +15,9 @@ import uvicorn
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.server import EngineHolder, create_app
+from kvmesh.processes import free_port
 
 from .conftest import make_engine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

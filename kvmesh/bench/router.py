@@ -21,8 +21,6 @@ import os
 import platform
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +44,7 @@ from kvmesh.engine.protocol import (
     KVEventBatch,
     block_hashes,
 )
+from kvmesh.processes import free_port, launch, spawn, stop, wait_healthy
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import Decision, PickerConfig, PodState, RequestInfo, pick
@@ -422,35 +421,6 @@ def decision_latency(
 # ---- processes -----------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{_tail(log)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} was not healthy after {timeout:.0f} s:\n{_tail(log)}")
-
-
-def _tail(log: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 class Processes:
     """Child processes with their logs; all stopped (SIGINT, then kill) on exit."""
 
@@ -459,26 +429,22 @@ class Processes:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, name: str, argv: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+        """Any command (the stub upstream), its output in `name`.log."""
         log = self.logs / f"{name}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.procs.append(proc)
-        return proc, log
+        self.procs.append(launch(argv, log))
+        return self.procs[-1], log
+
+    def kvmesh(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+        """`python -m kvmesh.cli *args` (an engine, a router), its output in `name`.log."""
+        log = self.logs / f"{name}.log"
+        self.procs.append(spawn(args, log))
+        return self.procs[-1], log
 
     def __enter__(self) -> Processes:
         return self
 
     def __exit__(self, *_: object) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        stop(self.procs, timeout=15)
 
 
 def make_tiny_model(path: Path) -> Path:
@@ -500,14 +466,10 @@ def make_tiny_model(path: Path) -> Path:
     return path
 
 
-def _kvmesh(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvmesh.cli", *args]
-
-
 def start_router(procs: Processes, pod: str, model_dir: Path, timeout: float) -> str:
     port = free_port()
-    proc, log = procs.start("router", _kvmesh("router", "--pod", pod, "--model", str(model_dir), "--port", str(port),
-                                              "--log-level", "warning"))
+    proc, log = procs.kvmesh("router", ["router", "--pod", pod, "--model", str(model_dir), "--port", str(port),
+                                        "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, timeout, log)
     return url
@@ -552,9 +514,9 @@ def proxy_overhead(requests: int = 200, warmup: int = 20, time_limit: float = 30
         model_dir = make_tiny_model(Path(tmp) / "tiny")
         port = free_port()
         engine_url = f"http://127.0.0.1:{port}"
-        proc, log = procs.start("engine", _kvmesh("serve", "--model", str(model_dir), "--port", str(port), "--dtype",
-                                                  "float32", "--threads", "1", "--kv-cache-memory-mib", "16",
-                                                  "--log-level", "warning"))
+        proc, log = procs.kvmesh("engine", ["serve", "--model", str(model_dir), "--port", str(port), "--dtype",
+                                            "float32", "--threads", "1", "--kv-cache-memory-mib", "16",
+                                            "--log-level", "warning"])
         _progress("proxy: starting the engine and the router ...")
         wait_healthy(engine_url, proc, startup_timeout, log)
         router_url = start_router(procs, engine_url, model_dir, startup_timeout)

@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.bench.router import Processes, free_port, percentile, resolve_model_dir, wait_healthy
+from kvmesh.bench.router import Processes, percentile, resolve_model_dir
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, block_hashes
+from kvmesh.processes import free_port, wait_healthy
 
 if TYPE_CHECKING:
     import httpx
@@ -221,15 +222,15 @@ def start_chain(procs: Processes, workdir: Path, frames: Sequence[int], model: s
     for k, frame in enumerate([*frames, None]):
         name = f"engine{k}-frame{frame}" if frame is not None else f"engine{k}-puller"
         port = free_port()
-        argv = [sys.executable, "-m", "kvmesh.cli", "serve", "--port", str(port), "--dtype", "float32", "--threads",
-                str(threads), "--kv-cache-memory-mib", str(kv_mib), "--log-level", "warning"]
+        args = ["serve", "--port", str(port), "--dtype", "float32", "--threads", str(threads), "--kv-cache-memory-mib",
+                str(kv_mib), "--log-level", "warning"]
         if model is not None:
-            argv += ["--model", model]
+            args += ["--model", model]
         if frame is not None:
             config = workdir / f"{name}.yaml"
             config.write_text(f"engine:\n  transfer_frame_blocks: {frame}\n")
-            argv += ["--config", str(config)]
-        proc, log = procs.start(name, argv)
+            args += ["--config", str(config)]
+        proc, log = procs.kvmesh(name, args)
         urls.append(f"http://127.0.0.1:{port}")
         started.append((proc, log))
     for url, (proc, log) in zip(urls, started, strict=True):

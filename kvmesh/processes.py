@@ -1,0 +1,94 @@
+"""Child processes on loopback: free ports, `python -m kvmesh.cli ...` with its output in a log file, waiting for
+`/health`, and stopping. One copy for `kvmesh up`, the benchmarks and the tests, so they start and stop their
+engines and routers the same way."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A loopback port free right now (the OS picks it), for a child to listen on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], log: Path, *, new_session: bool = False) -> subprocess.Popen[bytes]:
+    """Start `argv` with stdout and stderr appended to `log` (appended, so a restarted child keeps its
+    predecessor's output) and PYTHONUNBUFFERED=1, so the log is current when a failure shows its tail.
+
+    `new_session`: the child gets its own session, so a Ctrl-C at the terminal reaches only this process, which
+    then stops its children in order; since the terminal no longer reaches them, on Linux they also get SIGTERM
+    when this process dies, even by SIGKILL, and are never orphaned."""
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=new_session,
+                                preexec_fn=_die_with_parent if new_session else None)
+
+
+def spawn(args: list[str], log: Path, *, new_session: bool = False) -> subprocess.Popen[bytes]:
+    """`python -m kvmesh.cli *args` (`kvmesh serve ...`, `kvmesh router ...`) with this interpreter, by `launch`."""
+    return launch([sys.executable, "-m", "kvmesh.cli", *args], log, new_session=new_session)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM when the parent dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def tail(log: Path, lines: int = 20) -> str:
+    """The last `lines` of a child's log (empty if it cannot be read): what an error shows of why it failed."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 120.0,
+                 log: Path | None = None) -> None:
+    """Return once `url`/health answers 200. Raise RuntimeError if `proc` exits first, TimeoutError after
+    `timeout` s; either with the tail of `log`, when given, so the failure says why."""
+    import httpx  # here: `kvmesh --help` imports the benchmarks, which import this module
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}{_tail_of(log)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} was not healthy after {timeout:.0f} s{_tail_of(log)}")
+
+
+def _tail_of(log: Path | None) -> str:
+    return f":\n{tail(log)}" if log is not None else ""
+
+
+def stop(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
+    """SIGINT every child still running (a clean shutdown: engines and routers exit on it), then SIGKILL those not
+    gone `timeout` s later, counted once for all of them."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -1,0 +1,60 @@
+"""Real engine processes over conftest's tiny model, and a router served in a thread of the test process: the
+pools the end-to-end tests run against, started and stopped one way."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from kvmesh.processes import free_port, spawn, stop, wait_healthy
+from kvmesh.router.app import Router, create_router_app
+
+
+def serve_tiny(tiny_dir: Path, url: str, log: Path, role: str | None = None) -> subprocess.Popen[bytes]:
+    """`kvmesh serve` over the tiny model on `url`'s port: fp32 (exact comparisons), one thread and 16 MiB of KV
+    (several engines share the machine), quiet logs."""
+    args = ["serve", "--model", str(tiny_dir), "--port", url.rsplit(":", 1)[1], "--dtype", "float32", "--threads",
+            "1", "--kv-cache-memory-mib", "16", "--log-level", "warning"]
+    return spawn(args + (["--role", role] if role else []), log)
+
+
+@contextmanager
+def tiny_engines(
+    tiny_dir: Path, logs: Path, roles: Sequence[str | None] = (None, None)
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """One engine per entry of `roles` (None: the default role), all healthy; yields url -> process, in order.
+    A test may replace a process in the dict (a restarted pod): every process in it at the end is stopped."""
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        started = []
+        for i, role in enumerate(roles):
+            url, log = f"http://127.0.0.1:{free_port()}", logs / f"{role or f'engine-{i}'}.log"
+            procs[url] = serve_tiny(tiny_dir, url, log, role)
+            started.append((url, procs[url], log))
+        for url, proc, log in started:
+            wait_healthy(url, proc, log=log)
+        yield procs
+    finally:
+        stop(procs.values())
+
+
+@contextmanager
+def serve_router(router: Router) -> Iterator[str]:
+    """`router`'s app on a free port, in a daemon thread of this process (so tests can inspect the Router);
+    yields its URL once healthy, and shuts it down at the end."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_router_app(router), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout=30)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
