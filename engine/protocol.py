@@ -324,6 +324,8 @@ class RouterMetric:
     MIGRATIONS = "kvmesh_router_migrations"  # counter: streams continued on another pod
     INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed
     PODS = "kvmesh_router_pods"  # gauge; label state (healthy, unhealthy, draining, refused)
+    DECISIONS = "kvmesh_router_decisions"  # counter; label reason (what decided the choice)
+    EVENT_LAG = "kvmesh_router_kv_event_lag_batches"  # gauge; label pod: the pod's last batch minus the index's
 
 
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 
 from kvmesh.engine.model.tokenizer import Tokenizer
@@ -49,7 +50,7 @@ from kvmesh.engine.protocol import (
 from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
-from kvmesh.router.picker import Decision, PickerConfig, RequestInfo, pick
+from kvmesh.router.picker import REASONS, Decision, PickerConfig, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.shed import ShedPolicy, priority_label, should_shed
@@ -78,12 +79,33 @@ class RouterMetrics:
             self.shed.labels(priority)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
+        self.decisions = Counter(RouterMetric.DECISIONS, "Routing decisions by what decided them.", ["reason"],
+                                 registry=r)
+        for reason in REASONS:
+            self.decisions.labels(reason)
+        r.register(_EventLag(pods, index))
         pod_states = Gauge(RouterMetric.PODS, "Pods by state.", ["state"], registry=r)
         for state in POD_STATES:
             pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
         for outcome in ROUTER_OUTCOMES:
             for route in ROUTES:
                 self.requests.labels(outcome, route)
+
+
+class _EventLag:
+    """Per pod: KV event batches the pod has published (its last scrape) that the index has not applied yet.
+    A lag that keeps growing means the router routes on a stale picture of that pod's cache."""
+
+    def __init__(self, pods: PodSet, index: PrefixIndex) -> None:
+        self._pods, self._index = pods, index
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        lag = GaugeMetricFamily(RouterMetric.EVENT_LAG, "KV event batches not yet applied, per pod.", labels=["pod"])
+        for pod in self._pods.pods.values():
+            published = pod.metrics.get("events_seq")
+            if published is not None:
+                lag.add_metric([pod.name], max(published - self._index.resume_point(pod.name)[1], 0))
+        yield lag
 
 
 def _count_pods(pods: PodSet, state: str) -> int:
@@ -432,6 +454,7 @@ def create_router_app(router: Router) -> FastAPI:
                 pod.inflight -= 1
                 await reply.aclose()
                 continue
+            router.metrics.decisions.labels(decision.reason).inc()
             return reply, pod, decision
         return None
 

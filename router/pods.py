@@ -68,6 +68,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         VllmMetric.WAITING: "waiting",
         VllmMetric.KV_USAGE: "kv_usage",
         Metric.FORECAST_OVERLOAD: "overload_probability",
+        Metric.EVENTS_SEQ: "events_seq",
         Metric.QUEUED_PREFILL_TOKENS: "pending_prefill_tokens",
         Metric.PREFILL_THROUGHPUT: "prefill_tokens_per_second",
         Metric.DECODE_STEP_SECONDS: "decode_step_seconds",

@@ -59,6 +59,11 @@ def test_a_repeated_prefix_lands_on_the_pod_that_holds_it(router: tuple[str, Rou
         again = complete(url, [*shared, 10 + k, 11, 12])
         assert again.headers["x-kvmesh-pod"] == pod
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+    metrics = httpx.get(url + "/metrics").text
+    assert 'kvmesh_router_decisions_total{reason="prefix"}' in metrics
+    assert 'kvmesh_router_decisions_total{reason="prefix"} 0.0' not in metrics
+    lags = [line for line in metrics.splitlines() if line.startswith("kvmesh_router_kv_event_lag_batches{")]
+    assert len(lags) == 2 and all(float(line.split()[-1]) < 5 for line in lags)
 
 
 def test_predicted_cached_tokens_match_the_engines(router: tuple[str, Router]) -> None:
