@@ -22,8 +22,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 run: $(VENV)/.installed
-	@$(VENV)/bin/kvmesh up --port $(PORT) & pid=$$!; \
-	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	@ready=$$(mktemp -u); $(VENV)/bin/kvmesh up --port $(PORT) --ready-file $$ready & pid=$$!; \
+	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null; rm -f $$ready' EXIT; \
+	until [ -f $$ready ]; do kill -0 $$pid 2>/dev/null || exit 1; sleep 0.5; done; \
 	$(VENV)/bin/kvmesh chat --url http://127.0.0.1:$(PORT) "What is the capital of France?"
 
 up: $(VENV)/.installed
