@@ -9,6 +9,7 @@ before its first byte, is skipped for the next best one. The choice itself is `p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
+DISCONNECT_CHECK_SECONDS = 0.5
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
 
 
@@ -357,6 +359,12 @@ def _several_prompts(raw: dict[str, Any]) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
 
 
+async def _wait_disconnected(http: HttpRequest) -> None:
+    """Return once the client has gone away (checked every DISCONNECT_CHECK_SECONDS)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_CHECK_SECONDS)
+
+
 async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> AsyncIterator[str]:
     """A finished one-token answer as a stream: one chunk, the usage if asked, [DONE]."""
     chat = whole["object"] == "chat.completion"
@@ -408,7 +416,19 @@ def create_router_app(router: Router) -> FastAPI:
             router.metrics.decision.observe(time.perf_counter() - start)
             workload = workload_class("chat" if chat else "completion", info.prompt_tokens,
                                       http.headers.get(WORKLOAD_HEADER))
-            return await forward(http, path, raw, Trace(info, tenant, workload), bool(body.stream))
+            trace = Trace(info, tenant, workload)
+            work = asyncio.ensure_future(forward(http, path, raw, trace, bool(body.stream)))
+            if body.stream:  # a stream notices a gone client itself: its relay is cancelled
+                return await work
+            gone = asyncio.ensure_future(_wait_disconnected(http))
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                gone.cancel()
+                return work.result()
+            work.cancel()  # closes the upstream call, so the engine aborts the request and frees its blocks
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return client_gone(trace)
         except RouteError as exc:
             outcome = "no_pod" if exc.status == 503 else "error"
             router.metrics.requests.labels(outcome, "aggregated").inc()
@@ -599,6 +619,11 @@ def create_router_app(router: Router) -> FastAPI:
         router.metrics.requests.labels("ok", trace.route).inc()
         router.record(trace, "ok", 200, rest["usage"])
         return JSONResponse(rest, headers=decided)
+
+    def client_gone(trace: Trace) -> Response:
+        router.metrics.requests.labels("client_gone", trace.route).inc()
+        router.record(trace, "client_gone", 499, None)
+        return Response(status_code=499)
 
     def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
         usage = body.get("usage") or {}
