@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.bench.machine import cpu_name
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ROOT,
@@ -724,16 +725,6 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", help="write the results here as JSON")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _row(label: str, s: dict[str, float], target: str = "") -> str:
     return f"| {label} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {target} |"
 
@@ -824,7 +815,7 @@ def run(args: argparse.Namespace) -> int:
         import tokenizers
 
         path.write_text(json.dumps({
-            "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
                         "tokenizers": tokenizers.__version__},
             "decision": asdict(decisions),
             "proxy": None if proxy is None else asdict(proxy),

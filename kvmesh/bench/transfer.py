@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.bench.machine import cpu_name
 from kvmesh.bench.router import Processes, percentile, resolve_model_dir
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, block_hashes
 from kvmesh.processes import free_port, wait_healthy
@@ -471,16 +472,6 @@ def print_result(r: TransferResult) -> None:
     print(f"run time: {r.seconds:.0f} s")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run(args: argparse.Namespace) -> int:
     """`kvmesh bench transfer`: markdown on stdout, progress on stderr, JSON with --json."""
     if min(args.threads, args.kv_cache_memory_mib, args.repeats, args.raw_repeats) < 1:
@@ -509,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
-            "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version()},
             **asdict(result),
         }, indent=2))
     return 0
