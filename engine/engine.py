@@ -372,6 +372,7 @@ class Engine:
         is_stop_token = (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         if is_stop_token:
             finish = "stop"
+            r.text += r.detokenizer.flush()  # the output ends here: nothing will complete a held-back character
         else:
             r.text += r.detokenizer.step([token])
         sendable = len(r.text)
@@ -383,6 +384,8 @@ class Engine:
         if finish is None:
             if r.num_generated >= p.max_tokens or r.num_tokens >= self.max_model_len:
                 finish = "length"
+                r.text += r.detokenizer.flush()  # a half character no later token will complete
+                sendable = len(r.text)
             else:
                 sendable = _safe_prefix_length(r.text, len(r.emitted_text), p.stop)
         delta = r.text[len(r.emitted_text) : sendable]

@@ -205,3 +205,21 @@ def test_deltas_concatenate_to_decode(tok: Tokenizer, data: st.DataObject) -> No
     chunk = data.draw(st.integers(1, 4), label="chunk")
     deltas, streamed = _stream(tok, ids, chunk, prompt, skip)
     assert "".join(deltas) == streamed == expected
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_deltas_and_flush_concatenate_to_decode_even_mid_character(tok: Tokenizer, data: st.DataObject) -> None:
+    """At the end of an output, flush() gives what was held back: the stream then equals decode(all ids)."""
+    token = st.one_of(st.integers(0, tok.vocab_size - 1), st.integers(0, 300))
+    ids = data.draw(st.lists(token, min_size=1, max_size=24), label="ids")
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.step([i]) for i in ids) + detok.flush()
+    assert streamed == detok.text == tok.decode(ids)
+
+
+def test_a_half_character_at_the_end_is_flushed(tok: Tokenizer) -> None:
+    ids = tok.encode(" 😀")[:-1]
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.step([i]) for i in ids) == ""
+    assert detok.flush() == tok.decode(ids) and "\ufffd" in detok.text

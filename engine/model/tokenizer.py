@@ -225,6 +225,16 @@ class IncrementalDetokenizer:
         self._text += "".join(delta)
         return "".join(delta)
 
+    def flush(self) -> str:
+        """At the end of the output: the text still held back (a character no token will complete), as the
+        tokenizer decodes it, so the deltas add up to decode(all ids) whatever the last token was."""
+        text = self._decode(self._ids[self._prefix_offset :])
+        delta = text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = ""
+        self._text += delta
+        return delta
+
     @property
     def text(self) -> str:
         return self._text
