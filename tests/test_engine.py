@@ -235,3 +235,13 @@ def test_cached_tokens_never_exceed_the_prompt_when_resuming(tiny_engine: Engine
     tiny_engine.run_until_idle()
     assert outputs[-1].cached_tokens <= 20
     assert [t for o in outputs for t in o.new_token_ids] == first.tokens[25:]
+
+
+def test_min_tokens_holds_off_stop_strings(tiny_engine: Engine) -> None:
+    (free,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12)
+    text = tiny_engine.tokenizer.decode(free.tokens)
+    stop = text[1:3]
+    (early,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop])
+    assert len(early.tokens) < 12
+    (held,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop], min_tokens=12)
+    assert held.tokens == free.tokens and held.final.finish_reason == "length"
