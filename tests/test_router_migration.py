@@ -58,7 +58,9 @@ def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(
     else:
         body = {"prompt": "Once upon a time"}
         path = "/v1/completions"
-    body |= {"max_tokens": 60, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    # long enough that the serving pod is still generating when it is killed
+    body |= {"max_tokens": 300, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    migrations = migrations_of(url)
     reference = httpx.post(alive[0] + path, json={**body, "stream": False}, timeout=60).json()
     expected_ids = reference["choices"][0]["token_ids"]
     expected_text = reference["choices"][0]["message"]["content"] if chat else reference["choices"][0]["text"]
@@ -82,7 +84,13 @@ def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(
     assert ids == expected_ids
     assert text == expected_text
     assert len({c["id"] for c in events}) == 1
-    assert "kvmesh_router_migrations_total 0.0" not in httpx.get(url + "/metrics").text
+    assert migrations_of(url) == migrations + 1
+
+
+def migrations_of(router: str) -> float:
+    (line,) = [x for x in httpx.get(router + "/metrics").text.splitlines()
+               if x.startswith("kvmesh_router_migrations_total ")]
+    return float(line.split()[1])
 
 
 def test_with_no_pod_left_the_stream_ends_with_an_error_event(pool: tuple[str, dict[str, subprocess.Popen]]) -> None:
