@@ -116,14 +116,14 @@ def test_a_pull_computes_only_the_tail_and_announces_the_blocks(pods: tuple[str,
 def test_handles_expire_and_free_their_blocks(pods: tuple[str, str]) -> None:
     prefill, _ = pods
     expired = metric(prefill, "kvmesh_kv_handles_expired_total")
-    pinned = metric(prefill, "kvmesh_kv_blocks_pinned")
     first = complete(prefill, prompt=tokens(50, 64), max_tokens=4, kv_transfer={"mode": "prefill", "ttl_seconds": 0.3})
-    assert metric(prefill, "kvmesh_kv_blocks_pinned") == pinned + 4
+    held = metric(prefill, "kvmesh_kv_blocks_pinned")
+    assert first["kv_transfer"]["num_blocks"] == 4 and held >= 4
     time.sleep(1.5)
     refused = httpx.post(prefill + "/v1/kv/fetch", json={"block_hashes": [1], "handle": first["kv_transfer"]["handle"]})
     assert refused.status_code == 410
     assert metric(prefill, "kvmesh_kv_handles_expired_total") >= expired + 1
-    assert metric(prefill, "kvmesh_kv_blocks_pinned") <= pinned
+    assert metric(prefill, "kvmesh_kv_blocks_pinned") <= held - 4  # (other tests' handles may expire too)
 
 
 def test_concurrent_handoffs_do_not_mix_blocks(pods: tuple[str, str]) -> None:
