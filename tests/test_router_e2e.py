@@ -116,12 +116,20 @@ def test_two_router_replicas_choose_the_same_pod(
     with serve_router(second):
         for k in range(3):
             complete(url, [*tokens(300 + k, 96), 5])
-        time.sleep(1.0)  # both replicas read the same event streams
-        for k in range(3):
-            body = {"prompt": [*tokens(300 + k, 96), 9], "max_tokens": 1}
-            infos = [r.request_info(CompletionRequest.model_validate(body), 0) for r in (first, second)]
-            choices = [r.decide(info, set()).pod.name for r, info in zip((first, second), infos, strict=True)]
-            assert choices[0] == choices[1]
+        # both replicas read the same event streams: once the second has caught up, they choose alike
+        bodies = [{"prompt": [*tokens(300 + k, 96), 9], "max_tokens": 1} for k in range(3)]
+        deadline = time.monotonic() + 15
+        while True:
+            choices = []
+            for body in bodies:
+                infos = [r.request_info(CompletionRequest.model_validate(body), 0) for r in (first, second)]
+                choices.append([r.decide(i, set()) for r, i in zip((first, second), infos, strict=True)])
+            caught_up = all(b.predicted_cached_tokens == 96 for _, b in choices)
+            if caught_up or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert caught_up, "the second replica's index never caught up with the pods' events"
+        assert [a.pod.name for a, _ in choices] == [b.pod.name for _, b in choices]
 
 
 @contextmanager
