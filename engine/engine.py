@@ -124,7 +124,6 @@ class Engine:
         self.draining = False
         self.prefill_tps = 0.0
         self.decode_step_s = 0.0
-        self.batch_sizes: list[int] = []  # sequences per step, for tests and benchmarks
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
@@ -335,7 +334,6 @@ class Engine:
             self.prefill_tps = _ema(self.prefill_tps, prefill_tokens / result.seconds)
         else:
             self.decode_step_s = _ema(self.decode_step_s, result.seconds)
-        self.batch_sizes.append(len(out.scheduled))
         self.metrics.batch_size.observe(len(out.scheduled))
         self.metrics.steps.inc()
         self.metrics.computed_tokens.inc(result.num_tokens)

@@ -243,7 +243,7 @@ class _Completions:
             raise ApiError(400, str(exc)) from None
         return params
 
-    def job(self) -> _Job:
+    async def job(self) -> _Job:
         b, e = self.body, self.engine
         if b.model is not None and b.model != e.model_name:
             raise ApiError(404, f"model {b.model!r} does not exist; this engine serves {e.model_name!r}",
@@ -263,7 +263,8 @@ class _Completions:
             raise ApiError(400, f"{PRIORITY_HEADER} must be an integer", param=PRIORITY_HEADER) from None
         vocab = e.tokenizer.vocab_size
         job = _Job(e, asyncio.get_running_loop())
-        for prompt_index, prompt_ids in enumerate(self.prompts()):
+        prompts = await asyncio.to_thread(self.prompts)  # tokenizing a long prompt takes milliseconds: off the loop
+        for prompt_index, prompt_ids in enumerate(prompts):
             if not prompt_ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
@@ -501,7 +502,7 @@ def create_app(holder: EngineHolder) -> FastAPI:
 
     async def _serve(body: ChatRequest | CompletionRequest, http: HttpRequest, chat: bool) -> Response:
         handler = _Completions(holder.get(), chat, body, http)
-        job = handler.job()
+        job = await handler.job()
         await handler.pull(job, peers)
         if body.stream:
             return StreamingResponse(handler.stream(job), media_type="text/event-stream")

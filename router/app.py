@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,8 +50,8 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.index import PrefixIndex
-from kvmesh.router.picker import REASONS, Decision, PickerConfig, RequestInfo, pick
+from kvmesh.router.index import PrefixIndex, PrefixMatch
+from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.shed import ShedPolicy, priority_label, should_shed
@@ -169,7 +169,6 @@ class Relay:
     client_usage: bool = True  # the client asked for the usage chunk (the router always does, for its log)
     finished: bool = False  # a choice carried a finish_reason
     done: bool = False  # [DONE] arrived
-    migrations: int = 0
 
     def on_chunk(self, chunk: dict[str, Any], trace: Trace) -> dict[str, Any]:
         """Record what a chunk delivers and make it look like one stream: first id, no second role."""
@@ -216,6 +215,14 @@ class Relay:
             choice["text"] = text
         return {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": int(time.time()), "choices": [choice]}
+
+
+@dataclass(frozen=True)
+class View:
+    """What the router knows of its pods at one moment, and how much of one request's prefix each holds."""
+
+    pods: list[PodState]
+    matches: Mapping[str, PrefixMatch]
 
 
 @dataclass
@@ -292,32 +299,32 @@ class Router:
         return RequestInfo(model=body.model or "", prompt_tokens=len(ids), block_hashes=tuple(hashes),
                            priority=priority)
 
-    def decide(self, info: RequestInfo, exclude: set[str], roles: tuple[str, ...] = SERVING_ROLES) -> Decision:
-        """The picker's choice among the pods in `roles`, not in `exclude`."""
+    def view(self, info: RequestInfo) -> View:
+        """The pods and the request's prefix matches, taken once: every choice for this request reads them."""
         now = time.monotonic()
-        states = [p for p in self.pods.snapshot(now) if p.name not in exclude]
+        states = self.pods.snapshot(now)
+        return View(states, self.index.match(info.block_hashes, [p.name for p in states], now))
+
+    def decide(
+        self, info: RequestInfo, exclude: set[str], roles: tuple[str, ...] = SERVING_ROLES, view: View | None = None
+    ) -> Decision:
+        """The picker's choice among the pods in `roles`, not in `exclude` (over `view`, or a fresh one)."""
+        view = view or self.view(info)
+        states = [p for p in view.pods if p.name not in exclude]
         if info.model:
             served = {p.model for p in states if p.healthy}
             if served and info.model not in served:
                 raise RouteError(404, f"model {info.model!r} does not exist; this pool serves "
                                       f"{sorted(served)}", code="model_not_found")
-        matches = self.index.match(info.block_hashes, [p.name for p in states], now)
-        return pick(info, states, matches, self.picker, roles)
+        return pick(info, states, view.matches, self.picker, roles)
 
-    def plan_pull(self, decision: Decision, info: RequestInfo) -> PullPlan | None:
+    def plan_pull(self, decision: Decision, info: RequestInfo, view: View) -> PullPlan | None:
         """Whether the chosen pod should fetch a longer prefix from a peer before computing the rest."""
         if decision.pod is None or not info.block_hashes or self.pull.bytes_per_second <= 0:
             return None
-        now = time.monotonic()
-        states = self.pods.snapshot(now)
-        matches = self.index.match(info.block_hashes, [p.name for p in states], now)
         config = self.pods.pods[decision.pod.name].kv_config
-        return plan_pull(decision.pod, info, states, matches, config.block_bytes if config else 0, self.picker,
-                         self.pull)
-
-    def disaggregated(self) -> bool:
-        """Whether the pool has healthy prefill pods (then decode pods serve what needs no prefill hop)."""
-        return any(p.role == "prefill" and p.healthy for p in self.pods.snapshot())
+        return plan_pull(decision.pod, info, view.pods, view.matches, config.block_bytes if config else 0,
+                         self.picker, self.pull)
 
 
 def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
@@ -488,8 +495,10 @@ def create_router_app(router: Router) -> FastAPI:
     async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
         tried: set[str] = set()
         headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
-        if router.disaggregated() and raw.get("n", 1) == 1 and not _several_prompts(raw):
-            whole = router.decide(trace.info, tried)
+        view = router.view(trace.info)
+        prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
+        if prefill_pods and raw.get("n", 1) == 1 and not _several_prompts(raw):
+            whole = router.decide(trace.info, tried, view=view)
             if trace.info.prompt_tokens - whole.predicted_cached_tokens >= router.config.prefill_hop_min_tokens:
                 split = await disaggregate(path, raw, trace, stream, headers)
                 if split is not None:
@@ -498,7 +507,7 @@ def create_router_app(router: Router) -> FastAPI:
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
         if stream:  # the request log and metrics need the usage even when the client did not ask for it
             upstream["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
-        first = router.decide(trace.info, tried)
+        first = router.decide(trace.info, tried, view=view)
         refusal = should_shed(first, trace.info.priority, router.shed)
         if refusal is not None:
             router.metrics.shed.labels(priority_label(trace.info.priority)).inc()
@@ -506,7 +515,7 @@ def create_router_app(router: Router) -> FastAPI:
             router.record(trace, "shed", 429, None)
             return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
                                 headers={"Retry-After": str(refusal.retry_after_seconds)})
-        pull = router.plan_pull(first, trace.info)
+        pull = router.plan_pull(first, trace.info, view)
         if pull is not None:  # cheaper to fetch the longer prefix a peer holds than to compute it
             upstream[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
             router.metrics.pulls.inc()
@@ -670,7 +679,6 @@ def create_router_app(router: Router) -> FastAPI:
                 missing = state.held_back_text(router.tokenizer)
                 if missing:
                     yield "data: " + json.dumps(state.text_chunk(missing)) + "\n\n"
-                state.migrations += 1
                 state.strip_role = state.role_sent
             if not state.done:
                 outcome = "error"

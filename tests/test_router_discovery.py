@@ -5,7 +5,6 @@ runs here): a real HTTP server that the official kubernetes client lists and wat
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -23,6 +22,7 @@ from kubernetes.client import (
 )
 
 from kvmesh.engine.protocol import KVConfig
+from kvmesh.processes import free_port
 from kvmesh.router.config import RouterConfig, load_router_config
 from kvmesh.router.discovery import desired_pods, endpoint_url
 from kvmesh.router.index import PrefixIndex
@@ -126,19 +126,12 @@ async def eventually(check: Callable[[], bool], seconds: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on, so the pods' scrapers fail fast and touch nothing."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def running_tasks() -> set[str]:
     return {t.get_name() for t in asyncio.all_tasks() if not t.done()}
 
 
 def test_sync_adds_drains_and_removes_pods_with_their_tasks() -> None:
-    port = closed_port()
+    port = free_port()
     a, b = f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}"
 
     async def main() -> None:
@@ -196,7 +189,7 @@ def test_the_watcher_follows_endpointslices_in_the_emulator(tmp_path: Path) -> N
     """Slices created, marked terminating and deleted in the emulator reach the PodSet: pods join, drain, leave
     (and leave the index). The first list fails (500) and the first watch expires (410 Gone): the watcher backs
     off, lists again and carries on. A slice in another namespace is never seen."""
-    port = closed_port()
+    port = free_port()
     ready, draining = {"ready": True}, {"ready": False, "serving": True, "terminating": True}
     one, two, three = (f"http://127.0.0.{i}:{port}" for i in (2, 3, 4))
 

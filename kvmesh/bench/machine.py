@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
+from typing import Any
 
 
 def cpu_name() -> str:
@@ -15,3 +17,8 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """The machine line of a benchmark's JSON."""
+    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(), **extra}

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import random
 import shutil
 import subprocess
@@ -31,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.bench.machine import cpu_name
+from kvmesh.bench.machine import machine_info
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ROOT,
@@ -815,8 +813,7 @@ def run(args: argparse.Namespace) -> int:
         import tokenizers
 
         path.write_text(json.dumps({
-            "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                        "tokenizers": tokenizers.__version__},
+            "machine": machine_info(tokenizers=tokenizers.__version__),
             "decision": asdict(decisions),
             "proxy": None if proxy is None else asdict(proxy),
             "throughput": None if throughput is None else asdict(throughput),

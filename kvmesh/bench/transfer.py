@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.bench.machine import cpu_name
+from kvmesh.bench.machine import machine_info
 from kvmesh.bench.router import Processes, percentile, resolve_model_dir
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, block_hashes
 from kvmesh.processes import free_port, wait_healthy
@@ -500,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
-            "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "machine": machine_info(),
             **asdict(result),
         }, indent=2))
     return 0
