@@ -105,7 +105,7 @@ class Engine:
             enable_prefix_cache=config.enable_prefix_cache,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.model.device)
+        self.runner = self.make_runner(loaded, num_blocks)
         self.lengths = OutputLengthModel()
         self.state = EngineState(kv=self.kv.stats())
         self.metrics = EngineMetrics(self.model_name, lambda: self.state)
@@ -133,6 +133,11 @@ class Engine:
         self.forecast: Forecast | None = None
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self.handles: dict[str, float] = {}  # handoff handle -> monotonic expiry; blocks held as "handle:<id>"
+
+    def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
+        """The model runner. The engine simulator (kvmesh sim-engine) overrides it with one that sleeps per a
+        latency model, so it serves with the engine's own scheduler, KV manager, metrics and events."""
+        return ModelRunner(loaded.model, num_blocks, self.config.block_size, loaded.dtype, loaded.model.device)
 
     # ---- from any thread ---------------------------------------------------------------------------------
 
