@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.engine.kv.policy import EvictionPolicy, LRUPolicy
+from kvmesh.engine.kv.policy import BlockUse, EvictionPolicy, LRUPolicy
 from kvmesh.engine.protocol import (
     DEFAULT_HASH_ROOT,
     NO_EXTRA,
@@ -133,9 +133,11 @@ class BlockPool:
         self._emit(KVEvent("stored", (block_hash,), tier=self.tier, parent_hash=parent_hash, token_count=token_count))
         return True
 
-    def release(self, blocks: Sequence[Block]) -> None:
-        """Drop one reference from each block, tail first, so a request's deepest blocks are evicted first."""
-        for block in reversed(blocks):
+    def release(self, blocks: Sequence[Block], workload: str = "") -> None:
+        """Drop one reference from each block, tail first, so a request's deepest blocks are evicted first.
+        The policy learns the `workload` class that held them and each block's offset in the table."""
+        for offset in range(len(blocks) - 1, -1, -1):
+            block = blocks[offset]
             if block.ref_count <= 0:
                 raise AssertionError(f"double free of block {block.block_id}")
             block.ref_count -= 1
@@ -143,7 +145,7 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.append(block.block_id)
                 else:
-                    self.policy.add(block.block_id)
+                    self.policy.add(block.block_id, BlockUse(workload, offset))
 
     def clear(self) -> int:
         """Forget every evictable cached block (the pool's "reset prefix cache"); used blocks stay."""
@@ -342,11 +344,12 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.seqs[seq_id].blocks]
 
-    def free(self, seq_id: str) -> None:
-        """Release a request's blocks: registered ones stay cached (evictable), the rest become free."""
+    def free(self, seq_id: str, workload: str = "") -> None:
+        """Release a request's blocks: registered ones stay cached (evictable, filed under the request's
+        `workload` class for the eviction policy), the rest become free."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            self.pool.release(seq.blocks)
+            self.pool.release(seq.blocks, workload)
 
     def check_invariants(self) -> None:
         """Pool invariants plus: reference counts equal the number of tables holding each block."""

@@ -1,20 +1,38 @@
 """Eviction policies: which evictable (cached, unreferenced) block to reuse when the pool needs space.
 
-The block pool owns the blocks; a policy only orders the evictable ones. Another policy (reuse probability
-per workload class, then block offset) plugs in behind the same interface.
+The block pool owns the blocks; a policy only orders the evictable ones. LRU is the default. `ReusePolicy`
+follows "KVCache Cache in the Wild" (Alibaba, 2025): reuse is hard to predict across all requests but
+regular within a workload class, so it learns per class how often and how soon idle blocks come back and
+evicts the block least likely to be reused while it could still stay cached.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class BlockUse:
+    """What the pool knows about a block when it becomes evictable: the workload class of the request that
+    last held it and the block's index in that request's table (0 is the first block of the prompt)."""
+
+    workload: str = ""
+    offset: int = 0
+
+
+NO_USE = BlockUse()
 
 
 class EvictionPolicy(Protocol):
     """Orders evictable blocks. The pool calls `add` when a block becomes evictable and `remove` when it is
     referenced again; `pop_victim` takes the block to evict next."""
 
-    def add(self, block_id: int) -> None: ...
+    def add(self, block_id: int, use: BlockUse = NO_USE) -> None: ...
 
     def remove(self, block_id: int) -> None: ...
 
@@ -32,7 +50,7 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()
 
-    def add(self, block_id: int) -> None:
+    def add(self, block_id: int, use: BlockUse = NO_USE) -> None:
         self._order[block_id] = None
         self._order.move_to_end(block_id)
 
@@ -50,12 +68,138 @@ class LRUPolicy:
         return block_id in self._order
 
 
-POLICIES = {"lru": LRUPolicy}
+class ReuseModel:
+    """How idle blocks of one class come back, from decayed counts (recent behaviour weighs most).
+
+    An idle period ends in a hit (after a gap) or an eviction. The model is a hurdle: with probability `p`
+    the block is reused, after an exponential gap of rate `rate`. Both shrink toward `prior` while the
+    class has few observations, so a new class starts from the pooled behaviour, not from nothing.
+    """
+
+    def __init__(self, memory: float, prior: ReuseModel | None = None, prior_weight: float = 20.0) -> None:
+        self.decay = 1.0 - 1.0 / memory
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.hits = 0.0
+        self.misses = 0.0
+        self.gap_sum = 0.0
+
+    def observe_hit(self, gap: float) -> None:
+        self.hits = self.hits * self.decay + 1.0
+        self.misses *= self.decay
+        self.gap_sum = self.gap_sum * self.decay + max(gap, 0.0)
+
+    def observe_miss(self) -> None:
+        self.hits *= self.decay
+        self.gap_sum *= self.decay
+        self.misses = self.misses * self.decay + 1.0
+
+    def params(self) -> tuple[float, float]:
+        """(p, mean gap in seconds)."""
+        if self.prior is None:
+            p0, gap0 = 0.5, 60.0
+        else:
+            p0, gap0 = self.prior.params()
+        w = self.prior_weight
+        p = (self.hits + w * p0) / (self.hits + self.misses + w)
+        mean_gap = (self.gap_sum + w * gap0) / (self.hits + w)
+        return p, max(mean_gap, 1e-6)
+
+    def reuse_probability(self, idle: float, lifetime: float) -> float:
+        """P(hit within the next `lifetime` seconds | idle for `idle` seconds so far). Falls with `idle`
+        (the longer a block waits, the likelier it belongs to the never-reused part), so within one class
+        the longest idle block is always the least likely: one ordered queue per class suffices."""
+        p, mean_gap = self.params()
+        if p >= 1.0:
+            return 1.0 - math.exp(-lifetime / mean_gap)
+        still = p * math.exp(-idle / mean_gap)  # P(reused, and not yet)
+        return still * -math.expm1(-lifetime / mean_gap) / (still + 1.0 - p)
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    """The policy registered under `name`; ValueError names the known ones."""
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
+@dataclass
+class _Idle:
+    since: float
+    offset: int
+
+
+class ReusePolicy:
+    """Evicts the block least likely to be reused within its expected lifetime in the cache, then the one
+    farthest from the start of its prompt.
+
+    Blocks are queued per workload class in the order they became idle; since the reuse probability falls
+    with idle time within a class, each queue's head is its class's best victim, and an eviction compares
+    only the heads (cost grows with the number of classes, not blocks). The expected lifetime is how long
+    recent victims had been idle: a block idle for less has about that long left before its turn.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, memory: float = 2000.0) -> None:
+        self.clock = clock
+        self.memory = memory
+        self.pooled = ReuseModel(memory)
+        self.models: dict[str, ReuseModel] = {}
+        self.queues: dict[str, OrderedDict[int, _Idle]] = {}
+        self._class_of: dict[int, str] = {}
+        self.lifetime = math.inf  # seconds a block stays idle before eviction (decayed mean over victims)
+
+    def model(self, workload: str) -> ReuseModel:
+        model = self.models.get(workload)
+        if model is None:
+            model = self.models[workload] = ReuseModel(self.memory, prior=self.pooled)
+            self.queues[workload] = OrderedDict()
+        return model
+
+    def add(self, block_id: int, use: BlockUse = NO_USE) -> None:
+        if block_id in self._class_of:
+            raise AssertionError(f"block {block_id} is already evictable")
+        self.model(use.workload)
+        self.queues[use.workload][block_id] = _Idle(self.clock(), use.offset)
+        self._class_of[block_id] = use.workload
+
+    def remove(self, block_id: int) -> None:
+        """A cached block is hit again: a reuse gap for its class."""
+        workload = self._class_of.pop(block_id)
+        idle = self.queues[workload].pop(block_id)
+        gap = self.clock() - idle.since
+        self.models[workload].observe_hit(gap)
+        self.pooled.observe_hit(gap)
+
+    def pop_victim(self) -> int:
+        now = self.clock()
+        best: tuple[float, int, str] | None = None
+        for workload, queue in self.queues.items():
+            if not queue:
+                continue
+            idle = next(iter(queue.values()))
+            score = self.models[workload].reuse_probability(now - idle.since, self.lifetime)
+            key = (score, -idle.offset, workload)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            raise KeyError("no evictable block")
+        workload = best[2]
+        block_id, idle = self.queues[workload].popitem(last=False)
+        del self._class_of[block_id]
+        self.models[workload].observe_miss()
+        self.pooled.observe_miss()
+        age = now - idle.since
+        self.lifetime = age if math.isinf(self.lifetime) else 0.99 * self.lifetime + 0.01 * age
+        return block_id
+
+    def __len__(self) -> int:
+        return len(self._class_of)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._class_of
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "reuse": ReusePolicy}
+
+
+def make_policy(name: str, clock: Callable[[], float] | None = None) -> EvictionPolicy:
+    """The policy registered under `name` (a policy that reads time uses `clock`, default time.monotonic);
+    ValueError names the known ones."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}")
+    if name == "reuse":
+        return ReusePolicy(clock or time.monotonic)
+    return POLICIES[name]()
