@@ -192,6 +192,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_engine_bench(args)
 
 
+def _sim_engine(args: argparse.Namespace) -> int:
+    from kvmesh.bench.sim_engine import run as run_sim_engine
+
+    return run_sim_engine(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-aware LLM serving")
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
@@ -201,8 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _up_parser(sub)
     _chat_parser(sub)
     _bench_parser(sub)
+    from kvmesh.bench.sim_engine import add_parser as add_sim_engine
+
+    add_sim_engine(sub)
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "router": _router, "up": _up, "chat": _chat, "bench": _bench}
+    handlers = {"serve": _serve, "router": _router, "up": _up, "chat": _chat, "bench": _bench,
+                "sim-engine": _sim_engine}
     return handlers[args.command](args)
 
 
