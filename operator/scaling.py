@@ -1,0 +1,273 @@
+"""How many pods each role needs: a pure function of what the pool looks like now and its scaling policy.
+
+PreServe's rule (ICSE '26): scale on the KV usage *predicted* over a horizon at least as long as a pod takes to
+start, so that new capacity is ready before the cache runs out rather than after. Each engine forecasts its own
+requests (DESIGN.md contract 3); only the operator sees the whole pool's arrivals, so it adds them here:
+
+    demand(q) = sum over pods of usage_q x blocks  +  arrivals over the window (Poisson, at level q) x blocks/request
+
+A role scales up when P(demand > 95 % of its capacity) reaches the policy's threshold (10 % by default), to the
+pod count that brings the demand at that level down to the target utilization. It scales down only when the
+same demand fits under the target with fewer pods, and only after every recommendation in the stabilization
+window agreed (Kubernetes' HPA rule: the highest recommendation in the window wins). In a disaggregated pool the
+prefill:decode split follows by rate matching: prefill pods for arrivals x uncached prompt tokens over the
+measured prefill throughput, decode pods for KV capacity and generated tokens per second.
+
+No I/O and no clock: the caller (the kopf timer, `kvmesh up`, the cluster simulator) passes the time and the
+recent recommendations, and keeps the ones `decide` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+from kvmesh.engine.protocol import FORECAST_LEVELS, OVERLOAD_USAGE
+
+SCALED_ROLES: tuple[str, ...] = ("prefill", "decode", "both")  # the router's replicas are fixed in the spec
+KV_ROLES: tuple[str, ...] = ("decode", "both")  # roles whose pods hold the pool's KV for a request's whole life
+LEVEL_Q: dict[str, float] = {level: float(level[1:]) / 100 for level in FORECAST_LEVELS}  # "p90" -> 0.9
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """One engine pod as its /metrics showed it (contract 3). Usage values are fractions of its device blocks."""
+
+    name: str
+    role: str  # prefill, decode or both
+    num_blocks: int  # device KV blocks
+    usage: float = 0.0  # vllm:kv_cache_usage_perc now
+    forecast: Mapping[str, float] = field(default_factory=dict)  # level (p50, p90, p99) -> usage at the horizon
+    overload_probability: float = 0.0  # P(usage passes 95 % within the horizon), from its own requests
+    running: int = 0
+    waiting: int = 0
+    prefill_tokens_per_second: float = 0.0  # measured; 0: not yet
+    decode_step_seconds: float = 0.0  # measured; 0: not yet
+
+    def quantile(self, q: float) -> float:
+        """The pod's usage at the horizon at probability level q, interpolated through (0, now) and its forecast
+        levels; beyond the last level, the last segment's slope continues."""
+        points = [(0.0, self.usage), *sorted((LEVEL_Q[k], v) for k, v in self.forecast.items() if k in LEVEL_Q)]
+        if len(points) == 1:
+            return self.usage
+        return _interpolate(points, q)
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """What the pool looks like at time `now` (seconds on any clock the caller keeps)."""
+
+    now: float
+    pods: Sequence[PodObservation]  # the role pods that answered; starting pods are counted in `replicas`
+    replicas: Mapping[str, int]  # current desired replicas per role (including pods still starting)
+    arrival_rate: float = 0.0  # requests per second into the pool (router metrics or the request log)
+    arrival_rate_slope: float = 0.0  # its trend, requests per second per second (a ramp seen in the log)
+    blocks_per_request: float = 0.0  # device blocks a request holds at its peak (prompt + output), mean
+    request_seconds: float = 0.0  # how long a request holds its blocks, mean; 0: unknown (then: the horizon)
+    uncached_prompt_tokens: float = 0.0  # prompt tokens a request computes (prompt minus cached), mean
+    output_tokens: float = 0.0  # generated tokens per request, mean
+    prefill_tokens_per_second: float = 0.0  # one pod's measured prefill speed; 0: take the pods' own
+    decode_tokens_per_second: float = 0.0  # one pod's sustainable generation rate at full batch; 0: unknown
+
+    def role_pods(self, role: str) -> list[PodObservation]:
+        return [p for p in self.pods if p.role == role]
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """The pool's `spec.scaling` and `spec.replicas`, as numbers (operator/crd.py parses the spec into this)."""
+
+    min_replicas: Mapping[str, int]
+    max_replicas: Mapping[str, int]
+    target_utilization: float = 0.8  # the KV (and compute) utilization a role is sized for
+    horizon_seconds: float = 60.0  # at least the pod start-up delay
+    overload_threshold: float = 0.10  # scale up when P(usage > 95 % within the horizon) reaches this
+    scale_up_stabilization_seconds: float = 0.0
+    scale_down_stabilization_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_utilization <= OVERLOAD_USAGE:
+            raise ValueError(f"target_utilization must be in (0, {OVERLOAD_USAGE}], got {self.target_utilization}")
+        if not 0 < self.overload_threshold < 1:
+            raise ValueError(f"overload_threshold must be in (0, 1), got {self.overload_threshold}")
+        if self.horizon_seconds <= 0:
+            raise ValueError("horizon_seconds must be positive")
+        for role, low in self.min_replicas.items():
+            if not 0 <= low <= self.max_replicas.get(role, low):
+                raise ValueError(f"{role}: need 0 <= min <= max replicas, got {low}..{self.max_replicas.get(role)}")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(r for r in SCALED_ROLES if r in self.max_replicas)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One role's unstabilized pod count at one time: what `decide` keeps for the stabilization windows."""
+
+    at: float
+    role: str
+    replicas: int
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    replicas: int  # what to set (bounded, stabilized)
+    recommended: int  # what this observation alone asks for
+    reason: str  # one of REASONS
+    predicted_usage: float  # demand at the policy's level over the role's current capacity (may exceed 1)
+    overload_probability: float  # P(usage > 95 %) within the horizon at the current size
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    roles: dict[str, RoleDecision]
+    history: tuple[Recommendation, ...]  # pass back to the next `decide` (oldest first)
+
+    @property
+    def replicas(self) -> dict[str, int]:
+        return {role: d.replicas for role, d in self.roles.items()}
+
+    def changed(self, current: Mapping[str, int]) -> dict[str, int]:
+        """The roles whose replicas differ from `current`."""
+        return {role: n for role, n in self.replicas.items() if current.get(role) != n}
+
+
+REASONS: tuple[str, ...] = (
+    "ScaleUpPredictedOverload",  # P(usage > 95 % within the horizon) reached the threshold
+    "ScaleUpPrefillRate",  # arrivals' prefill work exceeds what the role computes at target utilization
+    "ScaleUpDecodeRate",  # generated tokens per second exceed what the role sustains at target utilization
+    "ScaleDownUnderTarget",  # the predicted peak fits under the target with fewer pods, for the whole window
+    "HoldStabilizing",  # fewer pods would do, but not yet for the whole stabilization window
+    "HoldWithinTarget",  # no change needed
+    "HoldNoMetrics",  # no pod of the role answered: keep what there is
+    "BoundedByMin",
+    "BoundedByMax",
+)
+
+
+def _interpolate(points: list[tuple[float, float]], q: float) -> float:
+    """Piecewise-linear through (level, value) points sorted by level, extended by the last segment past them."""
+    pairs = list(itertools.pairwise(points))
+    for i, ((q0, v0), (q1, v1)) in enumerate(pairs):
+        if q <= q1 or i == len(pairs) - 1:
+            return v0 if q1 == q0 else v0 + (v1 - v0) * (q - q0) / (q1 - q0)
+    return points[-1][1]
+
+
+def arrival_blocks(obs: PoolObservation, window_seconds: float, q: float) -> float:
+    """Blocks that new requests hold at the end of the window, at probability level q: the requests that arrive
+    in its last min(window, request duration) seconds (Little's law), at the rate the trend projects for then,
+    with a Poisson count's normal spread."""
+    if obs.blocks_per_request <= 0:
+        return 0.0
+    holding = window_seconds if obs.request_seconds <= 0 else min(window_seconds, obs.request_seconds)
+    mean = max(0.0, holding * (obs.arrival_rate + obs.arrival_rate_slope * (window_seconds - holding / 2)))
+    if mean == 0:
+        return 0.0
+    z = NormalDist().inv_cdf(min(max(q, 1e-6), 1 - 1e-6))
+    return max(0.0, mean + z * math.sqrt(mean)) * obs.blocks_per_request
+
+
+def role_demand(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, q: float, role: str) -> float:
+    """Blocks the role's requests hold at the horizon at level q: the pods' forecasts (summing the same level of
+    each is the comonotone bound, which errs toward scaling) plus, for the KV roles, the pool's arrivals."""
+    own = sum(p.quantile(q) * p.num_blocks for p in pods)
+    return own + (arrival_blocks(obs, horizon, q) if role in KV_ROLES else 0.0)
+
+
+def overload_probability(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, capacity: float,
+                         role: str) -> float:
+    """P(demand passes 95 % of `capacity`): the level q at which the demand curve crosses it (bisection; the
+    curve rises with q), and no less than the pods' own probabilities weighted by their blocks."""
+    own = sum(p.overload_probability * p.num_blocks for p in pods) / max(1, sum(p.num_blocks for p in pods))
+    limit = OVERLOAD_USAGE * capacity
+    if role_demand(pods, obs, horizon, 1 - 1e-4, role) <= limit:
+        return own
+    if role_demand(pods, obs, horizon, 1e-4, role) > limit:
+        return 1.0
+    lo, hi = 1e-4, 1 - 1e-4
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if role_demand(pods, obs, horizon, mid, role) <= limit else (lo, mid)
+    return max(own, 1 - lo)
+
+
+def _rate_replicas(role: str, pods: Sequence[PodObservation], obs: PoolObservation, target: float) -> int:
+    """Pods needed for the arrivals' compute at target utilization (rate matching); 0 when not measurable."""
+    measured = [p.prefill_tokens_per_second for p in pods if p.prefill_tokens_per_second > 0]
+    prefill_tps = obs.prefill_tokens_per_second or (sum(measured) / len(measured) if measured else 0.0)
+    prefill_load = obs.arrival_rate * obs.uncached_prompt_tokens / prefill_tps if prefill_tps > 0 else 0.0
+    decode_tps = obs.decode_tokens_per_second
+    decode_load = obs.arrival_rate * obs.output_tokens / decode_tps if decode_tps > 0 else 0.0
+    load = {"prefill": prefill_load, "decode": decode_load, "both": prefill_load + decode_load}[role]
+    return math.ceil(load / target - 1e-9) if load > 0 else 0
+
+
+def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
+                history: Sequence[Recommendation]) -> tuple[RoleDecision, Recommendation]:
+    """One role's decision; see the module's docstring."""
+    current = max(0, obs.replicas.get(role, policy.min_replicas.get(role, 0)))
+    low, high = policy.min_replicas.get(role, 0), policy.max_replicas.get(role, current)
+    pods = obs.role_pods(role)
+    q = 1 - policy.overload_threshold
+    if not pods or not any(p.num_blocks for p in pods):
+        recommended, reason, predicted, p_over = current, "HoldNoMetrics", 0.0, 0.0
+    else:
+        per_pod = sum(p.num_blocks for p in pods) / len(pods)
+        demand = role_demand(pods, obs, policy.horizon_seconds, q, role)
+        capacity = max(current, 1) * per_pod
+        predicted = demand / capacity
+        p_over = overload_probability(pods, obs, policy.horizon_seconds, capacity, role) if current else 1.0
+        for_target = math.ceil(demand / (policy.target_utilization * per_pod) - 1e-9)
+        for_rate = _rate_replicas(role, pods, obs, policy.target_utilization)
+        if p_over >= policy.overload_threshold:
+            recommended, reason = max(for_target, for_rate, current + 1), "ScaleUpPredictedOverload"
+        elif for_rate > current:
+            recommended = for_rate
+            reason = "ScaleUpPrefillRate" if role == "prefill" or obs.decode_tokens_per_second <= 0 else (
+                "ScaleUpDecodeRate")
+        elif max(for_target, for_rate) < current:
+            recommended, reason = max(for_target, for_rate, 1), "ScaleDownUnderTarget"
+        else:
+            recommended, reason = current, "HoldWithinTarget"
+    now = Recommendation(obs.now, role, recommended)
+
+    def window(seconds: float) -> list[int]:
+        return [r.replicas for r in history if r.role == role and r.at >= obs.now - seconds]
+
+    replicas = recommended
+    if recommended < current:  # the highest recommendation in the scale-down window wins
+        seen_since = min((r.at for r in history if r.role == role), default=obs.now)
+        if seen_since > obs.now - policy.scale_down_stabilization_seconds:
+            replicas = current  # the window is not yet covered (a new pool, a restarted operator): wait
+        else:
+            replicas = min(current, max([recommended, *window(policy.scale_down_stabilization_seconds)]))
+        if replicas > recommended:
+            reason = "HoldStabilizing"
+    elif recommended > current and policy.scale_up_stabilization_seconds > 0:  # and the lowest in the up window
+        replicas = max(current, min([recommended, *window(policy.scale_up_stabilization_seconds)]))
+    if replicas < low:
+        replicas, reason = low, ("BoundedByMin" if recommended < low else reason)
+    elif replicas > high:
+        replicas, reason = high, "BoundedByMax"
+    return RoleDecision(replicas, recommended, reason, predicted, p_over), now
+
+
+def decide(obs: PoolObservation, policy: ScalingPolicy, history: Sequence[Recommendation] = ()) -> Decision:
+    """The replicas of every scaled role, and the recommendations to keep for the next call (those inside the
+    stabilization windows, and the newest one before them). A role scales down only once the recommendations
+    cover its whole window, so a new pool or a restarted operator (empty history) waits a window first."""
+    roles: dict[str, RoleDecision] = {}
+    start = obs.now - max(policy.scale_down_stabilization_seconds, policy.scale_up_stabilization_seconds)
+    new_history: list[Recommendation] = []
+    for role in policy.roles:
+        roles[role], recommendation = decide_role(role, obs, policy, history)
+        mine = [r for r in history if r.role == role]
+        before = [r for r in mine if r.at < start][-1:]  # the newest one before the window: proof it is covered
+        new_history += [*before, *(r for r in mine if r.at >= start), recommendation]
+    return Decision(obs.now, roles, tuple(new_history))

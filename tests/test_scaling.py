@@ -1,0 +1,225 @@
+"""Scaling by predicted KV utilization (operator/scaling.py): the pure decision on synthetic pool states, and a
+scripted arrival ramp on a simulated clock, in which replicas must rise early enough that the new pods are
+ready before any pod's usage reaches 95 %."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvmesh.operator.scaling import (
+    PodObservation,
+    PoolObservation,
+    Recommendation,
+    ScalingPolicy,
+    arrival_blocks,
+    decide,
+)
+
+POLICY = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 8}, horizon_seconds=60,
+                       scale_down_stabilization_seconds=300)
+
+
+def pod(name: str, usage: float, p50: float, p90: float, p99: float, overload: float = 0.0, role: str = "both",
+        blocks: int = 1000, **extra: float) -> PodObservation:
+    return PodObservation(name, role, blocks, usage=usage, forecast={"p50": p50, "p90": p90, "p99": p99},
+                          overload_probability=overload, **extra)
+
+
+def quiet(n: int, role: str = "both") -> list[PodObservation]:
+    return [pod(f"{role}-{i}", 0.2, 0.2, 0.25, 0.3, role=role) for i in range(n)]
+
+
+def test_quantiles_interpolate_between_the_forecast_levels_and_extend_past_p99() -> None:
+    p = pod("a", usage=0.1, p50=0.3, p90=0.5, p99=0.68)
+    assert p.quantile(0.5) == pytest.approx(0.3)
+    assert p.quantile(0.7) == pytest.approx(0.4)
+    assert p.quantile(0.25) == pytest.approx(0.2)  # between "now" (level 0) and p50
+    assert p.quantile(0.995) == pytest.approx(0.69)  # the p90..p99 slope continues
+    assert PodObservation("b", "both", 100, usage=0.4).quantile(0.9) == 0.4  # no forecast yet: usage now
+
+
+def test_a_quiet_pool_holds_and_a_predicted_overload_scales_up_before_usage_is_high() -> None:
+    calm = decide(PoolObservation(0, quiet(1), {"both": 1}), POLICY)
+    assert calm.replicas == {"both": 1} and calm.roles["both"].reason == "HoldWithinTarget"
+    # Usage is only 50 % now, but both pods forecast a climb past 95 % with 20 % probability.
+    rising = [pod(f"p{i}", 0.5, 0.7, 0.97, 1.1, overload=0.2) for i in range(2)]
+    up = decide(PoolObservation(0, rising, {"both": 2}), POLICY)
+    assert up.roles["both"].reason == "ScaleUpPredictedOverload"
+    assert up.roles["both"].overload_probability >= 0.1
+    # Sized so the p90 demand (2 x 970 blocks) fits at the 80 % target: ceil(1940 / 800) = 3.
+    assert up.replicas == {"both": 3}
+
+
+def test_the_threshold_is_the_policy_s() -> None:
+    rising = [pod("a", 0.5, 0.7, 0.9, 0.97, overload=0.05)]  # crosses 95 % somewhere between p90 and p99
+    lenient = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 4}, overload_threshold=0.02)
+    assert decide(PoolObservation(0, rising, {"both": 1}), POLICY).roles["both"].reason == "HoldWithinTarget"
+    assert decide(PoolObservation(0, rising, {"both": 1}), lenient).roles["both"].reason == "ScaleUpPredictedOverload"
+
+
+def test_the_pool_s_arrivals_are_added_to_what_the_pods_forecast() -> None:
+    """The pods see only their own requests (30 % usage); the operator knows 2 requests/s of 40 blocks each,
+    lasting 20 s, are coming: about 1,600 more blocks at the horizon, so 2 pods of 1,000 blocks are not enough."""
+    pods = quiet(2)
+    alone = decide(PoolObservation(0, pods, {"both": 2}), POLICY)
+    busy = PoolObservation(0, pods, {"both": 2}, arrival_rate=2.0, blocks_per_request=40, request_seconds=20)
+    assert arrival_blocks(busy, 60, 0.5) == pytest.approx(2.0 * 20 * 40)
+    assert arrival_blocks(busy, 60, 0.9) > arrival_blocks(busy, 60, 0.5)  # Poisson spread at higher levels
+    with_arrivals = decide(busy, POLICY)
+    assert alone.replicas == {"both": 2}
+    assert with_arrivals.roles["both"].reason == "ScaleUpPredictedOverload" and with_arrivals.replicas["both"] >= 3
+    # A rising trend projects more arrivals at the horizon than the current rate.
+    ramp = PoolObservation(0, pods, {"both": 2}, arrival_rate=2.0, arrival_rate_slope=0.05, blocks_per_request=40,
+                           request_seconds=20)
+    assert arrival_blocks(ramp, 60, 0.5) == pytest.approx(20 * (2.0 + 0.05 * 50) * 40)
+
+
+def test_scale_down_waits_for_the_whole_stabilization_window() -> None:
+    history: tuple[Recommendation, ...] = ()
+    busy = [pod(f"p{i}", 0.7, 0.75, 0.78, 0.8) for i in range(4)]
+    history = decide(PoolObservation(0, busy, {"both": 4}), POLICY, history).history
+    idle = quiet(4)
+    for t in (60, 200, 299):
+        d = decide(PoolObservation(t, idle, {"both": 4}), POLICY, history)
+        history = d.history
+        assert d.replicas == {"both": 4} and d.roles["both"].reason == "HoldStabilizing"
+        assert d.roles["both"].recommended == 2  # 4 x 250 blocks at p90 over an 800-block target: 2 pods
+    later = decide(PoolObservation(301, idle, {"both": 4}), POLICY, history)
+    assert later.replicas == {"both": 2} and later.roles["both"].reason == "ScaleDownUnderTarget"
+    # A fresh history (a restarted operator) waits a whole window before scaling down.
+    assert decide(PoolObservation(400, idle, {"both": 4}), POLICY).roles["both"].reason == "HoldStabilizing"
+
+
+def test_scale_up_is_immediate_but_bounded_and_min_holds() -> None:
+    hot = [pod(f"p{i}", 0.9, 1.5, 2.0, 2.4, overload=0.9) for i in range(4)]
+    d = decide(PoolObservation(0, hot, {"both": 4}), POLICY)
+    assert d.replicas == {"both": 8} and d.roles["both"].reason == "BoundedByMax" and d.roles["both"].recommended > 8
+    floor = ScalingPolicy(min_replicas={"both": 3}, max_replicas={"both": 8}, scale_down_stabilization_seconds=0)
+    d = decide(PoolObservation(0, quiet(3), {"both": 3}), floor, (Recommendation(-1, "both", 3),))
+    assert d.replicas == {"both": 3} and d.roles["both"].reason == "BoundedByMin"
+    none = decide(PoolObservation(0, [], {"both": 2}), POLICY)
+    assert none.replicas == {"both": 2} and none.roles["both"].reason == "HoldNoMetrics"
+
+
+def test_prefill_and_decode_are_sized_by_rate_matching() -> None:
+    """4 requests/s of 2,000 uncached prompt tokens on prefill pods that compute 5,000 tokens/s: 8,000 tokens/s
+    needs 1.6 pods, 2 at the 80 % target... at least 2; generation of 4 x 250 tokens/s on decode pods that
+    sustain 400 tokens/s each: 2.5 busy pods, 4 at 80 %."""
+    policy = ScalingPolicy(min_replicas={"prefill": 1, "decode": 1}, max_replicas={"prefill": 10, "decode": 10})
+    pods = [*quiet(1, "prefill"), *quiet(2, "decode")]
+    obs = PoolObservation(0, pods, {"prefill": 1, "decode": 2}, arrival_rate=4.0, uncached_prompt_tokens=2000,
+                          output_tokens=250, prefill_tokens_per_second=5000, decode_tokens_per_second=400)
+    d = decide(obs, policy)
+    assert d.replicas == {"prefill": math.ceil(8000 / 5000 / 0.8), "decode": math.ceil(1000 / 400 / 0.8)}
+    assert d.roles["prefill"].reason == "ScaleUpPrefillRate" and d.roles["decode"].reason == "ScaleUpDecodeRate"
+    # Without a pool-level figure the pods' own measured prefill speed is used.
+    measured = [pod("pf", 0.2, 0.2, 0.2, 0.2, role="prefill", prefill_tokens_per_second=2500), *quiet(2, "decode")]
+    obs = PoolObservation(0, measured, {"prefill": 1, "decode": 2}, arrival_rate=4.0, uncached_prompt_tokens=2000)
+    assert decide(obs, policy).replicas["prefill"] == math.ceil(8000 / 2500 / 0.8)
+
+
+def test_a_policy_with_bounds_the_wrong_way_round_is_refused() -> None:
+    with pytest.raises(ValueError, match="min <= max"):
+        ScalingPolicy(min_replicas={"both": 5}, max_replicas={"both": 2})
+    with pytest.raises(ValueError, match="overload_threshold"):
+        ScalingPolicy(min_replicas={}, max_replicas={}, overload_threshold=1.5)
+
+
+# ---- a scripted ramp on a simulated clock ------------------------------------------------------------------------
+
+
+@dataclass
+class SimPod:
+    """A pod of the ramp simulation: `ready_at` is when it starts taking requests, `held` its requests' (end time,
+    blocks)."""
+
+    name: str
+    ready_at: float
+    capacity: int
+    held: list[tuple[float, int]] = field(default_factory=list)
+
+    def usage(self, now: float) -> float:
+        return sum(b for end, b in self.held if end > now) / self.capacity
+
+    def observe(self, now: float, horizon: float) -> PodObservation:
+        """The engine's forecast, exact here: its requests' durations are known."""
+        at_horizon = sum(b for end, b in self.held if end > now + horizon) / self.capacity
+        usage = self.usage(now)
+        return PodObservation(self.name, "both", self.capacity, usage=usage,
+                              forecast={"p50": at_horizon, "p90": at_horizon, "p99": at_horizon},
+                              overload_probability=1.0 if usage >= 0.95 else 0.0)
+
+
+def run_ramp(policy: ScalingPolicy | None, startup: float, seconds: int = 900) -> dict[str, object]:
+    """Poisson arrivals ramping from 0.2 to 5 requests/s over `seconds`, each holding 40 blocks for 20 s, routed
+    to the least-used ready pod of 1,000 blocks; the scaler (if any) looks every 10 s at the rate measured over
+    the last minute and its trend. New pods take `startup` seconds to become ready."""
+    rng = random.Random(7)
+    pods = [SimPod("pod-0", 0.0, 1000)]
+    history: tuple[Recommendation, ...] = ()
+    arrivals: list[float] = []
+    first_scale_up: float | None = None
+    first_95: float | None = None
+    peak = 0.0
+    for t in range(seconds):
+        rate = 0.2 + 4.8 * t / seconds
+        for _ in range(_poisson(rng, rate)):
+            ready = [p for p in pods if p.ready_at <= t]
+            target = min(ready, key=lambda p: p.usage(t))
+            target.held.append((t + 20.0, 40))
+            arrivals.append(float(t))
+        for p in pods:
+            if p.ready_at <= t:
+                u = p.usage(t)
+                peak = max(peak, u)
+                if u >= 0.95 and first_95 is None:
+                    first_95 = float(t)
+        if policy is None or t % 10:
+            continue
+        recent = [a for a in arrivals if a > t - 60]
+        older = [a for a in recent if a <= t - 30]
+        rate_now, rate_before = (len(recent) - len(older)) / 30, len(older) / 30
+        obs = PoolObservation(
+            now=float(t), pods=[p.observe(t, policy.horizon_seconds) for p in pods if p.ready_at <= t],
+            replicas={"both": len(pods)}, arrival_rate=rate_now, arrival_rate_slope=(rate_now - rate_before) / 30,
+            blocks_per_request=40, request_seconds=20)
+        decision = decide(obs, policy, history)
+        history = decision.history
+        want = decision.replicas["both"]
+        if want > len(pods) and first_scale_up is None:
+            first_scale_up = float(t)
+        while len(pods) < want:
+            pods.append(SimPod(f"pod-{len(pods)}", t + startup, 1000))
+    return {"first_scale_up": first_scale_up, "first_95": first_95, "peak": peak, "pods": len(pods)}
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    count, threshold, product = 0, math.exp(-mean), rng.random()
+    while product > threshold:
+        count += 1
+        product *= rng.random()
+    return count
+
+
+def test_a_ramp_scales_up_a_start_up_delay_before_the_cache_would_fill() -> None:
+    startup = 60.0
+    policy = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 16}, horizon_seconds=90)
+    static = run_ramp(None, startup)
+    scaled = run_ramp(policy, startup)
+    assert static["first_95"] is not None  # without scaling, the one pod fills up
+    assert scaled["first_scale_up"] is not None
+    lead = static["first_95"] - scaled["first_scale_up"]  # type: ignore[operator]
+    assert lead >= startup, f"scaled up only {lead:.0f} s before the cache filled; pods take {startup:.0f} s"
+    assert scaled["first_95"] is None, f"a pod reached 95 % (peak {scaled['peak']:.2f}) despite scaling"
+    assert scaled["pods"] >= 4  # the end of the ramp needs 5 req/s x 20 s x 40 blocks = 4,000 blocks
+
+
+def test_a_horizon_shorter_than_the_start_up_delay_reacts_too_late() -> None:
+    """The same ramp with a 5 s horizon: the scale-up comes, but the new pods are not ready in time."""
+    short = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 16}, horizon_seconds=5)
+    late = run_ramp(short, startup=60.0)
+    assert late["first_95"] is not None
