@@ -279,20 +279,20 @@ class Router:
             except ValueError as exc:
                 raise RouteError(400, f"messages: {exc}") from None
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            return list(prompt[0])  # several prompts: route by the first
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        return list(prompt)  # type: ignore[arg-type]
+        # Token ids from the client (several prompts: route by the first): the only ids that need checking.
+        ids = list(prompt[0]) if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else list(prompt)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RouteError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1})")
+        return ids
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens)."""
         ids = self._token_ids(body)
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise RouteError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1})")
         c = self.config
         hashes = block_hashes(ids[: c.max_hashed_tokens], c.block_size, BlockExtra(cache_salt=body.cache_salt),
                               HashAlgo(c.hash_algo), c.hash_root)

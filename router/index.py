@@ -189,6 +189,8 @@ class PrefixIndex:
                     if extra != last and not walk.step(tiers, extra, pos + offset):
                         return pos + offset
                     last = extra
+                    if not walk.alive & ~tiers[-1]:  # only holders left: the rest of the run changes nothing
+                        break
             elif not walk.step(tiers, 0, pos):
                 return pos
             pos += length

@@ -165,12 +165,16 @@ def prefix_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
     """The share of the request's blocks a pod holds as a consecutive prefix, each block weighted by the tier it
     would be served from (a device hit is worth more than one that must come back from disk)."""
     total = len(ctx.request.block_hashes)
+    if not total:
+        return dict.fromkeys((p.name for p in pods), 0.0)
     weights = ctx.config.tier_weights
-    scores = {}
-    for p in pods:
-        match = ctx.matches.get(p.name)
-        held = sum(weights.get(tier, 0.0) * n for tier, n in match.by_tier.items()) if match else 0.0
-        scores[p.name] = min(1.0, held / total) if total else 0.0
+    matches = ctx.matches
+    scores = dict.fromkeys((p.name for p in pods), 0.0)
+    for name in scores.keys() & matches.keys():
+        held = 0.0
+        for tier, n in matches[name].by_tier.items():
+            held += weights.get(tier, 0.0) * n
+        scores[name] = min(1.0, held / total)
     return scores
 
 
@@ -188,8 +192,9 @@ def kv_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
 
 def load_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
     """Fewer outstanding requests is better, relative to the least loaded candidate (which scores 1)."""
-    least = min(p.load for p in pods)
-    return {p.name: (least + 1) / (p.load + 1) for p in pods}
+    loads = {p.name: p.load for p in pods}
+    least = min(loads.values())
+    return {name: (least + 1) / (load + 1) for name, load in loads.items()}
 
 
 def ttft_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
@@ -217,11 +222,12 @@ def overloaded_holders(pods: list[PodState], config: PickerConfig) -> set[str]:
     the others, not of all: with two pods, the mean of all could never be exceeded by a factor of two.)"""
     if len(pods) < 2:
         return set()
-    total = sum(p.load for p in pods)
+    loads = {p.name: p.load for p in pods}
+    total = sum(loads.values())
+    others = len(pods) - 1
     return {
-        p.name
-        for p in pods
-        if p.load > config.balance_factor * (total - p.load) / (len(pods) - 1) + config.balance_slack
+        name for name, load in loads.items()
+        if load > config.balance_factor * (total - load) / others + config.balance_slack
     }
 
 

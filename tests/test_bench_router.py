@@ -21,7 +21,8 @@ from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.protocol import block_hashes
 
-PARTS = ("tokenize", "hash", "match", "pick", "match_pick", "total", "hash_sha256_cbor", "tokenize_chat")
+PARTS = ("tokenize", "hash", "match", "pick", "match_pick", "total", "hash_sha256_cbor", "tokenize_chat",
+         "tokenize_cold")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvmesh.engine.model.token_cache import DEFAULT_CAPACITY_TOKENS, TokenCache
+
 _REPLACEMENT_CHAR = "\ufffd"
 # Tokens an incremental detokenizer decodes again with each step: enough for a word boundary or a split character.
 _CONTEXT_TOKENS = 5
@@ -119,6 +121,7 @@ class Tokenizer:
         chat_template: str | None,
         special_tokens: dict[str, str | None],
         extra_eos_ids: Sequence[int],
+        token_cache_tokens: int = DEFAULT_CAPACITY_TOKENS,
     ) -> None:
         self._tokenizer = HFTokenizer.from_str(tokenizer_json)
         self._tokenizer_json = tokenizer_json
@@ -129,6 +132,26 @@ class Tokenizer:
         self.bos_token_id: int | None = self._tokenizer.token_to_id(bos) if bos else None
         eos_id = self._tokenizer.token_to_id(eos) if eos else None
         self.eos_token_ids: frozenset[int] = frozenset([*extra_eos_ids, *([] if eos_id is None else [eos_id])])
+        self._cache, self._added_prefix = self._piecewise(token_cache_tokens)
+
+    def _piecewise(self, capacity_tokens: int) -> tuple[TokenCache | None, list[int] | None]:
+        """A token cache when piecewise encoding is exact for this tokenizer (see token_cache.py), and the ids
+        encode() adds in front with add_special_tokens (None when it adds anything after the text: then such
+        encodes go whole)."""
+        added = self._tokenizer.get_added_tokens_decoder().values()
+        if capacity_tokens <= 0 or any(t.lstrip or t.rstrip or any(c.isspace() for c in t.content) for t in added):
+            return None, None
+        if not TokenCache.exact(self.encode_batch, [t.content for t in added]):
+            return None, None
+        prefix = None
+        bare, full = self.encode_batch(["a b"])[0], self._tokenizer.encode("a b").ids
+        if full[len(full) - len(bare) :] == bare:
+            prefix = full[: len(full) - len(bare)]
+        return TokenCache(capacity_tokens), prefix
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, without special tokens added (the pieces of a text are encoded this way)."""
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -146,7 +169,16 @@ class Tokenizer:
         return cls(path.read_text(), _chat_template(model_dir, config), specials, eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; long texts go piecewise through the token cache when that is exact."""
+        if self._cache is None or (add_special_tokens and self._added_prefix is None):
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._cache.encode(text, self.encode_batch)
+        return [*self._added_prefix, *ids] if add_special_tokens and self._added_prefix else ids
+
+    @property
+    def token_cache(self) -> TokenCache | None:
+        """The piece cache (None when this tokenizer must encode whole), for metrics and tests."""
+        return self._cache
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,122 @@
+"""Tokenize long texts in pieces, remembering the pieces: a conversation's earlier turns are tokenized once.
+
+A byte-level BPE tokenizer (GPT-2, Llama 3, Qwen2, SmolLM) first splits text into words with a regex, then merges
+bytes inside each word; so text cut where the regex itself would cut tokenizes to the concatenation of its
+pieces' tokens. Two such cuts are safe for all those regexes: before a space that follows a non-space and
+precedes a letter (" The" always starts a word; a word never ends in a space), and after a lone newline between
+two non-spaces (a run of whitespace would merge differently at the end of a piece than inside the text). Cuts
+are chosen from the start of the text, each at the first safe place at least `piece_chars` after the last, so a
+text that extends an earlier one (the next turn of a chat) cuts into the same pieces up to its old end, and
+those come from the cache. Missing pieces are encoded together in one `encode_batch`, which the tokenizers
+library spreads over the cores.
+
+`TokenCache.exact` checks the rule on a probe text at start: a tokenizer it does not hold for (a normalizer, a
+SentencePiece-style prefix marker) gets whole-text encoding, never a different answer.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+_SAFE_CUT = re.compile(r"(?<=\S)(?= [^\W\d_])|(?<=\S\n)(?=\S)")
+DEFAULT_PIECE_CHARS = 2048  # about 500 tokens: small enough that a new turn re-tokenizes little
+DEFAULT_CAPACITY_TOKENS = 1 << 20  # about 40 MB of cached ids at most
+_PROBE = (
+    "Hello world! It's 2024-05-17, and the price is $1,234.56.\n\nSection 2:\tdata\n  indented line\n"
+    "def f(x):\n    return x ** 2  # comment\n\n\n"
+    "Ünïcödé wörds, 日本語のテキスト, emoji 🙂 and symbols §±×÷ — dashes… quotes \"'`'\" end.\n"
+    "Contractions: don't, I'm, we'll, they've, she'd, it's; URLs https://example.com/a?b=c&d=e.\n"
+    "Numbers 1 22 333 4444 55555 and 3.14159 then words again after     many spaces and\ttabs.\r\nCRLF line.\n"
+)
+
+EncodeBatch = Callable[[list[str]], list[list[int]]]
+
+
+def pieces(text: str, piece_chars: int) -> list[str]:
+    """`text` cut at the first safe place at least `piece_chars` after each previous cut (see the module doc)."""
+    out = []
+    start = 0
+    while len(text) - start > piece_chars:
+        cut = _SAFE_CUT.search(text, start + piece_chars)
+        if cut is None:
+            break
+        out.append(text[start : cut.start()])
+        start = cut.start()
+    out.append(text[start:])
+    return out
+
+
+class TokenCache:
+    """Piece text -> token ids, least recently used out first, bounded by the tokens it holds; thread-safe."""
+
+    def __init__(self, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS, piece_chars: int = DEFAULT_PIECE_CHARS):
+        if capacity_tokens < 0 or piece_chars < 1:
+            raise ValueError("capacity_tokens must be >= 0 and piece_chars >= 1")
+        self.capacity_tokens = capacity_tokens
+        self.piece_chars = piece_chars
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def exact(encode_batch: EncodeBatch, special_tokens: Sequence[str] = ()) -> bool:
+        """Whether cutting at each safe place of a probe text gives the same ids as encoding it whole, for this
+        tokenizer (its special tokens placed where chat templates put them: at line starts and after words)."""
+        text = _PROBE + "".join(f"{t}user\nHi there {t} Bob\n" for t in special_tokens)
+        cuts = [m.start() for m in _SAFE_CUT.finditer(text)]
+        encoded = encode_batch([text, *(text[:c] for c in cuts), *(text[c:] for c in cuts)])
+        whole, heads, tails = encoded[0], encoded[1 : len(cuts) + 1], encoded[len(cuts) + 1 :]
+        return all(head + tail == whole for head, tail in zip(heads, tails, strict=True))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._tokens = 0
+
+    def encode(self, text: str, encode_batch: EncodeBatch) -> list[int]:
+        """The ids of `text`: cached pieces from the cache, the rest encoded in one batch and remembered."""
+        parts = pieces(text, self.piece_chars)
+        if len(parts) == 1:
+            return encode_batch(parts)[0]
+        found: list[Sequence[int] | None] = [None] * len(parts)
+        with self._lock:
+            for i, part in enumerate(parts):
+                ids = self._entries.get(part)
+                if ids is not None:
+                    self._entries.move_to_end(part)
+                    found[i] = ids
+        missing = [i for i, ids in enumerate(found) if ids is None]
+        if missing:
+            for i, ids in zip(missing, encode_batch([parts[i] for i in missing]), strict=True):
+                found[i] = ids
+            self._remember([(parts[i], found[i]) for i in missing])  # type: ignore[misc]
+        with self._lock:
+            self.hits += len(parts) - len(missing)
+            self.misses += len(missing)
+        out: list[int] = []
+        for ids in found:
+            out.extend(ids)  # type: ignore[arg-type]
+        return out
+
+    def _remember(self, entries: list[tuple[str, Sequence[int]]]) -> None:
+        with self._lock:
+            for text, ids in entries:
+                if text in self._entries or len(ids) > self.capacity_tokens:
+                    continue
+                self._entries[text] = tuple(ids)
+                self._tokens += len(ids)
+            while self._tokens > self.capacity_tokens:
+                _, dropped = self._entries.popitem(last=False)
+                self._tokens -= len(dropped)
