@@ -98,6 +98,10 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="HF directory or .gguf (default: the bundled model)")
     p.add_argument("--port", type=int, default=8080, help="the router's port (default 8080)")
     p.add_argument("--ready-file", help="write the endpoint here once every process is healthy")
+    from kvmesh.bench.sim_engine import PROFILES
+
+    p.add_argument("--sim", nargs="?", const="cpu-smollm", choices=sorted(PROFILES),
+                   help="simulated engines (kvmesh sim-engine) of this profile (default cpu-smollm): no model runs")
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -115,6 +119,11 @@ def _up(args: argparse.Namespace) -> int:
         plan.engines = args.engines
     if args.model:
         plan.model = args.model
+    if args.sim:
+        if plan.model:
+            print("kvmesh up: simulated engines use the bundled tokenizer; give no model with --sim", file=sys.stderr)
+            return 2
+        plan.sim = args.sim
     return run_pool(plan, args.port, args.ready_file)
 
 
@@ -176,6 +185,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.transfer import add_parser as add_transfer_bench
 
     add_transfer_bench(bench)
+    from kvmesh.bench.serve import add_parser as add_serve_bench
+
+    add_serve_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -183,6 +195,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "serve":
+        from kvmesh.bench.serve import run as run_serve_bench
+
+        return run_serve_bench(args)
     if args.bench == "transfer":
         from kvmesh.bench.transfer import run as run_transfer_bench
 

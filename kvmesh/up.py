@@ -32,6 +32,7 @@ class PoolPlan:
     model: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     router: dict[str, Any] = field(default_factory=dict)
+    sim: str | None = None  # a `kvmesh sim-engine` profile: simulated engines instead of real ones
 
 
 def plan_from_file(path: str | Path) -> PoolPlan:
@@ -113,21 +114,23 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None) ->
     threads = max(1, (os.cpu_count() or 2) // plan.engines)
     workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{plan.name}-"))
     engine_file = workdir / "engine.yaml"
-    engine_file.write_text(yaml.safe_dump({"engine": {"threads": threads, "kv_cache_memory_mib": 256,
-                                                      **plan.engine}}))
+    real = {"threads": threads, "kv_cache_memory_mib": 256}  # simulated engines take their profile's budget
+    engine_file.write_text(yaml.safe_dump({"engine": {**({} if plan.sim else real), **plan.engine}}))
+    engine_args = ["sim-engine", "--profile", plan.sim] if plan.sim else ["serve", "--model", str(model_dir)]
     children: list[Child] = []
     try:
         for i in range(plan.engines):
             port = free_port()
-            children.append(_spawn(f"engine-{i}", ["serve", "--config", str(engine_file), "--model", str(model_dir),
-                                                   "--port", str(port), "--log-level", "warning"], port, workdir))
+            children.append(_spawn(f"engine-{i}", [*engine_args, "--config", str(engine_file), "--port", str(port),
+                                                   "--log-level", "warning"], port, workdir))
         router_file = workdir / "router.yaml"
         router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **plan.router,
                                                           "pods": [c.url for c in children]}}))
         children.append(_spawn("router", ["router", "--config", str(router_file), "--model", str(model_dir),
                                           "--port", str(router_port), "--log-level", "warning"], router_port,
                                workdir))
-        print(f"kvmesh up: starting {plan.engines} engines and a router (logs in {workdir}) ...", file=sys.stderr)
+        kind = f"simulated ({plan.sim}) " if plan.sim else ""
+        print(f"kvmesh up: starting {plan.engines} {kind}engines and a router (logs in {workdir}) ...", file=sys.stderr)
         dead = _wait_healthy(children, HEALTH_TIMEOUT_SECONDS)
         if dead is not None:
             print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
