@@ -1,0 +1,436 @@
+"""The InferencePool custom resource (DESIGN.md contract 5): its schema's one source, and the typed pool read from it.
+
+`crd_manifest()` renders the CustomResourceDefinition checked in under crds/ (a test fails when that file is out
+of date). `parse_pool()` gives the operator and `kvmesh up -f pool.yaml` the same view of a pool object: the
+schema's defaults filled in, its types, enums and bounds checked, and its cross-field rules applied. Each of
+those rules is written once, as a CEL expression for the API server together with the Python check the
+operator runs (the API server's defaulting and CEL are missing where no API server is: locally, and for a pool
+that predates a rule); the tests evaluate both on the same objects with cel-python and require them to agree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import yaml
+
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, HashAlgo
+
+GROUP = "kvmesh.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferencePool"
+PLURAL = "inferencepools"
+SINGULAR = "inferencepool"
+SHORT_NAMES = ("kvpool",)  # not "infpool": the Gateway API Inference Extension's InferencePool is another kind
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+MODES = ("aggregated", "disaggregated")
+SCALING_MODES = ("operator", "hpa")  # who writes the engines' replicas: this operator, or HPAs it creates
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256, 512)
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+ROLE_REPLICAS = ("both", "prefill", "decode")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _package_version() -> str:
+    try:
+        return version("kvmesh")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0.0.0"
+
+
+DEFAULT_IMAGE = f"ghcr.io/kvmesh/kvmesh:{_package_version()}"
+
+# ---- schema building blocks -----------------------------------------------------------------------------------
+
+
+def _obj(properties: dict[str, Any], required: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": properties, **extra}
+    if required:
+        schema["required"] = list(required)
+    return schema
+
+
+def _int(description: str, minimum: int | None = None, maximum: int | None = None, **extra: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer", "description": description, **extra}
+    if minimum is not None:
+        schema["minimum"] = minimum
+    if maximum is not None:
+        schema["maximum"] = maximum
+    return schema
+
+
+def _num(description: str, minimum: float, maximum: float | None = None, exclusive_min: bool = False,
+         **extra: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "number", "description": description, "minimum": minimum, **extra}
+    if exclusive_min:
+        schema["exclusiveMinimum"] = True
+    if maximum is not None:
+        schema["maximum"] = maximum
+    return schema
+
+
+def _str(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+def _enum(description: str, values: tuple[Any, ...], default: Any = None) -> dict[str, Any]:
+    kind = "integer" if isinstance(values[0], int) else "string"
+    schema: dict[str, Any] = {"type": kind, "description": description, "enum": list(values)}
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY}],
+             "x-kubernetes-int-or-string": True}
+
+
+def _resources(description: str, requests: dict[str, str]) -> dict[str, Any]:
+    quantities = {"type": "object", "additionalProperties": _QUANTITY}
+    return _obj({"requests": quantities, "limits": quantities}, description=description,
+                default={"requests": requests})
+
+
+def _settings(program: str, command: str) -> dict[str, Any]:
+    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+            "description": f"More {program} settings, passed as they are into the `{program}` section of the file "
+                           f"`{command} --config` reads (its own key names)."}
+
+
+def _role_replicas(role: str) -> dict[str, Any]:
+    return _obj({"min": _int(f"fewest {role} pods", 0, 1000, default=1),
+                 "max": _int(f"most {role} pods", 1, 1000, default=4)},
+                description=f"bounds of the {role} pods' replicas", default={})
+
+
+# ---- cross-field rules: one CEL expression and its Python twin ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A CEL rule the API server checks (x-kubernetes-validations at `path`), and the same rule in Python."""
+
+    path: tuple[str, ...]  # where in the spec the rule sits; `self` is the object there
+    cel: str
+    message: str
+    check: Callable[[Mapping[str, Any]], bool]
+
+
+RULES: tuple[Rule, ...] = (
+    *(Rule(("replicas", role), "self.min <= self.max", f"replicas.{role}: min must be at most max",
+           lambda s: s["min"] <= s["max"]) for role in ROLE_REPLICAS),
+    Rule(("scaling",), "self.horizonSeconds >= self.podStartupSeconds",
+         "scaling.horizonSeconds must be at least podStartupSeconds: a scale-up must be ready before it is needed",
+         lambda s: s["horizonSeconds"] >= s["podStartupSeconds"]),
+    Rule(("store",), "!(has(self.databaseUrl) && has(self.databaseUrlSecret))",
+         "store: give databaseUrl or databaseUrlSecret, not both",
+         lambda s: not ("databaseUrl" in s and "databaseUrlSecret" in s)),
+    Rule((), "self.mode == 'aggregated' ? self.replicas.both.min >= 1 : "
+             "(self.replicas.prefill.min >= 1 && self.replicas.decode.min >= 1)",
+         "the pool's mode needs at least one pod of each of its roles: replicas.both.min (aggregated), or "
+         "replicas.prefill.min and replicas.decode.min (disaggregated)",
+         lambda s: s["replicas"]["both"]["min"] >= 1 if s["mode"] == "aggregated"
+         else s["replicas"]["prefill"]["min"] >= 1 and s["replicas"]["decode"]["min"] >= 1),
+)
+
+
+def _with_rules(schema: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
+    rules = [{"rule": r.cel, "message": r.message} for r in RULES if r.path == path]
+    if rules:
+        schema["x-kubernetes-validations"] = rules
+    for name, child in schema.get("properties", {}).items():
+        _with_rules(child, (*path, name))
+    return schema
+
+
+def spec_schema() -> dict[str, Any]:
+    """The OpenAPI v3 schema of `spec` (structural, with defaults and CEL rules)."""
+    model = _obj({
+        "source": _str("where the weights come from: a Hugging Face directory or a .gguf file on the engine's "
+                       "volume, or `bundled` for the image's SmolLM2-135M-Instruct", minLength=1),
+        "name": _str("the model name clients send (default: the source's name)", minLength=1, maxLength=256),
+        "dtype": _enum("weights and KV dtype", DTYPES, "auto"),
+        "quantization": _enum("int8: int8 weights and activations (CPU)", QUANTIZATIONS, "none"),
+    }, ("source",), description="the model every engine of the pool serves")
+    engine = _obj({
+        "image": _str("the kvmesh image", minLength=1, default=DEFAULT_IMAGE),
+        "imagePullPolicy": _enum("when to pull the image", PULL_POLICIES, "IfNotPresent"),
+        "port": _int("the engines' HTTP port", 1, 65535, default=8000),
+        "blockSize": _enum("tokens per KV block (engines and router must agree)", BLOCK_SIZES, DEFAULT_BLOCK_SIZE),
+        "hashAlgo": _enum("block hash construction (DESIGN.md contract 1)", tuple(a.value for a in HashAlgo),
+                          HashAlgo.XXH3.value),
+        "kvCacheMemoryMiB": _int("device KV cache budget per engine", 1),
+        "maxNumSeqs": _int("sequences per batch", 1),
+        "maxNumBatchedTokens": _int("tokens per step (chunked prefill)", 1),
+        "maxModelLen": _int("longest context", 1),
+        "enablePrefixCache": {"type": "boolean", "description": "cache and share prompt prefixes"},
+        "hostTierMiB": _int("memory-backed volume for the host KV tier (0: none); it survives an engine restart",
+                            0, default=0),
+        "settings": _settings("engine", "kvmesh serve"),
+        "resources": _resources("each engine container's resources", {"cpu": "2", "memory": "4Gi"}),
+    }, description="the engine pods", default={})
+    router = _obj({
+        "replicas": _int("router pods", 1, 64, default=2),
+        "image": _str("the router's image (default: the engine's)", minLength=1),
+        "port": _int("the router's HTTP port", 1, 65535, default=8080),
+        "weights": {"type": "object", "description": "picker weights by scorer name",
+                    "additionalProperties": {"type": "number", "minimum": 0}},
+        "settings": _settings("router", "kvmesh router"),
+        "resources": _resources("each router container's resources", {"cpu": "500m", "memory": "1Gi"}),
+    }, description="the router in front of the engines", default={})
+    store = _obj({
+        "databaseUrl": _str("the request log's SQLAlchemy URL, e.g. postgresql+psycopg://host/kvmesh", minLength=1),
+        "databaseUrlSecret": _obj({"name": _str("Secret name", pattern=DNS_LABEL), "key": _str("key", minLength=1)},
+                                  ("name", "key"), description="a Secret key holding the URL (with its password)"),
+    }, description="the request log (contract 6); none: routers keep no log", default={})
+    scaling = _obj({
+        "mode": _enum("who sets the engines' replicas: the operator, or HPAs it creates on the forecast metric",
+                      SCALING_MODES, "operator"),
+        "targetUtilization": _num("KV utilization each role is sized for", 0.1, 0.95, default=0.8),
+        "horizonSeconds": _num("how far ahead KV usage is predicted", 1, 3600, default=90),
+        "podStartupSeconds": _num("how long a new engine pod takes to serve (the horizon must cover it)", 0, 3600,
+                                  default=60),
+        "overloadProbability": _num("scale up when P(KV usage > 95 % within the horizon) reaches this", 0.001, 0.5,
+                                    default=0.1),
+        "intervalSeconds": _num("how often the pool is evaluated", 1, 3600, default=15),
+        "scaleUpStabilizationSeconds": _num("a scale-up waits until every recommendation in this window agrees", 0,
+                                            3600, default=0),
+        "scaleDownStabilizationSeconds": _num("a scale-down waits until every recommendation in this window agrees",
+                                              0, 86400, default=300),
+        "slo": _obj({"ttftSeconds": _num("time-to-first-token objective", 0, exclusive_min=True),
+                     "itlSeconds": _num("inter-token latency objective", 0, exclusive_min=True)},
+                    description="latency objectives: the router sheds by priority past the TTFT one", default={}),
+    }, description="scaling by predicted KV utilization", default={})
+    gateway = _obj({"enabled": {"type": "boolean", "default": False,
+                                "description": "also create an inference.networking.k8s.io/v1 InferencePool that "
+                                               "selects the engines and names the kvmesh router as its endpoint "
+                                               "picker"}},
+                   description="Gateway API Inference Extension interop", default={})
+    spec = _obj({
+        "model": model,
+        "mode": _enum("aggregated: every engine prefills and decodes; disaggregated: prefill and decode pods",
+                      MODES, "aggregated"),
+        "engine": engine,
+        "replicas": _obj({role: _role_replicas(role) for role in ROLE_REPLICAS},
+                         description="replica bounds per role", default={}),
+        "router": router,
+        "store": store,
+        "scaling": scaling,
+        "gatewayInferencePool": gateway,
+    }, ("model",), description="the desired pool")
+    return _with_rules(spec)
+
+
+def status_schema() -> dict[str, Any]:
+    counts = _obj({"desired": _int("replicas asked for", 0), "ready": _int("replicas ready", 0)})
+    condition = _obj({
+        "type": _enum("condition", CONDITION_TYPES),
+        "status": _enum("True, False or Unknown", ("True", "False", "Unknown")),
+        "reason": _str("CamelCase reason"),
+        "message": _str("what happened"),
+        "lastTransitionTime": _str("when status last changed", format="date-time"),
+        "observedGeneration": _int("the generation this condition is about", 0),
+    }, ("type", "status"))
+    return _obj({
+        "observedGeneration": _int("the spec generation last reconciled", 0),
+        "replicas": {"type": "object", "description": "replicas per role", "additionalProperties": counts},
+        "ready": _str("ready/desired per role, for printing"),
+        "kvUsage": _obj({"observed": {"type": "number"}, "predicted": {"type": "number"},
+                         "overloadProbability": {"type": "number"}},
+                        description="the KV pods' usage now, at the horizon (policy level), and P(> 95 %)"),
+        "routerAddress": _str("the router's in-cluster URL"),
+        "lastDecision": _obj({"time": _str("when", format="date-time"), "reason": _str("why"),
+                              "replicas": {"type": "object", "additionalProperties": {"type": "integer"}}}),
+        "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",
+                       "x-kubernetes-list-map-keys": ["type"]},
+    }, description="what the operator observed")
+
+
+PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
+    {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
+    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+    {"name": "Predicted KV", "type": "number", "jsonPath": ".status.kvUsage.predicted", "format": "float"},
+    {"name": "Router", "type": "string", "jsonPath": ".status.routerAddress", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+)
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition, as crds/ holds it."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": SINGULAR, "shortNames": list(SHORT_NAMES),
+                      "categories": ["kvmesh"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
+                "schema": {"openAPIV3Schema": _obj({
+                    "apiVersion": {"type": "string"},
+                    "kind": {"type": "string"},
+                    "metadata": {"type": "object"},
+                    "spec": spec_schema(),
+                    "status": status_schema(),
+                }, ("spec",), description="A pool of engines serving one model behind a KV-cache-aware router")},
+            }],
+        },
+    }
+
+
+def render_crd() -> str:
+    """The YAML of crds/inferencepools.kvmesh.io.yaml."""
+    header = "# Generated by `python -m kvmesh.operator.crd` from operator/crd.py; do not edit.\n"
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=120)
+
+
+# ---- reading a pool ----------------------------------------------------------------------------------------------
+
+
+class SpecError(ValueError):
+    """A pool spec the operator cannot use; the message names the field."""
+
+
+def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
+    """`value` with defaults filled in, checked against `schema` (the subset of OpenAPI this module uses); unknown
+    fields are refused, as `kubectl apply` does with strict field validation."""
+    if "anyOf" in schema:
+        for option in schema["anyOf"]:
+            try:
+                return _check(value, option, where)
+            except SpecError:
+                continue
+        raise SpecError(f"{where}: {value!r} is not a valid value")
+    kind = schema.get("type")
+    if kind == "object":
+        if not isinstance(value, dict):
+            raise SpecError(f"{where}: expected an object, got {type(value).__name__}")
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return dict(value)
+        out: dict[str, Any] = {}
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            if key in props:
+                out[key] = _check(item, props[key], f"{where}.{key}")
+            elif extra is not None:
+                out[key] = _check(item, extra, f"{where}.{key}")
+            else:
+                raise SpecError(f"{where}: unknown field {key!r}; known: {', '.join(props)}")
+        for key, prop in props.items():
+            if key not in out and "default" in prop:
+                out[key] = _check(prop["default"], prop, f"{where}.{key}")
+        for key in schema.get("required", ()):
+            if key not in out:
+                raise SpecError(f"{where}.{key} is required")
+        return out
+    if kind == "string":
+        if not isinstance(value, str):
+            raise SpecError(f"{where}: expected a string, got {value!r}")
+        if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", len(value)):
+            raise SpecError(f"{where}: length {len(value)} is out of bounds")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            raise SpecError(f"{where}: {value!r} does not match {schema['pattern']}")
+    elif kind in ("integer", "number"):
+        number_ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number_ok or (kind == "integer" and not isinstance(value, int)):
+            raise SpecError(f"{where}: expected {'an integer' if kind == 'integer' else 'a number'}, got {value!r}")
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if low is not None and (value < low or (schema.get("exclusiveMinimum") and value == low)):
+            raise SpecError(f"{where}: {value} is below the minimum {low}")
+        if high is not None and value > high:
+            raise SpecError(f"{where}: {value} is above the maximum {high}")
+    elif kind == "boolean" and not isinstance(value, bool):
+        raise SpecError(f"{where}: expected true or false, got {value!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise SpecError(f"{where}: {value!r} is not one of {', '.join(map(str, schema['enum']))}")
+    return value
+
+
+def defaulted_spec(spec: Any) -> dict[str, Any]:
+    """The spec with every default filled in, after the schema's per-field checks (the cross-field rules not yet)."""
+    return _check(spec, spec_schema(), "spec")
+
+
+def complete_spec(spec: Any) -> dict[str, Any]:
+    """The spec with every default filled in, after the schema's checks and the cross-field rules."""
+    full = defaulted_spec(spec)
+    for rule in RULES:
+        target: Any = full
+        for key in rule.path:
+            target = target[key]
+        if not rule.check(target):
+            raise SpecError(rule.message)
+    return full
+
+
+@dataclass(frozen=True)
+class Pool:
+    """An InferencePool as the operator and `kvmesh up` use it: name, namespace and the completed spec."""
+
+    name: str
+    namespace: str
+    spec: dict[str, Any]
+    uid: str = ""
+    generation: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        return str(self.spec["mode"])
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The engine roles this pool runs."""
+        return ("both",) if self.mode == "aggregated" else ("prefill", "decode")
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        r = self.spec["replicas"][role]
+        return int(r["min"]), int(r["max"])
+
+
+def parse_pool(body: Mapping[str, Any]) -> Pool:
+    """A pool object (as the API serves it, or as a YAML file holds it), checked and completed."""
+    if body.get("kind", KIND) != KIND or body.get("apiVersion", API_VERSION) != API_VERSION:
+        raise SpecError(f"expected apiVersion {API_VERSION} kind {KIND}, got {body.get('apiVersion')} "
+                        f"{body.get('kind')}")
+    meta = body.get("metadata") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not re.match(DNS_LABEL, name) or len(name) > 40:
+        raise SpecError(f"metadata.name must be a DNS label of at most 40 characters (it prefixes the pool's "
+                        f"objects), got {name!r}")
+    if "spec" not in body:
+        raise SpecError("spec is required")
+    return Pool(name=name, namespace=meta.get("namespace") or "default", spec=complete_spec(body["spec"]),
+                uid=meta.get("uid", ""), generation=int(meta.get("generation") or 0),
+                labels=dict(meta.get("labels") or {}))
+
+
+def load_pool_file(path: str) -> Pool:
+    """The one InferencePool a YAML file holds."""
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(pools) != 1:
+        raise SpecError(f"{path}: expected one {KIND}, found {len(pools)}")
+    return parse_pool(pools[0])
+
+
+if __name__ == "__main__":
+    print(render_crd(), end="")

@@ -1,0 +1,204 @@
+"""The InferencePool CRD (operator/crd.py, crds/): the checked-in YAML is current, the schema accepts the example
+pools and refuses bad ones as an API server would (jsonschema on the OpenAPI schema, the CEL rules run with
+cel-python), and the operator's own reading of a pool (`parse_pool`) agrees with both."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvmesh.operator.crd import (
+    API_VERSION,
+    KIND,
+    RULES,
+    SpecError,
+    complete_spec,
+    crd_manifest,
+    defaulted_spec,
+    load_pool_file,
+    parse_pool,
+    render_crd,
+    spec_schema,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD_FILE = ROOT / "crds" / "inferencepools.kvmesh.io.yaml"
+EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.yaml"))
+
+
+def strict(schema: Any) -> Any:
+    """The schema as the API server applies it with strict field validation: unknown fields are errors."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if out.get("type") == "object" and "properties" in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+VALIDATOR = jsonschema.Draft4Validator(strict(spec_schema()))  # OpenAPI v3.0: draft 4's boolean exclusiveMinimum
+
+
+def cel_value(value: Any, schema: dict[str, Any]) -> Any:
+    """A JSON value as Kubernetes hands it to CEL: a `number` field is a double even when written 90."""
+    if schema.get("type") == "number":
+        return celpy.celtypes.DoubleType(value)
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        return celpy.celtypes.MapType({
+            celpy.celtypes.StringType(k): cel_value(v, props.get(k) or (extra if isinstance(extra, dict) else {}))
+            for k, v in value.items()})
+    return celpy.json_to_cel(value)
+
+
+def cel_errors(spec: dict[str, Any]) -> list[str]:
+    """The messages of the CEL rules that fail on a defaulted spec, evaluated by cel-python."""
+    env = celpy.Environment()
+    failed = []
+    for rule in RULES:
+        target, schema = spec, spec_schema()
+        for key in rule.path:
+            target, schema = target[key], schema["properties"][key]
+        if not env.program(env.compile(rule.cel)).evaluate({"self": cel_value(target, schema)}):
+            failed.append(rule.message)
+    return failed
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "docs" / "examples" / name).read_text())
+
+
+def test_the_checked_in_crd_is_rendered_from_operator_crd_py() -> None:
+    assert CRD_FILE.read_text() == render_crd(), "crds/ is stale: run `python -m kvmesh.operator.crd > " + str(
+        CRD_FILE.relative_to(ROOT)) + "`"
+
+
+def test_the_crd_is_a_valid_kubernetes_object_with_status_printer_columns_and_a_short_name() -> None:
+    crd = crd_manifest()
+    kubernetes_validate.validate(crd, "1.30", strict=True)
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["kvpool"] and crd["spec"]["scope"] == "Namespaced"
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Mode"] == ".spec.mode" and columns["Predicted KV"] == ".status.kvUsage.predicted"
+    assert "Ready" in columns
+
+
+def test_the_schema_is_structural() -> None:
+    """Every node has a type (or is int-or-string / preserves unknown fields), no object has both properties and
+    additionalProperties, and every default passes its own schema."""
+    def walk(node: dict[str, Any], where: str) -> None:
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), where
+        assert not ("properties" in node and "additionalProperties" in node), where
+        if "default" in node:
+            jsonschema.Draft4Validator(strict(node)).validate(node["default"])
+        for key, child in node.get("properties", {}).items():
+            walk(child, f"{where}.{key}")
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], f"{where}[*]")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{where}[]")
+
+    walk(crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_the_example_pools_are_valid(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    assert (doc["apiVersion"], doc["kind"]) == (API_VERSION, KIND)
+    VALIDATOR.validate(doc["spec"])
+    pool = load_pool_file(str(path))
+    assert cel_errors(pool.spec) == []
+    VALIDATOR.validate(pool.spec)  # the defaults the operator fills in pass the schema too
+
+
+def test_defaults_are_filled_in_as_the_api_server_would() -> None:
+    spec = complete_spec({"model": {"source": "bundled"}})
+    assert spec["mode"] == "aggregated" and spec["replicas"]["both"] == {"min": 1, "max": 4}
+    assert spec["scaling"]["overloadProbability"] == 0.1 and spec["scaling"]["mode"] == "operator"
+    assert spec["engine"]["blockSize"] == 16 and spec["router"]["replicas"] == 2
+    assert spec["gatewayInferencePool"] == {"enabled": False}
+
+
+def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(doc)
+    target = out
+    *parents, last = dotted.split(".")
+    for key in parents:
+        target = target.setdefault(key, {})
+    target[last] = value
+    return out
+
+
+SCHEMA_BAD = [
+    ("model", None, "model"),  # required
+    ("mode", "sharded", "mode"),
+    ("engine.blockSize", 24, "blockSize"),
+    ("engine.port", 70000, "port"),
+    ("engine.resources.requests.cpu", "two", "cpu"),
+    ("router.replicas", 0, "replicas"),
+    ("scaling.overloadProbability", 0.9, "overloadProbability"),
+    ("scaling.mode", "keda", "mode"),
+    ("scaling.slo.ttftSeconds", 0, "ttftSeconds"),
+    ("replicas.both.min", -1, "min"),
+    ("engine.kvCacheMiB", 5, "kvCacheMiB"),  # a misspelt field is refused, not ignored
+    ("router.weights.prefix_weight", "high", "prefix_weight"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "named"), SCHEMA_BAD, ids=[b[0] for b in SCHEMA_BAD])
+def test_bad_values_are_refused_by_the_schema_and_by_parse_pool(field: str, value: Any, named: str) -> None:
+    spec = example("aggregated.yaml")["spec"]
+    bad = _set(spec, field, value)
+    if value is None:
+        del bad[field]
+    assert list(VALIDATOR.iter_errors(bad)), f"jsonschema accepted {field}={value!r}"
+    with pytest.raises(SpecError, match=named):
+        complete_spec(bad)
+
+
+RULE_BAD = [
+    ("replicas.both", {"min": 5, "max": 2}, "min must be at most max"),
+    ("replicas.decode", {"min": 3, "max": 1}, "min must be at most max"),
+    ("scaling.podStartupSeconds", 120.5, "horizonSeconds must be at least"),
+    ("store", {"databaseUrl": "sqlite://", "databaseUrlSecret": {"name": "s", "key": "k"}}, "not both"),
+    ("replicas.both", {"min": 0, "max": 2}, "at least one pod"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), RULE_BAD, ids=[b[0] for b in RULE_BAD])
+def test_cross_field_rules_fail_in_cel_and_in_python_alike(field: str, value: Any, message: str) -> None:
+    bad = _set(example("aggregated.yaml")["spec"], field, value)
+    assert not list(VALIDATOR.iter_errors(bad))  # each value is fine on its own...
+    with pytest.raises(SpecError, match=message):  # ...but not with the others
+        complete_spec(bad)
+    assert any(message in m for m in cel_errors(defaulted_spec(bad)))
+
+
+def test_a_disaggregated_pool_needs_prefill_and_decode_pods_but_not_both() -> None:
+    spec = example("disaggregated.yaml")["spec"]
+    fine = _set(spec, "replicas.both", {"min": 0, "max": 1})
+    assert cel_errors(complete_spec(fine)) == []
+    starved = _set(spec, "replicas.prefill", {"min": 0, "max": 2})
+    with pytest.raises(SpecError, match="at least one pod"):
+        complete_spec(starved)
+
+
+def test_pool_objects_need_a_short_dns_name_and_the_right_kind() -> None:
+    body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "Chat_Pool"},
+            "spec": {"model": {"source": "bundled"}}}
+    with pytest.raises(SpecError, match="DNS label"):
+        parse_pool(body)
+    with pytest.raises(SpecError, match="expected apiVersion"):
+        parse_pool({**body, "kind": "Deployment"})
+    pool = parse_pool({**body, "metadata": {"name": "chat", "namespace": "ml", "generation": 3}})
+    assert (pool.name, pool.namespace, pool.generation, pool.roles) == ("chat", "ml", 3, ("both",))
