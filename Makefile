@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8080
 PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: run up serve test lint bench clean
+.PHONY: run up serve test lint bench clean prometheus
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -36,7 +36,13 @@ serve: $(VENV)/.installed
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 
-test: $(VENV)/.installed-dev lint
+# Debian's Prometheus: promtool and the server the chart's alert, dashboard and end-to-end tests run.
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+
+test: $(VENV)/.installed-dev lint prometheus
 	$(VENV)/bin/pytest
 
 bench: $(VENV)/.installed-dev

@@ -1,0 +1,158 @@
+"""The chart's alerts: a valid rule file, shipped unchanged in the PrometheusRule, and each alert firing above its
+threshold and silent below it, as `promtool test rules` evaluates them over synthetic series."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import pytest
+import yaml
+from helm_python import _native
+
+from .promql import CHART, RULES, promtool
+
+POOL = 'namespace="ml", pool="chat"'
+WHERE = {"namespace": "ml", "pool": "chat"}
+
+
+def alert(name: str, labels: dict[str, str], summary: str, description: str) -> dict[str, Any]:
+    return {"alertname": name, "labels": labels, "summary": summary, "description": description}
+
+
+# Each case: input series (1 minute apart), when to look, and what must be firing then (nothing: silent).
+CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
+    "forecast above 95 %": (
+        [(f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e0", {POOL}}}', "0.97x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e1", {POOL}}}', "0.96x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p50", pod="e0", {POOL}}}', "0.5x10")],
+        "5m",
+        [alert("KvmeshKVForecastAbove95Percent", {"severity": "warning", **WHERE},
+               "Pool ml/chat: KV usage forecast above 95 %",
+               "The engines forecast a p90 KV usage of 96.5%: add replicas or KV memory.")]),
+    "forecast below 95 % on average": (
+        [(f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e0", {POOL}}}', "0.99x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e1", {POOL}}}', "0.85x10")],
+        "5m", []),
+    "hit ratio halved": (
+        # 1,000 prompt tokens a minute; 80 % hit for 80 minutes, then 20 %
+        [(f'kvmesh_prefix_cache_query_tokens_total{{pod="e0", {POOL}}}', "0+1000x120"),
+         (f'kvmesh_prefix_cache_hit_tokens_total{{tier="device", pod="e0", {POOL}}}', "0+800x80 64200+200x39")],
+        "110m",
+        [alert("KvmeshPrefixHitRatioDropped", {"severity": "warning", **WHERE},
+               "Pool ml/chat: prefix cache hit ratio fell by more than half",
+               "The token hit ratio of the last 10 minutes is 20%, under half of the hour before.")]),
+    "hit ratio lower but not halved": (
+        [(f'kvmesh_prefix_cache_query_tokens_total{{pod="e0", {POOL}}}', "0+1000x120"),
+         (f'kvmesh_prefix_cache_hit_tokens_total{{tier="device", pod="e0", {POOL}}}', "0+800x80 64600+600x39")],
+        "110m", []),
+    "hit ratio halved on too few lookups": (
+        [(f'kvmesh_prefix_cache_query_tokens_total{{pod="e0", {POOL}}}', "0+100x120"),
+         (f'kvmesh_prefix_cache_hit_tokens_total{{tier="device", pod="e0", {POOL}}}', "0+80x80 6420+20x39")],
+        "110m", []),
+    "10 % of requests shed": (
+        [(f'kvmesh_router_shed_total{{priority="low", pod="r0", role="router", {POOL}}}', "0+10x15"),
+         (f'kvmesh_router_requests_total{{outcome="ok", route="aggregated", pod="r0", role="router", {POOL}}}',
+          "0+90x15"),
+         (f'kvmesh_router_requests_total{{outcome="shed", route="aggregated", pod="r0", role="router", {POOL}}}',
+          "0+10x15")],
+        "12m",
+        [alert("KvmeshRouterShedding", {"severity": "warning", **WHERE},
+               "Pool ml/chat: over 5 % of requests refused with 429",
+               "The routers shed 10% of requests: the pool is too small for its load.")]),
+    "1 % of requests shed": (
+        [(f'kvmesh_router_shed_total{{priority="low", pod="r0", role="router", {POOL}}}', "0+1x15"),
+         (f'kvmesh_router_requests_total{{outcome="ok", route="aggregated", pod="r0", role="router", {POOL}}}',
+          "0+99x15")],
+        "12m", []),
+    "event lag of 500 batches": (
+        [(f'kvmesh_router_kv_event_lag_batches{{exported_pod="e0", pod="r0", role="router", {POOL}}}', "500x10"),
+         (f'kvmesh_router_kv_event_lag_batches{{exported_pod="e1", pod="r0", role="router", {POOL}}}', "0x10")],
+        "5m",
+        [alert("KvmeshKVEventLag", {"severity": "warning", **WHERE},
+               "Pool ml/chat: a router lags an engine's KV events",
+               "A router has 500 KV event batches of an engine still to apply: it routes on a stale index.")]),
+    "event lag of 5 batches": (
+        [(f'kvmesh_router_kv_event_lag_batches{{exported_pod="e0", pod="r0", role="router", {POOL}}}', "5x10")],
+        "5m", []),
+    "one engine down": (
+        [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"),
+         (f'up{{pod="e1", role="decode", {POOL}}}', "1x10"),
+         (f'up{{pod="r0", role="router", {POOL}}}', "0x10")],  # a router is no engine
+        "5m",
+        [alert("KvmeshEngineDown", {"severity": "warning", "pod": "e0", "role": "decode", **WHERE},
+               "Engine ml/e0 (decode) of pool chat is down",
+               "Prometheus cannot scrape it; the routers send its requests to the other pods.")]),
+    "every engine up": (
+        [(f'up{{pod="e0", role="decode", {POOL}}}', "1x10"), (f'up{{pod="e1", role="prefill", {POOL}}}', "1x10")],
+        "5m", []),
+    "no decode engine up": (
+        [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"), (f'up{{pod="e1", role="prefill", {POOL}}}', "1x10")],
+        "5m",
+        [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE},
+               "Pool ml/chat has no decode engine up",
+               "No decode engine answers: the pool cannot serve requests."),
+         alert("KvmeshEngineDown", {"severity": "warning", "pod": "e0", "role": "decode", **WHERE},
+               "Engine ml/e0 (decode) of pool chat is down",
+               "Prometheus cannot scrape it; the routers send its requests to the other pods.")]),
+}
+
+ALERTS = [rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def promtool_test(series: list[tuple[str, str]], at: str, firing: list[dict[str, Any]], tmp_path: Path) -> str:
+    """Run `promtool test rules`: every alert of the file is checked at `at`; those not in `firing` must be
+    silent. Returns promtool's output; raises with it when a check fails."""
+    checks = []
+    for name in ALERTS:
+        expected = [{"exp_labels": a["labels"],
+                     "exp_annotations": {"summary": a["summary"], "description": a["description"]}}
+                    for a in firing if a["alertname"] == name]
+        checks.append({"eval_time": at, "alertname": name, "exp_alerts": expected})
+    test = {"rule_files": [str(RULES)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": [{"series": s, "values": v} for s, v in series],
+                       "alert_rule_test": checks}]}
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    out = subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_the_rule_file_is_valid() -> None:
+    out = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
+                                     "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
+                                     "KvmeshPoolHasNoEngines"])
+
+
+def test_every_alert_is_seen_firing() -> None:
+    seen = {a["alertname"] for _, _, firing in CASES.values() for a in firing}
+    assert seen == set(ALERTS)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_alert_fires_above_its_threshold_and_not_below(case: str, tmp_path: Path) -> None:
+    series, at, firing = CASES[case]
+    promtool_test(series, at, firing, tmp_path)
+
+
+def test_a_wrong_expectation_fails(tmp_path: Path) -> None:
+    """The harness can fail: a silent case claimed to fire is caught."""
+    series, at, _ = CASES["event lag of 5 batches"]
+    _, _, firing = CASES["event lag of 500 batches"]
+    with pytest.raises(AssertionError, match="FAILED"):
+        promtool_test(series, at, firing, tmp_path)
+
+
+def test_the_chart_ships_the_rule_file_unchanged() -> None:
+    with helm_python.Chart.load(CHART) as chart:
+        options = {"name": "kvmesh", "namespace": "ml", "api_versions": ["monitoring.coreos.com/v1"]}
+        rendered = json.loads(_native.call_string("helm_render", chart._raw(), None, json.dumps(options)))
+    rule = yaml.safe_load(rendered["kvmesh/templates/prometheusrule.yaml"])
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
