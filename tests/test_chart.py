@@ -1,0 +1,297 @@
+"""The Helm chart, rendered by Helm's own engine (helm-python-sdk): valid manifests for a current Kubernetes, the
+CRD and RBAC that the operator's code defines, locked-down pods, NetworkPolicies that allow exactly the traffic
+kvmesh needs, monitoring objects only where the Prometheus Operator exists, and dashboards for Grafana's sidecar."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from helm_python import _native
+
+from kvmesh import __version__
+from kvmesh.operator import crd, rbac
+
+from .promql import CHART, DASHBOARDS, ROOT
+
+KUBERNETES = "1.37.0"  # kubernetes-validate's newest schema: a current cluster
+MONITORING_API = "monitoring.coreos.com/v1"
+PROMETHEUS_OPERATOR_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule"}  # their CRDs are not here
+DISAGGREGATED = {"pool": {"enabled": True, "name": "chat", "spec": {
+    "mode": "disaggregated",
+    "replicas": {"both": None, "prefill": {"min": 1, "max": 4}, "decode": {"min": 2, "max": 8}},
+    "router": {"replicas": 2},
+}}}
+
+
+def render(values: dict[str, Any] | None = None, api_versions: tuple[str, ...] = (),
+           namespace: str = "kvmesh") -> dict[str, str]:
+    """Template path -> rendered text. helm-python's Chart.render() has no api_versions option (what a cluster
+    offers, for `.Capabilities.APIVersions.Has`), so the options go to its native call, which takes them."""
+    options = {"name": "kvmesh", "namespace": namespace, "api_versions": list(api_versions)}
+    with helm_python.Chart.load(CHART) as chart:
+        return json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values or {}),
+                                              json.dumps(options)))
+
+
+def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    return [doc for path, text in rendered.items() if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def the_crd() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "crds" / "inferencepools.kvmesh.io.yaml").read_text())
+
+
+RENDERINGS = {
+    "default": render(),
+    "default, Prometheus Operator": render(api_versions=(MONITORING_API,)),
+    "disaggregated pool, Prometheus Operator": render(DISAGGREGATED, api_versions=(MONITORING_API,)),
+    "namespaced operator": render({"operator": {"watchNamespaces": ["team-a", "team-b"]},
+                                   "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"app": "x"}}}]},
+                                   "pool": {"enabled": True}}),
+}
+
+
+# ---- Helm's view ----------------------------------------------------------------------------------------------
+
+
+def test_lint_finds_no_errors() -> None:
+    for values in ({}, DISAGGREGATED):
+        report = helm_python.lint(CHART, values, kube_version=f"v{KUBERNETES}")
+        assert report["errors"] == []
+        assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_the_schema_rejects_bad_values() -> None:
+    for bad in ({"ports": {"engine": 70000}}, {"operator": {"replicas": 2}}, {"unknown": 1},
+                {"securityContext": {"readOnlyRootFilesystem": False}}, {"pool": {"name": "Not_A_Name"}}):
+        with pytest.raises(helm_python.HelmValuesError):
+            render(bad)
+
+
+def test_the_chart_version_follows_the_package() -> None:
+    with helm_python.Chart.load(CHART) as chart:
+        assert chart.metadata["appVersion"] == __version__
+        image = chart.values["image"]
+    # the operator's default engine image is the chart's image
+    assert f"{image['repository']}:{__version__}" == crd.DEFAULT_IMAGE
+
+
+# ---- every manifest valid -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_every_manifest_is_valid_kubernetes(name: str) -> None:
+    docs = manifests(RENDERINGS[name])
+    assert docs
+    crd_schema = the_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for doc in docs:
+        if doc["kind"] == crd.KIND:
+            jsonschema.Draft4Validator(crd_schema).validate(doc)  # OpenAPI v3.0: boolean exclusiveMinimum
+            crd.parse_pool(doc)  # the operator's own reading: defaults, bounds and the CEL rules' twins
+        elif doc["kind"] in PROMETHEUS_OPERATOR_KINDS:
+            assert doc["apiVersion"] == MONITORING_API and doc["spec"]
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def test_the_crd_is_valid_kubernetes() -> None:
+    kubernetes_validate.validate(the_crd(), KUBERNETES, strict=True)
+
+
+def test_the_chart_crd_is_the_operator_crd() -> None:
+    """crds/ (generated from operator/crd.py) and the chart's copy are the same file: copy it after a change."""
+    chart_copy = CHART / "crds" / "inferencepools.kvmesh.io.yaml"
+    assert chart_copy.read_text() == (ROOT / "crds" / "inferencepools.kvmesh.io.yaml").read_text(), (
+        "cp crds/inferencepools.kvmesh.io.yaml charts/kvmesh/crds/")
+    assert yaml.safe_load(chart_copy.read_text()) == crd.crd_manifest()
+    with helm_python.Chart.load(CHART) as chart:
+        assert [c["filename"] for c in chart.crds] == ["kvmesh/crds/inferencepools.kvmesh.io.yaml"]
+
+
+# ---- what gets installed --------------------------------------------------------------------------------------
+
+
+def test_monitoring_objects_only_where_the_prometheus_operator_is() -> None:
+    without = {d["kind"] for d in manifests(RENDERINGS["default"])}
+    with_api = {d["kind"] for d in manifests(RENDERINGS["default, Prometheus Operator"])}
+    assert not without & PROMETHEUS_OPERATOR_KINDS
+    assert with_api - without == PROMETHEUS_OPERATOR_KINDS
+
+
+def test_a_pool_only_when_asked() -> None:
+    assert by_kind(manifests(RENDERINGS["default"]), crd.KIND) == []
+    (pool,) = by_kind(manifests(RENDERINGS["disaggregated pool, Prometheus Operator"]), crd.KIND)
+    parsed = crd.parse_pool(pool)
+    assert pool["metadata"] == {**pool["metadata"], "name": "chat", "namespace": "kvmesh"}
+    assert pool["spec"]["mode"] == "disaggregated" and "both" not in pool["spec"]["replicas"]
+    assert parsed is not None
+
+
+def test_rbac_is_exactly_what_the_operator_uses() -> None:
+    def grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+        return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+                for v in rule["verbs"]}
+
+    expected = grants([p.rule() for p in rbac.OPERATOR])
+    for name, rendered in RENDERINGS.items():
+        docs = manifests(rendered)
+        (role,) = by_kind(docs, "ClusterRole")
+        assert grants(role["rules"]) == expected, name
+        assert by_kind(docs, "Role") == []
+        bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
+        (account,) = by_kind(docs, "ServiceAccount")
+        for binding in bindings:
+            assert binding["roleRef"]["name"] == role["metadata"]["name"]
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                            "namespace": "kvmesh"}]
+    namespaced = manifests(RENDERINGS["namespaced operator"])
+    assert by_kind(namespaced, "ClusterRoleBinding") == []
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(namespaced, "RoleBinding")) == ["team-a", "team-b"]
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_pods_are_locked_down(name: str) -> None:
+    deployments = by_kind(manifests(RENDERINGS[name]), "Deployment")
+    assert deployments
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+            assert container["livenessProbe"] and container["readinessProbe"]
+
+
+def test_the_operator_runs_the_image_and_ports_the_pools_default_to() -> None:
+    (deployment,) = by_kind(manifests(RENDERINGS["default"]), "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == crd.DEFAULT_IMAGE
+    assert container["args"][0] == "operator"
+    schema = crd.spec_schema()["properties"]
+    with helm_python.Chart.load(CHART) as chart:
+        ports = chart.values["ports"]
+    assert ports == {"engine": schema["engine"]["properties"]["port"]["default"],
+                     "router": schema["router"]["properties"]["port"]["default"]}
+
+
+def test_dashboards_are_configmaps_for_grafanas_sidecar() -> None:
+    maps = by_kind(manifests(RENDERINGS["default"]), "ConfigMap")
+    shipped = {}
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        shipped.update(cm["data"])
+    assert shipped == {p.name: p.read_text() for p in DASHBOARDS}
+    assert all(json.loads(text)["uid"] for text in shipped.values())
+    assert by_kind(manifests(render({"dashboards": {"enabled": False}})), "ConfigMap") == []
+
+
+def test_notes_say_how_to_reach_the_router() -> None:
+    notes = RENDERINGS["disaggregated pool, Prometheus Operator"]["kvmesh/templates/NOTES.txt"]
+    assert "port-forward svc/chat-router 8080:8080" in notes
+    assert "routerAddress" in notes
+    assert "svc/<pool>-router" in RENDERINGS["default"]["kvmesh/templates/NOTES.txt"]
+
+
+# ---- NetworkPolicies: who may reach whom ------------------------------------------------------------------------
+
+ROUTER, ENGINE, OPERATOR_METRICS = 8080, 8000, 9090
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/instance": "kvmesh",
+                   "app.kubernetes.io/component": "operator"}
+PODS = {  # name -> (namespace, labels)
+    "client": ("apps", {"app": "web"}),
+    "router": ("kvmesh", {"kvmesh.io/role": "router", "kvmesh.io/pool": "chat"}),
+    "prefill": ("kvmesh", {"kvmesh.io/role": "prefill", "kvmesh.io/pool": "chat"}),
+    "decode": ("kvmesh", {"kvmesh.io/role": "decode", "kvmesh.io/pool": "chat"}),
+    "both": ("kvmesh", {"kvmesh.io/role": "both", "kvmesh.io/pool": "chat"}),
+    "operator": ("kvmesh", OPERATOR_LABELS),
+    "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+    "stranger": ("kvmesh", {"app": "debug"}),  # some other pod in the pools' namespace
+}
+ENGINES = ("prefill", "decode", "both")
+PORTS = {"router": ROUTER, "prefill": ENGINE, "decode": ENGINE, "both": ENGINE, "operator": OPERATOR_METRICS}
+
+
+def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (an empty selector selects everything)."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        value, present = labels.get(e["key"]), e["key"] in labels
+        ok = {"In": present and value in e.get("values", []), "NotIn": not present or value not in e["values"],
+              "Exists": present, "DoesNotExist": not present}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def allowed(policies: list[dict[str, Any]], source: str, target: str, port: int) -> bool:
+    """NetworkPolicy ingress semantics: a pod no policy selects takes anything; a selected pod takes what some
+    rule of a selecting policy allows (a peer with only podSelector means the policy's namespace)."""
+    src_ns, src_labels = PODS[source]
+    dst_ns, dst_labels = PODS[target]
+    selecting = [p for p in policies if p["metadata"]["namespace"] == dst_ns
+                 and selects(p["spec"]["podSelector"], dst_labels) and "Ingress" in p["spec"]["policyTypes"]]
+    if not selecting:
+        return True
+
+    def peer_matches(peer: dict[str, Any], policy_ns: str) -> bool:
+        if "ipBlock" in peer:
+            return False  # these test pods have cluster addresses outside any client CIDR
+        if "namespaceSelector" in peer:
+            in_ns = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": src_ns})
+        else:
+            in_ns = src_ns == policy_ns
+        return in_ns and selects(peer.get("podSelector"), src_labels)
+
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            ports_ok = not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
+            peers_ok = not rule.get("from") or any(peer_matches(p, dst_ns) for p in rule["from"])
+            if ports_ok and peers_ok:
+                return True
+    return False
+
+
+def reachable(policies: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """Every (source, target) pair whose traffic to the target's port gets through."""
+    return {(s, t) for s in PODS for t in PORTS if s != t or t in ENGINES
+            if allowed(policies, s, t, PORTS[t])}
+
+
+def test_network_policies_allow_exactly_the_traffic_kvmesh_needs() -> None:
+    policies = by_kind(manifests(RENDERINGS["default"]), "NetworkPolicy")
+    expected = (
+        {(s, "router") for s in PODS if s != "router"}  # clients: anyone, by default
+        | {(s, e) for e in ENGINES for s in ("router", *ENGINES, "operator", "prometheus")}
+        | {("prometheus", "operator")}
+    )
+    assert reachable(policies) == expected
+    # and only on the serving port: nothing reaches an engine or the operator on another port
+    assert not allowed(policies, "router", "both", 22)
+    assert not allowed(policies, "prometheus", "operator", 8081)
+
+
+def test_clients_can_be_narrowed_to_named_peers() -> None:
+    apps = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}
+    policies = by_kind(manifests(render({"networkPolicy": {"clients": [apps]}})), "NetworkPolicy")
+    to_router = {s for s, t in reachable(policies) if t == "router"}
+    assert to_router == {"client", "operator", "prometheus"}
+
+
+def test_network_policies_can_be_turned_off() -> None:
+    assert by_kind(manifests(render({"networkPolicy": {"enabled": False}})), "NetworkPolicy") == []
