@@ -5,18 +5,44 @@ layers of a block are one contiguous run, so offloading or handing a block to an
 (docs/architecture.md says why). A layer's K is the strided view `cache[:, layer, 0]`, indexed by
 (block id, offset) pairs.
 
-This is the torch path (CPU, and the reference on GPU): new K/V are scattered into their slots, each
-sequence's context is gathered through its block table, and SDPA does the rest. Decoding sequences share one
-padded batched call; each prefilling sequence gets its own call with a causal mask shifted by its cached
-prefix.
+Two backends compute the same thing (docs/kernels.md):
+- torch (CPU): new K/V are scattered into their slots, each sequence's context is gathered through its block
+  table, and SDPA does the rest. Decoding sequences share one padded batched call; each prefilling sequence
+  gets its own call with a causal mask shifted by its cached prefix.
+- triton (CUDA; on a CPU only under TRITON_INTERPRET=1, for tests): engine/kernels/ reads the layout in place:
+  one KV-write launch, one decode launch (split-K) and one extend launch per layer, no gathers.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from kvmesh.engine.config import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    from kvmesh.engine.kernels.decode import DecodeBatch
+    from kvmesh.engine.kernels.extend import ExtendBatch
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """torch or triton for `name` on `device`: auto means triton on CUDA (when installed), torch elsewhere."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("attention_backend triton needs the triton package")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend triton needs a CUDA device, or TRITON_INTERPRET=1 on a CPU "
+                             "(Triton's interpreter: correct but very slow, for tests)")
+    return name
 
 
 @dataclass
@@ -31,8 +57,8 @@ class PrefillSeq:
 
 
 @dataclass
-class AttentionMetadata:
-    """Where a step's tokens write their K/V and what each sequence attends to."""
+class TorchMetadata:
+    """Where a step's tokens write their K/V and what each sequence attends to (torch backend)."""
 
     slot_blocks: torch.Tensor  # [T] block of each new token
     slot_offsets: torch.Tensor  # [T] offset in that block
@@ -42,12 +68,26 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
 
 
+@dataclass(frozen=True)
+class TritonMetadata:
+    """The same step for the Triton kernels: slots and per-kind batches, built once, used by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each new token
+    decode: DecodeBatch | None  # single-token sequences
+    extend: ExtendBatch | None  # multi-token sequences (prefill, with or without a cached prefix)
+
+
+AttentionMetadata = TorchMetadata | TritonMetadata
+
+
 def build_metadata(
-    seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device
+    seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device, backend: str = "torch"
 ) -> AttentionMetadata:
     """Metadata for a step. `seqs` holds (block table, tokens already computed, new tokens) per sequence, in
-    flat-batch order. Contexts are gathered a whole block at a time: one copy of block_size tokens instead of
-    one per token."""
+    flat-batch order. The torch path gathers contexts a whole block at a time: one copy of block_size tokens
+    instead of one per token."""
+    if backend == "triton":
+        return _build_triton(seqs, block_size, device)
     slot_blocks: list[int] = []
     slot_offsets: list[int] = []
     decode_rows: list[int] = []
@@ -70,7 +110,7 @@ def build_metadata(
             k_pos = torch.arange(context_len, device=device)[None, :]
             prefills.append(PrefillSeq(row, row + n, torch.tensor(used, device=device), context_len, k_pos <= q_pos))
         row += n
-    meta = AttentionMetadata(
+    meta = TorchMetadata(
         torch.tensor(slot_blocks, device=device),
         torch.tensor(slot_offsets, device=device),
         None,
@@ -88,6 +128,40 @@ def build_metadata(
     return meta
 
 
+def _build_triton(seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device) -> TritonMetadata:
+    from kvmesh.engine.kernels.decode import DecodeBatch
+    from kvmesh.engine.kernels.extend import ExtendBatch
+
+    slots: list[int] = []
+    dec_rows: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    ext_starts: list[int] = []
+    ext_lens: list[int] = []
+    ext_contexts: list[int] = []
+    ext_tables: list[list[int]] = []
+    row = 0
+    for table, computed, n in seqs:
+        context_len = computed + n
+        slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(computed, context_len)]
+        used = table[: -(-context_len // block_size)]
+        if n == 1:
+            dec_rows.append(row)
+            dec_tables.append(used)
+            dec_lens.append(context_len)
+        else:
+            ext_starts.append(row)
+            ext_lens.append(n)
+            ext_contexts.append(context_len)
+            ext_tables.append(used)
+        row += n
+    return TritonMetadata(
+        torch.tensor(slots, dtype=torch.int64, device=device),
+        DecodeBatch.build(dec_rows, dec_tables, dec_lens, device) if dec_rows else None,
+        ExtendBatch.build(ext_starts, ext_lens, ext_contexts, ext_tables, device) if ext_starts else None,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -101,6 +175,8 @@ def paged_attention(
     Returns [T, Hq, D]."""
     k_cache = kv_cache[:, layer, 0]
     v_cache = kv_cache[:, layer, 1]
+    if isinstance(meta, TritonMetadata):
+        return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
     k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(kv_cache.dtype)
     v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(kv_cache.dtype)
     out = torch.empty_like(q)
@@ -122,4 +198,26 @@ def paged_attention(
         qp = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, n, D]
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[seq.start : seq.end] = op[0].transpose(0, 1)
+    return out
+
+
+def _triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TritonMetadata,
+    scale: float,
+) -> torch.Tensor:
+    from kvmesh.engine.kernels.decode import decode_attention
+    from kvmesh.engine.kernels.extend import extend_attention
+    from kvmesh.engine.kernels.kv_write import write_kv
+
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        decode_attention(q, k_cache, v_cache, meta.decode, scale, out=out)
+    if meta.extend is not None:
+        extend_attention(q, k_cache, v_cache, meta.extend, scale, out=out)
     return out

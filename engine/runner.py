@@ -1,7 +1,7 @@
 """The model runner: owns the KV tensor, turns a scheduled step into model inputs, returns logits.
 
-It chooses the attention backend (the torch path on CPU) and counts the tokens it computes, which is what
-tests and metrics use to tell a cache hit from a recompute.
+It chooses the attention backend (torch or triton, engine/attention.py) and counts the tokens it computes,
+which is what tests and metrics use to tell a cache hit from a recompute.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.attention import build_metadata
+from kvmesh.engine.attention import build_metadata, resolve_backend
 from kvmesh.engine.model.llama import Llama
 from kvmesh.engine.model.loader import ModelConfig
 
@@ -41,12 +41,19 @@ class StepResult:
 
 class ModelRunner:
     def __init__(
-        self, model: Llama, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device
+        self,
+        model: Llama,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "auto",
     ) -> None:
         c = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.attention_backend = resolve_backend(attention_backend, device)
         self.kv_cache = torch.zeros(
             (num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim), dtype=kv_dtype, device=device
         )
@@ -64,7 +71,10 @@ class ModelRunner:
             if s.wants_logits:
                 rows.append(len(ids) - 1)
         meta = build_metadata(
-            [(s.block_table, s.num_computed, len(s.token_ids)) for s in seqs], self.block_size, self.device
+            [(s.block_table, s.num_computed, len(s.token_ids)) for s in seqs],
+            self.block_size,
+            self.device,
+            self.attention_backend,
         )
         input_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)

@@ -1,0 +1,201 @@
+"""Paged decode attention: one query token per sequence over its block table, on the block-first KV layout.
+
+One program takes one (sequence, KV head, split) and all the query heads that share that KV head (GQA), so K
+and V are read once per group, not once per query head. A long context is cut into `num_splits` segments
+computed by separate programs ("flash-decoding"); each writes its normalized partial output and log-sum-exp,
+and a second small kernel merges them. Without splits a batch of one long sequence would run on a handful of
+programs and leave most of a GPU idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LAUNCHES, dot_dtype, dot_precision, multiprocessors, next_pow2
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # context tokens a loop step reads
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A step's decoding sequences: built once per step on the host, used by every layer."""
+
+    rows: torch.Tensor  # [B] int32: the row of each sequence's query in q and out
+    block_tables: torch.Tensor  # [B, W] int32, padded with any valid block id
+    context_lens: torch.Tensor  # [B] int32, including the token being decoded (its K/V already written)
+    max_context_len: int
+
+    @classmethod
+    def build(
+        cls, rows: list[int], block_tables: list[list[int]], context_lens: list[int], device: torch.device
+    ) -> DecodeBatch:
+        if not (len(rows) == len(block_tables) == len(context_lens)) or not rows:
+            raise ValueError("a decode batch needs one row, block table and context length per sequence")
+        if min(context_lens) < 1:
+            raise ValueError("every decoding sequence attends to at least its own token")
+        width = max(len(t) for t in block_tables)
+        padded = [t + [t[0]] * (width - len(t)) for t in block_tables]
+        return cls(
+            torch.tensor(rows, dtype=torch.int32, device=device),
+            torch.tensor(padded, dtype=torch.int32, device=device),
+            torch.tensor(context_lens, dtype=torch.int32, device=device),
+            max(context_lens),
+        )
+
+
+def choose_splits(batch_size: int, kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """Enough splits that (sequences x KV heads x splits) fills the device twice over, none shorter than
+    MIN_SPLIT_TOKENS."""
+    programs = batch_size * kv_heads
+    wanted = triton.cdiv(2 * multiprocessors(device), programs)
+    return max(1, min(wanted, triton.cdiv(max_context_len, MIN_SPLIT_TOKENS)))
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    rows_ptr, tables_ptr, lens_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_tb,
+    split_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    context_len = tl.load(lens_ptr + seq)
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+
+    q_off = row * stride_qt + heads[:, None].to(tl.int64) * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = (q * scale_log2).to(DOT)  # scores come out in log2 units: exp2 instead of exp
+    table = tables_ptr + seq.to(tl.int64) * stride_tb
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tok0 in range(start, end, BLOCK_N):
+        tok = tok0 + n
+        tok_ok = tok < end
+        block = tl.load(table + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        slot = tok % PAGE
+        k_off = block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
+        kv_mask = tok_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(DOT)
+        v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0).to(DOT)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [G, N]
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step holds at least one valid token
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o_off = row * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: [B, Hq, NUM_SPLITS, D] and [B, Hq, NUM_SPLITS]; an empty split stores lse = -inf
+        empty = l_i == 0.0
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        base = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads.to(tl.int64)) * NUM_SPLITS + split
+        tl.store(part_lse_ptr + base, lse, mask=g_ok)
+        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, rows_ptr,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    d_ok = d < HEAD_DIM
+    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # the first split is never empty, so the max is finite
+    o = tl.load(part_out_ptr + (base + s[:, None]) * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    merged = tl.sum(o * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attend q[batch.rows] ([T, Hq, D]) over each sequence's cached context; writes those rows of `out`
+    ([T, Hq, D], allocated like q when None) and returns it. k_cache and v_cache are one layer's views of the
+    block-first cache, [num_blocks, block_size, Hkv, D] with any block stride (`kv[:, layer, 0]`)."""
+    _, q_heads, head_dim = q.shape
+    _, page, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or q_heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head dimension must be contiguous")
+    out = torch.empty_like(q) if out is None else out
+    size = batch.rows.shape[0]
+    splits = num_splits or choose_splits(size, kv_heads, batch.max_context_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(batch.max_context_len, splits), BLOCK_N) * BLOCK_N
+    group = q_heads // kv_heads
+    if splits > 1:
+        part_out = torch.empty((size, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((size, q_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(size, kv_heads, splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        batch.rows, batch.block_tables, batch.context_lens,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        batch.block_tables.stride(0),
+        split_len,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=BLOCK_N,
+        NUM_SPLITS=splits, DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+    )
+    LAUNCHES["decode"] += 1
+    if splits > 1:
+        _merge_kernel[(size, q_heads)](
+            part_out, part_lse, out, batch.rows, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(head_dim),
+        )
+        LAUNCHES["decode_merge"] += 1
+    return out

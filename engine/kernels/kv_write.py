@@ -1,0 +1,62 @@
+"""KV write: scatter a step's new K and V into their cache slots by a slot mapping.
+
+A slot is `block * block_size + offset`; -1 means "do not store" (a token whose KV is not kept, such as
+padding). One program stores one token's K and V for all KV heads of one layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LAUNCHES, next_pow2
+
+
+@triton.jit
+def _kv_write_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch,
+    stride_vcb, stride_vct, stride_vch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    keep = tl.full([BLOCK_H, BLOCK_D], 0, tl.int64) + slot >= 0  # a full tile: scalar masks do not broadcast
+    mask = (h[:, None] < HEADS) & (d[None, :] < HEAD_DIM) & keep
+    block = slot // PAGE
+    offset = slot % PAGE
+    k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kct + h[:, None] * stride_kch + d[None, :]
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vct + h[:, None] * stride_vch + d[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store k[t] and v[t] ([T, Hkv, D], any row stride) at slot slots[t] of one layer's K and V views
+    ([num_blocks, block_size, Hkv, D]); slots[t] == -1 is skipped. Converts to the cache's dtype."""
+    tokens, heads, head_dim = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != k.shape[1:] or slots.shape != (tokens,):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)} do not fit the "
+                         f"cache {tuple(k_cache.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head dimension must be contiguous")
+    if tokens == 0:
+        return
+    _kv_write_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEADS=heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(head_dim),
+    )
+    LAUNCHES["kv_write"] += 1
