@@ -61,6 +61,9 @@ DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 RETRYABLE = (429, 503)
 DISCONNECT_CHECK_SECONDS = 0.5
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
+# Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
+# thread, so a long prompt does not stall other requests' streams.
+INLINE_TOKENIZE_BYTES = 8192
 
 
 class RouterMetrics:
@@ -401,7 +404,8 @@ def create_router_app(router: Router) -> FastAPI:
 
     async def route(http: HttpRequest, path: str, chat: bool) -> Response:
         try:
-            raw = json.loads(await http.body())
+            payload = await http.body()
+            raw = json.loads(payload)
             body = (ChatRequest if chat else CompletionRequest).model_validate(raw)
             priority = parse_priority(http.headers.get(PRIORITY_HEADER))
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -419,7 +423,10 @@ def create_router_app(router: Router) -> FastAPI:
             raw["cache_salt"] = body.cache_salt = cache_salt_for(tenant, router.salt_secret)
         try:
             start = time.perf_counter()
-            info = await asyncio.to_thread(router.request_info, body, priority)
+            if len(payload) <= INLINE_TOKENIZE_BYTES:
+                info = router.request_info(body, priority)
+            else:
+                info = await asyncio.to_thread(router.request_info, body, priority)
             router.metrics.decision.observe(time.perf_counter() - start)
             workload = workload_class("chat" if chat else "completion", info.prompt_tokens,
                                       http.headers.get(WORKLOAD_HEADER))

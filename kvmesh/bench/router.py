@@ -696,6 +696,41 @@ class ThroughputResult:
     direct_latency: dict[str, float]
     router_latency: dict[str, float]
     router_failed: int
+    nginx_rps: float | None = None  # None: nginx is not installed
+    nginx_latency: dict[str, float] | None = None
+
+
+def nginx_config(workdir: Path, port: int, upstream_port: int) -> Path:
+    """A one-worker nginx proxying to the stub with keep-alive upstream connections: the bound a plain
+    round-robin proxy sets on this machine (one upstream, so round-robin has one choice; the cost is the hop)."""
+    conf = workdir / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    keepalive_requests 100000000;
+    keepalive_timeout 300s;
+    client_body_temp_path {workdir}/body;
+    proxy_temp_path {workdir}/proxy;
+    fastcgi_temp_path {workdir}/fastcgi;
+    uwsgi_temp_path {workdir}/uwsgi;
+    scgi_temp_path {workdir}/scgi;
+    upstream pool {{ server 127.0.0.1:{upstream_port}; keepalive 64; keepalive_requests 100000000; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://pool;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}
+}}
+""")
+    return conf
 
 
 def router_throughput(concurrency: int = 32, seconds: float = 10.0, startup_timeout: float = 60.0) -> ThroughputResult:
@@ -714,15 +749,25 @@ def router_throughput(concurrency: int = 32, seconds: float = 10.0, startup_time
         wait_healthy(stub_url, proc, startup_timeout, log)
         router_url = start_router(procs, stub_url, model_dir, startup_timeout)
         router_port = int(router_url.rsplit(":", 1)[1])
+        targets = [("direct", port), ("router", router_port)]
+        nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+        if nginx is not None:
+            nginx_port = free_port()
+            conf = nginx_config(Path(tmp), nginx_port, port)
+            proc, log = procs.start("nginx", [nginx, "-c", str(conf), "-p", tmp])
+            wait_healthy(f"http://127.0.0.1:{nginx_port}", proc, startup_timeout, log)
+            targets.append(("nginx", nginx_port))
         results = {}
-        for which, target in (("direct", port), ("router", router_port)):
+        for which, target in targets:
             _progress(f"throughput: {concurrency} connections, {which}, {seconds:.0f} s ...")
             asyncio.run(_load(target, body, concurrency, min(2.0, seconds)))  # warm-up
             with gc_paused():
                 results[which] = asyncio.run(_load(target, body, concurrency, seconds))
     (d_ok, _, d_lat), (r_ok, r_failed, r_lat) = results["direct"], results["router"]
+    n_ok, _, n_lat = results.get("nginx", (None, 0, None))
     return ThroughputResult(concurrency, seconds, d_ok / seconds, r_ok / seconds, summary_ms(d_lat),
-                            summary_ms(r_lat), r_failed)
+                            summary_ms(r_lat), r_failed, None if n_ok is None else n_ok / seconds,
+                            None if n_lat is None else summary_ms(n_lat))
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
@@ -800,6 +845,12 @@ def print_throughput(r: ThroughputResult) -> None:
           f"{r.direct_latency['p50_ms']:.2f} | {r.direct_latency['p99_ms']:.2f} |")
     print(f"| through the router | {r.router_rps:.0f} | {r.router_latency['p50_ms']:.2f} | "
           f"{r.router_latency['p99_ms']:.2f} |")
+    if r.nginx_rps is not None and r.nginx_latency is not None:
+        print(f"| through nginx, round-robin (a C proxy's bound) | {r.nginx_rps:.0f} | "
+              f"{r.nginx_latency['p50_ms']:.2f} | {r.nginx_latency['p99_ms']:.2f} |")
+        print(f"\nthe router sustains {r.router_rps / r.nginx_rps:.2f}x nginx's requests per second")
+    else:
+        print("| through nginx | not installed (apt-get install nginx-light) | | |")
     if r.router_failed:
         print(f"\n{r.router_failed} routed requests failed")
 
