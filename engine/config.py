@@ -17,6 +17,7 @@ from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, ROLES,
 
 MIB = 1 << 20
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8")  # see engine/model/linear.py
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")  # see engine/attention.py
 
 
 @dataclass
@@ -37,7 +38,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_cache: bool = True
-    eviction_policy: str = "lru"
+    eviction_policy: str = "lru"  # or reuse: by reuse probability per workload class (engine/kv/policy.py)
+    queue_policy: str = "fcfs"  # or prefix: longest cached prefix first (engine/scheduler.py)
+    max_queue_delay_seconds: float = 5.0  # prefix queue: a request waiting this long goes first, in arrival order
     hash_algo: str = HashAlgo.XXH3.value
     hash_root: int = DEFAULT_HASH_ROOT
     role: str = "both"
@@ -47,7 +50,14 @@ class EngineConfig:
     handoff_ttl_seconds: float = 30.0  # how long a prefill's KV stays pinned for its decode pod
     transfer_timeout_seconds: float = 10.0  # a pull slower than this is abandoned: the request recomputes
     transfer_frame_blocks: int = 8  # blocks per frame served to a peer: measured best here (docs/benchmarks.md)
+    kv_host_memory_mib: float = 0  # host KV tier (engine/kv/tiers.py), a file in shared memory; 0: off
+    kv_host_path: str | None = None  # None: /dev/shm/kvmesh-kv-host-<port>.kv (a restarted process finds it)
+    kv_disk_mib: float = 0  # disk KV tier: only blocks hit again are written (write-through-selective); 0: off
+    kv_disk_path: str | None = None  # None: ~/.cache/kvmesh/kv-disk-<port>.kv (survives a full restart)
+    kv_tier_chunk_blocks: int = 16  # blocks per copy between tiers: where MB/s flattens here (docs/benchmarks.md)
+    kv_tier_cost_profile: str = "measured"  # load-or-recompute costs: measured, or gpu (engine/kv/tiers.py)
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU (engine/attention.py, docs/kernels.md)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -62,6 +72,24 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.kv_host_memory_mib < 0 or self.kv_disk_mib < 0 or self.kv_tier_chunk_blocks < 1:
+            raise ValueError("kv_host_memory_mib and kv_disk_mib must be >= 0, kv_tier_chunk_blocks >= 1")
+        from kvmesh.engine.kv.tiers import PROFILES  # torch-heavy: only when validating
+
+        if self.kv_tier_cost_profile not in PROFILES:
+            raise ValueError(f"kv_tier_cost_profile must be one of {', '.join(PROFILES)}, "
+                             f"got {self.kv_tier_cost_profile!r}")
+        from kvmesh.engine.kv.policy import POLICIES
+        from kvmesh.engine.scheduler import QUEUE_POLICIES
+
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
+        if self.queue_policy not in QUEUE_POLICIES or self.max_queue_delay_seconds < 0:
+            raise ValueError(f"queue_policy must be one of {', '.join(QUEUE_POLICIES)} and max_queue_delay_seconds "
+                             f">= 0, got {self.queue_policy!r}, {self.max_queue_delay_seconds}")
         HashAlgo(self.hash_algo)
 
 
