@@ -185,6 +185,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.transfer import add_parser as add_transfer_bench
 
     add_transfer_bench(bench)
+    from kvmesh.bench.routing import add_parser as add_cluster_bench
+
+    add_cluster_bench(bench)
     from kvmesh.bench.serve import add_parser as add_serve_bench
 
     add_serve_bench(bench)
@@ -199,6 +202,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.serve import run as run_serve_bench
 
         return run_serve_bench(args)
+    if args.bench == "cluster":
+        from kvmesh.bench.routing import run as run_cluster_bench
+
+        return run_cluster_bench(args)
     if args.bench == "transfer":
         from kvmesh.bench.transfer import run as run_transfer_bench
 

@@ -1,0 +1,216 @@
+"""`kvmesh bench cluster`: the routing study on the Mooncake conversation trace (DESIGN.md's routing targets).
+
+Mooncake's setting (FAST '25, Fig. 5): 16 prefill instances with 3 M-token caches, the prefill speed set so that
+random routing's mean TTFT is about 20 s. Every policy replays the same trace through the same simulator; kvmesh's
+is the router's own picker and prefix index (policies.RouterPolicy). Reported per policy: the token hit ratio
+against the unbounded-cache ideal, mean and p99 TTFT, and the imbalance of busy time, with kvmesh's mean TTFT
+as a ratio to each baseline's; a TTFT CDF as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvmesh.bench.machine import machine_info
+from kvmesh.bench.policies import (
+    LeastRequestPolicy,
+    OraclePolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    RouterPolicy,
+)
+from kvmesh.bench.sim import ClusterSpec, RoutingPolicy, SimRequest, SimResult, build_requests, simulate
+from kvmesh.bench.traces import MOONCAKE_TRACE, ideal_hit_ratio, load_mooncake
+from kvmesh.router.picker import PickerConfig
+
+RANDOM_TTFT_SECONDS = 20.0  # the load of the reference setting: random routing's mean TTFT (Mooncake's 19.65 s)
+PREFIX_ONLY = PickerConfig(prefix_weight=1.0, kv_weight=0.0, load_weight=0.001, ttft_weight=0.0,
+                           balance_factor=1e9)  # the longest prefix wins; load only breaks ties; no guard
+
+
+def policies(seed: int, picker: PickerConfig) -> list[RoutingPolicy]:
+    """The study's policies, kvmesh's last. `picker` is kvmesh's configuration (the router's defaults unless
+    the command was given weights)."""
+    return [
+        RandomPolicy(seed),
+        RoundRobinPolicy(),
+        LeastRequestPolicy(seed),
+        OraclePolicy(seed),
+        RouterPolicy(PREFIX_ONLY, name="prefix-only", pulls=False),
+        RouterPolicy(picker),
+    ]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One policy's numbers, and kvmesh's mean TTFT as a speed-up over it."""
+
+    policy: str
+    hit_ratio: float
+    of_ideal: float
+    pulled_ratio: float
+    mean_ttft: float
+    p99_ttft: float
+    imbalance: float
+    kvmesh_speedup: float  # this policy's mean TTFT over kvmesh's
+
+
+def calibrate(requests: Sequence[SimRequest], spec: ClusterSpec, target: float = RANDOM_TTFT_SECONDS,
+              seed: int = 0, tolerance: float = 0.02) -> float:
+    """The prefill speed (tokens/s) at which random routing's mean TTFT is `target` seconds, by bisection on
+    the speed (TTFT falls as the speed rises)."""
+    def ttft(speed: float) -> float:
+        return simulate(requests, _with_speed(spec, speed), RandomPolicy(seed)).mean_ttft
+
+    low, high = 100.0, 100.0
+    while ttft(high) > target:
+        low, high = high, high * 2
+    for _ in range(30):
+        mid = (low + high) / 2
+        got = ttft(mid)
+        if abs(got - target) <= tolerance * target:
+            return round(mid)
+        low, high = (mid, high) if got > target else (low, mid)
+    return round((low + high) / 2)
+
+
+def _with_speed(spec: ClusterSpec, speed: float) -> ClusterSpec:
+    return replace(spec, latency=replace(spec.latency, prefill_tokens_per_second=speed))
+
+
+def study(requests: Sequence[SimRequest], spec: ClusterSpec, runs: Sequence[RoutingPolicy], ideal: float,
+          progress: Callable[[int], None] | None = None) -> tuple[list[Row], list[SimResult]]:
+    """Replay `requests` once per policy; the last policy is kvmesh, the reference of the speed-ups."""
+    results = [simulate(requests, spec, policy, progress=progress) for policy in runs]
+    ours = results[-1].mean_ttft
+    rows = [Row(r.policy, r.hit_ratio, r.hit_ratio / ideal if ideal else 0.0, r.pulled_ratio, r.mean_ttft,
+                r.p99_ttft, r.imbalance, r.mean_ttft / ours if ours else 0.0) for r in results]
+    return rows, results
+
+
+def table(rows: Sequence[Row], ideal: float) -> str:
+    lines = [f"| policy | token hit ratio | of ideal ({ideal:.1%}) | pulled | mean TTFT (s) | p99 TTFT (s) | "
+             "imbalance | kvmesh faster by |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.policy} | {r.hit_ratio:.1%} | {r.of_ideal:.0%} | {r.pulled_ratio:.1%} | "
+                     f"{r.mean_ttft:.2f} | {r.p99_ttft:.2f} | {r.imbalance:.2f} | {r.kvmesh_speedup:.2f}x |")
+    return "\n".join(lines)
+
+
+def verdicts(rows: Sequence[Row]) -> dict[str, bool]:
+    """DESIGN.md's routing targets, checked on kvmesh's row against the baselines' rows of the same run."""
+    by = {r.policy: r for r in rows}
+    ours = rows[-1]
+    return {
+        "hit ratio within 90 % of ideal": ours.of_ideal >= 0.9,
+        "imbalance <= 1.1": ours.imbalance <= 1.1,
+        "mean TTFT >= 6.4x better than random": by["random"].kvmesh_speedup >= 6.4,
+        "mean TTFT >= 1.72x better than least-request": by["least-request"].kvmesh_speedup >= 1.72,
+        "better than the oracle": by["oracle (queued work)"].kvmesh_speedup > 1.0,
+    }
+
+
+def plot_cdf(results: Sequence[SimResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for result in results:
+        ttfts = np.sort(result.ttfts())
+        ax.plot(np.maximum(ttfts, 1e-2), np.arange(1, len(ttfts) + 1) / len(ttfts), label=result.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("cluster", help="routing policies on the Mooncake trace, in the cluster simulator")
+    p.add_argument("--trace", default=str(MOONCAKE_TRACE), help="a Mooncake-format JSONL trace")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--instances", type=int, default=16)
+    p.add_argument("--cache-tokens", type=int, default=3_000_000, help="KV cache per instance, in tokens")
+    p.add_argument("--prefill-speed", type=float,
+                   help="prefill tokens/s per instance; default: calibrated so random's mean TTFT is 20 s")
+    p.add_argument("--weight", action="append", default=[], metavar="NAME=VALUE",
+                   help="a picker setting for kvmesh's policy, as in the router config's `weights` (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here as JSON")
+    p.add_argument("--plot", help="write the TTFT CDF here (PNG)")
+
+
+def picker_from_flags(weights: Sequence[str]) -> PickerConfig:
+    """PickerConfig from NAME=VALUE flags, exactly as the router builds it from its config's `weights`."""
+    values: dict[str, float] = {}
+    for item in weights:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--weight {item!r}: expected NAME=VALUE")
+        try:
+            values[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--weight {item!r}: {value!r} is not a number") from None
+    try:
+        return PickerConfig(**values)
+    except TypeError:
+        raise ValueError(f"unknown picker setting in {sorted(values)}; see router/picker.py PickerConfig") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    try:
+        if args.instances < 1:
+            raise ValueError("--instances must be at least 1")
+        picker = picker_from_flags(args.weight)
+        trace = load_mooncake(args.trace, args.limit)
+        spec = ClusterSpec({"prefill": args.instances}, cache_tokens=args.cache_tokens)
+        requests = build_requests(trace)
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh bench cluster: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    speed = args.prefill_speed
+    if speed is None:
+        print(f"calibrating the prefill speed so that random's mean TTFT is {RANDOM_TTFT_SECONDS:.0f} s ...",
+              file=sys.stderr)
+        speed = calibrate(requests, spec, seed=args.seed)
+    spec = _with_speed(spec, speed)
+    ideal = ideal_hit_ratio(trace)
+    runs = policies(args.seed, picker)
+    with tqdm(total=len(requests) * len(runs), unit="req", desc="policies") as bar:
+        rows, results = study(requests, spec, runs, ideal, bar.update)
+    print(f"\n{len(requests)} requests, {args.instances} instances x {args.cache_tokens:,} cached tokens, "
+          f"prefill {speed:,.0f} tokens/s; unbounded-cache hit ratio {ideal:.1%}\n")
+    print(table(rows, ideal))
+    checks = verdicts(rows)
+    for name, ok in checks.items():
+        print(f"  {'met    ' if ok else 'NOT met'}  {name}")
+    if args.plot:
+        plot_cdf(results, Path(args.plot), f"TTFT, Mooncake trace, {args.instances} instances")
+    if args.json:
+        body: dict[str, Any] = {
+            "machine": machine_info(), "trace": args.trace, "requests": len(requests), "instances": args.instances,
+            "cache_tokens": args.cache_tokens, "prefill_tokens_per_second": speed, "ideal_hit_ratio": ideal,
+            "picker": vars(picker), "rows": [vars(r) for r in rows], "targets": checks,
+            "seconds": time.perf_counter() - started,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(body, indent=2) + "\n")
+    return 0
