@@ -27,7 +27,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (chunked prefill)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
-    p.add_argument("--eviction-policy")
+    p.add_argument("--eviction-policy", choices=["lru", "reuse"], help="lru (default) or reuse: by reuse probability")
+    p.add_argument("--queue-policy", choices=["fcfs", "prefix"], help="fcfs (default) or prefix: longest cached first")
+    p.add_argument("--max-queue-delay-seconds", type=float, help="prefix queue: the most a request is passed over")
     p.add_argument("--hash-algo", choices=["xxh3_64", "sha256_cbor_64bit"])
     p.add_argument("--role", choices=["prefill", "decode", "both"])
     p.add_argument("--threads", type=int, help="torch intra-op threads")
@@ -191,6 +193,15 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.serve import add_parser as add_serve_bench
 
     add_serve_bench(bench)
+    from kvmesh.bench.eviction import add_parser as add_eviction_bench
+
+    add_eviction_bench(bench)
+    from kvmesh.bench.queue import add_parser as add_queue_bench
+
+    add_queue_bench(bench)
+    from kvmesh.bench.shines import add_parser as add_shines_bench
+
+    add_shines_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -198,6 +209,18 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "shines":
+        from kvmesh.bench.shines import run as run_shines_bench
+
+        return run_shines_bench(args)
+    if args.bench == "eviction":
+        from kvmesh.bench.eviction import run as run_eviction_bench
+
+        return run_eviction_bench(args)
+    if args.bench == "queue":
+        from kvmesh.bench.queue import run as run_queue_bench
+
+        return run_queue_bench(args)
     if args.bench == "serve":
         from kvmesh.bench.serve import run as run_serve_bench
 
