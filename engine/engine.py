@@ -104,7 +104,8 @@ class Engine:
             on_event=self._on_kv_event,
             enable_prefix_cache=config.enable_prefix_cache,
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.queue_policy,
+                                   config.max_queue_delay_seconds)
         self.runner = self.make_runner(loaded, num_blocks)
         self.lengths = OutputLengthModel()
         self.state = EngineState(kv=self.kv.stats())

@@ -51,17 +51,31 @@ WORKLOAD_CLASSES: tuple[str, ...] = ("chat-short", "chat-long", "completion-shor
 LONG_PROMPT_TOKENS = 1024
 
 
-def workload_class(api: Literal["chat", "completion"], prompt_tokens: int, header: str | None = None) -> str:
+# Prefix reuse refines a class for eviction (a conversation's later turns come back sooner and more often than
+# its first): buckets of how many earlier requests opened with the same first OPENING_TOKENS tokens.
+OPENING_TOKENS = 1024
+PREFIX_REUSE_BUCKETS: tuple[tuple[int, str], ...] = ((0, "first"), (1, "repeat"), (3, "frequent"))
+
+
+def workload_class(
+    api: Literal["chat", "completion"], prompt_tokens: int, header: str | None = None, prefix_seen: int | None = None
+) -> str:
     """The workload class of a request, used by the forecast, eviction, the request log and the autoscaler.
 
     A client that knows its class says so in the `x-kvmesh-workload` header; otherwise the class follows from
     the API used (chat turns and raw completions have different output-length distributions) and whether the
-    prompt is long (long prompts are documents and agents; short ones are turns).
+    prompt is long (long prompts are documents and agents; short ones are turns). Given `prefix_seen` (how
+    many earlier requests shared its opening), the class is refined for eviction to `<class>/<bucket>`, one
+    of len(WORKLOAD_CLASSES) x len(PREFIX_REUSE_BUCKETS) values.
     """
     if header and header in WORKLOAD_CLASSES:
-        return header
-    size = "long" if prompt_tokens >= LONG_PROMPT_TOKENS else "short"
-    return f"{api}-{size}"
+        base = header
+    else:
+        base = f"{api}-{'long' if prompt_tokens >= LONG_PROMPT_TOKENS else 'short'}"
+    if prefix_seen is None:
+        return base
+    bucket = next(name for least, name in reversed(PREFIX_REUSE_BUCKETS) if prefix_seen >= least)
+    return f"{base}/{bucket}"
 
 
 def parse_priority(value: str | None) -> int:

@@ -5,16 +5,26 @@ request, a chunk for a prefilling one) within a per-step token budget, then admi
 what is left, taking their cached prefix first. When blocks run out, the least important running request is
 preempted: its blocks are released (full ones stay cached) and it recomputes later. It knows nothing of
 model code.
+
+The queue policy orders admission. `fcfs`: priority, then arrival. `prefix` (SGLang's longest-prefix-match,
+KVShare): priority, then the longest cached prefix, so requests that reuse what is cached go before the
+cache turns over; a request that has waited `max_queue_delay` seconds goes ahead of every one that has not,
+in arrival order, so no request waits more than that beyond what FCFS would have made it wait.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.engine.kv.blocks import KVCacheManager
+from kvmesh.engine.kv.policy import OpeningCounter
+from kvmesh.engine.protocol import workload_class
 from kvmesh.engine.request import Request, Status
+
+QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "prefix")
 
 
 @dataclass(frozen=True)
@@ -44,15 +54,34 @@ def _order(request: Request) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        queue_policy: str = "fcfs",
+        max_queue_delay: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"unknown queue policy {queue_policy!r}; known: {', '.join(QUEUE_POLICIES)}")
+        if max_queue_delay < 0:
+            raise ValueError("max_queue_delay must be >= 0")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.queue_policy = queue_policy
+        self.max_queue_delay = max_queue_delay
+        self.clock = clock
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.openings = OpeningCounter()
+        self._eviction_class: dict[str, str] = {}  # request id -> the class its blocks are freed under
 
     def add(self, request: Request) -> None:
+        if request.request_id not in self._eviction_class:  # arrival (a preempted request keeps its class)
+            self._eviction_class[request.request_id] = self._classify(request)
         request.status = Status.WAITING
         keys = [_order(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, _order(request)), request)
@@ -66,12 +95,33 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, self._eviction_class.pop(request.request_id, request.workload))
         request.status = Status.FINISHED
+
+    def _classify(self, request: Request) -> str:
+        """The request's class refined by how many earlier requests opened the same way (for eviction)."""
+        self.kv.find_prefix(request.request_id, request.token_ids, request.extra)  # hashes the prompt once
+        seq = self.kv.seqs.get(request.request_id)
+        seen = self.openings.seen(seq.hashes, self.kv.block_size) if seq is not None else None
+        # the request's class is already one of WORKLOAD_CLASSES (header or derived), so `api` is not used
+        return workload_class("completion", len(request.prompt_ids), request.workload, prefix_seen=seen)
+
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order admission tries them this step."""
+        if self.queue_policy == "fcfs":
+            return list(self.waiting)
+        now = self.clock()
+
+        def key(r: Request) -> tuple[int, bool, int, float]:
+            overdue = now - r.arrival_time >= self.max_queue_delay
+            cached = 0 if overdue else self.kv.find_prefix(r.request_id, r.token_ids, r.extra).num_tokens
+            return (-r.priority, not overdue, -cached, r.arrival_time)
+
+        return sorted(self.waiting, key=key)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, self._eviction_class.get(request.request_id, request.workload))
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -100,19 +150,20 @@ class Scheduler:
                 i += 1
         if out.preempted or out.unservable:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in self.admission_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if self.kv.blocks_for(request.num_tokens) > self.kv.pool.num_blocks:
-                self.waiting.pop(0)
+                self.waiting.remove(request)
                 out.unservable.append(request)
                 continue
             hit = self.kv.find_prefix(request.request_id, request.token_ids, request.extra)
             n = min(request.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate(request.request_id, hit.num_tokens + n, hit):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
+                request.first_scheduled_time = self.clock()
                 request.cached_tokens = min(hit.num_tokens, len(request.prompt_ids))
                 out.admitted.append(request)
             request.num_computed_tokens = hit.num_tokens

@@ -145,7 +145,7 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.append(block.block_id)
                 else:
-                    self.policy.add(block.block_id, BlockUse(workload, offset))
+                    self.policy.add(block.block_id, BlockUse(workload, offset, block.block_hash))
 
     def clear(self) -> int:
         """Forget every evictable cached block (the pool's "reset prefix cache"); used blocks stay."""

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from kvmesh.engine.protocol import OPENING_TOKENS
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class BlockUse:
 
     workload: str = ""
     offset: int = 0
+    block_hash: int | None = None
 
 
 NO_USE = BlockUse()
@@ -120,6 +123,7 @@ class ReuseModel:
 class _Idle:
     since: float
     offset: int
+    block_hash: int | None
 
 
 class ReusePolicy:
@@ -132,9 +136,13 @@ class ReusePolicy:
     recent victims had been idle: a block idle for less has about that long left before its turn.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, memory: float = 2000.0) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, memory: float = 2000.0,
+                 ghost_factor: float = 2.0) -> None:
         self.clock = clock
         self.memory = memory
+        self.ghost_factor = ghost_factor
+        self._ghosts: OrderedDict[int, tuple[str, float]] = OrderedDict()  # evicted hash -> (class, idle since)
+        self._most = 0
         self.pooled = ReuseModel(memory)
         self.models: dict[str, ReuseModel] = {}
         self.queues: dict[str, OrderedDict[int, _Idle]] = {}
@@ -152,8 +160,14 @@ class ReusePolicy:
         if block_id in self._class_of:
             raise AssertionError(f"block {block_id} is already evictable")
         self.model(use.workload)
-        self.queues[use.workload][block_id] = _Idle(self.clock(), use.offset)
+        now = self.clock()
+        ghost = None if use.block_hash is None else self._ghosts.pop(use.block_hash, None)
+        if ghost is not None:  # evicted, recomputed: a reuse the cache missed
+            self.models[ghost[0]].observe_hit(now - ghost[1])
+            self.pooled.observe_hit(now - ghost[1])
+        self.queues[use.workload][block_id] = _Idle(now, use.offset, use.block_hash)
         self._class_of[block_id] = use.workload
+        self._most = max(self._most, len(self._class_of))
 
     def remove(self, block_id: int) -> None:
         """A cached block is hit again: a reuse gap for its class."""
@@ -179,8 +193,12 @@ class ReusePolicy:
         workload = best[2]
         block_id, idle = self.queues[workload].popitem(last=False)
         del self._class_of[block_id]
-        self.models[workload].observe_miss()
-        self.pooled.observe_miss()
+        if idle.block_hash is not None:
+            self._ghosts[idle.block_hash] = (workload, idle.since)
+        while len(self._ghosts) > self.ghost_factor * self._most:
+            ghost_class, _ = self._ghosts.popitem(last=False)[1]
+            self.models[ghost_class].observe_miss()
+            self.pooled.observe_miss()
         age = now - idle.since
         self.lifetime = age if math.isinf(self.lifetime) else 0.99 * self.lifetime + 0.01 * age
         return block_id
@@ -190,6 +208,28 @@ class ReusePolicy:
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._class_of
+
+
+class OpeningCounter:
+    """How many earlier requests opened with the same first `opening_tokens` tokens: the prefix-reuse signal of
+    `workload_class`. Counts what was seen, not what is still cached, so an eviction cannot change a class.
+    Keeps the `capacity` most recent openings (bounded memory)."""
+
+    def __init__(self, opening_tokens: int = OPENING_TOKENS, capacity: int = 1 << 16) -> None:
+        self.opening_tokens = opening_tokens
+        self.capacity = capacity
+        self._counts: OrderedDict[int, int] = OrderedDict()
+
+    def seen(self, block_hashes: Sequence[int], block_size: int) -> int | None:
+        """Earlier requests with the same opening, and count this one; None when no block is full yet."""
+        if not block_hashes:
+            return None
+        key = block_hashes[min(len(block_hashes), max(1, self.opening_tokens // block_size)) - 1]
+        count = self._counts.pop(key, 0)
+        self._counts[key] = count + 1
+        if len(self._counts) > self.capacity:
+            self._counts.popitem(last=False)
+        return count
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "reuse": ReusePolicy}
