@@ -11,6 +11,8 @@ from pathlib import Path
 
 import uvicorn
 
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.server import EngineHolder, create_app
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 from kvmesh.router.app import Router, create_router_app
 
@@ -58,3 +60,23 @@ def serve_router(router: Router) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def serve_engine(engine: Engine) -> Iterator[str]:
+    """`engine` (started here) behind the engine's own HTTP app, in a daemon thread of this process; yields its URL
+    once healthy, and stops both at the end. For in-process engines such as simulated ones."""
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout=60)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()

@@ -4,13 +4,8 @@ time: the latency model's arithmetic is checked as arithmetic, and most tests ru
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.bench.sim_engine import PROFILES, LatencyModel, sim_config
@@ -21,8 +16,8 @@ from kvmesh.engine.protocol import HashAlgo, block_hashes
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.runner import StepInput
 from kvmesh.engine.sampling import SamplingParams
-from kvmesh.engine.server import EngineHolder, create_app
-from kvmesh.processes import free_port, wait_healthy
+
+from .engines import serve_engine
 
 FREE = LatencyModel(0.0, 0.0, 0.0, 0.0, 1e15)  # every step takes no modelled time
 
@@ -125,29 +120,10 @@ def test_profile_sets_block_bytes_and_default_kv_budget() -> None:
     assert engine.max_model_len == 131072
 
 
-@contextmanager
-def serve(engine: Engine) -> Iterator[str]:
-    """`engine` behind the engine's own HTTP app, in a thread of this process."""
-    engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine)), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout=60)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.stop()
-
-
 def test_http_api_usage_events_and_a_pull_between_simulated_pods() -> None:
     prompt = list(range(4000, 4100))
     body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
-    with serve(sim()) as a, serve(sim()) as b, httpx.Client(timeout=60) as client:
+    with serve_engine(sim()) as a, serve_engine(sim()) as b, httpx.Client(timeout=60) as client:
         assert client.get(f"{a}/v1/kv/config").json()["block_bytes"] == 737280  # SmolLM2's shape, fp32
         first = client.post(f"{a}/v1/completions", json=body).json()
         again = client.post(f"{a}/v1/completions", json=body).json()
