@@ -21,6 +21,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
     p.add_argument("--quantization", choices=["none", "int8"], help="int8: int8 weights and activations (CPU)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
+                   help="auto (default): the Triton kernels on CUDA, torch on CPU")
     p.add_argument("--block-size", type=int)
     p.add_argument("--kv-cache-memory-mib", type=int, help="device KV cache budget in MiB (default 512)")
     p.add_argument("--max-num-seqs", type=int)
@@ -181,6 +183,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the engine's quantization; the transformers baseline gets the same (dynamic int8)")
     e.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     e.add_argument("--json", help="write the results here as JSON")
+    k = bench.add_parser("kernels", help="Triton kernels: correctness, decode GB/s beside copy bandwidth and SDPA")
+    from kvmesh.engine.kernels.bench import add_arguments as add_kernel_bench_arguments
+
+    add_kernel_bench_arguments(k)
     from kvmesh.bench.router import add_parser as add_router_bench
 
     add_router_bench(bench)
@@ -229,6 +235,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.routing import run as run_cluster_bench
 
         return run_cluster_bench(args)
+    if args.bench == "kernels":
+        from kvmesh.engine.kernels.bench import run as run_kernel_bench
+
+        return run_kernel_bench(args)
     if args.bench == "transfer":
         from kvmesh.bench.transfer import run as run_transfer_bench
 
