@@ -45,13 +45,13 @@ def test_aging_bound_admits_a_passed_over_request_within_the_bound() -> None:
 def test_prefix_queue_serves_cached_prefixes_first() -> None:
     kv = KVCacheManager(256, 16)
     scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=4096, queue_policy="prefix", clock=lambda: 0.0)
-    warm = Request("warm", list(HOT[:512]) + [1], SamplingParams(max_tokens=1), arrival_time=0.0)
+    warm = Request("warm", [*HOT[:512], 1], SamplingParams(max_tokens=1), arrival_time=0.0)
     scheduler.add(warm)
     scheduler.schedule()
     kv.commit("warm", warm.token_ids, warm.num_tokens)
     scheduler.remove(warm)
     cold = Request("cold", list(range(7000, 7600)), SamplingParams(max_tokens=1), arrival_time=0.0)
-    hot = Request("hot", list(HOT[:512]) + [2, 3], SamplingParams(max_tokens=1), arrival_time=0.0)
+    hot = Request("hot", [*HOT[:512], 2, 3], SamplingParams(max_tokens=1), arrival_time=0.0)
     scheduler.add(cold)
     scheduler.add(hot)  # arrived later (same time, added after): FCFS would take cold first
     assert [r.request_id for r in scheduler.admission_order()] == ["hot", "cold"]

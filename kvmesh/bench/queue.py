@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     fcfs = results[0]
     print(f"{w.requests} requests at {w.rate}/s, {w.groups} shared prefixes of {w.prefix_tokens} tokens; "
           f"aging bound {args.max_queue_delay} s; simulated clock\n")
-    print("| queue | TTFT mean (s) | TTFT p99 (s) | worst wait (s) | worst wait beyond FCFS (s) | cached | vs FCFS mean |")
+    print("| queue | TTFT mean (s) | TTFT p99 (s) | worst wait (s) | worst wait beyond FCFS (s) | cached "
+          "| vs FCFS mean |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r.policy} | {r.ttft_mean:.2f} | {r.ttft_p99:.2f} | {r.wait_max:.2f} | {r.extra_wait_max:.2f} | "
