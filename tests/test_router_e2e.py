@@ -210,6 +210,43 @@ def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], 
         assert "kvmesh_router_pulls_total 1.0" in httpx.get(url + "/metrics").text
 
 
+def test_a_removed_event_changes_the_next_choice(router: tuple[str, Router], engines: list[str]) -> None:
+    """A prefix held by one pod draws its requests there for the prefix; once that pod evicts it (its `removed`
+    events reach the router), the next choice no longer counts on it: no cached tokens predicted anywhere, and
+    the prefix is not what decides."""
+    url, r = router
+    holder = engines[1]
+    prompt = tokens(901, 160)
+    info = r.request_info(CompletionRequest.model_validate({"prompt": [*prompt, 1]}), 0)
+    complete(holder, [*prompt, 1])  # straight to the engine: only its stored events tell the router
+
+    def held_by_holder() -> int:
+        match = r.index.match(info.block_hashes, [holder])
+        return match[holder].blocks if holder in match else 0
+
+    deadline = time.monotonic() + 15
+    while held_by_holder() < 10 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before = r.decide(info, set())
+    assert (before.pod.name, before.reason, before.predicted_cached_tokens) == (holder, "prefix", 160)
+    routed = complete(url, [*prompt, 2])
+    assert routed.headers["x-kvmesh-pod"] == holder
+    assert routed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+
+    blocks = httpx.get(holder + "/v1/kv/config").json()["num_device_blocks"]
+    for k in range(blocks * 16 // 900 + 4):  # more distinct tokens than the holder's whole cache: all evicted
+        complete(holder, tokens(1000 + k, 900))
+    deadline = time.monotonic() + 15
+    while held_by_holder() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held_by_holder() == 0, "the holder's removed events never reached the router"
+    after = r.decide(info, set())
+    assert after.predicted_cached_tokens == 0 and after.reason != "prefix"
+    reply = complete(url, [*prompt, 3])
+    assert reply.headers["x-kvmesh-predicted-cached-tokens"] == "0"
+    assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_a_drained_pod_gets_no_new_requests(router: tuple[str, Router], engines: list[str]) -> None:
     """Last in the module: draining cannot be undone."""
     url, _ = router
