@@ -39,6 +39,7 @@ ROLE_REPLICAS = ("both", "prefill", "decode")
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+BUNDLED = "bundled"  # model.source naming the image's bundled model
 
 
 def _package_version() -> str:
@@ -156,9 +157,11 @@ def _with_rules(schema: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str,
 def spec_schema() -> dict[str, Any]:
     """The OpenAPI v3 schema of `spec` (structural, with defaults and CEL rules)."""
     model = _obj({
-        "source": _str("where the weights come from: a Hugging Face directory or a .gguf file on the engine's "
-                       "volume, or `bundled` for the image's SmolLM2-135M-Instruct", minLength=1),
+        "source": _str("where the weights come from: a Hugging Face directory or a .gguf file (under /models when "
+                       "volumeClaim is set), or `bundled` for the image's SmolLM2-135M-Instruct", minLength=1),
         "name": _str("the model name clients send (default: the source's name)", minLength=1, maxLength=256),
+        "volumeClaim": _str("a PersistentVolumeClaim holding the weights, mounted read-only at /models",
+                            pattern=DNS_LABEL),
         "dtype": _enum("weights and KV dtype", DTYPES, "auto"),
         "quantization": _enum("int8: int8 weights and activations (CPU)", QUANTIZATIONS, "none"),
     }, ("source",), description="the model every engine of the pool serves")

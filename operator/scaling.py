@@ -271,3 +271,11 @@ def decide(obs: PoolObservation, policy: ScalingPolicy, history: Sequence[Recomm
         before = [r for r in mine if r.at < start][-1:]  # the newest one before the window: proof it is covered
         new_history += [*before, *(r for r in mine if r.at >= start), recommendation]
     return Decision(obs.now, roles, tuple(new_history))
+
+
+def scale_in_order(pods: Mapping[str, tuple[float, int]]) -> dict[str, int]:
+    """Pod-deletion costs for a role that shrinks (Kubernetes removes the lowest first), from each pod's
+    (cached prompt tokens it served per second lately, requests in flight): the pod whose cache is worth least
+    goes first, and among equals the one with the fewest streams to drain."""
+    ranked = sorted(pods, key=lambda name: (pods[name][0], pods[name][1], name))
+    return {name: rank for rank, name in enumerate(ranked)}

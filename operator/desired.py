@@ -1,0 +1,371 @@
+"""The objects an InferencePool should own: a pure function of the pool and the replicas decided for it.
+
+One Deployment per engine role (one for an aggregated pool), a headless Service in front of the engines (the
+router discovers them through its EndpointSlices), the router's Deployment and Service, a ConfigMap holding the
+`engine` and `router` files that `kvmesh serve --config` and `kvmesh router --config` read (DESIGN.md contract
+0), a PodDisruptionBudget per Deployment, the router's ServiceAccount, Role and RoleBinding, and, as asked,
+HorizontalPodAutoscalers and a Gateway API Inference Extension InferencePool. Every pod runs as non-root on a
+read-only root filesystem with probes and resource requests, carries the contract-0 labels, and every object
+names the pool as its controlling owner so that Kubernetes' garbage collector removes it with the pool.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
+from kvmesh.operator import rbac
+from kvmesh.operator.crd import API_VERSION, BUNDLED, KIND, Pool
+
+COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
+CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
+CONFIG_DIR = "/etc/kvmesh"
+MODELS_DIR = "/models"
+CACHE_DIR = "/var/cache/kvmesh"  # converted models (KVMESH_CACHE_DIR): the root filesystem is read-only
+HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outlives an engine restart
+DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
+RUN_AS = 65532  # the image's non-root user
+GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
+DATABASE_URL_ENV = "KVMESH_DATABASE_URL"
+
+# camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
+ENGINE_SETTINGS = {"blockSize": "block_size", "hashAlgo": "hash_algo", "kvCacheMemoryMiB": "kv_cache_memory_mib",
+                   "maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
+                   "maxModelLen": "max_model_len", "enablePrefixCache": "enable_prefix_cache"}
+
+
+# ---- names, labels, owners ---------------------------------------------------------------------------------------
+
+
+def engine_name(pool: Pool, role: str) -> str:
+    return f"{pool.name}-{role}"
+
+
+def router_name(pool: Pool) -> str:
+    return f"{pool.name}-router"
+
+
+def engines_service_name(pool: Pool) -> str:
+    return f"{pool.name}-engines"
+
+
+def config_name(pool: Pool) -> str:
+    return f"{pool.name}-config"
+
+
+def router_address(pool: Pool) -> str:
+    return f"http://{router_name(pool)}.{pool.namespace}.svc:{pool.spec['router']['port']}"
+
+
+def labels(pool: Pool, role: str) -> dict[str, str]:
+    """Contract 0's labels, plus the recommended app.kubernetes.io ones."""
+    return {POOL_LABEL: pool.name, ROLE_LABEL: role, COMPONENT_LABEL: "router" if role == "router" else "engine",
+            "app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/instance": pool.name,
+            "app.kubernetes.io/managed-by": "kvmesh-operator"}
+
+
+def selector(pool: Pool, role: str) -> dict[str, str]:
+    return {POOL_LABEL: pool.name, ROLE_LABEL: role}
+
+
+def owner_reference(pool: Pool) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": pool.name, "uid": pool.uid, "controller": True,
+            "blockOwnerDeletion": True}
+
+
+def _meta(pool: Pool, name: str, object_labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": pool.namespace, "labels": object_labels,
+            "ownerReferences": [owner_reference(pool)]}
+
+
+# ---- configuration files ---------------------------------------------------------------------------------------------
+
+
+def _model_path(pool: Pool) -> str | None:
+    source = pool.spec["model"]["source"]
+    return None if source == BUNDLED else source
+
+
+def engine_settings(pool: Pool) -> dict[str, Any]:
+    """The `engine` section of the engines' file (the engine's own key names); the role comes as a flag."""
+    spec, model = pool.spec["engine"], pool.spec["model"]
+    out: dict[str, Any] = {"host": "0.0.0.0", "port": spec["port"], "dtype": model["dtype"],
+                           "quantization": model["quantization"],
+                           "forecast_horizon_seconds": pool.spec["scaling"]["horizonSeconds"]}
+    if _model_path(pool):
+        out["model"] = _model_path(pool)
+    if "name" in model:
+        out["served_model_name"] = model["name"]
+    out.update({ENGINE_SETTINGS[k]: v for k, v in spec.items() if k in ENGINE_SETTINGS})
+    out.update(spec.get("settings") or {})
+    return out
+
+
+def router_settings(pool: Pool) -> dict[str, Any]:
+    """The `router` section of the router's file: Kubernetes discovery of this pool's engines, and the hashing
+    settings the engines use (a router refuses pods whose settings differ)."""
+    spec, engine, scaling = pool.spec["router"], pool.spec["engine"], pool.spec["scaling"]
+    out: dict[str, Any] = {"host": "0.0.0.0", "port": spec["port"], "pool": pool.name, "discovery": "kubernetes",
+                           "namespace": pool.namespace, "block_size": engine["blockSize"],
+                           "hash_algo": engine["hashAlgo"]}
+    if _model_path(pool):
+        out["model"] = _model_path(pool)
+    if "weights" in spec:
+        out["weights"] = dict(spec["weights"])
+    if "ttftSeconds" in scaling["slo"]:
+        out["ttft_slo_seconds"] = scaling["slo"]["ttftSeconds"]
+    if "databaseUrl" in pool.spec["store"]:
+        out["database_url"] = pool.spec["store"]["databaseUrl"]
+    out.update(spec.get("settings") or {})
+    return out
+
+
+def config_files(pool: Pool) -> dict[str, str]:
+    return {"engine.yaml": yaml.safe_dump({"engine": engine_settings(pool)}, sort_keys=True),
+            "router.yaml": yaml.safe_dump({"router": router_settings(pool)}, sort_keys=True)}
+
+
+def config_hash(pool: Pool) -> str:
+    return hashlib.sha256(json.dumps(config_files(pool), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- pods ------------------------------------------------------------------------------------------------------------
+
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                      "capabilities": {"drop": ["ALL"]}}
+
+# preStop: ask the engine to drain (contract 0) and wait until its running and queued requests are done, so a
+# scale-in or a rollout cuts no stream; the router stops sending on the 503 /health or the terminating slice.
+DRAIN_SCRIPT = """import json, time, urllib.request as u
+end = time.time() + {seconds}
+while time.time() < end:
+    r = json.load(u.urlopen(u.Request("http://127.0.0.1:{port}{path}", method="POST"), timeout=5))
+    if r["running"] + r["waiting"] == 0:
+        break
+    time.sleep(1)
+"""
+
+
+def _volumes(pool: Pool, engine: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_name(pool)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    if "volumeClaim" in pool.spec["model"]:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pool.spec["model"]["volumeClaim"],
+                                                                    "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    host_tier = pool.spec["engine"]["hostTierMiB"]
+    if engine and host_tier:
+        volumes.append({"name": "host-tier", "emptyDir": {"medium": "Memory", "sizeLimit": f"{host_tier}Mi"}})
+        mounts.append({"name": "host-tier", "mountPath": HOST_TIER_DIR})
+    return volumes, mounts
+
+
+def _env() -> list[dict[str, Any]]:
+    return [{"name": "KVMESH_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"}]
+
+
+def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool,
+                  service_account: str | None = None) -> dict[str, Any]:
+    volumes, mounts = _volumes(pool, engine)
+    container = {**container, "volumeMounts": mounts, "securityContext": CONTAINER_SECURITY,
+                 "imagePullPolicy": pool.spec["engine"]["imagePullPolicy"]}
+    spec: dict[str, Any] = {"securityContext": POD_SECURITY, "containers": [container], "volumes": volumes,
+                            "enableServiceLinks": False}
+    if service_account:
+        spec["serviceAccountName"] = service_account
+    else:
+        spec["automountServiceAccountToken"] = False
+    if engine:
+        spec["terminationGracePeriodSeconds"] = DRAIN_SECONDS + 30
+    return {"metadata": {"labels": labels(pool, role), "annotations": {CONFIG_HASH_ANNOTATION: config_hash(pool)}},
+            "spec": spec}
+
+
+def _probes(port: str = "http") -> dict[str, Any]:
+    """Ready while /health answers 200 (not while loading or draining); alive while the port accepts; the
+    startup probe gives a model several minutes to load before liveness counts."""
+    return {
+        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2, "failureThreshold": 2},
+        "livenessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 10, "failureThreshold": 3},
+        "startupProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2, "failureThreshold": 300},
+    }
+
+
+def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
+    spec = pool.spec["engine"]
+    container = {
+        "name": "engine",
+        "image": spec["image"],
+        "command": ["kvmesh", "serve", "--config", f"{CONFIG_DIR}/engine.yaml", "--role", role],
+        "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
+        "env": _env(),
+        "resources": copy.deepcopy(spec["resources"]),
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "python", "-c", DRAIN_SCRIPT.format(seconds=DRAIN_SECONDS, port=spec["port"], path=DRAIN_PATH)]}}},
+        **_probes(),
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(pool, engine_name(pool, role), labels(pool, role)),
+        "spec": {"replicas": replicas, "selector": {"matchLabels": selector(pool, role)},
+                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                 "template": _pod_template(pool, role, container, engine=True)},
+    }
+
+
+def router_deployment(pool: Pool) -> dict[str, Any]:
+    spec = pool.spec["router"]
+    command = ["kvmesh", "router", "--config", f"{CONFIG_DIR}/router.yaml"]
+    env = _env()
+    secret = pool.spec["store"].get("databaseUrlSecret")
+    if secret:  # the URL carries a password: from the Secret, expanded by the kubelet into the flag
+        env.append({"name": DATABASE_URL_ENV, "valueFrom": {"secretKeyRef": dict(secret)}})
+        command += ["--database-url", f"$({DATABASE_URL_ENV})"]
+    container = {
+        "name": "router",
+        "image": spec.get("image") or pool.spec["engine"]["image"],
+        "command": command,
+        "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
+        "env": env,
+        "resources": copy.deepcopy(spec["resources"]),
+        **_probes(),
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(pool, router_name(pool), labels(pool, "router")),
+        "spec": {"replicas": spec["replicas"], "selector": {"matchLabels": selector(pool, "router")},
+                 "template": _pod_template(pool, "router", container, engine=False,
+                                           service_account=router_name(pool))},
+    }
+
+
+# ---- the rest ----------------------------------------------------------------------------------------------------
+
+
+def config_map(pool: Pool) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(pool, config_name(pool), {POOL_LABEL: pool.name}), "data": config_files(pool)}
+
+
+def engines_service(pool: Pool) -> dict[str, Any]:
+    """Headless: its EndpointSlices list every engine pod, which the router reads. The slices inherit these
+    labels: the pool label, and no role label, so the router's `role!=router` selector keeps them."""
+    port = pool.spec["engine"]["port"]
+    meta_labels = {POOL_LABEL: pool.name, COMPONENT_LABEL: "engine"}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, engines_service_name(pool), meta_labels),
+            "spec": {"clusterIP": "None", "selector": {POOL_LABEL: pool.name, COMPONENT_LABEL: "engine"},
+                     "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def router_service(pool: Pool) -> dict[str, Any]:
+    port = pool.spec["router"]["port"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, router_name(pool), labels(pool, "router")),
+            "spec": {"type": "ClusterIP", "selector": selector(pool, "router"),
+                     "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def router_rbac(pool: Pool) -> list[dict[str, Any]]:
+    name, meta_labels = router_name(pool), labels(pool, "router")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, name, meta_labels)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, name, meta_labels),
+         "rules": [p.rule() for p in rbac.ROUTER]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _meta(pool, name, meta_labels),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}]},
+    ]
+
+
+def disruption_budget(pool: Pool, role: str) -> dict[str, Any]:
+    name = router_name(pool) if role == "router" else engine_name(pool, role)
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(pool, name, labels(pool, role)),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(pool, role)}}}
+
+
+def hpa_level(overload_probability: float) -> str:
+    """The forecast level an HPA targets: the quantile closest to the pool's overload threshold."""
+    return "p99" if overload_probability <= 0.03 else "p90" if overload_probability <= 0.3 else "p50"
+
+
+def autoscaler(pool: Pool, role: str) -> dict[str, Any]:
+    """An HPA on each pod's forecast KV usage, served by a custom-metrics adapter (prometheus-adapter) from the
+    engines' own metric: Kubernetes then scales on predicted, not current, utilization."""
+    low, high = pool.bounds(role)
+    scaling = pool.spec["scaling"]
+    target = f"{round(scaling['targetUtilization'] * 1000)}m"
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(pool, engine_name(pool, role), labels(pool, role)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(pool, role)},
+            "minReplicas": max(1, low), "maxReplicas": high,
+            "metrics": [{"type": "Pods", "pods": {
+                "metric": {"name": Metric.FORECAST_USAGE,
+                           "selector": {"matchLabels": {"level": hpa_level(scaling["overloadProbability"])}}},
+                "target": {"type": "AverageValue", "averageValue": target}}}],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": int(scaling["scaleUpStabilizationSeconds"])},
+                "scaleDown": {"stabilizationWindowSeconds": int(scaling["scaleDownStabilizationSeconds"])}},
+        },
+    }
+
+
+def gateway_pool(pool: Pool) -> dict[str, Any]:
+    """A Gateway API Inference Extension InferencePool over the same engines, naming the router's Service as the
+    endpoint picker."""
+    return {"apiVersion": GATEWAY_API_VERSION, "kind": "InferencePool",
+            "metadata": _meta(pool, pool.name, {POOL_LABEL: pool.name}),
+            "spec": {"selector": {"matchLabels": {POOL_LABEL: pool.name, COMPONENT_LABEL: "engine"}},
+                     "targetPorts": [{"number": pool.spec["engine"]["port"]}],
+                     "endpointPickerRef": {"name": router_name(pool), "kind": "Service",
+                                           "port": {"number": pool.spec["router"]["port"]},
+                                           "failureMode": "FailClose"}}}
+
+
+def initial_replicas(pool: Pool) -> dict[str, int]:
+    return {role: pool.bounds(role)[0] for role in pool.roles}
+
+
+def desired_objects(pool: Pool, replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """Every object the pool owns, in the order to create them (configuration and identities before the pods
+    that use them). `replicas` per engine role, bounded by the spec; missing roles start at their minimum."""
+    wanted = initial_replicas(pool) | dict(replicas or {})
+    objects: list[dict[str, Any]] = [config_map(pool), *router_rbac(pool), engines_service(pool),
+                                     router_service(pool)]
+    for role in pool.roles:
+        low, high = pool.bounds(role)
+        objects.append(engine_deployment(pool, role, min(max(wanted[role], low), high)))
+        objects.append(disruption_budget(pool, role))
+        if pool.spec["scaling"]["mode"] == "hpa":
+            objects.append(autoscaler(pool, role))
+    objects += [router_deployment(pool), disruption_budget(pool, "router")]
+    if pool.spec["gatewayInferencePool"]["enabled"]:
+        objects.append(gateway_pool(pool))
+    return objects
+
+
+def patch_body(pool: Pool, obj: dict[str, Any]) -> dict[str, Any]:
+    """What to patch onto an existing object: all of it, except engine replicas when HPAs own them (the
+    operator must not fight the user's autoscaler)."""
+    if pool.spec["scaling"]["mode"] == "hpa" and obj["kind"] == "Deployment" and \
+            obj["metadata"]["labels"].get(ROLE_LABEL) != "router":
+        obj = copy.deepcopy(obj)
+        del obj["spec"]["replicas"]
+    return obj

@@ -1,0 +1,150 @@
+"""What the scaler observes, read from the engines' /metrics (DESIGN.md contract 3).
+
+Each engine exports its own KV forecast; the operator re-derives none of it. What no pod knows is the pool's
+traffic: the operator estimates the arrival rate, its trend, and the mean request (blocks held, time held,
+uncached prompt and output tokens) from the engines' counters between two scrapes. Arrivals are counted by
+conservation: requests finished plus the growth of those running or waiting.
+
+Pure: `parse_pod` reads one exposition text, `TrafficEstimator` turns successive pool totals into rates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.engine.protocol import FORECAST_LEVELS, Metric, VllmMetric
+from kvmesh.operator.scaling import PodObservation
+
+_GAUGES = {
+    VllmMetric.KV_USAGE: "usage",
+    VllmMetric.RUNNING: "running",
+    VllmMetric.WAITING: "waiting",
+    Metric.FORECAST_OVERLOAD: "overload_probability",
+    Metric.PREFILL_THROUGHPUT: "prefill_tokens_per_second",
+    Metric.DECODE_STEP_SECONDS: "decode_step_seconds",
+}
+_COUNTERS = {  # name as exposed -> Counters field
+    f"{VllmMetric.E2E}_count": "finished",
+    f"{VllmMetric.E2E}_sum": "finished_seconds",
+    f"{VllmMetric.PROMPT_TOKENS}_total": "prompt_tokens",
+    f"{VllmMetric.GENERATION_TOKENS}_total": "output_tokens",
+    f"{VllmMetric.PREFIX_HITS}_total": "cached_tokens",
+}
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A pod's (or the pool's) cumulative counters and its requests in flight."""
+
+    finished: float = 0.0
+    finished_seconds: float = 0.0
+    prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
+    cached_tokens: float = 0.0
+    in_flight: float = 0.0
+
+    def __add__(self, other: Counters) -> Counters:
+        return Counters(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
+
+    def astuple(self) -> tuple[float, ...]:
+        return (self.finished, self.finished_seconds, self.prompt_tokens, self.output_tokens, self.cached_tokens,
+                self.in_flight)
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    observation: PodObservation
+    counters: Counters
+    block_size: int
+
+
+def parse_pod(name: str, role: str, text: str) -> PodMetrics:
+    """One engine's /metrics text as the scaler's observation and the counters the traffic estimate needs."""
+    values: dict[str, float] = {}
+    forecast: dict[str, float] = {}
+    counters: dict[str, float] = {}
+    num_blocks, block_size = 0, 16
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _GAUGES:
+                values[_GAUGES[sample.name]] = sample.value
+            elif sample.name in _COUNTERS:
+                counters[_COUNTERS[sample.name]] = sample.value
+            elif sample.name == Metric.FORECAST_USAGE and sample.labels.get("level") in FORECAST_LEVELS:
+                forecast[sample.labels["level"]] = sample.value
+            elif sample.name == VllmMetric.CACHE_CONFIG:
+                num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
+                block_size = int(float(sample.labels.get("block_size", 16)))
+    running, waiting = int(values.pop("running", 0)), int(values.pop("waiting", 0))
+    observation = PodObservation(name=name, role=role, num_blocks=num_blocks, forecast=forecast, running=running,
+                                 waiting=waiting, **values)
+    return PodMetrics(observation, Counters(**counters, in_flight=running + waiting), block_size)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The pool's recent traffic, as PoolObservation wants it."""
+
+    arrival_rate: float = 0.0
+    arrival_rate_slope: float = 0.0
+    blocks_per_request: float = 0.0
+    request_seconds: float = 0.0
+    uncached_prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
+
+
+@dataclass
+class TrafficEstimator:
+    """Rates from successive pool totals. A pod that restarts (its counters fall) or leaves makes a total fall:
+    that interval is skipped rather than read as negative traffic. The trend is a least-squares slope over the
+    last `trend_points` rates."""
+
+    trend_points: int = 6
+    _last: tuple[float, frozenset[str], Counters] | None = None
+    _rates: deque[tuple[float, float]] = field(default_factory=deque)
+    _traffic: Traffic = field(default_factory=Traffic)
+
+    def update(self, now: float, pods: Iterable[tuple[str, Counters]], block_size: int) -> Traffic:
+        pods = list(pods)
+        names = frozenset(name for name, _ in pods)
+        total = sum((c for _, c in pods), Counters())
+        last, self._last = self._last, (now, names, total)
+        if last is None or last[1] != names or now <= last[0]:
+            return self._traffic
+        dt = now - last[0]
+        d = Counters(*(a - b for a, b in zip(total.astuple(), last[2].astuple(), strict=True)))
+        if min(d.finished, d.prompt_tokens, d.output_tokens, d.cached_tokens) < 0:
+            return self._traffic
+        arrived = max(0.0, d.finished + d.in_flight)
+        rate = arrived / dt
+        self._rates.append((now, rate))
+        while len(self._rates) > self.trend_points:
+            self._rates.popleft()
+        previous = self._traffic
+        if d.finished > 0:
+            prompt, output = d.prompt_tokens / d.finished, d.output_tokens / d.finished
+            per_request = Traffic(blocks_per_request=math.ceil((prompt + output) / block_size),
+                                  request_seconds=d.finished_seconds / d.finished,
+                                  uncached_prompt_tokens=max(0.0, prompt - d.cached_tokens / d.finished),
+                                  output_tokens=output)
+        else:
+            per_request = previous
+        self._traffic = Traffic(rate, _slope(list(self._rates)), per_request.blocks_per_request,
+                                per_request.request_seconds, per_request.uncached_prompt_tokens,
+                                per_request.output_tokens)
+        return self._traffic
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float:
+    if len(points) < 3:
+        return 0.0
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_r = sum(r for _, r in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (r - mean_r) for t, r in points) / var if var else 0.0

@@ -1,0 +1,371 @@
+"""The kopf operator: read a pool, call the pure functions (crd, desired, forecast, scaling), apply, report.
+
+Reconciling (create, update, resume): parse the pool, compute its objects, apply each by create-then-patch
+(an object that exists answers 409 to the create and is merge-patched), and write status. A bad spec sets
+Degraded/InvalidSpec and waits for the next change; a failing API call sets Degraded/ApiError and kopf retries
+with exponential backoff. Neither raises out of a handler uncaught, so the operator never crash-loops.
+
+Scaling: a timer per pool scrapes its engine pods' /metrics, estimates the pool's traffic, asks
+`scaling.decide`, and (unless HPAs own the replicas) patches each Deployment's replicas, marks the pods worth
+least for deletion first, and posts an Event with the reason. Kubernetes calls go through the official client
+in kopf's handler threads; kopf itself watches the pools.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import httpx
+import kopf
+from kubernetes import client
+from kubernetes.client import Configuration
+from kubernetes.client.exceptions import ApiException
+
+from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
+from kvmesh.operator import desired
+from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
+from kvmesh.operator.forecast import PodMetrics, TrafficEstimator, parse_pod
+from kvmesh.operator.scaling import (
+    Decision,
+    PoolObservation,
+    Recommendation,
+    ScalingPolicy,
+    decide,
+    scale_in_order,
+)
+
+log = logging.getLogger("kvmesh.operator")
+
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+BACKOFF_MAX_SECONDS = 120.0
+SCRAPE_TIMEOUT_SECONDS = 2.0
+PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Role": "roles",
+           "RoleBinding": "rolebindings", "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
+           "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods"}
+
+
+# ---- the API edge ------------------------------------------------------------------------------------------------
+
+
+class Kube:
+    """The operator's few API calls, by apiVersion and plural, through the official client's transport."""
+
+    def __init__(self, configuration: Configuration) -> None:
+        self.api = client.ApiClient(configuration)
+
+    @staticmethod
+    def path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:
+        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        return f"{base}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+
+    def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+              content_type: str = "application/json") -> Any:
+        """One request; the answer's JSON, or ApiException for any status outside 2xx."""
+        request = self.api.param_serialize(method, path, query_params=query or [], body=body,
+                                           header_params={"Accept": "application/json", "Content-Type": content_type},
+                                           auth_settings=["BearerToken"])
+        response = self.api.call_api(*request, _request_timeout=10)
+        data = response.read()
+        if not 200 <= response.status < 300:
+            raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
+        return json.loads(data) if data else {}
+
+    def apply(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> str:
+        """Create `obj`; if it exists, merge-patch `patch` onto it. Returns "created" or "patched"."""
+        meta = obj["metadata"]
+        collection = self.path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"])
+        try:
+            self._call("POST", collection, dict(obj))
+            return "created"
+        except ApiException as exc:
+            if exc.status != HTTPStatus.CONFLICT:
+                raise
+        self.patch(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"], dict(patch))
+        return "patched"
+
+    def patch(self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        self._call("PATCH", self.path(api_version, plural, namespace, name), dict(body),
+                   content_type="application/merge-patch+json")
+
+    def list(self, api_version: str, plural: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        answer = self._call("GET", self.path(api_version, plural, namespace), query=[("labelSelector", label_selector)])
+        return list(answer.get("items") or [])
+
+
+# ---- status ------------------------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def with_condition(conditions: list[dict[str, Any]] | None, kind: str, status: bool, reason: str, message: str,
+                   generation: int) -> list[dict[str, Any]]:
+    """`conditions` with one set; its transition time moves only when its status changes."""
+    old = {c["type"]: c for c in conditions or []}
+    value = "True" if status else "False"
+    previous = old.get(kind)
+    since = previous["lastTransitionTime"] if previous and previous.get("status") == value else _now()
+    old[kind] = {"type": kind, "status": value, "reason": reason, "message": message[:1024],
+                 "lastTransitionTime": since, "observedGeneration": generation}
+    return [old[k] for k in sorted(old)]
+
+
+def backoff_seconds(retry: int) -> float:
+    return min(BACKOFF_MAX_SECONDS, 2.0 ** min(retry, 10))
+
+
+def current_replicas(pool: Pool, status: Mapping[str, Any]) -> dict[str, int]:
+    """The replicas last decided per role (kept in status), else each role's minimum."""
+    decided = status.get("replicas") or {}
+    out = desired.initial_replicas(pool)
+    for role in pool.roles:
+        if isinstance(decided.get(role), Mapping) and isinstance(decided[role].get("desired"), int):
+            low, high = pool.bounds(role)
+            out[role] = min(max(decided[role]["desired"], low), high)
+    return out
+
+
+# ---- the operator's state ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PoolMemory:
+    """What the scaler remembers of one pool between ticks (kopf keeps one per object)."""
+
+    last_evaluated: float = -1e18
+    history: tuple[Recommendation, ...] = ()
+    traffic: TrafficEstimator = field(default_factory=TrafficEstimator)
+    hits: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (time, cached tokens counter)
+    # The one view of the pool's conditions that both handlers update and write whole: a merge patch replaces
+    # the list, so two handlers writing their own stale copies would undo each other's conditions.
+    conditions: list[dict[str, Any]] | None = None
+
+    def condition(self, status: Mapping[str, Any], kind: str, value: bool, reason: str, message: str,
+                  generation: int) -> list[dict[str, Any]]:
+        if self.conditions is None:  # a restarted operator: carry on from what the pool shows
+            self.conditions = list(status.get("conditions") or [])
+        self.conditions = with_condition(self.conditions, kind, value, reason, message, generation)
+        return self.conditions
+
+
+@dataclass
+class OperatorConfig:
+    kubeconfig: str | None = None  # None: the in-cluster service account
+    namespaces: tuple[str, ...] = ()  # none: every namespace
+    tick_seconds: float = 5.0  # how often each pool's timer wakes (its spec's intervalSeconds decides whether to act)
+    clock: Callable[[], float] = field(default=lambda: datetime.datetime.now(datetime.UTC).timestamp())
+
+
+Scraper = Callable[[str], str]  # URL -> Prometheus text
+
+
+def http_scrape(url: str) -> str:
+    response = httpx.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
+    response.raise_for_status()
+    return response.text
+
+
+def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodMetrics]:
+    """Scrape every ready engine pod's /metrics (in parallel); a pod that does not answer is left out."""
+    ready = [p for p in pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
+
+    def one(pod: dict[str, Any]) -> PodMetrics | None:
+        ip = pod["status"]["podIP"]
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            text = scrape(f"http://{host}:{port}/metrics")
+        except Exception as exc:  # a starting or dying pod: the scaler counts it in replicas, not in metrics
+            log.debug("scrape of %s failed: %s", pod["metadata"]["name"], exc)
+            return None
+        return parse_pod(pod["metadata"]["name"], pod["metadata"]["labels"].get(ROLE_LABEL, "both"), text)
+
+    if not ready:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(ready))) as pool:
+        return [m for m in pool.map(one, ready) if m is not None]
+
+
+def policy_of(pool: Pool) -> ScalingPolicy:
+    s = pool.spec["scaling"]
+    bounds = {role: pool.bounds(role) for role in pool.roles}
+    return ScalingPolicy(min_replicas={r: b[0] for r, b in bounds.items()},
+                         max_replicas={r: b[1] for r, b in bounds.items()},
+                         target_utilization=s["targetUtilization"], horizon_seconds=s["horizonSeconds"],
+                         overload_threshold=s["overloadProbability"],
+                         scale_up_stabilization_seconds=s["scaleUpStabilizationSeconds"],
+                         scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"])
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig, scrape: Scraper = http_scrape) -> None:
+    """Add the operator's handlers to `registry`."""
+    kube_holder: dict[str, Kube] = {}
+
+    def kube() -> Kube:
+        return kube_holder["kube"]
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        from kvmesh.router.discovery import kube_configuration
+
+        kube_holder["kube"] = Kube(kube_configuration(config.kubeconfig))
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.posting.level = logging.WARNING
+        # No watching of namespaces and CRDs: the pools' namespaces are given (or all), and the CRD is installed
+        # before the operator starts, so neither needs permissions the operator would otherwise not use.
+        settings.scanning.disabled = True
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 30
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        from kvmesh.router.discovery import kube_configuration
+
+        c = kube_configuration(config.kubeconfig)
+        token = (c.api_key or {}).get("authorization", "")
+        return kopf.ConnectionInfo(server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl,
+                                   scheme="Bearer" if token else None, token=token.removeprefix("Bearer ") or None,
+                                   certificate_path=c.cert_file, private_key_path=c.key_file)
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+    def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, retry: int, memo: kopf.Memo,
+                  **_: Any) -> None:
+        generation = int(body.metadata.get("generation") or 0)
+        state: PoolMemory = memo.setdefault("kvmesh", PoolMemory())
+        try:
+            pool = parse_pool(body)
+        except SpecError as exc:
+            state.condition(status, "Degraded", True, "InvalidSpec", str(exc), generation)
+            patch.status["conditions"] = state.condition(status, "Progressing", False, "InvalidSpec",
+                                                         "waiting for a valid spec", generation)
+            patch.status["observedGeneration"] = generation
+            kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
+            return  # nothing to retry until the spec changes, which runs this handler again
+        replicas = current_replicas(pool, status)
+        done: dict[str, int] = {"created": 0, "patched": 0}
+        try:
+            for obj in desired.desired_objects(pool, replicas):
+                done[kube().apply(obj, desired.patch_body(pool, obj))] += 1
+        except Exception as exc:
+            reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+            message = f"applying {obj['kind']} {obj['metadata']['name']} failed: {reason}"
+            patch.status["conditions"] = state.condition(status, "Degraded", True, "ApiError", message, generation)
+            kopf.event(body, type="Warning", reason="ApiError", message=message)
+            raise kopf.TemporaryError(message, delay=backoff_seconds(retry)) from exc
+        summary = f"{done['created']} created, {done['patched']} patched"
+        state.condition(status, "Degraded", False, "Reconciled", "objects applied", generation)
+        conditions = state.condition(status, "Progressing", True, "Applied", summary, generation)
+        if not any(c["type"] == "Ready" for c in conditions):
+            conditions = state.condition(status, "Ready", False, "Starting", "waiting for pods", generation)
+        patch.status["conditions"] = conditions
+        patch.status["observedGeneration"] = generation
+        patch.status["routerAddress"] = desired.router_address(pool)
+        patch.status["replicas"] = {r: {"desired": n, "ready": (status.get("replicas") or {}).get(r, {}).get(
+            "ready", 0)} for r, n in replicas.items()}
+        kopf.event(body, type="Normal", reason="Reconciled", message=f"objects: {summary}")
+
+    # A failed tick (an API or scrape error) is logged and the next tick tries again: no backoff to wait out.
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=config.tick_seconds, errors=kopf.ErrorsMode.IGNORED,
+                registry=registry)
+    def scale(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+        try:
+            pool = parse_pool(body)
+        except SpecError:
+            return  # reconcile reported it
+        state: PoolMemory = memo.setdefault("kvmesh", PoolMemory())
+        now = config.clock()
+        if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
+            return
+        state.last_evaluated = now
+        tick(kube(), pool, body, status, patch, state, now, scrape)
+
+
+def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
+         now: float, scrape: Scraper) -> Decision:
+    """One scaling evaluation of one pool: observe, decide, act, report."""
+    generation = int(body.metadata.get("generation") or 0)
+    deployments = {d["metadata"]["labels"].get(ROLE_LABEL): d for d in kube.list(
+        "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")}
+    pods = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=engine")
+    metrics = observe(pods, pool.spec["engine"]["port"], scrape)
+    block_size = pool.spec["engine"]["blockSize"]
+    traffic = state.traffic.update(now, [(m.observation.name, m.counters) for m in metrics], block_size)
+    replicas = current_replicas(pool, status)
+    observation = PoolObservation(
+        now=now, pods=[m.observation for m in metrics], replicas=replicas, arrival_rate=traffic.arrival_rate,
+        arrival_rate_slope=traffic.arrival_rate_slope, blocks_per_request=traffic.blocks_per_request,
+        request_seconds=traffic.request_seconds, uncached_prompt_tokens=traffic.uncached_prompt_tokens,
+        output_tokens=traffic.output_tokens)
+    decision = decide(observation, policy_of(pool), state.history)
+    state.history = decision.history
+    hit_rates = _hit_rates(state, now, metrics)
+    operator_scales = pool.spec["scaling"]["mode"] == "operator"
+    for role, n in decision.changed(replicas).items() if operator_scales else ():
+        why = decision.roles[role]
+        message = (f"{role}: {replicas[role]} -> {n} replicas ({why.reason}; predicted KV "
+                   f"{why.predicted_usage:.0%}, P(>95%) {why.overload_probability:.0%})")
+        if n < replicas[role]:
+            role_pods = {m.observation.name: (hit_rates.get(m.observation.name, 0.0),
+                                              m.observation.running + m.observation.waiting)
+                         for m in metrics if m.observation.role == role}
+            for name, cost in scale_in_order(role_pods).items():
+                kube.patch("v1", "pods", pool.namespace, name,
+                           {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(cost)}}})
+        kube.patch("apps/v1", "deployments", pool.namespace, desired.engine_name(pool, role), {"spec": {"replicas": n}})
+        kopf.event(body, type="Normal", reason="Scaled", message=message)
+        log.info("pool %s/%s %s", pool.namespace, pool.name, message)
+    if operator_scales:
+        replicas = decision.replicas
+    ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
+             for role in pool.roles}
+    router_ready = int(((deployments.get("router") or {}).get("status") or {}).get("readyReplicas") or 0)
+    all_ready = all(ready[r] >= replicas[r] for r in pool.roles) and router_ready >= 1
+    kv = [d for r, d in decision.roles.items() if r in ("both", "decode")]
+    usage = [m.observation.usage for m in metrics if m.observation.role in ("both", "decode")]
+    summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in pool.roles)
+    conditions = state.condition(status, "Ready", all_ready, "PodsReady" if all_ready else "PodsNotReady",
+                                 f"{summary}, router {router_ready}", generation)
+    if all_ready:
+        conditions = state.condition(status, "Progressing", False, "Stable", summary, generation)
+    patch.status["conditions"] = conditions
+    patch.status["replicas"] = {r: {"desired": replicas[r], "ready": ready[r]} for r in pool.roles}
+    patch.status["ready"] = summary
+    patch.status["kvUsage"] = {"observed": round(sum(usage) / len(usage), 4) if usage else 0.0,
+                               "predicted": round(max((d.predicted_usage for d in kv), default=0.0), 4),
+                               "overloadProbability": round(max((d.overload_probability for d in kv), default=0.0),
+                                                            4)}
+    patch.status["lastDecision"] = {"time": _now(), "reason": "; ".join(
+        f"{r}: {d.reason}" for r, d in decision.roles.items()), "replicas": dict(decision.replicas)}
+    return decision
+
+
+def _hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:
+    """Cached prompt tokens per second each pod served since the last tick: how much its cache is worth now."""
+    rates: dict[str, float] = {}
+    seen: dict[str, tuple[float, float]] = {}
+    for m in metrics:
+        name, hits = m.observation.name, m.counters.cached_tokens
+        seen[name] = (now, hits)
+        if name in state.hits and now > state.hits[name][0] and hits >= state.hits[name][1]:
+            rates[name] = (hits - state.hits[name][1]) / (now - state.hits[name][0])
+    state.hits = seen
+    return rates
+
+
+def run(config: OperatorConfig) -> None:
+    """`kvmesh operator`: run until SIGINT/SIGTERM."""
+    registry = kopf.OperatorRegistry()
+    register(registry, config)
+    kopf.run(registry=registry, standalone=True, clusterwide=not config.namespaces,
+             namespaces=list(config.namespaces))
+

@@ -1,0 +1,398 @@
+"""The operator against kmock's KubernetesEmulator, a real HTTP API server in memory (no kube-apiserver runs
+here): kopf and the kubernetes client talk to it as to a cluster. The emulator stores JSON only, so a small
+subclass fills what an API server would (uid, resourceVersion, generation, creationTimestamp); it has no garbage
+collector, defaulting, CEL or Deployment controller, so the tests assert owner references, mark Deployments
+ready themselves, and give the operator a pool whose CEL rule would have been enforced by a real server.
+
+Every request the emulator receives is recorded, and each test ends by checking that the operator used only
+verbs and resources that operator/rbac.py lists."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+import yaml
+
+from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, Metric, VllmMetric
+from kvmesh.operator import rbac
+from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, register
+from kvmesh.processes import free_port
+
+NS = "pool"
+POOLS = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
+RESOURCES = {
+    f"{GROUP}/{VERSION}/{PLURAL}": ("InferencePool", ["status"]),
+    "v1/events": ("Event", []),
+    "v1/configmaps": ("ConfigMap", []),
+    "v1/services": ("Service", []),
+    "v1/serviceaccounts": ("ServiceAccount", []),
+    "v1/pods": ("Pod", []),
+    "apps/v1/deployments": ("Deployment", ["status", "scale"]),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", []),
+    "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", []),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", []),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", []),
+    "inference.networking.k8s.io/v1/inferencepools": ("InferencePool", []),
+}
+VERBS = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get",
+         kmock.action.CREATE: "create", kmock.action.UPDATE: "patch", kmock.action.DELETE: "delete"}
+_versions = itertools.count(1)
+
+
+class Cluster(kmock.KubernetesEmulator):
+    """The emulator plus the fields a real API server sets: uid, resourceVersion, creationTimestamp on create;
+    a new resourceVersion on every write, and generation + 1 when a write changes the spec."""
+
+    async def _handle(self, request: Any) -> Any:
+        data = request.data if isinstance(request.data, dict) else None
+        if request.resource is not None and data is not None:
+            meta = data.setdefault("metadata", {})
+            meta["resourceVersion"] = str(next(_versions))
+            if request.action == kmock.action.CREATE:
+                if "name" not in meta and "generateName" in meta:
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
+                meta.update(uid=str(uuid.uuid4()), generation=1, namespace=request.namespace or meta.get("namespace"),
+                            creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            elif request.action == kmock.action.UPDATE and request.subresource is None and "spec" in data:
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects:
+                    meta["generation"] = int(self.objects[key].get("metadata", {}).get("generation", 1)) + 1
+        return await super()._handle(request)
+
+
+def permitted(request: Any) -> bool:
+    """Whether operator/rbac.py grants this request (discovery URLs are open to every authenticated client)."""
+    if request.resource is None or request.action is None or request.resource.plural is None:
+        return True
+    resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+    return rbac.allows(rbac.OPERATOR, request.resource.group, resource, VERBS[request.action])
+
+
+@dataclass
+class Env:
+    k8s: Cluster
+    clock: list[float]  # the operator's clock, moved by the test
+
+    def get(self, plural_path: str, name: str) -> dict[str, Any] | None:
+        for (resource, namespace, obj_name), obj in self.k8s.objects.items():
+            if namespace == NS and obj_name == name and f"{resource.group}/{resource.version}/{resource.plural}" \
+                    .lstrip("/").endswith(plural_path) and not obj.deleted:
+                return dict(obj.raw)
+        return None
+
+    def owned(self) -> list[dict[str, Any]]:
+        return [dict(o.raw) for (r, ns, _), o in self.k8s.objects.items()
+                if ns == NS and not o.deleted and o.raw.get("metadata", {}).get("ownerReferences")]
+
+    def pool(self, name: str = "chat") -> dict[str, Any]:
+        obj = self.get(f"{GROUP}/{VERSION}/{PLURAL}", name)
+        assert obj is not None
+        return obj
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        return [dict(o.raw) for (r, _, _), o in self.k8s.objects.items()
+                if r.plural == "events" and o.raw.get("reason") == reason]
+
+    def check_rbac(self) -> None:
+        """The operator's requests (the test's own come from kmock's client) stay inside operator/rbac.py."""
+        theirs = [r for r in self.k8s if not r.headers.get("User-Agent", "").startswith("kmock/")]
+        assert any(r.action == kmock.action.CREATE for r in theirs)  # the operator's requests were recorded
+        outside = {(r.method, str(r.url.path)) for r in theirs if not permitted(r)}
+        assert not outside, f"requests outside operator/rbac.py: {sorted(outside)}"
+
+
+async def eventually(check: Callable[[], Any], seconds: float = 20.0) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except (AssertionError, KeyError, TypeError):
+            if time.monotonic() > deadline:
+                raise
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def pool_body(name: str = "chat", **spec: Any) -> dict[str, Any]:
+    full = {"model": {"source": "bundled"}, "replicas": {"both": {"min": 1, "max": 4}}} | spec
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": NS}, "spec": full}
+
+
+@contextlib.asynccontextmanager
+async def operator(tmp_path: Path, tick: float = 0.2) -> AsyncIterator[Env]:
+    async with Cluster() as k8s, kmock.Server(k8s) as server:
+        for key, (kind, subresources) in RESOURCES.items():
+            k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
+                                  "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]}
+        # Discovered only: kopf looks for it at startup, and with scanning off it never lists it.
+        k8s.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch"]}
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
+            "users": [{"name": "test", "user": {"token": "t"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
+        clock = [1000.0]
+        registry = kopf.OperatorRegistry()
+        register(registry, OperatorConfig(kubeconfig=str(kubeconfig), namespaces=(NS,), tick_seconds=tick,
+                                          clock=lambda: clock[0]))
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS],
+                                                 stop_flag=stop, ready_flag=ready))
+        await asyncio.wait_for(ready.wait(), 20)
+        env = Env(k8s, clock)
+        try:
+            yield env
+            assert not task.done(), "the operator exited"
+            env.check_rbac()
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 20)
+
+
+def run(main: Callable[[], Any], seconds: float = 90.0) -> None:
+    asyncio.run(asyncio.wait_for(main(), seconds))
+
+
+def kinds(objects: list[dict[str, Any]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for o in objects:
+        out.setdefault(o["kind"], set()).add(o["metadata"]["name"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_pool_is_reconciled_patched_and_deleted(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await env.k8s.post(POOLS, json=pool_body(gatewayInferencePool={"enabled": True}))
+            uid = env.pool()["metadata"]["uid"]
+            await eventually(lambda: env.pool().get("status", {}).get("observedGeneration") == 1)
+            owned = env.owned()
+            assert kinds(owned) == {
+                "ConfigMap": {"chat-config"}, "ServiceAccount": {"chat-router"}, "Role": {"chat-router"},
+                "RoleBinding": {"chat-router"}, "Service": {"chat-engines", "chat-router"},
+                "Deployment": {"chat-both", "chat-router"}, "PodDisruptionBudget": {"chat-both", "chat-router"},
+                "InferencePool": {"chat"}}
+            for obj in owned:
+                (ref,) = obj["metadata"]["ownerReferences"]
+                assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (KIND, "chat", uid, True)
+                assert obj["metadata"]["labels"][POOL_LABEL] == "chat"
+            engines = env.get("apps/v1/deployments", "chat-both")
+            assert engines is not None and engines["spec"]["replicas"] == 1
+            assert engines["spec"]["template"]["metadata"]["labels"][ROLE_LABEL] == "both"
+            status = env.pool()["status"]
+            conditions = {c["type"]: c for c in status["conditions"]}
+            assert conditions["Degraded"]["status"] == "False" and conditions["Progressing"]["status"] == "True"
+            assert status["routerAddress"] == "http://chat-router.pool.svc:8080"
+            await eventually(lambda: env.events("Reconciled"))
+
+            # A change to the spec is patched onto the objects, and rolls the pods whose configuration changed.
+            old_hash = engines["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"]
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"router": {"replicas": 3},
+                                                                "engine": {"maxNumSeqs": 32}}})
+            await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
+            assert env.get("apps/v1/deployments", "chat-router")["spec"]["replicas"] == 3  # type: ignore[index]
+            engines = env.get("apps/v1/deployments", "chat-both")
+            assert engines["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"] != old_hash  # type: ignore[index]
+            config = env.get("v1/configmaps", "chat-config")
+            assert yaml.safe_load(config["data"]["engine.yaml"])["engine"]["max_num_seqs"] == 32  # type: ignore[index]
+
+            # Deleted: the pool goes (its objects carry owner references for the garbage collector, which the
+            # emulator lacks), and the operator carries on.
+            await env.k8s.delete(f"{POOLS}/chat")
+            await eventually(lambda: env.get(f"{GROUP}/{VERSION}/{PLURAL}", "chat") is None)
+            await asyncio.sleep(0.5)
+
+    run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_invalid_spec_is_reported_as_degraded_and_fixing_it_recovers(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            # min > max: a real API server's CEL rule would refuse it; the emulator lets it through.
+            await env.k8s.post(POOLS, json=pool_body(replicas={"both": {"min": 5, "max": 2}}))
+            degraded = await eventually(lambda: {c["type"]: c for c in env.pool()["status"]["conditions"]}["Degraded"])
+            assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+            assert "min must be at most max" in degraded["message"]
+            await eventually(lambda: env.events("InvalidSpec"))
+            assert env.get("apps/v1/deployments", "chat-both") is None
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"replicas": {"both": {"min": 2, "max": 4}}}})
+            await eventually(lambda: {c["type"]: c["status"] for c in env.pool()["status"]["conditions"]}
+                             ["Degraded"] == "False")
+            assert env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 2  # type: ignore[index]
+
+    run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failing_api_call_is_degraded_then_retried(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            failures: list[int] = []
+
+            def first_two(request: kmock.Request) -> bool:
+                if request.resource is None or request.resource.plural != "deployments" or len(failures) >= 2:
+                    return False
+                failures.append(1)
+                return True
+
+            env.k8s[kmock.action.CREATE][first_two] << kmock.KubernetesError(status=500, reason="InternalError")
+            await env.k8s.post(POOLS, json=pool_body())
+            degraded = await eventually(lambda: {c["type"]: c for c in env.pool()["status"]["conditions"]}["Degraded"])
+            assert degraded["reason"] == "ApiError" and "500" in degraded["message"]
+            await eventually(lambda: {c["type"]: c["status"] for c in env.pool()["status"]["conditions"]}
+                             ["Degraded"] == "False", seconds=30)
+            assert len(failures) == 2 and env.get("apps/v1/deployments", "chat-both") is not None
+
+    run(main)
+
+
+# ---- scaling ------------------------------------------------------------------------------------------------------
+
+
+def metrics_text(usage: float, forecast: tuple[float, float, float], overload: float, blocks: int = 1000,
+                 hits: float = 0.0) -> str:
+    """An engine's /metrics, in the names engine/protocol.py fixes."""
+    p50, p90, p99 = forecast
+    return "\n".join([
+        f"{VllmMetric.KV_USAGE} {usage}",
+        f"{VllmMetric.RUNNING} 4",
+        f"{VllmMetric.WAITING} 0",
+        f'{VllmMetric.CACHE_CONFIG}{{block_size="16",num_gpu_blocks="{blocks}"}} 1',
+        f'{Metric.FORECAST_USAGE}{{level="p50"}} {p50}',
+        f'{Metric.FORECAST_USAGE}{{level="p90"}} {p90}',
+        f'{Metric.FORECAST_USAGE}{{level="p99"}} {p99}',
+        f"{Metric.FORECAST_OVERLOAD} {overload}",
+        f"{VllmMetric.PREFIX_HITS}_total {hits}",
+        "",
+    ])
+
+
+class MetricsServer:
+    """A pod's /metrics on 127.0.0.x: what the operator scrapes at the pod's IP."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.text = metrics_text(0.1, (0.1, 0.1, 0.1), 0.0)
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = owner.text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def pod_body(name: str, ip: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {POOL_LABEL: "chat", ROLE_LABEL: "both",
+                                                                   "app.kubernetes.io/component": "engine"}},
+            "spec": {"containers": [{"name": "engine", "image": "kvmesh"}]},
+            "status": {"phase": "Running", "podIP": ip}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_timer_scales_on_predicted_kv_and_marks_the_coldest_pod_for_scale_in(tmp_path: Path) -> None:
+    port = free_port()
+    servers = {ip: MetricsServer(ip, port) for ip in ("127.0.0.2", "127.0.0.3")}
+
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            spec = {"engine": {"port": port}, "replicas": {"both": {"min": 1, "max": 6}},
+                    "scaling": {"intervalSeconds": 1, "scaleDownStabilizationSeconds": 60}}
+            await env.k8s.post(POOLS, json=pool_body(**spec))
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
+            for i, ip in enumerate(servers):
+                await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pod_body(f"chat-both-{i}", ip))
+            await env.k8s.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat-both/status",
+                                json={"status": {"readyReplicas": 1}})
+
+            async def clock() -> None:  # the operator's clock runs 10x faster than the test's
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            # Usage is 50 % now, but the pods forecast passing 95 % with 30 % probability: scale up ahead.
+            for server in servers.values():
+                server.text = metrics_text(0.5, (0.7, 1.0, 1.2), 0.3)
+            replicas = await eventually(lambda: (env.get("apps/v1/deployments", "chat-both") or {})
+                                        .get("spec", {}).get("replicas", 1) > 1
+                                        and env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"])
+            # The two pods' p90 demand is 2 x 1000 blocks: ceil(2000 / (80 % x 1000)) = 3 pods.
+            assert replicas == 3
+            await eventually(lambda: any("ScaleUpPredictedOverload" in e["message"] for e in env.events("Scaled")))
+            status = await eventually(lambda: env.pool()["status"].get("lastDecision") and env.pool()["status"])
+            assert status["replicas"]["both"]["desired"] == 3 and status["kvUsage"]["predicted"] > 0.95
+
+            # Quiet again, and the stabilization window passes on the operator's clock: scale down, after
+            # marking the pod whose cache served fewer hits lately as the one to delete first.
+            servers["127.0.0.2"].text = metrics_text(0.1, (0.1, 0.1, 0.1), 0.0, hits=0)
+            servers["127.0.0.3"].text = metrics_text(0.1, (0.1, 0.1, 0.1), 0.0, hits=0)
+            await asyncio.sleep(0.5)
+            servers["127.0.0.3"].text = metrics_text(0.1, (0.1, 0.1, 0.1), 0.0, hits=50_000)
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 1)
+            costs = {name: env.get("v1/pods", name)["metadata"]["annotations"][DELETION_COST_ANNOTATION]
+                     for name in ("chat-both-0", "chat-both-1")}
+            assert int(costs["chat-both-0"]) < int(costs["chat-both-1"])  # the cold cache goes first
+            await eventually(lambda: any("ScaleDownUnderTarget" in e["message"] for e in env.events("Scaled")))
+            ticking.cancel()
+
+    try:
+        run(main)
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_with_hpa_mode_the_operator_creates_autoscalers_and_leaves_replicas_alone(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await env.k8s.post(POOLS, json=pool_body(scaling={"mode": "hpa"}))
+            hpa = await eventually(lambda: env.get("autoscaling/v2/horizontalpodautoscalers", "chat-both"))
+            assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == Metric.FORECAST_USAGE
+            # The HPA moved the Deployment to 3; a spec change must not write replicas back.
+            await env.k8s.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat-both", json={"spec": {"replicas": 3}})
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"engine": {"maxNumSeqs": 16}}})
+            await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
+            assert env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 3  # type: ignore[index]
+
+    run(main)
