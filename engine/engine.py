@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +26,7 @@ from kvmesh.engine.events import EventLog
 from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import make_policy
+from kvmesh.engine.kv.tiers import LOWER_TIERS, PROFILES, KVTiers, Promotion, TierSettings, plan_load
 from kvmesh.engine.kv.transfer import Layout, encode_frame
 from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.model import loader
@@ -37,7 +40,7 @@ from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("kvmesh.engine")
 T = TypeVar("T")
-PIN_PREFIXES = ("handle:", "send:", "import:")  # block holders that are not requests
+PIN_PREFIXES = ("handle:", "send:", "import:", "promote:")  # block holders that are not requests
 EMA = 0.2  # weight of the newest sample in the moving averages
 
 
@@ -134,6 +137,32 @@ class Engine:
         self.forecast: Forecast | None = None
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self.handles: dict[str, float] = {}  # handoff handle -> monotonic expiry; blocks held as "handle:<id>"
+        self._stored: list[KVEvent] = []  # device blocks registered this step: written through to the host tier
+        self._staged: dict[str, Request] = {}  # waiting out of the queue while their prefix is promoted
+        self._promotion_keys: dict[str, str] = {}  # request -> holder of its promoted prefix until it runs
+        self._swapped: set[str] = set()  # preempted requests whose blocks come back from the host tier
+        self._tier_tokens: dict[str, dict[str, int]] = {}  # request -> prompt tokens promoted, by tier
+        self.tiers = self._make_tiers(per_block)
+
+    def _make_tiers(self, block_bytes: int) -> KVTiers | None:
+        """The host and disk tiers the configuration asks for (docs/engine.md, "KV tiers"), or None."""
+        c = self.config
+        settings = TierSettings(
+            host_blocks=int(c.kv_host_memory_mib * MIB // block_bytes),
+            host_path=Path(c.kv_host_path or f"/dev/shm/kvmesh-kv-host-{c.port}.kv"),
+            disk_blocks=int(c.kv_disk_mib * MIB // block_bytes),
+            disk_path=Path(c.kv_disk_path or Path.home() / ".cache" / "kvmesh" / f"kv-disk-{c.port}.kv"),
+            chunk_blocks=c.kv_tier_chunk_blocks,
+            profile=PROFILES[c.kv_tier_cost_profile],
+        )
+        if not settings.enabled:
+            return None
+        k = self.kv_config
+        # blocks written under another model, hashing or layout must not be read back as this one's
+        fingerprint = json.dumps([k.model, k.block_size, k.hash_algo, k.hash_root, k.tokenizer_fingerprint,
+                                  list(self.runner.kv_cache.shape[1:]), str(self.runner.kv_cache.dtype)])
+        return KVTiers(settings, self.kv, self.runner.kv_cache, fingerprint, self.events.record, self._wake.set,
+                       lambda: self.prefill_tps, self.metrics)
 
     def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         """The model runner. The engine simulator (kvmesh sim-engine) overrides it with one that sleeps per a
@@ -170,6 +199,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def close(self) -> None:
+        """Stop, then finish the tier copies in flight and release the tier files (a restart reopens them)."""
+        self.stop()
+        if self.tiers is not None:
+            self.tiers.close()
+            self.events.flush()
+
     # ---- engine thread -----------------------------------------------------------------------------------
 
     def warmup(self) -> None:
@@ -181,11 +217,12 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._run_commands()
-            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+            if not self._has_work():
                 self._wake.wait(timeout=self.config.forecast_interval_seconds)
                 self._wake.clear()
                 self._run_commands()
                 self._expire_handles()
+                self._tier_tick()
                 self._maybe_forecast()
                 self._publish_state()
                 continue
@@ -264,6 +301,99 @@ class Engine:
         self.events.record(event)
         if event.kind == "removed":
             self.metrics.evictions.labels(event.tier, "capacity").inc(len(event.block_hashes))
+        elif event.kind == "stored" and self.tiers is not None:
+            self._stored.append(event)
+
+    # ---- KV tiers: promotion before prefill, write-through, swap ------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self.scheduler.has_work() or self._staged)
+
+    def _tier_tick(self) -> None:
+        """Finish the tier copies done, queue the requests whose prefix arrived, write new blocks through."""
+        if self.tiers is None:
+            return
+        for promotion in self.tiers.take_finished():
+            self._promoted(promotion)
+        if self._stored:
+            self.tiers.write_through(self._stored)
+            self._stored = []
+        self.events.flush()
+
+    def _enqueue(self, request: Request) -> None:
+        """Queue a request, after loading the part of its prefix that lower tiers hold when loading it beats
+        recomputing it (the copy runs while the request waits out of the queue)."""
+        if not self._promote(request):
+            self.scheduler.add(request)
+
+    def _promote(self, request: Request) -> bool:
+        """Start loading `request`'s prefix from the lower tiers; False when nothing is worth loading."""
+        if self.tiers is None or not self.kv.enable_prefix_cache:
+            return False
+        rid = request.request_id
+        hit = self.kv.find_prefix(rid, request.token_ids, request.extra)
+        chain = self.kv.prefix_hashes(rid, request.token_ids, request.extra)
+        rest = chain[len(hit.blocks):]
+        where, k = self.tiers.plan(rest)
+        if where and request.first_scheduled_time is None:
+            self.metrics.tier_decisions.labels("load" if k else "recompute").inc()
+        needed = k + self.kv.blocks_for(request.num_tokens) - len(chain)
+        if k == 0 or needed > self.kv.pool.num_available - sum(b.ref_count == 0 for b in hit.blocks):
+            return False
+        key = f"promote:{rid}"
+        self.kv.pin_cached(key, chain[: len(hit.blocks)])  # the device part of the prefix stays while it loads
+        ids = self.kv.allocate_unregistered(key, k)
+        assert ids is not None, "the pool had room a moment ago"
+        tokens = {tier: where[:k].count(tier) * self.config.block_size for tier in LOWER_TIERS}
+        parent = chain[len(hit.blocks) - 1] if hit.blocks else None
+        self.tiers.promote(Promotion(rid, key, ids, rest[:k], parent, tokens), where[:k])
+        self._staged[rid] = request
+        return True
+
+    def _promoted(self, p: Promotion) -> None:
+        if p.ok:
+            self.kv.register_filled(p.block_ids, p.hashes, p.parent)
+        request = self._staged.pop(p.request_id or "", None)
+        if request is None or not p.ok:  # aborted meanwhile (the blocks stay cached), or the copy failed
+            self.kv.free(p.key)
+            if request is not None:
+                self.scheduler.add(request)
+            return
+        if request.first_scheduled_time is None:
+            self._tier_tokens[request.request_id] = p.tokens_by_tier
+        self._promotion_keys[request.request_id] = p.key
+        self.scheduler.add(request)
+
+    def _release_promotions(self) -> None:
+        """A request that runs holds its prefix itself: the promotion's hold on it goes."""
+        for rid, key in list(self._promotion_keys.items()):
+            request = self.requests.get(rid)
+            if request is None or request.status is not Status.WAITING:
+                self.kv.free(key)
+                del self._promotion_keys[rid]
+
+    def _preemption_mode(self, request: Request) -> str:
+        """Swap if loading the preempted request's blocks back from the host tier (where write-through has
+        put them) will beat recomputing them, by the same costs as promotion; else recompute."""
+        if self.tiers is None or "host" not in self.tiers.tiers or not self.kv.enable_prefix_cache:
+            return "recompute"
+        chain = self.kv.prefix_hashes(request.request_id, request.token_ids, request.extra)
+        where = ["host"] * sum(self.tiers.tiers["host"].find(h) is not None for h in chain)
+        if plan_load(where, self.config.block_size, self.tiers.block_bytes, self.tiers.costs()) == 0:
+            return "recompute"
+        self._swapped.add(request.request_id)
+        return "swap"
+
+    def _swap_in(self) -> None:
+        """Swapped requests whose blocks have left the device load them back while they wait."""
+        for rid in list(self._swapped):
+            request = self.requests.get(rid)
+            if request is None or request.status is not Status.WAITING or rid in self._staged:
+                self._swapped.discard(rid)
+                continue
+            if request in self.scheduler.waiting and self._promote(request):
+                self.scheduler.waiting.remove(request)
+                self._swapped.discard(rid)
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -275,7 +405,7 @@ class Engine:
             request.expected_cached_tokens = self.kv.find_prefix(request.request_id, request.token_ids,
                                                                  request.extra).num_tokens
             self.requests[request.request_id] = request
-            self.scheduler.add(request)
+            self._enqueue(request)
         while self._aborts:
             request_id = self._aborts.popleft()
             request = self.requests.get(request_id)
@@ -290,14 +420,21 @@ class Engine:
         self._run_commands()
         self._expire_handles()
         self._take_inbox()
+        self._tier_tick()
+        self._swap_in()
+        if self._staged and not self.scheduler.has_work():
+            self.tiers.wait()  # type: ignore[union-attr]  # nothing to compute until a promotion lands
+            self._tier_tick()
         out = self.scheduler.schedule()
         for request in out.unservable:
             self._finish(request, "length", error="the request does not fit in this engine's KV cache")
         if out.preempted:
             self.metrics.preemptions.labels(self.model_name).inc(len(out.preempted))
-            self.metrics.preemptions_by_mode.labels("recompute").inc(len(out.preempted))
+            for request in out.preempted:
+                self.metrics.preemptions_by_mode.labels(self._preemption_mode(request)).inc()
         for request in out.admitted:
             self._on_admitted(request)
+        self._release_promotions()
         if out.scheduled:
             self._run(out)
         self._publish()
@@ -309,7 +446,16 @@ class Engine:
         m.prefix_queries.labels(self.model_name).inc(prompt)
         m.prefix_hits.labels(self.model_name).inc(request.cached_tokens)
         m.query_tokens.inc(prompt)
-        m.hit_tokens.labels("device").inc(request.cached_tokens)
+        promoted = self._tier_tokens.pop(request.request_id, {})
+        left = request.cached_tokens
+        for tier in LOWER_TIERS:  # a promoted prefix is part of the hit (unless a shorter one was taken)
+            request.cached_by_tier[tier] = min(promoted.get(tier, 0), left)
+            left -= request.cached_by_tier[tier]
+            m.hit_tokens.labels(tier).inc(request.cached_by_tier[tier])
+        m.hit_tokens.labels("device").inc(left)
+        if self.tiers is not None and request.num_computed_tokens:
+            chain = self.kv.prefix_hashes(request.request_id, request.token_ids, request.extra)
+            self.tiers.on_hit(chain, request.num_computed_tokens // self.config.block_size, self.config.hash_root)
         m.hit_length.observe(request.cached_tokens)
         m.prompt_tokens.labels(self.model_name).inc(prompt)
         if prompt < self.config.block_size:
@@ -411,6 +557,9 @@ class Engine:
             return
         if r.import_key is not None:
             self.kv.free(r.import_key)
+        self._staged.pop(r.request_id, None)  # its promotion still lands; its blocks stay cached
+        self._tier_tokens.pop(r.request_id, None)
+        self._swapped.discard(r.request_id)
         handoff = None
         if r.handoff_ttl is not None and reason in ("stop", "length") and error is None:
             handle = uuid.uuid4().hex
@@ -447,6 +596,7 @@ class Engine:
                 cached_tokens=r.cached_tokens,
                 completion_tokens=r.num_generated,
                 peer_tokens=r.peer_tokens,
+                cached_by_tier=dict(r.cached_by_tier),
                 kv_transfer=handoff,
             ),
         )
@@ -459,15 +609,17 @@ class Engine:
                 log.exception("output callback of %s failed", r.request_id)
 
     def _publish(self) -> None:
+        self._tier_tick()
         self.events.flush()
         self._maybe_forecast()
         self._publish_state()
 
     def _publish_state(self) -> None:
-        pending = sum(self._pending_prefill(r) for r in (*self.scheduler.waiting, *self.scheduler.running))
+        waiting = (*self.scheduler.waiting, *self._staged.values())
+        pending = sum(self._pending_prefill(r) for r in (*waiting, *self.scheduler.running))
         self.state = EngineState(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(waiting),
             kv=self.kv.stats(),
             pending_prefill_tokens=pending,
             prefill_tokens_per_second=self.prefill_tps,
@@ -476,6 +628,7 @@ class Engine:
             events_seq=self.events.seq,
             draining=self.draining,
             pinned_blocks=sum(len(s.blocks) for k, s in self.kv.seqs.items() if k.startswith(PIN_PREFIXES)),
+            tiers=self.tiers.counts() if self.tiers is not None else {},
         )
 
     def _pending_prefill(self, r: Request) -> int:
@@ -506,7 +659,7 @@ class Engine:
                 workload=r.workload,
                 pending_prefill_tokens=min(self._pending_prefill(r), self._held_tokens(r)),
             )
-            for r in (*self.scheduler.running, *self.scheduler.waiting)
+            for r in (*self.scheduler.running, *self.scheduler.waiting, *self._staged.values())
         ]
         self.forecast = forecast_usage(
             loads,
@@ -524,7 +677,11 @@ class Engine:
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step in the calling thread until every queued request finished. Not with `start()`."""
         for _ in range(max_steps):
-            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+            if not self._has_work():
+                if self.tiers is not None and (self.tiers.busy or self._stored):
+                    self.tiers.drain()  # settle the copies too, so the state a test reads is final
+                    self._tier_tick()
+                    continue
                 return
             self.step()
         raise RuntimeError("requests still pending after max_steps")

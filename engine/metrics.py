@@ -20,7 +20,9 @@ from kvmesh.engine.protocol import (
     FINISH_REASONS,
     FORECAST_LEVELS,
     KV_BLOCK_STATES,
+    LOAD_DECISIONS,
     PREEMPTION_MODES,
+    TIER_MOVES,
     TIERS,
     TRANSFER_DIRECTIONS,
     TRANSFER_KINDS,
@@ -54,6 +56,7 @@ class EngineState:
     events_seq: int = 0
     draining: bool = False
     pinned_blocks: int = 0
+    tiers: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # lower tier -> (used, evictable, free)
 
 
 class _StateCollector:
@@ -79,14 +82,15 @@ class _StateCollector:
         yield info
         blocks = GaugeMetricFamily(M.KV_BLOCKS, "KV blocks by state and tier; states sum to the tier's total.",
                                    labels=["tier", "state"])
-        device = {"used": s.kv.used, "evictable": s.kv.evictable, "free": s.kv.free}
+        by_tier = {**s.tiers, "device": (s.kv.used, s.kv.evictable, s.kv.free)}
         for tier in TIERS:
-            for state in KV_BLOCK_STATES:
-                blocks.add_metric([tier, state], device[state] if tier == "device" else 0)
+            for state, count in zip(KV_BLOCK_STATES, by_tier.get(tier, (0, 0, 0)), strict=True):
+                blocks.add_metric([tier, state], count)
         yield blocks
-        tokens = GaugeMetricFamily(M.KV_TOKENS_USED, "KV tokens held by requests, by tier.", labels=["tier"])
+        tokens = GaugeMetricFamily(M.KV_TOKENS_USED, "KV tokens held by requests (lower tiers: by copies in "
+                                   "flight), by tier.", labels=["tier"])
         for tier in TIERS:
-            tokens.add_metric([tier], s.kv.used * s.kv.block_size if tier == "device" else 0)
+            tokens.add_metric([tier], by_tier.get(tier, (0, 0, 0))[0] * s.kv.block_size)
         yield tokens
         yield gauge(M.KV_BLOCK_SIZE, "Tokens per KV block.", s.kv.block_size)
         yield gauge(M.QUEUED_PREFILL_TOKENS, "Uncached prompt tokens waiting or in flight.", s.pending_prefill_tokens)
@@ -149,6 +153,21 @@ class EngineMetrics:
         self.transfer_seconds = Histogram(M.KV_TRANSFER_SECONDS, "KV transfer time.", ["kind"],
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.handles_expired = Counter(M.KV_HANDLES_EXPIRED, "Handoff handles that expired unused.", registry=r)
+        self.tier_moved_blocks = Counter(M.KV_TIER_MOVED_BLOCKS, "Blocks moved between tiers.", ["move"], registry=r)
+        self.tier_moved_bytes = Counter(M.KV_TIER_MOVED_BYTES, "Bytes moved between tiers.", ["move"], registry=r)
+        self.tier_move_seconds = Counter(M.KV_TIER_MOVE_SECONDS, "Copy-thread seconds spent moving between tiers.",
+                                         ["move"], registry=r)
+        self.tier_copies = Counter(M.KV_TIER_COPIES, "Chunk copies between tiers (many blocks each).", ["move"],
+                                   registry=r)
+        self.tier_recovered = Counter(M.KV_TIER_RECOVERED, "Blocks a tier's file held, valid, at start.", ["tier"],
+                                      registry=r)
+        self.tier_decisions = Counter(M.KV_TIER_DECISIONS, "Prefixes found in a lower tier: loaded or recomputed.",
+                                      ["decision"], registry=r)
+        for move in TIER_MOVES:
+            for c in (self.tier_moved_blocks, self.tier_moved_bytes, self.tier_move_seconds, self.tier_copies):
+                c.labels(move)
+        for decision in LOAD_DECISIONS:
+            self.tier_decisions.labels(decision)
         for kind in TRANSFER_KINDS:
             self.transfer_seconds.labels(kind)
             for outcome in TRANSFER_OUTCOMES:
@@ -157,6 +176,8 @@ class EngineMetrics:
             self.transfer_bytes.labels(direction)
         for tier in TIERS:
             self.hit_tokens.labels(tier)
+            if tier != "device":
+                self.tier_recovered.labels(tier)
             for reason in EVICTION_REASONS:
                 self.evictions.labels(tier, reason)
         for mode in PREEMPTION_MODES:

@@ -323,6 +323,12 @@ class Metric:
     KV_TRANSFER_SECONDS = "kvmesh_kv_transfer_seconds"  # histogram; label kind
     KV_HANDLES_EXPIRED = "kvmesh_kv_handles_expired"  # counter: handoff handles whose time ran out unused
     KV_BLOCKS_PINNED = "kvmesh_kv_blocks_pinned"  # gauge: blocks held for transfers (handles, sends, imports)
+    KV_TIER_MOVED_BLOCKS = "kvmesh_kv_tier_moved_blocks"  # counter; label move (TIER_MOVES)
+    KV_TIER_MOVED_BYTES = "kvmesh_kv_tier_moved_bytes"  # counter; label move
+    KV_TIER_MOVE_SECONDS = "kvmesh_kv_tier_move_seconds"  # counter: copy-thread seconds spent; label move
+    KV_TIER_COPIES = "kvmesh_kv_tier_copies"  # counter: chunk copies (many blocks each); label move
+    KV_TIER_RECOVERED = "kvmesh_kv_tier_recovered_blocks"  # counter: blocks found valid at start; label tier
+    KV_TIER_DECISIONS = "kvmesh_kv_tier_load_decisions"  # counter: prefixes in lower tiers; label decision
 
 
 class RouterMetric:
@@ -351,7 +357,10 @@ TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff")
 TRANSFER_OUTCOMES: tuple[str, ...] = ("ok", "failed")
 TRANSFER_DIRECTIONS: tuple[str, ...] = ("sent", "received")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")
-EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared")
+EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared", "damaged")  # damaged: failed its check at start
+# promotions end in device, demotions leave it; host gets every block (write-through), disk only reused ones
+TIER_MOVES: tuple[str, ...] = ("device_to_host", "device_to_disk", "host_to_disk", "host_to_device", "disk_to_device")
+LOAD_DECISIONS: tuple[str, ...] = ("load", "recompute")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold

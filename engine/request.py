@@ -33,6 +33,7 @@ class RequestOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     peer_tokens: int = 0  # of cached_tokens, those pulled from another pod
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # of cached_tokens, promoted from host/disk
     kv_transfer: dict[str, Any] | None = None  # a prefill's handoff: handle, expires_at, num_blocks
 
 
@@ -56,6 +57,7 @@ class Request:
     handoff_ttl: float | None = None  # a prefill for another pod: keep the KV under a handle this long
     import_key: str | None = None  # blocks pulled from a peer for this request, held until it is admitted
     peer_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # of cached_tokens, promoted from host/disk
     num_preemptions: int = 0
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -92,8 +92,11 @@ def _usage(finals: dict[int, RequestOutput], job: _Job) -> dict[str, Any]:
     peer = sum(o.peer_tokens for o in first_of_prompt.values())
     completion = sum(o.completion_tokens for o in finals.values())
     by_source = dict.fromkeys(CACHE_SOURCES, 0)
-    by_source["device"] = cached - peer
+    for o in first_of_prompt.values():
+        for tier, tokens in o.cached_by_tier.items():
+            by_source[tier] += tokens
     by_source["peer"] = peer
+    by_source["device"] = cached - sum(by_source.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

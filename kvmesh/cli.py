@@ -35,6 +35,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hash-algo", choices=["xxh3_64", "sha256_cbor_64bit"])
     p.add_argument("--role", choices=["prefill", "decode", "both"])
     p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--kv-host-memory-mib", type=float, help="host KV tier in shared memory (default 0: off)")
+    p.add_argument("--kv-host-path", help="the host tier's file (default /dev/shm/kvmesh-kv-host-<port>.kv)")
+    p.add_argument("--kv-disk-mib", type=float, help="disk KV tier (default 0: off)")
+    p.add_argument("--kv-disk-path", help="the disk tier's file (default ~/.cache/kvmesh/kv-disk-<port>.kv)")
+    p.add_argument("--kv-tier-chunk-blocks", type=int, help="blocks per copy between tiers (default 16)")
+    p.add_argument("--kv-tier-cost-profile", choices=["measured", "gpu", "cpu"],
+                   help="load-or-recompute costs (default measured)")
     p.add_argument("--log-level", default="info")
 
 
@@ -59,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     holder.load_in_background()
     uvicorn.run(create_app(holder), host=config.host, port=config.port, log_level=args.log_level)
     if holder.engine is not None:
-        holder.engine.stop()
+        holder.engine.close()  # also syncs and unlocks the KV tier files
     return 0
 
 
@@ -208,6 +215,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.shines import add_parser as add_shines_bench
 
     add_shines_bench(bench)
+    from kvmesh.bench.tiers import add_parser as add_tiers_bench
+
+    add_tiers_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -215,6 +225,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "tiers":
+        from kvmesh.bench.tiers import run as run_tiers_bench
+
+        return run_tiers_bench(args)
     if args.bench == "shines":
         from kvmesh.bench.shines import run as run_shines_bench
 

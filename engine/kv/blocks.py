@@ -69,6 +69,9 @@ class BlockPool:
         self._on_event = on_event
         self.tier = tier
         self.evictions = 0
+        # called with the ids of blocks about to be handed out, so a copy still reading one (to a lower tier)
+        # can finish before the block is overwritten
+        self.before_reuse: Callable[[Sequence[int]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -116,6 +119,8 @@ class BlockPool:
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
+        if self.before_reuse is not None:
+            self.before_reuse([b.block_id for b in taken])
         if evicted:
             self.evictions += len(evicted)
             self._emit(KVEvent("removed", tuple(evicted), tier=self.tier))
@@ -241,6 +246,11 @@ class KVCacheManager:
                 parent=parent,
             )
         return seq.hashes
+
+    def prefix_hashes(self, seq_id: str, token_ids: Sequence[int], extra: BlockExtra = NO_EXTRA) -> list[int]:
+        """The hashes of the blocks a prefix hit may cover: every full block but one token's worth, so a
+        request always computes at least one token."""
+        return self._hashes(seq_id, token_ids, extra)[: (len(token_ids) - 1) // self.block_size]
 
     def find_prefix(self, seq_id: str, token_ids: Sequence[int], extra: BlockExtra = NO_EXTRA) -> PrefixHit:
         """The longest cached prefix of `token_ids`, leaving at least one token to compute (so the request

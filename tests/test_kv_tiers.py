@@ -1,0 +1,258 @@
+"""Host and disk KV tiers over the tiny model: byte-identical moves, chunked copies, promotion before prefill
+(same output as a cold run, only the uncached tokens computed), load-or-recompute by cost profile,
+write-through-selective to disk, capacity eviction and tier-tagged events. Each test counts what the runner
+computed or reads the tiers' own bytes, so a stand-in cannot pass."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.kv.tiers import PROFILES, CostProfile, Costs, plan_load
+from kvmesh.engine.request import Request, RequestOutput
+from kvmesh.engine.sampling import SamplingParams
+
+from .conftest import make_engine
+
+_ids = itertools.count()
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # layers x K/V x tokens x kv heads x head dim x fp32
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 1000 + i * 7919) % 49000 + 100 for i in range(n)]
+
+
+def run(engine: Engine, tokens: list[int], max_tokens: int = 8) -> tuple[list[int], RequestOutput]:
+    """One greedy request to the end; (output ids, final output)."""
+    outputs: list[RequestOutput] = []
+    request = Request(f"t-{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                      ignore_eos=True))
+    request.on_output = outputs.append
+    engine.submit(request)
+    engine.run_until_idle()
+    engine.kv.check_invariants()
+    assert engine.tiers is not None
+    engine.tiers.check_invariants()
+    return [t for o in outputs for t in o.new_token_ids], outputs[-1]
+
+
+def samples(engine: Engine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(engine.metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(engine: Engine, name: str, **labels: str) -> float:
+    return samples(engine)[(name, tuple(sorted(labels.items())))]
+
+
+def tiered(tiny_dir: Path, tmp: Path, host_blocks: int = 128, disk_blocks: int = 128, **overrides: object) -> Engine:
+    """An engine with a host tier of `host_blocks` and a disk tier of `disk_blocks` (0: off) in `tmp`, deciding
+    load-or-recompute by the fixed CPU profile."""
+    settings: dict[str, object] = {
+        "kv_cache_blocks": 64,
+        "kv_host_memory_mib": host_blocks * TINY_BLOCK_BYTES / (1 << 20),
+        "kv_host_path": str(tmp / "host.kv"),
+        "kv_disk_mib": disk_blocks * TINY_BLOCK_BYTES / (1 << 20),
+        "kv_disk_path": str(tmp / "disk.kv"),
+        "kv_tier_cost_profile": "cpu",  # fixed costs under which loading always wins: no dependence on timing
+    }
+    settings.update(overrides)
+    engine = make_engine(tiny_dir, **settings)
+    assert engine.tiers is not None
+    return engine
+
+
+def device_bytes(engine: Engine, block_hash: int) -> torch.Tensor:
+    block = engine.kv.pool.lookup(block_hash)
+    assert block is not None
+    return engine.runner.kv_cache[block.block_id].view(torch.uint8).flatten().clone()
+
+
+def tier_bytes(engine: Engine, tier: str, block_hash: int) -> torch.Tensor:
+    assert engine.tiers is not None
+    index = engine.tiers.tiers[tier]
+    slot = index.find(block_hash)
+    assert slot is not None and index.slots[slot].ready, f"{tier} lacks the block"
+    return index.store.data[slot].clone()
+
+
+def chain(engine: Engine, tokens: list[int]) -> list[int]:
+    key = f"probe-{next(_ids)}"
+    hashes = engine.kv.prefix_hashes(key, tokens)
+    engine.kv.seqs.pop(key)
+    return hashes
+
+
+# ---- the decision, pure ---------------------------------------------------------------------------------
+
+
+def test_plan_load_picks_what_is_cheaper_to_load() -> None:
+    gpu = PROFILES["gpu"]
+    costs = Costs(gpu.prefill_tokens_per_second or 0, gpu.bandwidth, gpu.setup_seconds)
+    block = 2 << 20  # an 8B-class model's 16-token block
+    # recomputing 16 tokens (0.8 ms) beats a 2 ms host setup; 16 blocks do not
+    assert plan_load(["host"], 16, block, costs) == 0
+    assert plan_load(["host"] * 16, 16, block, costs) == 16
+    # disk has a 10 ms setup: a short disk run is recomputed even behind a long host run
+    assert plan_load(["host"] * 16 + ["disk"] * 2, 16, block, costs) == 16
+    # unmeasured prefill speed: loading wins
+    assert plan_load(["disk"] * 3, 16, block, Costs(0.0, {}, {})) == 3
+    # a CPU: memory copies at GB/s against a few hundred tokens a second
+    assert plan_load(["host", "disk"], 16, block, Costs(300.0, {"host": 5e9, "disk": 1e9}, {})) == 2
+
+
+# ---- moves ----------------------------------------------------------------------------------------------
+
+
+def test_blocks_come_back_byte_identical_after_every_move(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = tiered(tiny_dir, tmp_path)
+    tokens = prompt(1, 100)
+    run(engine, tokens)
+    run(engine, tokens)  # a hit: write-through-selective copies the blocks to disk too
+    hashes = chain(engine, tokens)
+    original = {h: device_bytes(engine, h) for h in hashes}
+    for h in hashes:
+        assert torch.equal(tier_bytes(engine, "host", h), original[h])  # device -> host
+        assert torch.equal(tier_bytes(engine, "disk", h), original[h])  # host -> disk
+    engine.kv.pool.clear()
+    run(engine, tokens)  # host -> device
+    assert all(torch.equal(device_bytes(engine, h), original[h]) for h in hashes)
+    engine.close()
+    disk_only = tiered(tiny_dir, tmp_path, host_blocks=0)
+    run(disk_only, tokens)  # disk -> device, after a restart
+    assert metric(disk_only, "kvmesh_kv_tier_moved_blocks_total", move="disk_to_device") == len(hashes)
+    assert all(torch.equal(device_bytes(disk_only, h), original[h]) for h in hashes)
+    disk_only.close()
+
+
+def test_n_blocks_move_in_ceil_n_over_chunk_copies(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0, kv_tier_chunk_blocks=4)
+    tokens = prompt(2, 170)  # 10 full blocks, all registered by one prefill step
+    run(engine, tokens, max_tokens=2)
+    assert metric(engine, "kvmesh_kv_tier_moved_blocks_total", move="device_to_host") == 10
+    assert metric(engine, "kvmesh_kv_tier_copies_total", move="device_to_host") == math.ceil(10 / 4)
+    engine.kv.pool.clear()
+    before = engine.tiers.copier.copies  # type: ignore[union-attr]
+    run(engine, tokens, max_tokens=2)
+    assert metric(engine, "kvmesh_kv_tier_moved_blocks_total", move="host_to_device") == 10
+    assert engine.tiers.copier.copies - before == math.ceil(10 / 4)  # type: ignore[union-attr]
+    # not one copy per block and layer
+    assert metric(engine, "kvmesh_kv_tier_copies_total", move="host_to_device") < 10 * 2
+    engine.close()
+
+
+# ---- promotion before prefill -----------------------------------------------------------------------------
+
+
+def test_a_request_served_from_the_host_tier_matches_a_cold_one(tiny_dir: Path, tmp_path: Path) -> None:
+    cold_tokens, cold = run_cold(tiny_dir, [*prompt(3, 100), 7, 8])
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0)
+    run(engine, prompt(3, 100))
+    engine.kv.pool.clear()  # the device forgets: only the host tier holds the prefix
+    before = engine.runner.computed_tokens
+    tokens, final = run(engine, [*prompt(3, 100), 7, 8])
+    assert tokens == cold_tokens
+    assert final.cached_tokens == 96 and final.cached_by_tier == {"host": 96, "disk": 0}
+    # only the 6 uncached prompt tokens, then one per output token after the first
+    assert engine.runner.computed_tokens - before == 102 - 96 + 7
+    assert metric(engine, "kvmesh_prefix_cache_hit_tokens_total", tier="host") == 96
+    assert metric(engine, "kvmesh_kv_tier_load_decisions_total", decision="load") == 1
+    assert cold.cached_tokens == 0
+    engine.close()
+
+
+def test_a_request_served_from_the_disk_tier_matches_a_cold_one(tiny_dir: Path, tmp_path: Path) -> None:
+    cold_tokens, _ = run_cold(tiny_dir, [*prompt(4, 80), 9])
+    engine = tiered(tiny_dir, tmp_path, host_blocks=0)
+    run(engine, prompt(4, 80))
+    assert engine.tiers is not None and engine.tiers.counts()["disk"][1] == 0  # never hit: not on disk
+    run(engine, prompt(4, 80))  # hit again: now written to disk
+    assert engine.tiers.counts()["disk"][1] == 4
+    engine.kv.pool.clear()
+    before = engine.runner.computed_tokens
+    tokens, final = run(engine, [*prompt(4, 80), 9])
+    assert tokens == cold_tokens
+    assert final.cached_by_tier == {"host": 0, "disk": 64} and final.cached_tokens == 64
+    assert engine.runner.computed_tokens - before == 81 - 64 + 7
+    engine.close()
+
+
+def run_cold(tiny_dir: Path, tokens: list[int]) -> tuple[list[int], RequestOutput]:
+    engine = make_engine(tiny_dir, enable_prefix_cache=False)
+    outputs: list[RequestOutput] = []
+    request = Request(f"cold-{next(_ids)}", tokens, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    request.on_output = outputs.append
+    engine.submit(request)
+    engine.run_until_idle()
+    return [t for o in outputs for t in o.new_token_ids], outputs[-1]
+
+
+def test_a_gpu_profile_recomputes_short_prefixes_and_loads_long_ones(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0, kv_tier_cost_profile="gpu")
+    short, long = prompt(5, 40), prompt(6, 330)  # 2 and 20 full blocks
+    run(engine, short)
+    run(engine, long)
+    engine.kv.pool.clear()
+    before = engine.runner.computed_tokens
+    _, final = run(engine, short, max_tokens=1)
+    # 2 blocks: 1.6 ms to recompute at 20k tokens/s against a 2 ms host setup: recomputed
+    assert final.cached_tokens == 0 and engine.runner.computed_tokens - before == 40
+    assert metric(engine, "kvmesh_kv_tier_load_decisions_total", decision="recompute") == 1
+    before = engine.runner.computed_tokens
+    _, final = run(engine, long, max_tokens=1)
+    assert final.cached_by_tier["host"] == 320 and engine.runner.computed_tokens - before == 10
+    assert metric(engine, "kvmesh_kv_tier_load_decisions_total", decision="load") == 1
+    engine.close()
+
+
+def test_a_profile_where_recompute_always_wins_loads_nothing(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0)
+    assert engine.tiers is not None
+    engine.tiers.profile = CostProfile(prefill_tokens_per_second=1e12)
+    run(engine, prompt(7, 100))
+    engine.kv.pool.clear()
+    before = engine.runner.computed_tokens
+    _, final = run(engine, prompt(7, 100), max_tokens=1)
+    assert final.cached_tokens == 0 and engine.runner.computed_tokens - before == 100
+    engine.close()
+
+
+# ---- capacity, events, metrics ------------------------------------------------------------------------------
+
+
+def test_a_full_host_tier_evicts_least_recent_and_says_so(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = tiered(tiny_dir, tmp_path, host_blocks=8, disk_blocks=0)
+    first, second = prompt(8, 100), prompt(9, 100)  # 6 blocks each, 12 for 8 slots
+    run(engine, first)
+    run(engine, second)
+    assert metric(engine, "kvmesh_kv_evictions_total", tier="host", reason="capacity") == 4
+    snapshot = engine.events.snapshot()
+    assert set(snapshot.blocks["host"]) == {h for h in chain(engine, first)[4:] + chain(engine, second)}
+    assert set(snapshot.blocks["device"]) >= set(chain(engine, first))  # the device still holds both
+    states = {s: metric(engine, "kvmesh_kv_blocks", tier="host", state=s) for s in ("used", "evictable", "free")}
+    assert states == {"used": 0, "evictable": 8, "free": 0}
+    engine.close()
+
+
+def test_a_move_is_stored_in_the_new_tier_and_removed_from_the_old(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0, kv_cache_blocks=8)
+    tokens = prompt(10, 100)  # 6 blocks of 8 device blocks
+    run(engine, tokens, max_tokens=1)
+    hashes = chain(engine, tokens)
+    after = engine.events.seq
+    run(engine, prompt(11, 100), max_tokens=1)  # pushes the first prompt's blocks off the device
+    events = [e for b in engine.events.read(after) for e in b.events]
+    removed_device = {h for e in events if e.kind == "removed" and e.tier == "device" for h in e.block_hashes}
+    assert removed_device & set(hashes)
+    snapshot = engine.events.snapshot()
+    assert set(hashes) <= set(snapshot.blocks["host"])
+    assert not set(snapshot.blocks["device"]) & removed_device
+    engine.close()
