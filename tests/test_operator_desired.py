@@ -1,0 +1,221 @@
+"""The objects a pool owns (operator/desired.py), as pure functions of the pool: valid Kubernetes objects,
+secure pods, configuration files the real programs read, discovery that finds the engines, RBAC from
+operator/rbac.py; and the engines' metrics as the operator reads them (operator/forecast.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvmesh.engine.config import EngineConfig, load_config
+from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL
+from kvmesh.operator import rbac
+from kvmesh.operator.crd import Pool, load_pool_file, parse_pool
+from kvmesh.operator.desired import (
+    CONFIG_HASH_ANNOTATION,
+    ENGINE_SETTINGS,
+    HOST_TIER_DIR,
+    desired_objects,
+    patch_body,
+)
+from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod
+from kvmesh.router.config import load_router_config
+from kvmesh.router.picker import PickerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+AGGREGATED = ROOT / "docs" / "examples" / "aggregated.yaml"
+DISAGGREGATED = ROOT / "docs" / "examples" / "disaggregated.yaml"
+
+
+def pool(path: Path = AGGREGATED, **spec: Any) -> Pool:
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"].update(spec)
+    doc["metadata"]["uid"] = "uid-1"
+    return parse_pool(doc)
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def matches(selector: str, object_labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics for the `k=v` and `k!=v` clauses the router uses."""
+    for clause in selector.split(","):
+        if "!=" in clause:
+            key, value = clause.split("!=")
+            if object_labels.get(key) == value:
+                return False
+        else:
+            key, value = clause.split("=")
+            if object_labels.get(key) != value:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("path", [AGGREGATED, DISAGGREGATED], ids=["aggregated", "disaggregated"])
+def test_every_object_is_a_valid_kubernetes_object_owned_by_the_pool(path: Path) -> None:
+    p = pool(path)
+    for obj in desired_objects(p):
+        if obj["apiVersion"].startswith("inference.networking.k8s.io"):
+            continue  # a CRD of the Gateway API Inference Extension: not in kubernetes-validate's schemas
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+    for obj in desired_objects(p):
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferencePool", p.name, "uid-1", True)
+        assert obj["metadata"]["namespace"] == p.namespace and obj["metadata"]["labels"][POOL_LABEL] == p.name
+
+
+def test_an_aggregated_pool_has_one_engine_deployment_and_a_disaggregated_one_two() -> None:
+    agg = by_kind(desired_objects(pool()), "Deployment")
+    assert set(agg) == {"chat-both", "chat-router"}
+    dis = desired_objects(pool(DISAGGREGATED))
+    deployments = by_kind(dis, "Deployment")
+    assert set(deployments) == {"docs-prefill", "docs-decode", "docs-router"}
+    for role in ("prefill", "decode"):
+        d = deployments[f"docs-{role}"]
+        assert d["spec"]["template"]["metadata"]["labels"][ROLE_LABEL] == role
+        assert d["spec"]["template"]["spec"]["containers"][0]["command"][-2:] == ["--role", role]
+    assert set(by_kind(dis, "PodDisruptionBudget")) == {"docs-prefill", "docs-decode", "docs-router"}
+    gateway = by_kind(dis, "InferencePool")["docs"]
+    assert gateway["spec"]["endpointPickerRef"]["name"] == "docs-router"
+    assert gateway["spec"]["selector"]["matchLabels"] == by_kind(dis, "Service")["docs-engines"]["spec"]["selector"]
+
+
+def test_replicas_start_at_the_minimum_and_stay_within_bounds() -> None:
+    p = pool(DISAGGREGATED)
+    deployments = by_kind(desired_objects(p), "Deployment")
+    assert (deployments["docs-prefill"]["spec"]["replicas"], deployments["docs-decode"]["spec"]["replicas"]) == (1, 2)
+    deployments = by_kind(desired_objects(p, {"prefill": 99, "decode": 0}), "Deployment")
+    assert (deployments["docs-prefill"]["spec"]["replicas"], deployments["docs-decode"]["spec"]["replicas"]) == (4, 2)
+
+
+def test_pods_are_non_root_read_only_probed_resourced_and_drain_before_stopping() -> None:
+    for d in by_kind(desired_objects(pool()), "Deployment").values():
+        spec = d["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert "tcpSocket" in container["livenessProbe"]  # a draining or loading engine is not restarted
+        assert container["resources"]["requests"]
+        writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+        assert "/tmp" in writable
+    engine = by_kind(desired_objects(pool()), "Deployment")["chat-both"]["spec"]["template"]["spec"]
+    (container,) = engine["containers"]
+    assert DRAIN_PATH in container["lifecycle"]["preStop"]["exec"]["command"][-1]
+    assert engine["terminationGracePeriodSeconds"] > 300
+    host = next(v for v in engine["volumes"] if v["name"] == "host-tier")
+    assert host["emptyDir"] == {"medium": "Memory", "sizeLimit": "1024Mi"}
+    assert {"name": "host-tier", "mountPath": HOST_TIER_DIR} in container["volumeMounts"]
+    # The router gets the ServiceAccount whose Role lets it read EndpointSlices; engines get no API token.
+    router = by_kind(desired_objects(pool()), "Deployment")["chat-router"]["spec"]["template"]["spec"]
+    assert router["serviceAccountName"] == "chat-router" and engine["automountServiceAccountToken"] is False
+
+
+def test_the_configuration_files_are_read_by_the_real_engine_and_router(tmp_path: Path) -> None:
+    for path in (AGGREGATED, DISAGGREGATED):
+        p = pool(path)
+        data = by_kind(desired_objects(p), "ConfigMap")[f"{p.name}-config"]["data"]
+        (tmp_path / "engine.yaml").write_text(data["engine.yaml"])
+        (tmp_path / "router.yaml").write_text(data["router.yaml"])
+        engine = load_config(tmp_path / "engine.yaml")
+        router = load_router_config(tmp_path / "router.yaml")
+        assert (engine.host, engine.port, engine.block_size) == ("0.0.0.0", p.spec["engine"]["port"],
+                                                                 router.block_size)
+        assert engine.hash_algo == router.hash_algo
+        assert engine.forecast_horizon_seconds == p.spec["scaling"]["horizonSeconds"]
+        PickerConfig(**router.weights)  # the weights name real picker settings
+        assert (router.discovery, router.pool, router.namespace) == ("kubernetes", p.name, p.namespace)
+    assert load_config(tmp_path / "engine.yaml").handoff_ttl_seconds == 30  # engine.settings passes through
+    assert set(ENGINE_SETTINGS.values()) <= {f for f in EngineConfig.__dataclass_fields__}
+
+
+def test_the_router_discovers_the_engines_through_their_service_and_may_read_endpointslices() -> None:
+    """EndpointSlices inherit their Service's labels: the router's selector must match the engines' Service and
+    not the router's own."""
+    p = pool()
+    objects = desired_objects(p)
+    services = by_kind(objects, "Service")
+    data = by_kind(objects, "ConfigMap")["chat-config"]["data"]
+    selector = load_router_config_from_text(data["router.yaml"]).endpoint_selector()
+    assert matches(selector, services["chat-engines"]["metadata"]["labels"])
+    assert not matches(selector, services["chat-router"]["metadata"]["labels"])
+    assert services["chat-engines"]["spec"]["clusterIP"] == "None"
+    engine_labels = by_kind(objects, "Deployment")["chat-both"]["spec"]["template"]["metadata"]["labels"]
+    assert all(engine_labels[k] == v for k, v in services["chat-engines"]["spec"]["selector"].items())
+    role = by_kind(objects, "Role")["chat-router"]
+    assert role["rules"] == [perm.rule() for perm in rbac.ROUTER]
+    for perm in rbac.ROUTER:  # the operator holds what it grants (Kubernetes forbids escalation)
+        assert all(rbac.allows(rbac.OPERATOR, perm.group, perm.resource, verb) for verb in perm.verbs)
+
+
+def load_router_config_from_text(text: str) -> Any:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(text)
+        f.flush()
+        return load_router_config(f.name)
+
+
+def test_a_configuration_change_rolls_the_pods_and_a_replica_change_does_not() -> None:
+    def template_hash(p: Pool, replicas: dict[str, int] | None = None) -> str:
+        d = by_kind(desired_objects(p, replicas), "Deployment")["chat-both"]
+        return d["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+    base = pool()
+    assert template_hash(base) == template_hash(base, {"both": 4})
+    changed = pool(engine={**base.spec["engine"], "maxNumSeqs": 8})
+    assert template_hash(changed) != template_hash(base)
+
+
+def test_hpa_mode_creates_autoscalers_on_the_forecast_and_never_patches_engine_replicas() -> None:
+    p = pool(scaling={"mode": "hpa", "horizonSeconds": 90, "podStartupSeconds": 60})
+    objects = desired_objects(p)
+    hpa = by_kind(objects, "HorizontalPodAutoscaler")["chat-both"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "800m"
+    deployments = by_kind(objects, "Deployment")
+    assert "replicas" not in patch_body(p, deployments["chat-both"])["spec"]
+    assert patch_body(p, deployments["chat-router"])["spec"]["replicas"] == 2
+    assert "replicas" in patch_body(pool(), by_kind(desired_objects(pool()), "Deployment")["chat-both"])["spec"]
+
+
+def test_the_store_secret_reaches_the_router_as_a_flag() -> None:
+    router = by_kind(desired_objects(pool(DISAGGREGATED)), "Deployment")["docs-router"]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-2:] == ["--database-url", "$(KVMESH_DATABASE_URL)"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVMESH_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "kvmesh-request-log", "key": "url"}
+
+
+def test_the_example_files_load_through_load_pool_file() -> None:
+    assert load_pool_file(str(DISAGGREGATED)).roles == ("prefill", "decode")
+
+
+# ---- the engines' metrics as the operator reads them ------------------------------------------------------------
+
+
+def test_a_real_engine_s_metrics_parse_into_an_observation(tiny_engine: Any) -> None:
+    metrics = parse_pod("pod-a", "both", tiny_engine.metrics.render().decode())
+    obs = metrics.observation
+    assert obs.num_blocks == tiny_engine.config.kv_cache_blocks
+    assert set(obs.forecast) == {"p50", "p90", "p99"}
+    assert metrics.block_size == tiny_engine.config.block_size
+
+
+def test_traffic_is_estimated_from_counter_deltas_and_restarts_are_skipped() -> None:
+    est = TrafficEstimator()
+    est.update(0, [("a", Counters())], 16)
+    t = est.update(10, [("a", Counters(finished=20, finished_seconds=40, prompt_tokens=20 * 300,
+                                       output_tokens=20 * 100, cached_tokens=20 * 100, in_flight=5))], 16)
+    assert t.arrival_rate == pytest.approx(2.5)  # 20 finished + 5 more in flight in 10 s
+    assert t.blocks_per_request == 25  # (300 + 100) / 16
+    assert (t.request_seconds, t.uncached_prompt_tokens, t.output_tokens) == (2.0, 200.0, 100.0)
+    restarted = est.update(20, [("a", Counters(finished=1, in_flight=1))], 16)
+    assert restarted == t  # counters fell: the interval is skipped, the last estimate stands
