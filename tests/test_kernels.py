@@ -2,10 +2,10 @@
 Triton's interpreter: random cases (hypothesis, ten examples a property) and the edges (one token, exact block
 multiples, permuted block tables, GQA 1/3/8, head sizes 64/128, one and many sequences, splits).
 
-Tolerance, |kernel - reference| <= atol + rtol * |reference| (TOLERANCE): fp32 2e-5 (summation order only);
-fp16 3e-3 (probabilities enter the P.V product in fp16; output rounding is 2^-11 relative); bf16 2e-2 (output
-rounding is 2^-8 relative). The interpreter multiplies bf16 in fp32 (kernels/common.py says why), so bf16
-cases check addressing, conversion and rounding; the bf16 tensor-core product is checked on a GPU by
+Tolerance, |kernel - reference| <= tol * (1 + |reference|), tol from reference.TOLERANCE: fp32 2e-5
+(summation order only); fp16 3e-3 (probabilities enter the P.V product in fp16; outputs round at 2^-11);
+bf16 2e-2 (outputs round at 2^-8). The interpreter multiplies bf16 in fp32 (kernels/common.py says why), so
+bf16 cases check addressing, conversion and rounding; the bf16 tensor-core product is checked on a GPU by
 `python engine/kernels/bench.py`. KV writes and block copies must be exact (a KV write that also converts
 fp32 to bf16: within one bf16 ulp, because the interpreter truncates where the GPU rounds to nearest).
 """
@@ -31,9 +31,10 @@ assert isinstance(decode._decode_kernel, InterpretedFunction), (
     "kernel modules were imported before TRITON_INTERPRET=1 was set; they cannot run on this CPU"
 )
 
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+TOLERANCE = ref.TOLERANCE
 DTYPES = list(TOLERANCE)
-FEW = settings(max_examples=10, deadline=None, database=None)  # no .hypothesis folder in the tree
+# the same ten examples every run (stable CI time), and no .hypothesis folder in the tree
+FEW = settings(max_examples=10, deadline=None, database=None, derandomize=True)
 LAYERS = 2  # kernels read layer 1: a strided view, as in the engine
 
 
@@ -156,7 +157,7 @@ def test_decode_rejects_a_batch_without_context() -> None:
 
 @FEW
 @given(
-    q_lens=st.lists(st.integers(1, 90), min_size=1, max_size=4),
+    q_lens=st.lists(st.integers(1, 70), min_size=1, max_size=4),
     prefix_seed=st.integers(0, 2**16),
     kv_heads=st.integers(1, 2),
     group=st.sampled_from([1, 3, 8]),
@@ -168,7 +169,7 @@ def test_extend_matches_the_reference(
     q_lens: list[int], prefix_seed: int, kv_heads: int, group: int, head_dim: int, page: int, dtype: torch.dtype
 ) -> None:
     rng = random.Random(prefix_seed)
-    prefixes = [rng.choice([0, rng.randint(1, 160), page * rng.randint(1, 8)]) for _ in q_lens]
+    prefixes = [rng.choice([0, rng.randint(1, 130), page * rng.randint(1, 8)]) for _ in q_lens]
     check_extend(q_lens, prefixes, kv_heads, group, head_dim, page, dtype, seed=prefix_seed)
 
 

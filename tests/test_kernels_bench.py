@@ -1,0 +1,72 @@
+"""The kernel benchmark keeps working where it must run: from the source tree on a machine with only torch,
+triton and numpy (no kvmesh installed), and as `kvmesh bench kernels`. Here it runs its CPU smoke sizes under
+Triton's interpreter; its correctness pass must hold and every section must report."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELS = REPO / "engine" / "kernels"
+ALLOWED = {"torch", "triton", "numpy"} | set(sys.stdlib_module_names)
+
+
+def test_kernel_modules_import_only_torch_triton_numpy_and_each_other() -> None:
+    for path in KERNELS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in ALLOWED, f"{path.name} imports {name}"
+
+
+def check_report(report: dict) -> None:
+    assert report["interpreted"] is True
+    kernels = {c["kernel"] for c in report["correctness"]}
+    assert kernels == {"decode splits=1", "decode splits=4", "extend", "kv_write", "gather/scatter"}
+    assert {c["dtype"] for c in report["correctness"]} == {"float16", "bfloat16", "float32"}
+    assert all(c["ok"] for c in report["correctness"])
+    assert {(r["context"], r["batch"]) for r in report["decode"]} == {(64, 1), (64, 2), (256, 1), (256, 2)}
+    assert all(r["kernel_gbps"] > 0 and r["sdpa_gbps"] > 0 for r in report["decode"])
+    assert all(r["kernel_tflops"] > 0 for r in report["extend"])
+    assert report["block_copy"][0]["gather_gbps"] > 0 and report["copy_gbps"] > 0
+
+
+@pytest.mark.slow
+def test_bench_runs_from_the_source_tree_without_kvmesh(tmp_path: Path) -> None:
+    """`python engine/kernels/bench.py`, with every import of kvmesh made to fail, from another directory."""
+    out = tmp_path / "kernels.json"
+    blocked = (
+        "import runpy, sys; sys.modules['kvmesh'] = None; "
+        f"sys.argv = ['bench.py', '--json', {str(out)!r}]; "
+        f"runpy.run_path({str(KERNELS / 'bench.py')!r}, run_name='__main__')"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not a performance number" in done.stderr
+    check_report(json.loads(out.read_text()))
+
+
+@pytest.mark.slow
+def test_kvmesh_bench_kernels_runs_the_same_code(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "kernels", "--dtype", "float16", "--json",
+                           str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    check_report(report)
+    assert report["dtype"] == "float16"
