@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import xxhash
 
+from kvmesh.engine.kernels import gather_blocks
+
 KV_FETCH_PATH = "/v1/kv/fetch"
 
 
@@ -53,7 +55,7 @@ def encode_frame(kv_cache: torch.Tensor, block_ids: Sequence[int], hashes: Seque
     The caller keeps the blocks pinned while this runs."""
     layout = Layout.of(kv_cache)
     ids = torch.tensor(list(block_ids), device=kv_cache.device)
-    data = _as_bytes(kv_cache.index_select(0, ids))
+    data = _as_bytes(gather_blocks(kv_cache, ids))  # one Triton launch on CUDA, index_select elsewhere
     size = layout.block_bytes
     blocks = [
         {"hash": h, "nbytes": size, "xxh3": xxhash.xxh3_64_intdigest(data[i * size : (i + 1) * size])}
