@@ -135,8 +135,8 @@ def decode_throughput(device: torch.device, dtype: torch.dtype, contexts: list[i
         for size in batches:
             row = _decode_case(device, dtype, context, size, heads, dim, copy_bps)
             rows.append(row)
-            log(f"decode context {context:>6} batch {size:>3}: {row['kernel_gbps']:8.1f} GB/s "
-                f"({row['share_of_copy']:.0%} of copy), SDPA contiguous {row['sdpa_gbps']:8.1f} GB/s")
+            log(f"decode context {context:>6} batch {size:>3}: {row['kernel_gbps']:8.4g} GB/s "
+                f"({row['share_of_copy']:.0%} of copy), SDPA contiguous {row['sdpa_gbps']:8.4g} GB/s")
     return rows
 
 
@@ -171,8 +171,8 @@ def extend_throughput(device: torch.device, dtype: torch.dtype, cases: list[tupl
     for seqs, new, prefix in cases:
         row = _extend_case(device, dtype, seqs, new, prefix, heads, dim)
         rows.append(row)
-        log(f"extend {seqs} x {new} new after {prefix} cached: {row['kernel_tflops']:.2f} TFLOP/s"
-            + (f", SDPA causal {row['sdpa_tflops']:.2f}" if row["sdpa_tflops"] else ""))
+        log(f"extend {seqs} x {new} new after {prefix} cached: {row['kernel_tflops']:.4g} TFLOP/s"
+            + (f", SDPA causal {row['sdpa_tflops']:.4g}" if row["sdpa_tflops"] else ""))
     return rows
 
 
@@ -217,8 +217,8 @@ def copy_throughput(device: torch.device, dtype: torch.dtype, block_shape: tuple
     row = {"blocks": moved, "block_mib": kv[0].numel() * kv.element_size() / 2**20,
            "gather_gbps": nbytes / gather_s / 1e9, "scatter_gbps": nbytes / scatter_s / 1e9,
            "torch_index_select_gbps": nbytes / torch_s / 1e9, "gather_share_of_copy": nbytes / gather_s / copy_bps}
-    log(f"block copy {moved} x {row['block_mib']:.2f} MiB: gather {row['gather_gbps']:.1f} GB/s, scatter "
-        f"{row['scatter_gbps']:.1f} GB/s, torch index_select {row['torch_index_select_gbps']:.1f} GB/s")
+    log(f"block copy {moved} x {row['block_mib']:.2f} MiB: gather {row['gather_gbps']:.4g} GB/s, scatter "
+        f"{row['scatter_gbps']:.4g} GB/s, torch index_select {row['torch_index_select_gbps']:.4g} GB/s")
     return [row]
 
 
