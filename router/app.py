@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,6 +52,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
+from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.shed import ShedPolicy, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
@@ -238,7 +238,7 @@ class Router:
     index: PrefixIndex
     picker: PickerConfig
     metrics: RouterMetrics
-    client: httpx.AsyncClient
+    upstream: Upstream
     keys: ApiKeys
     log: AsyncRequestLog | None
     shed: ShedPolicy
@@ -344,8 +344,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     )
     index = PrefixIndex()
     pods = PodSet.from_config(config, expected, index)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=config.request_timeout_seconds),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    upstream = Upstream(config.request_timeout_seconds)
     keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys({})
     log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None
     shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
@@ -355,7 +354,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
             "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
             "an engine directly could use to probe another tenant's cached prefixes; set KVMESH_CACHE_SALT_SECRET")
     pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
-    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), client,
+    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), upstream,
                   keys, log, shed, secret or config.pool, pull)
 
 
@@ -396,7 +395,7 @@ def create_router_app(router: Router) -> FastAPI:
         await router.pods.start()
         yield
         await router.pods.stop()
-        await router.client.aclose()
+        await router.upstream.close()
         if router.log is not None:
             router.log.close()
 
@@ -457,7 +456,7 @@ def create_router_app(router: Router) -> FastAPI:
         first: Decision | None = None,
         roles: tuple[str, ...] = SERVING_ROLES,
         require_ok: bool = False,
-    ) -> tuple[httpx.Response, Pod, Decision] | None:
+    ) -> tuple[UpstreamReply, Pod, Decision] | None:
         """Send `body` to the best pod in `roles` not yet tried (`first`, when already decided); skip pods that
         refuse (429, 503; any non-200 with `require_ok`) or fail before their first byte. None when no pod is
         left."""
@@ -476,17 +475,16 @@ def create_router_app(router: Router) -> FastAPI:
                                          router.config.provisional_ttl_seconds)
             pod.inflight += 1
             try:
-                reply = await router.client.send(
-                    router.client.build_request("POST", pod.url + path, json=body, headers=headers), stream=True)
-            except httpx.TransportError:
+                reply = await router.upstream.post(pod.url + path, body, headers)
+            except UpstreamError:
                 pod.inflight -= 1
                 continue
             except BaseException:  # cancelled (the client left): the count must not leak
                 pod.inflight -= 1
                 raise
-            if reply.status_code in RETRYABLE or (require_ok and reply.status_code != 200):
+            if reply.status in RETRYABLE or (require_ok and reply.status != 200):
                 pod.inflight -= 1
-                await reply.aclose()
+                reply.close()
                 continue
             router.metrics.decisions.labels(decision.reason).inc()
             return reply, pod, decision
@@ -532,21 +530,21 @@ def create_router_app(router: Router) -> FastAPI:
         reply, pod, decision = opened
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         decided = {"x-kvmesh-pod": pod.name, "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
-        if stream and reply.status_code == 200:
+        if stream and reply.status == 200:
             stream_state = Relay(upstream, path, headers, tried, strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD),
                                  migratable=migratable, client_usage=_wants_usage(raw))
             return StreamingResponse(relay(reply, pod, trace, stream_state), media_type="text/event-stream",
                                      headers=decided)
         try:
-            content = await reply.aread()
+            content = await reply.read()
         finally:
-            await reply.aclose()
+            reply.close()
             pod.inflight -= 1
-        outcome = "ok" if reply.status_code == 200 else "error"
+        outcome = "ok" if reply.status == 200 else "error"
         router.metrics.requests.labels(outcome, trace.route).inc()
-        usage = _count_cached(json.loads(content)) if reply.status_code == 200 else None
-        router.record(trace, outcome, reply.status_code, usage)
-        return Response(content, status_code=reply.status_code, media_type="application/json", headers=decided)
+        usage = _count_cached(json.loads(content)) if reply.status == 200 else None
+        router.record(trace, outcome, reply.status, usage)
+        return Response(content, status_code=reply.status, media_type="application/json", headers=decided)
 
     async def disaggregate(
         path: str, raw: dict[str, Any], trace: Trace, stream: bool, headers: dict[str, str]
@@ -560,11 +558,11 @@ def create_router_app(router: Router) -> FastAPI:
             return None
         reply, prefill_pod, decision = opened
         try:
-            content = await reply.aread()
+            content = await reply.read()
         finally:
-            await reply.aclose()
+            reply.close()
             prefill_pod.inflight -= 1
-        if reply.status_code != 200:
+        if reply.status != 200:
             return None
         first = json.loads(content)
         choice = first["choices"][0]
@@ -596,7 +594,7 @@ def create_router_app(router: Router) -> FastAPI:
         reply, pod, _ = opened
         decided = {"x-kvmesh-pod": f"{prefill_pod.name},{pod.name}",
                    "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
-        if stream and reply.status_code == 200:
+        if stream and reply.status == 200:
             resumable = {**raw, RETURN_TOKEN_IDS_FIELD: True,
                          "stream_options": {**(raw.get("stream_options") or {}), "include_usage": True}}
             state = Relay(resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
@@ -615,14 +613,14 @@ def create_router_app(router: Router) -> FastAPI:
 
             return StreamingResponse(with_first_token(), media_type="text/event-stream", headers=decided)
         try:
-            rest = json.loads(await reply.aread())
+            rest = json.loads(await reply.read())
         finally:
-            await reply.aclose()
+            reply.close()
             pod.inflight -= 1
-        if reply.status_code != 200:
+        if reply.status != 200:
             router.metrics.requests.labels("error", trace.route).inc()
-            router.record(trace, "error", reply.status_code, None)
-            return JSONResponse(rest, status_code=reply.status_code, headers=decided)
+            router.record(trace, "error", reply.status, None)
+            return JSONResponse(rest, status_code=reply.status, headers=decided)
         merged = rest["choices"][0]
         if "message" in merged:
             merged["message"]["content"] = text + (merged["message"]["content"] or "")
@@ -646,7 +644,7 @@ def create_router_app(router: Router) -> FastAPI:
         router.metrics.actual.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         return usage
 
-    async def relay(reply: httpx.Response, pod: Pod, trace: Trace, state: Relay) -> AsyncIterator[str]:
+    async def relay(reply: UpstreamReply, pod: Pod, trace: Trace, state: Relay) -> AsyncIterator[str]:
         """Pass SSE lines through as they arrive. If the pod fails mid-stream, continue on another pod with the
         prompt plus the tokens already sent (`resume_output_ids`), so the client's stream goes on with no
         repeated or missing token; only when no pod can continue does it end with an error event."""
@@ -655,7 +653,7 @@ def create_router_app(router: Router) -> FastAPI:
         try:
             while True:
                 try:
-                    async for line in reply.aiter_lines():
+                    async for line in reply.lines():
                         if line.startswith("data: {"):
                             chunk = state.on_chunk(json.loads(line[6:]), trace)
                             if chunk.get("usage"):
@@ -666,10 +664,10 @@ def create_router_app(router: Router) -> FastAPI:
                         elif line == "data: [DONE]":
                             state.done = True
                         yield line + "\n"
-                except httpx.TransportError:
+                except UpstreamError:
                     pass
                 finally:
-                    await reply.aclose()
+                    reply.close()
                     pod.inflight -= 1
                 if state.finished and not state.done:  # the answer is whole; only the tail of the stream was lost
                     state.done = True
