@@ -1,0 +1,192 @@
+"""End to end: Debian's Prometheus scrapes a local pool (two engine processes over the tiny model and a router
+process) while a short load runs; then every dashboard query returns data through Prometheus' HTTP API, the alert
+rules load and evaluate, and `promtool check metrics` finds nothing on any component's /metrics but the colons
+of vLLM's compatibility names.
+
+The scrape targets get the labels the chart's PodMonitor gives pods in Kubernetes (namespace, pool, role, pod), so
+the dashboards' queries run here exactly as they do in a cluster."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from kvmesh.processes import free_port, launch, spawn, stop, wait_healthy
+
+from .engines import tiny_engines
+from .promql import DASHBOARDS, RULES, Query, check_metrics, dashboard_queries, variable_queries
+
+pytestmark = pytest.mark.slow
+
+SCRAPE_SECONDS = 1
+REQUESTS = 24
+DATA_DEADLINE_SECONDS = 120  # how long the queries may take to see the load (a loaded 2-core machine is slow)
+
+
+@dataclass
+class Pool:
+    engines: list[str]
+    router: str
+
+    def targets(self) -> dict[str, tuple[str, str]]:
+        """URL -> (pod name, role), as Kubernetes would name and label them."""
+        found = {url: (f"engine-{i}", "both") for i, url in enumerate(self.engines)}
+        return {**found, self.router: ("router-0", "router")}
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    logs = tmp_path_factory.mktemp("pool")
+    with tiny_engines(tiny_dir, logs) as procs:
+        engines = list(procs)
+        port = free_port()
+        url, log = f"http://127.0.0.1:{port}", logs / "router.log"
+        args = ["router", "--model", str(tiny_dir), "--port", str(port), "--log-level", "warning"]
+        router = spawn(args + [a for e in engines for a in ("--pod", e)], log)
+        try:
+            wait_healthy(url, router, log=log)
+            yield Pool(engines, url)
+        finally:
+            stop([router])
+
+
+@pytest.fixture(scope="module")
+def prometheus(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Prometheus on a free loopback port with its own config and storage (not the Debian service)."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus not found: run `make prometheus` (apt-get install prometheus)"
+    workdir = tmp_path_factory.mktemp("prometheus")
+    config = {
+        "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "evaluation_interval": f"{SCRAPE_SECONDS}s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "kvmesh", "static_configs": [
+            {"targets": [url.removeprefix("http://")],
+             "labels": {"namespace": "local", "pool": "local", "role": role, "pod": name}}
+            for url, (name, role) in pool.targets().items()]}],
+    }
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = launch([binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+                   f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], workdir / "prometheus.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(url):
+            assert proc.poll() is None, (workdir / "prometheus.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "Prometheus did not become ready"
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop([proc])
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/-/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def query(prometheus: str, expr: str) -> list[dict]:
+    reply = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10)
+    assert reply.status_code == 200, f"{expr}: {reply.text}"
+    return reply.json()["data"]["result"]
+
+
+def has_data(result: list[dict]) -> bool:
+    """At least one sample that is a number (a ratio over no traffic is NaN: no data to show)."""
+    return any(not math.isnan(float(r["value"][1])) for r in result)
+
+
+@pytest.fixture(scope="module")
+def loaded(pool: Pool, prometheus: str) -> Iterator[Pool]:
+    """Load through the router for as long as the module's tests run: three shared prefixes (hits), streamed and
+    whole answers, two at a time. Starts once Prometheus scrapes every target, so each counter rises between
+    scrapes; returns once Prometheus has seen REQUESTS of them."""
+    wait_for(prometheus, f"count(up == 1) == {len(pool.targets())}", "Prometheus never scraped every target")
+    stopping = threading.Event()
+    counter = itertools.count()
+
+    def prompt(i: int) -> list[int]:
+        shared = [300 + 97 * (i % 3) + j for j in range(64)]
+        return shared + [1000 + 13 * i + j for j in range(8 + i % 5)]
+
+    def worker() -> None:
+        while not stopping.is_set():
+            i = next(counter)
+            body = {"prompt": prompt(i), "max_tokens": 8, "temperature": 0, "stream": i % 2 == 0}
+            with httpx.stream("POST", pool.router + "/v1/completions", json=body, timeout=120) as reply:
+                assert reply.status_code == 200, reply.read()
+                reply.read()
+            stopping.wait(0.1)
+
+    with ThreadPoolExecutor(2) as workers:
+        running = [workers.submit(worker) for _ in range(2)]
+        try:
+            wait_for(prometheus, f"sum(kvmesh_router_requests_total) >= {REQUESTS}", "Prometheus never saw the load")
+            yield pool
+        finally:
+            stopping.set()
+        for future in running:
+            future.result()  # a request that failed fails the module here
+
+
+def wait_for(prometheus: str, expr: str, message: str) -> None:
+    deadline = time.monotonic() + DATA_DEADLINE_SECONDS
+    while not has_data(query(prometheus, expr)):
+        assert time.monotonic() < deadline, message
+        time.sleep(SCRAPE_SECONDS)
+
+
+def test_every_dashboard_query_returns_data(loaded: Pool, prometheus: str) -> None:
+    """Polls until each query has data (rates need two scrapes in their window, the forecast panel a horizon of
+    history), then names every query that never got any."""
+    pending: list[Query] = [q for path in DASHBOARDS for q in dashboard_queries(path)]
+    assert len(pending) > 40
+    deadline = time.monotonic() + DATA_DEADLINE_SECONDS
+    while pending and time.monotonic() < deadline:
+        pending = [q for q in pending if not has_data(query(prometheus, q.concrete))]
+        if pending:
+            time.sleep(SCRAPE_SECONDS)
+    assert not pending, "no data for:\n" + "\n".join(f"{q.where}: {q.concrete}" for q in pending)
+
+
+def test_the_dashboard_pickers_list_the_pool(loaded: Pool, prometheus: str) -> None:
+    for path in DASHBOARDS:
+        for q in variable_queries(path):
+            reply = httpx.get(prometheus + "/api/v1/series", params={"match[]": q.concrete}, timeout=10)
+            series = reply.json()["data"]
+            assert {s["namespace"] for s in series} == {"local"}, q.where
+            assert {s["pool"] for s in series} == {"local"}, q.where
+
+
+def test_the_alert_rules_load_and_stay_quiet_on_a_healthy_pool(loaded: Pool, prometheus: str) -> None:
+    deadline = time.monotonic() + DATA_DEADLINE_SECONDS
+    while True:
+        groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        if rules and all(r.get("lastEvaluation", "").startswith("2") and r["health"] != "unknown" for r in rules):
+            break
+        assert time.monotonic() < deadline, "the rules were never evaluated"
+        time.sleep(SCRAPE_SECONDS)
+    expected = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    assert {r["name"] for r in rules} == expected
+    assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+    assert [r["name"] for r in rules if r["state"] != "inactive"] == []
+
+
+def test_promtool_finds_nothing_but_vllm_colons_on_any_component(loaded: Pool) -> None:
+    for url, (name, _) in loaded.targets().items():
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert check_metrics(text) == [], name
