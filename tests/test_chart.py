@@ -5,6 +5,8 @@ kvmesh needs, monitoring objects only where the Prometheus Operator exists, and 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import helm_python
@@ -176,11 +178,23 @@ def test_pods_are_locked_down(name: str) -> None:
             assert container["livenessProbe"] and container["readinessProbe"]
 
 
+def test_the_operator_command_is_one_kvmesh_accepts() -> None:
+    """The chart's arguments, given to the real `kvmesh operator` (with --render-crd, so it parses them, prints
+    the CRD and exits without a cluster)."""
+    for name in ("default", "namespaced operator"):
+        (deployment,) = by_kind(manifests(RENDERINGS[name]), "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["args"][0] == "operator"
+        out = subprocess.run([sys.executable, "-m", "kvmesh.cli", *container["args"], "--render-crd"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert yaml.safe_load(out.stdout) == the_crd()
+
+
 def test_the_operator_runs_the_image_and_ports_the_pools_default_to() -> None:
     (deployment,) = by_kind(manifests(RENDERINGS["default"]), "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == crd.DEFAULT_IMAGE
-    assert container["args"][0] == "operator"
     schema = crd.spec_schema()["properties"]
     with helm_python.Chart.load(CHART) as chart:
         ports = chart.values["ports"]
