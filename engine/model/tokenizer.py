@@ -170,7 +170,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; long texts go piecewise through the token cache when that is exact."""
-        if self._cache is None or (add_special_tokens and self._added_prefix is None):
+        if (self._cache is None or len(text) <= self._cache.piece_chars
+                or (add_special_tokens and self._added_prefix is None)):
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._cache.encode(text, self.encode_batch)
         return [*self._added_prefix, *ids] if add_special_tokens and self._added_prefix else ids
