@@ -27,10 +27,12 @@ from pathlib import Path
 
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.serve import BenchRequest, finite, run_load, shared_prefix_requests, split_shared, summarize
+from kvmesh.bench.sim_engine import PROFILES
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
+REAL_KV_MIB = 3072
 
 
 @dataclass(frozen=True)
@@ -202,10 +204,13 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
                    help="measure cache off at the first fraction only and use it for all: without a cache the engine "
                         "computes every token, so its work does not depend on the fraction")
     p.add_argument("--model", help="HF directory or .gguf (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--sim", metavar="PROFILE", help="simulated engines (kvmesh sim-engine) of this profile instead")
+    p.add_argument("--sim", choices=sorted(PROFILES), help="simulated engines (kvmesh sim-engine) of this profile")
     p.add_argument("--threads", type=int, help="torch threads of the engine (default: torch's)")
-    p.add_argument("--kv-cache-memory-mib", type=int, default=3072,
-                   help="KV budget of the engine (default 3072: 32 prompts of 2,000 tokens fit without sharing)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the engine's dtype (auto measures at start, which a loaded machine can mislead)")
+    p.add_argument("--kv-cache-memory-mib", type=int,
+                   help=f"KV budget of the engine (default {REAL_KV_MIB}: 32 prompts of 2,000 tokens fit the bundled "
+                        "model's cache without sharing; simulated engines: their profile's)")
     p.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids stay below this")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one request")
     p.add_argument("--seed", type=int, default=0)
@@ -217,10 +222,11 @@ def _engine_args(args: argparse.Namespace, cache: bool, port: int) -> list[str]:
     if args.sim:
         out = ["sim-engine", "--profile", args.sim]
     else:
-        out = ["serve", *(["--model", args.model] if args.model else []),
+        out = ["serve", "--dtype", args.dtype, *(["--model", args.model] if args.model else []),
                *(["--threads", str(args.threads)] if args.threads else [])]
-    out += ["--port", str(port), "--kv-cache-memory-mib", str(args.kv_cache_memory_mib), "--log-level", "warning",
-            "--max-num-seqs", str(max(64, *args.concurrency))]
+    budget = args.kv_cache_memory_mib or (None if args.sim else REAL_KV_MIB)
+    out += ["--port", str(port), "--log-level", "warning", "--max-num-seqs", str(max(64, *args.concurrency)),
+            *(["--kv-cache-memory-mib", str(budget)] if budget else [])]
     return out + ([] if cache else ["--no-prefix-cache"])
 
 
