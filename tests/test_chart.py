@@ -307,5 +307,17 @@ def test_clients_can_be_narrowed_to_named_peers() -> None:
     assert to_router == {"client", "operator", "prometheus"}
 
 
+def test_a_gateway_reaches_the_engines_only_when_named() -> None:
+    PODS["gateway"] = ("gateway", {"app": "envoy"})
+    try:
+        gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}},
+                   "podSelector": {"matchLabels": {"app": "envoy"}}}
+        for values, engines in (({}, set()), ({"networkPolicy": {"gateway": [gateway]}}, set(ENGINES))):
+            policies = by_kind(manifests(render(values)), "NetworkPolicy")
+            assert {t for s, t in reachable(policies) if s == "gateway"} == {"router", *engines}
+    finally:
+        del PODS["gateway"]
+
+
 def test_network_policies_can_be_turned_off() -> None:
     assert by_kind(manifests(render({"networkPolicy": {"enabled": False}})), "NetworkPolicy") == []
