@@ -203,6 +203,12 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.routing import add_parser as add_cluster_bench
 
     add_cluster_bench(bench)
+    from kvmesh.bench.disagg import add_parser as add_disagg_bench
+
+    add_disagg_bench(bench)
+    from kvmesh.bench.autoscale import add_parser as add_autoscale_bench
+
+    add_autoscale_bench(bench)
     from kvmesh.bench.serve import add_parser as add_serve_bench
 
     add_serve_bench(bench)
@@ -249,6 +255,14 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.routing import run as run_cluster_bench
 
         return run_cluster_bench(args)
+    if args.bench == "disagg":
+        from kvmesh.bench.disagg import run as run_disagg_bench
+
+        return run_disagg_bench(args)
+    if args.bench == "autoscale":
+        from kvmesh.bench.autoscale import run as run_autoscale_bench
+
+        return run_autoscale_bench(args)
     if args.bench == "kernels":
         from kvmesh.engine.kernels.bench import run as run_kernel_bench
 

@@ -69,9 +69,11 @@ def calibrate(requests: Sequence[SimRequest], spec: ClusterSpec, target: float =
     def ttft(speed: float) -> float:
         return simulate(requests, _with_speed(spec, speed), RandomPolicy(seed)).mean_ttft
 
-    low, high = 100.0, 100.0
+    # start where the instances would be fully busy if nothing were cached, and widen upwards
+    duration = max(requests[-1].arrival - requests[0].arrival, 1.0)
+    low = high = sum(r.prompt_tokens for r in requests) / duration / sum(spec.pools.values())
     while ttft(high) > target:
-        low, high = high, high * 2
+        low, high = high, high * 1.25
     for _ in range(30):
         mid = (low + high) / 2
         got = ttft(mid)

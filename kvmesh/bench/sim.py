@@ -27,12 +27,14 @@ from typing import Protocol
 import numpy as np
 
 from kvmesh.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, block_token_ids
+from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
 from kvmesh.engine.kv.blocks import KVCacheManager, SequenceBlocks
-from kvmesh.engine.protocol import DEFAULT_HASH_ROOT, KVEvent, KVEventBatch, hash_block
+from kvmesh.engine.protocol import DEFAULT_HASH_ROOT, KVEvent, KVEventBatch, hash_block, workload_class
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import PodState
 
 ROLES = ("both", "prefill", "decode")
+MAX_TOKENS = 4096  # what the simulated clients ask for: the engine's forecast caps outputs by it, not by the trace
 
 
 @dataclass(frozen=True)
@@ -155,14 +157,20 @@ def build_requests(trace: Sequence[TraceRequest], block_size: int = MOONCAKE_BLO
 
     The Mooncake ids are chained (loader-checked), so the hash of a block follows from its id and its
     predecessor's hash; this equals protocol.block_hashes over the prompt's synthetic tokens (tested). A
-    request without ids (the Azure trace) gets fresh ones: it shares nothing."""
+    request without ids (the Azure trace) shares nothing: fresh ids, and stand-ins for hashes, since hashing
+    tokens no other request has would only cost time."""
     if block_size != MOONCAKE_BLOCK_TOKENS and any(r.hash_ids for r in trace):
         raise ValueError(f"the trace's hash ids name {MOONCAKE_BLOCK_TOKENS}-token blocks, not {block_size}")
     memo: dict[int, int] = {}
     fresh = itertools.count(max((max(r.hash_ids) for r in trace if r.hash_ids), default=-1) + 1)
     requests = []
     for i, r in enumerate(sorted(trace, key=lambda t: t.arrival)):
-        ids = r.hash_ids or tuple(next(fresh) for _ in range(-(-r.input_tokens // block_size)))
+        if not r.hash_ids:  # shares nothing: unique stand-ins serve as hashes (no content to agree on)
+            ids = tuple(next(fresh) for _ in range(-(-r.input_tokens // block_size)))
+            stand_ins = tuple(1 << 63 | h for h in ids[: r.input_tokens // block_size])
+            requests.append(SimRequest(f"r{i}", r.arrival, r.input_tokens, max(r.output_tokens, 1), ids, stand_ins))
+            continue
+        ids = r.hash_ids
         hashes = []
         parent = DEFAULT_HASH_ROOT
         for h in ids[: r.input_tokens // block_size]:
@@ -197,6 +205,7 @@ class Instance:
         self.op_start = self.op_end = 0.0
         self._step = 0.0  # seconds per step of the current decode run; 0 = not decoding
         self._planned_steps = 0
+        self.lengths = OutputLengthModel()  # what the engine learns of output lengths, for its forecast
         self._version = 0  # bumps when the planned end of the current operation changes
 
     # ---- what the router and the scaler see -------------------------------------------------------------------
@@ -224,6 +233,19 @@ class Instance:
         left = max(self.op_end - self.cluster.now, 0.0) if self.op_end > self.cluster.now else 0.0
         queued = sum(self.latency.prefill_seconds(r.expected_uncached) for r in self.queue if not r.prefilled)
         return left + queued
+
+    def forecast(self, horizon_seconds: float) -> Forecast:
+        """The engine's own KV forecast (engine/forecast.py) over this instance's requests, as it exports it."""
+        loads = []
+        for r in (*self.running, *([self.prefilling] if self.prefilling else []), *self.queue):
+            pending = (r.expected_uncached if r in self.queue and not r.prefilled
+                       else int(max(self.op_end - self.cluster.now, 0) * self.latency.prefill_tokens_per_second)
+                       if r is self.prefilling else 0)
+            loads.append(RequestLoad(r.prompt_tokens + r.generated, r.generated, MAX_TOKENS,
+                                     workload_class("chat", r.prompt_tokens), min(pending, r.prompt_tokens)))
+        return forecast_usage(loads, self.kv.pool.num_blocks, self.block_size, horizon_seconds,
+                              self.latency.step_seconds(max(len(self.running), 1)),
+                              self.latency.prefill_tokens_per_second, self.lengths)
 
     def pod_state(self) -> PodState:
         """This instance as the router's pod snapshot. `inflight` is what one router has sent and not seen
@@ -397,6 +419,7 @@ class Instance:
     def finish(self, request: SimRequest) -> None:
         self.kv.free(request.rid)
         self._publish()
+        self.lengths.observe(workload_class("chat", request.prompt_tokens), request.generated)
         self.cluster.on_finish(request)
 
     def hand_over(self, key: str) -> None:
@@ -438,24 +461,43 @@ class RoutingPolicy(Protocol):
 
 @dataclass(frozen=True)
 class InstanceObservation:
+    """One instance as its /metrics shows it; the forecast only when the policy asks for one."""
+
     name: str
     role: str
     ready: bool
+    num_blocks: int
     kv_usage: float
     waiting: int
     running: int
     pending_prefill_tokens: int
+    prefill_tokens_per_second: float
+    decode_step_seconds: float
+    forecast: Forecast | None = None
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What the engines' counters grew by over the period (requests finished, their seconds and tokens)."""
+
+    finished: int = 0
+    finished_seconds: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Observation:
-    """What a scaling policy sees each period: every instance, and the arrivals since the last period."""
+    """What a scaling policy sees each period: every instance, the arrivals since the last period (the router's
+    count) and the engines' counters over it."""
 
     now: float
     period_seconds: float
     instances: tuple[InstanceObservation, ...]
     arrivals: int
     arrival_prompt_tokens: int
+    counters: Counters
 
     @property
     def replicas(self) -> int:
@@ -468,10 +510,12 @@ class Observation:
 
 
 class ScalingPolicy(Protocol):
-    """Asked every `period_seconds`; answers how many instances of the scaled role there should be."""
+    """Asked every `period_seconds`; answers how many instances of the scaled role there should be. With a
+    forecast horizon, each instance's observation carries the engine's forecast over it."""
 
     name: str
     period_seconds: float
+    forecast_horizon_seconds: float | None
 
     def desired(self, observation: Observation) -> int: ...
 
@@ -554,6 +598,7 @@ class Cluster:
         self._last_count_at = 0.0
         self.replicas_over_time: list[tuple[float, int]] = []
         self._arrivals = self._arrival_tokens = 0
+        self._observed_finished = 0
         for role in ROLES:
             for _ in range(spec.pools.get(role, 0)):
                 self.add(role, ready_at=0.0)
@@ -565,11 +610,12 @@ class Cluster:
 
     def run(self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None) -> SimResult:
         """Replay `requests` (sorted by arrival) to the last finish."""
-        too_big = [r for r in requests if -(-(r.prompt_tokens + r.output_tokens) // self.spec.block_size)
-                   > self.spec.num_blocks]
-        if too_big:
-            raise ValueError(f"request {too_big[0].rid} needs more KV than an instance has "
-                             f"({too_big[0].prompt_tokens + too_big[0].output_tokens} tokens)")
+        decodes = any(self.spec.pools.get(role) for role in ("both", "decode"))
+        for r in requests:  # a request that cannot fit alone would wait forever
+            tokens = r.prompt_tokens + (r.output_tokens if decodes else 0)
+            if -(-tokens // self.spec.block_size) > self.spec.num_blocks:
+                raise ValueError(f"request {r.rid} needs {tokens} tokens of KV; an instance holds "
+                                 f"{self.spec.num_blocks * self.spec.block_size}")
         arrivals: Iterator[SimRequest] = iter(requests)
         start = requests[0].arrival if requests else 0.0
 
@@ -599,7 +645,8 @@ class Cluster:
         for inst in self.instances.values():
             self.busy[inst.name] = inst.busy_seconds
         end = max((r.finished_at for r in self.finished), default=start)
-        return SimResult(self.policy.name, sorted(self.finished, key=lambda r: r.arrival), dict(self.busy),
+        name = self.scaler.name if self.scaler is not None else self.policy.name
+        return SimResult(name, sorted(self.finished, key=lambda r: r.arrival), dict(self.busy),
                          np.array(self._gaps, dtype=float).reshape(-1, 2), self.replica_seconds, end - start,
                          self.preemptions, self.replicas_over_time)
 
@@ -680,13 +727,23 @@ class Cluster:
             self.index.remove_pod(inst.name)
 
     def observe(self) -> Observation:
+        """The scaled role's instances (starting ones too, as not ready) and the traffic since the last call."""
         period = self.scaler.period_seconds if self.scaler else 0.0
+        horizon = self.scaler.forecast_horizon_seconds if self.scaler else None
         observed = tuple(
-            InstanceObservation(i.name, i.role, i.ready, i.kv.stats().usage, len(i.queue),
-                                len(i.running) + (i.prefilling is not None), i.pending_prefill_tokens())
+            InstanceObservation(
+                i.name, i.role, i.ready, i.kv.pool.num_blocks, i.kv.stats().usage, len(i.queue),
+                len(i.running) + (i.prefilling is not None), i.pending_prefill_tokens(),
+                i.latency.prefill_tokens_per_second, i.latency.step_seconds(max(len(i.running), 1)),
+                i.forecast(horizon) if horizon and i.ready else None)
             for i in self.scaled()
         )
-        obs = Observation(self.now, period, observed, self._arrivals, self._arrival_tokens)
+        done = self.finished[self._observed_finished:]
+        self._observed_finished = len(self.finished)
+        counters = Counters(len(done), sum(r.finished_at - r.arrival for r in done),
+                            sum(r.prompt_tokens for r in done), sum(r.generated for r in done),
+                            sum(r.cached_tokens for r in done))
+        obs = Observation(self.now, period, observed, self._arrivals, self._arrival_tokens, counters)
         self._arrivals = self._arrival_tokens = 0
         return obs
 

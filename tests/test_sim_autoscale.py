@@ -1,0 +1,120 @@
+"""Scaling in the cluster simulator: start-up delay, replica-seconds, draining, the HPA rule, and the operator's
+own decision wired to simulated engines' forecasts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kvmesh.bench.autoscale import PredictivePolicy, ReactivePolicy, StaticPolicy
+from kvmesh.bench.policies import RoundRobinPolicy, RouterPolicy
+from kvmesh.bench.routing import picker_from_flags
+from kvmesh.bench.sim import (
+    Cluster,
+    ClusterSpec,
+    Counters,
+    InstanceObservation,
+    LatencyModel,
+    Observation,
+    build_requests,
+)
+from kvmesh.bench.traces import TraceRequest
+from kvmesh.operator import scaling
+
+FAST = LatencyModel(prefill_tokens_per_second=10_000.0, decode_step_seconds=0.01,
+                    decode_step_per_sequence_seconds=0.0)
+
+
+def requests(times: list[float], prompt: int = 1000, output: int = 10) -> list:  # type: ignore[type-arg]
+    return build_requests([TraceRequest(t, prompt, output) for t in times], block_size=16)
+
+
+@dataclass
+class Script:
+    """A scaling policy that answers from a list (one answer per period), then holds."""
+
+    answers: list[int]
+    name: str = "script"
+    period_seconds: float = 15.0
+    forecast_horizon_seconds: float | None = None
+
+    def desired(self, observation: Observation) -> int:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_an_added_instance_serves_after_its_start_up_delay_and_is_paid_for_from_the_start() -> None:
+    spec = ClusterSpec({"both": 1}, cache_tokens=100_000, block_size=16, latency=FAST, startup_seconds=60.0)
+    cluster = Cluster(spec, RoundRobinPolicy(), Script([2]))
+    result = cluster.run(requests([float(t) for t in range(0, 120, 2)]))
+    served = {r.prefill_instance for r in result.requests if r.arrival < 75.0}
+    assert served == {"both-0"}  # asked for at t=15, ready at t=75
+    assert "both-1" in {r.prefill_instance for r in result.requests if r.arrival >= 76.0}
+    end = result.requests[-1].finished_at
+    assert result.replica_seconds == pytest.approx(15.0 + 2 * (end - 15.0))
+
+
+def test_a_drained_instance_finishes_its_work_then_leaves_the_index() -> None:
+    spec = ClusterSpec({"both": 2}, cache_tokens=100_000, block_size=16, latency=FAST)
+    cluster = Cluster(spec, RouterPolicy(), Script([2, 1]))
+    result = cluster.run(requests([float(t) for t in range(0, 60)]))
+    assert len(cluster.instances) == 1 and len(result.requests) == 60
+    gone = ({"both-0", "both-1"} - set(cluster.instances)).pop()
+    assert gone not in cluster.index.pods()
+    assert all(r.finished_at > r.arrival for r in result.requests)
+
+
+def observation(usages: list[float], now: float = 0.0, arrivals: int = 0, counters: Counters | None = None
+                ) -> Observation:
+    pods = tuple(InstanceObservation(f"p{i}", "both", True, 1000, u, 0, 1, 0, 1e4, 0.02) for i, u in enumerate(usages))
+    return Observation(now, 15.0, pods, arrivals, 0, counters or Counters())
+
+
+def test_the_hpa_rule_with_its_tolerance_and_scale_down_window() -> None:
+    hpa = ReactivePolicy()
+    assert hpa.desired(observation([0.9] * 4, now=0.0)) == 5  # ceil(4 x 0.9 / 0.8)
+    assert hpa.desired(observation([0.84] * 4, now=15.0)) == 4  # within 10 % of the target: no change
+    assert hpa.desired(observation([0.2] * 5, now=30.0)) == 5  # 2 wanted, but 5 was asked for inside 5 minutes
+    assert hpa.desired(observation([0.2] * 5, now=301.0)) == 4  # the 5 has left the window; the 4 (t=15) not yet
+    assert hpa.desired(observation([0.2] * 5, now=316.0)) == 2
+    fresh = ReactivePolicy()
+    assert fresh.desired(observation([0.1] * 8, now=0.0)) == 8  # no scale-down before a whole window was seen    assert StaticPolicy(3).desired(observation([1.0] * 3)) == 3
+
+
+def test_the_predictive_policy_is_the_operators_decision_on_the_pools_traffic() -> None:
+    ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+    quiet = ours.pool_observation(observation([0.1, 0.1], arrivals=30))
+    assert quiet.arrival_rate == pytest.approx(2.0) and quiet.replicas == {"both": 2}
+    # 20 requests/s, each holding ceil(1,200 / 128) = 10 blocks for 10 s (from the counters): 2,000 blocks more
+    finished = Counters(finished=10, finished_seconds=100.0, prompt_tokens=10_000, output_tokens=2_000)
+    busy = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+    seen = busy.pool_observation(observation([0.5, 0.5], arrivals=300, counters=finished))
+    assert (seen.blocks_per_request, seen.request_seconds, seen.output_tokens) == (10, 10.0, 200.0)
+    busy = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+    assert busy.desired(observation([0.5, 0.5], arrivals=300, counters=finished)) > 2
+
+
+def test_the_simulated_engines_forecast_reaches_the_operator() -> None:
+    spec = ClusterSpec({"both": 1}, cache_tokens=20_000, block_size=16, latency=FAST)
+    seen: list[Observation] = []
+
+    @dataclass
+    class Watch(Script):
+        forecast_horizon_seconds: float | None = 30.0
+
+        def desired(self, observation: Observation) -> int:
+            seen.append(observation)
+            return 1
+
+    Cluster(spec, RouterPolicy(), Watch([1])).run(requests([t * 0.05 for t in range(400)], output=400))
+    forecasts = [i.forecast for o in seen for i in o.instances if i.forecast is not None]
+    assert forecasts and max(f.usage_quantiles["p90"] for f in forecasts) > 0.3
+    assert sum(o.arrivals for o in seen) <= 400 and seen[0].arrivals == 300  # 15 s at 20 per second
+
+
+def test_picker_weights_from_flags_as_the_router_reads_them() -> None:
+    assert picker_from_flags(["prefix_weight=2", "ttft_weight=0"]).prefix_weight == 2.0
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        picker_from_flags(["prefix_weight"])
+    with pytest.raises(ValueError, match="unknown picker setting"):
+        picker_from_flags(["nope=1"])
