@@ -56,7 +56,7 @@ def compile_all() -> None:
             build(decode._decode_kernel, {**io, "part_out_ptr": parts, "part_lse_ptr": parts, "rows_ptr": "*i32",
                                           "tables_ptr": "*i32", "lens_ptr": "*i32"},
                   {"GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": decode.BLOCK_N,
-                   "NUM_SPLITS": splits, "DOT": dots[name], "PRECISION": precision})
+                   "SPLIT": splits > 1, "DOT": dots[name], "PRECISION": precision})
         if name != "fp32":  # the fp32 extend compiles too (checked by hand), but takes a minute
             build(extend._extend_kernel, {**io, **{p: "*i32" for p in ("q_starts_ptr", "q_lens_ptr", "lens_ptr",
                                                                        "tables_ptr", "tile_seqs_ptr",
@@ -68,7 +68,7 @@ def compile_all() -> None:
               {"HEADS": 8, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_H": 8, "BLOCK_D": 128})
     build(decode._merge_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
                                  "rows_ptr": "*i32"},
-          {"NUM_SPLITS": 4, "HEAD_DIM": 128, "BLOCK_S": 4, "BLOCK_D": 128})
+          {"HEAD_DIM": 128, "BLOCK_S": 4, "BLOCK_D": 128})
     for gather in (True, False):
         build(block_copy._copy_blocks_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "ids_ptr": "*i64",
                                                "numel": "i64"},

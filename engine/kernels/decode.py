@@ -4,7 +4,8 @@ One program takes one (sequence, KV head, split) and all the query heads that sh
 and V are read once per group, not once per query head. A long context is cut into `num_splits` segments
 computed by separate programs ("flash-decoding"); each writes its normalized partial output and log-sum-exp,
 and a second small kernel merges them. Without splits a batch of one long sequence would run on a handful of
-programs and leave most of a GPU idle.
+programs and leave most of a GPU idle. The split count is a runtime argument, not a compile-time constant, so a
+serving engine does not compile a new kernel variant for every count it meets.
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ def _decode_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh,
     stride_tb,
-    split_len,
+    split_len, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,15 +115,15 @@ def _decode_kernel(
         m_i = m_new
 
     out_mask = g_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_off = row * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partials: [B, Hq, NUM_SPLITS, D] and [B, Hq, NUM_SPLITS]; an empty split stores lse = -inf
+        # partials: [B, Hq, num_splits, D] and [B, Hq, num_splits]; an empty split stores lse = -inf
         empty = l_i == 0.0
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-        base = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads.to(tl.int64)) * NUM_SPLITS + split
+        base = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads.to(tl.int64)) * num_splits + split
         tl.store(part_lse_ptr + base, lse, mask=g_ok)
         tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
 
@@ -130,16 +131,16 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, rows_ptr,
-    stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     d_ok = d < HEAD_DIM
-    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
+    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
     lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, axis=0))  # the first split is never empty, so the max is finite
     o = tl.load(part_out_ptr + (base + s[:, None]) * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
@@ -186,16 +187,16 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         batch.block_tables.stride(0),
-        split_len,
+        split_len, splits,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=splits, DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        SPLIT=splits > 1, DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
     )
     LAUNCHES["decode"] += 1
     if splits > 1:
         _merge_kernel[(size, q_heads)](
-            part_out, part_lse, out, batch.rows, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(head_dim),
+            part_out, part_lse, out, batch.rows, out.stride(0), out.stride(1), splits,
+            HEAD_DIM=head_dim, BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(head_dim),
         )
         LAUNCHES["decode_merge"] += 1
     return out
