@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvmesh.engine.kernels.decode import DecodeBatch
     from kvmesh.engine.kernels.extend import ExtendBatch
 
+
 def resolve_backend(name: str, device: torch.device) -> str:
     """torch or triton for `name` on `device`: auto means triton on CUDA (when installed), torch elsewhere."""
     if name not in ATTENTION_BACKENDS:
