@@ -45,7 +45,7 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 
 def paged_cache(blocks: int, layers: int, page: int, kv_heads: int, dim: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
-    return torch.randn((blocks, layers, 2, page, kv_heads, dim), device=device).to(dtype)
+    return torch.randn((blocks, layers, 2, page, kv_heads, dim), device=device, dtype=dtype)
 
 
 def random_tables(lengths: list[int], page: int, blocks: int, rng: random.Random) -> list[list[int]]:
@@ -131,8 +131,13 @@ def decode_throughput(device: torch.device, dtype: torch.dtype, contexts: list[i
                       heads: tuple[int, int], dim: int, copy_bps: float) -> list[dict]:
     """KV bytes read per second by the paged kernel and by SDPA over the same KV made contiguous."""
     rows = []
+    elem = torch.empty((), dtype=dtype).element_size()
     for context in contexts:
         for size in batches:
+            need = 2 * 2 * size * context * heads[1] * dim * elem * 2  # the paged cache (2 layers), then a copy
+            if device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(device)[0]:
+                log(f"decode context {context:>6} batch {size:>3}: skipped, needs {need / 2**30:.0f} GiB")
+                continue
             row = _decode_case(device, dtype, context, size, heads, dim, copy_bps)
             rows.append(row)
             log(f"decode context {context:>6} batch {size:>3}: {row['kernel_gbps']:8.4g} GB/s "
