@@ -91,8 +91,9 @@ def test_with_one_class_the_reuse_policy_evicts_exactly_like_lru() -> None:
 def test_reuse_probability_falls_with_idle_time_and_rises_with_frequent_short_reuse() -> None:
     soon, rare = ReuseModel(100), ReuseModel(100)
     for _ in range(50):
+        soon.observe_idle()
         soon.observe_hit(2.0)
-        rare.observe_miss()
+        rare.observe_idle()
     rare.observe_hit(300.0)
     assert soon.reuse_probability(1.0, 30.0) > soon.reuse_probability(20.0, 30.0)
     assert soon.reuse_probability(5.0, 30.0) > rare.reuse_probability(5.0, 30.0)

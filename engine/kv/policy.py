@@ -74,28 +74,30 @@ class LRUPolicy:
 class ReuseModel:
     """How idle blocks of one class come back, from decayed counts (recent behaviour weighs most).
 
-    An idle period ends in a hit (after a gap) or an eviction. The model is a hurdle: with probability `p`
-    the block is reused, after an exponential gap of rate `rate`. Both shrink toward `prior` while the
-    class has few observations, so a new class starts from the pooled behaviour, not from nothing.
+    The model is a hurdle: a block that goes idle is reused with probability `p`, after an exponential gap.
+    `p` is reuses over idle periods begun, both counted as they happen, so it follows a class whose share
+    grows (counting evictions as "not reused" instead would lag by the cache's lifetime and overrate growing
+    classes). Both shrink toward `prior` while the class has few observations, so a new class starts from
+    the pooled behaviour, not from nothing.
     """
 
     def __init__(self, memory: float, prior: ReuseModel | None = None, prior_weight: float = 20.0) -> None:
         self.decay = 1.0 - 1.0 / memory
         self.prior = prior
         self.prior_weight = prior_weight
-        self.hits = 0.0
-        self.misses = 0.0
+        self.idles = 0.0  # idle periods begun
+        self.hits = 0.0  # reuses (in the cache, or of an evicted block, seen when it comes back)
         self.gap_sum = 0.0
 
-    def observe_hit(self, gap: float) -> None:
-        self.hits = self.hits * self.decay + 1.0
-        self.misses *= self.decay
-        self.gap_sum = self.gap_sum * self.decay + max(gap, 0.0)
-
-    def observe_miss(self) -> None:
+    def observe_idle(self) -> None:
+        self.idles = self.idles * self.decay + 1.0
         self.hits *= self.decay
         self.gap_sum *= self.decay
-        self.misses = self.misses * self.decay + 1.0
+
+    def observe_hit(self, gap: float) -> None:
+        self.idles *= self.decay
+        self.hits = self.hits * self.decay + 1.0
+        self.gap_sum = self.gap_sum * self.decay + max(gap, 0.0)
 
     def params(self) -> tuple[float, float]:
         """(p, mean gap in seconds)."""
@@ -104,7 +106,7 @@ class ReuseModel:
         else:
             p0, gap0 = self.prior.params()
         w = self.prior_weight
-        p = (self.hits + w * p0) / (self.hits + self.misses + w)
+        p = min((self.hits + w * p0) / (self.idles + w), 1.0)
         mean_gap = (self.gap_sum + w * gap0) / (self.hits + w)
         return p, max(mean_gap, 1e-6)
 
@@ -132,8 +134,9 @@ class ReusePolicy:
 
     Blocks are queued per workload class in the order they became idle; since the reuse probability falls
     with idle time within a class, each queue's head is its class's best victim, and an eviction compares
-    only the heads (cost grows with the number of classes, not blocks). The expected lifetime is how long
-    recent victims had been idle: a block idle for less has about that long left before its turn.
+    only the heads (cost grows with the number of classes, not blocks). The expected lifetime is the idle
+    age at which recent victims left. Evicted blocks are remembered by hash for a while (`ghost_factor`
+    times the most blocks ever idle), so a block recomputed after its eviction still counts as a reuse.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, memory: float = 2000.0,
@@ -159,7 +162,8 @@ class ReusePolicy:
     def add(self, block_id: int, use: BlockUse = NO_USE) -> None:
         if block_id in self._class_of:
             raise AssertionError(f"block {block_id} is already evictable")
-        self.model(use.workload)
+        self.model(use.workload).observe_idle()
+        self.pooled.observe_idle()
         now = self.clock()
         ghost = None if use.block_hash is None else self._ghosts.pop(use.block_hash, None)
         if ghost is not None:  # evicted, recomputed: a reuse the cache missed
@@ -196,9 +200,7 @@ class ReusePolicy:
         if idle.block_hash is not None:
             self._ghosts[idle.block_hash] = (workload, idle.since)
         while len(self._ghosts) > self.ghost_factor * self._most:
-            ghost_class, _ = self._ghosts.popitem(last=False)[1]
-            self.models[ghost_class].observe_miss()
-            self.pooled.observe_miss()
+            self._ghosts.popitem(last=False)
         age = now - idle.since
         self.lifetime = age if math.isinf(self.lifetime) else 0.99 * self.lifetime + 0.01 * age
         return block_id
