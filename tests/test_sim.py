@@ -148,3 +148,14 @@ def test_a_scorer_weight_in_the_configuration_changes_the_result() -> None:
     assert default.hit_ratio > blind.hit_ratio + 0.1
     assert default.mean_ttft < blind.mean_ttft
     assert [r.prefill_instance for r in default.requests] != [r.prefill_instance for r in blind.requests]
+
+
+def test_equal_idle_pods_go_by_name_and_rendezvous_ties_spread_them() -> None:
+    """Why busy time is uneven under the router's defaults: an idle pool ties, and ties go to the first name."""
+    requests = trace(*[(10.0 * i, 1024, (1000 + 2 * i, 1001 + 2 * i)) for i in range(40)])
+    spec = ClusterSpec({"prefill": 4}, cache_tokens=100 * B, latency=SLOW)
+    by_name = simulate(requests, spec, RouterPolicy())
+    assert {r.prefill_instance for r in by_name.requests} == {"prefill-0"}
+    spread = simulate(requests, spec, RouterPolicy(rendezvous_ties=True))
+    assert len({r.prefill_instance for r in spread.requests}) == 4
+    assert spread.imbalance < by_name.imbalance
