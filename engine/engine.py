@@ -337,7 +337,7 @@ class Engine:
         where, k = self.tiers.plan(rest)
         if where and request.first_scheduled_time is None:
             self.metrics.tier_decisions.labels("load" if k else "recompute").inc()
-        needed = k + self.kv.blocks_for(request.num_tokens) - len(chain)
+        needed = self.kv.blocks_for(request.num_tokens) - len(hit.blocks)  # promoted now, computed at admission
         if k == 0 or needed > self.kv.pool.num_available - sum(b.ref_count == 0 for b in hit.blocks):
             return False
         key = f"promote:{rid}"
@@ -348,6 +348,7 @@ class Engine:
         parent = chain[len(hit.blocks) - 1] if hit.blocks else None
         self.tiers.promote(Promotion(rid, key, ids, rest[:k], parent, tokens), where[:k])
         self._staged[rid] = request
+        request.expected_cached_tokens = (len(hit.blocks) + k) * self.config.block_size
         return True
 
     def _promoted(self, p: Promotion) -> None:

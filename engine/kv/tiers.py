@@ -418,31 +418,45 @@ class Copier:
     def _execute(self, job: Job) -> None:
         for seg in job.segments:
             start = time.perf_counter()
-            c = self.chunk_blocks
-            for i in range(0, len(seg.src_index), c):
-                src_ids = torch.tensor(seg.src_index[i : i + c], device=seg.src.device)
-                dst_ids = torch.tensor(seg.dst_index[i : i + c], device=seg.dst.device)
-                scatter_blocks(seg.dst, dst_ids, gather_blocks(seg.src, src_ids).to(seg.dst.device))
-                job.copies[seg.move] = job.copies.get(seg.move, 0) + 1
-                self.copies += 1
-            if seg.dst.is_cuda:
-                torch.cuda.synchronize(seg.dst.device)
+            copies = copy_blocks(seg.src, seg.src_index, seg.dst, seg.dst_index, self.chunk_blocks)
+            job.copies[seg.move] = job.copies.get(seg.move, 0) + copies
+            self.copies += copies
             for block in seg.records:
                 assert seg.dst_file is not None
                 seg.dst_file.write_record(block)
             job.seconds[seg.move] = job.seconds.get(seg.move, 0.0) + time.perf_counter() - start
 
 
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """[n, block_bytes] uint8 viewed with the widest element that divides a block: CPU index copies go element
+    by element, so 8-byte elements move a block about 8x faster than bytes (measured: docs/benchmarks.md)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[1] % dtype.itemsize == 0:
+            return rows.view(dtype)
+    return rows
+
+
 def copy_blocks(src: torch.Tensor, src_index: Sequence[int], dst: torch.Tensor, dst_index: Sequence[int],
                 chunk_blocks: int) -> int:
-    """Copy blocks between two [n, block_bytes] tensors in chunks, in the calling thread; returns the copies
-    made. The benchmark's probe of MB/s against chunk size."""
+    """Copy blocks src[src_index[i]] -> dst[dst_index[i]] between two [n, block_bytes] uint8 tensors, one chunk
+    of blocks per copy; returns the copies made. On CUDA the engine's block kernels; between CPU tensors one
+    reused staging buffer (a fresh buffer per chunk costs page faults that take longer than the copy here)."""
+    src, dst = _wide(src), _wide(dst)
+    cpu = not (src.is_cuda or dst.is_cuda)
+    stage = torch.empty((min(chunk_blocks, len(src_index)), src.shape[1]), dtype=src.dtype) if cpu else None
     copies = 0
     for i in range(0, len(src_index), chunk_blocks):
         src_ids = torch.tensor(list(src_index[i : i + chunk_blocks]), device=src.device)
         dst_ids = torch.tensor(list(dst_index[i : i + chunk_blocks]), device=dst.device)
-        scatter_blocks(dst, dst_ids, gather_blocks(src, src_ids).to(dst.device))
+        if stage is not None:
+            chunk = stage[: len(src_ids)]
+            torch.index_select(src, 0, src_ids, out=chunk)
+            dst.index_copy_(0, dst_ids, chunk)
+        else:
+            scatter_blocks(dst, dst_ids, gather_blocks(src, src_ids).to(dst.device))
         copies += 1
+    if dst.is_cuda:
+        torch.cuda.synchronize(dst.device)
     return copies
 
 
@@ -530,8 +544,6 @@ class KVTiers:
         for _ in range(3):
             start = time.perf_counter()
             copy_blocks(tier.store.data, range(n), scratch, range(n), n)
-            if scratch.is_cuda:
-                torch.cuda.synchronize(scratch.device)
             best = min(best, time.perf_counter() - start)
         self.bandwidth[tier.name] = n * self.block_bytes / max(best, 1e-9)
 
