@@ -12,7 +12,7 @@ from kvmesh.bench.eviction import replay
 from kvmesh.bench.traces import load_mooncake
 from kvmesh.cli import main
 from kvmesh.engine.config import load_config
-from kvmesh.engine.kv.blocks import KVCacheManager
+from kvmesh.engine.kv.blocks import BlockPool, KVCacheManager
 from kvmesh.engine.kv.policy import BlockUse, LRUPolicy, OpeningCounter, ReuseModel, ReusePolicy, make_policy
 from kvmesh.engine.protocol import workload_class
 from kvmesh.engine.request import Request
@@ -194,3 +194,31 @@ def test_bench_command_prints_a_table_and_writes_json(tmp_path: Path, capsys: py
     results = json.loads(out.read_text())["results"]
     assert {(r["policy"], r["num_blocks"]) for r in results} == {(p, n) for p in ("lru", "reuse") for n in (30, 60)}
     assert main(["bench", "eviction", "--trace", str(trace), "--sizes", "x"]) == 2
+
+
+def test_engine_with_reuse_eviction_and_prefix_queue_matches_an_unconstrained_engine(tiny_dir: Path) -> None:
+    """Both policies in the real engine under memory pressure: same greedy outputs as a roomy LRU/FCFS engine,
+    and the evictable blocks are filed under refined classes."""
+    from .conftest import make_engine
+
+    shared = [(i * 7919) % 49000 + 100 for i in range(48)]
+    prompts = [[*shared, 200 + s, 300 + s] if s % 2 else [(s * 1000 + i * 31) % 49000 + 100 for i in range(40)]
+               for s in range(8)]
+
+    def outputs(**settings: object) -> tuple[list[list[int]], BlockPool]:
+        engine = make_engine(tiny_dir, **settings)
+        got: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            request = Request(f"e{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            request.on_output = lambda o, rid=request.request_id: got.setdefault(rid, []).extend(o.new_token_ids)
+            engine.submit(request)
+        engine.run_until_idle()
+        engine.kv.check_invariants()
+        return [got[f"e{i}"] for i in range(len(prompts))], engine.kv.pool
+
+    expected, _ = outputs()
+    tight, pool = outputs(kv_cache_blocks=14, eviction_policy="reuse", queue_policy="prefix")
+    assert tight == expected
+    policy = pool.policy
+    assert isinstance(policy, ReusePolicy) and pool.evictions > 0
+    assert any("/" in w for w, q in policy.queues.items() if q)
