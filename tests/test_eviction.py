@@ -222,3 +222,25 @@ def test_engine_with_reuse_eviction_and_prefix_queue_matches_an_unconstrained_en
     policy = pool.policy
     assert isinstance(policy, ReusePolicy) and pool.evictions > 0
     assert any("/" in w for w, q in policy.queues.items() if q)
+
+
+def test_an_eviction_scores_one_block_per_class_not_every_block() -> None:
+    clock = Clock()
+    policy = ReusePolicy(clock)
+    for block in range(3000):
+        clock.now = block * 0.01
+        policy.add(block, BlockUse(f"class-{block % 3}", block % 7, block_hash=block))
+    scored = 0
+    for model in policy.models.values():
+        original = model.reuse_probability
+
+        def counting(idle: float, lifetime: float, original=original) -> float:  # type: ignore[no-untyped-def]
+            nonlocal scored
+            scored += 1
+            return original(idle, lifetime)
+
+        model.reuse_probability = counting  # type: ignore[method-assign]
+    for _ in range(100):
+        policy.pop_victim()
+    assert scored <= 100 * 3
+    assert len(policy) == 2900
