@@ -9,7 +9,8 @@ model code.
 The queue policy orders admission. `fcfs`: priority, then arrival. `prefix` (SGLang's longest-prefix-match,
 KVShare): priority, then the longest cached prefix, so requests that reuse what is cached go before the
 cache turns over; a request that has waited `max_queue_delay` seconds goes ahead of every one that has not,
-in arrival order, so no request waits more than that beyond what FCFS would have made it wait.
+in arrival order, so a stream of cached requests cannot starve it: past the bound, only requests that
+arrived before it (or have higher priority) go first, as under FCFS.
 """
 
 from __future__ import annotations
