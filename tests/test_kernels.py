@@ -185,6 +185,12 @@ def test_extend_edges_prefill_single_token_and_exact_multiples() -> None:
     check_extend([40, 1, 64, 130], [0, 50, 64, 16], 2, 3, 64, 16, torch.float16, seed=11)
 
 
+def test_head_size_that_is_not_a_power_of_two() -> None:
+    """Head size 80 (Phi-style) pads to 128 lanes and masks the rest."""
+    check_decode([5, 40], 1, 2, 80, 16, torch.float32, 2, seed=13)
+    check_extend([9, 3], [0, 20], 1, 2, 80, 16, torch.float16, seed=13)
+
+
 def test_extend_ragged_batch_of_many() -> None:
     rng = random.Random(5)
     q_lens = [rng.randint(2, 12) for _ in range(12)]
