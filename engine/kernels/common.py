@@ -16,7 +16,6 @@ import triton.language as tl
 
 LAUNCHES: Counter[str] = Counter()  # kernel name -> launches; tests read it to prove a kernel actually ran
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
