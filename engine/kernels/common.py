@@ -16,13 +16,10 @@ import triton.language as tl
 
 LAUNCHES: Counter[str] = Counter()  # kernel name -> launches; tests read it to prove a kernel actually ran
 
+# Triton reads TRITON_INTERPRET when a kernel is decorated (module import), so the kernels here are interpreted
+# or compiled once and for all; this records which, as they are defined (each kernel module imports this first)
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def interpreted() -> bool:
-    """True when triton was told to interpret kernels on the CPU. Triton reads TRITON_INTERPRET when a kernel
-    is decorated (module import), so it must be set before these modules are first imported."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:
@@ -31,7 +28,7 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     bf16 loads, stores and conversions are still exercised, the bf16 tensor-core product only on a GPU."""
     if dtype not in _TL_DTYPES:
         raise TypeError(f"unsupported dtype {dtype}; supported: float16, bfloat16, float32")
-    if dtype == torch.bfloat16 and interpreted():
+    if dtype == torch.bfloat16 and INTERPRETED:
         return tl.float32
     return _TL_DTYPES[dtype]
 
