@@ -3,6 +3,7 @@ parses, reading only metrics some component exports (from the engine's and route
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -79,6 +80,12 @@ def test_a_dashboard_is_valid_for_grafana(path: Path) -> None:
             assert target["datasource"]["uid"] == "${datasource}"
             if panel["type"] == "heatmap":
                 assert target["format"] == "heatmap" and "_bucket" in target["expr"]
+    taken: dict[tuple[int, int], str] = {}  # grid cell -> the panel on it: no two panels overlap
+    for panel in all_panels:
+        pos = panel["gridPos"]
+        for cell in itertools.product(range(pos["x"], pos["x"] + pos["w"]), range(pos["y"], pos["y"] + pos["h"])):
+            assert cell not in taken, f"{panel['title']} overlaps {taken[cell]}"
+            taken[cell] = panel["title"]
     # every query follows the namespace and pool pickers (or runs over scrape targets that carry them)
     for query in dashboard_queries(path):
         assert 'namespace=~"$namespace"' in query.expr and 'pool=~"$pool"' in query.expr, query.where
