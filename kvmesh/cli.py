@@ -138,6 +138,38 @@ def _up(args: argparse.Namespace) -> int:
     return run_pool(plan, args.port, args.ready_file)
 
 
+def _operator_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("operator", help="run the Kubernetes operator: InferencePools into engines and routers")
+    p.add_argument("--kubeconfig", help="a kubeconfig file (default: the in-cluster service account)")
+    p.add_argument("-n", "--namespace", dest="namespaces", action="append", default=[],
+                   help="watch pools in this namespace (repeatable; default: every namespace)")
+    p.add_argument("--tick-seconds", type=float, default=5.0,
+                   help="how often each pool's scaler wakes (its spec's intervalSeconds decides when it acts)")
+    p.add_argument("--render-crd", action="store_true", help="print the InferencePool CRD and exit")
+    p.add_argument("--log-level", default="info")
+
+
+def _operator(args: argparse.Namespace) -> int:
+    if args.render_crd:
+        from kvmesh.operator.crd import render_crd
+
+        print(render_crd(), end="")
+        return 0
+    if args.tick_seconds <= 0:
+        print("kvmesh operator: --tick-seconds must be positive", file=sys.stderr)
+        return 2
+    from kvmesh.operator.handlers import OperatorConfig, run
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(OperatorConfig(kubeconfig=args.kubeconfig, namespaces=tuple(args.namespaces),
+                           tick_seconds=args.tick_seconds))
+    except ValueError as exc:  # no kubeconfig and not in a cluster
+        print(f"kvmesh operator: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="send one chat message to an OpenAI-compatible endpoint and print the answer")
     p.add_argument("message")
@@ -289,13 +321,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_parser(sub)
     _router_parser(sub)
     _up_parser(sub)
+    _operator_parser(sub)
     _chat_parser(sub)
     _bench_parser(sub)
     from kvmesh.bench.sim_engine import add_parser as add_sim_engine
 
     add_sim_engine(sub)
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "router": _router, "up": _up, "chat": _chat, "bench": _bench,
+    handlers = {"serve": _serve, "router": _router, "up": _up, "operator": _operator, "chat": _chat, "bench": _bench,
                 "sim-engine": _sim_engine}
     return handlers[args.command](args)
 

@@ -33,27 +33,27 @@ class PoolPlan:
     engine: dict[str, Any] = field(default_factory=dict)
     router: dict[str, Any] = field(default_factory=dict)
     sim: str | None = None  # a `kvmesh sim-engine` profile: simulated engines instead of real ones
+    roles: list[str] | None = None  # each engine's role in a disaggregated pool; None: all `both`
+    pool: Any = None  # the InferencePool (operator/crd.py's Pool) the plan came from: its scaler runs too
 
 
 def plan_from_file(path: str | Path) -> PoolPlan:
-    """The fields of an InferencePool that a local pool uses: metadata.name, spec.model.source,
-    spec.replicas.both.min (or spec.replicas as a number), spec.engine and spec.router."""
-    doc = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
-        raise ValueError(f"{path}: expected an InferencePool with a `spec`")
-    spec = doc["spec"]
-    replicas = spec.get("replicas", 2)
-    if isinstance(replicas, dict):
-        replicas = (replicas.get("both") or {}).get("min", 2)
-    if not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"{path}: spec.replicas must be a positive number of engines")
-    model = spec.get("model") or {}
+    """A local pool from an InferencePool file, read through operator/crd.py (the cluster's defaults and checks):
+    each role's minimum replicas, the model, and the engine and router settings the operator would write."""
+    from kvmesh.operator.crd import BUNDLED, load_pool_file
+    from kvmesh.operator.local import local_engine_settings, local_router_settings
+
+    pool = load_pool_file(str(path))
+    roles = [role for role in pool.roles for _ in range(pool.bounds(role)[0])]
+    source = pool.spec["model"]["source"]
     return PoolPlan(
-        name=(doc.get("metadata") or {}).get("name", "local"),
-        engines=replicas,
-        model=model.get("source") if isinstance(model, dict) else None,
-        engine=dict(spec.get("engine") or {}),
-        router=dict(spec.get("router") or {}),
+        name=pool.name,
+        engines=len(roles),
+        model=None if source == BUNDLED else source,
+        engine=local_engine_settings(pool),
+        router=local_router_settings(pool),
+        roles=roles if pool.mode == "disaggregated" else None,
+        pool=pool,
     )
 
 
@@ -95,6 +95,41 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
     return None
 
 
+class _ScalingWatch:
+    """The operator's scaler over the local engines, every `scaling.intervalSeconds`: its decisions are printed
+    (the engines' set is fixed here: the router's static pod list cannot grow at run time)."""
+
+    def __init__(self, plan: PoolPlan, engines: list[Child]) -> None:
+        from kvmesh.operator.local import Scaler
+
+        self.engines = engines
+        self.roles = plan.roles or ["both"] * len(engines)
+        self.scaler = Scaler(plan.pool)
+        self.interval = plan.pool.spec["scaling"]["intervalSeconds"]
+        self.replicas = {role: self.roles.count(role) for role in set(self.roles)}
+        self.next = time.monotonic()
+
+    def tick(self) -> None:
+        from kvmesh.operator.local import describe
+
+        if time.monotonic() < self.next:
+            return
+        self.next = time.monotonic() + self.interval
+        texts: dict[str, tuple[str, str]] = {}
+        with httpx.Client(timeout=2.0) as client:
+            for child, role in zip(self.engines, self.roles, strict=True):
+                try:
+                    answer = client.get(child.url + "/metrics")
+                except httpx.TransportError:
+                    continue
+                if answer.status_code == 200:
+                    texts[child.name] = (role, answer.text)
+        decision = self.scaler.step(time.monotonic(), texts, self.replicas)
+        for line in describe(decision, self.replicas):
+            print(f"kvmesh up: scaler: {line}", file=sys.stderr, flush=True)
+        self.replicas = {**self.replicas, **decision.replicas}
+
+
 def _stop(children: list[Child]) -> None:
     """Stop every child: SIGINT, then SIGKILL after 20 s. A second Ctrl-C or SIGTERM cannot interrupt this."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -121,8 +156,9 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None) ->
     try:
         for i in range(plan.engines):
             port = free_port()
+            role = ["--role", plan.roles[i]] if plan.roles else []
             children.append(_spawn(f"engine-{i}", [*engine_args, "--config", str(engine_file), "--port", str(port),
-                                                   "--log-level", "warning"], port, workdir))
+                                                   *role, "--log-level", "warning"], port, workdir))
         router_file = workdir / "router.yaml"
         router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **plan.router,
                                                           "pods": [c.url for c in children]}}))
@@ -139,12 +175,15 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None) ->
         print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
         if ready_file:
             Path(ready_file).write_text(endpoint)
+        watch = _ScalingWatch(plan, children[:-1]) if plan.pool is not None else None
         while True:
             for child in children:
                 if child.process.poll() is not None:
                     print(f"kvmesh up: {child.name} exited with {child.process.returncode}; stopping the pool:\n"
                           f"{child.tail()}", file=sys.stderr)
                     return 1
+            if watch is not None:
+                watch.tick()
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("kvmesh up: stopping", file=sys.stderr)

@@ -5,20 +5,22 @@ traffic: the operator estimates the arrival rate, its trend, and the mean reques
 uncached prompt and output tokens) from the engines' counters between two scrapes. Arrivals are counted by
 conservation: requests finished plus the growth of those running or waiting.
 
-Pure: `parse_pod` reads one exposition text, `TrafficEstimator` turns successive pool totals into rates.
+Pure: `parse_pod` reads one exposition text, `TrafficEstimator` turns successive pool totals into rates, and
+`Scaler` feeds both to `scaling.decide` tick after tick (for the operator's timer and for `kvmesh up`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import FORECAST_LEVELS, Metric, VllmMetric
-from kvmesh.operator.scaling import PodObservation
+from kvmesh.operator.crd import Pool
+from kvmesh.operator.scaling import Decision, PodObservation, PoolObservation, Recommendation, ScalingPolicy, decide
 
 _GAUGES = {
     VllmMetric.KV_USAGE: "usage",
@@ -148,3 +150,41 @@ def _slope(points: Sequence[tuple[float, float]]) -> float:
     mean_r = sum(r for _, r in points) / n
     var = sum((t - mean_t) ** 2 for t, _ in points)
     return sum((t - mean_t) * (r - mean_r) for t, r in points) / var if var else 0.0
+
+
+def scaling_policy(pool: Pool) -> ScalingPolicy:
+    """The pool's scaling spec as the pure scaler's policy (the operator's timer uses the same)."""
+    s = pool.spec["scaling"]
+    bounds = {role: pool.bounds(role) for role in pool.roles}
+    return ScalingPolicy(min_replicas={r: b[0] for r, b in bounds.items()},
+                         max_replicas={r: b[1] for r, b in bounds.items()},
+                         target_utilization=s["targetUtilization"], horizon_seconds=s["horizonSeconds"],
+                         overload_threshold=s["overloadProbability"],
+                         scale_up_stabilization_seconds=s["scaleUpStabilizationSeconds"],
+                         scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"])
+
+
+@dataclass
+class Scaler:
+    """Successive scaling decisions for one pool from its engines' metrics texts; keeps what `decide` needs
+    between calls (the traffic estimate and the recent recommendations)."""
+
+    pool: Pool
+    traffic: TrafficEstimator = field(default_factory=TrafficEstimator)
+    history: tuple[Recommendation, ...] = ()
+
+    def observe(self, now: float, metrics: list[PodMetrics], replicas: Mapping[str, int]) -> Decision:
+        traffic = self.traffic.update(now, [(m.observation.name, m.counters) for m in metrics],
+                                      self.pool.spec["engine"]["blockSize"])
+        observation = PoolObservation(
+            now=now, pods=[m.observation for m in metrics], replicas=replicas, arrival_rate=traffic.arrival_rate,
+            arrival_rate_slope=traffic.arrival_rate_slope, blocks_per_request=traffic.blocks_per_request,
+            request_seconds=traffic.request_seconds, uncached_prompt_tokens=traffic.uncached_prompt_tokens,
+            output_tokens=traffic.output_tokens)
+        decision = decide(observation, scaling_policy(self.pool), self.history)
+        self.history = decision.history
+        return decision
+
+    def step(self, now: float, texts: Mapping[str, tuple[str, str]], replicas: Mapping[str, int]) -> Decision:
+        """`texts`: pod name -> (role, its /metrics text)."""
+        return self.observe(now, [parse_pod(name, role, text) for name, (role, text) in texts.items()], replicas)

@@ -31,15 +31,8 @@ from kubernetes.client.exceptions import ApiException
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
-from kvmesh.operator.forecast import PodMetrics, TrafficEstimator, parse_pod
-from kvmesh.operator.scaling import (
-    Decision,
-    PoolObservation,
-    Recommendation,
-    ScalingPolicy,
-    decide,
-    scale_in_order,
-)
+from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
+from kvmesh.operator.scaling import Decision, scale_in_order
 
 log = logging.getLogger("kvmesh.operator")
 
@@ -140,9 +133,8 @@ def current_replicas(pool: Pool, status: Mapping[str, Any]) -> dict[str, int]:
 class PoolMemory:
     """What the scaler remembers of one pool between ticks (kopf keeps one per object)."""
 
+    scaler: Scaler | None = None
     last_evaluated: float = -1e18
-    history: tuple[Recommendation, ...] = ()
-    traffic: TrafficEstimator = field(default_factory=TrafficEstimator)
     hits: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (time, cached tokens counter)
     # The one view of the pool's conditions that both handlers update and write whole: a merge patch replaces
     # the list, so two handlers writing their own stale copies would undo each other's conditions.
@@ -193,29 +185,13 @@ def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodM
         return [m for m in pool.map(one, ready) if m is not None]
 
 
-def policy_of(pool: Pool) -> ScalingPolicy:
-    s = pool.spec["scaling"]
-    bounds = {role: pool.bounds(role) for role in pool.roles}
-    return ScalingPolicy(min_replicas={r: b[0] for r, b in bounds.items()},
-                         max_replicas={r: b[1] for r, b in bounds.items()},
-                         target_utilization=s["targetUtilization"], horizon_seconds=s["horizonSeconds"],
-                         overload_threshold=s["overloadProbability"],
-                         scale_up_stabilization_seconds=s["scaleUpStabilizationSeconds"],
-                         scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"])
-
-
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig, scrape: Scraper = http_scrape) -> None:
-    """Add the operator's handlers to `registry`."""
-    kube_holder: dict[str, Kube] = {}
-
-    def kube() -> Kube:
-        return kube_holder["kube"]
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
+             scrape: Scraper = http_scrape) -> None:
+    """Add the operator's handlers to `registry`; `configuration` says how to reach the API server."""
+    kube = Kube(configuration)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        from kvmesh.router.discovery import kube_configuration
-
-        kube_holder["kube"] = Kube(kube_configuration(config.kubeconfig))
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
         settings.posting.level = logging.WARNING
@@ -227,9 +203,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, scrape: Sc
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
-        from kvmesh.router.discovery import kube_configuration
-
-        c = kube_configuration(config.kubeconfig)
+        c = configuration
         token = (c.api_key or {}).get("authorization", "")
         return kopf.ConnectionInfo(server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl,
                                    scheme="Bearer" if token else None, token=token.removeprefix("Bearer ") or None,
@@ -255,7 +229,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, scrape: Sc
         done: dict[str, int] = {"created": 0, "patched": 0}
         try:
             for obj in desired.desired_objects(pool, replicas):
-                done[kube().apply(obj, desired.patch_body(pool, obj))] += 1
+                done[kube.apply(obj, desired.patch_body(pool, obj))] += 1
         except Exception as exc:
             reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
             message = f"applying {obj['kind']} {obj['metadata']['name']} failed: {reason}"
@@ -287,7 +261,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, scrape: Sc
         if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
             return
         state.last_evaluated = now
-        tick(kube(), pool, body, status, patch, state, now, scrape)
+        tick(kube, pool, body, status, patch, state, now, scrape)
 
 
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
@@ -298,16 +272,11 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")}
     pods = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=engine")
     metrics = observe(pods, pool.spec["engine"]["port"], scrape)
-    block_size = pool.spec["engine"]["blockSize"]
-    traffic = state.traffic.update(now, [(m.observation.name, m.counters) for m in metrics], block_size)
+    if state.scaler is None or state.scaler.pool != pool:
+        state.scaler = Scaler(pool, state.scaler.traffic if state.scaler else TrafficEstimator(),
+                              state.scaler.history if state.scaler else ())
     replicas = current_replicas(pool, status)
-    observation = PoolObservation(
-        now=now, pods=[m.observation for m in metrics], replicas=replicas, arrival_rate=traffic.arrival_rate,
-        arrival_rate_slope=traffic.arrival_rate_slope, blocks_per_request=traffic.blocks_per_request,
-        request_seconds=traffic.request_seconds, uncached_prompt_tokens=traffic.uncached_prompt_tokens,
-        output_tokens=traffic.output_tokens)
-    decision = decide(observation, policy_of(pool), state.history)
-    state.history = decision.history
+    decision = state.scaler.observe(now, metrics, replicas)
     hit_rates = _hit_rates(state, now, metrics)
     operator_scales = pool.spec["scaling"]["mode"] == "operator"
     for role, n in decision.changed(replicas).items() if operator_scales else ():
@@ -363,9 +332,11 @@ def _hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict
 
 
 def run(config: OperatorConfig) -> None:
-    """`kvmesh operator`: run until SIGINT/SIGTERM."""
+    """`kvmesh operator`: run until SIGINT/SIGTERM. A kubeconfig that cannot be read (or no service account)
+    raises ValueError here, before anything starts."""
+    from kvmesh.router.discovery import kube_configuration
+
     registry = kopf.OperatorRegistry()
-    register(registry, config)
+    register(registry, config, kube_configuration(config.kubeconfig))
     kopf.run(registry=registry, standalone=True, clusterwide=not config.namespaces,
              namespaces=list(config.namespaces))
-

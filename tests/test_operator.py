@@ -32,6 +32,7 @@ from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, register
 from kvmesh.processes import free_port
+from kvmesh.router.discovery import kube_configuration
 
 NS = "pool"
 POOLS = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
@@ -116,17 +117,20 @@ class Env:
         assert not outside, f"requests outside operator/rbac.py: {sorted(outside)}"
 
 
-async def eventually(check: Callable[[], Any], seconds: float = 20.0) -> Any:
+async def eventually(check: Callable[[], Any], seconds: float = 30.0) -> Any:
+    """Poll `check` until it returns something true; a failure names what the check last saw."""
     deadline = time.monotonic() + seconds
+    last: Any = None
     while True:
         try:
-            result = check()
-            if result:
-                return result
-        except (AssertionError, KeyError, TypeError):
+            last = check()
+            if last:
+                return last
+        except (AssertionError, KeyError, TypeError) as exc:
+            last = repr(exc)
             if time.monotonic() > deadline:
                 raise
-        assert time.monotonic() < deadline, "condition not reached in time"
+        assert time.monotonic() < deadline, f"condition not reached in {seconds} s; last seen: {last!r}"
         await asyncio.sleep(0.05)
 
 
@@ -151,8 +155,8 @@ async def operator(tmp_path: Path, tick: float = 0.2) -> AsyncIterator[Env]:
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
         clock = [1000.0]
         registry = kopf.OperatorRegistry()
-        register(registry, OperatorConfig(kubeconfig=str(kubeconfig), namespaces=(NS,), tick_seconds=tick,
-                                          clock=lambda: clock[0]))
+        register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=tick, clock=lambda: clock[0]),
+                 kube_configuration(str(kubeconfig)))
         stop, ready = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS],
                                                  stop_flag=stop, ready_flag=ready))

@@ -1,0 +1,66 @@
+"""The operator's decisions on one machine (operator/local.py): `kvmesh up -f pool.yaml` reads the pool through
+the CRD's one source, and the same scaler runs over local engines' metrics; and the `kvmesh operator` command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvmesh.cli import main
+from kvmesh.engine.protocol import Metric, VllmMetric
+from kvmesh.operator.crd import SpecError, load_pool_file, render_crd
+from kvmesh.operator.local import Scaler, describe
+from kvmesh.up import plan_from_file
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "docs" / "examples"
+
+
+def test_kvmesh_up_reads_a_pool_with_the_cluster_s_defaults_and_checks(tmp_path: Path) -> None:
+    plan = plan_from_file(EXAMPLES / "aggregated.yaml")
+    assert (plan.name, plan.engines, plan.model, plan.roles) == ("chat", 2, None, None)
+    assert plan.engine["kv_cache_memory_mib"] == 512 and "port" not in plan.engine and "host" not in plan.engine
+    assert plan.router["pool"] == "chat" and "discovery" not in plan.router
+    assert plan.router["ttft_slo_seconds"] == 2
+    split = plan_from_file(EXAMPLES / "disaggregated.yaml")
+    assert split.roles == ["prefill", "decode", "decode"] and split.engines == 3
+    bad = yaml.safe_load((EXAMPLES / "aggregated.yaml").read_text())
+    bad["spec"]["replicas"]["both"] = {"min": 4, "max": 2}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(SpecError, match="min must be at most max"):
+        plan_from_file(tmp_path / "bad.yaml")
+
+
+def test_kvmesh_up_refuses_a_bad_pool_file_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "pool.yaml").write_text("apiVersion: kvmesh.io/v1alpha1\nkind: InferencePool\n"
+                                        "metadata: {name: x}\nspec: {model: {source: bundled}, mode: sharded}\n")
+    assert main(["up", "-f", str(tmp_path / "pool.yaml")]) == 2
+    assert "mode" in capsys.readouterr().err
+
+
+def test_kvmesh_operator_renders_the_crd(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["operator", "--render-crd"]) == 0
+    assert capsys.readouterr().out == render_crd()
+    assert main(["operator", "--kubeconfig", "/nonexistent/kubeconfig"]) == 2
+
+
+def engine_text(usage: float, p90: float, overload: float) -> str:
+    return "\n".join([f"{VllmMetric.KV_USAGE} {usage}",
+                      f'{VllmMetric.CACHE_CONFIG}{{block_size="16",num_gpu_blocks="1000"}} 1',
+                      *(f'{Metric.FORECAST_USAGE}{{level="{lv}"}} {p90}' for lv in ("p50", "p90", "p99")),
+                      f"{Metric.FORECAST_OVERLOAD} {overload}", ""])
+
+
+def test_the_local_scaler_makes_the_operator_s_decision_from_engine_metrics() -> None:
+    pool = load_pool_file(str(EXAMPLES / "aggregated.yaml"))
+    scaler = Scaler(pool)
+    replicas = {"both": 2}
+    hot = {f"engine-{i}": ("both", engine_text(0.6, 1.0, 0.4)) for i in range(2)}
+    decision = scaler.step(0.0, hot, replicas)
+    assert decision.replicas == {"both": 3}  # ceil(2 x 1000 / 800)
+    (line,) = describe(decision, replicas)
+    assert line.startswith("both: 2 -> 3 (ScaleUpPredictedOverload")
+    calm = {f"engine-{i}": ("both", engine_text(0.1, 0.1, 0.0)) for i in range(2)}
+    assert describe(scaler.step(10.0, calm, {"both": 3}), {"both": 3}) == []  # within the stabilization window
