@@ -9,9 +9,11 @@ import itertools
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.kv.tiers import PROFILES, CostProfile, Costs, plan_load
 from kvmesh.engine.request import Request, RequestOutput
@@ -256,3 +258,12 @@ def test_a_move_is_stored_in_the_new_tier_and_removed_from_the_old(tiny_dir: Pat
     assert set(hashes) <= set(snapshot.blocks["host"])
     assert not set(snapshot.blocks["device"]) & removed_device
     engine.close()
+
+
+def test_bad_tier_settings_are_refused_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="kv_tier_cost_profile must be one of measured, gpu, cpu"):
+        EngineConfig(kv_tier_cost_profile="fast").validate()
+    with pytest.raises(ValueError, match="kv_host_memory_mib and kv_disk_mib must be >= 0"):
+        EngineConfig(kv_disk_mib=-1).validate()
+    with pytest.raises(ValueError, match="kv_tier_chunk_blocks >= 1"):
+        EngineConfig(kv_tier_chunk_blocks=0).validate()

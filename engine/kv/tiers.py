@@ -57,7 +57,7 @@ PAGE = 4096
 READY = 1
 RECORD = np.dtype([("hash", "<u8"), ("parent", "<u8"), ("checksum", "<u8"), ("nbytes", "<u8"), ("tokens", "<u4"),
                    ("state", "<u4")])
-FLUSH_SECONDS = 5.0  # the copy thread syncs a dirty disk file after this long idle
+FLUSH_SECONDS = 5.0  # the copy thread syncs a dirty disk file at most this often
 BANDWIDTH_EMA = 0.3
 
 
@@ -365,6 +365,9 @@ class Promotion:
     ok: bool = True
 
 
+IDLE = Job([])  # what the copy thread takes when nothing came for FLUSH_SECONDS
+
+
 class Copier:
     """A thread that runs copy jobs in order. A read queued after a write of the same slot sees its bytes."""
 
@@ -372,11 +375,12 @@ class Copier:
         self.chunk_blocks = chunk_blocks
         self.copies = 0  # chunk copies made, all moves (a test counts them)
         self._on_done = on_done
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # None: stop
         self.done: deque[Job] = deque()
         self.files: list[SlotFile] = []  # synced when the thread is idle (the disk tier)
         self._idle = threading.Condition()
         self.in_flight = 0
+        self._stage: torch.Tensor | None = None  # the copy thread's chunk buffer, reused by every copy
         self._thread = threading.Thread(target=self._run, name="kvmesh-kv-copy", daemon=True)
         self._thread.start()
 
@@ -395,12 +399,17 @@ class Copier:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        flushed = time.monotonic()
         while True:
             try:
                 job = self._jobs.get(timeout=FLUSH_SECONDS)
             except queue.Empty:
+                job = IDLE
+            if time.monotonic() - flushed > FLUSH_SECONDS:  # idle, or busy for long: sync the disk file
+                flushed = time.monotonic()
                 for f in self.files:
                     f.flush()
+            if job is IDLE:
                 continue
             if job is None:
                 return
@@ -418,7 +427,9 @@ class Copier:
     def _execute(self, job: Job) -> None:
         for seg in job.segments:
             start = time.perf_counter()
-            copies = copy_blocks(seg.src, seg.src_index, seg.dst, seg.dst_index, self.chunk_blocks)
+            if self._stage is None:
+                self._stage = staging_buffer(self.chunk_blocks, seg.src.shape[1])
+            copies = copy_blocks(seg.src, seg.src_index, seg.dst, seg.dst_index, self.chunk_blocks, self._stage)
             job.copies[seg.move] = job.copies.get(seg.move, 0) + copies
             self.copies += copies
             for block in seg.records:
@@ -436,19 +447,28 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def staging_buffer(chunk_blocks: int, block_bytes: int) -> torch.Tensor:
+    """A CPU buffer for one chunk, to be reused: a fresh one per copy is mapped fresh by the allocator, and its
+    page faults take longer than the copy itself on this machine."""
+    return _wide(torch.zeros((chunk_blocks, block_bytes), dtype=torch.uint8))
+
+
 def copy_blocks(src: torch.Tensor, src_index: Sequence[int], dst: torch.Tensor, dst_index: Sequence[int],
-                chunk_blocks: int) -> int:
+                chunk_blocks: int, stage: torch.Tensor | None = None) -> int:
     """Copy blocks src[src_index[i]] -> dst[dst_index[i]] between two [n, block_bytes] uint8 tensors, one chunk
-    of blocks per copy; returns the copies made. On CUDA the engine's block kernels; between CPU tensors one
-    reused staging buffer (a fresh buffer per chunk costs page faults that take longer than the copy here)."""
+    of blocks per copy; returns the copies made. On CUDA the engine's block kernels; between CPU tensors through
+    `stage` (from `staging_buffer`)."""
     src, dst = _wide(src), _wide(dst)
     cpu = not (src.is_cuda or dst.is_cuda)
-    stage = torch.empty((min(chunk_blocks, len(src_index)), src.shape[1]), dtype=src.dtype) if cpu else None
+    if cpu and (stage is None or stage.shape[0] < chunk_blocks or stage.dtype != src.dtype
+                or stage.shape[1] != src.shape[1]):
+        stage = staging_buffer(chunk_blocks, src.shape[1] * src.element_size())
     copies = 0
     for i in range(0, len(src_index), chunk_blocks):
         src_ids = torch.tensor(list(src_index[i : i + chunk_blocks]), device=src.device)
         dst_ids = torch.tensor(list(dst_index[i : i + chunk_blocks]), device=dst.device)
-        if stage is not None:
+        if cpu:
+            assert stage is not None
             chunk = stage[: len(src_ids)]
             torch.index_select(src, 0, src_ids, out=chunk)
             dst.index_copy_(0, dst_ids, chunk)
