@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import kopf
+import urllib3
 from kubernetes import client
 from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
@@ -64,7 +65,10 @@ class Kube:
         request = self.api.param_serialize(method, path, query_params=query or [], body=body,
                                            header_params={"Accept": "application/json", "Content-Type": content_type},
                                            auth_settings=["BearerToken"])
-        response = self.api.call_api(*request, _request_timeout=10)
+        try:
+            response = self.api.call_api(*request, _request_timeout=10)
+        except urllib3.exceptions.ProtocolError:  # a kept-alive connection the server had closed: once more
+            response = self.api.call_api(*request, _request_timeout=10)
         data = response.read()
         if not 200 <= response.status < 300:
             raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
@@ -83,6 +87,11 @@ class Kube:
         self.patch(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"], dict(patch))
         return "patched"
 
+    def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:
+        """Delete one object; its dependents go with it (background propagation)."""
+        self._call("DELETE", self.path(api_version, plural, namespace, name),
+                   {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+
     def patch(self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
         self._call("PATCH", self.path(api_version, plural, namespace, name), dict(body),
                    content_type="application/merge-patch+json")
@@ -90,6 +99,32 @@ class Kube:
     def list(self, api_version: str, plural: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         answer = self._call("GET", self.path(api_version, plural, namespace), query=[("labelSelector", label_selector)])
         return list(answer.get("items") or [])
+
+
+# Kinds a pool owns only under some specs (a role's Deployment and budget, HPAs, the Gateway pool): what the
+# current spec no longer asks for is deleted, so that no stale Deployment keeps serving or stale HPA keeps scaling.
+PRUNED = (("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"),
+          ("autoscaling/v2", "HorizontalPodAutoscaler"), (desired.GATEWAY_API_VERSION, "InferencePool"))
+
+
+def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> list[str]:
+    """Delete the pool's objects of the PRUNED kinds that `objects` leaves out; their "Kind/name"s."""
+    keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    deleted: list[str] = []
+    for api_version, kind in PRUNED:
+        try:
+            items = kube.list(api_version, PLURALS[kind], pool.namespace, f"{POOL_LABEL}={pool.name}")
+        except ApiException as exc:
+            if exc.status == HTTPStatus.NOT_FOUND:  # the API is not installed (the Gateway extension): none to prune
+                continue
+            raise
+        for item in items:
+            name = item["metadata"]["name"]
+            owners = item["metadata"].get("ownerReferences") or []
+            if (kind, name) not in keep and any(ref.get("uid") == pool.uid for ref in owners):
+                kube.delete(api_version, PLURALS[kind], pool.namespace, name)
+                deleted.append(f"{kind}/{name}")
+    return deleted
 
 
 # ---- status ------------------------------------------------------------------------------------------------------
@@ -227,16 +262,21 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             return  # nothing to retry until the spec changes, which runs this handler again
         replicas = current_replicas(pool, status)
         done: dict[str, int] = {"created": 0, "patched": 0}
+        objects = desired.desired_objects(pool, replicas)
+        step = "pruning objects the spec no longer asks for"
         try:
-            for obj in desired.desired_objects(pool, replicas):
+            for obj in objects:
+                step = f"applying {obj['kind']} {obj['metadata']['name']}"
                 done[kube.apply(obj, desired.patch_body(pool, obj))] += 1
+            step = "pruning objects the spec no longer asks for"
+            deleted = prune(kube, pool, objects)
         except Exception as exc:
             reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
-            message = f"applying {obj['kind']} {obj['metadata']['name']} failed: {reason}"
+            message = f"{step} failed: {reason}"
             patch.status["conditions"] = state.condition(status, "Degraded", True, "ApiError", message, generation)
             kopf.event(body, type="Warning", reason="ApiError", message=message)
             raise kopf.TemporaryError(message, delay=backoff_seconds(retry)) from exc
-        summary = f"{done['created']} created, {done['patched']} patched"
+        summary = f"{done['created']} created, {done['patched']} patched, {len(deleted)} deleted"
         state.condition(status, "Degraded", False, "Reconciled", "objects applied", generation)
         conditions = state.condition(status, "Progressing", True, "Applied", summary, generation)
         if not any(c["type"] == "Ready" for c in conditions):

@@ -25,30 +25,29 @@ class Permission:
         return {"apiGroups": [self.group], "resources": [self.resource], "verbs": list(self.verbs)}
 
 
-APPLY = ("get", "list", "watch", "create", "patch", "delete")  # what the operator does to objects it owns
+APPLY = ("create", "patch")  # objects every pool owns: applied by create-then-patch, removed by the GC with it
+OWN = ("list", "create", "patch", "delete")  # objects some specs ask for: also listed, and pruned when not wanted
 
 ROUTER: tuple[Permission, ...] = (
-    Permission("discovery.k8s.io", "endpointslices", ("get", "list", "watch"),
+    Permission("discovery.k8s.io", "endpointslices", ("list", "watch"),
                "the router follows the engine pods of its pool (router/discovery.py)"),
 )
 
 OPERATOR: tuple[Permission, ...] = (
-    Permission(GROUP, PLURAL, ("get", "list", "watch", "patch"),
-               "kopf watches pools and keeps its progress in their annotations"),
-    Permission(GROUP, f"{PLURAL}/status", ("get", "patch"), "conditions, replicas, KV usage"),
-    Permission("", "events", ("create", "patch"), "an Event for every decision (kopf posts them)"),
+    Permission(GROUP, PLURAL, ("list", "watch", "patch"),
+               "kopf watches pools and keeps its progress and finalizer in their metadata"),
+    Permission(GROUP, f"{PLURAL}/status", ("patch",), "conditions, replicas, KV usage"),
+    Permission("", "events", ("create",), "an Event for every decision"),
     Permission("", "configmaps", APPLY, "the engine and router configuration files"),
     Permission("", "services", APPLY, "the engines' headless Service and the router's Service"),
     Permission("", "serviceaccounts", APPLY, "the router's identity"),
-    Permission("", "pods", ("get", "list", "watch", "patch"),
-               "scraping engine forecasts; pod-deletion-cost for cache-aware scale-in"),
-    Permission("apps", "deployments", APPLY, "engines per role and the router"),
-    Permission("apps", "deployments/scale", ("get", "patch"), "setting replicas"),
-    Permission("policy", "poddisruptionbudgets", APPLY, "voluntary disruptions take one engine at a time"),
-    Permission("autoscaling", "horizontalpodautoscalers", APPLY, "scaling.mode: hpa"),
+    Permission("", "pods", ("list", "patch"), "scraping engine forecasts; pod-deletion-cost for cache-aware scale-in"),
+    Permission("apps", "deployments", OWN, "engines per role and the router; replicas"),
+    Permission("policy", "poddisruptionbudgets", OWN, "voluntary disruptions take one pod at a time"),
+    Permission("autoscaling", "horizontalpodautoscalers", OWN, "scaling.mode: hpa"),
     Permission("rbac.authorization.k8s.io", "roles", APPLY, "the router's Role"),
     Permission("rbac.authorization.k8s.io", "rolebindings", APPLY, "the router's RoleBinding"),
-    Permission("inference.networking.k8s.io", "inferencepools", APPLY, "Gateway API Inference Extension interop"),
+    Permission("inference.networking.k8s.io", "inferencepools", OWN, "Gateway API Inference Extension interop"),
     *ROUTER,
 )
 

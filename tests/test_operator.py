@@ -76,6 +76,15 @@ class Cluster(kmock.KubernetesEmulator):
         return await super()._handle(request)
 
 
+USED: set[tuple[str, str, str]] = set()  # (group, resource, verb) the operator used, over this module's tests
+RAN: set[str] = set()
+
+
+def used(request: Any) -> tuple[str, str, str]:
+    resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+    return request.resource.group, resource, VERBS[request.action]
+
+
 def permitted(request: Any) -> bool:
     """Whether operator/rbac.py grants this request (discovery URLs are open to every authenticated client)."""
     if request.resource is None or request.action is None or request.resource.plural is None:
@@ -113,6 +122,7 @@ class Env:
         """The operator's requests (the test's own come from kmock's client) stay inside operator/rbac.py."""
         theirs = [r for r in self.k8s if not r.headers.get("User-Agent", "").startswith("kmock/")]
         assert any(r.action == kmock.action.CREATE for r in theirs)  # the operator's requests were recorded
+        USED.update(used(r) for r in theirs if r.resource is not None and r.resource.plural is not None)
         outside = {(r.method, str(r.url.path)) for r in theirs if not permitted(r)}
         assert not outside, f"requests outside operator/rbac.py: {sorted(outside)}"
 
@@ -166,6 +176,7 @@ async def operator(tmp_path: Path, tick: float = 0.2) -> AsyncIterator[Env]:
             yield env
             assert not task.done(), "the operator exited"
             env.check_rbac()
+            RAN.add(str(tmp_path))
         finally:
             stop.set()
             with contextlib.suppress(Exception):
@@ -220,6 +231,16 @@ def test_a_pool_is_reconciled_patched_and_deleted(tmp_path: Path) -> None:
             assert engines["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"] != old_hash  # type: ignore[index]
             config = env.get("v1/configmaps", "chat-config")
             assert yaml.safe_load(config["data"]["engine.yaml"])["engine"]["max_num_seqs"] == 32  # type: ignore[index]
+
+            # Switched to disaggregated without the Gateway pool: the new roles appear, and what the spec no longer
+            # asks for (the `both` Deployment and budget, the Gateway InferencePool) is deleted.
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"mode": "disaggregated",
+                                                                "gatewayInferencePool": {"enabled": False}}})
+            await eventually(lambda: env.pool()["status"]["observedGeneration"] == 3)
+            owned = kinds(env.owned())
+            assert owned["Deployment"] == {"chat-prefill", "chat-decode", "chat-router"}
+            assert owned["PodDisruptionBudget"] == {"chat-prefill", "chat-decode", "chat-router"}
+            assert "InferencePool" not in owned
 
             # Deleted: the pool goes (its objects carry owner references for the garbage collector, which the
             # emulator lacks), and the operator carries on.
@@ -398,5 +419,18 @@ def test_with_hpa_mode_the_operator_creates_autoscalers_and_leaves_replicas_alon
             await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"engine": {"maxNumSeqs": 16}}})
             await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
             assert env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 3  # type: ignore[index]
+            # Back to the operator's scaling: the autoscaler goes, so the two never fight.
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"scaling": {"mode": "operator"}}})
+            await eventually(lambda: env.get("autoscaling/v2/horizontalpodautoscalers", "chat-both") is None)
 
     run(main)
+
+
+@pytest.mark.slow
+def test_every_permission_in_rbac_py_is_used() -> None:
+    """The other tests of this module, together, used every verb operator/rbac.py grants the operator (the list
+    is not wider than the operator needs). Runs last; meaningless alone."""
+    if len(RAN) < 5:
+        pytest.skip("needs the module's other tests to run first")
+    granted = {(p.group, p.resource, verb) for p in rbac.OPERATOR if p not in rbac.ROUTER for verb in p.verbs}
+    assert granted - USED == set()
