@@ -26,7 +26,7 @@ from kvmesh.engine.events import EventLog
 from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import make_policy
-from kvmesh.engine.kv.tiers import LOWER_TIERS, PROFILES, KVTiers, Promotion, TierSettings, plan_load
+from kvmesh.engine.kv.tiers import LOWER_TIERS, PROFILES, KVTiers, Promotion, TierSettings
 from kvmesh.engine.kv.transfer import Layout, encode_frame
 from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.model import loader
@@ -379,8 +379,7 @@ class Engine:
         if self.tiers is None or "host" not in self.tiers.tiers or not self.kv.enable_prefix_cache:
             return "recompute"
         chain = self.kv.prefix_hashes(request.request_id, request.token_ids, request.extra)
-        where = ["host"] * sum(self.tiers.tiers["host"].find(h) is not None for h in chain)
-        if plan_load(where, self.config.block_size, self.tiers.block_bytes, self.tiers.costs()) == 0:
+        if self.tiers.plan(chain)[1] == 0:
             return "recompute"
         self._swapped.add(request.request_id)
         return "swap"

@@ -40,8 +40,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-disk-mib", type=float, help="disk KV tier (default 0: off)")
     p.add_argument("--kv-disk-path", help="the disk tier's file (default ~/.cache/kvmesh/kv-disk-<port>.kv)")
     p.add_argument("--kv-tier-chunk-blocks", type=int, help="blocks per copy between tiers (default 16)")
-    p.add_argument("--kv-tier-cost-profile", choices=["measured", "gpu", "cpu"],
-                   help="load-or-recompute costs (default measured)")
+    p.add_argument("--kv-tier-cost-profile", help="load-or-recompute costs: measured (default), gpu or cpu")
     p.add_argument("--log-level", default="info")
 
 
