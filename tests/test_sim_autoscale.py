@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvmesh.bench.autoscale import PredictivePolicy, ReactivePolicy, StaticPolicy
+from kvmesh.bench.autoscale import PredictivePolicy, ReactivePolicy, Row, StaticPolicy, compare
 from kvmesh.bench.policies import RoundRobinPolicy, RouterPolicy
 from kvmesh.bench.routing import picker_from_flags
 from kvmesh.bench.sim import (
@@ -78,7 +78,8 @@ def test_the_hpa_rule_with_its_tolerance_and_scale_down_window() -> None:
     assert hpa.desired(observation([0.2] * 5, now=301.0)) == 4  # the 5 has left the window; the 4 (t=15) not yet
     assert hpa.desired(observation([0.2] * 5, now=316.0)) == 2
     fresh = ReactivePolicy()
-    assert fresh.desired(observation([0.1] * 8, now=0.0)) == 8  # no scale-down before a whole window was seen    assert StaticPolicy(3).desired(observation([1.0] * 3)) == 3
+    assert fresh.desired(observation([0.1] * 8, now=0.0)) == 8  # no scale-down before a whole window was seen
+    assert StaticPolicy(3).desired(observation([1.0] * 3)) == 3
 
 
 def test_the_predictive_policy_is_the_operators_decision_on_the_pools_traffic() -> None:
@@ -118,3 +119,13 @@ def test_picker_weights_from_flags_as_the_router_reads_them() -> None:
         picker_from_flags(["prefix_weight"])
     with pytest.raises(ValueError, match="unknown picker setting"):
         picker_from_flags(["nope=1"])
+
+
+def test_kvmesh_is_compared_with_a_reactive_run_that_spent_at_least_as_much() -> None:
+    def r(name: str, violations: int, cost: float) -> Row:
+        return Row(name, violations, 0.0, 0.0, 0.0, cost, 0.0, 0)
+
+    ours = r("kvmesh", 10, 100.0)
+    against, fewer = compare(ours, [r("hpa 80%", 50, 90.0), r("hpa 70%", 40, 110.0), r("hpa 60%", 30, 130.0)])
+    assert against is not None and against.policy == "hpa 60%" and fewer == pytest.approx(1 - 10 / 30)
+    assert compare(ours, [r("hpa 80%", 50, 90.0)]) == (None, 0.0)

@@ -28,7 +28,7 @@ CACHE_TOKENS = 1_500_000  # a 70B fp16 model on 8 x 80 GB leaves about this much
 MIXES: dict[str, tuple[int, int]] = {"8k-in/1k-out": (8192, 1024), "1k-in/8k-out": (1024, 8192)}
 # Rates (requests/s for the 8-instance pool) around where the aggregated pool runs out, and how long arrivals
 # last: several request lifetimes (about 45 s for 8k/1k, 400 s for 1k/8k), so the replay reaches steady state.
-RATES: dict[str, tuple[float, ...]] = {"8k-in/1k-out": (2.0, 3.0, 4.0, 5.0, 6.0), "1k-in/8k-out": (1.0, 2.0, 3.0, 4.0)}
+RATES: dict[str, tuple[float, ...]] = {"8k-in/1k-out": (3.0, 4.0, 4.5, 5.0), "1k-in/8k-out": (1.0, 1.5, 2.0, 2.5, 3.0)}
 ARRIVAL_SECONDS: dict[str, float] = {"8k-in/1k-out": 300.0, "1k-in/8k-out": 1200.0}
 ATTAINMENT = 0.9  # DistServe: goodput is the highest rate at which this share of requests meets the SLOs
 
@@ -57,7 +57,7 @@ def poisson_mix(prompt: int, output: int, rate: float, count: int, seed: int) ->
 
 def pools(instances: int) -> dict[str, dict[str, int]]:
     """The aggregated pool and the disaggregated splits tried, all with `instances` instances."""
-    splits = sorted({max(1, min(instances - 1, round(instances * f))) for f in (0.25, 0.5, 0.75)})
+    splits = sorted({max(1, min(instances - 1, round(instances * f))) for f in (0.125, 0.25, 0.5, 0.75)})
     return {"aggregated": {"both": instances}, **{f"{p}:{instances - p}": {"prefill": p, "decode": instances - p}
                                                   for p in splits}}
 
