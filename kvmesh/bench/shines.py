@@ -9,8 +9,8 @@ whether it does, and says so with numbers either way.
 
 Each point uses a fresh shared prefix (a new seed), sent once untimed before the timed requests when the cache
 is on (the first request of a point would otherwise compute it while the others race it); each point sends
-max(requests, concurrency) requests, all at once, at most `concurrency` in flight. The engines are started here,
-one at a time, so the two never compete for the machine.
+max(requests, concurrency) requests, all at once, at most `concurrency` in flight. Both engines are started here
+and run side by side; each point is measured on one, then at once on the other, so only one is busy at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import json
 import math
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -231,29 +232,28 @@ def _engine_args(args: argparse.Namespace, cache: bool, port: int) -> list[str]:
 
 
 def sweep(args: argparse.Namespace) -> list[Point]:
+    """Both engines run side by side, and each point is measured on one right after the other: only one is busy
+    at a time, and a machine whose load drifts (a shared one) moves both measurements of a point alike."""
     from tqdm import tqdm
 
-    plan = []
-    for cache in (True, False):
-        fractions = args.fractions[:1] if args.off_once and not cache else args.fractions
-        plan += [(cache, c, f) for c in args.concurrency for f in fractions]
+    grid = [(c, f) for c in args.concurrency for f in args.fractions]
+    plan = [(k, c, f, cache) for k, (c, f) in enumerate(grid) for cache in (True, False)
+            if cache or not args.off_once or f == args.fractions[0]]
     points: list[Point] = []
     logs = Path(tempfile.mkdtemp(prefix="kvmesh-shines-"))
-    bar = tqdm(total=len(plan), desc="points", unit="pt", file=sys.stderr)
-    for cache in (True, False):
-        port = free_port()
-        log = logs / f"engine-cache-{'on' if cache else 'off'}.log"
-        proc = spawn(_engine_args(args, cache, port), log)
-        url = f"http://127.0.0.1:{port}"
-        try:
+    engines: dict[bool, tuple[str, subprocess.Popen[bytes], Path]] = {}
+    try:
+        for cache in (True, False):
+            port = free_port()
+            log = logs / f"engine-cache-{'on' if cache else 'off'}.log"
+            engines[cache] = (f"http://127.0.0.1:{port}", spawn(_engine_args(args, cache, port), log), log)
+        for url, proc, log in engines.values():
             wait_healthy(url, proc, timeout=600, log=log)
-            for i, (_, c, f) in enumerate(x for x in plan if x[0] == cache):
-                bar.set_postfix_str(f"cache {'on' if cache else 'off'}, c={c}, shared {f:.0%}")
-                points.append(asyncio.run(measure(url, cache, c, f, args, seed=args.seed + 1000 * i + 1)))
-                bar.update()
-        finally:
-            stop([proc])
-    bar.close()
+        for k, c, f, cache in tqdm(plan, desc="points", unit="pt", file=sys.stderr):
+            seed = args.seed + 1000 * k + 1  # a fresh prefix per point, the same prompts for both engines
+            points.append(asyncio.run(measure(engines[cache][0], cache, c, f, args, seed)))
+    finally:
+        stop([proc for _, proc, _ in engines.values()])
     if args.off_once:
         points += [Point(**{**asdict(p), "shared_fraction": f, "measured": False})
                    for p in list(points) if not p.cache for f in args.fractions[1:]]
