@@ -348,6 +348,15 @@ class RouterMetric:
     EVENT_LAG = "kvmesh_router_kv_event_lag_batches"  # gauge; label pod: the pod's last batch minus the index's
 
 
+class OperatorMetric:
+    """The operator's own metrics; labels pool_namespace, pool, role (a pool's name is the user's, one per pool)."""
+
+    DESIRED_REPLICAS = "kvmesh_operator_desired_replicas"  # gauge
+    SCALING_DECISIONS = "kvmesh_operator_scaling_decisions"  # counter; also label direction (up, down)
+    PREDICTED_KV_USAGE = "kvmesh_operator_predicted_kv_usage_ratio"  # gauge: demand at the policy's level / capacity
+    OVERLOAD_PROBABILITY = "kvmesh_operator_kv_overload_probability"  # gauge: P(usage > 95 %) within the horizon
+
+
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
 ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated")
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")

@@ -144,6 +144,8 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
                    help="watch pools in this namespace (repeatable; default: every namespace)")
     p.add_argument("--tick-seconds", type=float, default=5.0,
                    help="how often each pool's scaler wakes (its spec's intervalSeconds decides when it acts)")
+    p.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    p.add_argument("--health-port", type=int, help="serve a liveness probe at /healthz on this port")
     p.add_argument("--render-crd", action="store_true", help="print the InferencePool CRD and exit")
     p.add_argument("--log-level", default="info")
 
@@ -162,7 +164,8 @@ def _operator(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run(OperatorConfig(kubeconfig=args.kubeconfig, namespaces=tuple(args.namespaces),
-                           tick_seconds=args.tick_seconds))
+                           tick_seconds=args.tick_seconds, metrics_port=args.metrics_port,
+                           health_port=args.health_port))
     except ValueError as exc:  # no kubeconfig and not in a cluster
         print(f"kvmesh operator: {exc}", file=sys.stderr)
         return 2

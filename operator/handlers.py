@@ -28,8 +28,9 @@ import urllib3
 from kubernetes import client
 from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
+from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, OperatorMetric
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
@@ -188,10 +189,51 @@ class OperatorConfig:
     kubeconfig: str | None = None  # None: the in-cluster service account
     namespaces: tuple[str, ...] = ()  # none: every namespace
     tick_seconds: float = 5.0  # how often each pool's timer wakes (its spec's intervalSeconds decides whether to act)
+    metrics_port: int | None = None  # serve the operator's /metrics here
+    health_port: int | None = None  # serve kopf's liveness probe at /healthz here
     clock: Callable[[], float] = field(default=lambda: datetime.datetime.now(datetime.UTC).timestamp())
 
 
 Scraper = Callable[[str], str]  # URL -> Prometheus text
+DIRECTIONS = ("up", "down")
+
+
+class OperatorMetrics:
+    """The operator's own /metrics: per pool and role, the replicas it wants, its predictions, its decisions."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["pool_namespace", "pool", "role"]
+        self.desired = Gauge(OperatorMetric.DESIRED_REPLICAS, "Replicas the operator wants per role.", labels,
+                             registry=self.registry)
+        self.decisions = Counter(OperatorMetric.SCALING_DECISIONS, "Scaling decisions that changed replicas.",
+                                 [*labels, "direction"], registry=self.registry)
+        self.predicted = Gauge(OperatorMetric.PREDICTED_KV_USAGE, "Predicted KV demand at the policy's level over "
+                               "the role's capacity at the horizon.", labels, registry=self.registry)
+        self.overload = Gauge(OperatorMetric.OVERLOAD_PROBABILITY, "P(KV usage > 95 % within the horizon).", labels,
+                              registry=self.registry)
+        self._keys: set[tuple[str, str, str]] = set()
+
+    def record(self, pool: Pool, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
+        for role, d in decision.roles.items():
+            key = (pool.namespace, pool.name, role)
+            self._keys.add(key)
+            for direction in DIRECTIONS:  # every series exists from the first tick
+                self.decisions.labels(*key, direction)
+            if replicas[role] != before.get(role, replicas[role]):
+                self.decisions.labels(*key, "up" if replicas[role] > before[role] else "down").inc()
+            self.desired.labels(*key).set(replicas[role])
+            self.predicted.labels(*key).set(d.predicted_usage)
+            self.overload.labels(*key).set(d.overload_probability)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a deleted pool's series."""
+        for key in [k for k in self._keys if k[:2] == (namespace, name)]:
+            self._keys.discard(key)
+            for gauge in (self.desired, self.predicted, self.overload):
+                gauge.remove(*key)
+            for direction in DIRECTIONS:
+                self.decisions.remove(*key, direction)
 
 
 def http_scrape(url: str) -> str:
@@ -221,9 +263,10 @@ def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodM
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
-             scrape: Scraper = http_scrape) -> None:
+             scrape: Scraper = http_scrape, metrics: OperatorMetrics | None = None) -> OperatorMetrics:
     """Add the operator's handlers to `registry`; `configuration` says how to reach the API server."""
     kube = Kube(configuration)
+    metrics = metrics or OperatorMetrics()
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -301,23 +344,30 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
             return
         state.last_evaluated = now
-        tick(kube, pool, body, status, patch, state, now, scrape)
+        tick(kube, pool, body, status, patch, state, now, scrape, metrics)
+
+    # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
+    @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
+    def forget(meta: kopf.Meta, **_: Any) -> None:
+        metrics.forget(str(meta.get("namespace")), str(meta.get("name")))
+
+    return metrics
 
 
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
-         now: float, scrape: Scraper) -> Decision:
+         now: float, scrape: Scraper, operator_metrics: OperatorMetrics) -> Decision:
     """One scaling evaluation of one pool: observe, decide, act, report."""
     generation = int(body.metadata.get("generation") or 0)
     deployments = {d["metadata"]["labels"].get(ROLE_LABEL): d for d in kube.list(
         "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")}
     pods = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=engine")
-    metrics = observe(pods, pool.spec["engine"]["port"], scrape)
+    scraped = observe(pods, pool.spec["engine"]["port"], scrape)
     if state.scaler is None or state.scaler.pool != pool:
         state.scaler = Scaler(pool, state.scaler.traffic if state.scaler else TrafficEstimator(),
                               state.scaler.history if state.scaler else ())
     replicas = current_replicas(pool, status)
-    decision = state.scaler.observe(now, metrics, replicas)
-    hit_rates = _hit_rates(state, now, metrics)
+    decision = state.scaler.observe(now, scraped, replicas)
+    hit_rates = _hit_rates(state, now, scraped)
     operator_scales = pool.spec["scaling"]["mode"] == "operator"
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         why = decision.roles[role]
@@ -326,21 +376,23 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         if n < replicas[role]:
             role_pods = {m.observation.name: (hit_rates.get(m.observation.name, 0.0),
                                               m.observation.running + m.observation.waiting)
-                         for m in metrics if m.observation.role == role}
+                         for m in scraped if m.observation.role == role}
             for name, cost in scale_in_order(role_pods).items():
                 kube.patch("v1", "pods", pool.namespace, name,
                            {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(cost)}}})
         kube.patch("apps/v1", "deployments", pool.namespace, desired.engine_name(pool, role), {"spec": {"replicas": n}})
         kopf.event(body, type="Normal", reason="Scaled", message=message)
         log.info("pool %s/%s %s", pool.namespace, pool.name, message)
+    before = replicas
     if operator_scales:
         replicas = decision.replicas
+    operator_metrics.record(pool, decision, replicas, before)
     ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
              for role in pool.roles}
     router_ready = int(((deployments.get("router") or {}).get("status") or {}).get("readyReplicas") or 0)
     all_ready = all(ready[r] >= replicas[r] for r in pool.roles) and router_ready >= 1
     kv = [d for r, d in decision.roles.items() if r in ("both", "decode")]
-    usage = [m.observation.usage for m in metrics if m.observation.role in ("both", "decode")]
+    usage = [m.observation.usage for m in scraped if m.observation.role in ("both", "decode")]
     summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in pool.roles)
     conditions = state.condition(status, "Ready", all_ready, "PodsReady" if all_ready else "PodsNotReady",
                                  f"{summary}, router {router_ready}", generation)
@@ -377,6 +429,9 @@ def run(config: OperatorConfig) -> None:
     from kvmesh.router.discovery import kube_configuration
 
     registry = kopf.OperatorRegistry()
-    register(registry, config, kube_configuration(config.kubeconfig))
+    metrics = register(registry, config, kube_configuration(config.kubeconfig))
+    if config.metrics_port is not None:
+        start_http_server(config.metrics_port, registry=metrics.registry)
+    liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port is not None else None
     kopf.run(registry=registry, standalone=True, clusterwide=not config.namespaces,
-             namespaces=list(config.namespaces))
+             namespaces=list(config.namespaces), liveness_endpoint=liveness)

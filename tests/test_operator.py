@@ -27,10 +27,10 @@ import kopf
 import pytest
 import yaml
 
-from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, Metric, VllmMetric
+from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, register
+from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, OperatorMetrics, register
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
 
@@ -97,6 +97,10 @@ def permitted(request: Any) -> bool:
 class Env:
     k8s: Cluster
     clock: list[float]  # the operator's clock, moved by the test
+    metrics: OperatorMetrics
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name, {"pool_namespace": NS, "pool": "chat", **labels})
 
     def get(self, plural_path: str, name: str) -> dict[str, Any] | None:
         for (resource, namespace, obj_name), obj in self.k8s.objects.items():
@@ -165,13 +169,13 @@ async def operator(tmp_path: Path, tick: float = 0.2) -> AsyncIterator[Env]:
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
         clock = [1000.0]
         registry = kopf.OperatorRegistry()
-        register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=tick, clock=lambda: clock[0]),
-                 kube_configuration(str(kubeconfig)))
+        metrics = register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=tick, clock=lambda: clock[0]),
+                           kube_configuration(str(kubeconfig)))
         stop, ready = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS],
                                                  stop_flag=stop, ready_flag=ready))
         await asyncio.wait_for(ready.wait(), 20)
-        env = Env(k8s, clock)
+        env = Env(k8s, clock, metrics)
         try:
             yield env
             assert not task.done(), "the operator exited"
@@ -385,6 +389,9 @@ def test_the_timer_scales_on_predicted_kv_and_marks_the_coldest_pod_for_scale_in
             await eventually(lambda: any("ScaleUpPredictedOverload" in e["message"] for e in env.events("Scaled")))
             status = await eventually(lambda: env.pool()["status"].get("lastDecision") and env.pool()["status"])
             assert status["replicas"]["both"]["desired"] == 3 and status["kvUsage"]["predicted"] > 0.95
+            assert env.sample(OperatorMetric.DESIRED_REPLICAS, role="both") == 3
+            assert env.sample(f"{OperatorMetric.SCALING_DECISIONS}_total", role="both", direction="up") == 1
+            assert env.sample(f"{OperatorMetric.SCALING_DECISIONS}_total", role="both", direction="down") == 0
 
             # Quiet again, and the stabilization window passes on the operator's clock: scale down, after
             # marking the pod whose cache served fewer hits lately as the one to delete first.
@@ -397,7 +404,10 @@ def test_the_timer_scales_on_predicted_kv_and_marks_the_coldest_pod_for_scale_in
                      for name in ("chat-both-0", "chat-both-1")}
             assert int(costs["chat-both-0"]) < int(costs["chat-both-1"])  # the cold cache goes first
             await eventually(lambda: any("ScaleDownUnderTarget" in e["message"] for e in env.events("Scaled")))
+            assert env.sample(f"{OperatorMetric.SCALING_DECISIONS}_total", role="both", direction="down") == 1
             ticking.cancel()
+            await env.k8s.delete(f"{POOLS}/chat")  # a deleted pool's series go with it
+            await eventually(lambda: env.sample(OperatorMetric.DESIRED_REPLICAS, role="both") is None)
 
     try:
         run(main)
