@@ -252,6 +252,24 @@ class Engine:
         key = f"send:{uuid.uuid4().hex}"
         return key, self.kv.pin_cached(key, hashes)
 
+    def promote_for_send(self, key: str, hashes: list[int], have: int) -> concurrent.futures.Future[list[int]] | None:
+        """Load the blocks of `hashes` after the first `have` (held under `key` already) that the lower tiers
+        hold into device blocks held under `key` too: a peer's fetch is served from every tier. The future gives
+        their ids once loaded (none if the copy failed); None when no tier holds the next block or no room."""
+        if self.tiers is None:
+            return None
+        rest = hashes[have:]
+        where = self.tiers.locate(rest)
+        if not where or len(where) > self.kv.pool.num_available:
+            return None
+        ids = self.kv.allocate_unregistered(key, len(where))
+        assert ids is not None
+        loaded: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        parent = hashes[have - 1] if have else None
+        self.tiers.promote(Promotion(None, key, ids, rest[: len(where)], parent, {},
+                                     on_done=lambda ok: loaded.set_result(ids if ok else [])), where)
+        return loaded
+
     def release(self, key: str) -> None:
         self.kv.free(key)
 
@@ -354,6 +372,9 @@ class Engine:
     def _promoted(self, p: Promotion) -> None:
         if p.ok:
             self.kv.register_filled(p.block_ids, p.hashes, p.parent)
+        if p.on_done is not None:  # loaded for a peer's fetch: the sender releases the blocks when sent
+            p.on_done(p.ok)
+            return
         request = self._staged.pop(p.request_id or "", None)
         if request is None or not p.ok:  # aborted meanwhile (the blocks stay cached), or the copy failed
             self.kv.free(p.key)

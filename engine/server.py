@@ -563,6 +563,15 @@ def create_app(holder: EngineHolder) -> FastAPI:
             key, ids = await asyncio.wrap_future(e.call(lambda: e.pin_for_send(body.block_hashes, body.handle)))
         except LookupError as exc:
             raise ApiError(410, str(exc), param="handle", code="handle_expired") from None
+        if len(ids) < len(body.block_hashes):  # the rest may be in the host or disk tier: load it first
+            try:
+                have = len(ids)
+                loading = await asyncio.wrap_future(e.call(lambda: e.promote_for_send(key, body.block_hashes, have)))
+                if loading is not None:
+                    ids = ids + await asyncio.wrap_future(loading)
+            except BaseException:
+                e.call(lambda: e.release(key))
+                raise
         hashes = body.block_hashes[: len(ids)]
         frame = e.config.transfer_frame_blocks
 

@@ -267,3 +267,30 @@ def test_bad_tier_settings_are_refused_with_a_clear_message() -> None:
         EngineConfig(kv_disk_mib=-1).validate()
     with pytest.raises(ValueError, match="kv_tier_chunk_blocks >= 1"):
         EngineConfig(kv_tier_chunk_blocks=0).validate()
+
+
+def test_a_peer_fetch_is_served_from_the_host_tier(tiny_dir: Path, tmp_path: Path) -> None:
+    from kvmesh.engine.kv.transfer import Layout
+
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0)
+    tokens = prompt(12, 100)
+    run(engine, tokens)
+    hashes = chain(engine, tokens)
+    original = {h: tier_bytes(engine, "host", h) for h in hashes}
+    engine.kv.pool.clear()
+    key, ids = engine.pin_for_send(hashes, None)
+    assert ids == []  # the device holds none of them now
+    loading = engine.promote_for_send(key, hashes, 0)
+    assert loading is not None
+    engine.run_until_idle()  # the copy lands
+    ids = loading.result(timeout=10)
+    assert len(ids) == len(hashes)
+    frame = engine.read_frame(ids, hashes)
+    data = frame[frame.index(b"\n") + 1 :]
+    size = Layout.of(engine.runner.kv_cache).block_bytes
+    for i, h in enumerate(hashes):
+        assert data[i * size : (i + 1) * size] == original[h].numpy().tobytes()
+    engine.release(key)
+    engine.kv.check_invariants()
+    assert engine.kv.stats().used == 0
+    engine.close()

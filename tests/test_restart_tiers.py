@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from kvmesh.engine.protocol import KVEvent
+from kvmesh.engine.model.tokenizer import Tokenizer
+from kvmesh.engine.protocol import KVEvent, block_hashes
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 
 from .test_kv_tiers import chain, metric, prompt, run, run_cold, tiered
@@ -142,11 +143,18 @@ def test_a_killed_engine_process_restarts_with_its_host_tier(tiny_dir: Path, tmp
         snapshot = httpx.get(f"{url}/v1/kv/blocks").json()
         assert snapshot["boot_id"] != old_boot
         assert len(snapshot["blocks"]["host"]) >= (prompt_tokens - 1) // 16
+        # a peer asking for the first half of the prompt's blocks gets them from the host tier (loaded to device)
+        ids = Tokenizer.from_dir(tiny_dir).encode(text)
+        hashes = block_hashes(ids[: (len(ids) - 1) // 16 * 16])
+        half = len(hashes) // 2
+        fetched = httpx.post(f"{url}/v1/kv/fetch", json={"block_hashes": hashes[:half]}, timeout=60)
+        assert fetched.status_code == 200 and int(fetched.headers["x-kvmesh-blocks"]) == half > 0
         warm = _complete(url, text)
         assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
         by_source = warm["usage"]["prompt_tokens_details"]["kvmesh_cached_by_source"]
-        assert by_source["host"] == (prompt_tokens - 1) // 16 * 16 > 0
-        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == by_source["host"]
+        assert by_source == {"device": half * 16, "host": (len(hashes) - half) * 16, "disk": 0, "peer": 0}
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == len(hashes) * 16
+        assert len(hashes) == (prompt_tokens - 1) // 16
         events = httpx.get(f"{url}/metrics").text
         assert 'kvmesh_kv_tier_recovered_blocks_total{tier="host"}' in events
     finally:

@@ -356,12 +356,13 @@ class Job:
 class Promotion:
     """Blocks loaded into reserved device blocks for a waiting request; registered when the job is done."""
 
-    request_id: str | None  # None: a swap-in whose owner is gone, or a plain prefetch
+    request_id: str | None  # None: a load for a peer's fetch
     key: str  # holder of the reserved device blocks (and the request's device prefix) until it is admitted
     block_ids: list[int]
     hashes: list[int]
     parent: int | None
     tokens_by_tier: dict[str, int]
+    on_done: Callable[[bool], None] | None = None  # for a load not for a request (a peer's fetch)
     ok: bool = True
 
 
