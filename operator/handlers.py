@@ -365,10 +365,13 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     if state.scaler is None or state.scaler.pool != pool:
         state.scaler = Scaler(pool, state.scaler.traffic if state.scaler else TrafficEstimator(),
                               state.scaler.history if state.scaler else ())
+    operator_scales = pool.spec["scaling"]["mode"] == "operator"
     replicas = current_replicas(pool, status)
+    if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
+        replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
+                    for role, n in replicas.items()}
     decision = state.scaler.observe(now, scraped, replicas)
     hit_rates = _hit_rates(state, now, scraped)
-    operator_scales = pool.spec["scaling"]["mode"] == "operator"
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         why = decision.roles[role]
         message = (f"{role}: {replicas[role]} -> {n} replicas ({why.reason}; predicted KV "
