@@ -17,6 +17,7 @@ from kvmesh.operator.scaling import (
     ScalingPolicy,
     arrival_blocks,
     decide,
+    scale_in_order,
 )
 
 POLICY = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 8}, horizon_seconds=60,
@@ -223,3 +224,20 @@ def test_a_horizon_shorter_than_the_start_up_delay_reacts_too_late() -> None:
     short = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 16}, horizon_seconds=5)
     late = run_ramp(short, startup=60.0)
     assert late["first_95"] is not None
+
+
+def test_a_scale_up_window_takes_the_lowest_recommendation_in_it() -> None:
+    """With a scale-up stabilization window a brief spike does not add pods: the lowest recommendation of the
+    window wins (never below the current size)."""
+    policy = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 8}, scale_up_stabilization_seconds=60)
+    spike = [pod(f"p{i}", 0.9, 1.5, 2.0, 2.4, overload=0.9) for i in range(2)]
+    calm = decide(PoolObservation(0, quiet(2), {"both": 2}), policy)
+    d = decide(PoolObservation(30, spike, {"both": 2}), policy, calm.history)
+    assert d.roles["both"].recommended > 2 and d.replicas == {"both": 2}
+    later = decide(PoolObservation(100, spike, {"both": 2}), policy, d.history)
+    assert later.replicas["both"] == later.roles["both"].recommended > 2  # the spike held for a whole window
+
+
+def test_scale_in_removes_the_coldest_cache_first() -> None:
+    costs = scale_in_order({"hot": (900.0, 0), "cold": (5.0, 3), "idle": (5.0, 0)})
+    assert sorted(costs, key=costs.__getitem__) == ["idle", "cold", "hot"]  # ties: fewer streams to drain first
