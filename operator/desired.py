@@ -27,7 +27,7 @@ COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the en
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
 CONFIG_DIR = "/etc/kvmesh"
 MODELS_DIR = "/models"
-CACHE_DIR = "/var/cache/kvmesh"  # converted models (KVMESH_CACHE_DIR): the root filesystem is read-only
+CACHE_DIR = "/var/cache/kvmesh"  # where a .gguf model is converted at start (the image's own cache is read-only)
 HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outlives an engine restart
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
 RUN_AS = 65532  # the image's non-root user
@@ -158,13 +158,14 @@ def _volumes(pool: Pool, engine: bool) -> tuple[list[dict[str, Any]], list[dict[
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_name(pool)}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "cache", "mountPath": CACHE_DIR},
     ]
+    if _converts(pool):
+        volumes.append({"name": "cache", "emptyDir": {}})
+        mounts.append({"name": "cache", "mountPath": CACHE_DIR})
     if "volumeClaim" in pool.spec["model"]:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pool.spec["model"]["volumeClaim"],
                                                                     "readOnly": True}})
@@ -176,8 +177,17 @@ def _volumes(pool: Pool, engine: bool) -> tuple[list[dict[str, Any]], list[dict[
     return volumes, mounts
 
 
-def _env() -> list[dict[str, Any]]:
-    return [{"name": "KVMESH_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"}]
+def _converts(pool: Pool) -> bool:
+    """Whether the pods convert the model at start: a .gguf file does; the image's bundled model is converted at
+    build time, and a Hugging Face directory needs no conversion."""
+    return str(pool.spec["model"]["source"]).lower().endswith(".gguf")
+
+
+def _env(pool: Pool) -> list[dict[str, Any]]:
+    env = [{"name": "HOME", "value": "/tmp"}]
+    if _converts(pool):
+        env.append({"name": "KVMESH_CACHE_DIR", "value": CACHE_DIR})
+    return env
 
 
 def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool,
@@ -214,7 +224,7 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
         "image": spec["image"],
         "command": ["kvmesh", "serve", "--config", f"{CONFIG_DIR}/engine.yaml", "--role", role],
         "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
-        "env": _env(),
+        "env": _env(pool),
         "resources": copy.deepcopy(spec["resources"]),
         "lifecycle": {"preStop": {"exec": {"command": [
             "python", "-c", DRAIN_SCRIPT.format(seconds=DRAIN_SECONDS, port=spec["port"], path=DRAIN_PATH)]}}},
@@ -232,7 +242,7 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
 def router_deployment(pool: Pool) -> dict[str, Any]:
     spec = pool.spec["router"]
     command = ["kvmesh", "router", "--config", f"{CONFIG_DIR}/router.yaml"]
-    env = _env()
+    env = _env(pool)
     secret = pool.spec["store"].get("databaseUrlSecret")
     if secret:  # the URL carries a password: from the Secret, expanded by the kubelet into the flag
         env.append({"name": DATABASE_URL_ENV, "valueFrom": {"secretKeyRef": dict(secret)}})

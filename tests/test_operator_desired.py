@@ -112,6 +112,13 @@ def test_pods_are_non_root_read_only_probed_resourced_and_drain_before_stopping(
     host = next(v for v in engine["volumes"] if v["name"] == "host-tier")
     assert host["emptyDir"] == {"medium": "Memory", "sizeLimit": "1024Mi"}
     assert {"name": "host-tier", "mountPath": HOST_TIER_DIR} in container["volumeMounts"]
+    # The bundled model was converted when the image was built: nothing overrides the image's cache; a .gguf
+    # file is converted at start into a writable volume.
+    assert "KVMESH_CACHE_DIR" not in {e["name"] for e in container["env"]}
+    gguf = by_kind(desired_objects(pool(model={"source": "/models/m.gguf", "volumeClaim": "weights"})), "Deployment")
+    (gguf_container,) = gguf["chat-both"]["spec"]["template"]["spec"]["containers"]
+    cache = {e["name"]: e.get("value") for e in gguf_container["env"]}["KVMESH_CACHE_DIR"]
+    assert cache in {m["mountPath"] for m in gguf_container["volumeMounts"] if not m.get("readOnly")}
     # The router gets the ServiceAccount whose Role lets it read EndpointSlices; engines get no API token.
     router = by_kind(desired_objects(pool()), "Deployment")["chat-router"]["spec"]["template"]["spec"]
     assert router["serviceAccountName"] == "chat-router" and engine["automountServiceAccountToken"] is False
