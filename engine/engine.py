@@ -143,6 +143,7 @@ class Engine:
         self._swapped: set[str] = set()  # preempted requests whose blocks come back from the host tier
         self._tier_tokens: dict[str, dict[str, int]] = {}  # request -> prompt tokens promoted, by tier
         self.tiers = self._make_tiers(per_block)
+        self.kv.pool.on_residency = lambda kind, s: self.metrics.residency[kind].labels("device").observe(s)
 
     def _make_tiers(self, block_bytes: int) -> KVTiers | None:
         """The host and disk tiers the configuration asks for (docs/engine.md, "KV tiers"), or None."""

@@ -22,6 +22,7 @@ from kvmesh.engine.protocol import (
     KV_BLOCK_STATES,
     LOAD_DECISIONS,
     PREEMPTION_MODES,
+    RESIDENCY_KINDS,
     TIER_MOVES,
     TIERS,
     TRANSFER_DIRECTIONS,
@@ -40,6 +41,7 @@ LATENCY_BUCKETS = (
 )
 TOKEN_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,17 @@ class EngineMetrics:
                                       registry=r)
         self.tier_decisions = Counter(M.KV_TIER_DECISIONS, "Prefixes found in a lower tier: loaded or recomputed.",
                                       ["decision"], registry=r)
+        self.residency = {
+            kind: Histogram(name, doc, ["tier"], buckets=RESIDENCY_BUCKETS, registry=r)
+            for kind, name, doc in zip(RESIDENCY_KINDS, (M.KV_BLOCK_LIFETIME, M.KV_BLOCK_IDLE, M.KV_BLOCK_REUSE_GAP), (
+                "Seconds a block stayed in a tier, stored to evicted (sampled).",
+                "Seconds an evicted block had been idle (sampled).",
+                "Seconds an idle cached block waited until it was used again (sampled).",
+            ), strict=True)
+        }
+        for histogram in self.residency.values():
+            for tier in TIERS:
+                histogram.labels(tier)
         for move in TIER_MOVES:
             for c in (self.tier_moved_blocks, self.tier_moved_bytes, self.tier_move_seconds, self.tier_copies):
                 c.labels(move)

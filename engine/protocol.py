@@ -329,6 +329,9 @@ class Metric:
     KV_TIER_COPIES = "kvmesh_kv_tier_copies"  # counter: chunk copies (many blocks each); label move
     KV_TIER_RECOVERED = "kvmesh_kv_tier_recovered_blocks"  # counter: blocks found valid at start; label tier
     KV_TIER_DECISIONS = "kvmesh_kv_tier_load_decisions"  # counter: prefixes in lower tiers; label decision
+    KV_BLOCK_LIFETIME = "kvmesh_kv_block_lifetime_seconds"  # histogram, sampled: stored to evicted; label tier
+    KV_BLOCK_IDLE = "kvmesh_kv_block_idle_before_evict_seconds"  # histogram, sampled: last use to eviction; tier
+    KV_BLOCK_REUSE_GAP = "kvmesh_kv_block_reuse_gap_seconds"  # histogram, sampled: idle until reused; label tier
 
 
 class RouterMetric:
@@ -370,6 +373,8 @@ EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared", "damaged")  # damage
 # promotions end in device, demotions leave it; host gets every block (write-through), disk only reused ones
 TIER_MOVES: tuple[str, ...] = ("device_to_host", "device_to_disk", "host_to_disk", "host_to_device", "disk_to_device")
 LOAD_DECISIONS: tuple[str, ...] = ("load", "recompute")
+RESIDENCY_KINDS: tuple[str, ...] = ("lifetime", "idle", "reuse_gap")  # the three residency histograms
+RESIDENCY_SAMPLE = 16  # residency is observed for one block in 16 (by hash: the same blocks in every tier)
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold

@@ -294,3 +294,25 @@ def test_a_peer_fetch_is_served_from_the_host_tier(tiny_dir: Path, tmp_path: Pat
     engine.kv.check_invariants()
     assert engine.kv.stats().used == 0
     engine.close()
+
+
+def test_residency_is_observed_for_the_sampled_blocks_of_every_tier(tiny_dir: Path, tmp_path: Path) -> None:
+    from kvmesh.engine.protocol import RESIDENCY_SAMPLE
+
+    engine = tiered(tiny_dir, tmp_path, host_blocks=8, disk_blocks=0, kv_cache_blocks=8)
+    for seed in range(30, 46):  # 6 blocks each: both tiers evict again and again
+        run(engine, prompt(seed, 100), max_tokens=1)
+    seed = next(s for s in range(100, 400) if any(h % RESIDENCY_SAMPLE == 0 for h in chain(engine, prompt(s, 100))))
+    run(engine, prompt(seed, 100), max_tokens=1)
+    run(engine, prompt(seed, 100), max_tokens=1)  # a device hit on a sampled block
+    events = [e for b in engine.events.read(0) for e in b.events]
+    for tier in ("device", "host"):
+        evicted = [h for e in events if e.kind == "removed" and e.tier == tier for h in e.block_hashes]
+        sampled = sum(h % RESIDENCY_SAMPLE == 0 for h in evicted)
+        assert sampled > 0
+        assert metric(engine, "kvmesh_kv_block_lifetime_seconds_count", tier=tier) == sampled
+        assert metric(engine, "kvmesh_kv_block_idle_before_evict_seconds_count", tier=tier) == sampled
+    reused = sum(h % RESIDENCY_SAMPLE == 0 for h in chain(engine, prompt(seed, 100)))
+    assert reused > 0
+    assert metric(engine, "kvmesh_kv_block_reuse_gap_seconds_count", tier="device") == reused
+    engine.close()

@@ -7,6 +7,7 @@ runner owns.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from kvmesh.engine.kv.policy import BlockUse, EvictionPolicy, LRUPolicy
 from kvmesh.engine.protocol import (
     DEFAULT_HASH_ROOT,
     NO_EXTRA,
+    RESIDENCY_SAMPLE,
     BlockExtra,
     HashAlgo,
     KVEvent,
@@ -28,6 +30,8 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
+    stored_at: float = 0.0  # residency times, kept for sampled blocks only
+    idle_since: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class BlockPool:
         # called with the ids of blocks about to be handed out, so a copy still reading one (to a lower tier)
         # can finish before the block is overwritten
         self.before_reuse: Callable[[Sequence[int]], None] | None = None
+        # (kind in RESIDENCY_KINDS, seconds) for sampled blocks: the residency histograms
+        self.on_residency: Callable[[str, float], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +106,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.policy.remove(block.block_id)
+                if self._sampled(block.block_hash):
+                    self._observe("reuse_gap", time.monotonic() - block.idle_since)
             block.ref_count += 1
 
     def allocate(self, n: int) -> list[Block]:
@@ -116,6 +124,10 @@ class BlockPool:
                 assert block.block_hash is not None
                 del self._cached[block.block_hash]
                 evicted.append(block.block_hash)
+                if self._sampled(block.block_hash):
+                    now = time.monotonic()
+                    self._observe("lifetime", now - block.stored_at)
+                    self._observe("idle", now - block.idle_since)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
@@ -135,6 +147,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block.block_id
+        if self._sampled(block_hash):
+            block.stored_at = time.monotonic()
         self._emit(KVEvent("stored", (block_hash,), tier=self.tier, parent_hash=parent_hash, token_count=token_count))
         return True
 
@@ -151,6 +165,8 @@ class BlockPool:
                     self._free.append(block.block_id)
                 else:
                     self.policy.add(block.block_id, BlockUse(workload, offset, block.block_hash))
+                    if self._sampled(block.block_hash):
+                        block.idle_since = time.monotonic()
 
     def clear(self) -> int:
         """Forget every evictable cached block (the pool's "reset prefix cache"); used blocks stay."""
@@ -181,6 +197,13 @@ class BlockPool:
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id, "hash map disagrees with block"
         assert len(self._cached) == sum(b.block_hash is not None for b in self.blocks)
+
+    def _sampled(self, block_hash: int | None) -> bool:
+        return self.on_residency is not None and block_hash is not None and block_hash % RESIDENCY_SAMPLE == 0
+
+    def _observe(self, kind: str, seconds: float) -> None:
+        assert self.on_residency is not None
+        self.on_residency(kind, seconds)
 
     def _emit(self, event: KVEvent) -> None:
         if self._on_event is not None:

@@ -44,7 +44,7 @@ import xxhash
 
 from kvmesh.engine.kernels import gather_blocks, scatter_blocks
 from kvmesh.engine.kv.blocks import KVCacheManager
-from kvmesh.engine.protocol import KVEvent
+from kvmesh.engine.protocol import RESIDENCY_SAMPLE, KVEvent
 
 if TYPE_CHECKING:
     from kvmesh.engine.metrics import EngineMetrics
@@ -230,6 +230,8 @@ class Slot:
     tokens: int
     pins: int = 0  # copies in flight that read or write it
     ready: bool = False  # its bytes and record are written
+    stored_at: float = 0.0  # residency times (sampled blocks)
+    idle_since: float = 0.0
 
 
 class TierIndex:
@@ -244,14 +246,28 @@ class TierIndex:
         self.lru: OrderedDict[int, None] = OrderedDict()  # ready, unpinned slots
         self.free = list(range(store.num_slots - 1, -1, -1))
         self.evicted = 0
+        self.on_residency: Callable[[str, float], None] | None = None  # (kind, seconds), sampled blocks
 
     def find(self, block_hash: int) -> int | None:
         """The slot holding `block_hash`, written or being written (a later read is queued behind the write)."""
         return self.by_hash.get(block_hash)
 
     def touch(self, slot: int) -> None:
+        """A request uses the block (it is loaded to the device): most recently used, and a reuse gap."""
         if slot in self.lru:
             self.lru.move_to_end(slot)
+        s = self.slots[slot]
+        if self._sampled(s.block_hash):
+            now = time.monotonic()
+            self._observe("reuse_gap", now - s.idle_since)
+            s.idle_since = now
+
+    def _sampled(self, block_hash: int) -> bool:
+        return self.on_residency is not None and block_hash % RESIDENCY_SAMPLE == 0
+
+    def _observe(self, kind: str, seconds: float) -> None:
+        assert self.on_residency is not None
+        self.on_residency(kind, seconds)
 
     def reserve(self, block_hash: int, parent: int, tokens: int) -> int | None:
         """A pinned slot for a block about to be written, evicting the least recently used if full; None when
@@ -260,6 +276,11 @@ class TierIndex:
             slot = self.free.pop()
         elif self.lru:
             slot, _ = self.lru.popitem(last=False)
+            victim = self.slots[slot]
+            if self._sampled(victim.block_hash):
+                now = time.monotonic()
+                self._observe("lifetime", now - victim.stored_at)
+                self._observe("idle", now - victim.idle_since)
             self._forget(slot)
             self.evicted += 1
         else:
@@ -272,12 +293,16 @@ class TierIndex:
     def adopt(self, block: StoredBlock) -> None:
         """A block recovered from an earlier process's file."""
         self.free.remove(block.slot)
-        self.slots[block.slot] = Slot(block.block_hash, block.parent, block.tokens, ready=True)
+        now = time.monotonic()  # its age in the earlier process is not known: residency counts from now
+        self.slots[block.slot] = Slot(block.block_hash, block.parent, block.tokens, ready=True, stored_at=now,
+                                      idle_since=now)
         self.by_hash[block.block_hash] = block.slot
         self.lru[block.slot] = None
 
     def written(self, slot: int) -> None:
-        self.slots[slot].ready = True
+        s = self.slots[slot]
+        s.ready = True
+        s.stored_at = s.idle_since = time.monotonic()
         self.announce(slot)
         self.unpin(slot)
 
@@ -526,7 +551,10 @@ class KVTiers:
                                    ("disk", settings.disk_blocks, settings.disk_path)):
             if blocks > 0:
                 assert path is not None, f"the {name} tier needs a path"
-                self.tiers[name] = TierIndex(name, SlotFile(path, blocks, self.block_bytes, fingerprint), emit)
+                tier = TierIndex(name, SlotFile(path, blocks, self.block_bytes, fingerprint), emit)
+                if metrics is not None:
+                    tier.on_residency = lambda kind, s, name=name: metrics.residency[kind].labels(name).observe(s)
+                self.tiers[name] = tier
         self.copier = Copier(settings.chunk_blocks, wake)
         self.copier.files = [t.store for name, t in self.tiers.items() if name == "disk"]
         self.bandwidth: dict[str, float] = {}  # measured load bandwidth per tier, bytes per second
