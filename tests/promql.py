@@ -21,19 +21,9 @@ DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 RULES = CHART / "alerts" / "kvmesh.rules.yaml"
 
 # What a dashboard's variables stand for when a test runs its queries: every namespace and pool, a rate window
-# that spans several 1 s scrapes, and the engines' default forecast horizon.
-VARIABLES = {"$namespace": ".*", "$pool": ".*", "$__rate_interval": "1m", "$horizon": "10s"}
+# that spans several scrapes, the engines' default forecast horizon, and the device tier.
+VARIABLES = {"$namespace": ".*", "$pool": ".*", "$__rate_interval": "1m", "$horizon": "10s", "$tier": "device"}
 
-# Names panels read that the issue promises but no component exports yet, and who owes them (reported to the
-# lead). tests/test_dashboards.py fails as soon as one is exported, so this only shrinks; the end-to-end test
-# skips the panels that read them.
-AWAITED = {
-    "kvmesh_kv_block_lifetime_seconds_bucket": "engine: residency histograms per tier (DESIGN.md contract 3)",
-    "kvmesh_kv_block_reuse_gap_seconds_bucket": "engine: residency histograms per tier (DESIGN.md contract 3)",
-    "kvmesh_operator_desired_replicas": "operator: its own /metrics",
-    "kvmesh_operator_scaling_decisions_total": "operator: its own /metrics",
-    "kvmesh_operator_predicted_kv_usage_ratio": "operator: its own /metrics",
-}
 OPERATOR_PREFIX = "kvmesh_operator_"  # no operator runs in a local pool: its panels are checked statically only
 
 KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset",

@@ -140,16 +140,20 @@ def test_a_pool_only_when_asked() -> None:
     assert parsed is not None
 
 
-def test_rbac_is_exactly_what_the_operator_uses() -> None:
-    def grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-        return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
-                for v in rule["verbs"]}
+def rules_block(permissions: tuple[rbac.Permission, ...]) -> str:
+    """The ClusterRole rules the chart's templates/operator-rbac.yaml should hold, with each rule's reason."""
+    core = '""'
+    return "".join(f"  # {p.why}\n  - apiGroups: [{p.group or core}]\n    resources: [{p.resource}]\n"
+                   f"    verbs: [{', '.join(p.verbs)}]\n" for p in permissions)
 
-    expected = grants([p.rule() for p in rbac.OPERATOR])
+
+def test_rbac_is_exactly_what_the_operator_uses() -> None:
+    expected = [p.rule() for p in rbac.OPERATOR]
     for name, rendered in RENDERINGS.items():
         docs = manifests(rendered)
         (role,) = by_kind(docs, "ClusterRole")
-        assert grants(role["rules"]) == expected, name
+        assert role["rules"] == expected, (
+            f"{name}: operator/rbac.py changed; paste into templates/operator-rbac.yaml:\n{rules_block(rbac.OPERATOR)}")
         assert by_kind(docs, "Role") == []
         bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
         (account,) = by_kind(docs, "ServiceAccount")
