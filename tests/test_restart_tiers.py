@@ -91,7 +91,7 @@ def test_a_file_of_another_layout_starts_empty(
     first.close()
     with caplog.at_level(logging.WARNING, logger="kvmesh.engine.tiers"):
         second = tiered(tiny_dir, tmp_path, disk_blocks=0, block_size=32)
-    assert any("another model or layout" in r.getMessage() for r in caplog.records)
+    assert any("another model, layout or size" in r.getMessage() for r in caplog.records)
     assert metric(second, "kvmesh_kv_tier_recovered_blocks_total", tier="host") == 0
     assert second.tiers is not None and second.tiers.counts()["host"][1] == 0
     second.close()

@@ -156,7 +156,7 @@ class SlotFile:
         self.fresh = existing != header or os.fstat(self._fd).st_size != size
         if self.fresh:
             if existing.startswith(MAGIC):
-                log.warning("KV tier file %s was written for another model or layout: starting it empty", path)
+                log.warning("KV tier file %s was written for another model, layout or size: starting it empty", path)
             os.ftruncate(self._fd, 0)
             os.ftruncate(self._fd, size)  # zeroes: every record empty
             os.pwrite(self._fd, header, 0)
