@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -315,4 +316,36 @@ def test_residency_is_observed_for_the_sampled_blocks_of_every_tier(tiny_dir: Pa
     reused = sum(h % RESIDENCY_SAMPLE == 0 for h in chain(engine, prompt(seed, 100)))
     assert reused > 0
     assert metric(engine, "kvmesh_kv_block_reuse_gap_seconds_count", tier="device") == reused
+    engine.close()
+
+
+def test_running_requests_keep_decoding_while_a_prefix_loads(tiny_dir: Path, tmp_path: Path) -> None:
+    """The copy runs on the copy thread: held back here by a gate (the one stand-in: a real copy is too fast
+    to watch), the engine keeps stepping the running request and the loading one waits out of the queue."""
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0)
+    assert engine.tiers is not None
+    tokens = prompt(13, 100)
+    run(engine, tokens)
+    engine.kv.pool.clear()
+    copier = engine.tiers.copier
+    gate = threading.Event()
+    execute = copier._execute
+    copier._execute = lambda job: (gate.wait(30), execute(job))  # type: ignore[method-assign]
+
+    running: list[RequestOutput] = []
+    long = Request("long", prompt(14, 20), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+                   on_output=running.append)
+    engine.submit(long)
+    engine.step()
+    waiting: list[RequestOutput] = []
+    loaded = Request("loaded", [*tokens, 5], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                     on_output=waiting.append)
+    engine.submit(loaded)
+    for _ in range(5):
+        engine.step()
+    assert len(running) >= 5 and not waiting  # decoding went on while the prefix was still loading
+    assert engine.state.waiting == 1 and loaded.status.value == "waiting"
+    gate.set()
+    engine.run_until_idle()
+    assert waiting[-1].cached_by_tier["host"] == 96 and len(running) == 50
     engine.close()
