@@ -168,7 +168,8 @@ class Engine:
     def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         """The model runner. The engine simulator (kvmesh sim-engine) overrides it with one that sleeps per a
         latency model, so it serves with the engine's own scheduler, KV manager, metrics and events."""
-        return ModelRunner(loaded.model, num_blocks, self.config.block_size, loaded.dtype, loaded.model.device)
+        return ModelRunner(loaded.model, num_blocks, self.config.block_size, loaded.dtype, loaded.model.device,
+                           self.config.attention_backend)
 
     # ---- from any thread ---------------------------------------------------------------------------------
 

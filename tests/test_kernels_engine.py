@@ -15,19 +15,10 @@ import torch
 
 from kvmesh.engine.attention import resolve_backend
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.engine import Engine, LoadedModel
 from kvmesh.engine.runner import ModelRunner, StepInput
 
 from .conftest import make_engine
 from .test_engine import generate, prompt
-
-
-class TritonEngine(Engine):
-    """The engine with the Triton backend forced, whatever the device."""
-
-    def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
-        return ModelRunner(loaded.model, num_blocks, self.config.block_size, loaded.dtype, loaded.model.device,
-                           attention_backend="triton")
 
 
 def launches() -> dict[str, int]:
@@ -71,9 +62,8 @@ def test_engine_outputs_equal_the_torch_path(tiny_dir: Path) -> None:
     first = [[*shared, 1, 2, 3]]
     second = [[*shared, 9, 8, 7, 6, 5]]
     batch = [prompt(5, 30), prompt(6, 7), [*shared, 4]]
-    settings = {"model": str(tiny_dir), "dtype": "float32", "kv_cache_blocks": 64, "max_num_batched_tokens": 32}
     torch_engine = make_engine(tiny_dir, kv_cache_blocks=64, max_num_batched_tokens=32)
-    triton_engine = TritonEngine(EngineConfig(**settings))  # type: ignore[arg-type]
+    triton_engine = make_engine(tiny_dir, kv_cache_blocks=64, max_num_batched_tokens=32, attention_backend="triton")
     assert triton_engine.runner.attention_backend == "triton"
     before = launches()
     results = []
