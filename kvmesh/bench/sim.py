@@ -218,31 +218,29 @@ class Instance:
     def outstanding(self) -> int:
         return len(self.queue) + len(self.running) + (self.prefilling is not None)
 
+    def _pending_prefill(self, request: SimRequest) -> int:
+        """As the engine counts it: a queued request's uncached part (estimated on arrival), the unfinished part
+        of the prefill in flight, nothing for a decoding one."""
+        if request is self.prefilling:
+            return max(0, int((self.op_end - self.cluster.now) * self.latency.prefill_tokens_per_second))
+        return 0 if request.prefilled or request in self.running else request.expected_uncached
+
     def pending_prefill_tokens(self) -> int:
-        """The engine's gauge: queued requests' uncached part (estimated on arrival) and the unfinished part of
-        the prefill in flight."""
+        """The engine's gauge: uncached prompt tokens waiting or in flight."""
         queued = sum(r.expected_uncached for r in self.queue if not r.prefilled)
-        if self.prefilling is None:
-            return queued
-        left = (self.op_end - self.cluster.now) * self.latency.prefill_tokens_per_second
-        return queued + max(0, int(left))
+        return queued + (self._pending_prefill(self.prefilling) if self.prefilling else 0)
 
     def queued_work_seconds(self) -> float:
         """Exactly how long until this instance could start a new prefill: the operation in flight and every
         queued prefill, at the uncached sizes they will compute (the oracle's knowledge)."""
-        left = max(self.op_end - self.cluster.now, 0.0) if self.op_end > self.cluster.now else 0.0
         queued = sum(self.latency.prefill_seconds(r.expected_uncached) for r in self.queue if not r.prefilled)
-        return left + queued
+        return max(self.op_end - self.cluster.now, 0.0) + queued
 
     def forecast(self, horizon_seconds: float) -> Forecast:
         """The engine's own KV forecast (engine/forecast.py) over this instance's requests, as it exports it."""
-        loads = []
-        for r in (*self.running, *([self.prefilling] if self.prefilling else []), *self.queue):
-            pending = (r.expected_uncached if r in self.queue and not r.prefilled
-                       else int(max(self.op_end - self.cluster.now, 0) * self.latency.prefill_tokens_per_second)
-                       if r is self.prefilling else 0)
-            loads.append(RequestLoad(r.prompt_tokens + r.generated, r.generated, MAX_TOKENS,
-                                     workload_class("chat", r.prompt_tokens), min(pending, r.prompt_tokens)))
+        loads = [RequestLoad(r.prompt_tokens + r.generated, r.generated, MAX_TOKENS,
+                             workload_class("chat", r.prompt_tokens), min(self._pending_prefill(r), r.prompt_tokens))
+                 for r in (*self.running, *([self.prefilling] if self.prefilling else []), *self.queue)]
         return forecast_usage(loads, self.kv.pool.num_blocks, self.block_size, horizon_seconds,
                               self.latency.step_seconds(max(len(self.running), 1)),
                               self.latency.prefill_tokens_per_second, self.lengths)
