@@ -105,7 +105,8 @@ class _EventLag:
         self._pods, self._index = pods, index
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        lag = GaugeMetricFamily(RouterMetric.EVENT_LAG, "KV event batches not yet applied, per pod.", labels=["pod"])
+        lag = GaugeMetricFamily(RouterMetric.EVENT_LAG, "KV event batches not yet applied, per engine.",
+                                labels=["engine"])
         for pod in self._pods.pods.values():
             published = pod.metrics.get("events_seq")
             if published is not None:

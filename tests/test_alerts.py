@@ -69,14 +69,14 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
           "0+99x15")],
         "12m", []),
     "event lag of 500 batches": (
-        [(f'kvmesh_router_kv_event_lag_batches{{exported_pod="e0", pod="r0", role="router", {POOL}}}', "500x10"),
-         (f'kvmesh_router_kv_event_lag_batches{{exported_pod="e1", pod="r0", role="router", {POOL}}}', "0x10")],
+        [(f'kvmesh_router_kv_event_lag_batches{{engine="e0", pod="r0", role="router", {POOL}}}', "500x10"),
+         (f'kvmesh_router_kv_event_lag_batches{{engine="e1", pod="r0", role="router", {POOL}}}', "0x10")],
         "5m",
         [alert("KvmeshKVEventLag", {"severity": "warning", **WHERE},
                "Pool ml/chat: a router lags an engine's KV events",
                "A router has 500 KV event batches of an engine still to apply: it routes on a stale index.")]),
     "event lag of 5 batches": (
-        [(f'kvmesh_router_kv_event_lag_batches{{exported_pod="e0", pod="r0", role="router", {POOL}}}', "5x10")],
+        [(f'kvmesh_router_kv_event_lag_batches{{engine="e0", pod="r0", role="router", {POOL}}}', "5x10")],
         "5m", []),
     "one engine down": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"),
