@@ -2,7 +2,9 @@
 
 Pure functions over pod snapshots and prefix matches: no tokenizer, no HTTP, no clock. Two router replicas
 given the same state choose the same pod, because candidates are ordered by name before any arithmetic and
-ties go to the first name.
+ties are broken by rendezvous hashing (each pod's name hashed with the request's deepest block): a fixed order
+per request that every replica computes alike, and that differs between requests, so equal pods share new
+prefixes evenly instead of the first name taking them all.
 
 The scores aim at the pod that answers soonest. The TTFT estimate already credits a pod's cached prefix to
 this request; the prefix score adds stickiness on top (keeping a prefix's traffic together keeps the pool's
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import xxhash
 
 from kvmesh.router.index import PrefixMatch
 
@@ -243,9 +247,15 @@ def _score(pods: list[PodState], ctx: Context) -> tuple[dict[str, float], dict[s
     return totals, weighted
 
 
-def _best(pods: list[PodState], totals: Mapping[str, float]) -> list[PodState]:
-    """Candidates from best to worst; equal scores in name order, so every replica breaks ties alike."""
-    return sorted(pods, key=lambda p: (-totals[p.name], p.name))
+def _tie_rank(request: RequestInfo, name: str) -> int:
+    """Rendezvous hashing: a pod's rank among equals for this request, the same in every replica."""
+    key = request.block_hashes[-1] if request.block_hashes else request.prompt_tokens
+    return xxhash.xxh3_64_intdigest(f"{key}/{name}".encode())
+
+
+def _best(pods: list[PodState], totals: Mapping[str, float], request: RequestInfo) -> list[PodState]:
+    """Candidates from best to worst; equal scores in the request's rendezvous order (see the module doc)."""
+    return sorted(pods, key=lambda p: (-totals[p.name], _tie_rank(request, p.name), p.name))
 
 
 def _deciding_score(
@@ -280,12 +290,12 @@ def pick(
     guarded = overloaded_holders(candidates, config) & matches.keys()
     fair = Context(request, {k: m for k, m in matches.items() if k not in guarded}, config, roles) if guarded else ctx
     totals, weighted = _score(candidates, fair)
-    ranking = _best(candidates, totals)
+    ranking = _best(candidates, totals, request)
     chosen = ranking[0]
 
     if len(ranking) == 1:
         reason = "only-candidate"
-    elif guarded and _best(candidates, _score(candidates, ctx)[0])[0].name != chosen.name:
+    elif guarded and _best(candidates, _score(candidates, ctx)[0], request)[0].name != chosen.name:
         reason = "balance"
     elif totals[chosen.name] == totals[ranking[1].name]:
         reason = "tie"

@@ -145,13 +145,22 @@ def test_the_balance_guard_stops_a_popular_prefix_piling_onto_one_pod() -> None:
     assert decision.pod is not None and decision.pod.name == "b"
 
 
-def test_ties_are_broken_by_name_whatever_the_order() -> None:
+def test_ties_are_broken_per_request_whatever_the_order() -> None:
+    """Equal pods: the same one for the same request whatever order they come in (every replica agrees), and
+    over many requests each pod gets its share (no first name taking every new prefix)."""
     pods = [pod(name) for name in ("c", "a", "d", "b")]
-    for _ in range(5):
-        random.shuffle(pods)
-        decision = choose(pods)
-        assert decision.pod is not None and decision.pod.name == "a"
-        assert decision.reason == "tie"
+    winners = []
+    for k in range(200):
+        request = replace(REQUEST, block_hashes=(k, k + 1, k + 2, k + 3))
+        chosen = set()
+        for _ in range(3):
+            random.shuffle(pods)
+            decision = pick(request, pods, {})
+            assert decision.pod is not None and decision.reason == "tie"
+            chosen.add(decision.pod.name)
+        assert len(chosen) == 1
+        winners.append(chosen.pop())
+    assert all(30 <= winners.count(name) <= 70 for name in "abcd"), {n: winners.count(n) for n in "abcd"}
 
 
 def test_replicas_with_the_same_state_agree() -> None:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, field, replace
-
-import xxhash
+from dataclasses import dataclass, field
 
 from kvmesh.bench.sim import Choice, Cluster, Instance, SimRequest
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.picker import PickerConfig, PodState, RequestInfo, pick
+from kvmesh.router.picker import PickerConfig, RequestInfo, pick
 from kvmesh.router.pull import PullPolicy, plan_pull
 
 
@@ -82,7 +80,6 @@ class RouterPolicy:
     name: str = "kvmesh"
     pulls: bool = True
     router: RouterConfig = field(default_factory=RouterConfig)
-    rendezvous_ties: bool = False  # a what-if: see _rendezvous_names
 
     def choose(self, request: SimRequest, candidates: list[Instance], cluster: Cluster) -> Choice:
         latency = cluster.spec.latency
@@ -90,26 +87,15 @@ class RouterPolicy:
         info = RequestInfo("", request.prompt_tokens, request.block_hashes[:hashed])
         states = [c.pod_state() for c in candidates]
         matches = cluster.index.match(info.block_hashes, [s.name for s in states], cluster.now)
-        alias = _rendezvous_names(info, states) if self.rendezvous_ties else {s.name: s.name for s in states}
-        real = {a: name for name, a in alias.items()}
-        states = [replace(s, name=alias[s.name]) for s in states]
-        matches = {alias[name]: m for name, m in matches.items()}
         decision = pick(info, states, matches, self.picker, tuple(sorted({c.role for c in candidates})))
         assert decision.pod is not None, "the simulator offers only ready instances"
-        chosen = cluster.instances[real[decision.pod.name]]
+        chosen = cluster.instances[decision.pod.name]
         cluster.index.add_provisional(chosen.name, info.block_hashes, cluster.now, self.router.provisional_ttl_seconds)
         if not self.pulls:
             return Choice(chosen)
         policy = PullPolicy(latency.transfer_bytes_per_second, latency.transfer_setup_seconds)
         plan = plan_pull(decision.pod, info, states, matches, latency.kv_bytes_per_token * cluster.spec.block_size,
                          self.picker, policy)
-        return Choice(chosen, None if plan is None else (real[plan.source.name], plan.tokens))
+        return Choice(chosen, None if plan is None else (plan.source.name, plan.tokens))
 
 
-def _rendezvous_names(info: RequestInfo, states: list[PodState]) -> dict[str, str]:
-    """Names that sort in a per-request order (rendezvous hashing of the request's deepest block with each pod's
-    name), so that the picker's name-ordered tie-break spreads equal pods' new prefixes over the pool instead of
-    favouring the first name, while every replica still agrees. A what-if for a picker change, run through the
-    unchanged picker."""
-    key = info.block_hashes[-1] if info.block_hashes else info.prompt_tokens
-    return {s.name: f"{xxhash.xxh3_64_intdigest(f'{key}/{s.name}'.encode()):020d}/{s.name}" for s in states}

@@ -33,20 +33,17 @@ from kvmesh.router.picker import PickerConfig
 RANDOM_TTFT_SECONDS = 20.0  # the load of the reference setting: random routing's mean TTFT (Mooncake's 19.65 s)
 PREFIX_ONLY = PickerConfig(prefix_weight=1.0, kv_weight=0.0, load_weight=0.001, ttft_weight=0.0,
                            balance_factor=1e9)  # the longest prefix wins; load only breaks ties; no guard
-RENDEZVOUS = "kvmesh, ties by rendezvous (what-if)"
 
 
-def policies(seed: int, picker: PickerConfig, what_if: bool = False) -> list[RoutingPolicy]:
+def policies(seed: int, picker: PickerConfig) -> list[RoutingPolicy]:
     """The study's policies, kvmesh's last. `picker` is kvmesh's configuration (the router's defaults unless
-    the command was given weights); `what_if` adds kvmesh with ties spread by rendezvous hashing."""
-    spread = [RouterPolicy(picker, name=RENDEZVOUS, rendezvous_ties=True)] if what_if else []
+    the command was given weights)."""
     return [
         RandomPolicy(seed),
         RoundRobinPolicy(),
         LeastRequestPolicy(seed),
         OraclePolicy(seed),
         RouterPolicy(PREFIX_ONLY, name="prefix-only", pulls=False),
-        *spread,
         RouterPolicy(picker),
     ]
 
@@ -155,8 +152,6 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                    help="prefill tokens/s per instance; default: calibrated so random's mean TTFT is 20 s")
     p.add_argument("--weight", action="append", default=[], metavar="NAME=VALUE",
                    help="a picker setting for kvmesh's policy, as in the router config's `weights` (repeatable)")
-    p.add_argument("--what-if-rendezvous", action="store_true",
-                   help="add kvmesh with equal pods ordered per request (rendezvous hashing) instead of by name")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write the TTFT CDF here (PNG)")
@@ -200,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         speed = calibrate(requests, spec, seed=args.seed)
     spec = _with_speed(spec, speed)
     ideal = ideal_hit_ratio(trace)
-    runs = policies(args.seed, picker, args.what_if_rendezvous)
+    runs = policies(args.seed, picker)
     with tqdm(total=len(requests) * len(runs), unit="req", desc="policies") as bar:
         rows, results = study(requests, spec, runs, ideal, bar.update)
     print(f"\n{len(requests)} requests, {args.instances} instances x {args.cache_tokens:,} cached tokens, "
