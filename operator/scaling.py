@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
 from kvmesh.engine.protocol import FORECAST_LEVELS, OVERLOAD_USAGE
@@ -139,6 +139,7 @@ class Decision:
 
 REASONS: tuple[str, ...] = (
     "ScaleUpPredictedOverload",  # P(usage > 95 % within the horizon) reached the threshold
+    "ScaleUpPredictedAboveTarget",  # the predicted peak within the horizon needs more pods at target utilization
     "ScaleUpPrefillRate",  # arrivals' prefill work exceeds what the role computes at target utilization
     "ScaleUpDecodeRate",  # generated tokens per second exceed what the role sustains at target utilization
     "ScaleDownUnderTarget",  # the predicted peak fits under the target with fewer pods, for the whole window
@@ -180,6 +181,28 @@ def role_demand(pods: Sequence[PodObservation], obs: PoolObservation, horizon: f
     return own + (arrival_blocks(obs, horizon, q) if role in KV_ROLES else 0.0)
 
 
+def demand_now(pods: Sequence[PodObservation], obs: PoolObservation, role: str) -> float:
+    """Blocks the role holds now plus, for the KV roles, what its queued requests will take once admitted: the
+    window's first point (the horizon's is `role_demand`), so a pool already past its target is never read as
+    fitting because the arrivals' estimate lags a ramp."""
+    queued = sum(p.waiting for p in pods) * obs.blocks_per_request if role in KV_ROLES else 0.0
+    return sum(p.usage * p.num_blocks for p in pods) + queued
+
+
+def little_calibrated(obs: PoolObservation, held: float) -> PoolObservation:
+    """`obs` with the blocks per request that Little's law reads from the pool now: blocks held = the rate at
+    which the requests in flight arrived (the trend's rate half a request's time ago) x blocks per request x
+    seconds held. The logged figure is a request's peak blocks over its end-to-end time, queueing included; a
+    request holds fewer on average (its output grows, it holds nothing while queued), so the logged product
+    overstates the arrivals' demand. Pods that hold nothing yet leave the logged figure in place."""
+    if held <= 0 or obs.request_seconds <= 0 or obs.blocks_per_request <= 0:
+        return obs
+    arrived_at = obs.arrival_rate - obs.arrival_rate_slope * obs.request_seconds / 2
+    if arrived_at <= 0:
+        return obs
+    return replace(obs, blocks_per_request=held / (arrived_at * obs.request_seconds))
+
+
 def overload_probability(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, capacity: float,
                          role: str) -> float:
     """P(demand passes 95 % of `capacity`): the level q at which the demand curve crosses it (bisection; the
@@ -219,7 +242,9 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
         recommended, reason, predicted, p_over = current, "HoldNoMetrics", 0.0, 0.0
     else:
         per_pod = sum(p.num_blocks for p in pods) / len(pods)
-        demand = role_demand(pods, obs, policy.horizon_seconds, q, role)
+        held = demand_now(pods, obs, role)
+        obs = little_calibrated(obs, held) if role in KV_ROLES else obs
+        demand = max(held, role_demand(pods, obs, policy.horizon_seconds, q, role))
         capacity = max(current, 1) * per_pod
         predicted = demand / capacity
         p_over = overload_probability(pods, obs, policy.horizon_seconds, capacity, role) if current else 1.0
@@ -227,6 +252,8 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
         for_rate = _rate_replicas(role, pods, obs, policy.target_utilization)
         if p_over >= policy.overload_threshold:
             recommended, reason = max(for_target, for_rate, current + 1), "ScaleUpPredictedOverload"
+        elif for_target > current:
+            recommended, reason = max(for_target, for_rate), "ScaleUpPredictedAboveTarget"
         elif for_rate > current:
             recommended = for_rate
             reason = "ScaleUpPrefillRate" if role == "prefill" or obs.decode_tokens_per_second <= 0 else (

@@ -17,6 +17,7 @@ from kvmesh.operator.scaling import (
     ScalingPolicy,
     arrival_blocks,
     decide,
+    little_calibrated,
     scale_in_order,
 )
 
@@ -57,15 +58,52 @@ def test_a_quiet_pool_holds_and_a_predicted_overload_scales_up_before_usage_is_h
 
 def test_the_threshold_is_the_policy_s() -> None:
     rising = [pod("a", 0.5, 0.7, 0.9, 0.97, overload=0.05)]  # crosses 95 % somewhere between p90 and p99
-    lenient = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 4}, overload_threshold=0.02)
-    assert decide(PoolObservation(0, rising, {"both": 1}), POLICY).roles["both"].reason == "HoldWithinTarget"
+    # Sized for 95 %, so only the overload probability can ask for more.
+    strict = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 4}, target_utilization=0.95)
+    lenient = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 4}, target_utilization=0.95,
+                            overload_threshold=0.02)
+    assert decide(PoolObservation(0, rising, {"both": 1}), strict).roles["both"].reason == "HoldWithinTarget"
     assert decide(PoolObservation(0, rising, {"both": 1}), lenient).roles["both"].reason == "ScaleUpPredictedOverload"
 
 
+def test_a_predicted_peak_above_target_scales_up_before_any_overload_is_likely() -> None:
+    """At 85 % now with a 90 % p90 forecast, P(> 95 %) is under the threshold, but 2 pods of 1,000 blocks at
+    900 blocks each need 3 at the 80 % target: the pool is resized now, a start-up delay before it would be
+    overloaded, rather than once it is (the HPA rule, on the predicted peak instead of the current usage)."""
+    warm = [pod(f"p{i}", 0.85, 0.87, 0.9, 0.93, overload=0.01) for i in range(2)]
+    d = decide(PoolObservation(0, warm, {"both": 2}), POLICY)
+    assert d.roles["both"].overload_probability < POLICY.overload_threshold
+    assert d.replicas == {"both": 3} and d.roles["both"].reason == "ScaleUpPredictedAboveTarget"
+
+
+def test_queued_requests_count_as_demand_now() -> None:
+    """Pods at 70 % whose forecasts see their requests end within the horizon still need room for the 20
+    requests (of 30 blocks) waiting at each: 2 x (700 + 600) blocks over an 800-block target is 4 pods."""
+    queued = [pod(f"p{i}", 0.7, 0.1, 0.1, 0.1, waiting=20) for i in range(2)]
+    assert decide(PoolObservation(0, queued, {"both": 2}), POLICY).replicas == {"both": 2}  # no size per request
+    d = decide(PoolObservation(0, queued, {"both": 2}, blocks_per_request=30), POLICY)
+    assert d.replicas == {"both": 4} and d.roles["both"].predicted_usage == pytest.approx(1.3)
+
+
+def test_arrivals_are_sized_by_what_requests_hold_now() -> None:
+    """The log says 2 requests/s of 40 blocks for 20 s (1,600 blocks in flight), but the pods hold 1,000: a
+    request holds 25 blocks on average over its time (its output grows, it holds nothing while queued). The
+    arrivals at the horizon are sized from that (Little's law), not from the peak: 1,000 blocks at p50, not
+    1,600, so 2 pods of 1,000 blocks at the 80 % target suffice where the peak figure would ask for 3."""
+    pods = [pod(f"p{i}", 0.5, 0.0, 0.0, 0.0) for i in range(2)]
+    obs = PoolObservation(0, pods, {"both": 2}, arrival_rate=2.0, blocks_per_request=40, request_seconds=20)
+    assert little_calibrated(obs, 1000).blocks_per_request == pytest.approx(25)
+    assert arrival_blocks(little_calibrated(obs, 1000), 60, 0.5) == pytest.approx(1000)
+    d = decide(obs, POLICY)
+    assert d.replicas == {"both": 2} and d.roles["both"].reason == "HoldWithinTarget"
+
+
 def test_the_pool_s_arrivals_are_added_to_what_the_pods_forecast() -> None:
-    """The pods see only their own requests (30 % usage); the operator knows 2 requests/s of 40 blocks each,
-    lasting 20 s, are coming: about 1,600 more blocks at the horizon, so 2 pods of 1,000 blocks are not enough."""
-    pods = quiet(2)
+    """The pods see only their own requests (just admitted: nothing held yet, 30 % at the horizon's p99); the
+    operator knows 2 requests/s of 40 blocks each, lasting 20 s, are coming: about 1,600 more blocks at the
+    horizon, so 2 pods of 1,000 blocks are not enough. (Pods that hold nothing give Little's law nothing to
+    read, so the log's figure is used.)"""
+    pods = [pod(f"both-{i}", 0.0, 0.2, 0.25, 0.3) for i in range(2)]
     alone = decide(PoolObservation(0, pods, {"both": 2}), POLICY)
     busy = PoolObservation(0, pods, {"both": 2}, arrival_rate=2.0, blocks_per_request=40, request_seconds=20)
     assert arrival_blocks(busy, 60, 0.5) == pytest.approx(2.0 * 20 * 40)
