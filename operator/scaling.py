@@ -6,8 +6,11 @@ requests (DESIGN.md contract 3); only the operator sees the whole pool's arrival
 
     demand(q) = sum over pods of usage_q x blocks  +  arrivals over the window (Poisson, at level q) x blocks/request
 
-A role scales up when P(demand > 95 % of its capacity) reaches the policy's threshold (10 % by default), to the
-pod count that brings the demand at that level down to the target utilization. It scales down only when the
+with blocks per request read by Little's law from what the pods hold now, and the window's peak taken as the
+larger of that and the demand now (blocks held plus the queued requests'). A role is sized so the peak at level
+1 - threshold sits at the target utilization: it scales up as soon as that needs more pods (the HPA rule on the
+predicted peak, a start-up delay early), and by at least one pod when P(demand > 95 % of its capacity) reaches
+the policy's threshold (10 % by default). It scales down only when the
 same demand fits under the target with fewer pods, and only after every recommendation in the stabilization
 window agreed (Kubernetes' HPA rule: the highest recommendation in the window wins). In a disaggregated pool the
 prefill:decode split follows by rate matching: prefill pods for arrivals x uncached prompt tokens over the
