@@ -27,7 +27,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvmesh.bench.machine import machine_info
-from kvmesh.bench.serve import BenchRequest, finite, run_load, shared_prefix_requests, split_shared, summarize
+from kvmesh.bench.serve import (
+    BenchRequest,
+    finite,
+    random_requests,
+    run_load,
+    shared_prefix_requests,
+    split_shared,
+    summarize,
+)
 from kvmesh.bench.sim_engine import PROFILES
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 
@@ -249,6 +257,10 @@ def sweep(args: argparse.Namespace) -> list[Point]:
             engines[cache] = (f"http://127.0.0.1:{port}", spawn(_engine_args(args, cache, port), log), log)
         for url, proc, log in engines.values():
             wait_healthy(url, proc, timeout=600, log=log)
+            # a fresh engine's first long prompts run several times slower (first use of its KV memory and
+            # kernels): one untimed prompt each, so the first point measures the engine, not its start
+            asyncio.run(run_load(url, random_requests(1, args.prompt_tokens, 2, args.seed - 1, args.vocab_size),
+                                 progress=False, timeout=args.timeout))
         for k, c, f, cache in tqdm(plan, desc="points", unit="pt", file=sys.stderr):
             seed = args.seed + 1000 * k + 1  # a fresh prefix per point, the same prompts for both engines
             points.append(asyncio.run(measure(engines[cache][0], cache, c, f, args, seed)))
