@@ -108,6 +108,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="HF directory or .gguf (default: the bundled model)")
     p.add_argument("--port", type=int, default=8080, help="the router's port (default 8080)")
     p.add_argument("--ready-file", help="write the endpoint here once every process is healthy")
+    p.add_argument("--targets-file", help="write Prometheus file_sd targets for every process here (JSON)")
     from kvmesh.bench.sim_engine import PROFILES
 
     p.add_argument("--sim", nargs="?", const="cpu-smollm", choices=sorted(PROFILES),
@@ -134,7 +135,7 @@ def _up(args: argparse.Namespace) -> int:
             print("kvmesh up: simulated engines use the bundled tokenizer; give no model with --sim", file=sys.stderr)
             return 2
         plan.sim = args.sim
-    return run_pool(plan, args.port, args.ready_file)
+    return run_pool(plan, args.port, args.ready_file, args.targets_file)
 
 
 def _operator_parser(sub: argparse._SubParsersAction) -> None:

@@ -4,6 +4,7 @@ Ctrl-C or as soon as one child dies (with the tail of its log)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -141,7 +142,17 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None) -> int:
+def prometheus_targets(plan: PoolPlan, children: list[Child]) -> list[dict[str, object]]:
+    """Prometheus file_sd targets for every process of the pool, labelled as the chart's PodMonitor labels pods
+    in Kubernetes (namespace, pool, role, pod), so the dashboards and alerts work on a local pool unchanged."""
+    roles = [*(plan.roles or ["both"] * plan.engines), "router"]
+    return [{"targets": [child.url.removeprefix("http://")],
+             "labels": {"namespace": "local", "pool": plan.name, "role": role, "pod": child.name}}
+            for child, role in zip(children, roles, strict=True)]
+
+
+def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
+             targets_file: str | None = None) -> int:
     """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a child's death (1)."""
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"kvmesh up: preparing model {plan.model or 'SmolLM2-135M-Instruct (bundled)'} ...", file=sys.stderr)
@@ -173,6 +184,8 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None) ->
             return 1
         endpoint = f"http://127.0.0.1:{router_port}/v1"
         print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
+        if targets_file:  # before the ready file: whoever waits on that finds the targets too
+            Path(targets_file).write_text(json.dumps(prometheus_targets(plan, children), indent=2))
         if ready_file:
             Path(ready_file).write_text(endpoint)
         watch = _ScalingWatch(plan, children[:-1]) if plan.pool is not None else None

@@ -1,16 +1,18 @@
-"""End to end: Debian's Prometheus scrapes a local pool (two engine processes over the tiny model and a router
-process) while a short load runs; then every dashboard query returns data through Prometheus' HTTP API, the alert
-rules load and evaluate, and `promtool check metrics` finds nothing on any component's /metrics but the colons
-of vLLM's compatibility names.
+"""End to end: Debian's Prometheus scrapes a local pool (`kvmesh up`: two engine processes over the tiny model and
+a router process, its targets from `--targets-file`) while a short load runs; then every dashboard query returns
+data through Prometheus' HTTP API, the alert rules load and evaluate, and `promtool check metrics` finds nothing
+on any component's /metrics but the colons of vLLM's compatibility names.
 
-The scrape targets get the labels the chart's PodMonitor gives pods in Kubernetes (namespace, pool, role, pod), so
-the dashboards' queries run here exactly as they do in a cluster."""
+`kvmesh up` labels its targets as the chart's PodMonitor labels pods in Kubernetes (namespace, pool, role, pod),
+so the dashboards' queries run here exactly as they do in a cluster."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,9 +24,8 @@ import httpx
 import pytest
 import yaml
 
-from kvmesh.processes import free_port, launch, spawn, stop, wait_healthy
+from kvmesh.processes import free_port, launch, stop
 
-from .engines import tiny_engines
 from .promql import (
     DASHBOARDS,
     OPERATOR_PREFIX,
@@ -45,29 +46,32 @@ DATA_DEADLINE_SECONDS = 120  # how long the queries may take to see the load (a 
 
 @dataclass
 class Pool:
-    engines: list[str]
     router: str
+    targets_file: Path
 
-    def targets(self) -> dict[str, tuple[str, str]]:
-        """URL -> (pod name, role), as Kubernetes would name and label them."""
-        found = {url: (f"engine-{i}", "both") for i, url in enumerate(self.engines)}
-        return {**found, self.router: ("router-0", "router")}
+    def targets(self) -> list[dict]:
+        return json.loads(self.targets_file.read_text())
 
 
 @pytest.fixture(scope="module")
 def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """`kvmesh up` with two engines over the tiny model, once it has written its ready and targets files."""
     logs = tmp_path_factory.mktemp("pool")
-    with tiny_engines(tiny_dir, logs) as procs:
-        engines = list(procs)
-        port = free_port()
-        url, log = f"http://127.0.0.1:{port}", logs / "router.log"
-        args = ["router", "--model", str(tiny_dir), "--port", str(port), "--log-level", "warning"]
-        router = spawn(args + [a for e in engines for a in ("--pod", e)], log)
-        try:
-            wait_healthy(url, router, log=log)
-            yield Pool(engines, url)
-        finally:
-            stop([router])
+    ready, targets = logs / "ready", logs / "targets.json"
+    port = free_port()
+    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_dir), "--engines", "2", "--port",
+                   str(port), "--ready-file", str(ready), "--targets-file", str(targets)], logs / "up.log")
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            assert proc.poll() is None, (logs / "up.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "kvmesh up did not get ready"
+            time.sleep(0.2)
+        pool = Pool(f"http://127.0.0.1:{port}", targets)
+        assert sorted(t["labels"]["role"] for t in pool.targets()) == ["both", "both", "router"]
+        yield pool
+    finally:
+        stop([proc])
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +83,8 @@ def prometheus(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     config = {
         "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "evaluation_interval": f"{SCRAPE_SECONDS}s"},
         "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": "kvmesh", "static_configs": [
-            {"targets": [url.removeprefix("http://")],
-             "labels": {"namespace": "local", "pool": "local", "role": role, "pod": name}}
-            for url, (name, role) in pool.targets().items()]}],
+        "scrape_configs": [{"job_name": "kvmesh",
+                            "file_sd_configs": [{"files": [str(pool.targets_file)], "refresh_interval": "5s"}]}],
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -203,6 +205,6 @@ def test_the_alert_rules_load_and_stay_quiet_on_a_healthy_pool(loaded: Pool, pro
 
 
 def test_promtool_finds_nothing_but_vllm_colons_on_any_component(loaded: Pool) -> None:
-    for url, (name, _) in loaded.targets().items():
-        text = httpx.get(url + "/metrics", timeout=10).text
-        assert check_metrics(text) == [], name
+    for target in loaded.targets():
+        text = httpx.get(f"http://{target['targets'][0]}/metrics", timeout=10).text
+        assert check_metrics(text) == [], target["labels"]["pod"]
