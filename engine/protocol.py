@@ -348,7 +348,7 @@ class RouterMetric:
     INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed
     PODS = "kvmesh_router_pods"  # gauge; label state (healthy, unhealthy, draining, refused)
     DECISIONS = "kvmesh_router_decisions"  # counter; label reason (what decided the choice)
-    EVENT_LAG = "kvmesh_router_kv_event_lag_batches"  # gauge; label pod: the pod's last batch minus the index's
+    EVENT_LAG = "kvmesh_router_kv_event_lag_batches"  # gauge; label engine: its last batch minus the index's
 
 
 class OperatorMetric:
