@@ -64,10 +64,17 @@ class _Walk:
             if before == after:
                 continue
             counts, opened = self.counts[k], self.opened[k]
-            for index in _indices(before & ~after):
+            left = before & ~after  # the set bits, lowest first, inline: this is the walk's inner loop
+            while left:
+                low = left & -left
+                index = low.bit_length() - 1
                 counts[index] = counts.get(index, 0) + pos - opened.pop(index)
-            for index in _indices(after & ~before):
-                opened[index] = pos
+                left ^= low
+            joined = after & ~before
+            while joined:
+                low = joined & -joined
+                opened[low.bit_length() - 1] = pos
+                joined ^= low
         self.state = state
 
 
@@ -294,11 +301,3 @@ def _tier_indices(tier: str | None) -> list[int]:
     if tier is None:
         return list(range(len(TIERS)))
     return [_TIER_INDEX[tier]] if tier in _TIER_INDEX else []
-
-
-def _indices(mask: int) -> Iterable[int]:
-    """The set bits of a bitset, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
