@@ -25,6 +25,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     pods: list[str] = field(default_factory=list)  # engine base URLs (a static pool)
+    pods_file: str | None = None  # static discovery from a JSON/YAML file of pods, re-read when it changes
     pool: str = "local"
     discovery: str = "static"  # "static": the `pods` list; "kubernetes": the pool's EndpointSlices, watched
     namespace: str | None = None  # kubernetes: where the slices live; None: the kubeconfig's or the pod's own
@@ -60,10 +61,13 @@ class RouterConfig:
         if self.discovery not in DISCOVERY_MODES:
             raise ValueError(f"discovery {self.discovery!r} is not one of {', '.join(DISCOVERY_MODES)}")
         if self.discovery == "kubernetes":
-            if self.pods:
+            if self.pods or self.pods_file:
                 raise ValueError("with `discovery: kubernetes` the pods come from EndpointSlices: list no pods")
+        elif self.pods_file is not None:
+            if self.pods:
+                raise ValueError("with `pods_file` the pods come from that file: list no pods")
         elif not self.pods:
-            raise ValueError("the router needs at least one pod (--pod URL, or `pods:` in the config file)")
+            raise ValueError("the router needs at least one pod (--pod URL, or `pods:` or `pods_file:` in the config)")
         for url in self.pods:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"pod {url!r} is not an http(s) URL")

@@ -1,6 +1,6 @@
 """The pods behind a router: discovery (a static list, or a source such as router/discovery.py's EndpointSlice
-watcher that adds, removes and drains pods at run time), health, load from /metrics, and KV event streams
-feeding the global prefix index. Everything the picker needs, as snapshots.
+watcher or router/pods_file.py's file poller that adds, removes and drains pods at run time), health, load from
+/metrics, and KV event streams feeding the global prefix index. Everything the picker needs, as snapshots.
 
 Each pod gets two tasks: a scraper (health, metrics, and /v1/kv/config whenever the pod's boot id changes)
 and an event reader (resume from the last sequence number; on a reset, a boot change or a gap, read the block
@@ -120,9 +120,14 @@ class PodSet:
 
     @classmethod
     def from_config(cls, config: RouterConfig, expected: KVConfig, index: PrefixIndex) -> PodSet:
-        """The pod set `config` asks for: its static list, or the pool's pods as Kubernetes reports them."""
-        discovery = None
-        if config.discovery == "kubernetes":
+        """The pod set `config` asks for: its static list, a pods file's, or the pool's pods as Kubernetes
+        reports them."""
+        discovery: Discovery | None = None
+        if config.pods_file is not None:
+            from kvmesh.router.pods_file import PodsFileWatcher
+
+            discovery = PodsFileWatcher(config.pods_file)
+        elif config.discovery == "kubernetes":
             # Imported here: the kubernetes client takes most of a second to import, which static pools never need.
             from kvmesh.router.discovery import EndpointSliceWatcher
 
