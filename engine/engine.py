@@ -24,7 +24,7 @@ import torch
 from kvmesh.engine.config import MIB, EngineConfig
 from kvmesh.engine.events import EventLog
 from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
-from kvmesh.engine.kv.blocks import KVCacheManager
+from kvmesh.engine.kv.blocks import HotChain, KVCacheManager
 from kvmesh.engine.kv.policy import make_policy
 from kvmesh.engine.kv.tiers import LOWER_TIERS, PROFILES, KVTiers, Promotion, TierSettings
 from kvmesh.engine.kv.transfer import Layout, encode_frame
@@ -286,6 +286,9 @@ class Engine:
             if self.kv.pool.lookup(block_hash) is None:
                 return i
         return len(hashes)
+
+    def hot_chains(self, limit: int) -> list[HotChain]:
+        return self.kv.hot_chains(limit)
 
     def reserve_import(self, key: str, n: int) -> list[int] | None:
         return self.kv.allocate_unregistered(key, n)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvmesh.engine.protocol import HOT_CHAINS_MAX
 from kvmesh.engine.sampling import MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
 
 
@@ -46,6 +47,41 @@ class FetchRequest(BaseModel):
 
     block_hashes: list[int] = Field(min_length=1, max_length=100_000)
     handle: str | None = None
+
+
+class WarmRequest(BaseModel):
+    """POST /v1/kv/warm: pull from `source` the blocks of these chains (hashes from the root) this pod lacks."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(pattern=r"^https?://")
+    chains: list[list[int]] = Field(min_length=1, max_length=HOT_CHAINS_MAX)
+
+    @field_validator("chains")
+    @classmethod
+    def _chains_not_empty(cls, chains: list[list[int]]) -> list[list[int]]:
+        if any(not chain or len(chain) > 100_000 for chain in chains):
+            raise ValueError("every chain holds 1 to 100000 block hashes")
+        return chains
+
+
+class WarmResponse(BaseModel):
+    """What a warm-up did: blocks pulled, blocks already here, chains that could not be completed (and why)."""
+
+    blocks_pulled: int = 0
+    blocks_present: int = 0
+    failed: int = 0
+    errors: list[str] = Field(default_factory=list)
+
+
+class HotChainBody(BaseModel):
+    hashes: list[int]
+    hits: int
+
+
+class HotResponse(BaseModel):
+    """GET /v1/kv/hot: the hottest cached prefix chains, hottest first."""
+
+    chains: list[HotChainBody]
 
 
 class _Common(BaseModel):

@@ -39,6 +39,10 @@ DRAIN_PATH = "/v1/admin/drain"
 KV_CONFIG_PATH = "/v1/kv/config"
 KV_EVENTS_PATH = "/v1/kv/events"
 KV_BLOCKS_PATH = "/v1/kv/blocks"
+KV_HOT_PATH = "/v1/kv/hot"  # GET ?limit=N: the hottest cached prefix chains (warm-up, issue 5)
+KV_WARM_PATH = "/v1/kv/warm"  # POST {"source", "chains"}: pull those chains' missing blocks from a peer
+HOT_CHAINS_DEFAULT = 16  # chains /v1/kv/hot lists and a pool warms a new pod with, unless told otherwise
+HOT_CHAINS_MAX = 1024
 
 # Where cached tokens came from (usage.prompt_tokens_details.kvmesh_cached_by_source).
 CACHE_SOURCES: tuple[str, ...] = ("device", "host", "disk", "peer")
@@ -365,7 +369,7 @@ ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated")
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")
 POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
-TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff")
+TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff", "warm")
 TRANSFER_OUTCOMES: tuple[str, ...] = ("ok", "failed")
 TRANSFER_DIRECTIONS: tuple[str, ...] = ("sent", "received")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")

@@ -18,22 +18,35 @@ from dataclasses import asdict
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.kv.transfer import KV_FETCH_PATH, TransferError, pull_blocks
-from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, FetchRequest, error_body
+from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
+from kvmesh.engine.openai_types import (
+    ChatRequest,
+    CompletionRequest,
+    FetchRequest,
+    HotChainBody,
+    HotResponse,
+    WarmRequest,
+    WarmResponse,
+    error_body,
+)
 from kvmesh.engine.protocol import (
     CACHE_SOURCES,
     DRAIN_PATH,
+    HOT_CHAINS_DEFAULT,
+    HOT_CHAINS_MAX,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
+    KV_HOT_PATH,
     KV_TRANSFER_FIELD,
+    KV_WARM_PATH,
     PRIORITY_HEADER,
     WORKLOAD_HEADER,
     BlockExtra,
@@ -330,17 +343,7 @@ class _Completions:
         kind = "handoff" if transfer.mode == "decode" else "pull"
         key = f"import:{first.request_id}"
         try:
-            pulled = await pull_blocks(client, transfer.source or "", wanted[have:], e.kv_layout, transfer.handle,
-                                       e.config.transfer_timeout_seconds)
-            if not pulled.hashes:
-                raise TransferError(f"{transfer.source} holds none of the blocks")
-            ids = await asyncio.wrap_future(e.call(lambda: e.reserve_import(key, len(pulled.hashes))))
-            if ids is None:
-                raise TransferError("no room in this pod's KV cache for the pulled blocks")
-            # the reserved blocks belong to nobody else until registered: fill them off the engine thread
-            await asyncio.to_thread(e.write_blocks, ids, pulled.data)
-            parent = wanted[have - 1] if have else None
-            await asyncio.wrap_future(e.call(lambda: e.finish_import(ids, pulled.hashes, parent)))
+            pulled = await import_blocks(e, client, transfer.source or "", wanted, have, key, transfer.handle)
         except TransferError as exc:
             log.warning("KV %s for %s failed, recomputing: %s", kind, first.request_id, exc)
             e.metrics.transfers.labels(kind, "failed").inc()
@@ -472,6 +475,62 @@ class _Completions:
         }
 
 
+async def import_blocks(e: Engine, client: httpx.AsyncClient, source: str, wanted: list[int], have: int, key: str,
+                        handle: str | None = None) -> PulledBlocks:
+    """Pull from `source` the blocks of the chain `wanted` after the first `have` (which this pod holds), and
+    register them under their hashes, held under `key` until the caller releases it. Raises TransferError."""
+    pulled = await pull_blocks(client, source, wanted[have:], e.kv_layout, handle, e.config.transfer_timeout_seconds)
+    if not pulled.hashes:
+        raise TransferError(f"{source} holds none of the blocks")
+    ids = await asyncio.wrap_future(e.call(lambda: e.reserve_import(key, len(pulled.hashes))))
+    if ids is None:
+        raise TransferError("no room in this pod's KV cache for the pulled blocks")
+    # the reserved blocks belong to nobody else until registered: fill them off the engine thread
+    await asyncio.to_thread(e.write_blocks, ids, pulled.data)
+    parent = wanted[have - 1] if have else None
+    await asyncio.wrap_future(e.call(lambda: e.finish_import(ids, pulled.hashes, parent)))
+    return pulled
+
+
+MAX_WARM_ERRORS = 5  # a warm-up's answer names this many failures, not one per chain
+
+
+async def warm(e: Engine, client: httpx.AsyncClient, body: WarmRequest) -> WarmResponse:
+    """Pull each chain's missing blocks from the peer, one chain at a time; a chain that fails is counted and
+    the rest still run, so an unreachable peer costs a new pod only its warm-up, never an error."""
+    out = WarmResponse()
+    seen: set[int] = set()  # chains share prefixes: each block is counted once
+    for chain in body.chains:
+        have = await asyncio.wrap_future(e.call(lambda c=chain: e.cached_run(c)))
+        out.blocks_present += sum(1 for h in chain[:have] if h not in seen)
+        seen.update(chain)
+        if have == len(chain):
+            continue
+        key = f"import:warm-{uuid.uuid4().hex}"
+        try:
+            pulled = await import_blocks(e, client, body.source, chain, have, key)
+        except TransferError as exc:
+            out.failed += 1
+            if len(out.errors) < MAX_WARM_ERRORS:
+                out.errors.append(str(exc))
+            e.metrics.transfers.labels("warm", "failed").inc()
+            continue
+        finally:
+            await asyncio.wrap_future(e.call(lambda k=key: e.release(k)))  # pulled blocks stay cached, evictable
+        out.blocks_pulled += len(pulled.hashes)
+        e.metrics.transfers.labels("warm", "ok").inc()
+        e.metrics.transfer_bytes.labels("received").inc(pulled.nbytes)
+        e.metrics.transfer_seconds.labels("warm").observe(pulled.seconds)
+        if have + len(pulled.hashes) < len(chain):
+            out.failed += 1
+            if len(out.errors) < MAX_WARM_ERRORS:
+                out.errors.append(f"{body.source} holds {have + len(pulled.hashes)} of a chain's {len(chain)} blocks")
+    if out.failed:
+        log.warning("KV warm-up from %s: %d of %d chains failed: %s", body.source, out.failed, len(body.chains),
+                    "; ".join(out.errors))
+    return out
+
+
 def create_app(holder: EngineHolder) -> FastAPI:
     peers = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0))  # KV transfers from other pods
 
@@ -593,6 +652,17 @@ def create_app(holder: EngineHolder) -> FastAPI:
 
         return StreamingResponse(frames(), media_type="application/octet-stream",
                                  headers={"x-kvmesh-blocks": str(len(ids))})
+
+    @app.get(KV_HOT_PATH)
+    async def kv_hot(limit: int = Query(HOT_CHAINS_DEFAULT, ge=1, le=HOT_CHAINS_MAX)) -> dict[str, Any]:
+        """The hottest cached prefix chains, for a peer's warm-up."""
+        e = holder.get()
+        chains = await asyncio.wrap_future(e.call(lambda: e.hot_chains(limit)))
+        return HotResponse(chains=[HotChainBody(hashes=c.hashes, hits=c.hits) for c in chains]).model_dump()
+
+    @app.post(KV_WARM_PATH)
+    async def kv_warm(body: WarmRequest) -> dict[str, Any]:
+        return (await warm(holder.get(), peers, body)).model_dump()
 
     @app.get(KV_BLOCKS_PATH)
     async def kv_blocks() -> dict[str, Any]:

@@ -30,6 +30,8 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
+    parent_hash: int | None = None  # the hash before it in its chain (the root for a first block)
+    hits: int = 0  # admissions that reused it since it was registered: how hot its prefix is
     stored_at: float = 0.0  # residency times, kept for sampled blocks only
     idle_since: float = 0.0
 
@@ -146,6 +148,8 @@ class BlockPool:
         if block_hash in self._cached:
             return False
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        block.hits = 0
         self._cached[block_hash] = block.block_id
         if self._sampled(block_hash):
             block.stored_at = time.monotonic()
@@ -217,6 +221,14 @@ class SequenceBlocks:
     blocks: list[Block] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     num_registered: int = 0  # leading blocks already registered in (or found in) the cache
+
+
+@dataclass(frozen=True)
+class HotChain:
+    """A hot cached prefix: its block hashes from the root, and how many admissions reused its last block."""
+
+    hashes: list[int]
+    hits: int
 
 
 @dataclass(frozen=True)
@@ -313,6 +325,8 @@ class KVCacheManager:
         if hit is not None and hit.blocks:
             assert not seq.blocks, "a prefix hit is taken only by a request holding no blocks"
             self.pool.touch(hit.blocks)
+            for block in hit.blocks:
+                block.hits += 1
             seq.blocks.extend(hit.blocks)
             seq.num_registered = len(hit.blocks)
         missing = self.blocks_for(num_tokens) - len(seq.blocks)
@@ -335,6 +349,37 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else self.hash_root
             self.pool.register(seq.blocks[i], hashes[i], parent, self.block_size)
         seq.num_registered = full
+
+    def hot_chains(self, limit: int) -> list[HotChain]:
+        """The `limit` hottest cached prefixes, hottest first: one chain per reused block that no other reused
+        block extends (its ancestors were reused at least as often, so the chain carries them), ties by depth.
+        A chain whose ancestor was evicted cannot be named from the root and is left out."""
+        reused = [b for b in self.pool.blocks if b.block_hash is not None and b.hits]
+        extended = {b.parent_hash for b in reused}
+        tips = sorted((b for b in reused if b.block_hash not in extended), key=lambda b: (-b.hits, b.block_id))
+        chains: list[HotChain] = []
+        for tip in tips:
+            if len(chains) >= limit:
+                break
+            hashes = self._chain_to(tip)
+            if hashes is not None:
+                chains.append(HotChain(hashes, tip.hits))
+        chains.sort(key=lambda c: (-c.hits, -len(c.hashes)))
+        return chains
+
+    def _chain_to(self, block: Block) -> list[int] | None:
+        """The hashes from the root to `block`, or None if a cached ancestor is missing."""
+        assert block.block_hash is not None
+        chain = [block.block_hash]
+        parent = block.parent_hash
+        while parent != self.hash_root:
+            ancestor = None if parent is None else self.pool.lookup(parent)
+            if ancestor is None or len(chain) > self.pool.num_blocks:
+                return None
+            chain.append(parent)
+            parent = ancestor.parent_hash
+        chain.reverse()
+        return chain
 
     def pin_cached(self, key: str, hashes: Sequence[int]) -> list[int]:
         """Take a reference, under `key`, on the longest cached prefix of `hashes` (blocks being sent to a peer
