@@ -1,6 +1,8 @@
 """`kvmesh up`: a whole pool on one machine. N engines and a router as child processes, from flags or an
 InferencePool YAML file; waits until every child is healthy, prints the endpoint, and stops everything on
-Ctrl-C or as soon as one child dies (with the tail of its log)."""
+Ctrl-C or as soon as one child dies unasked (with the tail of its log). From a pool file, the operator's scaler
+runs too and its decisions are carried out: engines start, or drain and stop, and the router follows its pods
+file."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import httpx
 import yaml
 
 from kvmesh.engine.model.loader import resolve_model_dir
+from kvmesh.engine.protocol import DRAIN_PATH
 from kvmesh.processes import free_port, spawn, stop, tail
 
 HEALTH_TIMEOUT_SECONDS = 600.0
@@ -96,39 +99,167 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
     return None
 
 
-class _ScalingWatch:
-    """The operator's scaler over the local engines, every `scaling.intervalSeconds`: its decisions are printed
-    (the engines' set is fixed here: the router's static pod list cannot grow at run time)."""
+STARTING, SERVING, DRAINING, STOPPING = "starting", "serving", "draining", "stopping"
+DRAIN_TIMEOUT_SECONDS = 120.0  # a drained engine is stopped once its requests finish, or after this
+STOP_TIMEOUT_SECONDS = 20.0  # then SIGKILL
 
-    def __init__(self, plan: PoolPlan, engines: list[Child]) -> None:
+
+@dataclass
+class Engine:
+    """One engine of a local pool and where it is in its life: starting (not yet in the pods file), serving,
+    draining (out of the pods file, finishing its requests), stopping (SIGINT sent: its exit is expected)."""
+
+    child: Child
+    role: str
+    state: str = STARTING
+    deadline: float = 0.0  # draining: stop it by then anyway; stopping: SIGKILL by then
+
+
+class LocalEngines:
+    """The engines of a local pool, started and stopped as the scaler asks, with the router's pods file (and the
+    Prometheus targets file, if any) kept equal to the engines that serve."""
+
+    def __init__(self, plan: PoolPlan, engine_args: list[str], workdir: Path, targets_file: str | None) -> None:
+        self.plan = plan
+        self.engine_args = engine_args
+        self.workdir = workdir
+        self.pods_file = workdir / "pods.json"
+        self.targets_file = targets_file
+        self.router: Child | None = None
+        self.engines: list[Engine] = []
+        self._started = 0
+
+    def start(self, role: str) -> Engine:
+        port = free_port()
+        flags = ["--role", role] if self.plan.roles else []
+        child = _spawn(f"engine-{self._started}", [*self.engine_args, "--port", str(port), *flags,
+                                                  "--log-level", "warning"], port, self.workdir)
+        self._started += 1
+        engine = Engine(child, role)
+        self.engines.append(engine)
+        return engine
+
+    def replicas(self) -> dict[str, int]:
+        """Engines per role that count towards its replicas: starting or serving."""
+        counts = {role: 0 for role in self.plan.pool.roles} if self.plan.pool is not None else {}
+        for engine in self.engines:
+            if engine.state in (STARTING, SERVING):
+                counts[engine.role] = counts.get(engine.role, 0) + 1
+        return counts
+
+    def serving(self) -> list[Engine]:
+        return [engine for engine in self.engines if engine.state == SERVING]
+
+    def scale(self, role: str, replicas: int) -> None:
+        """Start engines of `role`, or drain the newest ones, until `replicas` start or serve."""
+        have = [engine for engine in self.engines if engine.role == role and engine.state in (STARTING, SERVING)]
+        for _ in range(replicas - len(have)):
+            engine = self.start(role)
+            print(f"kvmesh up: starting {engine.child.name} ({role})", file=sys.stderr, flush=True)
+        for engine in reversed(have[replicas:] if replicas < len(have) else []):
+            if engine.state == STARTING:
+                self._stop(engine)
+            else:
+                engine.state, engine.deadline = DRAINING, time.monotonic() + DRAIN_TIMEOUT_SECONDS
+                print(f"kvmesh up: draining {engine.child.name} ({role})", file=sys.stderr, flush=True)
+        self.publish()
+
+    def unexpected_exit(self) -> Child | None:
+        """A child that died without being told to (an engine stopping on request is no failure)."""
+        for child in [e.child for e in self.engines if e.state != STOPPING] + ([self.router] if self.router else []):
+            if child.process.poll() is not None:
+                return child
+        return None
+
+    def progress(self, client: httpx.Client) -> None:
+        """Move every engine on: started ones that answer /health serve; drained ones with no requests left (or
+        out of time) stop; stopped ones that exited are forgotten (SIGKILL if they take too long)."""
+        changed = False
+        now = time.monotonic()
+        for engine in list(self.engines):
+            if engine.state == STARTING and _answers(client, "GET", engine.child.url + "/health"):
+                engine.state, changed = SERVING, True
+                print(f"kvmesh up: {engine.child.name} serving", file=sys.stderr, flush=True)
+            elif engine.state == DRAINING:
+                left = _answers(client, "POST", engine.child.url + DRAIN_PATH)
+                if now > engine.deadline or (left is not None and left["running"] + left["waiting"] == 0):
+                    self._stop(engine)
+            elif engine.state == STOPPING:
+                if engine.child.process.poll() is not None:
+                    self.engines.remove(engine)
+                    print(f"kvmesh up: {engine.child.name} stopped", file=sys.stderr, flush=True)
+                elif now > engine.deadline:
+                    engine.child.process.kill()
+        if changed:
+            self.publish()
+
+    def publish(self) -> None:
+        """Rewrite the pods file (and the targets file) from the serving engines, each atomically: the router
+        and Prometheus never read half a file."""
+        serving = self.serving()
+        _write_atomically(self.pods_file, {"pods": [{"url": e.child.url, "role": e.role} for e in serving]})
+        if self.targets_file and self.router is not None:
+            members = [(e.child, e.role) for e in serving] + [(self.router, "router")]
+            _write_atomically(Path(self.targets_file), prometheus_targets(self.plan.name, members))
+
+    def children(self) -> list[Child]:
+        return [e.child for e in self.engines] + ([self.router] if self.router else [])
+
+    def _stop(self, engine: Engine) -> None:
+        if engine.child.process.poll() is None:
+            engine.child.process.send_signal(signal.SIGINT)
+        engine.state, engine.deadline = STOPPING, time.monotonic() + STOP_TIMEOUT_SECONDS
+
+
+def _answers(client: httpx.Client, method: str, url: str) -> dict[str, Any] | None:
+    """The JSON of a 200 answer; None for any other answer or none."""
+    try:
+        reply = client.request(method, url)
+        return reply.json() if reply.status_code == 200 else None
+    except (httpx.TransportError, ValueError):
+        return None
+
+
+def _write_atomically(path: Path, data: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+class _ScalingWatch:
+    """The operator's scaler over the local engines, every `scaling.intervalSeconds`: each decision is printed and
+    carried out within the pool's replica bounds (engines started, or drained and stopped)."""
+
+    def __init__(self, plan: PoolPlan, engines: LocalEngines) -> None:
         from kvmesh.operator.local import Scaler
 
+        self.pool = plan.pool
         self.engines = engines
-        self.roles = plan.roles or ["both"] * len(engines)
         self.scaler = Scaler(plan.pool)
         self.interval = plan.pool.spec["scaling"]["intervalSeconds"]
-        self.replicas = {role: self.roles.count(role) for role in set(self.roles)}
         self.next = time.monotonic()
 
-    def tick(self) -> None:
+    def tick(self, client: httpx.Client) -> None:
         from kvmesh.operator.local import describe
 
         if time.monotonic() < self.next:
             return
         self.next = time.monotonic() + self.interval
         texts: dict[str, tuple[str, str]] = {}
-        with httpx.Client(timeout=2.0) as client:
-            for child, role in zip(self.engines, self.roles, strict=True):
-                try:
-                    answer = client.get(child.url + "/metrics")
-                except httpx.TransportError:
-                    continue
-                if answer.status_code == 200:
-                    texts[child.name] = (role, answer.text)
-        decision = self.scaler.step(time.monotonic(), texts, self.replicas)
-        for line in describe(decision, self.replicas):
+        for engine in self.engines.serving():
+            try:
+                answer = client.get(engine.child.url + "/metrics")
+            except httpx.TransportError:
+                continue
+            if answer.status_code == 200:
+                texts[engine.child.name] = (engine.role, answer.text)
+        replicas = self.engines.replicas()
+        decision = self.scaler.step(time.monotonic(), texts, replicas)
+        for line in describe(decision, replicas):
             print(f"kvmesh up: scaler: {line}", file=sys.stderr, flush=True)
-        self.replicas = {**self.replicas, **decision.replicas}
+        for role, n in decision.changed(replicas).items():
+            low, high = self.pool.bounds(role)
+            self.engines.scale(role, min(max(n, low), high))
 
 
 def _stop(children: list[Child]) -> None:
@@ -142,13 +273,12 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def prometheus_targets(plan: PoolPlan, children: list[Child]) -> list[dict[str, object]]:
-    """Prometheus file_sd targets for every process of the pool, labelled as the chart's PodMonitor labels pods
-    in Kubernetes (namespace, pool, role, pod), so the dashboards and alerts work on a local pool unchanged."""
-    roles = [*(plan.roles or ["both"] * plan.engines), "router"]
+def prometheus_targets(pool: str, members: list[tuple[Child, str]]) -> list[dict[str, object]]:
+    """Prometheus file_sd targets for every (process, role) of the pool, labelled as the chart's PodMonitor labels
+    pods in Kubernetes (namespace, pool, role, pod), so the dashboards and alerts work on a local pool unchanged."""
     return [{"targets": [child.url.removeprefix("http://")],
-             "labels": {"namespace": "local", "pool": plan.name, "role": role, "pod": child.name}}
-            for child, role in zip(children, roles, strict=True)]
+             "labels": {"namespace": "local", "pool": pool, "role": role, "pod": child.name}}
+            for child, role in members]
 
 
 def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
@@ -163,41 +293,40 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     real = {"threads": threads, "kv_cache_memory_mib": 256}  # simulated engines take their profile's budget
     engine_file.write_text(yaml.safe_dump({"engine": {**({} if plan.sim else real), **plan.engine}}))
     engine_args = ["sim-engine", "--profile", plan.sim] if plan.sim else ["serve", "--model", str(model_dir)]
-    children: list[Child] = []
+    engines = LocalEngines(plan, [*engine_args, "--config", str(engine_file)], workdir, targets_file)
     try:
-        for i in range(plan.engines):
-            port = free_port()
-            role = ["--role", plan.roles[i]] if plan.roles else []
-            children.append(_spawn(f"engine-{i}", [*engine_args, "--config", str(engine_file), "--port", str(port),
-                                                   *role, "--log-level", "warning"], port, workdir))
+        for i in range(plan.engines):  # in the pods file from the start, as a static list would be
+            engines.start(plan.roles[i] if plan.roles else "both").state = SERVING
+        engines.publish()
         router_file = workdir / "router.yaml"
         router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **plan.router,
-                                                          "pods": [c.url for c in children]}}))
-        children.append(_spawn("router", ["router", "--config", str(router_file), "--model", str(model_dir),
-                                          "--port", str(router_port), "--log-level", "warning"], router_port,
-                               workdir))
+                                                          "pods_file": str(engines.pods_file)}}))
+        engines.router = _spawn("router", ["router", "--config", str(router_file), "--model", str(model_dir),
+                                           "--port", str(router_port), "--log-level", "warning"], router_port,
+                                workdir)
         kind = f"simulated ({plan.sim}) " if plan.sim else ""
         print(f"kvmesh up: starting {plan.engines} {kind}engines and a router (logs in {workdir}) ...", file=sys.stderr)
-        dead = _wait_healthy(children, HEALTH_TIMEOUT_SECONDS)
+        dead = _wait_healthy(engines.children(), HEALTH_TIMEOUT_SECONDS)
         if dead is not None:
             print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
             return 1
+        engines.publish()  # the targets file, before the ready file: whoever waits on that finds the targets too
         endpoint = f"http://127.0.0.1:{router_port}/v1"
         print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
-        if targets_file:  # before the ready file: whoever waits on that finds the targets too
-            Path(targets_file).write_text(json.dumps(prometheus_targets(plan, children), indent=2))
         if ready_file:
             Path(ready_file).write_text(endpoint)
-        watch = _ScalingWatch(plan, children[:-1]) if plan.pool is not None else None
-        while True:
-            for child in children:
-                if child.process.poll() is not None:
-                    print(f"kvmesh up: {child.name} exited with {child.process.returncode}; stopping the pool:\n"
-                          f"{child.tail()}", file=sys.stderr)
+        watch = _ScalingWatch(plan, engines) if plan.pool is not None else None
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                dead = engines.unexpected_exit()
+                if dead is not None:
+                    print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}; stopping the pool:\n"
+                          f"{dead.tail()}", file=sys.stderr)
                     return 1
-            if watch is not None:
-                watch.tick()
-            time.sleep(0.5)
+                engines.progress(client)
+                if watch is not None:
+                    watch.tick(client)
+                time.sleep(0.5)
     except KeyboardInterrupt:
         print("kvmesh up: stopping", file=sys.stderr)
         return 0
@@ -205,4 +334,4 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         print(f"kvmesh up: {exc}", file=sys.stderr)
         return 1
     finally:
-        _stop(children)
+        _stop(engines.children())

@@ -1,0 +1,115 @@
+"""`kvmesh up -f pool.yaml` carries out the scaler's decisions locally: under load a simulated pool grows to its
+maximum (a new engine process joins the router's pods and serves), and once the load stops it drains and stops
+the extra engine, without taking that deliberate exit for a failure."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvmesh.processes import free_port, launch
+
+pytestmark = pytest.mark.slow
+
+# Tiny simulated engines (8 MiB of KV: a few requests fill one), evaluated every second over a 5 s horizon; a
+# scale-down waits for 3 s of agreeing recommendations.
+POOL = """
+apiVersion: kvmesh.io/v1alpha1
+kind: InferencePool
+metadata: {name: grow}
+spec:
+  model: {source: bundled}
+  engine: {kvCacheMemoryMiB: 8}
+  replicas:
+    both: {min: 1, max: 2}
+  scaling: {horizonSeconds: 5, podStartupSeconds: 1, intervalSeconds: 1, scaleDownStabilizationSeconds: 3}
+"""
+
+
+def wait_for(check: Callable[[], bool], what: str, proc: subprocess.Popen[bytes], log: Path,
+             timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert proc.poll() is None, f"kvmesh up exited while waiting for {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def engine_urls(targets: Path) -> dict[str, str]:
+    """Pod name -> URL of the engines in the Prometheus targets file (kept equal to the router's pods file)."""
+    if not targets.exists():
+        return {}
+    return {t["labels"]["pod"]: "http://" + t["targets"][0] for t in json.loads(targets.read_text())
+            if t["labels"]["role"] != "router"}
+
+
+class Load:
+    """Requests sent by a few threads until stopped; remembers which pods served them."""
+
+    def __init__(self, url: str, threads: int = 8) -> None:
+        self.url, self.served = url, set[str]()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, worker: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                prompt = [1000 + (worker * 7919 + n * 104729 + i) % 30000 for i in range(60)]  # no shared prefix
+                try:
+                    reply = client.post(self.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 30})
+                except httpx.TransportError:
+                    continue
+                if reply.status_code == 200:
+                    self.served.add(reply.headers["x-kvmesh-pod"])
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=90)
+
+
+def test_kvmesh_up_grows_under_load_and_shrinks_after(tmp_path: Path) -> None:
+    (tmp_path / "pool.yaml").write_text(POOL)
+    port, ready, targets, log = free_port(), tmp_path / "ready", tmp_path / "targets.json", tmp_path / "up.log"
+    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "-f", str(tmp_path / "pool.yaml"), "--sim", "--port",
+                   str(port), "--ready-file", str(ready), "--targets-file", str(targets)], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(ready.exists, "the pool to be ready", proc, log)
+        assert list(engine_urls(targets)) == ["engine-0"]
+
+        load = Load(url)
+        try:
+            wait_for(lambda: "engine-1" in engine_urls(targets), "a second engine under load", proc, log)
+            new = engine_urls(targets)["engine-1"]
+            wait_for(lambda: new in load.served, "the new engine to serve a request", proc, log)
+        finally:
+            load.stop()
+        assert "scaler: both: 1 -> 2" in log.read_text()
+
+        wait_for(lambda: "engine-1 stopped" in log.read_text(), "the idle pool to drain and stop engine-1", proc, log)
+        assert list(engine_urls(targets)) == ["engine-0"]
+        assert proc.poll() is None  # a deliberate stop is no failure: the pool runs on
+        reply = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == engine_urls(targets)["engine-0"]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
