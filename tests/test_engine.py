@@ -7,8 +7,11 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.engine import engine as engine_module
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.protocol import BlockExtra
 from kvmesh.engine.request import Request, RequestOutput
@@ -247,3 +250,15 @@ def test_min_tokens_holds_off_stop_strings(tiny_engine: Engine) -> None:
     assert len(early.tokens) < 12
     (held,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop], min_tokens=12)
     assert held.tokens == free.tokens and held.final.finish_reason == "length"
+
+
+def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without bf16 matrix units serves in fp32 (bf16 is several times slower there), whatever a timing on
+    a busy machine would say; one with them in bf16; CUDA in bf16."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(engine_module, "_cpu_bf16_units", lambda: False)
+    assert engine_module.pick_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(engine_module, "_cpu_bf16_units", lambda: True)
+    assert engine_module.pick_dtype("auto", cpu) == torch.bfloat16
+    assert engine_module.pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert engine_module.pick_dtype("float16", cpu) == torch.float16
