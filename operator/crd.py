@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, HashAlgo
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, HOT_CHAINS_DEFAULT, HOT_CHAINS_MAX, HashAlgo
 
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
@@ -210,6 +210,8 @@ def spec_schema() -> dict[str, Any]:
                                             3600, default=0),
         "scaleDownStabilizationSeconds": _num("a scale-down waits until every recommendation in this window agrees",
                                               0, 86400, default=300),
+        "warmupPrefixes": _int("a new engine pod pulls this many of a peer's hottest prefix chains once it serves; "
+                               "0: no warm-up", 0, HOT_CHAINS_MAX, default=HOT_CHAINS_DEFAULT),
         "slo": _obj({"ttftSeconds": _num("time-to-first-token objective", 0, exclusive_min=True),
                      "itlSeconds": _num("inter-token latency objective", 0, exclusive_min=True)},
                     description="latency objectives: the router sheds by priority past the TTFT one", default={}),

@@ -30,17 +30,19 @@ from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, OperatorMetric
+from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, POOL_LABEL, ROLE_LABEL, OperatorMetric
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
 from kvmesh.operator.scaling import Decision, scale_in_order
+from kvmesh.operator.warmup import ServingPod, Warmup, plan_warmups, warm_body
 
 log = logging.getLogger("kvmesh.operator")
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 BACKOFF_MAX_SECONDS = 120.0
 SCRAPE_TIMEOUT_SECONDS = 2.0
+WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick waits for it (targets in parallel)
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Role": "roles",
            "RoleBinding": "rolebindings", "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
            "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods"}
@@ -172,6 +174,7 @@ class PoolMemory:
     scaler: Scaler | None = None
     last_evaluated: float = -1e18
     hits: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (time, cached tokens counter)
+    serving: frozenset[str] | None = None  # engine pods that served at the last tick; None before the first
     # The one view of the pool's conditions that both handlers update and write whole: a merge patch replaces
     # the list, so two handlers writing their own stale copies would undo each other's conditions.
     conditions: list[dict[str, Any]] | None = None
@@ -195,6 +198,8 @@ class OperatorConfig:
 
 
 Scraper = Callable[[str], str]  # URL -> Prometheus text
+# a warm-up plan and its chain limit -> per target pod, its /v1/kv/warm answer, None (nothing to pull) or the error
+Warmer = Callable[[Warmup, int], dict[str, dict[str, Any] | Exception | None]]
 DIRECTIONS = ("up", "down")
 
 
@@ -242,15 +247,41 @@ def http_scrape(url: str) -> str:
     return response.text
 
 
+def pod_url(pod: Mapping[str, Any], port: int) -> str:
+    ip = pod["status"]["podIP"]
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+
+
+def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception | None]:
+    """Read the source pod's hottest chains once, then ask every target to pull them from it, in parallel."""
+    try:
+        hot = httpx.get(plan.source.url + KV_HOT_PATH, params={"limit": limit}, timeout=SCRAPE_TIMEOUT_SECONDS)
+        hot.raise_for_status()
+        request = warm_body(plan.source.url, hot.json(), limit)
+    except (httpx.HTTPError, ValueError) as exc:
+        return {t.name: exc for t in plan.targets}
+    if request is None:
+        return dict.fromkeys((t.name for t in plan.targets), None)
+
+    def one(target: ServingPod) -> dict[str, Any] | Exception:
+        try:
+            reply = httpx.post(target.url + KV_WARM_PATH, json=request, timeout=WARM_TIMEOUT_SECONDS)
+            reply.raise_for_status()
+            return reply.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(8, len(plan.targets))) as pool:
+        return dict(zip((t.name for t in plan.targets), pool.map(one, plan.targets), strict=True))
+
+
 def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodMetrics]:
     """Scrape every ready engine pod's /metrics (in parallel); a pod that does not answer is left out."""
     ready = [p for p in pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
 
     def one(pod: dict[str, Any]) -> PodMetrics | None:
-        ip = pod["status"]["podIP"]
-        host = f"[{ip}]" if ":" in ip else ip
         try:
-            text = scrape(f"http://{host}:{port}/metrics")
+            text = scrape(pod_url(pod, port) + "/metrics")
         except Exception as exc:  # a starting or dying pod: the scaler counts it in replicas, not in metrics
             log.debug("scrape of %s failed: %s", pod["metadata"]["name"], exc)
             return None
@@ -263,7 +294,8 @@ def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodM
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
-             scrape: Scraper = http_scrape, metrics: OperatorMetrics | None = None) -> OperatorMetrics:
+             scrape: Scraper = http_scrape, metrics: OperatorMetrics | None = None,
+             warm: Warmer = http_warm) -> OperatorMetrics:
     """Add the operator's handlers to `registry`; `configuration` says how to reach the API server."""
     kube = Kube(configuration)
     metrics = metrics or OperatorMetrics()
@@ -344,7 +376,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
             return
         state.last_evaluated = now
-        tick(kube, pool, body, status, patch, state, now, scrape, metrics)
+        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm)
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
@@ -355,7 +387,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
 
 
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
-         now: float, scrape: Scraper, operator_metrics: OperatorMetrics) -> Decision:
+         now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer = http_warm) -> Decision:
     """One scaling evaluation of one pool: observe, decide, act, report."""
     generation = int(body.metadata.get("generation") or 0)
     deployments = {d["metadata"]["labels"].get(ROLE_LABEL): d for d in kube.list(
@@ -372,6 +404,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
                     for role, n in replicas.items()}
     decision = state.scaler.observe(now, scraped, replicas)
     hit_rates = _hit_rates(state, now, scraped)
+    warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         why = decision.roles[role]
         message = (f"{role}: {replicas[role]} -> {n} replicas ({why.reason}; predicted KV "
@@ -411,6 +444,35 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     patch.status["lastDecision"] = {"time": _now(), "reason": "; ".join(
         f"{r}: {d.reason}" for r, d in decision.roles.items()), "replicas": dict(decision.replicas)}
     return decision
+
+
+def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dict[str, Any]],
+                  scraped: list[PodMetrics], hit_rates: Mapping[str, float], warm: Warmer) -> None:
+    """Warm the engine pods that began serving since the last tick from a peer's hottest prefixes. A failed
+    warm-up is a Warning Event and a log line: the pod serves anyway, computing those prefixes itself."""
+    port = pool.spec["engine"]["port"]
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    serving = [ServingPod(m.observation.name, m.observation.role, pod_url(by_name[m.observation.name], port),
+                          hit_rates.get(m.observation.name, 0.0)) for m in scraped if m.observation.name in by_name]
+    limit = pool.spec["scaling"]["warmupPrefixes"]
+    plans = plan_warmups(state.serving, serving, limit)
+    state.serving = frozenset(p.name for p in serving)
+    for plan in plans:
+        for target, answer in warm(plan, limit).items():
+            if answer is None:
+                log.info("pool %s/%s: %s has no reused prefixes to warm %s with", pool.namespace, pool.name,
+                         plan.source.name, target)
+                continue
+            if isinstance(answer, Exception) or answer.get("failed"):
+                why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
+                message = f"warming {target} from {plan.source.name} failed: {why}"
+                kopf.event(body, type="Warning", reason="WarmupFailed", message=message[:1024])
+                log.warning("pool %s/%s %s", pool.namespace, pool.name, message)
+                continue
+            message = (f"warmed {target} from {plan.source.name}: {answer.get('blocks_pulled', 0)} blocks pulled, "
+                       f"{answer.get('blocks_present', 0)} already held")
+            kopf.event(body, type="Normal", reason="WarmedUp", message=message)
+            log.info("pool %s/%s %s", pool.namespace, pool.name, message)
 
 
 def _hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:

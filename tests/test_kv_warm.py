@@ -1,5 +1,6 @@
 """Warming a pod from a peer (issue 5): the KV manager's hottest prefix chains, and between two real engine
-processes (the tiny model) GET /v1/kv/hot on one and POST /v1/kv/warm on the other."""
+processes (the tiny model) GET /v1/kv/hot on one and POST /v1/kv/warm on the other, directly and through the
+operator's warm call."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, NO_EXTRA, HashAlgo, block_hashes
+from kvmesh.operator.handlers import http_warm
+from kvmesh.operator.warmup import ServingPod, Warmup
 from kvmesh.processes import free_port
 
 from .engines import tiny_engines
@@ -119,3 +122,19 @@ def test_a_bad_warm_request_is_a_400_that_says_why(pods: tuple[str, str], body: 
 def test_a_bad_hot_limit_is_a_400(pods: tuple[str, str], limit: str) -> None:
     reply = httpx.get(pods[0] + KV_HOT_PATH, params={"limit": limit})
     assert reply.status_code == 400 and "limit" in reply.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_the_operators_warm_call_copies_a_peers_hot_prefixes_between_real_engines(pods: tuple[str, str]) -> None:
+    source, fresh = pods
+    prompt = tokens(33, 60)
+    for _ in range(2):
+        complete(source, prompt=prompt, max_tokens=1, temperature=0)
+    gone = f"http://127.0.0.1:{free_port()}"
+    plan = Warmup("both", ServingPod("a", "both", source, 1.0),
+                  (ServingPod("b", "both", fresh), ServingPod("gone", "both", gone)))
+    answers = http_warm(plan, 16)
+    assert answers["b"]["blocks_pulled"] == 3 and answers["b"]["failed"] == 0, answers  # the one chain b lacked
+    assert isinstance(answers["gone"], httpx.HTTPError), "an unreachable new pod is reported, not raised"
+    served = complete(fresh, prompt=prompt, max_tokens=1, temperature=0)
+    assert served["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
