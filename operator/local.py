@@ -1,9 +1,9 @@
 """The operator's decisions on one machine: `kvmesh up -f pool.yaml` reads the pool through operator/crd.py (the
 same defaults and checks as the cluster), writes the same engine and router settings, and runs the same scaler
-over its local engines, so scaling can be watched without Kubernetes.
+over its local engines, whose decisions `kvmesh up` carries out, so scaling works without Kubernetes.
 
-Locally the engines listen on 127.0.0.1 at ports `kvmesh up` picks, and the router is given them as a static
-list; everything else in the two files is what the operator's ConfigMap holds.
+Locally the engines listen on 127.0.0.1 at ports `kvmesh up` picks, and the router follows them in a pods file
+that `kvmesh up` rewrites; everything else in the two files is what the operator's ConfigMap holds.
 """
 
 from __future__ import annotations
