@@ -1,13 +1,22 @@
-"""Warm-up planning (operator/warmup.py): which pods are new, which peer they copy, what they are sent; and the
-pool spec's warmupPrefixes."""
+"""Warm-up planning (operator/warmup.py): which pods are new, which peer they copy, what they are sent; the pool
+spec's warmupPrefixes; and the operator's timer warming pods that start serving (kopf against kmock's emulator,
+as tests/test_operator.py; the engines' warm call is replaced by a recorder, since no engine runs behind the pods'
+metrics servers: tests/test_kv_warm.py runs the real call between real engines)."""
 
 from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvmesh.engine.protocol import HOT_CHAINS_DEFAULT
 from kvmesh.operator.crd import SpecError, parse_pool
 from kvmesh.operator.warmup import ServingPod, Warmup, plan_warmups, warm_body
+from kvmesh.processes import free_port
+
+from .test_operator import NS, POOLS, MetricsServer, eventually, operator, pod_body, pool_body, run
 
 
 def pod(name: str, role: str = "both", hit_rate: float = 0.0) -> ServingPod:
@@ -60,3 +69,52 @@ def test_warmup_prefixes_defaults_on_and_is_bounded() -> None:
     assert parse_pool(body(warmupPrefixes=0)).spec["scaling"]["warmupPrefixes"] == 0
     with pytest.raises(SpecError, match="warmupPrefixes"):
         parse_pool(body(warmupPrefixes=-1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_timer_warms_pods_that_start_serving_and_reports_each_outcome(tmp_path: Path) -> None:
+    port = free_port()
+    servers = {ip: MetricsServer(ip, port) for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")}
+    calls: list[tuple[Warmup, int]] = []
+
+    def warm(plan: Warmup, limit: int) -> dict[str, Any]:
+        calls.append((plan, limit))
+        return {t.name: ConnectionError("peer unreachable") if t.url.startswith("http://127.0.0.4") else
+                {"blocks_pulled": 7, "blocks_present": 1, "failed": 0, "errors": []} for t in plan.targets}
+
+    async def main() -> None:
+        async with operator(tmp_path, warm=warm) as env:
+            spec = {"engine": {"port": port}, "replicas": {"both": {"min": 1, "max": 6}},
+                    "scaling": {"intervalSeconds": 1, "warmupPrefixes": 5}}
+            await env.k8s.post(POOLS, json=pool_body(**spec))
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
+            await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pod_body("chat-both-0", "127.0.0.2"))
+
+            async def clock() -> None:
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            await eventually(lambda: env.pool()["status"]["kvUsage"]["observed"] > 0)  # a tick saw pod 0 serve
+            assert calls == [], "the pool's first pod has no peer to copy"
+            for name, ip in (("chat-both-1", "127.0.0.3"), ("chat-both-2", "127.0.0.4")):
+                await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pod_body(name, ip))
+            await eventually(lambda: env.events("WarmedUp") and env.events("WarmupFailed"))
+            await asyncio.sleep(0.5)  # more ticks: pods already warmed are not warmed again
+            ticking.cancel()
+            warmed = sorted(t.name for plan, _ in calls for t in plan.targets)
+            assert warmed == ["chat-both-1", "chat-both-2"]
+            assert all(limit == 5 and plan.source.name == "chat-both-0" for plan, limit in calls)
+            assert calls[0][0].source.url == f"http://127.0.0.2:{port}"
+            (ok,), (failed,) = env.events("WarmedUp"), env.events("WarmupFailed")
+            assert "chat-both-1" in ok["message"] and "7 blocks pulled" in ok["message"]
+            assert failed["type"] == "Warning" and "chat-both-2" in failed["message"]
+            assert "peer unreachable" in failed["message"]
+
+    try:
+        run(main)
+    finally:
+        for server in servers.values():
+            server.close()
