@@ -351,9 +351,9 @@ class KVCacheManager:
         seq.num_registered = full
 
     def hot_chains(self, limit: int) -> list[HotChain]:
-        """The `limit` hottest cached prefixes, hottest first: one chain per reused block that no other reused
-        block extends (its ancestors were reused at least as often, so the chain carries them), ties by depth.
-        A chain whose ancestor was evicted cannot be named from the root and is left out."""
+        """The `limit` hottest cached prefixes, hottest first (the longer of equals first): one chain per reused
+        block that no other reused block extends (its ancestors were reused at least as often, so the chain
+        carries them). A chain whose ancestor was evicted cannot be named from the root and is left out."""
         reused = [b for b in self.pool.blocks if b.block_hash is not None and b.hits]
         extended = {b.parent_hash for b in reused}
         tips = sorted((b for b in reused if b.block_hash not in extended), key=lambda b: (-b.hits, b.block_id))
