@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvmesh.engine.protocol import TIERS, KVBlocksSnapshot, KVEvent, KVEventBatch
 
@@ -21,9 +21,8 @@ _NOT_HELD = [0] * (len(TIERS) + 1)  # per tier, then any tier
 _NOBODY = (0,) * (len(TIERS) + 1)  # a walk state with no pod in any tier column, nor in the provisional one
 
 
-@dataclass(frozen=True)
-class PrefixMatch:
-    """How much of a request's prefix one pod holds."""
+class PrefixMatch(NamedTuple):
+    """How much of a request's prefix one pod holds (a named tuple: one is built per pod on every request)."""
 
     blocks: int  # consecutive leading blocks held
     by_tier: dict[str, int]  # how many of those blocks are best served from each tier (every tier present)
@@ -167,10 +166,12 @@ class PrefixIndex:
         walk = _Walk(self._mask_of(self._bits if pods is None else pods))
         walk.switch(_NOBODY, self._walk(walk, block_hashes, now))
         *tiers_counts, provisional_counts = walk.counts
+        names = self._names
+        columns = list(zip(TIERS, tiers_counts, strict=True))
         result = {}
         for index in sorted(set().union(*tiers_counts)):
-            by_tier = {tier: counts.get(index, 0) for tier, counts in zip(TIERS, tiers_counts, strict=True)}
-            result[self._names[index]] = PrefixMatch(sum(by_tier.values()), by_tier, provisional_counts.get(index, 0))
+            by_tier = {tier: counts.get(index, 0) for tier, counts in columns}
+            result[names[index]] = PrefixMatch(sum(by_tier.values()), by_tier, provisional_counts.get(index, 0))
         return result
 
     # ---- internals -------------------------------------------------------------------------------------------

@@ -254,8 +254,14 @@ def _tie_rank(request: RequestInfo, name: str) -> int:
 
 
 def _best(pods: list[PodState], totals: Mapping[str, float], request: RequestInfo) -> list[PodState]:
-    """Candidates from best to worst; equal scores in the request's rendezvous order (see the module doc)."""
-    return sorted(pods, key=lambda p: (-totals[p.name], _tie_rank(request, p.name), p.name))
+    """Candidates from best to worst; the pods tied for best in the request's rendezvous order (see the module
+    doc), the others by name (only the choice and the runner-up matter, and hashing every name costs)."""
+    ranked = sorted(pods, key=lambda p: -totals[p.name])  # stable: name order among equals
+    best = totals[ranked[0].name]
+    tied = next((i for i, p in enumerate(ranked) if totals[p.name] != best), len(ranked))
+    if tied > 1:
+        ranked[:tied] = sorted(ranked[:tied], key=lambda p: (_tie_rank(request, p.name), p.name))
+    return ranked
 
 
 def _deciding_score(
