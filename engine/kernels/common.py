@@ -48,3 +48,35 @@ def multiprocessors(device: torch.device) -> int:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+@triton.jit
+def load_kv_tile(
+    table, k_ptr, v_ptr, tok, tok_ok, d, d_ok, kv_head,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    PAGE: tl.constexpr, DOT: tl.constexpr,
+):
+    """K and V of tokens `tok` of one sequence for one KV head, through its block table ([N, D] each, in the dot
+    dtype; masked tokens and dims read as 0). Block ids widen to int64 before the multiply."""
+    block = tl.load(table + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+    slot = tok % PAGE
+    k_off = block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+    v_off = block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
+    kv_mask = tok_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(DOT)
+    v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0).to(DOT)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, m_i, l_i, acc, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of flash attention in log2 units: scores of q against k where `visible`, the running max,
+    normalizer and output rescaled. Every row must see at least one key in its first tile (the max is finite)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+    return m_new, l_i, acc

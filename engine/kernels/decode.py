@@ -16,7 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCHES, dot_dtype, dot_precision, multiprocessors, next_pow2
+from .common import (
+    LAUNCHES,
+    dot_dtype,
+    dot_precision,
+    load_kv_tile,
+    multiprocessors,
+    next_pow2,
+    online_softmax_step,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens a loop step reads
@@ -97,22 +105,10 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tok0 in range(start, end, BLOCK_N):
         tok = tok0 + n
-        tok_ok = tok < end
-        block = tl.load(table + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-        slot = tok % PAGE
-        k_off = block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(DOT)
-        v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [G, N]
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step holds at least one valid token
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
-        m_i = m_new
+        tok_ok = tok < end  # every step holds at least one valid token
+        k, v = load_kv_tile(table, k_ptr, v_ptr, tok, tok_ok, d, d_ok, kv_head, stride_kb, stride_kt, stride_kh,
+                            stride_vb, stride_vt, stride_vh, PAGE, DOT)
+        m_i, l_i, acc = online_softmax_step(q, k, v, tok_ok[None, :], m_i, l_i, acc, DOT, PRECISION)
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     if not SPLIT:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCHES, dot_dtype, dot_precision, next_pow2
+from .common import LAUNCHES, dot_dtype, dot_precision, load_kv_tile, next_pow2, online_softmax_step
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # queries a program takes
@@ -106,21 +106,10 @@ def _extend_kernel(
     for tok0 in range(0, end, BLOCK_N):
         tok = tok0 + n
         tok_ok = tok < end
-        block = tl.load(table + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-        slot = tok % PAGE
-        k_off = block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(DOT)
-        v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
-        s = tl.where(tok_ok[None, :] & (tok[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every query at step one
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = load_kv_tile(table, k_ptr, v_ptr, tok, tok_ok, d, d_ok, kv_head, stride_kb, stride_kt, stride_kh,
+                            stride_vb, stride_vt, stride_vh, PAGE, DOT)
+        visible = tok_ok[None, :] & (tok[None, :] <= q_pos[:, None])  # key 0 is visible to every query
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, DOT, PRECISION)
 
     o_off = rows[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(out_ptr + o_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
