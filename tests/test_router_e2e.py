@@ -194,14 +194,21 @@ def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: 
 
 
 def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], tiny_dir: Path) -> None:
-    """Scoring by load alone makes the choice the first pod by name; the prefix lives on the other one."""
+    """Scoring by load alone makes idle pods tie, so the tie-break chooses; the prefix lives on the other pod."""
     flat = {"prefix_weight": 0.0, "ttft_weight": 0.0, "kv_weight": 0.0, "load_weight": 1.0}
     # the tiny model prefills faster than any link: count the pull's setup as free so the choice is the link's
     r = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, weights=flat, pull_setup_seconds=0.0,
                                   pull_bytes_per_second=1e12), tiny_dir)
     with serve_router(r) as url:
-        chosen, holder = sorted(engines)
         prompt = tokens(77, 300)
+        info = r.request_info(CompletionRequest.model_validate({"prompt": [*prompt, 3]}), 0)
+        deadline = time.monotonic() + 15
+        while len([p for p in r.view(info).pods if p.healthy]) < len(engines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tie = r.decide(info, set())
+        assert tie.pod is not None and tie.reason == "tie"
+        chosen = tie.pod.name
+        holder = next(e for e in engines if e != chosen)
         complete(holder, prompt)  # straight to the engine: only its events tell the router
         time.sleep(1.0)
         reply = complete(url, [*prompt, 3], return_token_ids=True)
