@@ -346,7 +346,9 @@ class Engine:
     # ---- KV tiers: promotion before prefill, write-through, swap ------------------------------------------
 
     def _has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.scheduler.has_work() or self._staged)
+        """Something to compute now. Requests waiting for a promotion are not: the copy thread wakes the loop
+        (`_wake`) when their blocks land, so the loop sleeps on that event instead of blocking on the copy."""
+        return bool(self._inbox or self._aborts or self.scheduler.has_work())
 
     def _tier_tick(self) -> None:
         """Finish the tier copies done, queue the requests whose prefix arrived, write new blocks through."""
@@ -464,9 +466,6 @@ class Engine:
         self._take_inbox()
         self._tier_tick()
         self._swap_in()
-        if self._staged and not self.scheduler.has_work():
-            self.tiers.wait()  # type: ignore[union-attr]  # nothing to compute until a promotion lands
-            self._tier_tick()
         out = self.scheduler.schedule()
         for request in out.unservable:
             self._finish(request, "length", error="the request does not fit in this engine's KV cache")
@@ -720,6 +719,10 @@ class Engine:
         """Step in the calling thread until every queued request finished. Not with `start()`."""
         for _ in range(max_steps):
             if not self._has_work():
+                if self._staged:  # nothing to compute until a promotion lands
+                    self.tiers.wait()  # type: ignore[union-attr]
+                    self._tier_tick()
+                    continue
                 if self.tiers is not None and (self.tiers.busy or self._stored):
                     self.tiers.drain()  # settle the copies too, so the state a test reads is final
                     self._tier_tick()

@@ -335,8 +335,9 @@ class _Completions:
         first = job.requests[0]
         bs = e.config.block_size
         limit = transfer.tokens if transfer.mode == "pull" else len(first.prompt_ids)
-        wanted = block_hashes(first.prompt_ids[: (min(limit, len(first.prompt_ids) - 1) // bs) * bs], bs,
-                              first.extra, HashAlgo(e.config.hash_algo), e.config.hash_root)
+        wanted = await asyncio.to_thread(  # hashing a long prompt is work: off the event loop, like tokenizing
+            block_hashes, first.prompt_ids[: (min(limit, len(first.prompt_ids) - 1) // bs) * bs], bs,
+            first.extra, HashAlgo(e.config.hash_algo), e.config.hash_root)
         have = await asyncio.wrap_future(e.call(lambda: e.cached_run(wanted)))
         if have == len(wanted):
             return

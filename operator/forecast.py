@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.engine.protocol import FORECAST_LEVELS, Metric, VllmMetric
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, FORECAST_LEVELS, Metric, VllmMetric
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.scaling import Decision, PodObservation, PoolObservation, Recommendation, ScalingPolicy, decide
 
@@ -81,7 +81,7 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
                 forecast[sample.labels["level"]] = sample.value
             elif sample.name == VllmMetric.CACHE_CONFIG:
                 num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
-                block_size = int(float(sample.labels.get("block_size", 16)))
+                block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
     running, waiting = int(values.pop("running", 0)), int(values.pop("waiting", 0))
     observation = PodObservation(name=name, role=role, num_blocks=num_blocks, forecast=forecast, running=running,
                                  waiting=waiting, **values)

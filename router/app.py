@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
 from kvmesh.engine.protocol import (
+    CACHE_SALT_FIELD,
     KV_TRANSFER_FIELD,
     POD_STATES,
     PRIORITY_CLASSES,
@@ -59,7 +60,6 @@ from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
-DISCONNECT_CHECK_SECONDS = 0.5
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
@@ -370,9 +370,9 @@ def _several_prompts(raw: dict[str, Any]) -> bool:
 
 
 async def _wait_disconnected(http: HttpRequest) -> None:
-    """Return once the client has gone away (checked every DISCONNECT_CHECK_SECONDS)."""
-    while not await http.is_disconnected():
-        await asyncio.sleep(DISCONNECT_CHECK_SECONDS)
+    """Return once the client has gone away: the body is read, so the next ASGI message is the disconnect."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> AsyncIterator[str]:
@@ -420,7 +420,7 @@ def create_router_app(router: Router) -> FastAPI:
             return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
                                            "authentication_error", code="invalid_api_key"), status_code=401)
         if router.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
-            raw["cache_salt"] = body.cache_salt = cache_salt_for(tenant, router.salt_secret)
+            raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, router.salt_secret)
         try:
             start = time.perf_counter()
             if len(payload) <= INLINE_TOKENIZE_BYTES:
@@ -502,18 +502,18 @@ def create_router_app(router: Router) -> FastAPI:
         tried: set[str] = set()
         headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
         view = router.view(trace.info)
+        single = raw.get("n", 1) == 1 and not _several_prompts(raw)
+        first = router.decide(trace.info, tried, view=view)  # the whole request on one pod
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
-        if prefill_pods and raw.get("n", 1) == 1 and not _several_prompts(raw):
-            whole = router.decide(trace.info, tried, view=view)
-            if trace.info.prompt_tokens - whole.predicted_cached_tokens >= router.config.prefill_hop_min_tokens:
-                split = await disaggregate(path, raw, trace, stream, headers)
-                if split is not None:
-                    return split
-        migratable = stream and raw.get("n", 1) == 1 and not _several_prompts(raw)
+        if prefill_pods and single and (trace.info.prompt_tokens - first.predicted_cached_tokens
+                                        >= router.config.prefill_hop_min_tokens):
+            split = await disaggregate(path, raw, trace, stream, headers)
+            if split is not None:
+                return split
+        migratable = stream and single
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
         if stream:  # the request log and metrics need the usage even when the client did not ask for it
             upstream["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
-        first = router.decide(trace.info, tried, view=view)
         refusal = should_shed(first, trace.info.priority, router.shed)
         if refusal is not None:
             router.metrics.shed.labels(priority_label(trace.info.priority)).inc()

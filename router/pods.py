@@ -23,6 +23,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import (
+    DEFAULT_BLOCK_SIZE,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
@@ -81,7 +82,7 @@ def parse_metrics(text: str) -> dict[str, float]:
                 out["forecast_usage_p90"] = sample.value
             elif sample.name == VllmMetric.CACHE_CONFIG:
                 out["num_blocks"] = float(sample.labels.get("num_gpu_blocks", 0))
-                out["block_size"] = float(sample.labels.get("block_size", 16))
+                out["block_size"] = float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE))
     return out
 
 

@@ -205,12 +205,16 @@ def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], 
         deadline = time.monotonic() + 15
         while len([p for p in r.view(info).pods if p.healthy]) < len(engines) and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert len([p for p in r.view(info).pods if p.healthy]) == len(engines), "the pods never became healthy"
         tie = r.decide(info, set())
         assert tie.pod is not None and tie.reason == "tie"
         chosen = tie.pod.name
         holder = next(e for e in engines if e != chosen)
         complete(holder, prompt)  # straight to the engine: only its events tell the router
-        time.sleep(1.0)
+        deadline = time.monotonic() + 15
+        while holder not in r.index.match(info.block_hashes, [holder]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.index.match(info.block_hashes, [holder])[holder].blocks >= 16, "the holder's events never arrived"
         reply = complete(url, [*prompt, 3], return_token_ids=True)
         assert reply.headers["x-kvmesh-pod"] == chosen
         assert reply.json()["usage"]["prompt_tokens_details"]["kvmesh_cached_by_source"]["peer"] >= 256

@@ -50,6 +50,18 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+def attention_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(q heads, head dim, block size, KV heads) of an attention call, after checking that q ([T, Hq, D]) fits
+    one layer's view of the block-first cache ([blocks, block_size, Hkv, D]) with contiguous head dims."""
+    _, q_heads, head_dim = q.shape
+    _, page, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or q_heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head dimension must be contiguous")
+    return q_heads, head_dim, page, kv_heads
+
+
 @triton.jit
 def load_kv_tile(
     table, k_ptr, v_ptr, tok, tok_ok, d, d_ok, kv_head,

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .common import (
     LAUNCHES,
+    attention_layout,
     dot_dtype,
     dot_precision,
     load_kv_tile,
@@ -158,12 +159,7 @@ def decode_attention(
     """Attend q[batch.rows] ([T, Hq, D]) over each sequence's cached context; writes those rows of `out`
     ([T, Hq, D], allocated like q when None) and returns it. k_cache and v_cache are one layer's views of the
     block-first cache, [num_blocks, block_size, Hkv, D] with any block stride (`kv[:, layer, 0]`)."""
-    _, q_heads, head_dim = q.shape
-    _, page, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or q_heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the head dimension must be contiguous")
+    q_heads, head_dim, page, kv_heads = attention_layout(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     size = batch.rows.shape[0]
     splits = num_splits or choose_splits(size, kv_heads, batch.max_context_len, q.device)

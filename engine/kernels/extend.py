@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCHES, dot_dtype, dot_precision, load_kv_tile, next_pow2, online_softmax_step
+from .common import LAUNCHES, attention_layout, dot_dtype, dot_precision, load_kv_tile, next_pow2, online_softmax_step
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # queries a program takes
@@ -126,12 +126,7 @@ def extend_attention(
     """Attend each sequence's new rows of q ([T, Hq, D]) over its cached prefix and, causally, its new tokens;
     writes those rows of `out` (allocated like q when None) and returns it. k_cache and v_cache are one
     layer's views of the block-first cache, [num_blocks, block_size, Hkv, D]."""
-    _, q_heads, head_dim = q.shape
-    _, page, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or q_heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the head dimension must be contiguous")
+    q_heads, head_dim, page, kv_heads = attention_layout(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     _extend_kernel[(batch.tile_seqs.shape[0], q_heads)](
         q, k_cache, v_cache, out,

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.bench import plots
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.policies import RouterPolicy
 from kvmesh.bench.sim import (
@@ -170,10 +171,7 @@ def row(result: SimResult, slo: SLO) -> Row:
 
 
 def plot(results: list[SimResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for r in results:
@@ -185,10 +183,7 @@ def plot(results: list[SimResult], path: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def add_parser(bench: argparse._SubParsersAction) -> None:

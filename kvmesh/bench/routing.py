@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench import plots
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.policies import (
     LeastRequestPolicy,
@@ -120,11 +121,9 @@ def verdicts(rows: Sequence[Row]) -> dict[str, bool]:
 
 
 def plot_cdf(results: Sequence[SimResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for result in results:
@@ -136,10 +135,7 @@ def plot_cdf(results: Sequence[SimResult], path: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def add_parser(bench: argparse._SubParsersAction) -> None:

@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvmesh.bench import plots
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.serve import (
     BenchRequest,
@@ -117,11 +118,9 @@ def prefill_share(points: list[Point]) -> float | None:
 
 
 def plot(points: list[Point], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import FormatStrFormatter
+
+    plt = plots.pyplot()
 
     found = gains(points)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -151,10 +150,7 @@ def plot(points: list[Point], path: Path, title: str) -> None:
     axes[0].legend(fontsize=7, ncol=2)
     axes[2].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def format_results(points: list[Point]) -> str:
