@@ -344,17 +344,13 @@ class _Completions:
         kind = "handoff" if transfer.mode == "decode" else "pull"
         key = f"import:{first.request_id}"
         try:
-            pulled = await import_blocks(e, client, transfer.source or "", wanted, have, key, transfer.handle)
+            pulled = await import_blocks(e, client, kind, transfer.source or "", wanted, have, key, transfer.handle)
         except TransferError as exc:
             log.warning("KV %s for %s failed, recomputing: %s", kind, first.request_id, exc)
-            e.metrics.transfers.labels(kind, "failed").inc()
             e.call(lambda: e.release(key))
             return
         first.import_key = key
         first.peer_tokens = len(pulled.hashes) * bs
-        e.metrics.transfers.labels(kind, "ok").inc()
-        e.metrics.transfer_bytes.labels("received").inc(pulled.nbytes)
-        e.metrics.transfer_seconds.labels(kind).observe(pulled.seconds)
 
     # ---- responses ----------------------------------------------------------------------------------------
 
@@ -476,10 +472,24 @@ class _Completions:
         }
 
 
-async def import_blocks(e: Engine, client: httpx.AsyncClient, source: str, wanted: list[int], have: int, key: str,
-                        handle: str | None = None) -> PulledBlocks:
+async def import_blocks(e: Engine, client: httpx.AsyncClient, kind: str, source: str, wanted: list[int], have: int,
+                        key: str, handle: str | None = None) -> PulledBlocks:
     """Pull from `source` the blocks of the chain `wanted` after the first `have` (which this pod holds), and
-    register them under their hashes, held under `key` until the caller releases it. Raises TransferError."""
+    register them under their hashes, held under `key` until the caller releases it; counted in the transfer
+    metrics under `kind`. Raises TransferError."""
+    try:
+        pulled = await _import_blocks(e, client, source, wanted, have, key, handle)
+    except TransferError:
+        e.metrics.transfers.labels(kind, "failed").inc()
+        raise
+    e.metrics.transfers.labels(kind, "ok").inc()
+    e.metrics.transfer_bytes.labels("received").inc(pulled.nbytes)
+    e.metrics.transfer_seconds.labels(kind).observe(pulled.seconds)
+    return pulled
+
+
+async def _import_blocks(e: Engine, client: httpx.AsyncClient, source: str, wanted: list[int], have: int, key: str,
+                         handle: str | None) -> PulledBlocks:
     pulled = await pull_blocks(client, source, wanted[have:], e.kv_layout, handle, e.config.transfer_timeout_seconds)
     if not pulled.hashes:
         raise TransferError(f"{source} holds none of the blocks")
@@ -509,19 +519,15 @@ async def warm(e: Engine, client: httpx.AsyncClient, body: WarmRequest) -> WarmR
             continue
         key = f"import:warm-{uuid.uuid4().hex}"
         try:
-            pulled = await import_blocks(e, client, body.source, chain, have, key)
+            pulled = await import_blocks(e, client, "warm", body.source, chain, have, key)
         except TransferError as exc:
             out.failed += 1
             if len(out.errors) < MAX_WARM_ERRORS:
                 out.errors.append(str(exc))
-            e.metrics.transfers.labels("warm", "failed").inc()
             continue
         finally:
             await asyncio.wrap_future(e.call(lambda k=key: e.release(k)))  # pulled blocks stay cached, evictable
         out.blocks_pulled += len(pulled.hashes)
-        e.metrics.transfers.labels("warm", "ok").inc()
-        e.metrics.transfer_bytes.labels("received").inc(pulled.nbytes)
-        e.metrics.transfer_seconds.labels("warm").observe(pulled.seconds)
         if have + len(pulled.hashes) < len(chain):
             out.failed += 1
             if len(out.errors) < MAX_WARM_ERRORS:

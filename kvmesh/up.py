@@ -22,7 +22,7 @@ import yaml
 
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.protocol import DRAIN_PATH
-from kvmesh.processes import free_port, spawn, stop, tail
+from kvmesh.processes import free_port, spawn, stop, tail, wait_healthy
 
 HEALTH_TIMEOUT_SECONDS = 600.0
 
@@ -80,22 +80,14 @@ def _spawn(name: str, args: list[str], port: int, workdir: Path) -> Child:
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
-    """Wait until every child answers /health 200; the first child that died instead, if one did."""
-    pending = list(children)
+    """Wait until every child answers /health 200; the first child found dead instead, if one died. Raises
+    TimeoutError after `timeout` s in all."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
-        while pending and time.monotonic() < deadline:
-            for child in list(pending):
-                if child.process.poll() is not None:
-                    return child
-                try:
-                    if client.get(child.url + "/health").status_code == 200:
-                        pending.remove(child)
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.25)
-    if pending:
-        raise TimeoutError(f"{', '.join(c.name for c in pending)} not healthy after {timeout:.0f} s")
+    for child in children:
+        try:
+            wait_healthy(child.url, child.process, max(0.0, deadline - time.monotonic()))
+        except RuntimeError:  # it exited before answering
+            return child
     return None
 
 
@@ -266,7 +258,7 @@ def _stop(children: list[Child]) -> None:
     """Stop every child: SIGINT, then SIGKILL after 20 s. A second Ctrl-C or SIGTERM cannot interrupt this."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    stop([child.process for child in children], timeout=20)
+    stop([child.process for child in children], timeout=STOP_TIMEOUT_SECONDS)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmesh.bench.machine import machine_info
+from kvmesh.bench.router import percentile
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling import SamplingParams
@@ -116,11 +117,6 @@ def simulate(arrivals: Sequence[Arrival], policy: str, max_queue_delay: float, m
     return requests, now
 
 
-def _p99(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 def compare(w: Workload = Workload(), m: Machine = Machine(), max_queue_delay: float = 2.0,
             progress: bool = False) -> list[QueueResult]:
     """Both policies on the same arrivals; the prefix queue's extra wait is measured against FCFS's."""
@@ -133,8 +129,8 @@ def compare(w: Workload = Workload(), m: Machine = Machine(), max_queue_delay: f
         waits[policy] = [r.first_scheduled_time - r.arrival_time for r in requests]  # type: ignore[operator]
         extra = max(a - b for a, b in zip(waits[policy], waits["fcfs"], strict=True))
         prompt = sum(len(r.prompt_ids) for r in requests)
-        results.append(QueueResult(policy, sum(ttft) / len(ttft), _p99(ttft), max(waits[policy]), max(extra, 0.0),
-                                   sum(r.cached_tokens for r in requests) / prompt, makespan))
+        results.append(QueueResult(policy, sum(ttft) / len(ttft), percentile(ttft, 0.99), max(waits[policy]),
+                                   max(extra, 0.0), sum(r.cached_tokens for r in requests) / prompt, makespan))
     return results
 
 

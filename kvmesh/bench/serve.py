@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.machine import machine_info
+from kvmesh.bench.router import percentile
 
 FIRST_ORDINARY_TOKEN = 100  # synthetic prompts stay clear of the special tokens of the usual vocabularies
 DEFAULT_VOCAB = 32000  # the smallest common vocabulary (Llama 2): ids below it are valid for nearly every model
@@ -268,15 +269,7 @@ class Stats:
         if not values:
             return cls(math.nan, math.nan, math.nan, math.nan)
         ordered = sorted(values)
-        return cls(sum(ordered) / len(ordered), *(_percentile(ordered, p) for p in PERCENTILES))
-
-
-def _percentile(ordered: Sequence[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    k = (len(ordered) - 1) * p / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+        return cls(sum(ordered) / len(ordered), *(percentile(ordered, p / 100) for p in PERCENTILES))
 
 
 @dataclass(frozen=True)
