@@ -76,6 +76,8 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="HF directory or .gguf holding the pool's tokenizer (default: the bundled model)")
     p.add_argument("--host")
     p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument("--ext-proc-port", type=int,
+                   help="also serve Envoy ext_proc (gRPC) here, as a Gateway API Inference Extension endpoint picker")
     p.add_argument("--pool", help="the pool's name (for the request log)")
     p.add_argument("--database-url", help="request log, e.g. sqlite:///requests.db")
     p.add_argument("--api-keys-file", help="YAML of tenants and sha256 key hashes; no file: no auth")

@@ -55,12 +55,14 @@ from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, Requ
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
-from kvmesh.router.shed import ShedPolicy, priority_label, should_shed
+from kvmesh.router.shed import Shed, ShedPolicy, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
+GATEWAY_ROUTE = "gateway"  # the route label of requests a Gateway sent through ext_proc (router/extproc.py)
+EXT_PROC_GRACE_SECONDS = 5.0  # at shutdown, open ext_proc streams get this long to finish
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
 INLINE_TOKENIZE_BYTES = 8192
@@ -93,7 +95,7 @@ class RouterMetrics:
         for state in POD_STATES:
             pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
         for outcome in ROUTER_OUTCOMES:
-            for route in ROUTES:
+            for route in (*ROUTES, GATEWAY_ROUTE):
                 self.requests.labels(outcome, route)
 
 
@@ -126,9 +128,9 @@ def _count_pods(pods: PodSet, state: str) -> int:
 
 
 class RouteError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.kind = status, message, code, kind
 
 
 @dataclass
@@ -222,6 +224,15 @@ class Relay:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """A request that passed admission: the body as it goes upstream (with the tenant's salt), and its trace."""
+
+    raw: dict[str, Any]
+    body: ChatRequest | CompletionRequest
+    trace: Trace
+
+
+@dataclass(frozen=True)
 class View:
     """What the router knows of its pods at one moment, and how much of one request's prefix each holds."""
 
@@ -294,6 +305,35 @@ class Router:
             raise RouteError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1})")
         return ids
 
+    async def admit(self, payload: bytes, headers: Mapping[str, str], chat: bool) -> Admitted:
+        """Validate, authenticate, salt, tokenize and hash one request, the same whichever edge received it (this
+        HTTP app, or a Gateway's ext_proc stream): RouteError (400, 401) when it cannot be served."""
+        try:
+            raw = json.loads(payload)
+            body = (ChatRequest if chat else CompletionRequest).model_validate(raw)
+            priority = parse_priority(headers.get(PRIORITY_HEADER))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RouteError(400, "malformed JSON") from None
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+            raise RouteError(400, problems) from None
+        except ValueError:
+            raise RouteError(400, f"{PRIORITY_HEADER} must be an integer") from None
+        tenant = self.keys.tenant_for(headers.get("authorization"))
+        if tenant is None:
+            raise RouteError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
+                             kind="authentication_error")
+        if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
+            raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, self.salt_secret)
+        start = time.perf_counter()
+        if len(payload) <= INLINE_TOKENIZE_BYTES:
+            info = self.request_info(body, priority)
+        else:
+            info = await asyncio.to_thread(self.request_info, body, priority)
+        self.metrics.decision.observe(time.perf_counter() - start)
+        workload = workload_class("chat" if chat else "completion", info.prompt_tokens, headers.get(WORKLOAD_HEADER))
+        return Admitted(raw, body, Trace(info, tenant, workload))
+
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens)."""
         ids = self._token_ids(body)
@@ -321,6 +361,25 @@ class Router:
                 raise RouteError(404, f"model {info.model!r} does not exist; this pool serves "
                                       f"{sorted(served)}", code="model_not_found")
         return pick(info, states, view.matches, self.picker, roles)
+
+    def refuse(self, trace: Trace, decision: Decision) -> Shed | None:
+        """The 429 for a request the overloaded pool sheds at its priority (counted and logged), or None."""
+        refusal = should_shed(decision, trace.info.priority, self.shed)
+        if refusal is not None:
+            self.metrics.shed.labels(priority_label(trace.info.priority)).inc()
+            self.metrics.requests.labels("shed", trace.route).inc()
+            self.record(trace, "shed", 429, None)
+        return refusal
+
+    def commit(self, trace: Trace, pod: Pod, decision: Decision) -> None:
+        """Send the request to `pod`, as far as the router's state goes: the trace, provisional index entries for
+        its prompt (back-to-back requests find the prefix before the pod's events arrive) and the in-flight count,
+        which the caller gives back when the request ends."""
+        trace.pods.append(pod.name)
+        trace.predicted = decision.predicted_cached_tokens
+        self.index.add_provisional(pod.name, trace.info.block_hashes, time.monotonic(),
+                                   self.config.provisional_ttl_seconds)
+        pod.inflight += 1
 
     def plan_pull(self, decision: Decision, info: RequestInfo, view: View) -> PullPlan | None:
         """Whether the chosen pod should fetch a longer prefix from a peer before computing the rest."""
@@ -394,7 +453,14 @@ def create_router_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.pods.start()
+        gateway = None
+        if router.config.ext_proc_port is not None:  # imported here: grpc only for routers that serve a Gateway
+            from kvmesh.router.extproc import start_ext_proc
+
+            gateway = await start_ext_proc(router, router.config.host, router.config.ext_proc_port)
         yield
+        if gateway is not None:
+            await gateway.stop(grace=EXT_PROC_GRACE_SECONDS)
         await router.pods.stop()
         await router.upstream.close()
         if router.log is not None:
@@ -404,33 +470,11 @@ def create_router_app(router: Router) -> FastAPI:
 
     async def route(http: HttpRequest, path: str, chat: bool) -> Response:
         try:
-            payload = await http.body()
-            raw = json.loads(payload)
-            body = (ChatRequest if chat else CompletionRequest).model_validate(raw)
-            priority = parse_priority(http.headers.get(PRIORITY_HEADER))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return JSONResponse(error_body("malformed JSON"), status_code=400)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
-            return JSONResponse(error_body(problems), status_code=400)
-        except ValueError:
-            return JSONResponse(error_body(f"{PRIORITY_HEADER} must be an integer"), status_code=400)
-        tenant = router.keys.tenant_for(http.headers.get("authorization"))
-        if tenant is None:
-            return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
-                                           "authentication_error", code="invalid_api_key"), status_code=401)
-        if router.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
-            raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, router.salt_secret)
+            admitted = await router.admit(await http.body(), http.headers, chat)
+        except RouteError as exc:
+            return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status)
+        raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:
-            start = time.perf_counter()
-            if len(payload) <= INLINE_TOKENIZE_BYTES:
-                info = router.request_info(body, priority)
-            else:
-                info = await asyncio.to_thread(router.request_info, body, priority)
-            router.metrics.decision.observe(time.perf_counter() - start)
-            workload = workload_class("chat" if chat else "completion", info.prompt_tokens,
-                                      http.headers.get(WORKLOAD_HEADER))
-            trace = Trace(info, tenant, workload)
             work = asyncio.ensure_future(forward(http, path, raw, trace, bool(body.stream)))
             if body.stream:  # a stream notices a gone client itself: its relay is cancelled
                 return await work
@@ -470,11 +514,7 @@ def create_router_app(router: Router) -> FastAPI:
             if attempt:
                 router.metrics.retries.inc()
                 trace.route = "retry" if trace.route == "aggregated" else trace.route
-            trace.pods.append(pod.name)
-            trace.predicted = decision.predicted_cached_tokens
-            router.index.add_provisional(pod.name, trace.info.block_hashes, time.monotonic(),
-                                         router.config.provisional_ttl_seconds)
-            pod.inflight += 1
+            router.commit(trace, pod, decision)
             try:
                 reply = await router.upstream.post(pod.url + path, body, headers)
             except UpstreamError:
@@ -514,11 +554,8 @@ def create_router_app(router: Router) -> FastAPI:
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
         if stream:  # the request log and metrics need the usage even when the client did not ask for it
             upstream["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
-        refusal = should_shed(first, trace.info.priority, router.shed)
+        refusal = router.refuse(trace, first)
         if refusal is not None:
-            router.metrics.shed.labels(priority_label(trace.info.priority)).inc()
-            router.metrics.requests.labels("shed", trace.route).inc()
-            router.record(trace, "shed", 429, None)
             return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
                                 headers={"Retry-After": str(refusal.retry_after_seconds)})
         pull = router.plan_pull(first, trace.info, view)

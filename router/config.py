@@ -16,6 +16,7 @@ import yaml
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 
 DISCOVERY_MODES = ("static", "kubernetes")
+GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endpoint-picker port (the operator's)
 
 
 @dataclass
@@ -24,6 +25,7 @@ class RouterConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
+    ext_proc_port: int | None = None  # serve Envoy ext_proc here: a Gateway's endpoint picker (router/extproc.py)
     pods: list[str] = field(default_factory=list)  # engine base URLs (a static pool)
     pods_file: str | None = None  # static discovery from a JSON/YAML file of pods, re-read when it changes
     pool: str = "local"
@@ -72,6 +74,9 @@ class RouterConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"pod {url!r} is not an http(s) URL")
         HashAlgo(self.hash_algo)
+        if self.ext_proc_port is not None and not (0 < self.ext_proc_port < 65536 and self.ext_proc_port != self.port):
+            raise ValueError(f"ext_proc_port {self.ext_proc_port} must be a TCP port (1-65535) other than the "
+                             f"HTTP port {self.port}")
 
 
 def load_router_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:

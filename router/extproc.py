@@ -1,0 +1,384 @@
+"""The router as a Gateway API Inference Extension endpoint picker: Envoy's external processing (ext_proc) protocol.
+
+A Gateway (Envoy) opens one `ExternalProcessor.Process` gRPC stream per HTTP request and sends the request's
+headers, then its body, and, if it is configured to, the response's headers, body and trailers. The router
+reads the whole request body, admits and decides it with the very code of its own HTTP edge (`Router.admit`,
+`view`, `decide`, `refuse`, `commit`), and tells the gateway which engine to send it to: the
+`x-gateway-destination-endpoint` header and the same `IP:PORT` as dynamic metadata under `envoy.lb`. The gateway
+proxies; the router only picks. A subset the gateway sends (filter metadata `envoy.lb.subset_hint`, key
+`x-gateway-destination-endpoint-subset`) limits the choice to those endpoints.
+
+Request body modes (Envoy's `request_body_mode`, which a stream's first message reports in `protocol_config`):
+- FULL_DUPLEX_STREAMED, the extension's convention (also assumed when the gateway does not say): Envoy streams
+  headers and body chunks without waiting; once the body ends the picker answers with the headers response that
+  carries the choice, then the body back in chunks (Envoy forwards only the body the processor returns).
+- BUFFERED: Envoy waits for a headers response (an empty one), then sends the body whole; the body response
+  carries the choice (Envoy applies header mutations in a body response only in this mode).
+- NONE, or a request without a body (GET /v1/models): decided at the headers on load alone.
+- STREAMED and BUFFERED_PARTIAL let the headers leave before the body is read, so no choice could use the prompt:
+  such a stream is answered 500 with a message saying which mode to configure.
+Refusals are ImmediateResponses with OpenAI-style error bodies: 400 (not a valid request), 401, 404 (unknown
+model), 413 (body over MAX_BODY_BYTES), 429 (shed by priority), 503 (no pod fits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import MessageToDict
+
+from kvmesh.engine.openai_types import error_body
+from kvmesh.engine.protocol import WORKLOAD_HEADER, workload_class
+from kvmesh.router.app import GATEWAY_ROUTE, RouteError, Router, Trace
+from kvmesh.router.picker import RequestInfo
+from kvmesh.router.pods import Pod
+
+log = logging.getLogger("kvmesh.router.extproc")
+
+DESTINATION_NAMESPACE = "envoy.lb"  # where the gateway's load balancer reads the choice
+DESTINATION_KEY = "x-gateway-destination-endpoint"  # the header and the metadata key of the choice
+SERVED_KEY = "x-gateway-destination-endpoint-served"  # in the response's metadata: the endpoint that answered
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+BODY_CHUNK_BYTES = 62_000  # per streamed body message: under the 64 KiB some gateways allow per chunk
+MAX_BODY_BYTES = 32 << 20  # a request body the picker holds in memory at most
+MAX_USAGE_BYTES = 4 << 20  # a non-streamed response body is read for its usage up to this size
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+NO_PICK_MODES = (ProcessingMode.STREAMED, ProcessingMode.BUFFERED_PARTIAL, ProcessingMode.GRPC)
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD  # a client's own destination header never counts
+
+
+def endpoint_of(url: str) -> str:
+    """A pod's base URL as the gateway addresses it: `IP:PORT` (`[IPv6]:PORT`)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_subset(metadata: Mapping[str, Any]) -> set[str] | None:
+    """The endpoints the gateway allows (`IP:PORT`, or a bare `IP` for any port), from a request's filter
+    metadata; None when it sets no subset (every pod may be chosen). Lists and comma-separated strings both occur."""
+    hint = metadata.get(SUBSET_NAMESPACE)
+    if not isinstance(hint, dict) or SUBSET_KEY not in hint:
+        return None
+    value = hint[SUBSET_KEY]
+    items = value if isinstance(value, list) else [value]
+    return {part.strip() for item in items if isinstance(item, str) for part in item.split(",") if part.strip()}
+
+
+def in_subset(endpoint: str, subset: set[str]) -> bool:
+    return endpoint in subset or endpoint.rsplit(":", 1)[0].strip("[]") in subset
+
+
+def usage_from_sse(line: str) -> dict[str, Any] | None:
+    """The usage object of one `data: {...}` line of a streamed answer, if it carries one."""
+    if not line.startswith("data: {") or '"usage"' not in line:
+        return None
+    try:
+        usage = json.loads(line[6:]).get("usage")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+# ---- messages to Envoy -----------------------------------------------------------------------------------------
+
+
+def _header(key: str, value: str, action: int = base_pb2.HeaderValueOption.APPEND_IF_EXISTS_OR_ADD
+            ) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=action)
+
+
+def _choice_mutation(endpoint: str, extra: Mapping[str, str]) -> pb.CommonResponse:
+    headers = {DESTINATION_KEY: endpoint, **extra}
+    return pb.CommonResponse(
+        clear_route_cache=True,  # the route may depend on the new header
+        header_mutation=pb.HeaderMutation(set_headers=[_header(k, v, OVERWRITE) for k, v in headers.items()]))
+
+
+def _choice_metadata(endpoint: str) -> struct_pb2.Struct:
+    metadata = struct_pb2.Struct()
+    metadata.update({DESTINATION_NAMESPACE: {DESTINATION_KEY: endpoint}})
+    return metadata
+
+
+def _body_chunks(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """The request body handed back to Envoy in full-duplex mode, in chunks of at most BODY_CHUNK_BYTES."""
+    pieces = [body[i:i + BODY_CHUNK_BYTES] for i in range(0, len(body), BODY_CHUNK_BYTES)] or [b""]
+    return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+            body=piece, end_of_stream=end_of_stream and i == len(pieces) - 1)))))
+        for i, piece in enumerate(pieces)]
+
+
+def immediate(error: RouteError, retry_after: int | None = None) -> pb.ProcessingResponse:
+    """The gateway answers the client at once with this status and an OpenAI-style error body."""
+    headers = [_header("content-type", "application/json")]
+    if retry_after is not None:
+        headers.append(_header("retry-after", str(retry_after)))
+    body = error_body(error.message, error.kind, code=error.code)
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=error.status), headers=pb.HeaderMutation(set_headers=headers),
+        body=json.dumps(body).encode(), details=f"kvmesh: {error.message}"[:200]))
+
+
+class Refused(Exception):
+    """A request the picker answers itself (an ImmediateResponse) instead of naming an endpoint."""
+
+    def __init__(self, error: RouteError, retry_after: int | None = None) -> None:
+        super().__init__(error.message)
+        self.reply = immediate(error, retry_after)
+
+
+# ---- one stream ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    endpoint: str
+    body: bytes  # what goes upstream: the client's bytes, or re-encoded when the router set the tenant's salt
+    pod: Pod | None = None  # set for an inference request, whose in-flight count the stream gives back
+    trace: Trace | None = None
+
+
+@dataclass
+class Exchange:
+    """One HTTP request as the gateway shows it to the picker, phase by phase."""
+
+    router: Router
+    headers: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    request_mode: int = FULL_DUPLEX
+    response_mode: int = ProcessingMode.NONE
+    choice: Choice | None = None
+    status: int | None = None  # the engine's answer, when the gateway sends the response headers
+    streaming: bool = False
+    tail: str = ""  # an incomplete SSE line of a streamed answer
+    answer: bytearray = field(default_factory=bytearray)  # a non-streamed answer, for its usage
+    usage: dict[str, Any] | None = None
+    done: bool = False  # the response ended (or was answered immediately)
+
+    async def on(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The replies one message from the gateway calls for (possibly none yet: full duplex waits for the body)."""
+        if message.HasField("protocol_config"):
+            self.request_mode = message.protocol_config.request_body_mode
+            self.response_mode = message.protocol_config.response_body_mode
+        if message.HasField("metadata_context"):
+            self.metadata.update(MessageToDict(message.metadata_context).get("filterMetadata", {}))
+        phase = message.WhichOneof("request")
+        if phase == "request_headers":
+            return await self._request_headers(message.request_headers)
+        if phase == "request_body":
+            return await self._request_body(message.request_body)
+        if phase == "request_trailers":
+            replies = [] if self.choice else await self._decide_full_duplex(end_of_stream=False)
+            return [*replies, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if phase == "response_headers":
+            return [self._response_headers(message.response_headers)]
+        if phase == "response_body":
+            return [self._response_body(message.response_body)]
+        if phase == "response_trailers":
+            self.done = True
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    async def _request_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        self.headers = {h.key.lower(): h.raw_value.decode(errors="replace") if h.raw_value else h.value
+                        for h in headers.headers.headers}
+        if self.request_mode in NO_PICK_MODES:
+            mode = ProcessingMode.BodySendMode.Name(self.request_mode)
+            raise Refused(RouteError(500, f"the gateway sends the request body to the endpoint picker in {mode} "
+                                          "mode, where the request leaves before its body is read; configure "
+                                          "FULL_DUPLEX_STREAMED (or BUFFERED)", kind="server_error"))
+        if headers.end_of_stream or self.request_mode == ProcessingMode.NONE:  # no body to read: decide now
+            self.choice = await self._choose(b"")
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._mutation()),
+                                          dynamic_metadata=_choice_metadata(self.choice.endpoint))]
+        if self.request_mode == ProcessingMode.BUFFERED:
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]  # go on: send the body
+        return []  # full duplex: the answer to the headers waits for the body
+
+    async def _request_body(self, chunk: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.choice is not None:  # decided at the headers (mode NONE): the body is not ours to hold
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+        if len(self.body) + len(chunk.body) > MAX_BODY_BYTES:
+            raise Refused(RouteError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB"))
+        self.body += chunk.body
+        if not chunk.end_of_stream:
+            return []
+        if self.request_mode == ProcessingMode.BUFFERED:
+            self.choice = await self._choose(bytes(self.body))
+            common = self._mutation()
+            if self.choice.body != self.body:
+                common.body_mutation.body = self.choice.body
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                          dynamic_metadata=_choice_metadata(self.choice.endpoint))]
+        return await self._decide_full_duplex(end_of_stream=True)
+
+    async def _decide_full_duplex(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        """The headers response with the choice, then the body back (Envoy sends upstream only what it gets back)."""
+        self.choice = await self._choose(bytes(self.body))
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._mutation()),
+                                      dynamic_metadata=_choice_metadata(self.choice.endpoint)),
+                *_body_chunks(self.choice.body, end_of_stream)]
+
+    def _mutation(self) -> pb.CommonResponse:
+        assert self.choice is not None
+        extra = {"content-length": str(len(self.choice.body))} if self.choice.body != self.body else {}
+        return _choice_mutation(self.choice.endpoint, extra)
+
+    def _response_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
+        values = {h.key.lower(): h.raw_value.decode(errors="replace") if h.raw_value else h.value
+                  for h in headers.headers.headers}
+        self.status = int(values.get(":status", "0") or 0)
+        self.streaming = "text/event-stream" in values.get("content-type", "")
+        served = self.metadata.get(DESTINATION_NAMESPACE, {}).get(SERVED_KEY)
+        if self.choice and served and served != self.choice.endpoint:
+            log.info("the gateway served %s on %s, not the chosen %s", self.headers.get(":path"), served,
+                     self.choice.endpoint)
+        self.done = headers.end_of_stream
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+    def _response_body(self, chunk: pb.HttpBody) -> pb.ProcessingResponse:
+        """Read the answer for its usage and timing (the request log), and hand it on unchanged."""
+        trace = self.choice.trace if self.choice else None
+        if trace is not None and chunk.body:
+            if trace.first_chunk_at is None:
+                trace.first_chunk_at = time.monotonic()
+            if self.streaming:
+                lines = (self.tail + chunk.body.decode(errors="replace")).split("\n")
+                self.tail = lines.pop()
+                for line in lines:
+                    trace.chunks += line.startswith("data: {")
+                    self.usage = usage_from_sse(line) or self.usage
+            elif len(self.answer) + len(chunk.body) <= MAX_USAGE_BYTES:
+                self.answer += chunk.body
+        self.done = chunk.end_of_stream
+        if self.response_mode == FULL_DUPLEX:  # Envoy sends on only the body the processor gives back
+            common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                body=chunk.body, end_of_stream=chunk.end_of_stream)))
+            return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+    # ---- the decision -------------------------------------------------------------------------------------------
+
+    async def _choose(self, body: bytes) -> Choice:
+        """Admit and decide as the HTTP edge does, among the pods the gateway's subset allows."""
+        router = self.router
+        path = self.headers.get(":path", "").split("?", 1)[0]
+        chat = COMPLETION_PATHS.get(path)
+        subset = parse_subset(self.metadata)
+        if chat is None or not body:  # not an inference request (e.g. GET /v1/models): any pod, by load
+            info = RequestInfo(model="", prompt_tokens=0, block_hashes=())
+            trace = Trace(info, "default", workload_class("completion", 0, self.headers.get(WORKLOAD_HEADER)))
+        else:
+            try:
+                admitted = await router.admit(body, self.headers, chat)
+            except RouteError as exc:
+                raise Refused(exc) from None
+            trace = admitted.trace
+            if router.keys.enabled:  # the tenant's salt went into the body
+                body = json.dumps(admitted.raw).encode()
+        trace.route = GATEWAY_ROUTE
+        view = router.view(trace.info)
+        excluded = set() if subset is None else {p.name for p in view.pods if not in_subset(endpoint_of(p.url), subset)}
+        try:
+            decision = router.decide(trace.info, excluded, view=view)
+        except RouteError as exc:
+            raise Refused(exc) from None
+        inference = chat is not None and bool(body)
+        if decision.pod is None:
+            if inference:
+                router.metrics.requests.labels("no_pod", trace.route).inc()
+                router.record(trace, "shed", 503, None)
+            where = "in the gateway's subset " if subset is not None else ""
+            raise Refused(RouteError(503, f"no pod {where}can take this request now; retry later", code="no_pod",
+                                     kind="server_error"), retry_after=1)
+        if not inference:
+            return Choice(endpoint_of(decision.pod.url), body)
+        refusal = router.refuse(trace, decision)
+        if refusal is not None:
+            raise Refused(RouteError(429, refusal.message, code="overloaded", kind="rate_limit_error"),
+                          retry_after=refusal.retry_after_seconds)
+        pod = router.pods.pods[decision.pod.name]
+        router.commit(trace, pod, decision)
+        router.metrics.decisions.labels(decision.reason).inc()
+        router.metrics.predicted.inc(decision.predicted_cached_tokens)
+        return Choice(endpoint_of(pod.url), body, pod, trace)
+
+    def finish(self, cancelled: bool) -> None:
+        """The stream ended: give back the pod's in-flight count, count the request and log it."""
+        if self.choice is None or self.choice.pod is None or self.choice.trace is None:
+            return
+        self.choice.pod.inflight -= 1
+        trace, router = self.choice.trace, self.router
+        if self.usage is None and self.answer:
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                self.usage = json.loads(self.answer).get("usage")
+        if self.usage:
+            router.metrics.actual.inc((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        # Without response phases the gateway ends the stream once the request is sent: counted as ok.
+        status = self.status or 200
+        outcome = "client_gone" if cancelled and not self.done else "ok" if status == 200 else "error"
+        router.metrics.requests.labels(outcome, trace.route).inc()
+        router.record(trace, outcome, 499 if outcome == "client_gone" else status, self.usage)
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):
+    """Envoy's ExternalProcessor service over one Router."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Process(  # the gRPC method's name
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = Exchange(self.router)
+        cancelled = True
+        try:
+            async for message in request_iterator:
+                try:
+                    replies = await exchange.on(message)
+                except Refused as refused:
+                    exchange.done = True
+                    yield refused.reply
+                    break
+                except Exception:  # a bug must not leave the gateway waiting: it answers 500 and the stream ends
+                    log.exception("ext_proc stream failed")
+                    exchange.done = True
+                    yield immediate(RouteError(500, "the endpoint picker failed on this request", kind="server_error"))
+                    break
+                for reply in replies:
+                    yield reply
+            cancelled = False
+        finally:  # a gateway that gives up on a request cancels its stream, which may also just end the messages
+            exchange.finish(cancelled or context.cancelled())
+
+
+async def start_ext_proc(router: Router, host: str, port: int) -> grpc.aio.Server:
+    """The ext_proc gRPC server on host:port, started (stop it with `await server.stop(grace)`)."""
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot listen for ext_proc on {host}:{port}")
+    await server.start()
+    log.info("ext_proc endpoint picker listening on %s:%d", host, port)
+    return server

@@ -1,0 +1,369 @@
+"""The router as a Gateway API Inference Extension endpoint picker: a real gRPC client drives ext_proc streams as
+Envoy does (headers, then the body in one or several chunks, then the response phases) against the router.
+
+The fast tests run the ext_proc server over a router whose two pods are never contacted: their health, load and
+cached blocks are set by hand (the state the scraper and the event reader would fill in), so each decision is
+known in advance. The slow test runs it inside the router app, in front of two real tiny engines, beside the
+HTTP edge, and checks both edges choose alike from the same state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+
+from kvmesh.engine.openai_types import CompletionRequest
+from kvmesh.engine.protocol import KVConfig, KVEvent, KVEventBatch
+from kvmesh.processes import free_port
+from kvmesh.router.app import Router, build_router
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.extproc import BODY_CHUNK_BYTES, endpoint_of, parse_subset, start_ext_proc
+
+from .engines import serve_router, tiny_engines
+
+POD_A, POD_B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+MODEL = "tiny"
+
+
+# ---- a router whose pod state the test sets -------------------------------------------------------------------
+
+
+@pytest.fixture
+def router(bundled_dir: Path) -> Router:
+    r = build_router(RouterConfig(pods=[POD_A, POD_B], stale_after_seconds=3600.0), bundled_dir)
+    for pod in r.pods.pods.values():
+        pod.healthy = True
+        pod.scraped_at = time.monotonic()
+        pod.kv_config = KVConfig(model=MODEL, block_size=16, hash_algo=r.config.hash_algo, hash_root=r.config.hash_root,
+                                 tokenizer_fingerprint=r.tokenizer.fingerprint, num_device_blocks=1000, boot_id="b")
+        pod.metrics = {"num_blocks": 1000.0, "block_size": 16.0}
+    return r
+
+
+@pytest_asyncio.fixture
+async def picker(router: Router) -> AsyncIterator[tuple[Router, pb_grpc.ExternalProcessorStub]]:
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield router, pb_grpc.ExternalProcessorStub(channel)
+    await server.stop(None)
+
+
+def prompt(seed: int, n: int = 96) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 48000 + 200 for i in range(n)]
+
+
+def hold(router: Router, pod: str, body: dict[str, object]) -> None:
+    """`pod` reports (a KV event) that it caches the blocks of `body`'s prompt."""
+    hashes = router.request_info(CompletionRequest.model_validate(body), 0).block_hashes
+    seq = router.index.resume_point(pod)[1] + 1
+    assert router.index.apply(pod, KVEventBatch("b", seq, (KVEvent("stored", hashes, "device", None, 16),)))
+
+
+def request_headers(path: str = "/v1/completions", method: str = "POST", end_of_stream: bool = False,
+                    mode: int | None = ProcessingMode.FULL_DUPLEX_STREAMED, subset: list[str] | None = None,
+                    **extra: str) -> pb.ProcessingRequest:
+    headers = {":method": method, ":path": path, ":authority": "gateway", "content-type": "application/json", **extra}
+    message = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode())
+                                            for k, v in headers.items()]),
+        end_of_stream=end_of_stream))
+    if mode is not None:
+        message.protocol_config.request_body_mode = mode
+        message.protocol_config.response_body_mode = mode
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return message
+
+
+def body_chunks(payload: bytes, pieces: int = 1) -> list[pb.ProcessingRequest]:
+    size = -(-len(payload) // pieces)
+    parts = [payload[i:i + size] for i in range(0, len(payload), size)]
+    return [pb.ProcessingRequest(request_body=pb.HttpBody(body=part, end_of_stream=i == len(parts) - 1))
+            for i, part in enumerate(parts)]
+
+
+def response_phases(answer: bytes) -> list[pb.ProcessingRequest]:
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+                                          base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")])
+    return [pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers)),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=False)),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)),
+            pb.ProcessingRequest(response_trailers=pb.HttpTrailers())]
+
+
+async def full_duplex(stub: pb_grpc.ExternalProcessorStub, messages: list[pb.ProcessingRequest]
+                      ) -> list[pb.ProcessingResponse]:
+    """Envoy in FULL_DUPLEX_STREAMED mode: every message sent without waiting; every reply read to the end."""
+    async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+        for message in messages:
+            yield message
+
+    return [reply async for reply in stub.Process(requests())]
+
+
+def chosen(reply: pb.ProcessingResponse, phase: str = "request_headers") -> str:
+    """The endpoint a reply names, checking the header and the metadata agree (the protocol requires it)."""
+    common = getattr(reply, phase).response
+    headers = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert common.clear_route_cache
+    assert headers["x-gateway-destination-endpoint"] == metadata["x-gateway-destination-endpoint"].string_value
+    return headers["x-gateway-destination-endpoint"]
+
+
+def refusal(reply: pb.ProcessingResponse) -> tuple[int, dict[str, object], dict[str, str]]:
+    assert reply.WhichOneof("response") == "immediate_response", reply
+    immediate = reply.immediate_response
+    headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    return immediate.status.code, json.loads(immediate.body), headers
+
+
+def completion(seed: int, **extra: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": prompt(seed), "max_tokens": 4, **extra}
+
+
+# ---- fast tests ---------------------------------------------------------------------------------------------
+
+
+def test_endpoints_and_subsets_parse_as_the_gateway_writes_them() -> None:
+    assert endpoint_of("http://10.0.0.1:8000") == "10.0.0.1:8000"
+    assert endpoint_of("http://[fd00::1]:8000/") == "[fd00::1]:8000"
+    assert endpoint_of("https://engine.local") == "engine.local:443"
+    assert parse_subset({}) is None
+    assert parse_subset({"envoy.lb.subset_hint": {"x-gateway-destination-endpoint-subset": []}}) == set()
+    hint = {"x-gateway-destination-endpoint-subset": ["10.0.0.1:8000", "10.0.0.2:8000, 10.0.0.3"]}
+    assert parse_subset({"envoy.lb.subset_hint": hint}) == {"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3"}
+
+
+@pytest.mark.parametrize("holder", [POD_A, POD_B])
+@pytest.mark.asyncio
+async def test_full_duplex_picks_the_pod_holding_the_prefix_as_the_http_path_does(picker, holder: str) -> None:
+    router, stub = picker
+    body = completion(1)
+    hold(router, holder, body)
+    payload = json.dumps(body).encode()
+    info = router.request_info(CompletionRequest.model_validate(body), 0)
+    http_choice = router.decide(info, set()).pod  # what the HTTP edge would choose from this state
+    assert http_choice is not None and http_choice.name == holder
+
+    answer = b'{"usage": {"prompt_tokens": 96, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 80}}}'
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(payload, 3), *response_phases(answer)])
+
+    phases = [r.WhichOneof("response") for r in replies]
+    assert phases == ["request_headers", "request_body", "response_headers", "response_body", "response_body",
+                      "response_trailers"]
+    assert chosen(replies[0]) == endpoint_of(holder)
+    echoed = replies[1].request_body.response.body_mutation.streamed_response
+    assert echoed.body == payload and echoed.end_of_stream  # the body goes upstream unchanged
+    assert replies[3].response_body.response.body_mutation.streamed_response.body == answer  # the answer too
+    assert replies[4].response_body.response.body_mutation.streamed_response.end_of_stream
+
+    # the decision is booked as the HTTP path books it: provisional blocks, metrics; in flight until the stream ends
+    assert router.index.match(info.block_hashes, [holder], time.monotonic())[holder].blocks == len(info.block_hashes)
+    assert all(p.inflight == 0 for p in router.pods.pods.values())
+    metrics = router.metrics
+    assert metrics.requests.labels("ok", "gateway")._value.get() == 1
+    assert metrics.decisions.labels("prefix")._value.get() == 1
+    assert metrics.actual._value.get() == 80
+
+
+@pytest.mark.asyncio
+async def test_a_gateway_choice_is_remembered_for_the_next_request(picker) -> None:
+    _, stub = picker
+    first = json.dumps(completion(2)).encode()
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(first)])
+    picked = chosen(replies[0])
+    again = json.dumps(completion(2, max_tokens=9)).encode()  # the same prompt: its blocks are provisional there
+    for _ in range(3):
+        assert chosen((await full_duplex(stub, [request_headers(), *body_chunks(again)]))[0]) == picked
+
+
+@pytest.mark.asyncio
+async def test_a_large_body_is_handed_back_in_chunks_envoy_accepts(picker) -> None:
+    _, stub = picker
+    payload = json.dumps(completion(3, user="x" * 150_000)).encode()
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(payload, 7)])
+    assert replies[0].WhichOneof("response") == "request_headers"
+    pieces = [r.request_body.response.body_mutation.streamed_response for r in replies[1:]]
+    assert len(pieces) == -(-len(payload) // BODY_CHUNK_BYTES)
+    assert all(len(p.body) <= BODY_CHUNK_BYTES for p in pieces)
+    assert b"".join(p.body for p in pieces) == payload
+    assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [True]
+
+
+@pytest.mark.asyncio
+async def test_buffered_mode_answers_the_headers_then_decides_on_the_body(picker) -> None:
+    router, stub = picker
+    body = completion(4)
+    hold(router, POD_B, body)
+    call = stub.Process()
+    await call.write(request_headers(mode=ProcessingMode.BUFFERED))
+    first = await call.read()  # Envoy waits for this before it sends the body
+    assert first.WhichOneof("response") == "request_headers"
+    assert not first.request_headers.response.header_mutation.set_headers
+    await call.write(body_chunks(json.dumps(body).encode())[0])
+    second = await call.read()
+    assert second.WhichOneof("response") == "request_body"
+    assert chosen(second, "request_body") == endpoint_of(POD_B)
+    assert not second.request_body.response.HasField("body_mutation")  # the body goes on as the client sent it
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+
+
+@pytest.mark.asyncio
+async def test_the_gateway_subset_limits_the_choice(picker) -> None:
+    router, stub = picker
+    body = completion(5)
+    hold(router, POD_A, body)
+    payload = json.dumps(body).encode()
+    only_b = request_headers(subset=[endpoint_of(POD_B)])
+    assert chosen((await full_duplex(stub, [only_b, *body_chunks(payload)]))[0]) == endpoint_of(POD_B)
+    by_ip = request_headers(subset=["10.0.0.2"])  # a bare address allows any of its ports
+    assert chosen((await full_duplex(stub, [by_ip, *body_chunks(payload)]))[0]) == endpoint_of(POD_B)
+    elsewhere = request_headers(subset=["10.9.9.9:8000"])
+    status, error, _ = refusal((await full_duplex(stub, [elsewhere, *body_chunks(payload)]))[0])
+    assert status == 503 and "subset" in error["error"]["message"]
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    (b'{"model": "tiny", "prompt": [1, 2', "malformed JSON"),
+    (b'{"model": "tiny", "max_tokens": 4}', "prompt"),
+])
+@pytest.mark.asyncio
+async def test_a_bad_body_gets_400(picker, payload: bytes, message: str) -> None:
+    _, stub = picker
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(payload, 2)])
+    assert len(replies) == 1
+    status, error, headers = refusal(replies[0])
+    assert status == 400 and message in error["error"]["message"] and headers["content-type"] == "application/json"
+
+
+@pytest.mark.asyncio
+async def test_an_unknown_model_gets_404(picker) -> None:
+    _, stub = picker
+    payload = json.dumps({**completion(6), "model": "other"}).encode()
+    status, error, _ = refusal((await full_duplex(stub, [request_headers(), *body_chunks(payload)]))[0])
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.asyncio
+async def test_no_healthy_pod_gets_503(picker) -> None:
+    router, stub = picker
+    for pod in router.pods.pods.values():
+        pod.healthy = False
+    payload = json.dumps(completion(7)).encode()
+    status, error, headers = refusal((await full_duplex(stub, [request_headers(), *body_chunks(payload)]))[0])
+    assert status == 503 and error["error"]["code"] == "no_pod" and headers["retry-after"] == "1"
+    assert router.metrics.requests.labels("no_pod", "gateway")._value.get() == 1
+
+
+@pytest.mark.asyncio
+async def test_an_overloaded_pool_sheds_by_priority_with_429(picker) -> None:
+    router, stub = picker
+    for pod in router.pods.pods.values():
+        pod.metrics["overload_probability"] = 0.99  # past the default 0.9 shedding threshold
+    payload = json.dumps(completion(8)).encode()
+    status, error, headers = refusal((await full_duplex(stub, [request_headers(), *body_chunks(payload)]))[0])
+    assert status == 429 and error["error"]["code"] == "overloaded" and int(headers["retry-after"]) >= 1
+    important = request_headers(**{"x-kvmesh-priority": "3"})
+    assert chosen((await full_duplex(stub, [important, *body_chunks(payload)]))[0]) in map(endpoint_of, (POD_A, POD_B))
+    bad = request_headers(**{"x-kvmesh-priority": "high"})
+    status, error, _ = refusal((await full_duplex(stub, [bad, *body_chunks(payload)]))[0])
+    assert status == 400 and "x-kvmesh-priority" in error["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_a_request_without_body_is_decided_at_its_headers(picker) -> None:
+    _, stub = picker
+    replies = await full_duplex(stub, [request_headers("/v1/models", "GET", end_of_stream=True)])
+    assert len(replies) == 1 and chosen(replies[0]) in map(endpoint_of, (POD_A, POD_B))
+
+
+@pytest.mark.asyncio
+async def test_a_body_mode_that_cannot_carry_a_choice_is_refused_clearly(picker) -> None:
+    _, stub = picker
+    replies = await full_duplex(stub, [request_headers(mode=ProcessingMode.STREAMED)])
+    status, error, _ = refusal(replies[0])
+    assert status == 500 and "FULL_DUPLEX_STREAMED" in error["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_the_gateway_abandons_gives_the_pod_back(picker) -> None:
+    router, stub = picker
+    call = stub.Process()
+    await call.write(request_headers())
+    for message in body_chunks(json.dumps(completion(9)).encode()):
+        await call.write(message)
+    assert (await call.read()).WhichOneof("response") == "request_headers"
+    assert sum(p.inflight for p in router.pods.pods.values()) == 1  # the request is in flight on its pod
+    call.cancel()  # the client went away before the answer
+    for _ in range(200):
+        if sum(p.inflight for p in router.pods.pods.values()) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(p.inflight for p in router.pods.pods.values()) == 0
+    assert router.metrics.requests.labels("client_gone", "gateway")._value.get() == 1
+
+
+# ---- beside the HTTP edge, in front of real engines ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, Router]]:
+    with tiny_engines(tiny_dir, tmp_path_factory.mktemp("engines")) as procs:
+        port = free_port()
+        r = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, ext_proc_port=port), tiny_dir)
+        with serve_router(r) as url:
+            yield url, port, r
+
+
+async def gateway_pick(port: int, body: dict[str, object]) -> str:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        replies = await full_duplex(pb_grpc.ExternalProcessorStub(channel),
+                                    [request_headers(), *body_chunks(json.dumps(body).encode(), 2)])
+    return chosen(replies[0])
+
+
+def wait_indexed(router: Router, pod: str, body: dict[str, object]) -> None:
+    """Until `pod`'s own events (not the router's provisional entries) report the prompt's blocks."""
+    hashes = router.request_info(CompletionRequest.model_validate(body), 0).block_hashes
+    for _ in range(100):
+        match = router.index.match(hashes, [pod], None).get(pod)
+        if match is not None and match.blocks == len(hashes):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{pod} never reported the prompt's blocks")
+
+
+@pytest.mark.slow
+def test_the_gateway_and_the_http_edge_choose_alike(served: tuple[str, int, Router]) -> None:
+    url, port, router = served
+    ids = prompt(11, 160)
+    http = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0}, timeout=60)
+    assert http.status_code == 200, http.text
+    holder = http.headers["x-kvmesh-pod"]
+    wait_indexed(router, holder, {"prompt": ids})
+    for k in range(3):  # the same prefix, new suffixes: the gateway goes where the HTTP edge put it
+        assert asyncio.run(gateway_pick(port, {"prompt": [*ids, 7 + k], "max_tokens": 2})) == endpoint_of(holder)
+
+    # and the other way round: what the gateway routes, the HTTP edge follows before any event confirms it
+    fresh = prompt(12, 160)
+    picked = asyncio.run(gateway_pick(port, {"prompt": fresh, "max_tokens": 2}))
+    again = httpx.post(url + "/v1/completions", json={"prompt": [*fresh, 5], "max_tokens": 2}, timeout=60)
+    assert again.status_code == 200 and endpoint_of(again.headers["x-kvmesh-pod"]) == picked
+    assert 'kvmesh_router_requests_total{outcome="ok",route="gateway"} 4.0' in httpx.get(url + "/metrics").text
