@@ -58,6 +58,9 @@ class EngineConfig:
     kv_tier_cost_profile: str = "measured"  # load-or-recompute costs: measured, or gpu (engine/kv/tiers.py)
     threads: int | None = None  # torch intra-op threads; None: torch's default
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU (engine/attention.py, docs/kernels.md)
+    # > 0: after the model loads, /health says "warming" (503) until the first warm-up (POST /v1/kv/warm) ends,
+    # POST /v1/admin/ready, or this many seconds, so a new pod joins Services and routers warm (issue 5)
+    warmup_grace_seconds: float = 0.0
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,6 +78,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.warmup_grace_seconds < 0:
+            raise ValueError(f"warmup_grace_seconds must be >= 0, got {self.warmup_grace_seconds}")
         if self.kv_host_memory_mib < 0 or self.kv_disk_mib < 0 or self.kv_tier_chunk_blocks < 1:
             raise ValueError("kv_host_memory_mib and kv_disk_mib must be >= 0, kv_tier_chunk_blocks >= 1")
         from kvmesh.engine.kv.tiers import PROFILES  # torch-heavy: only when validating

@@ -36,6 +36,9 @@ Role = Literal["prefill", "decode", "both", "router"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "both", "router")
 
 DRAIN_PATH = "/v1/admin/drain"
+# POST: the operator has nothing to warm this new pod with: open its warm-up gate now (issue 5)
+READY_PATH = "/v1/admin/ready"
+HEALTH_WARMING = "warming"  # /health's status (503) while a new pod waits for its warm-up
 KV_CONFIG_PATH = "/v1/kv/config"
 KV_EVENTS_PATH = "/v1/kv/events"
 KV_BLOCKS_PATH = "/v1/kv/blocks"
@@ -336,6 +339,7 @@ class Metric:
     KV_BLOCK_LIFETIME = "kvmesh_kv_block_lifetime_seconds"  # histogram, sampled: stored to evicted; label tier
     KV_BLOCK_IDLE = "kvmesh_kv_block_idle_before_evict_seconds"  # histogram, sampled: last use to eviction; tier
     KV_BLOCK_REUSE_GAP = "kvmesh_kv_block_reuse_gap_seconds"  # histogram, sampled: idle until reused; label tier
+    WARMUP_GATE_OPENED = "kvmesh_warmup_gate_opened"  # counter; label reason (GATE_REASONS): how /health opened
 
 
 class RouterMetric:
@@ -381,4 +385,7 @@ RESIDENCY_KINDS: tuple[str, ...] = ("lifetime", "idle", "reuse_gap")  # the thre
 RESIDENCY_SAMPLE = 16  # residency is observed for one block in 16 (by hash: the same blocks in every tier)
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+# why a new pod's warm-up gate opened: its warm-up copied every chain, or not all; the operator had nothing to
+# copy; or nobody warmed it within the grace
+GATE_REASONS: tuple[str, ...] = ("warmed", "warm_failed", "nothing_to_copy", "grace_expired")
 OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Query
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.engine.engine import Engine
@@ -39,6 +40,8 @@ from kvmesh.engine.openai_types import (
 from kvmesh.engine.protocol import (
     CACHE_SOURCES,
     DRAIN_PATH,
+    GATE_REASONS,
+    HEALTH_WARMING,
     HOT_CHAINS_DEFAULT,
     HOT_CHAINS_MAX,
     KV_BLOCKS_PATH,
@@ -48,9 +51,11 @@ from kvmesh.engine.protocol import (
     KV_TRANSFER_FIELD,
     KV_WARM_PATH,
     PRIORITY_HEADER,
+    READY_PATH,
     WORKLOAD_HEADER,
     BlockExtra,
     HashAlgo,
+    Metric,
     block_hashes,
     parse_priority,
     workload_class,
@@ -72,20 +77,65 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class WarmupGate:
+    """Keeps a new pod out of Services and routers (/health 503 "warming") from its model's load until the
+    operator's warm-up has copied the pool's hottest prefixes into it (issue 5): the first POST /v1/kv/warm ends
+    (however it went: a failed warm-up must not keep a pod out), POST /v1/admin/ready says there is nothing to
+    copy, or the grace passes (nobody came). Readiness only: a client calling the pod directly is served."""
+
+    def __init__(self, grace_seconds: float, registry: CollectorRegistry,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._start = clock()
+        self.deadline = self._start + grace_seconds
+        self.reason: str | None = None  # why it opened; None while closed, or when there never was a gate
+        self._closed = grace_seconds > 0
+        self._opened = Counter(Metric.WARMUP_GATE_OPENED, "How the warm-up gate opened (once per start).",
+                               ["reason"], registry=registry)
+        for reason in GATE_REASONS:
+            self._opened.labels(reason)
+
+    def closed(self) -> bool:
+        """Whether /health must still say warming; the grace's end opens the gate (seen when asked)."""
+        if self._closed and self._clock() >= self.deadline:
+            self.open("grace_expired")
+        return self._closed
+
+    def seconds_left(self) -> float:
+        return max(self.deadline - self._clock(), 0.0) if self._closed else 0.0
+
+    def open(self, reason: str) -> None:
+        """Open for good (a later call changes nothing)."""
+        assert reason in GATE_REASONS, reason
+        if not self._closed:
+            return
+        self._closed, self.reason = False, reason
+        self._opened.labels(reason).inc()
+        log.info("warm-up gate open (%s) after %.1f s: /health answers 200", reason, self._clock() - self._start)
+
+
 class EngineHolder:
-    """The engine, or why there is none yet: the server answers /health 503 while the model loads."""
+    """The engine, or why there is none yet: the server answers /health 503 while the model loads, and while
+    its warm-up gate holds it."""
 
     def __init__(self, engine: Engine | None = None, loader: Callable[[], Engine] | None = None) -> None:
-        self.engine = engine
+        self.engine: Engine | None = None
+        self.gate: WarmupGate | None = None
         self.error: str | None = None
         self._loader = loader
+        if engine is not None:
+            self._loaded(engine)
+
+    def _loaded(self, engine: Engine) -> None:
+        self.gate = WarmupGate(engine.config.warmup_grace_seconds, engine.metrics.registry)  # the grace runs from now
+        self.engine = engine
 
     def load_in_background(self) -> None:
         def run() -> None:
             try:
                 engine = self._loader()  # type: ignore[misc]
                 engine.start()
-                self.engine = engine
+                self._loaded(engine)
             except Exception as exc:  # shown by /health; the process stays up for the operator to see it
                 self.error = f"{type(exc).__name__}: {exc}"
 
@@ -604,7 +654,19 @@ def create_app(holder: EngineHolder) -> FastAPI:
                                 status_code=503)
         if holder.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if holder.gate is not None and holder.gate.closed():
+            return JSONResponse({"status": HEALTH_WARMING, "seconds_left": round(holder.gate.seconds_left(), 1),
+                                 "message": f"waiting for a warm-up (POST {KV_WARM_PATH}) or POST {READY_PATH}"},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.post(READY_PATH)
+    async def ready() -> dict[str, Any]:
+        """The operator has nothing to warm this pod with: serve now (a pod without a gate is unaffected)."""
+        holder.get()
+        assert holder.gate is not None
+        holder.gate.open("nothing_to_copy")
+        return {"warming": False, "opened": holder.gate.reason}
 
     @app.post(DRAIN_PATH)
     async def drain() -> dict[str, Any]:
@@ -615,6 +677,8 @@ def create_app(holder: EngineHolder) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         e = holder.get()
+        if holder.gate is not None:
+            holder.gate.closed()  # a grace that ran out shows in the gate's metric before any /health asks
         return Response(e.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get(KV_CONFIG_PATH)
@@ -669,7 +733,15 @@ def create_app(holder: EngineHolder) -> FastAPI:
 
     @app.post(KV_WARM_PATH)
     async def kv_warm(body: WarmRequest) -> dict[str, Any]:
-        return (await warm(holder.get(), peers, body)).model_dump()
+        e = holder.get()
+        outcome = "warm_failed"
+        try:
+            answer = await warm(e, peers, body)
+            outcome = "warm_failed" if answer.failed else "warmed"
+            return answer.model_dump()
+        finally:  # the first warm-up opens the gate however it ended: the pod computes what it lacks
+            assert holder.gate is not None
+            holder.gate.open(outcome)
 
     @app.get(KV_BLOCKS_PATH)
     async def kv_blocks() -> dict[str, Any]:

@@ -41,6 +41,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-disk-path", help="the disk tier's file (default ~/.cache/kvmesh/kv-disk-<port>.kv)")
     p.add_argument("--kv-tier-chunk-blocks", type=int, help="blocks per copy between tiers (default 16)")
     p.add_argument("--kv-tier-cost-profile", help="load-or-recompute costs: measured (default), gpu or cpu")
+    p.add_argument("--warmup-grace-seconds", type=float,
+                   help="stay unready (/health: warming) after loading until warmed or this long (default 0: off)")
     p.add_argument("--log-level", default="info")
 
 

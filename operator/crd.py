@@ -212,6 +212,9 @@ def spec_schema() -> dict[str, Any]:
                                               0, 86400, default=300),
         "warmupPrefixes": _int("a new engine pod pulls this many of a peer's hottest prefix chains once it serves; "
                                "0: no warm-up", 0, HOT_CHAINS_MAX, default=HOT_CHAINS_DEFAULT),
+        "warmupGraceSeconds": _num("with warm-up on, a new engine pod stays unready (its /health says warming) until "
+                                   "its warm-up ends or this many seconds pass; 0: it serves at once, warmed later",
+                                   0, 600, default=60),
         "slo": _obj({"ttftSeconds": _num("time-to-first-token objective", 0, exclusive_min=True),
                      "itlSeconds": _num("inter-token latency objective", 0, exclusive_min=True)},
                     description="latency objectives: the router sheds by priority past the TTFT one", default={}),

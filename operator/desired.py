@@ -22,6 +22,7 @@ import yaml
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, BUNDLED, KIND, Pool
+from kvmesh.router.config import GATEWAY_EXT_PROC_PORT
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
@@ -32,6 +33,7 @@ HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outl
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
 RUN_AS = 65532  # the image's non-root user
 GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
+EXT_PROC_PORT_NAME = "grpc-ext-proc"  # the router's endpoint-picker port (the grpc- prefix tells meshes it is gRPC)
 DATABASE_URL_ENV = "KVMESH_DATABASE_URL"
 
 # camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
@@ -122,8 +124,15 @@ def router_settings(pool: Pool) -> dict[str, Any]:
         out["ttft_slo_seconds"] = scaling["slo"]["ttftSeconds"]
     if "databaseUrl" in pool.spec["store"]:
         out["database_url"] = pool.spec["store"]["databaseUrl"]
+    if pool.spec["gatewayInferencePool"]["enabled"]:  # the Gateway's endpoint picker: Envoy ext_proc over gRPC
+        out["ext_proc_port"] = GATEWAY_EXT_PROC_PORT
     out.update(spec.get("settings") or {})
     return out
+
+
+def ext_proc_port(pool: Pool) -> int | None:
+    """The port the router serves the Gateway's ext_proc stream on, as its file says; None when it serves none."""
+    return router_settings(pool).get("ext_proc_port")
 
 
 def config_files(pool: Pool) -> dict[str, str]:
@@ -207,9 +216,18 @@ def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool
             "spec": spec}
 
 
+def warmup_grace_seconds(pool: Pool) -> float:
+    """How long a new engine pod stays unready waiting for its warm-up (0: no gate): the spec's grace while
+    warm-up is on. The engines get it as a flag, not in the ConfigMap's file: only the operator warms pods, so
+    a local pool (`kvmesh up -f`, which reads the same settings) must not wait for a warm-up that never comes."""
+    scaling = pool.spec["scaling"]
+    return float(scaling["warmupGraceSeconds"]) if scaling["warmupPrefixes"] > 0 else 0.0
+
+
 def _probes(port: str = "http") -> dict[str, Any]:
-    """Ready while /health answers 200 (not while loading or draining); alive while the port accepts; the
-    startup probe gives a model several minutes to load before liveness counts."""
+    """Ready while /health answers 200 (not while loading, warming up or draining); alive while the port
+    accepts, so a loading, warming or draining engine is never restarted; the startup probe gives a model
+    several minutes to load before liveness counts."""
     return {
         "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2, "failureThreshold": 2},
         "livenessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 10, "failureThreshold": 3},
@@ -222,7 +240,8 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
     container = {
         "name": "engine",
         "image": spec["image"],
-        "command": ["kvmesh", "serve", "--config", f"{CONFIG_DIR}/engine.yaml", "--role", role],
+        "command": ["kvmesh", "serve", "--config", f"{CONFIG_DIR}/engine.yaml",
+                    "--warmup-grace-seconds", f"{warmup_grace_seconds(pool):g}", "--role", role],
         "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
         "env": _env(pool),
         "resources": copy.deepcopy(spec["resources"]),
@@ -256,6 +275,8 @@ def router_deployment(pool: Pool) -> dict[str, Any]:
         "resources": copy.deepcopy(spec["resources"]),
         **_probes(),
     }
+    if ext_proc_port(pool) is not None:
+        container["ports"].append({"name": EXT_PROC_PORT_NAME, "containerPort": ext_proc_port(pool), "protocol": "TCP"})
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(pool, router_name(pool), labels(pool, "router")),
@@ -285,9 +306,12 @@ def engines_service(pool: Pool) -> dict[str, Any]:
 
 def router_service(pool: Pool) -> dict[str, Any]:
     port = pool.spec["router"]["port"]
+    ports = [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]
+    if ext_proc_port(pool) is not None:  # plaintext gRPC: HTTP/2 without TLS
+        ports.append({"name": EXT_PROC_PORT_NAME, "port": ext_proc_port(pool), "targetPort": EXT_PROC_PORT_NAME,
+                      "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"})
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, router_name(pool), labels(pool, "router")),
-            "spec": {"type": "ClusterIP", "selector": selector(pool, "router"),
-                     "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}}
+            "spec": {"type": "ClusterIP", "selector": selector(pool, "router"), "ports": ports}}
 
 
 def router_rbac(pool: Pool) -> list[dict[str, Any]]:
@@ -338,14 +362,14 @@ def autoscaler(pool: Pool, role: str) -> dict[str, Any]:
 
 
 def gateway_pool(pool: Pool) -> dict[str, Any]:
-    """A Gateway API Inference Extension InferencePool over the same engines, naming the router's Service as the
-    endpoint picker."""
+    """A Gateway API Inference Extension InferencePool over the same engines, naming the router's ext_proc port
+    as the endpoint picker. FailClose: with the picker down, the Gateway refuses rather than route blind."""
     return {"apiVersion": GATEWAY_API_VERSION, "kind": "InferencePool",
             "metadata": _meta(pool, pool.name, {POOL_LABEL: pool.name}),
             "spec": {"selector": {"matchLabels": {POOL_LABEL: pool.name, COMPONENT_LABEL: "engine"}},
                      "targetPorts": [{"number": pool.spec["engine"]["port"]}],
                      "endpointPickerRef": {"name": router_name(pool), "kind": "Service",
-                                           "port": {"number": pool.spec["router"]["port"]},
+                                           "port": {"number": ext_proc_port(pool)},
                                            "failureMode": "FailClose"}}}
 
 

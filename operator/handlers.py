@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -30,12 +30,12 @@ from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, POOL_LABEL, ROLE_LABEL, OperatorMetric
+from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, POOL_LABEL, READY_PATH, ROLE_LABEL, OperatorMetric
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
 from kvmesh.operator.scaling import Decision, scale_in_order
-from kvmesh.operator.warmup import ServingPod, Warmup, plan_warmups, warm_body
+from kvmesh.operator.warmup import ServingPod, Warmup, left_closed, plan_warmups, warm_body
 
 log = logging.getLogger("kvmesh.operator")
 
@@ -200,6 +200,8 @@ class OperatorConfig:
 Scraper = Callable[[str], str]  # URL -> Prometheus text
 # a warm-up plan and its chain limit -> per target pod, its /v1/kv/warm answer, None (nothing to pull) or the error
 Warmer = Callable[[Warmup, int], dict[str, dict[str, Any] | Exception | None]]
+# new pods with nothing to copy -> per pod, None once its warm-up gate is open, or the error
+GateOpener = Callable[[Sequence[ServingPod]], dict[str, Exception | None]]
 DIRECTIONS = ("up", "down")
 
 
@@ -275,8 +277,29 @@ def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception 
         return dict(zip((t.name for t in plan.targets), pool.map(one, plan.targets), strict=True))
 
 
+def http_open_gates(pods: Sequence[ServingPod]) -> dict[str, Exception | None]:
+    """POST /v1/admin/ready to each pod, in parallel: it has nothing to be warmed with, so it serves now."""
+
+    def one(pod: ServingPod) -> Exception | None:
+        try:
+            httpx.post(pod.url + READY_PATH, timeout=SCRAPE_TIMEOUT_SECONDS).raise_for_status()
+            return None
+        except httpx.HTTPError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(8, len(pods))) as pool:
+        return dict(zip((p.name for p in pods), pool.map(one, pods), strict=True))
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """The pod's Ready condition (its readiness probe: /health answers 200)."""
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodMetrics]:
-    """Scrape every ready engine pod's /metrics (in parallel); a pod that does not answer is left out."""
+    """Scrape the /metrics of every engine pod with an address, Ready or not (a new pod answers them before its
+    warm-up gate lets it be Ready), in parallel; a pod that does not answer is left out."""
     ready = [p for p in pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
 
     def one(pod: dict[str, Any]) -> PodMetrics | None:
@@ -295,7 +318,7 @@ def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodM
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
              scrape: Scraper = http_scrape, metrics: OperatorMetrics | None = None,
-             warm: Warmer = http_warm) -> OperatorMetrics:
+             warm: Warmer = http_warm, open_gates: GateOpener = http_open_gates) -> OperatorMetrics:
     """Add the operator's handlers to `registry`; `configuration` says how to reach the API server."""
     kube = Kube(configuration)
     metrics = metrics or OperatorMetrics()
@@ -376,7 +399,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
             return
         state.last_evaluated = now
-        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm)
+        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates)
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
@@ -387,7 +410,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
 
 
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
-         now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer = http_warm) -> Decision:
+         now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer = http_warm,
+         open_gates: GateOpener = http_open_gates) -> Decision:
     """One scaling evaluation of one pool: observe, decide, act, report."""
     generation = int(body.metadata.get("generation") or 0)
     deployments = {d["metadata"]["labels"].get(ROLE_LABEL): d for d in kube.list(
@@ -404,7 +428,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
                     for role, n in replicas.items()}
     decision = state.scaler.observe(now, scraped, replicas)
     hit_rates = _hit_rates(state, now, scraped)
-    warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm)
+    warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         why = decision.roles[role]
         message = (f"{role}: {replicas[role]} -> {n} replicas ({why.reason}; predicted KV "
@@ -447,32 +471,50 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
 
 
 def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dict[str, Any]],
-                  scraped: list[PodMetrics], hit_rates: Mapping[str, float], warm: Warmer) -> None:
-    """Warm the engine pods that began serving since the last tick from a peer's hottest prefixes. A failed
-    warm-up is a Warning Event and a log line: the pod serves anyway, computing those prefixes itself."""
+                  scraped: list[PodMetrics], hit_rates: Mapping[str, float], warm: Warmer,
+                  open_gates: GateOpener = http_open_gates) -> None:
+    """Warm the engine pods that began serving since the last tick from a peer's hottest prefixes; with the
+    engines' warm-up gate on, tell those left with nothing copied to serve now. A failed warm-up is a Warning
+    Event and a log line: the pod serves anyway, computing those prefixes itself."""
     port = pool.spec["engine"]["port"]
     by_name = {p["metadata"]["name"]: p for p in pods}
-    serving = [ServingPod(m.observation.name, m.observation.role, pod_url(by_name[m.observation.name], port),
-                          hit_rates.get(m.observation.name, 0.0)) for m in scraped if m.observation.name in by_name]
+    serving = [ServingPod(name, m.observation.role, pod_url(by_name[name], port), hit_rates.get(name, 0.0),
+                          pod_ready(by_name[name])) for m in scraped if (name := m.observation.name) in by_name]
     limit = pool.spec["scaling"]["warmupPrefixes"]
-    plans = plan_warmups(state.serving, serving, limit)
+    gated = desired.warmup_grace_seconds(pool) > 0
+    plan = plan_warmups(state.serving, serving, limit, gated)
     state.serving = frozenset(p.name for p in serving)
-    for plan in plans:
-        for target, answer in warm(plan, limit).items():
-            if answer is None:
-                log.info("pool %s/%s: %s has no reused prefixes to warm %s with", pool.namespace, pool.name,
-                         plan.source.name, target)
-                continue
-            if isinstance(answer, Exception) or answer.get("failed"):
-                why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
-                message = f"warming {target} from {plan.source.name} failed: {why}"
-                kopf.event(body, type="Warning", reason="WarmupFailed", message=message[:1024])
-                log.warning("pool %s/%s %s", pool.namespace, pool.name, message)
-                continue
-            message = (f"warmed {target} from {plan.source.name}: {answer.get('blocks_pulled', 0)} blocks pulled, "
-                       f"{answer.get('blocks_present', 0)} already held")
-            kopf.event(body, type="Normal", reason="WarmedUp", message=message)
-            log.info("pool %s/%s %s", pool.namespace, pool.name, message)
+    opening = list(plan.open_now)
+    for warmup in plan.warmups:
+        answers = warm(warmup, limit)
+        _report_warmup(pool, body, warmup, answers)
+        if gated:
+            opening.extend(left_closed(warmup, answers))
+    for name, error in (open_gates(opening) if opening else {}).items():
+        if error is None:
+            log.info("pool %s/%s: nothing to copy into %s: it serves now", pool.namespace, pool.name, name)
+        else:  # its grace opens it in the end
+            log.warning("pool %s/%s: could not open %s's warm-up gate: %s", pool.namespace, pool.name, name, error)
+
+
+def _report_warmup(pool: Pool, body: kopf.Body, plan: Warmup,
+                   answers: Mapping[str, dict[str, Any] | Exception | None]) -> None:
+    """An Event and a log line per target warmed or failed; a log line for a peer with nothing to copy."""
+    for target, answer in answers.items():
+        if answer is None:
+            log.info("pool %s/%s: %s has no reused prefixes to warm %s with", pool.namespace, pool.name,
+                     plan.source.name, target)
+            continue
+        if isinstance(answer, Exception) or answer.get("failed"):
+            why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
+            message = f"warming {target} from {plan.source.name} failed: {why}"
+            kopf.event(body, type="Warning", reason="WarmupFailed", message=message[:1024])
+            log.warning("pool %s/%s %s", pool.namespace, pool.name, message)
+            continue
+        message = (f"warmed {target} from {plan.source.name}: {answer.get('blocks_pulled', 0)} blocks pulled, "
+                   f"{answer.get('blocks_present', 0)} already held")
+        kopf.event(body, type="Normal", reason="WarmedUp", message=message)
+        log.info("pool %s/%s %s", pool.namespace, pool.name, message)
 
 
 def _hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:

@@ -3,7 +3,9 @@
 A pod is new when it serves (answers its /metrics) now and did not at the last scaling tick: a scale-up's
 pods, or a replaced one. Each is asked to pull, over contract 4, the hottest cached prefix chains of a serving
 pod of its role, so the prefixes the pool reuses most are a local hit from its first requests instead of one
-full prefill per prefix. Pure: the operator's handler does the HTTP calls.
+full prefill per prefix. With the engines' warm-up gate on, a new pod answers /metrics but not yet /health
+(so it is in no Service and no router's set) until its warm-up ends; a new pod with nothing to copy is told so
+at once, so a pool's first pods are not held for the whole grace. Pure: the operator's handler does the HTTP.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class ServingPod:
     role: str
     url: str  # http://ip:port of its engine
     hit_rate: float = 0.0  # cached prompt tokens per second it served lately: how warm its cache is
+    ready: bool = True  # its Kubernetes Ready condition: False while loading, warming up or draining
 
 
 @dataclass(frozen=True)
@@ -30,22 +33,40 @@ class Warmup:
     targets: tuple[ServingPod, ...]
 
 
-def plan_warmups(known: frozenset[str] | None, serving: Sequence[ServingPod], limit: int) -> list[Warmup]:
-    """Per role, the pods in `serving` not in `known` (the pods that served at the last tick), warmed from the
-    old pod whose cache serves the most hits (ties: the first name). Nothing when `known` is None (the
-    operator's first tick cannot tell new pods from old, and must not re-warm a whole pool after a restart),
-    when `limit` is 0 (warm-up off), or for a role with no old pod to copy (a pool's first pods are all cold)."""
-    if known is None or limit <= 0:
-        return []
-    plans: list[Warmup] = []
+@dataclass(frozen=True)
+class WarmupPlan:
+    """One tick's warm-ups, and the new pods whose warm-up gate opens at once (nothing to copy into them)."""
+
+    warmups: tuple[Warmup, ...] = ()
+    open_now: tuple[ServingPod, ...] = ()
+
+
+def plan_warmups(known: frozenset[str] | None, serving: Sequence[ServingPod], limit: int,
+                 gated: bool = False) -> WarmupPlan:
+    """Per role, the new pods in `serving` (those not in `known`, the pods that served at the last tick),
+    warmed from the old pod whose cache serves the most hits (ties: the first name). On the operator's first
+    tick (`known` None) only the pods not Ready yet are new: a restarted operator must not re-warm a whole pool,
+    yet must not leave a pod that was warming up to its grace. With the engines' gate on (`gated`), new pods
+    with nothing to copy (no old pod of their role: a pool's first pods; or `limit` 0, warm-up off) are
+    opened at once."""
+    warmups: list[Warmup] = []
+    open_now: list[ServingPod] = []
     for role in sorted({p.role for p in serving}):
         pods = sorted((p for p in serving if p.role == role), key=lambda p: p.name)
-        new = tuple(p for p in pods if p.name not in known)
-        old = [p for p in pods if p.name in known]
-        if new and old:
+        new = tuple(p for p in pods if (not p.ready if known is None else p.name not in known))
+        old = [p for p in pods if p not in new]
+        if new and old and limit > 0:
             source = max(old, key=lambda p: p.hit_rate)  # max keeps the first of equals: the first name
-            plans.append(Warmup(role, source, new))
-    return plans
+            warmups.append(Warmup(role, source, new))
+        elif new and gated:
+            open_now.extend(new)
+    return WarmupPlan(tuple(warmups), tuple(open_now))
+
+
+def left_closed(plan: Warmup, answers: Mapping[str, object]) -> tuple[ServingPod, ...]:
+    """The targets whose gate a warm-up left closed: the peer had nothing to copy (None), or it failed before
+    or while asking them (an error). An engine opens its gate itself when a warm request ends, however it went."""
+    return tuple(t for t in plan.targets if not isinstance(answers.get(t.name), Mapping))
 
 
 def warm_body(source: str, hot: Mapping[str, Any], limit: int) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
+    HEALTH_WARMING,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
@@ -50,6 +51,7 @@ class Pod:
     healthy: bool = False
     draining: bool = False
     terminating: bool = False  # discovery says the pod is going away: drain it whatever /health says
+    warming: bool = False  # a new pod waiting for its warm-up (/health 503 "warming"): up, not routed to yet
     kv_config: KVConfig | None = None
     refused: str | None = None  # why the pod's configuration is not usable, if it is not
     metrics: dict[str, float] = field(default_factory=dict)
@@ -255,9 +257,12 @@ class PodSet:
         while True:
             try:
                 health = await self._client.get(pod.url + "/health")
-                pod.draining = pod.terminating or (
-                    health.status_code == 503 and health.json().get("status") == "draining"
-                )
+                status = health.json().get("status") if health.status_code == 503 else None
+                pod.draining = pod.terminating or status == "draining"
+                if (status == HEALTH_WARMING) != pod.warming:
+                    pod.warming = not pod.warming
+                    log.info("pod %s %s", pod.url, "is warming up: not routing to it until /health says ok"
+                             if pod.warming else "is no longer warming up")
                 pod.healthy = health.status_code == 200
                 if pod.healthy:
                     if pod.kv_config is None:
@@ -270,7 +275,7 @@ class PodSet:
             except Exception as exc:  # a pod's bad answer must not end its scraper
                 if pod.healthy:
                     log.warning("pod %s unreachable: %s", pod.url, exc)
-                pod.healthy = False
+                pod.healthy = pod.warming = False
                 pod.kv_config = None  # read again when it comes back: it may be another boot
             await asyncio.sleep(self.scrape_interval)
 

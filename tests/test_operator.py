@@ -30,7 +30,14 @@ import yaml
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, OperatorMetrics, Warmer, register
+from kvmesh.operator.handlers import (
+    DELETION_COST_ANNOTATION,
+    GateOpener,
+    OperatorConfig,
+    OperatorMetrics,
+    Warmer,
+    register,
+)
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
 
@@ -154,7 +161,8 @@ def pool_body(name: str = "chat", **spec: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def operator(tmp_path: Path, tick: float = 0.2, warm: Warmer | None = None) -> AsyncIterator[Env]:
+async def operator(tmp_path: Path, tick: float = 0.2, warm: Warmer | None = None,
+                   open_gates: GateOpener | None = None) -> AsyncIterator[Env]:
     async with Cluster() as k8s, kmock.Server(k8s) as server:
         for key, (kind, subresources) in RESOURCES.items():
             k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
@@ -170,7 +178,8 @@ async def operator(tmp_path: Path, tick: float = 0.2, warm: Warmer | None = None
         clock = [1000.0]
         registry = kopf.OperatorRegistry()
         metrics = register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=tick, clock=lambda: clock[0]),
-                           kube_configuration(str(kubeconfig)), **({"warm": warm} if warm else {}))
+                           kube_configuration(str(kubeconfig)), **({"warm": warm} if warm else {}),
+                           **({"open_gates": open_gates} if open_gates else {}))
         stop, ready = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS],
                                                  stop_flag=stop, ready_flag=ready))

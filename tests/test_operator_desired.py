@@ -4,6 +4,8 @@ operator/rbac.py; and the engines' metrics as the operator reads them (operator/
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvmesh import cli
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import rbac
@@ -23,6 +26,7 @@ from kvmesh.operator.desired import (
     patch_body,
 )
 from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod
+from kvmesh.operator.local import local_engine_settings
 from kvmesh.router.config import load_router_config
 from kvmesh.router.picker import PickerConfig
 
@@ -140,6 +144,32 @@ def test_the_configuration_files_are_read_by_the_real_engine_and_router(tmp_path
         assert (router.discovery, router.pool, router.namespace) == ("kubernetes", p.name, p.namespace)
     assert load_config(tmp_path / "engine.yaml").handoff_ttl_seconds == 30  # engine.settings passes through
     assert set(ENGINE_SETTINGS.values()) <= {f for f in EngineConfig.__dataclass_fields__}
+
+
+def engine_flags(container: dict[str, Any], config_file: Path) -> EngineConfig:
+    """What the real `kvmesh serve` makes of a container's command (its --config pointed at `config_file`)."""
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers())
+    args = parser.parse_args(container["command"][1:])
+    flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
+    return load_config(config_file, flags)
+
+
+def test_with_warm_up_on_engines_stay_unready_until_warmed_and_are_never_restarted_for_it(tmp_path: Path) -> None:
+    def engine(p: Pool) -> EngineConfig:
+        objects = desired_objects(p)
+        (tmp_path / "engine.yaml").write_text(by_kind(objects, "ConfigMap")["chat-config"]["data"]["engine.yaml"])
+        (container,) = by_kind(objects, "Deployment")["chat-both"]["spec"]["template"]["spec"]["containers"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health", "a warming pod is in no Service"
+        assert "httpGet" not in container["livenessProbe"] and "httpGet" not in container["startupProbe"], \
+            "a pod whose /health says warming must not be restarted"
+        return engine_flags(container, tmp_path / "engine.yaml")
+
+    assert engine(pool()).warmup_grace_seconds == 60
+    assert engine(pool(scaling={"warmupGraceSeconds": 15})).warmup_grace_seconds == 15
+    assert engine(pool(scaling={"warmupPrefixes": 0})).warmup_grace_seconds == 0, "nothing warms them: no gate"
+    # a local pool (kvmesh up -f) reads the same engine settings and has no operator to warm its engines
+    assert "warmup_grace_seconds" not in local_engine_settings(pool())
 
 
 def test_the_router_discovers_the_engines_through_their_service_and_may_read_endpointslices() -> None:

@@ -1,11 +1,14 @@
-"""Warm-up planning (operator/warmup.py): which pods are new, which peer they copy, what they are sent; the pool
-spec's warmupPrefixes; and the operator's timer warming pods that start serving (kopf against kmock's emulator,
-as tests/test_operator.py; the engines' warm call is replaced by a recorder, since no engine runs behind the pods'
-metrics servers: tests/test_kv_warm.py runs the real call between real engines)."""
+"""Warm-up planning (operator/warmup.py): which pods are new, which peer they copy, what they are sent, which are
+told to serve at once (nothing to copy); the pool spec's warmupPrefixes and warmupGraceSeconds; and the operator's
+timer warming pods that start serving before they are Ready (kopf against kmock's emulator, as
+tests/test_operator.py; the engines' warm and open calls are replaced by recorders, since no engine runs behind
+the pods' metrics servers: tests/test_kv_warm.py and tests/test_warmup_gate.py run the real calls on real
+engines)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,36 +16,62 @@ import pytest
 
 from kvmesh.engine.protocol import HOT_CHAINS_DEFAULT
 from kvmesh.operator.crd import SpecError, parse_pool
-from kvmesh.operator.warmup import ServingPod, Warmup, plan_warmups, warm_body
+from kvmesh.operator.desired import warmup_grace_seconds
+from kvmesh.operator.warmup import ServingPod, Warmup, WarmupPlan, left_closed, plan_warmups, warm_body
 from kvmesh.processes import free_port
 
 from .test_operator import NS, POOLS, MetricsServer, eventually, operator, pod_body, pool_body, run
 
 
-def pod(name: str, role: str = "both", hit_rate: float = 0.0) -> ServingPod:
-    return ServingPod(name, role, f"http://{name}:8000", hit_rate)
+def pod(name: str, role: str = "both", hit_rate: float = 0.0, ready: bool = True) -> ServingPod:
+    return ServingPod(name, role, f"http://{name}:8000", hit_rate, ready)
 
 
 def test_pods_that_start_serving_copy_the_warmest_old_pod_of_their_role() -> None:
     old = [pod("a", hit_rate=5.0), pod("b", hit_rate=50.0), pod("p1", "prefill", 1.0)]
     new = [pod("c"), pod("d"), pod("p2", "prefill")]
-    plans = plan_warmups(frozenset({"a", "b", "p1"}), old + new, 16)
-    assert plans == [Warmup("both", old[1], (new[0], new[1])), Warmup("prefill", old[2], (new[2],))]
+    plan = plan_warmups(frozenset({"a", "b", "p1"}), old + new, 16, gated=True)
+    assert plan == WarmupPlan((Warmup("both", old[1], (new[0], new[1])), Warmup("prefill", old[2], (new[2],))))
 
 
-def test_nothing_is_warmed_without_a_known_past_an_old_peer_or_a_limit() -> None:
+def test_nothing_is_warmed_without_a_new_pod_an_old_peer_or_a_limit() -> None:
     serving = [pod("a"), pod("b")]
-    assert plan_warmups(None, serving, 16) == [], "the first tick cannot tell new pods from old"
-    assert plan_warmups(frozenset({"a", "b"}), serving, 16) == [], "no new pod"
-    assert plan_warmups(frozenset({"gone"}), serving, 16) == [], "no old pod serves: nothing warm to copy"
-    assert plan_warmups(frozenset({"a"}), serving, 0) == [], "warmupPrefixes 0 turns warm-up off"
-    assert plan_warmups(frozenset({"a"}), serving, 16) == [Warmup("both", serving[0], (serving[1],))]
+    assert plan_warmups(None, serving, 16) == WarmupPlan(), "a restarted operator re-warms no Ready pod"
+    assert plan_warmups(frozenset({"a", "b"}), serving, 16) == WarmupPlan(), "no new pod"
+    assert plan_warmups(frozenset({"gone"}), serving, 16) == WarmupPlan(), "no old pod serves: nothing to copy"
+    assert plan_warmups(frozenset({"a"}), serving, 0) == WarmupPlan(), "warmupPrefixes 0 turns warm-up off"
+    assert plan_warmups(frozenset({"a"}), serving, 16) == WarmupPlan((Warmup("both", serving[0], (serving[1],)),))
+
+
+def test_with_the_gate_on_new_pods_with_nothing_to_copy_are_opened_at_once() -> None:
+    first = [pod("a", ready=False), pod("b", ready=False)]
+    assert plan_warmups(frozenset(), first, 16, gated=True) == WarmupPlan(open_now=tuple(first)), \
+        "a pool's first pods: no peer of their role to copy"
+    mixed = [pod("a"), pod("b"), pod("p", "prefill")]
+    assert plan_warmups(frozenset({"a"}), mixed, 16, gated=True) == WarmupPlan(
+        (Warmup("both", mixed[0], (mixed[1],)),), (mixed[2],)), "a role's first pod is opened, the other warmed"
+    assert plan_warmups(frozenset({"a"}), mixed, 0, gated=True) == WarmupPlan(open_now=(mixed[1], mixed[2])), \
+        "warm-up limit 0 with the gate on: nothing is copied, so nothing is held"
+
+
+def test_a_restarted_operator_warms_the_pods_not_ready_yet_from_the_ready_ones() -> None:
+    serving = [pod("a", hit_rate=3.0), pod("b", ready=False), pod("p", "prefill", ready=False)]
+    assert plan_warmups(None, serving, 16, gated=True) == WarmupPlan(
+        (Warmup("both", serving[0], (serving[1],)),), (serving[2],))
 
 
 def test_equally_warm_peers_are_chosen_by_name() -> None:
     serving = [pod("z"), pod("m"), pod("new")]
-    (plan,) = plan_warmups(frozenset({"z", "m"}), serving, 4)
+    (plan,) = plan_warmups(frozenset({"z", "m"}), serving, 4).warmups
     assert plan.source.name == "m"
+
+
+def test_targets_a_warm_up_did_not_reach_are_left_closed() -> None:
+    plan = Warmup("both", pod("a"), (pod("b"), pod("c"), pod("d"), pod("e")))
+    answers = {"b": {"blocks_pulled": 3, "failed": 0}, "c": {"blocks_pulled": 0, "failed": 2}, "d": None,
+               "e": ConnectionError("peer unreachable")}
+    assert [t.name for t in left_closed(plan, answers)] == ["d", "e"], \
+        "an engine opens its own gate when a warm request ends, even a failed one"
 
 
 def test_the_warm_body_sends_the_hottest_chains_up_to_the_limit() -> None:
@@ -71,20 +100,36 @@ def test_warmup_prefixes_defaults_on_and_is_bounded() -> None:
         parse_pool(body(warmupPrefixes=-1))
 
 
+def test_the_warm_up_gate_defaults_to_a_minute_only_while_warm_up_is_on() -> None:
+    assert parse_pool(body()).spec["scaling"]["warmupGraceSeconds"] == 60
+    assert warmup_grace_seconds(parse_pool(body())) == 60
+    assert warmup_grace_seconds(parse_pool(body(warmupGraceSeconds=5))) == 5
+    assert warmup_grace_seconds(parse_pool(body(warmupPrefixes=0))) == 0, "nothing warms the pods: no gate"
+    assert warmup_grace_seconds(parse_pool(body(warmupGraceSeconds=0))) == 0
+    for bad in (-1, 601):
+        with pytest.raises(SpecError, match="warmupGraceSeconds"):
+            parse_pool(body(warmupGraceSeconds=bad))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_timer_warms_pods_that_start_serving_and_reports_each_outcome(tmp_path: Path) -> None:
     port = free_port()
     servers = {ip: MetricsServer(ip, port) for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")}
     calls: list[tuple[Warmup, int]] = []
+    opened: list[str] = []
 
     def warm(plan: Warmup, limit: int) -> dict[str, Any]:
         calls.append((plan, limit))
         return {t.name: ConnectionError("peer unreachable") if t.url.startswith("http://127.0.0.4") else
                 {"blocks_pulled": 7, "blocks_present": 1, "failed": 0, "errors": []} for t in plan.targets}
 
+    def open_gates(pods: Sequence[ServingPod]) -> dict[str, Exception | None]:
+        opened.extend(p.name for p in pods)
+        return dict.fromkeys((p.name for p in pods), None)
+
     async def main() -> None:
-        async with operator(tmp_path, warm=warm) as env:
+        async with operator(tmp_path, warm=warm, open_gates=open_gates) as env:
             spec = {"engine": {"port": port}, "replicas": {"both": {"min": 1, "max": 6}},
                     "scaling": {"intervalSeconds": 1, "warmupPrefixes": 5}}
             await env.k8s.post(POOLS, json=pool_body(**spec))
@@ -99,6 +144,7 @@ def test_the_timer_warms_pods_that_start_serving_and_reports_each_outcome(tmp_pa
             ticking = asyncio.create_task(clock())
             await eventually(lambda: env.pool()["status"]["kvUsage"]["observed"] > 0)  # a tick saw pod 0 serve
             assert calls == [], "the pool's first pod has no peer to copy"
+            assert opened == ["chat-both-0"], "so its warm-up gate is opened at once"
             for name, ip in (("chat-both-1", "127.0.0.3"), ("chat-both-2", "127.0.0.4")):
                 await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pod_body(name, ip))
             await eventually(lambda: env.events("WarmedUp") and env.events("WarmupFailed"))
@@ -112,6 +158,9 @@ def test_the_timer_warms_pods_that_start_serving_and_reports_each_outcome(tmp_pa
             assert "chat-both-1" in ok["message"] and "7 blocks pulled" in ok["message"]
             assert failed["type"] == "Warning" and "chat-both-2" in failed["message"]
             assert "peer unreachable" in failed["message"]
+            # the new pods were not Ready (no Ready condition): warmed all the same; the one whose warm-up never
+            # reached it is opened by the operator, the warmed one opened its own gate
+            await eventually(lambda: opened == ["chat-both-0", "chat-both-2"])
 
     try:
         run(main)
