@@ -27,7 +27,7 @@ from kvmesh.operator.desired import (
 )
 from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod
 from kvmesh.operator.local import local_engine_settings
-from kvmesh.router.config import load_router_config
+from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, load_router_config
 from kvmesh.router.picker import PickerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +87,41 @@ def test_an_aggregated_pool_has_one_engine_deployment_and_a_disaggregated_one_tw
     gateway = by_kind(dis, "InferencePool")["docs"]
     assert gateway["spec"]["endpointPickerRef"]["name"] == "docs-router"
     assert gateway["spec"]["selector"]["matchLabels"] == by_kind(dis, "Service")["docs-engines"]["spec"]["selector"]
+
+
+def test_the_gateway_pool_names_the_ext_proc_port_the_router_serves(tmp_path: Path) -> None:
+    """A Gateway calls the endpoint picker its InferencePool names over ext_proc: that Service port must lead to
+    the port the router's own configuration file makes it serve, and the chart's policies must let the Gateway in."""
+    objects = desired_objects(pool(DISAGGREGATED))
+    ref = by_kind(objects, "InferencePool")["docs"]["spec"]["endpointPickerRef"]
+    assert (ref["kind"], ref["name"], ref["failureMode"]) == ("Service", "docs-router", "FailClose")
+    (port,) = [p for p in by_kind(objects, "Service")["docs-router"]["spec"]["ports"]
+               if p["port"] == ref["port"]["number"]]
+    assert port["appProtocol"] == "kubernetes.io/h2c"  # plaintext gRPC
+    (container,) = by_kind(objects, "Deployment")["docs-router"]["spec"]["template"]["spec"]["containers"]
+    (target,) = [p for p in container["ports"] if p["name"] == port["targetPort"]]
+    (tmp_path / "router.yaml").write_text(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])
+    assert load_router_config(tmp_path / "router.yaml").ext_proc_port == target["containerPort"] == \
+        GATEWAY_EXT_PROC_PORT
+    # without the Gateway pool the router opens no gRPC port
+    plain = desired_objects(pool())
+    assert [p["name"] for p in by_kind(plain, "Service")["chat-router"]["spec"]["ports"]] == ["http"]
+    (tmp_path / "router.yaml").write_text(by_kind(plain, "ConfigMap")["chat-config"]["data"]["router.yaml"])
+    assert load_router_config(tmp_path / "router.yaml").ext_proc_port is None
+
+    from . import test_chart as chart
+
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}},
+               "podSelector": {"matchLabels": {"app": "envoy"}}}
+    chart.PODS["gateway"] = ("gateway", {"app": "envoy"})
+    try:
+        for peers, reaches in (([], False), ([gateway], True)):
+            policies = chart.by_kind(chart.manifests(chart.render({"networkPolicy": {"gateway": peers}})),
+                                     "NetworkPolicy")
+            assert chart.allowed(policies, "gateway", "router", GATEWAY_EXT_PROC_PORT) is reaches
+            assert not chart.allowed(policies, "client", "router", GATEWAY_EXT_PROC_PORT)
+    finally:
+        del chart.PODS["gateway"]
 
 
 def test_replicas_start_at_the_minimum_and_stay_within_bounds() -> None:
