@@ -335,9 +335,11 @@ class Exchange:
                 self.usage = json.loads(self.answer).get("usage")
         if self.usage:
             router.metrics.actual.inc((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        # Without response phases the gateway ends the stream once the request is sent: counted as ok.
+        # A stream cut before the answer ended (the gateway showed its start) is a client gone; without response
+        # phases the gateway ends the stream once the request is sent, and the request counts as ok.
         status = self.status or 200
-        outcome = "client_gone" if cancelled and not self.done else "ok" if status == 200 else "error"
+        cut = not self.done and (cancelled or self.status is not None)
+        outcome = "client_gone" if cut else "ok" if status == 200 else "error"
         router.metrics.requests.labels(outcome, trace.route).inc()
         router.record(trace, outcome, 499 if outcome == "client_gone" else status, self.usage)
 
@@ -373,10 +375,53 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             exchange.finish(cancelled or context.cancelled())
 
 
+# ---- gRPC health checking (grpc.health.v1), which the protocol asks an endpoint picker to serve ----------------
+# Its two messages have one field each, so they are read and written by hand rather than from generated code:
+# HealthCheckRequest {string service = 1}, HealthCheckResponse {ServingStatus status = 1}.
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+SERVING, NOT_SERVING = 1, 2
+LIVENESS, READINESS = "liveness", "readiness"  # the extension's names; "" is the server as a whole
+
+
+def health_request_service(data: bytes) -> str:
+    """HealthCheckRequest.service from the message's bytes (empty bytes: the default, "")."""
+    if not data:
+        return ""
+    if data[0] != 0x0A:  # field 1, length-delimited
+        raise ValueError("not a HealthCheckRequest")
+    length, shift, i = 0, 0, 1
+    while True:  # a varint
+        length |= (data[i] & 0x7F) << shift
+        shift, i = shift + 7, i + 1
+        if data[i - 1] < 0x80:
+            return data[i:i + length].decode()
+
+
+def health_response(status: int) -> bytes:
+    return bytes([0x08, status])  # field 1, varint
+
+
+def _health_handler(router: Router) -> grpc.GenericRpcHandler:
+    known = {"", LIVENESS, READINESS, pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name}
+
+    async def check(service: str, context: grpc.aio.ServicerContext) -> int:
+        if service not in known:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
+        if service == LIVENESS:
+            return SERVING
+        ready = any(p.healthy and not p.draining for p in router.pods.snapshot())  # the HTTP /health's rule
+        return SERVING if ready else NOT_SERVING
+
+    return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {"Check": grpc.unary_unary_rpc_method_handler(
+        check, request_deserializer=health_request_service, response_serializer=health_response)})
+
+
 async def start_ext_proc(router: Router, host: str, port: int) -> grpc.aio.Server:
-    """The ext_proc gRPC server on host:port, started (stop it with `await server.stop(grace)`)."""
+    """The ext_proc gRPC server (and gRPC health checking) on host:port, started; stop it with `server.stop`."""
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
+    server.add_generic_rpc_handlers((_health_handler(router),))
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot listen for ext_proc on {host}:{port}")
     await server.start()

@@ -53,11 +53,11 @@ def router(bundled_dir: Path) -> Router:
 
 
 @pytest_asyncio.fixture
-async def picker(router: Router) -> AsyncIterator[tuple[Router, pb_grpc.ExternalProcessorStub]]:
+async def picker(router: Router) -> AsyncIterator[tuple[Router, pb_grpc.ExternalProcessorStub, grpc.aio.Channel]]:
     port = free_port()
     server = await start_ext_proc(router, "127.0.0.1", port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield router, pb_grpc.ExternalProcessorStub(channel)
+        yield router, pb_grpc.ExternalProcessorStub(channel), channel
     await server.stop(None)
 
 
@@ -153,7 +153,7 @@ def test_endpoints_and_subsets_parse_as_the_gateway_writes_them() -> None:
 @pytest.mark.parametrize("holder", [POD_A, POD_B])
 @pytest.mark.asyncio
 async def test_full_duplex_picks_the_pod_holding_the_prefix_as_the_http_path_does(picker, holder: str) -> None:
-    router, stub = picker
+    router, stub, _ = picker
     body = completion(1)
     hold(router, holder, body)
     payload = json.dumps(body).encode()
@@ -184,7 +184,7 @@ async def test_full_duplex_picks_the_pod_holding_the_prefix_as_the_http_path_doe
 
 @pytest.mark.asyncio
 async def test_a_gateway_choice_is_remembered_for_the_next_request(picker) -> None:
-    _, stub = picker
+    _, stub, _ = picker
     first = json.dumps(completion(2)).encode()
     replies = await full_duplex(stub, [request_headers(), *body_chunks(first)])
     picked = chosen(replies[0])
@@ -195,7 +195,7 @@ async def test_a_gateway_choice_is_remembered_for_the_next_request(picker) -> No
 
 @pytest.mark.asyncio
 async def test_a_large_body_is_handed_back_in_chunks_envoy_accepts(picker) -> None:
-    _, stub = picker
+    _, stub, _ = picker
     payload = json.dumps(completion(3, user="x" * 150_000)).encode()
     replies = await full_duplex(stub, [request_headers(), *body_chunks(payload, 7)])
     assert replies[0].WhichOneof("response") == "request_headers"
@@ -208,7 +208,7 @@ async def test_a_large_body_is_handed_back_in_chunks_envoy_accepts(picker) -> No
 
 @pytest.mark.asyncio
 async def test_buffered_mode_answers_the_headers_then_decides_on_the_body(picker) -> None:
-    router, stub = picker
+    router, stub, _ = picker
     body = completion(4)
     hold(router, POD_B, body)
     call = stub.Process()
@@ -227,7 +227,7 @@ async def test_buffered_mode_answers_the_headers_then_decides_on_the_body(picker
 
 @pytest.mark.asyncio
 async def test_the_gateway_subset_limits_the_choice(picker) -> None:
-    router, stub = picker
+    router, stub, _ = picker
     body = completion(5)
     hold(router, POD_A, body)
     payload = json.dumps(body).encode()
@@ -246,7 +246,7 @@ async def test_the_gateway_subset_limits_the_choice(picker) -> None:
 ])
 @pytest.mark.asyncio
 async def test_a_bad_body_gets_400(picker, payload: bytes, message: str) -> None:
-    _, stub = picker
+    _, stub, _ = picker
     replies = await full_duplex(stub, [request_headers(), *body_chunks(payload, 2)])
     assert len(replies) == 1
     status, error, headers = refusal(replies[0])
@@ -255,7 +255,7 @@ async def test_a_bad_body_gets_400(picker, payload: bytes, message: str) -> None
 
 @pytest.mark.asyncio
 async def test_an_unknown_model_gets_404(picker) -> None:
-    _, stub = picker
+    _, stub, _ = picker
     payload = json.dumps({**completion(6), "model": "other"}).encode()
     status, error, _ = refusal((await full_duplex(stub, [request_headers(), *body_chunks(payload)]))[0])
     assert status == 404 and error["error"]["code"] == "model_not_found"
@@ -263,7 +263,7 @@ async def test_an_unknown_model_gets_404(picker) -> None:
 
 @pytest.mark.asyncio
 async def test_no_healthy_pod_gets_503(picker) -> None:
-    router, stub = picker
+    router, stub, _ = picker
     for pod in router.pods.pods.values():
         pod.healthy = False
     payload = json.dumps(completion(7)).encode()
@@ -274,7 +274,7 @@ async def test_no_healthy_pod_gets_503(picker) -> None:
 
 @pytest.mark.asyncio
 async def test_an_overloaded_pool_sheds_by_priority_with_429(picker) -> None:
-    router, stub = picker
+    router, stub, _ = picker
     for pod in router.pods.pods.values():
         pod.metrics["overload_probability"] = 0.99  # past the default 0.9 shedding threshold
     payload = json.dumps(completion(8)).encode()
@@ -289,14 +289,14 @@ async def test_an_overloaded_pool_sheds_by_priority_with_429(picker) -> None:
 
 @pytest.mark.asyncio
 async def test_a_request_without_body_is_decided_at_its_headers(picker) -> None:
-    _, stub = picker
+    _, stub, _ = picker
     replies = await full_duplex(stub, [request_headers("/v1/models", "GET", end_of_stream=True)])
     assert len(replies) == 1 and chosen(replies[0]) in map(endpoint_of, (POD_A, POD_B))
 
 
 @pytest.mark.asyncio
 async def test_a_body_mode_that_cannot_carry_a_choice_is_refused_clearly(picker) -> None:
-    _, stub = picker
+    _, stub, _ = picker
     replies = await full_duplex(stub, [request_headers(mode=ProcessingMode.STREAMED)])
     status, error, _ = refusal(replies[0])
     assert status == 500 and "FULL_DUPLEX_STREAMED" in error["error"]["message"]
@@ -304,20 +304,41 @@ async def test_a_body_mode_that_cannot_carry_a_choice_is_refused_clearly(picker)
 
 @pytest.mark.asyncio
 async def test_a_stream_the_gateway_abandons_gives_the_pod_back(picker) -> None:
-    router, stub = picker
+    router, stub, _ = picker
     call = stub.Process()
     await call.write(request_headers())
     for message in body_chunks(json.dumps(completion(9)).encode()):
         await call.write(message)
-    assert (await call.read()).WhichOneof("response") == "request_headers"
+    assert [(await call.read()).WhichOneof("response") for _ in range(2)] == ["request_headers", "request_body"]
     assert sum(p.inflight for p in router.pods.pods.values()) == 1  # the request is in flight on its pod
-    call.cancel()  # the client went away before the answer
-    for _ in range(200):
-        if sum(p.inflight for p in router.pods.pods.values()) == 0:
+    start, first_chunk = response_phases(b"data: {}\n\n")[:2]
+    for message in (start, first_chunk):  # the answer begins...
+        await call.write(message)
+        await call.read()
+    call.cancel()  # ...and the client goes away before it ends
+    gone = router.metrics.requests.labels("client_gone", "gateway")
+    for _ in range(500):  # the server sees the cancellation a moment later
+        if gone._value.get():
             break
         await asyncio.sleep(0.01)
+    assert gone._value.get() == 1
     assert sum(p.inflight for p in router.pods.pods.values()) == 0
-    assert router.metrics.requests.labels("client_gone", "gateway")._value.get() == 1
+
+
+@pytest.mark.asyncio
+async def test_grpc_health_checking_says_whether_the_picker_can_pick(picker) -> None:
+    router, _, channel = picker
+    check = channel.unary_unary(  # no generated stub for grpc.health.v1 here: its wire format by hand
+        "/grpc.health.v1.Health/Check", request_serializer=lambda name: b"\x0a" + bytes([len(name)]) + name.encode(),
+        response_deserializer=lambda data: data[1])
+    services = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+    assert [await check(s) for s in (*services, "liveness")] == [1, 1, 1, 1]  # SERVING
+    for pod in router.pods.pods.values():
+        pod.draining = True
+    assert [await check(s) for s in (*services, "liveness")] == [2, 2, 2, 1]  # NOT_SERVING, but alive
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await check("something.Else")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 # ---- beside the HTTP edge, in front of real engines ------------------------------------------------------------
