@@ -7,12 +7,16 @@ requests (DESIGN.md contract 3); only the operator sees the whole pool's arrival
     demand(q) = sum over pods of usage_q x blocks  +  arrivals over the window (Poisson, at level q) x blocks/request
 
 with blocks per request read by Little's law from what the pods hold now, and the window's peak taken as the
-larger of that and the demand now (blocks held plus the queued requests'). A role is sized so the peak at level
-1 - threshold sits at the target utilization: it scales up as soon as that needs more pods (the HPA rule on the
-predicted peak, a start-up delay early), and by at least one pod when P(demand > 95 % of its capacity) reaches
-the policy's threshold (10 % by default). It scales down only when the
-same demand fits under the target with fewer pods, and only after every recommendation in the stabilization
-window agreed (Kubernetes' HPA rule: the highest recommendation in the window wins). In a disaggregated pool the
+larger of that and the demand now (blocks held plus the queued requests'). Both are held as long as requests
+are held in the pods measured now; a pool of another size holds them longer or shorter (`holding_factor`: the
+decodes stall while a pod prefills arrivals, and more pods share the arrivals), so the demand is a function of
+the pod count. A role is sized to the fewest pods whose peak at level 1 - threshold sits at the target
+utilization: it scales up as soon as that needs more pods (the HPA rule on the predicted peak, a start-up delay
+early), and by at least one pod when P(demand > 95 % of its capacity) reaches the policy's threshold (10 % by
+default). It scales down only when the same demand fits under the target with fewer pods, and then to the
+highest need of the stabilization window (Kubernetes' HPA rule), where a need seen (the demand now) counts for
+the whole window and a predicted one only until its horizon has passed: a peak that was forecast and did not
+come is no evidence, and one that comes later is forecast again a horizon ahead. In a disaggregated pool the
 prefill:decode split follows by rate matching: prefill pods for arrivals x uncached prompt tokens over the
 measured prefill throughput, decode pods for KV capacity and generated tokens per second.
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
@@ -113,7 +117,8 @@ class Recommendation:
 
     at: float
     role: str
-    replicas: int
+    replicas: int  # for the peak predicted within the horizon
+    observed: int  # for what the pool holds and queues now, and the arrivals' compute at the rate seen now
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ REASONS: tuple[str, ...] = (
     "ScaleUpPredictedAboveTarget",  # the predicted peak within the horizon needs more pods at target utilization
     "ScaleUpPrefillRate",  # arrivals' prefill work exceeds what the role computes at target utilization
     "ScaleUpDecodeRate",  # generated tokens per second exceed what the role sustains at target utilization
-    "ScaleDownUnderTarget",  # the predicted peak fits under the target with fewer pods, for the whole window
+    "ScaleDownUnderTarget",  # fewer pods fit the predicted peak, and every need the window holds (see decide_role)
     "HoldStabilizing",  # fewer pods would do, but not yet for the whole stabilization window
     "HoldWithinTarget",  # no change needed
     "HoldNoMetrics",  # no pod of the role answered: keep what there is
@@ -163,14 +168,24 @@ def _interpolate(points: list[tuple[float, float]], q: float) -> float:
     return points[-1][1]
 
 
+def projected_rate(obs: PoolObservation, seconds: float) -> float:
+    """The arrival rate the trend projects `seconds` from now (never negative)."""
+    return max(0.0, obs.arrival_rate + obs.arrival_rate_slope * seconds)
+
+
+def _arrivals_held(obs: PoolObservation, window_seconds: float) -> float:
+    """The last seconds of the window whose arrivals are still held at its end."""
+    return window_seconds if obs.request_seconds <= 0 else min(window_seconds, obs.request_seconds)
+
+
 def arrival_blocks(obs: PoolObservation, window_seconds: float, q: float) -> float:
     """Blocks that new requests hold at the end of the window, at probability level q: the requests that arrive
     in its last min(window, request duration) seconds (Little's law), at the rate the trend projects for then,
     with a Poisson count's normal spread."""
     if obs.blocks_per_request <= 0:
         return 0.0
-    holding = window_seconds if obs.request_seconds <= 0 else min(window_seconds, obs.request_seconds)
-    mean = max(0.0, holding * (obs.arrival_rate + obs.arrival_rate_slope * (window_seconds - holding / 2)))
+    holding = _arrivals_held(obs, window_seconds)
+    mean = holding * projected_rate(obs, window_seconds - holding / 2)
     if mean == 0:
         return 0.0
     z = NormalDist().inv_cdf(min(max(q, 1e-6), 1 - 1e-6))
@@ -200,10 +215,86 @@ def little_calibrated(obs: PoolObservation, held: float) -> PoolObservation:
     overstates the arrivals' demand. Pods that hold nothing yet leave the logged figure in place."""
     if held <= 0 or obs.request_seconds <= 0 or obs.blocks_per_request <= 0:
         return obs
-    arrived_at = obs.arrival_rate - obs.arrival_rate_slope * obs.request_seconds / 2
+    arrived_at = projected_rate(obs, -obs.request_seconds / 2)
     if arrived_at <= 0:
         return obs
     return replace(obs, blocks_per_request=held / (arrived_at * obs.request_seconds))
+
+
+def prefill_speed(pods: Sequence[PodObservation], obs: PoolObservation) -> float:
+    """One pod's prefill tokens per second: the pool-level figure, else the pods' measured mean; 0: unknown."""
+    measured = [p.prefill_tokens_per_second for p in pods if p.prefill_tokens_per_second > 0]
+    return obs.prefill_tokens_per_second or (sum(measured) / len(measured) if measured else 0.0)
+
+
+def holding_factor(pods: Sequence[PodObservation], obs: PoolObservation, replicas: int, rate: float) -> float:
+    """How much longer (> 1) or shorter (< 1) a request holds its blocks in a pool of `replicas` pods taking
+    `rate` requests/s than in the pods measured now at the rate their held requests arrived. A pod computes
+    one thing at a time (or shares its step between prefill and decode): the share of its time spent on
+    arrivals' prefills, rho = rate / pods x uncached prompt tokens / prefill speed, stalls its decodes, so a
+    decoding request is held 1 / (1 - rho) times the bare decode time. In a saturated pool rho is high and
+    requests are held long; sizing the next pool with that holding time over-asks, and sizing a smaller one
+    with a light pool's under-asks. Both shares are capped at 95 % (past it the rate matching asks for pods
+    anyway). 1.0 when unmeasured."""
+    speed = prefill_speed(pods, obs)
+    if speed <= 0 or obs.uncached_prompt_tokens <= 0 or not pods:
+        return 1.0
+    work = obs.uncached_prompt_tokens / speed  # seconds of one pod's time per request
+    measured_at = projected_rate(obs, -obs.request_seconds / 2)  # as little_calibrated: when the held arrived
+    rho_now = min(OVERLOAD_USAGE, measured_at * work / len(pods))
+    rho = min(OVERLOAD_USAGE, rate * work / max(replicas, 1))
+    return (1 - rho_now) / (1 - rho)
+
+
+@dataclass(frozen=True)
+class SizedDemand:
+    """A role's peak demand in blocks as a function of its pod count: the demand now and at the horizon, as the
+    pods serving now hold requests, each times the holding factor at that size (KV roles only: a prefill pod
+    holds a request only while it computes it)."""
+
+    pods: Sequence[PodObservation]
+    obs: PoolObservation
+    now: float  # demand_now
+    ahead: float  # role_demand at the horizon, at the policy's level
+    horizon_rate: float  # the arrival rate the horizon's demand comes from
+    kv: bool
+
+    def factor(self, replicas: int, rate: float) -> float:
+        return holding_factor(self.pods, self.obs, replicas, rate) if self.kv else 1.0
+
+    def seen(self, replicas: int) -> float:
+        """The demand now alone (what is held and queued, at the rate seen now)."""
+        return self.now * self.factor(replicas, self.obs.arrival_rate)
+
+    def __call__(self, replicas: int) -> float:
+        return max(self.seen(replicas), self.ahead * self.factor(replicas, self.horizon_rate))
+
+
+def sized_demand(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, q: float,
+                 role: str) -> SizedDemand:
+    """The role's demand now and at the horizon (`obs` Little-calibrated by the caller for the KV roles)."""
+    rate = projected_rate(obs, horizon - _arrivals_held(obs, horizon) / 2)  # as arrival_blocks projects it
+    return SizedDemand(pods, obs, demand_now(pods, obs, role), role_demand(pods, obs, horizon, q, role), rate,
+                       role in KV_ROLES)
+
+
+def fewest_pods(demand: Callable[[int], float], room: float) -> int:
+    """The fewest pods n whose demand(n) fits in n x room blocks, for a demand that never rises with n (a
+    bigger pool holds each request no longer): doubling, then bisection."""
+    if demand(1) <= 0:
+        return 0
+
+    def fits(n: int) -> bool:
+        return demand(n) <= n * room + 1e-9
+
+    hi = 1
+    while not fits(hi):
+        hi *= 2
+    lo = hi // 2  # 0, or a size that does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def overload_probability(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, capacity: float,
@@ -225,8 +316,7 @@ def overload_probability(pods: Sequence[PodObservation], obs: PoolObservation, h
 
 def _rate_replicas(role: str, pods: Sequence[PodObservation], obs: PoolObservation, target: float) -> int:
     """Pods needed for the arrivals' compute at target utilization (rate matching); 0 when not measurable."""
-    measured = [p.prefill_tokens_per_second for p in pods if p.prefill_tokens_per_second > 0]
-    prefill_tps = obs.prefill_tokens_per_second or (sum(measured) / len(measured) if measured else 0.0)
+    prefill_tps = prefill_speed(pods, obs)
     prefill_load = obs.arrival_rate * obs.uncached_prompt_tokens / prefill_tps if prefill_tps > 0 else 0.0
     decode_tps = obs.decode_tokens_per_second
     decode_load = obs.arrival_rate * obs.output_tokens / decode_tps if decode_tps > 0 else 0.0
@@ -243,16 +333,20 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
     q = 1 - policy.overload_threshold
     if not pods or not any(p.num_blocks for p in pods):
         recommended, reason, predicted, p_over = current, "HoldNoMetrics", 0.0, 0.0
+        observed = current
     else:
         per_pod = sum(p.num_blocks for p in pods) / len(pods)
-        held = demand_now(pods, obs, role)
-        obs = little_calibrated(obs, held) if role in KV_ROLES else obs
-        demand = max(held, role_demand(pods, obs, policy.horizon_seconds, q, role))
+        if role in KV_ROLES:
+            obs = little_calibrated(obs, demand_now(pods, obs, role))
+        demand = sized_demand(pods, obs, policy.horizon_seconds, q, role)
         capacity = max(current, 1) * per_pod
-        predicted = demand / capacity
-        p_over = overload_probability(pods, obs, policy.horizon_seconds, capacity, role) if current else 1.0
-        for_target = math.ceil(demand / (policy.target_utilization * per_pod) - 1e-9)
+        predicted = demand(current) / capacity
+        # P(over 95 %) of the demand as held at the current size: the same test against a rescaled capacity
+        held_as = capacity / demand.factor(current, demand.horizon_rate)
+        p_over = overload_probability(pods, obs, policy.horizon_seconds, held_as, role) if current else 1.0
+        for_target = fewest_pods(demand, policy.target_utilization * per_pod)
         for_rate = _rate_replicas(role, pods, obs, policy.target_utilization)
+        observed = max(for_rate, fewest_pods(demand.seen, policy.target_utilization * per_pod))
         if p_over >= policy.overload_threshold:
             recommended, reason = max(for_target, for_rate, current + 1), "ScaleUpPredictedOverload"
         elif for_target > current:
@@ -265,18 +359,20 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
             recommended, reason = max(for_target, for_rate, 1), "ScaleDownUnderTarget"
         else:
             recommended, reason = current, "HoldWithinTarget"
-    now = Recommendation(obs.now, role, recommended)
+    now = Recommendation(obs.now, role, recommended, observed)
 
-    def window(seconds: float) -> list[int]:
-        return [r.replicas for r in history if r.role == role and r.at >= obs.now - seconds]
+    def window(seconds: float, kept: Callable[[Recommendation], int] = lambda r: r.replicas) -> list[int]:
+        return [kept(r) for r in history if r.role == role and r.at >= obs.now - seconds]
 
     replicas = recommended
-    if recommended < current:  # the highest recommendation in the scale-down window wins
+    if recommended < current:  # the highest need in the scale-down window wins
+        down = policy.scale_down_stabilization_seconds
         seen_since = min((r.at for r in history if r.role == role), default=obs.now)
-        if seen_since > obs.now - policy.scale_down_stabilization_seconds:
+        if seen_since > obs.now - down:
             replicas = current  # the window is not yet covered (a new pool, a restarted operator): wait
-        else:
-            replicas = min(current, max([recommended, *window(policy.scale_down_stabilization_seconds)]))
+        else:  # what was seen, for the whole window; what was predicted, until its horizon has passed
+            held = [*window(down, lambda r: r.observed), *window(min(down, policy.horizon_seconds))]
+            replicas = min(current, max([recommended, *held]))
         if replicas > recommended:
             reason = "HoldStabilizing"
     elif recommended > current and policy.scale_up_stabilization_seconds > 0:  # and the lowest in the up window

@@ -17,6 +17,8 @@ from kvmesh.operator.scaling import (
     ScalingPolicy,
     arrival_blocks,
     decide,
+    fewest_pods,
+    holding_factor,
     little_calibrated,
     scale_in_order,
 )
@@ -117,6 +119,68 @@ def test_the_pool_s_arrivals_are_added_to_what_the_pods_forecast() -> None:
     assert arrival_blocks(ramp, 60, 0.5) == pytest.approx(20 * (2.0 + 0.05 * 50) * 40)
 
 
+def test_a_request_is_held_longer_where_a_pod_spends_more_of_its_time_on_prefills() -> None:
+    """4 pods take 40 requests/s of 1,000 uncached tokens at 20,000 tokens/s: each spends half its time
+    prefilling, so its decodes run half the time. 8 pods spend a quarter: a request is held 0.5 / 0.75 as long;
+    2 pods could not keep up (capped at 95 % busy); 60 requests/s on the same 4 pods hold each twice as long."""
+    pods = [pod(f"p{i}", 0.5, 0.5, 0.5, 0.5, prefill_tokens_per_second=20_000) for i in range(4)]
+    obs = PoolObservation(0, pods, {"both": 4}, arrival_rate=40.0, uncached_prompt_tokens=1000)
+    assert holding_factor(pods, obs, 4, 40.0) == pytest.approx(1.0)
+    assert holding_factor(pods, obs, 8, 40.0) == pytest.approx(0.5 / 0.75)
+    assert holding_factor(pods, obs, 2, 40.0) == pytest.approx(0.5 / 0.05)
+    assert holding_factor(pods, obs, 4, 60.0) == pytest.approx(2.0)
+    unmeasured = PoolObservation(0, quiet(4), {"both": 4}, arrival_rate=40.0, uncached_prompt_tokens=1000)
+    assert holding_factor(quiet(4), unmeasured, 8, 40.0) == 1.0  # no prefill speed known: no correction
+
+
+def test_fewest_pods_fits_a_demand_that_falls_with_the_pool_size() -> None:
+    assert fewest_pods(lambda n: 3000.0, 800) == 4  # ceil(3000 / 800)
+    assert fewest_pods(lambda n: 0.0, 800) == 0
+    assert fewest_pods(lambda n: 6000 / math.sqrt(n), 1000) == 4  # 3 pods: 3,464 > 3,000; 4 pods: 3,000 <= 4,000
+    assert fewest_pods(lambda n: 1e6, 1000) == 1000
+
+
+def test_a_saturated_pool_is_sized_for_how_long_the_bigger_pool_holds_requests() -> None:
+    """8 pods at 95 % take 60 requests/s of 1,000 uncached tokens at 20,000 tokens/s: 37.5 % of each pod's time
+    goes to prefills. Sized with the holding time measured now, 7,600 blocks need 10 pods at the 80 % target;
+    but in 9 pods a third of the time goes to prefills, requests are held 0.625 / 0.667 as long, and 7,125
+    blocks fit in 9 pods' 7,200."""
+    def saturated(**extra: float) -> list[PodObservation]:
+        return [pod(f"p{i}", 0.95, 0.0, 0.0, 0.0, **extra) for i in range(8)]
+
+    policy = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 16})
+    as_measured = PoolObservation(0, saturated(), {"both": 8}, arrival_rate=60.0, uncached_prompt_tokens=1000)
+    assert decide(as_measured, policy).replicas == {"both": 10}
+    modelled = PoolObservation(0, saturated(prefill_tokens_per_second=20_000), {"both": 8}, arrival_rate=60.0,
+                               uncached_prompt_tokens=1000)
+    d = decide(modelled, policy)
+    assert d.replicas == {"both": 9} and d.roles["both"].reason == "ScaleUpPredictedAboveTarget"
+    assert d.roles["both"].predicted_usage == pytest.approx(0.95)
+
+
+def test_a_forecast_peak_holds_pods_for_its_horizon_and_a_seen_one_for_the_whole_window() -> None:
+    """A forecast of a climb past 95 % adds pods at once. If the climb does not come, the pods go once the
+    horizon (60 s) of that forecast has passed, not after the 5-minute window: a forecast that did not come
+    true is no evidence, and a later climb is forecast again a horizon ahead. What the pods did hold (95 %
+    now) keeps its pods for the whole window, as the HPA keeps its recommendations."""
+    def run(peak: list[PodObservation]) -> list[tuple[int, str]]:
+        history = decide(PoolObservation(0, quiet(4), {"both": 4}), POLICY).history  # the window's first need
+        seen, replicas = [], 4
+        for t, pods in ((300, peak), (330, quiet(4)), (361, quiet(4)), (599, quiet(4)), (601, quiet(4))):
+            d = decide(PoolObservation(t, pods, {"both": replicas}), POLICY, history)
+            history, replicas = d.history, d.replicas["both"]
+            seen.append((replicas, d.roles["both"].reason))
+        return seen
+
+    forecast = run([pod(f"p{i}", 0.2, 0.8, 1.2, 1.5, overload=0.5) for i in range(4)])
+    assert forecast[0] == (6, "ScaleUpPredictedOverload")  # 4 x 1,200 blocks at p90 over 800 per pod
+    assert forecast[1] == (6, "HoldStabilizing")  # 30 s later the forecast's horizon has not passed
+    assert forecast[2] == (2, "ScaleDownUnderTarget")  # 61 s later it has, and nothing was seen to need more
+    held = run([pod(f"p{i}", 0.95, 0.95, 0.95, 0.95) for i in range(4)])
+    assert held[0] == (5, "ScaleUpPredictedAboveTarget")  # 3,800 blocks held now over 800 per pod
+    assert [n for n, _ in held[1:]] == [5, 5, 5, 2]  # held until the window (300 s) no longer holds t=300
+
+
 def test_scale_down_waits_for_the_whole_stabilization_window() -> None:
     history: tuple[Recommendation, ...] = ()
     busy = [pod(f"p{i}", 0.7, 0.75, 0.78, 0.8) for i in range(4)]
@@ -138,7 +202,7 @@ def test_scale_up_is_immediate_but_bounded_and_min_holds() -> None:
     d = decide(PoolObservation(0, hot, {"both": 4}), POLICY)
     assert d.replicas == {"both": 8} and d.roles["both"].reason == "BoundedByMax" and d.roles["both"].recommended > 8
     floor = ScalingPolicy(min_replicas={"both": 3}, max_replicas={"both": 8}, scale_down_stabilization_seconds=0)
-    d = decide(PoolObservation(0, quiet(3), {"both": 3}), floor, (Recommendation(-1, "both", 3),))
+    d = decide(PoolObservation(0, quiet(3), {"both": 3}), floor, (Recommendation(-1, "both", 3, 3),))
     assert d.replicas == {"both": 3} and d.roles["both"].reason == "BoundedByMin"
     none = decide(PoolObservation(0, [], {"both": 2}), POLICY)
     assert none.replicas == {"both": 2} and none.roles["both"].reason == "HoldNoMetrics"
