@@ -422,8 +422,10 @@ async def start_ext_proc(router: Router, host: str, port: int) -> grpc.aio.Serve
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
     server.add_generic_rpc_handlers((_health_handler(router),))
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise OSError(f"cannot listen for ext_proc on {host}:{port}")
+    try:
+        server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpc's "failed to bind", as the error the router's start-up reports
+        raise OSError(f"cannot listen for ext_proc on {host}:{port} (is the port taken?)") from exc
     await server.start()
     log.info("ext_proc endpoint picker listening on %s:%d", host, port)
     return server

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -323,6 +324,15 @@ async def test_a_stream_the_gateway_abandons_gives_the_pod_back(picker) -> None:
         await asyncio.sleep(0.01)
     assert gone._value.get() == 1
     assert sum(p.inflight for p in router.pods.pods.values()) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_taken_port_is_a_clear_error(router: Router) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError, match="cannot listen for ext_proc"):
+            await start_ext_proc(router, "127.0.0.1", taken.getsockname()[1])
 
 
 @pytest.mark.asyncio
