@@ -42,9 +42,9 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict
 
 from kvmesh.engine.openai_types import error_body
-from kvmesh.engine.protocol import WORKLOAD_HEADER, workload_class
-from kvmesh.router.app import GATEWAY_ROUTE, RouteError, Router, Trace
-from kvmesh.router.picker import RequestInfo
+from kvmesh.engine.protocol import KV_TRANSFER_FIELD
+from kvmesh.router.app import GATEWAY_ROUTE, RouteError, Router, Trace, View
+from kvmesh.router.picker import Decision, RequestInfo
 from kvmesh.router.pods import Pod
 
 log = logging.getLogger("kvmesh.router.extproc")
@@ -144,6 +144,7 @@ class Refused(Exception):
 
     def __init__(self, error: RouteError, retry_after: int | None = None) -> None:
         super().__init__(error.message)
+        self.status = error.status
         self.reply = immediate(error, retry_after)
 
 
@@ -281,39 +282,27 @@ class Exchange:
     # ---- the decision -------------------------------------------------------------------------------------------
 
     async def _choose(self, body: bytes) -> Choice:
-        """Admit and decide as the HTTP edge does, among the pods the gateway's subset allows."""
+        """Admit and decide as the HTTP edge does, and book the request on the chosen pod."""
         router = self.router
-        path = self.headers.get(":path", "").split("?", 1)[0]
-        chat = COMPLETION_PATHS.get(path)
-        subset = parse_subset(self.metadata)
+        chat = COMPLETION_PATHS.get(self.headers.get(":path", "").split("?", 1)[0])
         if chat is None or not body:  # not an inference request (e.g. GET /v1/models): any pod, by load
-            info = RequestInfo(model="", prompt_tokens=0, block_hashes=())
-            trace = Trace(info, "default", workload_class("completion", 0, self.headers.get(WORKLOAD_HEADER)))
-        else:
-            try:
-                admitted = await router.admit(body, self.headers, chat)
-            except RouteError as exc:
-                raise Refused(exc) from None
-            trace = admitted.trace
-            if router.keys.enabled:  # the tenant's salt went into the body
-                body = json.dumps(admitted.raw).encode()
-        trace.route = GATEWAY_ROUTE
-        view = router.view(trace.info)
-        excluded = set() if subset is None else {p.name for p in view.pods if not in_subset(endpoint_of(p.url), subset)}
+            decision, _ = self._decide(RequestInfo(model="", prompt_tokens=0, block_hashes=()))
+            assert decision.pod is not None
+            return Choice(endpoint_of(decision.pod.url), body)
         try:
-            decision = router.decide(trace.info, excluded, view=view)
+            admitted = await router.admit(body, self.headers, chat)
         except RouteError as exc:
             raise Refused(exc) from None
-        inference = chat is not None and bool(body)
-        if decision.pod is None:
-            if inference:
+        trace, raw = admitted.trace, admitted.raw
+        trace.route = GATEWAY_ROUTE
+        try:
+            decision, view = self._decide(trace.info)
+        except Refused as refused:
+            if refused.status == 503:  # counted and logged as the HTTP edge's no_pod
                 router.metrics.requests.labels("no_pod", trace.route).inc()
                 router.record(trace, "shed", 503, None)
-            where = "in the gateway's subset " if subset is not None else ""
-            raise Refused(RouteError(503, f"no pod {where}can take this request now; retry later", code="no_pod",
-                                     kind="server_error"), retry_after=1)
-        if not inference:
-            return Choice(endpoint_of(decision.pod.url), body)
+            raise
+        assert decision.pod is not None
         refusal = router.refuse(trace, decision)
         if refusal is not None:
             raise Refused(RouteError(429, refusal.message, code="overloaded", kind="rate_limit_error"),
@@ -322,7 +311,28 @@ class Exchange:
         router.commit(trace, pod, decision)
         router.metrics.decisions.labels(decision.reason).inc()
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
-        return Choice(endpoint_of(pod.url), body, pod, trace)
+        changed = router.keys.enabled  # the tenant's salt went into the body
+        pull = router.plan_pull(decision, trace.info, view)
+        if pull is not None:  # as on the HTTP edge: fetching the longer prefix a peer holds beats computing it
+            raw[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
+            router.metrics.pulls.inc()
+            changed = True
+        return Choice(endpoint_of(pod.url), json.dumps(raw).encode() if changed else body, pod, trace)
+
+    def _decide(self, info: RequestInfo) -> tuple[Decision, View]:
+        """The picker's choice among the pods the gateway's subset allows; Refused (404, 503) when there is none."""
+        view = self.router.view(info)
+        subset = parse_subset(self.metadata)
+        excluded = set() if subset is None else {p.name for p in view.pods if not in_subset(endpoint_of(p.url), subset)}
+        try:
+            decision = self.router.decide(info, excluded, view=view)
+        except RouteError as exc:
+            raise Refused(exc) from None
+        if decision.pod is None:
+            where = "in the gateway's subset " if subset is not None else ""
+            raise Refused(RouteError(503, f"no pod {where}can take this request now; retry later", code="no_pod",
+                                     kind="server_error"), retry_after=1)
+        return decision, view
 
     def finish(self, cancelled: bool) -> None:
         """The stream ended: give back the pod's in-flight count, count the request and log it."""

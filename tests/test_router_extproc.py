@@ -9,6 +9,7 @@ HTTP edge, and checks both edges choose alike from the same state."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -192,6 +193,25 @@ async def test_a_gateway_choice_is_remembered_for_the_next_request(picker) -> No
     again = json.dumps(completion(2, max_tokens=9)).encode()  # the same prompt: its blocks are provisional there
     for _ in range(3):
         assert chosen((await full_duplex(stub, [request_headers(), *body_chunks(again)]))[0]) == picked
+
+
+@pytest.mark.asyncio
+async def test_a_pod_that_lacks_the_prefix_is_told_to_pull_it_from_its_holder(picker) -> None:
+    """As on the HTTP edge: the holder is saturated, so the other pod is chosen, and fetching the prefix from the
+    holder is cheaper than computing it, so the body the gateway forwards asks for the pull."""
+    router, stub, _ = picker
+    body = completion(10)
+    hold(router, POD_A, body)
+    router.pods.pods[POD_A].metrics["waiting"] = 100.0  # past max_waiting: saturated
+    router.pods.pods[POD_B].kv_config = dataclasses.replace(router.pods.pods[POD_B].kv_config, block_bytes=4096)
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(body).encode())])
+    assert chosen(replies[0]) == endpoint_of(POD_B)
+    forwarded = replies[1].request_body.response.body_mutation.streamed_response.body
+    assert json.loads(forwarded) == {**body, "kv_transfer": {"mode": "pull", "source": POD_A, "tokens": 80}}
+    headers = {h.header.key: h.header.raw_value.decode()
+               for h in replies[0].request_headers.response.header_mutation.set_headers}
+    assert headers["content-length"] == str(len(forwarded))
+    assert router.metrics.pulls._value.get() == 1
 
 
 @pytest.mark.asyncio
