@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from kvmesh.engine.protocol import TIERS, KVBlocksSnapshot, KVEvent, KVEventBatch
@@ -36,27 +36,31 @@ class _Walk:
 
     def __init__(self, alive: int) -> None:
         self.alive = alive
-        self.state = _NOBODY
+        self.state: Sequence[int] = _NOBODY
         self.opened: list[dict[int, int]] = [{} for _ in _NOBODY]  # column -> pod bit index -> start block
         self.counts: list[dict[int, int]] = [{} for _ in _NOBODY]  # column -> pod bit index -> blocks
 
     def step(self, tiers: list[int], provisional: int, pos: int) -> bool:
         """Block `pos` is held by the pods of the tier bitsets `tiers` (the last: any tier), and only
         provisionally by those of `provisional`. False when no pod matches any more."""
-        provisional &= self.alive & ~tiers[-1]
-        self.alive &= tiers[-1] | provisional
-        if not self.alive:
+        held_anywhere = tiers[-1]
+        alive = self.alive
+        provisional &= alive & ~held_anywhere
+        alive &= held_anywhere | provisional
+        self.alive = alive
+        if not alive:
             return False
         best = []
         covered = 0
         for mask in tiers[:-1]:
-            best.append(mask & self.alive & ~covered)
+            best.append(mask & alive & ~covered)
             covered |= mask
         best[0] |= provisional
-        self.switch((*best, provisional), pos)
+        best.append(provisional)
+        self.switch(best, pos)
         return True
 
-    def switch(self, state: tuple[int, ...], pos: int) -> None:
+    def switch(self, state: Sequence[int], pos: int) -> None:
         """From block `pos` on, column k holds the pods of bitset state[k]."""
         for k, after in enumerate(state):
             before = self.state[k]
@@ -87,6 +91,7 @@ class PrefixIndex:
         self._names: dict[int, str] = {}
         self._streams: dict[str, tuple[str | None, int]] = {}  # pod -> (boot id, last seq applied)
         self._provisional: dict[int, dict[str, float]] = {}  # hash -> pod -> expires at
+        self._provisional_pods: dict[int, int] = {}  # hash -> bitset of the pods in _provisional[hash]
         self._expiry: list[tuple[float, int, str, tuple[int, ...]]] = []  # heap of provisional decisions
         self._tick = itertools.count()  # orders equal expiry times in the heap
 
@@ -124,10 +129,11 @@ class PrefixIndex:
         the pod's events confirm (stored) or contradict (removed) it: back-to-back requests then find the
         prefix before its events arrive."""
         self._expire(now)
-        self._bit(pod)
         expires = now + ttl
+        bit = 1 << self._bit(pod)
         for h in block_hashes:
             self._provisional.setdefault(h, {})[pod] = expires
+            self._provisional_pods[h] = self._provisional_pods.get(h, 0) | bit
         heapq.heappush(self._expiry, (expires, next(self._tick), pod, tuple(block_hashes)))
 
     def remove_pod(self, pod: str) -> None:
@@ -158,47 +164,49 @@ class PrefixIndex:
         self, block_hashes: Sequence[int], pods: Iterable[str] | None = None, now: float | None = None
     ) -> dict[str, PrefixMatch]:
         """Per pod holding at least the first block: its consecutive leading blocks of `block_hashes` and their
-        best tiers. Provisional entries count when unexpired at `now` (with `now` None, only confirmed blocks).
+        best tiers. Provisional entries count when unexpired at `now` (with `now` None, only confirmed blocks);
+        those expired by `now` are dropped on the way (`now` only moves forward: the router's monotonic clock).
 
         One walk over the hashes, narrowing a bitset of the pods still matching and stopping when it is empty;
         pods are counted per run of blocks with the same holders, not per block.
         """
+        if now is not None:
+            self._expire(now)
         walk = _Walk(self._mask_of(self._bits if pods is None else pods))
-        walk.switch(_NOBODY, self._walk(walk, block_hashes, now))
+        walk.switch(_NOBODY, self._walk(walk, block_hashes, self._provisional_pods if now is not None else {}))
         *tiers_counts, provisional_counts = walk.counts
+        by_pod: dict[int, dict[str, int]] = {}  # pod bit index -> blocks per tier, every tier present
+        for tier, column in zip(TIERS, tiers_counts, strict=True):
+            for index, blocks in column.items():
+                by_tier = by_pod.get(index)
+                if by_tier is None:
+                    by_tier = by_pod[index] = dict.fromkeys(TIERS, 0)
+                by_tier[tier] = blocks
         names = self._names
-        columns = list(zip(TIERS, tiers_counts, strict=True))
-        result = {}
-        for index in sorted(set().union(*tiers_counts)):
-            by_tier = {tier: counts.get(index, 0) for tier, counts in columns}
-            result[names[index]] = PrefixMatch(sum(by_tier.values()), by_tier, provisional_counts.get(index, 0))
-        return result
+        return {names[index]: PrefixMatch(sum(by_tier.values()), by_tier, provisional_counts.get(index, 0))
+                for index, by_tier in by_pod.items()}
 
     # ---- internals -------------------------------------------------------------------------------------------
 
-    def _walk(self, walk: _Walk, block_hashes: Sequence[int], now: float | None) -> int:
+    def _walk(self, walk: _Walk, block_hashes: Sequence[int], provisional: Mapping[int, int]) -> int:
         """Feed `walk` the holders of each block; returns the number of blocks walked before no pod matched.
 
         Consecutive blocks of a prefix usually have the same holders: those runs are found by C-level
         iteration (groupby over the bitset lists) and stepped once. Only where a pod still matching lacks a
-        block is each block's provisional entry read (none counts without a clock)."""
-        provisional = self._provisional
-        if now is None:
-            provisional, now = {}, 0.0
+        block is each block's entry in `provisional` (hash -> bitset of pods) read."""
         pos = 0
         for held, run in itertools.groupby(map(self._masks.get, block_hashes)):
             length = len(list(run))
             tiers = held or _NOT_HELD
-            if provisional and walk.alive & ~tiers[-1]:
-                last = -1
-                for offset, h in enumerate(block_hashes[pos : pos + length]):
-                    holders = provisional.get(h)
-                    extra = self._live(holders, now) if holders else 0
-                    if extra != last and not walk.step(tiers, extra, pos + offset):
-                        return pos + offset
-                    last = extra
+            lacking = walk.alive & ~tiers[-1]  # pods still matching that lack these blocks: guessed ones?
+            if lacking and provisional and provisional.get(block_hashes[pos], 0) & lacking:
+                at = pos
+                for extra, guessed in itertools.groupby(map(provisional.get, block_hashes[pos : pos + length])):
+                    if not walk.step(tiers, extra or 0, at):
+                        return at
                     if not walk.alive & ~tiers[-1]:  # only holders left: the rest of the run changes nothing
                         break
+                    at += len(list(guessed))
             elif not walk.step(tiers, 0, pos):
                 return pos
             pos += length
@@ -217,14 +225,6 @@ class PrefixIndex:
         mask = 0
         for pod in pods:
             if pod in self._bits:
-                mask |= 1 << self._bits[pod]
-        return mask
-
-    def _live(self, holders: dict[str, float], now: float) -> int:
-        """The bitset of pods whose provisional entry is still valid at `now`."""
-        mask = 0
-        for pod, expires in holders.items():
-            if expires > now:
                 mask |= 1 << self._bits[pod]
         return mask
 
@@ -277,8 +277,12 @@ class PrefixIndex:
     def _unprovision(self, pod: str, hashes: Iterable[int]) -> None:
         for h in hashes:
             holders = self._provisional.get(h)
-            if holders is not None and holders.pop(pod, None) is not None and not holders:
-                del self._provisional[h]
+            if holders is None or holders.pop(pod, None) is None:
+                continue
+            if holders:
+                self._provisional_pods[h] &= ~(1 << self._bits[pod])
+            else:
+                del self._provisional[h], self._provisional_pods[h]
 
     def _drop_provisional(self, pod: str) -> None:
         """Forget every provisional entry of `pod` (rare: a cleared cache, a snapshot, a pod leaving)."""

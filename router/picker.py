@@ -109,7 +109,7 @@ class Context:
 
 
 Filter = Callable[[list[PodState], Context], list[PodState]]
-Scorer = Callable[[list[PodState], Context], dict[str, float]]
+Scorer = Callable[[list[PodState], Context], list[float]]  # one score per candidate, in the candidates' order
 
 # ---- estimates -----------------------------------------------------------------------------------------------
 
@@ -163,54 +163,59 @@ def not_saturated(pods: list[PodState], ctx: Context) -> list[PodState]:
 FILTERS: tuple[Filter, ...] = (available, serves_model, has_role, not_saturated)
 
 # ---- scorers: each 0..1 per candidate, higher is better ------------------------------------------------------
+# A scorer runs for every pod on every request: plain loops over the candidates, lists rather than dicts.
 
 
-def prefix_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+def prefix_score(pods: list[PodState], ctx: Context) -> list[float]:
     """The share of the request's blocks a pod holds as a consecutive prefix, each block weighted by the tier it
     would be served from (a device hit is worth more than one that must come back from disk)."""
     total = len(ctx.request.block_hashes)
-    if not total:
-        return dict.fromkeys((p.name for p in pods), 0.0)
-    weights = ctx.config.tier_weights
     matches = ctx.matches
-    scores = dict.fromkeys((p.name for p in pods), 0.0)
-    for name in scores.keys() & matches.keys():
+    if not total or not matches:
+        return [0.0] * len(pods)
+    weights = ctx.config.tier_weights
+    scores = []
+    for p in pods:
+        match = matches.get(p.name)
+        if match is None:
+            scores.append(0.0)
+            continue
         held = 0.0
-        for tier, n in matches[name].by_tier.items():
-            held += weights.get(tier, 0.0) * n
-        scores[name] = min(1.0, held / total)
+        for tier, n in match.by_tier.items():
+            if n:
+                held += weights.get(tier, 0.0) * n
+        scores.append(min(1.0, held / total))
     return scores
 
 
-def kv_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+def kv_score(pods: list[PodState], ctx: Context) -> list[float]:
     """KV headroom, 1 - max(current, p90 forecast). Above the threshold the share of the way from threshold to
     full is taken off too, so a pod forecast past it scores near zero (PreServe routes away from those)."""
     threshold = ctx.config.kv_penalty_threshold
-    scores = {}
+    span = max(1.0 - threshold, 1e-9)
+    scores = []
     for p in pods:
         usage = _kv_pressure(p)
-        penalty = (usage - threshold) / max(1.0 - threshold, 1e-9) if usage > threshold else 0.0
-        scores[p.name] = min(1.0, max(0.0, 1.0 - usage - penalty))
+        penalty = (usage - threshold) / span if usage > threshold else 0.0
+        scores.append(min(1.0, max(0.0, 1.0 - usage - penalty)))
     return scores
 
 
-def load_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+def load_score(pods: list[PodState], ctx: Context) -> list[float]:
     """Fewer outstanding requests is better, relative to the least loaded candidate (which scores 1)."""
-    loads = {p.name: p.load for p in pods}
-    least = min(loads.values())
-    return {name: (least + 1) / (load + 1) for name, load in loads.items()}
+    loads = [p.load for p in pods]
+    least = min(loads) + 1
+    return [least / (load + 1) for load in loads]
 
 
-def ttft_score(pods: list[PodState], ctx: Context) -> dict[str, float]:
+def ttft_score(pods: list[PodState], ctx: Context) -> list[float]:
     """A lower estimated TTFT is better, relative to the best candidate (which scores 1): relative to the best
     rather than the worst, so one hopeless pod does not flatten the differences among the good ones."""
-    request, config = ctx.request, ctx.config
-    estimates = {
-        p.name: estimate_ttft(p, request, predicted_cached_tokens(p, request, ctx.matches.get(p.name)), config)
-        for p in pods
-    }
-    best = min(estimates.values())
-    return {name: (best + _TTFT_FLOOR_SECONDS) / (t + _TTFT_FLOOR_SECONDS) for name, t in estimates.items()}
+    request, config, matches = ctx.request, ctx.config, ctx.matches
+    estimates = [estimate_ttft(p, request, predicted_cached_tokens(p, request, matches.get(p.name)), config)
+                 for p in pods]
+    best = min(estimates) + _TTFT_FLOOR_SECONDS
+    return [best / (t + _TTFT_FLOOR_SECONDS) for t in estimates]
 
 
 SCORERS: dict[str, Scorer] = {"prefix": prefix_score, "kv": kv_score, "load": load_score, "ttft": ttft_score}
@@ -235,15 +240,13 @@ def overloaded_holders(pods: list[PodState], config: PickerConfig) -> set[str]:
     }
 
 
-def _score(pods: list[PodState], ctx: Context) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """Weighted totals per pod, and each scorer's weighted part (to tell which one decided)."""
+def _score(pods: list[PodState], ctx: Context) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Weighted totals per pod, and each scorer's weighted part per candidate (to tell which one decided)."""
     weighted = {}
-    totals = dict.fromkeys((p.name for p in pods), 0.0)
     for name, scorer in SCORERS.items():
         weight = ctx.config.weight(name)
-        weighted[name] = part = {pod: weight * score for pod, score in scorer(pods, ctx).items()}
-        for pod, score in part.items():
-            totals[pod] += score
+        weighted[name] = [weight * score for score in scorer(pods, ctx)]
+    totals = {p.name: sum(parts) for p, parts in zip(pods, zip(*weighted.values(), strict=True), strict=True)}
     return totals, weighted
 
 
@@ -265,15 +268,18 @@ def _best(pods: list[PodState], totals: Mapping[str, float], request: RequestInf
 
 
 def _deciding_score(
+    candidates: list[PodState],
     chosen: PodState,
     runner_up: PodState,
-    weighted: Mapping[str, Mapping[str, float]],
+    weighted: Mapping[str, Sequence[float]],
     request: RequestInfo,
     matches: Mapping[str, PrefixMatch],
 ) -> str:
-    """The scorer with the largest weighted lead of the chosen pod over the runner-up. A TTFT lead that comes
-    with a longer cached prefix is the prefix's doing, and is reported as such."""
-    reason = max(SCORERS, key=lambda name: weighted[name][chosen.name] - weighted[name][runner_up.name])
+    """The scorer with the largest weighted lead of the chosen pod over the runner-up (`weighted`: per scorer,
+    per candidate). A TTFT lead that comes with a longer cached prefix is the prefix's doing, and is reported
+    as such."""
+    i, j = candidates.index(chosen), candidates.index(runner_up)
+    reason = max(SCORERS, key=lambda name: weighted[name][i] - weighted[name][j])
     cached, other = (predicted_cached_tokens(p, request, matches.get(p.name)) for p in (chosen, runner_up))
     return "prefix" if reason == "ttft" and cached > other else reason
 
@@ -306,7 +312,7 @@ def pick(
     elif totals[chosen.name] == totals[ranking[1].name]:
         reason = "tie"
     else:
-        reason = _deciding_score(chosen, ranking[1], weighted, request, matches)
+        reason = _deciding_score(candidates, chosen, ranking[1], weighted, request, matches)
 
     cached = predicted_cached_tokens(chosen, request, matches.get(chosen.name))
     return Decision(chosen, totals, cached, estimate_ttft(chosen, request, cached, config), reason)
