@@ -65,24 +65,25 @@ PREFIX_REUSE_BUCKETS: tuple[tuple[int, str], ...] = ((0, "first"), (1, "repeat")
 
 
 def workload_class(
-    api: Literal["chat", "completion"], prompt_tokens: int, header: str | None = None, prefix_seen: int | None = None
+    api: Literal["chat", "completion"], prompt_tokens: int, header: str | None = None
 ) -> str:
     """The workload class of a request, used by the forecast, eviction, the request log and the autoscaler.
 
     A client that knows its class says so in the `x-kvmesh-workload` header; otherwise the class follows from
     the API used (chat turns and raw completions have different output-length distributions) and whether the
-    prompt is long (long prompts are documents and agents; short ones are turns). Given `prefix_seen` (how
-    many earlier requests shared its opening), the class is refined for eviction to `<class>/<bucket>`, one
-    of len(WORKLOAD_CLASSES) x len(PREFIX_REUSE_BUCKETS) values.
+    prompt is long (long prompts are documents and agents; short ones are turns).
     """
     if header and header in WORKLOAD_CLASSES:
-        base = header
-    else:
-        base = f"{api}-{'long' if prompt_tokens >= LONG_PROMPT_TOKENS else 'short'}"
-    if prefix_seen is None:
-        return base
+        return header
+    return f"{api}-{'long' if prompt_tokens >= LONG_PROMPT_TOKENS else 'short'}"
+
+
+def eviction_class(workload: str, prefix_seen: int) -> str:
+    """`workload` (one of WORKLOAD_CLASSES) refined by how many earlier requests shared the request's opening,
+    `<class>/<bucket>`: one of len(WORKLOAD_CLASSES) x len(PREFIX_REUSE_BUCKETS) classes the eviction policy
+    learns reuse for."""
     bucket = next(name for least, name in reversed(PREFIX_REUSE_BUCKETS) if prefix_seen >= least)
-    return f"{base}/{bucket}"
+    return f"{workload}/{bucket}"
 
 
 def parse_priority(value: str | None) -> int:

@@ -22,10 +22,14 @@ from dataclasses import dataclass, field
 
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import OpeningCounter
-from kvmesh.engine.protocol import workload_class
+from kvmesh.engine.protocol import eviction_class
 from kvmesh.engine.request import Request, Status
 
 QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "prefix")
+# The `prefix` policy reorders only this many requests at the head of the queue (which holds the highest
+# priorities and the oldest, so the overdue): every step looks up each one's cached prefix, and a queue of
+# thousands would make that lookup the step's cost; the rest wait in FCFS order behind them.
+PREFIX_WINDOW = 128
 
 
 @dataclass(frozen=True)
@@ -103,12 +107,13 @@ class Scheduler:
         """The request's class refined by how many earlier requests opened the same way (for eviction)."""
         self.kv.find_prefix(request.request_id, request.token_ids, request.extra)  # hashes the prompt once
         seq = self.kv.seqs.get(request.request_id)
-        seen = self.openings.seen(seq.hashes, self.kv.block_size) if seq is not None else None
-        # the request's class is already one of WORKLOAD_CLASSES (header or derived), so `api` is not used
-        return workload_class("completion", len(request.prompt_ids), request.workload, prefix_seen=seen)
+        if seq is None:
+            return request.workload
+        return eviction_class(request.workload, self.openings.seen(seq.hashes, self.kv.block_size))
 
     def admission_order(self) -> list[Request]:
-        """The waiting requests in the order admission tries them this step."""
+        """The waiting requests in the order admission tries them this step (`prefix`: the first PREFIX_WINDOW
+        of the queue by priority, overdue first, then longest cached prefix, then arrival; the rest after)."""
         if self.queue_policy == "fcfs":
             return list(self.waiting)
         now = self.clock()
@@ -118,7 +123,8 @@ class Scheduler:
             cached = 0 if overdue else self.kv.find_prefix(r.request_id, r.token_ids, r.extra).num_tokens
             return (-r.priority, not overdue, -cached, r.arrival_time)
 
-        return sorted(self.waiting, key=key)
+        head, rest = self.waiting[:PREFIX_WINDOW], self.waiting[PREFIX_WINDOW:]
+        return sorted(head, key=key) + rest
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

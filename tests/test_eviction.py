@@ -14,7 +14,7 @@ from kvmesh.cli import main
 from kvmesh.engine.config import load_config
 from kvmesh.engine.kv.blocks import BlockPool, KVCacheManager
 from kvmesh.engine.kv.policy import BlockUse, LRUPolicy, OpeningCounter, ReuseModel, ReusePolicy, make_policy
-from kvmesh.engine.protocol import workload_class
+from kvmesh.engine.protocol import eviction_class, workload_class
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.scheduler import Scheduler
@@ -127,9 +127,9 @@ def test_scheduler_frees_blocks_under_the_class_refined_by_prefix_reuse() -> Non
 def test_workload_class_refinement_keeps_existing_callers() -> None:
     assert workload_class("chat", 10) == "chat-short"
     assert workload_class("chat", 5000, "completion-long") == "completion-long"
-    assert workload_class("chat", 5000, prefix_seen=0) == "chat-long/first"
-    assert workload_class("completion", 10, prefix_seen=2) == "completion-short/repeat"
-    assert workload_class("chat", 10, "chat-long", prefix_seen=9) == "chat-long/frequent"
+    assert eviction_class(workload_class("chat", 5000), 0) == "chat-long/first"
+    assert eviction_class(workload_class("completion", 10), 2) == "completion-short/repeat"
+    assert eviction_class(workload_class("chat", 10, "chat-long"), 9) == "chat-long/frequent"
 
 
 def test_opening_counter_counts_earlier_requests_with_the_same_opening() -> None:

@@ -12,7 +12,7 @@ from kvmesh.engine.config import load_config
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling import SamplingParams
-from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.scheduler import PREFIX_WINDOW, Scheduler
 
 HOT = tuple(range(1, 1025))
 SLOTS = Machine(max_num_seqs=2)
@@ -56,6 +56,25 @@ def test_prefix_queue_serves_cached_prefixes_first() -> None:
     scheduler.add(hot)  # arrived later (same time, added after): FCFS would take cold first
     assert [r.request_id for r in scheduler.admission_order()] == ["hot", "cold"]
     assert [s.request.request_id for s in scheduler.schedule().scheduled] == ["hot"]
+
+
+def test_prefix_queue_reorders_only_the_head_of_a_long_queue() -> None:
+    """Past PREFIX_WINDOW requests the queue stays FCFS: a cached prefix at the tail waits its turn, so each step's
+    ordering costs at most PREFIX_WINDOW prefix lookups however long the queue grows."""
+    kv = KVCacheManager(256, 16)
+    scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=4096, queue_policy="prefix", clock=lambda: 0.0)
+    warm = Request("warm", [*HOT[:512], 1], SamplingParams(max_tokens=1), arrival_time=0.0)
+    scheduler.add(warm)
+    scheduler.schedule()
+    kv.commit("warm", warm.token_ids, warm.num_tokens)
+    scheduler.remove(warm)
+    for i in range(PREFIX_WINDOW):
+        scheduler.add(Request(f"cold-{i}", [9000 + i] * 20, SamplingParams(max_tokens=1), arrival_time=0.0))
+    scheduler.add(Request("hot-in-head", [*HOT[:512], 2], SamplingParams(max_tokens=1), arrival_time=0.0))
+    order = [r.request_id for r in scheduler.admission_order()]
+    assert order[0] == "cold-0" and order[-1] == "hot-in-head", "the hot request is past the window: FCFS"
+    scheduler.remove(scheduler.waiting[0])  # one cold request leaves: the hot one is now inside the window
+    assert scheduler.admission_order()[0].request_id == "hot-in-head"
 
 
 def test_prefix_queue_beats_fcfs_on_a_shared_prefix_workload_within_its_bound() -> None:

@@ -24,7 +24,7 @@ from kvmesh.bench.machine import machine_info
 from kvmesh.bench.traces import MOONCAKE_BLOCK_TOKENS, MOONCAKE_TRACE, TraceRequest, load_mooncake
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import OpeningCounter, make_policy
-from kvmesh.engine.protocol import workload_class
+from kvmesh.engine.protocol import eviction_class, workload_class
 
 DEFAULT_SIZES = (5859, 10_000, 50_000)
 POLICY_NAMES = ("lru", "reuse")
@@ -64,7 +64,7 @@ def replay(requests: Sequence[TraceRequest], num_blocks: int, policy: str,
         found = kv.find_prefix(seq, tokens)
         hit += min(len(found.blocks), usable)
         total += len(r.hash_ids)
-        workload = workload_class("chat", r.input_tokens, prefix_seen=openings.seen(r.hash_ids, block_tokens))
+        workload = eviction_class(workload_class("chat", r.input_tokens), openings.seen(r.hash_ids, block_tokens))
         if not kv.allocate(seq, len(tokens), found):
             raise ValueError(f"request {i} needs {len(tokens)} blocks; the cache has {num_blocks}")
         kv.commit(seq, tokens, full)
