@@ -176,8 +176,8 @@ class Engine:
             return None
         k = self.kv_config
         # blocks written under another model, hashing or layout must not be read back as this one's
-        fingerprint = json.dumps([k.model, k.block_size, k.hash_algo, k.hash_root, k.tokenizer_fingerprint,
-                                  list(self.runner.kv_cache.shape[1:]), str(self.runner.kv_cache.dtype)])
+        fingerprint = json.dumps([k.model, *k.hashing(), list(self.runner.kv_cache.shape[1:]),
+                                  str(self.runner.kv_cache.dtype)])
         return KVTiers(settings, self.kv, self.runner.kv_cache, fingerprint, self.events.record, self._wake.set,
                        lambda: self.prefill_tps, self.metrics)
 

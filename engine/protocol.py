@@ -183,15 +183,14 @@ class KVConfig:
     role: str = "both"
     block_bytes: int = 0  # bytes of one block, all layers (what a transfer of it moves)
 
+    def hashing(self) -> tuple[int, str, int, str]:
+        """What decides which token run a block hash names: block size, algorithm, root and tokenizer."""
+        return (self.block_size, self.hash_algo, self.hash_root, self.tokenizer_fingerprint)
+
     def compatible_with(self, other: KVConfig) -> bool:
         """Whether block hashes computed under `other` name the same token runs here. The model is not part of
         it: the router keeps one index per pod and filters pods by the model they serve."""
-        return (self.block_size, self.hash_algo, self.hash_root, self.tokenizer_fingerprint) == (
-            other.block_size,
-            other.hash_algo,
-            other.hash_root,
-            other.tokenizer_fingerprint,
-        )
+        return self.hashing() == other.hashing()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
