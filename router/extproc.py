@@ -154,7 +154,7 @@ class Refused(Exception):
 @dataclass
 class Choice:
     endpoint: str
-    body: bytes  # what goes upstream: the client's bytes, or re-encoded when the router set the tenant's salt
+    body: bytes  # what goes upstream: the client's bytes, or re-encoded (the tenant's salt, a prefix pull)
     pod: Pod | None = None  # set for an inference request, whose in-flight count the stream gives back
     trace: Trace | None = None
 
@@ -167,8 +167,8 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
-    request_mode: int = FULL_DUPLEX
-    response_mode: int = ProcessingMode.NONE
+    request_mode: int = FULL_DUPLEX  # the extension's convention, when the gateway does not say
+    response_mode: int = FULL_DUPLEX
     choice: Choice | None = None
     status: int | None = None  # the engine's answer, when the gateway sends the response headers
     streaming: bool = False
@@ -223,16 +223,14 @@ class Exchange:
         if len(self.body) + len(chunk.body) > MAX_BODY_BYTES:
             raise Refused(RouteError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB"))
         self.body += chunk.body
-        if not chunk.end_of_stream:
-            return []
-        if self.request_mode == ProcessingMode.BUFFERED:
+        if self.request_mode == ProcessingMode.BUFFERED:  # the whole body, even when trailers follow
             self.choice = await self._choose(bytes(self.body))
             common = self._mutation()
             if self.choice.body != self.body:
                 common.body_mutation.body = self.choice.body
             return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
                                           dynamic_metadata=_choice_metadata(self.choice.endpoint))]
-        return await self._decide_full_duplex(end_of_stream=True)
+        return await self._decide_full_duplex(end_of_stream=True) if chunk.end_of_stream else []
 
     async def _decide_full_duplex(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         """The headers response with the choice, then the body back (Envoy sends upstream only what it gets back)."""
@@ -429,7 +427,7 @@ def _health_handler(router: Router) -> grpc.GenericRpcHandler:
 
 async def start_ext_proc(router: Router, host: str, port: int) -> grpc.aio.Server:
     """The ext_proc gRPC server (and gRPC health checking) on host:port, started; stop it with `server.stop`."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a second picker on the port fails, not shares
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
     server.add_generic_rpc_handlers((_health_handler(router),))
     try:

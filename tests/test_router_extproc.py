@@ -215,6 +215,18 @@ async def test_a_pod_that_lacks_the_prefix_is_told_to_pull_it_from_its_holder(pi
 
 
 @pytest.mark.asyncio
+async def test_request_trailers_end_the_body_too(picker) -> None:
+    _, stub, _ = picker
+    payload = json.dumps(completion(13)).encode()
+    body = pb.ProcessingRequest(request_body=pb.HttpBody(body=payload, end_of_stream=False))
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    replies = await full_duplex(stub, [request_headers(), body, trailers])
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body", "request_trailers"]
+    echoed = replies[1].request_body.response.body_mutation.streamed_response
+    assert echoed.body == payload and not echoed.end_of_stream  # the trailers end the request
+
+
+@pytest.mark.asyncio
 async def test_a_large_body_is_handed_back_in_chunks_envoy_accepts(picker) -> None:
     _, stub, _ = picker
     payload = json.dumps(completion(3, user="x" * 150_000)).encode()
