@@ -136,7 +136,8 @@ def immediate(error: RouteError, retry_after: int | None = None) -> pb.Processin
     body = error_body(error.message, error.kind, code=error.code)
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=error.status), headers=pb.HeaderMutation(set_headers=headers),
-        body=json.dumps(body).encode(), details=f"kvmesh: {error.message}"[:200]))
+        body=json.dumps(body).encode(),
+        details=f"kvmesh_{error.code or error.status}"))  # Envoy's response code details: one token, no spaces
 
 
 class Refused(Exception):

@@ -131,6 +131,7 @@ def chosen(reply: pb.ProcessingResponse, phase: str = "request_headers") -> str:
 def refusal(reply: pb.ProcessingResponse) -> tuple[int, dict[str, object], dict[str, str]]:
     assert reply.WhichOneof("response") == "immediate_response", reply
     immediate = reply.immediate_response
+    assert immediate.details.startswith("kvmesh_") and not any(c.isspace() for c in immediate.details)
     headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
     return immediate.status.code, json.loads(immediate.body), headers
 
