@@ -1,8 +1,8 @@
 """`kvmesh up`: a whole pool on one machine. N engines and a router as child processes, from flags or an
 InferencePool YAML file; waits until every child is healthy, prints the endpoint, and stops everything on
 Ctrl-C or as soon as one child dies unasked (with the tail of its log). From a pool file, the operator's scaler
-runs too and its decisions are carried out: engines start, or drain and stop, and the router follows its pods
-file."""
+runs too and its decisions are carried out: engines start (warmed from a peer), or drain and stop, the router
+follows its pods file, and the operator's metrics are served on a loopback port."""
 
 from __future__ import annotations
 
@@ -13,18 +13,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+from prometheus_client import start_http_server
 
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.protocol import DRAIN_PATH
 from kvmesh.processes import free_port, spawn, stop, tail, wait_healthy
 
 HEALTH_TIMEOUT_SECONDS = 600.0
+LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
 
 
 @dataclass
@@ -47,7 +49,7 @@ def plan_from_file(path: str | Path) -> PoolPlan:
     from kvmesh.operator.crd import BUNDLED, load_pool_file
     from kvmesh.operator.local import local_engine_settings, local_router_settings
 
-    pool = load_pool_file(str(path))
+    pool = replace(load_pool_file(str(path)), namespace=LOCAL_NAMESPACE)
     roles = [role for role in pool.roles for _ in range(pool.bounds(role)[0])]
     source = pool.spec["model"]["source"]
     return PoolPlan(
@@ -109,23 +111,28 @@ class Engine:
 
 class LocalEngines:
     """The engines of a local pool, started and stopped as the scaler asks, with the router's pods file (and the
-    Prometheus targets file, if any) kept equal to the engines that serve."""
+    Prometheus targets file, if any) kept equal to the engines that serve. Engines the scaler adds start from
+    `scaled_args` (the initial ones have no peer to be warmed from, so they may differ)."""
 
-    def __init__(self, plan: PoolPlan, engine_args: list[str], workdir: Path, targets_file: str | None) -> None:
+    def __init__(self, plan: PoolPlan, engine_args: list[str], workdir: Path, targets_file: str | None,
+                 scaled_args: list[str] | None = None) -> None:
         self.plan = plan
         self.engine_args = engine_args
+        self.scaled_args = scaled_args or engine_args
         self.workdir = workdir
         self.pods_file = workdir / "pods.json"
         self.targets_file = targets_file
         self.router: Child | None = None
+        self.operator_url: str | None = None  # the local operator's /metrics, for the targets file
         self.engines: list[Engine] = []
         self._started = 0
 
-    def start(self, role: str) -> Engine:
+    def start(self, role: str, initial: bool = False) -> Engine:
         port = free_port()
         flags = ["--role", role] if self.plan.roles else []
-        child = _spawn(f"engine-{self._started}", [*self.engine_args, "--port", str(port), *flags,
-                                                  "--log-level", "warning"], port, self.workdir)
+        args = self.engine_args if initial else self.scaled_args
+        child = _spawn(f"engine-{self._started}", [*args, "--port", str(port), *flags, "--log-level", "warning"],
+                       port, self.workdir)
         self._started += 1
         engine = Engine(child, role)
         self.engines.append(engine)
@@ -141,6 +148,11 @@ class LocalEngines:
 
     def serving(self) -> list[Engine]:
         return [engine for engine in self.engines if engine.state == SERVING]
+
+    def observable(self) -> list[Engine]:
+        """Engines the operator observes (as it scrapes every pod not being deleted): starting or serving. A
+        starting engine that answers /metrics before /health (one waiting for its warm-up) is warmed from there."""
+        return [engine for engine in self.engines if engine.state in (STARTING, SERVING)]
 
     def scale(self, role: str, replicas: int) -> None:
         """Start engines of `role`, or drain the newest ones, until `replicas` start or serve."""
@@ -192,7 +204,7 @@ class LocalEngines:
         _write_atomically(self.pods_file, {"pods": [{"url": e.child.url, "role": e.role} for e in serving]})
         if self.targets_file and self.router is not None:
             members = [(e.child, e.role) for e in serving] + [(self.router, "router")]
-            _write_atomically(Path(self.targets_file), prometheus_targets(self.plan.name, members))
+            _write_atomically(Path(self.targets_file), prometheus_targets(self.plan.name, members, self.operator_url))
 
     def children(self) -> list[Child]:
         return [e.child for e in self.engines] + ([self.router] if self.router else [])
@@ -219,39 +231,52 @@ def _write_atomically(path: Path, data: object) -> None:
 
 
 class _ScalingWatch:
-    """The operator's scaler over the local engines, every `scaling.intervalSeconds`: each decision is printed and
-    carried out within the pool's replica bounds (engines started, or drained and stopped)."""
+    """The operator's tick over the local engines, every `scaling.intervalSeconds`: engines that began serving
+    are warmed from a peer, each decision is printed and carried out within the pool's replica bounds (engines
+    started, or drained and stopped), and recorded in the operator's metrics, which a loopback port serves (the
+    targets file lists it) until `close`."""
 
     def __init__(self, plan: PoolPlan, engines: LocalEngines) -> None:
-        from kvmesh.operator.local import Scaler
+        from kvmesh.operator.local import LocalOperator
 
         self.pool = plan.pool
         self.engines = engines
-        self.scaler = Scaler(plan.pool)
+        self.operator = LocalOperator(plan.pool)
         self.interval = plan.pool.spec["scaling"]["intervalSeconds"]
         self.next = time.monotonic()
+        port = free_port()
+        self.server, _ = start_http_server(port, addr="127.0.0.1", registry=self.operator.metrics.registry)
+        engines.operator_url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
     def tick(self, client: httpx.Client) -> None:
-        from kvmesh.operator.local import describe
+        from kvmesh.operator.local import LocalPod, describe
 
         if time.monotonic() < self.next:
             return
         self.next = time.monotonic() + self.interval
-        texts: dict[str, tuple[str, str]] = {}
-        for engine in self.engines.serving():
+        pods: list[LocalPod] = []
+        for engine in self.engines.observable():
             try:
                 answer = client.get(engine.child.url + "/metrics")
             except httpx.TransportError:
                 continue
             if answer.status_code == 200:
-                texts[engine.child.name] = (engine.role, answer.text)
-        replicas = self.engines.replicas()
-        decision = self.scaler.step(time.monotonic(), texts, replicas)
-        for line in describe(decision, replicas):
+                pods.append(LocalPod(engine.child.name, engine.role, engine.child.url, answer.text,
+                                     engine.state == SERVING))
+        before = self.engines.replicas()
+        tick = self.operator.decide(time.monotonic(), pods, before)
+        for line in self.operator.warm_up(tick.warmups):
+            print(f"kvmesh up: warm-up: {line}", file=sys.stderr, flush=True)
+        for line in describe(tick.decision, before):
             print(f"kvmesh up: scaler: {line}", file=sys.stderr, flush=True)
-        for role, n in decision.changed(replicas).items():
+        for role, n in tick.decision.changed(before).items():
             low, high = self.pool.bounds(role)
             self.engines.scale(role, min(max(n, low), high))
+        self.operator.record(tick.decision, self.engines.replicas(), before)
 
 
 def _stop(children: list[Child]) -> None:
@@ -265,12 +290,20 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def prometheus_targets(pool: str, members: list[tuple[Child, str]]) -> list[dict[str, object]]:
+def prometheus_targets(pool: str, members: list[tuple[Child, str]],
+                       operator_url: str | None = None) -> list[dict[str, object]]:
     """Prometheus file_sd targets for every (process, role) of the pool, labelled as the chart's PodMonitor labels
-    pods in Kubernetes (namespace, pool, role, pod), so the dashboards and alerts work on a local pool unchanged."""
-    return [{"targets": [child.url.removeprefix("http://")],
-             "labels": {"namespace": "local", "pool": pool, "role": role, "pod": child.name}}
-            for child, role in members]
+    pods in Kubernetes (namespace, pool, role, pod), so the dashboards and alerts work on a local pool unchanged;
+    and the local operator's, labelled as the chart's ServiceMonitor labels the operator (namespace, pod: no pool
+    or role, which its series carry themselves and a target label of the same name would rename)."""
+    targets: list[dict[str, object]] = [
+        {"targets": [child.url.removeprefix("http://")],
+         "labels": {"namespace": LOCAL_NAMESPACE, "pool": pool, "role": role, "pod": child.name}}
+        for child, role in members]
+    if operator_url is not None:
+        targets.append({"targets": [operator_url.removeprefix("http://")],
+                        "labels": {"namespace": LOCAL_NAMESPACE, "pod": "operator"}})
+    return targets
 
 
 def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
@@ -281,14 +314,21 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     model_dir = resolve_model_dir(plan.model)
     threads = max(1, (os.cpu_count() or 2) // plan.engines)
     workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{plan.name}-"))
-    engine_file = workdir / "engine.yaml"
     real = {"threads": threads, "kv_cache_memory_mib": 256}  # simulated engines take their profile's budget
-    engine_file.write_text(yaml.safe_dump({"engine": {**({} if plan.sim else real), **plan.engine}}))
+    settings = {**({} if plan.sim else real), **plan.engine}
     engine_args = ["sim-engine", "--profile", plan.sim] if plan.sim else ["serve", "--model", str(model_dir)]
-    engines = LocalEngines(plan, [*engine_args, "--config", str(engine_file)], workdir, targets_file)
+    initial = [*engine_args, "--config", str(_engine_file(workdir, "engine", settings))]
+    scaled = None
+    if plan.pool is not None:  # engines the scaler adds wait for their warm-up as the operator's pods do
+        from kvmesh.operator.desired import warmup_grace_seconds
+
+        gated = {**settings, "warmup_grace_seconds": warmup_grace_seconds(plan.pool)}
+        scaled = [*engine_args, "--config", str(_engine_file(workdir, "engine-scaled", gated))]
+    engines = LocalEngines(plan, initial, workdir, targets_file, scaled)
+    watch: _ScalingWatch | None = None
     try:
         for i in range(plan.engines):  # in the pods file from the start, as a static list would be
-            engines.start(plan.roles[i] if plan.roles else "both").state = SERVING
+            engines.start(plan.roles[i] if plan.roles else "both", initial=True).state = SERVING
         engines.publish()
         router_file = workdir / "router.yaml"
         router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **plan.router,
@@ -302,13 +342,16 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         if dead is not None:
             print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
             return 1
-        engines.publish()  # the targets file, before the ready file: whoever waits on that finds the targets too
-        endpoint = f"http://127.0.0.1:{router_port}/v1"
-        print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
-        if ready_file:
-            Path(ready_file).write_text(endpoint)
-        watch = _ScalingWatch(plan, engines) if plan.pool is not None else None
         with httpx.Client(timeout=2.0) as client:
+            if plan.pool is not None:
+                watch = _ScalingWatch(plan, engines)
+                watch.tick(client)  # the first decision: the operator's series exist once its target is listed
+                print(f"kvmesh up: operator metrics at {engines.operator_url}/metrics", file=sys.stderr)
+            engines.publish()  # the targets file, before the ready file: whoever waits on it finds the targets too
+            endpoint = f"http://127.0.0.1:{router_port}/v1"
+            print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
+            if ready_file:
+                Path(ready_file).write_text(endpoint)
             while True:
                 dead = engines.unexpected_exit()
                 if dead is not None:
@@ -326,4 +369,12 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         print(f"kvmesh up: {exc}", file=sys.stderr)
         return 1
     finally:
+        if watch is not None:
+            watch.close()
         _stop(engines.children())
+
+
+def _engine_file(workdir: Path, name: str, settings: dict[str, Any]) -> Path:
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"engine": settings}))
+    return path

@@ -1,6 +1,8 @@
 """The operator's decisions on one machine: `kvmesh up -f pool.yaml` reads the pool through operator/crd.py (the
-same defaults and checks as the cluster), writes the same engine and router settings, and runs the same scaler
-over its local engines, whose decisions `kvmesh up` carries out, so scaling works without Kubernetes.
+same defaults and checks as the cluster), writes the same engine and router settings, and runs the operator's
+scaling tick over its local engines: the same scaler, the same warm-ups of new engines from the peer whose cache
+serves the most hits, and the same /metrics registry. `kvmesh up` carries the decisions out, so scaling works
+without Kubernetes.
 
 Locally the engines listen on 127.0.0.1 at ports `kvmesh up` picks, and the router follows them in a pods file
 that `kvmesh up` rewrites; everything else in the two files is what the operator's ConfigMap holds.
@@ -9,14 +11,25 @@ that `kvmesh up` rewrites; everything else in the two files is what the operator
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.operator.crd import Pool
-from kvmesh.operator.desired import engine_settings, router_settings
-from kvmesh.operator.forecast import Scaler
+from kvmesh.operator.desired import engine_settings, router_settings, warmup_grace_seconds
+from kvmesh.operator.forecast import Scaler, parse_pod
+from kvmesh.operator.handlers import (
+    GateOpener,
+    OperatorMetrics,
+    PoolMemory,
+    Warmer,
+    _hit_rates,
+    http_open_gates,
+    http_warm,
+)
 from kvmesh.operator.scaling import Decision
+from kvmesh.operator.warmup import ServingPod, WarmupPlan, left_closed, plan_warmups
 
-__all__ = ["Scaler", "describe", "local_engine_settings", "local_router_settings"]
+__all__ = ["LocalOperator", "LocalPod", "Scaler", "describe", "local_engine_settings", "local_router_settings"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
@@ -36,3 +49,74 @@ def describe(decision: Decision, replicas: Mapping[str, int]) -> list[str]:
     return [f"{role}: {replicas.get(role)} -> {n} ({decision.roles[role].reason}; predicted KV "
             f"{decision.roles[role].predicted_usage:.0%}, P(>95%) {decision.roles[role].overload_probability:.0%})"
             for role, n in decision.changed(replicas).items()]
+
+
+@dataclass(frozen=True)
+class LocalPod:
+    """A local engine that answered its /metrics this tick (the cluster's pod with an address that answered)."""
+
+    name: str
+    role: str
+    url: str
+    metrics: str  # its /metrics text
+    ready: bool  # its /health answered 200 (the pod's Ready condition): False while its warm-up gate holds it
+
+
+@dataclass(frozen=True)
+class Tick:
+    decision: Decision
+    warmups: WarmupPlan  # the engines that began serving since the last tick: whom to warm from whom, whom to open
+
+
+class LocalOperator:
+    """The operator's scaling tick for one local pool, less the Kubernetes calls: `decide` observes and plans,
+    `kvmesh up` warms (`warm_up`) and scales, and `record` exports the outcome under the operator's own metric
+    names and labels."""
+
+    def __init__(self, pool: Pool, warm: Warmer = http_warm, open_gates: GateOpener = http_open_gates) -> None:
+        self.pool = pool
+        self.metrics = OperatorMetrics()
+        self.scaler = Scaler(pool)
+        self.memory = PoolMemory(scaler=self.scaler)  # what the timer keeps between ticks: hits, serving pods
+        self.gated = warmup_grace_seconds(pool) > 0  # engines the scaler adds wait for their warm-up
+        self._warm, self._open_gates = warm, open_gates
+
+    def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
+        scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
+        decision = self.scaler.observe(now, scraped, replicas)
+        hit_rates = _hit_rates(self.memory, now, scraped)
+        serving = [ServingPod(p.name, p.role, p.url, hit_rates.get(p.name, 0.0), p.ready) for p in pods]
+        warmups = plan_warmups(self.memory.serving, serving, self.pool.spec["scaling"]["warmupPrefixes"], self.gated)
+        self.memory.serving = frozenset(p.name for p in pods)
+        return Tick(decision, warmups)
+
+    def warm_up(self, plan: WarmupPlan) -> list[str]:
+        """Carry out a tick's warm-ups with the operator's HTTP calls, and open the gates of new engines left with
+        nothing copied; one line per engine saying what it got. A failure is reported, never raised: the engine
+        serves anyway (its grace opens its gate at the latest), computing those prefixes itself."""
+        limit = self.pool.spec["scaling"]["warmupPrefixes"]
+        lines: list[str] = []
+        opening = list(plan.open_now)
+        for warmup in plan.warmups:
+            answers = self._warm(warmup, limit)
+            lines += [_warmed(warmup.source.name, target, answer) for target, answer in answers.items()]
+            if self.gated:
+                opening.extend(left_closed(warmup, answers))
+        for name, error in (self._open_gates(opening) if opening else {}).items():
+            lines.append(f"{name} has nothing to copy: it serves now" if error is None
+                         else f"could not open {name}'s warm-up gate: {error}")
+        return lines
+
+    def record(self, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
+        """The replicas carried out (`before` them: what the decision saw), as the operator's timer records them."""
+        self.metrics.record(self.pool, decision, replicas, before)
+
+
+def _warmed(source: str, target: str, answer: Mapping[str, Any] | Exception | None) -> str:
+    if answer is None:
+        return f"{source} has no reused prefixes to warm {target} with"
+    if isinstance(answer, Exception) or answer.get("failed"):
+        why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
+        return f"warming {target} from {source} failed: {why}"
+    return (f"warmed {target} from {source}: {answer.get('blocks_pulled', 0)} blocks pulled, "
+            f"{answer.get('blocks_present', 0)} already held")

@@ -24,8 +24,6 @@ RULES = CHART / "alerts" / "kvmesh.rules.yaml"
 # that spans several scrapes, the engines' default forecast horizon, and the device tier.
 VARIABLES = {"$namespace": ".*", "$pool": ".*", "$__rate_interval": "1m", "$horizon": "10s", "$tier": "device"}
 
-OPERATOR_PREFIX = "kvmesh_operator_"  # no operator runs in a local pool: its panels are checked statically only
-
 KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset",
             "bool", "inf", "nan", "le", "atan2"}
 

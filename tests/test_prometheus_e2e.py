@@ -1,10 +1,12 @@
-"""End to end: Debian's Prometheus scrapes a local pool (`kvmesh up`: two engine processes over the tiny model and
-a router process, its targets from `--targets-file`) while a short load runs; then every dashboard query returns
+"""End to end: Debian's Prometheus scrapes a local pool (`kvmesh up -f pool.yaml`: two engine processes over the
+tiny model, a router process, and the operator's scaler inside `kvmesh up` with its own /metrics; the targets from
+`--targets-file`) while a short load runs; then every dashboard query, the operator's panels included, returns
 data through Prometheus' HTTP API, the alert rules load and evaluate, and `promtool check metrics` finds nothing
 on any component's /metrics but the colons of vLLM's compatibility names.
 
 `kvmesh up` labels its targets as the chart's PodMonitor labels pods in Kubernetes (namespace, pool, role, pod),
-so the dashboards' queries run here exactly as they do in a cluster."""
+and the operator's as its ServiceMonitor does (namespace, pod), so the dashboards' queries run here exactly as
+they do in a cluster."""
 
 from __future__ import annotations
 
@@ -24,24 +26,28 @@ import httpx
 import pytest
 import yaml
 
+from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.processes import free_port, launch, stop
 
-from .promql import (
-    DASHBOARDS,
-    OPERATOR_PREFIX,
-    RULES,
-    Query,
-    check_metrics,
-    dashboard_queries,
-    metric_names,
-    variable_queries,
-)
+from .promql import DASHBOARDS, RULES, Query, check_metrics, dashboard_queries, variable_queries
 
 pytestmark = pytest.mark.slow
 
 SCRAPE_SECONDS = 2  # and the scrape timeout: generous, for a loaded machine
 REQUESTS = 24
 DATA_DEADLINE_SECONDS = 120  # how long the queries may take to see the load (a loaded 2-core machine is slow)
+
+# Two engines that stay two (the scaler decides every second, but within fixed bounds: no engine comes or goes
+# while the queries run), with the engines' forecast horizon the dashboards' default.
+POOL = """
+apiVersion: kvmesh.io/v1alpha1
+kind: InferencePool
+metadata: {{name: local}}
+spec:
+  model: {{source: {model}}}
+  replicas: {{both: {{min: 2, max: 2}}}}
+  scaling: {{intervalSeconds: 1, horizonSeconds: 10, podStartupSeconds: 5}}
+"""
 
 
 @dataclass
@@ -55,12 +61,13 @@ class Pool:
 
 @pytest.fixture(scope="module")
 def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    """`kvmesh up` with two engines over the tiny model, once it has written its ready and targets files."""
+    """`kvmesh up -f` with two engines over the tiny model, once it has written its ready and targets files."""
     logs = tmp_path_factory.mktemp("pool")
-    ready, targets = logs / "ready", logs / "targets.json"
+    ready, targets, pool_file = logs / "ready", logs / "targets.json", logs / "pool.yaml"
+    pool_file.write_text(POOL.format(model=json.dumps(str(tiny_dir))))
     port = free_port()
-    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_dir), "--engines", "2", "--port",
-                   str(port), "--ready-file", str(ready), "--targets-file", str(targets)], logs / "up.log")
+    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "-f", str(pool_file), "--port", str(port),
+                   "--ready-file", str(ready), "--targets-file", str(targets)], logs / "up.log")
     try:
         deadline = time.monotonic() + 180
         while not ready.exists():
@@ -68,7 +75,8 @@ def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
             assert time.monotonic() < deadline, "kvmesh up did not get ready"
             time.sleep(0.2)
         pool = Pool(f"http://127.0.0.1:{port}", targets)
-        assert sorted(t["labels"]["role"] for t in pool.targets()) == ["both", "both", "router"]
+        assert sorted(t["labels"].get("role", "operator") for t in pool.targets()) == ["both", "both", "operator",
+                                                                                    "router"]
         yield pool
     finally:
         stop([proc])
@@ -160,17 +168,11 @@ def wait_for(prometheus: str, expr: str, message: str) -> None:
         time.sleep(SCRAPE_SECONDS)
 
 
-def operators(q: Query) -> bool:
-    """Whether a panel reads the operator's metrics: no operator runs in a local pool (tests/test_dashboards.py
-    checks those names against the operator's own registry)."""
-    return any(n.startswith(OPERATOR_PREFIX) for n in metric_names(q.concrete))
-
-
 def test_every_dashboard_query_returns_data(loaded: Pool, prometheus: str) -> None:
     """Polls until each query has data (rates need two scrapes in their window, the forecast panel a horizon of
-    history), then names every query that never got any."""
-    pending: list[Query] = [q for path in DASHBOARDS for q in dashboard_queries(path) if not operators(q)]
-    assert len(pending) > 40
+    history), then names every query that never got any. The operator's panels read `kvmesh up`'s operator."""
+    pending: list[Query] = [q for path in DASHBOARDS for q in dashboard_queries(path)]
+    assert len(pending) > 40 and any(OperatorMetric.DESIRED_REPLICAS in q.expr for q in pending)
     deadline = time.monotonic() + DATA_DEADLINE_SECONDS
     while pending and time.monotonic() < deadline:
         pending = [q for q in pending if not has_data(query(prometheus, q.concrete))]
@@ -186,6 +188,14 @@ def test_the_dashboard_pickers_list_the_pool(loaded: Pool, prometheus: str) -> N
             series = reply.json()["data"]
             assert {s["namespace"] for s in series} == {"local"}, q.where
             assert {s["pool"] for s in series} == {"local"}, q.where
+
+
+def test_the_operator_s_series_carry_the_pool_the_pickers_list(loaded: Pool, prometheus: str) -> None:
+    """The local operator's series name the pool as the engines' targets do (so the namespace and pool pickers
+    select them), under their own labels: a target label `pool` or `role` would have renamed them."""
+    series = query(prometheus, OperatorMetric.DESIRED_REPLICAS)
+    assert [(s["metric"]["pool_namespace"], s["metric"]["pool"], s["metric"]["role"], s["value"][1])
+            for s in series] == [("local", "local", "both", "2")]
 
 
 def test_the_alert_rules_load_and_stay_quiet_on_a_healthy_pool(loaded: Pool, prometheus: str) -> None:

@@ -1,6 +1,7 @@
 """`kvmesh up -f pool.yaml` carries out the scaler's decisions locally: under load a simulated pool grows to its
-maximum (a new engine process joins the router's pods and serves), and once the load stops it drains and stops
-the extra engine, without taking that deliberate exit for a failure."""
+maximum (a new engine process is warmed from the serving one, then joins the router's pods and serves), and once
+the load stops it drains and stops the extra engine, without taking that deliberate exit for a failure. The
+local operator's /metrics (listed in the targets file as the chart lists the operator's) record each decision."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.engine.protocol import Metric, OperatorMetric
 from kvmesh.processes import free_port, launch
 
 pytestmark = pytest.mark.slow
@@ -49,7 +52,22 @@ def engine_urls(targets: Path) -> dict[str, str]:
     if not targets.exists():
         return {}
     return {t["labels"]["pod"]: "http://" + t["targets"][0] for t in json.loads(targets.read_text())
-            if t["labels"]["role"] != "router"}
+            if t["labels"].get("role", "router") != "router"}
+
+
+def operator_url(targets: Path) -> str:
+    """The local operator's /metrics target: labelled like the chart's operator target, without pool or role."""
+    (operator,) = [t for t in json.loads(targets.read_text()) if t["labels"].get("pod") == "operator"]
+    assert operator["labels"] == {"namespace": "local", "pod": "operator"}
+    return "http://" + operator["targets"][0]
+
+
+def sample(url: str, name: str, **labels: str) -> float:
+    """The value of the one series `name` with `labels` (among others) on `url`/metrics; 0 when none."""
+    values = [s.value for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+              for s in family.samples if s.name == name and labels.items() <= s.labels.items()]
+    assert len(values) <= 1, (name, labels, values)
+    return values[0] if values else 0.0
 
 
 class Load:
@@ -67,7 +85,8 @@ class Load:
             n = 0
             while not self._stop.is_set():
                 n += 1
-                prompt = [1000 + (worker * 7919 + n * 104729 + i) % 30000 for i in range(60)]  # no shared prefix
+                # a shared prefix of two blocks (the pool's hot chain) and a long tail of its own
+                prompt = SHARED + [1000 + (worker * 7919 + n * 104729 + i) % 30000 for i in range(60)]
                 try:
                     reply = client.post(self.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 30})
                 except httpx.TransportError:
@@ -81,6 +100,11 @@ class Load:
             thread.join(timeout=90)
 
 
+SHARED = list(range(500, 532))
+DECISIONS = f"{OperatorMetric.SCALING_DECISIONS}_total"
+POOL_SERIES = {"pool_namespace": "local", "pool": "grow", "role": "both"}
+
+
 def test_kvmesh_up_grows_under_load_and_shrinks_after(tmp_path: Path) -> None:
     (tmp_path / "pool.yaml").write_text(POOL)
     port, ready, targets, log = free_port(), tmp_path / "ready", tmp_path / "targets.json", tmp_path / "up.log"
@@ -90,6 +114,10 @@ def test_kvmesh_up_grows_under_load_and_shrinks_after(tmp_path: Path) -> None:
     try:
         wait_for(ready.exists, "the pool to be ready", proc, log)
         assert list(engine_urls(targets)) == ["engine-0"]
+        operator = operator_url(targets)
+        # every series exists from the start: no decision yet, one replica wanted
+        assert sample(operator, OperatorMetric.DESIRED_REPLICAS, **POOL_SERIES) == 1
+        assert sample(operator, DECISIONS, **POOL_SERIES, direction="up") == 0
 
         load = Load(url)
         try:
@@ -99,9 +127,18 @@ def test_kvmesh_up_grows_under_load_and_shrinks_after(tmp_path: Path) -> None:
         finally:
             load.stop()
         assert "scaler: both: 1 -> 2" in log.read_text()
+        assert sample(operator, DECISIONS, **POOL_SERIES, direction="up") == 1
+        assert sample(operator, OperatorMetric.DESIRED_REPLICAS, **POOL_SERIES) == 2
+        # engine-1 was warmed from engine-0's hot chain before it joined the router's pods: its warm-up gate
+        # opened because the warm-up ended, and it holds blocks it never computed
+        assert "warm-up: warmed engine-1 from engine-0" in log.read_text()
+        assert sample(new, f"{Metric.WARMUP_GATE_OPENED}_total", reason="warmed") == 1
+        assert sample(new, f"{Metric.KV_TRANSFERS}_total", kind="warm", outcome="ok") >= 1
 
         wait_for(lambda: "engine-1 stopped" in log.read_text(), "the idle pool to drain and stop engine-1", proc, log)
         assert list(engine_urls(targets)) == ["engine-0"]
+        assert sample(operator, DECISIONS, **POOL_SERIES, direction="down") == 1
+        assert sample(operator, OperatorMetric.DESIRED_REPLICAS, **POOL_SERIES) == 1
         assert proc.poll() is None  # a deliberate stop is no failure: the pool runs on
         reply = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
         assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == engine_urls(targets)["engine-0"]
