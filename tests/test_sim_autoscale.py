@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvmesh.bench.autoscale import PredictivePolicy, ReactivePolicy, Row, StaticPolicy, compare
+from kvmesh.bench.autoscale import PredictivePolicy, ReactivePolicy, Row, StaticPolicy, compare, versus
 from kvmesh.bench.policies import RoundRobinPolicy, RouterPolicy
 from kvmesh.bench.routing import picker_from_flags
 from kvmesh.bench.sim import (
@@ -129,3 +129,6 @@ def test_kvmesh_is_compared_with_a_reactive_run_that_spent_at_least_as_much() ->
     against, fewer = compare(ours, [r("hpa 80%", 50, 90.0), r("hpa 70%", 40, 110.0), r("hpa 60%", 30, 130.0)])
     assert against is not None and against.policy == "hpa 60%" and fewer == pytest.approx(1 - 10 / 30)
     assert compare(ours, [r("hpa 80%", 50, 90.0)]) == (None, 0.0)
+    # and against the HPA rule at the same target: 80 % fewer violations for 1.11x its replica-seconds
+    assert versus(ours, r("hpa 80%", 50, 90.0)) == pytest.approx((0.8, 100 / 90))
+    assert versus(ours, r("hpa 80%", 0, 90.0))[0] is None  # the rule had none: no reduction to claim
