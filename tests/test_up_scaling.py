@@ -62,12 +62,13 @@ def operator_url(targets: Path) -> str:
     return "http://" + operator["targets"][0]
 
 
-def sample(url: str, name: str, **labels: str) -> float:
-    """The value of the one series `name` with `labels` (among others) on `url`/metrics; 0 when none."""
+def sample(url: str, name: str, **labels: str) -> float | None:
+    """The value of the one series `name` with `labels` (among others) on `url`/metrics; None when it does not
+    exist (a series exported at 0 exists)."""
     values = [s.value for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
               for s in family.samples if s.name == name and labels.items() <= s.labels.items()]
     assert len(values) <= 1, (name, labels, values)
-    return values[0] if values else 0.0
+    return values[0] if values else None
 
 
 class Load:
@@ -129,11 +130,14 @@ def test_kvmesh_up_grows_under_load_and_shrinks_after(tmp_path: Path) -> None:
         assert "scaler: both: 1 -> 2" in log.read_text()
         assert sample(operator, DECISIONS, **POOL_SERIES, direction="up") == 1
         assert sample(operator, OperatorMetric.DESIRED_REPLICAS, **POOL_SERIES) == 2
-        # engine-1 was warmed from engine-0's hot chain before it joined the router's pods: its warm-up gate
-        # opened because the warm-up ended, and it holds blocks it never computed
-        assert "warm-up: warmed engine-1 from engine-0" in log.read_text()
-        assert sample(new, f"{Metric.WARMUP_GATE_OPENED}_total", reason="warmed") == 1
-        assert sample(new, f"{Metric.KV_TRANSFERS}_total", kind="warm", outcome="ok") >= 1
+        # engine-1 was warmed from engine-0 before it joined the router's pods: its warm-up gate opened because
+        # the warm-up ended (not its grace), and it pulled blocks it never computed: every hot chain starts with
+        # the shared prefix, which engine-0 always holds (a chain's tail may be evicted before it is pulled, so
+        # a warm-up may end partial: `warm_failed`, the operator's WarmupFailed)
+        assert "warm-up: " in log.read_text() and "engine-1 from engine-0" in log.read_text()
+        gate = f"{Metric.WARMUP_GATE_OPENED}_total"
+        assert (sample(new, gate, reason="warmed") or 0) + (sample(new, gate, reason="warm_failed") or 0) == 1
+        assert (sample(new, f"{Metric.KV_TRANSFERS}_total", kind="warm", outcome="ok") or 0) >= 1
 
         wait_for(lambda: "engine-1 stopped" in log.read_text(), "the idle pool to drain and stop engine-1", proc, log)
         assert list(engine_urls(targets)) == ["engine-0"]
