@@ -1,0 +1,58 @@
+"""The operator's tick inside `kvmesh up -f` (operator/local.py's LocalOperator) over engines' metrics texts: new
+engines are warmed from the peer whose cache served the most hits since the last tick, and each decision lands in
+the operator's own registry under its names and labels, with the local pool's namespace. The HTTP of a warm-up
+and the processes are tested in tests/test_up_scaling.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.engine.protocol import OperatorMetric, VllmMetric
+from kvmesh.operator.local import LocalOperator, LocalPod
+from kvmesh.up import LOCAL_NAMESPACE, plan_from_file
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+
+
+def engine(name: str, cached_tokens: float, usage: float = 0.9, ready: bool = True) -> LocalPod:
+    """An engine's /metrics as the scaler reads it: a busy cache, and the prompt tokens it served from cache."""
+    text = "\n".join([f"{VllmMetric.KV_USAGE} {usage}", f"{VllmMetric.RUNNING} 4",
+                      f'{VllmMetric.CACHE_CONFIG}{{block_size="16",num_gpu_blocks="1000"}} 1',
+                      f"# TYPE {VllmMetric.PREFIX_HITS} counter",
+                      f"{VllmMetric.PREFIX_HITS}_total {cached_tokens}", ""])
+    return LocalPod(name, "both", f"http://127.0.0.1:1/{name}", text, ready)
+
+
+def series(operator: LocalOperator) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(operator.metrics.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.name.endswith("_created")}
+
+
+def test_the_local_tick_warms_new_engines_from_the_hottest_peer_and_records_its_decisions() -> None:
+    plan = plan_from_file(EXAMPLES / "aggregated.yaml")
+    assert plan.pool.namespace == LOCAL_NAMESPACE  # the namespace its engines' targets carry
+    operator = LocalOperator(plan.pool)
+    assert operator.gated  # warmupPrefixes defaults to 16: engines the scaler adds wait for their warm-up
+
+    first = operator.decide(0.0, [engine("engine-0", 0), engine("engine-1", 0)], {"both": 2})
+    assert first.warmups.warmups == () and first.warmups.open_now == ()  # the pool's first engines: nothing
+    before, after = {"both": 2}, first.decision.replicas
+    assert after["both"] > 2  # a busy pool grows
+    operator.record(first.decision, after, before)
+    labels = (("pool", "chat"), ("pool_namespace", LOCAL_NAMESPACE), ("role", "both"))
+    got = series(operator)
+    assert got[(f"{OperatorMetric.SCALING_DECISIONS}_total", tuple(sorted((*labels, ("direction", "up")))))] == 1
+    assert got[(f"{OperatorMetric.SCALING_DECISIONS}_total", tuple(sorted((*labels, ("direction", "down")))))] == 0
+    assert got[(OperatorMetric.DESIRED_REPLICAS, labels)] == after["both"]
+
+    # engine-1 served five times the hits of engine-0 since; engine-2 answers /metrics but is not ready yet
+    second = operator.decide(15.0, [engine("engine-0", 100), engine("engine-1", 500),
+                                    engine("engine-2", 0, usage=0.0, ready=False)], after)
+    (warmup,) = second.warmups.warmups
+    assert warmup.source.name == "engine-1" and [t.name for t in warmup.targets] == ["engine-2"]
+    assert warmup.source.url == "http://127.0.0.1:1/engine-1"
