@@ -113,7 +113,7 @@ class ScalingPolicy:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """One role's unstabilized pod count at one time: what `decide` keeps for the stabilization windows."""
+    """One role's unstabilized pod counts at one time: what `decide` keeps for the stabilization windows."""
 
     at: float
     role: str
@@ -281,7 +281,10 @@ def sized_demand(pods: Sequence[PodObservation], obs: PoolObservation, horizon: 
 def fewest_pods(demand: Callable[[int], float], room: float) -> int:
     """The fewest pods n whose demand(n) fits in n x room blocks, for a demand that never rises with n (a
     bigger pool holds each request no longer): doubling, then bisection."""
-    if demand(1) <= 0:
+    first = demand(1)
+    if not math.isfinite(first) or room <= 0:
+        raise ValueError(f"need a finite demand and room for it, got {first} blocks, {room} per pod")
+    if first <= 0:
         return 0
 
     def fits(n: int) -> bool:

@@ -138,6 +138,8 @@ def test_fewest_pods_fits_a_demand_that_falls_with_the_pool_size() -> None:
     assert fewest_pods(lambda n: 0.0, 800) == 0
     assert fewest_pods(lambda n: 6000 / math.sqrt(n), 1000) == 4  # 3 pods: 3,464 > 3,000; 4 pods: 3,000 <= 4,000
     assert fewest_pods(lambda n: 1e6, 1000) == 1000
+    with pytest.raises(ValueError, match="finite"):  # a NaN gauge must not spin the search forever
+        fewest_pods(lambda n: math.nan, 1000)
 
 
 def test_a_saturated_pool_is_sized_for_how_long_the_bigger_pool_holds_requests() -> None:
