@@ -442,14 +442,18 @@ class Engine:
     def _take_inbox(self) -> None:
         while self._inbox:
             request = self._inbox.popleft()
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
-            if request.output_ids:
-                request.text = request.detokenizer.step(request.output_ids)
-                request.emitted_text = request.text
-            request.expected_cached_tokens = self.kv.find_prefix(request.request_id, request.token_ids,
-                                                                 request.extra).num_tokens
             self.requests[request.request_id] = request
-            self._enqueue(request)
+            try:
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+                if request.output_ids:
+                    request.text = request.detokenizer.step(request.output_ids)
+                    request.emitted_text = request.text
+                request.expected_cached_tokens = self.kv.find_prefix(request.request_id, request.token_ids,
+                                                                     request.extra).num_tokens
+                self._enqueue(request)
+            except Exception:  # a bug queuing one request must end it with an error, not leave its client waiting
+                log.exception("could not queue request %s", request.request_id)
+                self._finish(request, "error", error="internal error while queuing this request")
         while self._aborts:
             request_id = self._aborts.popleft()
             request = self.requests.get(request_id)

@@ -107,9 +107,8 @@ class Scheduler:
         """The request's class refined by how many earlier requests opened the same way (for eviction)."""
         self.kv.find_prefix(request.request_id, request.token_ids, request.extra)  # hashes the prompt once
         seq = self.kv.seqs.get(request.request_id)
-        if seq is None:
-            return request.workload
-        return eviction_class(request.workload, self.openings.seen(seq.hashes, self.kv.block_size))
+        seen = self.openings.seen(seq.hashes, self.kv.block_size) if seq is not None else None
+        return request.workload if seen is None else eviction_class(request.workload, seen)
 
     def admission_order(self) -> list[Request]:
         """The waiting requests in the order admission tries them this step (`prefix`: the first PREFIX_WINDOW

@@ -7,7 +7,8 @@ scaling a local pool, or any script). The file lists pod URLs, each a string or 
 
 (a bare list works too). A pod's role is what its own /v1/kv/config says; the file's `role` is for people and
 tools reading it. Pure core, thin edge: `parse_pods_file` turns text into the wanted set (pod URL -> draining);
-the watcher polls the file's identity (inode, mtime, size) on the event loop and applies each change. A file that
+the watcher polls the file's identity (inode, mtime, size) from a worker thread and applies each change on the
+event loop. A file that
 cannot be read or parsed is logged and ignored: the router keeps the pods it knows.
 """
 
@@ -80,28 +81,38 @@ class PodsFileWatcher:
 
     def poll(self, apply: Callable[[Mapping[str, bool]], None]) -> None:
         """Apply the file if it changed since the last look, unless it is unreadable or malformed."""
+        wanted = self._read_if_changed()
+        if wanted is not None:
+            apply(wanted)
+
+    def _read_if_changed(self) -> dict[str, bool] | None:
+        """The file's pods when it changed since the last look and reads well; None otherwise."""
         try:
             stat = os.stat(self.path)
         except FileNotFoundError:
             identity = (0, 0, 0)
         except OSError as exc:
             log.error("pods file %s: %s; keeping the current pods", self.path, exc)
-            return
+            return None
         else:
             identity = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         if identity == self._seen:
-            return
+            return None
         self._seen = identity
-        try:
-            wanted = parse_pods_file(self.path.read_text()) if identity != (0, 0, 0) else {}
-        except (OSError, ValueError) as exc:
-            log.error("pods file %s: %s; keeping the current pods", self.path, exc)
-            return
         if identity == (0, 0, 0):
             log.warning("pods file %s does not exist: no pods until it does", self.path)
-        apply(wanted)
+            return {}
+        try:
+            return parse_pods_file(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            log.error("pods file %s: %s; keeping the current pods", self.path, exc)
+            return None
 
     async def _run(self, apply: Callable[[Mapping[str, bool]], None]) -> None:
+        """Stat and read in a worker thread (a slow or network file system must not stall routing); apply on
+        the loop, where the pod set lives."""
         while True:
             await asyncio.sleep(self.poll_seconds)
-            self.poll(apply)
+            wanted = await asyncio.to_thread(self._read_if_changed)
+            if wanted is not None:
+                apply(wanted)

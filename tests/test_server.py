@@ -230,6 +230,27 @@ def test_a_failing_step_fails_its_requests_not_the_server(served: tuple[str, Eng
     wait_idle(engine)
 
 
+def test_a_request_that_fails_to_queue_gets_an_error_not_a_hang(served: tuple[str, Engine],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: queuing raises once (a stand-in for a bug in admission); the client gets a 500."""
+    url, engine = served
+    real_add = engine.scheduler.add
+    calls = {"n": 0}
+
+    def failing_once(request):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real_add(request)
+
+    monkeypatch.setattr(engine.scheduler, "add", failing_once)
+    failed = httpx.post(url + "/v1/completions", json={"prompt": "queue me", "max_tokens": 3}, timeout=60)
+    assert failed.status_code == 500 and "internal error" in failed.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    wait_idle(engine)
+
+
 def _aborts(engine: Engine) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
