@@ -369,9 +369,10 @@ class OperatorMetric:
 
 
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
-ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated")
+GATEWAY_ROUTE = "gateway"  # requests a Gateway sent through the router's ext_proc endpoint picker
+ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated", GATEWAY_ROUTE)
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")
-POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "draining", "refused")
+POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "warming", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
 TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff", "warm")
 TRANSFER_OUTCOMES: tuple[str, ...] = ("ok", "failed")

@@ -61,7 +61,6 @@ from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
-GATEWAY_ROUTE = "gateway"  # the route label of requests a Gateway sent through ext_proc (router/extproc.py)
 EXT_PROC_GRACE_SECONDS = 5.0  # at shutdown, open ext_proc streams get this long to finish
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
@@ -95,7 +94,7 @@ class RouterMetrics:
         for state in POD_STATES:
             pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
         for outcome in ROUTER_OUTCOMES:
-            for route in (*ROUTES, GATEWAY_ROUTE):
+            for route in ROUTES:
                 self.requests.labels(outcome, route)
 
 
@@ -122,6 +121,8 @@ def _count_pods(pods: PodSet, state: str) -> int:
             return "refused"
         if pod.draining:
             return "draining"
+        if pod.warming:
+            return "warming"
         return "healthy" if pod.healthy else "unhealthy"
 
     return sum(1 for pod in pods.pods.values() if state_of(pod) == state)

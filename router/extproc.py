@@ -42,8 +42,8 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict
 
 from kvmesh.engine.openai_types import error_body
-from kvmesh.engine.protocol import KV_TRANSFER_FIELD
-from kvmesh.router.app import GATEWAY_ROUTE, RouteError, Router, Trace, View
+from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
+from kvmesh.router.app import RouteError, Router, Trace, View
 from kvmesh.router.picker import Decision, RequestInfo
 from kvmesh.router.pods import Pod
 

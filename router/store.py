@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 TABLE_NAME = "kvmesh_requests"
 OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "client_gone")
-ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated")  # the usual ones; others allowed
 
 # Every text column is short and bounded, so none of them can carry a prompt. The record enforces the same
 # limits before a row reaches the database (SQLite would not).
