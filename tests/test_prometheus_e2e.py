@@ -42,7 +42,7 @@ DATA_DEADLINE_SECONDS = 120  # how long the queries may take to see the load (a 
 POOL = """
 apiVersion: kvmesh.io/v1alpha1
 kind: InferencePool
-metadata: {{name: local}}
+metadata: {{name: e2e}}
 spec:
   model: {{source: {model}}}
   replicas: {{both: {{min: 2, max: 2}}}}
@@ -187,7 +187,7 @@ def test_the_dashboard_pickers_list_the_pool(loaded: Pool, prometheus: str) -> N
             reply = httpx.get(prometheus + "/api/v1/series", params={"match[]": q.concrete}, timeout=10)
             series = reply.json()["data"]
             assert {s["namespace"] for s in series} == {"local"}, q.where
-            assert {s["pool"] for s in series} == {"local"}, q.where
+            assert {s["pool"] for s in series} == {"e2e"}, q.where
 
 
 def test_the_operator_s_series_carry_the_pool_the_pickers_list(loaded: Pool, prometheus: str) -> None:
@@ -195,7 +195,7 @@ def test_the_operator_s_series_carry_the_pool_the_pickers_list(loaded: Pool, pro
     select them), under their own labels: a target label `pool` or `role` would have renamed them."""
     series = query(prometheus, OperatorMetric.DESIRED_REPLICAS)
     assert [(s["metric"]["pool_namespace"], s["metric"]["pool"], s["metric"]["role"], s["value"][1])
-            for s in series] == [("local", "local", "both", "2")]
+            for s in series] == [("local", "e2e", "both", "2")]
 
 
 def test_the_alert_rules_load_and_stay_quiet_on_a_healthy_pool(loaded: Pool, prometheus: str) -> None:
