@@ -208,7 +208,8 @@ def spec_schema() -> dict[str, Any]:
         "intervalSeconds": _num("how often the pool is evaluated", 1, 3600, default=15),
         "scaleUpStabilizationSeconds": _num("a scale-up waits until every recommendation in this window agrees", 0,
                                             3600, default=0),
-        "scaleDownStabilizationSeconds": _num("a scale-down waits until every recommendation in this window agrees",
+        "scaleDownStabilizationSeconds": _num("a scale-down keeps the most pods that the demand seen in this window "
+                                              "needed (a forecast peak counts until its horizon has passed)",
                                               0, 86400, default=300),
         "warmupPrefixes": _int("a new engine pod pulls this many of a peer's hottest prefix chains once it serves; "
                                "0: no warm-up", 0, HOT_CHAINS_MAX, default=HOT_CHAINS_DEFAULT),

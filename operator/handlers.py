@@ -35,7 +35,7 @@ from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
 from kvmesh.operator.scaling import Decision, scale_in_order
-from kvmesh.operator.warmup import ServingPod, Warmup, left_closed, plan_warmups, warm_body
+from kvmesh.operator.warmup import ServingPod, Warmup, left_closed, plan_warmups, warm_body, warmup_outcome
 
 log = logging.getLogger("kvmesh.operator")
 
@@ -427,7 +427,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}
     decision = state.scaler.observe(now, scraped, replicas)
-    hit_rates = _hit_rates(state, now, scraped)
+    hit_rates = pod_hit_rates(state, now, scraped)
     warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         why = decision.roles[role]
@@ -501,23 +501,18 @@ def _report_warmup(pool: Pool, body: kopf.Body, plan: Warmup,
                    answers: Mapping[str, dict[str, Any] | Exception | None]) -> None:
     """An Event and a log line per target warmed or failed; a log line for a peer with nothing to copy."""
     for target, answer in answers.items():
-        if answer is None:
-            log.info("pool %s/%s: %s has no reused prefixes to warm %s with", pool.namespace, pool.name,
-                     plan.source.name, target)
-            continue
-        if isinstance(answer, Exception) or answer.get("failed"):
-            why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
-            message = f"warming {target} from {plan.source.name} failed: {why}"
-            kopf.event(body, type="Warning", reason="WarmupFailed", message=message[:1024])
-            log.warning("pool %s/%s %s", pool.namespace, pool.name, message)
-            continue
-        message = (f"warmed {target} from {plan.source.name}: {answer.get('blocks_pulled', 0)} blocks pulled, "
-                   f"{answer.get('blocks_present', 0)} already held")
-        kopf.event(body, type="Normal", reason="WarmedUp", message=message)
-        log.info("pool %s/%s %s", pool.namespace, pool.name, message)
+        outcome = warmup_outcome(plan.source.name, target, answer)
+        if outcome.ok is None:
+            log.info("pool %s/%s: %s", pool.namespace, pool.name, outcome.message)
+        elif outcome.ok:
+            kopf.event(body, type="Normal", reason="WarmedUp", message=outcome.message)
+            log.info("pool %s/%s %s", pool.namespace, pool.name, outcome.message)
+        else:
+            kopf.event(body, type="Warning", reason="WarmupFailed", message=outcome.message[:1024])
+            log.warning("pool %s/%s %s", pool.namespace, pool.name, outcome.message)
 
 
-def _hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:
+def pod_hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:
     """Cached prompt tokens per second each pod served since the last tick: how much its cache is worth now."""
     rates: dict[str, float] = {}
     seen: dict[str, tuple[float, float]] = {}

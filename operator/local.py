@@ -22,18 +22,18 @@ from kvmesh.operator.handlers import (
     OperatorMetrics,
     PoolMemory,
     Warmer,
-    _hit_rates,
     http_open_gates,
     http_warm,
+    pod_hit_rates,
 )
 from kvmesh.operator.scaling import Decision
-from kvmesh.operator.warmup import ServingPod, WarmupPlan, left_closed, plan_warmups
+from kvmesh.operator.warmup import ServingPod, WarmupPlan, left_closed, plan_warmups, warmup_outcome
 
 __all__ = ["LocalOperator", "LocalPod", "Scaler", "describe", "local_engine_settings", "local_router_settings"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
-CLUSTER_ONLY_ROUTER = ("host", "port", "discovery", "namespace")
+CLUSTER_ONLY_ROUTER = ("host", "port", "discovery", "namespace", "ext_proc_port")  # no Gateway locally
 
 
 def local_engine_settings(pool: Pool) -> dict[str, Any]:
@@ -84,7 +84,7 @@ class LocalOperator:
     def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
         scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
         decision = self.scaler.observe(now, scraped, replicas)
-        hit_rates = _hit_rates(self.memory, now, scraped)
+        hit_rates = pod_hit_rates(self.memory, now, scraped)
         serving = [ServingPod(p.name, p.role, p.url, hit_rates.get(p.name, 0.0), p.ready) for p in pods]
         warmups = plan_warmups(self.memory.serving, serving, self.pool.spec["scaling"]["warmupPrefixes"], self.gated)
         self.memory.serving = frozenset(p.name for p in pods)
@@ -99,7 +99,7 @@ class LocalOperator:
         opening = list(plan.open_now)
         for warmup in plan.warmups:
             answers = self._warm(warmup, limit)
-            lines += [_warmed(warmup.source.name, target, answer) for target, answer in answers.items()]
+            lines += [warmup_outcome(warmup.source.name, target, answer).message for target, answer in answers.items()]
             if self.gated:
                 opening.extend(left_closed(warmup, answers))
         for name, error in (self._open_gates(opening) if opening else {}).items():
@@ -111,12 +111,3 @@ class LocalOperator:
         """The replicas carried out (`before` them: what the decision saw), as the operator's timer records them."""
         self.metrics.record(self.pool, decision, replicas, before)
 
-
-def _warmed(source: str, target: str, answer: Mapping[str, Any] | Exception | None) -> str:
-    if answer is None:
-        return f"{source} has no reused prefixes to warm {target} with"
-    if isinstance(answer, Exception) or answer.get("failed"):
-        why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
-        return f"warming {target} from {source} failed: {why}"
-    return (f"warmed {target} from {source}: {answer.get('blocks_pulled', 0)} blocks pulled, "
-            f"{answer.get('blocks_present', 0)} already held")

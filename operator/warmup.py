@@ -83,3 +83,23 @@ def warm_body(source: str, hot: Mapping[str, Any], limit: int) -> dict[str, Any]
             raise ValueError(f"the peer's hot listing holds a malformed chain: {str(chain)[:200]}")
         picked.append(hashes)
     return {"source": source, "chains": picked} if picked else None
+
+
+@dataclass(frozen=True)
+class WarmupOutcome:
+    """What one target's warm-up came to, in words: `ok` True (warmed), False (failed) or None (nothing to copy)."""
+
+    ok: bool | None
+    message: str
+
+
+def warmup_outcome(source: str, target: str, answer: Mapping[str, Any] | Exception | None) -> WarmupOutcome:
+    """Describe `target`'s /v1/kv/warm answer (None: the peer listed nothing reused; an Exception: the call
+    failed), for the operator's Events and logs and `kvmesh up`'s output alike."""
+    if answer is None:
+        return WarmupOutcome(None, f"{source} has no reused prefixes to warm {target} with")
+    if isinstance(answer, Exception) or answer.get("failed"):
+        why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
+        return WarmupOutcome(False, f"warming {target} from {source} failed: {why}")
+    return WarmupOutcome(True, f"warmed {target} from {source}: {answer.get('blocks_pulled', 0)} blocks pulled, "
+                               f"{answer.get('blocks_present', 0)} already held")
