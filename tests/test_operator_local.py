@@ -33,6 +33,14 @@ def test_kvmesh_up_reads_a_pool_with_the_cluster_s_defaults_and_checks(tmp_path:
         plan_from_file(tmp_path / "bad.yaml")
 
 
+def test_a_local_pool_opens_no_gateway_port(tmp_path: Path) -> None:
+    """The cluster's router serves ext_proc for a Gateway; a local router has no Gateway, so no extra port."""
+    pool = yaml.safe_load((EXAMPLES / "aggregated.yaml").read_text())
+    pool["spec"]["gatewayInferencePool"] = {"enabled": True}
+    (tmp_path / "gw.yaml").write_text(yaml.safe_dump(pool))
+    assert "ext_proc_port" not in plan_from_file(tmp_path / "gw.yaml").router
+
+
 def test_kvmesh_up_refuses_a_bad_pool_file_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "pool.yaml").write_text("apiVersion: kvmesh.io/v1alpha1\nkind: InferencePool\n"
                                         "metadata: {name: x}\nspec: {model: {source: bundled}, mode: sharded}\n")
