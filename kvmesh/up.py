@@ -215,6 +215,22 @@ class LocalEngines:
         engine.state, engine.deadline = STOPPING, time.monotonic() + STOP_TIMEOUT_SECONDS
 
 
+def _wait_routed(client: httpx.Client, engines: LocalEngines, count: int, timeout: float) -> Child | None:
+    """Until the router routes to `count` engines (its /health lists them): "ready" means the whole pool serves,
+    not only the first engine the router happened to scrape. The child that died meanwhile, if one did;
+    TimeoutError past `timeout`."""
+    assert engines.router is not None
+    deadline = time.monotonic() + timeout
+    while len((_answers(client, "GET", engines.router.url + "/health") or {}).get("pods", [])) < count:
+        dead = engines.unexpected_exit()
+        if dead is not None:
+            return dead
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router did not see all {count} engines healthy within {timeout:.0f} s")
+        time.sleep(0.1)
+    return None
+
+
 def _answers(client: httpx.Client, method: str, url: str) -> dict[str, Any] | None:
     """The JSON of a 200 answer; None for any other answer or none."""
     try:
@@ -343,6 +359,10 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
             print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
             return 1
         with httpx.Client(timeout=2.0) as client:
+            dead = _wait_routed(client, engines, plan.engines, HEALTH_TIMEOUT_SECONDS)
+            if dead is not None:
+                print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
+                return 1
             if plan.pool is not None:
                 watch = _ScalingWatch(plan, engines)
                 watch.tick(client)  # the first decision: the operator's series exist once its target is listed
