@@ -80,6 +80,10 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="port (default 8080)")
     p.add_argument("--ext-proc-port", type=int,
                    help="also serve Envoy ext_proc (gRPC) here, as a Gateway API Inference Extension endpoint picker")
+    p.add_argument("--ext-proc-plaintext", dest="ext_proc_tls", action="store_false", default=None,
+                   help="serve ext_proc without TLS (a gateway configured for h2c); default: TLS")
+    p.add_argument("--ext-proc-cert-dir",
+                   help="directory with tls.crt and tls.key for ext_proc's TLS (default: a self-signed certificate)")
     p.add_argument("--pool", help="the pool's name (for the request log)")
     p.add_argument("--database-url", help="request log, e.g. sqlite:///requests.db")
     p.add_argument("--api-keys-file", help="YAML of tenants and sha256 key hashes; no file: no auth")

@@ -458,7 +458,8 @@ def create_router_app(router: Router) -> FastAPI:
         if router.config.ext_proc_port is not None:  # imported here: grpc only for routers that serve a Gateway
             from kvmesh.router.extproc import start_ext_proc
 
-            gateway = await start_ext_proc(router, router.config.host, router.config.ext_proc_port)
+            gateway = await start_ext_proc(router, router.config.host, router.config.ext_proc_port,
+                                           tls=router.config.ext_proc_tls, cert_dir=router.config.ext_proc_cert_dir)
         yield
         if gateway is not None:
             await gateway.stop(grace=EXT_PROC_GRACE_SECONDS)

@@ -17,6 +17,7 @@ from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_L
 
 DISCOVERY_MODES = ("static", "kubernetes")
 GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endpoint-picker port (the operator's)
+EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE = "tls.crt", "tls.key"  # in ext_proc_cert_dir: a kubernetes.io/tls Secret's keys
 
 
 @dataclass
@@ -26,6 +27,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     ext_proc_port: int | None = None  # serve Envoy ext_proc here: a Gateway's endpoint picker (router/extproc.py)
+    ext_proc_tls: bool = True  # ext_proc over TLS, as gateways dial an endpoint picker; false: plaintext (h2c)
+    ext_proc_cert_dir: str | None = None  # tls.crt and tls.key (a mounted Secret); None: self-signed at start
     pods: list[str] = field(default_factory=list)  # engine base URLs (a static pool)
     pods_file: str | None = None  # static discovery from a JSON/YAML file of pods, re-read when it changes
     pool: str = "local"
@@ -77,6 +80,17 @@ class RouterConfig:
         if self.ext_proc_port is not None and not (0 < self.ext_proc_port < 65536 and self.ext_proc_port != self.port):
             raise ValueError(f"ext_proc_port {self.ext_proc_port} must be a TCP port (1-65535) other than the "
                              f"HTTP port {self.port}")
+        if not isinstance(self.ext_proc_tls, bool):
+            raise ValueError(f"ext_proc_tls must be true or false, not {self.ext_proc_tls!r}")
+        if self.ext_proc_cert_dir is not None:
+            if not self.ext_proc_tls:
+                raise ValueError("ext_proc_cert_dir holds a TLS certificate but ext_proc_tls is false (plaintext): "
+                                 "drop one of the two")
+            files = (EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE)
+            missing = [name for name in files if not (Path(self.ext_proc_cert_dir) / name).is_file()]
+            if missing:
+                raise ValueError(f"ext_proc_cert_dir {self.ext_proc_cert_dir!r} has no {' and no '.join(missing)}: "
+                                 f"it must hold {' and '.join(files)} (e.g. a kubernetes.io/tls Secret, mounted)")
 
 
 def load_router_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:

@@ -19,20 +19,34 @@ Request body modes (Envoy's `request_body_mode`, which a stream's first message 
   such a stream is answered 500 with a message saying which mode to configure.
 Refusals are ImmediateResponses with OpenAI-style error bodies: 400 (not a valid request), 401, 404 (unknown
 model), 413 (body over MAX_BODY_BYTES), 429 (shed by priority), 503 (no pod fits).
+
+The port serves TLS unless told otherwise: gateways dial an endpoint picker with TLS and, by the extension's
+convention, without verifying its certificate, so a self-signed one made at start will do; a mounted pair
+(tls.crt, tls.key) is served instead when given, and re-read when it changes. Plaintext is for gateways set up
+for h2c.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import json
 import logging
+import os
+import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -44,6 +58,7 @@ from google.protobuf.json_format import MessageToDict
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
 from kvmesh.router.app import RouteError, Router, Trace, View
+from kvmesh.router.config import EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE
 from kvmesh.router.picker import Decision, RequestInfo
 from kvmesh.router.pods import Pod
 
@@ -426,15 +441,133 @@ def _health_handler(router: Router) -> grpc.GenericRpcHandler:
         check, request_deserializer=health_request_service, response_serializer=health_response)})
 
 
-async def start_ext_proc(router: Router, host: str, port: int) -> grpc.aio.Server:
-    """The ext_proc gRPC server (and gRPC health checking) on host:port, started; stop it with `server.stop`."""
+# ---- serving: TLS by default -----------------------------------------------------------------------------------
+
+SELF_SIGNED_DAYS = 365
+
+
+def self_signed_certificate(names: Sequence[str]) -> tuple[bytes, bytes]:
+    """A new EC P-256 key and a certificate it signs itself for `names` (host names or IP addresses), valid a
+    year: (key, certificate), PEM. Enough for gateways, which encrypt but do not verify the picker's certificate."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+    now = datetime.datetime.now(datetime.UTC)
+    sans: list[x509.GeneralName] = []
+    for name in dict.fromkeys(names):
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            sans.append(x509.DNSName(name))
+    certificate = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # a peer whose clock lags a little still accepts it
+        .not_valid_after(now + datetime.timedelta(days=SELF_SIGNED_DAYS))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return key_pem, certificate.public_bytes(serialization.Encoding.PEM)
+
+
+def local_names(host: str) -> list[str]:
+    """What this picker is reached as: localhost, this machine's (the pod's) name, loopback, the bound address."""
+    names = ["localhost", socket.gethostname(), "127.0.0.1", "::1"]
+    return names if host in ("", "0.0.0.0", "::") else [*names, host]
+
+
+def read_certificate_pair(cert_dir: str) -> tuple[bytes, bytes]:
+    """(key, certificate chain), PEM, from cert_dir's tls.key and tls.crt; ValueError saying what is wrong."""
+    folder = Path(cert_dir)
+    key_pem, chain_pem = (folder / EXT_PROC_KEY_FILE).read_bytes(), (folder / EXT_PROC_CERT_FILE).read_bytes()
+    try:
+        certificate = x509.load_pem_x509_certificate(chain_pem)  # the first of the chain is the server's own
+    except ValueError:
+        raise ValueError(f"{folder / EXT_PROC_CERT_FILE} is not a PEM certificate") from None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):  # TypeError: an encrypted key
+        raise ValueError(f"{folder / EXT_PROC_KEY_FILE} is not an unencrypted PEM private key") from None
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != certificate.public_key().public_bytes(*spki):
+        raise ValueError(f"{folder / EXT_PROC_KEY_FILE} is not the key of {folder / EXT_PROC_CERT_FILE}")
+    return key_pem, chain_pem
+
+
+@dataclass
+class MountedCertificate:
+    """A certificate pair in a directory, re-read at the first handshake after its files change, so a rotated
+    Secret (cert-manager, or kubelet swapping a mounted Secret's files) is served without a restart."""
+
+    cert_dir: str
+    stamp: tuple[int, ...] = ()
+
+    def _stamp(self) -> tuple[int, ...]:
+        stats = [os.stat(Path(self.cert_dir) / name) for name in (EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE)]
+        return tuple(n for st in stats for n in (st.st_ino, st.st_mtime_ns, st.st_size))
+
+    def credentials(self) -> tuple[grpc.ServerCredentials, bytes]:
+        """The server's credentials and the certificate served now."""
+        self.stamp = self._stamp()
+        key, chain = read_certificate_pair(self.cert_dir)
+        return grpc.dynamic_ssl_server_credentials(grpc.ssl_server_certificate_configuration([(key, chain)]),
+                                                   self._changed), chain
+
+    def _changed(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC asks at each handshake: a new configuration, or None to keep the current one."""
+        try:
+            stamp = self._stamp()
+            if stamp == self.stamp:
+                return None
+            self.stamp = stamp  # tried once per change: a half-written pair is read again when it changes again
+            key, chain = read_certificate_pair(self.cert_dir)
+        except (OSError, ValueError) as exc:
+            log.warning("ext_proc keeps its certificate: the one in %s cannot be read (%s)", self.cert_dir, exc)
+            return None
+        log.info("ext_proc serves the new certificate in %s", self.cert_dir)
+        return grpc.ssl_server_certificate_configuration([(key, chain)])
+
+
+@dataclass
+class ExtProcServer:
+    """The started ext_proc server, how it serves, and the certificate it served at start (None in plaintext)."""
+
+    server: grpc.aio.Server
+    mode: str
+    certificate: bytes | None
+
+    async def stop(self, grace: float | None) -> None:
+        await self.server.stop(grace)
+
+
+async def start_ext_proc(router: Router, host: str, port: int, *, tls: bool,
+                         cert_dir: str | None = None) -> ExtProcServer:
+    """The ext_proc gRPC server (and gRPC health checking) on host:port, started: TLS with the pair in `cert_dir`,
+    or with a self-signed certificate when there is none; plaintext when `tls` is false."""
+    if cert_dir is not None and not tls:
+        raise ValueError("a certificate directory needs TLS on")
+    certificate: bytes | None = None
+    if not tls:
+        credentials, mode = None, "plaintext gRPC (h2c)"
+    elif cert_dir is None:
+        key, certificate = self_signed_certificate(local_names(host))
+        credentials, mode = grpc.ssl_server_credentials([(key, certificate)]), "TLS, self-signed certificate"
+    else:
+        credentials, certificate = MountedCertificate(cert_dir).credentials()
+        mode = f"TLS, certificate from {cert_dir}"
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a second picker on the port fails, not shares
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
     server.add_generic_rpc_handlers((_health_handler(router),))
+    address = f"{host}:{port}"
     try:
-        server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpc's "failed to bind", as the error the router's start-up reports
-        raise OSError(f"cannot listen for ext_proc on {host}:{port} (is the port taken?)") from exc
+        raise OSError(f"cannot listen for ext_proc on {address} (is the port taken?)") from exc
     await server.start()
-    log.info("ext_proc endpoint picker listening on %s:%d", host, port)
-    return server
+    log.info("ext_proc endpoint picker listening on %s (%s)", address, mode)
+    return ExtProcServer(server, mode, certificate)

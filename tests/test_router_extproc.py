@@ -3,14 +3,20 @@ Envoy does (headers, then the body in one or several chunks, then the response p
 
 The fast tests run the ext_proc server over a router whose two pods are never contacted: their health, load and
 cached blocks are set by hand (the state the scraper and the event reader would fill in), so each decision is
-known in advance. The slow test runs it inside the router app, in front of two real tiny engines, beside the
-HTTP edge, and checks both edges choose alike from the same state."""
+known in advance; they speak plaintext gRPC, and the TLS tests (a self-signed certificate, a mounted pair that is
+rotated, a plaintext client refused, bad certificate directories) use TLS. The slow test runs it inside the router
+app, over TLS with a mounted pair, in front of two real tiny engines, beside the HTTP edge, and checks both edges
+choose alike from the same state."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
+import datetime
+import ipaddress
 import json
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -20,18 +26,27 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
+from cryptography import x509
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from kvmesh import cli
 from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.engine.protocol import KVConfig, KVEvent, KVEventBatch
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.extproc import BODY_CHUNK_BYTES, endpoint_of, parse_subset, start_ext_proc
+from kvmesh.router.config import RouterConfig, load_router_config
+from kvmesh.router.extproc import (
+    BODY_CHUNK_BYTES,
+    endpoint_of,
+    parse_subset,
+    read_certificate_pair,
+    self_signed_certificate,
+    start_ext_proc,
+)
 
 from .engines import serve_router, tiny_engines
 
@@ -57,7 +72,7 @@ def router(bundled_dir: Path) -> Router:
 @pytest_asyncio.fixture
 async def picker(router: Router) -> AsyncIterator[tuple[Router, pb_grpc.ExternalProcessorStub, grpc.aio.Channel]]:
     port = free_port()
-    server = await start_ext_proc(router, "127.0.0.1", port)
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=False)  # the protocol, in plaintext
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield router, pb_grpc.ExternalProcessorStub(channel), channel
     await server.stop(None)
@@ -360,12 +375,13 @@ async def test_a_stream_the_gateway_abandons_gives_the_pod_back(picker) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_taken_port_is_a_clear_error(router: Router) -> None:
+@pytest.mark.parametrize("tls", [False, True])
+async def test_a_taken_port_is_a_clear_error(router: Router, tls: bool) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(OSError, match="cannot listen for ext_proc"):
-            await start_ext_proc(router, "127.0.0.1", taken.getsockname()[1])
+            await start_ext_proc(router, "127.0.0.1", taken.getsockname()[1], tls=tls)
 
 
 @pytest.mark.asyncio
@@ -384,20 +400,160 @@ async def test_grpc_health_checking_says_whether_the_picker_can_pick(picker) -> 
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+# ---- TLS: how gateways dial an endpoint picker -----------------------------------------------------------------
+
+
+def write_pair(folder: Path, names: tuple[str, ...] = ("localhost", "127.0.0.1")) -> bytes:
+    """A new key and certificate as a mounted kubernetes.io/tls Secret holds them; returns the certificate. Each
+    file is replaced whole (a new inode), as the kubelet swaps a Secret's files."""
+    key, certificate = self_signed_certificate(names)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in (("tls.key", key), ("tls.crt", certificate)):
+        (folder / f".{name}.new").write_bytes(data)
+        os.replace(folder / f".{name}.new", folder / name)
+    return certificate
+
+
+async def pick_over_tls(port: int, root: bytes, router: Router, seed: int) -> str:
+    """One full-duplex request through a channel that trusts only `root`, as a gateway that verifies would send it;
+    the pod holding the prompt must be chosen."""
+    body = completion(seed)
+    hold(router, POD_B, body)
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(root)) as channel:
+        replies = await full_duplex(pb_grpc.ExternalProcessorStub(channel),
+                                    [request_headers(), *body_chunks(json.dumps(body).encode())])
+    return chosen(replies[0])
+
+
+@pytest.mark.asyncio
+async def test_tls_is_the_default_with_a_self_signed_certificate_a_gateway_can_dial(router: Router) -> None:
+    assert RouterConfig(pods=[POD_A], ext_proc_port=9002).ext_proc_tls, "TLS unless told otherwise"
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=True)
+    try:
+        assert server.certificate is not None and "TLS" in server.mode
+        certificate = x509.load_pem_x509_certificate(server.certificate)
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert "localhost" in names.get_values_for_type(x509.DNSName)
+        assert ipaddress.ip_address("127.0.0.1") in names.get_values_for_type(x509.IPAddress)
+        lifetime = certificate.not_valid_after_utc - certificate.not_valid_before_utc
+        assert datetime.timedelta(days=365) <= lifetime <= datetime.timedelta(days=366)
+        assert certificate.not_valid_before_utc <= datetime.datetime.now(datetime.UTC)
+        assert await pick_over_tls(port, server.certificate, router, 1) == endpoint_of(POD_B)
+        # a client that verifies against another certificate is refused: the server really presents its own
+        with pytest.raises(grpc.aio.AioRpcError) as wrong:
+            await pick_over_tls(port, self_signed_certificate(["localhost", "127.0.0.1"])[1], router, 2)
+        assert wrong.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)
+    assert sum(p.inflight for p in router.pods.pods.values()) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_mounted_certificate_is_served_and_a_rotated_one_replaces_it(router: Router, tmp_path: Path) -> None:
+    first = write_pair(tmp_path / "tls")
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=True, cert_dir=str(tmp_path / "tls"))
+    try:
+        assert server.certificate == first
+        assert await pick_over_tls(port, first, router, 3) == endpoint_of(POD_B)
+        second = write_pair(tmp_path / "tls")  # the Secret is renewed: the next connection gets the new pair
+        assert await pick_over_tls(port, second, router, 4) == endpoint_of(POD_B)
+        with pytest.raises(grpc.aio.AioRpcError):  # and the old certificate is no longer presented
+            await pick_over_tls(port, first, router, 5)
+        (tmp_path / "tls" / "tls.crt").write_bytes(b"half written")  # a broken rotation keeps the working pair
+        assert await pick_over_tls(port, second, router, 6) == endpoint_of(POD_B)
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_a_plaintext_client_against_the_tls_port_fails_at_once(router: Router) -> None:
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process(iter([request_headers()]), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [reply async for reply in call]
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # not DEADLINE_EXCEEDED: no hang
+    finally:
+        await server.stop(None)
+    assert sum(p.inflight for p in router.pods.pods.values()) == 0
+
+
+def test_cli_flags_choose_plaintext_or_a_certificate_directory(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    cli._router_parser(parser.add_subparsers())
+
+    def config(*flags: str) -> RouterConfig:
+        args = parser.parse_args(["router", "--pod", POD_A, "--ext-proc-port", "9002", *flags])
+        return load_router_config(None, {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)})
+
+    assert (config().ext_proc_tls, config().ext_proc_cert_dir) == (True, None)
+    assert config("--ext-proc-plaintext").ext_proc_tls is False
+    write_pair(tmp_path)
+    assert config("--ext-proc-cert-dir", str(tmp_path)).ext_proc_cert_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (lambda d: {"ext_proc_cert_dir": str(d / "empty")}, "has no tls.crt and no tls.key"),
+    (lambda d: {"ext_proc_cert_dir": str(d / "only_cert")}, "has no tls.key"),
+    (lambda d: {"ext_proc_cert_dir": str(d / "pair"), "ext_proc_tls": False}, "ext_proc_tls is false"),
+    (lambda d: {"ext_proc_tls": "yes"}, "must be true or false"),
+])
+def test_a_bad_tls_setting_is_refused_with_what_to_fix(tmp_path: Path, settings: object, message: str) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "only_cert").mkdir()
+    (tmp_path / "only_cert" / "tls.crt").write_bytes(self_signed_certificate(["localhost"])[1])
+    write_pair(tmp_path / "pair")
+    section = {"pods": [POD_A], "ext_proc_port": 9002, **settings(tmp_path)}  # type: ignore[operator]
+    (tmp_path / "router.yaml").write_text(json.dumps({"router": section}))
+    with pytest.raises(ValueError, match=message):
+        load_router_config(tmp_path / "router.yaml")
+
+
+def test_the_cli_refuses_a_certificate_directory_without_its_files(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["router", "--pod", POD_A, "--ext-proc-port", "9002", "--ext-proc-cert-dir", str(tmp_path)])
+    assert code == 2
+    assert "has no tls.crt and no tls.key" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda d: (d / "tls.crt").write_text("not a certificate"), "tls.crt is not a PEM certificate"),
+    (lambda d: (d / "tls.key").write_text("not a key"), "tls.key is not an unencrypted PEM private key"),
+    (lambda d: (d / "tls.key").write_bytes(self_signed_certificate(["x"])[0]), "tls.key is not the key of"),
+])
+async def test_a_certificate_directory_that_is_no_matching_pair_is_refused_at_start(
+        router: Router, tmp_path: Path, damage: object, message: str) -> None:
+    write_pair(tmp_path)
+    damage(tmp_path)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=message):
+        read_certificate_pair(str(tmp_path))
+    with pytest.raises(ValueError, match=message):  # and the server does not start half-configured
+        await start_ext_proc(router, "127.0.0.1", free_port(), tls=True, cert_dir=str(tmp_path))
+
+
 # ---- beside the HTTP edge, in front of real engines ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, Router]]:
+def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, Router, bytes]]:
+    """The router app serving ext_proc over TLS with a mounted pair, as configured in a cluster with a Secret."""
+    certs = tmp_path_factory.mktemp("certs")
+    certificate = write_pair(certs)
     with tiny_engines(tiny_dir, tmp_path_factory.mktemp("engines")) as procs:
         port = free_port()
-        r = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, ext_proc_port=port), tiny_dir)
+        r = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, ext_proc_port=port,
+                                      ext_proc_cert_dir=str(certs)), tiny_dir)
         with serve_router(r) as url:
-            yield url, port, r
+            yield url, port, r, certificate
 
 
-async def gateway_pick(port: int, body: dict[str, object]) -> str:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+async def gateway_pick(port: int, certificate: bytes, body: dict[str, object]) -> str:
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(certificate)) as channel:
         replies = await full_duplex(pb_grpc.ExternalProcessorStub(channel),
                                     [request_headers(), *body_chunks(json.dumps(body).encode(), 2)])
     return chosen(replies[0])
@@ -415,19 +571,20 @@ def wait_indexed(router: Router, pod: str, body: dict[str, object]) -> None:
 
 
 @pytest.mark.slow
-def test_the_gateway_and_the_http_edge_choose_alike(served: tuple[str, int, Router]) -> None:
-    url, port, router = served
+def test_the_gateway_and_the_http_edge_choose_alike(served: tuple[str, int, Router, bytes]) -> None:
+    url, port, router, certificate = served
     ids = prompt(11, 160)
     http = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0}, timeout=60)
     assert http.status_code == 200, http.text
     holder = http.headers["x-kvmesh-pod"]
     wait_indexed(router, holder, {"prompt": ids})
     for k in range(3):  # the same prefix, new suffixes: the gateway goes where the HTTP edge put it
-        assert asyncio.run(gateway_pick(port, {"prompt": [*ids, 7 + k], "max_tokens": 2})) == endpoint_of(holder)
+        picked = asyncio.run(gateway_pick(port, certificate, {"prompt": [*ids, 7 + k], "max_tokens": 2}))
+        assert picked == endpoint_of(holder)
 
     # and the other way round: what the gateway routes, the HTTP edge follows before any event confirms it
     fresh = prompt(12, 160)
-    picked = asyncio.run(gateway_pick(port, {"prompt": fresh, "max_tokens": 2}))
+    picked = asyncio.run(gateway_pick(port, certificate, {"prompt": fresh, "max_tokens": 2}))
     again = httpx.post(url + "/v1/completions", json={"prompt": [*fresh, 5], "max_tokens": 2}, timeout=60)
     assert again.status_code == 200 and endpoint_of(again.headers["x-kvmesh-pod"]) == picked
     assert 'kvmesh_router_requests_total{outcome="ok",route="gateway"} 4.0' in httpx.get(url + "/metrics").text
