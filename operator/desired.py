@@ -22,7 +22,7 @@ import yaml
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, BUNDLED, KIND, Pool
-from kvmesh.router.config import GATEWAY_EXT_PROC_PORT
+from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, RouterConfig
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
@@ -133,6 +133,11 @@ def router_settings(pool: Pool) -> dict[str, Any]:
 def ext_proc_port(pool: Pool) -> int | None:
     """The port the router serves the Gateway's ext_proc stream on, as its file says; None when it serves none."""
     return router_settings(pool).get("ext_proc_port")
+
+
+def ext_proc_tls(pool: Pool) -> bool:
+    """Whether that port serves TLS (the router's default, with a self-signed certificate), as its file says."""
+    return router_settings(pool).get("ext_proc_tls", RouterConfig.ext_proc_tls)
 
 
 def config_files(pool: Pool) -> dict[str, str]:
@@ -307,9 +312,11 @@ def engines_service(pool: Pool) -> dict[str, Any]:
 def router_service(pool: Pool) -> dict[str, Any]:
     port = pool.spec["router"]["port"]
     ports = [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]
-    if ext_proc_port(pool) is not None:  # plaintext gRPC: HTTP/2 without TLS
+    if ext_proc_port(pool) is not None:
         ports.append({"name": EXT_PROC_PORT_NAME, "port": ext_proc_port(pool), "targetPort": EXT_PROC_PORT_NAME,
-                      "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"})
+                      "protocol": "TCP"})
+        if not ext_proc_tls(pool):  # h2c says plaintext HTTP/2; over TLS it names none, as the extension's own Service
+            ports[-1]["appProtocol"] = "kubernetes.io/h2c"
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, router_name(pool), labels(pool, "router")),
             "spec": {"type": "ClusterIP", "selector": selector(pool, "router"), "ports": ports}}
 

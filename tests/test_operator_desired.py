@@ -97,12 +97,22 @@ def test_the_gateway_pool_names_the_ext_proc_port_the_router_serves(tmp_path: Pa
     assert (ref["kind"], ref["name"], ref["failureMode"]) == ("Service", "docs-router", "FailClose")
     (port,) = [p for p in by_kind(objects, "Service")["docs-router"]["spec"]["ports"]
                if p["port"] == ref["port"]["number"]]
-    assert port["appProtocol"] == "kubernetes.io/h2c"  # plaintext gRPC
+    assert "appProtocol" not in port  # TLS (the router's default): not h2c, which would tell a Gateway plaintext
     (container,) = by_kind(objects, "Deployment")["docs-router"]["spec"]["template"]["spec"]["containers"]
     (target,) = [p for p in container["ports"] if p["name"] == port["targetPort"]]
     (tmp_path / "router.yaml").write_text(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])
-    assert load_router_config(tmp_path / "router.yaml").ext_proc_port == target["containerPort"] == \
-        GATEWAY_EXT_PROC_PORT
+    served = load_router_config(tmp_path / "router.yaml")
+    assert served.ext_proc_port == target["containerPort"] == GATEWAY_EXT_PROC_PORT
+    assert served.ext_proc_tls and served.ext_proc_cert_dir is None  # a self-signed certificate, made at start
+    # a pool that turns TLS off (router.settings) gets a Service that says plaintext HTTP/2, as the router serves
+    doc = yaml.safe_load(DISAGGREGATED.read_text())
+    doc["spec"]["router"]["settings"] = {"ext_proc_tls": False}
+    doc["metadata"]["uid"] = "uid-1"
+    objects = desired_objects(parse_pool(doc))
+    (port,) = [p for p in by_kind(objects, "Service")["docs-router"]["spec"]["ports"] if p["name"] == "grpc-ext-proc"]
+    assert port["appProtocol"] == "kubernetes.io/h2c"
+    (tmp_path / "router.yaml").write_text(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])
+    assert load_router_config(tmp_path / "router.yaml").ext_proc_tls is False
     # without the Gateway pool the router opens no gRPC port
     plain = desired_objects(pool())
     assert [p["name"] for p in by_kind(plain, "Service")["chat-router"]["spec"]["ports"]] == ["http"]
