@@ -91,6 +91,28 @@ class RouterConfig:
             if missing:
                 raise ValueError(f"ext_proc_cert_dir {self.ext_proc_cert_dir!r} has no {' and no '.join(missing)}: "
                                  f"it must hold {' and '.join(files)} (e.g. a kubernetes.io/tls Secret, mounted)")
+            read_certificate_pair(self.ext_proc_cert_dir)
+
+
+def read_certificate_pair(cert_dir: str) -> tuple[bytes, bytes]:
+    """(key, certificate chain), PEM, from cert_dir's tls.key and tls.crt; ValueError saying what is wrong."""
+    from cryptography import x509  # imported here: only routers that serve ext_proc with a mounted pair need it
+    from cryptography.hazmat.primitives import serialization
+
+    folder = Path(cert_dir)
+    key_pem, chain_pem = (folder / EXT_PROC_KEY_FILE).read_bytes(), (folder / EXT_PROC_CERT_FILE).read_bytes()
+    try:
+        certificate = x509.load_pem_x509_certificate(chain_pem)  # the first of the chain is the server's own
+    except ValueError:
+        raise ValueError(f"{folder / EXT_PROC_CERT_FILE} is not a PEM certificate") from None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):  # TypeError: an encrypted key
+        raise ValueError(f"{folder / EXT_PROC_KEY_FILE} is not an unencrypted PEM private key") from None
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != certificate.public_key().public_bytes(*spki):
+        raise ValueError(f"{folder / EXT_PROC_KEY_FILE} is not the key of {folder / EXT_PROC_CERT_FILE}")
+    return key_pem, chain_pem
 
 
 def load_router_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:

@@ -58,7 +58,7 @@ from google.protobuf.json_format import MessageToDict
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
 from kvmesh.router.app import RouteError, Router, Trace, View
-from kvmesh.router.config import EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE
+from kvmesh.router.config import EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE, read_certificate_pair
 from kvmesh.router.picker import Decision, RequestInfo
 from kvmesh.router.pods import Pod
 
@@ -476,24 +476,6 @@ def local_names(host: str) -> list[str]:
     """What this picker is reached as: localhost, this machine's (the pod's) name, loopback, the bound address."""
     names = ["localhost", socket.gethostname(), "127.0.0.1", "::1"]
     return names if host in ("", "0.0.0.0", "::") else [*names, host]
-
-
-def read_certificate_pair(cert_dir: str) -> tuple[bytes, bytes]:
-    """(key, certificate chain), PEM, from cert_dir's tls.key and tls.crt; ValueError saying what is wrong."""
-    folder = Path(cert_dir)
-    key_pem, chain_pem = (folder / EXT_PROC_KEY_FILE).read_bytes(), (folder / EXT_PROC_CERT_FILE).read_bytes()
-    try:
-        certificate = x509.load_pem_x509_certificate(chain_pem)  # the first of the chain is the server's own
-    except ValueError:
-        raise ValueError(f"{folder / EXT_PROC_CERT_FILE} is not a PEM certificate") from None
-    try:
-        key = serialization.load_pem_private_key(key_pem, password=None)
-    except (ValueError, TypeError):  # TypeError: an encrypted key
-        raise ValueError(f"{folder / EXT_PROC_KEY_FILE} is not an unencrypted PEM private key") from None
-    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    if key.public_key().public_bytes(*spki) != certificate.public_key().public_bytes(*spki):
-        raise ValueError(f"{folder / EXT_PROC_KEY_FILE} is not the key of {folder / EXT_PROC_CERT_FILE}")
-    return key_pem, chain_pem
 
 
 @dataclass

@@ -39,14 +39,7 @@ from kvmesh.engine.protocol import KVConfig, KVEvent, KVEventBatch
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig, load_router_config
-from kvmesh.router.extproc import (
-    BODY_CHUNK_BYTES,
-    endpoint_of,
-    parse_subset,
-    read_certificate_pair,
-    self_signed_certificate,
-    start_ext_proc,
-)
+from kvmesh.router.extproc import BODY_CHUNK_BYTES, endpoint_of, parse_subset, self_signed_certificate, start_ext_proc
 
 from .engines import serve_router, tiny_engines
 
@@ -468,11 +461,17 @@ async def test_a_mounted_certificate_is_served_and_a_rotated_one_replaces_it(rou
 
 
 @pytest.mark.asyncio
-async def test_a_plaintext_client_against_the_tls_port_fails_at_once(router: Router) -> None:
+@pytest.mark.parametrize("server_tls", [True, False])
+async def test_a_client_of_the_other_kind_fails_at_once(router: Router, server_tls: bool) -> None:
+    """A plaintext client against the TLS port (or a TLS client against a plaintext one) is refused at the
+    handshake, well before its deadline: the gateway sees the picker unavailable and does not hang."""
     port = free_port()
-    server = await start_ext_proc(router, "127.0.0.1", port, tls=True)
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=server_tls)
+    target = f"127.0.0.1:{port}"
+    other = (grpc.aio.insecure_channel(target) if server_tls else
+             grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(self_signed_certificate(["localhost"])[1])))
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with other as channel:
             call = pb_grpc.ExternalProcessorStub(channel).Process(iter([request_headers()]), timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 [reply async for reply in call]
@@ -515,9 +514,15 @@ def test_a_bad_tls_setting_is_refused_with_what_to_fix(tmp_path: Path, settings:
 
 def test_the_cli_refuses_a_certificate_directory_without_its_files(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["router", "--pod", POD_A, "--ext-proc-port", "9002", "--ext-proc-cert-dir", str(tmp_path)])
-    assert code == 2
+    def run() -> int:
+        return cli.main(["router", "--pod", POD_A, "--ext-proc-port", "9002", "--ext-proc-cert-dir", str(tmp_path)])
+
+    assert run() == 2
     assert "has no tls.crt and no tls.key" in capsys.readouterr().err
+    (tmp_path / "tls.crt").write_text("junk")
+    (tmp_path / "tls.key").write_text("junk")
+    assert run() == 2  # a message and exit 2 before anything starts, not a failed start-up
+    assert "tls.crt is not a PEM certificate" in capsys.readouterr().err
 
 
 @pytest.mark.asyncio
@@ -526,13 +531,13 @@ def test_the_cli_refuses_a_certificate_directory_without_its_files(tmp_path: Pat
     (lambda d: (d / "tls.key").write_text("not a key"), "tls.key is not an unencrypted PEM private key"),
     (lambda d: (d / "tls.key").write_bytes(self_signed_certificate(["x"])[0]), "tls.key is not the key of"),
 ])
-async def test_a_certificate_directory_that_is_no_matching_pair_is_refused_at_start(
+async def test_a_certificate_directory_that_is_no_matching_pair_is_refused(
         router: Router, tmp_path: Path, damage: object, message: str) -> None:
     write_pair(tmp_path)
     damage(tmp_path)  # type: ignore[operator]
-    with pytest.raises(ValueError, match=message):
-        read_certificate_pair(str(tmp_path))
-    with pytest.raises(ValueError, match=message):  # and the server does not start half-configured
+    with pytest.raises(ValueError, match=message):  # by the configuration
+        RouterConfig(pods=[POD_A], ext_proc_port=9002, ext_proc_cert_dir=str(tmp_path)).validate()
+    with pytest.raises(ValueError, match=message):  # and by the server, which does not start half-configured
         await start_ext_proc(router, "127.0.0.1", free_port(), tls=True, cert_dir=str(tmp_path))
 
 
