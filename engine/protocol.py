@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import cbor2
 import xxhash
+from prometheus_client.parser import text_string_to_metric_families
 
 # ---------------------------------------------------------------------------------------------------------
 # Contract 0: request extensions and pod conventions
@@ -390,3 +391,33 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 # copy; or nobody warmed it within the grace
 GATE_REASONS: tuple[str, ...] = ("warmed", "warm_failed", "nothing_to_copy", "grace_expired")
 OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """One engine's /metrics as its readers (the router, the operator) take it: each unlabelled-by-us series by
+    its exposed name (vLLM's carry only a model label, one series per engine), the usage forecast by level, and
+    the KV geometry from vLLM's cache-config info (None when the engine does not say)."""
+
+    values: dict[str, float]
+    forecast_usage: dict[str, float]
+    num_blocks: int | None = None
+    block_size: int | None = None
+
+
+def read_engine_metrics(text: str) -> EngineMetrics:
+    """Parse an engine's Prometheus text (ValueError when it is not Prometheus text)."""
+    values: dict[str, float] = {}
+    forecast: dict[str, float] = {}
+    num_blocks = block_size = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == Metric.FORECAST_USAGE:
+                if sample.labels.get("level") in FORECAST_LEVELS:
+                    forecast[sample.labels["level"]] = sample.value
+            elif sample.name == VllmMetric.CACHE_CONFIG:
+                num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
+                block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
+            else:
+                values[sample.name] = sample.value
+    return EngineMetrics(values, forecast, num_blocks, block_size)

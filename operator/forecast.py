@@ -16,9 +16,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, FORECAST_LEVELS, Metric, VllmMetric
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, Metric, VllmMetric, read_engine_metrics
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.scaling import Decision, PodObservation, PoolObservation, Recommendation, ScalingPolicy, decide
 
@@ -67,25 +65,14 @@ class PodMetrics:
 
 def parse_pod(name: str, role: str, text: str) -> PodMetrics:
     """One engine's /metrics text as the scaler's observation and the counters the traffic estimate needs."""
-    values: dict[str, float] = {}
-    forecast: dict[str, float] = {}
-    counters: dict[str, float] = {}
-    num_blocks, block_size = 0, 16
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in _GAUGES:
-                values[_GAUGES[sample.name]] = sample.value
-            elif sample.name in _COUNTERS:
-                counters[_COUNTERS[sample.name]] = sample.value
-            elif sample.name == Metric.FORECAST_USAGE and sample.labels.get("level") in FORECAST_LEVELS:
-                forecast[sample.labels["level"]] = sample.value
-            elif sample.name == VllmMetric.CACHE_CONFIG:
-                num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
-                block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
+    m = read_engine_metrics(text)
+    values = {field: m.values[exposed] for exposed, field in _GAUGES.items() if exposed in m.values}
+    counters = {field: m.values[exposed] for exposed, field in _COUNTERS.items() if exposed in m.values}
     running, waiting = int(values.pop("running", 0)), int(values.pop("waiting", 0))
-    observation = PodObservation(name=name, role=role, num_blocks=num_blocks, forecast=forecast, running=running,
-                                 waiting=waiting, **values)
-    return PodMetrics(observation, Counters(**counters, in_flight=running + waiting), block_size)
+    observation = PodObservation(name=name, role=role, num_blocks=m.num_blocks or 0, forecast=m.forecast_usage,
+                                 running=running, waiting=waiting, **values)
+    return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),
+                      m.block_size or DEFAULT_BLOCK_SIZE)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ __all__ = ["LocalOperator", "LocalPod", "Scaler", "describe", "local_engine_sett
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
-CLUSTER_ONLY_ROUTER = ("host", "port", "discovery", "namespace", "ext_proc_port")  # no Gateway locally
+CLUSTER_ONLY_ROUTER = ("host", "port", "discovery", "namespace", "ext_proc_port", "ext_proc_tls",
+                       "ext_proc_cert_dir")  # no Gateway locally
 
 
 def local_engine_settings(pool: Pool) -> dict[str, Any]:

@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import (
-    DEFAULT_BLOCK_SIZE,
     HEALTH_WARMING,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
@@ -33,6 +31,7 @@ from kvmesh.engine.protocol import (
     KVEventBatch,
     Metric,
     VllmMetric,
+    read_engine_metrics,
 )
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
@@ -63,28 +62,26 @@ class Pod:
         return self.url
 
 
+_PICKER_READS = {  # exposed name -> the PodState field it feeds
+    VllmMetric.RUNNING: "running",
+    VllmMetric.WAITING: "waiting",
+    VllmMetric.KV_USAGE: "kv_usage",
+    Metric.FORECAST_OVERLOAD: "overload_probability",
+    Metric.EVENTS_SEQ: "events_seq",
+    Metric.QUEUED_PREFILL_TOKENS: "pending_prefill_tokens",
+    Metric.PREFILL_THROUGHPUT: "prefill_tokens_per_second",
+    Metric.DECODE_STEP_SECONDS: "decode_step_seconds",
+}
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """The load numbers the picker reads, from an engine's Prometheus text."""
-    out: dict[str, float] = {}
-    wanted = {
-        VllmMetric.RUNNING: "running",
-        VllmMetric.WAITING: "waiting",
-        VllmMetric.KV_USAGE: "kv_usage",
-        Metric.FORECAST_OVERLOAD: "overload_probability",
-        Metric.EVENTS_SEQ: "events_seq",
-        Metric.QUEUED_PREFILL_TOKENS: "pending_prefill_tokens",
-        Metric.PREFILL_THROUGHPUT: "prefill_tokens_per_second",
-        Metric.DECODE_STEP_SECONDS: "decode_step_seconds",
-    }
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[wanted[sample.name]] = sample.value
-            elif sample.name == Metric.FORECAST_USAGE and sample.labels.get("level") == "p90":
-                out["forecast_usage_p90"] = sample.value
-            elif sample.name == VllmMetric.CACHE_CONFIG:
-                out["num_blocks"] = float(sample.labels.get("num_gpu_blocks", 0))
-                out["block_size"] = float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE))
+    m = read_engine_metrics(text)
+    out = {field: m.values[name] for name, field in _PICKER_READS.items() if name in m.values}
+    if "p90" in m.forecast_usage:
+        out["forecast_usage_p90"] = m.forecast_usage["p90"]
+    if m.num_blocks is not None and m.block_size is not None:
+        out["num_blocks"], out["block_size"] = m.num_blocks, m.block_size
     return out
 
 

@@ -14,8 +14,11 @@ import pytest
 import uvicorn
 
 from kvmesh.engine.engine import Engine
+from kvmesh.engine.protocol import FORECAST_LEVELS, VllmMetric, read_engine_metrics
 from kvmesh.engine.server import EngineHolder, create_app
+from kvmesh.operator.forecast import parse_pod
 from kvmesh.processes import free_port
+from kvmesh.router.pods import parse_metrics
 
 from .conftest import make_engine
 
@@ -291,3 +294,19 @@ def test_completions_default_to_16_tokens_and_tiny_temperature_is_greedy(served:
     tiny = httpx.post(url + "/v1/completions", json={"prompt": "a b c", "temperature": 1e-40, "max_tokens": 5,
                                                      "ignore_eos": True}).json()
     assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"] != ""
+
+
+def test_the_router_and_operator_read_what_the_engine_exports(served: tuple[str, Engine]) -> None:
+    """Contract 3 end to end: the one reader of an engine's /metrics (engine/protocol.py) and the router's and
+    operator's views of it agree with the engine's own state."""
+    url, engine = served
+    text = httpx.get(url + "/metrics").text
+    read = read_engine_metrics(text)
+    assert (read.num_blocks, read.block_size) == (engine.kv.pool.num_blocks, engine.kv.block_size)
+    assert set(read.forecast_usage) == set(FORECAST_LEVELS)
+    picker = parse_metrics(text)
+    assert picker["running"] == picker["waiting"] == 0 and picker["num_blocks"] == engine.kv.pool.num_blocks
+    assert picker["forecast_usage_p90"] == read.forecast_usage["p90"]
+    pod = parse_pod("p", "both", text)
+    assert pod.block_size == engine.kv.block_size and pod.observation.num_blocks == engine.kv.pool.num_blocks
+    assert pod.counters.prompt_tokens == read.values[f"{VllmMetric.PROMPT_TOKENS}_total"]
