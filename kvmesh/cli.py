@@ -221,10 +221,12 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from kvmesh.bench.args import positive_ints
+
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
     e = bench.add_parser("engine", help="engine throughput and prefix-cache TTFT, beside transformers' generate")
-    e.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
+    e.add_argument("--concurrency", type=positive_ints, default="1,8,32", help="comma-separated request counts")
     e.add_argument("--prompt-tokens", type=int, default=128)
     e.add_argument("--output-tokens", type=int, default=128)
     e.add_argument("--prefix-tokens", type=int, default=2000)

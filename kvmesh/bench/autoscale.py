@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.bench import plots
+from kvmesh.bench.args import number_list
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.policies import RouterPolicy
 from kvmesh.bench.sim import (
@@ -56,6 +57,7 @@ INSTANCE = LatencyModel(prefill_tokens_per_second=20000.0, decode_step_seconds=0
 CACHE_TOKENS = 64_000
 BLOCK_SIZE = 128  # coarser than an engine's 16: the same usage to within a few per cent, 8x fewer events
 STARTUP_SECONDS = ClusterSpec.startup_seconds  # the simulator's start-up delay, fixed in advance
+TARGETS = number_list(float, 0.0, 0.95, low_open=True)  # target utilizations, as --hpa-targets 0.8,0.7 reads them
 
 
 @dataclass
@@ -194,25 +196,15 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--speedup", type=float, default=16.0, help="divide the trace's arrival times by this")
     p.add_argument("--initial", type=int, default=16, help="instances at the start (what the first minutes need)")
-    p.add_argument("--hpa-targets", default="0.8,0.7,0.6",
+    p.add_argument("--hpa-targets", type=TARGETS, default="0.8,0.7,0.6",
                    help="KV usage targets of the reactive runs (0.8 is the rule; lower ones spend more)")
-    p.add_argument("--kvmesh-targets", default="0.8", help="target utilizations of the operator's policy")
+    p.add_argument("--kvmesh-targets", type=TARGETS, default="0.8", help="target utilizations of the operator's policy")
     p.add_argument("--horizon", type=float, default=scaling.ScalingPolicy({}, {}).horizon_seconds,
                    help=f"the operator's forecast horizon, seconds (at least the {STARTUP_SECONDS:g} s start-up delay)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--itl-slo", type=float, default=0.1, help="seconds (mean per request)")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write the instances over time here (PNG)")
-
-
-def _fractions(text: str, flag: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated fractions, got {text!r}") from None
-    if not values or any(not 0 < v <= 0.95 for v in values):
-        raise ValueError(f"{flag}: fractions in (0, 0.95] expected, got {text!r}")
-    return values
 
 
 def compare(ours: Row, reactive: list[Row]) -> tuple[Row | None, float]:
@@ -240,8 +232,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--initial must be at least 1")
         if args.horizon < STARTUP_SECONDS:
             raise ValueError(f"--horizon must be at least the start-up delay ({STARTUP_SECONDS:g} s)")
-        hpa_targets = _fractions(args.hpa_targets, "--hpa-targets")
-        kvmesh_targets = _fractions(args.kvmesh_targets, "--kvmesh-targets")
+        hpa_targets, kvmesh_targets = args.hpa_targets, args.kvmesh_targets
         requests = build_requests(load_azure(args.trace, args.limit, args.speedup), BLOCK_SIZE)
     except (OSError, ValueError) as exc:
         print(f"kvmesh bench autoscale: {exc}", file=sys.stderr)

@@ -119,7 +119,7 @@ def peak_rss_mib() -> float:
 
 
 def run_engine_bench(args: argparse.Namespace) -> int:
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     print("loading the bundled model ...", file=sys.stderr)
     model_dir = resolve_model_dir(None)
     engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(64, *levels)))

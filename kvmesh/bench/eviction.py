@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvmesh.bench.args import positive_ints
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.traces import MOONCAKE_BLOCK_TOKENS, MOONCAKE_TRACE, TraceRequest, load_mooncake
 from kvmesh.engine.kv.blocks import KVCacheManager
@@ -75,25 +76,16 @@ def replay(requests: Sequence[TraceRequest], num_blocks: int, policy: str,
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p = bench_subparsers.add_parser("eviction", help="LRU vs reuse-probability eviction on the Mooncake trace")
     p.add_argument("--trace", default=str(MOONCAKE_TRACE), help="a Mooncake-format JSONL trace")
-    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="cache sizes in blocks, comma-separated")
+    p.add_argument("--sizes", type=positive_ints, default=list(DEFAULT_SIZES),
+                   help="cache sizes in blocks, comma-separated")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--json", help="write the results here as JSON")
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--sizes must be comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError("--sizes needs at least one positive block count")
-    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
     """Markdown table on stdout, progress on stderr, JSON with --json."""
     try:
-        sizes = _sizes(args.sizes)
+        sizes = args.sizes
         requests = load_mooncake(args.trace, limit=args.limit)
         results = [replay(requests, n, policy, progress=True) for n in sizes for policy in POLICY_NAMES]
     except ValueError as exc:

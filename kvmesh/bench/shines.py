@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvmesh.bench import plots
+from kvmesh.bench.args import number_list, positive_ints
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.serve import (
     BenchRequest,
@@ -186,22 +187,14 @@ def verdict(points: list[Point]) -> str:
 # ---- CLI ----------------------------------------------------------------------------------------------------------
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p = bench_subparsers.add_parser("shines", help="prefix cache on against off, over shared-prefix fractions and "
                                                    "concurrency: does caching pay more under load?")
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
+    p.add_argument("--fractions", type=number_list(float, 0.0, 1.0), default=list(DEFAULT_FRACTIONS),
                    help="comma-separated shared fractions (default 0,0.25,0.5,0.75,1)")
-    p.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY),
+    p.add_argument("--concurrency", type=positive_ints, default=list(DEFAULT_CONCURRENCY),
                    help="comma-separated concurrency levels (default 1,4,16,32)")
     p.add_argument("--requests", type=int, default=8,
                    help="timed requests per point (at least the point's concurrency; default 8)")

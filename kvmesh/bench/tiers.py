@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvmesh.bench.args import positive_ints
 from kvmesh.bench.machine import machine_info
 from kvmesh.engine.config import MIB, EngineConfig
 from kvmesh.engine.engine import Engine, LoadedModel, load_model
@@ -56,8 +57,10 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("tiers", help="KV tiers: MB/s against chunk size, TTFT by prefix source, recovery")
     p.add_argument("--model", help="HF directory or .gguf (default: the bundled model)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--prefix-tokens", default="256,512,1024,2048", help="comma-separated prefix lengths")
-    p.add_argument("--chunks", default="1,2,4,8,16,32,64", help="comma-separated chunk sizes in blocks")
+    p.add_argument("--prefix-tokens", type=positive_ints, default="256,512,1024,2048",
+                   help="comma-separated prefix lengths")
+    p.add_argument("--chunks", type=positive_ints, default="1,2,4,8,16,32,64",
+                   help="comma-separated chunk sizes in blocks")
     p.add_argument("--copy-blocks", type=int, default=64, help="blocks per bandwidth measurement")
     p.add_argument("--disk-dir", help="where the disk tier's file goes (default: a temporary directory)")
     p.add_argument("--block-bytes", type=int, help="sweep chunk sizes with blocks of this size instead of the "
@@ -155,8 +158,7 @@ def _close(engine: Engine) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    lengths = [int(x) for x in args.prefix_tokens.split(",")]
-    chunks = [int(x) for x in args.chunks.split(",")]
+    lengths, chunks = args.prefix_tokens, args.chunks
     config = EngineConfig(model=args.model, dtype=args.dtype)
     loaded = load_model(config)
     vocab = loaded.tokenizer.vocab_size

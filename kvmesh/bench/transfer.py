@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.bench.args import positive_ints
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.router import Processes, percentile, resolve_model_dir
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, block_hashes
@@ -400,20 +401,13 @@ def run_transfer_bench(lengths: Sequence[int] = DEFAULT_LENGTHS, frames: Sequenc
 # ---- the command -----------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """`kvmesh bench transfer` and its options."""
     p = bench_subparsers.add_parser("transfer", help="KV transfer between two engines: bytes, seconds and MB/s by "
                                                      "prompt length and frame size, beside the prefill saved")
-    p.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS),
+    p.add_argument("--lengths", type=positive_ints, default=list(DEFAULT_LENGTHS),
                    help="comma-separated prompt lengths in tokens (default 512,1024,2048,4096)")
-    p.add_argument("--frames", type=_ints, default=list(DEFAULT_FRAMES),
+    p.add_argument("--frames", type=positive_ints, default=list(DEFAULT_FRAMES),
                    help="comma-separated blocks per frame, one source engine each (default 1,8,32,128)")
     p.add_argument("--model", help="HF directory or .gguf (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
