@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from kvmesh.engine.engine import Engine
@@ -63,9 +65,10 @@ def serve_router(router: Router) -> Iterator[str]:
 
 
 @contextmanager
-def serve_engine(engine: Engine) -> Iterator[str]:
+def serve_engine(engine: Engine, healthy: bool = True) -> Iterator[str]:
     """`engine` (started here) behind the engine's own HTTP app, in a daemon thread of this process; yields its URL
-    once healthy, and stops both at the end. For in-process engines such as simulated ones."""
+    once healthy (with `healthy` False: once it answers at all, e.g. while its warm-up gate holds it), and stops
+    both at the end. For in-process engines such as simulated ones."""
     engine.start()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine)), host="127.0.0.1", port=port,
@@ -74,9 +77,23 @@ def serve_engine(engine: Engine) -> Iterator[str]:
     thread.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout=60)
+        if healthy:
+            wait_healthy(url, timeout=60)
+        else:
+            _wait_answering(url, timeout=60)
         yield url
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         engine.stop()
+
+
+def _wait_answering(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(url + "/health")
+            return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"{url} never answered"
+            time.sleep(0.05)

@@ -42,7 +42,8 @@ def test_aging_bound_admits_a_passed_over_request_within_the_bound() -> None:
     assert cold_wait(arrivals, "fcfs", max_queue_delay=bound) <= bounded  # FCFS admits it in arrival order
 
 
-def test_prefix_queue_serves_cached_prefixes_first() -> None:
+def prefix_queue_with_hot_prefix_cached() -> Scheduler:
+    """A one-slot prefix queue whose KV cache holds the first 512 tokens of HOT (a request computed them)."""
     kv = KVCacheManager(256, 16)
     scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=4096, queue_policy="prefix", clock=lambda: 0.0)
     warm = Request("warm", [*HOT[:512], 1], SamplingParams(max_tokens=1), arrival_time=0.0)
@@ -50,6 +51,11 @@ def test_prefix_queue_serves_cached_prefixes_first() -> None:
     scheduler.schedule()
     kv.commit("warm", warm.token_ids, warm.num_tokens)
     scheduler.remove(warm)
+    return scheduler
+
+
+def test_prefix_queue_serves_cached_prefixes_first() -> None:
+    scheduler = prefix_queue_with_hot_prefix_cached()
     cold = Request("cold", list(range(7000, 7600)), SamplingParams(max_tokens=1), arrival_time=0.0)
     hot = Request("hot", [*HOT[:512], 2, 3], SamplingParams(max_tokens=1), arrival_time=0.0)
     scheduler.add(cold)
@@ -61,13 +67,7 @@ def test_prefix_queue_serves_cached_prefixes_first() -> None:
 def test_prefix_queue_reorders_only_the_head_of_a_long_queue() -> None:
     """Past PREFIX_WINDOW requests the queue stays FCFS: a cached prefix at the tail waits its turn, so each step's
     ordering costs at most PREFIX_WINDOW prefix lookups however long the queue grows."""
-    kv = KVCacheManager(256, 16)
-    scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=4096, queue_policy="prefix", clock=lambda: 0.0)
-    warm = Request("warm", [*HOT[:512], 1], SamplingParams(max_tokens=1), arrival_time=0.0)
-    scheduler.add(warm)
-    scheduler.schedule()
-    kv.commit("warm", warm.token_ids, warm.num_tokens)
-    scheduler.remove(warm)
+    scheduler = prefix_queue_with_hot_prefix_cached()
     for i in range(PREFIX_WINDOW):
         scheduler.add(Request(f"cold-{i}", [9000 + i] * 20, SamplingParams(max_tokens=1), arrival_time=0.0))
     scheduler.add(Request("hot-in-head", [*HOT[:512], 2], SamplingParams(max_tokens=1), arrival_time=0.0))

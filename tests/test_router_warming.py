@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,43 +13,22 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.protocol import READY_PATH
-from kvmesh.engine.server import EngineHolder, create_app
-from kvmesh.processes import free_port
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.pods import PodSet
 
 from .conftest import make_engine
+from .engines import serve_engine
 
 
 @contextmanager
 def warming_engine(tiny_dir: Path) -> Iterator[tuple[str, Engine]]:
     """A started engine with a long grace behind its app in a thread; yields its URL (answering, not healthy)."""
     engine = make_engine(tiny_dir, kv_cache_blocks=64, warmup_grace_seconds=600)
-    engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine)), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(url + "/health")
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the engine never answered"
-                time.sleep(0.05)
+    with serve_engine(engine, healthy=False) as url:
         yield url, engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.stop()
 
 
 async def eventually(check: Callable[[], bool], seconds: float = 20.0) -> None:

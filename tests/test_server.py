@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,38 +10,22 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.protocol import FORECAST_LEVELS, VllmMetric, read_engine_metrics
 from kvmesh.engine.server import EngineHolder, create_app
 from kvmesh.operator.forecast import parse_pod
-from kvmesh.processes import free_port
 from kvmesh.router.pods import parse_metrics
 
 from .conftest import make_engine
+from .engines import serve_engine
 
 
 @pytest.fixture(scope="module")
 def served(tiny_dir: Path) -> Iterator[tuple[str, Engine]]:
     engine = make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=512)
-    engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine)), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield url, engine
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    with serve_engine(engine) as url:
+        yield url, engine
     engine.kv.check_invariants()
 
 
@@ -212,42 +195,25 @@ def test_drain_refuses_new_requests_and_fails_health(tiny_dir: Path) -> None:
         engine.stop()
 
 
-def test_a_failing_step_fails_its_requests_not_the_server(served: tuple[str, Engine],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault injection: the runner raises once (a stand-in for a kernel error); the server keeps serving."""
+@pytest.mark.parametrize("part, method", [("runner", "run"), ("scheduler", "add")], ids=["step", "queuing"])
+def test_a_failure_inside_the_engine_fails_its_request_not_the_server(
+    served: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch, part: str, method: str
+) -> None:
+    """Fault injection: the model runner (a stand-in for a kernel error) or the queue (a bug in admission)
+    raises once; that request gets a 500 instead of a hang, and the server keeps serving."""
     url, engine = served
-    real_run = engine.runner.run
+    target = getattr(engine, part)
+    real = getattr(target, method)
     calls = {"n": 0}
 
-    def failing_once(seqs):
+    def failing_once(arg):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return real_run(seqs)
+        return real(arg)
 
-    monkeypatch.setattr(engine.runner, "run", failing_once)
+    monkeypatch.setattr(target, method, failing_once)
     failed = httpx.post(url + "/v1/completions", json={"prompt": "boom", "max_tokens": 3}, timeout=60)
-    assert failed.status_code == 500 and "internal error" in failed.json()["error"]["message"]
-    ok = httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3}, timeout=60)
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
-    wait_idle(engine)
-
-
-def test_a_request_that_fails_to_queue_gets_an_error_not_a_hang(served: tuple[str, Engine],
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault injection: queuing raises once (a stand-in for a bug in admission); the client gets a 500."""
-    url, engine = served
-    real_add = engine.scheduler.add
-    calls = {"n": 0}
-
-    def failing_once(request):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected fault")
-        return real_add(request)
-
-    monkeypatch.setattr(engine.scheduler, "add", failing_once)
-    failed = httpx.post(url + "/v1/completions", json={"prompt": "queue me", "max_tokens": 3}, timeout=60)
     assert failed.status_code == 500 and "internal error" in failed.json()["error"]["message"]
     ok = httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
