@@ -78,6 +78,19 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
     "event lag of 5 batches": (
         [(f'kvmesh_router_kv_event_lag_batches{{engine="e0", pod="r0", role="router", {POOL}}}', "5x10")],
         "5m", []),
+    "a new engine's grace ran out": (
+        [(f'kvmesh_warmup_gate_opened_total{{reason="grace_expired", pod="e2", role="decode", {POOL}}}',
+          "0x5 1x10"),
+         (f'kvmesh_warmup_gate_opened_total{{reason="warmed", pod="e1", role="decode", {POOL}}}', "0x5 1x10")],
+        "10m",
+        [alert("KvmeshWarmupNotReached", {"severity": "warning", **WHERE},
+               "Pool ml/chat: a new engine went live unwarmed",
+               "1 new engine(s) waited out their warm-up grace in the last 30 minutes: check that the operator runs "
+               "and reaches the engine pods.")]),
+    "new engines warmed": (
+        [(f'kvmesh_warmup_gate_opened_total{{reason="warmed", pod="e1", role="decode", {POOL}}}', "0x5 1x10"),
+         (f'kvmesh_warmup_gate_opened_total{{reason="grace_expired", pod="e1", role="decode", {POOL}}}', "0x15")],
+        "10m", []),
     "one engine down": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"),
          (f'up{{pod="e1", role="decode", {POOL}}}', "1x10"),
@@ -127,7 +140,7 @@ def test_the_rule_file_is_valid() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
-                                     "KvmeshPoolHasNoEngines"])
+                                     "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached"])
 
 
 def test_every_alert_is_seen_firing() -> None:
