@@ -21,6 +21,7 @@ from kvmesh.engine.protocol import (
     FORECAST_LEVELS,
     KV_BLOCK_STATES,
     LOAD_DECISIONS,
+    MODEL_LABEL,
     PREEMPTION_MODES,
     RESIDENCY_KINDS,
     TIER_MOVES,
@@ -68,7 +69,7 @@ class _StateCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self._state()
-        labels = ["model_name"]
+        labels = [MODEL_LABEL]
         mv = [self._model]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -119,7 +120,7 @@ class EngineMetrics:
     def __init__(self, model: str, state: Callable[[], EngineState]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        lm = ["model_name"]
+        lm = [MODEL_LABEL]
         self._m = model
         self.prefix_queries = Counter(V.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.", lm, registry=r)
         self.prefix_hits = Counter(V.PREFIX_HITS, "Prompt tokens found in the prefix cache.", lm, registry=r)

@@ -8,6 +8,7 @@ extensions, block hashing, KV event types, metric names and the workload-class f
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -279,6 +280,9 @@ class KVBlocksSnapshot:
 # ---------------------------------------------------------------------------------------------------------
 
 
+MODEL_LABEL = "model_name"  # the label every engine series carries (vLLM's): the model it serves
+
+
 class VllmMetric:
     """Names existing gateways read; exported under vLLM's names (with its colon) for compatibility."""
 
@@ -395,9 +399,10 @@ OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold
 
 @dataclass(frozen=True)
 class EngineMetrics:
-    """One engine's /metrics as its readers (the router, the operator) take it: each unlabelled-by-us series by
-    its exposed name (vLLM's carry only a model label, one series per engine), the usage forecast by level, and
-    the KV geometry from vLLM's cache-config info (None when the engine does not say)."""
+    """One engine's /metrics as its readers (the router, the operator) take it: each series that is one per engine
+    (no label but the model's) by its exposed name, the usage forecast by level, and the KV geometry from vLLM's
+    cache-config info (None when the engine does not say). Labelled families (histogram buckets, counters by
+    reason) are not in `values`: one number per name would be whichever series came last."""
 
     values: dict[str, float]
     forecast_usage: dict[str, float]
@@ -406,18 +411,22 @@ class EngineMetrics:
 
 
 def read_engine_metrics(text: str) -> EngineMetrics:
-    """Parse an engine's Prometheus text (ValueError when it is not Prometheus text)."""
+    """Parse an engine's Prometheus text (ValueError when it is not Prometheus text). A sample that is not a
+    finite number (NaN, infinity: a broken gauge) is left out, as if not exported, so that one bad engine
+    cannot stop its readers' arithmetic (the operator's scaling of the whole pool)."""
     values: dict[str, float] = {}
     forecast: dict[str, float] = {}
     num_blocks = block_size = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if not math.isfinite(sample.value):
+                continue
             if sample.name == Metric.FORECAST_USAGE:
                 if sample.labels.get("level") in FORECAST_LEVELS:
                     forecast[sample.labels["level"]] = sample.value
             elif sample.name == VllmMetric.CACHE_CONFIG:
                 num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
                 block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
-            else:
+            elif set(sample.labels) <= {MODEL_LABEL}:
                 values[sample.name] = sample.value
     return EngineMetrics(values, forecast, num_blocks, block_size)

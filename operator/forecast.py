@@ -171,7 +171,3 @@ class Scaler:
         decision = decide(observation, scaling_policy(self.pool), self.history)
         self.history = decision.history
         return decision
-
-    def step(self, now: float, texts: Mapping[str, tuple[str, str]], replicas: Mapping[str, int]) -> Decision:
-        """`texts`: pod name -> (role, its /metrics text)."""
-        return self.observe(now, [parse_pod(name, role, text) for name, (role, text) in texts.items()], replicas)

@@ -11,6 +11,7 @@ import yaml
 from kvmesh.cli import main
 from kvmesh.engine.protocol import Metric, VllmMetric
 from kvmesh.operator.crd import SpecError, load_pool_file, render_crd
+from kvmesh.operator.forecast import parse_pod
 from kvmesh.operator.local import Scaler, describe
 from kvmesh.up import plan_from_file
 
@@ -65,10 +66,10 @@ def test_the_local_scaler_makes_the_operator_s_decision_from_engine_metrics() ->
     pool = load_pool_file(str(EXAMPLES / "aggregated.yaml"))
     scaler = Scaler(pool)
     replicas = {"both": 2}
-    hot = {f"engine-{i}": ("both", engine_text(0.6, 1.0, 0.4)) for i in range(2)}
-    decision = scaler.step(0.0, hot, replicas)
+    hot = [parse_pod(f"engine-{i}", "both", engine_text(0.6, 1.0, 0.4)) for i in range(2)]
+    decision = scaler.observe(0.0, hot, replicas)
     assert decision.replicas == {"both": 3}  # ceil(2 x 1000 / 800)
     (line,) = describe(decision, replicas)
     assert line.startswith("both: 2 -> 3 (ScaleUpPredictedOverload")
-    calm = {f"engine-{i}": ("both", engine_text(0.1, 0.1, 0.0)) for i in range(2)}
-    assert describe(scaler.step(10.0, calm, {"both": 3}), {"both": 3}) == []  # within the stabilization window
+    calm = [parse_pod(f"engine-{i}", "both", engine_text(0.1, 0.1, 0.0)) for i in range(2)]
+    assert describe(scaler.observe(10.0, calm, {"both": 3}), {"both": 3}) == []  # within the stabilization window

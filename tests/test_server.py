@@ -276,3 +276,15 @@ def test_the_router_and_operator_read_what_the_engine_exports(served: tuple[str,
     pod = parse_pod("p", "both", text)
     assert pod.block_size == engine.kv.block_size and pod.observation.num_blocks == engine.kv.pool.num_blocks
     assert pod.counters.prompt_tokens == read.values[f"{VllmMetric.PROMPT_TOKENS}_total"]
+
+
+def test_a_broken_gauge_is_read_as_absent_not_as_a_number() -> None:
+    """NaN or infinity from one engine must not reach the operator's arithmetic: the pool's scaling would stop."""
+    text = ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} NaN\n'
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} +Inf\n'
+            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 3\n'
+            '# TYPE kvmesh_kv_forecast_usage_ratio gauge\nkvmesh_kv_forecast_usage_ratio{level="p90"} NaN\n')
+    read = read_engine_metrics(text)
+    assert read.values == {VllmMetric.WAITING: 3.0} and read.forecast_usage == {}
+    pod = parse_pod("p", "both", text)
+    assert (pod.observation.running, pod.observation.waiting, pod.observation.usage) == (0, 3, 0.0)
