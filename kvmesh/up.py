@@ -284,7 +284,12 @@ class _ScalingWatch:
                 pods.append(LocalPod(engine.child.name, engine.role, engine.child.url, answer.text,
                                      engine.state == SERVING))
         before = self.engines.replicas()
-        tick = self.operator.decide(time.monotonic(), pods, before)
+        try:
+            tick = self.operator.decide(time.monotonic(), pods, before)
+        except Exception as exc:  # as the cluster operator's timer: this tick fails, the pool keeps serving
+            print(f"kvmesh up: scaler: this tick failed ({exc!r}); the pool stays as it is", file=sys.stderr,
+                  flush=True)
+            return
         for line in self.operator.warm_up(tick.warmups):
             print(f"kvmesh up: warm-up: {line}", file=sys.stderr, flush=True)
         for line in describe(tick.decision, before):
