@@ -35,7 +35,15 @@ from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
 from kvmesh.operator.scaling import Decision, scale_in_order
-from kvmesh.operator.warmup import ServingPod, Warmup, left_closed, plan_warmups, warm_body, warmup_outcome
+from kvmesh.operator.warmup import (
+    ServingPod,
+    Warmup,
+    WarmupUnanswered,
+    left_closed,
+    plan_warmups,
+    warm_body,
+    warmup_outcome,
+)
 
 log = logging.getLogger("kvmesh.operator")
 
@@ -270,6 +278,8 @@ def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception 
             reply = httpx.post(target.url + KV_WARM_PATH, json=request, timeout=WARM_TIMEOUT_SECONDS)
             reply.raise_for_status()
             return reply.json()
+        except httpx.ReadTimeout:  # it has the request: its copy goes on, and its gate opens when it ends
+            return WarmupUnanswered(f"no answer from {target.name} within {WARM_TIMEOUT_SECONDS:g} s")
         except (httpx.HTTPError, ValueError) as exc:
             return exc
 

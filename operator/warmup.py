@@ -63,10 +63,17 @@ def plan_warmups(known: frozenset[str] | None, serving: Sequence[ServingPod], li
     return WarmupPlan(tuple(warmups), tuple(open_now))
 
 
+class WarmupUnanswered(Exception):
+    """The target took the warm request but did not answer in time: it is still copying, and opens its own gate
+    when the copy ends (or its grace does)."""
+
+
 def left_closed(plan: Warmup, answers: Mapping[str, object]) -> tuple[ServingPod, ...]:
     """The targets whose gate a warm-up left closed: the peer had nothing to copy (None), or it failed before
-    or while asking them (an error). An engine opens its gate itself when a warm request ends, however it went."""
-    return tuple(t for t in plan.targets if not isinstance(answers.get(t.name), Mapping))
+    or while asking them (an error). An engine opens its gate itself when a warm request ends, however it went,
+    so neither a target that answered nor one still copying (WarmupUnanswered) is among them."""
+    return tuple(t for t in plan.targets
+                 if not isinstance(answers.get(t.name), Mapping | WarmupUnanswered))
 
 
 def warm_body(source: str, hot: Mapping[str, Any], limit: int) -> dict[str, Any] | None:
@@ -87,7 +94,8 @@ def warm_body(source: str, hot: Mapping[str, Any], limit: int) -> dict[str, Any]
 
 @dataclass(frozen=True)
 class WarmupOutcome:
-    """What one target's warm-up came to, in words: `ok` True (warmed), False (failed) or None (nothing to copy)."""
+    """What one target's warm-up came to, in words: `ok` True (warmed), False (failed) or None (nothing to copy,
+    or still copying)."""
 
     ok: bool | None
     message: str
@@ -98,6 +106,8 @@ def warmup_outcome(source: str, target: str, answer: Mapping[str, Any] | Excepti
     failed), for the operator's Events and logs and `kvmesh up`'s output alike."""
     if answer is None:
         return WarmupOutcome(None, f"{source} has no reused prefixes to warm {target} with")
+    if isinstance(answer, WarmupUnanswered):
+        return WarmupOutcome(None, f"warming {target} from {source}: {answer}; its gate opens when the copy ends")
     if isinstance(answer, Exception) or answer.get("failed"):
         why = answer if isinstance(answer, Exception) else "; ".join(answer.get("errors") or [])
         return WarmupOutcome(False, f"warming {target} from {source} failed: {why}")

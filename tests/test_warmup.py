@@ -17,7 +17,16 @@ import pytest
 from kvmesh.engine.protocol import HOT_CHAINS_DEFAULT
 from kvmesh.operator.crd import SpecError, parse_pool
 from kvmesh.operator.desired import warmup_grace_seconds
-from kvmesh.operator.warmup import ServingPod, Warmup, WarmupPlan, left_closed, plan_warmups, warm_body
+from kvmesh.operator.warmup import (
+    ServingPod,
+    Warmup,
+    WarmupPlan,
+    WarmupUnanswered,
+    left_closed,
+    plan_warmups,
+    warm_body,
+    warmup_outcome,
+)
 from kvmesh.processes import free_port
 
 from .test_operator import NS, POOLS, MetricsServer, eventually, operator, pod_body, pool_body, run
@@ -67,11 +76,11 @@ def test_equally_warm_peers_are_chosen_by_name() -> None:
 
 
 def test_targets_a_warm_up_did_not_reach_are_left_closed() -> None:
-    plan = Warmup("both", pod("a"), (pod("b"), pod("c"), pod("d"), pod("e")))
+    plan = Warmup("both", pod("a"), (pod("b"), pod("c"), pod("d"), pod("e"), pod("f")))
     answers = {"b": {"blocks_pulled": 3, "failed": 0}, "c": {"blocks_pulled": 0, "failed": 2}, "d": None,
-               "e": ConnectionError("peer unreachable")}
+               "e": ConnectionError("peer unreachable"), "f": WarmupUnanswered("still copying")}
     assert [t.name for t in left_closed(plan, answers)] == ["d", "e"], \
-        "an engine opens its own gate when a warm request ends, even a failed one"
+        "an engine opens its own gate when a warm request ends, even a failed one, or one still copying"
 
 
 def test_the_warm_body_sends_the_hottest_chains_up_to_the_limit() -> None:
@@ -167,3 +176,10 @@ def test_the_timer_warms_pods_that_start_serving_and_reports_each_outcome(tmp_pa
     finally:
         for server in servers.values():
             server.close()
+
+
+def test_a_warm_up_still_copying_is_reported_as_such_not_as_failed() -> None:
+    outcome = warmup_outcome("a", "b", WarmupUnanswered("no answer from b within 60 s"))
+    assert outcome.ok is None and "gate opens when the copy ends" in outcome.message
+    assert warmup_outcome("a", "b", ConnectionError("refused")).ok is False
+    assert warmup_outcome("a", "b", {"blocks_pulled": 4, "blocks_present": 1}).message.startswith("warmed b from a")
