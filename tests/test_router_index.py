@@ -216,7 +216,8 @@ def test_64_pods_and_500_blocks() -> None:
 
 
 def test_match_agrees_with_a_plain_model_of_the_events() -> None:
-    """Random streams against a per-pod set model: tiers, holes, moves, clears, provisional entries."""
+    """Random streams against a per-pod set model: tiers, holes, moves, clears, provisional entries, and pods
+    leaving the pool (their bit then goes to the next pod to arrive)."""
     rng = random.Random(1)
     trunk = list(range(16 * 6))
     prompts = [block_hashes(trunk + [rng.randrange(1000) for _ in range(16 * 10)]) for _ in range(3)]
@@ -230,8 +231,14 @@ def test_match_agrees_with_a_plain_model_of_the_events() -> None:
         start = rng.randrange(len(prompt))
         hashes = prompt[start : rng.randrange(start, len(prompt)) + 1]
         tier = rng.choice([*TIERS, None])
-        op = rng.choice(["stored", "stored", "removed", "cleared", "guess", "guess"])
+        op = rng.choice(["stored", "stored", "removed", "cleared", "guess", "guess", *(["leave"] if rng.random() < 0.1
+                                                                                       else [])])
         now += rng.random()
+        if op == "leave":
+            index.remove_pod(pod)
+            real[pod] = {t: set() for t in TIERS}
+            guessed[pod] = {}
+            continue
         if op == "guess":
             ttl = rng.uniform(0.5, 4.0)
             index.add_provisional(pod, hashes, now, ttl)
