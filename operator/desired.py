@@ -223,8 +223,9 @@ def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool
 
 def warmup_grace_seconds(pool: Pool) -> float:
     """How long a new engine pod stays unready waiting for its warm-up (0: no gate): the spec's grace while
-    warm-up is on. The engines get it as a flag, not in the ConfigMap's file: only the operator warms pods, so
-    a local pool (`kvmesh up -f`, which reads the same settings) must not wait for a warm-up that never comes."""
+    warm-up is on. The engines get it as a flag, not in the ConfigMap's file: a local pool (`kvmesh up -f`)
+    reads the same settings, and its first engines have no peer to be warmed from; it gives the grace only to
+    the engines its scaler adds (and warms them)."""
     scaling = pool.spec["scaling"]
     return float(scaling["warmupGraceSeconds"]) if scaling["warmupPrefixes"] > 0 else 0.0
 
