@@ -36,13 +36,14 @@ from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_p
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
 from kvmesh.operator.scaling import Decision, scale_in_order
 from kvmesh.operator.warmup import (
+    GateOpener,
     ServingPod,
+    Warmer,
     Warmup,
     WarmupUnanswered,
-    left_closed,
+    carry_out,
     plan_warmups,
     warm_body,
-    warmup_outcome,
 )
 
 log = logging.getLogger("kvmesh.operator")
@@ -206,10 +207,6 @@ class OperatorConfig:
 
 
 Scraper = Callable[[str], str]  # URL -> Prometheus text
-# a warm-up plan and its chain limit -> per target pod, its /v1/kv/warm answer, None (nothing to pull) or the error
-Warmer = Callable[[Warmup, int], dict[str, dict[str, Any] | Exception | None]]
-# new pods with nothing to copy -> per pod, None once its warm-up gate is open, or the error
-GateOpener = Callable[[Sequence[ServingPod]], dict[str, Exception | None]]
 DIRECTIONS = ("up", "down")
 
 
@@ -494,32 +491,15 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
     gated = desired.warmup_grace_seconds(pool) > 0
     plan = plan_warmups(state.serving, serving, limit, gated)
     state.serving = frozenset(p.name for p in serving)
-    opening = list(plan.open_now)
-    for warmup in plan.warmups:
-        answers = warm(warmup, limit)
-        _report_warmup(pool, body, warmup, answers)
-        if gated:
-            opening.extend(left_closed(warmup, answers))
-    for name, error in (open_gates(opening) if opening else {}).items():
-        if error is None:
-            log.info("pool %s/%s: nothing to copy into %s: it serves now", pool.namespace, pool.name, name)
-        else:  # its grace opens it in the end
-            log.warning("pool %s/%s: could not open %s's warm-up gate: %s", pool.namespace, pool.name, name, error)
-
-
-def _report_warmup(pool: Pool, body: kopf.Body, plan: Warmup,
-                   answers: Mapping[str, dict[str, Any] | Exception | None]) -> None:
-    """An Event and a log line per target warmed or failed; a log line for a peer with nothing to copy."""
-    for target, answer in answers.items():
-        outcome = warmup_outcome(plan.source.name, target, answer)
-        if outcome.ok is None:
-            log.info("pool %s/%s: %s", pool.namespace, pool.name, outcome.message)
-        elif outcome.ok:
+    results = carry_out(plan, limit, gated, warm, open_gates)
+    for _, _, outcome in results.warmed:  # an Event for each pod warmed or failed; a log line for every outcome
+        if outcome.ok is True:
             kopf.event(body, type="Normal", reason="WarmedUp", message=outcome.message)
-            log.info("pool %s/%s %s", pool.namespace, pool.name, outcome.message)
-        else:
+        elif outcome.ok is False:
             kopf.event(body, type="Warning", reason="WarmupFailed", message=outcome.message[:1024])
-            log.warning("pool %s/%s %s", pool.namespace, pool.name, outcome.message)
+    for outcome in [o for _, _, o in results.warmed] + [o for _, o in results.opened]:
+        level = logging.WARNING if outcome.ok is False else logging.INFO
+        log.log(level, "pool %s/%s: %s", pool.namespace, pool.name, outcome.message)
 
 
 def pod_hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:

@@ -17,17 +17,9 @@ from typing import Any
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.desired import engine_settings, router_settings, warmup_grace_seconds
 from kvmesh.operator.forecast import Scaler, parse_pod
-from kvmesh.operator.handlers import (
-    GateOpener,
-    OperatorMetrics,
-    PoolMemory,
-    Warmer,
-    http_open_gates,
-    http_warm,
-    pod_hit_rates,
-)
+from kvmesh.operator.handlers import OperatorMetrics, PoolMemory, http_open_gates, http_warm, pod_hit_rates
 from kvmesh.operator.scaling import Decision
-from kvmesh.operator.warmup import ServingPod, WarmupPlan, left_closed, plan_warmups, warmup_outcome
+from kvmesh.operator.warmup import GateOpener, ServingPod, Warmer, WarmupPlan, carry_out, plan_warmups
 
 __all__ = ["LocalOperator", "LocalPod", "Scaler", "describe", "local_engine_settings", "local_router_settings"]
 
@@ -95,18 +87,9 @@ class LocalOperator:
         """Carry out a tick's warm-ups with the operator's HTTP calls, and open the gates of new engines left with
         nothing copied; one line per engine saying what it got. A failure is reported, never raised: the engine
         serves anyway (its grace opens its gate at the latest), computing those prefixes itself."""
-        limit = self.pool.spec["scaling"]["warmupPrefixes"]
-        lines: list[str] = []
-        opening = list(plan.open_now)
-        for warmup in plan.warmups:
-            answers = self._warm(warmup, limit)
-            lines += [warmup_outcome(warmup.source.name, target, answer).message for target, answer in answers.items()]
-            if self.gated:
-                opening.extend(left_closed(warmup, answers))
-        for name, error in (self._open_gates(opening) if opening else {}).items():
-            lines.append(f"{name} has nothing to copy: it serves now" if error is None
-                         else f"could not open {name}'s warm-up gate: {error}")
-        return lines
+        results = carry_out(plan, self.pool.spec["scaling"]["warmupPrefixes"], self.gated, self._warm,
+                            self._open_gates)
+        return [o.message for _, _, o in results.warmed] + [o.message for _, o in results.opened]
 
     def record(self, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
         """The replicas carried out (`before` them: what the decision saw), as the operator's timer records them."""

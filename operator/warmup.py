@@ -10,7 +10,7 @@ at once, so a pool's first pods are not held for the whole grace. Pure: the oper
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,3 +113,36 @@ def warmup_outcome(source: str, target: str, answer: Mapping[str, Any] | Excepti
         return WarmupOutcome(False, f"warming {target} from {source} failed: {why}")
     return WarmupOutcome(True, f"warmed {target} from {source}: {answer.get('blocks_pulled', 0)} blocks pulled, "
                                f"{answer.get('blocks_present', 0)} already held")
+
+
+# a warm-up and its chain limit -> per target pod, its /v1/kv/warm answer, None (nothing to pull) or the error
+Warmer = Callable[[Warmup, int], dict[str, dict[str, Any] | Exception | None]]
+# pods to tell "nothing to copy, serve now" -> per pod, None or the error
+GateOpener = Callable[[Sequence[ServingPod]], dict[str, Exception | None]]
+
+
+@dataclass(frozen=True)
+class WarmupResults:
+    """A tick's warm-ups carried out: per target, what its warm-up came to; per pod told to serve now, how that
+    went (ok None: it serves now; False: the call failed, and its grace opens it in the end)."""
+
+    warmed: list[tuple[Warmup, str, WarmupOutcome]]
+    opened: list[tuple[str, WarmupOutcome]]
+
+
+def carry_out(plan: WarmupPlan, limit: int, gated: bool, warm: Warmer, open_gates: GateOpener) -> WarmupResults:
+    """Warm each target of `plan` from its source, then, with the engines' gate on, tell the pods left with nothing
+    copied (the plan's first pods, and targets a warm-up never reached) to serve now. The cluster operator and
+    `kvmesh up` both call this with their HTTP calls; neither raises for a pod that fails: it serves anyway."""
+    warmed: list[tuple[Warmup, str, WarmupOutcome]] = []
+    opening = list(plan.open_now)
+    for warmup in plan.warmups:
+        answers = warm(warmup, limit)
+        warmed += [(warmup, target, warmup_outcome(warmup.source.name, target, answer))
+                   for target, answer in answers.items()]
+        if gated:
+            opening.extend(left_closed(warmup, answers))
+    opened = [(name, WarmupOutcome(None, f"{name} has nothing to copy: it serves now") if error is None
+               else WarmupOutcome(False, f"could not open {name}'s warm-up gate: {error}"))
+              for name, error in (open_gates(opening) if opening else {}).items()]
+    return WarmupResults(warmed, opened)

@@ -30,14 +30,8 @@ import yaml
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvmesh.operator.handlers import (
-    DELETION_COST_ANNOTATION,
-    GateOpener,
-    OperatorConfig,
-    OperatorMetrics,
-    Warmer,
-    register,
-)
+from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, OperatorMetrics, register
+from kvmesh.operator.warmup import GateOpener, Warmer
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
 

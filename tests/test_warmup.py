@@ -22,6 +22,7 @@ from kvmesh.operator.warmup import (
     Warmup,
     WarmupPlan,
     WarmupUnanswered,
+    carry_out,
     left_closed,
     plan_warmups,
     warm_body,
@@ -183,3 +184,23 @@ def test_a_warm_up_still_copying_is_reported_as_such_not_as_failed() -> None:
     assert outcome.ok is None and "gate opens when the copy ends" in outcome.message
     assert warmup_outcome("a", "b", ConnectionError("refused")).ok is False
     assert warmup_outcome("a", "b", {"blocks_pulled": 4, "blocks_present": 1}).message.startswith("warmed b from a")
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_carrying_out_a_plan_warms_then_opens_what_nothing_reached(gated: bool) -> None:
+    """The HTTP calls are injected (this is the orchestration both the operator and `kvmesh up` run): a first pod
+    is opened at once; of a warm-up's targets, the warmed one and the one still copying are left to open their
+    own gates, the one the warm-up never reached is opened, when the engines have a gate at all."""
+    plan = WarmupPlan((Warmup("both", pod("a"), (pod("b"), pod("c"), pod("d"))),), (pod("first"),))
+    answers = {"b": {"blocks_pulled": 2, "blocks_present": 0}, "c": WarmupUnanswered("slow"),
+               "d": ConnectionError("refused")}
+    asked: list[list[str]] = []
+
+    def open_gates(pods):
+        asked.append([p.name for p in pods])
+        return {p.name: None for p in pods}
+
+    results = carry_out(plan, 4, gated, lambda warmup, limit: answers, open_gates)
+    assert [(target, o.ok) for _, target, o in results.warmed] == [("b", True), ("c", None), ("d", False)]
+    assert asked == [["first", "d"] if gated else ["first"]]
+    assert [name for name, o in results.opened] == asked[0] and all(o.ok is None for _, o in results.opened)
