@@ -40,12 +40,12 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import TypeDecorator
 
-from kvmesh.engine.protocol import WORKLOAD_CLASSES
+from kvmesh.engine.protocol import ROUTER_OUTCOMES, WORKLOAD_CLASSES
 
 log = logging.getLogger(__name__)
 
 TABLE_NAME = "kvmesh_requests"
-OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "client_gone")
+OUTCOMES = ROUTER_OUTCOMES  # a request's outcome in the log is the one its requests_total counter names
 
 # Every text column is short and bounded, so none of them can carry a prompt. The record enforces the same
 # limits before a row reaches the database (SQLite would not).

@@ -159,7 +159,7 @@ def test_summary_arithmetic(store: RequestLog) -> None:
     )  # fmt: skip
     s = store.summary(pool="pool-a")
     assert s["requests"] == 4
-    assert s["outcomes"] == {"ok": 2, "error": 0, "shed": 1, "client_gone": 1}
+    assert s["outcomes"] == {"ok": 2, "error": 0, "shed": 1, "no_pod": 0, "client_gone": 1}
     assert s["workloads"][WORKLOAD_CLASSES[0]] == 3 and s["workloads"][WORKLOAD_CLASSES[1]] == 1
     assert set(WORKLOAD_CLASSES) <= set(s["workloads"])  # every class present, at 0 when unseen
     assert s["routes"] == {"aggregated": 4}
@@ -286,7 +286,7 @@ def test_record_validation() -> None:
     with pytest.raises(ValueError, match="prompt_tokens"):
         rec(prompt_tokens=-1)
     assert len(rec(pods=",".join(f"pod-{i}" for i in range(500))).pods) == MAX_LEN["pods"]
-    assert set(OUTCOMES) == {"ok", "error", "shed", "client_gone"}
+    assert set(OUTCOMES) == {"ok", "error", "shed", "no_pod", "client_gone"}
     now = RequestRecord(pool="p", tenant="t", workload="chat-short", route="retry", outcome="ok", status_code=200)
     assert abs((datetime.now(UTC) - now.ts).total_seconds()) < 5
 
