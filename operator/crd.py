@@ -223,7 +223,11 @@ def spec_schema() -> dict[str, Any]:
     gateway = _obj({"enabled": {"type": "boolean", "default": False,
                                 "description": "also create an inference.networking.k8s.io/v1 InferencePool that "
                                                "selects the engines and names the kvmesh router as its endpoint "
-                                               "picker"}},
+                                               "picker"},
+                    "tlsSecretName": _str("a Secret of type kubernetes.io/tls (tls.crt, tls.key; cert-manager makes "
+                                          "one) the router serves the endpoint picker with, re-read when it is "
+                                          "renewed; without it the router makes a self-signed certificate at start",
+                                          pattern=DNS_LABEL)},
                    description="Gateway API Inference Extension interop", default={})
     spec = _obj({
         "model": model,

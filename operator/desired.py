@@ -33,6 +33,7 @@ HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outl
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
 RUN_AS = 65532  # the image's non-root user
 GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
+EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the picker's mounted certificate
 EXT_PROC_PORT_NAME = "grpc-ext-proc"  # the router's endpoint-picker port (the grpc- prefix tells meshes it is gRPC)
 DATABASE_URL_ENV = "KVMESH_DATABASE_URL"
 
@@ -124,8 +125,11 @@ def router_settings(pool: Pool) -> dict[str, Any]:
         out["ttft_slo_seconds"] = scaling["slo"]["ttftSeconds"]
     if "databaseUrl" in pool.spec["store"]:
         out["database_url"] = pool.spec["store"]["databaseUrl"]
-    if pool.spec["gatewayInferencePool"]["enabled"]:  # the Gateway's endpoint picker: Envoy ext_proc over gRPC
+    gateway = pool.spec["gatewayInferencePool"]
+    if gateway["enabled"]:  # the Gateway's endpoint picker: Envoy ext_proc over gRPC
         out["ext_proc_port"] = GATEWAY_EXT_PROC_PORT
+        if "tlsSecretName" in gateway:
+            out["ext_proc_cert_dir"] = EXT_PROC_CERT_DIR
     out.update(spec.get("settings") or {})
     return out
 
@@ -283,12 +287,17 @@ def router_deployment(pool: Pool) -> dict[str, Any]:
     }
     if ext_proc_port(pool) is not None:
         container["ports"].append({"name": EXT_PROC_PORT_NAME, "containerPort": ext_proc_port(pool), "protocol": "TCP"})
+    template = _pod_template(pool, "router", container, engine=False, service_account=router_name(pool))
+    tls_secret = pool.spec["gatewayInferencePool"].get("tlsSecretName")
+    if ext_proc_port(pool) is not None and tls_secret:  # the kubelet renews the files in place when the Secret is
+        template["spec"]["volumes"].append({"name": "ext-proc-tls", "secret": {"secretName": tls_secret}})
+        template["spec"]["containers"][0]["volumeMounts"].append(
+            {"name": "ext-proc-tls", "mountPath": EXT_PROC_CERT_DIR, "readOnly": True})
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(pool, router_name(pool), labels(pool, "router")),
         "spec": {"replicas": spec["replicas"], "selector": {"matchLabels": selector(pool, "router")},
-                 "template": _pod_template(pool, "router", container, engine=False,
-                                           service_account=router_name(pool))},
+                 "template": template},
     }
 
 

@@ -134,6 +134,24 @@ def test_the_gateway_pool_names_the_ext_proc_port_the_router_serves(tmp_path: Pa
         del chart.PODS["gateway"]
 
 
+def test_a_tls_secret_is_what_the_router_serves_the_gateway_with() -> None:
+    """gatewayInferencePool.tlsSecretName (cert-manager's Secret): mounted read-only where the router's own file
+    tells it to read the certificate; without it, no mount and a self-signed certificate (test above)."""
+    doc = yaml.safe_load(DISAGGREGATED.read_text())
+    doc["spec"]["gatewayInferencePool"]["tlsSecretName"] = "picker-tls"
+    doc["metadata"]["uid"] = "uid-1"
+    objects = desired_objects(parse_pool(doc))
+    settings = yaml.safe_load(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])["router"]
+    template = by_kind(objects, "Deployment")["docs-router"]["spec"]["template"]["spec"]
+    (volume,) = [v for v in template["volumes"] if v.get("secret")]
+    (mount,) = [m for m in template["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert volume["secret"] == {"secretName": "picker-tls"} and mount["readOnly"]
+    assert settings["ext_proc_cert_dir"] == mount["mountPath"]
+    kubernetes_validate.validate(by_kind(objects, "Deployment")["docs-router"], "1.30", strict=True)
+    engines = by_kind(objects, "Deployment")["docs-decode"]["spec"]["template"]["spec"]
+    assert not [v for v in engines["volumes"] if v.get("secret")], "only the router reads the certificate"
+
+
 def test_replicas_start_at_the_minimum_and_stay_within_bounds() -> None:
     p = pool(DISAGGREGATED)
     deployments = by_kind(desired_objects(p), "Deployment")
