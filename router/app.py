@@ -61,7 +61,12 @@ from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
-EXT_PROC_GRACE_SECONDS = 5.0  # at shutdown, open ext_proc streams get this long to finish
+# At shutdown the ext_proc health says NOT_SERVING and the streams open then get up to this long to finish (a
+# generation takes seconds to minutes); the operator gives the router pod a longer terminationGracePeriodSeconds.
+EXT_PROC_GRACE_SECONDS = 30.0
+# Request fields only the router sets (a prefix pull, a resumed stream): a client's would make an engine fetch KV
+# from any address it names, or skip tokens. Admission drops them; the router adds its own after deciding.
+ROUTER_ONLY_FIELDS = (KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD)
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
 INLINE_TOKENIZE_BYTES = 8192
@@ -231,6 +236,7 @@ class Admitted:
     raw: dict[str, Any]
     body: ChatRequest | CompletionRequest
     trace: Trace
+    rewritten: bool  # raw differs from the client's body (a salt set, a router-only field dropped)
 
 
 @dataclass(frozen=True)
@@ -320,10 +326,9 @@ class Router:
             raise RouteError(400, problems) from None
         except ValueError:
             raise RouteError(400, f"{PRIORITY_HEADER} must be an integer") from None
-        tenant = self.keys.tenant_for(headers.get("authorization"))
-        if tenant is None:
-            raise RouteError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
-                             kind="authentication_error")
+        tenant = self.authenticate(headers)
+        dropped = [raw.pop(name) for name in ROUTER_ONLY_FIELDS if name in raw]
+        body.kv_transfer = body.resume_output_ids = None
         if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
             raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, self.salt_secret)
         start = time.perf_counter()
@@ -333,7 +338,15 @@ class Router:
             info = await asyncio.to_thread(self.request_info, body, priority)
         self.metrics.decision.observe(time.perf_counter() - start)
         workload = workload_class("chat" if chat else "completion", info.prompt_tokens, headers.get(WORKLOAD_HEADER))
-        return Admitted(raw, body, Trace(info, tenant, workload))
+        return Admitted(raw, body, Trace(info, tenant, workload), rewritten=bool(dropped) or self.keys.enabled)
+
+    def authenticate(self, headers: Mapping[str, str]) -> str:
+        """The tenant of a request's API key (DEFAULT_TENANT with auth off); RouteError 401 without a valid one."""
+        tenant = self.keys.tenant_for(headers.get("authorization"))
+        if tenant is None:
+            raise RouteError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
+                             kind="authentication_error")
+        return tenant
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens)."""
@@ -462,7 +475,7 @@ def create_router_app(router: Router) -> FastAPI:
                                            tls=router.config.ext_proc_tls, cert_dir=router.config.ext_proc_cert_dir)
         yield
         if gateway is not None:
-            await gateway.stop(grace=EXT_PROC_GRACE_SECONDS)
+            await gateway.stop(drain=EXT_PROC_GRACE_SECONDS)
         await router.pods.stop()
         await router.upstream.close()
         if router.log is not None:
@@ -474,6 +487,7 @@ def create_router_app(router: Router) -> FastAPI:
         try:
             admitted = await router.admit(await http.body(), http.headers, chat)
         except RouteError as exc:
+            router.metrics.requests.labels("error", "aggregated").inc()
             return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status)
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:

@@ -8,17 +8,24 @@ reads the whole request body, admits and decides it with the very code of its ow
 proxies; the router only picks. A subset the gateway sends (filter metadata `envoy.lb.subset_hint`, key
 `x-gateway-destination-endpoint-subset`) limits the choice to those endpoints.
 
+Only what the router's HTTP edge serves to clients passes: POST /v1/completions and /v1/chat/completions, and
+GET /v1/models; anything else (an engine's /v1/admin or /v1/kv endpoints above all) is answered 404 here, and
+every stream's API key is checked, whether it is decided on its body or at its headers.
+
 Request body modes (Envoy's `request_body_mode`, which a stream's first message reports in `protocol_config`):
 - FULL_DUPLEX_STREAMED, the extension's convention (also assumed when the gateway does not say): Envoy streams
   headers and body chunks without waiting; once the body ends the picker answers with the headers response that
   carries the choice, then the body back in chunks (Envoy forwards only the body the processor returns).
 - BUFFERED: Envoy waits for a headers response (an empty one), then sends the body whole; the body response
   carries the choice (Envoy applies header mutations in a body response only in this mode).
-- NONE, or a request without a body (GET /v1/models): decided at the headers on load alone.
+- NONE, or a request without a body: GET /v1/models is decided at the headers on load alone; a completion, which
+  needs its body to be decided, salted and checked, is answered 500 saying which mode to configure.
 - STREAMED and BUFFERED_PARTIAL let the headers leave before the body is read, so no choice could use the prompt:
   such a stream is answered 500 with a message saying which mode to configure.
+Response bodies are echoed back as streamed responses only when the gateway declares FULL_DUPLEX_STREAMED for
+them; otherwise (another mode, or no protocol_config: an Envoy before 1.34) they are let through unchanged.
 Refusals are ImmediateResponses with OpenAI-style error bodies: 400 (not a valid request), 401, 404 (unknown
-model), 413 (body over MAX_BODY_BYTES), 429 (shed by priority), 503 (no pod fits).
+path or model), 405, 413 (body over MAX_BODY_BYTES), 429 (shed by priority), 503 (no pod fits).
 
 The port serves TLS unless told otherwise: gateways dial an endpoint picker with TLS and, by the extension's
 convention, without verifying its certificate, so a self-signed one made at start will do; a mounted pair
@@ -28,6 +35,7 @@ for h2c.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import ipaddress
@@ -70,8 +78,15 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"  # in the response's metada
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+MODELS_PATH = "/v1/models"
+# What the router's HTTP edge serves to clients, and so all a Gateway may send to an engine through the picker:
+# path -> method.
+CLIENT_ROUTES = {**dict.fromkeys(COMPLETION_PATHS, "POST"), MODELS_PATH: "GET"}
 BODY_CHUNK_BYTES = 62_000  # per streamed body message: under the 64 KiB some gateways allow per chunk
 MAX_BODY_BYTES = 32 << 20  # a request body the picker holds in memory at most
+# The largest gRPC message either way: a BUFFERED body comes (and a rewritten one goes back) whole in one message.
+# gRPC's default (4 MiB) would fail such a stream; a margin over the body limit lets a body just over it get its 413.
+MAX_MESSAGE_BYTES = MAX_BODY_BYTES + (1 << 20)
 MAX_USAGE_BYTES = 4 << 20  # a non-streamed response body is read for its usage up to this size
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 NO_PICK_MODES = (ProcessingMode.STREAMED, ProcessingMode.BUFFERED_PARTIAL, ProcessingMode.GRPC)
@@ -156,12 +171,20 @@ def immediate(error: RouteError, retry_after: int | None = None) -> pb.Processin
 
 
 class Refused(Exception):
-    """A request the picker answers itself (an ImmediateResponse) instead of naming an endpoint."""
+    """A request the picker answers itself (an ImmediateResponse) instead of naming an endpoint. `outcome` is how
+    kvmesh_router_requests_total counts it, None when the refusal was counted where it was made (shed, no_pod)."""
 
-    def __init__(self, error: RouteError, retry_after: int | None = None) -> None:
+    def __init__(self, error: RouteError, retry_after: int | None = None, outcome: str | None = "error") -> None:
         super().__init__(error.message)
         self.status = error.status
         self.reply = immediate(error, retry_after)
+        self.outcome = outcome
+
+
+def _mode_refusal(mode: int, why: str) -> Refused:
+    name = ProcessingMode.BodySendMode.Name(mode)
+    return Refused(RouteError(500, f"the gateway sends the request body to the endpoint picker in {name} mode, {why}; "
+                                   "configure FULL_DUPLEX_STREAMED (or BUFFERED)", kind="server_error"))
 
 
 # ---- one stream ------------------------------------------------------------------------------------------------
@@ -184,7 +207,7 @@ class Exchange:
     metadata: dict[str, Any] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     request_mode: int = FULL_DUPLEX  # the extension's convention, when the gateway does not say
-    response_mode: int = FULL_DUPLEX
+    response_mode: int | None = None  # as the gateway declares it; None: not said, so bodies are not echoed
     choice: Choice | None = None
     status: int | None = None  # the engine's answer, when the gateway sends the response headers
     streaming: bool = False
@@ -217,15 +240,32 @@ class Exchange:
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
+    @property
+    def path(self) -> str:
+        return self.headers.get(":path", "").split("?", 1)[0]
+
     async def _request_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         self.headers = {h.key.lower(): h.raw_value.decode(errors="replace") if h.raw_value else h.value
                         for h in headers.headers.headers}
         if self.request_mode in NO_PICK_MODES:
-            mode = ProcessingMode.BodySendMode.Name(self.request_mode)
-            raise Refused(RouteError(500, f"the gateway sends the request body to the endpoint picker in {mode} "
-                                          "mode, where the request leaves before its body is read; configure "
-                                          "FULL_DUPLEX_STREAMED (or BUFFERED)", kind="server_error"))
-        if headers.end_of_stream or self.request_mode == ProcessingMode.NONE:  # no body to read: decide now
+            raise _mode_refusal(self.request_mode, "where the request leaves before its body is read")
+        method = CLIENT_ROUTES.get(self.path)
+        if method is None:  # exact paths only: no engine endpoint (admin, KV) is reachable through the gateway
+            raise Refused(RouteError(404, f"no such endpoint: {self.path}; this pool serves "
+                                          f"{', '.join(f'{m} {p}' for p, m in CLIENT_ROUTES.items())}",
+                                     code="not_found"))
+        if self.headers.get(":method", "").upper() != method:
+            raise Refused(RouteError(405, f"{self.path} takes {method}", code="method_not_allowed"))
+        try:
+            self.router.authenticate(self.headers)  # every stream, also those decided here without a body
+        except RouteError as exc:
+            raise Refused(exc) from None
+        if self.path in COMPLETION_PATHS:
+            if self.request_mode == ProcessingMode.NONE:
+                raise _mode_refusal(self.request_mode, "so a completion cannot be read, checked or decided")
+            if headers.end_of_stream:
+                raise Refused(RouteError(400, f"{self.path} needs a JSON body"))
+        elif headers.end_of_stream or self.request_mode == ProcessingMode.NONE:  # no body to read: decide now
             self.choice = await self._choose(b"")
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._mutation()),
                                           dynamic_metadata=_choice_metadata(self.choice.endpoint))]
@@ -287,7 +327,8 @@ class Exchange:
             elif len(self.answer) + len(chunk.body) <= MAX_USAGE_BYTES:
                 self.answer += chunk.body
         self.done = chunk.end_of_stream
-        if self.response_mode == FULL_DUPLEX:  # Envoy sends on only the body the processor gives back
+        if self.response_mode == FULL_DUPLEX:  # Envoy sends on only the body the processor gives back; in any
+            # other mode a streamed response would be a protocol error, so undeclared modes are not echoed
             common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                 body=chunk.body, end_of_stream=chunk.end_of_stream)))
             return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
@@ -298,8 +339,8 @@ class Exchange:
     async def _choose(self, body: bytes) -> Choice:
         """Admit and decide as the HTTP edge does, and book the request on the chosen pod."""
         router = self.router
-        chat = COMPLETION_PATHS.get(self.headers.get(":path", "").split("?", 1)[0])
-        if chat is None or not body:  # not an inference request (e.g. GET /v1/models): any pod, by load
+        chat = COMPLETION_PATHS.get(self.path)
+        if chat is None:  # GET /v1/models: any pod, by load
             decision, _ = self._decide(RequestInfo(model="", prompt_tokens=0, block_hashes=()))
             assert decision.pod is not None
             return Choice(endpoint_of(decision.pod.url), body)
@@ -315,23 +356,26 @@ class Exchange:
             if refused.status == 503:  # counted and logged as the HTTP edge's no_pod
                 router.metrics.requests.labels("no_pod", trace.route).inc()
                 router.record(trace, "shed", 503, None)
+                refused.outcome = None
             raise
         assert decision.pod is not None
         refusal = router.refuse(trace, decision)
-        if refusal is not None:
+        if refusal is not None:  # counted and logged by refuse
             raise Refused(RouteError(429, refusal.message, code="overloaded", kind="rate_limit_error"),
-                          retry_after=refusal.retry_after_seconds)
+                          retry_after=refusal.retry_after_seconds, outcome=None)
+        # Everything that can fail comes before commit: once the pod's in-flight count is taken, finish() gives
+        # it back only for a choice this returns.
+        pull = router.plan_pull(decision, trace.info, view)
+        if pull is not None:  # as on the HTTP edge: fetching the longer prefix a peer holds beats computing it
+            raw[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
+        upstream = json.dumps(raw).encode() if admitted.rewritten or pull is not None else body
         pod = router.pods.pods[decision.pod.name]
         router.commit(trace, pod, decision)
         router.metrics.decisions.labels(decision.reason).inc()
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
-        changed = router.keys.enabled  # the tenant's salt went into the body
-        pull = router.plan_pull(decision, trace.info, view)
-        if pull is not None:  # as on the HTTP edge: fetching the longer prefix a peer holds beats computing it
-            raw[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
+        if pull is not None:
             router.metrics.pulls.inc()
-            changed = True
-        return Choice(endpoint_of(pod.url), json.dumps(raw).encode() if changed else body, pod, trace)
+        return Choice(endpoint_of(pod.url), upstream, pod, trace)
 
     def _decide(self, info: RequestInfo) -> tuple[Decision, View]:
         """The picker's choice among the pods the gateway's subset allows; Refused (404, 503) when there is none."""
@@ -368,35 +412,54 @@ class Exchange:
         router.record(trace, outcome, 499 if outcome == "client_gone" else status, self.usage)
 
 
+@dataclass
+class Streams:
+    """The ext_proc streams open now, and whether the picker is draining (its health then says NOT_SERVING)."""
+
+    open: int = 0
+    draining: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     """Envoy's ExternalProcessor service over one Router."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, streams: Streams) -> None:
         self.router = router
+        self.streams = streams
 
     async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         exchange = Exchange(self.router)
         cancelled = True
+        self.streams.open += 1
+        self.streams.idle.clear()
         try:
             async for message in request_iterator:
                 try:
                     replies = await exchange.on(message)
-                except Refused as refused:
+                except Exception as exc:  # a bug must not leave the gateway waiting: it answers 500, the stream ends
+                    if not isinstance(exc, Refused):
+                        log.exception("ext_proc stream failed")
+                        exc = Refused(RouteError(500, "the endpoint picker failed on this request",
+                                                 kind="server_error"))
+                    if exc.outcome is not None:
+                        self.router.metrics.requests.labels(exc.outcome, GATEWAY_ROUTE).inc()
                     exchange.done = True
-                    yield refused.reply
-                    break
-                except Exception:  # a bug must not leave the gateway waiting: it answers 500 and the stream ends
-                    log.exception("ext_proc stream failed")
-                    exchange.done = True
-                    yield immediate(RouteError(500, "the endpoint picker failed on this request", kind="server_error"))
+                    yield exc.reply
                     break
                 for reply in replies:
                     yield reply
             cancelled = False
         finally:  # a gateway that gives up on a request cancels its stream, which may also just end the messages
             exchange.finish(cancelled or context.cancelled())
+            self.streams.open -= 1
+            if not self.streams.open:
+                self.streams.idle.set()
 
 
 # ---- gRPC health checking (grpc.health.v1), which the protocol asks an endpoint picker to serve ----------------
@@ -426,7 +489,7 @@ def health_response(status: int) -> bytes:
     return bytes([0x08, status])  # field 1, varint
 
 
-def _health_handler(router: Router) -> grpc.GenericRpcHandler:
+def _health_handler(router: Router, streams: Streams) -> grpc.GenericRpcHandler:
     known = {"", LIVENESS, READINESS, pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name}
 
     async def check(service: str, context: grpc.aio.ServicerContext) -> int:
@@ -434,6 +497,8 @@ def _health_handler(router: Router) -> grpc.GenericRpcHandler:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
         if service == LIVENESS:
             return SERVING
+        if streams.draining:  # shutting down: the gateway is to send new requests to another replica
+            return NOT_SERVING
         ready = any(p.healthy and not p.draining for p in router.pods.snapshot())  # the HTTP /health's rule
         return SERVING if ready else NOT_SERVING
 
@@ -519,9 +584,15 @@ class ExtProcServer:
     server: grpc.aio.Server
     mode: str
     certificate: bytes | None
+    streams: Streams
 
-    async def stop(self, grace: float | None) -> None:
-        await self.server.stop(grace)
+    async def stop(self, drain: float = 0.0) -> None:
+        """Shut down without cutting requests: health says NOT_SERVING at once (new streams are still served
+        meanwhile), the streams open get up to `drain` seconds to end, then the server stops."""
+        self.streams.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.streams.idle.wait(), drain)
+        await self.server.stop(None)
 
 
 async def start_ext_proc(router: Router, host: str, port: int, *, tls: bool,
@@ -539,9 +610,14 @@ async def start_ext_proc(router: Router, host: str, port: int, *, tls: bool,
     else:
         credentials, certificate = MountedCertificate(cert_dir).credentials()
         mode = f"TLS, certificate from {cert_dir}"
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a second picker on the port fails, not shares
-    pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
-    server.add_generic_rpc_handlers((_health_handler(router),))
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),  # a second picker on the port fails, not shares
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    streams = Streams()
+    pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router, streams), server)
+    server.add_generic_rpc_handlers((_health_handler(router, streams),))
     address = f"{host}:{port}"
     try:
         if credentials is None:
@@ -552,4 +628,4 @@ async def start_ext_proc(router: Router, host: str, port: int, *, tls: bool,
         raise OSError(f"cannot listen for ext_proc on {address} (is the port taken?)") from exc
     await server.start()
     log.info("ext_proc endpoint picker listening on %s (%s)", address, mode)
-    return ExtProcServer(server, mode, certificate)
+    return ExtProcServer(server, mode, certificate, streams)

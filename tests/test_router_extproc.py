@@ -31,15 +31,24 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from fastapi.testclient import TestClient
 from google.protobuf import struct_pb2
 
 from kvmesh import cli
 from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.engine.protocol import KVConfig, KVEvent, KVEventBatch
 from kvmesh.processes import free_port
-from kvmesh.router.app import Router, build_router
+from kvmesh.router.app import Router, build_router, create_router_app
+from kvmesh.router.auth import ApiKeys, cache_salt_for, hash_key
 from kvmesh.router.config import RouterConfig, load_router_config
-from kvmesh.router.extproc import BODY_CHUNK_BYTES, endpoint_of, parse_subset, self_signed_certificate, start_ext_proc
+from kvmesh.router.extproc import (
+    BODY_CHUNK_BYTES,
+    MAX_BODY_BYTES,
+    endpoint_of,
+    parse_subset,
+    self_signed_certificate,
+    start_ext_proc,
+)
 
 from .engines import serve_router, tiny_engines
 
@@ -68,7 +77,7 @@ async def picker(router: Router) -> AsyncIterator[tuple[Router, pb_grpc.External
     server = await start_ext_proc(router, "127.0.0.1", port, tls=False)  # the protocol, in plaintext
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield router, pb_grpc.ExternalProcessorStub(channel), channel
-    await server.stop(None)
+    await server.stop()
 
 
 def prompt(seed: int, n: int = 96) -> list[int]:
@@ -84,7 +93,8 @@ def hold(router: Router, pod: str, body: dict[str, object]) -> None:
 
 def request_headers(path: str = "/v1/completions", method: str = "POST", end_of_stream: bool = False,
                     mode: int | None = ProcessingMode.FULL_DUPLEX_STREAMED, subset: list[str] | None = None,
-                    **extra: str) -> pb.ProcessingRequest:
+                    response_mode: int | None = None, **extra: str) -> pb.ProcessingRequest:
+    """The first message of a stream; `mode` None sends no protocol_config (an Envoy before 1.34)."""
     headers = {":method": method, ":path": path, ":authority": "gateway", "content-type": "application/json", **extra}
     message = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
         headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode())
@@ -92,7 +102,7 @@ def request_headers(path: str = "/v1/completions", method: str = "POST", end_of_
         end_of_stream=end_of_stream))
     if mode is not None:
         message.protocol_config.request_body_mode = mode
-        message.protocol_config.response_body_mode = mode
+        message.protocol_config.response_body_mode = mode if response_mode is None else response_mode
     if subset is not None:
         hint = struct_pb2.Struct()
         hint.update({"x-gateway-destination-endpoint-subset": subset})
@@ -107,11 +117,15 @@ def body_chunks(payload: bytes, pieces: int = 1) -> list[pb.ProcessingRequest]:
             for i, part in enumerate(parts)]
 
 
-def response_phases(answer: bytes) -> list[pb.ProcessingRequest]:
-    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200"),
-                                          base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")])
+def response_phases(answer: bytes | list[bytes], status: int = 200, content_type: str = "application/json"
+                    ) -> list[pb.ProcessingRequest]:
+    """The engine's answer as the gateway shows it: headers, the body (in the chunks given), an empty last chunk,
+    trailers."""
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
+                                          base_pb2.HeaderValue(key="content-type", raw_value=content_type.encode())])
+    chunks = answer if isinstance(answer, list) else [answer]
     return [pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers)),
-            pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=False)),
+            *(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=False)) for chunk in chunks),
             pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)),
             pb.ProcessingRequest(response_trailers=pb.HttpTrailers())]
 
@@ -393,6 +407,229 @@ async def test_grpc_health_checking_says_whether_the_picker_can_pick(picker) -> 
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+# ---- what may pass, and who may send it ------------------------------------------------------------------------
+
+
+def counted(router: Router, outcome: str, route: str = "gateway") -> float:
+    return router.metrics.requests.labels(outcome, route)._value.get()
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/v1/admin/drain"), ("POST", "/v1/kv/warm"), ("GET", "/v1/kv/hot"), ("GET", "/metrics"),
+    ("GET", "/health"), ("POST", "/v1/completions/../admin/drain"), ("POST", "//v1/completions"),
+])
+@pytest.mark.parametrize("mode", [ProcessingMode.FULL_DUPLEX_STREAMED, ProcessingMode.BUFFERED, ProcessingMode.NONE])
+@pytest.mark.asyncio
+async def test_only_the_client_api_reaches_an_engine_through_the_gateway(picker, method: str, path: str,
+                                                                         mode: int) -> None:
+    """An engine's admin and KV endpoints (drain it, make it fetch KV from an address the client names) are never
+    named a pod for, with a body or without, in any body mode: the gateway answers 404 itself."""
+    router, stub, _ = picker
+    warm = json.dumps({"source": "http://attacker.example:8000", "chains": [[1]]}).encode()
+    for messages in ([request_headers(path, method, end_of_stream=True, mode=mode)],
+                     [request_headers(path, method, mode=mode), *body_chunks(warm)]):
+        replies = await full_duplex(stub, messages)
+        assert len(replies) == 1
+        status, error, _ = refusal(replies[0])
+        assert status == 404 and "/v1/chat/completions" in error["error"]["message"]
+    assert counted(router, "error") == 2
+    assert all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.asyncio
+async def test_a_known_path_with_the_wrong_method_gets_405(picker) -> None:
+    _, stub, _ = picker
+    status, error, _ = refusal((await full_duplex(stub, [request_headers(method="GET", end_of_stream=True)]))[0])
+    assert status == 405 and "POST" in error["error"]["message"]
+    delete = request_headers("/v1/models?x=1", "DELETE", end_of_stream=True)
+    assert refusal((await full_duplex(stub, [delete]))[0])[0] == 405
+
+
+@pytest.mark.asyncio
+async def test_every_stream_needs_the_api_key_also_those_decided_at_the_headers(picker) -> None:
+    router, stub, _ = picker
+    router.keys = ApiKeys({hash_key("sk-acme"): "acme"})
+    payload = json.dumps(completion(20)).encode()
+    without = [[request_headers("/v1/models", "GET", end_of_stream=True)],
+               [request_headers("/v1/models", "GET", end_of_stream=True, mode=ProcessingMode.NONE)],
+               [request_headers(authorization="Bearer wrong"), *body_chunks(payload)]]
+    for messages in without:
+        status, error, _ = refusal((await full_duplex(stub, messages))[0])
+        assert status == 401 and error["error"]["code"] == "invalid_api_key"
+    assert counted(router, "error") == 3
+    key = {"authorization": "Bearer sk-acme"}
+    models = await full_duplex(stub, [request_headers("/v1/models", "GET", end_of_stream=True, **key)])
+    assert chosen(models[0]) in map(endpoint_of, (POD_A, POD_B))
+    replies = await full_duplex(stub, [request_headers(**key), *body_chunks(payload)])
+    forwarded = json.loads(replies[1].request_body.response.body_mutation.streamed_response.body)
+    assert forwarded["cache_salt"] == cache_salt_for("acme", router.salt_secret)  # admitted as its tenant
+
+
+@pytest.mark.asyncio
+async def test_a_completion_in_a_mode_without_body_is_refused_naming_the_mode_to_configure(picker) -> None:
+    router, stub, _ = picker
+    status, error, _ = refusal((await full_duplex(stub, [request_headers(mode=ProcessingMode.NONE)]))[0])
+    message = error["error"]["message"]
+    assert status == 500 and "NONE" in message and "FULL_DUPLEX_STREAMED" in message
+    status, error, _ = refusal((await full_duplex(stub, [request_headers(end_of_stream=True)]))[0])
+    assert status == 400 and "needs a JSON body" in error["error"]["message"]
+    assert all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.asyncio
+async def test_fields_only_the_router_sets_are_dropped_from_a_clients_body(picker) -> None:
+    """A client's kv_transfer would make the engine fetch KV from any address (server-side request forgery), its
+    resume_output_ids would skip tokens: admission drops both on either edge; return_token_ids is the client's."""
+    router, stub, _ = picker
+    body = completion(21, kv_transfer={"mode": "pull", "source": "http://169.254.169.254", "tokens": 16},
+                      resume_output_ids=[5, 6], return_token_ids=True)
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(body).encode())])
+    forwarded = replies[1].request_body.response.body_mutation.streamed_response.body
+    assert json.loads(forwarded) == completion(21, return_token_ids=True)
+    headers = {h.header.key: h.header.raw_value.decode()
+               for h in replies[0].request_headers.response.header_mutation.set_headers}
+    assert headers["content-length"] == str(len(forwarded))
+    admitted = await router.admit(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                              "kv_transfer": {"mode": "decode", "source": "http://x", "handle": "h",
+                                                              "first_token": 1}}).encode(), {}, chat=True)
+    assert "kv_transfer" not in admitted.raw and admitted.body.kv_transfer is None and admitted.rewritten
+
+
+@pytest.mark.asyncio
+async def test_admission_errors_are_counted_on_both_edges(picker) -> None:
+    router, stub, _ = picker
+    bad = json.dumps({"model": MODEL, "prompt": [10**9], "max_tokens": 1}).encode()  # outside the vocabulary
+    status, error, _ = refusal((await full_duplex(stub, [request_headers(), *body_chunks(bad)]))[0])
+    assert status == 400 and "vocabulary" in error["error"]["message"]
+    assert counted(router, "error") == 1
+    http = TestClient(create_router_app(router))  # no lifespan: the pods stay as the test set them
+    answer = http.post("/v1/completions", content=bad, headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and "vocabulary" in answer.json()["error"]["message"]
+    assert counted(router, "error", "aggregated") == 1
+
+
+# ---- bodies, answers, shutdown -----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_buffered_body_over_grpcs_default_message_size_is_decided(picker) -> None:
+    """BUFFERED mode sends the body whole in one gRPC message: 5 MiB is over gRPC's default 4 MiB."""
+    router, stub, _ = picker
+    body = completion(22, user="x" * (5 << 20))
+    hold(router, POD_B, body)
+    replies = await full_duplex(stub, [request_headers(mode=ProcessingMode.BUFFERED),
+                                       *body_chunks(json.dumps(body).encode())])
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    assert chosen(replies[1], "request_body") == endpoint_of(POD_B)
+
+
+@pytest.mark.parametrize("mode", [ProcessingMode.BUFFERED, ProcessingMode.FULL_DUPLEX_STREAMED])
+@pytest.mark.asyncio
+async def test_a_body_over_the_limit_gets_413(picker, mode: int) -> None:
+    router, stub, _ = picker
+    payload = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    pieces = 1 if mode == ProcessingMode.BUFFERED else 40  # buffered: one gRPC message over 32 MiB
+    replies = await full_duplex(stub, [request_headers(mode=mode), *body_chunks(payload, pieces)])
+    status, error, _ = refusal(replies[-1])
+    assert status == 413 and "32 MiB" in error["error"]["message"]
+    assert counted(router, "error") == 1
+
+
+def sse(*events: dict[str, object]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.asyncio
+async def test_a_streamed_answer_is_read_for_its_usage_across_chunk_boundaries(picker) -> None:
+    router, stub, _ = picker
+    usage = {"prompt_tokens": 96, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 64}}
+    answer = sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, {"choices": [], "usage": usage})
+    cut = answer.index(b'"cached_tokens"')  # the usage line split between two chunks
+    chunks = [answer[:cut], answer[cut:]]
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(completion(23)).encode()),
+                                       *response_phases(chunks, content_type="text/event-stream")])
+    echoed = [r.response_body.response.body_mutation.streamed_response.body for r in replies
+              if r.WhichOneof("response") == "response_body"]
+    assert b"".join(echoed) == answer
+    assert router.metrics.actual._value.get() == 64
+    assert counted(router, "ok") == 1 and all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.asyncio
+async def test_an_engine_error_status_counts_as_an_error(picker) -> None:
+    router, stub, _ = picker
+    answer = json.dumps({"error": {"message": "boom", "type": "server_error"}}).encode()
+    await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(completion(24)).encode()),
+                             *response_phases(answer, status=500)])
+    assert (counted(router, "error"), counted(router, "ok")) == (1, 0)
+    assert all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.parametrize(("declared", "echoed"), [
+    (ProcessingMode.FULL_DUPLEX_STREAMED, True), (ProcessingMode.STREAMED, False), (ProcessingMode.BUFFERED, False),
+    (None, False),  # not said (an Envoy before 1.34): a streamed response could be a protocol error
+])
+@pytest.mark.asyncio
+async def test_response_bodies_follow_the_mode_the_gateway_declared(picker, declared: int | None,
+                                                                    echoed: bool) -> None:
+    _, stub, _ = picker
+    first = (request_headers(mode=None) if declared is None else
+             request_headers(response_mode=declared))
+    answer = b'{"usage": {"prompt_tokens": 96}}'
+    replies = await full_duplex(stub, [first, *body_chunks(json.dumps(completion(25)).encode()),
+                                       *response_phases(answer)])
+    bodies = [r.response_body.response for r in replies if r.WhichOneof("response") == "response_body"]
+    assert len(bodies) == 2
+    assert all(b.HasField("body_mutation") == echoed for b in bodies)
+    if echoed:
+        assert bodies[0].body_mutation.streamed_response.body == answer
+
+
+@pytest.mark.asyncio
+async def test_a_failure_after_the_decision_gives_the_pod_back(picker, monkeypatch: pytest.MonkeyPatch) -> None:
+    router, stub, _ = picker
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(router, "plan_pull", broken)
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(completion(26)).encode())])
+    status, _, _ = refusal(replies[0])
+    assert status == 500 and counted(router, "error") == 1
+    assert all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.asyncio
+async def test_shutdown_says_not_serving_and_lets_an_open_stream_finish(router: Router) -> None:
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=False)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                    request_serializer=lambda name: b"\x0a" + bytes([len(name)]) + name.encode(),
+                                    response_deserializer=lambda data: data[1])
+        assert await check("readiness") == 1
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(request_headers())
+        for message in body_chunks(json.dumps(completion(27)).encode()):
+            await call.write(message)
+        assert (await call.read()).WhichOneof("response") == "request_headers"
+        await call.read()
+        stopping = asyncio.ensure_future(server.stop(drain=600))  # the drain period never runs out in this test
+        await asyncio.sleep(0)
+        assert await check("readiness") == 2 and await check("") == 2  # NOT_SERVING: the gateway goes elsewhere
+        assert await check("liveness") == 1
+        assert not stopping.done()  # the answer is still on its way
+        for message in response_phases(b'{"usage": {"prompt_tokens": 96}}'):
+            await call.write(message)
+        await call.done_writing()
+        replies = []
+        while (reply := await call.read()) != grpc.aio.EOF:
+            replies.append(reply.WhichOneof("response"))
+        assert replies == ["response_headers", "response_body", "response_body", "response_trailers"]
+        await stopping  # the last stream ended: the server stops without waiting out the drain period
+    assert counted(router, "ok") == 1 and all(p.inflight == 0 for p in router.pods.pods.values())
+
+
 # ---- TLS: how gateways dial an endpoint picker -----------------------------------------------------------------
 
 
@@ -438,7 +675,7 @@ async def test_tls_is_the_default_with_a_self_signed_certificate_a_gateway_can_d
             await pick_over_tls(port, self_signed_certificate(["localhost", "127.0.0.1"])[1], router, 2)
         assert wrong.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        await server.stop(None)
+        await server.stop()
     assert sum(p.inflight for p in router.pods.pods.values()) == 0
 
 
@@ -457,7 +694,7 @@ async def test_a_mounted_certificate_is_served_and_a_rotated_one_replaces_it(rou
         (tmp_path / "tls" / "tls.crt").write_bytes(b"half written")  # a broken rotation keeps the working pair
         assert await pick_over_tls(port, second, router, 6) == endpoint_of(POD_B)
     finally:
-        await server.stop(None)
+        await server.stop()
 
 
 @pytest.mark.asyncio
@@ -477,7 +714,7 @@ async def test_a_client_of_the_other_kind_fails_at_once(router: Router, server_t
                 [reply async for reply in call]
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # not DEADLINE_EXCEEDED: no hang
     finally:
-        await server.stop(None)
+        await server.stop()
     assert sum(p.inflight for p in router.pods.pods.values()) == 0
 
 
