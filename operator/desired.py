@@ -31,6 +31,9 @@ MODELS_DIR = "/models"
 CACHE_DIR = "/var/cache/kvmesh"  # where a .gguf model is converted at start (the image's own cache is read-only)
 HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outlives an engine restart
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
+# How long a terminating router may take: over its endpoint picker's drain (router/app.py EXT_PROC_GRACE_SECONDS,
+# 30 s, not imported: that module loads the tokenizer), so the streams a Gateway has open are not cut.
+ROUTER_TERMINATION_GRACE_SECONDS = 60
 RUN_AS = 65532  # the image's non-root user
 GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
 EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the picker's mounted certificate
@@ -288,6 +291,7 @@ def router_deployment(pool: Pool) -> dict[str, Any]:
     if ext_proc_port(pool) is not None:
         container["ports"].append({"name": EXT_PROC_PORT_NAME, "containerPort": ext_proc_port(pool), "protocol": "TCP"})
     template = _pod_template(pool, "router", container, engine=False, service_account=router_name(pool))
+    template["spec"]["terminationGracePeriodSeconds"] = ROUTER_TERMINATION_GRACE_SECONDS
     tls_secret = pool.spec["gatewayInferencePool"].get("tlsSecretName")
     if ext_proc_port(pool) is not None and tls_secret:  # the kubelet renews the files in place when the Secret is
         template["spec"]["volumes"].append({"name": "ext-proc-tls", "secret": {"secretName": tls_secret}})

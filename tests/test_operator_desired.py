@@ -89,6 +89,17 @@ def test_an_aggregated_pool_has_one_engine_deployment_and_a_disaggregated_one_tw
     assert gateway["spec"]["selector"]["matchLabels"] == by_kind(dis, "Service")["docs-engines"]["spec"]["selector"]
 
 
+def test_a_terminating_router_outlasts_its_endpoint_pickers_drain() -> None:
+    """At shutdown the router lets the streams a Gateway has open finish for EXT_PROC_GRACE_SECONDS: its pod must
+    not be killed before."""
+    from kvmesh.router.app import EXT_PROC_GRACE_SECONDS
+
+    for path in (AGGREGATED, DISAGGREGATED):
+        (router,) = [d for name, d in by_kind(desired_objects(pool(path)), "Deployment").items()
+                     if name.endswith("-router")]
+        assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > EXT_PROC_GRACE_SECONDS + 10
+
+
 def test_the_gateway_pool_names_the_ext_proc_port_the_router_serves(tmp_path: Path) -> None:
     """A Gateway calls the endpoint picker its InferencePool names over ext_proc: that Service port must lead to
     the port the router's own configuration file makes it serve, and the chart's policies must let the Gateway in."""
