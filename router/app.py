@@ -327,7 +327,7 @@ class Router:
         except ValueError:
             raise RouteError(400, f"{PRIORITY_HEADER} must be an integer") from None
         tenant = self.authenticate(headers)
-        dropped = [raw.pop(name) for name in ROUTER_ONLY_FIELDS if name in raw]
+        dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]
         body.kv_transfer = body.resume_output_ids = None
         if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
             raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, self.salt_secret)
