@@ -22,7 +22,7 @@ import yaml
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, BUNDLED, KIND, Pool
-from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, RouterConfig
+from kvmesh.router.config import EXT_PROC_DRAIN_SECONDS, GATEWAY_EXT_PROC_PORT, RouterConfig
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
@@ -31,9 +31,9 @@ MODELS_DIR = "/models"
 CACHE_DIR = "/var/cache/kvmesh"  # where a .gguf model is converted at start (the image's own cache is read-only)
 HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outlives an engine restart
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
-# How long a terminating router may take: over its endpoint picker's drain (router/app.py EXT_PROC_GRACE_SECONDS,
-# 30 s, not imported: that module loads the tokenizer), so the streams a Gateway has open are not cut.
-ROUTER_TERMINATION_GRACE_SECONDS = 60
+# How long a terminating router may take: its endpoint picker's drain and then some (stopping the HTTP server,
+# flushing the request log), so the streams a Gateway has open are not cut.
+ROUTER_TERMINATION_GRACE_SECONDS = int(EXT_PROC_DRAIN_SECONDS) + 30
 RUN_AS = 65532  # the image's non-root user
 GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
 EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the picker's mounted certificate

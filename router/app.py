@@ -49,7 +49,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import EXT_PROC_DRAIN_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
@@ -61,9 +61,6 @@ from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
-# At shutdown the ext_proc health says NOT_SERVING and the streams open then get up to this long to finish (a
-# generation takes seconds to minutes); the operator gives the router pod a longer terminationGracePeriodSeconds.
-EXT_PROC_GRACE_SECONDS = 30.0
 # Request fields only the router sets (a prefix pull, a resumed stream): a client's would make an engine fetch KV
 # from any address it names, or skip tokens. Admission drops them; the router adds its own after deciding.
 ROUTER_ONLY_FIELDS = (KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD)
@@ -475,7 +472,7 @@ def create_router_app(router: Router) -> FastAPI:
                                            tls=router.config.ext_proc_tls, cert_dir=router.config.ext_proc_cert_dir)
         yield
         if gateway is not None:
-            await gateway.stop(drain=EXT_PROC_GRACE_SECONDS)
+            await gateway.stop(drain=EXT_PROC_DRAIN_SECONDS)
         await router.pods.stop()
         await router.upstream.close()
         if router.log is not None:
@@ -550,7 +547,7 @@ def create_router_app(router: Router) -> FastAPI:
     def no_pod(trace: Trace, message: str) -> JSONResponse:
         """503 with Retry-After when every pod refused or failed: counted and logged as shed."""
         router.metrics.requests.labels("no_pod", trace.route).inc()
-        router.record(trace, "shed", 503, None)
+        router.record(trace, "no_pod", 503, None)
         return JSONResponse(error_body(message, "server_error", code="no_pod"), status_code=503,
                             headers={"Retry-After": "1"})
 

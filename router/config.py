@@ -17,6 +17,9 @@ from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_L
 
 DISCOVERY_MODES = ("static", "kubernetes")
 GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endpoint-picker port (the operator's)
+# At shutdown the ext_proc health says NOT_SERVING and the streams open then get up to this long to finish (a
+# generation takes seconds to minutes); the operator gives the router pod a longer terminationGracePeriodSeconds.
+EXT_PROC_DRAIN_SECONDS = 30.0
 EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE = "tls.crt", "tls.key"  # in ext_proc_cert_dir: a kubernetes.io/tls Secret's keys
 
 

@@ -260,13 +260,13 @@ class PodSet:
                     pod.warming = not pod.warming
                     log.info("pod %s %s", pod.url, "is warming up: not routing to it until /health says ok"
                              if pod.warming else "is no longer warming up")
-                pod.healthy = health.status_code == 200
-                if pod.healthy:
+                if health.status_code == 200:  # healthy once its config and metrics are read: never stale at once
                     if pod.kv_config is None:
                         await self._read_config(pod)
                     text = (await self._client.get(pod.url + "/metrics")).text
                     pod.metrics = await asyncio.to_thread(parse_metrics, text)  # milliseconds of parsing: off the loop
                     pod.scraped_at = time.monotonic()
+                pod.healthy = health.status_code == 200
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a pod's bad answer must not end its scraper
