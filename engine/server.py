@@ -143,8 +143,17 @@ class EngineHolder:
 
     def get(self) -> Engine:
         if self.engine is None:
-            raise ApiError(503, self.error or "the engine is loading its model", code="not_ready")
+            raise self._not_ready()
         return self.engine
+
+    def loaded_gate(self) -> WarmupGate:
+        """The loaded engine's warm-up gate (503 while the model loads, as every endpoint)."""
+        if self.gate is None:
+            raise self._not_ready()
+        return self.gate
+
+    def _not_ready(self) -> ApiError:
+        return ApiError(503, self.error or "the engine is loading its model", code="not_ready")
 
 
 def _usage(finals: dict[int, RequestOutput], job: _Job) -> dict[str, Any]:
@@ -663,10 +672,9 @@ def create_app(holder: EngineHolder) -> FastAPI:
     @app.post(READY_PATH)
     async def ready() -> dict[str, Any]:
         """The operator has nothing to warm this pod with: serve now (a pod without a gate is unaffected)."""
-        holder.get()
-        assert holder.gate is not None
-        holder.gate.open("nothing_to_copy")
-        return {"warming": False, "opened": holder.gate.reason}
+        gate = holder.loaded_gate()
+        gate.open("nothing_to_copy")
+        return {"warming": False, "opened": gate.reason}
 
     @app.post(DRAIN_PATH)
     async def drain() -> dict[str, Any]:
@@ -733,15 +741,14 @@ def create_app(holder: EngineHolder) -> FastAPI:
 
     @app.post(KV_WARM_PATH)
     async def kv_warm(body: WarmRequest) -> dict[str, Any]:
-        e = holder.get()
+        e, gate = holder.get(), holder.loaded_gate()  # both set together once the model loads
         outcome = "warm_failed"
         try:
             answer = await warm(e, peers, body)
             outcome = "warm_failed" if answer.failed else "warmed"
             return answer.model_dump()
         finally:  # the first warm-up opens the gate however it ended: the pod computes what it lacks
-            assert holder.gate is not None
-            holder.gate.open(outcome)
+            gate.open(outcome)
 
     @app.get(KV_BLOCKS_PATH)
     async def kv_blocks() -> dict[str, Any]:
