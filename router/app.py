@@ -545,7 +545,7 @@ def create_router_app(router: Router) -> FastAPI:
         return None
 
     def no_pod(trace: Trace, message: str) -> JSONResponse:
-        """503 with Retry-After when every pod refused or failed: counted and logged as shed."""
+        """503 with Retry-After when every pod refused or failed: counted and logged as no_pod."""
         router.metrics.requests.labels("no_pod", trace.route).inc()
         router.record(trace, "no_pod", 503, None)
         return JSONResponse(error_body(message, "server_error", code="no_pod"), status_code=503,
