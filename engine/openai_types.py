@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvmesh.engine.protocol import HOT_CHAINS_MAX
+from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
 from kvmesh.engine.sampling import MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
 
 
@@ -45,7 +45,7 @@ class KVTransfer(BaseModel):
 class FetchRequest(BaseModel):
     """POST /v1/kv/fetch: blocks by hash, optionally under a handoff handle (checked for expiry)."""
 
-    block_hashes: list[int] = Field(min_length=1, max_length=100_000)
+    block_hashes: list[int] = Field(min_length=1, max_length=MAX_CHAIN_BLOCKS)
     handle: str | None = None
 
 
@@ -59,8 +59,8 @@ class WarmRequest(BaseModel):
     @field_validator("chains")
     @classmethod
     def _chains_not_empty(cls, chains: list[list[int]]) -> list[list[int]]:
-        if any(not chain or len(chain) > 100_000 for chain in chains):
-            raise ValueError("every chain holds 1 to 100000 block hashes")
+        if any(not chain or len(chain) > MAX_CHAIN_BLOCKS for chain in chains):
+            raise ValueError(f"every chain holds 1 to {MAX_CHAIN_BLOCKS} block hashes")
         return chains
 
 

@@ -48,6 +48,7 @@ KV_HOT_PATH = "/v1/kv/hot"  # GET ?limit=N: the hottest cached prefix chains (wa
 KV_WARM_PATH = "/v1/kv/warm"  # POST {"source", "chains"}: pull those chains' missing blocks from a peer
 HOT_CHAINS_DEFAULT = 16  # chains /v1/kv/hot lists and a pool warms a new pod with, unless told otherwise
 HOT_CHAINS_MAX = 1024
+MAX_CHAIN_BLOCKS = 100_000  # blocks one fetch or one warm-up chain may name (bounds a request's work)
 
 # Where cached tokens came from (usage.prompt_tokens_details.kvmesh_cached_by_source).
 CACHE_SOURCES: tuple[str, ...] = ("device", "host", "disk", "peer")
@@ -398,7 +399,7 @@ OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold
 
 
 @dataclass(frozen=True)
-class EngineMetrics:
+class ScrapedMetrics:
     """One engine's /metrics as its readers (the router, the operator) take it: each series that is one per engine
     (no label but the model's) by its exposed name, the usage forecast by level, and the KV geometry from vLLM's
     cache-config info (None when the engine does not say). Labelled families (histogram buckets, counters by
@@ -410,7 +411,7 @@ class EngineMetrics:
     block_size: int | None = None
 
 
-def read_engine_metrics(text: str) -> EngineMetrics:
+def read_engine_metrics(text: str) -> ScrapedMetrics:
     """Parse an engine's Prometheus text (ValueError when it is not Prometheus text). A sample that is not a
     finite number (NaN, infinity: a broken gauge) is left out, as if not exported, so that one bad engine
     cannot stop its readers' arithmetic (the operator's scaling of the whole pool)."""
@@ -429,4 +430,4 @@ def read_engine_metrics(text: str) -> EngineMetrics:
                 block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
             elif set(sample.labels) <= {MODEL_LABEL}:
                 values[sample.name] = sample.value
-    return EngineMetrics(values, forecast, num_blocks, block_size)
+    return ScrapedMetrics(values, forecast, num_blocks, block_size)

@@ -705,8 +705,8 @@ def create_app(holder: EngineHolder) -> FastAPI:
             try:
                 have = len(ids)
                 loading = await asyncio.wrap_future(e.call(lambda: e.promote_for_send(key, body.block_hashes, have)))
-                if loading is not None:
-                    ids = ids + await asyncio.wrap_future(loading)
+                if loading is not None:  # bounded as a pull is: a copy that never lands must not pin blocks
+                    ids = ids + await asyncio.wait_for(asyncio.wrap_future(loading), e.config.transfer_timeout_seconds)
             except BaseException:
                 e.call(lambda: e.release(key))
                 raise

@@ -42,6 +42,17 @@ def test_hot_chains_list_reused_prefixes_hottest_first_from_the_root() -> None:
     kv.check_invariants()
 
 
+def test_of_equally_hot_chains_the_longer_makes_the_cut() -> None:
+    """Ties go to the longer chain even when the limit cuts among them (what a warm-up copies first)."""
+    kv = KVCacheManager(32, 4)
+    short, long = [*range(500, 504), 1], [*range(600, 616), 1]  # one reused block; four
+    for prompt in (short, short, long, long):  # the short prompt first: its blocks get the lower ids
+        serve(kv, f"{prompt[0]}-{len(kv.seqs)}-{id(prompt)}", prompt)
+    (best,) = kv.hot_chains(1)
+    assert best.hashes == kv.prefix_hashes("z", long)[:4] and best.hits == 1
+    kv.check_invariants()
+
+
 def test_a_chain_whose_ancestor_is_gone_is_left_out() -> None:
     kv = KVCacheManager(8, 4)
     ids = kv.allocate_unregistered("import", 2)

@@ -356,16 +356,10 @@ class KVCacheManager:
         carries them). A chain whose ancestor was evicted cannot be named from the root and is left out."""
         reused = [b for b in self.pool.blocks if b.block_hash is not None and b.hits]
         extended = {b.parent_hash for b in reused}
-        tips = sorted((b for b in reused if b.block_hash not in extended), key=lambda b: (-b.hits, b.block_id))
-        chains: list[HotChain] = []
-        for tip in tips:
-            if len(chains) >= limit:
-                break
-            hashes = self._chain_to(tip)
-            if hashes is not None:
-                chains.append(HotChain(hashes, tip.hits))
+        chains = [HotChain(hashes, tip.hits) for tip in reused if tip.block_hash not in extended
+                  if (hashes := self._chain_to(tip)) is not None]
         chains.sort(key=lambda c: (-c.hits, -len(c.hashes)))
-        return chains
+        return chains[:limit]
 
     def _chain_to(self, block: Block) -> list[int] | None:
         """The hashes from the root to `block`, or None if a cached ancestor is missing."""
