@@ -19,6 +19,7 @@ from kvmesh.engine.protocol import (
     EVICTION_REASONS,
     FINISH_REASONS,
     FORECAST_LEVELS,
+    GATE_REASONS,
     KV_BLOCK_STATES,
     LOAD_DECISIONS,
     MODEL_LABEL,
@@ -122,6 +123,10 @@ class EngineMetrics:
         r = self.registry
         lm = [MODEL_LABEL]
         self._m = model
+        self.warmup_gate_opened = Counter(M.WARMUP_GATE_OPENED, "How the warm-up gate opened (once per start).",
+                                          ["reason"], registry=r)
+        for reason in GATE_REASONS:
+            self.warmup_gate_opened.labels(reason)
         self.prefix_queries = Counter(V.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.", lm, registry=r)
         self.prefix_hits = Counter(V.PREFIX_HITS, "Prompt tokens found in the prefix cache.", lm, registry=r)
         self.preemptions = Counter(V.PREEMPTIONS, "Preemptions.", lm, registry=r)

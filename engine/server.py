@@ -22,7 +22,7 @@ from fastapi import FastAPI, Query
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.engine.engine import Engine
@@ -55,7 +55,6 @@ from kvmesh.engine.protocol import (
     WORKLOAD_HEADER,
     BlockExtra,
     HashAlgo,
-    Metric,
     block_hashes,
     parse_priority,
     workload_class,
@@ -83,20 +82,24 @@ class WarmupGate:
     (however it went: a failed warm-up must not keep a pod out), POST /v1/admin/ready says there is nothing to
     copy, or the grace passes (nobody came). Readiness only: a client calling the pod directly is served."""
 
-    def __init__(self, grace_seconds: float, registry: CollectorRegistry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, grace_seconds: float, opened: Counter, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._start = clock()
         self.deadline = self._start + grace_seconds
         self.reason: str | None = None  # why it opened; None while closed, or when there never was a gate
         self._closed = grace_seconds > 0
-        self._opened = Counter(Metric.WARMUP_GATE_OPENED, "How the warm-up gate opened (once per start).",
-                               ["reason"], registry=registry)
-        for reason in GATE_REASONS:
-            self._opened.labels(reason)
+        self._opened = opened  # the engine's kvmesh_warmup_gate_opened_total, by reason
+        self._lock = threading.Lock()  # opened from the event loop and from the grace timer
+
+    def start_grace(self) -> None:
+        """Open the gate when the grace ends even if nobody asks /health then (its metric and log say so)."""
+        if self._closed:
+            timer = threading.Timer(self.seconds_left(), self.closed)
+            timer.daemon = True
+            timer.start()
 
     def closed(self) -> bool:
-        """Whether /health must still say warming; the grace's end opens the gate (seen when asked)."""
+        """Whether /health must still say warming; past the grace the gate opens (here, or by its timer)."""
         if self._closed and self._clock() >= self.deadline:
             self.open("grace_expired")
         return self._closed
@@ -107,9 +110,10 @@ class WarmupGate:
     def open(self, reason: str) -> None:
         """Open for good (a later call changes nothing)."""
         assert reason in GATE_REASONS, reason
-        if not self._closed:
-            return
-        self._closed, self.reason = False, reason
+        with self._lock:
+            if not self._closed:
+                return
+            self._closed, self.reason = False, reason
         self._opened.labels(reason).inc()
         log.info("warm-up gate open (%s) after %.1f s: /health answers 200", reason, self._clock() - self._start)
 
@@ -127,7 +131,8 @@ class EngineHolder:
             self._loaded(engine)
 
     def _loaded(self, engine: Engine) -> None:
-        self.gate = WarmupGate(engine.config.warmup_grace_seconds, engine.metrics.registry)  # the grace runs from now
+        self.gate = WarmupGate(engine.config.warmup_grace_seconds, engine.metrics.warmup_gate_opened)  # from now
+        self.gate.start_grace()
         self.engine = engine
 
     def load_in_background(self) -> None:
@@ -685,8 +690,6 @@ def create_app(holder: EngineHolder) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         e = holder.get()
-        if holder.gate is not None:
-            holder.gate.closed()  # a grace that ran out shows in the gate's metric before any /health asks
         return Response(e.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get(KV_CONFIG_PATH)

@@ -11,7 +11,6 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from kvmesh.engine.server import EngineHolder
 from kvmesh.operator.handlers import OperatorMetrics
 from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig
@@ -48,7 +47,6 @@ def expositions(tiny_dir: Path) -> dict[str, str]:
     """The /metrics text of a real engine, router and operator (built in-process, no traffic: every series a
     dashboard reads exists from the start, or for the operator's per-pool series, is declared from the start)."""
     engine = make_engine(tiny_dir)
-    EngineHolder(engine)  # as `kvmesh serve` holds it: the HTTP edge registers its own series (the warm-up gate's)
     router = build_router(RouterConfig(pods=[]), tiny_dir)
     return {"engine": engine.metrics.render().decode(), "router": generate_latest(router.metrics.registry).decode(),
             "operator": generate_latest(OperatorMetrics().registry).decode()}

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.config import load_config
+from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.protocol import (
     DRAIN_PATH,
     GATE_REASONS,
@@ -68,8 +68,9 @@ def test_the_grace_is_a_checked_engine_setting() -> None:
 
 def test_the_gate_opens_once_and_at_the_end_of_its_grace_by_itself() -> None:
     now = [100.0]
-    registry = CollectorRegistry()
-    gate = WarmupGate(30.0, registry, clock=lambda: now[0])
+    metrics = EngineMetrics("m", EngineState)
+    registry = metrics.registry
+    gate = WarmupGate(30.0, metrics.warmup_gate_opened, clock=lambda: now[0])
     assert gate.closed() and gate.seconds_left() == 30.0
     now[0] = 129.9
     assert gate.closed()
@@ -79,7 +80,7 @@ def test_the_gate_opens_once_and_at_the_end_of_its_grace_by_itself() -> None:
     assert gate.reason == "grace_expired"
     counts = {r: registry.get_sample_value(f"{Metric.WARMUP_GATE_OPENED}_total", {"reason": r}) for r in GATE_REASONS}
     assert counts == {"warmed": 0, "warm_failed": 0, "nothing_to_copy": 0, "grace_expired": 1}
-    assert not WarmupGate(0.0, CollectorRegistry()).closed(), "grace 0: no gate"
+    assert not WarmupGate(0.0, metrics.warmup_gate_opened).closed(), "grace 0: no gate"
 
 
 def test_without_a_grace_health_is_ok_at_once(tiny_dir: Path) -> None:
@@ -132,9 +133,11 @@ def test_nothing_to_copy_opens_it_at_once_and_draining_still_wins(tiny_dir: Path
 
 
 def test_a_pod_nobody_warms_opens_when_its_grace_runs_out(tiny_dir: Path) -> None:
+    """Its timer opens it: /health is not asked until the metric says so (a pod nobody probes still counts)."""
     with engine_app(tiny_dir, 0.5) as http:
         deadline = time.monotonic() + 30
-        while http.get("/health").status_code != 200:
+        while opened(http)["grace_expired"] == 0:
             assert time.monotonic() < deadline, "the grace never ran out"
             time.sleep(0.05)
         assert opened(http) == {"warmed": 0, "warm_failed": 0, "nothing_to_copy": 0, "grace_expired": 1}
+        assert http.get("/health").status_code == 200
