@@ -382,6 +382,11 @@ class Router:
             self.record(trace, "shed", 429, None)
         return refusal
 
+    def no_pod(self, trace: Trace) -> None:
+        """Count and log a request no pod could take (answered 503 by whichever edge received it)."""
+        self.metrics.requests.labels("no_pod", trace.route).inc()
+        self.record(trace, "no_pod", 503, None)
+
     def commit(self, trace: Trace, pod: Pod, decision: Decision) -> None:
         """Send the request to `pod`, as far as the router's state goes: the trace, provisional index entries for
         its prompt (back-to-back requests find the prefix before the pod's events arrive) and the in-flight count,
@@ -546,8 +551,7 @@ def create_router_app(router: Router) -> FastAPI:
 
     def no_pod(trace: Trace, message: str) -> JSONResponse:
         """503 with Retry-After when every pod refused or failed: counted and logged as no_pod."""
-        router.metrics.requests.labels("no_pod", trace.route).inc()
-        router.record(trace, "no_pod", 503, None)
+        router.no_pod(trace)
         return JSONResponse(error_body(message, "server_error", code="no_pod"), status_code=503,
                             headers={"Retry-After": "1"})
 

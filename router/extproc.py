@@ -353,9 +353,8 @@ class Exchange:
         try:
             decision, view = self._decide(trace.info)
         except Refused as refused:
-            if refused.status == 503:  # counted and logged as the HTTP edge's no_pod
-                router.metrics.requests.labels("no_pod", trace.route).inc()
-                router.record(trace, "shed", 503, None)
+            if refused.status == 503:  # counted and logged as on the HTTP edge
+                router.no_pod(trace)
                 refused.outcome = None
             raise
         assert decision.pod is not None
