@@ -290,14 +290,13 @@ class _ScalingWatch:
             print(f"kvmesh up: scaler: this tick failed ({exc!r}); the pool stays as it is", file=sys.stderr,
                   flush=True)
             return
-        for line in self.operator.warm_up(tick.warmups):
-            print(f"kvmesh up: warm-up: {line}", file=sys.stderr, flush=True)
         for line in describe(tick.decision, before):
             print(f"kvmesh up: scaler: {line}", file=sys.stderr, flush=True)
         for role, n in tick.decision.changed(before).items():
-            low, high = self.pool.bounds(role)
-            self.engines.scale(role, min(max(n, low), high))
+            self.engines.scale(role, n)  # the scaler's decision is already within the pool's bounds
         self.operator.record(tick.decision, self.engines.replicas(), before)
+        for line in self.operator.warm_up(tick.warmups):  # after scaling, as the operator does
+            print(f"kvmesh up: warm-up: {line}", file=sys.stderr, flush=True)
 
 
 def _stop(children: list[Child]) -> None:

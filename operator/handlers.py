@@ -435,7 +435,6 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
                     for role, n in replicas.items()}
     decision = state.scaler.observe(now, scraped, replicas)
     hit_rates = pod_hit_rates(state, now, scraped)
-    warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         why = decision.roles[role]
         message = (f"{role}: {replicas[role]} -> {n} replicas ({why.reason}; predicted KV "
@@ -454,6 +453,8 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     if operator_scales:
         replicas = decision.replicas
     operator_metrics.record(pool, decision, replicas, before)
+    # after scaling: a scale-up decided now must not wait behind the copies of the last one's pods
+    warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
     ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
              for role in pool.roles}
     router_ready = int(((deployments.get("router") or {}).get("status") or {}).get("readyReplicas") or 0)
