@@ -45,6 +45,7 @@ from kvmesh.operator.warmup import (
     plan_warmups,
     warm_body,
 )
+from kvmesh.router.discovery import endpoint_url
 
 log = logging.getLogger("kvmesh.operator")
 
@@ -255,8 +256,7 @@ def http_scrape(url: str) -> str:
 
 
 def pod_url(pod: Mapping[str, Any], port: int) -> str:
-    ip = pod["status"]["podIP"]
-    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+    return endpoint_url(pod["status"]["podIP"], port)
 
 
 def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception | None]:
