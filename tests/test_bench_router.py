@@ -13,10 +13,10 @@ from kvmesh.bench.router import (
     add_parser,
     build_scene,
     decision_latency,
-    percentile,
     prompt_text,
     summary_ms,
 )
+from kvmesh.bench.stats import percentile
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.protocol import block_hashes

@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmesh.bench.machine import machine_info
-from kvmesh.bench.router import percentile
+from kvmesh.bench.stats import percentile
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling import SamplingParams

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.bench.machine import machine_info
+from kvmesh.bench.stats import percentile
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ROOT,
@@ -76,17 +77,6 @@ _SENTENCES = (
 
 
 # ---- statistics ----------------------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def summary_ms(ns: Sequence[int]) -> dict[str, float]:

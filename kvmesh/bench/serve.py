@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.machine import machine_info
-from kvmesh.bench.router import percentile
+from kvmesh.bench.stats import percentile
 
 FIRST_ORDINARY_TOKEN = 100  # synthetic prompts stay clear of the special tokens of the usual vocabularies
 DEFAULT_VOCAB = 32000  # the smallest common vocabulary (Llama 2): ids below it are valid for nearly every model

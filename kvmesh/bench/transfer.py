@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.bench.args import positive_ints
 from kvmesh.bench.machine import machine_info
-from kvmesh.bench.router import Processes, percentile, resolve_model_dir
+from kvmesh.bench.router import Processes, resolve_model_dir
+from kvmesh.bench.stats import percentile
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, block_hashes
 from kvmesh.processes import free_port, wait_healthy
 
