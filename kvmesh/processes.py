@@ -5,6 +5,7 @@ engines and routers the same way."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -92,3 +93,11 @@ def stop(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20.0) -> Non
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def write_json_atomically(path: Path, data: object) -> None:
+    """Replace `path` with `data` as JSON in one step (a new file renamed over it), so a process polling the file
+    (a router's pods file, Prometheus' targets file) never reads half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)

@@ -6,7 +6,6 @@ follows its pods file, and the operator's metrics are served on a loopback port.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.protocol import DRAIN_PATH
-from kvmesh.processes import free_port, spawn, stop, tail, wait_healthy
+from kvmesh.processes import free_port, spawn, stop, tail, wait_healthy, write_json_atomically
 
 HEALTH_TIMEOUT_SECONDS = 600.0
 LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
@@ -201,10 +200,11 @@ class LocalEngines:
         """Rewrite the pods file (and the targets file) from the serving engines, each atomically: the router
         and Prometheus never read half a file."""
         serving = self.serving()
-        _write_atomically(self.pods_file, {"pods": [{"url": e.child.url, "role": e.role} for e in serving]})
+        write_json_atomically(self.pods_file, {"pods": [{"url": e.child.url, "role": e.role} for e in serving]})
         if self.targets_file and self.router is not None:
             members = [(e.child, e.role) for e in serving] + [(self.router, "router")]
-            _write_atomically(Path(self.targets_file), prometheus_targets(self.plan.name, members, self.operator_url))
+            targets = prometheus_targets(self.plan.name, members, self.operator_url)
+            write_json_atomically(Path(self.targets_file), targets)
 
     def children(self) -> list[Child]:
         return [e.child for e in self.engines] + ([self.router] if self.router else [])
@@ -238,12 +238,6 @@ def _answers(client: httpx.Client, method: str, url: str) -> dict[str, Any] | No
         return reply.json() if reply.status_code == 200 else None
     except (httpx.TransportError, ValueError):
         return None
-
-
-def _write_atomically(path: Path, data: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 class _ScalingWatch:

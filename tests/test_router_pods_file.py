@@ -4,7 +4,6 @@ served in this process following the file as engines join, drain and leave."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import RouterMetric
+from kvmesh.processes import write_json_atomically
 from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig, load_router_config
 from kvmesh.router.pods_file import PodsFileWatcher, parse_pods_file
@@ -72,9 +72,7 @@ def test_a_pods_file_excludes_a_static_list_and_kubernetes(tmp_path: Path) -> No
 
 
 def write_atomically(path: Path, pods: list[object]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pods": pods}))
-    os.replace(tmp, path)
+    write_json_atomically(path, {"pods": pods})
 
 
 def pod_states(url: str) -> dict[str, float]:
