@@ -328,10 +328,12 @@ class MetricsServer:
 
     def __init__(self, host: str, port: int) -> None:
         self.text = metrics_text(0.1, (0.1, 0.1, 0.1), 0.0)
+        self.scrapes = 0  # how many times the operator read it: one per tick
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                owner.scrapes += 1
                 body = owner.text.encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")

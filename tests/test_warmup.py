@@ -158,7 +158,8 @@ def test_the_timer_warms_pods_that_start_serving_and_reports_each_outcome(tmp_pa
             for name, ip in (("chat-both-1", "127.0.0.3"), ("chat-both-2", "127.0.0.4")):
                 await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pod_body(name, ip))
             await eventually(lambda: env.events("WarmedUp") and env.events("WarmupFailed"))
-            await asyncio.sleep(0.5)  # more ticks: pods already warmed are not warmed again
+            seen = servers["127.0.0.3"].scrapes
+            await eventually(lambda: servers["127.0.0.3"].scrapes >= seen + 2)  # two more ticks: no re-warming
             ticking.cancel()
             warmed = sorted(t.name for plan, _ in calls for t in plan.targets)
             assert warmed == ["chat-both-1", "chat-both-2"]
