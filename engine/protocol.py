@@ -383,6 +383,7 @@ KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
 TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff", "warm")
 TRANSFER_OUTCOMES: tuple[str, ...] = ("ok", "failed")
 TRANSFER_DIRECTIONS: tuple[str, ...] = ("sent", "received")
+SCALING_DIRECTIONS: tuple[str, ...] = ("up", "down")  # kvmesh_operator_scaling_decisions_total{direction}
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")
 EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared", "damaged")  # damaged: failed its check at start
 # promotions end in device, demotions leave it; host gets every block (write-through), disk only reused ones

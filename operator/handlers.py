@@ -30,7 +30,15 @@ from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, POOL_LABEL, READY_PATH, ROLE_LABEL, OperatorMetric
+from kvmesh.engine.protocol import (
+    KV_HOT_PATH,
+    KV_WARM_PATH,
+    POOL_LABEL,
+    READY_PATH,
+    ROLE_LABEL,
+    SCALING_DIRECTIONS,
+    OperatorMetric,
+)
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
@@ -208,7 +216,6 @@ class OperatorConfig:
 
 
 Scraper = Callable[[str], str]  # URL -> Prometheus text
-DIRECTIONS = ("up", "down")
 
 
 class OperatorMetrics:
@@ -231,7 +238,7 @@ class OperatorMetrics:
         for role, d in decision.roles.items():
             key = (pool.namespace, pool.name, role)
             self._keys.add(key)
-            for direction in DIRECTIONS:  # every series exists from the first tick
+            for direction in SCALING_DIRECTIONS:  # every series exists from the first tick
                 self.decisions.labels(*key, direction)
             if replicas[role] != before.get(role, replicas[role]):
                 self.decisions.labels(*key, "up" if replicas[role] > before[role] else "down").inc()
@@ -245,7 +252,7 @@ class OperatorMetrics:
             self._keys.discard(key)
             for gauge in (self.desired, self.predicted, self.overload):
                 gauge.remove(*key)
-            for direction in DIRECTIONS:
+            for direction in SCALING_DIRECTIONS:
                 self.decisions.remove(*key, direction)
 
 

@@ -21,7 +21,7 @@ from kvmesh.operator.handlers import OperatorMetrics, PoolMemory, http_open_gate
 from kvmesh.operator.scaling import Decision
 from kvmesh.operator.warmup import GateOpener, ServingPod, Warmer, WarmupPlan, carry_out, plan_warmups
 
-__all__ = ["LocalOperator", "LocalPod", "Scaler", "describe", "local_engine_settings", "local_router_settings"]
+__all__ = ["LocalOperator", "LocalPod", "describe", "local_engine_settings", "local_router_settings"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")

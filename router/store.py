@@ -45,7 +45,6 @@ from kvmesh.engine.protocol import ROUTER_OUTCOMES, WORKLOAD_CLASSES
 log = logging.getLogger(__name__)
 
 TABLE_NAME = "kvmesh_requests"
-OUTCOMES = ROUTER_OUTCOMES  # a request's outcome in the log is the one its requests_total counter names
 
 # Every text column is short and bounded, so none of them can carry a prompt. The record enforces the same
 # limits before a row reaches the database (SQLite would not).
@@ -153,8 +152,8 @@ class RequestRecord:
             value = getattr(self, name)
             if len(value) > limit:
                 raise ValueError(f"RequestRecord.{name} is {len(value)} characters, over its limit of {limit}")
-        if self.outcome not in OUTCOMES:
-            raise ValueError(f"RequestRecord.outcome must be one of {OUTCOMES}, got {self.outcome!r}")
+        if self.outcome not in ROUTER_OUTCOMES:
+            raise ValueError(f"RequestRecord.outcome must be one of {ROUTER_OUTCOMES}, got {self.outcome!r}")
         for name in ("prompt_tokens", "cached_tokens", "predicted_cached_tokens", "output_tokens", "retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RequestRecord.{name} must be >= 0, got {getattr(self, name)}")
@@ -267,7 +266,7 @@ class RequestLog:
         by_route = select(RequestRow.route, func.count()).where(*where).group_by(RequestRow.route)
         with Session(self.engine) as session:
             row = session.execute(totals).one()
-            outcomes = {name: 0 for name in OUTCOMES} | {k: int(v) for k, v in session.execute(by_outcome)}
+            outcomes = {name: 0 for name in ROUTER_OUTCOMES} | {k: int(v) for k, v in session.execute(by_outcome)}
             workloads = {name: 0 for name in WORKLOAD_CLASSES}
             workloads |= {k: int(v) for k, v in session.execute(by_workload)}
             routes = {k: int(v) for k, v in session.execute(by_route)}

@@ -11,8 +11,8 @@ import yaml
 from kvmesh.cli import main
 from kvmesh.engine.protocol import Metric, VllmMetric
 from kvmesh.operator.crd import SpecError, load_pool_file, render_crd
-from kvmesh.operator.forecast import parse_pod
-from kvmesh.operator.local import Scaler, describe
+from kvmesh.operator.forecast import Scaler, parse_pod
+from kvmesh.operator.local import describe
 from kvmesh.up import plan_from_file
 
 ROOT = Path(__file__).resolve().parent.parent

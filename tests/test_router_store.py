@@ -17,7 +17,6 @@ from kvmesh.engine.protocol import WORKLOAD_CLASSES
 from kvmesh.router.auth import tenant_hash
 from kvmesh.router.store import (
     MAX_LEN,
-    OUTCOMES,
     RECORD_FIELDS,
     TABLE_NAME,
     AsyncRequestLog,
@@ -286,7 +285,6 @@ def test_record_validation() -> None:
     with pytest.raises(ValueError, match="prompt_tokens"):
         rec(prompt_tokens=-1)
     assert len(rec(pods=",".join(f"pod-{i}" for i in range(500))).pods) == MAX_LEN["pods"]
-    assert set(OUTCOMES) == {"ok", "error", "shed", "no_pod", "client_gone"}
     now = RequestRecord(pool="p", tenant="t", workload="chat-short", route="retry", outcome="ok", status_code=200)
     assert abs((datetime.now(UTC) - now.ts).total_seconds()) < 5
 
