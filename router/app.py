@@ -434,7 +434,8 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
                   keys, log, shed, secret or config.pool, pull)
 
 
-def _wants_usage(raw: dict[str, Any]) -> bool:
+def wants_usage(raw: dict[str, Any]) -> bool:
+    """Whether the client asked for the usage chunk of a stream (the router asks engines for it regardless)."""
     return bool((raw.get("stream_options") or {}).get("include_usage"))
 
 
@@ -587,7 +588,7 @@ def create_router_app(router: Router) -> FastAPI:
         decided = {"x-kvmesh-pod": pod.name, "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
         if stream and reply.status == 200:
             stream_state = Relay(upstream, path, headers, tried, strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD),
-                                 migratable=migratable, client_usage=_wants_usage(raw))
+                                 migratable=migratable, client_usage=wants_usage(raw))
             return StreamingResponse(relay(reply, pod, trace, stream_state), media_type="text/event-stream",
                                      headers=decided)
         try:
@@ -654,7 +655,7 @@ def create_router_app(router: Router) -> FastAPI:
                          "stream_options": {**(raw.get("stream_options") or {}), "include_usage": True}}
             state = Relay(resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
                           sent_ids=[token], stream_id=first["id"], strip_role=True, role_sent=True,
-                          prefill_usage=first["usage"], chat="message" in choice, client_usage=_wants_usage(raw))
+                          prefill_usage=first["usage"], chat="message" in choice, client_usage=wants_usage(raw))
             opening = state.text_chunk(text)
             if state.chat:
                 opening["choices"][0]["delta"]["role"] = "assistant"

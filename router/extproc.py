@@ -65,7 +65,7 @@ from google.protobuf.json_format import MessageToDict
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
-from kvmesh.router.app import RouteError, Router, Trace, View
+from kvmesh.router.app import RouteError, Router, Trace, View, wants_usage
 from kvmesh.router.config import EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE, read_certificate_pair
 from kvmesh.router.picker import Decision, RequestInfo
 from kvmesh.router.pods import Pod
@@ -196,6 +196,7 @@ class Choice:
     body: bytes  # what goes upstream: the client's bytes, or re-encoded (the tenant's salt, a prefix pull)
     pod: Pod | None = None  # set for an inference request, whose in-flight count the stream gives back
     trace: Trace | None = None
+    hide_usage: bool = False  # the router asked the engine for a stream's usage chunk the client did not ask for
 
 
 @dataclass
@@ -315,22 +316,31 @@ class Exchange:
     def _response_body(self, chunk: pb.HttpBody) -> pb.ProcessingResponse:
         """Read the answer for its usage and timing (the request log), and hand it on unchanged."""
         trace = self.choice.trace if self.choice else None
+        out = chunk.body
         if trace is not None and chunk.body:
             if trace.first_chunk_at is None:
                 trace.first_chunk_at = time.monotonic()
             if self.streaming:
                 lines = (self.tail + chunk.body.decode(errors="replace")).split("\n")
                 self.tail = lines.pop()
+                kept = []
                 for line in lines:
                     trace.chunks += line.startswith("data: {")
-                    self.usage = usage_from_sse(line) or self.usage
+                    usage = usage_from_sse(line)
+                    self.usage = usage or self.usage
+                    if not (usage and self.choice is not None and self.choice.hide_usage):
+                        kept.append(line)
+                if self.choice is not None and self.choice.hide_usage:  # whole lines only; the tail waits
+                    out = "".join(line + "\n" for line in kept).encode()
             elif len(self.answer) + len(chunk.body) <= MAX_USAGE_BYTES:
                 self.answer += chunk.body
+        if chunk.end_of_stream and self.choice is not None and self.choice.hide_usage and self.tail:
+            out, self.tail = out + self.tail.encode(), ""
         self.done = chunk.end_of_stream
         if self.response_mode == FULL_DUPLEX:  # Envoy sends on only the body the processor gives back; in any
             # other mode a streamed response would be a protocol error, so undeclared modes are not echoed
             common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                body=chunk.body, end_of_stream=chunk.end_of_stream)))
+                body=out, end_of_stream=chunk.end_of_stream)))
             return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
         return pb.ProcessingResponse(response_body=pb.BodyResponse())
 
@@ -367,14 +377,20 @@ class Exchange:
         pull = router.plan_pull(decision, trace.info, view)
         if pull is not None:  # as on the HTTP edge: fetching the longer prefix a peer holds beats computing it
             raw[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
-        upstream = json.dumps(raw).encode() if admitted.rewritten or pull is not None else body
+        # the request log needs a stream's usage: ask for it, and take it out of the answer the client did not ask
+        # for it in (possible only when the answer's body passes through here: full duplex)
+        hide_usage = bool(raw.get("stream")) and not wants_usage(raw) and self.response_mode == FULL_DUPLEX
+        if hide_usage:
+            raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+        rewritten = admitted.rewritten or pull is not None or hide_usage
+        upstream = json.dumps(raw).encode() if rewritten else body
         pod = router.pods.pods[decision.pod.name]
         router.commit(trace, pod, decision)
         router.metrics.decisions.labels(decision.reason).inc()
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         if pull is not None:
             router.metrics.pulls.inc()
-        return Choice(endpoint_of(pod.url), upstream, pod, trace)
+        return Choice(endpoint_of(pod.url), upstream, pod, trace, hide_usage)
 
     def _decide(self, info: RequestInfo) -> tuple[Decision, View]:
         """The picker's choice among the pods the gateway's subset allows; Refused (404, 503) when there is none."""
