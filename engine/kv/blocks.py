@@ -36,6 +36,33 @@ class Block:
     idle_since: float = 0.0
 
 
+class ResidencySampling:
+    """Residency observations (RESIDENCY_KINDS) of one block in RESIDENCY_SAMPLE, chosen by hash so every tier
+    samples the same blocks: the one home of the sampling rule for the device pool (BlockPool) and the host and
+    disk tiers (engine/kv/tiers.py). Nothing is observed until `on_residency` is set."""
+
+    on_residency: Callable[[str, float], None] | None = None  # (kind, seconds): the residency histograms
+
+    def _sampled(self, block_hash: int | None) -> bool:
+        return self.on_residency is not None and block_hash is not None and block_hash % RESIDENCY_SAMPLE == 0
+
+    def _observe_eviction(self, block_hash: int | None, stored_at: float, idle_since: float) -> None:
+        """A block leaves its tier: how long it was stored there, and how long unused before it went."""
+        if self._sampled(block_hash):
+            now = time.monotonic()
+            self._observe("lifetime", now - stored_at)
+            self._observe("idle", now - idle_since)
+
+    def _observe_reuse(self, block_hash: int | None, idle_since: float) -> None:
+        """A request uses a block again: how long it sat unused."""
+        if self._sampled(block_hash):
+            self._observe("reuse_gap", time.monotonic() - idle_since)
+
+    def _observe(self, kind: str, seconds: float) -> None:
+        assert self.on_residency is not None
+        self.on_residency(kind, seconds)
+
+
 @dataclass(frozen=True)
 class KVStats:
     """An immutable snapshot of the pool, published after each step so a scrape always sees a consistent one."""
@@ -52,7 +79,7 @@ class KVStats:
         return self.used / self.total if self.total else 0.0
 
 
-class BlockPool:
+class BlockPool(ResidencySampling):
     """Fixed-size pool of blocks with reference counts and a hash -> block map of cached full blocks.
 
     A block is in exactly one state: used (ref_count > 0), evictable (ref_count 0, hashed, known to the
@@ -78,8 +105,6 @@ class BlockPool:
         # called with the ids of blocks about to be handed out, so a copy still reading one (to a lower tier)
         # can finish before the block is overwritten
         self.before_reuse: Callable[[Sequence[int]], None] | None = None
-        # (kind in RESIDENCY_KINDS, seconds) for sampled blocks: the residency histograms
-        self.on_residency: Callable[[str, float], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -108,8 +133,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.policy.remove(block.block_id)
-                if self._sampled(block.block_hash):
-                    self._observe("reuse_gap", time.monotonic() - block.idle_since)
+                self._observe_reuse(block.block_hash, block.idle_since)
             block.ref_count += 1
 
     def allocate(self, n: int) -> list[Block]:
@@ -126,10 +150,7 @@ class BlockPool:
                 assert block.block_hash is not None
                 del self._cached[block.block_hash]
                 evicted.append(block.block_hash)
-                if self._sampled(block.block_hash):
-                    now = time.monotonic()
-                    self._observe("lifetime", now - block.stored_at)
-                    self._observe("idle", now - block.idle_since)
+                self._observe_eviction(block.block_hash, block.stored_at, block.idle_since)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
@@ -201,13 +222,6 @@ class BlockPool:
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id, "hash map disagrees with block"
         assert len(self._cached) == sum(b.block_hash is not None for b in self.blocks)
-
-    def _sampled(self, block_hash: int | None) -> bool:
-        return self.on_residency is not None and block_hash is not None and block_hash % RESIDENCY_SAMPLE == 0
-
-    def _observe(self, kind: str, seconds: float) -> None:
-        assert self.on_residency is not None
-        self.on_residency(kind, seconds)
 
     def _emit(self, event: KVEvent) -> None:
         if self._on_event is not None:

@@ -43,8 +43,8 @@ import torch
 import xxhash
 
 from kvmesh.engine.kernels import gather_blocks, scatter_blocks
-from kvmesh.engine.kv.blocks import KVCacheManager
-from kvmesh.engine.protocol import RESIDENCY_SAMPLE, KVEvent
+from kvmesh.engine.kv.blocks import KVCacheManager, ResidencySampling
+from kvmesh.engine.protocol import KVEvent
 
 if TYPE_CHECKING:
     from kvmesh.engine.metrics import EngineMetrics
@@ -234,7 +234,7 @@ class Slot:
     idle_since: float = 0.0
 
 
-class TierIndex:
+class TierIndex(ResidencySampling):
     """Which slot holds which block, and the order to evict them: least recently written or hit first."""
 
     def __init__(self, name: str, store: SlotFile, emit: Callable[[KVEvent], None]) -> None:
@@ -246,7 +246,6 @@ class TierIndex:
         self.lru: OrderedDict[int, None] = OrderedDict()  # ready, unpinned slots
         self.free = list(range(store.num_slots - 1, -1, -1))
         self.evicted = 0
-        self.on_residency: Callable[[str, float], None] | None = None  # (kind, seconds), sampled blocks
 
     def find(self, block_hash: int) -> int | None:
         """The slot holding `block_hash`, written or being written (a later read is queued behind the write)."""
@@ -257,17 +256,8 @@ class TierIndex:
         if slot in self.lru:
             self.lru.move_to_end(slot)
         s = self.slots[slot]
-        if self._sampled(s.block_hash):
-            now = time.monotonic()
-            self._observe("reuse_gap", now - s.idle_since)
-            s.idle_since = now
-
-    def _sampled(self, block_hash: int) -> bool:
-        return self.on_residency is not None and block_hash % RESIDENCY_SAMPLE == 0
-
-    def _observe(self, kind: str, seconds: float) -> None:
-        assert self.on_residency is not None
-        self.on_residency(kind, seconds)
+        self._observe_reuse(s.block_hash, s.idle_since)
+        s.idle_since = time.monotonic()
 
     def reserve(self, block_hash: int, parent: int, tokens: int) -> int | None:
         """A pinned slot for a block about to be written, evicting the least recently used if full; None when
@@ -277,10 +267,7 @@ class TierIndex:
         elif self.lru:
             slot, _ = self.lru.popitem(last=False)
             victim = self.slots[slot]
-            if self._sampled(victim.block_hash):
-                now = time.monotonic()
-                self._observe("lifetime", now - victim.stored_at)
-                self._observe("idle", now - victim.idle_since)
+            self._observe_eviction(victim.block_hash, victim.stored_at, victim.idle_since)
             self._forget(slot)
             self.evicted += 1
         else:
