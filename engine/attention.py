@@ -8,7 +8,10 @@ layers of a block are one contiguous run, so offloading or handing a block to an
 Two backends compute the same thing (docs/kernels.md):
 - torch (CPU): new K/V are scattered into their slots, each sequence's context is gathered through its block
   table, and SDPA does the rest. Decoding sequences share one padded batched call; each prefilling sequence
-  gets its own call with a causal mask shifted by its cached prefix.
+  gets its own call with a causal mask shifted by its cached prefix. Decoding sequences whose block tables
+  begin with the same blocks (the prefix cache hands them the very same blocks) attend "in cascade": the
+  shared prefix once for the whole group (its K/V gathered once, their queries stacked into one matmul per KV
+  head), each sequence's own suffix in a padded batch, and the two parts merged exactly by their log-sum-exp.
 - triton (CUDA; on a CPU only under TRITON_INTERPRET=1, for tests): engine/kernels/ reads the layout in place:
   one KV-write launch, one decode launch (split-K) and one extend launch per layer, no gathers.
 """
@@ -16,6 +19,7 @@ Two backends compute the same thing (docs/kernels.md):
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -57,15 +61,45 @@ class PrefillSeq:
     mask: torch.Tensor  # [n, context_len] bool, True where attended (causal, shifted by the cached prefix)
 
 
+@dataclass(frozen=True)
+class PaddedDecode:
+    """Single-token sequences as one padded batch: each attends over `tables` up to its own length."""
+
+    rows: torch.Tensor  # [B] flat-batch rows
+    tables: torch.Tensor  # [B, max blocks] block tables, padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max blocks * block size] bool, True where attended
+
+    @staticmethod
+    def build(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int,
+              device: torch.device) -> PaddedDecode:
+        width = max(len(t) for t in tables)
+        positions = torch.arange(width * block_size, device=device)
+        mask = positions[None, :] < torch.tensor(lens, device=device)[:, None]
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return PaddedDecode(torch.tensor(rows, device=device), torch.tensor(padded, device=device),
+                            mask[:, None, None, :])
+
+
+@dataclass(frozen=True)
+class CascadeGroup:
+    """Decoding sequences whose block tables begin with the same full blocks: their queries attend over that
+    prefix together; each one's own blocks after it are rows [suffix_start, suffix_start + n) of the
+    metadata's `cascade_suffix` batch."""
+
+    rows: torch.Tensor  # [n >= 2] flat-batch rows
+    prefix_blocks: torch.Tensor  # [L] the shared leading blocks
+    suffix_start: int
+
+
 @dataclass
 class TorchMetadata:
     """Where a step's tokens write their K/V and what each sequence attends to (torch backend)."""
 
     slot_blocks: torch.Tensor  # [T] block of each new token
     slot_offsets: torch.Tensor  # [T] offset in that block
-    decode_rows: torch.Tensor | None  # [B] flat-batch rows of single-token sequences
-    decode_tables: torch.Tensor | None  # [B, max blocks] block tables, padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max blocks * block size] bool, True where attended
+    decode: PaddedDecode | None  # single-token sequences outside any cascade group: whole contexts
+    cascade_groups: list[CascadeGroup]
+    cascade_suffix: PaddedDecode | None  # the groups' members, over their blocks after the shared prefix
     prefills: list[PrefillSeq]
 
 
@@ -80,13 +114,66 @@ class TritonMetadata:
 
 AttentionMetadata = TorchMetadata | TritonMetadata
 
+# A cascade group costs a few fixed-size calls per layer (the prefix matmuls, a merge) whatever it saves; it is
+# used when the block reads it saves, (members - 1) x shared blocks, exceed this (docs/kernels.md: measured).
+CASCADE_MIN_SAVED_BLOCKS = 8
+
+
+def shareable_blocks(context_len: int, block_size: int) -> int:
+    """Leading blocks a decoding sequence may share: the full ones before the block its new token is written
+    to, so every member keeps a non-empty suffix and no shared block is written this step."""
+    return (context_len - 1) // block_size
+
+
+def plan_cascade(tables: list[list[int]], shareable: list[int], min_saved: int) -> list[tuple[list[int], int]]:
+    """Groups of decoding sequences (indices into `tables`) and how many leading blocks each group shares.
+
+    Tables sorted lexicographically put those with long common prefixes next to each other, and the prefix a
+    run of them shares is the least of its neighbours' common prefixes. A dynamic program then picks the
+    runs that save the most block reads, (members - 1) x shared blocks, counting a run only when it saves more
+    than `min_saved`: several distinct system prompts become several groups, and a few sequences sharing a
+    longer prefix within a group split off when that saves more."""
+    order = sorted(range(len(tables)), key=lambda i: tables[i])
+    common: list[int] = []  # common[k]: blocks shared by order[k] and order[k + 1]
+    for a, b in itertools.pairwise(order):
+        limit = min(shareable[a], shareable[b])
+        n = 0
+        while n < limit and tables[a][n] == tables[b][n]:
+            n += 1
+        common.append(n)
+    best = [0] * (len(order) + 1)  # best[j]: the most saved by groups among the first j sorted sequences
+    start = [j - 1 for j in range(len(order) + 1)]  # start[j]: where the run ending at j - 1 begins
+    prefix = [0] * (len(order) + 1)  # prefix[j]: the blocks that run shares (0: order[j - 1] alone)
+    for j in range(2, len(order) + 1):
+        best[j] = best[j - 1]
+        shared = common[j - 2]
+        for i in range(j - 2, -1, -1):  # the run order[i:j]: its shared prefix shrinks as it grows
+            shared = min(shared, common[i])
+            if shared == 0:
+                break
+            saved = (j - i - 1) * shared
+            if saved > min_saved and best[i] + saved > best[j]:
+                best[j], start[j], prefix[j] = best[i] + saved, i, shared
+    groups: list[tuple[list[int], int]] = []
+    j = len(order)
+    while j > 0:
+        if prefix[j]:
+            groups.append((order[start[j] : j], prefix[j]))
+        j = start[j]
+    return groups[::-1]
+
 
 def build_metadata(
-    seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device, backend: str = "torch"
+    seqs: list[tuple[list[int], int, int]],
+    block_size: int,
+    device: torch.device,
+    backend: str = "torch",
+    cascade: bool = True,
 ) -> AttentionMetadata:
     """Metadata for a step. `seqs` holds (block table, tokens already computed, new tokens) per sequence, in
     flat-batch order. The torch path gathers contexts a whole block at a time: one copy of block_size tokens
-    instead of one per token."""
+    instead of one per token; with `cascade`, decoding sequences that share leading blocks are grouped
+    (plan_cascade) and attend over them once."""
     if backend == "triton":
         return _build_triton(seqs, block_size, device)
     slot_blocks: list[int] = []
@@ -111,21 +198,25 @@ def build_metadata(
             k_pos = torch.arange(context_len, device=device)[None, :]
             prefills.append(PrefillSeq(row, row + n, torch.tensor(used, device=device), context_len, k_pos <= q_pos))
         row += n
-    meta = TorchMetadata(
-        torch.tensor(slot_blocks, device=device),
-        torch.tensor(slot_offsets, device=device),
-        None,
-        None,
-        None,
-        prefills,
-    )
-    if decode_rows:
-        width = max(len(t) for t in decode_tables)
-        lens = torch.tensor(decode_lens, device=device)
-        meta.decode_rows = torch.tensor(decode_rows, device=device)
-        meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
-        positions = torch.arange(width * block_size, device=device)
-        meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+    meta = TorchMetadata(torch.tensor(slot_blocks, device=device), torch.tensor(slot_offsets, device=device),
+                         None, [], None, prefills)
+    shareable = [shareable_blocks(n, block_size) for n in decode_lens]
+    plan = plan_cascade(decode_tables, shareable, CASCADE_MIN_SAVED_BLOCKS) if cascade else []
+    members: list[tuple[int, int]] = []  # (decoding sequence, the blocks it shares) in group order
+    for group, shared in plan:
+        meta.cascade_groups.append(CascadeGroup(torch.tensor([decode_rows[i] for i in group], device=device),
+                                                torch.tensor(decode_tables[group[0]][:shared], device=device),
+                                                len(members)))
+        members += [(i, shared) for i in group]
+    if members:
+        meta.cascade_suffix = PaddedDecode.build([decode_rows[i] for i, _ in members],
+                                                 [decode_tables[i][c:] for i, c in members],
+                                                 [decode_lens[i] - c * block_size for i, c in members],
+                                                 block_size, device)
+    plain = sorted(set(range(len(decode_rows))) - {i for i, _ in members})
+    if plain:
+        meta.decode = PaddedDecode.build([decode_rows[i] for i in plain], [decode_tables[i] for i in plain],
+                                         [decode_lens[i] for i in plain], block_size, device)
     return meta
 
 
@@ -181,16 +272,16 @@ def paged_attention(
     k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(kv_cache.dtype)
     v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(kv_cache.dtype)
     out = torch.empty_like(q)
-    _, _, _, block_size, heads, dim = kv_cache.shape
-    if meta.decode_tables is not None:
-        b, width = meta.decode_tables.shape
-        # one copy a block: [B, blocks, bs, Hkv, D] is contiguous, so merging blocks and offsets is free
-        flat = meta.decode_tables.view(-1)
-        kd = k_cache.index_select(0, flat).view(b, width * block_size, heads, dim).transpose(1, 2).to(q.dtype)
-        vd = v_cache.index_select(0, flat).view(b, width * block_size, heads, dim).transpose(1, 2).to(q.dtype)
-        qd = q[meta.decode_rows][:, :, None, :]  # [B, Hq, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[meta.decode_rows] = od[:, :, 0, :]
+    _, _, _, _, heads, dim = kv_cache.shape
+    if meta.decode is not None:
+        d = meta.decode
+        kd, vd = _gather(k_cache, d.tables), _gather(v_cache, d.tables)
+        qd = q[d.rows][:, :, None, :]  # [B, Hq, 1, D]
+        od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=d.mask, scale=scale,
+                                            enable_gqa=True)
+        out[d.rows] = od[:, :, 0, :]
+    if meta.cascade_suffix is not None:
+        _cascade_attention(q, k_cache, v_cache, meta.cascade_groups, meta.cascade_suffix, scale, out)
     for seq in meta.prefills:
         kp = k_cache.index_select(0, seq.block_table).view(-1, heads, dim)[: seq.context_len]
         vp = v_cache.index_select(0, seq.block_table).view(-1, heads, dim)[: seq.context_len]
@@ -200,6 +291,58 @@ def paged_attention(
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[seq.start : seq.end] = op[0].transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, blocks x block_size, D] for [B, blocks] block tables: one copy a block ([B, blocks, bs, Hkv, D]
+    is contiguous, so merging blocks and offsets is free)."""
+    b, width = tables.shape
+    _, block_size, heads, dim = cache.shape
+    return cache.index_select(0, tables.view(-1)).view(b, width * block_size, heads, dim).transpose(1, 2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in fp32 that also returns the log-sum-exp of the scores, which SDPA does not, so two
+    parts of one context can be merged. q [B, Hkv, M, D] (M: queries per KV head), k and v [B, Hkv, S, D],
+    mask broadcastable to [B, Hkv, M, S] (True: attended; every row attends something). Returns the
+    output [B, Hkv, M, D] and lse [B, Hkv, M]."""
+    scores = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(scores.sub_(lse[..., None]).exp_(), v.float()), lse
+
+
+def _cascade_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: list[CascadeGroup],
+    suffix: PaddedDecode,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Each group's queries over its shared prefix in one matmul per KV head (the prefix gathered once, not
+    once per member), every member over its own suffix in one padded batch, merged by log-sum-exp."""
+    _, _, heads, dim = k_cache.shape
+    per_kv = q.shape[1] // heads  # query heads per KV head (GQA): query head h reads KV head h // per_kv
+    b = suffix.rows.shape[0]
+    qs = q[suffix.rows].view(b, heads, per_kv, dim)
+    o_s, lse_s = _attend(qs, _gather(k_cache, suffix.tables), _gather(v_cache, suffix.tables), suffix.mask, scale)
+    for g in groups:
+        n = g.rows.shape[0]
+        kp = k_cache.index_select(0, g.prefix_blocks).view(-1, heads, dim).transpose(0, 1)  # [Hkv, P, D]
+        vp = v_cache.index_select(0, g.prefix_blocks).view(-1, heads, dim).transpose(0, 1)
+        qg = qs[g.suffix_start : g.suffix_start + n].transpose(0, 1).reshape(heads, n * per_kv, dim)
+        op, lse_p = _attend(qg, kp, vp, None, scale)  # [Hkv, n x per_kv, D], [Hkv, n x per_kv]
+        op = op.view(heads, n, per_kv, dim).transpose(0, 1)
+        lse_p = lse_p.view(heads, n, per_kv).transpose(0, 1)
+        part = slice(g.suffix_start, g.suffix_start + n)
+        top = torch.maximum(lse_p, lse_s[part])
+        wp, ws = (lse_p - top).exp_()[..., None], (lse_s[part] - top).exp_()[..., None]
+        merged = (op * wp + o_s[part] * ws) / (wp + ws)
+        out[g.rows] = merged.reshape(n, heads * per_kv, dim).to(out.dtype)
 
 
 def _triton_attention(

@@ -59,6 +59,9 @@ class ModelRunner:
         )
         self.computed_tokens = 0
         self.steps = 0
+        # decoding sequences that share leading blocks attend over them once (torch backend, engine/attention.py);
+        # off only to compare against in tests and benchmarks
+        self.cascade_attention = True
 
     def run(self, seqs: list[StepInput]) -> StepResult:
         start = time.perf_counter()
@@ -75,6 +78,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.attention_backend,
+            self.cascade_attention,
         )
         input_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
