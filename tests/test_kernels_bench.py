@@ -39,6 +39,10 @@ def check_report(report: dict) -> None:
     assert all(c["ok"] for c in report["correctness"])
     assert {(r["context"], r["batch"]) for r in report["decode"]} == {(64, 1), (64, 2), (256, 1), (256, 2)}
     assert all(r["kernel_gbps"] > 0 and r["sdpa_gbps"] > 0 for r in report["decode"])
+    sweep = report["decode_launch_sweep"]
+    assert [launch["block_n"] for launch in sweep["launches"]] == [64, 32]  # the default first
+    assert all(share > 0 for launch in sweep["launches"] for share in launch["share_of_copy"])  # all ran, all right
+    assert sweep["best_worst_share"] >= sweep["default_worst_share"] > 0
     assert all(r["kernel_tflops"] > 0 for r in report["extend"])
     assert report["block_copy"][0]["gather_gbps"] > 0 and report["copy_gbps"] > 0
 

@@ -38,13 +38,19 @@ def compile_all() -> None:
 
     target = GPUTarget("cuda", SM, 32)
 
-    def build(kernel: triton.JITFunction, pointers: dict[str, str], constants: dict[str, object]) -> None:
-        """Compile with every argument not named here an i32 (strides, lengths), like most launches pass."""
+    def build(kernel: triton.JITFunction, pointers: dict[str, str], constants: dict[str, object],
+              options: dict[str, int] | None = None) -> None:
+        """Compile with every argument not named here an i32 (strides, lengths), like most launches pass, and
+        pointers and strides known to be multiples of 16, as Triton specializes them at a real launch (torch
+        allocations are aligned, head sizes are multiples of 16): without that the loads are neither
+        vectorized nor pipelined, and the code compiled is not the code that runs."""
         signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
                      for name in kernel.arg_names}
-        result = triton.compile(ASTSource(kernel, signature, constants), target=target)
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                   if name not in constants and (name.endswith("_ptr") or name.startswith("stride"))}
+        result = triton.compile(ASTSource(kernel, signature, constants, aligned), target=target, options=options)
         assert result.asm["cubin"], kernel.__name__
-        print(f"{kernel.__name__}:{constants.get('DOT', constants.get('GATHER', ''))}")
+        print(f"{kernel.__name__}:{constants.get('DOT', constants.get('GATHER', ''))}:{result.metadata.shared}")
 
     dots = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
     for name in ("fp16", "bf16", "fp32"):
@@ -55,8 +61,10 @@ def compile_all() -> None:
             parts = "*fp32" if splits > 1 else f"*{name}"
             build(decode._decode_kernel, {**io, "part_out_ptr": parts, "part_lse_ptr": parts, "rows_ptr": "*i32",
                                           "tables_ptr": "*i32", "lens_ptr": "*i32"},
-                  {"GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": decode.BLOCK_N,
-                   "SPLIT": splits > 1, "DOT": dots[name], "PRECISION": precision})
+                  {"GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_G": 16, "BLOCK_D": 128,
+                   "BLOCK_N": decode.DEFAULT_LAUNCH.block_n, "SPLIT": splits > 1, "DOT": dots[name],
+                   "PRECISION": precision},
+                  {"num_warps": decode.DEFAULT_LAUNCH.num_warps, "num_stages": decode.DEFAULT_LAUNCH.num_stages})
         if name != "fp32":  # the fp32 extend compiles too (checked by hand), but takes a minute
             build(extend._extend_kernel, {**io, **{p: "*i32" for p in ("q_starts_ptr", "q_lens_ptr", "lens_ptr",
                                                                        "tables_ptr", "tile_seqs_ptr",

@@ -28,8 +28,29 @@ from .common import (
 )
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # context tokens a loop step reads
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it gains in parallelism
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The shape of a decode launch, apart from what the batch fixes. The defaults are what the engine runs;
+    the benchmark (measure.py) times alternatives on a GPU, so a measured choice can replace them without
+    guessing: the kernel is memory-bound and its speed depends on how many loads each multiprocessor keeps in
+    flight, which only the card can tell."""
+
+    block_n: int = 64  # context tokens a loop step reads
+    num_warps: int = 4
+    num_stages: int = 3  # software pipelining: the next steps' block ids and K/V load while this step computes
+    waves: int = 2  # splits aim for (sequences x KV heads x splits) = waves x multiprocessors
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1 or self.waves < 1:
+            raise ValueError(f"num_warps must be a power of two, num_stages and waves >= 1: {self}")
+
+
+DEFAULT_LAUNCH = DecodeLaunch()
 
 
 @dataclass(frozen=True)
@@ -59,11 +80,12 @@ class DecodeBatch:
         )
 
 
-def choose_splits(batch_size: int, kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """Enough splits that (sequences x KV heads x splits) fills the device twice over, none shorter than
-    MIN_SPLIT_TOKENS."""
+def choose_splits(batch_size: int, kv_heads: int, max_context_len: int, device: torch.device,
+                  waves: int = DEFAULT_LAUNCH.waves) -> int:
+    """Enough splits that (sequences x KV heads x splits) fills the device `waves` times over, none shorter
+    than MIN_SPLIT_TOKENS."""
     programs = batch_size * kv_heads
-    wanted = triton.cdiv(2 * multiprocessors(device), programs)
+    wanted = triton.cdiv(waves * multiprocessors(device), programs)
     return max(1, min(wanted, triton.cdiv(max_context_len, MIN_SPLIT_TOKENS)))
 
 
@@ -155,6 +177,7 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    launch: DecodeLaunch = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     """Attend q[batch.rows] ([T, Hq, D]) over each sequence's cached context; writes those rows of `out`
     ([T, Hq, D], allocated like q when None) and returns it. k_cache and v_cache are one layer's views of the
@@ -162,8 +185,8 @@ def decode_attention(
     q_heads, head_dim, page, kv_heads = attention_layout(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     size = batch.rows.shape[0]
-    splits = num_splits or choose_splits(size, kv_heads, batch.max_context_len, q.device)
-    split_len = triton.cdiv(triton.cdiv(batch.max_context_len, splits), BLOCK_N) * BLOCK_N
+    splits = num_splits or choose_splits(size, kv_heads, batch.max_context_len, q.device, launch.waves)
+    split_len = triton.cdiv(triton.cdiv(batch.max_context_len, splits), launch.block_n) * launch.block_n
     group = q_heads // kv_heads
     if splits > 1:
         part_out = torch.empty((size, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -181,8 +204,9 @@ def decode_attention(
         batch.block_tables.stride(0),
         split_len, splits,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=BLOCK_N,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=launch.block_n,
         SPLIT=splits > 1, DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     LAUNCHES["decode"] += 1
     if splits > 1:

@@ -17,11 +17,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import triton
+import triton.runtime.errors
 import triton.testing
 
 from . import reference as ref
 from .block_copy import gather_blocks_triton, scatter_blocks_triton
-from .decode import DecodeBatch, decode_attention
+from .decode import DEFAULT_LAUNCH, DecodeBatch, DecodeLaunch, decode_attention
 from .extend import ExtendBatch, extend_attention
 from .kv_write import write_kv
 
@@ -135,6 +136,8 @@ def decode_throughput(device: torch.device, dtype: torch.dtype, contexts: list[i
     for context in contexts:
         for size in batches:
             need = 2 * 2 * size * context * heads[1] * dim * elem * 2  # the paged cache (2 layers), then a copy
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the last case's cache is free but still held by torch's allocator
             if device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(device)[0]:
                 log(f"decode context {context:>6} batch {size:>3}: skipped, needs {need / 2**30:.0f} GiB")
                 continue
@@ -145,17 +148,23 @@ def decode_throughput(device: torch.device, dtype: torch.dtype, contexts: list[i
     return rows
 
 
-def _decode_case(device: torch.device, dtype: torch.dtype, context: int, size: int, heads: tuple[int, int],
-                 dim: int, copy_bps: float) -> dict:
-    q_heads, kv_heads = heads
+def _decode_setup(device: torch.device, dtype: torch.dtype, context: int, size: int, heads: tuple[int, int],
+                  dim: int) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch, list[list[int]]]:
+    """A paged cache of `size` sequences of `context` tokens in permuted blocks, and their queries."""
     page = 16
     lengths = [context] * size
     blocks = size * -(-context // page)
-    cache = paged_cache(blocks, 2, page, kv_heads, dim, dtype, device)
-    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    cache = paged_cache(blocks, 2, page, heads[1], dim, dtype, device)
     tables = random_tables(lengths, page, blocks, random.Random(context + size))
-    batch = DecodeBatch.build(list(range(size)), tables, lengths, device)
-    q = torch.randn((size, q_heads, dim), device=device).to(dtype)
+    q = torch.randn((size, heads[0], dim), device=device).to(dtype)
+    return q, cache, DecodeBatch.build(list(range(size)), tables, lengths, device), tables
+
+
+def _decode_case(device: torch.device, dtype: torch.dtype, context: int, size: int, heads: tuple[int, int],
+                 dim: int, copy_bps: float) -> dict:
+    kv_heads = heads[1]
+    q, cache, batch, tables = _decode_setup(device, dtype, context, size, heads, dim)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
     out = torch.empty_like(q)
     kv_bytes = 2 * size * context * kv_heads * dim * cache.element_size()
     seconds = timed(lambda: decode_attention(q, k_cache, v_cache, batch, dim**-0.5, out=out), device)
@@ -166,6 +175,64 @@ def _decode_case(device: torch.device, dtype: torch.dtype, context: int, size: i
     sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True), device)
     return {"context": context, "batch": size, "kernel_gbps": kv_bytes / seconds / 1e9,
             "sdpa_gbps": kv_bytes / sdpa / 1e9, "share_of_copy": kv_bytes / seconds / copy_bps, "us": seconds * 1e6}
+
+
+def launch_sweep(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, int]], launches: list[DecodeLaunch],
+                 heads: tuple[int, int], dim: int, copy_bps: float) -> dict:
+    """Decode share of copy bandwidth for each launch shape on each (context, batch) case, and the one launch
+    whose worst case is best: what the engine's default should be on this card. One GPU run then says both
+    whether the default meets the target and what would, if it does not."""
+    table: dict[DecodeLaunch, list[float]] = {launch: [] for launch in launches}
+    for context, size in cases:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        shares = _sweep_case(device, dtype, context, size, launches, heads, dim, copy_bps)
+        for launch, share in zip(launches, shares, strict=True):
+            table[launch].append(share)
+    best = max(launches, key=lambda launch: min(table[launch]))
+    log(f"decode launch sweep over {len(launches)} shapes x {len(cases)} cases: best {best} worst share "
+        f"{min(table[best]):.0%}, the default's {min(table[DEFAULT_LAUNCH]):.0%}")
+    return {"cases": [{"context": c, "batch": b} for c, b in cases],
+            "launches": [{**vars(launch), "share_of_copy": table[launch]} for launch in launches],
+            "best": vars(best), "best_worst_share": min(table[best]),
+            "default_worst_share": min(table[DEFAULT_LAUNCH])}
+
+
+def _sweep_case(device: torch.device, dtype: torch.dtype, context: int, size: int, launches: list[DecodeLaunch],
+                heads: tuple[int, int], dim: int, copy_bps: float) -> list[float]:
+    """Each launch's share of copy bandwidth on one case: 0 for a launch the card cannot run (too much shared
+    memory) or whose output differs from the default launch's beyond the dtype's tolerance."""
+    q, cache, batch, _ = _decode_setup(device, dtype, context, size, heads, dim)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    kv_bytes = 2 * size * context * heads[1] * dim * cache.element_size()
+    want = decode_attention(q, k_cache, v_cache, batch, dim**-0.5).float()
+    shares = []
+    for launch in launches:
+        out = torch.empty_like(q)
+        try:
+            seconds = timed(lambda launch=launch, out=out: decode_attention(
+                q, k_cache, v_cache, batch, dim**-0.5, out=out, launch=launch), device)
+        except triton.runtime.errors.OutOfResources as error:
+            log(f"decode launch {launch}: cannot run here ({error})")
+            shares.append(0.0)
+            continue
+        error = ((out.float() - want).abs() / (1 + want.abs())).max().item()
+        if error > ref.TOLERANCE[dtype]:
+            log(f"decode launch {launch}: WRONG, max error {error} against the default launch")
+            shares.append(0.0)
+            continue
+        shares.append(kv_bytes / seconds / copy_bps)
+    return shares
+
+
+def sweep_launches(gpu: bool) -> list[DecodeLaunch]:
+    """The default first, then tokens per step x warps x pipelining stages x waves (two on the interpreter,
+    which ignores warps and stages). Stages beyond 3 compile to the same code as 3 for sm_90."""
+    if not gpu:
+        return [DEFAULT_LAUNCH, DecodeLaunch(block_n=32)]
+    shapes = [DecodeLaunch(block_n=n, num_warps=w, num_stages=st, waves=wv)
+              for n in (32, 64, 128) for w in (4, 8) for st in (2, 3) for wv in (1, 2, 4)]
+    return [DEFAULT_LAUNCH] + [s for s in shapes if s != DEFAULT_LAUNCH]
 
 
 def extend_throughput(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, int, int]],
@@ -238,11 +305,13 @@ def run_all(dtype_name: str) -> dict:
     if gpu:  # a Llama-3-8B-shaped layer: 32 query heads over 8 KV heads of 128
         heads, dim = (32, 8), 128
         contexts, batches = [1024, 4096, 8192, 16384, 32768], [1, 8, 32, 64]
+        sweep_cases = [(8192, 1), (8192, 64), (32768, 1), (32768, 8)]
         extend_cases = [(1, 4096, 0), (4, 1024, 0), (4, 512, 4096), (16, 128, 2048)]
         block_shape, blocks, moved, copy_bytes = (32, 2, 16, 8, 128), 2048, 256, 1 << 30
     else:  # the interpreter: tiny sizes, a smoke run
         heads, dim = (4, 2), 64
         contexts, batches = [64, 256], [1, 2]
+        sweep_cases = [(256, 1)]
         extend_cases = [(1, 64, 0), (2, 16, 48)]
         block_shape, blocks, moved, copy_bytes = (2, 2, 16, 2, 64), 32, 8, 1 << 20
     name = torch.cuda.get_device_name(device) if gpu else f"CPU ({platform.processor() or platform.machine()})"
@@ -255,6 +324,7 @@ def run_all(dtype_name: str) -> dict:
     copy_bps = copy_bandwidth(device, copy_bytes)
     log(f"device-to-device copy: {copy_bps / 1e9:.1f} GB/s (read + write)")
     decode_rows = decode_throughput(device, dtype, contexts, batches, heads, dim, copy_bps)
+    sweep = launch_sweep(device, dtype, sweep_cases, sweep_launches(gpu), heads, dim, copy_bps)
     extend_rows = extend_throughput(device, dtype, extend_cases, heads, dim)
     copy_rows = copy_throughput(device, dtype, block_shape, blocks, moved, copy_bps)
     long = [r["share_of_copy"] for r in decode_rows if r["context"] >= 8192]
@@ -266,7 +336,7 @@ def run_all(dtype_name: str) -> dict:
         "device": name, "interpreted": not gpu, "dtype": str(dtype).removeprefix("torch."), "heads": heads,
         "head_dim": dim, "torch": torch.__version__, "triton": triton.__version__, "numpy": np.__version__,
         "python": platform.python_version(), "copy_gbps": copy_bps / 1e9, "correctness": checks,
-        "decode": decode_rows, "extend": extend_rows, "block_copy": copy_rows,
+        "decode": decode_rows, "decode_launch_sweep": sweep, "extend": extend_rows, "block_copy": copy_rows,
         "target_met": target_met if long else None, "seconds": time.perf_counter() - started,
     }
     return result
