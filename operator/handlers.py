@@ -2,65 +2,53 @@
 
 Reconciling (create, update, resume): parse the pool, compute its objects, apply each by create-then-patch
 (an object that exists answers 409 to the create and is merge-patched), and write status. A bad spec sets
-Degraded/InvalidSpec and waits for the next change; a failing API call sets Degraded/ApiError and kopf retries
-with exponential backoff. Neither raises out of a handler uncaught, so the operator never crash-loops.
+Degraded/InvalidSpec and waits for the next change; an API call that still fails after `API_RETRY`'s few tries
+sets Degraded/ApiError and kopf retries the handler with exponential backoff. Neither raises out of a handler
+uncaught, so the operator never crash-loops.
 
 Scaling: a timer per pool scrapes its engine pods' /metrics, estimates the pool's traffic, asks
 `scaling.decide`, and (unless HPAs own the replicas) patches each Deployment's replicas, marks the pods worth
 least for deletion first, and posts an Event with the reason. Kubernetes calls go through the official client
 in kopf's handler threads; kopf itself watches the pools.
+
+Only what needs kopf or the Kubernetes API lives here; the pieces `kvmesh up -f` shares (the operator's metrics,
+its memory of a pool, its HTTP calls to engines) live in kopf-free modules, so a local pool never loads kopf.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-import httpx
 import kopf
-import urllib3
 from kubernetes import client
 from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import start_http_server
+from urllib3.util.retry import Retry
 
-from kvmesh.engine.protocol import (
-    KV_HOT_PATH,
-    KV_WARM_PATH,
-    POOL_LABEL,
-    READY_PATH,
-    ROLE_LABEL,
-    SCALING_DIRECTIONS,
-    OperatorMetric,
-)
+from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
+from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
+from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
+from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scaling import Decision, scale_in_order
-from kvmesh.operator.warmup import (
-    GateOpener,
-    ServingPod,
-    Warmer,
-    Warmup,
-    WarmupUnanswered,
-    carry_out,
-    plan_warmups,
-    warm_body,
-)
+from kvmesh.operator.warmup import GateOpener, ServingPod, Warmer, carry_out, plan_warmups
 from kvmesh.router.discovery import endpoint_url
 
 log = logging.getLogger("kvmesh.operator")
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 BACKOFF_MAX_SECONDS = 120.0
-SCRAPE_TIMEOUT_SECONDS = 2.0
-WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick waits for it (targets in parallel)
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Role": "roles",
            "RoleBinding": "rolebindings", "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
            "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods"}
@@ -69,10 +57,26 @@ PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "
 # ---- the API edge ------------------------------------------------------------------------------------------------
 
 
+# One retry policy for every call the operator makes through the kubernetes client (kopf's own watch and
+# patch calls have theirs): a dropped kept-alive connection, a refused connect, a timeout, and the answers an
+# API server gives while it is busy or restarting (429 and 5xx) are tried again a few times with backoff before
+# the call fails and the pool is marked Degraded. Every method the operator uses is safe to repeat, though a first
+# attempt may have taken effect before its answer was lost: a POST is only `Kube.apply`'s create, whose repeat
+# answers 409 and is merge-patched with the same fields (no object here is created by generateName); each PATCH
+# is a merge patch of absolute values (the same twice is the same once); a repeated DELETE answers 404, which
+# `Kube.delete` takes as done.
+API_RETRY = Retry(total=3, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504),
+                  allowed_methods=frozenset({"GET", "POST", "PATCH", "DELETE"}),
+                  raise_on_status=False)  # the last answer comes back, as an ApiException with its status
+API_TIMEOUT_SECONDS = 10
+
+
 class Kube:
     """The operator's few API calls, by apiVersion and plural, through the official client's transport."""
 
     def __init__(self, configuration: Configuration) -> None:
+        configuration = copy.deepcopy(configuration)  # the caller's (kopf's login reads it) stays as it was
+        configuration.retries = API_RETRY
         self.api = client.ApiClient(configuration)
 
     @staticmethod
@@ -86,10 +90,7 @@ class Kube:
         request = self.api.param_serialize(method, path, query_params=query or [], body=body,
                                            header_params={"Accept": "application/json", "Content-Type": content_type},
                                            auth_settings=["BearerToken"])
-        try:
-            response = self.api.call_api(*request, _request_timeout=10)
-        except urllib3.exceptions.ProtocolError:  # a kept-alive connection the server had closed: once more
-            response = self.api.call_api(*request, _request_timeout=10)
+        response = self.api.call_api(*request, _request_timeout=API_TIMEOUT_SECONDS)
         data = response.read()
         if not 200 <= response.status < 300:
             raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
@@ -109,9 +110,13 @@ class Kube:
         return "patched"
 
     def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:
-        """Delete one object; its dependents go with it (background propagation)."""
-        self._call("DELETE", self.path(api_version, plural, namespace, name),
-                   {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+        """Delete one object; its dependents go with it (background propagation). Gone already is done."""
+        try:
+            self._call("DELETE", self.path(api_version, plural, namespace, name),
+                       {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+        except ApiException as exc:
+            if exc.status != HTTPStatus.NOT_FOUND:
+                raise
 
     def patch(self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
         self._call("PATCH", self.path(api_version, plural, namespace, name), dict(body),
@@ -148,61 +153,8 @@ def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> list[str]:
     return deleted
 
 
-# ---- status ------------------------------------------------------------------------------------------------------
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def with_condition(conditions: list[dict[str, Any]] | None, kind: str, status: bool, reason: str, message: str,
-                   generation: int) -> list[dict[str, Any]]:
-    """`conditions` with one set; its transition time moves only when its status changes."""
-    old = {c["type"]: c for c in conditions or []}
-    value = "True" if status else "False"
-    previous = old.get(kind)
-    since = previous["lastTransitionTime"] if previous and previous.get("status") == value else _now()
-    old[kind] = {"type": kind, "status": value, "reason": reason, "message": message[:1024],
-                 "lastTransitionTime": since, "observedGeneration": generation}
-    return [old[k] for k in sorted(old)]
-
-
 def backoff_seconds(retry: int) -> float:
     return min(BACKOFF_MAX_SECONDS, 2.0 ** min(retry, 10))
-
-
-def current_replicas(pool: Pool, status: Mapping[str, Any]) -> dict[str, int]:
-    """The replicas last decided per role (kept in status), else each role's minimum."""
-    decided = status.get("replicas") or {}
-    out = desired.initial_replicas(pool)
-    for role in pool.roles:
-        if isinstance(decided.get(role), Mapping) and isinstance(decided[role].get("desired"), int):
-            low, high = pool.bounds(role)
-            out[role] = min(max(decided[role]["desired"], low), high)
-    return out
-
-
-# ---- the operator's state ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PoolMemory:
-    """What the scaler remembers of one pool between ticks (kopf keeps one per object)."""
-
-    scaler: Scaler | None = None
-    last_evaluated: float = -1e18
-    hits: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (time, cached tokens counter)
-    serving: frozenset[str] | None = None  # engine pods that served at the last tick; None before the first
-    # The one view of the pool's conditions that both handlers update and write whole: a merge patch replaces
-    # the list, so two handlers writing their own stale copies would undo each other's conditions.
-    conditions: list[dict[str, Any]] | None = None
-
-    def condition(self, status: Mapping[str, Any], kind: str, value: bool, reason: str, message: str,
-                  generation: int) -> list[dict[str, Any]]:
-        if self.conditions is None:  # a restarted operator: carry on from what the pool shows
-            self.conditions = list(status.get("conditions") or [])
-        self.conditions = with_condition(self.conditions, kind, value, reason, message, generation)
-        return self.conditions
 
 
 @dataclass
@@ -215,94 +167,8 @@ class OperatorConfig:
     clock: Callable[[], float] = field(default=lambda: datetime.datetime.now(datetime.UTC).timestamp())
 
 
-Scraper = Callable[[str], str]  # URL -> Prometheus text
-
-
-class OperatorMetrics:
-    """The operator's own /metrics: per pool and role, the replicas it wants, its predictions, its decisions."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        labels = ["pool_namespace", "pool", "role"]
-        self.desired = Gauge(OperatorMetric.DESIRED_REPLICAS, "Replicas the operator wants per role.", labels,
-                             registry=self.registry)
-        self.decisions = Counter(OperatorMetric.SCALING_DECISIONS, "Scaling decisions that changed replicas.",
-                                 [*labels, "direction"], registry=self.registry)
-        self.predicted = Gauge(OperatorMetric.PREDICTED_KV_USAGE, "Predicted KV demand at the policy's level over "
-                               "the role's capacity at the horizon.", labels, registry=self.registry)
-        self.overload = Gauge(OperatorMetric.OVERLOAD_PROBABILITY, "P(KV usage > 95 % within the horizon).", labels,
-                              registry=self.registry)
-        self._keys: set[tuple[str, str, str]] = set()
-
-    def record(self, pool: Pool, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
-        for role, d in decision.roles.items():
-            key = (pool.namespace, pool.name, role)
-            self._keys.add(key)
-            for direction in SCALING_DIRECTIONS:  # every series exists from the first tick
-                self.decisions.labels(*key, direction)
-            if replicas[role] != before.get(role, replicas[role]):
-                self.decisions.labels(*key, "up" if replicas[role] > before[role] else "down").inc()
-            self.desired.labels(*key).set(replicas[role])
-            self.predicted.labels(*key).set(d.predicted_usage)
-            self.overload.labels(*key).set(d.overload_probability)
-
-    def forget(self, namespace: str, name: str) -> None:
-        """Drop a deleted pool's series."""
-        for key in [k for k in self._keys if k[:2] == (namespace, name)]:
-            self._keys.discard(key)
-            for gauge in (self.desired, self.predicted, self.overload):
-                gauge.remove(*key)
-            for direction in SCALING_DIRECTIONS:
-                self.decisions.remove(*key, direction)
-
-
-def http_scrape(url: str) -> str:
-    response = httpx.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
-    response.raise_for_status()
-    return response.text
-
-
 def pod_url(pod: Mapping[str, Any], port: int) -> str:
     return endpoint_url(pod["status"]["podIP"], port)
-
-
-def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception | None]:
-    """Read the source pod's hottest chains once, then ask every target to pull them from it, in parallel."""
-    try:
-        hot = httpx.get(plan.source.url + KV_HOT_PATH, params={"limit": limit}, timeout=SCRAPE_TIMEOUT_SECONDS)
-        hot.raise_for_status()
-        request = warm_body(plan.source.url, hot.json(), limit)
-    except (httpx.HTTPError, ValueError) as exc:
-        return {t.name: exc for t in plan.targets}
-    if request is None:
-        return dict.fromkeys((t.name for t in plan.targets), None)
-
-    def one(target: ServingPod) -> dict[str, Any] | Exception:
-        try:
-            reply = httpx.post(target.url + KV_WARM_PATH, json=request, timeout=WARM_TIMEOUT_SECONDS)
-            reply.raise_for_status()
-            return reply.json()
-        except httpx.ReadTimeout:  # it has the request: its copy goes on, and its gate opens when it ends
-            return WarmupUnanswered(f"no answer from {target.name} within {WARM_TIMEOUT_SECONDS:g} s")
-        except (httpx.HTTPError, ValueError) as exc:
-            return exc
-
-    with ThreadPoolExecutor(max_workers=min(8, len(plan.targets))) as pool:
-        return dict(zip((t.name for t in plan.targets), pool.map(one, plan.targets), strict=True))
-
-
-def http_open_gates(pods: Sequence[ServingPod]) -> dict[str, Exception | None]:
-    """POST /v1/admin/ready to each pod, in parallel: it has nothing to be warmed with, so it serves now."""
-
-    def one(pod: ServingPod) -> Exception | None:
-        try:
-            httpx.post(pod.url + READY_PATH, timeout=SCRAPE_TIMEOUT_SECONDS).raise_for_status()
-            return None
-        except httpx.HTTPError as exc:
-            return exc
-
-    with ThreadPoolExecutor(max_workers=min(8, len(pods))) as pool:
-        return dict(zip((p.name for p in pods), pool.map(one, pods), strict=True))
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -480,7 +346,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
                                "predicted": round(max((d.predicted_usage for d in kv), default=0.0), 4),
                                "overloadProbability": round(max((d.overload_probability for d in kv), default=0.0),
                                                             4)}
-    patch.status["lastDecision"] = {"time": _now(), "reason": "; ".join(
+    patch.status["lastDecision"] = {"time": now_timestamp(), "reason": "; ".join(
         f"{r}: {d.reason}" for r, d in decision.roles.items()), "replicas": dict(decision.replicas)}
     return decision
 
@@ -508,19 +374,6 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
     for outcome in [o for _, _, o in results.warmed] + [o for _, o in results.opened]:
         level = logging.WARNING if outcome.ok is False else logging.INFO
         log.log(level, "pool %s/%s: %s", pool.namespace, pool.name, outcome.message)
-
-
-def pod_hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:
-    """Cached prompt tokens per second each pod served since the last tick: how much its cache is worth now."""
-    rates: dict[str, float] = {}
-    seen: dict[str, tuple[float, float]] = {}
-    for m in metrics:
-        name, hits = m.observation.name, m.counters.cached_tokens
-        seen[name] = (now, hits)
-        if name in state.hits and now > state.hits[name][0] and hits >= state.hits[name][1]:
-            rates[name] = (hits - state.hits[name][1]) / (now - state.hits[name][0])
-    state.hits = seen
-    return rates
 
 
 def run(config: OperatorConfig) -> None:

@@ -16,8 +16,10 @@ from typing import Any
 
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.desired import engine_settings, router_settings, warmup_grace_seconds
+from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.forecast import Scaler, parse_pod
-from kvmesh.operator.handlers import OperatorMetrics, PoolMemory, http_open_gates, http_warm, pod_hit_rates
+from kvmesh.operator.memory import PoolMemory, pod_hit_rates
+from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scaling import Decision
 from kvmesh.operator.warmup import GateOpener, ServingPod, Warmer, WarmupPlan, carry_out, plan_warmups
 

@@ -5,7 +5,7 @@ collector, defaulting, CEL or Deployment controller, so the tests assert owner r
 ready themselves, and give the operator a pool whose CEL rule would have been enforced by a real server.
 
 Every request the emulator receives is recorded, and each test ends by checking that the operator used only
-verbs and resources that operator/rbac.py lists."""
+verbs and resources that operator/rbac.py lists; one test checks that it uses every one they list."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ import yaml
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, OperatorMetrics, register
+from kvmesh.operator.handlers import API_RETRY, DELETION_COST_ANNOTATION, OperatorConfig, register
+from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.warmup import GateOpener, Warmer
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
@@ -77,10 +79,6 @@ class Cluster(kmock.KubernetesEmulator):
         return await super()._handle(request)
 
 
-USED: set[tuple[str, str, str]] = set()  # (group, resource, verb) the operator used, over this module's tests
-RAN: set[str] = set()
-
-
 def used(request: Any) -> tuple[str, str, str]:
     resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
     return request.resource.group, resource, VERBS[request.action]
@@ -123,11 +121,18 @@ class Env:
         return [dict(o.raw) for (r, _, _), o in self.k8s.objects.items()
                 if r.plural == "events" and o.raw.get("reason") == reason]
 
+    def operator_requests(self) -> list[Any]:
+        """The requests the operator made (the test's own come from kmock's client)."""
+        return [r for r in self.k8s if not r.headers.get("User-Agent", "").startswith("kmock/")]
+
+    def used(self) -> set[tuple[str, str, str]]:
+        """(group, resource, verb) of every API request the operator made so far."""
+        return {used(r) for r in self.operator_requests() if r.resource is not None and r.resource.plural is not None}
+
     def check_rbac(self) -> None:
-        """The operator's requests (the test's own come from kmock's client) stay inside operator/rbac.py."""
-        theirs = [r for r in self.k8s if not r.headers.get("User-Agent", "").startswith("kmock/")]
+        """The operator's requests stay inside operator/rbac.py."""
+        theirs = self.operator_requests()
         assert any(r.action == kmock.action.CREATE for r in theirs)  # the operator's requests were recorded
-        USED.update(used(r) for r in theirs if r.resource is not None and r.resource.plural is not None)
         outside = {(r.method, str(r.url.path)) for r in theirs if not permitted(r)}
         assert not outside, f"requests outside operator/rbac.py: {sorted(outside)}"
 
@@ -183,7 +188,6 @@ async def operator(tmp_path: Path, tick: float = 0.2, warm: Warmer | None = None
             yield env
             assert not task.done(), "the operator exited"
             env.check_rbac()
-            RAN.add(str(tmp_path))
         finally:
             stop.set()
             with contextlib.suppress(Exception):
@@ -278,26 +282,65 @@ def test_an_invalid_spec_is_reported_as_degraded_and_fixing_it_recovers(tmp_path
     run(main)
 
 
+def fail(env: Env, action: kmock.action, plural: str, times: int, status: int) -> list[kmock.Request]:
+    """The next `times` requests of `action` on `plural` answer `status`; returns those requests as they come.
+    (The emulator still carries out a failed write, as a server that committed it and then failed to answer.)"""
+    failed: list[kmock.Request] = []
+
+    def matches(request: kmock.Request) -> bool:  # kmock may ask more than once per request
+        if any(r is request for r in failed):
+            return True
+        if request.resource is None or request.resource.plural != plural or len(failed) >= times:
+            return False
+        failed.append(request)
+        return True
+
+    env.k8s[action][matches] << kmock.KubernetesError(status=status, reason=HTTPStatus(status).phrase)
+    return failed
+
+
+def conditions(env: Env) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in env.pool()["status"]["conditions"]}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_failing_api_call_is_degraded_then_retried(tmp_path: Path) -> None:
+def test_a_transient_api_error_is_retried_within_the_reconcile(tmp_path: Path) -> None:
+    """An API server that fails once (a 503 to a create it had carried out: the worst case for a POST) costs the
+    pool nothing: the client's retry policy sends the create again, which answers 409, the object is
+    merge-patched, the reconcile succeeds, and the pool is never marked Degraded."""
     async def main() -> None:
         async with operator(tmp_path) as env:
-            failures: list[int] = []
-
-            def first_two(request: kmock.Request) -> bool:
-                if request.resource is None or request.resource.plural != "deployments" or len(failures) >= 2:
-                    return False
-                failures.append(1)
-                return True
-
-            env.k8s[kmock.action.CREATE][first_two] << kmock.KubernetesError(status=500, reason="InternalError")
+            failed = fail(env, kmock.action.CREATE, "deployments", 1, 503)
             await env.k8s.post(POOLS, json=pool_body())
-            degraded = await eventually(lambda: {c["type"]: c for c in env.pool()["status"]["conditions"]}["Degraded"])
+            await eventually(lambda: env.pool().get("status", {}).get("observedGeneration") == 1)
+            assert len(failed) == 1 and env.get("apps/v1/deployments", "chat-both") is not None
+            degraded = conditions(env)["Degraded"]
+            assert (degraded["status"], degraded["reason"]) == ("False", "Reconciled")
+            assert env.events("ApiError") == []
+            to_both = [r.action for r in env.k8s if r.resource is not None and r.resource.plural == "deployments"
+                       and "chat-both" in (str(r.url.path), str((r.data or {}).get("metadata", {}).get("name")))]
+            assert to_both[:3] == [kmock.action.CREATE, kmock.action.CREATE, kmock.action.UPDATE]  # 503, 409, patch
+
+    run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_persistent_api_error_is_degraded_then_retried(tmp_path: Path) -> None:
+    """An error that outlasts the client's retries sets Degraded/ApiError with the status; kopf retries the
+    reconcile with backoff, and once the API answers again the pool recovers."""
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            tries = API_RETRY.total + 1  # every try of one call
+            failed = fail(env, kmock.action.LIST, "poddisruptionbudgets", tries, 500)
+            await env.k8s.post(POOLS, json=pool_body())
+            degraded = await eventually(lambda: conditions(env)["Degraded"])
             assert degraded["reason"] == "ApiError" and "500" in degraded["message"]
-            await eventually(lambda: {c["type"]: c["status"] for c in env.pool()["status"]["conditions"]}
-                             ["Degraded"] == "False", seconds=30)
-            assert len(failures) == 2 and env.get("apps/v1/deployments", "chat-both") is not None
+            assert "pruning" in degraded["message"]
+            await eventually(lambda: env.events("ApiError"))
+            await eventually(lambda: conditions(env)["Degraded"]["status"] == "False", seconds=30)
+            assert len(failed) == tries and env.get("apps/v1/deployments", "chat-both") is not None
 
     run(main)
 
@@ -444,10 +487,51 @@ def test_with_hpa_mode_the_operator_creates_autoscalers_and_leaves_replicas_alon
 
 
 @pytest.mark.slow
-def test_every_permission_in_rbac_py_is_used() -> None:
-    """The other tests of this module, together, used every verb operator/rbac.py grants the operator (the list
-    is not wider than the operator needs). Runs last; meaningless alone."""
-    if len(RAN) < 5:
-        pytest.skip("needs the module's other tests to run first")
-    granted = {(p.group, p.resource, verb) for p in rbac.OPERATOR if p not in rbac.ROUTER for verb in p.verbs}
-    assert granted - USED == set()
+@pytest.mark.timeout(120)
+def test_every_permission_in_rbac_py_is_used(tmp_path: Path) -> None:
+    """Every verb operator/rbac.py grants the operator is one it uses (the list is no wider than it needs): one
+    pool is taken through each thing that asks for a permission, and the requests the operator made are compared
+    with the list (every test of this module also checks the other way: no request outside it)."""
+    port = free_port()
+    server = MetricsServer("127.0.0.2", port)  # an idle engine: the pool will scale in
+
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            # HPAs and the Gateway pool too: every kind is created, and the prunable kinds are listed
+            spec = {"engine": {"port": port}, "replicas": {"both": {"min": 2, "max": 4}},
+                    "gatewayInferencePool": {"enabled": True},
+                    "scaling": {"mode": "hpa", "intervalSeconds": 1, "scaleDownStabilizationSeconds": 0}}
+            await env.k8s.post(POOLS, json=pool_body(**spec))
+            await eventually(lambda: env.get("autoscaling/v2/horizontalpodautoscalers", "chat-both"))
+            await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pod_body("chat-both-0", "127.0.0.2"))
+            # a spec change: every object is patched
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"engine": {"maxNumSeqs": 32}}})
+            await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
+
+            async def clock() -> None:  # the operator's clock runs 10x faster than the test's
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            # the operator scales, min 1, no Gateway: the HPA and the Gateway pool are deleted, and the timer
+            # scales the idle pool in, marking its pod's deletion cost first
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"replicas": {"both": {"min": 1}},
+                                                                "gatewayInferencePool": {"enabled": False},
+                                                                "scaling": {"mode": "operator"}}})
+            await eventually(lambda: DELETION_COST_ANNOTATION in (env.get("v1/pods", "chat-both-0") or {})
+                             .get("metadata", {}).get("annotations", {}))
+            ticking.cancel()
+            # disaggregated: the `both` Deployment and its budget are deleted
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"mode": "disaggregated"}})
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-both") is None
+                             and env.get("policy/v1/poddisruptionbudgets", "chat-both") is None)
+            await eventually(lambda: env.events("Reconciled") and env.events("Scaled"))
+            granted = {(p.group, p.resource, verb) for p in rbac.OPERATOR if p not in rbac.ROUTER
+                       for verb in p.verbs}
+            assert granted - env.used() == set()
+
+    try:
+        run(main)
+    finally:
+        server.close()

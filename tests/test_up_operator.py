@@ -5,6 +5,8 @@ and the processes are tested in tests/test_up_scaling.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from prometheus_client import generate_latest
@@ -56,3 +58,24 @@ def test_the_local_tick_warms_new_engines_from_the_hottest_peer_and_records_its_
     (warmup,) = second.warmups.warmups
     assert warmup.source.name == "engine-1" and [t.name for t in warmup.targets] == ["engine-2"]
     assert warmup.source.url == "http://127.0.0.1:1/engine-1"
+
+
+def test_a_local_pool_never_loads_kopf() -> None:
+    """`kvmesh up -f` runs the operator's tick without Kubernetes: reading the pool, deciding, warming and
+    recording must not import kopf (a fresh interpreter, since this test process has it from other tests)."""
+    code = f"""
+import sys
+from kvmesh.cli import main
+from kvmesh.up import plan_from_file
+from kvmesh.operator.local import LocalOperator, LocalPod, describe, local_engine_settings, local_router_settings
+plan = plan_from_file({str(EXAMPLES / "aggregated.yaml")!r})
+operator = LocalOperator(plan.pool)
+text = "{VllmMetric.KV_USAGE} 0.5\\n"
+tick = operator.decide(0.0, [LocalPod("engine-0", "both", "http://127.0.0.1:1", text, True)], {{"both": 2}})
+operator.record(tick.decision, tick.decision.replicas, {{"both": 2}})
+describe(tick.decision, {{"both": 2}})
+print(sorted(m for m in sys.modules if m.split(".")[0] == "kopf"))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

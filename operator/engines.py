@@ -1,0 +1,68 @@
+"""The operator's HTTP calls to engine pods: read /metrics, warm a new pod from a peer's hottest prefixes, open
+a pod's warm-up gate. Each pod's failure is returned, never raised: a pod that does not answer must not stop
+the tick for the others.
+
+Kopf-free: the cluster operator (operator/handlers.py) and the local one inside `kvmesh up -f`
+(operator/local.py) make the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, READY_PATH
+from kvmesh.operator.warmup import ServingPod, Warmup, WarmupUnanswered, warm_body
+
+SCRAPE_TIMEOUT_SECONDS = 2.0
+WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick waits for it (targets in parallel)
+
+Scraper = Callable[[str], str]  # URL -> Prometheus text
+
+
+def http_scrape(url: str) -> str:
+    response = httpx.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
+    response.raise_for_status()
+    return response.text
+
+
+def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception | None]:
+    """Read the source pod's hottest chains once, then ask every target to pull them from it, in parallel."""
+    try:
+        hot = httpx.get(plan.source.url + KV_HOT_PATH, params={"limit": limit}, timeout=SCRAPE_TIMEOUT_SECONDS)
+        hot.raise_for_status()
+        request = warm_body(plan.source.url, hot.json(), limit)
+    except (httpx.HTTPError, ValueError) as exc:
+        return {t.name: exc for t in plan.targets}
+    if request is None:
+        return dict.fromkeys((t.name for t in plan.targets), None)
+
+    def one(target: ServingPod) -> dict[str, Any] | Exception:
+        try:
+            reply = httpx.post(target.url + KV_WARM_PATH, json=request, timeout=WARM_TIMEOUT_SECONDS)
+            reply.raise_for_status()
+            return reply.json()
+        except httpx.ReadTimeout:  # it has the request: its copy goes on, and its gate opens when it ends
+            return WarmupUnanswered(f"no answer from {target.name} within {WARM_TIMEOUT_SECONDS:g} s")
+        except (httpx.HTTPError, ValueError) as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(8, len(plan.targets))) as pool:
+        return dict(zip((t.name for t in plan.targets), pool.map(one, plan.targets), strict=True))
+
+
+def http_open_gates(pods: Sequence[ServingPod]) -> dict[str, Exception | None]:
+    """POST /v1/admin/ready to each pod, in parallel: it has nothing to be warmed with, so it serves now."""
+
+    def one(pod: ServingPod) -> Exception | None:
+        try:
+            httpx.post(pod.url + READY_PATH, timeout=SCRAPE_TIMEOUT_SECONDS).raise_for_status()
+            return None
+        except httpx.HTTPError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(8, len(pods))) as pool:
+        return dict(zip((p.name for p in pods), pool.map(one, pods), strict=True))

@@ -1,0 +1,78 @@
+"""What the operator remembers of a pool: between scaling ticks in its process (`PoolMemory`), and across
+restarts in the pool's status (its conditions, the replicas last decided per role).
+
+Kopf-free: the cluster operator (operator/handlers.py) keeps one `PoolMemory` per pool in kopf's memo, and the
+local operator inside `kvmesh up -f` (operator/local.py) keeps one for its pool.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.operator import desired
+from kvmesh.operator.crd import Pool
+from kvmesh.operator.forecast import PodMetrics, Scaler
+
+
+def now_timestamp() -> str:
+    """Now, as Kubernetes writes times in status (RFC 3339, UTC, seconds)."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def with_condition(conditions: list[dict[str, Any]] | None, kind: str, status: bool, reason: str, message: str,
+                   generation: int) -> list[dict[str, Any]]:
+    """`conditions` with one set; its transition time moves only when its status changes."""
+    old = {c["type"]: c for c in conditions or []}
+    value = "True" if status else "False"
+    previous = old.get(kind)
+    since = previous["lastTransitionTime"] if previous and previous.get("status") == value else now_timestamp()
+    old[kind] = {"type": kind, "status": value, "reason": reason, "message": message[:1024],
+                 "lastTransitionTime": since, "observedGeneration": generation}
+    return [old[k] for k in sorted(old)]
+
+
+def current_replicas(pool: Pool, status: Mapping[str, Any]) -> dict[str, int]:
+    """The replicas last decided per role (kept in status), else each role's minimum."""
+    decided = status.get("replicas") or {}
+    out = desired.initial_replicas(pool)
+    for role in pool.roles:
+        if isinstance(decided.get(role), Mapping) and isinstance(decided[role].get("desired"), int):
+            low, high = pool.bounds(role)
+            out[role] = min(max(decided[role]["desired"], low), high)
+    return out
+
+
+@dataclass
+class PoolMemory:
+    """What the scaler remembers of one pool between ticks."""
+
+    scaler: Scaler | None = None
+    last_evaluated: float = -1e18
+    hits: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (time, cached tokens counter)
+    serving: frozenset[str] | None = None  # engine pods that served at the last tick; None before the first
+    # The one view of the pool's conditions that both handlers update and write whole: a merge patch replaces
+    # the list, so two handlers writing their own stale copies would undo each other's conditions.
+    conditions: list[dict[str, Any]] | None = None
+
+    def condition(self, status: Mapping[str, Any], kind: str, value: bool, reason: str, message: str,
+                  generation: int) -> list[dict[str, Any]]:
+        if self.conditions is None:  # a restarted operator: carry on from what the pool shows
+            self.conditions = list(status.get("conditions") or [])
+        self.conditions = with_condition(self.conditions, kind, value, reason, message, generation)
+        return self.conditions
+
+
+def pod_hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:
+    """Cached prompt tokens per second each pod served since the last tick: how much its cache is worth now."""
+    rates: dict[str, float] = {}
+    seen: dict[str, tuple[float, float]] = {}
+    for m in metrics:
+        name, hits = m.observation.name, m.counters.cached_tokens
+        seen[name] = (now, hits)
+        if name in state.hits and now > state.hits[name][0] and hits >= state.hits[name][1]:
+            rates[name] = (hits - state.hits[name][1]) / (now - state.hits[name][0])
+    state.hits = seen
+    return rates
