@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
@@ -158,10 +159,39 @@ def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, An
     return {**prefill, "completion_tokens": completion, "total_tokens": prefill.get("prompt_tokens", 0) + completion}
 
 
+class Booking:
+    """One request's hold on a pod: the pod's in-flight count, taken when the request is committed to it, and the
+    pod's reply once it comes. `close` gives both back exactly once, whichever way the request ends (answered,
+    refused, the pod failing, the client leaving, the stream moving on to another pod), so the picker never counts
+    a request that is over; `with booking:` closes it when the block ends."""
+
+    def __init__(self, pod: Pod) -> None:
+        self.pod = pod
+        self.reply: UpstreamReply | None = None
+        self.closed = False
+        pod.inflight += 1
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.reply is not None:
+            self.reply.close()
+        self.pod.inflight -= 1
+
+    def __enter__(self) -> Booking:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
 @dataclass
 class Relay:
-    """A stream's progress as the router relays it: what the client has received, so another pod can go on."""
+    """A stream's progress as the router relays it: the pod serving it now and what the client has received, so
+    another pod can go on."""
 
+    booking: Booking  # the serving pod and its reply, being relayed (another pod's after a migration)
     upstream: dict[str, Any]
     path: str
     headers: dict[str, str]
@@ -224,6 +254,22 @@ class Relay:
             choice["text"] = text
         return {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": int(time.time()), "choices": [choice]}
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream that gives its pod back however it ends. Starlette leaves a body it stopped early (the
+    client left) to the garbage collector, and never starts one whose client left before the first chunk."""
+
+    def __init__(self, lines: AsyncGenerator[str, None], state: Relay, headers: Mapping[str, str]) -> None:
+        super().__init__(lines, media_type="text/event-stream", headers=headers)
+        self.lines, self.state = lines, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.lines.aclose()  # the relay's own ending (its pod, the count, the log) runs now
+            self.state.booking.close()  # for a relay that never started
 
 
 @dataclass(frozen=True)
@@ -387,15 +433,15 @@ class Router:
         self.metrics.requests.labels("no_pod", trace.route).inc()
         self.record(trace, "no_pod", 503, None)
 
-    def commit(self, trace: Trace, pod: Pod, decision: Decision) -> None:
+    def commit(self, trace: Trace, pod: Pod, decision: Decision) -> Booking:
         """Send the request to `pod`, as far as the router's state goes: the trace, provisional index entries for
         its prompt (back-to-back requests find the prefix before the pod's events arrive) and the in-flight count,
-        which the caller gives back when the request ends."""
+        held by the booking returned, which the caller closes when the request ends."""
         trace.pods.append(pod.name)
         trace.predicted = decision.predicted_cached_tokens
         self.index.add_provisional(pod.name, trace.info.block_hashes, time.monotonic(),
                                    self.config.provisional_ttl_seconds)
-        pod.inflight += 1
+        return Booking(pod)
 
     def plan_pull(self, decision: Decision, info: RequestInfo, view: View) -> PullPlan | None:
         """Whether the chosen pod should fetch a longer prefix from a peer before computing the rest."""
@@ -520,10 +566,10 @@ def create_router_app(router: Router) -> FastAPI:
         first: Decision | None = None,
         roles: tuple[str, ...] = SERVING_ROLES,
         require_ok: bool = False,
-    ) -> tuple[UpstreamReply, Pod, Decision] | None:
+    ) -> tuple[Booking, UpstreamReply, Decision] | None:
         """Send `body` to the best pod in `roles` not yet tried (`first`, when already decided); skip pods that
-        refuse (429, 503; any non-200 with `require_ok`) or fail before their first byte. None when no pod is
-        left."""
+        refuse (429, 503; any non-200 with `require_ok`) or fail before their first byte. The booking holds the
+        pod and its reply until the caller closes it. None when no pod is left."""
         for attempt in range(router.config.retries + 1):
             decision, first = first or router.decide(trace.info, tried, roles), None
             if decision.pod is None:
@@ -533,21 +579,20 @@ def create_router_app(router: Router) -> FastAPI:
             if attempt:
                 router.metrics.retries.inc()
                 trace.route = "retry" if trace.route == "aggregated" else trace.route
-            router.commit(trace, pod, decision)
+            booking = router.commit(trace, pod, decision)
             try:
-                reply = await router.upstream.post(pod.url + path, body, headers)
+                booking.reply = reply = await router.upstream.post(pod.url + path, body, headers)
             except UpstreamError:
-                pod.inflight -= 1
+                booking.close()
                 continue
-            except BaseException:  # cancelled (the client left): the count must not leak
-                pod.inflight -= 1
+            except BaseException:  # cancelled (the client left)
+                booking.close()
                 raise
             if reply.status in RETRYABLE or (require_ok and reply.status != 200):
-                pod.inflight -= 1
-                reply.close()
+                booking.close()
                 continue
             router.metrics.decisions.labels(decision.reason).inc()
-            return reply, pod, decision
+            return booking, reply, decision
         return None
 
     def no_pod(trace: Trace, message: str) -> JSONResponse:
@@ -583,19 +628,17 @@ def create_router_app(router: Router) -> FastAPI:
         opened = await open_upstream(trace, upstream, path, headers, tried, first)
         if opened is None:
             return no_pod(trace, "no pod can take this request now; retry later")
-        reply, pod, decision = opened
+        booking, reply, decision = opened
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
-        decided = {"x-kvmesh-pod": pod.name, "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
+        decided = {"x-kvmesh-pod": booking.pod.name,
+                   "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
         if stream and reply.status == 200:
-            stream_state = Relay(upstream, path, headers, tried, strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD),
-                                 migratable=migratable, client_usage=wants_usage(raw))
-            return StreamingResponse(relay(reply, pod, trace, stream_state), media_type="text/event-stream",
-                                     headers=decided)
-        try:
+            stream_state = Relay(booking, upstream, path, headers, tried,
+                                 strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD), migratable=migratable,
+                                 client_usage=wants_usage(raw))
+            return RelayResponse(relay(trace, stream_state), stream_state, headers=decided)
+        with booking:
             content = await reply.read()
-        finally:
-            reply.close()
-            pod.inflight -= 1
         outcome = "ok" if reply.status == 200 else "error"
         router.metrics.requests.labels(outcome, trace.route).inc()
         usage = _count_cached(json.loads(content)) if reply.status == 200 else None
@@ -612,12 +655,10 @@ def create_router_app(router: Router) -> FastAPI:
         opened = await open_upstream(trace, prefill_body, path, headers, set(), roles=("prefill",))
         if opened is None:
             return None
-        reply, prefill_pod, decision = opened
-        try:
+        prefill, reply, decision = opened
+        with prefill:  # the prefill pod's part ends with its answer (the KV it keeps is the decode pod's to pull)
             content = await reply.read()
-        finally:
-            reply.close()
-            prefill_pod.inflight -= 1
+        prefill_pod = prefill.pod
         if reply.status != 200:
             return None
         first = json.loads(content)
@@ -647,13 +688,13 @@ def create_router_app(router: Router) -> FastAPI:
         opened = await open_upstream(trace, decode_body, path, headers, tried)
         if opened is None:
             return no_pod(trace, "no decode pod can take this request now; retry later")
-        reply, pod, _ = opened
-        decided = {"x-kvmesh-pod": f"{prefill_pod.name},{pod.name}",
+        booking, reply, _ = opened
+        decided = {"x-kvmesh-pod": f"{prefill_pod.name},{booking.pod.name}",
                    "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
         if stream and reply.status == 200:
             resumable = {**raw, RETURN_TOKEN_IDS_FIELD: True,
                          "stream_options": {**(raw.get("stream_options") or {}), "include_usage": True}}
-            state = Relay(resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
+            state = Relay(booking, resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
                           sent_ids=[token], stream_id=first["id"], strip_role=True, role_sent=True,
                           prefill_usage=first["usage"], chat="message" in choice, client_usage=wants_usage(raw))
             opening = state.text_chunk(text)
@@ -661,18 +702,10 @@ def create_router_app(router: Router) -> FastAPI:
                 opening["choices"][0]["delta"]["role"] = "assistant"
             if client_ids:
                 opening["choices"][0]["token_ids"] = [token]
-
-            async def with_first_token() -> AsyncIterator[str]:
-                yield "data: " + json.dumps(opening) + "\n\n"
-                async for line in relay(reply, pod, trace, state):
-                    yield line
-
-            return StreamingResponse(with_first_token(), media_type="text/event-stream", headers=decided)
-        try:
+            return RelayResponse(relay(trace, state, "data: " + json.dumps(opening) + "\n\n"), state,
+                                 headers=decided)
+        with booking:
             rest = json.loads(await reply.read())
-        finally:
-            reply.close()
-            pod.inflight -= 1
         if reply.status != 200:
             router.metrics.requests.labels("error", trace.route).inc()
             router.record(trace, "error", reply.status, None)
@@ -700,31 +733,33 @@ def create_router_app(router: Router) -> FastAPI:
         router.metrics.actual.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         return usage
 
-    async def relay(reply: UpstreamReply, pod: Pod, trace: Trace, state: Relay) -> AsyncIterator[str]:
-        """Pass SSE lines through as they arrive. If the pod fails mid-stream, continue on another pod with the
-        prompt plus the tokens already sent (`resume_output_ids`), so the client's stream goes on with no
-        repeated or missing token; only when no pod can continue does it end with an error event."""
+    async def relay(trace: Trace, state: Relay, opening: str | None = None) -> AsyncGenerator[str, None]:
+        """Pass SSE lines through as they arrive (after `opening`, a first chunk the router already has). If the pod
+        fails mid-stream, continue on another pod with the prompt plus the tokens already sent
+        (`resume_output_ids`), so the client's stream goes on with no repeated or missing token; only when no pod
+        can continue does it end with an error event."""
         outcome = "ok"
         usage = None
         try:
+            if opening is not None:
+                yield opening
             while True:
-                try:
-                    async for line in reply.lines():
-                        if line.startswith("data: {"):
-                            chunk = state.on_chunk(json.loads(line[6:]), trace)
-                            if chunk.get("usage"):
-                                usage = _count_cached(chunk)
-                                if not state.client_usage:
-                                    continue
-                            line = "data: " + json.dumps(chunk)
-                        elif line == "data: [DONE]":
-                            state.done = True
-                        yield line + "\n"
-                except UpstreamError:
-                    pass
-                finally:
-                    reply.close()
-                    pod.inflight -= 1
+                with state.booking as booking:
+                    assert booking.reply is not None  # open_upstream's bookings come with their reply
+                    try:
+                        async for line in booking.reply.lines():
+                            if line.startswith("data: {"):
+                                chunk = state.on_chunk(json.loads(line[6:]), trace)
+                                if chunk.get("usage"):
+                                    usage = _count_cached(chunk)
+                                    if not state.client_usage:
+                                        continue
+                                line = "data: " + json.dumps(chunk)
+                            elif line == "data: [DONE]":
+                                state.done = True
+                            yield line + "\n"
+                    except UpstreamError:
+                        pass
                 if state.finished and not state.done:  # the answer is whole; only the tail of the stream was lost
                     state.done = True
                     yield "data: [DONE]\n\n"
@@ -736,7 +771,7 @@ def create_router_app(router: Router) -> FastAPI:
                 opened = await open_upstream(trace, body, state.path, state.headers, state.tried, require_ok=True)
                 if opened is None:
                     break
-                reply, pod, _ = opened
+                state.booking, _, _ = opened
                 missing = state.held_back_text(router.tokenizer)
                 if missing:
                     yield "data: " + json.dumps(state.text_chunk(missing)) + "\n\n"
@@ -746,7 +781,7 @@ def create_router_app(router: Router) -> FastAPI:
                 failure = error_body("the pod serving this stream failed and no other pod could continue it",
                                      "server_error")
                 yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client left (the stream was stopped or closed early)
             outcome = "client_gone"
             raise
         finally:

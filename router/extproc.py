@@ -65,10 +65,9 @@ from google.protobuf.json_format import MessageToDict
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
-from kvmesh.router.app import RouteError, Router, Trace, View, wants_usage
+from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage
 from kvmesh.router.config import EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE, read_certificate_pair
 from kvmesh.router.picker import Decision, RequestInfo
-from kvmesh.router.pods import Pod
 
 log = logging.getLogger("kvmesh.router.extproc")
 
@@ -194,7 +193,7 @@ def _mode_refusal(mode: int, why: str) -> Refused:
 class Choice:
     endpoint: str
     body: bytes  # what goes upstream: the client's bytes, or re-encoded (the tenant's salt, a prefix pull)
-    pod: Pod | None = None  # set for an inference request, whose in-flight count the stream gives back
+    booking: Booking | None = None  # an inference request's hold on its pod, which the stream's end gives back
     trace: Trace | None = None
     hide_usage: bool = False  # the router asked the engine for a stream's usage chunk the client did not ask for
 
@@ -385,12 +384,12 @@ class Exchange:
         rewritten = admitted.rewritten or pull is not None or hide_usage
         upstream = json.dumps(raw).encode() if rewritten else body
         pod = router.pods.pods[decision.pod.name]
-        router.commit(trace, pod, decision)
+        booking = router.commit(trace, pod, decision)
         router.metrics.decisions.labels(decision.reason).inc()
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         if pull is not None:
             router.metrics.pulls.inc()
-        return Choice(endpoint_of(pod.url), upstream, pod, trace, hide_usage)
+        return Choice(endpoint_of(pod.url), upstream, booking, trace, hide_usage)
 
     def _decide(self, info: RequestInfo) -> tuple[Decision, View]:
         """The picker's choice among the pods the gateway's subset allows; Refused (404, 503) when there is none."""
@@ -409,9 +408,9 @@ class Exchange:
 
     def finish(self, cancelled: bool) -> None:
         """The stream ended: give back the pod's in-flight count, count the request and log it."""
-        if self.choice is None or self.choice.pod is None or self.choice.trace is None:
+        if self.choice is None or self.choice.booking is None or self.choice.trace is None:
             return
-        self.choice.pod.inflight -= 1
+        self.choice.booking.close()
         trace, router = self.choice.trace, self.router
         if self.usage is None and self.answer:
             with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, AttributeError):

@@ -10,16 +10,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh.router.app import build_router
+from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig
 
 from .engines import serve_router, tiny_engines
+from .test_router_disconnect import wait_nothing_in_flight
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Router]]:
+    """The URLs of the prefill pod, the decode pod and the router; and the Router."""
     with tiny_engines(tiny_dir, tmp_path_factory.mktemp("disagg"), ("prefill", "decode")) as procs:
         prefill, decode = procs
         router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, prefill_hop_min_tokens=32),
@@ -29,7 +31,17 @@ def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
                 if len(httpx.get(url + "/health").json()["pods"]) == 2:
                     break
                 threading.Event().wait(0.1)
-            yield {"prefill": prefill, "decode": decode, "router": url}
+            yield {"prefill": prefill, "decode": decode, "router": url}, router
+
+
+@pytest.fixture(scope="module")
+def pool(served: tuple[dict[str, str], Router]) -> dict[str, str]:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def router(served: tuple[dict[str, str], Router]) -> Router:
+    return served[1]
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -37,7 +49,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 3}])
-def test_disaggregated_equals_aggregated(pool: dict[str, str], sampling: dict) -> None:
+def test_disaggregated_equals_aggregated(pool: dict[str, str], router: Router, sampling: dict) -> None:
     prompt = tokens(5 + len(sampling), 90)
     body = {"prompt": prompt, "max_tokens": 12, "return_token_ids": True, **sampling}
     split = httpx.post(pool["router"] + "/v1/completions", json=body, timeout=60)
@@ -48,9 +60,10 @@ def test_disaggregated_equals_aggregated(pool: dict[str, str], sampling: dict) -
     assert split.json()["choices"][0]["text"] == whole["choices"][0]["text"]
     usage = split.json()["usage"]
     assert usage["prompt_tokens"] == 90 and usage["completion_tokens"] == 12
+    wait_nothing_in_flight(router)  # the prefill pod's part ended with its answer, the decode pod's with the reply
 
 
-def test_disaggregated_streaming_chat(pool: dict[str, str]) -> None:
+def test_disaggregated_streaming_chat(pool: dict[str, str], router: Router) -> None:
     messages = [{"role": "user", "content": "Write a long story about a cat and a dog. " * 4}]
     body = {"messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     whole = httpx.post(pool["prefill"] + "/v1/chat/completions", json=body, timeout=60).json()
@@ -68,6 +81,7 @@ def test_disaggregated_streaming_chat(pool: dict[str, str]) -> None:
     assert text == whole["choices"][0]["message"]["content"]
     assert roles == 1 and len(ids) == 1
     assert chunks[-1]["usage"]["completion_tokens"] == 10
+    wait_nothing_in_flight(router)
 
 
 def test_a_short_uncached_prompt_skips_the_prefill_hop(pool: dict[str, str]) -> None:

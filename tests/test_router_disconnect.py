@@ -1,16 +1,19 @@
-"""A client that leaves a non-streaming request through the router: the router closes its upstream call and
-the engine aborts the request (an in-process engine whose steps are slowed, so the timing is certain)."""
+"""A client that leaves a request through the router, streamed or not: the router closes its upstream call, the
+engine aborts the request and the pod's in-flight count goes back to zero (an in-process engine whose steps are
+slowed, so the request is still running when the client leaves)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from kvmesh.engine.engine import Engine
-from kvmesh.router.app import build_router
+from kvmesh.router.app import Booking, Relay, RelayResponse, Router, build_router
 from kvmesh.router.config import RouterConfig
 
 from .engines import serve_router
@@ -26,11 +29,72 @@ def test_a_client_that_leaves_stops_the_request_on_the_engine(
     real_run = engine.runner.run
     monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
     before = _aborts(engine)
-    with serve_router(build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)) as router:
+    router = build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
+    with serve_router(router) as router_url:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(router + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True},
+            httpx.post(router_url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True},
                        timeout=0.5)
         wait_idle(engine)
         assert _aborts(engine) == before + 1
-        metrics = httpx.get(router + "/metrics").text
+        metrics = httpx.get(router_url + "/metrics").text
         assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
+        wait_nothing_in_flight(router)
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_request_and_frees_its_pod(
+    served: tuple[str, Engine], tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, engine = served
+    real_run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
+    before = _aborts(engine)
+    router = build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
+    with serve_router(router) as router_url:
+        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", router_url + "/v1/completions", json=body, timeout=30) as reply:
+            chunks = (line for line in reply.iter_lines() if line.startswith("data: {"))
+            next(chunks), next(chunks)  # the stream is under way...
+            assert router.pods.pods[url].inflight == 1
+        # ...and the client has gone
+        wait_idle(engine)
+        assert _aborts(engine) == before + 1
+        wait_nothing_in_flight(router)
+        metrics = httpx.get(router_url + "/metrics").text
+        assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
+
+
+def wait_nothing_in_flight(router: Router) -> None:
+    """Wait (a bounded poll) until the router counts no request in flight on any pod: the router's side of a
+    request ends a moment after the client's."""
+    for _ in range(400):
+        if all(pod.inflight == 0 for pod in router.pods.pods.values()):
+            return
+        time.sleep(0.025)
+    raise AssertionError(f"requests left in flight: { {p.name: p.inflight for p in router.pods.pods.values()} }")
+
+
+@pytest.mark.asyncio
+async def test_a_client_gone_before_the_first_chunk_frees_its_pod(tiny_dir: Path) -> None:
+    """Starlette never starts a stream's body when the client leaves while the response is starting; the pod's
+    in-flight count must come back all the same. Driven through the ASGI interface directly, the one way to put
+    the disconnect at that moment: the server's `send` of the response start waits, its `receive` says the client
+    has gone."""
+    router = build_router(RouterConfig(pods=["http://127.0.0.1:9"]), tiny_dir)
+    pod = router.pods.pods["http://127.0.0.1:9"]
+    started = []
+
+    async def lines() -> AsyncGenerator[str, None]:
+        started.append(True)
+        yield "data: [DONE]\n\n"
+
+    state = Relay(Booking(pod), {}, "/v1/completions", {}, set(), strip_ids=True, migratable=True)
+    assert pod.inflight == 1
+
+    async def receive() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    async def send(_: object) -> None:
+        await asyncio.Event().wait()  # the client is too slow to take the response's start
+
+    await RelayResponse(lines(), state, headers={})({"type": "http"}, receive, send)
+    assert not started and pod.inflight == 0

@@ -1,5 +1,5 @@
-"""A pod killed mid-stream: the router continues the stream on another pod (its own engine processes, since
-this module kills one)."""
+"""A pod killed mid-stream: the router continues the stream on another pod, or ends it with an error event when no
+pod can, and counts nothing left in flight either way (its own engine processes, since this module kills them)."""
 
 from __future__ import annotations
 
@@ -13,26 +13,30 @@ import httpx
 import pytest
 
 from kvmesh.processes import wait_healthy
-from kvmesh.router.app import build_router
+from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig
 
 from .engines import serve_router, serve_tiny, tiny_engines
+from .test_router_disconnect import wait_nothing_in_flight
 
 pytestmark = pytest.mark.slow
 
 
+Pool = tuple[str, dict[str, subprocess.Popen], Router]  # the router's URL, the engines by URL, the router
+
+
 @pytest.fixture(scope="module")
-def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, subprocess.Popen]]]:
+def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     with tiny_engines(tiny_dir, tmp_path_factory.mktemp("migration")) as procs:
         router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1), tiny_dir)
         with serve_router(router) as url:
-            yield url, procs
+            yield url, procs, router
 
 
 @pytest.fixture
-def both_alive(pool: tuple[str, dict[str, subprocess.Popen]], tiny_dir: Path, tmp_path: Path) -> None:
+def both_alive(pool: Pool, tiny_dir: Path, tmp_path: Path) -> None:
     """Restart a pod an earlier test killed, and wait until the router sees both again."""
-    url, procs = pool
+    url, procs, _ = pool
     for i, (pod, proc) in enumerate(list(procs.items())):
         if proc.poll() is not None:
             log = tmp_path / f"engine-{i}.log"
@@ -47,10 +51,8 @@ def both_alive(pool: tuple[str, dict[str, subprocess.Popen]], tiny_dir: Path, tm
 
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.usefixtures("both_alive")
-def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(
-    pool: tuple[str, dict[str, subprocess.Popen]], chat: bool
-) -> None:
-    url, procs = pool
+def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(pool: Pool, chat: bool) -> None:
+    url, procs, router = pool
     alive = [u for u, p in procs.items() if p.poll() is None]
     if chat:
         body = {"messages": [{"role": "user", "content": "Tell me a story"}]}
@@ -85,6 +87,26 @@ def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(
     assert text == expected_text
     assert len({c["id"] for c in events}) == 1
     assert migrations_of(url) == migrations + 1
+    wait_nothing_in_flight(router)  # neither the dead pod nor the one that went on still counts the stream
+
+
+@pytest.mark.usefixtures("both_alive")
+def test_a_stream_no_pod_can_go_on_with_ends_with_an_error_and_holds_no_pod(pool: Pool) -> None:
+    url, procs, router = pool
+    body = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+        serving = reply.headers["x-kvmesh-pod"]
+        (other,) = [u for u in procs if u != serving]
+        procs[other].kill()  # the pod that could have gone on is gone first...
+        procs[other].wait()
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 10:
+                    procs[serving].kill()  # ...then the serving pod dies mid-stream
+    assert "error" in chunks[-1] and all("error" not in c for c in chunks[:-1])
+    wait_nothing_in_flight(router)
 
 
 def migrations_of(router: str) -> float:
@@ -93,10 +115,11 @@ def migrations_of(router: str) -> float:
     return float(line.split()[1])
 
 
-def test_with_no_pod_left_the_stream_ends_with_an_error_event(pool: tuple[str, dict[str, subprocess.Popen]]) -> None:
-    url, procs = pool
+def test_with_no_pod_left_a_request_gets_503(pool: Pool) -> None:
+    url, procs, router = pool
     for proc in procs.values():
         if proc.poll() is None:
             proc.kill()
     reply = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
     assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+    wait_nothing_in_flight(router)
