@@ -90,8 +90,8 @@ class Traffic:
 @dataclass
 class TrafficEstimator:
     """Rates from successive pool totals. A pod that restarts (its counters fall) or leaves makes a total fall:
-    that interval is skipped rather than read as negative traffic. The trend is a least-squares slope over the
-    last `trend_points` rates."""
+    that interval is skipped rather than read as negative traffic. The trend is `rate_trend` over the last
+    `trend_points` rates."""
 
     trend_points: int = 6
     _last: tuple[float, frozenset[str], Counters] | None = None
@@ -123,20 +123,35 @@ class TrafficEstimator:
                                   output_tokens=output)
         else:
             per_request = previous
-        self._traffic = Traffic(rate, _slope(list(self._rates)), per_request.blocks_per_request,
+        self._traffic = Traffic(rate, rate_trend(list(self._rates)), per_request.blocks_per_request,
                                 per_request.request_seconds, per_request.uncached_prompt_tokens,
                                 per_request.output_tokens)
         return self._traffic
 
 
-def _slope(points: Sequence[tuple[float, float]]) -> float:
-    if len(points) < 3:
-        return 0.0
+def rate_trend(points: Sequence[tuple[float, float]]) -> float:
+    """The arrival rate's trend from (time, rate) points: their least-squares slope b, shrunk by its own standard
+    error se to b x max(0, 1 - se^2 / b^2); 0 below three points.
+
+    Why shrink: a slope read from a few bursty rates is mostly noise, and the scaler multiplies it by a minute
+    or more. For a true slope beta read as b with variance se^2, the factor c that minimizes E[(c b - beta)^2] is
+    beta^2 / (beta^2 + se^2); E[b^2] = beta^2 + se^2, so b^2 - se^2 estimates the numerator and b^2 the
+    denominator, hence the factor (positive part). A steady
+    ramp (small residuals) keeps nearly all of its slope, a rate that jumps and turns back (large residuals
+    about the line: 30, 45, 38 requests/s) keeps none of it, so a burst that has already turned is not
+    projected onward. It uses only the fit's own residuals: no constant to tune per trace."""
     n = len(points)
+    if n < 3:
+        return 0.0
     mean_t = sum(t for t, _ in points) / n
     mean_r = sum(r for _, r in points) / n
-    var = sum((t - mean_t) ** 2 for t, _ in points)
-    return sum((t - mean_t) * (r - mean_r) for t, r in points) / var if var else 0.0
+    sxx = sum((t - mean_t) ** 2 for t, _ in points)
+    if not sxx:
+        return 0.0
+    slope = sum((t - mean_t) * (r - mean_r) for t, r in points) / sxx
+    residuals = sum((r - mean_r - slope * (t - mean_t)) ** 2 for t, r in points)
+    variance = residuals / (n - 2) / sxx  # the slope's squared standard error
+    return slope * max(0.0, 1 - variance / slope**2) if slope else 0.0
 
 
 def scaling_policy(pool: Pool) -> ScalingPolicy:
@@ -148,7 +163,8 @@ def scaling_policy(pool: Pool) -> ScalingPolicy:
                          target_utilization=s["targetUtilization"], horizon_seconds=s["horizonSeconds"],
                          overload_threshold=s["overloadProbability"],
                          scale_up_stabilization_seconds=s["scaleUpStabilizationSeconds"],
-                         scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"])
+                         scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"],
+                         startup_seconds=s["podStartupSeconds"])
 
 
 @dataclass

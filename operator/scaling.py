@@ -8,10 +8,12 @@ requests (DESIGN.md contract 3); only the operator sees the whole pool's arrival
 
 with blocks per request read by Little's law from what the pods hold now, and the window's peak taken as the
 larger of that and the demand now (blocks held plus the queued requests'). Both are held as long as requests
-are held in the pods measured now; a pool of another size holds them longer or shorter (`holding_factor`: the
+are held in the pods measured now; a pool of another size holds them longer or shorter (`Holding`: the
 decodes stall while a pod prefills arrivals, and more pods share the arrivals), so the demand is a function of
-the pod count. A role is sized to the fewest pods whose peak at level 1 - threshold sits at the target
-utilization: it scales up as soon as that needs more pods (the HPA rule on the predicted peak, a start-up delay
+the pod count. The arrivals come at the rate seen plus its trend, followed only until the pods asked for now
+serve (`ScalingPolicy.trend_seconds`; the trend itself is shrunk by its own fit error, forecast.rate_trend).
+A role is sized to the fewest pods whose peak at level 1 - threshold sits at the target utilization: it
+scales up as soon as that needs more pods (the HPA rule on the predicted peak, a start-up delay
 early), and by at least one pod when P(demand > 95 % of its capacity) reaches the policy's threshold (10 % by
 default). It scales down only when the same demand fits under the target with fewer pods, and then to the
 highest need of the stabilization window (Kubernetes' HPA rule), where a need seen (the demand now) counts for
@@ -94,6 +96,7 @@ class ScalingPolicy:
     overload_threshold: float = 0.10  # scale up when P(usage > 95 % within the horizon) reaches this
     scale_up_stabilization_seconds: float = 0.0
     scale_down_stabilization_seconds: float = 300.0
+    startup_seconds: float | None = None  # how long a new pod takes to serve; None: the horizon
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= OVERLOAD_USAGE:
@@ -102,9 +105,20 @@ class ScalingPolicy:
             raise ValueError(f"overload_threshold must be in (0, 1), got {self.overload_threshold}")
         if self.horizon_seconds <= 0:
             raise ValueError("horizon_seconds must be positive")
+        if self.startup_seconds is not None and not 0 <= self.startup_seconds <= self.horizon_seconds:
+            raise ValueError(f"startup_seconds must be in [0, horizon_seconds], got {self.startup_seconds}")
         for role, low in self.min_replicas.items():
             if not 0 <= low <= self.max_replicas.get(role, low):
                 raise ValueError(f"{role}: need 0 <= min <= max replicas, got {low}..{self.max_replicas.get(role)}")
+
+    @property
+    def trend_seconds(self) -> float:
+        """How far ahead the arrival rate's trend is followed: until the pods asked for now serve. What the rate
+        does after that, a later decision sees and asks for a start-up delay ahead again; following a trend
+        fitted over a minute or two further than that extrapolates a burst past its top (a linear trend never
+        turns), which costs replica-seconds and buys no lead time. The rest of the horizon is still covered,
+        at the rate reached."""
+        return self.horizon_seconds if self.startup_seconds is None else self.startup_seconds
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -168,35 +182,43 @@ def _interpolate(points: list[tuple[float, float]], q: float) -> float:
     return points[-1][1]
 
 
-def projected_rate(obs: PoolObservation, seconds: float) -> float:
-    """The arrival rate the trend projects `seconds` from now (never negative)."""
-    return max(0.0, obs.arrival_rate + obs.arrival_rate_slope * seconds)
+def projected_rate(obs: PoolObservation, seconds: float, trend_seconds: float = math.inf) -> float:
+    """The arrival rate `seconds` from now (or ago, when negative), the trend followed for at most
+    `trend_seconds` of them ahead (never negative)."""
+    return max(0.0, obs.arrival_rate + obs.arrival_rate_slope * min(seconds, trend_seconds))
 
 
-def _arrivals_held(obs: PoolObservation, window_seconds: float) -> float:
-    """The last seconds of the window whose arrivals are still held at its end."""
-    return window_seconds if obs.request_seconds <= 0 else min(window_seconds, obs.request_seconds)
+@dataclass(frozen=True)
+class Arrivals:
+    """The pool's new requests still held at the end of a window: those that arrive in its last `held_seconds`
+    (Little's law), at the rate projected for then, each holding `blocks_per_request`."""
+
+    rate: float
+    held_seconds: float
+    blocks_per_request: float
+
+    def blocks(self, q: float) -> float:
+        """Their blocks at probability level q: a Poisson count's normal spread around the mean."""
+        mean = self.held_seconds * self.rate
+        if self.blocks_per_request <= 0 or mean == 0:
+            return 0.0
+        z = NormalDist().inv_cdf(min(max(q, 1e-6), 1 - 1e-6))
+        return max(0.0, mean + z * math.sqrt(mean)) * self.blocks_per_request
 
 
-def arrival_blocks(obs: PoolObservation, window_seconds: float, q: float) -> float:
-    """Blocks that new requests hold at the end of the window, at probability level q: the requests that arrive
-    in its last min(window, request duration) seconds (Little's law), at the rate the trend projects for then,
-    with a Poisson count's normal spread."""
-    if obs.blocks_per_request <= 0:
-        return 0.0
-    holding = _arrivals_held(obs, window_seconds)
-    mean = holding * projected_rate(obs, window_seconds - holding / 2)
-    if mean == 0:
-        return 0.0
-    z = NormalDist().inv_cdf(min(max(q, 1e-6), 1 - 1e-6))
-    return max(0.0, mean + z * math.sqrt(mean)) * obs.blocks_per_request
+def arrivals(obs: PoolObservation, window_seconds: float, trend_seconds: float = math.inf) -> Arrivals:
+    """The arrivals held at the end of the window: those of its last min(window, request duration) seconds (the
+    whole window when the duration is unknown), at the rate projected for their middle."""
+    held = window_seconds if obs.request_seconds <= 0 else min(window_seconds, obs.request_seconds)
+    return Arrivals(projected_rate(obs, window_seconds - held / 2, trend_seconds), held, obs.blocks_per_request)
 
 
-def role_demand(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, q: float, role: str) -> float:
+def role_demand(pods: Sequence[PodObservation], new: Arrivals | None, q: float) -> float:
     """Blocks the role's requests hold at the horizon at level q: the pods' forecasts (summing the same level of
-    each is the comonotone bound, which errs toward scaling) plus, for the KV roles, the pool's arrivals."""
+    each is the comonotone bound, which errs toward scaling) plus the pool's arrivals (KV roles; None for the
+    others)."""
     own = sum(p.quantile(q) * p.num_blocks for p in pods)
-    return own + (arrival_blocks(obs, horizon, q) if role in KV_ROLES else 0.0)
+    return own + (new.blocks(q) if new is not None else 0.0)
 
 
 def demand_now(pods: Sequence[PodObservation], obs: PoolObservation, role: str) -> float:
@@ -227,23 +249,37 @@ def prefill_speed(pods: Sequence[PodObservation], obs: PoolObservation) -> float
     return obs.prefill_tokens_per_second or (sum(measured) / len(measured) if measured else 0.0)
 
 
-def holding_factor(pods: Sequence[PodObservation], obs: PoolObservation, replicas: int, rate: float) -> float:
-    """How much longer (> 1) or shorter (< 1) a request holds its blocks in a pool of `replicas` pods taking
-    `rate` requests/s than in the pods measured now at the rate their held requests arrived. A pod computes
-    one thing at a time (or shares its step between prefill and decode): the share of its time spent on
-    arrivals' prefills, rho = rate / pods x uncached prompt tokens / prefill speed, stalls its decodes, so a
-    decoding request is held 1 / (1 - rho) times the bare decode time. In a saturated pool rho is high and
-    requests are held long; sizing the next pool with that holding time over-asks, and sizing a smaller one
-    with a light pool's under-asks. Both shares are capped at 95 % (past it the rate matching asks for pods
-    anyway). 1.0 when unmeasured."""
+@dataclass(frozen=True)
+class Holding:
+    """How much longer (> 1) or shorter (< 1) a request holds its blocks in a pool of n pods taking r requests/s
+    than in the pods measured now at the rate their held requests arrived. A pod computes one thing at a time
+    (or shares its step between prefill and decode): the share of its time spent on arrivals' prefills,
+    rho = r / n x uncached prompt tokens / prefill speed, stalls its decodes, so a decoding request is held
+    1 / (1 - rho) times the bare decode time. In a saturated pool rho is high and requests are held long;
+    sizing the next pool with that holding time over-asks, and sizing a smaller one with a light pool's
+    under-asks. Both shares are capped at 95 % (past it the rate matching asks for pods anyway)."""
+
+    work_seconds: float  # one pod's time per request's prefill; 0: unmeasured (no correction)
+    rho_now: float  # the share measured now
+
+    def factor(self, replicas: int, rate: float) -> float:
+        if self.work_seconds <= 0:
+            return 1.0
+        rho = min(OVERLOAD_USAGE, rate * self.work_seconds / max(replicas, 1))
+        return (1 - self.rho_now) / (1 - rho)
+
+
+NO_HOLDING_CORRECTION = Holding(0.0, 0.0)
+
+
+def holding(pods: Sequence[PodObservation], obs: PoolObservation) -> Holding:
+    """The pool's `Holding`, computed once per decision (no correction while the prefill speed is unknown)."""
     speed = prefill_speed(pods, obs)
     if speed <= 0 or obs.uncached_prompt_tokens <= 0 or not pods:
-        return 1.0
-    work = obs.uncached_prompt_tokens / speed  # seconds of one pod's time per request
+        return NO_HOLDING_CORRECTION
+    work = obs.uncached_prompt_tokens / speed
     measured_at = projected_rate(obs, -obs.request_seconds / 2)  # as little_calibrated: when the held arrived
-    rho_now = min(OVERLOAD_USAGE, measured_at * work / len(pods))
-    rho = min(OVERLOAD_USAGE, rate * work / max(replicas, 1))
-    return (1 - rho_now) / (1 - rho)
+    return Holding(work, min(OVERLOAD_USAGE, measured_at * work / len(pods)))
 
 
 @dataclass(frozen=True)
@@ -252,30 +288,18 @@ class SizedDemand:
     pods serving now hold requests, each times the holding factor at that size (KV roles only: a prefill pod
     holds a request only while it computes it)."""
 
-    pods: Sequence[PodObservation]
-    obs: PoolObservation
+    holding: Holding
     now: float  # demand_now
+    now_rate: float  # the arrival rate seen now
     ahead: float  # role_demand at the horizon, at the policy's level
     horizon_rate: float  # the arrival rate the horizon's demand comes from
-    kv: bool
-
-    def factor(self, replicas: int, rate: float) -> float:
-        return holding_factor(self.pods, self.obs, replicas, rate) if self.kv else 1.0
 
     def seen(self, replicas: int) -> float:
         """The demand now alone (what is held and queued, at the rate seen now)."""
-        return self.now * self.factor(replicas, self.obs.arrival_rate)
+        return self.now * self.holding.factor(replicas, self.now_rate)
 
     def __call__(self, replicas: int) -> float:
-        return max(self.seen(replicas), self.ahead * self.factor(replicas, self.horizon_rate))
-
-
-def sized_demand(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, q: float,
-                 role: str) -> SizedDemand:
-    """The role's demand now and at the horizon (`obs` Little-calibrated by the caller for the KV roles)."""
-    rate = projected_rate(obs, horizon - _arrivals_held(obs, horizon) / 2)  # as arrival_blocks projects it
-    return SizedDemand(pods, obs, demand_now(pods, obs, role), role_demand(pods, obs, horizon, q, role), rate,
-                       role in KV_ROLES)
+        return max(self.seen(replicas), self.ahead * self.holding.factor(replicas, self.horizon_rate))
 
 
 def fewest_pods(demand: Callable[[int], float], room: float) -> int:
@@ -300,20 +324,19 @@ def fewest_pods(demand: Callable[[int], float], room: float) -> int:
     return hi
 
 
-def overload_probability(pods: Sequence[PodObservation], obs: PoolObservation, horizon: float, capacity: float,
-                         role: str) -> float:
+def overload_probability(pods: Sequence[PodObservation], new: Arrivals | None, capacity: float) -> float:
     """P(demand passes 95 % of `capacity`): the level q at which the demand curve crosses it (bisection; the
     curve rises with q), and no less than the pods' own probabilities weighted by their blocks."""
     own = sum(p.overload_probability * p.num_blocks for p in pods) / max(1, sum(p.num_blocks for p in pods))
     limit = OVERLOAD_USAGE * capacity
-    if role_demand(pods, obs, horizon, 1 - 1e-4, role) <= limit:
+    if role_demand(pods, new, 1 - 1e-4) <= limit:
         return own
-    if role_demand(pods, obs, horizon, 1e-4, role) > limit:
+    if role_demand(pods, new, 1e-4) > limit:
         return 1.0
     lo, hi = 1e-4, 1 - 1e-4
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if role_demand(pods, obs, horizon, mid, role) <= limit else (lo, mid)
+        lo, hi = (mid, hi) if role_demand(pods, new, mid) <= limit else (lo, mid)
     return max(own, 1 - lo)
 
 
@@ -339,14 +362,18 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
         observed = current
     else:
         per_pod = sum(p.num_blocks for p in pods) / len(pods)
+        new: Arrivals | None = None  # the pool's arrivals: held by the KV roles only
+        held = NO_HOLDING_CORRECTION  # and only they hold a request longer in a busier pod
         if role in KV_ROLES:
             obs = little_calibrated(obs, demand_now(pods, obs, role))
-        demand = sized_demand(pods, obs, policy.horizon_seconds, q, role)
+            new, held = arrivals(obs, policy.horizon_seconds, policy.trend_seconds), holding(pods, obs)
+        demand = SizedDemand(held, demand_now(pods, obs, role), obs.arrival_rate, role_demand(pods, new, q),
+                             new.rate if new else obs.arrival_rate)
         capacity = max(current, 1) * per_pod
         predicted = demand(current) / capacity
         # P(over 95 %) of the demand as held at the current size: the same test against a rescaled capacity
-        held_as = capacity / demand.factor(current, demand.horizon_rate)
-        p_over = overload_probability(pods, obs, policy.horizon_seconds, held_as, role) if current else 1.0
+        held_as = capacity / held.factor(current, demand.horizon_rate)
+        p_over = overload_probability(pods, new, held_as) if current else 1.0
         for_target = fewest_pods(demand, policy.target_utilization * per_pod)
         for_rate = _rate_replicas(role, pods, obs, policy.target_utilization)
         observed = max(for_rate, fewest_pods(demand.seen, policy.target_utilization * per_pod))

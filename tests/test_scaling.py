@@ -7,22 +7,28 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvmesh.operator.crd import load_pool_file
+from kvmesh.operator.forecast import Counters, TrafficEstimator, rate_trend, scaling_policy
 from kvmesh.operator.scaling import (
     PodObservation,
     PoolObservation,
     Recommendation,
+    RoleDecision,
     ScalingPolicy,
-    arrival_blocks,
+    arrivals,
     decide,
     fewest_pods,
-    holding_factor,
+    holding,
     little_calibrated,
     scale_in_order,
 )
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 POLICY = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 8}, horizon_seconds=60,
                        scale_down_stabilization_seconds=300)
 
@@ -95,7 +101,7 @@ def test_arrivals_are_sized_by_what_requests_hold_now() -> None:
     pods = [pod(f"p{i}", 0.5, 0.0, 0.0, 0.0) for i in range(2)]
     obs = PoolObservation(0, pods, {"both": 2}, arrival_rate=2.0, blocks_per_request=40, request_seconds=20)
     assert little_calibrated(obs, 1000).blocks_per_request == pytest.approx(25)
-    assert arrival_blocks(little_calibrated(obs, 1000), 60, 0.5) == pytest.approx(1000)
+    assert arrivals(little_calibrated(obs, 1000), 60).blocks(0.5) == pytest.approx(1000)
     d = decide(obs, POLICY)
     assert d.replicas == {"both": 2} and d.roles["both"].reason == "HoldWithinTarget"
 
@@ -108,15 +114,81 @@ def test_the_pool_s_arrivals_are_added_to_what_the_pods_forecast() -> None:
     pods = [pod(f"both-{i}", 0.0, 0.2, 0.25, 0.3) for i in range(2)]
     alone = decide(PoolObservation(0, pods, {"both": 2}), POLICY)
     busy = PoolObservation(0, pods, {"both": 2}, arrival_rate=2.0, blocks_per_request=40, request_seconds=20)
-    assert arrival_blocks(busy, 60, 0.5) == pytest.approx(2.0 * 20 * 40)
-    assert arrival_blocks(busy, 60, 0.9) > arrival_blocks(busy, 60, 0.5)  # Poisson spread at higher levels
+    assert arrivals(busy, 60).blocks(0.5) == pytest.approx(2.0 * 20 * 40)
+    assert arrivals(busy, 60).blocks(0.9) > arrivals(busy, 60).blocks(0.5)  # Poisson spread at higher levels
     with_arrivals = decide(busy, POLICY)
     assert alone.replicas == {"both": 2}
     assert with_arrivals.roles["both"].reason == "ScaleUpPredictedOverload" and with_arrivals.replicas["both"] >= 3
     # A rising trend projects more arrivals at the horizon than the current rate.
     ramp = PoolObservation(0, pods, {"both": 2}, arrival_rate=2.0, arrival_rate_slope=0.05, blocks_per_request=40,
                            request_seconds=20)
-    assert arrival_blocks(ramp, 60, 0.5) == pytest.approx(20 * (2.0 + 0.05 * 50) * 40)
+    assert arrivals(ramp, 60).blocks(0.5) == pytest.approx(20 * (2.0 + 0.05 * 50) * 40)
+
+
+def trend_of(rates: list[float], period: float = 15.0) -> float:
+    """The operator's trend estimate after one rate per period (counted from the pods' finished requests)."""
+    est, finished = TrafficEstimator(), 0.0
+    traffic = est.update(0.0, [("a", Counters())], 16)
+    for i, rate in enumerate(rates, start=1):
+        finished += rate * period
+        traffic = est.update(i * period, [("a", Counters(finished=finished))], 16)
+    assert traffic.arrival_rate == pytest.approx(rates[-1])
+    return traffic.arrival_rate_slope
+
+
+def test_a_rate_trend_is_kept_as_far_as_the_rates_support_it() -> None:
+    """A steady ramp keeps its slope; a noisy but clear one nearly all of it; a burst that rose and has turned
+    back (30, 45, then 38 requests/s) none, rising or falling: its least-squares slope (0.28 requests/s per
+    second) is mostly the jump, and projected a minute ahead it would add 16 requests/s that the rates do not
+    show."""
+    assert trend_of([30, 33, 36, 39]) == pytest.approx(0.2)
+    noisy = [30, 34, 35, 40, 41, 46]
+    least_squares = np.polyfit(np.arange(1, 7) * 15.0, noisy, 1)[0]
+    assert 0.9 * least_squares < trend_of(noisy) < least_squares
+    assert trend_of([30, 45, 38]) == 0.0
+    assert trend_of([45, 30, 37]) == 0.0
+    assert trend_of([30, 45]) == 0.0  # two rates are no trend
+    assert rate_trend([(0.0, 5.0), (0.0, 7.0), (0.0, 6.0)]) == 0.0  # no time between the rates
+
+
+def test_after_a_burst_turns_the_pool_is_sized_for_the_rate_seen_not_the_burst_continued() -> None:
+    """8 pods of 1,000 blocks at 70 %, requests held 8 s; the rate went 30, 45, then 38 requests/s. Following
+    the plain least-squares slope (0.27 per second) for 56 s asks for 11 pods (8,500 blocks at p90); the rates
+    do not support that slope, so the pool is sized for the rate seen: about 6,000 blocks, which its 8 pods
+    hold at the 80 % target."""
+    pods = [pod(f"p{i}", 0.7, 0.0, 0.0, 0.0) for i in range(8)]
+    policy = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 16}, horizon_seconds=60)
+
+    def decision(trend: float) -> RoleDecision:
+        obs = PoolObservation(0, pods, {"both": 8}, arrival_rate=38.0, arrival_rate_slope=trend, blocks_per_request=20,
+                              request_seconds=8)
+        return decide(obs, policy).roles["both"]
+
+    held = decision(trend_of([30, 45, 38]))
+    assert (held.replicas, held.reason) == (8, "HoldWithinTarget")
+    assert decision((38 - 30) / 30).replicas == 11  # what the old trend (plain least squares) asked for
+
+
+def test_the_trend_is_followed_until_the_pods_asked_for_now_serve() -> None:
+    """10 requests/s rising by 0.1 per second, each holding 40 blocks for 10 s, on empty pods of 1,000 blocks:
+    with a 90 s horizon the arrivals held at its end come at 10 + 0.1 x 85 = 18.5 requests/s if the trend is
+    followed all the way (8,100 blocks at p90: 11 pods at 80 %); pods asked for now serve in 60 s, so the
+    trend is followed 60 s and the rest of the horizon is covered at the 16 requests/s reached (7,050 blocks:
+    9 pods)."""
+    pods = [pod(f"p{i}", 0.0, 0.0, 0.0, 0.0) for i in range(4)]
+    obs = PoolObservation(0, pods, {"both": 4}, arrival_rate=10.0, arrival_rate_slope=0.1, blocks_per_request=40,
+                          request_seconds=10)
+    bounds = {"min_replicas": {"both": 1}, "max_replicas": {"both": 16}, "horizon_seconds": 90}
+    ready_in_60 = ScalingPolicy(**bounds, startup_seconds=60)  # type: ignore[arg-type]
+    assert arrivals(obs, 90, ready_in_60.trend_seconds).rate == pytest.approx(16.0)
+    assert arrivals(obs, 90).rate == pytest.approx(18.5)
+    assert decide(obs, ready_in_60).replicas == {"both": 9}
+    assert decide(obs, ScalingPolicy(**bounds)).replicas == {"both": 11}  # type: ignore[arg-type]
+    # The pool's spec says how long its pods take: the CRD's defaults, 90 s ahead and 60 s to start.
+    from_spec = scaling_policy(load_pool_file(str(EXAMPLES / "aggregated.yaml")))
+    assert (from_spec.horizon_seconds, from_spec.trend_seconds) == (90, 60)
+    with pytest.raises(ValueError, match="startup_seconds"):
+        ScalingPolicy(**bounds, startup_seconds=120)  # type: ignore[arg-type]
 
 
 def test_a_request_is_held_longer_where_a_pod_spends_more_of_its_time_on_prefills() -> None:
@@ -125,12 +197,13 @@ def test_a_request_is_held_longer_where_a_pod_spends_more_of_its_time_on_prefill
     2 pods could not keep up (capped at 95 % busy); 60 requests/s on the same 4 pods hold each twice as long."""
     pods = [pod(f"p{i}", 0.5, 0.5, 0.5, 0.5, prefill_tokens_per_second=20_000) for i in range(4)]
     obs = PoolObservation(0, pods, {"both": 4}, arrival_rate=40.0, uncached_prompt_tokens=1000)
-    assert holding_factor(pods, obs, 4, 40.0) == pytest.approx(1.0)
-    assert holding_factor(pods, obs, 8, 40.0) == pytest.approx(0.5 / 0.75)
-    assert holding_factor(pods, obs, 2, 40.0) == pytest.approx(0.5 / 0.05)
-    assert holding_factor(pods, obs, 4, 60.0) == pytest.approx(2.0)
+    measured = holding(pods, obs)
+    assert measured.factor(4, 40.0) == pytest.approx(1.0)
+    assert measured.factor(8, 40.0) == pytest.approx(0.5 / 0.75)
+    assert measured.factor(2, 40.0) == pytest.approx(0.5 / 0.05)
+    assert measured.factor(4, 60.0) == pytest.approx(2.0)
     unmeasured = PoolObservation(0, quiet(4), {"both": 4}, arrival_rate=40.0, uncached_prompt_tokens=1000)
-    assert holding_factor(quiet(4), unmeasured, 8, 40.0) == 1.0  # no prefill speed known: no correction
+    assert holding(quiet(4), unmeasured).factor(8, 40.0) == 1.0  # no prefill speed known: no correction
 
 
 def test_fewest_pods_fits_a_demand_that_falls_with_the_pool_size() -> None:
@@ -310,9 +383,12 @@ def _poisson(rng: random.Random, mean: float) -> int:
     return count
 
 
-def test_a_ramp_scales_up_a_start_up_delay_before_the_cache_would_fill() -> None:
+@pytest.mark.parametrize("trend_seconds", [None, 60.0], ids=["trend-over-the-horizon", "trend-until-pods-serve"])
+def test_a_ramp_scales_up_a_start_up_delay_before_the_cache_would_fill(trend_seconds: float | None) -> None:
+    """Following the trend only for the start-up delay (not the whole 90 s horizon) still scales up in time."""
     startup = 60.0
-    policy = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 16}, horizon_seconds=90)
+    policy = ScalingPolicy(min_replicas={"both": 1}, max_replicas={"both": 16}, horizon_seconds=90,
+                           startup_seconds=trend_seconds)
     static = run_ramp(None, startup)
     scaled = run_ramp(policy, startup)
     assert static["first_95"] is not None  # without scaling, the one pod fills up

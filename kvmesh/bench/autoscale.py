@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvmesh.bench import plots
 from kvmesh.bench.args import number_list
 from kvmesh.bench.machine import machine_info
@@ -48,6 +46,7 @@ from kvmesh.bench.sim import (
 )
 from kvmesh.bench.traces import AZURE_CONV_TRACE, load_azure
 from kvmesh.operator import scaling
+from kvmesh.operator.forecast import rate_trend
 
 ROLE = "both"
 PERIOD_SECONDS = 15.0  # the HPA's sync period; the operator's timer uses the same here
@@ -131,7 +130,7 @@ class PredictivePolicy:
         self._rates.append((obs.now, rate))
         while len(self._rates) > self.trend_points:
             self._rates.popleft()
-        slope = float(np.polyfit(*zip(*self._rates, strict=True), 1)[0]) if len(self._rates) >= 3 else 0.0
+        slope = rate_trend(list(self._rates))
         c = obs.counters
         if c.finished:
             self._per_request = (math.ceil((c.prompt_tokens + c.output_tokens) / c.finished / BLOCK_SIZE),
@@ -242,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     runs = 1 + len(hpa_targets) + len(kvmesh_targets)
     with tqdm(total=runs * len(requests), unit="req", desc="policies") as bar:
         ours = [replay(requests, PredictivePolicy(scaling.ScalingPolicy({ROLE: 1}, {ROLE: 64}, target_utilization=t,
-                                                                        horizon_seconds=args.horizon),
+                                                                        horizon_seconds=args.horizon,
+                                                                        startup_seconds=STARTUP_SECONDS),
                                                   name=f"kvmesh (forecast, target {t:.0%})"), args.initial, bar.update)
                 for t in kvmesh_targets]
         reactive = [replay(requests, ReactivePolicy(target=t, name=f"reactive (HPA on KV usage, target {t:.0%})"),
