@@ -60,11 +60,11 @@ PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "
 # One retry policy for every call the operator makes through the kubernetes client (kopf's own watch and
 # patch calls have theirs): a dropped kept-alive connection, a refused connect, a timeout, and the answers an
 # API server gives while it is busy or restarting (429 and 5xx) are tried again a few times with backoff before
-# the call fails and the pool is marked Degraded. Every method the operator uses is safe to repeat, though a first
-# attempt may have taken effect before its answer was lost: a POST is only `Kube.apply`'s create, whose repeat
-# answers 409 and is merge-patched with the same fields (no object here is created by generateName); each PATCH
-# is a merge patch of absolute values (the same twice is the same once); a repeated DELETE answers 404, which
-# `Kube.delete` takes as done.
+# the call fails (a reconcile then marks the pool Degraded; a scaling tick is skipped). Every method the operator
+# uses is safe to repeat, though a first attempt may have taken effect before its answer was lost: a POST is only
+# `Kube.apply`'s create, whose repeat answers 409 and is merge-patched with the same fields (no object here is
+# created by generateName); each PATCH is a merge patch of absolute values (the same twice is the same once); a
+# repeated DELETE answers 404, which `Kube.delete` takes as done.
 API_RETRY = Retry(total=3, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504),
                   allowed_methods=frozenset({"GET", "POST", "PATCH", "DELETE"}),
                   raise_on_status=False)  # the last answer comes back, as an ApiException with its status
@@ -153,6 +153,26 @@ def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> list[str]:
     return deleted
 
 
+class ApplyFailed(Exception):
+    """A pool's objects could not all be applied; the message names the step and the API's answer."""
+
+
+def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> str:
+    """Apply `objects` (create-then-patch), then prune what the spec no longer asks for; a one-line summary."""
+    done = {"created": 0, "patched": 0}
+    step = "pruning objects the spec no longer asks for"
+    try:
+        for obj in objects:
+            step = f"applying {obj['kind']} {obj['metadata']['name']}"
+            done[kube.apply(obj, desired.patch_body(pool, obj))] += 1
+        step = "pruning objects the spec no longer asks for"
+        deleted = prune(kube, pool, objects)
+    except Exception as exc:  # an API answer, or no answer at all (the retries spent on a dead connection)
+        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+        raise ApplyFailed(f"{step} failed: {reason}") from exc
+    return f"{done['created']} created, {done['patched']} patched, {len(deleted)} deleted"
+
+
 def backoff_seconds(retry: int) -> float:
     return min(BACKOFF_MAX_SECONDS, 2.0 ** min(retry, 10))
 
@@ -239,22 +259,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
             return  # nothing to retry until the spec changes, which runs this handler again
         replicas = current_replicas(pool, status)
-        done: dict[str, int] = {"created": 0, "patched": 0}
-        objects = desired.desired_objects(pool, replicas)
-        step = "pruning objects the spec no longer asks for"
         try:
-            for obj in objects:
-                step = f"applying {obj['kind']} {obj['metadata']['name']}"
-                done[kube.apply(obj, desired.patch_body(pool, obj))] += 1
-            step = "pruning objects the spec no longer asks for"
-            deleted = prune(kube, pool, objects)
-        except Exception as exc:
-            reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
-            message = f"{step} failed: {reason}"
-            patch.status["conditions"] = state.condition(status, "Degraded", True, "ApiError", message, generation)
-            kopf.event(body, type="Warning", reason="ApiError", message=message)
-            raise kopf.TemporaryError(message, delay=backoff_seconds(retry)) from exc
-        summary = f"{done['created']} created, {done['patched']} patched, {len(deleted)} deleted"
+            summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
+        except ApplyFailed as exc:
+            patch.status["conditions"] = state.condition(status, "Degraded", True, "ApiError", str(exc), generation)
+            kopf.event(body, type="Warning", reason="ApiError", message=str(exc))
+            raise kopf.TemporaryError(str(exc), delay=backoff_seconds(retry)) from exc
         state.condition(status, "Degraded", False, "Reconciled", "objects applied", generation)
         conditions = state.condition(status, "Progressing", True, "Applied", summary, generation)
         if not any(c["type"] == "Ready" for c in conditions):

@@ -308,7 +308,7 @@ def conditions(env: Env) -> dict[str, dict[str, Any]]:
 def test_a_transient_api_error_is_retried_within_the_reconcile(tmp_path: Path) -> None:
     """An API server that fails once (a 503 to a create it had carried out: the worst case for a POST) costs the
     pool nothing: the client's retry policy sends the create again, which answers 409, the object is
-    merge-patched, the reconcile succeeds, and the pool is never marked Degraded."""
+    merge-patched, the reconcile succeeds, and the pool is never marked Degraded. Likewise for a delete."""
     async def main() -> None:
         async with operator(tmp_path) as env:
             failed = fail(env, kmock.action.CREATE, "deployments", 1, 503)
@@ -321,6 +321,13 @@ def test_a_transient_api_error_is_retried_within_the_reconcile(tmp_path: Path) -
             to_both = [r.action for r in env.k8s if r.resource is not None and r.resource.plural == "deployments"
                        and "chat-both" in (str(r.url.path), str((r.data or {}).get("metadata", {}).get("name")))]
             assert to_both[:3] == [kmock.action.CREATE, kmock.action.CREATE, kmock.action.UPDATE]  # 503, 409, patch
+
+            # The same for a delete the server carried out before failing: its retry answers 404, which is done.
+            failed = fail(env, kmock.action.DELETE, "deployments", 1, 503)
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"mode": "disaggregated"}})
+            await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
+            assert len(failed) == 1 and env.get("apps/v1/deployments", "chat-both") is None
+            assert conditions(env)["Degraded"]["status"] == "False" and env.events("ApiError") == []
 
     run(main)
 
