@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from kvmesh.operator.handlers import OperatorMetrics
+from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, NO_EXTRA, HashAlgo, block_hashes
-from kvmesh.operator.handlers import http_warm
+from kvmesh.operator.engines import http_warm
 from kvmesh.operator.warmup import ServingPod, Warmup
 from kvmesh.processes import free_port
 
