@@ -114,9 +114,10 @@ class TritonMetadata:
 
 AttentionMetadata = TorchMetadata | TritonMetadata
 
-# A cascade group costs a few fixed-size calls per layer (the prefix matmuls, a merge) whatever it saves; it is
-# used when the block reads it saves, (members - 1) x shared blocks, exceed this (docs/kernels.md: measured).
-CASCADE_MIN_SAVED_BLOCKS = 8
+# A cascade group costs a fixed number of small calls per layer (the prefix matmuls, the merge, the suffix batch)
+# whatever it saves, about as much as 50 to 100 block reads here; it is used when the block reads it saves,
+# (members - 1) x shared blocks, reach this (docs/benchmarks.md, "Cascade attention": the break-even, measured).
+CASCADE_MIN_SAVED_BLOCKS = 64
 
 
 def shareable_blocks(context_len: int, block_size: int) -> int:
@@ -130,8 +131,8 @@ def plan_cascade(tables: list[list[int]], shareable: list[int], min_saved: int) 
 
     Tables sorted lexicographically put those with long common prefixes next to each other, and the prefix a
     run of them shares is the least of its neighbours' common prefixes. A dynamic program then picks the
-    runs that save the most block reads, (members - 1) x shared blocks, counting a run only when it saves more
-    than `min_saved`: several distinct system prompts become several groups, and a few sequences sharing a
+    runs that save the most block reads, (members - 1) x shared blocks, counting a run only when it saves at
+    least `min_saved`: several distinct system prompts become several groups, and a few sequences sharing a
     longer prefix within a group split off when that saves more."""
     order = sorted(range(len(tables)), key=lambda i: tables[i])
     common: list[int] = []  # common[k]: blocks shared by order[k] and order[k + 1]
@@ -152,7 +153,7 @@ def plan_cascade(tables: list[list[int]], shareable: list[int], min_saved: int) 
             if shared == 0:
                 break
             saved = (j - i - 1) * shared
-            if saved > min_saved and best[i] + saved > best[j]:
+            if saved >= min_saved and best[i] + saved > best[j]:
                 best[j], start[j], prefix[j] = best[i] + saved, i, shared
     groups: list[tuple[list[int], int]] = []
     j = len(order)
@@ -306,12 +307,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """Softmax attention in fp32 that also returns the log-sum-exp of the scores, which SDPA does not, so two
     parts of one context can be merged. q [B, Hkv, M, D] (M: queries per KV head), k and v [B, Hkv, S, D],
     mask broadcastable to [B, Hkv, M, S] (True: attended; every row attends something). Returns the
-    output [B, Hkv, M, D] and lse [B, Hkv, M]."""
+    output [B, Hkv, M, D] and lse [B, Hkv, M]. Few, in-place ops: at a small group their count is the cost."""
     scores = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(scores.sub_(lse[..., None]).exp_(), v.float()), lse
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.matmul(weights, v.float()).div_(total), total.log_().add_(top).squeeze(-1)
 
 
 def _cascade_attention(
@@ -324,25 +327,24 @@ def _cascade_attention(
     out: torch.Tensor,
 ) -> None:
     """Each group's queries over its shared prefix in one matmul per KV head (the prefix gathered once, not
-    once per member), every member over its own suffix in one padded batch, merged by log-sum-exp."""
+    once per member), every member over its own suffix in one padded batch, merged by log-sum-exp: with
+    weight sigmoid(lse_prefix - lse_suffix) on the prefix part, the softmax over the whole context."""
     _, _, heads, dim = k_cache.shape
     per_kv = q.shape[1] // heads  # query heads per KV head (GQA): query head h reads KV head h // per_kv
     b = suffix.rows.shape[0]
     qs = q[suffix.rows].view(b, heads, per_kv, dim)
-    o_s, lse_s = _attend(qs, _gather(k_cache, suffix.tables), _gather(v_cache, suffix.tables), suffix.mask, scale)
+    merged, lse_s = _attend(qs, _gather(k_cache, suffix.tables), _gather(v_cache, suffix.tables), suffix.mask,
+                            scale)  # the suffix parts; each group's prefix part is merged into its rows
     for g in groups:
         n = g.rows.shape[0]
+        part = slice(g.suffix_start, g.suffix_start + n)
         kp = k_cache.index_select(0, g.prefix_blocks).view(-1, heads, dim).transpose(0, 1)  # [Hkv, P, D]
         vp = v_cache.index_select(0, g.prefix_blocks).view(-1, heads, dim).transpose(0, 1)
-        qg = qs[g.suffix_start : g.suffix_start + n].transpose(0, 1).reshape(heads, n * per_kv, dim)
+        qg = qs[part].transpose(0, 1).reshape(heads, n * per_kv, dim)
         op, lse_p = _attend(qg, kp, vp, None, scale)  # [Hkv, n x per_kv, D], [Hkv, n x per_kv]
-        op = op.view(heads, n, per_kv, dim).transpose(0, 1)
-        lse_p = lse_p.view(heads, n, per_kv).transpose(0, 1)
-        part = slice(g.suffix_start, g.suffix_start + n)
-        top = torch.maximum(lse_p, lse_s[part])
-        wp, ws = (lse_p - top).exp_()[..., None], (lse_s[part] - top).exp_()[..., None]
-        merged = (op * wp + o_s[part] * ws) / (wp + ws)
-        out[g.rows] = merged.reshape(n, heads * per_kv, dim).to(out.dtype)
+        prefix_weight = torch.sigmoid(lse_p.view(heads, n, per_kv).transpose(0, 1) - lse_s[part])
+        merged[part].lerp_(op.view(heads, n, per_kv, dim).transpose(0, 1), prefix_weight[..., None])
+    out[suffix.rows] = merged.view(b, heads * per_kv, dim).to(out.dtype)
 
 
 def _triton_attention(
