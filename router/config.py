@@ -20,6 +20,11 @@ GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endp
 # At shutdown the ext_proc health says NOT_SERVING and the streams open then get up to this long to finish (a
 # generation takes seconds to minutes); the operator gives the router pod a longer terminationGracePeriodSeconds.
 EXT_PROC_DRAIN_SECONDS = 30.0
+# ...and it goes on serving new streams at least this long (within that bound), even with none open: a Gateway
+# learns of NOT_SERVING only at its next health check, and a FailClose one fails a request it sends to a picker
+# already gone. Sized to one health-check interval of a Gateway checking every 5 s, which is also time for the
+# pod's removal from its Service's endpoints to reach the Gateway.
+EXT_PROC_DRAIN_MIN_SECONDS = 5.0
 EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE = "tls.crt", "tls.key"  # in ext_proc_cert_dir: a kubernetes.io/tls Secret's keys
 
 

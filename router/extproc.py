@@ -62,11 +62,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
 from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage
-from kvmesh.router.config import EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE, read_certificate_pair
+from kvmesh.router.config import (
+    EXT_PROC_CERT_FILE,
+    EXT_PROC_DRAIN_MIN_SECONDS,
+    EXT_PROC_KEY_FILE,
+    read_certificate_pair,
+)
 from kvmesh.router.picker import Decision, RequestInfo
 
 log = logging.getLogger("kvmesh.router.extproc")
@@ -477,47 +483,47 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
 
 # ---- gRPC health checking (grpc.health.v1), which the protocol asks an endpoint picker to serve ----------------
-# Its two messages have one field each, so they are read and written by hand rather than from generated code:
-# HealthCheckRequest {string service = 1}, HealthCheckResponse {ServingStatus status = 1}.
 
-HEALTH_SERVICE = "grpc.health.v1.Health"
-SERVING, NOT_SERVING = 1, 2
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 LIVENESS, READINESS = "liveness", "readiness"  # the extension's names; "" is the server as a whole
+READY_SERVICES = ("", READINESS, pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name)
 
 
-def health_request_service(data: bytes) -> str:
-    """HealthCheckRequest.service from the message's bytes (empty bytes: the default, "")."""
-    if not data:
-        return ""
-    if data[0] != 0x0A:  # field 1, length-delimited
-        raise ValueError("not a HealthCheckRequest")
-    length, shift, i = 0, 0, 1
-    while True:  # a varint
-        length |= (data[i] & 0x7F) << shift
-        shift, i = shift + 7, i + 1
-        if data[i - 1] < 0x80:
-            return data[i:i + length].decode()
+class PickerHealth(health.aio.HealthServicer):
+    """The gRPC project's health servicer, told whether the picker can pick: `liveness` SERVING while the process
+    runs; "", `readiness` and the ext_proc service SERVING while some pod is healthy and not draining (the HTTP
+    /health's rule) and the picker is not shutting down, NOT_SERVING otherwise. The servicer answers from the
+    statuses it was last told, so each Check is told first, and Watch streams every `interval` seconds (the scrape
+    interval: pod health changes only when a scrape reads it), or at once when shutdown begins."""
 
+    def __init__(self, router: Router, streams: Streams) -> None:
+        super().__init__()
+        self.router, self.streams = router, streams
+        self.status: int | None = None
 
-def health_response(status: int) -> bytes:
-    return bytes([0x08, status])  # field 1, varint
+    def ready(self) -> bool:
+        if self.streams.draining:  # shutting down: the gateway is to send new requests to another replica
+            return False
+        return any(p.healthy and not p.draining for p in self.router.pods.snapshot())
 
+    async def refresh(self) -> None:
+        status = SERVING if self.ready() else NOT_SERVING
+        if status != self.status:
+            self.status = status
+            for service in READY_SERVICES:
+                await self.set(service, status)
 
-def _health_handler(router: Router, streams: Streams) -> grpc.GenericRpcHandler:
-    known = {"", LIVENESS, READINESS, pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name}
+    async def follow(self, interval: float) -> None:
+        """Keep the statuses current for Watch streams until cancelled."""
+        while True:
+            await self.refresh()
+            await asyncio.sleep(interval)
 
-    async def check(service: str, context: grpc.aio.ServicerContext) -> int:
-        if service not in known:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
-        if service == LIVENESS:
-            return SERVING
-        if streams.draining:  # shutting down: the gateway is to send new requests to another replica
-            return NOT_SERVING
-        ready = any(p.healthy and not p.draining for p in router.pods.snapshot())  # the HTTP /health's rule
-        return SERVING if ready else NOT_SERVING
-
-    return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {"Check": grpc.unary_unary_rpc_method_handler(
-        check, request_deserializer=health_request_service, response_serializer=health_response)})
+    async def Check(  # the gRPC method's name
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        await self.refresh()
+        return await super().Check(request, context)
 
 
 # ---- serving: TLS by default -----------------------------------------------------------------------------------
@@ -599,14 +605,25 @@ class ExtProcServer:
     mode: str
     certificate: bytes | None
     streams: Streams
+    health: PickerHealth
+    follower: asyncio.Task[None]  # keeps the health statuses current for Watch streams
 
-    async def stop(self, drain: float = 0.0) -> None:
-        """Shut down without cutting requests: health says NOT_SERVING at once (new streams are still served
-        meanwhile), the streams open get up to `drain` seconds to end, then the server stops."""
+    async def stop(self, drain: float = 0.0, settle: float = EXT_PROC_DRAIN_MIN_SECONDS) -> None:
+        """Shut down without cutting requests: health says NOT_SERVING at once; new streams are still served, for
+        at least `settle` seconds even with none open (a Gateway sees NOT_SERVING only at its next health check),
+        and the streams open get up to `drain` seconds in all to end (the bound on the whole); then the server
+        stops."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain
         self.streams.draining = True
+        await self.health.refresh()
+        await asyncio.sleep(min(settle, drain))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.streams.idle.wait(), drain)
+            await asyncio.wait_for(self.streams.idle.wait(), max(deadline - loop.time(), 0.0))
         await self.server.stop(None)
+        self.follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.follower
 
 
 async def start_ext_proc(router: Router, host: str, port: int, *, tls: bool,
@@ -631,7 +648,10 @@ async def start_ext_proc(router: Router, host: str, port: int, *, tls: bool,
     ])
     streams = Streams()
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router, streams), server)
-    server.add_generic_rpc_handlers((_health_handler(router, streams),))
+    picker_health = PickerHealth(router, streams)
+    await picker_health.set(LIVENESS, SERVING)
+    await picker_health.refresh()
+    health_pb2_grpc.add_HealthServicer_to_server(picker_health, server)
     address = f"{host}:{port}"
     try:
         if credentials is None:
@@ -642,4 +662,5 @@ async def start_ext_proc(router: Router, host: str, port: int, *, tls: bool,
         raise OSError(f"cannot listen for ext_proc on {address} (is the port taken?)") from exc
     await server.start()
     log.info("ext_proc endpoint picker listening on %s (%s)", address, mode)
-    return ExtProcServer(server, mode, certificate, streams)
+    follower = asyncio.ensure_future(picker_health.follow(router.config.scrape_interval_seconds))
+    return ExtProcServer(server, mode, certificate, streams, picker_health, follower)

@@ -19,7 +19,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from fastapi.testclient import TestClient
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh import cli
 from kvmesh.engine.openai_types import CompletionRequest
@@ -391,20 +392,51 @@ async def test_a_taken_port_is_a_clear_error(router: Router, tls: bool) -> None:
             await start_ext_proc(router, "127.0.0.1", taken.getsockname()[1], tls=tls)
 
 
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")  # whether the picker can pick
+
+
+def health_checker(channel: grpc.aio.Channel) -> tuple[health_pb2_grpc.HealthStub, Callable[[str], Awaitable[int]]]:
+    """The gRPC project's health client, and its Check as service name -> status."""
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    async def check(service: str) -> int:
+        return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+    return stub, check
+
+
 @pytest.mark.asyncio
 async def test_grpc_health_checking_says_whether_the_picker_can_pick(picker) -> None:
     router, _, channel = picker
-    check = channel.unary_unary(  # no generated stub for grpc.health.v1 here: its wire format by hand
-        "/grpc.health.v1.Health/Check", request_serializer=lambda name: b"\x0a" + bytes([len(name)]) + name.encode(),
-        response_deserializer=lambda data: data[1])
-    services = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
-    assert [await check(s) for s in (*services, "liveness")] == [1, 1, 1, 1]  # SERVING
+    _, check = health_checker(channel)
+    assert [await check(s) for s in (*SERVICES, "liveness")] == [SERVING] * 4
     for pod in router.pods.pods.values():
         pod.draining = True
-    assert [await check(s) for s in (*services, "liveness")] == [2, 2, 2, 1]  # NOT_SERVING, but alive
+    assert [await check(s) for s in (*SERVICES, "liveness")] == [NOT_SERVING] * 3 + [SERVING]  # but alive
+    for pod in router.pods.pods.values():
+        pod.draining, pod.healthy = False, pod.name == POD_A
+    assert [await check(s) for s in SERVICES] == [SERVING] * 3  # one healthy pod will do
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
         await check("something.Else")
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("service", SERVICES)
+async def test_a_health_watch_is_told_when_the_picker_can_no_longer_pick_and_again(picker, service: str) -> None:
+    """Watch, as a Gateway may health-check: a new status arrives when pod health changes (the picker looks at the
+    scrape interval), with no Check asked in between."""
+    router, _, channel = picker
+    stub, _ = health_checker(channel)
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service=service))
+    assert (await watch.read()).status == SERVING
+    for pod in router.pods.pods.values():
+        pod.healthy = False
+    assert (await watch.read()).status == NOT_SERVING
+    router.pods.pods[POD_B].healthy = True
+    assert (await watch.read()).status == SERVING
+    watch.cancel()
 
 
 # ---- what may pass, and who may send it ------------------------------------------------------------------------
@@ -624,20 +656,20 @@ async def test_shutdown_says_not_serving_and_lets_an_open_stream_finish(router: 
     port = free_port()
     server = await start_ext_proc(router, "127.0.0.1", port, tls=False)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                    request_serializer=lambda name: b"\x0a" + bytes([len(name)]) + name.encode(),
-                                    response_deserializer=lambda data: data[1])
-        assert await check("readiness") == 1
+        stub, check = health_checker(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert await check("readiness") == SERVING and (await watch.read()).status == SERVING
         call = pb_grpc.ExternalProcessorStub(channel).Process()
         await call.write(request_headers())
         for message in body_chunks(json.dumps(completion(27)).encode()):
             await call.write(message)
         assert (await call.read()).WhichOneof("response") == "request_headers"
         await call.read()
-        stopping = asyncio.ensure_future(server.stop(drain=600))  # the drain period never runs out in this test
-        await asyncio.sleep(0)
-        assert await check("readiness") == 2 and await check("") == 2  # NOT_SERVING: the gateway goes elsewhere
-        assert await check("liveness") == 1
+        # the drain period never runs out in this test; no minimum wait: only the open stream keeps it up
+        stopping = asyncio.ensure_future(server.stop(drain=600, settle=0))
+        assert (await watch.read()).status == NOT_SERVING  # told at once: the gateway goes elsewhere
+        assert await check("readiness") == NOT_SERVING and await check("") == NOT_SERVING
+        assert await check("liveness") == SERVING
         assert not stopping.done()  # the answer is still on its way
         for message in response_phases(b'{"usage": {"prompt_tokens": 96}}'):
             await call.write(message)
@@ -647,6 +679,31 @@ async def test_shutdown_says_not_serving_and_lets_an_open_stream_finish(router: 
             replies.append(reply.WhichOneof("response"))
         assert replies == ["response_headers", "response_body", "response_body", "response_trailers"]
         await stopping  # the last stream ended: the server stops without waiting out the drain period
+    assert counted(router, "ok") == 1 and all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.asyncio
+async def test_shutdown_serves_new_streams_for_a_minimum_wait_even_with_none_open(router: Router) -> None:
+    """A Gateway sees NOT_SERVING only at its next health check: a stream it opens before then is still served,
+    and the picker stops no sooner than the minimum wait, though no stream was open when shutdown began."""
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=False)
+    settle = 3.0  # a stream opens well within this on a loaded machine; the test takes this long
+    events = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        _, check = health_checker(channel)
+        began = time.monotonic()
+        stopping = asyncio.ensure_future(server.stop(drain=600, settle=settle))
+        stopping.add_done_callback(lambda _: events.append("stopped"))
+        assert await check("") == NOT_SERVING
+        replies = await full_duplex(pb_grpc.ExternalProcessorStub(channel),
+                                    [request_headers(), *body_chunks(json.dumps(completion(28)).encode()),
+                                     *response_phases(b'{"usage": {"prompt_tokens": 96}}')])
+        events.append("stream served")
+        assert chosen(replies[0]) in {endpoint_of(POD_A), endpoint_of(POD_B)}
+        await stopping
+    assert events == ["stream served", "stopped"]
+    assert time.monotonic() - began >= settle  # the minimum wait was waited out, with nothing open
     assert counted(router, "ok") == 1 and all(p.inflight == 0 for p in router.pods.pods.values())
 
 
