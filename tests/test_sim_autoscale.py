@@ -95,6 +95,18 @@ def test_the_predictive_policy_is_the_operators_decision_on_the_pools_traffic() 
     assert busy.desired(observation([0.5, 0.5], arrivals=300, counters=finished)) > 2
 
 
+def test_the_simulated_operator_reads_the_rate_trend_as_the_operator_does() -> None:
+    """The same trend as operator/forecast.py: a steady ramp keeps its slope, a burst that turned (30, 45, then
+    38 requests/s) projects none (a plain least-squares fit would read +0.27 requests/s per second)."""
+    def slope(rates: list[int]) -> float:
+        ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+        seen = [ours.pool_observation(observation([0.1], now=15.0 * i, arrivals=15 * r)) for i, r in enumerate(rates)]
+        return seen[-1].arrival_rate_slope
+
+    assert slope([30, 33, 36]) == pytest.approx(0.2)
+    assert slope([30, 45, 38]) == 0.0
+
+
 def test_the_simulated_engines_forecast_reaches_the_operator() -> None:
     spec = ClusterSpec({"both": 1}, cache_tokens=20_000, block_size=16, latency=FAST)
     seen: list[Observation] = []

@@ -46,7 +46,7 @@ from kvmesh.bench.sim import (
 )
 from kvmesh.bench.traces import AZURE_CONV_TRACE, load_azure
 from kvmesh.operator import scaling
-from kvmesh.operator.forecast import rate_trend
+from kvmesh.operator.forecast import TrafficEstimator, rate_trend
 
 ROLE = "both"
 PERIOD_SECONDS = 15.0  # the HPA's sync period; the operator's timer uses the same here
@@ -110,7 +110,7 @@ class PredictivePolicy:
     policy: scaling.ScalingPolicy
     name: str = "kvmesh (forecast)"
     period_seconds: float = PERIOD_SECONDS
-    trend_points: int = 6
+    trend_points: int = TrafficEstimator.trend_points  # as the operator reads the trend
     _history: tuple[scaling.Recommendation, ...] = ()
     _rates: deque[tuple[float, float]] = field(default_factory=deque)
     _per_request: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
