@@ -27,20 +27,24 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.config import ATTENTION_BACKENDS
+from kvmesh.engine.config import ATTENTION_BACKENDS, INT8_NEEDS_TORCH
+from kvmesh.engine.kvcache import LayerKV
 
 if TYPE_CHECKING:
     from kvmesh.engine.kernels.decode import DecodeBatch
     from kvmesh.engine.kernels.extend import ExtendBatch
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """torch or triton for `name` on `device`: auto means triton on CUDA (when installed), torch elsewhere."""
+def resolve_backend(name: str, device: torch.device, quantized_kv: bool = False) -> str:
+    """torch or triton for `name` on `device`: auto means triton on CUDA (when installed), torch elsewhere, and
+    torch for an int8 KV cache, which the Triton kernels do not read."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        return "triton" if device.type == "cuda" and has_triton else "torch"
+        return "triton" if device.type == "cuda" and has_triton and not quantized_kv else "torch"
+    if name == "triton" and quantized_kv:
+        raise ValueError(INT8_NEEDS_TORCH)
     if name == "triton":
         if not has_triton:
             raise ValueError("attention_backend triton needs the triton package")
@@ -259,47 +263,44 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
+    layer_kv: tuple[LayerKV, LayerKV],
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's k, v ([T, Hkv, D]) into the cache, then attend q ([T, Hq, D]) over each context.
-    Returns [T, Hq, D]."""
-    k_cache = kv_cache[:, layer, 0]
-    v_cache = kv_cache[:, layer, 1]
+    """Write this step's k, v ([T, Hkv, D]) into one layer's cache, then attend q ([T, Hq, D]) over each
+    context. Returns [T, Hq, D]."""
+    k_cache, v_cache = layer_kv
     if isinstance(meta, TritonMetadata):
-        return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(kv_cache.dtype)
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(kv_cache.dtype)
+        return _triton_attention(q, k, v, k_cache.values, v_cache.values, meta, scale)
+    k_cache.write(meta.slot_blocks, meta.slot_offsets, k)
+    v_cache.write(meta.slot_blocks, meta.slot_offsets, v)
     out = torch.empty_like(q)
-    _, _, _, _, heads, dim = kv_cache.shape
+    _, _, heads, dim = k_cache.values.shape
     if meta.decode is not None:
         d = meta.decode
-        kd, vd = _gather(k_cache, d.tables), _gather(v_cache, d.tables)
+        kd, vd = _gather(k_cache, d.tables, q.dtype), _gather(v_cache, d.tables, q.dtype)
         qd = q[d.rows][:, :, None, :]  # [B, Hq, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=d.mask, scale=scale,
-                                            enable_gqa=True)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=True)
         out[d.rows] = od[:, :, 0, :]
     if meta.cascade_suffix is not None:
         _cascade_attention(q, k_cache, v_cache, meta.cascade_groups, meta.cascade_suffix, scale, out)
     for seq in meta.prefills:
-        kp = k_cache.index_select(0, seq.block_table).view(-1, heads, dim)[: seq.context_len]
-        vp = v_cache.index_select(0, seq.block_table).view(-1, heads, dim)[: seq.context_len]
-        kp = kp.transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, ctx, D]
-        vp = vp.transpose(0, 1)[None].to(q.dtype)
+        kp = k_cache.read(seq.block_table, q.dtype).view(-1, heads, dim)[: seq.context_len]
+        vp = v_cache.read(seq.block_table, q.dtype).view(-1, heads, dim)[: seq.context_len]
+        kp = kp.transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+        vp = vp.transpose(0, 1)[None]
         qp = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, n, D]
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[seq.start : seq.end] = op[0].transpose(0, 1)
     return out
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+def _gather(cache: LayerKV, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, Hkv, blocks x block_size, D] for [B, blocks] block tables: one copy a block ([B, blocks, bs, Hkv, D]
     is contiguous, so merging blocks and offsets is free)."""
     b, width = tables.shape
-    _, block_size, heads, dim = cache.shape
-    return cache.index_select(0, tables.view(-1)).view(b, width * block_size, heads, dim).transpose(1, 2)
+    _, block_size, heads, dim = cache.values.shape
+    return cache.read(tables.view(-1), dtype).view(b, width * block_size, heads, dim).transpose(1, 2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -319,8 +320,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _cascade_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: LayerKV,
+    v_cache: LayerKV,
     groups: list[CascadeGroup],
     suffix: PaddedDecode,
     scale: float,
@@ -329,17 +330,17 @@ def _cascade_attention(
     """Each group's queries over its shared prefix in one matmul per KV head (the prefix gathered once, not
     once per member), every member over its own suffix in one padded batch, merged by log-sum-exp: with
     weight sigmoid(lse_prefix - lse_suffix) on the prefix part, the softmax over the whole context."""
-    _, _, heads, dim = k_cache.shape
+    _, _, heads, dim = k_cache.values.shape
     per_kv = q.shape[1] // heads  # query heads per KV head (GQA): query head h reads KV head h // per_kv
     b = suffix.rows.shape[0]
     qs = q[suffix.rows].view(b, heads, per_kv, dim)
-    merged, lse_s = _attend(qs, _gather(k_cache, suffix.tables), _gather(v_cache, suffix.tables), suffix.mask,
-                            scale)  # the suffix parts; each group's prefix part is merged into its rows
+    merged, lse_s = _attend(qs, _gather(k_cache, suffix.tables, q.dtype), _gather(v_cache, suffix.tables, q.dtype),
+                            suffix.mask, scale)  # the suffix parts; each group's prefix part is merged into its rows
     for g in groups:
         n = g.rows.shape[0]
         part = slice(g.suffix_start, g.suffix_start + n)
-        kp = k_cache.index_select(0, g.prefix_blocks).view(-1, heads, dim).transpose(0, 1)  # [Hkv, P, D]
-        vp = v_cache.index_select(0, g.prefix_blocks).view(-1, heads, dim).transpose(0, 1)
+        kp = k_cache.read(g.prefix_blocks, q.dtype).view(-1, heads, dim).transpose(0, 1)  # [Hkv, P, D]
+        vp = v_cache.read(g.prefix_blocks, q.dtype).view(-1, heads, dim).transpose(0, 1)
         qg = qs[part].transpose(0, 1).reshape(heads, n * per_kv, dim)
         op, lse_p = _attend(qg, kp, vp, None, scale)  # [Hkv, n x per_kv, D], [Hkv, n x per_kv]
         prefix_weight = torch.sigmoid(lse_p.view(heads, n, per_kv).transpose(0, 1) - lse_s[part])

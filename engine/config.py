@@ -13,11 +13,19 @@ from typing import Any
 
 import yaml
 
-from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, ROLES, HashAlgo
+from kvmesh.engine.protocol import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HASH_ROOT,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    ROLES,
+    HashAlgo,
+)
 
 MIB = 1 << 20
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8")  # see engine/model/linear.py
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")  # see engine/attention.py
+INT8_NEEDS_TORCH = ("an int8 KV cache runs on the torch attention backend (attention_backend auto or torch); the "
+                    "Triton kernels read caches in the model's dtype")
 
 
 @dataclass
@@ -32,6 +40,7 @@ class EngineConfig:
     device: str = "auto"
     quantization: str = "none"  # or int8: int8 weights, dynamic int8 activations (CPU; about 2x faster)
     block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_dtype: str = "auto"  # or int8: 1.9x the blocks of bf16 in the same memory (engine/kvcache.py)
     kv_cache_memory_mib: int = 512  # modest: several engines share one machine in tests and local clusters
     kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget (tests, simulators)
     max_num_seqs: int = 64
@@ -75,6 +84,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "int8" and self.attention_backend == "triton":
+            raise ValueError(INT8_NEEDS_TORCH)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -28,13 +28,14 @@ from kvmesh.engine.kv.blocks import HotChain, KVCacheManager
 from kvmesh.engine.kv.policy import make_policy
 from kvmesh.engine.kv.tiers import LOWER_TIERS, PROFILES, KVTiers, Promotion, TierSettings
 from kvmesh.engine.kv.transfer import Layout, encode_frame
+from kvmesh.engine.kvcache import KVLayout
 from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.model import loader
 from kvmesh.engine.model.llama import Llama
 from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvmesh.engine.protocol import HashAlgo, KVConfig, KVEvent
 from kvmesh.engine.request import Request, RequestOutput, Status
-from kvmesh.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
+from kvmesh.engine.runner import ModelRunner, StepInput
 from kvmesh.engine.sampling import sample
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -111,8 +112,10 @@ class Engine:
         self.dtype = loaded.dtype
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype)
-        num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_memory_mib * MIB // per_block)
+        m = loaded.config
+        self.kv_layout = KVLayout(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, loaded.dtype,
+                                  config.kv_cache_dtype)
+        num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_memory_mib * MIB // self.kv_layout.block_bytes())
         self.events = EventLog(config.kv_events_buffer)
         self.kv = KVCacheManager(
             num_blocks,
@@ -138,7 +141,8 @@ class Engine:
             num_device_blocks=num_blocks,
             boot_id=self.events.boot_id,
             role=config.role,
-            block_bytes=per_block,
+            block_bytes=self.kv_layout.block_bytes(),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.requests: dict[str, Request] = {}
         self.draining = False
@@ -158,7 +162,7 @@ class Engine:
         self._promotion_keys: dict[str, str] = {}  # request -> holder of its promoted prefix until it runs
         self._swapped: set[str] = set()  # preempted requests whose blocks come back from the host tier
         self._tier_tokens: dict[str, dict[str, int]] = {}  # request -> prompt tokens promoted, by tier
-        self.tiers = self._make_tiers(per_block)
+        self.tiers = self._make_tiers(self.kv_layout.block_bytes())
         self.kv.pool.on_residency = lambda kind, s: self.metrics.residency[kind].labels("device").observe(s)
 
     def _make_tiers(self, block_bytes: int) -> KVTiers | None:
@@ -184,8 +188,7 @@ class Engine:
     def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         """The model runner. The engine simulator (kvmesh sim-engine) overrides it with one that sleeps per a
         latency model, so it serves with the engine's own scheduler, KV manager, metrics and events."""
-        return ModelRunner(loaded.model, num_blocks, self.config.block_size, loaded.dtype, loaded.model.device,
-                           self.config.attention_backend)
+        return ModelRunner(loaded.model, num_blocks, self.kv_layout, loaded.model.device, self.config.attention_backend)
 
     # ---- from any thread ---------------------------------------------------------------------------------
 
@@ -316,7 +319,8 @@ class Engine:
     # ---- KV transfer: these touch only pinned or reserved blocks, so any thread may run them ---------------
 
     @property
-    def kv_layout(self) -> Layout:
+    def frame_layout(self) -> Layout:
+        """What a KV frame's blocks must look like to be written here (a peer in another format is refused)."""
         return Layout.of(self.runner.kv_cache)
 
     def read_frame(self, block_ids: list[int], hashes: list[int]) -> bytes:

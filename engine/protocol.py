@@ -109,6 +109,10 @@ class HashAlgo(StrEnum):
 
 
 DEFAULT_BLOCK_SIZE = 16
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8")  # the engine's weights and activations (engine/model/linear.py)
+# how the engine stores K and V (engine/kvcache.py): auto = the model's dtype; int8 = int8 with a scale per row.
+# Engines of one pool must agree: a KV transfer between two formats is refused.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
 DEFAULT_HASH_ROOT = 0x6B766D657368  # "kvmesh" as an integer: the parent of block 0
 _U64 = (1 << 64) - 1
 
@@ -185,6 +189,7 @@ class KVConfig:
     boot_id: str
     role: str = "both"
     block_bytes: int = 0  # bytes of one block, all layers (what a transfer of it moves)
+    kv_cache_dtype: str = "auto"  # the block's format (KV_CACHE_DTYPES): pods pull blocks only from their own format
 
     def hashing(self) -> tuple[int, str, int, str]:
         """What decides which token run a block hash names: block size, algorithm, root and tokenizer."""

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.engine.attention import build_metadata, resolve_backend
+from kvmesh.engine.kvcache import KVLayout
 from kvmesh.engine.model.llama import Llama
-from kvmesh.engine.model.loader import ModelConfig
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes in the block-first layout (all layers, K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
 
 
 @dataclass(frozen=True)
@@ -44,19 +38,16 @@ class ModelRunner:
         self,
         model: Llama,
         num_blocks: int,
-        block_size: int,
-        kv_dtype: torch.dtype,
+        layout: KVLayout,
         device: torch.device,
         attention_backend: str = "auto",
     ) -> None:
-        c = model.config
         self.model = model
-        self.block_size = block_size
+        self.block_size = layout.block_size
         self.device = device
-        self.attention_backend = resolve_backend(attention_backend, device)
-        self.kv_cache = torch.zeros(
-            (num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim), dtype=kv_dtype, device=device
-        )
+        self.attention_backend = resolve_backend(attention_backend, device, layout.quantized)
+        self.kv_cache = layout.allocate(num_blocks, device)  # what tiers and transfers move, block by block
+        self.kv_layers = layout.layers(self.kv_cache)  # what attention writes and reads, layer by layer
         self.computed_tokens = 0
         self.steps = 0
         # decoding sequences that share leading blocks attend over them once (torch backend, engine/attention.py);
@@ -82,7 +73,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        hidden = self.model.forward(input_ids, pos, meta, self.kv_cache)
+        hidden = self.model.forward(input_ids, pos, meta, self.kv_layers)
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
         self.computed_tokens += len(ids)
         self.steps += 1

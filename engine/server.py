@@ -554,7 +554,7 @@ async def import_blocks(e: Engine, client: httpx.AsyncClient, kind: str, source:
 
 async def _import_blocks(e: Engine, client: httpx.AsyncClient, source: str, wanted: list[int], have: int, key: str,
                          handle: str | None) -> PulledBlocks:
-    pulled = await pull_blocks(client, source, wanted[have:], e.kv_layout, handle, e.config.transfer_timeout_seconds)
+    pulled = await pull_blocks(client, source, wanted[have:], e.frame_layout, handle, e.config.transfer_timeout_seconds)
     if not pulled.hashes:
         raise TransferError(f"{source} holds none of the blocks")
     ids = await asyncio.wrap_future(e.call(lambda: e.reserve_import(key, len(pulled.hashes))))

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvmesh import __version__
+from kvmesh.engine.protocol import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +21,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
-    p.add_argument("--quantization", choices=["none", "int8"], help="int8: int8 weights and activations (CPU)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, help="int8: int8 weights and activations (CPU)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="auto (default): the model's dtype; int8: a scale per token and head, about 2x the blocks")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    help="auto (default): the Triton kernels on CUDA, torch on CPU")
     p.add_argument("--block-size", type=int)
@@ -231,7 +234,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--output-tokens", type=int, default=128)
     e.add_argument("--prefix-tokens", type=int, default=2000)
     e.add_argument("--dtype", default="auto")
-    e.add_argument("--quantization", default="none", choices=["none", "int8"],
+    e.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="the engine's quantization; the transformers baseline gets the same (dynamic int8)")
     e.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     e.add_argument("--json", help="write the results here as JSON")
@@ -269,6 +272,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.tiers import add_parser as add_tiers_bench
 
     add_tiers_bench(bench)
+    from kvmesh.bench.kvcache import add_parser as add_kv_cache_bench
+
+    add_kv_cache_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -276,6 +282,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "kv-cache":
+        from kvmesh.bench.kvcache import run as run_kv_cache_bench
+
+        return run_kv_cache_bench(args)
     if args.bench == "tiers":
         from kvmesh.bench.tiers import run as run_tiers_bench
 

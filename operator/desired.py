@@ -102,7 +102,7 @@ def engine_settings(pool: Pool) -> dict[str, Any]:
     """The `engine` section of the engines' file (the engine's own key names); the role comes as a flag."""
     spec, model = pool.spec["engine"], pool.spec["model"]
     out: dict[str, Any] = {"host": "0.0.0.0", "port": spec["port"], "dtype": model["dtype"],
-                           "quantization": model["quantization"],
+                           "quantization": model["quantization"], "kv_cache_dtype": model["kvCacheDtype"],
                            "forecast_horizon_seconds": pool.spec["scaling"]["horizonSeconds"]}
     if _model_path(pool):
         out["model"] = _model_path(pool)

@@ -447,9 +447,14 @@ class Router:
         """Whether the chosen pod should fetch a longer prefix from a peer before computing the rest."""
         if decision.pod is None or not info.block_hashes or self.pull.bytes_per_second <= 0:
             return None
-        config = self.pods.pods[decision.pod.name].kv_config
-        return plan_pull(decision.pod, info, view.pods, view.matches, config.block_bytes if config else 0,
-                         self.picker, self.pull)
+        config = self.pods.kv_config_of(decision.pod.name)
+        if config is None:
+            return None
+        # blocks move as raw bytes: only between pods storing them alike (a rolling change of kvCacheDtype
+        # leaves both formats in a pool for a while)
+        alike = [p for p in view.pods if (peer := self.pods.kv_config_of(p.name)) is not None
+                 and (peer.kv_cache_dtype, peer.block_bytes) == (config.kv_cache_dtype, config.block_bytes)]
+        return plan_pull(decision.pod, info, alike, view.matches, config.block_bytes, self.picker, self.pull)
 
 
 def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:

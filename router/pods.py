@@ -152,6 +152,11 @@ class PodSet:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
 
+    def kv_config_of(self, name: str) -> KVConfig | None:
+        """The KV config pod `name` published, or None (not read yet, or the pod has left)."""
+        pod = self.pods.get(name)
+        return pod.kv_config if pod is not None else None
+
     # ---- membership at run time (called on the event loop) -----------------------------------------------
 
     def add(self, url: str) -> Pod:

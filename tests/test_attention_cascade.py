@@ -19,6 +19,7 @@ from kvmesh.engine.attention import (
     plan_cascade,
     shareable_blocks,
 )
+from kvmesh.engine.kvcache import KVLayout, LayerKV
 
 from .conftest import make_engine
 from .test_engine import generate, prompt
@@ -26,6 +27,11 @@ from .test_engine import generate, prompt
 BLOCK = 16
 NUM_BLOCKS = 4000
 CPU = torch.device("cpu")
+
+
+def layer(cache: torch.Tensor, index: int) -> tuple[LayerKV, LayerKV]:
+    """One layer's K and V of a cache in the model's dtype (`[blocks, layers, 2, block, heads, dim]`)."""
+    return LayerKV(cache[:, index, 0]), LayerKV(cache[:, index, 1])
 
 
 def test_distinct_prefixes_make_distinct_groups() -> None:
@@ -98,8 +104,28 @@ def test_cascade_equals_the_plain_path(groups: list[int], per_kv: int, suffix: s
     assert isinstance(cascade, TorchMetadata) and isinstance(plain, TorchMetadata)
     assert sorted(g.rows.shape[0] for g in cascade.cascade_groups) == sorted(groups)
     assert plain.cascade_groups == []
-    got = paged_attention(q, k, v, cache.clone(), 1, cascade, dim**-0.5)
-    want = paged_attention(q, k, v, cache.clone(), 1, plain, dim**-0.5)
+    got = paged_attention(q, k, v, layer(cache.clone(), 1), cascade, dim**-0.5)
+    want = paged_attention(q, k, v, layer(cache.clone(), 1), plain, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_cascade_equals_the_plain_path_on_an_int8_cache() -> None:
+    """Both paths read the same dequantized blocks, so they agree to fp32 rounding on an int8 cache too."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    seqs = _step(rng, [3, 2, 5], singles=3, prefix_blocks=CASCADE_MIN_SAVED_BLOCKS, suffix="blocks")
+    layout = KVLayout(num_layers=1, block_size=BLOCK, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                      cache_dtype="int8")
+    cache = layout.allocate(NUM_BLOCKS, CPU)
+    blocks, offsets = torch.arange(NUM_BLOCKS).repeat_interleave(BLOCK), torch.arange(BLOCK).repeat(NUM_BLOCKS)
+    for part in layout.layers(cache)[0]:
+        part.write(blocks, offsets, torch.randn(NUM_BLOCKS * BLOCK, 2, 32))
+    tokens = sum(n for _, _, n in seqs)
+    q, k, v = torch.randn(tokens, 6, 32), torch.randn(tokens, 2, 32), torch.randn(tokens, 2, 32)
+    got = paged_attention(q, k, v, layout.layers(cache.clone())[0], build_metadata(seqs, BLOCK, CPU, cascade=True),
+                          32**-0.5)
+    want = paged_attention(q, k, v, layout.layers(cache.clone())[0], build_metadata(seqs, BLOCK, CPU, cascade=False),
+                           32**-0.5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -110,8 +136,8 @@ def test_cascade_in_bf16_stays_within_bf16_rounding() -> None:
     cache = torch.randn(NUM_BLOCKS, 1, 2, BLOCK, 3, 64).bfloat16()
     tokens = sum(n for _, _, n in seqs)
     q, k, v = (torch.randn(tokens, h, 64).bfloat16() for h in (9, 3, 3))
-    got = paged_attention(q, k, v, cache.clone(), 0, build_metadata(seqs, BLOCK, CPU, cascade=True), 0.125)
-    want = paged_attention(q, k, v, cache.clone(), 0, build_metadata(seqs, BLOCK, CPU, cascade=False), 0.125)
+    got = paged_attention(q, k, v, layer(cache.clone(), 0), build_metadata(seqs, BLOCK, CPU, cascade=True), 0.125)
+    want = paged_attention(q, k, v, layer(cache.clone(), 0), build_metadata(seqs, BLOCK, CPU, cascade=False), 0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 

@@ -32,7 +32,7 @@ def test_runner_logits_match_the_torch_path_step_by_step(tiny_dir: Path) -> None
     prefix while the other decodes (one mixed batch), then both decoding. Logits agree to fp32 rounding."""
     engine = make_engine(tiny_dir, kv_cache_blocks=32)
     model = engine.runner.model
-    runners = [ModelRunner(model, 32, 16, torch.float32, model.device, attention_backend=name)
+    runners = [ModelRunner(model, 32, engine.kv_layout, model.device, attention_backend=name)
                for name in ("torch", "triton")]
     assert [r.attention_backend for r in runners] == ["torch", "triton"]
     a, b = prompt(1, 40), prompt(2, 21)

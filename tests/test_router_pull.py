@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+from kvmesh.engine.protocol import KVConfig
+from kvmesh.router.app import View, build_router
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixMatch
-from kvmesh.router.picker import PickerConfig, PodState, RequestInfo
+from kvmesh.router.picker import Decision, PickerConfig, PodState, RequestInfo
 from kvmesh.router.pull import PullPolicy, plan_pull
 
 BLOCK_BYTES = 737_280  # SmolLM2, fp32
@@ -49,3 +55,30 @@ def test_the_last_block_stays_to_compute() -> None:
     request = RequestInfo("m", 64, tuple(range(4)))  # 4 full blocks; the engine computes the 64th token
     plan = plan_pull(a, request, [a, b], {"b": match(4)}, BLOCK_BYTES, PickerConfig(), PullPolicy(setup_seconds=0))
     assert plan is not None and plan.tokens == 48
+
+
+def test_blocks_are_pulled_only_from_pods_storing_them_alike(bundled_dir: Path) -> None:
+    """During a rolling change of kvCacheDtype a pool holds both formats; a pull between them would be refused
+    by the engine (its bytes mean nothing to the other format), so the router never plans one."""
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+    router = build_router(RouterConfig(pods=urls, stale_after_seconds=3600.0), bundled_dir)
+    formats = {urls[0]: ("int8", 100), urls[1]: ("auto", 400), urls[2]: ("int8", 100)}
+    for url, pod in router.pods.pods.items():
+        pod.healthy, pod.scraped_at = True, time.monotonic()
+        pod.kv_config = KVConfig(model="m", block_size=16, hash_algo=router.config.hash_algo,
+                                 hash_root=router.config.hash_root, tokenizer_fingerprint=router.tokenizer.fingerprint,
+                                 num_device_blocks=1000, boot_id="b", kv_cache_dtype=formats[url][0],
+                                 block_bytes=formats[url][1])
+        pod.metrics = {"num_blocks": 1000.0, "block_size": 16.0, "prefill_tokens_per_second": 1.0}
+    info = RequestInfo(model="m", prompt_tokens=400, block_hashes=tuple(range(1, 26)))
+    chosen = next(p for p in router.view(info).pods if p.name == urls[0])
+    decision = Decision(chosen, {}, 0, 0.0, "test")
+
+    def holders(*names: str) -> set[str | None]:
+        view = router.view(info)
+        matches = {n: match(24) for n in names}
+        plan = router.plan_pull(decision, info, View(view.pods, matches))
+        return {plan.source.name if plan else None}
+
+    assert holders(urls[1]) == {None}  # only a pod of the other format has the prefix: recompute
+    assert holders(urls[1], urls[2]) == {urls[2]}  # a pod of the same format has it: pull from that one

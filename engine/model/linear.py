@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvmesh.engine.config import QUANTIZATIONS
+from kvmesh.engine.protocol import QUANTIZATIONS
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 

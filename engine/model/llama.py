@@ -8,12 +8,14 @@ and attention metadata; it knows nothing of requests or blocks beyond that.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.engine.kvcache import LayerKV
 from kvmesh.engine.model.linear import Linear, make_linear
 from kvmesh.engine.model.loader import ModelConfig
 
@@ -112,7 +114,11 @@ class Llama:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_layers: Sequence[tuple[LayerKV, LayerKV]],
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
         c = self.config
@@ -127,7 +133,7 @@ class Llama:
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_kv_heads, c.head_dim)
             k = self._rope(k, cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)
+            attn = paged_attention(q, k, v, kv_layers[i], meta, self.scale)
             h = h + w.o(attn.reshape(t, self.q_size))
             x = self._rms_norm(h, w.mlp_norm)
             gate, up = w.gate_up(x).chunk(2, dim=-1)

@@ -1,0 +1,106 @@
+"""An engine with an int8 KV cache (`kv_cache_dtype: int8`, engine/kvcache.py), on the tiny model: more blocks in
+the same memory, answers close to the model-dtype cache's, a cached prefix giving exactly what recomputing it
+gives, KV moving between two int8 engines, a peer of the other format refused without failing the request,
+and the host tier carrying int8 blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kvmesh.engine.attention import resolve_backend
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.runner import StepInput
+
+from .conftest import make_engine
+from .engines import serve_engine
+from .test_engine import generate, prompt
+
+
+def test_the_same_memory_holds_more_blocks(tiny_dir: Path) -> None:
+    auto = make_engine(tiny_dir, kv_cache_blocks=None, kv_cache_memory_mib=4)
+    int8 = make_engine(tiny_dir, kv_cache_blocks=None, kv_cache_memory_mib=4, kv_cache_dtype="int8")
+    dim = auto.model_config.head_dim
+    assert auto.kv_config.block_bytes / int8.kv_config.block_bytes == pytest.approx(4 * dim / (dim + 4))
+    assert int8.kv.pool.num_blocks >= 3 * auto.kv.pool.num_blocks
+    assert int8.kv_config.kv_cache_dtype == "int8" and auto.kv_config.kv_cache_dtype == "auto"
+
+
+def test_logits_stay_close_to_the_model_dtype_cache(tiny_dir: Path) -> None:
+    """A 40-token prompt in three chunks and two decode steps, so later tokens attend over quantized KV."""
+    engines = [make_engine(tiny_dir, kv_cache_blocks=16, kv_cache_dtype=d) for d in ("auto", "int8")]
+    ids = prompt(5, 42)
+    table = [3, 9, 1]
+    steps = [(0, ids[:16]), (16, ids[16:32]), (32, ids[32:40]), (40, ids[40:41]), (41, ids[41:42])]
+    divergences = []
+    for computed, new in steps:
+        want, got = (e.runner.run([StepInput(table, computed, new, True)]).logits.log_softmax(-1) for e in engines)
+        divergences.append(torch.sum(want.exp() * (want - got)).item())  # KL(model-dtype cache || int8 cache)
+        assert got.argmax() == want.argmax()
+    assert 0 < max(divergences) < 2e-3  # measured: 2e-4 to 6e-4 nats
+
+
+def test_a_cached_prefix_answers_exactly_as_recomputing_it(tiny_dir: Path) -> None:
+    """Quantizing a row depends on that row alone, so cached blocks hold what recomputing would write."""
+    cold = make_engine(tiny_dir, kv_cache_dtype="int8")
+    warm = make_engine(tiny_dir, kv_cache_dtype="int8")
+    base = prompt(11, 70)
+    generate(warm, [base])
+    [reused] = generate(warm, [[*base[:64], 5, 6, 7]], max_tokens=12)
+    [fresh] = generate(cold, [[*base[:64], 5, 6, 7]], max_tokens=12)
+    assert reused.final.cached_tokens == 64 and fresh.final.cached_tokens == 0
+    assert reused.tokens == fresh.tokens
+
+
+def test_triton_with_an_int8_cache_is_refused_and_auto_picks_torch() -> None:
+    with pytest.raises(ValueError, match="int8 KV cache runs on the torch attention backend"):
+        EngineConfig(kv_cache_dtype="int8", attention_backend="triton").validate()
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8"):
+        EngineConfig(kv_cache_dtype="fp8").validate()
+    assert resolve_backend("auto", torch.device("cuda"), quantized_kv=True) == "torch"
+
+
+def _complete(url: str, **body: object) -> dict:
+    reply = httpx.post(url + "/v1/completions", json={"return_token_ids": True, "temperature": 0, **body}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+@pytest.mark.slow
+def test_kv_moves_between_int8_engines_and_not_across_formats(tiny_dir: Path) -> None:
+    source = make_engine(tiny_dir, kv_cache_dtype="int8")
+    same = make_engine(tiny_dir, kv_cache_dtype="int8")
+    other = make_engine(tiny_dir)
+    ids = prompt(21, 130)
+    with serve_engine(source) as src, serve_engine(same) as dst, serve_engine(other) as mixed:
+        reference = _complete(src, prompt=[*ids, 7, 7], max_tokens=6)["choices"][0]["token_ids"]
+        pulled = _complete(dst, prompt=[*ids, 7, 7], max_tokens=6,
+                           kv_transfer={"mode": "pull", "source": src, "tokens": 128})
+        assert pulled["usage"]["prompt_tokens_details"]["kvmesh_cached_by_source"]["peer"] == 128
+        assert pulled["choices"][0]["token_ids"] == reference  # the pulled bytes are the source's own KV
+        refused = _complete(mixed, prompt=[*ids, 7, 7], max_tokens=6,
+                            kv_transfer={"mode": "pull", "source": src, "tokens": 128})
+        assert refused["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed, not failed
+        failed = httpx.get(mixed + "/metrics").text
+        assert 'kvmesh_kv_transfers_total{kind="pull",outcome="failed"} 1.0' in failed
+
+
+def test_the_host_tier_carries_int8_blocks(tiny_dir: Path, tmp_path: Path) -> None:
+    """The device forgets a prefix; the host tier's int8 copy (values and scales, one run a block) answers
+    exactly as recomputing would."""
+    cold = make_engine(tiny_dir, kv_cache_dtype="int8")
+    engine = make_engine(tiny_dir, kv_cache_dtype="int8", kv_cache_blocks=64, kv_host_memory_mib=1,
+                         kv_host_path=str(tmp_path / "host.kv"), kv_tier_cost_profile="cpu")
+    try:
+        ids = prompt(31, 100)
+        generate(engine, [ids])
+        engine.kv.pool.clear()  # only the host tier holds the prefix now
+        [loaded] = generate(engine, [[*ids, 7, 8]], max_tokens=8)
+        [fresh] = generate(cold, [[*ids, 7, 8]], max_tokens=8)
+        assert loaded.final.cached_by_tier["host"] == 96
+        assert loaded.tokens == fresh.tokens
+    finally:
+        engine.close()
