@@ -94,10 +94,8 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvmesh.engine.model.loader import resolve_model_dir
-    from kvmesh.router.app import build_router, create_router_app
+    from kvmesh.router.app import build_router, run_router
     from kvmesh.router.config import RouterConfig, load_router_config
 
     try:
@@ -108,7 +106,7 @@ def _router(args: argparse.Namespace) -> int:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_router_app(router), host=config.host, port=config.port, log_level=args.log_level)
+    run_router(router, log_level=args.log_level)  # drains both edges at SIGTERM or SIGINT, then returns
     return 0
 
 

@@ -9,17 +9,22 @@ before its first byte, is skipped for the next best one. The choice itself is `p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,7 +55,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
-from kvmesh.router.config import EXT_PROC_DRAIN_SECONDS, RouterConfig
+from kvmesh.router.config import EXT_PROC_DRAIN_MIN_SECONDS, EXT_PROC_DRAIN_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
@@ -58,6 +63,9 @@ from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.shed import Shed, ShedPolicy, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
+
+if TYPE_CHECKING:
+    from kvmesh.router.extproc import ExtProcServer
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
@@ -68,6 +76,11 @@ ROUTER_ONLY_FIELDS = (KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD)
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
 INLINE_TOKENIZE_BYTES = 8192
+# Shutdown, one bound for both edges (EXT_PROC_DRAIN_SECONDS, which the router pod's grace period is derived from):
+# the HTTP port stays open, /health at 503, as long as the picker goes on taking new streams; then it closes and
+# the requests open get the rest of the bound.
+HTTP_DRAIN_SECONDS = EXT_PROC_DRAIN_SECONDS - EXT_PROC_DRAIN_MIN_SECONDS
+assert HTTP_DRAIN_SECONDS >= 0, "the minimum wait is part of the drain bound"
 
 
 class RouterMetrics:
@@ -517,19 +530,88 @@ async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> As
     yield "data: [DONE]\n\n"
 
 
-def create_router_app(router: Router) -> FastAPI:
+@dataclass
+class Drain:
+    """The router's shutdown, shared by the signal handler, `/health` and the app's shutdown. Once begun, the
+    router stops advertising itself (HTTP `/health` 503, the picker's gRPC health NOT_SERVING) but goes on
+    serving; it begins at SIGTERM or SIGINT (`RouterServer`), or at the app's shutdown when no signal came."""
+
+    draining: bool = False
+    gateway: ExtProcServer | None = None
+    picker_stopped: asyncio.Task[None] | None = None  # the picker's drain, once started
+
+    def begin(self) -> None:
+        """Start draining, and the picker's drain if it serves and has not started one (on the event loop)."""
+        self.draining = True
+        if self.gateway is not None and self.picker_stopped is None:
+            self.picker_stopped = asyncio.ensure_future(self.gateway.stop(drain=EXT_PROC_DRAIN_SECONDS))
+
+    async def finish(self) -> None:
+        """Until the picker is drained (begun here if no signal began it)."""
+        self.begin()
+        if self.picker_stopped is not None:
+            await self.picker_stopped
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn with the router's shutdown. At the first SIGTERM or SIGINT the drain begins at once; the HTTP port
+    keeps taking new requests for EXT_PROC_DRAIN_MIN_SECONDS (a Service or load balancer learns of the 503 only at
+    its next probe), then uvicorn's own graceful shutdown closes it and lets the requests open finish, for up to
+    HTTP_DRAIN_SECONDS; the app's shutdown then waits for the picker, whose drain ends by the same bound. uvicorn
+    would re-raise the signal once done (exit by the signal); a drained router exits 0. A second Ctrl-C quits at
+    once."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping: concurrent.futures.Future[None] | None = None  # the drain begun by the first signal
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.stopping is not None:  # a second signal
+            if sig == signal.SIGINT:
+                self.should_exit = self.force_exit = True
+            return
+        assert self.loop is not None, "uvicorn captures signals only while serving"
+        self.stopping = asyncio.run_coroutine_threadsafe(self._drain(signal.Signals(sig).name), self.loop)
+
+    async def _drain(self, name: str) -> None:
+        self.drain.begin()
+        logging.getLogger("kvmesh.router").warning(
+            "%s: draining; /health answers 503, new requests are served for %g s more, open ones for up to %g s "
+            "after that (Ctrl-C again to quit now)", name, EXT_PROC_DRAIN_MIN_SECONDS, HTTP_DRAIN_SECONDS)
+        await asyncio.sleep(EXT_PROC_DRAIN_MIN_SECONDS)
+        self.should_exit = True
+
+
+def run_router(router: Router, log_level: str = "info") -> None:
+    """Serve `router` on its host and port until a signal, then drain both edges (see RouterServer)."""
+    drain = Drain()
+    config = uvicorn.Config(create_router_app(router, drain), host=router.config.host, port=router.config.port,
+                            log_level=log_level, timeout_graceful_shutdown=HTTP_DRAIN_SECONDS)
+    RouterServer(config, drain).run()
+
+
+def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
+    drain = drain or Drain()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.pods.start()
-        gateway = None
         if router.config.ext_proc_port is not None:  # imported here: grpc only for routers that serve a Gateway
             from kvmesh.router.extproc import start_ext_proc
 
-            gateway = await start_ext_proc(router, router.config.host, router.config.ext_proc_port,
-                                           tls=router.config.ext_proc_tls, cert_dir=router.config.ext_proc_cert_dir)
+            drain.gateway = await start_ext_proc(router, router.config.host, router.config.ext_proc_port,
+                                                 tls=router.config.ext_proc_tls,
+                                                 cert_dir=router.config.ext_proc_cert_dir)
+            if drain.draining:  # a signal came while it started
+                drain.begin()
         yield
-        if gateway is not None:
-            await gateway.stop(drain=EXT_PROC_DRAIN_SECONDS)
+        await drain.finish()
         await router.pods.stop()
         await router.upstream.close()
         if router.log is not None:
@@ -810,8 +892,8 @@ def create_router_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         healthy = [p.name for p in router.pods.snapshot() if p.healthy and not p.draining]
-        return JSONResponse({"status": "ok" if healthy else "no_pods", "pods": healthy},
-                            status_code=200 if healthy else 503)
+        status = "draining" if drain.draining else "ok" if healthy else "no_pods"
+        return JSONResponse({"status": status, "pods": healthy}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
