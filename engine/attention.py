@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.config import ATTENTION_BACKENDS, INT8_NEEDS_TORCH
+from kvmesh.engine.config import ATTENTION_BACKENDS
 from kvmesh.engine.kvcache import LayerKV
 
 if TYPE_CHECKING:
@@ -35,16 +35,13 @@ if TYPE_CHECKING:
     from kvmesh.engine.kernels.extend import ExtendBatch
 
 
-def resolve_backend(name: str, device: torch.device, quantized_kv: bool = False) -> str:
-    """torch or triton for `name` on `device`: auto means triton on CUDA (when installed), torch elsewhere, and
-    torch for an int8 KV cache, which the Triton kernels do not read."""
+def resolve_backend(name: str, device: torch.device) -> str:
+    """torch or triton for `name` on `device`: auto means triton on CUDA (when installed), torch elsewhere."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        return "triton" if device.type == "cuda" and has_triton and not quantized_kv else "torch"
-    if name == "triton" and quantized_kv:
-        raise ValueError(INT8_NEEDS_TORCH)
+        return "triton" if device.type == "cuda" and has_triton else "torch"
     if name == "triton":
         if not has_triton:
             raise ValueError("attention_backend triton needs the triton package")
@@ -271,7 +268,7 @@ def paged_attention(
     context. Returns [T, Hq, D]."""
     k_cache, v_cache = layer_kv
     if isinstance(meta, TritonMetadata):
-        return _triton_attention(q, k, v, k_cache.values, v_cache.values, meta, scale)
+        return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
     k_cache.write(meta.slot_blocks, meta.slot_offsets, k)
     v_cache.write(meta.slot_blocks, meta.slot_offsets, v)
     out = torch.empty_like(q)
@@ -352,19 +349,22 @@ def _triton_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: LayerKV,
+    v_cache: LayerKV,
     meta: TritonMetadata,
     scale: float,
 ) -> torch.Tensor:
+    from kvmesh.engine.kernels.common import Scales
     from kvmesh.engine.kernels.decode import decode_attention
     from kvmesh.engine.kernels.extend import extend_attention
     from kvmesh.engine.kernels.kv_write import write_kv
 
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    scales = None if k_cache.scales is None or v_cache.scales is None else Scales(k_cache.scales, v_cache.scales)
+    kc, vc = k_cache.values, v_cache.values
+    write_kv(k, v, kc, vc, meta.slot_mapping, scales)
     out = torch.empty_like(q)
     if meta.decode is not None:
-        decode_attention(q, k_cache, v_cache, meta.decode, scale, out=out)
+        decode_attention(q, kc, vc, meta.decode, scale, out=out, scales=scales)
     if meta.extend is not None:
-        extend_attention(q, k_cache, v_cache, meta.extend, scale, out=out)
+        extend_attention(q, kc, vc, meta.extend, scale, out=out, scales=scales)
     return out

@@ -24,8 +24,6 @@ from kvmesh.engine.protocol import (
 
 MIB = 1 << 20
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")  # see engine/attention.py
-INT8_NEEDS_TORCH = ("an int8 KV cache runs on the torch attention backend (attention_backend auto or torch); the "
-                    "Triton kernels read caches in the model's dtype")
 
 
 @dataclass
@@ -87,8 +85,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "int8" and self.attention_backend == "triton":
-            raise ValueError(INT8_NEEDS_TORCH)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -103,12 +103,13 @@ class LayerKV:
 
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row (last dimension): values and fp32 scales, values x scale ~ rows. An all-zero row
-    gets scale 0 and reads back as zeros."""
-    amax = rows.float().abs().amax(dim=-1)
-    scales = amax / INT8_MAX
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    values = torch.round(rows.float() / safe[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return values, scales
+    gets scale 0 and reads back as zeros. Rounds half away from zero with the same fp32 operations as the
+    Triton KV write (engine/kernels/kv_write.py), so both backends write the same bytes."""
+    x = rows.float()
+    scales = x.abs().amax(dim=-1) / INT8_MAX
+    y = x / torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]
+    rounded = torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y))
+    return rounded.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -45,7 +45,7 @@ class ModelRunner:
         self.model = model
         self.block_size = layout.block_size
         self.device = device
-        self.attention_backend = resolve_backend(attention_backend, device, layout.quantized)
+        self.attention_backend = resolve_backend(attention_backend, device)
         self.kv_cache = layout.allocate(num_blocks, device)  # what tiers and transfers move, block by block
         self.kv_layers = layout.layers(self.kv_cache)  # what attention writes and reads, layer by layer
         self.computed_tokens = 0

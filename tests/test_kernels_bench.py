@@ -34,7 +34,8 @@ def test_kernel_modules_import_only_torch_triton_numpy_and_each_other() -> None:
 def check_report(report: dict) -> None:
     assert report["interpreted"] is True
     kernels = {c["kernel"] for c in report["correctness"]}
-    assert kernels == {"decode splits=1", "decode splits=4", "extend", "kv_write", "gather/scatter"}
+    assert kernels == {"decode splits=1", "decode splits=4", "decode int8", "extend", "kv_write", "kv_write int8",
+                       "gather/scatter"}
     assert {c["dtype"] for c in report["correctness"]} == {"float16", "bfloat16", "float32"}
     assert all(c["ok"] for c in report["correctness"])
     assert {(r["context"], r["batch"]) for r in report["decode"]} == {(64, 1), (64, 2), (256, 1), (256, 2)}
@@ -43,6 +44,8 @@ def check_report(report: dict) -> None:
     assert [launch["block_n"] for launch in sweep["launches"]] == [64, 32]  # the default first
     assert all(share > 0 for launch in sweep["launches"] for share in launch["share_of_copy"])  # all ran, all right
     assert sweep["best_worst_share"] >= sweep["default_worst_share"] > 0
+    assert [(r["context"], r["batch"]) for r in report["decode_int8"]] == [(256, 1)]
+    assert report["decode_int8"][0]["int8_us"] > 0 and report["decode_int8"][0]["model_dtype_us"] > 0
     assert all(r["kernel_tflops"] > 0 for r in report["extend"])
     assert report["block_copy"][0]["gather_gbps"] > 0 and report["copy_gbps"] > 0
 

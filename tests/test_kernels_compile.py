@@ -15,6 +15,7 @@ import sys
 import pytest
 
 SM = 90
+SMALL_STRIDES = ("stride_kst", "stride_vst")  # an int8 cache's scale rows: KV heads apart (8 for Llama-3-8B)
 
 
 @pytest.mark.slow
@@ -25,7 +26,7 @@ def test_every_kernel_compiles_for_sm90() -> None:
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = done.stdout.split()
-    assert len(compiled) == 14, done.stdout
+    assert len(compiled) == 17, done.stdout
 
 
 def compile_all() -> None:
@@ -47,33 +48,39 @@ def compile_all() -> None:
         signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
                      for name in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-                   if name not in constants and (name.endswith("_ptr") or name.startswith("stride"))}
+                   if name not in constants and (name.endswith("_ptr") or name.startswith("stride"))
+                   and name not in SMALL_STRIDES}
         result = triton.compile(ASTSource(kernel, signature, constants, aligned), target=target, options=options)
         assert result.asm["cubin"], kernel.__name__
-        print(f"{kernel.__name__}:{constants.get('DOT', constants.get('GATHER', ''))}:{result.metadata.shared}")
+        print(f"{kernel.__name__}:{constants.get('DOT', constants.get('GATHER', ''))}:{constants.get('QUANT', '')}:"
+              f"{result.metadata.shared}")
 
     dots = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
-    for name in ("fp16", "bf16", "fp32"):
+    # (query dtype, cache dtype): every model dtype over its own cache, and bf16 over an int8 cache
+    for name, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "i8")):
         precision = "ieee" if name == "fp32" else "tf32"
-        io = {"q_ptr": f"*{name}", "k_ptr": f"*{name}", "v_ptr": f"*{name}", "out_ptr": f"*{name}",
-              "scale_log2": "fp32"}
-        for splits in (1, 4):
+        quant = cache == "i8"
+        scales = "*fp32" if quant else f"*{cache}"  # a model-dtype cache passes its K view, unread
+        io = {"q_ptr": f"*{name}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "ks_ptr": scales, "vs_ptr": scales,
+              "out_ptr": f"*{name}", "scale_log2": "fp32"}
+        for splits in (1, 4) if not quant else (4,):
             parts = "*fp32" if splits > 1 else f"*{name}"
             build(decode._decode_kernel, {**io, "part_out_ptr": parts, "part_lse_ptr": parts, "rows_ptr": "*i32",
                                           "tables_ptr": "*i32", "lens_ptr": "*i32"},
                   {"GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_G": 16, "BLOCK_D": 128,
                    "BLOCK_N": decode.DEFAULT_LAUNCH.block_n, "SPLIT": splits > 1, "DOT": dots[name],
-                   "PRECISION": precision},
+                   "PRECISION": precision, "QUANT": quant},
                   {"num_warps": decode.DEFAULT_LAUNCH.num_warps, "num_stages": decode.DEFAULT_LAUNCH.num_stages})
         if name != "fp32":  # the fp32 extend compiles too (checked by hand), but takes a minute
             build(extend._extend_kernel, {**io, **{p: "*i32" for p in ("q_starts_ptr", "q_lens_ptr", "lens_ptr",
                                                                        "tables_ptr", "tile_seqs_ptr",
                                                                        "tile_starts_ptr")}},
                   {"GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_M": extend.BLOCK_M, "BLOCK_D": 128,
-                   "BLOCK_N": extend.BLOCK_N, "DOT": dots[name], "PRECISION": precision})
-        build(kv_write._kv_write_kernel, {"k_ptr": f"*{name}", "v_ptr": f"*{name}", "k_cache_ptr": f"*{name}",
-                                          "v_cache_ptr": f"*{name}", "slots_ptr": "*i64"},
-              {"HEADS": 8, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_H": 8, "BLOCK_D": 128})
+                   "BLOCK_N": extend.BLOCK_N, "DOT": dots[name], "PRECISION": precision, "QUANT": quant})
+        build(kv_write._kv_write_kernel, {"k_ptr": f"*{name}", "v_ptr": f"*{name}", "k_cache_ptr": f"*{cache}",
+                                          "v_cache_ptr": f"*{cache}", "ks_ptr": scales, "vs_ptr": scales,
+                                          "slots_ptr": "*i64"},
+              {"HEADS": 8, "HEAD_DIM": 128, "PAGE": 16, "BLOCK_H": 8, "BLOCK_D": 128, "QUANT": quant})
     build(decode._merge_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
                                  "rows_ptr": "*i32"},
           {"HEAD_DIM": 128, "BLOCK_S": 4, "BLOCK_D": 128})

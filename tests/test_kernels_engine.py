@@ -27,10 +27,13 @@ def launches() -> dict[str, int]:
     return dict(LAUNCHES)
 
 
-def test_runner_logits_match_the_torch_path_step_by_step(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_runner_logits_match_the_torch_path_step_by_step(tiny_dir: Path, kv_cache_dtype: str) -> None:
     """The same three steps through both backends: a ragged prefill, then one sequence extending its cached
-    prefix while the other decodes (one mixed batch), then both decoding. Logits agree to fp32 rounding."""
-    engine = make_engine(tiny_dir, kv_cache_blocks=32)
+    prefix while the other decodes (one mixed batch), then both decoding. Logits agree to fp32 rounding, and an
+    int8 cache holds the same values after either backend wrote it: the same bytes in layer 0 (same inputs), and
+    at most one quantization step apart in later layers (their inputs differ by fp32 rounding)."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=32, kv_cache_dtype=kv_cache_dtype)
     model = engine.runner.model
     runners = [ModelRunner(model, 32, engine.kv_layout, model.device, attention_backend=name)
                for name in ("torch", "triton")]
@@ -51,7 +54,16 @@ def test_runner_logits_match_the_torch_path_step_by_step(tiny_dir: Path) -> None
     assert after.get("kv_write", 0) - before.get("kv_write", 0) == 3 * layers
     assert after.get("extend", 0) - before.get("extend", 0) == 2 * layers
     assert after.get("decode", 0) - before.get("decode", 0) == 2 * layers
-    torch.testing.assert_close(runners[1].kv_cache, runners[0].kv_cache, atol=1e-5, rtol=1e-5)
+    if kv_cache_dtype == "int8":
+        (k0, v0), *rest = runners[0].kv_layers
+        (k1, v1), *others = runners[1].kv_layers
+        assert torch.equal(k1.values, k0.values) and torch.equal(v1.scales, v0.scales)
+        for (a, b), (c, d) in zip(rest, others, strict=True):
+            for mine, theirs in ((c, a), (d, b)):
+                assert (mine.values.short() - theirs.values.short()).abs().max() <= 1
+                torch.testing.assert_close(mine.scales, theirs.scales, atol=1e-6, rtol=1e-5)
+    else:
+        torch.testing.assert_close(runners[1].kv_cache, runners[0].kv_cache, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

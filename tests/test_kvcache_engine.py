@@ -1,7 +1,8 @@
 """An engine with an int8 KV cache (`kv_cache_dtype: int8`, engine/kvcache.py), on the tiny model: more blocks in
 the same memory, answers close to the model-dtype cache's, a cached prefix giving exactly what recomputing it
 gives, KV moving between two int8 engines, a peer of the other format refused without failing the request,
-and the host tier carrying int8 blocks."""
+and the host tier carrying int8 blocks. (The Triton path over an int8 cache: tests/test_kernels_int8.py and
+tests/test_kernels_engine.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import httpx
 import pytest
 import torch
 
-from kvmesh.engine.attention import resolve_backend
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.runner import StepInput
 
@@ -55,12 +55,9 @@ def test_a_cached_prefix_answers_exactly_as_recomputing_it(tiny_dir: Path) -> No
     assert reused.tokens == fresh.tokens
 
 
-def test_triton_with_an_int8_cache_is_refused_and_auto_picks_torch() -> None:
-    with pytest.raises(ValueError, match="int8 KV cache runs on the torch attention backend"):
-        EngineConfig(kv_cache_dtype="int8", attention_backend="triton").validate()
+def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8"):
         EngineConfig(kv_cache_dtype="fp8").validate()
-    assert resolve_backend("auto", torch.device("cuda"), quantized_kv=True) == "torch"
 
 
 def _complete(url: str, **body: object) -> dict:

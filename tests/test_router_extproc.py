@@ -227,7 +227,8 @@ async def test_a_pod_that_lacks_the_prefix_is_told_to_pull_it_from_its_holder(pi
     body = completion(10)
     hold(router, POD_A, body)
     router.pods.pods[POD_A].metrics["waiting"] = 100.0  # past max_waiting: saturated
-    router.pods.pods[POD_B].kv_config = dataclasses.replace(router.pods.pods[POD_B].kv_config, block_bytes=4096)
+    for pod in (POD_A, POD_B):  # pods that store blocks alike: a pull between them can be planned
+        router.pods.pods[pod].kv_config = dataclasses.replace(router.pods.pods[pod].kv_config, block_bytes=4096)
     replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(body).encode())])
     assert chosen(replies[0]) == endpoint_of(POD_B)
     forwarded = replies[1].request_body.response.body_mutation.streamed_response.body

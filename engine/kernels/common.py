@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -62,22 +63,56 @@ def attention_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return q_heads, head_dim, page, kv_heads
 
 
+@dataclass(frozen=True)
+class Scales:
+    """The per-row scales of an int8 cache's K and V for one layer (`[num_blocks, block_size, Hkv]` fp32 views,
+    engine/kvcache.py), as the attention kernels take them; None for a cache in the model's dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.k.dtype != torch.float32 or self.v.dtype != torch.float32:
+            raise TypeError("int8 KV scales are fp32")
+        if self.k.stride(-1) != 1 or self.v.stride(-1) != 1:
+            raise ValueError("the scales' head dimension must be contiguous")
+
+
+def scale_arguments(scales: Scales | None, k_cache: torch.Tensor) -> tuple[object, ...]:
+    """(k scales, v scales, their block and token strides, QUANT) for a kernel launch; a model-dtype cache passes
+    its own K view as an unread pointer."""
+    if scales is None:
+        if k_cache.dtype == torch.int8:
+            raise ValueError("an int8 cache needs its scales")
+        return k_cache, k_cache, 0, 0, 0, 0, False
+    if k_cache.dtype != torch.int8:
+        raise ValueError(f"scales go with an int8 cache, not {k_cache.dtype}")
+    return (scales.k, scales.v, scales.k.stride(0), scales.k.stride(1), scales.v.stride(0), scales.v.stride(1),
+            True)
+
+
 @triton.jit
 def load_kv_tile(
-    table, k_ptr, v_ptr, tok, tok_ok, d, d_ok, kv_head,
+    table, k_ptr, v_ptr, ks_ptr, vs_ptr, tok, tok_ok, d, d_ok, kv_head,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    PAGE: tl.constexpr, DOT: tl.constexpr,
+    stride_ksb, stride_kst, stride_vsb, stride_vst,
+    PAGE: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr,
 ):
     """K and V of tokens `tok` of one sequence for one KV head, through its block table ([N, D] each, in the dot
-    dtype; masked tokens and dims read as 0). Block ids widen to int64 before the multiply."""
+    dtype; masked tokens and dims read as 0). Block ids widen to int64 before the multiply. An int8 cache
+    (QUANT) is dequantized here: each token's row times its fp32 scale."""
     block = tl.load(table + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
     slot = tok % PAGE
     k_off = block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
     v_off = block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
     kv_mask = tok_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(DOT)
-    v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0).to(DOT)
-    return k, v
+    k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0)
+    if QUANT:
+        k_scale = tl.load(ks_ptr + block * stride_ksb + slot * stride_kst + kv_head, mask=tok_ok, other=0.0)
+        v_scale = tl.load(vs_ptr + block * stride_vsb + slot * stride_vst + kv_head, mask=tok_ok, other=0.0)
+        return (k.to(tl.float32) * k_scale[:, None]).to(DOT), (v.to(tl.float32) * v_scale[:, None]).to(DOT)
+    return k.to(DOT), v.to(DOT)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .common import (
     LAUNCHES,
+    Scales,
     attention_layout,
     dot_dtype,
     dot_precision,
@@ -25,6 +26,7 @@ from .common import (
     multiprocessors,
     next_pow2,
     online_softmax_step,
+    scale_arguments,
 )
 
 LOG2E = 1.4426950408889634
@@ -91,18 +93,19 @@ def choose_splits(batch_size: int, kv_heads: int, max_context_len: int, device: 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     rows_ptr, tables_ptr, lens_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_vsb, stride_vst,
     stride_ot, stride_oh,
     stride_tb,
     split_len, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,8 +132,9 @@ def _decode_kernel(
     for tok0 in range(start, end, BLOCK_N):
         tok = tok0 + n
         tok_ok = tok < end  # every step holds at least one valid token
-        k, v = load_kv_tile(table, k_ptr, v_ptr, tok, tok_ok, d, d_ok, kv_head, stride_kb, stride_kt, stride_kh,
-                            stride_vb, stride_vt, stride_vh, PAGE, DOT)
+        k, v = load_kv_tile(table, k_ptr, v_ptr, ks_ptr, vs_ptr, tok, tok_ok, d, d_ok, kv_head,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                            stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, DOT, QUANT)
         m_i, l_i, acc = online_softmax_step(q, k, v, tok_ok[None, :], m_i, l_i, acc, DOT, PRECISION)
 
     out_mask = g_ok[:, None] & d_ok[None, :]
@@ -178,10 +182,12 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     launch: DecodeLaunch = DEFAULT_LAUNCH,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """Attend q[batch.rows] ([T, Hq, D]) over each sequence's cached context; writes those rows of `out`
     ([T, Hq, D], allocated like q when None) and returns it. k_cache and v_cache are one layer's views of the
-    block-first cache, [num_blocks, block_size, Hkv, D] with any block stride (`kv[:, layer, 0]`)."""
+    block-first cache, [num_blocks, block_size, Hkv, D] with any block stride (`kv[:, layer, 0]`): in the
+    model's dtype, or int8 with their `scales`."""
     q_heads, head_dim, page, kv_heads = attention_layout(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     size = batch.rows.shape[0]
@@ -193,19 +199,21 @@ def decode_attention(
         part_lse = torch.empty((size, q_heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    ks, vs, stride_ksb, stride_kst, stride_vsb, stride_vst, quant = scale_arguments(scales, k_cache)
     _decode_kernel[(size, kv_heads, splits)](
-        q, k_cache, v_cache, out, part_out, part_lse,
+        q, k_cache, v_cache, ks, vs, out, part_out, part_lse,
         batch.rows, batch.block_tables, batch.context_lens,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_ksb, stride_kst, stride_vsb, stride_vst,
         out.stride(0), out.stride(1),
         batch.block_tables.stride(0),
         split_len, splits,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=launch.block_n,
-        SPLIT=splits > 1, DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        SPLIT=splits > 1, DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype), QUANT=quant,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     LAUNCHES["decode"] += 1

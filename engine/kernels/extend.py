@@ -15,7 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCHES, attention_layout, dot_dtype, dot_precision, load_kv_tile, next_pow2, online_softmax_step
+from .common import (
+    LAUNCHES,
+    Scales,
+    attention_layout,
+    dot_dtype,
+    dot_precision,
+    load_kv_tile,
+    next_pow2,
+    online_softmax_step,
+    scale_arguments,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # queries a program takes
@@ -65,17 +75,18 @@ class ExtendBatch:
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
     q_starts_ptr, q_lens_ptr, lens_ptr, tables_ptr, tile_seqs_ptr, tile_starts_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_vsb, stride_vst,
     stride_ot, stride_oh,
     stride_tb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -106,8 +117,9 @@ def _extend_kernel(
     for tok0 in range(0, end, BLOCK_N):
         tok = tok0 + n
         tok_ok = tok < end
-        k, v = load_kv_tile(table, k_ptr, v_ptr, tok, tok_ok, d, d_ok, kv_head, stride_kb, stride_kt, stride_kh,
-                            stride_vb, stride_vt, stride_vh, PAGE, DOT)
+        k, v = load_kv_tile(table, k_ptr, v_ptr, ks_ptr, vs_ptr, tok, tok_ok, d, d_ok, kv_head,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                            stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, DOT, QUANT)
         visible = tok_ok[None, :] & (tok[None, :] <= q_pos[:, None])  # key 0 is visible to every query
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, DOT, PRECISION)
 
@@ -122,24 +134,28 @@ def extend_attention(
     batch: ExtendBatch,
     scale: float,
     out: torch.Tensor | None = None,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's new rows of q ([T, Hq, D]) over its cached prefix and, causally, its new tokens;
     writes those rows of `out` (allocated like q when None) and returns it. k_cache and v_cache are one
-    layer's views of the block-first cache, [num_blocks, block_size, Hkv, D]."""
+    layer's views of the block-first cache, [num_blocks, block_size, Hkv, D]: in the model's dtype, or int8
+    with their `scales`."""
     q_heads, head_dim, page, kv_heads = attention_layout(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
+    ks, vs, stride_ksb, stride_kst, stride_vsb, stride_vst, quant = scale_arguments(scales, k_cache)
     _extend_kernel[(batch.tile_seqs.shape[0], q_heads)](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, ks, vs, out,
         batch.q_starts, batch.q_lens, batch.context_lens, batch.block_tables, batch.tile_seqs, batch.tile_starts,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_ksb, stride_kst, stride_vsb, stride_vst,
         out.stride(0), out.stride(1),
         batch.block_tables.stride(0),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=BLOCK_N,
-        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype), QUANT=quant,
     )
     LAUNCHES["extend"] += 1
     return out

@@ -22,6 +22,7 @@ import triton.testing
 
 from . import reference as ref
 from .block_copy import gather_blocks_triton, scatter_blocks_triton
+from .common import Scales
 from .decode import DEFAULT_LAUNCH, DecodeBatch, DecodeLaunch, decode_attention
 from .extend import ExtendBatch, extend_attention
 from .kv_write import write_kv
@@ -84,6 +85,7 @@ def correctness(device: torch.device, dtypes: list[torch.dtype], heads: tuple[in
         for splits in (1, 4):
             got = decode_attention(q, k_cache, v_cache, batch, scale, num_splits=splits).float()
             rows.append(_check(f"decode splits={splits}", dtype, got, want, tol))
+        rows.extend(_int8_checks(cache, q, tables, lengths, dtype, scale))
         q_lens, prefixes = ([1, 40, 200], [50, 0, 333]) if gpu else ([1, 40, 70], [50, 0, 90])
         contexts = [a + b for a, b in zip(q_lens, prefixes, strict=True)]
         tables = random_tables(contexts, page, blocks, rng)
@@ -107,14 +109,43 @@ def correctness(device: torch.device, dtypes: list[torch.dtype], heads: tuple[in
     return rows
 
 
+def quantized(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Scales]:
+    """An int8 copy of one layer's K and V (a scale per token and head), written by the KV write kernel."""
+    n, page, heads, dim = k_cache.shape
+    kq = torch.empty((n, page, heads, dim), dtype=torch.int8, device=k_cache.device)
+    vq = torch.empty_like(kq)
+    scales = Scales(torch.empty((n, page, heads), device=k_cache.device),
+                    torch.empty((n, page, heads), device=k_cache.device))
+    slots = torch.arange(n * page, device=k_cache.device)
+    write_kv(k_cache.reshape(-1, heads, dim), v_cache.reshape(-1, heads, dim), kq, vq, slots, scales)
+    return kq, vq, scales
+
+
+def _int8_checks(cache: torch.Tensor, q: torch.Tensor, tables: list[list[int]], lengths: list[int],
+                 dtype: torch.dtype, scale: float) -> list[dict]:
+    """The int8 cache: its KV write within one quantization step of the rows (a GPU's fast division may round a
+    half the other way), and decode over it equal to the reference over the same cache dequantized."""
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    kq, vq, scales = quantized(k_cache, v_cache)
+    k_back, v_back = kq.float() * scales.k[..., None], vq.float() * scales.v[..., None]
+    step = k_cache.float().abs().amax(dim=-1, keepdim=True) / 127
+    ok = bool(((k_back - k_cache.float()).abs() <= step * 1.001 + 1e-12).all())
+    rows = [_exact("kv_write int8", dtype, ok)]
+    batch = DecodeBatch.build(list(range(len(lengths))), tables, lengths, q.device)
+    want = ref.decode_reference(q, k_back, v_back, list(range(len(lengths))), tables, lengths, scale)
+    got = decode_attention(q, kq, vq, batch, scale, num_splits=4, scales=scales).float()
+    rows.append(_check("decode int8", dtype, got, want, ref.TOLERANCE[dtype]))
+    return rows
+
+
 def _check(name: str, dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
     error = ((got - want).abs() / (1 + want.abs())).max().item()
-    return {"kernel": name, "dtype": str(dtype).removeprefix("torch."), "max_error": error, "tolerance": tol,
+    return {"kernel": name, "dtype": dtype_label(dtype), "max_error": error, "tolerance": tol,
             "ok": error <= tol}
 
 
 def _exact(name: str, dtype: torch.dtype, ok: bool) -> dict:
-    return {"kernel": name, "dtype": str(dtype).removeprefix("torch."), "max_error": 0.0 if ok else None,
+    return {"kernel": name, "dtype": dtype_label(dtype), "max_error": 0.0 if ok else None,
             "tolerance": 0.0, "ok": ok}
 
 
@@ -196,6 +227,38 @@ def launch_sweep(device: torch.device, dtype: torch.dtype, cases: list[tuple[int
             "launches": [{**vars(launch), "share_of_copy": table[launch]} for launch in launches],
             "best": vars(best), "best_worst_share": min(table[best]),
             "default_worst_share": min(table[DEFAULT_LAUNCH])}
+
+
+def int8_decode_throughput(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, int]],
+                           heads: tuple[int, int], dim: int) -> list[dict]:
+    """Decode over an int8 cache beside the same cache in the model's dtype: fewer bytes to read (one byte a
+    value and a 4-byte scale a row), a multiply more a value."""
+    rows = []
+    for context, size in cases:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        row = _int8_case(device, dtype, context, size, heads, dim)
+        rows.append(row)
+        log(f"decode context {context:>6} batch {size:>3}: int8 cache {row['int8_us']:.4g} us, "
+            f"{dtype_label(dtype)} cache {row['model_dtype_us']:.4g} us ({row['speedup']:.2f}x)")
+    return rows
+
+
+def _int8_case(device: torch.device, dtype: torch.dtype, context: int, size: int, heads: tuple[int, int],
+               dim: int) -> dict:
+    q, cache, batch, _ = _decode_setup(device, dtype, context, size, heads, dim)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    kq, vq, scales = quantized(k_cache, v_cache)
+    out = torch.empty_like(q)
+    plain = timed(lambda: decode_attention(q, k_cache, v_cache, batch, dim**-0.5, out=out), device)
+    int8 = timed(lambda: decode_attention(q, kq, vq, batch, dim**-0.5, out=out, scales=scales), device)
+    int8_bytes = 2 * size * context * heads[1] * (dim + 4)
+    return {"context": context, "batch": size, "model_dtype_us": plain * 1e6, "int8_us": int8 * 1e6,
+            "speedup": plain / int8, "int8_gbps": int8_bytes / int8 / 1e9}
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _sweep_case(device: torch.device, dtype: torch.dtype, context: int, size: int, launches: list[DecodeLaunch],
@@ -306,12 +369,14 @@ def run_all(dtype_name: str) -> dict:
         heads, dim = (32, 8), 128
         contexts, batches = [1024, 4096, 8192, 16384, 32768], [1, 8, 32, 64]
         sweep_cases = [(8192, 1), (8192, 64), (32768, 1), (32768, 8)]
+        int8_cases = [(8192, 8), (32768, 8)]
         extend_cases = [(1, 4096, 0), (4, 1024, 0), (4, 512, 4096), (16, 128, 2048)]
         block_shape, blocks, moved, copy_bytes = (32, 2, 16, 8, 128), 2048, 256, 1 << 30
     else:  # the interpreter: tiny sizes, a smoke run
         heads, dim = (4, 2), 64
         contexts, batches = [64, 256], [1, 2]
         sweep_cases = [(256, 1)]
+        int8_cases = [(256, 1)]
         extend_cases = [(1, 64, 0), (2, 16, 48)]
         block_shape, blocks, moved, copy_bytes = (2, 2, 16, 2, 64), 32, 8, 1 << 20
     name = torch.cuda.get_device_name(device) if gpu else f"CPU ({platform.processor() or platform.machine()})"
@@ -325,6 +390,7 @@ def run_all(dtype_name: str) -> dict:
     log(f"device-to-device copy: {copy_bps / 1e9:.1f} GB/s (read + write)")
     decode_rows = decode_throughput(device, dtype, contexts, batches, heads, dim, copy_bps)
     sweep = launch_sweep(device, dtype, sweep_cases, sweep_launches(gpu), heads, dim, copy_bps)
+    int8_rows = int8_decode_throughput(device, dtype, int8_cases, heads, dim)
     extend_rows = extend_throughput(device, dtype, extend_cases, heads, dim)
     copy_rows = copy_throughput(device, dtype, block_shape, blocks, moved, copy_bps)
     long = [r["share_of_copy"] for r in decode_rows if r["context"] >= 8192]
@@ -333,10 +399,11 @@ def run_all(dtype_name: str) -> dict:
         log(f"target (decode >= {TARGET_SHARE:.0%} of copy bandwidth from 8k context): "
             f"{'met' if target_met else 'not met'}, worst {min(long):.0%}")
     result = {
-        "device": name, "interpreted": not gpu, "dtype": str(dtype).removeprefix("torch."), "heads": heads,
+        "device": name, "interpreted": not gpu, "dtype": dtype_label(dtype), "heads": heads,
         "head_dim": dim, "torch": torch.__version__, "triton": triton.__version__, "numpy": np.__version__,
         "python": platform.python_version(), "copy_gbps": copy_bps / 1e9, "correctness": checks,
-        "decode": decode_rows, "decode_launch_sweep": sweep, "extend": extend_rows, "block_copy": copy_rows,
+        "decode": decode_rows, "decode_launch_sweep": sweep, "decode_int8": int8_rows, "extend": extend_rows,
+        "block_copy": copy_rows,
         "target_met": target_met if long else None, "seconds": time.perf_counter() - started,
     }
     return result
