@@ -554,12 +554,13 @@ class Drain:
 
 
 class RouterServer(uvicorn.Server):
-    """uvicorn with the router's shutdown. At the first SIGTERM or SIGINT the drain begins at once; the HTTP port
-    keeps taking new requests for EXT_PROC_DRAIN_MIN_SECONDS (a Service or load balancer learns of the 503 only at
-    its next probe), then uvicorn's own graceful shutdown closes it and lets the requests open finish, for up to
-    HTTP_DRAIN_SECONDS; the app's shutdown then waits for the picker, whose drain ends by the same bound. uvicorn
-    would re-raise the signal once done (exit by the signal); a drained router exits 0. A second Ctrl-C quits at
-    once."""
+    """uvicorn with the router's shutdown. At the first SIGTERM or SIGINT the drain begins at once; after SIGTERM
+    (Kubernetes stopping the pod) the HTTP port keeps taking new requests for EXT_PROC_DRAIN_MIN_SECONDS (a
+    Service or load balancer learns of the 503 only at its next probe; a local Ctrl-C has nobody to tell and
+    skips that wait), then uvicorn's own graceful shutdown closes it and lets the requests open finish, for up
+    to HTTP_DRAIN_SECONDS; the app's shutdown then waits for the picker, whose drain ends by the same bound.
+    uvicorn would re-raise the signal once done (exit by the signal); a drained router exits 0. A second
+    Ctrl-C quits at once."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
@@ -577,14 +578,15 @@ class RouterServer(uvicorn.Server):
                 self.should_exit = self.force_exit = True
             return
         assert self.loop is not None, "uvicorn captures signals only while serving"
-        self.stopping = asyncio.run_coroutine_threadsafe(self._drain(signal.Signals(sig).name), self.loop)
+        settle = EXT_PROC_DRAIN_MIN_SECONDS if sig == signal.SIGTERM else 0.0
+        self.stopping = asyncio.run_coroutine_threadsafe(self._drain(signal.Signals(sig).name, settle), self.loop)
 
-    async def _drain(self, name: str) -> None:
+    async def _drain(self, name: str, settle: float) -> None:
         self.drain.begin()
         logging.getLogger("kvmesh.router").warning(
             "%s: draining; /health answers 503, new requests are served for %g s more, open ones for up to %g s "
-            "after that (Ctrl-C again to quit now)", name, EXT_PROC_DRAIN_MIN_SECONDS, HTTP_DRAIN_SECONDS)
-        await asyncio.sleep(EXT_PROC_DRAIN_MIN_SECONDS)
+            "after that (Ctrl-C again to quit now)", name, settle, HTTP_DRAIN_SECONDS)
+        await asyncio.sleep(settle)
         self.should_exit = True
 
 
