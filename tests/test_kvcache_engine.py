@@ -6,12 +6,14 @@ tests/test_kernels_engine.py.)"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from kvmesh.cli import main
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.runner import StepInput
 
@@ -101,3 +103,24 @@ def test_the_host_tier_carries_int8_blocks(tiny_dir: Path, tmp_path: Path) -> No
         assert loaded.tokens == fresh.tokens
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_the_kv_cache_benchmark_reports_every_section(tiny_dir: Path, tmp_path: Path) -> None:
+    """`kvmesh bench kv-cache` on the tiny model at toy sizes: both formats side by side in every section."""
+    out = tmp_path / "kv-cache.json"
+    assert main(["bench", "kv-cache", "--model", str(tiny_dir), "--dtype", "float32", "--concurrency", "3",
+                 "--prompt-tokens", "40", "--output-tokens", "4", "--accuracy-prompts", "1", "--accuracy-tokens", "3",
+                 "--budget-mib", "1", "--ample-mib", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    auto, int8 = report["capacity"]
+    assert int8["blocks"] > 3 * auto["blocks"]
+    assert report["accuracy"]["positions"] == 3 and 0 <= report["accuracy"]["top1_agreement"] <= 1
+    runs = {(r["kv_cache_dtype"], r["budget_mib"]) for r in report["throughput"]}
+    assert runs == {("auto", 1), ("int8", 1), ("auto", 4), ("int8", 4)}
+    assert all(r["output_tokens_per_second"] > 0 for r in report["throughput"])
+
+
+def test_the_kv_cache_benchmark_refuses_a_bad_question_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "kv-cache", "--accuracy-prompts", "0"]) == 2
+    assert "--accuracy-prompts must be 1 to 8" in capsys.readouterr().err
