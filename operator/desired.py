@@ -22,7 +22,7 @@ import yaml
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, BUNDLED, KIND, Pool
-from kvmesh.router.config import EXT_PROC_DRAIN_SECONDS, GATEWAY_EXT_PROC_PORT, RouterConfig
+from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
@@ -33,7 +33,7 @@ HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outl
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
 # How long a terminating router may take: its endpoint picker's drain and then some (stopping the HTTP server,
 # flushing the request log), so the streams a Gateway has open are not cut.
-ROUTER_TERMINATION_GRACE_SECONDS = int(EXT_PROC_DRAIN_SECONDS) + 30
+ROUTER_TERMINATION_GRACE_SECONDS = int(SHUTDOWN_DRAIN_SECONDS) + 30
 RUN_AS = 65532  # the image's non-root user
 GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
 EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the picker's mounted certificate

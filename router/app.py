@@ -55,7 +55,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
-from kvmesh.router.config import EXT_PROC_DRAIN_MIN_SECONDS, EXT_PROC_DRAIN_SECONDS, RouterConfig
+from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
@@ -76,10 +76,10 @@ ROUTER_ONLY_FIELDS = (KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD)
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
 INLINE_TOKENIZE_BYTES = 8192
-# Shutdown, one bound for both edges (EXT_PROC_DRAIN_SECONDS, which the router pod's grace period is derived from):
+# Shutdown, one bound for both edges (SHUTDOWN_DRAIN_SECONDS, which the router pod's grace period is derived from):
 # the HTTP port stays open, /health at 503, as long as the picker goes on taking new streams; then it closes and
 # the requests open get the rest of the bound.
-HTTP_DRAIN_SECONDS = EXT_PROC_DRAIN_SECONDS - EXT_PROC_DRAIN_MIN_SECONDS
+HTTP_DRAIN_SECONDS = SHUTDOWN_DRAIN_SECONDS - SHUTDOWN_SETTLE_SECONDS
 assert HTTP_DRAIN_SECONDS >= 0, "the minimum wait is part of the drain bound"
 
 
@@ -544,7 +544,7 @@ class Drain:
         """Start draining, and the picker's drain if it serves and has not started one (on the event loop)."""
         self.draining = True
         if self.gateway is not None and self.picker_stopped is None:
-            self.picker_stopped = asyncio.ensure_future(self.gateway.stop(drain=EXT_PROC_DRAIN_SECONDS))
+            self.picker_stopped = asyncio.ensure_future(self.gateway.stop(drain=SHUTDOWN_DRAIN_SECONDS))
 
     async def finish(self) -> None:
         """Until the picker is drained (begun here if no signal began it)."""
@@ -555,7 +555,7 @@ class Drain:
 
 class RouterServer(uvicorn.Server):
     """uvicorn with the router's shutdown. At the first SIGTERM or SIGINT the drain begins at once; after SIGTERM
-    (Kubernetes stopping the pod) the HTTP port keeps taking new requests for EXT_PROC_DRAIN_MIN_SECONDS (a
+    (Kubernetes stopping the pod) the HTTP port keeps taking new requests for SHUTDOWN_SETTLE_SECONDS (a
     Service or load balancer learns of the 503 only at its next probe; a local Ctrl-C has nobody to tell and
     skips that wait), then uvicorn's own graceful shutdown closes it and lets the requests open finish, for up
     to HTTP_DRAIN_SECONDS; the app's shutdown then waits for the picker, whose drain ends by the same bound.
@@ -578,7 +578,7 @@ class RouterServer(uvicorn.Server):
                 self.should_exit = self.force_exit = True
             return
         assert self.loop is not None, "uvicorn captures signals only while serving"
-        settle = EXT_PROC_DRAIN_MIN_SECONDS if sig == signal.SIGTERM else 0.0
+        settle = SHUTDOWN_SETTLE_SECONDS if sig == signal.SIGTERM else 0.0
         self.stopping = asyncio.run_coroutine_threadsafe(self._drain(signal.Signals(sig).name, settle), self.loop)
 
     async def _drain(self, name: str, settle: float) -> None:

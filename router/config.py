@@ -17,14 +17,16 @@ from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_L
 
 DISCOVERY_MODES = ("static", "kubernetes")
 GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endpoint-picker port (the operator's)
-# At shutdown the ext_proc health says NOT_SERVING and the streams open then get up to this long to finish (a
-# generation takes seconds to minutes); the operator gives the router pod a longer terminationGracePeriodSeconds.
-EXT_PROC_DRAIN_SECONDS = 30.0
-# ...and it goes on serving new streams at least this long (within that bound), even with none open: a Gateway
-# learns of NOT_SERVING only at its next health check, and a FailClose one fails a request it sends to a picker
-# already gone. Sized to one health-check interval of a Gateway checking every 5 s, which is also time for the
-# pod's removal from its Service's endpoints to reach the Gateway.
-EXT_PROC_DRAIN_MIN_SECONDS = 5.0
+# At shutdown (SIGTERM) both edges stop advertising themselves at once (HTTP /health 503, the ext_proc health
+# NOT_SERVING) and the requests and streams open then get up to this long to finish (a generation takes seconds
+# to minutes); the operator gives the router pod a longer terminationGracePeriodSeconds.
+SHUTDOWN_DRAIN_SECONDS = 30.0
+# ...and both go on serving new requests at least this long (within that bound), even with none open: a Service
+# or Gateway learns of the 503 / NOT_SERVING only at its next probe or health check, and a FailClose Gateway
+# fails a request it sends to a picker already gone. Sized to one health-check interval of a Gateway checking
+# every 5 s (or a readiness probe's two failures at 2 s), also time for the pod's removal from its Service's
+# endpoints to reach the load balancers.
+SHUTDOWN_SETTLE_SECONDS = 5.0
 EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE = "tls.crt", "tls.key"  # in ext_proc_cert_dir: a kubernetes.io/tls Secret's keys
 
 

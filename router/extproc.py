@@ -69,8 +69,8 @@ from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
 from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
-    EXT_PROC_DRAIN_MIN_SECONDS,
     EXT_PROC_KEY_FILE,
+    SHUTDOWN_SETTLE_SECONDS,
     read_certificate_pair,
 )
 from kvmesh.router.picker import Decision, RequestInfo
@@ -608,7 +608,7 @@ class ExtProcServer:
     health: PickerHealth
     follower: asyncio.Task[None]  # keeps the health statuses current for Watch streams
 
-    async def stop(self, drain: float = 0.0, settle: float = EXT_PROC_DRAIN_MIN_SECONDS) -> None:
+    async def stop(self, drain: float = 0.0, settle: float = SHUTDOWN_SETTLE_SECONDS) -> None:
         """Shut down without cutting requests: health says NOT_SERVING at once; new streams are still served, for
         at least `settle` seconds even with none open (a Gateway sees NOT_SERVING only at its next health check),
         and the streams open get up to `drain` seconds in all to end (the bound on the whole); then the server

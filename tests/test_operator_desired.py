@@ -27,7 +27,7 @@ from kvmesh.operator.desired import (
 )
 from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod
 from kvmesh.operator.local import local_engine_settings
-from kvmesh.router.config import EXT_PROC_DRAIN_SECONDS, GATEWAY_EXT_PROC_PORT, load_router_config
+from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, load_router_config
 from kvmesh.router.picker import PickerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,12 +90,12 @@ def test_an_aggregated_pool_has_one_engine_deployment_and_a_disaggregated_one_tw
 
 
 def test_a_terminating_router_outlasts_its_endpoint_pickers_drain() -> None:
-    """At shutdown the router lets the streams a Gateway has open finish for EXT_PROC_DRAIN_SECONDS: its pod must
+    """At shutdown the router lets the streams a Gateway has open finish for SHUTDOWN_DRAIN_SECONDS: its pod must
     not be killed before."""
     for path in (AGGREGATED, DISAGGREGATED):
         (router,) = [d for name, d in by_kind(desired_objects(pool(path)), "Deployment").items()
                      if name.endswith("-router")]
-        assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > EXT_PROC_DRAIN_SECONDS + 10
+        assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > SHUTDOWN_DRAIN_SECONDS + 10
 
 
 def test_the_gateway_pool_names_the_ext_proc_port_the_router_serves(tmp_path: Path) -> None:
