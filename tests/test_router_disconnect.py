@@ -22,14 +22,19 @@ from .test_server import _aborts, served, wait_idle
 __all__ = ["served"]  # the fixture: one in-process engine behind uvicorn
 
 
+def slowed_router(url: str, engine: Engine, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Router:
+    """A router in front of the served engine, whose steps take 10 ms longer so a client can leave mid-request."""
+    real_run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
+    return build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
+
+
 def test_a_client_that_leaves_stops_the_request_on_the_engine(
     served: tuple[str, Engine], tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, engine = served
-    real_run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
     before = _aborts(engine)
-    router = build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
+    router = slowed_router(url, engine, tiny_dir, monkeypatch)
     with serve_router(router) as router_url:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(router_url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True},
@@ -45,10 +50,8 @@ def test_a_client_that_leaves_mid_stream_stops_the_request_and_frees_its_pod(
     served: tuple[str, Engine], tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, engine = served
-    real_run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
     before = _aborts(engine)
-    router = build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
+    router = slowed_router(url, engine, tiny_dir, monkeypatch)
     with serve_router(router) as router_url:
         body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", router_url + "/v1/completions", json=body, timeout=30) as reply:
