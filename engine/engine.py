@@ -131,7 +131,7 @@ class Engine:
         self.runner = self.make_runner(loaded, num_blocks)
         self.lengths = OutputLengthModel()
         self.state = EngineState(kv=self.kv.stats())
-        self.metrics = EngineMetrics(self.model_name, lambda: self.state)
+        self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype)
         self.kv_config = KVConfig(
             model=self.model_name,
             block_size=config.block_size,

@@ -64,9 +64,10 @@ class EngineState:
 
 
 class _StateCollector:
-    def __init__(self, state: Callable[[], EngineState], model: str) -> None:
+    def __init__(self, state: Callable[[], EngineState], model: str, cache_dtype: str) -> None:
         self._state = state
         self._model = model
+        self._cache_dtype = cache_dtype
 
     def collect(self) -> Iterator[Metric]:
         s = self._state()
@@ -81,8 +82,9 @@ class _StateCollector:
         yield gauge(V.RUNNING, "Requests in the running batch.", s.running)
         yield gauge(V.WAITING, "Requests waiting to be scheduled.", s.waiting)
         yield gauge(V.KV_USAGE, "Device KV blocks held by requests over all device blocks (0..1).", s.kv.usage)
-        info = GaugeMetricFamily(V.CACHE_CONFIG, "KV cache configuration.", labels=["block_size", "num_gpu_blocks"])
-        info.add_metric([str(s.kv.block_size), str(s.kv.total)], 1)
+        info = GaugeMetricFamily(V.CACHE_CONFIG, "KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype"])
+        info.add_metric([str(s.kv.block_size), str(s.kv.total), self._cache_dtype], 1)
         yield info
         blocks = GaugeMetricFamily(M.KV_BLOCKS, "KV blocks by state and tier; states sum to the tier's total.",
                                    labels=["tier", "state"])
@@ -118,7 +120,7 @@ class _StateCollector:
 class EngineMetrics:
     """Event-driven metrics; `render()` gives the Prometheus text for /metrics."""
 
-    def __init__(self, model: str, state: Callable[[], EngineState]) -> None:
+    def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = "auto") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         lm = [MODEL_LABEL]
@@ -205,7 +207,7 @@ class EngineMetrics:
             self.requests.labels(reason)
         for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens):
             c.labels(model)
-        r.register(_StateCollector(state, model))
+        r.register(_StateCollector(state, model, cache_dtype))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -177,7 +177,8 @@ def test_metrics_conservation_and_hits_equal_cached_tokens(tiny_dir: Path) -> No
         assert sum(blocks.values()) == engine.kv.pool.num_blocks
     after = _samples(engine)
     assert after[hits_key] - before.get(hits_key, 0.0) == sum(r.final.cached_tokens for r in results) > 0
-    assert after[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "40")))] == 1
+    config_labels = (("block_size", "16"), ("cache_dtype", "auto"), ("num_gpu_blocks", "40"))
+    assert after[("vllm:cache_config_info", config_labels)] == 1
 
 
 def test_cache_salt_isolates_tenants(tiny_engine: Engine) -> None:

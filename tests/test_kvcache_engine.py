@@ -29,6 +29,7 @@ def test_the_same_memory_holds_more_blocks(tiny_dir: Path) -> None:
     assert auto.kv_config.block_bytes / int8.kv_config.block_bytes == pytest.approx(4 * dim / (dim + 4))
     assert int8.kv.pool.num_blocks >= 3 * auto.kv.pool.num_blocks
     assert int8.kv_config.kv_cache_dtype == "int8" and auto.kv_config.kv_cache_dtype == "auto"
+    assert f'cache_dtype="int8",num_gpu_blocks="{int8.kv.pool.num_blocks}"' in int8.metrics.render().decode()
 
 
 def test_logits_stay_close_to_the_model_dtype_cache(tiny_dir: Path) -> None:
