@@ -168,7 +168,7 @@ def spec_schema() -> dict[str, Any]:
         "name": _str("the model name clients send (default: the source's name)", minLength=1, maxLength=256),
         "volumeClaim": _str("a PersistentVolumeClaim holding the weights, mounted read-only at /models",
                             pattern=DNS_LABEL),
-        "dtype": _enum("weights and KV dtype", DTYPES, "auto"),
+        "dtype": _enum("weights dtype (and the KV cache's, with kvCacheDtype auto)", DTYPES, "auto"),
         "quantization": _enum("int8: int8 weights and activations (CPU)", QUANTIZATIONS, "none"),
         "kvCacheDtype": _enum("how engines store K and V: auto (the model's dtype) or int8 (a scale per token and "
                               "head; about twice the cached tokens of bf16 in the same memory)", KV_CACHE_DTYPES,

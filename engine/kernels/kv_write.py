@@ -3,7 +3,8 @@
 A slot is `block * block_size + offset`; -1 means "do not store" (a token whose KV is not kept, such as
 padding). One program stores one token's K and V for all KV heads of one layer. Into an int8 cache each
 (token, head) row is quantized on the way, as engine/kvcache.py does it: scale = absmax / 127, values rounded
-half away from zero, so both backends write the same bytes.
+half away from zero, with IEEE divisions (Triton's `/` approximates on a GPU), so both backends write the same
+bytes.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import triton.language as tl
 
 from .common import LAUNCHES, Scales, next_pow2, scale_arguments
 
-INT8_MAX = tl.constexpr(127)  # engine/kvcache.py's format (kernels import nothing of kvmesh; a test checks both agree)
+INT8_MAX = tl.constexpr(127)  # engine/kvcache.py's format (kernels import nothing of kvmesh; tests/test_kernels_int8.py
+# checks that both write the same bytes)
 
 
 @triton.jit
 def _quantize_rows(x, row_ok):
     """Per-row symmetric int8 of x ([H, D] fp32): values (still fp32, integral) and scales [H]."""
     amax = tl.max(tl.abs(x), axis=1)
-    scale = amax / INT8_MAX
-    y = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, INT8_MAX, tl.float32))  # IEEE division, as torch's: a GPU's
+    y = tl.math.div_rn(x, tl.broadcast_to(tl.where(scale > 0, scale, 1.0)[:, None], x.shape))  # `/` approximates
     rounded = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
     return tl.minimum(tl.maximum(rounded, -INT8_MAX), INT8_MAX), tl.where(row_ok, scale, 0.0)
 

@@ -33,7 +33,7 @@ class TransferError(Exception):
 class Layout:
     """What must match for a block's bytes to mean the same KV on both sides."""
 
-    shape: tuple[int, ...]  # one block: [layers, 2, block_size, kv_heads, head_dim]
+    shape: tuple[int, ...]  # one block: [layers, 2, block_size, kv_heads, head_dim], or [block_bytes] for int8
     dtype: str
 
     @classmethod
