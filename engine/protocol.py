@@ -415,6 +415,7 @@ class ScrapedMetrics:
     forecast_usage: dict[str, float]
     num_blocks: int | None = None
     block_size: int | None = None
+    cache_dtype: str | None = None  # the KV format (KV_CACHE_DTYPES)
 
 
 def read_engine_metrics(text: str) -> ScrapedMetrics:
@@ -424,6 +425,7 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
     values: dict[str, float] = {}
     forecast: dict[str, float] = {}
     num_blocks = block_size = None
+    cache_dtype: str | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not math.isfinite(sample.value):
@@ -434,6 +436,7 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
             elif sample.name == VllmMetric.CACHE_CONFIG:
                 num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
                 block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
+                cache_dtype = sample.labels.get("cache_dtype")
             elif set(sample.labels) <= {MODEL_LABEL}:
                 values[sample.name] = sample.value
-    return ScrapedMetrics(values, forecast, num_blocks, block_size)
+    return ScrapedMetrics(values, forecast, num_blocks, block_size, cache_dtype)

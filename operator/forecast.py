@@ -61,6 +61,7 @@ class PodMetrics:
     observation: PodObservation
     counters: Counters
     block_size: int
+    kv_format: str = "auto"  # how it stores KV blocks: a warm-up copies only between pods of one format
 
 
 def parse_pod(name: str, role: str, text: str) -> PodMetrics:
@@ -72,7 +73,7 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
     observation = PodObservation(name=name, role=role, num_blocks=m.num_blocks or 0, forecast=m.forecast_usage,
                                  running=running, waiting=waiting, **values)
     return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),
-                      m.block_size or DEFAULT_BLOCK_SIZE)
+                      m.block_size or DEFAULT_BLOCK_SIZE, m.cache_dtype or "auto")
 
 
 @dataclass(frozen=True)

@@ -370,7 +370,8 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
     port = pool.spec["engine"]["port"]
     by_name = {p["metadata"]["name"]: p for p in pods}
     serving = [ServingPod(name, m.observation.role, pod_url(by_name[name], port), hit_rates.get(name, 0.0),
-                          pod_ready(by_name[name])) for m in scraped if (name := m.observation.name) in by_name]
+                          pod_ready(by_name[name]), m.kv_format)
+               for m in scraped if (name := m.observation.name) in by_name]
     limit = pool.spec["scaling"]["warmupPrefixes"]
     gated = desired.warmup_grace_seconds(pool) > 0
     plan = plan_warmups(state.serving, serving, limit, gated)

@@ -80,7 +80,8 @@ class LocalOperator:
         scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
         decision = self.scaler.observe(now, scraped, replicas)
         hit_rates = pod_hit_rates(self.memory, now, scraped)
-        serving = [ServingPod(p.name, p.role, p.url, hit_rates.get(p.name, 0.0), p.ready) for p in pods]
+        serving = [ServingPod(p.name, p.role, p.url, hit_rates.get(p.name, 0.0), p.ready, m.kv_format)
+                   for p, m in zip(pods, scraped, strict=True)]
         warmups = plan_warmups(self.memory.serving, serving, self.pool.spec["scaling"]["warmupPrefixes"], self.gated)
         self.memory.serving = frozenset(p.name for p in pods)
         return Tick(decision, warmups)

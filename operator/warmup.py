@@ -22,6 +22,7 @@ class ServingPod:
     url: str  # http://ip:port of its engine
     hit_rate: float = 0.0  # cached prompt tokens per second it served lately: how warm its cache is
     ready: bool = True  # its Kubernetes Ready condition: False while loading, warming up or draining
+    kv_format: str = "auto"  # its KV cache's format (KV_CACHE_DTYPES): blocks copy only between equal formats
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,16 @@ class WarmupPlan:
 
 def plan_warmups(known: frozenset[str] | None, serving: Sequence[ServingPod], limit: int,
                  gated: bool = False) -> WarmupPlan:
-    """Per role, the new pods in `serving` (those not in `known`, the pods that served at the last tick),
-    warmed from the old pod whose cache serves the most hits (ties: the first name). On the operator's first
-    tick (`known` None) only the pods not Ready yet are new: a restarted operator must not re-warm a whole pool,
-    yet must not leave a pod that was warming up to its grace. With the engines' gate on (`gated`), new pods
-    with nothing to copy (no old pod of their role: a pool's first pods; or `limit` 0, warm-up off) are
-    opened at once."""
+    """Per role and KV format, the new pods in `serving` (those not in `known`, the pods that served at the last
+    tick), warmed from the old pod of their format whose cache serves the most hits (ties: the first name). On
+    the operator's first tick (`known` None) only the pods not Ready yet are new: a restarted operator must not
+    re-warm a whole pool, yet must not leave a pod that was warming up to its grace. With the engines' gate on
+    (`gated`), new pods with nothing to copy (no old pod of their role and format: a pool's first pods, or the
+    first pods of a rolling change of kvCacheDtype; or `limit` 0, warm-up off) are opened at once."""
     warmups: list[Warmup] = []
     open_now: list[ServingPod] = []
-    for role in sorted({p.role for p in serving}):
-        pods = sorted((p for p in serving if p.role == role), key=lambda p: p.name)
+    for role, kv_format in sorted({(p.role, p.kv_format) for p in serving}):
+        pods = sorted((p for p in serving if (p.role, p.kv_format) == (role, kv_format)), key=lambda p: p.name)
         new = tuple(p for p in pods if (not p.ready if known is None else p.name not in known))
         old = [p for p in pods if p not in new]
         if new and old and limit > 0:

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +221,7 @@ class Relay:
     client_usage: bool = True  # the client asked for the usage chunk (the router always does, for its log)
     finished: bool = False  # a choice carried a finish_reason
     done: bool = False  # [DONE] arrived
+    started: bool = False  # the relay began (one that never did is counted by its RelayResponse)
 
     def on_chunk(self, chunk: dict[str, Any], trace: Trace) -> dict[str, Any]:
         """Record what a chunk delivers and make it look like one stream: first id, no second role."""
@@ -271,11 +272,13 @@ class Relay:
 
 class RelayResponse(StreamingResponse):
     """A relayed stream that gives its pod back however it ends. Starlette leaves a body it stopped early (the
-    client left) to the garbage collector, and never starts one whose client left before the first chunk."""
+    client left) to the garbage collector, and never starts one whose client left before the first chunk: that
+    one is counted and logged here (`unstarted`), as the relay's own ending would have."""
 
-    def __init__(self, lines: AsyncGenerator[str, None], state: Relay, headers: Mapping[str, str]) -> None:
+    def __init__(self, lines: AsyncGenerator[str, None], state: Relay, headers: Mapping[str, str],
+                 unstarted: Callable[[], None]) -> None:
         super().__init__(lines, media_type="text/event-stream", headers=headers)
-        self.lines, self.state = lines, state
+        self.lines, self.state, self.unstarted = lines, state, unstarted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -283,6 +286,8 @@ class RelayResponse(StreamingResponse):
         finally:
             await self.lines.aclose()  # the relay's own ending (its pod, the count, the log) runs now
             self.state.booking.close()  # for a relay that never started
+            if not self.state.started:
+                self.unstarted()
 
 
 @dataclass(frozen=True)
@@ -463,11 +468,20 @@ class Router:
         config = self.pods.kv_config_of(decision.pod.name)
         if config is None:
             return None
-        # blocks move as raw bytes: only between pods storing them alike (a rolling change of kvCacheDtype
-        # leaves both formats in a pool for a while)
-        alike = [p for p in view.pods if (peer := self.pods.kv_config_of(p.name)) is not None
-                 and (peer.kv_cache_dtype, peer.block_bytes) == (config.kv_cache_dtype, config.block_bytes)]
+        unlike = self.stored_otherwise(decision.pod.name)
+        alike = [p for p in view.pods if p.name not in unlike and self.pods.kv_config_of(p.name) is not None]
         return plan_pull(decision.pod, info, alike, view.matches, config.block_bytes, self.picker, self.pull)
+
+    def stored_otherwise(self, name: str) -> set[str]:
+        """The pods that store KV blocks otherwise than pod `name` (another kv_cache_dtype or block size in
+        bytes): blocks move as raw bytes, so a pull or handoff between them would be refused. A rolling change
+        of kvCacheDtype leaves both formats in a pool for a while."""
+        mine = self.pods.kv_config_of(name)
+        if mine is None:
+            return set()
+        return {other for other, pod in self.pods.pods.items() if pod.kv_config is not None
+                and (pod.kv_config.kv_cache_dtype, pod.kv_config.block_bytes) != (mine.kv_cache_dtype,
+                                                                                  mine.block_bytes)}
 
 
 def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
@@ -537,14 +551,17 @@ class Drain:
     serving; it begins at SIGTERM or SIGINT (`RouterServer`), or at the app's shutdown when no signal came."""
 
     draining: bool = False
+    settle: float = SHUTDOWN_SETTLE_SECONDS  # new requests still served this long (0 after a local Ctrl-C)
     gateway: ExtProcServer | None = None
     picker_stopped: asyncio.Task[None] | None = None  # the picker's drain, once started
 
-    def begin(self) -> None:
+    def begin(self, settle: float | None = None) -> None:
         """Start draining, and the picker's drain if it serves and has not started one (on the event loop)."""
         self.draining = True
+        self.settle = self.settle if settle is None else settle
         if self.gateway is not None and self.picker_stopped is None:
-            self.picker_stopped = asyncio.ensure_future(self.gateway.stop(drain=SHUTDOWN_DRAIN_SECONDS))
+            self.picker_stopped = asyncio.ensure_future(self.gateway.stop(drain=SHUTDOWN_DRAIN_SECONDS,
+                                                                          settle=self.settle))
 
     async def finish(self) -> None:
         """Until the picker is drained (begun here if no signal began it)."""
@@ -582,7 +599,7 @@ class RouterServer(uvicorn.Server):
         self.stopping = asyncio.run_coroutine_threadsafe(self._drain(signal.Signals(sig).name, settle), self.loop)
 
     async def _drain(self, name: str, settle: float) -> None:
-        self.drain.begin()
+        self.drain.begin(settle)
         logging.getLogger("kvmesh.router").warning(
             "%s: draining; /health answers 503, new requests are served for %g s more, open ones for up to %g s "
             "after that (Ctrl-C again to quit now)", name, settle, HTTP_DRAIN_SECONDS)
@@ -725,7 +742,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             stream_state = Relay(booking, upstream, path, headers, tried,
                                  strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD), migratable=migratable,
                                  client_usage=wants_usage(raw))
-            return RelayResponse(relay(trace, stream_state), stream_state, headers=decided)
+            return RelayResponse(relay(trace, stream_state), stream_state, decided, lambda: ended(trace, "client_gone"))
         with booking:
             content = await reply.read()
         outcome = "ok" if reply.status == 200 else "error"
@@ -773,8 +790,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if stream:
             decode_body[RETURN_TOKEN_IDS_FIELD] = True
             decode_body["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
-        tried: set[str] = set()
+        unlike = router.stored_otherwise(prefill_pod.name)  # could not take the prefill pod's KV
+        tried: set[str] = set(unlike)
         opened = await open_upstream(trace, decode_body, path, headers, tried)
+        if opened is None and unlike:  # none of its format left: one of another recomputes the prompt
+            tried -= unlike
+            opened = await open_upstream(trace, decode_body, path, headers, tried)
         if opened is None:
             return no_pod(trace, "no decode pod can take this request now; retry later")
         booking, reply, _ = opened
@@ -791,8 +812,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 opening["choices"][0]["delta"]["role"] = "assistant"
             if client_ids:
                 opening["choices"][0]["token_ids"] = [token]
-            return RelayResponse(relay(trace, state, "data: " + json.dumps(opening) + "\n\n"), state,
-                                 headers=decided)
+            return RelayResponse(relay(trace, state, "data: " + json.dumps(opening) + "\n\n"), state, decided,
+                                 lambda: ended(trace, "client_gone"))
         with booking:
             rest = json.loads(await reply.read())
         if reply.status != 200:
@@ -827,6 +848,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         fails mid-stream, continue on another pod with the prompt plus the tokens already sent
         (`resume_output_ids`), so the client's stream goes on with no repeated or missing token; only when no pod
         can continue does it end with an error event."""
+        state.started = True
         outcome = "ok"
         usage = None
         try:
@@ -874,8 +896,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             outcome = "client_gone"
             raise
         finally:
-            router.metrics.requests.labels(outcome, trace.route).inc()
-            router.record(trace, outcome, 200, usage)
+            ended(trace, outcome, usage)
+
+    def ended(trace: Trace, outcome: str, usage: dict[str, Any] | None = None) -> None:
+        """A relayed stream's end, counted and logged once."""
+        router.metrics.requests.labels(outcome, trace.route).inc()
+        router.record(trace, outcome, 200, usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Response:

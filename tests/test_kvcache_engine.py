@@ -15,6 +15,7 @@ import torch
 
 from kvmesh.cli import main
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.protocol import read_engine_metrics
 from kvmesh.engine.runner import StepInput
 
 from .conftest import make_engine
@@ -30,6 +31,7 @@ def test_the_same_memory_holds_more_blocks(tiny_dir: Path) -> None:
     assert int8.kv.pool.num_blocks >= 3 * auto.kv.pool.num_blocks
     assert int8.kv_config.kv_cache_dtype == "int8" and auto.kv_config.kv_cache_dtype == "auto"
     assert f'cache_dtype="int8",num_gpu_blocks="{int8.kv.pool.num_blocks}"' in int8.metrics.render().decode()
+    assert read_engine_metrics(int8.metrics.render().decode()).cache_dtype == "int8"  # what the operator reads
 
 
 def test_logits_stay_close_to_the_model_dtype_cache(tiny_dir: Path) -> None:

@@ -79,9 +79,9 @@ def wait_nothing_in_flight(router: Router) -> None:
 @pytest.mark.asyncio
 async def test_a_client_gone_before_the_first_chunk_frees_its_pod(tiny_dir: Path) -> None:
     """Starlette never starts a stream's body when the client leaves while the response is starting; the pod's
-    in-flight count must come back all the same. Driven through the ASGI interface directly, the one way to put
-    the disconnect at that moment: the server's `send` of the response start waits, its `receive` says the client
-    has gone."""
+    in-flight count must come back all the same, and the request be counted as gone. Driven through the ASGI
+    interface directly, the one way to put the disconnect at that moment: the server's `send` of the response
+    start waits, its `receive` says the client has gone."""
     router = build_router(RouterConfig(pods=["http://127.0.0.1:9"]), tiny_dir)
     pod = router.pods.pods["http://127.0.0.1:9"]
     started = []
@@ -99,5 +99,7 @@ async def test_a_client_gone_before_the_first_chunk_frees_its_pod(tiny_dir: Path
     async def send(_: object) -> None:
         await asyncio.Event().wait()  # the client is too slow to take the response's start
 
-    await RelayResponse(lines(), state, headers={})({"type": "http"}, receive, send)
+    ended = []
+    await RelayResponse(lines(), state, {}, lambda: ended.append("client_gone"))({"type": "http"}, receive, send)
     assert not started and pod.inflight == 0
+    assert ended == ["client_gone"]  # counted and logged as the relay's own ending would have

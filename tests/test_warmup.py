@@ -33,8 +33,20 @@ from kvmesh.processes import free_port
 from .test_operator import NS, POOLS, MetricsServer, eventually, operator, pod_body, pool_body, run
 
 
-def pod(name: str, role: str = "both", hit_rate: float = 0.0, ready: bool = True) -> ServingPod:
-    return ServingPod(name, role, f"http://{name}:8000", hit_rate, ready)
+def pod(name: str, role: str = "both", hit_rate: float = 0.0, ready: bool = True, kv_format: str = "auto"
+        ) -> ServingPod:
+    return ServingPod(name, role, f"http://{name}:8000", hit_rate, ready, kv_format)
+
+
+def test_a_new_pod_copies_only_from_an_old_pod_storing_kv_alike() -> None:
+    """A rolling change of kvCacheDtype: the new int8 pods copy from the int8 pod, however warm the others are;
+    with none of their format, they have nothing to copy (opened at once with the gate on)."""
+    old = [pod("a", hit_rate=50.0), pod("b", hit_rate=1.0, kv_format="int8")]
+    new = [pod("c", kv_format="int8"), pod("d", kv_format="int8")]
+    plan = plan_warmups(frozenset({"a", "b"}), old + new, 16, gated=True)
+    assert plan == WarmupPlan((Warmup("both", old[1], tuple(new)),))
+    plan = plan_warmups(frozenset({"a"}), [old[0], *new], 16, gated=True)
+    assert plan == WarmupPlan(open_now=tuple(new))
 
 
 def test_pods_that_start_serving_copy_the_warmest_old_pod_of_their_role() -> None:

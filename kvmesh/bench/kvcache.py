@@ -31,6 +31,7 @@ from kvmesh.engine.runner import StepInput
 from kvmesh.engine.sampling import SamplingParams
 
 FORMATS = ("auto", "int8")
+ACCURACY_MIB = 256  # the accuracy pass's engines: one question and its continuation at a time
 FIRST_ORDINARY_TOKEN = 100  # below this the bundled vocabulary holds special tokens
 QUESTIONS = (
     "What is the capital of France?",
@@ -107,6 +108,9 @@ def accuracy(engines: dict[str, Engine], questions: list[str], tokens: int) -> A
     for question in tqdm(questions, desc="accuracy", file=sys.stderr):
         ids = reference.tokenizer.encode_chat([{"role": "user", "content": question}])
         table = list(range(-(-(len(ids) + tokens) // block)))
+        if len(table) > min(e.kv.pool.num_blocks for e in engines.values()):
+            raise ValueError(f"question {question!r} and {tokens} tokens need {len(table)} KV blocks; the accuracy "
+                             f"engines have fewer")
         want = reference.runner.run([StepInput(table, 0, ids, True)]).logits
         got = candidate.runner.run([StepInput(table, 0, ids, True)]).logits
         for position in range(len(ids), len(ids) + tokens):
@@ -156,16 +160,20 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.accuracy_prompts <= len(QUESTIONS):
         print(f"kvmesh bench kv-cache: --accuracy-prompts must be 1 to {len(QUESTIONS)}", file=sys.stderr)
         return 2
+    if min(args.concurrency, args.prompt_tokens, args.output_tokens, args.accuracy_tokens) < 1:
+        print("kvmesh bench kv-cache: --concurrency, --prompt-tokens, --output-tokens and --accuracy-tokens must be "
+              "at least 1", file=sys.stderr)
+        return 2
     print("loading the model ...", file=sys.stderr)
     loaded = load_model(EngineConfig(model=args.model, dtype=args.dtype))
-    need = -(-(args.prompt_tokens + args.output_tokens) // 16) * args.concurrency
     tight = {f: _engine(loaded, f, args.budget_mib, args) for f in FORMATS}
+    need = -(-(args.prompt_tokens + args.output_tokens) // tight["auto"].config.block_size) * args.concurrency
     caps = [capacity(e) for e in tight.values()]
     print(f"model dtype {loaded.dtype}; the requests need {need} blocks at once; "
           + ", ".join(f"{c.kv_cache_dtype}: {c.blocks} blocks in {args.budget_mib} MiB" for c in caps),
           file=sys.stderr)
-    acc = accuracy({f: _engine(loaded, f, 64, args) for f in FORMATS}, list(QUESTIONS[: args.accuracy_prompts]),
-                   args.accuracy_tokens)
+    acc = accuracy({f: _engine(loaded, f, ACCURACY_MIB, args) for f in FORMATS},
+                   list(QUESTIONS[: args.accuracy_prompts]), args.accuracy_tokens)
     runs: list[Throughput] = []
     cases = [(f, args.budget_mib) for f in FORMATS] + [(f, args.ample_mib) for f in FORMATS]
     for i, (fmt, budget) in enumerate(cases):
