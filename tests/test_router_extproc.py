@@ -431,12 +431,12 @@ async def test_a_health_watch_is_told_when_the_picker_can_no_longer_pick_and_aga
     router, _, channel = picker
     stub, _ = health_checker(channel)
     watch = stub.Watch(health_pb2.HealthCheckRequest(service=service))
-    assert (await watch.read()).status == SERVING
+    assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
     for pod in router.pods.pods.values():
         pod.healthy = False
-    assert (await watch.read()).status == NOT_SERVING
+    assert (await asyncio.wait_for(watch.read(), 30)).status == NOT_SERVING
     router.pods.pods[POD_B].healthy = True
-    assert (await watch.read()).status == SERVING
+    assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
     watch.cancel()
 
 
@@ -659,7 +659,7 @@ async def test_shutdown_says_not_serving_and_lets_an_open_stream_finish(router: 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub, check = health_checker(channel)
         watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
-        assert await check("readiness") == SERVING and (await watch.read()).status == SERVING
+        assert await check("readiness") == SERVING and (await asyncio.wait_for(watch.read(), 30)).status == SERVING
         call = pb_grpc.ExternalProcessorStub(channel).Process()
         await call.write(request_headers())
         for message in body_chunks(json.dumps(completion(27)).encode()):
@@ -668,7 +668,7 @@ async def test_shutdown_says_not_serving_and_lets_an_open_stream_finish(router: 
         await call.read()
         # the drain period never runs out in this test; no minimum wait: only the open stream keeps it up
         stopping = asyncio.ensure_future(server.stop(drain=600, settle=0))
-        assert (await watch.read()).status == NOT_SERVING  # told at once: the gateway goes elsewhere
+        assert (await asyncio.wait_for(watch.read(), 30)).status == NOT_SERVING  # told at once
         assert await check("readiness") == NOT_SERVING and await check("") == NOT_SERVING
         assert await check("liveness") == SERVING
         assert not stopping.done()  # the answer is still on its way
