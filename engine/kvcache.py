@@ -94,11 +94,13 @@ class LayerKV:
 
     def read(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The blocks `block_ids` (any shape of ids), `[*ids.shape, block_size, num_kv_heads, head_dim]` in
-        `dtype`: one copy a block."""
-        values = self.values[block_ids]
+        `dtype`: one copy a block (index_select: on these strided views 2.6 to 4.5x faster than indexing)."""
+        flat = block_ids.reshape(-1)
+        values = self.values.index_select(0, flat).view(*block_ids.shape, *self.values.shape[1:])
         if self.scales is None:
             return values.to(dtype)
-        return dequantize(values, self.scales[block_ids], dtype)
+        scales = self.scales.index_select(0, flat).view(*block_ids.shape, *self.scales.shape[1:])
+        return dequantize(values, scales, dtype)
 
 
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
