@@ -115,4 +115,5 @@ def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (values.to(torch.float32) * scales[..., None]).to(dtype)
+    """values x scale in fp32 (int8 times fp32 promotes in one pass), then `dtype`."""
+    return (values * scales[..., None]).to(dtype)
