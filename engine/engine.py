@@ -545,7 +545,7 @@ class Engine:
         if not sampling:
             return
         samples = sample(result.logits, [r.params for r in sampling], [r.num_generated for r in sampling],
-                         self.tokenizer.eos_token_ids)
+                         self.tokenizer.eos_token_ids, [r.output_ids for r in sampling])
         now = time.monotonic()
         for row, r in enumerate(sampling):
             logprob = samples.logprobs[row] if samples.logprobs is not None else None

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
-from kvmesh.engine.sampling import MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
+from kvmesh.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
 
 
 class StreamOptions(BaseModel):
@@ -102,8 +102,10 @@ class _Common(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's clients send it) -> bias
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: nothing constrains decoding
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer: KVTransfer | None = None
@@ -123,6 +125,19 @@ class _Common(BaseModel):
     @property
     def stops(self) -> list[str]:
         return self.stop if isinstance(self.stop, list) else []
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+        return value
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(_Common):

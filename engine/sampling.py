@@ -2,11 +2,14 @@
 
 Seeded sampling derives a fresh random stream from (seed, output index) for every token, so any pod that
 knows the seed and how many tokens were already generated continues the stream exactly (DESIGN.md contract 0).
+Penalties count the tokens generated so far, which a pod continuing a request receives (`resume_output_ids`),
+so they continue exactly too.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +18,8 @@ import xxhash
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2 to 2
+MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range is -100 to 100
 
 
 @dataclass
@@ -32,6 +37,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated at least once
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if self.seed is None:
@@ -64,6 +72,19 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids outside the vocabulary (0..{vocab_size - 1}): {bad}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
+        bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -94,17 +115,34 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int]) -> None:
+    """Penalties (OpenAI's: presence once per token generated, frequency once per time) and logit_bias, in place
+    on one row."""
+    if generated and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1])
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+
+
 @torch.inference_mode()
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     output_indices: list[int],
     stop_ids: frozenset[int] = frozenset(),
+    generated: Sequence[Sequence[int]] | None = None,
 ) -> SampleResult:
-    """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i].
-    Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids."""
+    """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i], after
+    its penalties over `generated[i]` (the tokens it generated so far) and its logit_bias. Rows still under their
+    `min_tokens` cannot pick `stop_ids` or their own stop_token_ids. Logprobs are the model's own."""
     raw = logits.float()
     logits = raw
+    for row, p in enumerate(params):
+        if p.adjusts_logits:
+            logits = raw.clone() if logits is raw else logits
+            _adjust(logits[row], p, generated[row] if generated is not None else ())
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if index < p.min_tokens:
             logits = raw.clone() if logits is raw else logits

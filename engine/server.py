@@ -296,8 +296,9 @@ class _Completions:
                 f"({e.max_model_len})",
                 param="max_tokens",
             )
-        if b.presence_penalty or b.frequency_penalty:
-            raise ApiError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+        if b.response_format is not None and b.response_format.get("type", "text") != "text":
+            raise ApiError(400, f"response_format {b.response_format.get('type')!r} is not supported (no constrained "
+                                "decoding): ask for JSON in the prompt", param="response_format")
         if isinstance(b, ChatRequest):
             logprobs, top = b.logprobs, b.top_logprobs or 0
             if top and not logprobs:
@@ -316,6 +317,9 @@ class _Completions:
             min_tokens=b.min_tokens,
             logprobs=logprobs,
             top_logprobs=top,
+            presence_penalty=b.presence_penalty,
+            frequency_penalty=b.frequency_penalty,
+            logit_bias=b.logit_bias_ids(),
         )
         try:
             params.validate(e.tokenizer.vocab_size)

@@ -263,3 +263,22 @@ def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch: pytest.MonkeyPatch)
     assert engine_module.pick_dtype("auto", cpu) == torch.bfloat16
     assert engine_module.pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert engine_module.pick_dtype("float16", cpu) == torch.float16
+
+
+def test_penalties_change_the_answer_and_continue_exactly_after_a_resume(tiny_engine: Engine) -> None:
+    """Penalties count the tokens generated so far; a pod continuing a request gets them as its output so far
+    (resume_output_ids), so it goes on exactly as one pod would have."""
+    ids = prompt(9, 20)
+    plain = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True, "logit_bias": {777: 20.0}}
+    penalized = {**plain, "frequency_penalty": 2.0, "presence_penalty": 2.0}
+    [free] = generate(tiny_engine, [ids], **plain)
+    [whole] = generate(tiny_engine, [ids], **penalized)
+    assert free.tokens == [777] * 10  # the bias alone makes one token win every step
+    # the penalties take 2 (presence, once) + 2 (frequency, each time) from it as it repeats, until others win
+    assert whole.tokens[0] == 777 and whole.tokens.count(777) < 10
+    outputs: list[RequestOutput] = []
+    resumed = Request("resumed", list(ids), SamplingParams(**penalized), on_output=outputs.append,
+                      output_ids=whole.tokens[:4])  # type: ignore[arg-type]
+    tiny_engine.submit(resumed)
+    tiny_engine.run_until_idle()
+    assert whole.tokens[:4] + [t for o in outputs for t in o.new_token_ids] == whole.tokens

@@ -72,3 +72,29 @@ def test_logprobs_are_the_models_own() -> None:
 def test_validation_names_the_parameter(params: SamplingParams, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         params.validate(vocab_size=1000)
+
+
+def test_frequency_counts_every_repeat_and_presence_only_the_first() -> None:
+    repeated = [0] * 5
+    greedy = {"temperature": 0.0}
+    assert sample(LOGITS, [SamplingParams(**greedy, presence_penalty=0.9)], [5], generated=[repeated]).token_ids == [0]
+    assert sample(LOGITS, [SamplingParams(**greedy, frequency_penalty=0.3)], [5], generated=[repeated]).token_ids == [1]
+    assert sample(LOGITS, [SamplingParams(**greedy, frequency_penalty=-2.0)], [2], generated=[[3, 3]]).token_ids == [3]
+    assert sample(LOGITS, [SamplingParams(**greedy, frequency_penalty=2.0)], [0], generated=[[]]).token_ids == [0]
+
+
+def test_logit_bias_forces_and_bans_and_logprobs_stay_the_models() -> None:
+    forced = sample(LOGITS, [SamplingParams(temperature=0.0, logit_bias={4: 100.0}, logprobs=True)], [0])
+    assert forced.token_ids == [4]
+    assert forced.logprobs == [pytest.approx(torch.log_softmax(LOGITS[0], -1)[4].item())]
+    banned = draw(SamplingParams(temperature=1.0, seed=4, logit_bias={0: -100.0, 1: -100.0}), 200)
+    assert set(banned) <= {2, 3, 4}
+
+
+def test_penalties_and_biases_outside_their_ranges_are_refused() -> None:
+    with pytest.raises(ValueError, match="presence_penalty must be between -2 and 2"):
+        SamplingParams(presence_penalty=2.5).validate(5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingParams(logit_bias={7: 1.0}).validate(5)
+    with pytest.raises(ValueError, match="between -100 and 100"):
+        SamplingParams(logit_bias={1: -101.0}).validate(5)

@@ -87,6 +87,10 @@ def test_logprobs_and_n_choices(client: openai.OpenAI, served: tuple[str, Engine
     many = client.completions.create(model=served[1].model_name, prompt="abc", max_tokens=4, n=3, seed=5,
                                      temperature=1.0, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    ids = {"ignore_eos": True, "return_token_ids": True}
+    forced = client.completions.create(model=served[1].model_name, prompt="abc", max_tokens=3, temperature=0,
+                                       logit_bias={"1234": 100}, extra_body=ids)
+    assert forced.choices[0].model_extra["token_ids"] == [1234, 1234, 1234]  # the bias decides every token
     wait_idle(served[1])
 
 
@@ -104,6 +108,12 @@ def test_logprobs_and_n_choices(client: openai.OpenAI, served: tuple[str, Engine
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         ({"messages": "hello"}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, "presence_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"hello": 5}}, "logit_bias keys are token ids"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias values"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 1}}, "outside the vocabulary"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+         "response_format 'json_object' is not supported"),
     ],
 )
 def test_chat_validation_errors_are_400s(served: tuple[str, Engine], body: dict, fragment: str) -> None:
