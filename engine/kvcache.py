@@ -108,7 +108,8 @@ def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gets scale 0 and reads back as zeros. Rounds half away from zero with the same fp32 operations as the
     Triton KV write (engine/kernels/kv_write.py), so both backends write the same bytes."""
     x = rows.float()
-    scales = x.abs().amax(dim=-1) / INT8_MAX
+    amax = x.abs().amax(dim=-1)
+    scales = amax / torch.full_like(amax, INT8_MAX)  # by a tensor: CUDA turns division by a scalar into a * (1/b)
     y = x / torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]
     rounded = torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y))
     return rounded.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales

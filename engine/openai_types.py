@@ -130,7 +130,7 @@ class _Common(BaseModel):
     @classmethod
     def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.strip().isdigit():
+            if not (token.strip().isascii() and token.strip().isdigit()):
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")

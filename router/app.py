@@ -793,9 +793,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         unlike = router.stored_otherwise(prefill_pod.name)  # could not take the prefill pod's KV
         tried: set[str] = set(unlike)
         opened = await open_upstream(trace, decode_body, path, headers, tried)
+        tried -= unlike  # a pod of any format may continue the stream later (it recomputes the prompt)
         if opened is None and unlike:  # none of its format left: one of another recomputes the prompt
-            tried -= unlike
-            opened = await open_upstream(trace, decode_body, path, headers, tried)
+            recompute = {k: v for k, v in decode_body.items() if k != KV_TRANSFER_FIELD}
+            opened = await open_upstream(trace, {**recompute, RESUME_OUTPUT_IDS_FIELD: [token]}, path, headers,
+                                         tried)
         if opened is None:
             return no_pod(trace, "no decode pod can take this request now; retry later")
         booking, reply, _ = opened

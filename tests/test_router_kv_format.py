@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh.router.app import build_router
+from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_dir: Path) -> Iterator[dict[str, str]]:
+def served(tiny_dir: Path) -> Iterator[tuple[dict[str, str], Router]]:
     with ExitStack() as stack:
         urls = {name: stack.enter_context(serve_engine(make_engine(tiny_dir, role=role, kv_cache_dtype=fmt)))
                 for name, role, fmt in (("prefill", "prefill", "int8"), ("decode-int8", "decode", "int8"),
@@ -34,7 +34,12 @@ def pool(tiny_dir: Path) -> Iterator[dict[str, str]]:
             if len(httpx.get(url + "/health").json()["pods"]) == 3:
                 break
             threading.Event().wait(0.1)
-        yield {**urls, "router": url}
+        yield {**urls, "router": url}, router
+
+
+@pytest.fixture(scope="module")
+def pool(served: tuple[dict[str, str], Router]) -> dict[str, str]:
+    return served[0]
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -55,3 +60,24 @@ def test_the_handoff_goes_to_the_decode_pod_of_the_prefill_pods_format(pool: dic
         assert reply.status_code == 200, reply.text
         assert reply.headers["x-kvmesh-pod"] == f"{pool['prefill']},{pool['decode-int8']}"
     assert failed_transfers(pool["decode-int8"]) == 0
+
+
+def test_with_no_decode_pod_of_its_format_left_the_prompt_is_recomputed_without_a_handoff(
+    served: tuple[dict[str, str], Router],
+) -> None:
+    """The int8 decode pod drains: the other-format pod continues after the prefill's first token, computing the
+    prompt itself, and is never asked to pull KV it would have to refuse."""
+    pool, router = served
+    body = {"prompt": tokens(40, 80), "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    router.pods.mark_draining(pool["decode-int8"])
+    try:
+        reply = httpx.post(pool["router"] + "/v1/completions", json=body, timeout=60)
+    finally:
+        router.pods.mark_draining(pool["decode-int8"], False)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvmesh-pod"] == f"{pool['prefill']},{pool['decode-auto']}"
+    assert failed_transfers(pool["decode-auto"]) == 0  # no handoff was tried
+    first, *rest = reply.json()["choices"][0]["token_ids"]  # the prefill pod's token, then the decode pod's
+    alone = httpx.post(pool["decode-auto"] + "/v1/completions", json={**body, "resume_output_ids": [first]},
+                       timeout=60).json()
+    assert rest == alone["choices"][0]["token_ids"]  # what that pod computes from the prompt and the first token
