@@ -319,6 +319,12 @@ class Engine:
     # ---- KV transfer: these touch only pinned or reserved blocks, so any thread may run them ---------------
 
     @property
+    def vocab_size(self) -> int:
+        """The token ids a request may name (stop ids, logit_bias, resumed outputs): those both the tokenizer and
+        the model's logits cover (a tokenizer's added tokens may lie past the model's vocabulary)."""
+        return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
+
+    @property
     def frame_layout(self) -> Layout:
         """What a KV frame's blocks must look like to be written here (a peer in another format is refused)."""
         return Layout.of(self.runner.kv_cache)

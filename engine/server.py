@@ -322,7 +322,7 @@ class _Completions:
             logit_bias=b.logit_bias_ids(),
         )
         try:
-            params.validate(e.tokenizer.vocab_size)
+            params.validate(e.vocab_size)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return params
@@ -335,7 +335,7 @@ class _Completions:
         transfer = b.kv_transfer
         if transfer is not None and transfer.mode == "prefill" and (b.stream or b.n > 1):
             raise ApiError(400, "a kv_transfer prefill is one non-streamed choice", param="kv_transfer")
-        if transfer is not None and transfer.mode == "decode" and transfer.first_token >= e.tokenizer.vocab_size:
+        if transfer is not None and transfer.mode == "decode" and transfer.first_token >= e.vocab_size:
             raise ApiError(400, "kv_transfer.first_token is outside the vocabulary", param="kv_transfer")
         if isinstance(b, CompletionRequest) and (b.echo or b.suffix):
             raise ApiError(400, "echo and suffix are not supported", param="echo")
@@ -345,7 +345,7 @@ class _Completions:
             priority = parse_priority(self.http.headers.get(PRIORITY_HEADER))
         except ValueError:
             raise ApiError(400, f"{PRIORITY_HEADER} must be an integer", param=PRIORITY_HEADER) from None
-        vocab = e.tokenizer.vocab_size
+        vocab = e.vocab_size
         job = _Job(e, asyncio.get_running_loop())
         prompts = await asyncio.to_thread(self.prompts)  # tokenizing a long prompt takes milliseconds: off the loop
         for prompt_index, prompt_ids in enumerate(prompts):
