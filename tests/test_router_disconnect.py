@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,48 +23,51 @@ from .test_server import _aborts, served, wait_idle
 __all__ = ["served"]  # the fixture: one in-process engine behind uvicorn
 
 
-def slowed_router(url: str, engine: Engine, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Router:
-    """A router in front of the served engine, whose steps take 10 ms longer so a client can leave mid-request."""
+@dataclass
+class Slowed:
+    """The served engine, slowed by 10 ms a step so a client can leave mid-request, behind a router."""
+
+    url: str  # the engine's
+    engine: Engine
+    router: Router
+    router_url: str
+    aborts_before: int
+
+
+@pytest.fixture
+def slowed(served: tuple[str, Engine], tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Slowed]:
+    url, engine = served
     real_run = engine.runner.run
     monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
-    return build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
-
-
-def test_a_client_that_leaves_stops_the_request_on_the_engine(
-    served: tuple[str, Engine], tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    url, engine = served
+    router = build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
     before = _aborts(engine)
-    router = slowed_router(url, engine, tiny_dir, monkeypatch)
     with serve_router(router) as router_url:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(router_url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True},
-                       timeout=0.5)
-        wait_idle(engine)
-        assert _aborts(engine) == before + 1
-        metrics = httpx.get(router_url + "/metrics").text
-        assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
-        wait_nothing_in_flight(router)
+        yield Slowed(url, engine, router, router_url, before)
 
 
-def test_a_client_that_leaves_mid_stream_stops_the_request_and_frees_its_pod(
-    served: tuple[str, Engine], tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    url, engine = served
-    before = _aborts(engine)
-    router = slowed_router(url, engine, tiny_dir, monkeypatch)
-    with serve_router(router) as router_url:
-        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", router_url + "/v1/completions", json=body, timeout=30) as reply:
-            chunks = (line for line in reply.iter_lines() if line.startswith("data: {"))
-            next(chunks), next(chunks)  # the stream is under way...
-            assert router.pods.pods[url].inflight == 1
-        # ...and the client has gone
-        wait_idle(engine)
-        assert _aborts(engine) == before + 1
-        wait_nothing_in_flight(router)
-        metrics = httpx.get(router_url + "/metrics").text
-        assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
+def test_a_client_that_leaves_stops_the_request_on_the_engine(slowed: Slowed) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slowed.router_url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True},
+                   timeout=0.5)
+    wait_idle(slowed.engine)
+    assert _aborts(slowed.engine) == slowed.aborts_before + 1
+    metrics = httpx.get(slowed.router_url + "/metrics").text
+    assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
+    wait_nothing_in_flight(slowed.router)
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_request_and_frees_its_pod(slowed: Slowed) -> None:
+    body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", slowed.router_url + "/v1/completions", json=body, timeout=30) as reply:
+        chunks = (line for line in reply.iter_lines() if line.startswith("data: {"))
+        next(chunks), next(chunks)  # the stream is under way...
+        assert slowed.router.pods.pods[slowed.url].inflight == 1
+    # ...and the client has gone
+    wait_idle(slowed.engine)
+    assert _aborts(slowed.engine) == slowed.aborts_before + 1
+    wait_nothing_in_flight(slowed.router)
+    metrics = httpx.get(slowed.router_url + "/metrics").text
+    assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
 
 
 def wait_nothing_in_flight(router: Router) -> None:

@@ -77,7 +77,6 @@ def test_sigterm_stops_advertising_both_edges_at_once_finishes_the_open_stream_a
     engine_proc = spawn(["sim-engine", "--port", engine.rsplit(":", 1)[1], "--decode-step-ms", "200"], logs["engine"])
     router_proc = spawn(["router", "--pod", engine, "--port", router.rsplit(":", 1)[1], "--ext-proc-port",
                          picker.rsplit(":", 1)[1], "--ext-proc-plaintext", "--log-level", "warning"], logs["router"])
-    events: list[str] = []
     try:
         wait_healthy(engine, engine_proc, log=logs["engine"])
         wait_healthy(router, router_proc, log=logs["router"])
@@ -96,25 +95,17 @@ def test_sigterm_stops_advertising_both_edges_at_once_finishes_the_open_stream_a
                 lines = stream.iter_lines()
                 received.read(lines, until_first_token=True)
                 router_proc.send_signal(signal.SIGTERM)
-                events.append("SIGTERM")
 
                 draining = until_draining(router, router_proc)
                 assert (draining.status_code, draining.json()["status"]) == (503, "draining")
-                events.append("/health 503")
                 assert picker_status() == NOT_SERVING
                 assert health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=10).status == SERVING
-                events.append("picker NOT_SERVING")
                 assert running(engine) == 1 and router_proc.poll() is None  # the stream is still being generated
-                events.append("stream still open")
 
                 received.read(lines)
-                events.append("stream complete")
         # every token reached the client, none cut by the shutdown
         assert received.done and len(received.token_ids) == TOKENS, tail(logs["router"])
         assert received.usage is not None and received.usage["completion_tokens"] == TOKENS
         assert router_proc.wait(timeout=120) == 0, tail(logs["router"])
-        events.append("router exited 0")
     finally:
         stop([router_proc, engine_proc])
-    assert events == ["SIGTERM", "/health 503", "picker NOT_SERVING", "stream still open", "stream complete",
-                      "router exited 0"]
