@@ -126,6 +126,15 @@ class _Common(BaseModel):
     def stops(self) -> list[str]:
         return self.stop if isinstance(self.stop, list) else []
 
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Refused, not ignored: a client asking for JSON must not get free text it takes for JSON."""
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format {value.get('type')!r} is not supported (no constrained decoding): "
+                             "ask for JSON in the prompt")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:

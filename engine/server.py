@@ -296,9 +296,6 @@ class _Completions:
                 f"({e.max_model_len})",
                 param="max_tokens",
             )
-        if b.response_format is not None and b.response_format.get("type", "text") != "text":
-            raise ApiError(400, f"response_format {b.response_format.get('type')!r} is not supported (no constrained "
-                                "decoding): ask for JSON in the prompt", param="response_format")
         if isinstance(b, ChatRequest):
             logprobs, top = b.logprobs, b.top_logprobs or 0
             if top and not logprobs:
