@@ -16,6 +16,7 @@ import yaml
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ROOT,
+    DEFAULT_KV_CACHE_DTYPE,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     ROLES,
@@ -38,7 +39,7 @@ class EngineConfig:
     device: str = "auto"
     quantization: str = "none"  # or int8: int8 weights, dynamic int8 activations (CPU; about 2x faster)
     block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_dtype: str = "auto"  # or int8: 1.9x the blocks of bf16 in the same memory (engine/kvcache.py)
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # or int8: 1.9x the blocks of bf16 in a budget (engine/kvcache.py)
     kv_cache_memory_mib: int = 512  # modest: several engines share one machine in tests and local clusters
     kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget (tests, simulators)
     max_num_seqs: int = 64

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.protocol import KV_CACHE_DTYPES
+from kvmesh.engine.protocol import DEFAULT_KV_CACHE_DTYPE, KV_CACHE_DTYPES
 
 INT8_MAX = 127
 SCALE_BYTES = 4  # one fp32 scale per (token, KV head) row
@@ -36,7 +36,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype  # the model's dtype: what attention reads, and what an `auto` cache stores
-    cache_dtype: str = "auto"
+    cache_dtype: str = DEFAULT_KV_CACHE_DTYPE
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:

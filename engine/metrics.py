@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from kvmesh.engine.forecast import Forecast
 from kvmesh.engine.kv.blocks import KVStats
 from kvmesh.engine.protocol import (
+    DEFAULT_KV_CACHE_DTYPE,
     EVICTION_REASONS,
     FINISH_REASONS,
     FORECAST_LEVELS,
@@ -120,7 +121,7 @@ class _StateCollector:
 class EngineMetrics:
     """Event-driven metrics; `render()` gives the Prometheus text for /metrics."""
 
-    def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = "auto") -> None:
+    def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         lm = [MODEL_LABEL]

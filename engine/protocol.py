@@ -113,6 +113,7 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8")  # the engine's weights and ac
 # how the engine stores K and V (engine/kvcache.py): auto = the model's dtype; int8 = int8 with a scale per row.
 # Engines of one pool must agree: a KV transfer between two formats is refused.
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
+DEFAULT_KV_CACHE_DTYPE = KV_CACHE_DTYPES[0]
 DEFAULT_HASH_ROOT = 0x6B766D657368  # "kvmesh" as an integer: the parent of block 0
 _U64 = (1 << 64) - 1
 
@@ -189,7 +190,7 @@ class KVConfig:
     boot_id: str
     role: str = "both"
     block_bytes: int = 0  # bytes of one block, all layers (what a transfer of it moves)
-    kv_cache_dtype: str = "auto"  # the block's format (KV_CACHE_DTYPES): pods pull blocks only from their own format
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # the block's format: pods pull blocks only from their own format
 
     def hashing(self) -> tuple[int, str, int, str]:
         """What decides which token run a block hash names: block size, algorithm, root and tokenizer."""
@@ -199,6 +200,10 @@ class KVConfig:
         """Whether block hashes computed under `other` name the same token runs here. The model is not part of
         it: the router keeps one index per pod and filters pods by the model they serve."""
         return self.hashing() == other.hashing()
+
+    def stores_like(self, other: KVConfig) -> bool:
+        """Whether a block moves between the two as raw bytes (pulls, handoffs): the same format and size."""
+        return (self.kv_cache_dtype, self.block_bytes) == (other.kv_cache_dtype, other.block_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -90,13 +90,14 @@ class WarmupGate:
         self._closed = grace_seconds > 0
         self._opened = opened  # the engine's kvmesh_warmup_gate_opened_total, by reason
         self._lock = threading.Lock()  # opened from the event loop and from the grace timer
+        self._timer: threading.Timer | None = None
 
     def start_grace(self) -> None:
         """Open the gate when the grace ends even if nobody asks /health then (its metric and log say so)."""
         if self._closed:
-            timer = threading.Timer(self.seconds_left(), self.closed)
-            timer.daemon = True
-            timer.start()
+            self._timer = threading.Timer(self.seconds_left(), self.open, ("grace_expired",))
+            self._timer.daemon = True
+            self._timer.start()
 
     def closed(self) -> bool:
         """Whether /health must still say warming; past the grace the gate opens (here, or by its timer)."""
@@ -114,6 +115,8 @@ class WarmupGate:
             if not self._closed:
                 return
             self._closed, self.reason = False, reason
+        if self._timer is not None and reason != "grace_expired":
+            self._timer.cancel()  # opened before its grace ran out: no thread waits out the rest
         self._opened.labels(reason).inc()
         log.info("warm-up gate open (%s) after %.1f s: /health answers 200", reason, self._clock() - self._start)
 

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, Metric, VllmMetric, read_engine_metrics
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, Metric, VllmMetric, read_engine_metrics
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.scaling import Decision, PodObservation, PoolObservation, Recommendation, ScalingPolicy, decide
 
@@ -61,7 +61,7 @@ class PodMetrics:
     observation: PodObservation
     counters: Counters
     block_size: int
-    kv_format: str = "auto"  # how it stores KV blocks: a warm-up copies only between pods of one format
+    kv_format: str = DEFAULT_KV_CACHE_DTYPE  # how it stores KV blocks: a warm-up copies only between pods alike
 
 
 def parse_pod(name: str, role: str, text: str) -> PodMetrics:
@@ -73,7 +73,7 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
     observation = PodObservation(name=name, role=role, num_blocks=m.num_blocks or 0, forecast=m.forecast_usage,
                                  running=running, waiting=waiting, **values)
     return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),
-                      m.block_size or DEFAULT_BLOCK_SIZE, m.cache_dtype or "auto")
+                      m.block_size or DEFAULT_BLOCK_SIZE, m.cache_dtype or DEFAULT_KV_CACHE_DTYPE)
 
 
 @dataclass(frozen=True)

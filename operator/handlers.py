@@ -319,9 +319,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     decision = state.scaler.observe(now, scraped, replicas)
     hit_rates = pod_hit_rates(state, now, scraped)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
-        why = decision.roles[role]
-        message = (f"{role}: {replicas[role]} -> {n} replicas ({why.reason}; predicted KV "
-                   f"{why.predicted_usage:.0%}, P(>95%) {why.overload_probability:.0%})")
+        message = decision.describe(role, replicas)
         if n < replicas[role]:
             role_pods = {m.observation.name: (hit_rates.get(m.observation.name, 0.0),
                                               m.observation.running + m.observation.waiting)

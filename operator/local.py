@@ -41,9 +41,7 @@ def local_router_settings(pool: Pool) -> dict[str, Any]:
 
 def describe(decision: Decision, replicas: Mapping[str, int]) -> list[str]:
     """One line per role whose replicas the decision changes."""
-    return [f"{role}: {replicas.get(role)} -> {n} ({decision.roles[role].reason}; predicted KV "
-            f"{decision.roles[role].predicted_usage:.0%}, P(>95%) {decision.roles[role].overload_probability:.0%})"
-            for role, n in decision.changed(replicas).items()]
+    return [decision.describe(role, replicas) for role in decision.changed(replicas)]
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,12 @@ class Decision:
         """The roles whose replicas differ from `current`."""
         return {role: n for role, n in self.replicas.items() if current.get(role) != n}
 
+    def describe(self, role: str, current: Mapping[str, int]) -> str:
+        """One role's change as the operator's Events and `kvmesh up` say it."""
+        d = self.roles[role]
+        return (f"{role}: {current.get(role)} -> {d.replicas} replicas ({d.reason}; predicted KV "
+                f"{d.predicted_usage:.0%}, P(>95%) {d.overload_probability:.0%})")
+
 
 REASONS: tuple[str, ...] = (
     "ScaleUpPredictedOverload",  # P(usage > 95 % within the horizon) reached the threshold

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.engine.protocol import DEFAULT_KV_CACHE_DTYPE
+
 
 @dataclass(frozen=True)
 class ServingPod:
@@ -22,7 +24,7 @@ class ServingPod:
     url: str  # http://ip:port of its engine
     hit_rate: float = 0.0  # cached prompt tokens per second it served lately: how warm its cache is
     ready: bool = True  # its Kubernetes Ready condition: False while loading, warming up or draining
-    kv_format: str = "auto"  # its KV cache's format (KV_CACHE_DTYPES): blocks copy only between equal formats
+    kv_format: str = DEFAULT_KV_CACHE_DTYPE  # its KV cache's format: blocks copy only between equal formats
 
 
 @dataclass(frozen=True)

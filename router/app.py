@@ -479,9 +479,8 @@ class Router:
         mine = self.pods.kv_config_of(name)
         if mine is None:
             return set()
-        return {other for other, pod in self.pods.pods.items() if pod.kv_config is not None
-                and (pod.kv_config.kv_cache_dtype, pod.kv_config.block_bytes) != (mine.kv_cache_dtype,
-                                                                                  mine.block_bytes)}
+        return {other for other, pod in self.pods.pods.items()
+                if pod.kv_config is not None and not pod.kv_config.stores_like(mine)}
 
 
 def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
@@ -551,7 +550,7 @@ class Drain:
     serving; it begins at SIGTERM or SIGINT (`RouterServer`), or at the app's shutdown when no signal came."""
 
     draining: bool = False
-    settle: float = SHUTDOWN_SETTLE_SECONDS  # new requests still served this long (0 after a local Ctrl-C)
+    settle: float = 0.0  # new requests still served this long: SHUTDOWN_SETTLE_SECONDS after a SIGTERM
     gateway: ExtProcServer | None = None
     picker_stopped: asyncio.Task[None] | None = None  # the picker's drain, once started
 
@@ -836,8 +835,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         return JSONResponse(rest, headers=decided)
 
     def client_gone(trace: Trace) -> Response:
-        router.metrics.requests.labels("client_gone", trace.route).inc()
-        router.record(trace, "client_gone", 499, None)
+        ended(trace, "client_gone")
         return Response(status_code=499)
 
     def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
@@ -901,9 +899,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             ended(trace, outcome, usage)
 
     def ended(trace: Trace, outcome: str, usage: dict[str, Any] | None = None) -> None:
-        """A relayed stream's end, counted and logged once."""
+        """A relayed stream's end, counted and logged once (a client gone as 499, as on the Gateway edge)."""
         router.metrics.requests.labels(outcome, trace.route).inc()
-        router.record(trace, outcome, 200, usage)
+        router.record(trace, outcome, 499 if outcome == "client_gone" else 200, usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Response:

@@ -122,8 +122,9 @@ def test_cascade_equals_the_plain_path_on_an_int8_cache() -> None:
         part.write(blocks, offsets, torch.randn(NUM_BLOCKS * BLOCK, 2, 32))
     tokens = sum(n for _, _, n in seqs)
     q, k, v = torch.randn(tokens, 6, 32), torch.randn(tokens, 2, 32), torch.randn(tokens, 2, 32)
-    got = paged_attention(q, k, v, layout.layers(cache.clone())[0], build_metadata(seqs, BLOCK, CPU, cascade=True),
-                          32**-0.5)
+    cascade = build_metadata(seqs, BLOCK, CPU, cascade=True)
+    assert isinstance(cascade, TorchMetadata) and len(cascade.cascade_groups) == 3  # the cascade really runs
+    got = paged_attention(q, k, v, layout.layers(cache.clone())[0], cascade, 32**-0.5)
     want = paged_attention(q, k, v, layout.layers(cache.clone())[0], build_metadata(seqs, BLOCK, CPU, cascade=False),
                            32**-0.5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
@@ -136,7 +137,9 @@ def test_cascade_in_bf16_stays_within_bf16_rounding() -> None:
     cache = torch.randn(NUM_BLOCKS, 1, 2, BLOCK, 3, 64).bfloat16()
     tokens = sum(n for _, _, n in seqs)
     q, k, v = (torch.randn(tokens, h, 64).bfloat16() for h in (9, 3, 3))
-    got = paged_attention(q, k, v, layer(cache.clone(), 0), build_metadata(seqs, BLOCK, CPU, cascade=True), 0.125)
+    cascade = build_metadata(seqs, BLOCK, CPU, cascade=True)
+    assert isinstance(cascade, TorchMetadata) and len(cascade.cascade_groups) == 1  # the cascade really runs
+    got = paged_attention(q, k, v, layer(cache.clone(), 0), cascade, 0.125)
     want = paged_attention(q, k, v, layer(cache.clone(), 0), build_metadata(seqs, BLOCK, CPU, cascade=False), 0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -70,6 +70,6 @@ def test_the_local_scaler_makes_the_operator_s_decision_from_engine_metrics() ->
     decision = scaler.observe(0.0, hot, replicas)
     assert decision.replicas == {"both": 3}  # ceil(2 x 1000 / 800)
     (line,) = describe(decision, replicas)
-    assert line.startswith("both: 2 -> 3 (ScaleUpPredictedOverload")
+    assert line.startswith("both: 2 -> 3 replicas (ScaleUpPredictedOverload")
     calm = [parse_pod(f"engine-{i}", "both", engine_text(0.1, 0.1, 0.0)) for i in range(2)]
     assert describe(scaler.observe(10.0, calm, {"both": 3}), {"both": 3}) == []  # within the stabilization window

@@ -12,11 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvmesh.engine.protocol import Metric
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
+from .test_kv_transfer import metric
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +49,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def failed_transfers(url: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith('kvmesh_kv_transfers_total{kind="handoff",outcome="failed"}'):
-            return float(line.split()[-1])
-    return 0.0
+    """The pod's failed handoffs; the series exists from the start (pre-created), so its absence fails."""
+    return metric(url, f"{Metric.KV_TRANSFERS}_total", kind="handoff", outcome="failed")
 
 
 def test_the_handoff_goes_to_the_decode_pod_of_the_prefill_pods_format(pool: dict[str, str]) -> None:

@@ -38,12 +38,13 @@ class ThroughputPoint:
     steps: int
 
 
-def _prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(FIRST_ORDINARY_TOKEN, vocab, (count, length), generator=g).tolist()
 
 
-def _run(engine: Engine, prompts: list[list[int]], output_tokens: int, tag: str) -> tuple[float, list[float]]:
+def run_all_at_once(engine: Engine, prompts: list[list[int]], output_tokens: int,
+                    tag: str) -> tuple[float, list[float]]:
     """Submit all prompts at once, step until done; (seconds, TTFT per request)."""
     first: dict[str, float] = {}
 
@@ -60,9 +61,9 @@ def _run(engine: Engine, prompts: list[list[int]], output_tokens: int, tag: str)
 
 
 def throughput(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens: int, seed: int) -> ThroughputPoint:
-    prompts = _prompts(concurrency, prompt_tokens, seed, engine.tokenizer.vocab_size)
+    prompts = random_prompts(concurrency, prompt_tokens, seed, engine.vocab_size)
     steps = engine.runner.steps
-    seconds, ttfts = _run(engine, prompts, output_tokens, f"tp{concurrency}")
+    seconds, ttfts = run_all_at_once(engine, prompts, output_tokens, f"tp{concurrency}")
     total = concurrency * output_tokens
     return ThroughputPoint(concurrency, total, seconds, total / seconds, sum(ttfts) / len(ttfts),
                            engine.runner.steps - steps)
@@ -72,12 +73,12 @@ def prefix_ttft(engine: Engine, prefix_tokens: int, seed: int) -> dict[str, floa
     """TTFT of a prompt cold, then of another with the same first (prefix - one block) tokens cached."""
     block = engine.config.block_size
     cached = (prefix_tokens // block - 1) * block
-    base = _prompts(1, prefix_tokens, seed, engine.tokenizer.vocab_size)[0]
-    tail = _prompts(1, prefix_tokens - cached, seed + 1, engine.tokenizer.vocab_size)[0]
-    cold, _ = _run(engine, [base], 1, "cold")
+    base = random_prompts(1, prefix_tokens, seed, engine.vocab_size)[0]
+    tail = random_prompts(1, prefix_tokens - cached, seed + 1, engine.vocab_size)[0]
+    cold, _ = run_all_at_once(engine, [base], 1, "cold")
     warm_prompt = base[:cached] + tail
     computed = engine.runner.computed_tokens
-    warm, _ = _run(engine, [warm_prompt], 1, "warm")
+    warm, _ = run_all_at_once(engine, [warm_prompt], 1, "warm")
     return {
         "prompt_tokens": prefix_tokens,
         "cached_tokens": cached,
@@ -137,7 +138,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     if not args.no_baseline:
         top = max(levels)
         print(f"transformers generate, {top} prompts as one batch ...", file=sys.stderr)
-        prompts = _prompts(top, args.prompt_tokens, 100 + top, engine.tokenizer.vocab_size)
+        prompts = random_prompts(top, args.prompt_tokens, 100 + top, engine.vocab_size)
         baseline = transformers_generate(model_dir, engine.dtype, args.quantization, prompts, args.output_tokens)
     print()
     extra = " vs transformers |" if baseline else ""

@@ -16,23 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from kvmesh.bench.engine import random_prompts, run_all_at_once
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine, LoadedModel, load_model
-from kvmesh.engine.protocol import MODEL_LABEL, VllmMetric
-from kvmesh.engine.request import Request, RequestOutput
+from kvmesh.engine.protocol import KV_CACHE_DTYPES, MODEL_LABEL, VllmMetric
 from kvmesh.engine.runner import StepInput
-from kvmesh.engine.sampling import SamplingParams
 
-FORMATS = ("auto", "int8")
 ACCURACY_MIB = 256  # the accuracy pass's engines: one question and its continuation at a time
-FIRST_ORDINARY_TOKEN = 100  # below this the bundled vocabulary holds special tokens
 QUESTIONS = (
     "What is the capital of France?",
     "Explain in two sentences why the sky is blue.",
@@ -123,32 +119,15 @@ def accuracy(engines: dict[str, Engine], questions: list[str], tokens: int) -> A
     return Accuracy(len(kls), agree / len(kls), sum(kls) / len(kls), max(kls))
 
 
-def _prompts(engine: Engine, count: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(FIRST_ORDINARY_TOKEN, engine.tokenizer.vocab_size, (count, length), generator=g).tolist()
-
-
 def throughput(engine: Engine, budget_mib: int, args: argparse.Namespace) -> Throughput:
     """All requests at once through the engine; distinct random prompts, so the prefix cache saves nothing."""
-    prompts = _prompts(engine, args.concurrency, args.prompt_tokens)
-    first: dict[str, float] = {}
-
-    def on_output(out: RequestOutput) -> None:
-        if out.request_id not in first and out.new_token_ids:
-            first[out.request_id] = time.perf_counter()
-
+    prompts = random_prompts(args.concurrency, args.prompt_tokens, 0, engine.vocab_size)
     preempted = _preemptions(engine)
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
-        engine.submit(Request(f"kv-{engine.config.kv_cache_dtype}-{budget_mib}-{i}", prompt, params,
-                              on_output=on_output))
-    engine.run_until_idle()
-    seconds = time.perf_counter() - start
+    seconds, ttfts = run_all_at_once(engine, prompts, args.output_tokens,
+                                     f"kv-{engine.config.kv_cache_dtype}-{budget_mib}")
     total = args.concurrency * args.output_tokens
     return Throughput(engine.config.kv_cache_dtype, budget_mib, engine.kv.pool.num_blocks, seconds,
-                      total / seconds, sum(t - start for t in first.values()) / len(first),
-                      int(_preemptions(engine) - preempted))
+                      total / seconds, sum(ttfts) / len(ttfts), int(_preemptions(engine) - preempted))
 
 
 def _preemptions(engine: Engine) -> float:
@@ -166,16 +145,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print("loading the model ...", file=sys.stderr)
     loaded = load_model(EngineConfig(model=args.model, dtype=args.dtype))
-    tight = {f: _engine(loaded, f, args.budget_mib, args) for f in FORMATS}
+    tight = {f: _engine(loaded, f, args.budget_mib, args) for f in KV_CACHE_DTYPES}
     need = -(-(args.prompt_tokens + args.output_tokens) // tight["auto"].config.block_size) * args.concurrency
     caps = [capacity(e) for e in tight.values()]
     print(f"model dtype {loaded.dtype}; the requests need {need} blocks at once; "
           + ", ".join(f"{c.kv_cache_dtype}: {c.blocks} blocks in {args.budget_mib} MiB" for c in caps),
           file=sys.stderr)
-    acc = accuracy({f: _engine(loaded, f, ACCURACY_MIB, args) for f in FORMATS},
+    acc = accuracy({f: _engine(loaded, f, ACCURACY_MIB, args) for f in KV_CACHE_DTYPES},
                    list(QUESTIONS[: args.accuracy_prompts]), args.accuracy_tokens)
     runs: list[Throughput] = []
-    cases = [(f, args.budget_mib) for f in FORMATS] + [(f, args.ample_mib) for f in FORMATS]
+    cases = [(f, args.budget_mib) for f in KV_CACHE_DTYPES] + [(f, args.ample_mib) for f in KV_CACHE_DTYPES]
     for i, (fmt, budget) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {args.concurrency} requests, {fmt} cache, {budget} MiB ...", file=sys.stderr)
         engine = tight[fmt] if budget == args.budget_mib else _engine(loaded, fmt, budget, args)
