@@ -516,6 +516,12 @@ def wants_usage(raw: dict[str, Any]) -> bool:
     return bool((raw.get("stream_options") or {}).get("include_usage"))
 
 
+def with_usage(raw: dict[str, Any]) -> dict[str, Any]:
+    """The client's stream_options, asking for the usage chunk (the request log and the cached-token count
+    need it; the router hides it again from a client that did not ask)."""
+    return {**(raw.get("stream_options") or {}), "include_usage": True}
+
+
 def _several_prompts(raw: dict[str, Any]) -> bool:
     """A completion body with a list of prompts (texts or token lists): one choice per prompt."""
     prompt = raw.get("prompt")
@@ -538,7 +544,7 @@ async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> As
     base = {"id": whole["id"], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": whole["created"], "model": whole["model"]}
     yield "data: " + json.dumps(base | {"choices": [choice]}) + "\n\n"
-    if (raw.get("stream_options") or {}).get("include_usage"):
+    if wants_usage(raw):
         yield "data: " + json.dumps(base | {"choices": [], "usage": whole["usage"]}) + "\n\n"
     yield "data: [DONE]\n\n"
 
@@ -721,7 +727,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         migratable = stream and single
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
         if stream:  # the request log and metrics need the usage even when the client did not ask for it
-            upstream["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+            upstream["stream_options"] = with_usage(raw)
         refusal = router.refuse(trace, first)
         if refusal is not None:
             return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
@@ -788,7 +794,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                                                   "handle": ticket["handle"], "first_token": token}}
         if stream:
             decode_body[RETURN_TOKEN_IDS_FIELD] = True
-            decode_body["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+            decode_body["stream_options"] = with_usage(raw)
         unlike = router.stored_otherwise(prefill_pod.name)  # could not take the prefill pod's KV
         tried: set[str] = set(unlike)
         opened = await open_upstream(trace, decode_body, path, headers, tried)
@@ -803,8 +809,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         decided = {"x-kvmesh-pod": f"{prefill_pod.name},{booking.pod.name}",
                    "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
         if stream and reply.status == 200:
-            resumable = {**raw, RETURN_TOKEN_IDS_FIELD: True,
-                         "stream_options": {**(raw.get("stream_options") or {}), "include_usage": True}}
+            resumable = {**raw, RETURN_TOKEN_IDS_FIELD: True, "stream_options": with_usage(raw)}
             state = Relay(booking, resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
                           sent_ids=[token], stream_id=first["id"], strip_role=True, role_sent=True,
                           prefill_usage=first["usage"], chat="message" in choice, client_usage=wants_usage(raw))

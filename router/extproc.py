@@ -66,7 +66,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
-from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage
+from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage, with_usage
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
     EXT_PROC_KEY_FILE,
@@ -202,6 +202,7 @@ class Choice:
     booking: Booking | None = None  # an inference request's hold on its pod, which the stream's end gives back
     trace: Trace | None = None
     hide_usage: bool = False  # the router asked the engine for a stream's usage chunk the client did not ask for
+    rewritten: bool = False  # `body` is re-encoded, not the client's bytes: the gateway must forward it instead
 
 
 @dataclass
@@ -288,7 +289,7 @@ class Exchange:
         if self.request_mode == ProcessingMode.BUFFERED:  # the whole body, even when trailers follow
             self.choice = await self._choose(bytes(self.body))
             common = self._mutation()
-            if self.choice.body != self.body:
+            if self.choice.rewritten:
                 common.body_mutation.body = self.choice.body
             return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
                                           dynamic_metadata=_choice_metadata(self.choice.endpoint))]
@@ -303,7 +304,7 @@ class Exchange:
 
     def _mutation(self) -> pb.CommonResponse:
         assert self.choice is not None
-        extra = {"content-length": str(len(self.choice.body))} if self.choice.body != self.body else {}
+        extra = {"content-length": str(len(self.choice.body))} if self.choice.rewritten else {}
         return _choice_mutation(self.choice.endpoint, extra)
 
     def _response_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
@@ -386,7 +387,7 @@ class Exchange:
         # for it in (possible only when the answer's body passes through here: full duplex)
         hide_usage = bool(raw.get("stream")) and not wants_usage(raw) and self.response_mode == FULL_DUPLEX
         if hide_usage:
-            raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+            raw["stream_options"] = with_usage(raw)
         rewritten = admitted.rewritten or pull is not None or hide_usage
         upstream = json.dumps(raw).encode() if rewritten else body
         pod = router.pods.pods[decision.pod.name]
@@ -395,7 +396,7 @@ class Exchange:
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         if pull is not None:
             router.metrics.pulls.inc()
-        return Choice(endpoint_of(pod.url), upstream, booking, trace, hide_usage)
+        return Choice(endpoint_of(pod.url), upstream, booking, trace, hide_usage, rewritten)
 
     def _decide(self, info: RequestInfo) -> tuple[Decision, View]:
         """The picker's choice among the pods the gateway's subset allows; Refused (404, 503) when there is none."""

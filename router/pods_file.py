@@ -58,8 +58,8 @@ def parse_pods_file(text: str) -> dict[str, bool]:
 
 
 class PodsFileWatcher:
-    """Polls `path` every `poll_seconds` on the event loop that starts it; hands each new, valid content to the
-    pod set. A missing file is an empty pool until it appears."""
+    """Polls `path` every `poll_seconds` (a task on the event loop that starts it; the file is read in a worker
+    thread); hands each new, valid content to the pod set. A missing file is an empty pool until it appears."""
 
     def __init__(self, path: str | Path, poll_seconds: float = POLL_SECONDS) -> None:
         self.path = Path(path)

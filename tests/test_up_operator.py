@@ -35,7 +35,7 @@ def series(operator: LocalOperator) -> dict[tuple[str, tuple[tuple[str, str], ..
             if not s.name.endswith("_created")}
 
 
-def test_the_local_tick_warms_new_engines_from_the_hottest_peer_and_records_its_decisions() -> None:
+def test_the_local_tick_plans_warming_new_engines_from_the_hottest_peer_and_records_its_decisions() -> None:
     plan = plan_from_file(EXAMPLES / "aggregated.yaml")
     assert plan.pool.namespace == LOCAL_NAMESPACE  # the namespace its engines' targets carry
     operator = LocalOperator(plan.pool)
