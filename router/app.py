@@ -57,6 +57,7 @@ from kvmesh.engine.protocol import (
 from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
+from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
@@ -410,13 +411,16 @@ class Router:
         return tenant
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
-        """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens)."""
+        """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens), with the
+        LoRA adapter the request names, as the engines hash its blocks."""
         ids = self._token_ids(body)
         c = self.config
-        hashes = block_hashes(ids[: c.max_hashed_tokens], c.block_size, BlockExtra(cache_salt=body.cache_salt),
+        model = body.model or ""
+        lora = model if model and self.pods.adapter_base(model) is not None else None
+        hashes = block_hashes(ids[: c.max_hashed_tokens], c.block_size, BlockExtra(lora, body.cache_salt),
                               HashAlgo(c.hash_algo), c.hash_root)
-        return RequestInfo(model=body.model or "", prompt_tokens=len(ids), block_hashes=tuple(hashes),
-                           priority=priority)
+        return RequestInfo(model=model, prompt_tokens=len(ids), block_hashes=tuple(hashes), priority=priority,
+                           lora=lora)
 
     def view(self, info: RequestInfo) -> View:
         """The pods and the request's prefix matches, taken once: every choice for this request reads them."""
@@ -431,11 +435,17 @@ class Router:
         view = view or self.view(info)
         states = [p for p in view.pods if p.name not in exclude]
         if info.model:
-            served = {p.model for p in states if p.healthy}
+            served = {name for p in states if p.healthy for name in (p.models or {p.model})}
             if served and info.model not in served:
-                raise RouteError(404, f"model {info.model!r} does not exist; this pool serves "
-                                      f"{sorted(served)}", code="model_not_found")
+                raise RouteError(404, f"The model `{info.model}` does not exist; this pool serves "
+                                      f"{', '.join(sorted(served))}", code="model_not_found")
         return pick(info, states, view.matches, self.picker, roles)
+
+    def models(self) -> dict[str, Any]:
+        """`/v1/models` of the pool: what its healthy pods serve, base models and then adapters (with their parent),
+        each once, as both edges answer it."""
+        return {"object": "list", "data": union_cards(
+            p.models() for p in self.pods.pods.values() if p.healthy and p.refused is None and p.kv_config)}
 
     def refuse(self, trace: Trace, decision: Decision) -> Shed | None:
         """The 429 for a request the overloaded pool sheds at its priority (counted and logged), or None."""
@@ -918,9 +928,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        names = sorted({p.model for p in router.pods.snapshot() if p.healthy and p.model})
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "kvmesh"}
-                                           for n in names]}
+        return router.models()
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -18,14 +18,18 @@ Request body modes (Envoy's `request_body_mode`, which a stream's first message 
   carries the choice, then the body back in chunks (Envoy forwards only the body the processor returns).
 - BUFFERED: Envoy waits for a headers response (an empty one), then sends the body whole; the body response
   carries the choice (Envoy applies header mutations in a body response only in this mode).
-- NONE, or a request without a body: GET /v1/models is decided at the headers on load alone; a completion, which
-  needs its body to be decided, salted and checked, is answered 500 saying which mode to configure.
+- NONE: a completion, which needs its body to be decided, salted and checked, is answered 500 saying which mode
+  to configure.
+GET /v1/models is answered by the picker itself at its headers (an ImmediateResponse 200, in any mode): the
+models the pool's pods serve, base models and LoRA adapters, as the router's HTTP edge lists them; no one pod
+could answer it, since each lists only the adapters it has loaded.
 - STREAMED and BUFFERED_PARTIAL let the headers leave before the body is read, so no choice could use the prompt:
   such a stream is answered 500 with a message saying which mode to configure.
 Response bodies are echoed back as streamed responses only when the gateway declares FULL_DUPLEX_STREAMED for
 them; otherwise (another mode, or no protocol_config: an Envoy before 1.34) they are let through unchanged.
 Refusals are ImmediateResponses with OpenAI-style error bodies: 400 (not a valid request), 401, 404 (unknown
-path or model), 405, 413 (body over MAX_BODY_BYTES), 429 (shed by priority), 503 (no pod fits).
+path, or a model or adapter no pod serves: `model_not_found`), 405, 413 (body over MAX_BODY_BYTES), 429 (shed by
+priority), 503 (no pod fits).
 
 The port serves TLS unless told otherwise: gateways dial an endpoint picker with TLS and, by the extension's
 convention, without verifying its certificate, so a self-signed one made at start will do; a mounted pair
@@ -73,6 +77,7 @@ from kvmesh.router.config import (
     SHUTDOWN_SETTLE_SECONDS,
     read_certificate_pair,
 )
+from kvmesh.router.lora import MODELS_PATH
 from kvmesh.router.picker import Decision, RequestInfo
 
 log = logging.getLogger("kvmesh.router.extproc")
@@ -83,7 +88,6 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"  # in the response's metada
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
-MODELS_PATH = "/v1/models"
 # What the router's HTTP edge serves to clients, and so all a Gateway may send to an engine through the picker:
 # path -> method.
 CLIENT_ROUTES = {**dict.fromkeys(COMPLETION_PATHS, "POST"), MODELS_PATH: "GET"}
@@ -165,14 +169,18 @@ def _body_chunks(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse
 
 def immediate(error: RouteError, retry_after: int | None = None) -> pb.ProcessingResponse:
     """The gateway answers the client at once with this status and an OpenAI-style error body."""
+    body = error_body(error.message, error.kind, code=error.code)
+    return _immediate_json(error.status, body, f"kvmesh_{error.code or error.status}", retry_after)
+
+
+def _immediate_json(status: int, body: Mapping[str, Any], details: str,
+                    retry_after: int | None = None) -> pb.ProcessingResponse:
     headers = [_header("content-type", "application/json")]
     if retry_after is not None:
         headers.append(_header("retry-after", str(retry_after)))
-    body = error_body(error.message, error.kind, code=error.code)
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=error.status), headers=pb.HeaderMutation(set_headers=headers),
-        body=json.dumps(body).encode(),
-        details=f"kvmesh_{error.code or error.status}"))  # Envoy's response code details: one token, no spaces
+        status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=headers),
+        body=json.dumps(body).encode(), details=details))  # Envoy's response code details: one token, no spaces
 
 
 class Refused(Exception):
@@ -184,6 +192,16 @@ class Refused(Exception):
         self.status = error.status
         self.reply = immediate(error, retry_after)
         self.outcome = outcome
+
+
+class Answered(Refused):
+    """A request the picker answers itself with a 200 (GET /v1/models: the pool's list, which no one pod has);
+    like the HTTP edge's /v1/models, not counted as a request."""
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        Exception.__init__(self, "answered by the picker")
+        self.status, self.outcome = 200, None
+        self.reply = _immediate_json(200, body, "kvmesh_models")
 
 
 def _mode_refusal(mode: int, why: str) -> Refused:
@@ -267,22 +285,17 @@ class Exchange:
             self.router.authenticate(self.headers)  # every stream, also those decided here without a body
         except RouteError as exc:
             raise Refused(exc) from None
-        if self.path in COMPLETION_PATHS:
-            if self.request_mode == ProcessingMode.NONE:
-                raise _mode_refusal(self.request_mode, "so a completion cannot be read, checked or decided")
-            if headers.end_of_stream:
-                raise Refused(RouteError(400, f"{self.path} needs a JSON body"))
-        elif headers.end_of_stream or self.request_mode == ProcessingMode.NONE:  # no body to read: decide now
-            self.choice = await self._choose(b"")
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._mutation()),
-                                          dynamic_metadata=_choice_metadata(self.choice.endpoint))]
+        if self.path == MODELS_PATH:
+            raise Answered(self.router.models())
+        if self.request_mode == ProcessingMode.NONE:
+            raise _mode_refusal(self.request_mode, "so a completion cannot be read, checked or decided")
+        if headers.end_of_stream:
+            raise Refused(RouteError(400, f"{self.path} needs a JSON body"))
         if self.request_mode == ProcessingMode.BUFFERED:
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]  # go on: send the body
         return []  # full duplex: the answer to the headers waits for the body
 
     async def _request_body(self, chunk: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if self.choice is not None:  # decided at the headers (mode NONE): the body is not ours to hold
-            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
         if len(self.body) + len(chunk.body) > MAX_BODY_BYTES:
             raise Refused(RouteError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB"))
         self.body += chunk.body
@@ -355,13 +368,8 @@ class Exchange:
     async def _choose(self, body: bytes) -> Choice:
         """Admit and decide as the HTTP edge does, and book the request on the chosen pod."""
         router = self.router
-        chat = COMPLETION_PATHS.get(self.path)
-        if chat is None:  # GET /v1/models: any pod, by load
-            decision, _ = self._decide(RequestInfo(model="", prompt_tokens=0, block_hashes=()))
-            assert decision.pod is not None
-            return Choice(endpoint_of(decision.pod.url), body)
         try:
-            admitted = await router.admit(body, self.headers, chat)
+            admitted = await router.admit(body, self.headers, COMPLETION_PATHS[self.path])
         except RouteError as exc:
             raise Refused(exc) from None
         trace, raw = admitted.trace, admitted.raw

@@ -10,6 +10,11 @@ The scores aim at the pod that answers soonest. The TTFT estimate already credit
 this request; the prefix score adds stickiness on top (keeping a prefix's traffic together keeps the pool's
 hit ratio up), so a pod holding the whole prefix keeps its traffic until its estimated TTFT is about 1.5
 times another pod's (prefix weight 1 against TTFT weight 3: 1 + 3 x (t_best / t) = 3 at t = 1.5 t_best).
+
+LoRA adapters: only pods that serve the requested name (base model or adapter) are candidates, and a request
+for an adapter prefers pods already running it (the Gateway API Inference Extension's LoRA affinity), with a
+small weight: its blocks are hashed with the adapter's name, so the prefix score already tells which pods
+cached its prefix; affinity only breaks what prefix and load leave close.
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ class PodState:
     name: str
     url: str
     role: str = "both"
-    model: str = ""
+    model: str = ""  # the base model (its KV config's)
+    models: frozenset[str] = frozenset()  # every name it answers to: the base model and its loaded adapters
+    adapters_active: frozenset[str] = frozenset()  # adapters with requests running or waiting there
+    adapters_running: int = 0  # adapters in its slots now
+    max_loras: int = 0  # its adapter slots (0: unknown, or no LoRA)
     healthy: bool = True
     draining: bool = False
     stale: bool = False  # metrics older than the staleness bound
@@ -61,6 +70,7 @@ class RequestInfo:
     prompt_tokens: int
     block_hashes: tuple[int, ...]
     priority: int = 0
+    lora: str | None = None  # `model` names a LoRA adapter (its blocks are hashed with it)
 
 
 def _default_tier_weights() -> dict[str, float]:
@@ -75,6 +85,7 @@ class PickerConfig:
     kv_weight: float = 1.0
     load_weight: float = 1.0
     ttft_weight: float = 3.0
+    lora_weight: float = 0.5  # adapter affinity: less than a tenth of the others together
     tier_weights: dict[str, float] = field(default_factory=_default_tier_weights)  # a hit's worth by tier
     kv_penalty_threshold: float = 0.8  # PreServe: route away from pods predicted above 80 %
     saturation_usage: float = 0.98  # a pod at or above this KV usage (current or p90 forecast) is saturated...
@@ -142,9 +153,9 @@ def available(pods: list[PodState], ctx: Context) -> list[PodState]:
 
 
 def serves_model(pods: list[PodState], ctx: Context) -> list[PodState]:
-    """Serves the requested model (a request naming none may go to any pod)."""
+    """Serves the requested model, base or adapter (a request naming none may go to any pod)."""
     model = ctx.request.model
-    return [p for p in pods if not model or p.model == model]
+    return [p for p in pods if not model or model in p.models or p.model == model]
 
 
 def has_role(pods: list[PodState], ctx: Context) -> list[PodState]:
@@ -218,7 +229,18 @@ def ttft_score(pods: list[PodState], ctx: Context) -> list[float]:
     return [best / (t + _TTFT_FLOOR_SECONDS) for t in estimates]
 
 
-SCORERS: dict[str, Scorer] = {"prefix": prefix_score, "kv": kv_score, "load": load_score, "ttft": ttft_score}
+def lora_score(pods: list[PodState], ctx: Context) -> list[float]:
+    """For a request for an adapter: 1 where the adapter has requests running or waiting already (no swap into
+    a slot), 0.5 where a slot is free for it, 0 where every slot is busy with other adapters. 0 for base-model
+    requests, which every pod serves alike."""
+    adapter = ctx.request.lora
+    if adapter is None:
+        return [0.0] * len(pods)
+    return [1.0 if adapter in p.adapters_active else 0.5 if p.adapters_running < p.max_loras else 0.0 for p in pods]
+
+
+SCORERS: dict[str, Scorer] = {"prefix": prefix_score, "kv": kv_score, "load": load_score, "ttft": ttft_score,
+                              "lora": lora_score}
 
 REASONS: tuple[str, ...] = ("no-candidates", "only-candidate", "balance", "tie", *SCORERS)
 

@@ -2,9 +2,10 @@
 watcher or router/pods_file.py's file poller that adds, removes and drains pods at run time), health, load from
 /metrics, and KV event streams feeding the global prefix index. Everything the picker needs, as snapshots.
 
-Each pod gets two tasks: a scraper (health, metrics, and /v1/kv/config whenever the pod's boot id changes)
-and an event reader (resume from the last sequence number; on a reset, a boot change or a gap, read the block
-snapshot and go on). A pod whose configuration differs from the router's (block size, hash construction,
+Each pod gets two tasks: a scraper (health, metrics, /v1/kv/config whenever the pod's boot id changes, and
+/v1/models every MODELS_REFRESH_SECONDS: the LoRA adapters it serves, which change at run time) and an event
+reader (resume from the last sequence number; on a reset, a boot change or a gap, read the block snapshot and
+go on). A pod whose configuration differs from the router's (block size, hash construction,
 tokenizer or chat template) is refused loudly and never indexed or routed to.
 """
 
@@ -35,6 +36,7 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
+from kvmesh.router.lora import MODELS_PATH, MODELS_REFRESH_SECONDS, LoraLoad, ServedModels, parse_lora_info
 from kvmesh.router.picker import PodState
 
 log = logging.getLogger("kvmesh.router.pods")
@@ -54,8 +56,16 @@ class Pod:
     kv_config: KVConfig | None = None
     refused: str | None = None  # why the pod's configuration is not usable, if it is not
     metrics: dict[str, float] = field(default_factory=dict)
+    lora: LoraLoad = field(default_factory=LoraLoad)  # its vllm:lora_requests_info, as of the last scrape
+    served: ServedModels | None = None  # its /v1/models; None until read (it then serves its KV config's model)
+    served_at: float = 0.0
     scraped_at: float = 0.0
     inflight: int = 0
+
+    def models(self) -> ServedModels:
+        if self.served is not None:
+            return self.served
+        return ServedModels.base_only(self.kv_config.model if self.kv_config else "")
 
     @property
     def name(self) -> str:
@@ -83,6 +93,10 @@ def parse_metrics(text: str) -> dict[str, float]:
     if m.num_blocks is not None and m.block_size is not None:
         out["num_blocks"], out["block_size"] = m.num_blocks, m.block_size
     return out
+
+
+def _parse_all(text: str) -> tuple[dict[str, float], LoraLoad]:
+    return parse_metrics(text), parse_lora_info(text) or LoraLoad()
 
 
 class Discovery(Protocol):
@@ -152,6 +166,13 @@ class PodSet:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
 
+    def adapter_base(self, model: str) -> str | None:
+        """The base model of adapter `model` if a healthy pod serves `model` as an adapter, else None."""
+        for pod in self.pods.values():
+            if pod.healthy and pod.served is not None and model in pod.served.adapters:
+                return pod.served.adapters[model]
+        return None
+
     def kv_config_of(self, name: str) -> KVConfig | None:
         """The KV config pod `name` published, or None (not read yet, or the pod has left)."""
         pod = self.pods.get(name)
@@ -204,12 +225,17 @@ class PodSet:
         for pod in self.pods.values():
             m = pod.metrics
             config = pod.kv_config
+            served = pod.models()
             states.append(
                 PodState(
                     name=pod.name,
                     url=pod.url,
                     role=config.role if config else "both",
                     model=config.model if config else "",
+                    models=served.names,
+                    adapters_active=pod.lora.active,
+                    adapters_running=len(pod.lora.running),
+                    max_loras=pod.lora.max_lora,
                     healthy=pod.healthy and pod.refused is None and config is not None,
                     draining=pod.draining,
                     stale=now - pod.scraped_at > self.stale_after,
@@ -268,8 +294,10 @@ class PodSet:
                 if health.status_code == 200:  # healthy once its config and metrics are read: never stale at once
                     if pod.kv_config is None:
                         await self._read_config(pod)
+                    if pod.served is None or time.monotonic() - pod.served_at >= MODELS_REFRESH_SECONDS:
+                        await self._read_models(pod)
                     text = (await self._client.get(pod.url + "/metrics")).text
-                    pod.metrics = await asyncio.to_thread(parse_metrics, text)  # milliseconds of parsing: off the loop
+                    pod.metrics, pod.lora = await asyncio.to_thread(_parse_all, text)  # ms of parsing: off the loop
                     pod.scraped_at = time.monotonic()
                 pod.healthy = health.status_code == 200
             except asyncio.CancelledError:
@@ -278,8 +306,13 @@ class PodSet:
                 if pod.healthy:
                     log.warning("pod %s unreachable: %s", pod.url, exc)
                 pod.healthy = pod.warming = False
-                pod.kv_config = None  # read again when it comes back: it may be another boot
+                pod.kv_config = pod.served = None  # read again when it comes back: it may be another boot
             await asyncio.sleep(self.scrape_interval)
+
+    async def _read_models(self, pod: Pod) -> None:
+        reply = await self._client.get(pod.url + MODELS_PATH)
+        reply.raise_for_status()
+        pod.served, pod.served_at = ServedModels.of(reply.json()), time.monotonic()
 
     async def _resync(self, pod: Pod) -> None:
         body = (await self._client.get(pod.url + KV_BLOCKS_PATH)).json()

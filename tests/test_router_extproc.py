@@ -346,10 +346,14 @@ async def test_an_overloaded_pool_sheds_by_priority_with_429(picker) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_request_without_body_is_decided_at_its_headers(picker) -> None:
+async def test_the_models_list_is_answered_by_the_picker_in_any_body_mode(picker) -> None:
+    """No one pod has the pool's list (each lists only its own LoRA adapters): the picker answers it."""
     _, stub, _ = picker
-    replies = await full_duplex(stub, [request_headers("/v1/models", "GET", end_of_stream=True)])
-    assert len(replies) == 1 and chosen(replies[0]) in map(endpoint_of, (POD_A, POD_B))
+    for mode in (ProcessingMode.FULL_DUPLEX_STREAMED, ProcessingMode.BUFFERED, ProcessingMode.NONE):
+        replies = await full_duplex(stub, [request_headers("/v1/models", "GET", end_of_stream=True, mode=mode)])
+        status, body, headers = refusal(replies[0])
+        assert len(replies) == 1 and status == 200 and headers["content-type"] == "application/json"
+        assert [m["id"] for m in body["data"]] == [MODEL]
 
 
 @pytest.mark.asyncio
@@ -492,7 +496,7 @@ async def test_every_stream_needs_the_api_key_also_those_decided_at_the_headers(
     assert counted(router, "error") == 3
     key = {"authorization": "Bearer sk-acme"}
     models = await full_duplex(stub, [request_headers("/v1/models", "GET", end_of_stream=True, **key)])
-    assert chosen(models[0]) in map(endpoint_of, (POD_A, POD_B))
+    assert refusal(models[0])[0] == 200
     replies = await full_duplex(stub, [request_headers(**key), *body_chunks(payload)])
     forwarded = json.loads(replies[1].request_body.response.body_mutation.streamed_response.body)
     assert forwarded["cache_salt"] == cache_salt_for("acme", router.salt_secret)  # admitted as its tenant

@@ -1,0 +1,102 @@
+"""What the router knows of LoRA adapters: which models a pod serves (its `/v1/models`: the base model, then one
+card per loaded adapter with its `parent`), and which adapters it is running now (vLLM's
+`vllm:lora_requests_info`). Pure parsing; pods.py fetches, picker.py filters and scores on the result.
+
+Adapters come and go at run time (`/v1/load_lora_adapter`), so the router re-reads each pod's `/v1/models`
+every MODELS_REFRESH_SECONDS: a freshly loaded adapter is routed to within that bound (plus one scrape), and a
+pod that unloaded one may still get its requests for as long (it answers them 404, which the client sees).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MODELS_PATH = "/v1/models"
+MODELS_REFRESH_SECONDS = 2.0
+LORA_INFO_METRIC = "vllm:lora_requests_info"  # vLLM's name, as engines export it
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """A pod's `/v1/models`: every model name it answers to, and which of them are adapters (name -> base)."""
+
+    names: frozenset[str]
+    adapters: Mapping[str, str]
+    cards: tuple[dict[str, Any], ...]  # as the pod listed them, for the router's own /v1/models
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> ServedModels:
+        """From a `/v1/models` answer (ValueError when it is not one)."""
+        data = body.get("data")
+        if not isinstance(data, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in data):
+            raise ValueError(f"{MODELS_PATH} did not answer a list of models with ids")
+        adapters = {c["id"]: str(c["parent"]) for c in data if c.get("parent")}
+        return cls(frozenset(c["id"] for c in data), adapters, tuple(dict(c) for c in data))
+
+    @classmethod
+    def base_only(cls, model: str) -> ServedModels:
+        """A pod whose list is not read yet: it serves the model its KV config names."""
+        if not model:
+            return cls(frozenset(), {}, ())
+        return cls(frozenset({model}), {}, ({"id": model, "object": "model", "created": 0, "owned_by": "kvmesh"},))
+
+
+@dataclass(frozen=True)
+class LoraLoad:
+    """vllm:lora_requests_info: adapters with running or waiting requests, and the pod's adapter slots."""
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_lora: int = 0
+
+    @property
+    def active(self) -> frozenset[str]:
+        return self.running | self.waiting
+
+
+def _names(value: str) -> frozenset[str]:
+    return frozenset(n for n in value.split(",") if n)
+
+
+def parse_lora_info(text: str) -> LoraLoad | None:
+    """The current vllm:lora_requests_info in an engine's Prometheus text, or None when it exports none. vLLM
+    keeps one series per label set it has shown, its value the time it was set: the newest is the current one."""
+    best: tuple[float, dict[str, str]] | None = None
+    start = 0
+    prefix = LORA_INFO_METRIC + "{"
+    while (at := text.find(prefix, start)) >= 0:
+        end = text.find("\n", at)
+        line = text[at:] if end < 0 else text[at:end]
+        start = at + len(prefix)
+        if at and text[at - 1] != "\n":  # inside a HELP or TYPE line, or another name's tail
+            continue
+        closing = line.rfind("}")
+        try:
+            value = float(line[closing + 1:].split()[0])
+        except (IndexError, ValueError):
+            continue
+        if best is None or value >= best[0]:
+            best = value, dict(_LABEL.findall(line[len(prefix):closing]))
+    if best is None:
+        return None
+    labels = best[1]
+    try:
+        max_lora = int(float(labels.get("max_lora", "0")))
+    except ValueError:
+        max_lora = 0
+    return LoraLoad(_names(labels.get("running_lora_adapters", "")), _names(labels.get("waiting_lora_adapters", "")),
+                    max_lora)
+
+
+def union_cards(lists: Iterable[ServedModels]) -> list[dict[str, Any]]:
+    """The models a pool serves, each once: base models first, then adapters, each group by name (the first
+    pod's card of a name wins)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for served in lists:
+        for card in served.cards:
+            seen.setdefault(card["id"], card)
+    return sorted(seen.values(), key=lambda c: (bool(c.get("parent")), c["id"]))

@@ -1,0 +1,200 @@
+"""LoRA adapters at the router: which pods serve a requested adapter (their /v1/models), which run it now
+(vllm:lora_requests_info), prompts hashed with the adapter (contract 1), 404 model_not_found on both edges, and
+the pool's /v1/models as the union of its pods'.
+
+The first tests set the pods' state by hand (as tests/test_router_extproc.py does): the router's decisions over a
+known snapshot, with no pod processes. The end-to-end test at the bottom runs real engines with and without the
+adapter loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from kvmesh.engine.protocol import BlockExtra, HashAlgo, KVConfig, block_hashes
+from kvmesh.processes import free_port
+from kvmesh.router.app import Router, build_router, create_router_app
+from kvmesh.router.config import RouterConfig, load_router_config
+from kvmesh.router.extproc import endpoint_of, start_ext_proc
+from kvmesh.router.lora import LoraLoad, ServedModels, parse_lora_info, union_cards
+from kvmesh.router.picker import PickerConfig, PodState, RequestInfo, pick
+
+from .test_router_extproc import body_chunks, chosen, full_duplex, refusal, request_headers
+
+BASE = "tiny"
+POD_A, POD_B, POD_C = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
+
+
+def models_body(*adapters: str) -> dict[str, Any]:
+    """A /v1/models answer as the engine gives it: the base model, then one card per adapter."""
+    cards = [{"id": BASE, "object": "model", "owned_by": "kvmesh", "root": "/models/tiny"}]
+    cards += [{"id": a, "object": "model", "owned_by": "kvmesh", "root": f"/adapters/{a}", "parent": BASE}
+              for a in adapters]
+    return {"object": "list", "data": cards}
+
+
+# ---- parsing what the pods say ----------------------------------------------------------------------------------
+
+LORA_METRICS = """# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7000001e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="poet"} 1.7000009e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.7000005e+09
+vllm:num_requests_running{model_name="tiny"} 3.0
+"""
+
+
+def test_the_newest_lora_series_is_the_pods_current_adapters() -> None:
+    """vLLM keeps a series per label set it has shown, valued with the time it was set: the newest one counts."""
+    load = parse_lora_info(LORA_METRICS)
+    assert load == LoraLoad(frozenset({"sql", "chat"}), frozenset({"poet"}), 4)
+    assert load.active == {"sql", "chat", "poet"}
+    assert parse_lora_info("vllm:num_requests_running 0.0\n") is None
+    assert parse_lora_info("# HELP vllm:lora_requests_info{x=\"1\"} 5\n") is None  # a comment is no sample
+
+
+def test_a_pods_model_list_says_which_names_are_adapters_of_which_base() -> None:
+    served = ServedModels.of(models_body("sql", "chat"))
+    assert served.names == {BASE, "sql", "chat"} and served.adapters == {"sql": BASE, "chat": BASE}
+    with pytest.raises(ValueError, match="list of models"):
+        ServedModels.of({"data": [{"object": "model"}]})
+    union = union_cards([ServedModels.of(models_body("sql")), ServedModels.of(models_body("chat", "sql")),
+                         ServedModels.base_only(BASE)])
+    assert [c["id"] for c in union] == [BASE, "chat", "sql"]  # base first, then adapters, each once
+    assert all(c["parent"] == BASE for c in union[1:]) and "parent" not in union[0]
+
+
+# ---- the picker ------------------------------------------------------------------------------------------------
+
+
+def pod(name: str, adapters: tuple[str, ...] = (), active: tuple[str, ...] = (), **extra: Any) -> PodState:
+    return PodState(name=name, url=name, model=BASE, models=frozenset({BASE, *adapters}),
+                    adapters_active=frozenset(active), adapters_running=len(active), max_loras=2, **extra)
+
+
+def test_only_pods_serving_the_adapter_are_candidates_and_running_it_is_preferred() -> None:
+    pods = [pod("a", ("sql",), ("sql",)), pod("b", ("sql",)), pod("c")]
+    request = RequestInfo(model="sql", prompt_tokens=40, block_hashes=(1, 2), lora="sql")
+    decision = pick(request, pods, {})
+    assert decision.pod is not None and decision.pod.name == "a"
+    assert set(decision.scores) == {"a", "b"}  # c serves only the base model: filtered out
+    assert decision.scores["a"] - decision.scores["b"] == pytest.approx(PickerConfig().lora_weight * 0.5)
+    no_pod = pick(RequestInfo(model="poet", prompt_tokens=40, block_hashes=(1,), lora="poet"), pods, {})
+    assert no_pod.pod is None and no_pod.reason == "no-candidates"
+    base = pick(RequestInfo(model=BASE, prompt_tokens=40, block_hashes=(1,)), pods, {})
+    assert set(base.scores) == {"a", "b", "c"} and len(set(base.scores.values())) == 1  # affinity: adapters only
+
+
+def test_a_pod_whose_slots_are_all_busy_with_other_adapters_scores_lowest() -> None:
+    busy = pod("busy", ("sql", "x", "y"), ("x", "y"))  # both slots taken by other adapters: sql would wait
+    free = pod("free", ("sql",))
+    request = RequestInfo(model="sql", prompt_tokens=40, block_hashes=(1,), lora="sql")
+    assert pick(request, [busy, free], {}).pod.name == "free"  # type: ignore[union-attr]
+
+
+def test_the_affinity_weight_is_a_router_weight_and_a_cached_prefix_outweighs_it(tmp_path: Path) -> None:
+    from kvmesh.router.index import PrefixMatch
+
+    path = tmp_path / "router.yaml"
+    path.write_text("router:\n  pods: [http://127.0.0.1:1]\n  weights: {lora_weight: 0.25}\n")
+    config = load_router_config(path)
+    assert PickerConfig(**config.weights).lora_weight == 0.25
+    running, cached = pod("running", ("sql",), ("sql",)), pod("cached", ("sql",))
+    request = RequestInfo(model="sql", prompt_tokens=160, block_hashes=tuple(range(10)), lora="sql")
+    match = {"cached": PrefixMatch(blocks=9, by_tier={"device": 9}, provisional=0)}
+    assert pick(request, [running, cached], match).pod.name == "cached"  # type: ignore[union-attr]
+    assert pick(request, [running, cached], {}).pod.name == "running"  # type: ignore[union-attr]
+
+
+# ---- the router over a snapshot it is given -----------------------------------------------------------------
+
+
+def set_pods(router: Router, served: dict[str, tuple[str, ...]], running: dict[str, tuple[str, ...]]) -> None:
+    """Pods as their scrapes would leave them: healthy, configured like the router, with these adapters."""
+    for url, adapters in served.items():
+        p = router.pods.pods[url]
+        p.healthy, p.scraped_at = True, time.monotonic()
+        p.kv_config = KVConfig(model=BASE, block_size=16, hash_algo=router.config.hash_algo,
+                               hash_root=router.config.hash_root, tokenizer_fingerprint=router.tokenizer.fingerprint,
+                               num_device_blocks=1000, boot_id="b")
+        p.metrics = {"num_blocks": 1000.0, "block_size": 16.0}
+        p.served = ServedModels.of(models_body(*adapters))
+        p.lora = LoraLoad(frozenset(running.get(url, ())), frozenset(), 4)
+
+
+@pytest.fixture
+def router(bundled_dir: Path) -> Router:
+    r = build_router(RouterConfig(pods=[POD_A, POD_B, POD_C], stale_after_seconds=3600.0), bundled_dir)
+    set_pods(r, {POD_A: ("sql",), POD_B: ("sql", "chat"), POD_C: ()}, {POD_B: ("sql",)})
+    return r
+
+
+def test_an_adapters_prompt_is_hashed_with_the_adapter_as_the_engines_hash_it(router: Router) -> None:
+    ids = list(range(300, 340))
+    for model, lora in (("sql", "sql"), (BASE, None)):
+        raw = {"model": model, "prompt": ids, "max_tokens": 1, "cache_salt": "s"}
+        info = router.request_info(router_body(raw), 0)
+        assert info.lora == lora
+        assert list(info.block_hashes) == block_hashes(ids, 16, BlockExtra(lora=lora, cache_salt="s"), HashAlgo.XXH3,
+                                                       router.config.hash_root)
+    sql = router.request_info(router_body({"model": "sql", "prompt": ids}), 0).block_hashes
+    chat = router.request_info(router_body({"model": "chat", "prompt": ids}), 0).block_hashes
+    assert not set(sql) & set(chat)  # two adapters never share a cached block
+
+
+def router_body(raw: dict[str, Any]) -> Any:
+    from kvmesh.engine.openai_types import CompletionRequest
+
+    return CompletionRequest.model_validate(raw)
+
+
+@pytest.mark.asyncio
+async def test_the_http_edge_lists_the_union_and_refuses_an_unknown_adapter_with_404(router: Router) -> None:
+    app = create_router_app(router)  # no lifespan here: the pods keep the state set above
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert [(m["id"], m.get("parent")) for m in listed] == [(BASE, None), ("chat", BASE), ("sql", BASE)]
+        reply = await client.post("/v1/completions", json={"model": "poet", "prompt": "hi", "max_tokens": 2})
+        assert reply.status_code == 404
+        error = reply.json()["error"]
+        assert error["code"] == "model_not_found" and "`poet` does not exist" in error["message"]
+        assert "sql" in error["message"] and "chat" in error["message"]  # what the pool does serve
+    info = router.request_info(router_body({"model": "chat", "prompt": "hi"}), 0)
+    assert router.decide(info, set()).pod.name == POD_B  # type: ignore[union-attr]  # the one pod with chat
+    sql = router.request_info(router_body({"model": "sql", "prompt": "hi"}), 0)
+    assert router.decide(sql, set()).pod.name == POD_B  # type: ignore[union-attr]  # sql runs there already
+
+
+@pytest_asyncio.fixture
+async def stub(router: Router) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=False)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield pb_grpc.ExternalProcessorStub(channel)
+    await server.stop(settle=0.0)
+
+
+@pytest.mark.asyncio
+async def test_the_gateway_edge_routes_adapters_to_their_pods_and_refuses_unknown_ones(
+    router: Router, stub: pb_grpc.ExternalProcessorStub,
+) -> None:
+    import json
+
+    chat = json.dumps({"model": "chat", "prompt": "hello", "max_tokens": 2}).encode()
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(chat)])
+    assert chosen(replies[0]) == endpoint_of(POD_B)
+    poet = json.dumps({"model": "poet", "prompt": "hello", "max_tokens": 2}).encode()
+    status, error, _ = refusal((await full_duplex(stub, [request_headers(), *body_chunks(poet)]))[0])
+    assert status == 404 and error["error"]["code"] == "model_not_found"  # type: ignore[index]
+    status, listed, _ = refusal((await full_duplex(stub, [request_headers("/v1/models", "GET",
+                                                                          end_of_stream=True)]))[0])
+    assert status == 200 and [m["id"] for m in listed["data"]] == [BASE, "chat", "sql"]  # type: ignore[index]
