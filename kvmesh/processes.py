@@ -87,12 +87,19 @@ def stop(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20.0) -> Non
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
+    wait_or_kill(procs, timeout)
+
+
+def wait_or_kill(procs: Iterable[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait for every process to exit; SIGKILL those still running `timeout` s from now (counted once for all),
+    and reap them."""
     deadline = time.monotonic() + timeout
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
 def write_json_atomically(path: Path, data: object) -> None:

@@ -1,8 +1,9 @@
 """`kvmesh up`: a whole pool on one machine. N engines and a router as child processes, from flags or an
 InferencePool YAML file; waits until every child is healthy, prints the endpoint, and stops everything on
-Ctrl-C or as soon as one child dies unasked (with the tail of its log). From a pool file, the operator's scaler
-runs too and its decisions are carried out: engines start (warmed from a peer), or drain and stop, the router
-follows its pods file, and the operator's metrics are served on a loopback port."""
+Ctrl-C or SIGTERM (gracefully: the router drains first, then the engines; `stop_pool`) or as soon as one child
+dies unasked (with the tail of its log). From a pool file, the operator's scaler runs too and its decisions are
+carried out: engines start (warmed from a peer), or the coldest drain and stop, the router follows its pods file,
+and the operator's metrics are served on a loopback port."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
@@ -22,7 +24,11 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.protocol import DRAIN_PATH
-from kvmesh.processes import free_port, spawn, stop, tail, wait_healthy, write_json_atomically
+from kvmesh.processes import free_port, spawn, tail, wait_healthy, wait_or_kill, write_json_atomically
+from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS
+
+if TYPE_CHECKING:  # the operator loads only for a pool file
+    from kvmesh.operator.local import LocalPod
 
 HEALTH_TIMEOUT_SECONDS = 600.0
 LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
@@ -95,6 +101,13 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
 STARTING, SERVING, DRAINING, STOPPING = "starting", "serving", "draining", "stopping"
 DRAIN_TIMEOUT_SECONDS = 120.0  # a drained engine is stopped once its requests finish, or after this
 STOP_TIMEOUT_SECONDS = 20.0  # then SIGKILL
+# Stopping the pool (`stop_pool`): the router finishes its open requests and streams within SHUTDOWN_DRAIN_SECONDS
+# of its signal (router/config.py) and is SIGKILLed only after this, longer bound...
+ROUTER_STOP_SECONDS = SHUTDOWN_DRAIN_SECONDS + 10.0
+# ...then the engines finish what they still run (requests sent to them directly) for up to this long, are sent
+# SIGINT, and are SIGKILLed STOP_TIMEOUT_SECONDS later.
+ENGINES_DRAIN_SECONDS = 30.0
+STOPPED_AT_ONCE = 130  # the exit status after a second Ctrl-C: 128 + SIGINT, as a shell reports an interrupted command
 
 
 @dataclass
@@ -153,13 +166,21 @@ class LocalEngines:
         starting engine that answers /metrics before /health (one waiting for its warm-up) is warmed from there."""
         return [engine for engine in self.engines if engine.state in (STARTING, SERVING)]
 
-    def scale(self, role: str, replicas: int) -> None:
-        """Start engines of `role`, or drain the newest ones, until `replicas` start or serve."""
+    def scale(self, role: str, replicas: int, deletion_costs: Mapping[str, int] | None = None) -> None:
+        """Start engines of `role`, or drain some, until `replicas` start or serve. The engines drained are the
+        pods the cluster operator's ReplicaSet would remove (operator/scale_in.py): starting ones first, then the
+        lowest of the operator's `deletion_costs` (the coldest cache, the fewest requests in flight), then the
+        newest."""
+        from kvmesh.operator.scale_in import Candidate, removal_order
+
         have = [engine for engine in self.engines if engine.role == role and engine.state in (STARTING, SERVING)]
         for _ in range(replicas - len(have)):
             engine = self.start(role)
             print(f"kvmesh up: starting {engine.child.name} ({role})", file=sys.stderr, flush=True)
-        for engine in reversed(have[replicas:] if replicas < len(have) else []):
+        by_name = {engine.child.name: engine for engine in have}
+        order = removal_order([Candidate(e.child.name, e.state == SERVING) for e in reversed(have)],
+                              deletion_costs or {})
+        for engine in [by_name[name] for name in order[:max(0, len(have) - replicas)]]:
             if engine.state == STARTING:
                 self._stop(engine)
             else:
@@ -240,6 +261,18 @@ def _answers(client: httpx.Client, method: str, url: str) -> dict[str, Any] | No
         return None
 
 
+def observe_engines(engines: Sequence[Engine], scrape: Callable[[str], str] | None = None) -> list[LocalPod]:
+    """The engines as the operator observes its pods: every one's /metrics, scraped all at once by the operator's
+    helper (operator/engines.py: a slow engine delays no other's observation, and the tick waits at most the
+    scrape timeout); one that does not answer in time is left out of this tick."""
+    from kvmesh.operator.engines import http_scrape, scrape_all
+    from kvmesh.operator.local import LocalPod
+
+    texts = scrape_all({e.child.name: e.child.url + "/metrics" for e in engines}, scrape or http_scrape)
+    return [LocalPod(e.child.name, e.role, e.child.url, text, e.state == SERVING)
+            for e in engines if isinstance(text := texts[e.child.name], str)]
+
+
 class _ScalingWatch:
     """The operator's tick over the local engines, every `scaling.intervalSeconds`: engines that began serving
     are warmed from a peer, each decision is printed and carried out within the pool's replica bounds (engines
@@ -262,21 +295,13 @@ class _ScalingWatch:
         self.server.shutdown()
         self.server.server_close()
 
-    def tick(self, client: httpx.Client) -> None:
-        from kvmesh.operator.local import LocalPod, describe
+    def tick(self) -> None:
+        from kvmesh.operator.local import describe
 
         if time.monotonic() < self.next:
             return
         self.next = time.monotonic() + self.interval
-        pods: list[LocalPod] = []
-        for engine in self.engines.observable():
-            try:
-                answer = client.get(engine.child.url + "/metrics")
-            except httpx.TransportError:
-                continue
-            if answer.status_code == 200:
-                pods.append(LocalPod(engine.child.name, engine.role, engine.child.url, answer.text,
-                                     engine.state == SERVING))
+        pods = observe_engines(self.engines.observable())
         before = self.engines.replicas()
         try:
             tick = self.operator.decide(time.monotonic(), pods, before)
@@ -287,21 +312,67 @@ class _ScalingWatch:
         for line in describe(tick.decision, before):
             print(f"kvmesh up: scaler: {line}", file=sys.stderr, flush=True)
         for role, n in tick.decision.changed(before).items():
-            self.engines.scale(role, n)  # the scaler's decision is already within the pool's bounds
+            self.engines.scale(role, n, tick.deletion_costs)  # the decision is already within the pool's bounds
         self.operator.record(tick.decision, self.engines.replicas(), before)
         for line in self.operator.warm_up(tick.warmups):  # after scaling, as the operator does
             print(f"kvmesh up: warm-up: {line}", file=sys.stderr, flush=True)
 
 
-def _stop(children: list[Child]) -> None:
-    """Stop every child: SIGINT, then SIGKILL after 20 s. A second Ctrl-C or SIGTERM cannot interrupt this."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    stop([child.process for child in children], timeout=STOP_TIMEOUT_SECONDS)
+class _StopNow(Exception):
+    """A second Ctrl-C or SIGTERM while the pool stops gracefully."""
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def _stop_now(signum: int, frame: object) -> None:
+    raise _StopNow
+
+
+def stop_pool(engines: LocalEngines, client: httpx.Client, router_signal: int = signal.SIGINT) -> bool:
+    """Stop the pool without cutting what it serves. First the router, with `router_signal` (the one `kvmesh up`
+    got: after SIGINT it closes its port at once, after SIGTERM it serves new requests SHUTDOWN_SETTLE_SECONDS
+    more, as in Kubernetes) while the engines go on serving its open requests and streams, which it lets finish
+    within SHUTDOWN_DRAIN_SECONDS and exits; SIGKILL only after ROUTER_STOP_SECONDS. Then the engines: drained
+    (POST /v1/admin/drain: they refuse new requests) until none runs or queues a request, at most
+    ENGINES_DRAIN_SECONDS; then SIGINT, and SIGKILL STOP_TIMEOUT_SECONDS later. A second Ctrl-C or SIGTERM
+    kills whatever is left at once: False then."""
+    signal.signal(signal.SIGINT, _stop_now)
+    signal.signal(signal.SIGTERM, _stop_now)
+    try:
+        router = engines.router
+        if router is not None and router.process.poll() is None:
+            print(f"kvmesh up: stopping the router: its open requests and streams finish first (up to "
+                  f"{SHUTDOWN_DRAIN_SECONDS:g} s; Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            router.process.send_signal(router_signal)
+            wait_or_kill([router.process], ROUTER_STOP_SECONDS)
+        running = [e for e in engines.engines if e.child.process.poll() is None]
+        told = [e for e in running if e.state != STOPPING]  # those stopping were drained and signalled already
+        print(f"kvmesh up: draining {len(told)} engines", file=sys.stderr, flush=True)
+        _drain(client, told, time.monotonic() + ENGINES_DRAIN_SECONDS)
+        for engine in told:
+            if engine.child.process.poll() is None:
+                engine.child.process.send_signal(signal.SIGINT)
+        wait_or_kill([e.child.process for e in running], STOP_TIMEOUT_SECONDS)
+        print("kvmesh up: stopped", file=sys.stderr, flush=True)
+        return True
+    except _StopNow:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for child in engines.children():
+            if child.process.poll() is None:
+                child.process.kill()
+        wait_or_kill([child.process for child in engines.children()], STOP_TIMEOUT_SECONDS)
+        print("kvmesh up: stopped at once", file=sys.stderr, flush=True)
+        return False
+
+
+def _drain(client: httpx.Client, engines: list[Engine], deadline: float) -> None:
+    """Drain every engine and wait until none runs or queues a request (each drain answer says how many), or
+    until `deadline`. An engine that does not answer (exited, or still loading) has nothing to finish."""
+    def busy(engine: Engine) -> bool:
+        left = _answers(client, "POST", engine.child.url + DRAIN_PATH)
+        return left is not None and left["running"] + left["waiting"] > 0
+
+    while (engines := [e for e in engines if busy(e)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def prometheus_targets(pool: str, members: list[tuple[Child, str]],
@@ -322,8 +393,16 @@ def prometheus_targets(pool: str, members: list[tuple[Child, str]],
 
 def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
              targets_file: str | None = None) -> int:
-    """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a child's death (1)."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a child's death (1); then stop it
+    gracefully (`stop_pool`), or at once on a second Ctrl-C (STOPPED_AT_ONCE)."""
+    stopped_by: list[int] = []  # the signal that stopped the pool, if one did
+
+    def interrupt(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     print(f"kvmesh up: preparing model {plan.model or 'SmolLM2-135M-Instruct (bundled)'} ...", file=sys.stderr)
     model_dir = resolve_model_dir(plan.model)
     threads = max(1, (os.cpu_count() or 2) // plan.engines)
@@ -339,6 +418,19 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         gated = {**settings, "warmup_grace_seconds": warmup_grace_seconds(plan.pool)}
         scaled = [*engine_args, "--config", str(_engine_file(workdir, "engine-scaled", gated))]
     engines = LocalEngines(plan, initial, workdir, targets_file, scaled)
+    try:
+        code = _supervise(plan, engines, model_dir, router_port, ready_file)
+    finally:  # also when supervising failed unexpectedly
+        with httpx.Client(timeout=2.0) as client:
+            graceful = stop_pool(engines, client, stopped_by[0] if stopped_by else signal.SIGINT)
+    return code if graceful else STOPPED_AT_ONCE
+
+
+def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_port: int,
+               ready_file: str | None) -> int:
+    """Start the pool's processes, wait until the router routes to every engine, then keep the pool as the scaler
+    wants it until Ctrl-C or SIGTERM (0), a child's unasked death or a start that takes too long (1)."""
+    workdir = engines.workdir
     watch: _ScalingWatch | None = None
     try:
         for i in range(plan.engines):  # in the pods file from the start, as a static list would be
@@ -363,7 +455,7 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
                 return 1
             if plan.pool is not None:
                 watch = _ScalingWatch(plan, engines)
-                watch.tick(client)  # the first decision: the operator's series exist once its target is listed
+                watch.tick()  # the first decision: the operator's series exist once its target is listed
                 print(f"kvmesh up: operator metrics at {engines.operator_url}/metrics", file=sys.stderr)
             engines.publish()  # the targets file, before the ready file: whoever waits on it finds the targets too
             endpoint = f"http://127.0.0.1:{router_port}/v1"
@@ -378,7 +470,7 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
                     return 1
                 engines.progress(client)
                 if watch is not None:
-                    watch.tick(client)
+                    watch.tick()
                 time.sleep(0.5)
     except KeyboardInterrupt:
         print("kvmesh up: stopping", file=sys.stderr)
@@ -389,7 +481,6 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     finally:
         if watch is not None:
             watch.close()
-        _stop(engines.children())
 
 
 def _engine_file(workdir: Path, name: str, settings: dict[str, Any]) -> Path:

@@ -8,8 +8,8 @@ Kopf-free: the cluster operator (operator/handlers.py) and the local one inside 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import httpx
@@ -20,6 +20,8 @@ from kvmesh.operator.warmup import ServingPod, Warmup, WarmupUnanswered, warm_bo
 SCRAPE_TIMEOUT_SECONDS = 2.0
 WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick waits for it (targets in parallel)
 
+SCRAPE_WORKERS = 16  # pods scraped at once
+
 Scraper = Callable[[str], str]  # URL -> Prometheus text
 
 
@@ -27,6 +29,28 @@ def http_scrape(url: str) -> str:
     response = httpx.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
     response.raise_for_status()
     return response.text
+
+
+def scrape_all(urls: Mapping[str, str], scrape: Scraper = http_scrape,
+               timeout: float = SCRAPE_TIMEOUT_SECONDS) -> dict[str, str | Exception]:
+    """Per pod (name -> its /metrics URL), its text or why there is none, all pods at once: a slow pod delays no
+    other's observation, and the whole scrape ends within `timeout` (a pod not answered by then gets a
+    TimeoutError; its call ends by itself, within its own HTTP timeout)."""
+    if not urls:
+        return {}
+    workers = ThreadPoolExecutor(max_workers=min(SCRAPE_WORKERS, len(urls)), thread_name_prefix="scrape")
+    futures = {name: workers.submit(scrape, url) for name, url in urls.items()}
+    wait(futures.values(), timeout=timeout)
+    workers.shutdown(wait=False, cancel_futures=True)
+    texts: dict[str, str | Exception] = {}
+    for name, future in futures.items():
+        if not future.done() or future.cancelled():  # still running, or never started (more pods than workers)
+            texts[name] = TimeoutError(f"{urls[name]} did not answer within {timeout:g} s")
+        elif (error := future.exception()) is not None:
+            texts[name] = error if isinstance(error, Exception) else RuntimeError(repr(error))
+        else:
+            texts[name] = future.result()
+    return texts
 
 
 def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception | None]:

@@ -22,7 +22,6 @@ import datetime
 import json
 import logging
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -37,12 +36,13 @@ from urllib3.util.retry import Retry
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
-from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm
+from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
-from kvmesh.operator.scaling import Decision, scale_in_order
-from kvmesh.operator.warmup import GateOpener, ServingPod, Warmer, carry_out, plan_warmups
+from kvmesh.operator.scale_in import deletion_costs
+from kvmesh.operator.scaling import Decision
+from kvmesh.operator.warmup import GateOpener, PodPlace, Warmer, WarmupSettings, carry_out, plan_tick_warmups
 from kvmesh.router.discovery import endpoint_url
 
 log = logging.getLogger("kvmesh.operator")
@@ -199,21 +199,17 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
 
 def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodMetrics]:
     """Scrape the /metrics of every engine pod with an address, Ready or not (a new pod answers them before its
-    warm-up gate lets it be Ready), in parallel; a pod that does not answer is left out."""
+    warm-up gate lets it be Ready), all at once (`scrape_all`); a pod that does not answer is left out."""
     ready = [p for p in pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
-
-    def one(pod: dict[str, Any]) -> PodMetrics | None:
-        try:
-            text = scrape(pod_url(pod, port) + "/metrics")
-        except Exception as exc:  # a starting or dying pod: the scaler counts it in replicas, not in metrics
-            log.debug("scrape of %s failed: %s", pod["metadata"]["name"], exc)
-            return None
-        return parse_pod(pod["metadata"]["name"], pod["metadata"]["labels"].get(ROLE_LABEL, "both"), text)
-
-    if not ready:
-        return []
-    with ThreadPoolExecutor(max_workers=min(16, len(ready))) as pool:
-        return [m for m in pool.map(one, ready) if m is not None]
+    texts = scrape_all({p["metadata"]["name"]: pod_url(p, port) + "/metrics" for p in ready}, scrape)
+    scraped: list[PodMetrics] = []
+    for pod in ready:
+        name, text = pod["metadata"]["name"], texts[pod["metadata"]["name"]]
+        if isinstance(text, Exception):  # a starting or dying pod: the scaler counts it in replicas, not in metrics
+            log.debug("scrape of %s failed: %s", name, text)
+        else:
+            scraped.append(parse_pod(name, pod["metadata"]["labels"].get(ROLE_LABEL, "both"), text))
+    return scraped
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
@@ -321,10 +317,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         message = decision.describe(role, replicas)
         if n < replicas[role]:
-            role_pods = {m.observation.name: (hit_rates.get(m.observation.name, 0.0),
-                                              m.observation.running + m.observation.waiting)
-                         for m in scraped if m.observation.role == role}
-            for name, cost in scale_in_order(role_pods).items():
+            for name, cost in deletion_costs(role, scraped, hit_rates).items():
                 kube.patch("v1", "pods", pool.namespace, name,
                            {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(cost)}}})
         kube.patch("apps/v1", "deployments", pool.namespace, desired.engine_name(pool, role), {"spec": {"replicas": n}})
@@ -366,15 +359,12 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
     engines' warm-up gate on, tell those left with nothing copied to serve now. A failed warm-up is a Warning
     Event and a log line: the pod serves anyway, computing those prefixes itself."""
     port = pool.spec["engine"]["port"]
-    by_name = {p["metadata"]["name"]: p for p in pods}
-    serving = [ServingPod(name, m.observation.role, pod_url(by_name[name], port), hit_rates.get(name, 0.0),
-                          pod_ready(by_name[name]), m.kv_format)
-               for m in scraped if (name := m.observation.name) in by_name]
-    limit = pool.spec["scaling"]["warmupPrefixes"]
-    gated = desired.warmup_grace_seconds(pool) > 0
-    plan = plan_warmups(state.serving, serving, limit, gated)
-    state.serving = frozenset(p.name for p in serving)
-    results = carry_out(plan, limit, gated, warm, open_gates)
+    names = {m.observation.name for m in scraped}  # scraped: each has an address
+    places = {p["metadata"]["name"]: PodPlace(pod_url(p, port), pod_ready(p)) for p in pods
+              if p["metadata"]["name"] in names}
+    settings = WarmupSettings.of(pool)
+    plan = plan_tick_warmups(state, scraped, places, hit_rates, settings)
+    results = carry_out(plan, settings.limit, settings.gated, warm, open_gates)
     for _, _, outcome in results.warmed:  # an Event for each pod warmed or failed; a log line for every outcome
         if outcome.ok is True:
             kopf.event(body, type="Normal", reason="WarmedUp", message=outcome.message)

@@ -15,13 +15,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.operator.crd import Pool
-from kvmesh.operator.desired import engine_settings, router_settings, warmup_grace_seconds
+from kvmesh.operator.desired import engine_settings, router_settings
 from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.forecast import Scaler, parse_pod
 from kvmesh.operator.memory import PoolMemory, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
+from kvmesh.operator.scale_in import deletion_costs
 from kvmesh.operator.scaling import Decision
-from kvmesh.operator.warmup import GateOpener, ServingPod, Warmer, WarmupPlan, carry_out, plan_warmups
+from kvmesh.operator.warmup import (
+    GateOpener,
+    PodPlace,
+    Warmer,
+    WarmupPlan,
+    WarmupSettings,
+    carry_out,
+    plan_tick_warmups,
+)
 
 __all__ = ["LocalOperator", "LocalPod", "describe", "local_engine_settings", "local_router_settings"]
 
@@ -59,6 +68,7 @@ class LocalPod:
 class Tick:
     decision: Decision
     warmups: WarmupPlan  # the engines that began serving since the last tick: whom to warm from whom, whom to open
+    deletion_costs: Mapping[str, int]  # per engine scraped, the operator's pod-deletion cost: the cheapest drains first
 
 
 class LocalOperator:
@@ -71,25 +81,29 @@ class LocalOperator:
         self.metrics = OperatorMetrics()
         self.scaler = Scaler(pool)
         self.memory = PoolMemory(scaler=self.scaler)  # what the timer keeps between ticks: hits, serving pods
-        self.gated = warmup_grace_seconds(pool) > 0  # engines the scaler adds wait for their warm-up
+        self.warmup = WarmupSettings.of(pool)
         self._warm, self._open_gates = warm, open_gates
+
+    @property
+    def gated(self) -> bool:
+        """Engines the scaler adds wait for their warm-up."""
+        return self.warmup.gated
 
     def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
         scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
         decision = self.scaler.observe(now, scraped, replicas)
         hit_rates = pod_hit_rates(self.memory, now, scraped)
-        serving = [ServingPod(p.name, p.role, p.url, hit_rates.get(p.name, 0.0), p.ready, m.kv_format)
-                   for p, m in zip(pods, scraped, strict=True)]
-        warmups = plan_warmups(self.memory.serving, serving, self.pool.spec["scaling"]["warmupPrefixes"], self.gated)
-        self.memory.serving = frozenset(p.name for p in pods)
-        return Tick(decision, warmups)
+        places = {p.name: PodPlace(p.url, p.ready) for p in pods}
+        warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)
+        costs = {name: cost for role in self.pool.roles
+                 for name, cost in deletion_costs(role, scraped, hit_rates).items()}
+        return Tick(decision, warmups, costs)
 
     def warm_up(self, plan: WarmupPlan) -> list[str]:
         """Carry out a tick's warm-ups with the operator's HTTP calls, and open the gates of new engines left with
         nothing copied; one line per engine saying what it got. A failure is reported, never raised: the engine
         serves anyway (its grace opens its gate at the latest), computing those prefixes itself."""
-        results = carry_out(plan, self.pool.spec["scaling"]["warmupPrefixes"], self.gated, self._warm,
-                            self._open_gates)
+        results = carry_out(plan, self.warmup.limit, self.warmup.gated, self._warm, self._open_gates)
         return [o.message for _, _, o in results.warmed] + [o.message for _, o in results.opened]
 
     def record(self, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:

@@ -5,7 +5,8 @@ pods, or a replaced one. Each is asked to pull, over contract 4, the hottest cac
 pod of its role, so the prefixes the pool reuses most are a local hit from its first requests instead of one
 full prefill per prefix. With the engines' warm-up gate on, a new pod answers /metrics but not yet /health
 (so it is in no Service and no router's set) until its warm-up ends; a new pod with nothing to copy is told so
-at once, so a pool's first pods are not held for the whole grace. Pure: the operator's handler does the HTTP.
+at once, so a pool's first pods are not held for the whole grace. Pure: the operator's handler and
+`kvmesh up -f` (operator/local.py) do the HTTP; both plan a tick's warm-ups with `plan_tick_warmups`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.engine.protocol import DEFAULT_KV_CACHE_DTYPE
+from kvmesh.operator.crd import Pool
+from kvmesh.operator.desired import warmup_grace_seconds
+from kvmesh.operator.forecast import PodMetrics
+from kvmesh.operator.memory import PoolMemory
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,40 @@ def plan_warmups(known: frozenset[str] | None, serving: Sequence[ServingPod], li
         elif new and gated:
             open_now.extend(new)
     return WarmupPlan(tuple(warmups), tuple(open_now))
+
+
+@dataclass(frozen=True)
+class WarmupSettings:
+    """A pool's warm-up settings: how many hot chains a new pod copies (`scaling.warmupPrefixes`; 0: warm-up off),
+    and whether new engines wait for their warm-up behind the gate (a grace is set while warm-up is on)."""
+
+    limit: int
+    gated: bool
+
+    @classmethod
+    def of(cls, pool: Pool) -> WarmupSettings:
+        return cls(pool.spec["scaling"]["warmupPrefixes"], warmup_grace_seconds(pool) > 0)
+
+
+@dataclass(frozen=True)
+class PodPlace:
+    """Where a scraped pod serves and whether it is Ready (its /health answers 200), as its caller knows it."""
+
+    url: str
+    ready: bool
+
+
+def plan_tick_warmups(memory: PoolMemory, scraped: Sequence[PodMetrics], places: Mapping[str, PodPlace],
+                      hit_rates: Mapping[str, float], settings: WarmupSettings) -> WarmupPlan:
+    """One scaling tick's warm-ups, for the cluster operator and `kvmesh up -f` alike: the pods scraped this tick
+    (those with a place) with their hit rates and KV formats, planned against the pods that served at the last
+    tick (`memory.serving`), which then remembers these. The caller carries the plan out (`carry_out`)."""
+    serving = [ServingPod(name, m.observation.role, places[name].url, hit_rates.get(name, 0.0), places[name].ready,
+                          m.kv_format)
+               for m in scraped if (name := m.observation.name) in places]
+    plan = plan_warmups(memory.serving, serving, settings.limit, settings.gated)
+    memory.serving = frozenset(p.name for p in serving)
+    return plan
 
 
 class WarmupUnanswered(Exception):

@@ -14,16 +14,21 @@ from typing import Any
 
 import pytest
 
-from kvmesh.engine.protocol import HOT_CHAINS_DEFAULT
+from kvmesh.engine.protocol import HOT_CHAINS_DEFAULT, VllmMetric
 from kvmesh.operator.crd import SpecError, parse_pool
 from kvmesh.operator.desired import warmup_grace_seconds
+from kvmesh.operator.forecast import PodMetrics, parse_pod
+from kvmesh.operator.memory import PoolMemory
 from kvmesh.operator.warmup import (
+    PodPlace,
     ServingPod,
     Warmup,
     WarmupPlan,
+    WarmupSettings,
     WarmupUnanswered,
     carry_out,
     left_closed,
+    plan_tick_warmups,
     plan_warmups,
     warm_body,
     warmup_outcome,
@@ -120,6 +125,30 @@ def test_warmup_prefixes_defaults_on_and_is_bounded() -> None:
     assert parse_pool(body(warmupPrefixes=0)).spec["scaling"]["warmupPrefixes"] == 0
     with pytest.raises(SpecError, match="warmupPrefixes"):
         parse_pool(body(warmupPrefixes=-1))
+
+
+def scraped(name: str, kv_format: str = "auto") -> PodMetrics:
+    return parse_pod(name, "both", f'{VllmMetric.CACHE_CONFIG}{{block_size="16",num_gpu_blocks="100",'
+                                   f'cache_dtype="{kv_format}"}} 1\n')
+
+
+def test_a_tick_plans_from_what_was_scraped_and_remembers_it_for_the_next() -> None:
+    """The one planning step the operator's timer and `kvmesh up -f` share: scraped pods with a place (URL and
+    readiness), their hit rates and KV formats; a first tick warms only pods not Ready; the next, those new since."""
+    memory = PoolMemory()
+    settings = WarmupSettings.of(parse_pool(body()))
+    assert settings == WarmupSettings(HOT_CHAINS_DEFAULT, True)
+    assert WarmupSettings.of(parse_pool(body(warmupPrefixes=0))) == WarmupSettings(0, False)
+    places = {"a": PodPlace("http://a", True), "b": PodPlace("http://b", False)}
+    first = plan_tick_warmups(memory, [scraped("a"), scraped("b"), scraped("no-address")], places, {}, settings)
+    assert [(w.source.url, [t.name for t in w.targets]) for w in first.warmups] == [("http://a", ["b"])]
+    assert memory.serving == {"a", "b"}
+    places |= {"b": PodPlace("http://b", True), "c": PodPlace("http://c", False), "d": PodPlace("http://d", False)}
+    second = plan_tick_warmups(memory, [scraped("a"), scraped("b"), scraped("c"), scraped("d", "fp8")], places,
+                               {"a": 1.0, "b": 5.0}, settings)
+    assert [(w.source.name, [t.name for t in w.targets]) for w in second.warmups] == [("b", ["c"])]
+    assert [p.name for p in second.open_now] == ["d"]  # the only pod of its KV format: nothing to copy
+    assert memory.serving == {"a", "b", "c", "d"}
 
 
 def test_the_warm_up_gate_defaults_to_a_minute_only_while_warm_up_is_on() -> None:
