@@ -46,6 +46,9 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 BUNDLED = "bundled"  # model.source naming the image's bundled model
+ADAPTERS_DIR = "/adapters"  # an adapter's own volumeClaim is mounted read-only at ADAPTERS_DIR/NAME
+LORA_NAME = r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$"  # what clients send as `model`; also a directory name
+MAX_LORA_ADAPTERS = 32
 
 
 def _package_version() -> str:
@@ -142,6 +145,19 @@ RULES: tuple[Rule, ...] = (
     Rule(("store",), "!(has(self.databaseUrl) && has(self.databaseUrlSecret))",
          "store: give databaseUrl or databaseUrlSecret, not both",
          lambda s: not ("databaseUrl" in s and "databaseUrlSecret" in s)),
+    Rule(("model",), "!has(self.name) || self.loraAdapters.all(a, a.name != self.name)",
+         "model.loraAdapters: an adapter cannot take the model's own name",
+         lambda s: all(a["name"] != s.get("name") for a in s["loraAdapters"])),
+    Rule(("model", "loraAdapters"),
+         f"self.all(a, !has(a.volumeClaim) || a.path == '{ADAPTERS_DIR}/' + a.name || "
+         f"a.path.startsWith('{ADAPTERS_DIR}/' + a.name + '/'))",
+         f"model.loraAdapters: an adapter's volumeClaim is mounted at {ADAPTERS_DIR}/NAME, so its path must be that "
+         "directory or one below it",
+         lambda s: all("volumeClaim" not in a or a["path"] == f"{ADAPTERS_DIR}/{a['name']}"
+                       or a["path"].startswith(f"{ADAPTERS_DIR}/{a['name']}/") for a in s)),
+    Rule((), "!has(self.engine.maxLoras) || size(self.model.loraAdapters) <= self.engine.maxLoras",
+         "model.loraAdapters: more adapters than engine.maxLoras (every loaded adapter takes one of its slots)",
+         lambda s: "maxLoras" not in s["engine"] or len(s["model"]["loraAdapters"]) <= s["engine"]["maxLoras"]),
     Rule((), "self.mode == 'aggregated' ? self.replicas.both.min >= 1 : "
              "(self.replicas.prefill.min >= 1 && self.replicas.decode.min >= 1)",
          "the pool's mode needs at least one pod of each of its roles: replicas.both.min (aggregated), or "
@@ -173,6 +189,20 @@ def spec_schema() -> dict[str, Any]:
         "kvCacheDtype": _enum("how engines store K and V: auto (the model's dtype) or int8 (a scale per token and "
                               "head; about twice the cached tokens of bf16 in the same memory)", KV_CACHE_DTYPES,
                               "auto"),
+        "loraAdapters": {
+            "type": "array", "maxItems": MAX_LORA_ADAPTERS, "default": [],
+            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+            "description": "LoRA adapters every engine loads at start (PEFT directories); clients ask for one by "
+                           "sending its name as `model`, and the router sends those requests only to pods serving it",
+            "items": _obj({
+                "name": _str("the model name clients send to use the adapter", pattern=LORA_NAME, maxLength=63),
+                "path": _str(f"the adapter's directory as the engine pods see it: under /models on the model's "
+                             f"volumeClaim, under {ADAPTERS_DIR}/NAME on the adapter's own volumeClaim, or in the "
+                             "image", minLength=1, maxLength=1024),
+                "volumeClaim": _str(f"a PersistentVolumeClaim holding the adapter, mounted read-only at "
+                                    f"{ADAPTERS_DIR}/NAME", pattern=DNS_LABEL),
+            }, ("name", "path")),
+        },
     }, ("source",), description="the model every engine of the pool serves")
     engine = _obj({
         "image": _str("the kvmesh image", minLength=1, default=DEFAULT_IMAGE),
@@ -186,6 +216,8 @@ def spec_schema() -> dict[str, Any]:
         "maxNumBatchedTokens": _int("tokens per step (chunked prefill)", 1),
         "maxModelLen": _int("longest context", 1),
         "enablePrefixCache": {"type": "boolean", "description": "cache and share prompt prefixes"},
+        "maxLoras": _int("LoRA adapters an engine holds at once (the engine's default: 8)", 1, 256),
+        "maxLoraRank": _int("the largest LoRA rank an engine loads (the engine's default: 64)", 1, 1024),
         "hostTierMiB": _int("memory-backed volume for the host KV tier (0: none); it survives an engine restart",
                             0, default=0),
         "settings": _settings("engine", "kvmesh serve"),
@@ -362,6 +394,8 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
             if key not in out:
                 raise SpecError(f"{where}.{key} is required")
         return out
+    if kind == "array":
+        return _check_list(value, schema, where)
     if kind == "string":
         if not isinstance(value, str):
             raise SpecError(f"{where}: expected a string, got {value!r}")
@@ -383,6 +417,25 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
     if "enum" in schema and value not in schema["enum"]:
         raise SpecError(f"{where}: {value!r} is not one of {', '.join(map(str, schema['enum']))}")
     return value
+
+
+def _check_list(value: Any, schema: Mapping[str, Any], where: str) -> list[Any]:
+    """A list's items checked, its length bounded, and (x-kubernetes-list-type map) its keys unique, as the API
+    server refuses a list map with a key twice."""
+    if not isinstance(value, list):
+        raise SpecError(f"{where}: expected a list, got {type(value).__name__}")
+    if len(value) > schema.get("maxItems", len(value)):
+        raise SpecError(f"{where}: {len(value)} items, at most {schema['maxItems']} allowed")
+    items = [_check(item, schema["items"], f"{where}[{i}]") for i, item in enumerate(value)]
+    keys = schema.get("x-kubernetes-list-map-keys")
+    if keys:
+        seen: set[tuple[Any, ...]] = set()
+        for item in items:
+            key = tuple(item.get(k) for k in keys)
+            if key in seen:
+                raise SpecError(f"{where}: duplicate {', '.join(keys)} {', '.join(map(str, key))}")
+            seen.add(key)
+    return items
 
 
 def defaulted_spec(spec: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import yaml
 
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
-from kvmesh.operator.crd import API_VERSION, BUNDLED, KIND, Pool
+from kvmesh.operator.crd import ADAPTERS_DIR, API_VERSION, BUNDLED, KIND, Pool
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
@@ -43,7 +43,8 @@ DATABASE_URL_ENV = "KVMESH_DATABASE_URL"
 # camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
 ENGINE_SETTINGS = {"blockSize": "block_size", "hashAlgo": "hash_algo", "kvCacheMemoryMiB": "kv_cache_memory_mib",
                    "maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
-                   "maxModelLen": "max_model_len", "enablePrefixCache": "enable_prefix_cache"}
+                   "maxModelLen": "max_model_len", "enablePrefixCache": "enable_prefix_cache",
+                   "maxLoras": "max_loras", "maxLoraRank": "max_lora_rank"}
 
 
 # ---- names, labels, owners ---------------------------------------------------------------------------------------
@@ -108,6 +109,8 @@ def engine_settings(pool: Pool) -> dict[str, Any]:
         out["model"] = _model_path(pool)
     if "name" in model:
         out["served_model_name"] = model["name"]
+    if model["loraAdapters"]:
+        out["lora_modules"] = {a["name"]: a["path"] for a in model["loraAdapters"]}
     out.update({ENGINE_SETTINGS[k]: v for k, v in spec.items() if k in ENGINE_SETTINGS})
     out.update(spec.get("settings") or {})
     return out
@@ -191,6 +194,11 @@ def _volumes(pool: Pool, engine: bool) -> tuple[list[dict[str, Any]], list[dict[
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pool.spec["model"]["volumeClaim"],
                                                                     "readOnly": True}})
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    if engine:  # adapters on their own claims: each at ADAPTERS_DIR/NAME, where its path points (the CRD's rule)
+        for i, adapter in enumerate(a for a in pool.spec["model"]["loraAdapters"] if "volumeClaim" in a):
+            volumes.append({"name": f"lora-{i}", "persistentVolumeClaim": {"claimName": adapter["volumeClaim"],
+                                                                          "readOnly": True}})
+            mounts.append({"name": f"lora-{i}", "mountPath": f"{ADAPTERS_DIR}/{adapter['name']}", "readOnly": True})
     host_tier = pool.spec["engine"]["hostTierMiB"]
     if engine and host_tier:
         volumes.append({"name": "host-tier", "emptyDir": {"medium": "Memory", "sizeLimit": f"{host_tier}Mi"}})
