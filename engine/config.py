@@ -69,6 +69,10 @@ class EngineConfig:
     # > 0: after the model loads, /health says "warming" (503) until the first warm-up (POST /v1/kv/warm) ends,
     # POST /v1/admin/ready, or this many seconds, so a new pod joins Services and routers warm (issue 5)
     warmup_grace_seconds: float = 0.0
+    # LoRA adapters served at start, name -> PEFT directory (more load at run time: POST /v1/load_lora_adapter)
+    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_lora_rank: int = 64  # adapters of a larger rank are refused
+    max_loras: int = 8  # adapters loaded at once: the slots model/lora.py allocates at the first load
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -89,6 +93,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.max_lora_rank < 1 or self.max_loras < 1:
+            raise ValueError(f"max_lora_rank and max_loras must be at least 1, got {self.max_lora_rank}, "
+                             f"{self.max_loras}")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} lora_modules but max_loras is {self.max_loras}")
         if self.warmup_grace_seconds < 0:
             raise ValueError(f"warmup_grace_seconds must be >= 0, got {self.warmup_grace_seconds}")
         if self.kv_host_memory_mib < 0 or self.kv_disk_mib < 0 or self.kv_tier_chunk_blocks < 1:
@@ -120,6 +129,31 @@ def _normalize(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def parse_lora_modules(value: Any) -> dict[str, str]:
+    """`lora_modules` as a mapping of name to directory, from a mapping or from vLLM's list of `name=path`
+    strings (the CLI's `--lora-modules a=/x b=/y`; a YAML list works too)."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple):
+        items = []
+        for entry in value:
+            name, sep, path = str(entry).partition("=")
+            if not sep:
+                raise ValueError(f"lora_modules entry {entry!r} is not name=path")
+            items.append((name, path))
+    else:
+        raise ValueError(f"lora_modules must be a mapping of name to path or a list of name=path, got {value!r}")
+    out: dict[str, str] = {}
+    for name, path in items:
+        if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
+            raise ValueError(f"lora_modules: name and path must be non-empty strings, got {name!r}: {path!r}")
+        name, path = name.strip(), path.strip()
+        if name in out:
+            raise ValueError(f"lora_modules names {name!r} twice")
+        out[name] = path
+    return out
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> EngineConfig:
     """Defaults, then the file's `engine` section (or the whole file if it has none), then `overrides`
     (flags the user gave; None values mean "not given")."""
@@ -134,6 +168,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise ValueError(f"{path}: the `engine` section must be a mapping")
         values.update(_normalize(section))
     values.update(_normalize({k: v for k, v in (overrides or {}).items() if v is not None}))
+    if "lora_modules" in values:
+        values["lora_modules"] = parse_lora_modules(values["lora_modules"])
     config = EngineConfig(**values)
     config.validate()
     return config

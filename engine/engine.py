@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,6 +32,7 @@ from kvmesh.engine.kvcache import KVLayout
 from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.model import loader
 from kvmesh.engine.model.llama import Llama
+from kvmesh.engine.model.lora import LoadedLora, LoraAdapter, LoraConflict, LoraError, LoraRegistry, read_adapter
 from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvmesh.engine.protocol import HashAlgo, KVConfig, KVEvent
 from kvmesh.engine.request import Request, RequestOutput, Status
@@ -96,7 +97,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                           "cpu" if config.device == "auto" else config.device)
     dtype = pick_dtype(config.dtype, device)
     weights = loader.load_weights(model_dir, dtype)
-    model = Llama(model_config, weights, device, config.quantization)
+    model = Llama(model_config, weights, device, config.quantization, config.max_loras, config.max_lora_rank)
     name = config.served_model_name or model_config.name
     return LoadedModel(name, model_config, Tokenizer.from_dir(model_dir), model, dtype)
 
@@ -129,8 +130,11 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.queue_policy,
                                    config.max_queue_delay_seconds)
         self.runner = self.make_runner(loaded, num_blocks)
+        self.loras = LoraRegistry(config.max_loras)  # changed on the engine thread, read by the HTTP edge
         self.lengths = OutputLengthModel()
-        self.state = EngineState(kv=self.kv.stats())
+        self.state = EngineState(kv=self.kv.stats(), max_loras=config.max_loras)
+        for name, path in config.lora_modules.items():
+            self.add_lora(self.read_lora(name, path))
         self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype)
         self.kv_config = KVConfig(
             model=self.model_name,
@@ -294,6 +298,36 @@ class Engine:
     def release(self, key: str) -> None:
         self.kv.free(key)
 
+    # ---- LoRA adapters (model/lora.py; docs/engine.md "LoRA adapters") ------------------------------------------
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """Read and check a PEFT adapter directory (any thread: it only reads files). Raises LoraError."""
+        if name == self.model_name:
+            raise LoraError(f"{name!r} is the base model's name; give the adapter another one")
+        return read_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype)
+
+    def add_lora(self, adapter: LoraAdapter) -> LoadedLora:
+        """Serve `adapter` under its name: a free slot, filled in place (engine thread). Raises LoraError."""
+        entry = self.loras.add(adapter)
+        self.runner.model.lora.write(entry.slot, adapter)
+        self.state = dataclasses.replace(self.state, loras_loaded=len(self.loras.loaded))  # scraped at once
+        log.info("LoRA adapter %r loaded from %s (rank %d, slot %d)", entry.name, entry.path, entry.rank, entry.slot)
+        return entry
+
+    def remove_lora(self, name: str) -> LoadedLora:
+        """Stop serving an adapter no request uses (engine thread). Its cached blocks are left to age out: no
+        request can reach them until the name is loaded again, with the same weights (LoraRegistry.add).
+        Raises LoraNotFound, or LoraConflict while requests of it run or wait."""
+        busy = sum(r.extra.lora == name for r in (*self.requests.values(), *self._inbox))
+        if busy and name in self.loras.loaded:
+            raise LoraConflict(f"LoRA adapter {name!r} has {busy} running or queued requests; unload it when they "
+                               f"finish")
+        entry = self.loras.remove(name)
+        self.runner.model.lora.clear(entry.slot)
+        self.state = dataclasses.replace(self.state, loras_loaded=len(self.loras.loaded))
+        log.info("LoRA adapter %r unloaded (slot %d)", name, entry.slot)
+        return entry
+
     def drop_handle(self, handle: str) -> None:
         """A handoff's blocks were delivered: unpin them now rather than at expiry (they stay cached)."""
         if self.handles.pop(handle, None) is not None:
@@ -453,6 +487,10 @@ class Engine:
         while self._inbox:
             request = self._inbox.popleft()
             self.requests[request.request_id] = request
+            if request.extra.lora is not None and request.extra.lora not in self.loras.loaded:
+                self._finish(request, "error", error=f"LoRA adapter {request.extra.lora!r} was unloaded before "
+                                                     f"this request started")
+                continue
             try:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
                 if request.output_ids:
@@ -532,6 +570,7 @@ class Engine:
                     start,
                     r.token_ids[start : start + s.num_new_tokens],
                     wants_logits=start + s.num_new_tokens == r.num_tokens,
+                    lora_slot=self.loras.slot(r.extra.lora),
                 )
             )
         result = self.runner.run(inputs)
@@ -684,6 +723,11 @@ class Engine:
             draining=self.draining,
             pinned_blocks=sum(len(s.blocks) for k, s in self.kv.seqs.items() if k.startswith(PIN_PREFIXES)),
             tiers=self.tiers.counts() if self.tiers is not None else {},
+            lora_running=_adapters(self.scheduler.running),
+            lora_waiting=_adapters(waiting),
+            loras_loaded=len(self.loras.loaded),
+            max_loras=self.config.max_loras,
+            lora_updated=time.time(),
         )
 
     def _pending_prefill(self, r: Request) -> int:
@@ -748,6 +792,11 @@ class Engine:
 
 def _ema(old: float, new: float) -> float:
     return new if old == 0.0 else (1 - EMA) * old + EMA * new
+
+
+def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The LoRA adapters these requests run with, each once, sorted."""
+    return tuple(sorted({r.extra.lora for r in requests if r.extra.lora is not None}))
 
 
 def _one(value):

@@ -62,6 +62,11 @@ class EngineState:
     draining: bool = False
     pinned_blocks: int = 0
     tiers: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # lower tier -> (used, evictable, free)
+    lora_running: tuple[str, ...] = ()  # LoRA adapters with running requests
+    lora_waiting: tuple[str, ...] = ()  # ... and with waiting ones
+    loras_loaded: int = 0
+    max_loras: int = 0
+    lora_updated: float = 0.0  # unix time of this snapshot: vllm:lora_requests_info's value, as vLLM sets it
 
 
 class _StateCollector:
@@ -116,6 +121,12 @@ class _StateCollector:
         yield gauge(M.FORECAST_EXHAUSTION, "Expected seconds until the device KV pool is exhausted.",
                     f.seconds_to_exhaustion if f else float("inf"))
         yield gauge(M.FORECAST_HORIZON, "The forecast's horizon.", f.horizon_seconds if f else 0.0)
+        lora = GaugeMetricFamily(V.LORA_REQUESTS_INFO, "LoRA adapters with running and waiting requests; the value "
+                                 "is the time of the update.",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        lora.add_metric([",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)], s.lora_updated)
+        yield lora
+        yield gauge(M.LORA_ADAPTERS_LOADED, "LoRA adapters loaded.", s.loras_loaded)
 
 
 class EngineMetrics:

@@ -41,6 +41,9 @@ DRAIN_PATH = "/v1/admin/drain"
 # POST: the operator has nothing to warm this new pod with: open its warm-up gate now (issue 5)
 READY_PATH = "/v1/admin/ready"
 HEALTH_WARMING = "warming"  # /health's status (503) while a new pod waits for its warm-up
+# LoRA adapters at run time, as vLLM: POST {"lora_name", "lora_path"} / {"lora_name"}
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 KV_CONFIG_PATH = "/v1/kv/config"
 KV_EVENTS_PATH = "/v1/kv/events"
 KV_BLOCKS_PATH = "/v1/kv/blocks"
@@ -310,6 +313,9 @@ class VllmMetric:
     PROMPT_TOKENS = "vllm:prompt_tokens"
     GENERATION_TOKENS = "vllm:generation_tokens"
     REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+    # gauge, value = the time (unix seconds) of the update; labels running_lora_adapters, waiting_lora_adapters
+    # (comma-separated adapter names with running / waiting requests), max_lora: what LoRA-affinity pickers read
+    LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 
 class Metric:
@@ -356,6 +362,7 @@ class Metric:
     KV_BLOCK_IDLE = "kvmesh_kv_block_idle_before_evict_seconds"  # histogram, sampled: last use to eviction; tier
     KV_BLOCK_REUSE_GAP = "kvmesh_kv_block_reuse_gap_seconds"  # histogram, sampled: idle until reused; label tier
     WARMUP_GATE_OPENED = "kvmesh_warmup_gate_opened"  # counter; label reason (GATE_REASONS): how /health opened
+    LORA_ADAPTERS_LOADED = "kvmesh_lora_adapters_loaded"  # gauge: LoRA adapters loaded now
 
 
 class RouterMetric:

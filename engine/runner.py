@@ -1,7 +1,8 @@
 """The model runner: owns the KV tensor, turns a scheduled step into model inputs, returns logits.
 
 It chooses the attention backend (torch or triton, engine/attention.py) and counts the tokens it computes,
-which is what tests and metrics use to tell a cache hit from a recompute.
+which is what tests and metrics use to tell a cache hit from a recompute. Sequences of LoRA adapters are put
+together in the flat batch (base model first), so each adapter's tokens are one row segment (model/lora.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from kvmesh.engine.attention import build_metadata, resolve_backend
 from kvmesh.engine.kvcache import KVLayout
 from kvmesh.engine.model.llama import Llama
+from kvmesh.engine.model.lora import LoraSegment
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class StepInput:
     num_computed: int
     token_ids: list[int]
     wants_logits: bool
+    lora_slot: int | None = None  # the LoRA adapter's slot (model/lora.py); None: the base model
 
 
 @dataclass(frozen=True)
@@ -55,17 +58,29 @@ class ModelRunner:
         self.cascade_attention = True
 
     def run(self, seqs: list[StepInput]) -> StepResult:
+        """Logits rows follow `seqs`' order, whatever order the flat batch took."""
         start = time.perf_counter()
+        order = seqs
+        if any(s.lora_slot is not None for s in seqs):  # stable: the base model's sequences first, then by slot
+            order = sorted(seqs, key=lambda s: -1 if s.lora_slot is None else s.lora_slot)
         ids: list[int] = []
         positions: list[int] = []
-        rows: list[int] = []
-        for s in seqs:
+        last_row: dict[int, int] = {}  # id(sequence) -> its last row in the flat batch
+        segments: list[LoraSegment] = []
+        for s in order:
+            begin = len(ids)
             ids += s.token_ids
             positions += range(s.num_computed, s.num_computed + len(s.token_ids))
-            if s.wants_logits:
-                rows.append(len(ids) - 1)
+            last_row[id(s)] = len(ids) - 1
+            if s.lora_slot is None:
+                continue
+            if segments and segments[-1].slot == s.lora_slot:
+                segments[-1] = LoraSegment(segments[-1].start, len(ids), s.lora_slot)
+            else:
+                segments.append(LoraSegment(begin, len(ids), s.lora_slot))
+        rows = [last_row[id(s)] for s in seqs if s.wants_logits]
         meta = build_metadata(
-            [(s.block_table, s.num_computed, len(s.token_ids)) for s in seqs],
+            [(s.block_table, s.num_computed, len(s.token_ids)) for s in order],
             self.block_size,
             self.device,
             self.attention_backend,
@@ -73,7 +88,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        hidden = self.model.forward(input_ids, pos, meta, self.kv_layers)
+        hidden = self.model.forward(input_ids, pos, meta, self.kv_layers, segments)
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
         self.computed_tokens += len(ids)
         self.steps += 1

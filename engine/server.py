@@ -12,8 +12,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
 from typing import Any
 
@@ -23,10 +23,12 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
+from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
 from kvmesh.engine.openai_types import (
     ChatRequest,
     CompletionRequest,
@@ -50,8 +52,10 @@ from kvmesh.engine.protocol import (
     KV_HOT_PATH,
     KV_TRANSFER_FIELD,
     KV_WARM_PATH,
+    LOAD_LORA_PATH,
     PRIORITY_HEADER,
     READY_PATH,
+    UNLOAD_LORA_PATH,
     WORKLOAD_HEADER,
     BlockExtra,
     HashAlgo,
@@ -263,7 +267,7 @@ class _Completions:
         self.http = http
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.model = engine.model_name
+        self.model = body.model if body.model in engine.loras.loaded else engine.model_name  # an adapter's name
 
     # ---- building requests --------------------------------------------------------------------------------
 
@@ -329,8 +333,9 @@ class _Completions:
 
     async def job(self) -> _Job:
         b, e = self.body, self.engine
-        if b.model is not None and b.model != e.model_name:
-            raise ApiError(404, f"model {b.model!r} does not exist; this engine serves {e.model_name!r}",
+        if b.model is not None and b.model != e.model_name and b.model not in e.loras.loaded:
+            served = ", ".join(repr(n) for n in [e.model_name, *e.loras.names()])
+            raise ApiError(404, f"model {b.model!r} does not exist; this engine serves {served}",
                            param="model", code="model_not_found")
         transfer = b.kv_transfer
         if transfer is not None and transfer.mode == "prefill" and (b.stream or b.n > 1):
@@ -384,7 +389,8 @@ class _Completions:
                         params=params,
                         workload=workload,
                         priority=priority,
-                        extra=BlockExtra(cache_salt=b.cache_salt),
+                        extra=BlockExtra(lora=self.model if self.model != e.model_name else None,
+                                         cache_salt=b.cache_salt),
                         output_ids=list(resume),
                         handoff_ttl=(transfer.ttl_seconds or e.config.handoff_ttl_seconds)
                         if transfer is not None and transfer.mode == "prefill" else None,
@@ -571,6 +577,29 @@ async def _import_blocks(e: Engine, client: httpx.AsyncClient, source: str, want
     return pulled
 
 
+class LoadLoraRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+
+
+@contextmanager
+def _lora_errors() -> Iterator[None]:
+    """An adapter the engine refuses answers 4xx with the engine's reason: 404 unknown, 409 busy or no free
+    slot, 400 anything wrong with the adapter itself."""
+    try:
+        yield
+    except LoraNotFound as exc:
+        raise ApiError(404, str(exc), param="lora_name", code="lora_not_found") from None
+    except LoraConflict as exc:
+        raise ApiError(409, str(exc), param="lora_name", code="lora_conflict") from None
+    except LoraError as exc:
+        raise ApiError(400, str(exc), param="lora_path") from None
+
+
 MAX_WARM_ERRORS = 5  # a warm-up's answer names this many failures, not one per chain
 
 
@@ -661,9 +690,31 @@ def create_app(holder: EngineHolder) -> FastAPI:
         e = holder.get()
         return {
             "object": "list",
-            "data": [{"id": e.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
-                      "max_model_len": e.max_model_len}],
+            "data": [{"id": e.model_name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": e.model_name,
+                      "parent": None, "max_model_len": e.max_model_len}]
+            + [{"id": a.name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": a.path,
+                "parent": e.model_name, "max_model_len": e.max_model_len} for a in list(e.loras.loaded.values())],
         }
+
+    @app.post(LOAD_LORA_PATH)
+    async def load_lora_adapter(body: LoadLoraRequest) -> dict[str, Any]:
+        """Read the adapter off the event loop, then take a slot on the engine thread (vLLM's endpoint)."""
+        e = holder.get()
+        if body.lora_name in e.loras.loaded:  # before reading files: the common mistake answers fast
+            raise ApiError(400, f"LoRA adapter {body.lora_name!r} is already loaded; unload it first",
+                           param="lora_name")
+        with _lora_errors():
+            adapter = await asyncio.to_thread(e.read_lora, body.lora_name, body.lora_path)
+            entry = await asyncio.wrap_future(e.call(lambda: e.add_lora(adapter)))
+        return {"lora_name": entry.name, "lora_path": entry.path, "rank": entry.rank,
+                "message": f"LoRA adapter {entry.name!r} loaded"}
+
+    @app.post(UNLOAD_LORA_PATH)
+    async def unload_lora_adapter(body: UnloadLoraRequest) -> dict[str, Any]:
+        e = holder.get()
+        with _lora_errors():
+            entry = await asyncio.wrap_future(e.call(lambda: e.remove_lora(body.lora_name)))
+        return {"lora_name": entry.name, "message": f"LoRA adapter {entry.name!r} unloaded"}
 
     @app.get("/health")
     async def health() -> JSONResponse:

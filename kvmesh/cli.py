@@ -46,6 +46,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-tier-cost-profile", help="load-or-recompute costs: measured (default), gpu or cpu")
     p.add_argument("--warmup-grace-seconds", type=float,
                    help="stay unready (/health: warming) after loading until warmed or this long (default 0: off)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve under these model names")
+    p.add_argument("--max-lora-rank", type=int, help="the largest LoRA rank accepted (default 64)")
+    p.add_argument("--max-loras", type=int, help="LoRA adapters loaded at once (default 8)")
     p.add_argument("--log-level", default="info")
 
 

@@ -18,6 +18,7 @@ from kvmesh.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.engine.kvcache import LayerKV
 from kvmesh.engine.model.linear import Linear, make_linear
 from kvmesh.engine.model.loader import ModelConfig
+from kvmesh.engine.model.lora import LoraSegment, LoraWeights
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -64,6 +65,8 @@ class Llama:
         weights: dict[str, torch.Tensor],
         device: torch.device,
         quantization: str = "none",
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
     ) -> None:
         self.config = config
         self.device = device
@@ -93,6 +96,8 @@ class Llama:
                 )
             )
         self.dtype = self.embed.dtype
+        # LoRA deltas on the four projections (lora.py); slots are allocated at the first adapter's load
+        self.lora = LoraWeights(c, max_loras, max_lora_rank, self.dtype, device) if max_loras else None
         inv_freq, pos_scale = rope_inv_freq(c)
         positions = torch.arange(c.max_position_embeddings, dtype=torch.float64) * pos_scale
         freqs = torch.outer(positions, inv_freq)
@@ -112,6 +117,15 @@ class Llama:
         x1, x2 = xf[..., :half], xf[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
+    def _project(self, linear: Linear, x: torch.Tensor, layer: int, name: str,
+                 lora: Sequence[LoraSegment]) -> torch.Tensor:
+        """The base projection, plus the adapters' deltas on their rows when the step has any."""
+        y = linear(x)
+        if lora:
+            assert self.lora is not None, "LoRA segments given to a model built without adapter slots"
+            self.lora.add(y, x, layer, name, lora)
+        return y
+
     @torch.inference_mode()
     def forward(
         self,
@@ -119,8 +133,10 @@ class Llama:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_layers: Sequence[tuple[LayerKV, LayerKV]],
+        lora: Sequence[LoraSegment] = (),
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
+        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens. `lora`: the row segments
+        that run with an adapter (rows outside every segment run the base model)."""
         c = self.config
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
@@ -128,16 +144,16 @@ class Llama:
         sin = self.sin[positions][:, None, :]
         for i, w in enumerate(self.layers):
             x = self._rms_norm(h, w.attn_norm)
-            qkv = w.qkv(x)
+            qkv = self._project(w.qkv, x, i, "qkv", lora)
             q = self._rope(qkv[:, : self.q_size].view(t, c.num_heads, c.head_dim), cos, sin)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_kv_heads, c.head_dim)
             k = self._rope(k, cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv_layers[i], meta, self.scale)
-            h = h + w.o(attn.reshape(t, self.q_size))
+            h = h + self._project(w.o, attn.reshape(t, self.q_size), i, "o", lora)
             x = self._rms_norm(h, w.mlp_norm)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(F.silu(gate) * up)
+            gate, up = self._project(w.gate_up, x, i, "gate_up", lora).chunk(2, dim=-1)
+            h = h + self._project(w.down, F.silu(gate) * up, i, "down", lora)
         return self._rms_norm(h, self.final_norm)
 
     @torch.inference_mode()

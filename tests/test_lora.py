@@ -1,0 +1,350 @@
+"""LoRA adapters over the tiny model: logits and greedy tokens equal transformers with the adapter merged into
+the weights (W + scale B A), for each adapter alone and mixed in one batch with the base model, through chunked
+prefill and cascade decode; per-adapter prefix caching; /v1/models, the load and unload endpoints and their
+errors; the LoRA metrics."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_file
+
+from kvmesh.engine import attention as attention_module
+from kvmesh.engine import runner as runner_module
+from kvmesh.engine.attention import TorchMetadata
+from kvmesh.engine.config import load_config
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.model.lora import TARGET_MODULES
+from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, Metric, VllmMetric
+from kvmesh.engine.request import Request
+from kvmesh.engine.runner import StepInput
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.server import EngineHolder, create_app
+
+from .conftest import make_engine
+from .test_engine import Result, prompt
+
+ATOL = 1e-3  # fp32 logits and logprobs against transformers (measured: at most 1.7e-4, logits up to about 7)
+ALL = TARGET_MODULES
+ATTN_QV = ("q_proj", "v_proj")
+_ids = iter(range(1_000_000))
+
+
+def write_adapter(path: Path, seed: int, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = ALL,
+                  rslora: bool = False, layers: int = 2, **config: object) -> Path:
+    """A random PEFT LoRA directory for the tiny model (hidden 64, 4 heads and 2 KV heads of 16, MLP 128), with
+    nonzero B so the adapter changes the output."""
+    shapes = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+              "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.3
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    body = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+            "use_rslora": rslora, "task_type": "CAUSAL_LM", **config}
+    (path / "adapter_config.json").write_text(json.dumps(body))
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return {"all": write_adapter(root / "all", seed=1),  # every module, rank 8, scale 2
+            "qv": write_adapter(root / "qv", seed=2, rank=4, alpha=8.0, targets=ATTN_QV, rslora=True)}
+
+
+def merged(tiny_dir: Path, adapter: Path | None):
+    """transformers' model with the adapter merged into a copy of the base weights: the reference."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    if adapter is None:
+        return model
+    from safetensors.torch import load_file
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    scale = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for key, a in weights.items():
+            if ".lora_A." not in key:
+                continue
+            b = weights[key.replace(".lora_A.", ".lora_B.")]
+            module = model.get_submodule(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
+            module.weight += scale * b @ a
+    return model
+
+
+@pytest.fixture(scope="module")
+def references(tiny_dir: Path, adapters: dict[str, Path]) -> dict[str | None, object]:
+    return {None: merged(tiny_dir, None), **{name: merged(tiny_dir, path) for name, path in adapters.items()}}
+
+
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + tokens])).logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+    return tokens, logprobs
+
+
+def run(engine: Engine, jobs: list[tuple[str | None, list[int]]], **params: object) -> list[Result]:
+    """Submit every (adapter, prompt) at once, so they share steps, and step until all finished."""
+    results = []
+    for lora, ids in jobs:
+        p = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": True, **params})
+        request = Request(f"lora-{next(_ids)}", list(ids), p, extra=BlockExtra(lora=lora))
+        result = Result(request)
+        request.on_output = result.outputs.append
+        results.append(result)
+        engine.submit(request)
+    engine.run_until_idle()
+    engine.kv.check_invariants()
+    for r in results:
+        assert r.final.error is None, r.final.error
+    return results
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_dir: Path, adapters: dict[str, Path]) -> Iterator[Engine]:
+    engine = make_engine(tiny_dir, lora_modules={name: str(path) for name, path in adapters.items()},
+                         max_num_batched_tokens=48)
+    yield engine
+    engine.kv.check_invariants()
+
+
+def test_one_step_of_base_and_two_adapters_matches_each_merged_model(lora_engine: Engine, references) -> None:
+    ids = [prompt(3, 21), prompt(4, 30), prompt(5, 17)]
+    slots = [None, lora_engine.loras.slot("all"), lora_engine.loras.slot("qv")]
+    seqs = [StepInput(list(range(10 * k, 10 * k + 2)), 0, ids[k], True, slots[k]) for k in range(3)]
+    logits = lora_engine.runner.run(seqs).logits
+    for row, name in enumerate((None, "all", "qv")):
+        with torch.no_grad():
+            want = references[name](torch.tensor([ids[row]])).logits[0, -1]
+        torch.testing.assert_close(logits[row], want, atol=ATOL, rtol=0)
+    with torch.no_grad():  # the adapters change the answer: a model that ignored them would fail above
+        base = references[None](torch.tensor([ids[1]])).logits[0, -1]
+    assert (logits[1] - base).abs().max() > 0.5
+
+
+def test_mixed_batch_with_chunked_prefill_generates_each_references_tokens(
+    lora_engine: Engine, references, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Base, both adapters and the same prompt under two adapters, in one batch; 70-token prompts against a
+    48-token step budget, so prefills run in chunks beside other requests' decodes."""
+    slots_per_step: list[set[int | None]] = []
+    real = lora_engine.runner.run
+
+    def spy(seqs: list[StepInput]):
+        slots_per_step.append({s.lora_slot for s in seqs})
+        return real(seqs)
+
+    monkeypatch.setattr(lora_engine.runner, "run", spy)
+    shared = prompt(7, 70)
+    jobs = [(None, shared), ("all", shared), ("qv", shared), ("all", prompt(8, 70)), (None, prompt(9, 12))]
+    results = run(lora_engine, jobs, max_tokens=8)
+    for (name, ids), got in zip(jobs, results, strict=True):
+        tokens, logprobs = hf_greedy(references[name], ids, 8)
+        assert got.tokens == tokens, name
+        assert max(abs(a - b) for a, b in zip(got.logprobs, logprobs, strict=True)) < ATOL
+    assert results[0].tokens != results[1].tokens  # the adapter is not ignored
+    assert max(len(s) for s in slots_per_step) == 3  # base and both adapters really shared a step
+
+
+def test_cascade_decode_groups_an_adapters_requests_and_matches_the_reference(
+    lora_engine: Engine, references, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests of one adapter over a cached system prompt decode in cascade (the threshold lowered so the tiny
+    setup forms a group); the base model's requests over the same text never share the adapter's blocks."""
+    monkeypatch.setattr(attention_module, "CASCADE_MIN_SAVED_BLOCKS", 4)
+    groups: list[list[int]] = []
+    real = runner_module.build_metadata
+
+    def spy(*args: object, **kwargs: object) -> object:
+        meta = real(*args, **kwargs)  # type: ignore[arg-type]
+        if isinstance(meta, TorchMetadata):
+            groups.append([int(g.rows.shape[0]) for g in meta.cascade_groups])
+        return meta
+
+    monkeypatch.setattr(runner_module, "build_metadata", spy)
+    system = prompt(11, 4 * 16)
+    run(lora_engine, [("qv", [*system, 1]), (None, [*system, 1])], max_tokens=1)  # both prefixes cached
+    groups.clear()
+    jobs = [("qv", [*system, *prompt(12 + j, 3 + j)]) for j in range(3)] + [(None, [*system, *prompt(20, 3)])]
+    results = run(lora_engine, jobs, max_tokens=6)
+    assert max((sorted(g) for g in groups), default=[]) == [3]  # the three adapter requests, not the base one
+    for (name, ids), got in zip(jobs, results, strict=True):
+        assert got.final.cached_tokens == 64
+        assert got.tokens == hf_greedy(references[name], ids, 6)[0]
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(lora_engine: Engine) -> None:
+    ids = prompt(30, 40)
+    first = run(lora_engine, [("all", ids)])[0]
+    other = run(lora_engine, [("qv", ids)])[0]
+    base = run(lora_engine, [(None, ids)])[0]
+    again = run(lora_engine, [("all", ids)])[0]
+    assert (first.final.cached_tokens, other.final.cached_tokens, base.final.cached_tokens) == (0, 0, 0)
+    assert again.final.cached_tokens == 32
+    assert again.tokens == first.tokens
+
+
+def test_int8_base_with_an_adapter_stays_near_the_merged_model(tiny_dir: Path, adapters: dict[str, Path],
+                                                                references) -> None:
+    """The adapter's delta runs in the activations' dtype beside the int8 product."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=8, quantization="int8", lora_modules={"all": str(adapters["all"])})
+    ids = prompt(40, 20)
+    got = engine.runner.run([StepInput([0, 1], 0, ids, True, engine.loras.slot("all"))]).logits[0]
+    with torch.no_grad():
+        want = references["all"](torch.tensor([ids])).logits[0, -1]
+        base = references[None](torch.tensor([ids])).logits[0, -1]
+    assert (got - want).abs().max() < 0.25 * (want - base).abs().max()
+
+
+def test_peft_agrees_with_the_merged_reference(tiny_dir: Path, adapters: dict[str, Path], references) -> None:
+    """A second reference where peft is installed (it is not a dependency)."""
+    peft = pytest.importorskip("peft")
+    ids = torch.tensor([prompt(41, 20)])
+    for name, path in adapters.items():
+        model = peft.PeftModel.from_pretrained(copy.deepcopy(references[None]), str(path)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, references[name](ids).logits, atol=ATOL, rtol=0)
+
+
+def test_lora_modules_from_flags_and_yaml(tmp_path: Path) -> None:
+    assert load_config(None, {"lora_modules": ["a=/x", "b = /y"]}).lora_modules == {"a": "/x", "b": "/y"}
+    (tmp_path / "e.yaml").write_text("engine:\n  lora-modules: {sql: /adapters/sql}\n  max-loras: 2\n")
+    config = load_config(tmp_path / "e.yaml")
+    assert (config.lora_modules, config.max_loras, config.max_lora_rank) == ({"sql": "/adapters/sql"}, 2, 64)
+    with pytest.raises(ValueError, match="name=path"):
+        load_config(None, {"lora_modules": ["nopath"]})
+    with pytest.raises(ValueError, match="max_loras is 1"):
+        load_config(None, {"lora_modules": ["a=/x", "b=/y"], "max_loras": 1})
+
+
+# ---- the HTTP edge ----------------------------------------------------------------------------------------
+
+
+def lora_info(http: TestClient) -> tuple[dict[str, str], float, float]:
+    """vllm:lora_requests_info's labels and value, and kvmesh_lora_adapters_loaded."""
+    info, loaded = None, None
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == VllmMetric.LORA_REQUESTS_INFO:
+                info = sample
+            elif sample.name == Metric.LORA_ADAPTERS_LOADED:
+                loaded = sample.value
+    assert info is not None and loaded is not None
+    return info.labels, info.value, loaded
+
+
+@pytest.fixture
+def served(tiny_dir: Path, adapters: dict[str, Path]) -> Iterator[tuple[TestClient, Engine]]:
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, max_lora_rank=8,
+                         lora_modules={"all": str(adapters["all"])})
+    engine.start()
+    try:
+        with TestClient(create_app(EngineHolder(engine))) as http:
+            yield http, engine
+    finally:
+        engine.stop()
+    engine.kv.check_invariants()
+
+
+def wait_until(condition, what: str) -> None:
+    for _ in range(600):
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"never happened: {what}")
+
+
+@pytest.mark.slow
+def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engine], adapters: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    http, engine = served
+    base = engine.model_name
+    cards = http.get("/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == [base, "all"]
+    assert {k: cards[1][k] for k in ("object", "owned_by", "root", "parent", "max_model_len")} == {
+        "object": "model", "owned_by": "kvmesh", "root": str(adapters["all"]), "parent": base,
+        "max_model_len": engine.max_model_len}
+    labels, _, loaded = lora_info(http)
+    assert (labels, loaded) == ({"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "2"}, 1)
+
+    answer = http.post("/v1/completions", json={"model": "all", "prompt": [5, 6, 7], "max_tokens": 3,
+                                                "temperature": 0})
+    assert answer.status_code == 200 and answer.json()["model"] == "all"
+    missing = http.post("/v1/completions", json={"model": "nope", "prompt": [5], "max_tokens": 1})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+    assert http.post(LOAD_LORA_PATH, json={"lora_name": "qv", "lora_path": str(adapters["qv"])}).status_code == 200
+    assert [c["id"] for c in http.get("/v1/models").json()["data"]] == [base, "all", "qv"]
+    assert lora_info(http)[2] == 2
+
+    def refused(path: str, body: dict, status: int, fragment: str) -> None:
+        r = http.post(path, json=body)
+        assert r.status_code == status, r.text
+        assert fragment in r.json()["error"]["message"], r.json()
+
+    refused(LOAD_LORA_PATH, {"lora_name": "qv", "lora_path": str(adapters["qv"])}, 400, "already loaded")
+    refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(adapters["all"])}, 409, "max_loras = 2")
+    refused(LOAD_LORA_PATH, {"lora_name": "x"}, 400, "lora_path")
+    refused(UNLOAD_LORA_PATH, {"lora_name": "nope"}, 404, "no LoRA adapter named 'nope'")
+    assert http.post(UNLOAD_LORA_PATH, json={"lora_name": "qv"}).status_code == 200
+    refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(tmp_path / "none")}, 400, "adapter_config.json")
+    refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(write_adapter(tmp_path / "r16", 3, rank=16))},
+            400, "ranks 1 to 8")
+    for bad, fragment in (({"target_modules": ["q_proj", "lm_head"]}, "lm_head"), ({"use_dora": True}, "DoRA"),
+                          ({"bias": "all"}, "bias"), ({"modules_to_save": ["embed_tokens"]}, "modules_to_save")):
+        path = write_adapter(tmp_path / f"bad-{len(fragment)}-{fragment}", 4, targets=ATTN_QV, **bad)
+        refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(path)}, 400, fragment)
+    embedding = write_adapter(tmp_path / "embed", 5, targets=ATTN_QV)
+    save_file({"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 8)},
+              str(embedding / "adapter_model.safetensors"))
+    refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(embedding)}, 400, "embed_tokens")
+    other = write_adapter(tmp_path / "other-qv", 6, rank=4, targets=ATTN_QV)
+    refused(LOAD_LORA_PATH, {"lora_name": "qv", "lora_path": str(other)}, 400, "other weights")
+    refused(LOAD_LORA_PATH, {"lora_name": base, "lora_path": str(other)}, 400, "base model's name")
+    assert lora_info(http)[2] == 1
+
+    # an adapter with a request in flight is not unloaded; the metric names it as running
+    p = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    request = Request("long", prompt(50, 8), p, extra=BlockExtra(lora="all"))
+    finished = threading.Event()
+    request.on_output = lambda out: finished.set() if out.finish_reason else None
+    engine.submit(request)
+    refused(UNLOAD_LORA_PATH, {"lora_name": "all"}, 409, "running or queued")
+    wait_until(lambda: lora_info(http)[0]["running_lora_adapters"] == "all", "running label")
+    labels, stamp, _ = lora_info(http)
+    assert (labels["waiting_lora_adapters"], labels["max_lora"]) == ("", "2")
+    assert abs(stamp - time.time()) < 3600  # a unix time, as vLLM's
+    engine.abort("long")
+    wait_until(finished.is_set, "abort")
+    assert http.post(UNLOAD_LORA_PATH, json={"lora_name": "all"}).status_code == 200
+    assert [c["id"] for c in http.get("/v1/models").json()["data"]] == [base]
+    gone = http.post("/v1/completions", json={"model": "all", "prompt": [5], "max_tokens": 1})
+    assert gone.status_code == 404
+    assert lora_info(http)[2] == 0
+    # the same weights come back under their name (their cached blocks are still right)
+    assert http.post(LOAD_LORA_PATH, json={"lora_name": "all", "lora_path": str(adapters["all"])}).status_code == 200
