@@ -14,9 +14,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.engine.protocol import VllmMetric
+
 MODELS_PATH = "/v1/models"
 MODELS_REFRESH_SECONDS = 2.0
-LORA_INFO_METRIC = "vllm:lora_requests_info"  # vLLM's name, as engines export it
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -67,7 +68,7 @@ def parse_lora_info(text: str) -> LoraLoad | None:
     keeps one series per label set it has shown, its value the time it was set: the newest is the current one."""
     best: tuple[float, dict[str, str]] | None = None
     start = 0
-    prefix = LORA_INFO_METRIC + "{"
+    prefix = VllmMetric.LORA_REQUESTS_INFO + "{"
     while (at := text.find(prefix, start)) >= 0:
         end = text.find("\n", at)
         line = text[at:] if end < 0 else text[at:end]

@@ -9,8 +9,10 @@ adapter loaded.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +22,19 @@ import pytest
 import pytest_asyncio
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from kvmesh.engine.protocol import BlockExtra, HashAlgo, KVConfig, block_hashes
+from kvmesh.engine.openai_types import CompletionRequest
+from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, HashAlgo, KVConfig, block_hashes
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router, create_router_app
 from kvmesh.router.config import RouterConfig, load_router_config
 from kvmesh.router.extproc import endpoint_of, start_ext_proc
+from kvmesh.router.index import PrefixMatch
 from kvmesh.router.lora import LoraLoad, ServedModels, parse_lora_info, union_cards
 from kvmesh.router.picker import PickerConfig, PodState, RequestInfo, pick
 
+from .conftest import make_engine
+from .engines import serve_engine, serve_router
+from .test_lora import write_adapter
 from .test_router_extproc import body_chunks, chosen, full_duplex, refusal, request_headers
 
 BASE = "tiny"
@@ -102,8 +109,6 @@ def test_a_pod_whose_slots_are_all_busy_with_other_adapters_scores_lowest() -> N
 
 
 def test_the_affinity_weight_is_a_router_weight_and_a_cached_prefix_outweighs_it(tmp_path: Path) -> None:
-    from kvmesh.router.index import PrefixMatch
-
     path = tmp_path / "router.yaml"
     path.write_text("router:\n  pods: [http://127.0.0.1:1]\n  weights: {lora_weight: 0.25}\n")
     config = load_router_config(path)
@@ -151,9 +156,7 @@ def test_an_adapters_prompt_is_hashed_with_the_adapter_as_the_engines_hash_it(ro
     assert not set(sql) & set(chat)  # two adapters never share a cached block
 
 
-def router_body(raw: dict[str, Any]) -> Any:
-    from kvmesh.engine.openai_types import CompletionRequest
-
+def router_body(raw: dict[str, Any]) -> CompletionRequest:
     return CompletionRequest.model_validate(raw)
 
 
@@ -187,8 +190,6 @@ async def stub(router: Router) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
 async def test_the_gateway_edge_routes_adapters_to_their_pods_and_refuses_unknown_ones(
     router: Router, stub: pb_grpc.ExternalProcessorStub,
 ) -> None:
-    import json
-
     chat = json.dumps({"model": "chat", "prompt": "hello", "max_tokens": 2}).encode()
     replies = await full_duplex(stub, [request_headers(), *body_chunks(chat)])
     assert chosen(replies[0]) == endpoint_of(POD_B)
@@ -198,3 +199,61 @@ async def test_the_gateway_edge_routes_adapters_to_their_pods_and_refuses_unknow
     status, listed, _ = refusal((await full_duplex(stub, [request_headers("/v1/models", "GET",
                                                                           end_of_stream=True)]))[0])
     assert status == 200 and [m["id"] for m in listed["data"]] == [BASE, "chat", "sql"]  # type: ignore[index]
+
+
+# ---- end to end: a router over two real engines, one with the adapter -------------------------------------------
+
+
+def wait_for(condition: Any, what: str, seconds: float = 30.0) -> None:
+    """Until `condition()` holds (a bound for a failing test, not a timing assertion)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def listed(router_url: str) -> dict[str, str | None]:
+    return {m["id"]: m.get("parent") for m in httpx.get(router_url + "/v1/models").json()["data"]}
+
+
+@pytest.mark.slow
+def test_an_adapters_requests_go_to_the_engine_serving_it_with_the_hashes_that_engine_publishes(
+    tiny_dir: Path, tmp_path: Path,
+) -> None:
+    sql, poet = write_adapter(tmp_path / "sql", seed=1), write_adapter(tmp_path / "poet", seed=2, rank=4)
+    with ExitStack() as stack:
+        with_sql = stack.enter_context(serve_engine(make_engine(tiny_dir, lora_modules={"sql": str(sql)},
+                                                                max_loras=2, max_lora_rank=8)))
+        plain = stack.enter_context(serve_engine(make_engine(tiny_dir, max_loras=2, max_lora_rank=8)))
+        base = httpx.get(plain + "/v1/models").json()["data"][0]["id"]
+        router = build_router(RouterConfig(pods=[with_sql, plain], scrape_interval_seconds=0.1), tiny_dir)
+        url = stack.enter_context(serve_router(router))
+        wait_for(lambda: listed(url) == {base: None, "sql": base}, "the router never listed the adapter")
+        wait_for(lambda: router.pods.pods[with_sql].lora.max_lora == 2, "the engine's LoRA metric was never read")
+
+        for seed in range(4):  # distinct prompts: no cached prefix decides, only who serves the adapter
+            ids = [(seed * 7919 + i * 104729) % 48000 + 200 for i in range(70)]
+            body = {"model": "sql", "prompt": ids, "max_tokens": 2, "temperature": 0}
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-kvmesh-pod"] == with_sql and reply.json()["model"] == "sql"
+        info = router.request_info(CompletionRequest.model_validate(body), 0)
+        assert info.lora == "sql" and len(info.block_hashes) == 4
+        confirmed = lambda: router.index.match(info.block_hashes, [with_sql]).get(with_sql)  # noqa: E731
+        wait_for(lambda: confirmed() is not None and confirmed().blocks == 4,  # type: ignore[union-attr]
+                 "the engine's KV events never confirmed the router's hashes of the adapter's prompt")
+        base_info = router.request_info(CompletionRequest.model_validate({**body, "model": base}), 0)
+        assert not set(base_info.block_hashes) & set(info.block_hashes)  # the adapter's cache is its own
+        assert router.index.match(base_info.block_hashes) == {}  # no pod was sent the base model's prompt
+
+        missing = httpx.post(url + "/v1/completions", json={**body, "model": "poet"}, timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        loaded = httpx.post(plain + LOAD_LORA_PATH, json={"lora_name": "poet", "lora_path": str(poet)}, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        wait_for(lambda: "poet" in listed(url), "an adapter loaded at run time never reached the router")
+        reply = httpx.post(url + "/v1/completions", json={**body, "model": "poet"}, timeout=60)
+        assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == plain
+        assert httpx.post(plain + UNLOAD_LORA_PATH, json={"lora_name": "poet"}, timeout=60).status_code == 200
+        wait_for(lambda: "poet" not in listed(url), "an unloaded adapter stayed in the router's list")
+        gone = httpx.post(url + "/v1/completions", json={**body, "model": "poet"}, timeout=60)
+        assert gone.status_code == 404
