@@ -39,6 +39,7 @@ from kvmesh.engine.request import Request, RequestOutput, Status
 from kvmesh.engine.runner import ModelRunner, StepInput
 from kvmesh.engine.sampling import sample
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
+from kvmesh.engine.structured import Masks, StructuredError, StructuredOutputs
 
 log = logging.getLogger("kvmesh.engine")
 T = TypeVar("T")
@@ -136,6 +137,8 @@ class Engine:
         for name, path in config.lora_modules.items():
             self.add_lora(self.read_lora(name, path))
         self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype)
+        self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
+                                            self.metrics.structured_mask_seconds, self.metrics.structured_masks)
         self.kv_config = KVConfig(
             model=self.model_name,
             block_size=config.block_size,
@@ -589,13 +592,30 @@ class Engine:
             self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
         if not sampling:
             return
+        masks = self.structured.masks([r.guide for r in sampling])  # None, at no cost, when nothing is constrained
         samples = sample(result.logits, [r.params for r in sampling], [r.num_generated for r in sampling],
-                         self.tokenizer.eos_token_ids, [r.output_ids for r in sampling])
+                         self.tokenizer.eos_token_ids, [r.output_ids for r in sampling], masks)
         now = time.monotonic()
         for row, r in enumerate(sampling):
+            if r.guide is not None and (failed := self._guide_failed(r, samples.token_ids[row], masks, row)):
+                self._finish(r, "error", error=f"structured output failed: {failed}")
+                continue
             logprob = samples.logprobs[row] if samples.logprobs is not None else None
             top = samples.top_logprobs[row] if samples.top_logprobs is not None else None
             self._append_token(r, samples.token_ids[row], logprob, top, now)
+
+    @staticmethod
+    def _guide_failed(r: Request, token: int, masks: Masks | None, row: int) -> str | None:
+        """Feed a constrained request's sampled token to its matcher; why it failed (a limit hit computing the mask,
+        a refused token), or None. A failure ends that request alone."""
+        assert masks is not None and r.guide is not None
+        if row in masks.failed:
+            return masks.failed[row]
+        try:
+            r.guide.consume([token])
+        except StructuredError as exc:
+            return str(exc)
+        return None
 
     def _append_token(
         self, r: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None, now: float
@@ -626,6 +646,10 @@ class Engine:
             r.text = r.text[: min(hits)]
             sendable = len(r.text)
             finish = "stop"
+        if finish is None and r.guide is not None and r.guide.finished:  # complete: only EOS could follow
+            finish = "stop"
+            r.text += r.detokenizer.flush()
+            sendable = len(r.text)
         if finish is None:
             if r.num_generated >= p.max_tokens or r.num_tokens >= self.max_model_len:
                 finish = "length"

@@ -26,6 +26,7 @@ from kvmesh.engine.protocol import (
     MODEL_LABEL,
     PREEMPTION_MODES,
     RESIDENCY_KINDS,
+    STRUCTURED_KINDS,
     TIER_MOVES,
     TIERS,
     TRANSFER_DIRECTIONS,
@@ -175,6 +176,13 @@ class EngineMetrics:
         self.transfer_seconds = Histogram(M.KV_TRANSFER_SECONDS, "KV transfer time.", ["kind"],
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.handles_expired = Counter(M.KV_HANDLES_EXPIRED, "Handoff handles that expired unused.", registry=r)
+        self.structured_requests = Counter(M.STRUCTURED_REQUESTS, "Requests with a structured output constraint.",
+                                           ["kind"], registry=r)
+        for kind in STRUCTURED_KINDS:
+            self.structured_requests.labels(kind)
+        self.structured_masks = Counter(M.STRUCTURED_MASKS, "Structured-output token masks computed.", registry=r)
+        self.structured_mask_seconds = Counter(M.STRUCTURED_MASK_SECONDS, "Seconds spent computing them.",
+                                               registry=r)
         self.tier_moved_blocks = Counter(M.KV_TIER_MOVED_BLOCKS, "Blocks moved between tiers.", ["move"], registry=r)
         self.tier_moved_bytes = Counter(M.KV_TIER_MOVED_BYTES, "Bytes moved between tiers.", ["move"], registry=r)
         self.tier_move_seconds = Counter(M.KV_TIER_MOVE_SECONDS, "Copy-thread seconds spent moving between tiers.",

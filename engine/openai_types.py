@@ -6,12 +6,14 @@ is a 400 naming the parameter, never a 500 from deep inside the engine.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
 from kvmesh.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
+from kvmesh.engine.structured import Constraint, check
 
 
 class StreamOptions(BaseModel):
@@ -84,6 +86,88 @@ class HotResponse(BaseModel):
     chains: list[HotChainBody]
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema. The schema is followed as written: `strict` changes nothing here
+    (an object allows more properties unless its schema says `additionalProperties: false`)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _valid(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        if (constraint := self.constraint()) is not None:
+            check(constraint)
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint("json_object", None, "response_format")
+        if self.json_schema is not None:
+            return Constraint("json_schema", self.json_schema.schema_, "response_format")
+        return None
+
+
+def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    """vLLM's clients send a JSON schema as an object or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("a JSON schema is an object")
+    return value
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a list of choices, a grammar (Lark or
+    GBNF), or any JSON object. Options of vLLM's that this engine does not apply are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputsParams:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, "json_" if name == "json" else name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {given or 'none'})")
+        check(self.constraint())
+        return self
+
+    def constraint(self) -> Constraint:
+        if self.json_ is not None:
+            return Constraint("json_schema", _schema(self.json_), "structured_outputs")
+        if self.regex is not None:
+            return Constraint("regex", self.regex, "structured_outputs")
+        if self.choice is not None:
+            return Constraint("choice", self.choice, "structured_outputs")
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar, "structured_outputs")
+        return Constraint("json_object", None, "structured_outputs")
+
+
+_GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's older top-level fields, which many clients still send
+
+
 class _Common(BaseModel):
     """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI-compatible servers do."""
 
@@ -105,7 +189,12 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's clients send it) -> bias
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: nothing constrains decoding
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer: KVTransfer | None = None
@@ -126,14 +215,35 @@ class _Common(BaseModel):
     def stops(self) -> list[str]:
         return self.stop if isinstance(self.stop, list) else []
 
-    @field_validator("response_format")
+    @field_validator(*_GUIDED_KINDS)
     @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Refused, not ignored: a client asking for JSON must not get free text it takes for JSON."""
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} is not supported (no constrained decoding): "
-                             "ask for JSON in the prompt")
+    def _guided(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            kind = _GUIDED_KINDS[info.field_name or ""]
+            check(Constraint(kind, _schema(value) if kind == "json_schema" else value, info.field_name or ""))
         return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Common:
+        if len(self.constraints()) > 1:
+            named = ", ".join(c.param for c in self.constraints())
+            raise ValueError(f"at most one structured output constraint per request, got {named}")
+        return self
+
+    def constraints(self) -> list[Constraint]:
+        found = [self.response_format.constraint() if self.response_format else None,
+                 self.structured_outputs.constraint() if self.structured_outputs else None]
+        for name, kind in _GUIDED_KINDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append(Constraint(kind, _schema(value) if kind == "json_schema" else value, name))
+        return [c for c in found if c is not None]
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The request's structured output constraint, if it has one (validation allows at most one)."""
+        found = self.constraints()
+        return found[0] if found else None
 
     @field_validator("logit_bias")
     @classmethod

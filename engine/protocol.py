@@ -352,6 +352,9 @@ class Metric:
     KV_TRANSFER_SECONDS = "kvmesh_kv_transfer_seconds"  # histogram; label kind
     KV_HANDLES_EXPIRED = "kvmesh_kv_handles_expired"  # counter: handoff handles whose time ran out unused
     KV_BLOCKS_PINNED = "kvmesh_kv_blocks_pinned"  # gauge: blocks held for transfers (handles, sends, imports)
+    STRUCTURED_REQUESTS = "kvmesh_structured_requests"  # counter; label kind (STRUCTURED_KINDS)
+    STRUCTURED_MASKS = "kvmesh_structured_masks"  # counter: token masks computed (a constrained sequence a step)
+    STRUCTURED_MASK_SECONDS = "kvmesh_structured_mask_seconds"  # counter: seconds spent computing them
     KV_TIER_MOVED_BLOCKS = "kvmesh_kv_tier_moved_blocks"  # counter; label move (TIER_MOVES)
     KV_TIER_MOVED_BYTES = "kvmesh_kv_tier_moved_bytes"  # counter; label move
     KV_TIER_MOVE_SECONDS = "kvmesh_kv_tier_move_seconds"  # counter: copy-thread seconds spent; label move
@@ -413,6 +416,8 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 # why a new pod's warm-up gate opened: its warm-up copied every chain, or not all; the operator had nothing to
 # copy; or nobody warmed it within the grace
 GATE_REASONS: tuple[str, ...] = ("warmed", "warm_failed", "nothing_to_copy", "grace_expired")
+# what a structured-output request constrains its output to (engine/structured.py)
+STRUCTURED_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
 OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold
 
 

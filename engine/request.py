@@ -10,6 +10,7 @@ from typing import Any
 
 from kvmesh.engine.protocol import BlockExtra
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.structured import Guide
 
 
 class Status(Enum):
@@ -50,6 +51,7 @@ class Request:
     extra: BlockExtra = field(default_factory=BlockExtra)
     on_output: Callable[[RequestOutput], None] | None = None
     output_ids: list[int] = field(default_factory=list)
+    guide: Guide | None = None  # structured outputs: the matcher, already fed output_ids (engine/structured.py)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens supplied by the cache at first admission

@@ -3,7 +3,8 @@
 Seeded sampling derives a fresh random stream from (seed, output index) for every token, so any pod that
 knows the seed and how many tokens were already generated continues the stream exactly (DESIGN.md contract 0).
 Penalties count the tokens generated so far, which a pod continuing a request receives (`resume_output_ids`),
-so they continue exactly too.
+so they continue exactly too. Structured outputs' masks (engine/structured.py) apply first: a forbidden token
+stays forbidden whatever its penalty or bias.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import xxhash
+
+from kvmesh.engine.structured import Masks
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
@@ -126,6 +130,16 @@ def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int]) -
         logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
 
 
+def _apply_masks(logits: torch.Tensor, masks: Masks) -> None:
+    """Forbidden tokens of the constrained rows to -inf, in place. Bit k of a row's word w allows token 32w+k
+    (llguidance's layout); numpy unpacks the bits, which costs a tenth of doing it with torch shifts here."""
+    width = logits.shape[-1]
+    allowed = np.unpackbits(masks.bits.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :width]
+    forbidden = torch.from_numpy(allowed == 0).to(logits.device)
+    for i, row in enumerate(masks.rows):
+        logits[row].masked_fill_(forbidden[i], float("-inf"))
+
+
 @torch.inference_mode()
 def sample(
     logits: torch.Tensor,
@@ -133,12 +147,17 @@ def sample(
     output_indices: list[int],
     stop_ids: frozenset[int] = frozenset(),
     generated: Sequence[Sequence[int]] | None = None,
+    masks: Masks | None = None,
 ) -> SampleResult:
     """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i], after
-    its penalties over `generated[i]` (the tokens it generated so far) and its logit_bias. Rows still under their
-    `min_tokens` cannot pick `stop_ids` or their own stop_token_ids. Logprobs are the model's own."""
+    its structured-output mask (`masks`), its penalties over `generated[i]` (the tokens it generated so far) and its
+    logit_bias. Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids. Logprobs
+    are the model's own."""
     raw = logits.float()
     logits = raw
+    if masks is not None:
+        logits = raw.clone()
+        _apply_masks(logits, masks)
     for row, p in enumerate(params):
         if p.adjusts_logits:
             logits = raw.clone() if logits is raw else logits

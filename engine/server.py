@@ -65,6 +65,7 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.structured import Guide, StructuredError
 
 log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
@@ -382,6 +383,7 @@ class _Completions:
                     params.max_tokens = 1
                 if len(resume) >= params.max_tokens:
                     raise ApiError(400, "resume_output_ids already reaches max_tokens", param="resume_output_ids")
+                guide = await asyncio.to_thread(self.guide, resume) if b.constraint is not None else None
                 job.add(
                     Request(
                         request_id=f"{self.id}-{len(job.requests)}",
@@ -392,12 +394,27 @@ class _Completions:
                         extra=BlockExtra(lora=self.model if self.model != e.model_name else None,
                                          cache_salt=b.cache_salt),
                         output_ids=list(resume),
+                        guide=guide,
                         handoff_ttl=(transfer.ttl_seconds or e.config.handoff_ttl_seconds)
                         if transfer is not None and transfer.mode == "prefill" else None,
                     ),
                     prompt_index,
                 )
+        if b.constraint is not None:
+            e.metrics.structured_requests.labels(b.constraint.kind).inc()
         return job
+
+    def guide(self, resume: list[int]) -> Guide:
+        """A matcher for one choice of a constrained request, fed the tokens it resumes after: refused here,
+        before anything is queued, when the grammar does not hold for this tokenizer or the tokens break it."""
+        constraint = self.body.constraint
+        assert constraint is not None
+        try:
+            return self.engine.structured.guide(constraint, resume)
+        except StructuredError as exc:
+            raise ApiError(400, str(exc), param="resume_output_ids") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=constraint.param) from None
 
     async def pull(self, job: _Job, client: httpx.AsyncClient) -> None:
         """For a decode or pull request: fetch from the named peer the prompt blocks this pod lacks, so the

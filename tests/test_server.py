@@ -112,8 +112,8 @@ def test_logprobs_and_n_choices(client: openai.OpenAI, served: tuple[str, Engine
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"hello": 5}}, "logit_bias keys are token ids"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias values"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 1}}, "outside the vocabulary"),
-        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-         "response_format 'json_object' is not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "p", "schema": {"type": "thing"}}}}, "invalid json_schema: Invalid type: thing"),
     ],
 )
 def test_chat_validation_errors_are_400s(served: tuple[str, Engine], body: dict, fragment: str) -> None:

@@ -181,6 +181,10 @@ class Tokenizer:
         """The piece cache (None when this tokenizer must encode whole), for metrics and tests."""
         return self._cache
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (structured outputs build llguidance's view of the vocabulary from it)."""
+        return self._tokenizer_json
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
