@@ -23,7 +23,15 @@ import pytest_asyncio
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvmesh.engine.openai_types import CompletionRequest
-from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, HashAlgo, KVConfig, block_hashes
+from kvmesh.engine.protocol import (
+    LOAD_LORA_PATH,
+    UNLOAD_LORA_PATH,
+    BlockExtra,
+    HashAlgo,
+    KVConfig,
+    Metric,
+    block_hashes,
+)
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router, create_router_app
 from kvmesh.router.config import RouterConfig, load_router_config
@@ -34,6 +42,7 @@ from kvmesh.router.picker import PickerConfig, PodState, RequestInfo, pick
 
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
+from .test_kv_transfer import metric
 from .test_lora import write_adapter
 from .test_router_extproc import body_chunks, chosen, full_duplex, refusal, request_headers
 
@@ -257,3 +266,33 @@ def test_an_adapters_requests_go_to_the_engine_serving_it_with_the_hashes_that_e
         wait_for(lambda: "poet" not in listed(url), "an unloaded adapter stayed in the router's list")
         gone = httpx.post(url + "/v1/completions", json={**body, "model": "poet"}, timeout=60)
         assert gone.status_code == 404
+
+
+@pytest.mark.slow
+def test_a_disaggregated_adapter_request_is_handed_to_a_decode_engine_serving_the_adapter(
+    tiny_dir: Path, tmp_path: Path,
+) -> None:
+    """Prefill on the prefill engine with the adapter, decode on the one decode engine that also has it (the
+    other would answer 404): the KV handoff of the adapter's blocks succeeds, and the answer is what one engine
+    with the adapter gives alone (greedy)."""
+    sql = str(write_adapter(tmp_path / "sql", seed=1))
+    with ExitStack() as stack:
+        urls = {name: stack.enter_context(serve_engine(make_engine(tiny_dir, role=role, **loras)))
+                for name, role, loras in (("prefill", "prefill", {"lora_modules": {"sql": sql}}),
+                                          ("decode-plain", "decode", {}),
+                                          ("decode-sql", "decode", {"lora_modules": {"sql": sql}}))}
+        router = build_router(RouterConfig(pods=list(urls.values()), scrape_interval_seconds=0.1,
+                                           prefill_hop_min_tokens=32), tiny_dir)
+        url = stack.enter_context(serve_router(router))
+        wait_for(lambda: "sql" in listed(url) and len(httpx.get(url + "/health").json()["pods"]) == 3,
+                 "the router never read all three engines")
+        for seed in range(3):
+            ids = [(seed * 7919 + i * 104729) % 48000 + 200 for i in range(80)]
+            body = {"model": "sql", "prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-kvmesh-pod"] == f"{urls['prefill']},{urls['decode-sql']}"
+            alone = httpx.post(urls["decode-sql"] + "/v1/completions", json=body, timeout=60).json()
+            assert reply.json()["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+        assert metric(urls["decode-sql"], f"{Metric.KV_TRANSFERS}_total", kind="handoff", outcome="failed") == 0
+        assert metric(urls["decode-sql"], f"{Metric.KV_TRANSFERS}_total", kind="handoff", outcome="ok") >= 3
