@@ -18,6 +18,7 @@ from kvmesh.engine.config import load_config
 from kvmesh.operator.crd import MAX_LORA_ADAPTERS, SpecError, complete_spec, defaulted_spec, parse_pool, spec_schema
 from kvmesh.operator.desired import config_files, desired_objects
 from kvmesh.operator.local import local_engine_settings
+from kvmesh.up import plan_from_file
 
 from .test_crd import VALIDATOR, cel_errors, example
 
@@ -65,7 +66,13 @@ def test_a_pool_with_adapters_is_valid_everywhere_and_its_engines_load_them(tmp_
     config = load_config(engine_file)  # the real engine's reading of the ConfigMap's file
     assert config.lora_modules == {"sql-v1.2": "/models/adapters/sql", "poet": "/adapters/poet/r16"}
     assert (config.max_loras, config.max_lora_rank) == (4, 16)
-    assert local_engine_settings(pool)["lora_modules"] == config.lora_modules  # `kvmesh up -f` passes them on
+    assert local_engine_settings(pool)["lora_modules"] == config.lora_modules
+
+
+def test_kvmesh_up_gives_its_local_engines_the_pools_adapters() -> None:
+    plan = plan_from_file(Path(__file__).resolve().parent.parent / "docs" / "examples" / "lora.yaml")
+    assert plan.engine["lora_modules"] == {"sql": "/models/adapters/sql", "support-v2": "/adapters/support-v2"}
+    assert (plan.engine["max_loras"], plan.engine["max_lora_rank"]) == (4, 16)
 
 
 def test_a_pool_without_adapters_renders_as_before() -> None:
