@@ -67,7 +67,8 @@ def write_adapter(path: Path, seed: int, rank: int = 8, alpha: float = 16.0, tar
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loras")
     return {"all": write_adapter(root / "all", seed=1),  # every module, rank 8, scale 2
-            "qv": write_adapter(root / "qv", seed=2, rank=4, alpha=8.0, targets=ATTN_QV, rslora=True)}
+            # two modules of the first layer only (as PEFT's layers_to_transform makes), rsLoRA's scale
+            "qv": write_adapter(root / "qv", seed=2, rank=4, alpha=8.0, targets=ATTN_QV, rslora=True, layers=1)}
 
 
 def merged(tiny_dir: Path, adapter: Path | None):
@@ -207,6 +208,16 @@ def test_prefix_cache_is_kept_apart_per_adapter(lora_engine: Engine) -> None:
     assert (first.final.cached_tokens, other.final.cached_tokens, base.final.cached_tokens) == (0, 0, 0)
     assert again.final.cached_tokens == 32
     assert again.tokens == first.tokens
+
+
+def test_a_request_for_an_adapter_unloaded_before_it_was_queued_ends_with_an_error(lora_engine: Engine) -> None:
+    """The HTTP edge checks the name, then submits: an unload can fall in between."""
+    request = Request("orphan", prompt(31, 5), SamplingParams(max_tokens=2), extra=BlockExtra(lora="gone"))
+    outputs = []
+    request.on_output = outputs.append
+    lora_engine.submit(request)
+    lora_engine.run_until_idle()
+    assert outputs[-1].finish_reason == "error" and "'gone' was unloaded" in (outputs[-1].error or "")
 
 
 def test_int8_base_with_an_adapter_stays_near_the_merged_model(tiny_dir: Path, adapters: dict[str, Path],
