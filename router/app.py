@@ -416,7 +416,7 @@ class Router:
         ids = self._token_ids(body)
         c = self.config
         model = body.model or ""
-        lora = model if model and self.pods.adapter_base(model) is not None else None
+        lora = model if model and self.pods.is_adapter(model) else None
         hashes = block_hashes(ids[: c.max_hashed_tokens], c.block_size, BlockExtra(lora, body.cache_salt),
                               HashAlgo(c.hash_algo), c.hash_root)
         return RequestInfo(model=model, prompt_tokens=len(ids), block_hashes=tuple(hashes), priority=priority,

@@ -230,9 +230,9 @@ def ttft_score(pods: list[PodState], ctx: Context) -> list[float]:
 
 
 def lora_score(pods: list[PodState], ctx: Context) -> list[float]:
-    """For a request for an adapter: 1 where the adapter has requests running or waiting already (no swap into
-    a slot), 0.5 where a slot is free for it, 0 where every slot is busy with other adapters. 0 for base-model
-    requests, which every pod serves alike."""
+    """For a request for an adapter: 1 where the adapter has requests running or waiting already (they batch
+    together), 0.5 where an adapter slot is free, 0 where every slot runs other adapters (an engine that swaps
+    adapters, as vLLM does, would have to wait for one). 0 for base-model requests, which every pod serves alike."""
     adapter = ctx.request.lora
     if adapter is None:
         return [0.0] * len(pods)

@@ -166,12 +166,10 @@ class PodSet:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
 
-    def adapter_base(self, model: str) -> str | None:
-        """The base model of adapter `model` if a healthy pod serves `model` as an adapter, else None."""
-        for pod in self.pods.values():
-            if pod.healthy and pod.served is not None and model in pod.served.adapters:
-                return pod.served.adapters[model]
-        return None
+    def is_adapter(self, model: str) -> bool:
+        """Whether a healthy pod serves `model` as a LoRA adapter (its blocks are then hashed with the name)."""
+        return any(pod.healthy and pod.served is not None and model in pod.served.adapters
+                   for pod in self.pods.values())
 
     def kv_config_of(self, name: str) -> KVConfig | None:
         """The KV config pod `name` published, or None (not read yet, or the pod has left)."""
