@@ -345,7 +345,7 @@ def stop_pool(engines: LocalEngines, client: httpx.Client, router_signal: int = 
             wait_or_kill([router.process], ROUTER_STOP_SECONDS)
         running = [e for e in engines.engines if e.child.process.poll() is None]
         told = [e for e in running if e.state != STOPPING]  # those stopping were drained and signalled already
-        print(f"kvmesh up: draining {len(told)} engines", file=sys.stderr, flush=True)
+        print("kvmesh up: router stopped; draining the engines", file=sys.stderr, flush=True)
         _drain(client, told, time.monotonic() + ENGINES_DRAIN_SECONDS)
         for engine in told:
             if engine.child.process.poll() is None:
@@ -367,11 +367,18 @@ def stop_pool(engines: LocalEngines, client: httpx.Client, router_signal: int = 
 def _drain(client: httpx.Client, engines: list[Engine], deadline: float) -> None:
     """Drain every engine and wait until none runs or queues a request (each drain answer says how many), or
     until `deadline`. An engine that does not answer (exited, or still loading) has nothing to finish."""
-    def busy(engine: Engine) -> bool:
-        left = _answers(client, "POST", engine.child.url + DRAIN_PATH)
-        return left is not None and left["running"] + left["waiting"] > 0
 
-    while (engines := [e for e in engines if busy(e)]) and time.monotonic() < deadline:
+    def left(engine: Engine) -> int:
+        answer = _answers(client, "POST", engine.child.url + DRAIN_PATH)
+        return 0 if answer is None else answer["running"] + answer["waiting"]
+
+    said = False
+    while (requests := {e.child.name: n for e in engines if (n := left(e)) > 0}) and time.monotonic() < deadline:
+        if not said:
+            print(f"kvmesh up: waiting for {sum(requests.values())} requests on {', '.join(requests)} to finish "
+                  f"(up to {deadline - time.monotonic():.0f} s)", file=sys.stderr, flush=True)
+            said = True
+        engines = [e for e in engines if e.child.name in requests]
         time.sleep(0.2)
 
 
