@@ -5,7 +5,9 @@ errors; the LoRA metrics."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import json
 import math
 import threading
@@ -19,10 +21,11 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
+from kvmesh.cli import _serve_parser
 from kvmesh.engine import attention as attention_module
 from kvmesh.engine import runner as runner_module
 from kvmesh.engine.attention import TorchMetadata
-from kvmesh.engine.config import load_config
+from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.model.lora import TARGET_MODULES
 from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, Metric, VllmMetric
@@ -243,7 +246,11 @@ def test_peft_agrees_with_the_merged_reference(tiny_dir: Path, adapters: dict[st
 
 
 def test_lora_modules_from_flags_and_yaml(tmp_path: Path) -> None:
-    assert load_config(None, {"lora_modules": ["a=/x", "b = /y"]}).lora_modules == {"a": "/x", "b": "/y"}
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--lora-modules", "a=/x", "b = /y", "--max-lora-rank", "16"])
+    config = load_config(None, {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)})
+    assert (config.lora_modules, config.max_lora_rank) == ({"a": "/x", "b": "/y"}, 16)
     (tmp_path / "e.yaml").write_text("engine:\n  lora-modules: {sql: /adapters/sql}\n  max-loras: 2\n")
     config = load_config(tmp_path / "e.yaml")
     assert (config.lora_modules, config.max_loras, config.max_lora_rank) == ({"sql": "/adapters/sql"}, 2, 64)
