@@ -97,8 +97,10 @@ def _refuse_unsupported(cfg: dict, where: Path) -> None:
         raise LoraError(f"{where}: modules_to_save ({cfg['modules_to_save']}) is not supported: only LoRA "
                         f"deltas on {', '.join(TARGET_MODULES)}")
     targets = cfg.get("target_modules")
-    if isinstance(targets, str):
-        targets = list(TARGET_MODULES) if targets == "all-linear" else [targets]
+    if isinstance(targets, str):  # a regex over module names: the weights' keys are checked instead
+        targets = []
+    if not isinstance(targets, list | None) or not all(isinstance(t, str) for t in targets or ()):
+        raise LoraError(f"{where}: target_modules must be a list of module names, got {targets!r}")
     unsupported = sorted(set(targets or ()) - set(TARGET_MODULES))
     if unsupported:
         raise LoraError(f"{where}: target modules {', '.join(unsupported)} are not supported; supported: "
@@ -112,10 +114,12 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int, dtype
         raise LoraError(f"LoRA adapter {name!r}: {where} has no {CONFIG_FILE} (is it a PEFT adapter directory?)")
     if not (where / WEIGHTS_FILE).is_file():
         raise LoraError(f"LoRA adapter {name!r}: {where} has no {WEIGHTS_FILE} (pickled .bin weights are not read)")
-    config_bytes = (where / CONFIG_FILE).read_bytes()
     try:
+        config_bytes = (where / CONFIG_FILE).read_bytes()
         cfg = json.loads(config_bytes)
         rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    except OSError as exc:
+        raise LoraError(f"LoRA adapter {name!r}: cannot read {where / CONFIG_FILE}: {exc}") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise LoraError(f"{where / CONFIG_FILE}: needs integer r and number lora_alpha ({exc})") from None
     _refuse_unsupported(cfg, where)
