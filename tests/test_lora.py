@@ -28,7 +28,7 @@ from kvmesh.engine.attention import TorchMetadata
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.model.lora import TARGET_MODULES
-from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, Metric, VllmMetric
+from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, Metric, VllmMetric, block_hashes
 from kvmesh.engine.request import Request
 from kvmesh.engine.runner import StepInput
 from kvmesh.engine.sampling import SamplingParams
@@ -310,9 +310,12 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
     labels, _, loaded = lora_info(http)
     assert (labels, loaded) == ({"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "2"}, 1)
 
-    answer = http.post("/v1/completions", json={"model": "all", "prompt": [5, 6, 7], "max_tokens": 3,
-                                                "temperature": 0})
+    ids = prompt(60, 40)
+    answer = http.post("/v1/completions", json={"model": "all", "prompt": ids, "max_tokens": 3, "temperature": 0})
     assert answer.status_code == 200 and answer.json()["model"] == "all"
+    # its blocks are cached under the hashes a router computes from the adapter's name, not the base model's
+    hashed = {lora: block_hashes(ids, engine.config.block_size, BlockExtra(lora=lora)) for lora in ("all", None)}
+    assert [engine.call(lambda h=h: engine.cached_run(h)).result() for h in hashed.values()] == [2, 0]
     missing = http.post("/v1/completions", json={"model": "nope", "prompt": [5], "max_tokens": 1})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
