@@ -4,9 +4,12 @@ A Gateway (Envoy) opens one `ExternalProcessor.Process` gRPC stream per HTTP req
 headers, then its body, and, if it is configured to, the response's headers, body and trailers. The router
 reads the whole request body, admits and decides it with the very code of its own HTTP edge (`Router.admit`,
 `view`, `decide`, `refuse`, `commit`), and tells the gateway which engine to send it to: the
-`x-gateway-destination-endpoint` header and the same `IP:PORT` as dynamic metadata under `envoy.lb`. The gateway
-proxies; the router only picks. A subset the gateway sends (filter metadata `envoy.lb.subset_hint`, key
-`x-gateway-destination-endpoint-subset`) limits the choice to those endpoints.
+`x-gateway-destination-endpoint` header and the same value as dynamic metadata under `envoy.lb`: the chosen
+`IP:PORT`, then the next best pods' (as many as the router's `retries`), comma-separated, which a gateway set to
+retry tries in order. The gateway proxies; the router only picks. When the response names another pod as the one
+that served (`x-gateway-destination-endpoint-served`), the request's hold moves to that pod. A subset the gateway
+sends (filter metadata `envoy.lb.subset_hint`, key `x-gateway-destination-endpoint-subset`) limits the choice to
+those endpoints.
 
 Only what the router's HTTP edge serves to clients passes: POST /v1/completions and /v1/chat/completions, and
 GET /v1/models; anything else (an engine's /v1/admin or /v1/kv endpoints above all) is answered 404 here, and
@@ -20,11 +23,11 @@ Request body modes (Envoy's `request_body_mode`, which a stream's first message 
   carries the choice (Envoy applies header mutations in a body response only in this mode).
 - NONE: a completion, which needs its body to be decided, salted and checked, is answered 500 saying which mode
   to configure.
+- STREAMED and BUFFERED_PARTIAL let the headers leave before the body is read, so no choice could use the prompt:
+  such a stream is answered 500 with a message saying which mode to configure.
 GET /v1/models is answered by the picker itself at its headers (an ImmediateResponse 200, in any mode): the
 models the pool's pods serve, base models and LoRA adapters, as the router's HTTP edge lists them; no one pod
 could answer it, since each lists only the adapters it has loaded.
-- STREAMED and BUFFERED_PARTIAL let the headers leave before the body is read, so no choice could use the prompt:
-  such a stream is answered 500 with a message saying which mode to configure.
 Response bodies are echoed back as streamed responses only when the gateway declares FULL_DUPLEX_STREAMED for
 them; otherwise (another mode, or no protocol_config: an Envoy before 1.34) they are let through unchanged.
 Refusals are ImmediateResponses with OpenAI-style error bodies: 400 (not a valid request), 401, 404 (unknown
@@ -215,12 +218,18 @@ def _mode_refusal(mode: int, why: str) -> Refused:
 
 @dataclass
 class Choice:
-    endpoint: str
+    endpoint: str  # the chosen pod's IP:PORT
     body: bytes  # what goes upstream: the client's bytes, or re-encoded (the tenant's salt, a prefix pull)
     booking: Booking | None = None  # an inference request's hold on its pod, which the stream's end gives back
     trace: Trace | None = None
     hide_usage: bool = False  # the router asked the engine for a stream's usage chunk the client did not ask for
     rewritten: bool = False  # `body` is re-encoded, not the client's bytes: the gateway must forward it instead
+    fallbacks: tuple[str, ...] = ()  # the next best pods' IP:PORT, which a gateway configured to retry tries in order
+
+    @property
+    def destination(self) -> str:
+        """The protocol's value: the chosen endpoint, then the fallbacks, comma-separated."""
+        return ",".join((self.endpoint, *self.fallbacks))
 
 
 @dataclass
@@ -305,20 +314,20 @@ class Exchange:
             if self.choice.rewritten:
                 common.body_mutation.body = self.choice.body
             return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
-                                          dynamic_metadata=_choice_metadata(self.choice.endpoint))]
+                                          dynamic_metadata=_choice_metadata(self.choice.destination))]
         return await self._decide_full_duplex(end_of_stream=True) if chunk.end_of_stream else []
 
     async def _decide_full_duplex(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         """The headers response with the choice, then the body back (Envoy sends upstream only what it gets back)."""
         self.choice = await self._choose(bytes(self.body))
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._mutation()),
-                                      dynamic_metadata=_choice_metadata(self.choice.endpoint)),
+                                      dynamic_metadata=_choice_metadata(self.choice.destination)),
                 *_body_chunks(self.choice.body, end_of_stream)]
 
     def _mutation(self) -> pb.CommonResponse:
         assert self.choice is not None
         extra = {"content-length": str(len(self.choice.body))} if self.choice.rewritten else {}
-        return _choice_mutation(self.choice.endpoint, extra)
+        return _choice_mutation(self.choice.destination, extra)
 
     def _response_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
         values = {h.key.lower(): h.raw_value.decode(errors="replace") if h.raw_value else h.value
@@ -327,10 +336,23 @@ class Exchange:
         self.streaming = "text/event-stream" in values.get("content-type", "")
         served = self.metadata.get(DESTINATION_NAMESPACE, {}).get(SERVED_KEY)
         if self.choice and served and served != self.choice.endpoint:
-            log.info("the gateway served %s on %s, not the chosen %s", self.headers.get(":path"), served,
-                     self.choice.endpoint)
+            self._moved_to(served)
         self.done = headers.end_of_stream
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+    def _moved_to(self, served: str) -> None:
+        """The gateway fell back down the list (the chosen pod failed or refused): the pod that answers holds the
+        request now, in the in-flight counts the picker reads and in the request log."""
+        choice, router = self.choice, self.router
+        assert choice is not None
+        log.info("the gateway served %s on %s, not the chosen %s", self.headers.get(":path"), served, choice.endpoint)
+        pod = next((p for p in router.pods.pods.values() if endpoint_of(p.url) == served), None)
+        if pod is None or choice.booking is None or choice.trace is None:
+            return  # not an inference request, or a pod the router no longer knows: nothing of it to move
+        choice.booking.close()
+        choice.booking = Booking(pod)
+        choice.trace.pods.append(pod.name)
+        router.metrics.retries.inc()
 
     def _response_body(self, chunk: pb.HttpBody) -> pb.ProcessingResponse:
         """Read the answer for its usage and timing (the request log), and hand it on unchanged."""
@@ -404,7 +426,17 @@ class Exchange:
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         if pull is not None:
             router.metrics.pulls.inc()
-        return Choice(endpoint_of(pod.url), upstream, booking, trace, hide_usage, rewritten)
+        fallbacks = self._fallbacks(decision, view, pull.source.name if pull is not None else None)
+        return Choice(endpoint_of(pod.url), upstream, booking, trace, hide_usage, rewritten, fallbacks)
+
+    def _fallbacks(self, decision: Decision, view: View, pull_source: str | None) -> tuple[str, ...]:
+        """The next best candidates, as many as the router's own retries, for a gateway set to retry: any of them
+        can serve the same body (the tenant's salt and a usage request are pod-neutral), except the source of a
+        prefix pull, which would be asked to pull from itself."""
+        pods = {p.name: p for p in view.pods}
+        names = [n for n in decision.runners_up if n != pull_source and n in pods]
+        return tuple(endpoint_of(pods[n].url) for n in names[: self.router.config.retries])
+
 
     def _decide(self, info: RequestInfo) -> tuple[Decision, View]:
         """The picker's choice among the pods the gateway's subset allows; Refused (404, 503) when there is none."""

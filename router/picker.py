@@ -107,6 +107,7 @@ class Decision:
     predicted_cached_tokens: int  # what the chosen pod should report as cached_tokens
     estimated_ttft_seconds: float  # for the chosen pod; 0.0 when there is none
     reason: str  # what decided (one of REASONS): for logs and the decisions metric
+    runners_up: tuple[str, ...] = ()  # the other candidates, best first: where a gateway falls back to
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ def _tie_rank(request: RequestInfo, name: str) -> int:
 
 def _best(pods: list[PodState], totals: Mapping[str, float], request: RequestInfo) -> list[PodState]:
     """Candidates from best to worst; the pods tied for best in the request's rendezvous order (see the module
-    doc), the others by name (only the choice and the runner-up matter, and hashing every name costs)."""
+    doc), the others by score, then name (hashing every name costs, and only the choice is spread)."""
     ranked = sorted(pods, key=lambda p: -totals[p.name])  # stable: name order among equals
     best = totals[ranked[0].name]
     tied = next((i for i, p in enumerate(ranked) if totals[p.name] != best), len(ranked))
@@ -337,4 +338,5 @@ def pick(
         reason = _deciding_score(candidates, chosen, ranking[1], weighted, request, matches)
 
     cached = predicted_cached_tokens(chosen, request, matches.get(chosen.name))
-    return Decision(chosen, totals, cached, estimate_ttft(chosen, request, cached, config), reason)
+    return Decision(chosen, totals, cached, estimate_ttft(chosen, request, cached, config), reason,
+                    tuple(p.name for p in ranking[1:]))

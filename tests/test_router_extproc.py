@@ -141,14 +141,20 @@ async def full_duplex(stub: pb_grpc.ExternalProcessorStub, messages: list[pb.Pro
     return [reply async for reply in stub.Process(requests())]
 
 
-def chosen(reply: pb.ProcessingResponse, phase: str = "request_headers") -> str:
-    """The endpoint a reply names, checking the header and the metadata agree (the protocol requires it)."""
+def destination(reply: pb.ProcessingResponse, phase: str = "request_headers") -> list[str]:
+    """The endpoints a reply names, chosen first, checking the header and the metadata agree (the protocol
+    requires it)."""
     common = getattr(reply, phase).response
     headers = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
     metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields
     assert common.clear_route_cache
     assert headers["x-gateway-destination-endpoint"] == metadata["x-gateway-destination-endpoint"].string_value
-    return headers["x-gateway-destination-endpoint"]
+    return headers["x-gateway-destination-endpoint"].split(",")
+
+
+def chosen(reply: pb.ProcessingResponse, phase: str = "request_headers") -> str:
+    """The endpoint a reply chooses: the first of the list."""
+    return destination(reply, phase)[0]
 
 
 def refusal(reply: pb.ProcessingResponse) -> tuple[int, dict[str, object], dict[str, str]]:
@@ -230,7 +236,7 @@ async def test_a_pod_that_lacks_the_prefix_is_told_to_pull_it_from_its_holder(pi
     for pod in (POD_A, POD_B):  # pods that store blocks alike: a pull between them can be planned
         router.pods.pods[pod].kv_config = dataclasses.replace(router.pods.pods[pod].kv_config, block_bytes=4096)
     replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(body).encode())])
-    assert chosen(replies[0]) == endpoint_of(POD_B)
+    assert destination(replies[0]) == [endpoint_of(POD_B)]  # the pull's source is no fallback: it would pull itself
     forwarded = replies[1].request_body.response.body_mutation.streamed_response.body
     assert json.loads(forwarded) == {**body, "kv_transfer": {"mode": "pull", "source": POD_A, "tokens": 80}}
     headers = {h.header.key: h.header.raw_value.decode()
@@ -362,6 +368,53 @@ async def test_a_body_mode_that_cannot_carry_a_choice_is_refused_clearly(picker)
     replies = await full_duplex(stub, [request_headers(mode=ProcessingMode.STREAMED)])
     status, error, _ = refusal(replies[0])
     assert status == 500 and "FULL_DUPLEX_STREAMED" in error["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_the_next_best_pods_follow_the_choice_as_fallbacks(picker) -> None:
+    """The protocol's list: a gateway set to retry goes down it in order when the chosen pod fails; as many
+    fallbacks as the router's own `retries`, none when that is 0."""
+    router, stub, _ = picker
+    body = completion(21)
+    hold(router, POD_B, body)
+    payload = json.dumps(body).encode()
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(payload)])
+    assert destination(replies[0]) == [endpoint_of(POD_B), endpoint_of(POD_A)]
+    router.config.retries = 0
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(payload)])
+    assert destination(replies[0]) == [endpoint_of(POD_B)]
+
+
+@pytest.mark.asyncio
+async def test_a_fallback_that_served_the_request_holds_it(picker) -> None:
+    """The gateway reports which endpoint served: when it fell back, the in-flight count the picker reads moves
+    to that pod for the rest of the stream, and the request counts as retried."""
+    router, stub, _ = picker
+    body = completion(22)
+    hold(router, POD_A, body)
+    call = stub.Process()
+    await call.write(request_headers())
+    for message in body_chunks(json.dumps(body).encode()):
+        await call.write(message)
+    first = await call.read()
+    assert destination(first) == [endpoint_of(POD_A), endpoint_of(POD_B)]
+    await call.read()  # the body, echoed
+    assert (router.pods.pods[POD_A].inflight, router.pods.pods[POD_B].inflight) == (1, 0)
+    start, *rest = response_phases(b'{"usage": {"prompt_tokens": 96, "completion_tokens": 4}}')
+    served = struct_pb2.Struct()
+    served.update({"x-gateway-destination-endpoint-served": endpoint_of(POD_B)})
+    start.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+    await call.write(start)
+    await call.read()
+    assert (router.pods.pods[POD_A].inflight, router.pods.pods[POD_B].inflight) == (0, 1)
+    for message in rest:
+        await call.write(message)
+        await call.read()
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    assert sum(p.inflight for p in router.pods.pods.values()) == 0
+    assert router.metrics.retries._value.get() == 1
+    assert router.metrics.requests.labels("ok", "gateway")._value.get() == 1
 
 
 @pytest.mark.asyncio
