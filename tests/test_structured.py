@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
@@ -22,6 +23,8 @@ from kvmesh.engine.protocol import STRUCTURED_KINDS
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.structured import Constraint, Guide, StructuredError
+from kvmesh.router.app import build_router, create_router_app
+from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
 from .engines import serve_engine
@@ -243,6 +246,18 @@ def test_bad_constraints_fail_validation(body: dict, where: str, message: str) -
         CompletionRequest.model_validate({"prompt": "x", **body})
     (error,) = info.value.errors()
     assert ".".join(str(x) for x in error["loc"]).startswith(where) and message in error["msg"], error
+
+
+def test_router_refuses_a_bad_regex_before_any_pod(tiny_dir: Path) -> None:
+    """The router parses with the same models: a bad constraint is its 400, with llguidance's message, even
+    with no pod to send anything to."""
+    with TestClient(create_router_app(build_router(RouterConfig(pods=[]), tiny_dir))) as router:
+        reply = router.post("/v1/completions", json={"prompt": "x", "structured_outputs": {"regex": "(unclosed"}})
+        two = router.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "guided_regex": "a",
+                                                        "response_format": {"type": "json_object"}})
+    assert reply.status_code == 400 and "unclosed group" in reply.json()["error"]["message"]
+    assert two.status_code == 400 and "at most one" in two.json()["error"]["message"]
 
 
 # ---- through the HTTP server --------------------------------------------------------------------------------
