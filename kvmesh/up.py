@@ -356,10 +356,11 @@ def stop_pool(engines: LocalEngines, client: httpx.Client, router_signal: int = 
     except _StopNow:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for child in engines.children():
+        children = engines.children()[::-1]  # the router first: its clients see their streams cut, not ended
+        for child in children:
             if child.process.poll() is None:
                 child.process.kill()
-        wait_or_kill([child.process for child in engines.children()], STOP_TIMEOUT_SECONDS)
+        wait_or_kill([child.process for child in children], STOP_TIMEOUT_SECONDS)
         print("kvmesh up: stopped at once", file=sys.stderr, flush=True)
         return False
 
