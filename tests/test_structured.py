@@ -167,12 +167,15 @@ def test_unconstrained_neighbours_are_unaffected(engine: Engine) -> None:
 
 def test_logprobs_stay_the_models_own(engine: Engine) -> None:
     """The mask changes what is sampled, not the reported distribution (vLLM's convention): the chosen tokens'
-    logprobs are those of the unconstrained model, finite although most of the vocabulary was masked."""
-    (outs,) = run(engine, [request(engine, Constraint("regex", REGEX, "x"), logprobs=True, top_logprobs=3)])
+    logprobs are those of the unconstrained model, finite although most of the vocabulary was masked. Greedy: had
+    they been taken after the mask, the chosen token would always be the top one."""
+    (outs,) = run(engine, [request(engine, Constraint("regex", REGEX, "x"), logprobs=True, top_logprobs=3,
+                                   temperature=0.0)])
     logprobs = [x for o in outs for x in o.logprobs or []]
     assert len(logprobs) == len(tokens(outs)) and all(-60 < x < 0 for x in logprobs)
     top = [t for o in outs for t in o.top_logprobs or []]
-    assert any(top_ids[0][0] != token for top_ids, token in zip(top, tokens(outs), strict=True))
+    assert any(alternatives[0][0] != token and alternatives[0][1] > logprob
+               for alternatives, token, logprob in zip(top, tokens(outs), logprobs, strict=True))
 
 
 class _FailingGuide(Guide):
