@@ -499,6 +499,9 @@ class Engine:
                 if request.output_ids:
                     request.text = request.detokenizer.step(request.output_ids)
                     request.emitted_text = request.text
+                if request.guide is not None and request.guide.finished:  # resumed after its complete output
+                    self._finish(request, "stop")  # as the first pod ended it, without a step for an EOS
+                    continue
                 request.expected_cached_tokens = self.kv.find_prefix(request.request_id, request.token_ids,
                                                                      request.extra).num_tokens
                 self._enqueue(request)

@@ -83,7 +83,10 @@ class Guide:
         return self._matcher.is_stopped()
 
     def error(self) -> str | None:
-        return self._matcher.get_error() or None if self._matcher.is_error() else None
+        """Why the matcher failed (a refused token, a limit of llguidance's), or None; a failed matcher stays so."""
+        if not self._matcher.is_error():
+            return None
+        return self._matcher.get_error() or "the matcher failed"
 
     def fill(self, bits: torch.Tensor, row: int) -> None:
         """Write the allowed-token bitmask of the next step into `bits[row]` (int32, 1 bit per token)."""

@@ -147,6 +147,16 @@ def test_continuation_equals_one_pod(engine: Engine, sampling: dict, cut: int) -
     assert rest[-1].completion_tokens == len(ids)
 
 
+def test_resuming_after_a_complete_output_stops_at_once(engine: Engine) -> None:
+    """A migration whose client already has the whole output ends as the first pod did: `stop`, nothing new."""
+    constraint = Constraint("choice", ["yes", "no"], "x")
+    (whole,) = run(engine, [request(engine, constraint)])
+    steps = engine.runner.steps
+    (rest,) = run(engine, [request(engine, constraint, resumed=tokens(whole))])
+    assert tokens(rest) == [] and rest[-1].finish_reason == "stop" and rest[-1].error is None
+    assert rest[-1].completion_tokens == len(tokens(whole)) and engine.runner.steps == steps
+
+
 def test_resumed_tokens_that_break_the_grammar_are_refused(engine: Engine) -> None:
     bad = engine.tokenizer.encode("hello", add_special_tokens=False)
     with pytest.raises(StructuredError, match="resume_output_ids"):
