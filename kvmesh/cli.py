@@ -277,6 +277,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.kvcache import add_parser as add_kv_cache_bench
 
     add_kv_cache_bench(bench)
+    from kvmesh.bench.lora import add_parser as add_lora_bench
+
+    add_lora_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -284,6 +287,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "lora":
+        from kvmesh.bench.lora import run as run_lora_bench
+
+        return run_lora_bench(args)
     if args.bench == "kv-cache":
         from kvmesh.bench.kvcache import run as run_kv_cache_bench
 
