@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
@@ -21,8 +22,8 @@ from kvmesh.engine.engine import Engine
 from kvmesh.engine.openai_types import ChatRequest, CompletionRequest
 from kvmesh.engine.protocol import STRUCTURED_KINDS
 from kvmesh.engine.request import Request, RequestOutput
-from kvmesh.engine.sampling import SamplingParams
-from kvmesh.engine.structured import Constraint, Guide, StructuredError
+from kvmesh.engine.sampling import SamplingParams, sample
+from kvmesh.engine.structured import Constraint, Guide, Masks, StructuredError
 from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.config import RouterConfig
 
@@ -186,6 +187,22 @@ def test_logprobs_stay_the_models_own(engine: Engine) -> None:
     top = [t for o in outs for t in o.top_logprobs or []]
     assert any(alternatives[0][0] != token and alternatives[0][1] > logprob
                for alternatives, token, logprob in zip(top, tokens(outs), logprobs, strict=True))
+
+
+def test_mask_bit_layout_reaches_the_sampler() -> None:
+    """Bit k of word w allows token 32w+k (llguidance's layout): only the allowed tokens of a constrained row can
+    be drawn, and an unconstrained row of the same batch keeps its logits."""
+    allowed = [3, 32, 49151]
+    bits = torch.zeros((1, 49152 // 32), dtype=torch.int32)
+    for token in allowed:
+        bits[0, token // 32] |= 1 << (token % 32) if token % 32 != 31 else -(1 << 31)
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    logits[1, allowed] = 0.0  # equally likely once masked: 40 draws miss one with probability 3 * (2/3)^40
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, seed=s)] * 2, [0, 0],
+                    masks=Masks([1], bits, {})).token_ids[1] for s in range(40)}
+    assert drawn == set(allowed)
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0],
+                  masks=Masks([1], bits, {})).token_ids[0] == int(logits[0].argmax())
 
 
 class _FailingGuide(Guide):
