@@ -11,9 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from kvmesh.engine.constraint import Constraint, check
 from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
-from kvmesh.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
-from kvmesh.engine.structured import Constraint, check
+
+# OpenAI's documented ranges (the sampler checks them again for callers that skip these models)
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties: -2 to 2
+MAX_LOGIT_BIAS = 100.0  # logit_bias values: -100 to 100
 
 
 class StreamOptions(BaseModel):

@@ -17,13 +17,10 @@ import numpy as np
 import torch
 import xxhash
 
+from kvmesh.engine.openai_types import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
 from kvmesh.engine.structured import Masks
 
-MAX_STOP_SEQUENCES = 4
-MAX_TOP_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5
-MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2 to 2
-MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range is -100 to 100
 
 
 @dataclass

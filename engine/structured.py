@@ -1,5 +1,5 @@
-"""Structured outputs: a request's constraint (JSON object, JSON schema, regex, choice, grammar) compiled into an
-llguidance grammar, a matcher per sequence, and the allowed-token mask of each decoding step.
+"""Structured outputs: a matcher per sequence for its request's constraint (engine/constraint.py), and the
+allowed-token mask of each decoding step.
 
 llguidance (the grammar engine vLLM and SGLang also offer) computes a mask lazily over the tokenizer's token trie
 with an Earley parser, so a mask costs tens of microseconds on a 49k vocabulary and nothing is precompiled per
@@ -9,61 +9,17 @@ where no request is constrained computes no mask at all.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import llguidance
 import torch
 from llguidance import LLMatcher, LLTokenizer
 from prometheus_client import Counter
 
+from kvmesh.engine.constraint import Constraint
 from kvmesh.engine.model.tokenizer import Tokenizer
-from kvmesh.engine.protocol import STRUCTURED_KINDS
-
-# JSON as json.dumps writes it: fixed separators, no free whitespace between tokens (with free whitespace a model
-# can pad a JSON value with newlines until max_tokens, the failure vLLM's disable_any_whitespace exists for).
-# A schema may still choose otherwise with its own "x-guidance" options, which override these defaults.
-JSON_DEFAULTS: llguidance.JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
-                                                "key_separator": ": "}
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What one request constrains its output to. `param` is the request field it came from, named in errors."""
-
-    kind: str
-    spec: Any  # json_schema: the schema (dict); regex, grammar: the text; choice: the strings; json_object: None
-    param: str
-
-    def __post_init__(self) -> None:
-        assert self.kind in STRUCTURED_KINDS, self.kind
-
-    def grammar(self) -> str:
-        """The llguidance grammar (not yet checked); ValueError when the spec cannot even be read."""
-        if self.kind in ("json_object", "json_schema"):
-            schema = {"type": "object"} if self.kind == "json_object" else self.spec
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-        if self.kind == "choice":
-            return llguidance.grammar_from("choice", json.dumps(self.spec))
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.spec)
-        return llguidance.grammar_from("grammar", self.spec)  # Lark, or llama.cpp's GBNF (converted)
-
-
-def check(constraint: Constraint) -> None:
-    """Raise ValueError with llguidance's message when the constraint is not a valid grammar. Needs no tokenizer,
-    so the router's request parsing refuses a bad schema or regex as the engine's does."""
-    try:
-        grammar = constraint.grammar()
-    except ValueError as exc:
-        raise ValueError(f"invalid {constraint.kind}: {exc}") from None
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(f"invalid {constraint.kind}: {messages[0].strip()}")
 
 
 class StructuredError(ValueError):

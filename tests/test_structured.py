@@ -18,12 +18,13 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from kvmesh.engine.constraint import Constraint
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.openai_types import ChatRequest, CompletionRequest
 from kvmesh.engine.protocol import STRUCTURED_KINDS
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams, sample
-from kvmesh.engine.structured import Constraint, Guide, Masks, StructuredError
+from kvmesh.engine.structured import Guide, Masks, StructuredError
 from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.config import RouterConfig
 

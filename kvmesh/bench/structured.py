@@ -17,10 +17,10 @@ import torch
 from tqdm import tqdm
 
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.constraint import Constraint
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling import SamplingParams, sample
-from kvmesh.engine.structured import Constraint
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}}

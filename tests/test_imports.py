@@ -1,0 +1,24 @@
+"""The import rule of DESIGN.md: the router and the operator take from the engine only its torch-free contract
+modules, so a router or operator image needs no torch (a CPU wheel alone is hundreds of megabytes) and starts in
+a fraction of the engine's time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+# what the router and operator may load from the engine (docs/architecture.md): contracts, request bodies, the
+# output constraints' check, the tokenizer and its cache
+ALLOWED = {"kvmesh.engine", "kvmesh.engine.protocol", "kvmesh.engine.openai_types", "kvmesh.engine.constraint",
+           "kvmesh.engine.model", "kvmesh.engine.model.tokenizer", "kvmesh.engine.model.token_cache"}
+
+
+def test_the_router_and_the_operator_load_no_torch_and_only_the_engine_s_contract_modules() -> None:
+    program = ("import json, sys\n"
+               "import kvmesh.router.app, kvmesh.router.extproc, kvmesh.operator.handlers, kvmesh.operator.local\n"
+               "print(json.dumps(sorted(sys.modules)))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", program], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert "torch" not in loaded and "triton" not in loaded
+    assert {m for m in loaded if m.startswith("kvmesh.engine")} <= ALLOWED
