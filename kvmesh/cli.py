@@ -280,6 +280,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.lora import add_parser as add_lora_bench
 
     add_lora_bench(bench)
+    from kvmesh.bench.structured import add_parser as add_structured_bench
+
+    add_structured_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -287,6 +290,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "structured":
+        from kvmesh.bench.structured import run as run_structured_bench
+
+        return run_structured_bench(args)
     if args.bench == "lora":
         from kvmesh.bench.lora import run as run_lora_bench
 

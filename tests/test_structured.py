@@ -410,3 +410,16 @@ def test_bundled_model_writes_a_small_json_object(bundled_dir: Path) -> None:
     answer = json.loads(text(outs))
     jsonschema.validate(answer, schema)
     assert outs[-1].finish_reason == "stop" and "Paris" in answer["city"]
+
+
+def test_the_structured_benchmark_reports_every_kind_and_the_step_ratio(tiny_dir: Path, tmp_path: Path) -> None:
+    from kvmesh.cli import main
+
+    out = tmp_path / "structured.json"
+    assert main(["bench", "structured", "--model", str(tiny_dir), "--batch", "2", "--tokens", "2", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["masks"]) == {"json_schema", "json_object", "regex", "grammar"}
+    assert all(m["tokens"] > 0 and m["mask_us"] > 0 for m in results["masks"].values())
+    steps = results["step_seconds"]
+    assert results["constrained_over_unconstrained"] == pytest.approx(steps["constrained"] / steps["unconstrained"])

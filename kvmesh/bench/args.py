@@ -27,3 +27,14 @@ def number_list(kind: type[int] | type[float], low: float, high: float | None = 
 
 
 positive_ints = number_list(int, 1)
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type` for one whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value

@@ -1,7 +1,7 @@
 """What structured outputs cost on the bundled model (49,152-token vocabulary): the mask per token for each kind
 of constraint, alone, and a decode step with every sequence constrained against the same step unconstrained.
 
-    python -m kvmesh.bench.structured [--batch 8] [--tokens 32] [--repeats 3] [--threads 1]
+    kvmesh bench structured [--batch 8] [--tokens 32] [--repeats 3] [--threads 1] [--json PATH]
 
 Prints a table; docs/engine.md ("Structured outputs") quotes it.
 """
@@ -12,10 +12,12 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from kvmesh.bench.args import positive_int
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.constraint import Constraint
 from kvmesh.engine.engine import Engine
@@ -83,25 +85,37 @@ def step_cost(engine: Engine, batch: int, tokens: int, repeats: int) -> tuple[fl
     return statistics.median(times[False]), statistics.median(times[True])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (a shared machine: 1 is steadier)")
-    args = parser.parse_args()
+def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    """`kvmesh bench structured` and its options."""
+    p = bench_subparsers.add_parser("structured", help="structured outputs: mask cost per token, and a constrained "
+                                                       "decode step beside the same step unconstrained")
+    p.add_argument("--model", help="HF directory or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences in the decode step (default 8)")
+    p.add_argument("--tokens", type=positive_int, default=32, help="decode steps timed (default 32)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement; medians (default 3)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (a shared machine: 1 is steadier)")
+    p.add_argument("--json", help="write the results here as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(dtype="float32", kv_cache_blocks=256))
+    engine = Engine(EngineConfig(model=args.model, dtype="float32", kv_cache_blocks=256))
     start = time.perf_counter()
     engine.structured.ll_tokenizer  # noqa: B018  (built once per engine)
-    print(f"llguidance tokenizer built in {time.perf_counter() - start:.2f} s")
+    built = time.perf_counter() - start
+    print(f"llguidance tokenizer built in {built:.2f} s")
+    costs = mask_cost(engine, args.repeats)
     print(f"{'constraint':<12} {'tokens':>6} {'mask us/token':>14} {'apply us/row':>13}")
-    for kind, (n, fill, apply) in mask_cost(engine, args.repeats).items():
+    for kind, (n, fill, apply) in costs.items():
         print(f"{kind:<12} {n:>6} {fill:>14.0f} {apply:>13.0f}")
     free, constrained = step_cost(engine, args.batch, args.tokens, args.repeats)
     print(f"decode step, batch {args.batch}: {free * 1e3:.1f} ms free, {constrained * 1e3:.1f} ms constrained "
           f"({constrained / free:.2f}x)")
-
-
-if __name__ == "__main__":
-    main()
+    if args.json:
+        results = {"tokenizer_seconds": built, "batch": args.batch,
+                   "masks": {kind: {"tokens": n, "mask_us": fill, "apply_us": apply}
+                             for kind, (n, fill, apply) in costs.items()},
+                   "step_seconds": {"unconstrained": free, "constrained": constrained},
+                   "constrained_over_unconstrained": constrained / free}
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
