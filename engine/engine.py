@@ -136,7 +136,8 @@ class Engine:
         self.state = EngineState(kv=self.kv.stats(), max_loras=config.max_loras)
         for name, path in config.lora_modules.items():
             self.add_lora(self.read_lora(name, path))
-        self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype)
+        self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype,
+                                     self.kv_layout.stored_format)
         self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                             self.metrics.structured_mask_seconds, self.metrics.structured_masks)
         self.kv_config = KVConfig(
@@ -150,6 +151,7 @@ class Engine:
             role=config.role,
             block_bytes=self.kv_layout.block_bytes(),
             kv_cache_dtype=config.kv_cache_dtype,
+            kv_format=self.kv_layout.stored_format,
         )
         self.requests: dict[str, Request] = {}
         self.draining = False

@@ -47,6 +47,12 @@ class KVLayout:
         return self.cache_dtype == "int8"
 
     @property
+    def stored_format(self) -> str:
+        """How a block's bytes are laid out: `int8`, or the model dtype's name (`bfloat16`, `float16`, `float32`),
+        which an `auto` cache stores; raw blocks move only between pods of one format."""
+        return "int8" if self.quantized else str(self.dtype).removeprefix("torch.")
+
+    @property
     def rows(self) -> int:
         """(token, KV head) rows of K and V in one block, all layers."""
         return self.num_layers * 2 * self.block_size * self.num_kv_heads

@@ -71,10 +71,11 @@ class EngineState:
 
 
 class _StateCollector:
-    def __init__(self, state: Callable[[], EngineState], model: str, cache_dtype: str) -> None:
+    def __init__(self, state: Callable[[], EngineState], model: str, cache_dtype: str, kv_format: str) -> None:
         self._state = state
         self._model = model
         self._cache_dtype = cache_dtype
+        self._kv_format = kv_format
 
     def collect(self) -> Iterator[Metric]:
         s = self._state()
@@ -90,8 +91,8 @@ class _StateCollector:
         yield gauge(V.WAITING, "Requests waiting to be scheduled.", s.waiting)
         yield gauge(V.KV_USAGE, "Device KV blocks held by requests over all device blocks (0..1).", s.kv.usage)
         info = GaugeMetricFamily(V.CACHE_CONFIG, "KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks", "cache_dtype"])
-        info.add_metric([str(s.kv.block_size), str(s.kv.total), self._cache_dtype], 1)
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "kv_format"])
+        info.add_metric([str(s.kv.block_size), str(s.kv.total), self._cache_dtype, self._kv_format], 1)
         yield info
         blocks = GaugeMetricFamily(M.KV_BLOCKS, "KV blocks by state and tier; states sum to the tier's total.",
                                    labels=["tier", "state"])
@@ -133,7 +134,8 @@ class _StateCollector:
 class EngineMetrics:
     """Event-driven metrics; `render()` gives the Prometheus text for /metrics."""
 
-    def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> None:
+    def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
+                 kv_format: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         lm = [MODEL_LABEL]
@@ -227,7 +229,7 @@ class EngineMetrics:
             self.requests.labels(reason)
         for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens):
             c.labels(model)
-        r.register(_StateCollector(state, model, cache_dtype))
+        r.register(_StateCollector(state, model, cache_dtype, kv_format))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -193,7 +193,8 @@ class KVConfig:
     boot_id: str
     role: str = "both"
     block_bytes: int = 0  # bytes of one block, all layers (what a transfer of it moves)
-    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # the block's format: pods pull blocks only from their own format
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # as configured: auto (the model's dtype) or int8
+    kv_format: str = ""  # as stored (KVLayout.stored_format): int8, bfloat16, float16 or float32
 
     def hashing(self) -> tuple[int, str, int, str]:
         """What decides which token run a block hash names: block size, algorithm, root and tokenizer."""
@@ -205,8 +206,9 @@ class KVConfig:
         return self.hashing() == other.hashing()
 
     def stores_like(self, other: KVConfig) -> bool:
-        """Whether a block moves between the two as raw bytes (pulls, handoffs): the same format and size."""
-        return (self.kv_cache_dtype, self.block_bytes) == (other.kv_cache_dtype, other.block_bytes)
+        """Whether a block moves between the two as raw bytes (pulls, handoffs): the same stored format and size
+        (two `auto` caches of a bf16 and an fp16 model have the same size, not the same bytes)."""
+        return (self.kv_format, self.block_bytes) == (other.kv_format, other.block_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -432,7 +434,8 @@ class ScrapedMetrics:
     forecast_usage: dict[str, float]
     num_blocks: int | None = None
     block_size: int | None = None
-    cache_dtype: str | None = None  # the KV format (KV_CACHE_DTYPES)
+    cache_dtype: str | None = None  # the configured KV cache dtype (KV_CACHE_DTYPES)
+    kv_format: str | None = None  # how blocks are stored (KVConfig.kv_format)
 
 
 def read_engine_metrics(text: str) -> ScrapedMetrics:
@@ -442,7 +445,7 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
     values: dict[str, float] = {}
     forecast: dict[str, float] = {}
     num_blocks = block_size = None
-    cache_dtype: str | None = None
+    cache_dtype = kv_format = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not math.isfinite(sample.value):
@@ -454,6 +457,7 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
                 num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
                 block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
                 cache_dtype = sample.labels.get("cache_dtype")
+                kv_format = sample.labels.get("kv_format")
             elif set(sample.labels) <= {MODEL_LABEL}:
                 values[sample.name] = sample.value
-    return ScrapedMetrics(values, forecast, num_blocks, block_size, cache_dtype)
+    return ScrapedMetrics(values, forecast, num_blocks, block_size, cache_dtype, kv_format)

@@ -73,7 +73,7 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
     observation = PodObservation(name=name, role=role, num_blocks=m.num_blocks or 0, forecast=m.forecast_usage,
                                  running=running, waiting=waiting, **values)
     return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),
-                      m.block_size or DEFAULT_BLOCK_SIZE, m.cache_dtype or DEFAULT_KV_CACHE_DTYPE)
+                      m.block_size or DEFAULT_BLOCK_SIZE, m.kv_format or m.cache_dtype or DEFAULT_KV_CACHE_DTYPE)
 
 
 @dataclass(frozen=True)

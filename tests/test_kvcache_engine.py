@@ -30,8 +30,20 @@ def test_the_same_memory_holds_more_blocks(tiny_dir: Path) -> None:
     assert auto.kv_config.block_bytes / int8.kv_config.block_bytes == pytest.approx(4 * dim / (dim + 4))
     assert int8.kv.pool.num_blocks >= 3 * auto.kv.pool.num_blocks
     assert int8.kv_config.kv_cache_dtype == "int8" and auto.kv_config.kv_cache_dtype == "auto"
-    assert f'cache_dtype="int8",num_gpu_blocks="{int8.kv.pool.num_blocks}"' in int8.metrics.render().decode()
+    assert f'cache_dtype="int8",kv_format="int8",num_gpu_blocks="{int8.kv.pool.num_blocks}"' in int8.metrics.render().decode()
     assert read_engine_metrics(int8.metrics.render().decode()).cache_dtype == "int8"  # what the operator reads
+
+
+def test_auto_caches_of_two_model_dtypes_are_told_apart(tiny_dir: Path) -> None:
+    """A rolling change of the model's dtype (fp32 to bf16 weights) keeps `kv_cache_dtype: auto`; the blocks' bytes
+    differ all the same, so pulls, handoffs and warm-ups must not pair the two: the stored format says so."""
+    fp32, bf16 = (make_engine(tiny_dir, dtype=d, kv_cache_blocks=8) for d in ("float32", "bfloat16"))
+    assert (fp32.kv_config.kv_format, bf16.kv_config.kv_format) == ("float32", "bfloat16")
+    assert fp32.kv_config.kv_cache_dtype == bf16.kv_config.kv_cache_dtype == "auto"
+    assert not fp32.kv_config.stores_like(bf16.kv_config)
+    assert fp32.kv_config.stores_like(make_engine(tiny_dir, kv_cache_blocks=8).kv_config)
+    scraped = read_engine_metrics(bf16.metrics.render().decode())  # what the operator's warm-up pairing reads
+    assert (scraped.cache_dtype, scraped.kv_format) == ("auto", "bfloat16")
 
 
 def test_logits_stay_close_to_the_model_dtype_cache(tiny_dir: Path) -> None:
