@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvmesh.engine.constraint import Constraint, check
 from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
+from kvmesh.engine.tools import named_constraint, required_constraint
 
 # OpenAI's documented ranges (the sampler checks them again for callers that skip these models)
 MAX_STOP_SEQUENCES = 4
@@ -293,11 +294,106 @@ class ChatMessage(BaseModel):
         return value
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_compiles(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check(Constraint("json_schema", value, "tools"))
+        return value
+
+
+class ToolDef(BaseModel):
+    """OpenAI's function tool (engine/tools.py turns tool_choice into a constraint and the output into calls)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[ToolDef] | None, info: ValidationInfo) -> list[ToolDef] | None:
+        names = [t.function.name for t in value or []]
+        if duplicated := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"tool names must be unique, got {', '.join(duplicated)} more than once")
+        rf = info.data.get("response_format")
+        other = [name for name in ("structured_outputs", *_GUIDED_KINDS) if info.data.get(name) is not None]
+        if value and (other or (rf is not None and rf.type != "text")):
+            raise ValueError(f"tools cannot be combined with {(other or ['response_format'])[0]}: "
+                             "tool calls already constrain the output")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        names = {t.function.name for t in info.data.get("tools") or []}
+        if value is not None and not names and "tools" in info.data:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"tool_choice names function {value.function.name!r}, which is not in tools "
+                             f"({', '.join(sorted(names))})")
+        return value
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as plain dicts (what chat templates and the Hermes prompt show)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    @property
+    def tool_mode(self) -> str | None:
+        """How the output becomes tool calls: "named" (tool_choice names `named_tool`), "required", "auto", or
+        None (no tools, or tool_choice "none": plain content)."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return None if choice == "none" else choice
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    def constraints(self) -> list[Constraint]:
+        """The tool choice's constraint, if any, joins the structured output ones (validation forbids both)."""
+        mode = self.tool_mode
+        if mode is None or mode == "auto":
+            return super().constraints()
+        tools = self.tool_dicts
+        if mode == "required":
+            return [*super().constraints(), required_constraint(tools, self.parallel_tool_calls)]
+        named = next(t for t in tools if t["function"]["name"] == self.named_tool)
+        return [*super().constraints(), named_constraint(named)]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -66,6 +66,7 @@ from kvmesh.engine.protocol import (
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.structured import Guide, StructuredError
+from kvmesh.engine.tools import ToolStream, prompt_messages, tool_message
 
 log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
@@ -276,8 +277,10 @@ class _Completions:
         tok = self.engine.tokenizer
         if isinstance(self.body, ChatRequest):
             messages = [m.model_dump(exclude_none=False) for m in self.body.messages]
+            tools = self.body.tool_dicts or None
+            messages = prompt_messages(messages, tools, tok.template_uses_tools)
             try:
-                return [tok.encode_chat(messages)]
+                return [tok.encode_chat(messages, tools if tok.template_uses_tools else None)]
             except ValueError as exc:
                 raise ApiError(400, f"messages: {exc}", param="messages") from None
         prompt = self.body.prompt
@@ -495,6 +498,10 @@ class _Completions:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
+        b = self.body
+        mode = b.tool_mode if isinstance(b, ChatRequest) else None
+        tool_streams = {i: ToolStream(mode, b.tool_names, b.named_tool)  # type: ignore[union-attr]
+                        for i in range(len(job.requests))} if mode else {}
         try:
             job.submit()
             while job.open:
@@ -506,7 +513,10 @@ class _Completions:
                     finals[index] = out
                 if not out.new_text and not out.new_token_ids and out.finish_reason is None:
                     continue
-                yield self._chunk([self._choice_delta(index, out, index not in started)])
+                choice = self._choice_delta(index, out, index not in started)
+                if mode:
+                    self._tool_delta(choice, tool_streams[index], out)
+                yield self._chunk([choice])
                 started.add(index)
             if include_usage:
                 yield self._chunk([], _usage(finals, job))
@@ -517,6 +527,21 @@ class _Completions:
         finally:
             if job.open:
                 job.abort()
+
+    @staticmethod
+    def _tool_delta(choice: dict[str, Any], stream: ToolStream, out: RequestOutput) -> None:
+        """Rewrite a chat chunk's delta under a tool_choice: content only as the tool stream lets it through,
+        tool_calls as they complete, finish_reason "tool_calls" when the choice ended with calls."""
+        delta = stream.feed(out.new_text)
+        if out.finish_reason is not None:
+            last, choice["finish_reason"] = stream.finish(out.finish_reason)
+            delta.content += last.content
+            delta.tool_calls += last.tool_calls
+        choice["delta"].pop("content", None)
+        if delta.content:
+            choice["delta"]["content"] = delta.content
+        if delta.tool_calls:
+            choice["delta"]["tool_calls"] = delta.tool_calls
 
     async def complete(self, job: _Job) -> dict[str, Any]:
         parts: dict[int, list[RequestOutput]] = {i: [] for i in range(len(job.requests))}
@@ -543,6 +568,9 @@ class _Completions:
                     "finish_reason": final.finish_reason,
                     "logprobs": None,
                 }
+                if isinstance(self.body, ChatRequest) and (mode := self.body.tool_mode):
+                    choice["message"], choice["finish_reason"] = tool_message(
+                        mode, text, self.body.tool_names, final.finish_reason, self.body.named_tool)
                 if final.logprobs is not None or any(o.logprobs for o in outs):
                     choice["logprobs"] = {"content": [x for o in outs for x in _chat_logprobs(self.engine, o)]}
             else:

@@ -79,9 +79,12 @@ def _template_env() -> ImmutableSandboxedEnvironment:
 
 
 def _content_text(index: int, content: object) -> str:
-    """A message's content as one string; OpenAI's list of text parts is joined with newlines (as vLLM does)."""
+    """A message's content as one string; OpenAI's list of text parts is joined with newlines (as vLLM does).
+    None (an assistant message that only calls tools) is the empty string."""
     if isinstance(content, str):
         return content
+    if content is None:
+        return ""
     if not isinstance(content, list) or not content:
         raise ValueError(f"messages[{index}].content must be a string or a non-empty list of text parts")
     texts = []
@@ -194,21 +197,29 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a completion request instead")
         return _template_env().from_string(self._chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages into the prompt text; malformed messages or a template's own refusal raise ValueError."""
+    @cached_property
+    def template_uses_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (else engine/tools.py adds the Hermes prompt)."""
+        return "tools" in (self._chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render messages into the prompt text; malformed messages or a template's own refusal raise ValueError.
+        `tools` (OpenAI's tool dicts) is passed to the template as HF's apply_chat_template does."""
         normalized = _normalize_messages(messages)
         try:
             return self._compiled_template.render(
                 messages=normalized,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **{k: v for k, v in self._special_tokens.items() if v is not None},
             )
         except TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat; the template already holds its special tokens, so none are added again."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
     @cached_property
     def fingerprint(self) -> str:

@@ -1,0 +1,292 @@
+"""OpenAI tool calling: the constraint a `tool_choice` implies, the prompt for templates that know no tools, and
+the parsers that turn generated text into `tool_calls` (whole, or streamed).
+
+Pure functions and small classes, no HTTP: engine/openai_types.py validates the request fields and picks the
+constraint, engine/server.py renders the prompt and the answers with what is here.
+- named tool_choice: the output is constrained to that function's parameters (JSON schema): it IS the arguments;
+- "required": the output is constrained to a JSON array of {"name", "arguments"} objects, one schema per tool;
+- "auto": free text; Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are parsed
+  out of it afterwards (so it works only with models that write that format);
+- "none": tools are shown in the prompt, the output is plain content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.engine.constraint import Constraint
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function declared without parameters takes any object
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call to a declared function; `arguments` is JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def delta(self, index: int) -> dict[str, Any]:
+        """The streamed chunk that opens this call (with all of its arguments)."""
+        return {"index": index, **self.to_json()}
+
+
+def parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's `function.parameters` schema, or any object when it declares none."""
+    return tool["function"].get("parameters") or ANY_OBJECT
+
+
+def named_constraint(tool: dict[str, Any]) -> Constraint:
+    """tool_choice {"function": {"name"}}: the output is that function's arguments."""
+    return Constraint("json_schema", parameters(tool), "tool_choice")
+
+
+def required_constraint(tools: list[dict[str, Any]], parallel: bool) -> Constraint:
+    """tool_choice "required": a JSON array of calls (exactly one unless `parallel`), each call's arguments
+    following its own function's schema (anyOf, one branch per tool)."""
+    branches = [{"type": "object",
+                 "properties": {"name": {"const": t["function"]["name"]}, "arguments": parameters(t)},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": branches}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return Constraint("json_schema", schema, "tool_choice")
+
+
+# ---- prompt ---------------------------------------------------------------------------------------------------
+
+HERMES_SYSTEM = (
+    "You can call functions to answer. The functions you may call are described as JSON Schema inside "
+    "<tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, write one JSON object per call, with its name and arguments, inside "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function name>, \"arguments\": <arguments object>}}\n"
+    "</tool_call>"
+)
+
+
+def _arguments_value(arguments: Any) -> Any:
+    """Arguments as an object when they are JSON text (templates render them with tojson), else as given."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _calls_text(calls: list[dict[str, Any]]) -> str:
+    return "\n".join(
+        f"{CALL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                       "arguments": _arguments_value(c["function"].get("arguments"))})
+        + f"\n{CALL_CLOSE}" for c in calls)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
+
+
+def prompt_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    template_uses_tools: bool) -> list[dict[str, Any]]:
+    """The messages to render. A template that reads `tools` gets them as they are (tool_calls' arguments as
+    objects, as HF templates expect); for one that does not, the Hermes fallback: the function signatures in
+    the system message, an assistant's calls as <tool_call> text, a tool's result as a user message in
+    <tool_response> tags."""
+    if template_uses_tools:
+        return [{**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                        "arguments": _arguments_value(c["function"].get("arguments"))}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            text = _text(m.get("content"))
+            out.append({"role": "assistant", "content": (text + "\n" if text else "") + _calls_text(m["tool_calls"])})
+        else:
+            out.append(m)
+    if tools:
+        listing = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "role": "system", "content": _text(out[0].get("content")) + "\n\n" + listing}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out
+
+
+# ---- parsing --------------------------------------------------------------------------------------------------
+
+
+def _call(value: Any, names: set[str]) -> ToolCall | None:
+    """A {"name", "arguments"} object naming a declared function, as a ToolCall; None otherwise."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = _arguments_value(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments))
+
+
+def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """tool_choice "auto": the valid calls in `text`'s <tool_call> blocks (a last block may lack its closing tag:
+    EOS came first), and the content before the first block (None when empty). Blocks that are not JSON or name
+    an undeclared function are dropped; with no valid call the whole text is the content."""
+    calls = []
+    for block in _CALL_BLOCK.findall(text):
+        try:
+            call = _call(json.loads(block), names)
+        except json.JSONDecodeError:
+            call = None
+        if call is not None:
+            calls.append(call)
+    if not calls:
+        return text, []
+    content = text[: text.find(CALL_OPEN)].strip()
+    return content or None, calls
+
+
+def parse_required(text: str, names: set[str]) -> list[ToolCall]:
+    """tool_choice "required": the calls of the constrained array; when max_tokens cut it, its complete objects."""
+    scanner = ArrayScanner()
+    objects = scanner.feed(text)
+    return [c for o in objects if (c := _call(o, names)) is not None]
+
+
+class ArrayScanner:
+    """The top-level objects of a JSON array, each returned once its closing brace arrives (streamed text)."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._start = -1
+
+    def feed(self, text: str) -> list[Any]:
+        done = []
+        for ch in text:
+            self._text += ch
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+                if ch == "{" and self._depth == 2:
+                    self._start = len(self._text) - 1
+            elif ch in "]}":
+                self._depth -= 1
+                if ch == "}" and self._depth == 1 and self._start >= 0:
+                    with contextlib.suppress(json.JSONDecodeError):  # the constraint makes this rare
+                        done.append(json.loads(self._text[self._start:]))
+                    self._start = -1
+        return done
+
+
+@dataclass
+class ToolDelta:
+    """What one streamed step adds to a choice: content text and tool_calls deltas (either may be empty)."""
+
+    content: str
+    tool_calls: list[dict[str, Any]]
+
+
+def _longest_marker_prefix(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of <tool_call> (it may become one)."""
+    for k in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ToolStream:
+    """One choice's streamed answer under a tool_choice (`mode`: "named" with the function's `name`,
+    "required" or "auto"): feed each text delta, then finish once. Named: the text is the arguments, streamed
+    as they come; required: each call is sent whole once its object closes; auto: content streams until text
+    could start <tool_call>, is held from there, and at the end is either calls or flushed as content."""
+
+    def __init__(self, mode: str, names: set[str], name: str | None = None) -> None:
+        assert mode in ("named", "required", "auto") and (mode == "named") == (name is not None), (mode, name)
+        self.mode = mode
+        self.names = names
+        self.name = name or ""
+        self.text = ""
+        self.calls = 0  # tool calls sent so far
+        self._sent = 0  # auto: characters of text sent as content
+        self._named: ToolCall | None = None
+        self._scanner = ArrayScanner()
+
+    def feed(self, text: str) -> ToolDelta:
+        self.text += text
+        if self.mode == "required":
+            calls = [c for o in self._scanner.feed(text) if (c := _call(o, self.names)) is not None]
+            deltas = [c.delta(self.calls + i) for i, c in enumerate(calls)]
+            self.calls += len(calls)
+            return ToolDelta("", deltas)
+        if self.mode == "auto":
+            marker = self.text.find(CALL_OPEN)
+            hold = marker if marker >= 0 else len(self.text) - _longest_marker_prefix(self.text)
+            content = self.text[self._sent: hold] if hold > self._sent else ""
+            self._sent = max(self._sent, hold)
+            return ToolDelta(content, [])
+        if self._named is None:  # named: the first delta opens the call, later ones extend its arguments
+            self._named = ToolCall(self.name, "")
+            self.calls = 1
+            return ToolDelta("", [{**self._named.delta(0), "function": {"name": self.name, "arguments": text}}])
+        return ToolDelta("", [{"index": 0, "function": {"arguments": text}}] if text else [])
+
+    def finish(self, finish_reason: str | None) -> tuple[ToolDelta, str | None]:
+        """The last delta (auto: held-back content, or the calls) and the choice's finish_reason: "tool_calls"
+        when it ended with calls, unless max_tokens cut it ("length")."""
+        delta = ToolDelta("", [])
+        if self.mode == "auto":
+            _, calls = parse_hermes(self.text, self.names)
+            end = self.text.find(CALL_OPEN) if calls else len(self.text)
+            delta = ToolDelta(self.text[self._sent: end] if end > self._sent else "",
+                              [c.delta(i) for i, c in enumerate(calls)])
+            self._sent, self.calls = len(self.text), len(calls)
+        elif self.mode != "required" and self._named is None:  # named, but nothing generated yet
+            self._named = ToolCall(self.name, "")
+            self.calls = 1
+            delta = ToolDelta("", [self._named.delta(0)])
+        return delta, ("tool_calls" if self.calls and finish_reason == "stop" else finish_reason)
+
+
+def tool_message(mode: str, text: str, names: set[str], finish_reason: str | None,
+                 name: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """A whole (non-streamed) answer's message and finish_reason under a tool_choice (see ToolStream)."""
+    if mode == "auto":
+        content, calls = parse_hermes(text, names)
+    elif mode == "required":
+        calls = parse_required(text, names)
+        content = None if calls else text
+    else:
+        assert mode == "named" and name is not None, (mode, name)
+        content, calls = None, [ToolCall(name, text)]
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_json() for c in calls]
+    return message, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)

@@ -1,0 +1,331 @@
+"""Tool calling (engine/tools.py) on /v1/chat/completions. The tiny random model writes garbage unless
+constrained, so every named or required call whose arguments validate here was made so by the tool_choice's
+constraint. "auto" depends on the model writing Hermes <tool_call> blocks, which the tiny model never does: its
+parser and stream are tested on given text, and the server's auto wiring on RequestOutputs fed to it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from kvmesh.engine.model.tokenizer import Tokenizer
+from kvmesh.engine.request import RequestOutput
+from kvmesh.engine.server import _Completions
+from kvmesh.engine.tools import (
+    HERMES_SYSTEM,
+    ArrayScanner,
+    ToolStream,
+    parse_hermes,
+    parse_required,
+    prompt_messages,
+    tool_message,
+)
+from kvmesh.router.app import build_router, create_router_app
+from kvmesh.router.config import RouterConfig
+
+from .conftest import make_engine
+from .engines import serve_engine
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+NAMES = set(SCHEMAS)
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+# ---- the parsers ---------------------------------------------------------------------------------------------
+
+
+def test_hermes_parser_finds_several_calls_and_keeps_text_before() -> None:
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+            '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    content, calls = parse_hermes(text, NAMES)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+def test_hermes_parser_drops_malformed_and_undeclared_calls() -> None:
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    undeclared = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert parse_hermes("plain answer", NAMES) == ("plain answer", [])
+    assert parse_hermes(bad, NAMES) == (bad, [])  # no valid call: the text is the content, as written
+    assert parse_hermes(undeclared, NAMES) == (undeclared, [])
+    content, calls = parse_hermes(bad + undeclared + '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}',
+                                  NAMES)  # the last block lacks its closing tag: EOS came first
+    assert content is None and [c.name for c in calls] == ["add"]
+
+
+def test_required_parser_takes_complete_objects_of_a_cut_array() -> None:
+    whole = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "R'
+    assert [c.name for c in parse_required(whole, NAMES)] == ["add"]
+    braces = '[{"name": "add", "arguments": {"a": 1, "b": 2}, "x": "}{\\"]"}]'  # braces and quotes in strings
+    assert len(ArrayScanner().feed(braces)) == 1
+
+
+def _feed(stream: ToolStream, pieces: list[str], finish: str = "stop") -> tuple[str, list[dict], str | None]:
+    content, calls = "", []
+    for piece in pieces:
+        delta = stream.feed(piece)
+        content += delta.content
+        calls += delta.tool_calls
+    last, reason = stream.finish(finish)
+    return content + last.content, calls + last.tool_calls, reason
+
+
+def test_auto_stream_holds_back_a_marker_split_across_chunks() -> None:
+    stream = ToolStream("auto", NAMES)
+    assert stream.feed("Checking <to").content == "Checking "  # "<to" may start <tool_call>: held
+    assert stream.feed("ol_").content == ""
+    assert stream.feed('call>{"name": "add", "arguments": {"a": 1, "b": 2}}').content == ""
+    content, calls, reason = _feed(stream, ["</tool_call>"])
+    assert content == "" and reason == "tool_calls"
+    assert calls == [{"index": 0, "id": calls[0]["id"], "type": "function",
+                      "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
+
+
+def test_auto_stream_flushes_held_text_that_is_no_call() -> None:
+    content, calls, reason = _feed(ToolStream("auto", NAMES), ["a <tool", "box> b <tool_call>{oops"])
+    assert (content, calls, reason) == ("a <toolbox> b <tool_call>{oops", [], "stop")
+
+
+def test_required_stream_sends_each_call_once_its_object_closes() -> None:
+    text = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "X", ' \
+           '"unit": "f"}}]'
+    stream = ToolStream("required", NAMES)
+    sent = [stream.feed(ch).tool_calls for ch in text]
+    opened_at = [i for i, calls in enumerate(sent) if calls]
+    assert opened_at == [text.index("}}") + 1, len(text) - 2]  # right at each object's closing brace
+    _, _, reason = _feed(stream, [])
+    assert [c["index"] for s in sent for c in s] == [0, 1] and reason == "tool_calls"
+
+
+def test_named_stream_opens_the_call_then_streams_arguments() -> None:
+    stream = ToolStream("named", NAMES, "add")
+    first, second = stream.feed('{"a": '), stream.feed("1}")
+    assert first.tool_calls[0]["function"] == {"name": "add", "arguments": '{"a": '}
+    assert first.tool_calls[0]["id"].startswith("call_") and first.tool_calls[0]["type"] == "function"
+    assert second.tool_calls == [{"index": 0, "function": {"arguments": "1}"}}]
+    assert stream.finish("length")[1] == "length"  # cut by max_tokens: the client sees length, not tool_calls
+
+
+def test_tool_message_shapes() -> None:
+    message, reason = tool_message("named", '{"a": 1, "b": 2}', NAMES, "stop", "add")
+    assert message["content"] is None and reason == "tool_calls"
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert tool_message("auto", "hello", NAMES, "stop") == ({"role": "assistant", "content": "hello"}, "stop")
+    message, reason = tool_message("required", "[{", NAMES, "length")
+    assert message == {"role": "assistant", "content": "[{"} and reason == "length"
+
+
+# ---- the prompt -----------------------------------------------------------------------------------------------
+
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+]
+
+
+def test_hermes_fallback_renders_tools_calls_and_results(tiny_dir: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_dir)
+    assert not tok.template_uses_tools  # SmolLM2's bundled template: the fallback applies
+    prompt = tok.apply_chat_template(prompt_messages(HISTORY, TOOLS, False))
+    assert prompt.count("<|im_start|>system") == 1 and "Be brief.\n\n" + HERMES_SYSTEM.split("{")[0] in prompt
+    assert json.dumps(TOOLS[0]) in prompt and json.dumps(TOOLS[1]) in prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+            '"c"}}\n</tool_call><|im_end|>') in prompt
+    assert "<|im_start|>user\n<tool_response>\n21 C, sunny\n</tool_response><|im_end|>" in prompt
+
+
+def test_a_template_that_reads_tools_gets_them(tiny_dir: Path) -> None:
+    template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+                "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}{% endfor %}\n{% endfor %}")
+    tok = Tokenizer((tiny_dir / "tokenizer.json").read_text(), template, {}, [])
+    assert tok.template_uses_tools
+    prompt = tok.apply_chat_template(prompt_messages(HISTORY, TOOLS, True), tools=TOOLS)
+    assert prompt.startswith("TOOLS:get_weather;add;") and "assistant:CALL Paris" in prompt  # arguments as object
+    assert "tool:21 C, sunny" in prompt and "<tools>" not in prompt
+
+
+# ---- through the HTTP server ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def url(tiny_dir: Path) -> Iterator[str]:
+    engine = make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=1024)
+    with serve_engine(engine) as url:
+        yield url
+    engine.kv.check_invariants()
+
+
+def post(url: str, **body: object) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, **body}, timeout=120)
+
+
+def _valid_calls(calls: list[dict]) -> None:
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def test_named_tool_choice_answers_a_valid_call(url: str) -> None:
+    reply = post(url, tool_choice=NAMED, max_tokens=60, seed=3, n=2)
+    assert reply.status_code == 200, reply.text
+    for choice in reply.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        _valid_calls([call])
+
+
+def test_required_tool_choice_answers_valid_calls(url: str) -> None:
+    for parallel in (False, True):
+        reply = post(url, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, seed=11)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        _valid_calls(choice["message"]["tool_calls"])
+        if not parallel:
+            assert len(choice["message"]["tool_calls"]) == 1
+
+
+def test_auto_and_none_show_tools_but_give_plain_content(url: str) -> None:
+    bare = httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 5}, timeout=60).json()
+    for choice in ("auto", "none"):
+        reply = post(url, tool_choice=choice, max_tokens=5, seed=1).json()
+        assert reply["usage"]["prompt_tokens"] > bare["usage"]["prompt_tokens"] + 50  # the Hermes listing
+        message = reply["choices"][0]["message"]
+        assert isinstance(message["content"], str) and "tool_calls" not in message
+        assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_history_with_tool_calls_and_results_is_accepted(url: str) -> None:
+    reply = post(url, messages=HISTORY, max_tokens=3)
+    assert reply.status_code == 200, reply.text
+
+
+def test_required_cut_by_max_tokens_says_length(url: str) -> None:
+    choice = post(url, tool_choice="required", max_tokens=4, seed=2).json()["choices"][0]
+    assert choice["finish_reason"] == "length"  # the client gets the partial text as content, no tool_calls
+    assert choice["message"]["content"].startswith("[") and "tool_calls" not in choice["message"]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"tools": None, "tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope', which is not"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "unique"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                               "minProperties": "x"}}}]},
+     "tools", "minProperties"),
+    ({"response_format": {"type": "json_object"}}, "tools", "cannot be combined with response_format"),
+    ({"structured_outputs": {"regex": "a"}}, "tools", "cannot be combined with structured_outputs"),
+])
+def test_bad_tool_requests_are_400s_from_engine_and_router(url: str, tiny_dir: Path, body: dict, param: str,
+                                                           message: str) -> None:
+    full = {"messages": ASK, "tools": TOOLS, **body}
+    with TestClient(create_router_app(build_router(RouterConfig(pods=[]), tiny_dir))) as router:
+        replies = [httpx.post(url + "/v1/chat/completions", json=full, timeout=60),
+                   router.post("/v1/chat/completions", json=full)]
+    for reply in replies:
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert replies[0].json()["error"]["param"] == param
+
+
+def test_openai_client_parses_calls_whole_and_streamed(url: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                           max_tokens=60, seed=5)
+    (call,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    for choice, max_tokens in ((NAMED, 60), ("required", 120)):
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                    max_tokens=max_tokens, seed=5, stream=True):
+            delta = chunk.choices[0].delta
+            for piece in delta.tool_calls or []:
+                entry = calls.setdefault(piece.index, {"id": piece.id, "type": piece.type, "function": {
+                    "name": piece.function.name, "arguments": ""}})
+                entry["function"]["arguments"] += piece.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        _valid_calls(list(calls.values()))
+        if choice == NAMED:  # the same seed: the stream adds up to the whole answer's arguments
+            assert calls[0]["function"]["arguments"] == call.function.arguments
+
+
+def test_server_streams_auto_content_then_calls() -> None:
+    """The server's chunk rewriting for auto, fed outputs directly (no model here writes Hermes calls)."""
+    stream = ToolStream("auto", NAMES)
+    pieces = ["Sure. <tool", '_call>{"name": "add", ', '"arguments": {"a": 1, "b": 2}}</tool_call>']
+    chunks = []
+    for i, piece in enumerate(pieces):
+        choice = {"index": 0, "delta": {"content": piece, **({"role": "assistant"} if i == 0 else {})},
+                  "finish_reason": None}
+        out = RequestOutput("r", [1], piece, finish_reason="stop" if i == len(pieces) - 1 else None)
+        _Completions._tool_delta(choice, stream, out)
+        chunks.append(choice)
+    assert chunks[0]["delta"] == {"role": "assistant", "content": "Sure. "}
+    assert chunks[1]["delta"] == {}
+    assert chunks[2]["finish_reason"] == "tool_calls"
+    assert chunks[2]["delta"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+
+
+def test_named_tool_choice_across_a_prefill_decode_handoff(tiny_dir: Path, url: str) -> None:
+    """The decode pod rebuilds the tool constraint from the request and continues as one pod would have."""
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60, "seed": 8,
+            "return_token_ids": True}
+    reference = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    first = httpx.post(url + "/v1/chat/completions", json={**body, "kv_transfer": {"mode": "prefill"}},
+                       timeout=60).json()
+    (token,) = first["choices"][0]["token_ids"]
+    with serve_engine(make_engine(tiny_dir, kv_cache_blocks=128, max_model_len=1024)) as decode:
+        rest = httpx.post(decode + "/v1/chat/completions", json={**body, "kv_transfer": {
+            "mode": "decode", "source": url, "handle": first["kv_transfer"]["handle"], "first_token": token}},
+            timeout=60)
+    assert rest.status_code == 200, rest.text
+    choice = rest.json()["choices"][0]
+    assert [token, *choice["token_ids"]] == reference["token_ids"] and choice["finish_reason"] == "tool_calls"
+    arguments = first["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] + \
+        choice["message"]["tool_calls"][0]["function"]["arguments"]
+    assert arguments == reference["message"]["tool_calls"][0]["function"]["arguments"]
+    jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+@pytest.mark.slow
+def test_bundled_model_calls_a_named_tool(bundled_dir: Path) -> None:
+    engine = make_engine(bundled_dir, kv_cache_blocks=128, max_model_len=2048)
+    with serve_engine(engine) as served:
+        reply = httpx.post(served + "/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+            "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60, "temperature": 0.0})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    _valid_calls(choice["message"]["tool_calls"])
