@@ -245,9 +245,10 @@ def median_stats(runs: list[RunStats]) -> RunStats:
             values[f.name] = column[0]
         elif f.name == "max_adapters_per_step":
             values[f.name] = max(column)
+        elif isinstance(column[0], int):
+            values[f.name] = statistics.median_low(column)  # a count some run really had
         else:
-            m = statistics.median(column)
-            values[f.name] = type(column[0])(m) if isinstance(column[0], int) else m
+            values[f.name] = statistics.median(column)
     return RunStats(**values)
 
 
