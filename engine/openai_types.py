@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvmesh.engine.constraint import Constraint, check
 from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
-from kvmesh.engine.tools import named_constraint, required_constraint
 
 # OpenAI's documented ranges (the sampler checks them again for callers that skip these models)
 MAX_STOP_SEQUENCES = 4
@@ -383,17 +382,6 @@ class ChatRequest(_Common):
     @property
     def tool_names(self) -> set[str]:
         return {t.function.name for t in self.tools or []}
-
-    def constraints(self) -> list[Constraint]:
-        """The tool choice's constraint, if any, joins the structured output ones (validation forbids both)."""
-        mode = self.tool_mode
-        if mode is None or mode == "auto":
-            return super().constraints()
-        tools = self.tool_dicts
-        if mode == "required":
-            return [*super().constraints(), required_constraint(tools, self.parallel_tool_calls)]
-        named = next(t for t in tools if t["function"]["name"] == self.named_tool)
-        return [*super().constraints(), named_constraint(named)]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -66,7 +66,7 @@ from kvmesh.engine.protocol import (
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.structured import Guide, StructuredError
-from kvmesh.engine.tools import ToolStream, prompt_messages, tool_message
+from kvmesh.engine.tools import ToolStream, prompt_messages, tool_constraint, tool_message
 
 log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
@@ -270,6 +270,10 @@ class _Completions:
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.model = body.model if body.model in engine.loras.loaded else engine.model_name  # an adapter's name
+        # the output constraint: a structured output's, or a tool_choice's (validation allows one or the other)
+        self.constraint = body.constraint or (tool_constraint(body.tool_mode, body.tool_dicts, body.named_tool,
+                                                              body.parallel_tool_calls)
+                                              if isinstance(body, ChatRequest) else None)
 
     # ---- building requests --------------------------------------------------------------------------------
 
@@ -386,7 +390,7 @@ class _Completions:
                     params.max_tokens = 1
                 if len(resume) >= params.max_tokens:
                     raise ApiError(400, "resume_output_ids already reaches max_tokens", param="resume_output_ids")
-                guide = await asyncio.to_thread(self.guide, resume) if b.constraint is not None else None
+                guide = await asyncio.to_thread(self.guide, resume) if self.constraint is not None else None
                 job.add(
                     Request(
                         request_id=f"{self.id}-{len(job.requests)}",
@@ -403,14 +407,14 @@ class _Completions:
                     ),
                     prompt_index,
                 )
-        if b.constraint is not None:
-            e.metrics.structured_requests.labels(b.constraint.kind).inc()
+        if self.constraint is not None:
+            e.metrics.structured_requests.labels(self.constraint.kind).inc()
         return job
 
     def guide(self, resume: list[int]) -> Guide:
         """A matcher for one choice of a constrained request, fed the tokens it resumes after: refused here,
         before anything is queued, when the grammar does not hold for this tokenizer or the tokens break it."""
-        constraint = self.body.constraint
+        constraint = self.constraint
         assert constraint is not None
         try:
             return self.engine.structured.guide(constraint, resume)

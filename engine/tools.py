@@ -68,6 +68,16 @@ def required_constraint(tools: list[dict[str, Any]], parallel: bool) -> Constrai
     return Constraint("json_schema", schema, "tool_choice")
 
 
+def tool_constraint(mode: str | None, tools: list[dict[str, Any]], name: str | None,
+                    parallel: bool) -> Constraint | None:
+    """The output constraint of a request's tool_choice (`mode` as ChatRequest.tool_mode): None for auto/none."""
+    if mode == "required":
+        return required_constraint(tools, parallel)
+    if mode == "named":
+        return named_constraint(next(t for t in tools if t["function"]["name"] == name))
+    return None
+
+
 # ---- prompt ---------------------------------------------------------------------------------------------------
 
 HERMES_SYSTEM = (
