@@ -79,12 +79,9 @@ def _template_env() -> ImmutableSandboxedEnvironment:
 
 
 def _content_text(index: int, content: object) -> str:
-    """A message's content as one string; OpenAI's list of text parts is joined with newlines (as vLLM does).
-    None (an assistant message that only calls tools) is the empty string."""
+    """A message's content as one string; OpenAI's list of text parts is joined with newlines (as vLLM does)."""
     if isinstance(content, str):
         return content
-    if content is None:
-        return ""
     if not isinstance(content, list) or not content:
         raise ValueError(f"messages[{index}].content must be a string or a non-empty list of text parts")
     texts = []
@@ -107,7 +104,8 @@ def _normalize_messages(messages: object) -> list[dict]:
             raise ValueError(f"messages[{i}] needs a non-empty string 'role'")
         if "content" not in message:
             raise ValueError(f"messages[{i}] needs 'content'")
-        normalized.append({**message, "content": _content_text(i, message["content"])})
+        calls_only = role == "assistant" and message["content"] is None and message.get("tool_calls")
+        normalized.append({**message, "content": "" if calls_only else _content_text(i, message["content"])})
     return normalized
 
 
