@@ -278,7 +278,9 @@ class ToolStream:
             delta = ToolDelta(self.text[self._sent: end] if end > self._sent else "",
                               [c.delta(i) for i, c in enumerate(calls)])
             self._sent, self.calls = len(self.text), len(calls)
-        elif self.mode != "required" and self._named is None:  # named, but nothing generated yet
+        elif self.mode == "required" and not self.calls:  # cut before any call closed: the text, as unstreamed
+            delta = ToolDelta(self.text, [])
+        elif self.mode == "named" and self._named is None:  # nothing generated yet
             self._named = ToolCall(self.name, "")
             self.calls = 1
             delta = ToolDelta("", [self._named.delta(0)])

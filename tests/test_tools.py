@@ -132,6 +132,7 @@ def test_tool_message_shapes() -> None:
     assert tool_message("auto", "hello", NAMES, "stop") == ({"role": "assistant", "content": "hello"}, "stop")
     message, reason = tool_message("required", "[{", NAMES, "length")
     assert message == {"role": "assistant", "content": "[{"} and reason == "length"
+    assert _feed(ToolStream("required", NAMES), ["[", "{"], "length") == ("[{", [], "length")  # streamed alike
 
 
 # ---- the prompt -----------------------------------------------------------------------------------------------
@@ -329,3 +330,4 @@ def test_bundled_model_calls_a_named_tool(bundled_dir: Path) -> None:
     choice = reply.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     _valid_calls(choice["message"]["tool_calls"])
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
