@@ -363,5 +363,5 @@ def report(result: LoraBenchResult, args: argparse.Namespace) -> None:
     skew = "round-robin" if args.skew == 0 else f"Zipf s={args.skew}"
     print(f"\n({args.concurrency} requests of {args.prompt_tokens} prompt and {args.output_tokens} output tokens, "
           f"{result.adapters} rank-{result.rank} adapters on {len(result.targets)} modules, {skew}: "
-          f"{result.requests_per_adapter} requests per adapter; {result.dtype}, {result.threads} threads; medians of "
-          f"{args.repeats} repeats)")
+          f"{result.requests_per_adapter} requests per adapter; {result.dtype}, torch threads: {result.threads}; "
+          f"medians of {args.repeats} repeats)")
