@@ -520,6 +520,9 @@ class _Completions:
                 choice = self._choice_delta(index, out, index not in started)
                 if mode:
                     self._tool_delta(choice, tool_streams[index], out)
+                    if not choice["delta"] and choice["finish_reason"] is None and choice["logprobs"] is None \
+                            and "token_ids" not in choice:
+                        continue  # auto holding back text that may open a call: nothing to send yet
                 yield self._chunk([choice])
                 started.add(index)
             if include_usage:

@@ -25,6 +25,7 @@ from kvmesh.engine.tools import (
     parse_hermes,
     parse_required,
     prompt_messages,
+    tool_constraint,
     tool_message,
 )
 from kvmesh.router.app import build_router, create_router_app
@@ -77,6 +78,21 @@ def test_required_parser_takes_complete_objects_of_a_cut_array() -> None:
     assert [c.name for c in parse_required(whole, NAMES)] == ["add"]
     braces = '[{"name": "add", "arguments": {"a": 1, "b": 2}, "x": "}{\\"]"}]'  # braces and quotes in strings
     assert len(ArrayScanner().feed(braces)) == 1
+
+
+def test_tool_constraints_follow_each_tools_schema() -> None:
+    required = tool_constraint("required", TOOLS, None, parallel=True)
+    assert required is not None and required.param == "tool_choice"
+    jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}},
+                         {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}], required.spec)
+    with pytest.raises(jsonschema.ValidationError):  # add's name with get_weather's arguments
+        jsonschema.validate([{"name": "add", "arguments": {"city": "Oslo", "unit": "c"}}], required.spec)
+    single = tool_constraint("required", TOOLS, None, parallel=False)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 2, single.spec)
+    bare = [{"type": "function", "function": {"name": "ping"}}]
+    assert tool_constraint("named", bare, "ping", parallel=True).spec == {"type": "object"}  # any object
+    assert tool_constraint("auto", TOOLS, None, parallel=True) is None
 
 
 def _feed(stream: ToolStream, pieces: list[str], finish: str = "stop") -> tuple[str, list[dict], str | None]:
@@ -220,6 +236,13 @@ def test_auto_and_none_show_tools_but_give_plain_content(url: str) -> None:
         message = reply["choices"][0]["message"]
         assert isinstance(message["content"], str) and "tool_calls" not in message
         assert reply["choices"][0]["finish_reason"] == "length"
+    whole = post(url, max_tokens=40, seed=6).json()["choices"][0]["message"]["content"]
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "messages": ASK, "tools": TOOLS, "max_tokens": 40, "seed": 6, "stream": True}) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole  # held text flushed
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_history_with_tool_calls_and_results_is_accepted(url: str) -> None:
