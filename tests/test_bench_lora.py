@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.bench.lora import BASE, MIXED, ONE_AT_A_TIME, SETUPS, assign_adapters
+from kvmesh.bench.lora import BASE, MIXED, ONE_AT_A_TIME, SETUPS, CountingEngine, assign_adapters, serve
 from kvmesh.cli import main
+from kvmesh.engine.config import EngineConfig
 
 REQUESTS, OUT, N, RANK = 6, 5, 3, 4  # requests, output tokens a request, adapters, rank
 
@@ -73,6 +74,14 @@ def test_zipf_skew_and_fewer_targets(tiny_dir: Path, tmp_path: Path) -> None:
     assert result["medians"][MIXED]["max_adapters_per_step"] == sum(1 for c in counts if c)
     # the slots are sized by the engine's settings, whatever the adapters use
     assert result["memory"]["lora_slot_bytes"] == 4 * 8 * 1024 * 2 * 4
+
+
+def test_a_request_that_fails_is_not_counted_as_served(tiny_dir: Path) -> None:
+    engine = CountingEngine(EngineConfig(model=str(tiny_dir), dtype="float32", kv_cache_blocks=64, max_loras=1,
+                                         max_lora_rank=4))
+    stats = serve(engine, [[100, 101, 102]] * 2, [None, "not-loaded"], OUT, [[0, 1]], "check")
+    assert stats.requests_completed == 1 and stats.output_tokens == OUT  # the unknown adapter's request errored
+    assert stats.max_adapters_per_step == 0
 
 
 def test_assignment_is_round_robin_or_seeded_zipf() -> None:

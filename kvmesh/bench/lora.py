@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -92,7 +93,9 @@ class LoraBenchResult:
 class CountingRunner(ModelRunner):
     """The model runner, also recording how many distinct LoRA adapters each step computed."""
 
-    adapters_per_step: list[int]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.adapters_per_step: list[int] = []
 
     def run(self, seqs: list[StepInput]) -> StepResult:
         self.adapters_per_step.append(len({s.lora_slot for s in seqs if s.lora_slot is not None}))
@@ -101,10 +104,8 @@ class CountingRunner(ModelRunner):
 
 class CountingEngine(Engine):
     def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
-        runner = CountingRunner(loaded.model, num_blocks, self.kv_layout, loaded.model.device,
-                                self.config.attention_backend)
-        runner.adapters_per_step = []
-        return runner
+        return CountingRunner(loaded.model, num_blocks, self.kv_layout, loaded.model.device,
+                              self.config.attention_backend)
 
 
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -336,7 +337,11 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(result), indent=2))
-    return 0
+    short = [r for r in result.runs if r.requests_completed < args.concurrency]
+    for r in short:  # a setup that lost requests measured less work: its ratios mean nothing
+        print(f"kvmesh bench lora: {r.setup} completed {r.requests_completed} of {args.concurrency} requests",
+              file=sys.stderr)
+    return 1 if short else 0
 
 
 def report(result: LoraBenchResult, args: argparse.Namespace) -> None:
