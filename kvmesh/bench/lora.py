@@ -103,6 +103,8 @@ class CountingRunner(ModelRunner):
 
 
 class CountingEngine(Engine):
+    """The engine with a CountingRunner: what a benchmark reads to prove how steps were batched."""
+
     def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         return CountingRunner(loaded.model, num_blocks, self.kv_layout, loaded.model.device,
                               self.config.attention_backend)
@@ -275,9 +277,8 @@ def measure(args: argparse.Namespace) -> LoraBenchResult:
         raise ValueError(f"--prompt-tokens + --output-tokens = {args.prompt_tokens + args.output_tokens} exceeds "
                          f"the model's context of {loaded.config.max_position_embeddings}")
     weight_bytes = sum(t.numel() * t.element_size() for t in load_weights(model_dir, loaded.dtype).values())
-    block = EngineConfig.block_size
-    blocks = args.concurrency * -(-(args.prompt_tokens + args.output_tokens) // block) + 1  # all at once, never
-    # preempted, in every setup
+    # every request's KV at once (+1 for warmup's block), so no setup preempts
+    blocks = args.concurrency * -(-(args.prompt_tokens + args.output_tokens) // EngineConfig.block_size) + 1
 
     def fresh(adapter_dirs: dict[str, Path]) -> CountingEngine:
         engine = CountingEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, kv_cache_blocks=blocks,
