@@ -277,7 +277,7 @@ def measure(args: argparse.Namespace) -> LoraBenchResult:
         raise ValueError(f"--prompt-tokens + --output-tokens = {args.prompt_tokens + args.output_tokens} exceeds "
                          f"the model's context of {loaded.config.max_position_embeddings}")
     weight_bytes = sum(t.numel() * t.element_size() for t in load_weights(model_dir, loaded.dtype).values())
-    # every request's KV at once (+1 for warmup's block), so no setup preempts
+    # every request's KV at once, plus a spare block, so no setup preempts
     blocks = args.concurrency * -(-(args.prompt_tokens + args.output_tokens) // EngineConfig.block_size) + 1
 
     def fresh(adapter_dirs: dict[str, Path]) -> CountingEngine:
