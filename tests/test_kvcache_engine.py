@@ -30,7 +30,8 @@ def test_the_same_memory_holds_more_blocks(tiny_dir: Path) -> None:
     assert auto.kv_config.block_bytes / int8.kv_config.block_bytes == pytest.approx(4 * dim / (dim + 4))
     assert int8.kv.pool.num_blocks >= 3 * auto.kv.pool.num_blocks
     assert int8.kv_config.kv_cache_dtype == "int8" and auto.kv_config.kv_cache_dtype == "auto"
-    assert f'cache_dtype="int8",kv_format="int8",num_gpu_blocks="{int8.kv.pool.num_blocks}"' in int8.metrics.render().decode()
+    info = f'cache_dtype="int8",kv_format="int8",num_gpu_blocks="{int8.kv.pool.num_blocks}"'
+    assert info in int8.metrics.render().decode()
     assert read_engine_metrics(int8.metrics.render().decode()).cache_dtype == "int8"  # what the operator reads
 
 
