@@ -66,7 +66,7 @@ from kvmesh.engine.protocol import (
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.structured import Guide, StructuredError
-from kvmesh.engine.tools import ToolStream, prompt_messages, tool_constraint, tool_message
+from kvmesh.engine.tools import ToolStream, tool_constraint, tool_message
 
 log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
@@ -281,10 +281,8 @@ class _Completions:
         tok = self.engine.tokenizer
         if isinstance(self.body, ChatRequest):
             messages = [m.model_dump(exclude_none=False) for m in self.body.messages]
-            tools = self.body.tool_dicts or None
-            messages = prompt_messages(messages, tools, tok.template_uses_tools)
             try:
-                return [tok.encode_chat(messages, tools if tok.template_uses_tools else None)]
+                return [tok.encode_chat(messages, self.body.tool_dicts or None)]
             except ValueError as exc:
                 raise ApiError(400, f"messages: {exc}", param="messages") from None
         prompt = self.body.prompt

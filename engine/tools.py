@@ -1,8 +1,9 @@
-"""OpenAI tool calling: the constraint a `tool_choice` implies, the prompt for templates that know no tools, and
-the parsers that turn generated text into `tool_calls` (whole, or streamed).
+"""OpenAI tool calling: the constraint a `tool_choice` implies, and the parsers that turn generated text into
+`tool_calls` (whole, or streamed). The prompt (tools shown to the model) is engine/model/tool_prompt.py's, which
+the tokenizer applies, so the router hashes the very prompt the engine computes.
 
-Pure functions and small classes, no HTTP: engine/openai_types.py validates the request fields and picks the
-constraint, engine/server.py renders the prompt and the answers with what is here.
+Pure functions and small classes, no HTTP: engine/openai_types.py validates the request fields,
+engine/server.py picks the constraint and renders the answers with what is here.
 - named tool_choice: the output is constrained to that function's parameters (JSON schema): it IS the arguments;
 - "required": the output is constrained to a JSON array of {"name", "arguments"} objects, one schema per tool;
 - "auto": free text; Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are parsed
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.engine.constraint import Constraint
+from kvmesh.engine.model.tool_prompt import CALL_OPEN, arguments_value
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function declared without parameters takes any object
 
@@ -78,68 +79,6 @@ def tool_constraint(mode: str | None, tools: list[dict[str, Any]], name: str | N
     return None
 
 
-# ---- prompt ---------------------------------------------------------------------------------------------------
-
-HERMES_SYSTEM = (
-    "You can call functions to answer. The functions you may call are described as JSON Schema inside "
-    "<tools></tools>:\n<tools>\n{tools}\n</tools>\n"
-    "To call a function, write one JSON object per call, with its name and arguments, inside "
-    "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function name>, \"arguments\": <arguments object>}}\n"
-    "</tool_call>"
-)
-
-
-def _arguments_value(arguments: Any) -> Any:
-    """Arguments as an object when they are JSON text (templates render them with tojson), else as given."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
-
-
-def _calls_text(calls: list[dict[str, Any]]) -> str:
-    return "\n".join(
-        f"{CALL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                       "arguments": _arguments_value(c["function"].get("arguments"))})
-        + f"\n{CALL_CLOSE}" for c in calls)
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return "\n".join(part["text"] for part in content)
-    return content or ""
-
-
-def prompt_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    template_uses_tools: bool) -> list[dict[str, Any]]:
-    """The messages to render. A template that reads `tools` gets them as they are (tool_calls' arguments as
-    objects, as HF templates expect); for one that does not, the Hermes fallback: the function signatures in
-    the system message, an assistant's calls as <tool_call> text, a tool's result as a user message in
-    <tool_response> tags."""
-    if template_uses_tools:
-        return [{**m, "tool_calls": [{**c, "function": {**c["function"],
-                                                        "arguments": _arguments_value(c["function"].get("arguments"))}}
-                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
-    out = []
-    for m in messages:
-        if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"})
-        elif m["role"] == "assistant" and m.get("tool_calls"):
-            text = _text(m.get("content"))
-            out.append({"role": "assistant", "content": (text + "\n" if text else "") + _calls_text(m["tool_calls"])})
-        else:
-            out.append(m)
-    if tools:
-        listing = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "role": "system", "content": _text(out[0].get("content")) + "\n\n" + listing}
-        else:
-            out.insert(0, {"role": "system", "content": listing})
-    return out
-
-
 # ---- parsing --------------------------------------------------------------------------------------------------
 
 
@@ -149,7 +88,7 @@ def _call(value: Any, names: set[str]) -> ToolCall | None:
         return None
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):
-        arguments = _arguments_value(arguments)
+        arguments = arguments_value(arguments)
     if not isinstance(arguments, dict):
         return None
     return ToolCall(value["name"], json.dumps(arguments))

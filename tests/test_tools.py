@@ -16,15 +16,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvmesh.engine.model.tokenizer import Tokenizer
+from kvmesh.engine.model.tool_prompt import HERMES_SYSTEM, prompt_messages
+from kvmesh.engine.openai_types import ChatRequest
 from kvmesh.engine.request import RequestOutput
 from kvmesh.engine.server import _Completions
 from kvmesh.engine.tools import (
-    HERMES_SYSTEM,
     ArrayScanner,
     ToolStream,
     parse_hermes,
     parse_required,
-    prompt_messages,
     tool_constraint,
     tool_message,
 )
@@ -277,6 +277,16 @@ def test_bad_tool_requests_are_400s_from_engine_and_router(url: str, tiny_dir: P
         error = reply.json()["error"]
         assert message in error["message"] and error["type"] == "invalid_request_error"
     assert replies[0].json()["error"]["param"] == param
+
+
+def test_the_router_hashes_the_prompt_with_its_tools_as_the_engine_caches_it(url: str, tiny_dir: Path) -> None:
+    """Prefix-aware routing for agents (long, repeated tool lists): the router tokenizes a tool request with the
+    tools shown as the engine shows them, so its block hashes are the ones the engine caches."""
+    body = {"messages": HISTORY, "tools": TOOLS, "max_tokens": 1}
+    assert post(url, **body).status_code == 200
+    info = build_router(RouterConfig(pods=[]), tiny_dir).request_info(ChatRequest.model_validate(body), 0)
+    cached = set(httpx.get(url + "/v1/kv/blocks", timeout=30).json()["blocks"]["device"])
+    assert len(info.block_hashes) >= 8 and set(info.block_hashes) <= cached
 
 
 def test_openai_client_parses_calls_whole_and_streamed(url: str) -> None:

@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvmesh.engine.model.token_cache import DEFAULT_CAPACITY_TOKENS, TokenCache
+from kvmesh.engine.model.tool_prompt import prompt_messages
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Tokens an incremental detokenizer decodes again with each step: enough for a word boundary or a split character.
@@ -197,7 +198,7 @@ class Tokenizer:
 
     @cached_property
     def template_uses_tools(self) -> bool:
-        """Whether the chat template reads a `tools` variable (else engine/tools.py adds the Hermes prompt)."""
+        """Whether the chat template reads a `tools` variable (else model/tool_prompt.py adds the Hermes prompt)."""
         return "tools" in (self._chat_template or "")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -216,8 +217,11 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the rendered chat; the template already holds its special tokens, so none are added again."""
-        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+        """Token ids of the rendered chat, with `tools` (OpenAI's tool dicts) shown the way this template can
+        (model/tool_prompt.py); the template already holds its special tokens, so none are added again."""
+        rendered = prompt_messages(messages, tools, self.template_uses_tools)
+        return self.encode(self.apply_chat_template(rendered, tools=tools if self.template_uses_tools else None),
+                           add_special_tokens=False)
 
     @cached_property
     def fingerprint(self) -> str:
