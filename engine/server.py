@@ -564,6 +564,9 @@ class _Completions:
             final = outs[-1]
             finals[index] = final
             if final.error and final.finish_reason not in ("stop", "length"):
+                if self.model != self.engine.model_name and self.model not in self.engine.loras.loaded:
+                    # the adapter was unloaded between the check above and the engine taking the request
+                    raise ApiError(404, final.error, param="model", code="model_not_found")
                 raise ApiError(500, final.error, code="engine_error")
             text = "".join(o.new_text for o in outs)
             if self.chat:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from kvmesh.cli import _serve_parser
 from kvmesh.engine import attention as attention_module
 from kvmesh.engine import runner as runner_module
+from kvmesh.engine import server as server_module
 from kvmesh.engine.attention import TorchMetadata
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
@@ -287,6 +288,25 @@ def served(tiny_dir: Path, adapters: dict[str, Path]) -> Iterator[tuple[TestClie
     finally:
         engine.stop()
     engine.kv.check_invariants()
+
+
+@pytest.mark.slow
+def test_an_adapter_unloaded_between_the_check_and_the_queue_is_a_404(served, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    """The race the engine test above covers, seen by a client: the same 404 as a name never loaded, not a 500."""
+    http, engine = served
+    checked = server_module._Completions.job
+
+    async def check_then_unload(self: server_module._Completions) -> object:
+        job = await checked(self)
+        engine.call(lambda: engine.remove_lora("all")).result(timeout=60)
+        return job
+
+    monkeypatch.setattr(server_module._Completions, "job", check_then_unload)
+    reply = http.post("/v1/completions", json={"model": "all", "prompt": "Hello", "max_tokens": 2})
+    assert reply.status_code == 404, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "model_not_found" and "'all' was unloaded" in error["message"]
 
 
 def wait_until(condition, what: str) -> None:
