@@ -394,6 +394,8 @@ class OperatorMetric:
     SCALING_DECISIONS = "kvmesh_operator_scaling_decisions"  # counter; also label direction (up, down)
     PREDICTED_KV_USAGE = "kvmesh_operator_predicted_kv_usage_ratio"  # gauge: demand at the policy's level / capacity
     OVERLOAD_PROBABILITY = "kvmesh_operator_kv_overload_probability"  # gauge: P(usage > 95 %) within the horizon
+    # counter; also labels action (LORA_ACTIONS), outcome (LORA_OUTCOMES): adapter loads and unloads in running engines
+    LORA_ACTIONS = "kvmesh_operator_lora_actions"
 
 
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
@@ -406,6 +408,9 @@ TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff", "warm")
 TRANSFER_OUTCOMES: tuple[str, ...] = ("ok", "failed")
 TRANSFER_DIRECTIONS: tuple[str, ...] = ("sent", "received")
 SCALING_DIRECTIONS: tuple[str, ...] = ("up", "down")  # kvmesh_operator_scaling_decisions_total{direction}
+LORA_ACTIONS: tuple[str, ...] = ("load", "unload")  # kvmesh_operator_lora_actions_total{action}
+# ok: done; retry: busy, full or no answer (tried again next tick); refused: another 4xx (not tried again)
+LORA_OUTCOMES: tuple[str, ...] = ("ok", "retry", "refused")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")
 EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared", "damaged")  # damaged: failed its check at start
 # promotions end in device, demotions leave it; host gets every block (write-through), disk only reused ones

@@ -22,10 +22,12 @@ import yaml
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import ADAPTERS_DIR, API_VERSION, BUNDLED, KIND, Pool
+from kvmesh.operator.lora import declared_adapters
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
+LORA_MODULES = "lora_modules"  # the engine setting of the pool's adapters, which the operator keeps loaded live
 CONFIG_DIR = "/etc/kvmesh"
 MODELS_DIR = "/models"
 CACHE_DIR = "/var/cache/kvmesh"  # where a .gguf model is converted at start (the image's own cache is read-only)
@@ -110,10 +112,18 @@ def engine_settings(pool: Pool) -> dict[str, Any]:
     if "name" in model:
         out["served_model_name"] = model["name"]
     if model["loraAdapters"]:
-        out["lora_modules"] = {a["name"]: a["path"] for a in model["loraAdapters"]}
+        out[LORA_MODULES] = declared_adapters(pool)
     out.update({ENGINE_SETTINGS[k]: v for k, v in spec.items() if k in ENGINE_SETTINGS})
     out.update(spec.get("settings") or {})
     return out
+
+
+def engine_adapters(pool: Pool) -> dict[str, str] | None:
+    """The adapters the engines' file names (`model.loraAdapters`, unless `engine.settings` sets `lora_modules`
+    itself), name -> directory, which the operator keeps loaded in running engines; None when the settings give
+    them in another form (a list of `name=path`): the operator then leaves running engines' adapters alone."""
+    modules = engine_settings(pool).get(LORA_MODULES) or {}
+    return dict(modules) if isinstance(modules, Mapping) else None
 
 
 def router_settings(pool: Pool) -> dict[str, Any]:
@@ -150,13 +160,21 @@ def ext_proc_tls(pool: Pool) -> bool:
     return router_settings(pool).get("ext_proc_tls", RouterConfig.ext_proc_tls)
 
 
+def _files(engine: Mapping[str, Any], router: Mapping[str, Any]) -> dict[str, str]:
+    return {"engine.yaml": yaml.safe_dump({"engine": dict(engine)}, sort_keys=True),
+            "router.yaml": yaml.safe_dump({"router": dict(router)}, sort_keys=True)}
+
+
 def config_files(pool: Pool) -> dict[str, str]:
-    return {"engine.yaml": yaml.safe_dump({"engine": engine_settings(pool)}, sort_keys=True),
-            "router.yaml": yaml.safe_dump({"router": router_settings(pool)}, sort_keys=True)}
+    return _files(engine_settings(pool), router_settings(pool))
 
 
 def config_hash(pool: Pool) -> str:
-    return hashlib.sha256(json.dumps(config_files(pool), sort_keys=True).encode()).hexdigest()[:16]
+    """The pod templates' hash of the files, less the adapter list: the operator loads and unloads adapters in
+    running engines (operator/lora.py), so a changed list must not roll them; a new pod reads the whole file at
+    start. (An adapter on its own volumeClaim still rolls them: its volume is in the pod template.)"""
+    engine = {k: v for k, v in engine_settings(pool).items() if k != LORA_MODULES}
+    return hashlib.sha256(json.dumps(_files(engine, router_settings(pool)), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---- pods ------------------------------------------------------------------------------------------------------------

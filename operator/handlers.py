@@ -38,6 +38,7 @@ from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
+from kvmesh.operator.lora import REFUSED, AdapterMemory, EnginePod, summarize, sync_pool
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
@@ -285,7 +286,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
             return
         state.last_evaluated = now
-        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates)
+        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates,
+             memo.setdefault("kvmesh-lora", AdapterMemory()))
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
@@ -297,8 +299,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
 
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
          now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer = http_warm,
-         open_gates: GateOpener = http_open_gates) -> Decision:
-    """One scaling evaluation of one pool: observe, decide, act, report."""
+         open_gates: GateOpener = http_open_gates, adapters: AdapterMemory | None = None) -> Decision:
+    """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters),
+    report."""
     generation = int(body.metadata.get("generation") or 0)
     deployments = {d["metadata"]["labels"].get(ROLE_LABEL): d for d in kube.list(
         "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")}
@@ -329,6 +332,8 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     operator_metrics.record(pool, decision, replicas, before)
     # after scaling: a scale-up decided now must not wait behind the copies of the last one's pods
     warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
+    if adapters is not None:
+        sync_adapters(pool, body, pods, adapters, operator_metrics)
     ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
              for role in pool.roles}
     router_ready = int(((deployments.get("router") or {}).get("status") or {}).get("readyReplicas") or 0)
@@ -373,6 +378,32 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
     for outcome in [o for _, _, o in results.warmed] + [o for _, o in results.opened]:
         level = logging.WARNING if outcome.ok is False else logging.INFO
         log.log(level, "pool %s/%s: %s", pool.namespace, pool.name, outcome.message)
+
+
+def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapters: AdapterMemory,
+                  operator_metrics: OperatorMetrics) -> None:
+    """Load and unload LoRA adapters in the Ready engine pods so they serve what the spec declares
+    (operator/lora.py); count the actions, post a Warning Event for each refusal (once: it is not retried), and
+    log every action and a tick that leaves engines out of step."""
+    declared = desired.engine_adapters(pool)
+    if declared is None:
+        return
+    port = pool.spec["engine"]["port"]
+    ready = [EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port))
+             for p in pods if pod_ready(p) and (p.get("status") or {}).get("podIP")
+             and not p["metadata"].get("deletionTimestamp")]
+    syncs = sync_pool(ready, declared, adapters)
+    operator_metrics.record_adapters(pool, syncs)
+    for sync in syncs:
+        for result in sync.results:
+            message = f"{sync.pod.name}: {result.message}"
+            if result.outcome == REFUSED:
+                kopf.event(body, type="Warning", reason="AdapterRefused", message=message[:1024])
+            log.log(logging.WARNING if result.outcome == REFUSED else logging.INFO, "pool %s/%s %s", pool.namespace,
+                    pool.name, message)
+    summary = summarize(syncs, declared)
+    if not summary.ok:
+        log.info("pool %s/%s adapters %s: %s", pool.namespace, pool.name, summary.reason, summary.message)
 
 
 def run(config: OperatorConfig) -> None:

@@ -1,0 +1,212 @@
+"""Adapters added to or removed from a pool reach running engines without a restart: the plan against what an
+engine serves (pure), the pod template's hash that no longer rolls the engines for a changed list, and the
+operator's apply step against real in-process engines over the tiny model (load, unload, a busy/full 409 tried
+again, a 400 for other weights under an old name recorded once and not retried). The kopf wiring
+(handlers.sync_adapters inside the scaling tick) is not run against the emulator here: its pods would need a
+real engine at their pod IP; the apply function it calls is what these tests drive."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvmesh.engine.protocol import OperatorMetric
+from kvmesh.operator.crd import Pool, parse_pool
+from kvmesh.operator.desired import CONFIG_HASH_ANNOTATION, config_map, desired_objects, engine_adapters
+from kvmesh.operator.lora import (
+    LOAD,
+    OK,
+    REFUSED,
+    RETRY,
+    UNLOAD,
+    AdapterAction,
+    AdapterMemory,
+    EnginePod,
+    outcome_of,
+    plan_adapters,
+    served_adapters,
+    summarize,
+    sync_pool,
+)
+from kvmesh.operator.metrics import OperatorMetrics
+
+from .conftest import make_engine
+from .engines import serve_engine
+from .test_lora import ATTN_QV, write_adapter
+
+# ---- the plan --------------------------------------------------------------------------------------------------------
+
+
+def test_missing_adapters_are_loaded_and_undeclared_ones_unloaded_unloads_first_by_name() -> None:
+    plan = plan_adapters({"b": "/a/b", "a": "/a/a", "keep": "/a/keep"}, {"keep": "/a/keep", "z": "/a/z", "y": "/a/y"})
+    assert plan.actions == (AdapterAction(UNLOAD, "y"), AdapterAction(UNLOAD, "z"),
+                            AdapterAction(LOAD, "a", "/a/a"), AdapterAction(LOAD, "b", "/a/b"))
+    assert plan.held == ()
+
+
+def test_a_changed_path_is_an_unload_then_a_load() -> None:
+    plan = plan_adapters({"sql": "/v2"}, {"sql": "/v1"})
+    assert plan.actions == (AdapterAction(UNLOAD, "sql"), AdapterAction(LOAD, "sql", "/v2"))
+
+
+def test_nothing_to_do_when_the_engine_serves_what_is_declared() -> None:
+    assert plan_adapters({"sql": "/v1"}, {"sql": "/v1"}).actions == ()
+    assert plan_adapters({}, {}).actions == ()
+
+
+def test_a_base_model_only_engine_serves_no_adapters_and_loads_the_declared_ones() -> None:
+    models = {"object": "list", "data": [{"id": "smol", "object": "model", "root": "smol", "parent": None}]}
+    assert served_adapters(models) == {}
+    assert plan_adapters({"sql": "/v1"}, served_adapters(models)).actions == (AdapterAction(LOAD, "sql", "/v1"),)
+    with_card = {"data": models["data"] + [{"id": "sql", "root": "/v1", "parent": "smol"}]}
+    assert served_adapters(with_card) == {"sql": "/v1"}
+    with pytest.raises(ValueError, match="not a /v1/models answer"):
+        served_adapters({"detail": "Not Found"})
+
+
+def test_an_action_the_engine_refused_is_held_until_the_spec_changes_it() -> None:
+    refused = {AdapterAction(LOAD, "sql", "/v2")}
+    plan = plan_adapters({"sql": "/v2"}, {}, refused)
+    assert (plan.actions, plan.held) == ((), (AdapterAction(LOAD, "sql", "/v2"),))
+    assert plan_adapters({"sql": "/v3"}, {}, refused).actions == (AdapterAction(LOAD, "sql", "/v3"),)
+
+
+def test_answers_are_ok_retried_or_refused() -> None:
+    load, unload = AdapterAction(LOAD, "a", "/a"), AdapterAction(UNLOAD, "a")
+    assert outcome_of(load, 200, "").outcome == OK
+    assert outcome_of(unload, 404, "no LoRA adapter named 'a'").outcome == OK  # gone already: done
+    for status in (409, 503, None):
+        assert outcome_of(load, status, "busy").outcome == RETRY
+    refused = outcome_of(load, 400, "served with other weights")
+    assert refused.outcome == REFUSED and "other weights" in refused.message and "new name" in refused.message
+    assert outcome_of(load, 404, "x").outcome == REFUSED
+
+
+# ---- the pod template's hash -----------------------------------------------------------------------------------------
+
+
+def pool_with(adapters: list[dict[str, Any]], **engine: Any) -> Pool:
+    spec = {"model": {"source": "bundled", "loraAdapters": adapters}, "engine": {"maxLoras": 4, **engine},
+            "replicas": {"both": {"min": 1, "max": 4}}}
+    return parse_pool({"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "chat"},
+                       "spec": copy.deepcopy(spec)})
+
+
+def engine_template_hash(pool: Pool) -> str:
+    (engine,) = [o for o in desired_objects(pool) if o["kind"] == "Deployment" and o["metadata"]["name"] == "chat-both"]
+    return engine["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+
+def test_changing_only_the_adapter_list_does_not_roll_the_engines_but_the_configmap_has_it() -> None:
+    before = pool_with([{"name": "sql", "path": "/models/sql"}])
+    after = pool_with([{"name": "chat", "path": "/models/chat"}])
+    none = pool_with([])
+    assert engine_template_hash(before) == engine_template_hash(after) == engine_template_hash(none)
+    assert config_map(before)["data"] != config_map(after)["data"]  # a new pod reads the current list at start
+    assert "/models/chat" in config_map(after)["data"]["engine.yaml"]
+    assert engine_adapters(after) == {"chat": "/models/chat"}
+
+
+def test_changing_anything_else_still_rolls_the_engines() -> None:
+    adapters = [{"name": "sql", "path": "/models/sql"}]
+    assert engine_template_hash(pool_with(adapters)) != engine_template_hash(pool_with(adapters, maxNumSeqs=7))
+    # an adapter on its own claim is a volume of the pod: adding one needs new pods
+    claimed = [*adapters, {"name": "poet", "path": "/adapters/poet", "volumeClaim": "poet"}]
+    (old, new) = (next(o for o in desired_objects(p) if o["metadata"]["name"] == "chat-both")
+                  for p in (pool_with(adapters), pool_with(claimed)))
+    assert old["spec"]["template"] != new["spec"]["template"]
+
+
+# ---- applying it to real engines -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("pool-loras")
+    return {name: str(write_adapter(root / name, seed=seed, rank=4, targets=ATTN_QV, layers=1))
+            for name, seed in (("a", 11), ("b", 12), ("c", 13), ("b-v2", 14))}
+
+
+@pytest.fixture
+def engine_url(tiny_dir: Path, weights: dict[str, str]) -> Iterator[str]:
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, max_lora_rank=8, lora_modules={"a": weights["a"]})
+    with serve_engine(engine) as url:
+        yield url
+
+
+def outcomes(syncs: list) -> list[tuple[str, str, str]]:
+    return [(r.action.kind, r.action.name, r.outcome) for s in syncs for r in s.results]
+
+
+@pytest.mark.slow
+def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusal_once(
+        engine_url: str, weights: dict[str, str]) -> None:
+    pod = EnginePod("chat-both-0", "both", engine_url)
+    memory = AdapterMemory()
+    served = {"a": weights["a"]}
+
+    # a new adapter reaches the running engine
+    declared = {"a": weights["a"], "b": weights["b"]}
+    syncs = sync_pool([pod], declared, memory)
+    assert outcomes(syncs) == [(LOAD, "b", OK)]
+    assert sync_pool([pod], declared, memory)[0].results == ()  # nothing left to do
+    served = {"a": weights["a"], "b": weights["b"]}
+
+    # a third adapter does not fit (max_loras 2): 409, retried at every tick, never recorded as refused
+    declared = {**served, "c": weights["c"]}
+    for _ in range(2):
+        syncs = sync_pool([pod], declared, memory)
+        assert outcomes(syncs) == [(LOAD, "c", RETRY)]
+    assert memory.refused == {} and summarize(syncs, declared).reason == "Pending"
+
+    # a removed adapter is unloaded, which frees the slot
+    declared = {"b": weights["b"], "c": weights["c"]}
+    assert outcomes(sync_pool([pod], declared, memory)) == [(UNLOAD, "a", OK), (LOAD, "c", OK)]
+    syncs = sync_pool([pod], declared, memory)
+    assert syncs[0].results == () and summarize(syncs, declared).ok
+
+    # other weights under a name the engine served: unloaded, then the load is refused (400) and recorded
+    declared = {"b": weights["b-v2"], "c": weights["c"]}
+    syncs = sync_pool([pod], declared, memory)
+    assert outcomes(syncs) == [(UNLOAD, "b", OK), (LOAD, "b", REFUSED)]
+    assert "new name" in syncs[0].results[1].message and "other weights" in syncs[0].results[1].message
+    metrics = OperatorMetrics()
+    pool = pool_with([{"name": "b", "path": weights["b-v2"]}, {"name": "c", "path": weights["c"]}])
+    metrics.record_adapters(pool, syncs)
+    for _ in range(3):  # no retry storm: held, not tried again, while the spec asks for the same thing
+        later = sync_pool([pod], declared, memory)
+        assert later[0].results == () and later[0].held == (AdapterAction(LOAD, "b", weights["b-v2"]),)
+        metrics.record_adapters(pool, later)
+    status = summarize(later, declared)
+    assert (status.ok, status.reason) == (False, "Refused") and "chat-both-0" in status.message
+
+    # the fix: the new weights under a new name
+    declared = {"b2": weights["b-v2"], "c": weights["c"]}
+    assert outcomes(sync_pool([pod], declared, memory)) == [(LOAD, "b2", OK)]
+
+    def count(action: str, outcome: str) -> float | None:
+        return metrics.registry.get_sample_value(f"{OperatorMetric.LORA_ACTIONS}_total", {
+            "pool_namespace": "default", "pool": "chat", "role": "both", "action": action, "outcome": outcome})
+
+    assert (count("load", "refused"), count("unload", "ok"), count("load", "retry")) == (1, 1, 0)  # 0: pre-created
+    metrics.forget("default", "chat")
+    assert count("load", "refused") is None
+
+
+@pytest.mark.slow
+def test_an_engine_that_does_not_answer_is_pending_and_others_are_still_synced(engine_url: str,
+                                                                               weights: dict[str, str]) -> None:
+    from kvmesh.processes import free_port
+
+    pods = [EnginePod("gone", "both", f"http://127.0.0.1:{free_port()}"), EnginePod("up", "both", engine_url)]
+    memory = AdapterMemory()
+    memory.refused["old-pod"] = {AdapterAction(LOAD, "x", "/x")}
+    syncs = sync_pool(pods, {"a": weights["a"], "c": weights["c"]}, memory)
+    assert syncs[0].error and syncs[0].results == ()
+    assert outcomes(syncs) == [(LOAD, "c", OK)]
+    assert summarize(syncs, {}).reason == "Pending"
+    assert "old-pod" not in memory.refused  # a pod that is gone is forgotten
