@@ -1,17 +1,18 @@
 """Adapters added to or removed from a pool reach running engines without a restart: the plan against what an
 engine serves (pure), the pod template's hash that no longer rolls the engines for a changed list, and the
 operator's apply step against real in-process engines over the tiny model (load, unload, a busy/full 409 tried
-again, a 400 for other weights under an old name recorded once and not retried). The kopf wiring
-(handlers.sync_adapters inside the scaling tick) is not run against the emulator here: its pods would need a
-real engine at their pod IP; the apply function it calls is what these tests drive."""
+again, a 400 for other weights under an old name recorded once and not retried), and the kopf timer against
+kmock's emulator with a Ready pod whose IP is a real engine's."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvmesh.engine.protocol import OperatorMetric
@@ -37,6 +38,7 @@ from kvmesh.operator.metrics import OperatorMetrics
 from .conftest import make_engine
 from .engines import serve_engine
 from .test_lora import ATTN_QV, write_adapter
+from .test_operator import NS, POOLS, eventually, operator, pod_body, pool_body, run
 
 # ---- the plan --------------------------------------------------------------------------------------------------------
 
@@ -210,3 +212,61 @@ def test_an_engine_that_does_not_answer_is_pending_and_others_are_still_synced(e
     assert outcomes(syncs) == [(LOAD, "c", OK)]
     assert summarize(syncs, {}).reason == "Pending"
     assert "old-pod" not in memory.refused  # a pod that is gone is forgotten
+
+
+# ---- the kopf timer, against the emulator --------------------------------------------------------------------------
+
+
+def served_by(url: str) -> dict[str, str]:
+    return served_adapters(httpx.get(url + "/v1/models", timeout=5).json())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolling_it(
+        engine_url: str, weights: dict[str, str], tmp_path: Path) -> None:
+    """kopf against kmock's emulator, the pod's IP pointing at a real in-process engine: the scaling timer loads a
+    listed adapter, unloads a removed one, posts one AdapterRefused Event for other weights under an old name, and
+    the engine Deployment's pod template keeps its hash through the changes."""
+    port = int(engine_url.rsplit(":", 1)[1])
+    ready_pod = pod_body("chat-both-0", "127.0.0.1")
+    ready_pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+
+    def spec(adapters: dict[str, str]) -> dict[str, Any]:
+        return {"engine": {"port": port, "maxLoras": 2, "maxLoraRank": 8}, "replicas": {"both": {"min": 1, "max": 1}},
+                "scaling": {"intervalSeconds": 1},
+                "model": {"source": "bundled", "loraAdapters": [{"name": n, "path": p} for n, p in adapters.items()]}}
+
+    def template_hash(env: Any) -> str:
+        return env.get("apps/v1/deployments", "chat-both")["spec"]["template"]["metadata"]["annotations"][
+            CONFIG_HASH_ANNOTATION]
+
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await env.k8s.post(POOLS, json=pool_body(**spec({"a": weights["a"], "b": weights["b"]})))
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
+            first_hash = template_hash(env)
+            await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=ready_pod)
+
+            async def clock() -> None:
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            await eventually(lambda: served_by(engine_url) == {"a": weights["a"], "b": weights["b"]})
+
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": spec({"b": weights["b-v2"]})})
+            await eventually(lambda: env.events("AdapterRefused"))
+            assert served_by(engine_url) == {}  # a unloaded (removed), b unloaded (changed) and its load refused
+            await eventually(lambda: "b-v2" in (env.get("v1/configmaps", "chat-config") or {})["data"]["engine.yaml"])
+            assert template_hash(env) == first_hash  # the list changed, the engines did not roll
+            for _ in range(5):  # more ticks: no retry storm, no second Event
+                await asyncio.sleep(0.2)
+            (event,) = env.events("AdapterRefused")
+            assert "other weights" in event["message"] and "new name" in event["message"]
+            assert env.sample(f"{OperatorMetric.LORA_ACTIONS}_total", role="both", action="load",
+                              outcome="refused") == 1
+            ticking.cancel()
+
+    run(main)
