@@ -389,7 +389,8 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     if declared is None:
         return
     port = pool.spec["engine"]["port"]
-    ready = [EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port))
+    ready = [EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port),
+                       sum(int(c.get("restartCount") or 0) for c in p["status"].get("containerStatuses") or []))
              for p in pods if pod_ready(p) and (p.get("status") or {}).get("podIP")
              and not p["metadata"].get("deletionTimestamp")]
     syncs = sync_pool(ready, declared, adapters)

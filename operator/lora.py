@@ -71,7 +71,10 @@ def served_adapters(models: Any) -> dict[str, str]:
     if not isinstance(cards, list) or not all(isinstance(c, Mapping) and isinstance(c.get("id"), str)
                                               for c in cards):
         raise ValueError(f"not a /v1/models answer: {str(models)[:200]}")
-    return {c["id"]: str(c.get("root")) for c in cards if c.get("parent")}
+    adapters = [c for c in cards if c.get("parent")]
+    if not all(isinstance(c.get("root"), str) for c in adapters):
+        raise ValueError(f"an adapter card without its directory (root): {str(adapters)[:200]}")
+    return {c["id"]: c["root"] for c in adapters}
 
 
 def plan_adapters(declared: Mapping[str, str], served: Mapping[str, str],
@@ -111,6 +114,11 @@ class EnginePod:
     name: str
     role: str
     url: str  # http://ip:port of its engine
+    restarts: int = 0  # its containers' restarts: a restarted engine starts a new life, with nothing refused yet
+
+    @property
+    def life(self) -> tuple[str, int]:
+        return self.name, self.restarts
 
 
 @dataclass(frozen=True)
@@ -152,13 +160,14 @@ def summarize(syncs: Sequence[EngineSync], declared: Mapping[str, str]) -> Adapt
 
 @dataclass
 class AdapterMemory:
-    """Per engine pod, the actions it refused: not tried again on it (the Event was posted once)."""
+    """Per engine (a pod's life: its name and restarts), the actions it refused: not tried again on it (the Event
+    was posted once)."""
 
-    refused: dict[str, set[AdapterAction]] = field(default_factory=dict)
+    refused: dict[tuple[str, int], set[AdapterAction]] = field(default_factory=dict)
 
-    def keep_only(self, pods: Collection[str]) -> None:
-        """Forget pods that are gone (a replacement pod starts with a clean slate)."""
-        self.refused = {p: a for p, a in self.refused.items() if p in pods}
+    def keep_only(self, lives: Collection[tuple[str, int]]) -> None:
+        """Forget engines that are gone or restarted: a replacement starts with a clean slate."""
+        self.refused = {p: a for p, a in self.refused.items() if p in lives}
 
 
 Reader = Callable[[str], dict[str, str]]  # engine URL -> the adapters it serves
@@ -195,7 +204,7 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], memory: AdapterMemo
         served = read(pod.url)
     except (httpx.HTTPError, ValueError) as exc:
         return EngineSync(pod, error=f"could not read its adapters: {exc!r}")
-    plan = plan_adapters(declared, served, memory.refused.get(pod.name, set()))
+    plan = plan_adapters(declared, served, memory.refused.get(pod.life, set()))
     results: list[ActionResult] = []
     still_loaded: set[str] = set()
     for action in plan.actions:
@@ -203,7 +212,7 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], memory: AdapterMemo
             continue
         result = outcome_of(action, *act(pod.url, action))
         if result.outcome == REFUSED:
-            memory.refused.setdefault(pod.name, set()).add(action)
+            memory.refused.setdefault(pod.life, set()).add(action)
         if action.kind == UNLOAD and result.outcome != OK:
             still_loaded.add(action.name)
         results.append(result)
@@ -212,8 +221,9 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], memory: AdapterMemo
 
 def sync_pool(pods: Sequence[EnginePod], declared: Mapping[str, str], memory: AdapterMemory,
               read: Reader = http_served, act: Caller = http_act) -> list[EngineSync]:
-    """Sync every engine in `pods` (the ready ones), in parallel, in the order given; forget pods not among them."""
-    memory.keep_only({p.name for p in pods})
+    """Sync every engine in `pods` (the ready ones), in parallel, in the order given; forget engines not among
+    them."""
+    memory.keep_only({p.life for p in pods})
     if not pods:
         return []
     with ThreadPoolExecutor(max_workers=min(SYNC_WORKERS, len(pods)), thread_name_prefix="lora") as workers:

@@ -68,6 +68,8 @@ def test_a_base_model_only_engine_serves_no_adapters_and_loads_the_declared_ones
     assert served_adapters(with_card) == {"sql": "/v1"}
     with pytest.raises(ValueError, match="not a /v1/models answer"):
         served_adapters({"detail": "Not Found"})
+    with pytest.raises(ValueError, match="without its directory"):
+        served_adapters({"data": [{"id": "sql", "parent": "smol"}]})
 
 
 def test_an_action_the_engine_refused_is_held_until_the_spec_changes_it() -> None:
@@ -186,9 +188,14 @@ def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusa
     status = summarize(later, declared)
     assert (status.ok, status.reason) == (False, "Refused") and "chat-both-0" in status.message
 
+    # a restarted engine (the pod's restart count moved) is a new life: the load is tried once more
+    restarted = EnginePod("chat-both-0", "both", engine_url, restarts=1)
+    assert outcomes(sync_pool([restarted], declared, memory)) == [(LOAD, "b", REFUSED)]  # (this one did not restart)
+    assert list(memory.refused) == [restarted.life]
+
     # the fix: the new weights under a new name
     declared = {"b2": weights["b-v2"], "c": weights["c"]}
-    assert outcomes(sync_pool([pod], declared, memory)) == [(LOAD, "b2", OK)]
+    assert outcomes(sync_pool([restarted], declared, memory)) == [(LOAD, "b2", OK)]
 
     def count(action: str, outcome: str) -> float | None:
         return metrics.registry.get_sample_value(f"{OperatorMetric.LORA_ACTIONS}_total", {
@@ -206,12 +213,12 @@ def test_an_engine_that_does_not_answer_is_pending_and_others_are_still_synced(e
 
     pods = [EnginePod("gone", "both", f"http://127.0.0.1:{free_port()}"), EnginePod("up", "both", engine_url)]
     memory = AdapterMemory()
-    memory.refused["old-pod"] = {AdapterAction(LOAD, "x", "/x")}
+    memory.refused[("old-pod", 0)] = {AdapterAction(LOAD, "x", "/x")}
     syncs = sync_pool(pods, {"a": weights["a"], "c": weights["c"]}, memory)
     assert syncs[0].error and syncs[0].results == ()
     assert outcomes(syncs) == [(LOAD, "c", OK)]
     assert summarize(syncs, {}).reason == "Pending"
-    assert "old-pod" not in memory.refused  # a pod that is gone is forgotten
+    assert ("old-pod", 0) not in memory.refused  # a pod that is gone is forgotten
 
 
 # ---- the kopf timer, against the emulator --------------------------------------------------------------------------
