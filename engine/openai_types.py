@@ -278,10 +278,30 @@ class CompletionRequest(_Common):
         return value
 
 
+class CalledFunction(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = ""  # OpenAI sends JSON text; some clients an object
+
+
+class PastToolCall(BaseModel):
+    """A call an assistant made earlier in the conversation (its `tool_calls` in the history)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[PastToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: the tool fields only where the client sent them (templates test
+        `message.tool_calls is defined`)."""
+        return self.model_dump(exclude={k for k in ("tool_calls", "tool_call_id") if getattr(self, k) is None})
 
     @field_validator("content")
     @classmethod

@@ -280,7 +280,7 @@ class _Completions:
     def prompts(self) -> list[list[int]]:
         tok = self.engine.tokenizer
         if isinstance(self.body, ChatRequest):
-            messages = [m.model_dump(exclude_none=False) for m in self.body.messages]
+            messages = [m.for_template() for m in self.body.messages]
             try:
                 return [tok.encode_chat(messages, self.body.tool_dicts or None)]
             except ValueError as exc:

@@ -357,7 +357,7 @@ class Router:
 
     def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(body, ChatRequest):
-            messages = [m.model_dump() for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             try:  # with the tools shown as the engine shows them: the same prompt, the same block hashes
                 return self.tokenizer.encode_chat(messages, body.tool_dicts or None)
             except ValueError as exc:

@@ -265,6 +265,8 @@ def test_required_cut_by_max_tokens_says_length(url: str) -> None:
      "tools", "minProperties"),
     ({"response_format": {"type": "json_object"}}, "tools", "cannot be combined with response_format"),
     ({"structured_outputs": {"regex": "a"}}, "tools", "cannot be combined with structured_outputs"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]}, "messages", "function"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": "abc"}]}, "messages", "tool_calls"),
 ])
 def test_bad_tool_requests_are_400s_from_engine_and_router(url: str, tiny_dir: Path, body: dict, param: str,
                                                            message: str) -> None:
