@@ -189,10 +189,11 @@ def http_act(url: str, action: AdapterAction) -> tuple[int | None, str]:
     except httpx.HTTPError as exc:
         return None, f"no answer: {exc!r}"
     try:
-        error = reply.json().get("error")
-        message = error.get("message") if isinstance(error, Mapping) else None
+        answer = reply.json()
     except ValueError:
-        message = None
+        answer = None
+    error = answer.get("error") if isinstance(answer, Mapping) else None
+    message = error.get("message") if isinstance(error, Mapping) else None
     return reply.status_code, str(message or reply.text[:300])
 
 
