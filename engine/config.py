@@ -7,6 +7,7 @@ FILE` reads it, and flags given on the command line win over the file (DESIGN.md
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,10 @@ from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ROOT,
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
     KV_CACHE_DTYPES,
+    LORA_NAME_PATTERN,
     QUANTIZATIONS,
     ROLES,
     HashAlgo,
@@ -71,8 +75,8 @@ class EngineConfig:
     warmup_grace_seconds: float = 0.0
     # LoRA adapters served at start, name -> PEFT directory (more load at run time: POST /v1/load_lora_adapter)
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
-    max_lora_rank: int = 64  # adapters of a larger rank are refused
-    max_loras: int = 8  # adapters loaded at once: the slots model/lora.py allocates at the first load
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # adapters of a larger rank are refused
+    max_loras: int = DEFAULT_MAX_LORAS  # adapters loaded at once: the slots model/lora.py allocates at the first load
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -148,6 +152,9 @@ def parse_lora_modules(value: Any) -> dict[str, str]:
         if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
             raise ValueError(f"lora_modules: name and path must be non-empty strings, got {name!r}: {path!r}")
         name, path = name.strip(), path.strip()
+        if not re.fullmatch(LORA_NAME_PATTERN, name):
+            raise ValueError(f"lora_modules: {name!r} is not an adapter name (letters, digits and . _ / : -, "
+                             f"starting with a letter or digit, at most 128)")
         if name in out:
             raise ValueError(f"lora_modules names {name!r} twice")
         out[name] = path

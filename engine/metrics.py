@@ -23,6 +23,7 @@ from kvmesh.engine.protocol import (
     GATE_REASONS,
     KV_BLOCK_STATES,
     LOAD_DECISIONS,
+    LORA_INFO_LABELS,
     MODEL_LABEL,
     PREEMPTION_MODES,
     RESIDENCY_KINDS,
@@ -125,7 +126,7 @@ class _StateCollector:
         yield gauge(M.FORECAST_HORIZON, "The forecast's horizon.", f.horizon_seconds if f else 0.0)
         lora = GaugeMetricFamily(V.LORA_REQUESTS_INFO, "LoRA adapters with running and waiting requests; the value "
                                  "is the time of the update.",
-                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+                                 labels=list(LORA_INFO_LABELS))
         lora.add_metric([",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)], s.lora_updated)
         yield lora
         yield gauge(M.LORA_ADAPTERS_LOADED, "LoRA adapters loaded.", s.loras_loaded)

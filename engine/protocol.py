@@ -44,6 +44,13 @@ HEALTH_WARMING = "warming"  # /health's status (503) while a new pod waits for i
 # LoRA adapters at run time, as vLLM: POST {"lora_name", "lora_path"} / {"lora_name"}
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
+MODELS_PATH = "/v1/models"  # the base model and each loaded adapter (with its parent): what the router serves by
+DEFAULT_MAX_LORAS = 8  # adapters an engine holds at once: the slots it allocates at the first load
+DEFAULT_MAX_LORA_RANK = 64  # the largest rank an engine loads
+# an adapter's name: a request's `model`, a label value of vllm:lora_requests_info (comma-separated lists, so no
+# comma), a key in block hashes; the CRD's names are a stricter subset (DNS-like)
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$"
+LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")  # vllm:lora_requests_info's
 KV_CONFIG_PATH = "/v1/kv/config"
 KV_EVENTS_PATH = "/v1/kv/events"
 KV_BLOCKS_PATH = "/v1/kv/blocks"

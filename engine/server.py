@@ -53,6 +53,8 @@ from kvmesh.engine.protocol import (
     KV_TRANSFER_FIELD,
     KV_WARM_PATH,
     LOAD_LORA_PATH,
+    LORA_NAME_PATTERN,
+    MODELS_PATH,
     PRIORITY_HEADER,
     READY_PATH,
     UNLOAD_LORA_PATH,
@@ -631,7 +633,7 @@ async def _import_blocks(e: Engine, client: httpx.AsyncClient, source: str, want
 
 
 class LoadLoraRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
     lora_path: str = Field(min_length=1)
 
 
@@ -738,7 +740,7 @@ def create_app(holder: EngineHolder) -> FastAPI:
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         return await _serve(body, http, chat=False)
 
-    @app.get("/v1/models")
+    @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
         e = holder.get()
         return {

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvmesh import __version__
-from kvmesh.engine.protocol import KV_CACHE_DTYPES, QUANTIZATIONS
+from kvmesh.engine.protocol import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +48,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="stay unready (/health: warming) after loading until warmed or this long (default 0: off)")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) to serve under these model names")
-    p.add_argument("--max-lora-rank", type=int, help="the largest LoRA rank accepted (default 64)")
-    p.add_argument("--max-loras", type=int, help="LoRA adapters loaded at once (default 8)")
+    p.add_argument("--max-lora-rank", type=int, help=f"the largest LoRA rank loaded (default {DEFAULT_MAX_LORA_RANK})")
+    p.add_argument("--max-loras", type=int, help=f"LoRA adapters loaded at once (default {DEFAULT_MAX_LORAS})")
     p.add_argument("--log-level", default="info")
 
 

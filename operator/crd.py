@@ -20,6 +20,8 @@ import yaml
 
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
     HOT_CHAINS_DEFAULT,
     HOT_CHAINS_MAX,
     KV_CACHE_DTYPES,
@@ -155,9 +157,11 @@ RULES: tuple[Rule, ...] = (
          "directory or one below it",
          lambda s: all("volumeClaim" not in a or a["path"] == f"{ADAPTERS_DIR}/{a['name']}"
                        or a["path"].startswith(f"{ADAPTERS_DIR}/{a['name']}/") for a in s)),
-    Rule((), "!has(self.engine.maxLoras) || size(self.model.loraAdapters) <= self.engine.maxLoras",
-         "model.loraAdapters: more adapters than engine.maxLoras (every loaded adapter takes one of its slots)",
-         lambda s: "maxLoras" not in s["engine"] or len(s["model"]["loraAdapters"]) <= s["engine"]["maxLoras"]),
+    Rule((), "size(self.model.loraAdapters) <= "
+             f"(has(self.engine.maxLoras) ? self.engine.maxLoras : {DEFAULT_MAX_LORAS})",
+         f"model.loraAdapters: more adapters than engine.maxLoras (default {DEFAULT_MAX_LORAS}; every loaded adapter "
+         "takes one of its slots)",
+         lambda s: len(s["model"]["loraAdapters"]) <= s["engine"].get("maxLoras", DEFAULT_MAX_LORAS)),
     Rule((), "self.mode == 'aggregated' ? self.replicas.both.min >= 1 : "
              "(self.replicas.prefill.min >= 1 && self.replicas.decode.min >= 1)",
          "the pool's mode needs at least one pod of each of its roles: replicas.both.min (aggregated), or "
@@ -216,8 +220,9 @@ def spec_schema() -> dict[str, Any]:
         "maxNumBatchedTokens": _int("tokens per step (chunked prefill)", 1),
         "maxModelLen": _int("longest context", 1),
         "enablePrefixCache": {"type": "boolean", "description": "cache and share prompt prefixes"},
-        "maxLoras": _int("LoRA adapters an engine holds at once (the engine's default: 8)", 1, 256),
-        "maxLoraRank": _int("the largest LoRA rank an engine loads (the engine's default: 64)", 1, 1024),
+        "maxLoras": _int(f"LoRA adapters an engine holds at once (the engine's default: {DEFAULT_MAX_LORAS})", 1, 256),
+        "maxLoraRank": _int(f"the largest LoRA rank an engine loads (the engine's default: {DEFAULT_MAX_LORA_RANK})",
+                            1, 1024),
         "hostTierMiB": _int("memory-backed volume for the host KV tier (0: none); it survives an engine restart",
                             0, default=0),
         "settings": _settings("engine", "kvmesh serve"),

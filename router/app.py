@@ -38,6 +38,7 @@ from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_bod
 from kvmesh.engine.protocol import (
     CACHE_SALT_FIELD,
     KV_TRANSFER_FIELD,
+    MODELS_PATH,
     POD_STATES,
     PRIORITY_CLASSES,
     PRIORITY_HEADER,
@@ -926,7 +927,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     async def completions(http: HttpRequest) -> Response:
         return await route(http, "/v1/completions", chat=False)
 
-    @app.get("/v1/models")
+    @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
         return router.models()
 

@@ -72,7 +72,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.engine.openai_types import error_body
-from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD
+from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD, MODELS_PATH
 from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage, with_usage
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
@@ -80,7 +80,6 @@ from kvmesh.router.config import (
     SHUTDOWN_SETTLE_SECONDS,
     read_certificate_pair,
 )
-from kvmesh.router.lora import MODELS_PATH
 from kvmesh.router.picker import Decision, RequestInfo
 
 log = logging.getLogger("kvmesh.router.extproc")

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.engine.protocol import VllmMetric
+from kvmesh.engine.protocol import LORA_INFO_LABELS, MODELS_PATH, VllmMetric
 
-MODELS_PATH = "/v1/models"
+RUNNING, WAITING, MAX_LORA = LORA_INFO_LABELS
 MODELS_REFRESH_SECONDS = 2.0
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -86,11 +86,10 @@ def parse_lora_info(text: str) -> LoraLoad | None:
         return None
     labels = best[1]
     try:
-        max_lora = int(float(labels.get("max_lora", "0")))
+        max_lora = int(float(labels.get(MAX_LORA, "0")))
     except ValueError:
         max_lora = 0
-    return LoraLoad(_names(labels.get("running_lora_adapters", "")), _names(labels.get("waiting_lora_adapters", "")),
-                    max_lora)
+    return LoraLoad(_names(labels.get(RUNNING, "")), _names(labels.get(WAITING, "")), max_lora)
 
 
 def union_cards(lists: Iterable[ServedModels]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from kvmesh.engine.protocol import (
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
+    MODELS_PATH,
     KVBlocksSnapshot,
     KVConfig,
     KVEventBatch,
@@ -36,7 +37,7 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
-from kvmesh.router.lora import MODELS_PATH, MODELS_REFRESH_SECONDS, LoraLoad, ServedModels, parse_lora_info
+from kvmesh.router.lora import MODELS_REFRESH_SECONDS, LoraLoad, ServedModels, parse_lora_info
 from kvmesh.router.picker import PodState
 
 log = logging.getLogger("kvmesh.router.pods")

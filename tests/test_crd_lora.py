@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from kvmesh.engine.config import load_config
+from kvmesh.engine.protocol import DEFAULT_MAX_LORAS
 from kvmesh.operator.crd import MAX_LORA_ADAPTERS, SpecError, complete_spec, defaulted_spec, parse_pool, spec_schema
 from kvmesh.operator.desired import config_files, desired_objects
 from kvmesh.operator.local import local_engine_settings
@@ -128,6 +129,8 @@ RULE_BAD = [
     ([{"name": "poet", "path": "/adapters/poetry", "volumeClaim": "poet-weights"}], {}, "that directory or one below"),
     ([{"name": "smollm2-135m-instruct", "path": "/models/a"}], {}, "the model's own name"),
     ([{"name": "a", "path": "/models/a"}, {"name": "b", "path": "/models/b"}], {"maxLoras": 1}, "maxLoras"),
+    # without maxLoras the engines' default holds: more adapters would leave every engine refusing to start
+    ([{"name": f"a{i}", "path": f"/models/a{i}"} for i in range(DEFAULT_MAX_LORAS + 1)], {}, "default"),
 ]
 
 

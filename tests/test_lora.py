@@ -259,6 +259,10 @@ def test_lora_modules_from_flags_and_yaml(tmp_path: Path) -> None:
         load_config(None, {"lora_modules": ["nopath"]})
     with pytest.raises(ValueError, match="max_loras is 1"):
         load_config(None, {"lora_modules": ["a=/x", "b=/y"], "max_loras": 1})
+    for bad in ("sql,v2", 'a"b', " ", "-lead"):  # a comma would split vllm:lora_requests_info's lists
+        with pytest.raises(ValueError, match=r"adapter name|non-empty"):
+            load_config(None, {"lora_modules": {bad: "/x"}})
+    assert load_config(None, {"lora_modules": {"org/sql-v2.1": "/x"}}).lora_modules == {"org/sql-v2.1": "/x"}
 
 
 # ---- the HTTP edge ----------------------------------------------------------------------------------------
@@ -351,6 +355,7 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
     refused(LOAD_LORA_PATH, {"lora_name": "qv", "lora_path": str(adapters["qv"])}, 400, "already loaded")
     refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(adapters["all"])}, 409, "max_loras = 2")
     refused(LOAD_LORA_PATH, {"lora_name": "x"}, 400, "lora_path")
+    refused(LOAD_LORA_PATH, {"lora_name": "a,b", "lora_path": str(adapters["qv"])}, 400, "lora_name")
     refused(UNLOAD_LORA_PATH, {"lora_name": "nope"}, 404, "no LoRA adapter named 'nope'")
     assert http.post(UNLOAD_LORA_PATH, json={"lora_name": "qv"}).status_code == 200
     refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(tmp_path / "none")}, 400, "adapter_config.json")
