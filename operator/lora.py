@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from kvmesh.engine.protocol import LOAD_LORA_PATH, LORA_ACTIONS, LORA_OUTCOMES, UNLOAD_LORA_PATH
+from kvmesh.engine.protocol import LOAD_LORA_PATH, LORA_ACTIONS, LORA_OUTCOMES, MODELS_PATH, UNLOAD_LORA_PATH
 from kvmesh.operator.crd import Pool
 
 LOAD, UNLOAD = LORA_ACTIONS
@@ -175,7 +175,7 @@ Caller = Callable[[str, AdapterAction], tuple[int | None, str]]  # engine URL, a
 
 
 def http_served(url: str) -> dict[str, str]:
-    reply = httpx.get(url + "/v1/models", timeout=MODELS_TIMEOUT_SECONDS)
+    reply = httpx.get(url + MODELS_PATH, timeout=MODELS_TIMEOUT_SECONDS)
     reply.raise_for_status()
     return served_adapters(reply.json())
 
