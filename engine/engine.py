@@ -34,6 +34,7 @@ from kvmesh.engine.model import loader
 from kvmesh.engine.model.llama import Llama
 from kvmesh.engine.model.lora import LoadedLora, LoraAdapter, LoraConflict, LoraError, LoraRegistry, read_adapter
 from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmesh.engine.openai_types import MODEL_NOT_FOUND
 from kvmesh.engine.protocol import HashAlgo, KVConfig, KVEvent
 from kvmesh.engine.request import Request, RequestOutput, Status
 from kvmesh.engine.runner import ModelRunner, StepInput
@@ -494,7 +495,7 @@ class Engine:
             self.requests[request.request_id] = request
             if request.extra.lora is not None and request.extra.lora not in self.loras.loaded:
                 self._finish(request, "error", error=f"LoRA adapter {request.extra.lora!r} was unloaded before "
-                                                     f"this request started")
+                                                     f"this request started", error_code=MODEL_NOT_FOUND)
                 continue
             try:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
@@ -675,6 +676,7 @@ class Engine:
         reason: str,
         error: str | None = None,
         last: tuple[list[int], str, float | None, list[tuple[int, float]] | None] | None = None,
+        error_code: str | None = None,
     ) -> None:
         if r.status is Status.FINISHED:
             return
@@ -684,7 +686,9 @@ class Engine:
         self._tier_tokens.pop(r.request_id, None)
         self._swapped.discard(r.request_id)
         handoff = None
-        if r.handoff_ttl is not None and reason in ("stop", "length") and error is None:
+        # a handoff keeps the request's blocks; one finished as it arrived (a constraint already complete) has none
+        kept = r.handoff_ttl is not None and r.request_id in self.kv.seqs
+        if kept and reason in ("stop", "length") and error is None:
             handle = uuid.uuid4().hex
             self.kv.rename(r.request_id, f"handle:{handle}")  # the blocks outlive the request, until pulled
             self.handles[handle] = time.monotonic() + r.handoff_ttl
@@ -715,6 +719,7 @@ class Engine:
                 _one(top),
                 finish_reason=reason,
                 error=error,
+                error_code=error_code,
                 prompt_tokens=len(r.prompt_ids),
                 cached_tokens=r.cached_tokens,
                 completion_tokens=r.num_generated,

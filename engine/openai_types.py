@@ -404,6 +404,9 @@ class ChatRequest(_Common):
         return {t.function.name for t in self.tools or []}
 
 
+MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model (here also an adapter) nobody serves
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""

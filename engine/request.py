@@ -30,6 +30,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None  # what the error is to a client, where it is not the engine's fault (model_not_found)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

@@ -30,6 +30,7 @@ from kvmesh.engine.engine import Engine
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
 from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
 from kvmesh.engine.openai_types import (
+    MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
     FetchRequest,
@@ -344,7 +345,7 @@ class _Completions:
         if b.model is not None and b.model != e.model_name and b.model not in e.loras.loaded:
             served = ", ".join(repr(n) for n in [e.model_name, *e.loras.names()])
             raise ApiError(404, f"model {b.model!r} does not exist; this engine serves {served}",
-                           param="model", code="model_not_found")
+                           param="model", code=MODEL_NOT_FOUND)
         transfer = b.kv_transfer
         if transfer is not None and transfer.mode == "prefill" and (b.stream or b.n > 1):
             raise ApiError(400, "a kv_transfer prefill is one non-streamed choice", param="kv_transfer")
@@ -511,7 +512,10 @@ class _Completions:
             while job.open:
                 index, out = await job.next(self.http)
                 if out.error and out.finish_reason not in ("stop", "length"):
-                    yield f"data: {json.dumps(error_body(out.error, 'server_error'))}\n\n"
+                    gone = out.error_code == MODEL_NOT_FOUND
+                    body = (error_body(out.error, param="model", code=MODEL_NOT_FOUND) if gone
+                            else error_body(out.error, "server_error"))
+                    yield f"data: {json.dumps(body)}\n\n"
                     continue
                 if out.finish_reason is not None:
                     finals[index] = out
@@ -566,9 +570,8 @@ class _Completions:
             final = outs[-1]
             finals[index] = final
             if final.error and final.finish_reason not in ("stop", "length"):
-                if self.model != self.engine.model_name and self.model not in self.engine.loras.loaded:
-                    # the adapter was unloaded between the check above and the engine taking the request
-                    raise ApiError(404, final.error, param="model", code="model_not_found")
+                if final.error_code == MODEL_NOT_FOUND:  # its adapter was unloaded after the check above
+                    raise ApiError(404, final.error, param="model", code=MODEL_NOT_FOUND)
                 raise ApiError(500, final.error, code="engine_error")
             text = "".join(o.new_text for o in outs)
             if self.chat:

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.model.tokenizer import Tokenizer
-from kvmesh.engine.openai_types import ChatRequest, CompletionRequest, error_body
+from kvmesh.engine.openai_types import MODEL_NOT_FOUND, ChatRequest, CompletionRequest, error_body
 from kvmesh.engine.protocol import (
     CACHE_SALT_FIELD,
     KV_TRANSFER_FIELD,
@@ -439,7 +439,7 @@ class Router:
             served = {name for p in states if p.healthy for name in (p.models or {p.model})}
             if served and info.model not in served:
                 raise RouteError(404, f"The model `{info.model}` does not exist; this pool serves "
-                                      f"{', '.join(sorted(served))}", code="model_not_found")
+                                      f"{', '.join(sorted(served))}", code=MODEL_NOT_FOUND)
         return pick(info, states, view.matches, self.picker, roles)
 
     def models(self) -> dict[str, Any]:

@@ -222,6 +222,7 @@ def test_a_request_for_an_adapter_unloaded_before_it_was_queued_ends_with_an_err
     lora_engine.submit(request)
     lora_engine.run_until_idle()
     assert outputs[-1].finish_reason == "error" and "'gone' was unloaded" in (outputs[-1].error or "")
+    assert outputs[-1].error_code == "model_not_found"  # a client's 404, not the engine's 500
 
 
 def test_int8_base_with_an_adapter_stays_near_the_merged_model(tiny_dir: Path, adapters: dict[str, Path],

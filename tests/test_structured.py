@@ -377,6 +377,17 @@ def test_prefill_decode_handoff_between_two_engines(tiny_dir: Path, url: str) ->
     jsonschema.validate(json.loads(first["choices"][0]["text"] + rest.json()["choices"][0]["text"]), SCHEMA)
 
 
+def test_a_prefill_whose_constraint_is_complete_at_once_answers_without_a_handle(url: str) -> None:
+    """The only choice is empty: the request ends as it arrives, holding no blocks, so there is nothing to hand
+    off; it must answer (the decode pod is not needed), not fail on a handle with no blocks."""
+    reply = post(url, "/v1/completions", prompt="Pick:", max_tokens=4, structured_outputs={"choice": [""]},
+                 kv_transfer={"mode": "prefill"})
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["text"] == ""
+    assert "kv_transfer" not in answer
+
+
 def test_metrics_count_kinds_and_mask_time(url: str) -> None:
     def read() -> dict[tuple[str, str], float]:
         families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
