@@ -5,6 +5,7 @@ schema, regex or grammar as the engine does; the matchers and masks are engine/s
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +47,19 @@ class Constraint:
 
 def check(constraint: Constraint) -> None:
     """Raise ValueError with llguidance's message when the constraint is not a valid grammar. Needs no tokenizer,
-    so the router's request parsing refuses a bad schema or regex as the engine's does."""
+    so the router's request parsing refuses a bad schema or regex as the engine's does. Verdicts are remembered:
+    agents send the same schema with every request, and compiling a large one takes tens of milliseconds."""
+    problem = _problem(constraint.kind, json.dumps(constraint.spec, sort_keys=True))
+    if problem is not None:
+        raise ValueError(problem)
+
+
+@functools.lru_cache(maxsize=1024)
+def _problem(kind: str, spec_json: str) -> str | None:
+    constraint = Constraint(kind, json.loads(spec_json), "check")
     try:
         grammar = constraint.grammar()
     except ValueError as exc:
-        raise ValueError(f"invalid {constraint.kind}: {exc}") from None
+        return f"invalid {kind}: {exc}"
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(f"invalid {constraint.kind}: {messages[0].strip()}")
+    return f"invalid {kind}: {messages[0].strip()}" if is_error else None

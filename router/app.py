@@ -376,11 +376,15 @@ class Router:
         return ids
 
     async def admit(self, payload: bytes, headers: Mapping[str, str], chat: bool) -> Admitted:
-        """Validate, authenticate, salt, tokenize and hash one request, the same whichever edge received it (this
-        HTTP app, or a Gateway's ext_proc stream): RouteError (400, 401) when it cannot be served."""
+        """Authenticate, validate, salt, tokenize and hash one request, the same whichever edge received it (this
+        HTTP app, or a Gateway's ext_proc stream): RouteError (401, 400) when it cannot be served. The key comes
+        first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send."""
+        tenant = self.authenticate(headers)
+        model = ChatRequest if chat else CompletionRequest
         try:
             raw = json.loads(payload)
-            body = (ChatRequest if chat else CompletionRequest).model_validate(raw)
+            small = len(payload) <= INLINE_TOKENIZE_BYTES
+            body = model.model_validate(raw) if small else await asyncio.to_thread(model.model_validate, raw)
             priority = parse_priority(headers.get(PRIORITY_HEADER))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RouteError(400, "malformed JSON") from None
@@ -389,7 +393,6 @@ class Router:
             raise RouteError(400, problems) from None
         except ValueError:
             raise RouteError(400, f"{PRIORITY_HEADER} must be an integer") from None
-        tenant = self.authenticate(headers)
         dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]
         body.kv_transfer = body.resume_output_ids = None
         if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks

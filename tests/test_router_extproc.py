@@ -542,11 +542,14 @@ async def test_every_stream_needs_the_api_key_also_those_decided_at_the_headers(
     payload = json.dumps(completion(20)).encode()
     without = [[request_headers("/v1/models", "GET", end_of_stream=True)],
                [request_headers("/v1/models", "GET", end_of_stream=True, mode=ProcessingMode.NONE)],
-               [request_headers(authorization="Bearer wrong"), *body_chunks(payload)]]
+               [request_headers(authorization="Bearer wrong"), *body_chunks(payload)],
+               # the key is checked before the body: no schema is compiled for a client that may not send
+               [request_headers(), *body_chunks(json.dumps(completion(20, response_format={
+                   "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})).encode())]]
     for messages in without:
         status, error, _ = refusal((await full_duplex(stub, messages))[0])
         assert status == 401 and error["error"]["code"] == "invalid_api_key"
-    assert counted(router, "error") == 3
+    assert counted(router, "error") == 4
     key = {"authorization": "Bearer sk-acme"}
     models = await full_duplex(stub, [request_headers("/v1/models", "GET", end_of_stream=True, **key)])
     assert refusal(models[0])[0] == 200
