@@ -200,11 +200,20 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # vLLM's: refused (JSON here is written with fixed separators)
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer: KVTransfer | None = None
     resume_output_ids: list[int] | None = None
     return_token_ids: bool = False
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _no_whitespace_pattern(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("is not supported: JSON is written with fixed separators (a schema may choose its own "
+                             "with llguidance's x-guidance options)")
+        return value
 
     @field_validator("stop")
     @classmethod

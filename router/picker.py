@@ -39,7 +39,7 @@ class PodState:
     model: str = ""  # the base model (its KV config's)
     models: frozenset[str] = frozenset()  # every name it answers to: the base model and its loaded adapters
     adapters_active: frozenset[str] = frozenset()  # adapters with requests running or waiting there
-    adapters_running: int = 0  # adapters in its slots now
+    adapters_running: int = 0  # adapters with requests running there (what a vLLM-like engine holds in its slots)
     max_loras: int = 0  # its adapter slots (0: unknown, or no LoRA)
     healthy: bool = True
     draining: bool = False

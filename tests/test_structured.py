@@ -267,6 +267,8 @@ def test_request_shapes(body: dict, kind: str | None) -> None:
     ({"guided_json": "{not json"}, "guided_json", "not JSON"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "Extra inputs"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern",
+     "not supported"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
     ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "", "at most one"),
