@@ -716,6 +716,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             if reply.status in RETRYABLE or (require_ok and reply.status != 200):
                 booking.close()
                 continue
+            if reply.status == 404 and trace.info.lora is not None and pod.served is not None:
+                # the adapter was unloaded there since its list was read: another pod may still serve it
+                pod.served = pod.served.without(trace.info.lora)
+                booking.close()
+                continue
             router.metrics.decisions.labels(decision.reason).inc()
             return booking, reply, decision
         return None

@@ -4,7 +4,8 @@ card per loaded adapter with its `parent`), and which adapters it is running now
 
 Adapters come and go at run time (`/v1/load_lora_adapter`), so the router re-reads each pod's `/v1/models`
 every MODELS_REFRESH_SECONDS: a freshly loaded adapter is routed to within that bound (plus one scrape), and a
-pod that unloaded one may still get its requests for as long (it answers them 404, which the client sees).
+pod that unloaded one may still get its requests for as long (it answers them 404, and the HTTP edge tries the
+next pod serving the adapter).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class ServedModels:
             raise ValueError(f"{MODELS_PATH} did not answer a list of models with ids")
         adapters = {c["id"]: str(c["parent"]) for c in data if c.get("parent")}
         return cls(frozenset(c["id"] for c in data), adapters, tuple(dict(c) for c in data))
+
+    def without(self, model: str) -> ServedModels:
+        """The list less `model`: what a pod that just answered 404 for it serves until its list is read again."""
+        return ServedModels(self.names - {model}, {k: v for k, v in self.adapters.items() if k != model},
+                            tuple(c for c in self.cards if c.get("id") != model))
 
     @classmethod
     def base_only(cls, model: str) -> ServedModels:

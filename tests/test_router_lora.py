@@ -296,3 +296,35 @@ def test_a_disaggregated_adapter_request_is_handed_to_a_decode_engine_serving_th
             assert reply.json()["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
         assert metric(urls["decode-sql"], f"{Metric.KV_TRANSFERS}_total", kind="handoff", outcome="failed") == 0
         assert metric(urls["decode-sql"], f"{Metric.KV_TRANSFERS}_total", kind="handoff", outcome="ok") >= 3
+
+
+@pytest.mark.slow
+def test_a_pod_that_unloaded_the_adapter_since_its_list_was_read_is_skipped_for_the_next(
+    tiny_dir: Path, tmp_path: Path,
+) -> None:
+    """Within the list's refresh lag the router may still send an adapter's request to a pod that unloaded it:
+    its 404 sends the request on to another pod serving the adapter, and the router stops counting on that pod."""
+    sql = write_adapter(tmp_path / "sql", seed=1)
+    with ExitStack() as stack:
+        urls = [stack.enter_context(serve_engine(make_engine(tiny_dir, lora_modules={"sql": str(sql)},
+                                                             max_loras=2, max_lora_rank=8))) for _ in range(2)]
+        router = build_router(RouterConfig(pods=urls, scrape_interval_seconds=0.1), tiny_dir)
+        url = stack.enter_context(serve_router(router))
+        wait_for(lambda: all(router.pods.pods[u].served is not None and "sql" in router.pods.pods[u].served.names
+                             for u in urls), "the router never read both engines' adapters")
+        body = {"model": "sql", "prompt": [(i * 104729) % 48000 + 200 for i in range(70)], "max_tokens": 2}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        holder = first.headers["x-kvmesh-pod"]
+        other = next(u for u in urls if u != holder)
+        info = router.request_info(CompletionRequest.model_validate(body), 0)
+        held = lambda: router.index.match(info.block_hashes, [holder]).get(holder)  # noqa: E731
+        wait_for(lambda: held() is not None and held().blocks == 4,  # type: ignore[union-attr]
+                 "the holder's KV events never arrived")
+        router.pods.pods[holder].served_at = time.monotonic() + 3600  # its list is not read again in this test
+        assert httpx.post(holder + UNLOAD_LORA_PATH, json={"lora_name": "sql"}, timeout=60).status_code == 200
+
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60)  # the prefix points at the holder
+        assert again.status_code == 200, again.text
+        assert again.headers["x-kvmesh-pod"] == other
+        assert router.metrics.retries._value.get() == 1
+        assert "sql" not in router.pods.pods[holder].served.names  # not tried again before its list is read
