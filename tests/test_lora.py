@@ -203,6 +203,18 @@ def test_cascade_decode_groups_an_adapters_requests_and_matches_the_reference(
         assert got.tokens == hf_greedy(references[name], ids, 6)[0]
 
 
+def test_preempted_adapter_requests_recompute_with_their_adapter(lora_engine: Engine, tiny_dir: Path,
+                                                                   adapters: dict[str, Path]) -> None:
+    """A request preempted by recompute gets its adapter's slot back when it runs again: under memory pressure
+    every request of a base/adapter mix produces what it produces with memory to spare."""
+    jobs = [(name, prompt(60 + k, 40)) for k, name in enumerate([None, "all", "qv", "all", None, "qv"])]
+    expected = [r.tokens for r in run(lora_engine, jobs, max_tokens=40)]
+    modules = {name: str(path) for name, path in adapters.items()}
+    tight = make_engine(tiny_dir, lora_modules=modules, kv_cache_blocks=12)  # 80 tokens = 5 blocks: two fit
+    assert [r.tokens for r in run(tight, jobs, max_tokens=40)] == expected
+    assert tight.scheduler.num_preemptions > 0
+
+
 def test_prefix_cache_is_kept_apart_per_adapter(lora_engine: Engine) -> None:
     ids = prompt(30, 40)
     first = run(lora_engine, [("all", ids)])[0]

@@ -104,6 +104,24 @@ def test_json_schema_output_validates(engine: Engine, temperature: float) -> Non
     jsonschema.validate(json.loads(text(outs)), SCHEMA)
 
 
+def test_preempted_constrained_requests_resume_their_matchers_exactly(tiny_dir: Path) -> None:
+    """Under memory pressure requests are preempted and recomputed; a matcher lives with its request's tokens,
+    not its KV, so a recomputed request goes on where it stopped: every output the same as with memory to spare,
+    and every one valid."""
+    def outputs(engine: Engine) -> list[list[int]]:
+        reqs = [request(engine, Constraint("json_schema", SCHEMA, "x"), seed=s) for s in range(6)]
+        done = run(engine, reqs)
+        assert all(o[-1].error is None for o in done)
+        for o in done:
+            if o[-1].finish_reason == "stop":
+                jsonschema.validate(json.loads(text(o)), SCHEMA)
+        return [tokens(o) for o in done]
+
+    tight = make_engine(tiny_dir, kv_cache_blocks=14)  # a prompt and 60 tokens take 5 blocks: two or three fit
+    assert outputs(tight) == outputs(make_engine(tiny_dir))
+    assert tight.scheduler.num_preemptions > 0
+
+
 def test_unconstrained_tiny_model_writes_no_json(engine: Engine) -> None:
     """The control: the same request without the mask is not JSON, so the test above measures the mask."""
     (outs,) = run(engine, [request(engine, None, max_tokens=40)])
