@@ -38,7 +38,7 @@ from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
-from kvmesh.operator.lora import REFUSED, AdapterMemory, EnginePod, summarize, sync_pool
+from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, summarize, sync_pool
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
@@ -332,8 +332,8 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     operator_metrics.record(pool, decision, replicas, before)
     # after scaling: a scale-up decided now must not wait behind the copies of the last one's pods
     warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
-    if adapters is not None:
-        sync_adapters(pool, body, pods, adapters, operator_metrics)
+    if adapters is not None and (loaded := sync_adapters(pool, body, pods, adapters, operator_metrics)) is not None:
+        state.condition(status, "AdaptersLoaded", loaded.ok, loaded.reason, loaded.message, generation)
     ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
              for role in pool.roles}
     router_ready = int(((deployments.get("router") or {}).get("status") or {}).get("readyReplicas") or 0)
@@ -381,13 +381,14 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
 
 
 def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapters: AdapterMemory,
-                  operator_metrics: OperatorMetrics) -> None:
+                  operator_metrics: OperatorMetrics) -> AdapterStatus | None:
     """Load and unload LoRA adapters in the Ready engine pods so they serve what the spec declares
     (operator/lora.py); count the actions, post a Warning Event for each refusal (once: it is not retried), and
-    log every action and a tick that leaves engines out of step."""
+    log every action and a tick that leaves engines out of step. The pool's AdaptersLoaded condition: None for
+    a pool that declares no adapters and had none to unload."""
     declared = desired.engine_adapters(pool)
     if declared is None:
-        return
+        return None
     port = pool.spec["engine"]["port"]
     ready = [EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port),
                        sum(int(c.get("restartCount") or 0) for c in p["status"].get("containerStatuses") or []))
@@ -405,6 +406,8 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     summary = summarize(syncs, declared)
     if not summary.ok:
         log.info("pool %s/%s adapters %s: %s", pool.namespace, pool.name, summary.reason, summary.message)
+    acted = any(s.results or s.held for s in syncs)
+    return summary if declared or acted else None
 
 
 def run(config: OperatorConfig) -> None:

@@ -38,7 +38,7 @@ from kvmesh.operator.metrics import OperatorMetrics
 from .conftest import make_engine
 from .engines import serve_engine
 from .test_lora import ATTN_QV, write_adapter
-from .test_operator import NS, POOLS, eventually, operator, pod_body, pool_body, run
+from .test_operator import NS, POOLS, conditions, eventually, operator, pod_body, pool_body, run
 
 # ---- the plan --------------------------------------------------------------------------------------------------------
 
@@ -262,6 +262,8 @@ def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolli
 
             ticking = asyncio.create_task(clock())
             await eventually(lambda: served_by(engine_url) == {"a": weights["a"], "b": weights["b"]})
+            loaded = await eventually(lambda: conditions(env).get("AdaptersLoaded"))
+            assert (loaded["status"], loaded["reason"]) == ("True", "Loaded")
 
             await env.k8s.patch(f"{POOLS}/chat", json={"spec": spec({"b": weights["b-v2"]})})
             await eventually(lambda: env.events("AdapterRefused"))
@@ -272,6 +274,9 @@ def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolli
                 await asyncio.sleep(0.2)
             (event,) = env.events("AdapterRefused")
             assert "other weights" in event["message"] and "new name" in event["message"]
+            refused = await eventually(lambda: conditions(env)["AdaptersLoaded"]["reason"] == "Refused"
+                                       and conditions(env)["AdaptersLoaded"])
+            assert refused["status"] == "False" and "chat-both-0" in refused["message"]
             assert env.sample(f"{OperatorMetric.LORA_ACTIONS}_total", role="both", action="load",
                               outcome="refused") == 1
             ticking.cancel()
