@@ -17,6 +17,7 @@ from .promql import CHART, RULES, promtool
 
 POOL = 'namespace="ml", pool="chat"'
 WHERE = {"namespace": "ml", "pool": "chat"}
+OPERATOR = 'pool_namespace="ml", pool="chat", namespace="kvmesh-system", pod="kvmesh-operator-0"'
 
 
 def alert(name: str, labels: dict[str, str], summary: str, description: str) -> dict[str, Any]:
@@ -91,6 +92,30 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [(f'kvmesh_warmup_gate_opened_total{{reason="warmed", pod="e1", role="decode", {POOL}}}', "0x5 1x10"),
          (f'kvmesh_warmup_gate_opened_total{{reason="grace_expired", pod="e1", role="decode", {POOL}}}', "0x15")],
         "10m", []),
+    "an adapter refused": (
+        # the operator's series: the pool's namespace as pool_namespace, its own pod's as the target's namespace
+        [(f'kvmesh_operator_lora_actions_total{{action="load", outcome="refused", role="decode", {OPERATOR}}}',
+          "0x20 1x30"),
+         (f'kvmesh_operator_lora_actions_total{{action="load", outcome="ok", role="decode", {OPERATOR}}}',
+          "0x20 2x30")],
+        "40m",
+        [alert("KvmeshLoraAdapterRefused", {"severity": "warning", **WHERE},
+               "Pool ml/chat: an engine refused a LoRA adapter",
+               "Engines refused 1 adapter load(s) or unload(s) in the last hour, not retried: the pool's "
+               "AdaptersLoaded condition and its AdapterRefused Events say which engine and why. Fix the adapter "
+               "in spec.model.loraAdapters; give new weights a new name.")]),
+    "an adapter refused over an hour ago": (
+        [(f'kvmesh_operator_lora_actions_total{{action="load", outcome="refused", role="decode", {OPERATOR}}}',
+          "0x20 1x90")],
+        "100m", []),
+    "adapters loaded and retried": (
+        [(f'kvmesh_operator_lora_actions_total{{action="load", outcome="retry", role="decode", {OPERATOR}}}',
+          "0+1x30"),
+         (f'kvmesh_operator_lora_actions_total{{action="unload", outcome="ok", role="decode", {OPERATOR}}}',
+          "0+1x30"),
+         (f'kvmesh_operator_lora_actions_total{{action="load", outcome="refused", role="decode", {OPERATOR}}}',
+          "0x30")],
+        "25m", []),
     "one engine down": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"),
          (f'up{{pod="e1", role="decode", {POOL}}}', "1x10"),
@@ -140,7 +165,8 @@ def test_the_rule_file_is_valid() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
-                                     "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached"])
+                                     "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached",
+                                     "KvmeshLoraAdapterRefused"])
 
 
 def test_every_alert_is_seen_firing() -> None:

@@ -36,8 +36,10 @@ REQUIRED_PANELS = {
                          "Hit tokens by tier", "Hit length per request", "Evictions by tier and reason",
                          "Block lifetime", "Reuse gap", "Forecast against actual usage"],
     "routing.json": ["Decisions by reason", "Predicted against actual cached tokens", "Retries, migrations and pulls",
-                     "429s by priority", "Running and waiting requests per pod"],
-    "latency.json": ["Time to first token", "Inter-token latency", "Time per output token"],
+                     "429s by priority", "Running and waiting requests per pod", "LoRA adapters loaded per pod",
+                     "Adapters with running and waiting requests", "Operator adapter actions"],
+    "latency.json": ["Time to first token", "Inter-token latency", "Time per output token",
+                     "Constrained requests by kind", "Mask cost per token"],
     "scaling.json": ["Ready replicas per role", "Predicted KV usage", "Scaling decisions"],
 }
 
