@@ -36,6 +36,7 @@ class OperatorMetrics:
         self._lora_keys: set[tuple[str, str, str]] = set()
 
     def record(self, pool: Pool, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
+        self.record_adapters(pool, ())  # the adapter series exist from the pool's first tick, with or without any
         for role, d in decision.roles.items():
             key = (pool.namespace, pool.name, role)
             self._keys.add(key)
