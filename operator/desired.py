@@ -173,7 +173,8 @@ def config_hash(pool: Pool) -> str:
     """The pod templates' hash of the files, less the adapter list: the operator loads and unloads adapters in
     running engines (operator/lora.py), so a changed list must not roll them; a new pod reads the whole file at
     start. (An adapter on its own volumeClaim still rolls them: its volume is in the pod template.)"""
-    engine = {k: v for k, v in engine_settings(pool).items() if k != LORA_MODULES}
+    managed = engine_adapters(pool) is not None  # a list of name=path is not kept in step: it rolls the pods
+    engine = {k: v for k, v in engine_settings(pool).items() if k != LORA_MODULES or not managed}
     return hashlib.sha256(json.dumps(_files(engine, router_settings(pool)), sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -390,11 +390,22 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     if declared is None:
         return None
     port = pool.spec["engine"]["port"]
-    ready = [EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port),
-                       sum(int(c.get("restartCount") or 0) for c in p["status"].get("containerStatuses") or []))
-             for p in pods if pod_ready(p) and (p.get("status") or {}).get("podIP")
-             and not p["metadata"].get("deletionTimestamp")]
-    syncs = sync_pool(ready, declared, adapters)
+    claims = {a["volumeClaim"] for a in pool.spec["model"]["loraAdapters"] if "volumeClaim" in a}
+
+    def engine(p: dict[str, Any]) -> EnginePod:
+        return EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port),
+                         sum(int(c.get("restartCount") or 0) for c in (p.get("status") or {}).get("containerStatuses")
+                             or []))
+
+    def mounts_every_claim(p: dict[str, Any]) -> bool:  # a pod of the template before an adapter's claim was added
+        mounted = {(v.get("persistentVolumeClaim") or {}).get("claimName") for v in (p.get("spec") or {}).get(
+            "volumes") or []}
+        return claims <= mounted
+
+    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    ready = [engine(p) for p in alive if pod_ready(p) and (p.get("status") or {}).get("podIP")
+             and mounts_every_claim(p)]
+    syncs = sync_pool(ready, declared, adapters, alive={engine(p).life for p in alive})
     operator_metrics.record_adapters(pool, syncs)
     for sync in syncs:
         for result in sync.results:

@@ -14,6 +14,7 @@ Kopf-free: the cluster operator (operator/handlers.py) calls `sync_pool` from it
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,13 +78,23 @@ def served_adapters(models: Any) -> dict[str, str]:
     return {c["id"]: c["root"] for c in adapters}
 
 
+def same_directory(a: str | None, b: str | None) -> bool:
+    """Whether two spellings name one directory (`/adapters/sql/` and `/adapters/./sql`): the engine reports the
+    path it opened, normalized."""
+    return a is not None and b is not None and posixpath.normpath(a) == posixpath.normpath(b)
+
+
 def plan_adapters(declared: Mapping[str, str], served: Mapping[str, str],
-                  refused: Collection[AdapterAction] = ()) -> AdapterPlan:
-    """What one engine must do to serve exactly `declared` (name -> directory) given what it `served`: unload the
-    names no longer declared or declared with another directory, then load the missing ones, each by name. An
-    action this engine `refused` before is held back (the spec must change for it to be tried again)."""
-    unloads = [AdapterAction(UNLOAD, n) for n in sorted(served) if declared.get(n) != served[n]]
-    loads = [AdapterAction(LOAD, n, declared[n]) for n in sorted(declared) if served.get(n) != declared[n]]
+                  refused: Collection[AdapterAction] = (), managed: Collection[str] | None = None) -> AdapterPlan:
+    """What one engine must do to serve `declared` (name -> directory) given what it `served`: unload the names it
+    manages (`managed`: default every name) that are no longer declared or declared with another directory, then
+    load the missing ones, each by name. An adapter someone loaded by hand under a name the operator never managed
+    stays. An action this engine `refused` before is held back (the spec must change for it to be tried again)."""
+    managed = served.keys() if managed is None else managed
+    unloads = [AdapterAction(UNLOAD, n) for n in sorted(served)
+               if n in managed and not same_directory(declared.get(n), served[n])]
+    loads = [AdapterAction(LOAD, n, declared[n]) for n in sorted(declared)
+             if not same_directory(served.get(n), declared[n])]
     wanted = unloads + loads
     return AdapterPlan(tuple(a for a in wanted if a not in refused), tuple(a for a in wanted if a in refused))
 
@@ -152,6 +163,8 @@ def summarize(syncs: Sequence[EngineSync], declared: Mapping[str, str]) -> Adapt
         [f"{s.pod.name}: {r.message}" for s in syncs for r in s.results if r.outcome == RETRY]
     if pending:
         return AdapterStatus(False, "Pending", "; ".join(pending))
+    if declared and not syncs:
+        return AdapterStatus(False, "Pending", "no ready engine to load them into")
     return AdapterStatus(True, "Loaded", f"{len(declared)} adapters on {len(syncs)} ready engines")
 
 
@@ -164,9 +177,11 @@ class AdapterMemory:
     was posted once)."""
 
     refused: dict[tuple[str, int], set[AdapterAction]] = field(default_factory=dict)
+    declared_before: set[str] = field(default_factory=set)  # every name the spec has declared: the ones it manages
 
     def keep_only(self, lives: Collection[tuple[str, int]]) -> None:
-        """Forget engines that are gone or restarted: a replacement starts with a clean slate."""
+        """Forget engines that are gone or restarted (a replacement starts with a clean slate); an engine that is
+        only not Ready for a moment keeps what it refused."""
         self.refused = {p: a for p, a in self.refused.items() if p in lives}
 
 
@@ -198,14 +213,14 @@ def http_act(url: str, action: AdapterAction) -> tuple[int | None, str]:
 
 
 def sync_engine(pod: EnginePod, declared: Mapping[str, str], memory: AdapterMemory, read: Reader = http_served,
-                act: Caller = http_act) -> EngineSync:
+                act: Caller = http_act, managed: Collection[str] | None = None) -> EngineSync:
     """Plan and carry out one engine's actions; a refusal is remembered. A name whose unload failed is not loaded
     (the engine would refuse it as already loaded)."""
     try:
         served = read(pod.url)
     except (httpx.HTTPError, ValueError) as exc:
         return EngineSync(pod, error=f"could not read its adapters: {exc!r}")
-    plan = plan_adapters(declared, served, memory.refused.get(pod.life, set()))
+    plan = plan_adapters(declared, served, memory.refused.get(pod.life, set()), managed)
     results: list[ActionResult] = []
     still_loaded: set[str] = set()
     for action in plan.actions:
@@ -221,11 +236,15 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], memory: AdapterMemo
 
 
 def sync_pool(pods: Sequence[EnginePod], declared: Mapping[str, str], memory: AdapterMemory,
-              read: Reader = http_served, act: Caller = http_act) -> list[EngineSync]:
-    """Sync every engine in `pods` (the ready ones), in parallel, in the order given; forget engines not among
-    them."""
-    memory.keep_only({p.life for p in pods})
-    if not pods:
+              read: Reader = http_served, act: Caller = http_act,
+              alive: Collection[tuple[str, int]] | None = None) -> list[EngineSync]:
+    """Sync every engine in `pods` (the ready ones), in parallel, in the order given; forget engines not `alive`
+    (default: not among `pods`). Only names the spec declares or declared before are unloaded; a pool that never
+    declared an adapter is not read at all."""
+    memory.keep_only({p.life for p in pods} if alive is None else alive)
+    memory.declared_before |= declared.keys()
+    if not pods or not memory.declared_before:
         return []
+    managed = set(memory.declared_before)
     with ThreadPoolExecutor(max_workers=min(SYNC_WORKERS, len(pods)), thread_name_prefix="lora") as workers:
-        return list(workers.map(lambda p: sync_engine(p, declared, memory, read, act), pods))
+        return list(workers.map(lambda p: sync_engine(p, declared, memory, read, act, managed), pods))

@@ -72,6 +72,40 @@ def test_a_base_model_only_engine_serves_no_adapters_and_loads_the_declared_ones
         served_adapters({"data": [{"id": "sql", "parent": "smol"}]})
 
 
+def test_another_spelling_of_the_same_directory_is_no_change() -> None:
+    """The engine reports the path it opened, normalized: `/adapters/sql/` in the spec must not unload and load
+    the adapter again at every tick."""
+    assert plan_adapters({"sql": "/adapters/sql/"}, {"sql": "/adapters/sql"}).actions == ()
+    assert plan_adapters({"sql": "/adapters/./sql"}, {"sql": "/adapters/sql"}).actions == ()
+
+
+def test_only_names_the_spec_manages_are_unloaded() -> None:
+    """An adapter loaded by hand under a name the spec never declared stays; one the spec declared and dropped
+    goes."""
+    plan = plan_adapters({"sql": "/a/sql"}, {"sql": "/a/sql", "by-hand": "/x", "dropped": "/a/d"},
+                         managed={"sql", "dropped"})
+    assert plan.actions == (AdapterAction(UNLOAD, "dropped"),)
+
+
+def test_a_pool_that_never_declared_adapters_is_not_read_and_says_nothing() -> None:
+    def unreachable(url: str) -> dict[str, str]:
+        raise AssertionError(f"{url} was read")
+
+    memory = AdapterMemory()
+    assert sync_pool([EnginePod("p", "both", "http://p")], {}, memory, read=unreachable) == []
+    assert summarize([], {}).ok
+    pending = summarize([], {"sql": "/a/sql"})  # declared, but no ready engine yet
+    assert (pending.ok, pending.reason) == (False, "Pending")
+
+
+def test_a_refusal_is_kept_while_the_engine_is_only_not_ready() -> None:
+    memory = AdapterMemory(refused={("p", 0): {AdapterAction(LOAD, "sql", "/v2")}})
+    sync_pool([], {"sql": "/v2"}, memory, alive={("p", 0)})
+    assert memory.refused == {("p", 0): {AdapterAction(LOAD, "sql", "/v2")}}
+    sync_pool([], {"sql": "/v2"}, memory, alive=set())  # deleted: forgotten
+    assert memory.refused == {}
+
+
 def test_an_action_the_engine_refused_is_held_until_the_spec_changes_it() -> None:
     refused = {AdapterAction(LOAD, "sql", "/v2")}
     plan = plan_adapters({"sql": "/v2"}, {}, refused)
@@ -113,6 +147,15 @@ def test_changing_only_the_adapter_list_does_not_roll_the_engines_but_the_config
     assert config_map(before)["data"] != config_map(after)["data"]  # a new pod reads the current list at start
     assert "/models/chat" in config_map(after)["data"]["engine.yaml"]
     assert engine_adapters(after) == {"chat": "/models/chat"}
+
+
+def test_adapters_given_as_a_list_in_engine_settings_roll_the_engines() -> None:
+    """That form is not kept in step in running engines, so a change to it must roll them (or nothing happens)."""
+    def listed(modules: list[str]) -> Pool:
+        return pool_with([], settings={"lora_modules": modules})
+
+    assert engine_adapters(listed(["sql=/a/sql"])) is None
+    assert engine_template_hash(listed(["sql=/a/sql"])) != engine_template_hash(listed(["sql=/a/sql2"]))
 
 
 def test_changing_anything_else_still_rolls_the_engines() -> None:
@@ -262,8 +305,9 @@ def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolli
 
             ticking = asyncio.create_task(clock())
             await eventually(lambda: served_by(engine_url) == {"a": weights["a"], "b": weights["b"]})
-            loaded = await eventually(lambda: conditions(env).get("AdaptersLoaded"))
-            assert (loaded["status"], loaded["reason"]) == ("True", "Loaded")
+            loaded = await eventually(lambda: (conditions(env).get("AdaptersLoaded") or {}).get("reason") == "Loaded"
+                                      and conditions(env)["AdaptersLoaded"])
+            assert loaded["status"] == "True" and "2 adapters on 1 ready engines" in loaded["message"]
 
             await env.k8s.patch(f"{POOLS}/chat", json={"spec": spec({"b": weights["b-v2"]})})
             await eventually(lambda: env.events("AdapterRefused"))
