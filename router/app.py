@@ -381,10 +381,13 @@ class Router:
         first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send."""
         tenant = self.authenticate(headers)
         model = ChatRequest if chat else CompletionRequest
-        try:
+
+        def parse() -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
             raw = json.loads(payload)
-            small = len(payload) <= INLINE_TOKENIZE_BYTES
-            body = model.model_validate(raw) if small else await asyncio.to_thread(model.model_validate, raw)
+            return raw, model.model_validate(raw)
+
+        try:
+            raw, body = parse() if len(payload) <= INLINE_TOKENIZE_BYTES else await asyncio.to_thread(parse)
             priority = parse_priority(headers.get(PRIORITY_HEADER))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RouteError(400, "malformed JSON") from None
@@ -534,6 +537,11 @@ def with_usage(raw: dict[str, Any]) -> dict[str, Any]:
     """The client's stream_options, asking for the usage chunk (the request log and the cached-token count
     need it; the router hides it again from a client that did not ask)."""
     return {**(raw.get("stream_options") or {}), "include_usage": True}
+
+
+def _calls_tools(raw: Mapping[str, Any]) -> bool:
+    """Whether the answer may be tool calls (tools given, and tool_choice not "none")."""
+    return bool(raw.get("tools")) and raw.get("tool_choice") != "none"
 
 
 def _several_prompts(raw: dict[str, Any]) -> bool:
@@ -695,10 +703,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         """Send `body` to the best pod in `roles` not yet tried (`first`, when already decided); skip pods that
         refuse (429, 503; any non-200 with `require_ok`) or fail before their first byte. The booking holds the
         pod and its reply until the caller closes it. None when no pod is left."""
+        unloaded = False  # a pod answered 404 for the request's adapter: if no other serves it, that is the answer
         for attempt in range(router.config.retries + 1):
             decision, first = first or router.decide(trace.info, tried, roles), None
             if decision.pod is None:
-                return None
+                break
             pod = router.pods.pods[decision.pod.name]
             tried.add(pod.name)
             if attempt:
@@ -719,10 +728,14 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             if reply.status == 404 and trace.info.lora is not None and pod.served is not None:
                 # the adapter was unloaded there since its list was read: another pod may still serve it
                 pod.served = pod.served.without(trace.info.lora)
+                unloaded = True
                 booking.close()
                 continue
             router.metrics.decisions.labels(decision.reason).inc()
             return booking, reply, decision
+        if unloaded:
+            raise RouteError(404, f"The model `{trace.info.lora}` is no longer served by any pod it was sent to",
+                             code=MODEL_NOT_FOUND)
         return None
 
     def no_pod(trace: Trace, message: str) -> JSONResponse:
@@ -735,7 +748,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         tried: set[str] = set()
         headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
         view = router.view(trace.info)
-        single = raw.get("n", 1) == 1 and not _several_prompts(raw)
+        # one pod answers a tool call whole: it parses the calls out of all the text it generated, which a split
+        # or a migrated stream would give to two pods in parts
+        single = raw.get("n", 1) == 1 and not _several_prompts(raw) and not _calls_tools(raw)
         first = router.decide(trace.info, tried, view=view)  # the whole request on one pod
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
         if prefill_pods and single and (trace.info.prompt_tokens - first.predicted_cached_tokens
@@ -793,22 +808,26 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             return None
         first = json.loads(content)
         choice = first["choices"][0]
-        (token,) = choice.pop("token_ids")
+        ids = choice.pop("token_ids")
         text = choice["message"]["content"] if "message" in choice else choice["text"]
-        ticket = first.pop(KV_TRANSFER_FIELD)
+        ticket = first.pop(KV_TRANSFER_FIELD, None)  # none when the request ended as it arrived (a constraint)
         trace.route = "disaggregated"
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         _count_cached(first)
         client_ids = bool(raw.get(RETURN_TOKEN_IDS_FIELD))
         asked = raw.get("max_completion_tokens") or raw.get("max_tokens")
-        if choice["finish_reason"] == "stop" or asked == 1:
+        if choice["finish_reason"] == "stop" or asked == 1 or ticket is None or len(ids) != 1:
             if client_ids:
-                choice["token_ids"] = [token]
+                choice["token_ids"] = ids
             router.metrics.requests.labels("ok", trace.route).inc()
             router.record(trace, "ok", 200, first["usage"])
+            decided = {"x-kvmesh-pod": prefill_pod.name,
+                       "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
             if not stream:
-                return JSONResponse(first)
-            return StreamingResponse(_single_chunk_stream(first, raw), media_type="text/event-stream")
+                return JSONResponse(first, headers=decided)
+            return StreamingResponse(_single_chunk_stream(first, raw), media_type="text/event-stream",
+                                     headers=decided)
+        (token,) = ids
         decode_body = {**raw, KV_TRANSFER_FIELD: {"mode": "decode", "source": prefill_pod.url,
                                                   "handle": ticket["handle"], "first_token": token}}
         if stream:

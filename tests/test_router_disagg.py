@@ -87,3 +87,30 @@ def test_disaggregated_streaming_chat(pool: dict[str, str], router: Router) -> N
 def test_a_short_uncached_prompt_skips_the_prefill_hop(pool: dict[str, str]) -> None:
     reply = httpx.post(pool["router"] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == pool["decode"]
+
+
+def test_a_prefill_that_ends_the_request_as_it_arrives_is_the_answer(pool: dict[str, str], router: Router) -> None:
+    """A constraint complete before any token (the only choice is empty): the prefill pod answers with no token
+    and no handle; that answer is the client's, not a 500."""
+    body = {"prompt": tokens(40, 90), "max_tokens": 8, "structured_outputs": {"choice": [""]}}
+    reply = httpx.post(pool["router"] + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == "" and reply.json()["choices"][0]["finish_reason"] == "stop"
+    assert reply.headers["x-kvmesh-pod"] == pool["prefill"]
+    wait_nothing_in_flight(router)
+
+
+def test_a_tool_call_is_answered_whole_by_one_pod(pool: dict[str, str], router: Router) -> None:
+    """A pod parses tool calls out of all the text it generated: the router sends a tool request whole to one pod
+    rather than splitting it between a prefill and a decode pod, each of which would see part of the text."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris? " * 8}], "tools": [weather],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 40, "seed": 1}
+    reply = httpx.post(pool["router"] + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvmesh-pod"] == pool["decode"]
+    (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+    wait_nothing_in_flight(router)

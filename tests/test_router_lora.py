@@ -328,3 +328,8 @@ def test_a_pod_that_unloaded_the_adapter_since_its_list_was_read_is_skipped_for_
         assert again.headers["x-kvmesh-pod"] == other
         assert router.metrics.retries._value.get() == 1
         assert "sql" not in router.pods.pods[holder].served.names  # not tried again before its list is read
+
+        router.pods.pods[other].served_at = time.monotonic() + 3600
+        assert httpx.post(other + UNLOAD_LORA_PATH, json={"lora_name": "sql"}, timeout=60).status_code == 200
+        gone = httpx.post(url + "/v1/completions", json=body, timeout=60)  # no pod serves it any more
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
