@@ -136,7 +136,11 @@ class Engine:
         self.lengths = OutputLengthModel()
         self.state = EngineState(kv=self.kv.stats(), max_loras=config.max_loras)
         for name, path in config.lora_modules.items():
-            self.add_lora(self.read_lora(name, path))
+            try:
+                self.add_lora(self.read_lora(name, path))
+            except LoraError as exc:  # one bad adapter must not keep the base model and the others from serving
+                # (under the operator a pod that died here would crash-loop; its adapter sync reports the refusal)
+                log.error("LoRA adapter %r not loaded: %s", name, exc)
         self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype,
                                      self.kv_layout.stored_format)
         self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,

@@ -215,6 +215,18 @@ def test_preempted_adapter_requests_recompute_with_their_adapter(lora_engine: En
     assert tight.scheduler.num_preemptions > 0
 
 
+def test_a_bad_adapter_at_start_is_left_out_and_the_rest_serve(
+    tiny_dir: Path, adapters: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under the operator a pod whose engine died on one bad adapter would crash-loop, taking the base model and the
+    good adapters with it: the engine starts without it and says why (the operator's sync reports the refusal)."""
+    with caplog.at_level("ERROR", logger="kvmesh.engine"):
+        engine = make_engine(tiny_dir, kv_cache_blocks=8, lora_modules={"all": str(adapters["all"]),
+                                                                        "bad": str(tmp_path / "missing")})
+    assert set(engine.loras.loaded) == {"all"}
+    assert "LoRA adapter 'bad' not loaded" in caplog.text and "adapter_config.json" in caplog.text
+
+
 def test_prefix_cache_is_kept_apart_per_adapter(lora_engine: Engine) -> None:
     ids = prompt(30, 40)
     first = run(lora_engine, [("all", ids)])[0]
