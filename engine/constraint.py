@@ -49,9 +49,14 @@ def check(constraint: Constraint) -> None:
     """Raise ValueError with llguidance's message when the constraint is not a valid grammar. Needs no tokenizer,
     so the router's request parsing refuses a bad schema or regex as the engine's does. Verdicts are remembered:
     agents send the same schema with every request, and compiling a large one takes tens of milliseconds."""
-    problem = _problem(constraint.kind, json.dumps(constraint.spec, sort_keys=True))
+    spec_json = json.dumps(constraint.spec, sort_keys=True)
+    check_once = _problem if len(spec_json) <= CACHED_SPEC_CHARS else _problem.__wrapped__
+    problem = check_once(constraint.kind, spec_json)
     if problem is not None:
         raise ValueError(problem)
+
+
+CACHED_SPEC_CHARS = 16384  # larger specs are checked each time: the cache holds at most 1024 x 16 KiB
 
 
 @functools.lru_cache(maxsize=1024)

@@ -173,12 +173,12 @@ RULES: tuple[Rule, ...] = (
 
 @dataclass(frozen=True)
 class TransitionRule:
-    """A CEL rule on an update (`oldSelf` is the object before it), and the same rule in Python over (new, old)."""
+    """A CEL rule on an update (`oldSelf` is the object before it). Only the API server can check it: the operator
+    and `kvmesh up` see one version of a spec at a time."""
 
     path: tuple[str, ...]
     cel: str
     message: str
-    check: Callable[[Mapping[str, Any], Mapping[str, Any]], bool]
 
 
 TRANSITION_RULES: tuple[TransitionRule, ...] = (
@@ -187,9 +187,7 @@ TRANSITION_RULES: tuple[TransitionRule, ...] = (
     TransitionRule(("model",), "self.loraAdapters.all(a, oldSelf.loraAdapters.all(o, o.name != a.name || "
                                "o.path == a.path))",
                    "model.loraAdapters: an adapter's path cannot change under the same name (cached KV is keyed by "
-                   "the name): add the new weights under a new name",
-                   lambda new, old: all(o["name"] != a["name"] or o["path"] == a["path"]
-                                        for a in new["loraAdapters"] for o in old["loraAdapters"])),
+                   "the name): add the new weights under a new name"),
 )
 
 

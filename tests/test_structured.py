@@ -454,3 +454,21 @@ def test_the_structured_benchmark_reports_every_kind_and_the_step_ratio(tiny_dir
     assert all(m["tokens"] > 0 and m["mask_us"] > 0 for m in results["masks"].values())
     steps = results["step_seconds"]
     assert results["constrained_over_unconstrained"] == pytest.approx(steps["constrained"] / steps["unconstrained"])
+
+
+def test_constraint_verdicts_are_remembered_per_kind_and_spec_and_large_specs_are_not_kept() -> None:
+    """Agents send one schema with every request: its check is compiled once. A verdict belongs to its kind and
+    spec (the same text is a valid regex and not a valid grammar), and a large spec is checked each time rather
+    than held in memory."""
+    from kvmesh.engine.constraint import CACHED_SPEC_CHARS, _problem, check
+
+    _problem.cache_clear()
+    for _ in range(3):
+        check(Constraint("json_schema", SCHEMA, "x"))
+    assert (_problem.cache_info().misses, _problem.cache_info().hits) == (1, 2)
+    check(Constraint("regex", "[a-z]+", "x"))
+    with pytest.raises(ValueError, match="invalid grammar"):
+        check(Constraint("grammar", "[a-z]+", "x"))
+    large = {"type": "object", "description": "x" * CACHED_SPEC_CHARS}
+    check(Constraint("json_schema", large, "x"))
+    assert _problem.cache_info().currsize == 3
