@@ -29,8 +29,7 @@ class StructuredError(ValueError):
 class Guide:
     """One sequence's matcher: which tokens may come next, and the tokens generated so far fed through it."""
 
-    def __init__(self, kind: str, matcher: LLMatcher) -> None:
-        self.kind = kind
+    def __init__(self, matcher: LLMatcher) -> None:
         self._matcher = matcher
 
     @property
@@ -91,7 +90,7 @@ class StructuredOutputs:
         matcher = LLMatcher(self.ll_tokenizer, constraint.grammar(), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {constraint.kind}: {matcher.get_error()}")
-        guide = Guide(constraint.kind, matcher)
+        guide = Guide(matcher)
         try:
             guide.consume(resumed)
         except StructuredError as exc:

@@ -239,7 +239,7 @@ def test_a_failing_matcher_ends_only_its_request(engine: Engine) -> None:
     failing = request(engine, Constraint("regex", "[a-z]{20}", "x"))
     real = failing.guide
     assert real is not None
-    failing.guide = _FailingGuide(real.kind, real._matcher)
+    failing.guide = _FailingGuide(real._matcher)
     other = request(engine, Constraint("regex", REGEX, "x"))
     broken, fine = run(engine, [failing, other])
     assert broken[-1].finish_reason == "error" and "stand-in" in (broken[-1].error or "")

@@ -256,7 +256,6 @@ class LoadedLora:
     path: str
     slot: int
     rank: int
-    fingerprint: str
 
 
 class LoraRegistry:
@@ -292,7 +291,7 @@ class LoraRegistry:
         if not free:
             raise LoraConflict(f"{len(self.loaded)} LoRA adapters are loaded, the most this engine holds "
                                f"(max_loras = {self.max_loras}); unload one first")
-        entry = LoadedLora(name, adapter.path, free[0], adapter.rank, adapter.fingerprint)
+        entry = LoadedLora(name, adapter.path, free[0], adapter.rank)
         self.loaded[name] = entry
         self._seen[name] = adapter.fingerprint
         return entry
