@@ -88,6 +88,14 @@ def serve_engine(engine: Engine, healthy: bool = True) -> Iterator[str]:
         engine.stop()
 
 
+@contextmanager
+def serve_checked(engine: Engine) -> Iterator[str]:
+    """serve_engine for a module's tests, then the engine's KV accounting checked once they all ended."""
+    with serve_engine(engine) as url:
+        yield url
+    engine.kv.check_invariants()
+
+
 def _wait_answering(url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -29,7 +29,7 @@ from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
-from .engines import serve_engine
+from .engines import serve_checked, serve_engine
 
 _ids = itertools.count()
 SCHEMA = {
@@ -62,10 +62,8 @@ def engine(tiny_dir: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def url(tiny_dir: Path) -> Iterator[str]:
-    engine = make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=512)
-    with serve_engine(engine) as url:
+    with serve_checked(make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=512)) as url:
         yield url
-    engine.kv.check_invariants()
 
 
 def run(engine: Engine, requests: list[Request]) -> list[list[RequestOutput]]:

@@ -32,7 +32,7 @@ from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
-from .engines import serve_engine
+from .engines import serve_checked, serve_engine
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["c", "f"]}},
@@ -190,10 +190,8 @@ def test_a_template_that_reads_tools_gets_them(tiny_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def url(tiny_dir: Path) -> Iterator[str]:
-    engine = make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=1024)
-    with serve_engine(engine) as url:
+    with serve_checked(make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=1024)) as url:
         yield url
-    engine.kv.check_invariants()
 
 
 def post(url: str, **body: object) -> httpx.Response:
