@@ -448,6 +448,9 @@ class ScrapedMetrics:
     block_size: int | None = None
     cache_dtype: str | None = None  # the configured KV cache dtype (KV_CACHE_DTYPES)
     kv_format: str | None = None  # how blocks are stored (KVConfig.kv_format)
+    # vllm:lora_requests_info's labels, of its newest series (vLLM keeps one per label set it has shown, valued
+    # with the time it was set); None when the engine exports none
+    lora_info: dict[str, str] | None = None
 
 
 def read_engine_metrics(text: str) -> ScrapedMetrics:
@@ -458,6 +461,7 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
     forecast: dict[str, float] = {}
     num_blocks = block_size = None
     cache_dtype = kv_format = None
+    lora: tuple[float, dict[str, str]] | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not math.isfinite(sample.value):
@@ -470,6 +474,10 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
                 block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
                 cache_dtype = sample.labels.get("cache_dtype")
                 kv_format = sample.labels.get("kv_format")
+            elif sample.name == VllmMetric.LORA_REQUESTS_INFO:
+                if lora is None or sample.value >= lora[0]:
+                    lora = sample.value, dict(sample.labels)
             elif set(sample.labels) <= {MODEL_LABEL}:
                 values[sample.name] = sample.value
-    return ScrapedMetrics(values, forecast, num_blocks, block_size, cache_dtype, kv_format)
+    return ScrapedMetrics(values, forecast, num_blocks, block_size, cache_dtype, kv_format,
+                          lora[1] if lora is not None else None)

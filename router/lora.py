@@ -10,16 +10,14 @@ next pod serving the adapter).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.engine.protocol import LORA_INFO_LABELS, MODELS_PATH, VllmMetric
+from kvmesh.engine.protocol import LORA_INFO_LABELS, MODELS_PATH
 
 RUNNING, WAITING, MAX_LORA = LORA_INFO_LABELS
 MODELS_REFRESH_SECONDS = 2.0
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -69,28 +67,10 @@ def _names(value: str) -> frozenset[str]:
     return frozenset(n for n in value.split(",") if n)
 
 
-def parse_lora_info(text: str) -> LoraLoad | None:
-    """The current vllm:lora_requests_info in an engine's Prometheus text, or None when it exports none. vLLM
-    keeps one series per label set it has shown, its value the time it was set: the newest is the current one."""
-    best: tuple[float, dict[str, str]] | None = None
-    start = 0
-    prefix = VllmMetric.LORA_REQUESTS_INFO + "{"
-    while (at := text.find(prefix, start)) >= 0:
-        end = text.find("\n", at)
-        line = text[at:] if end < 0 else text[at:end]
-        start = at + len(prefix)
-        if at and text[at - 1] != "\n":  # inside a HELP or TYPE line, or another name's tail
-            continue
-        closing = line.rfind("}")
-        try:
-            value = float(line[closing + 1:].split()[0])
-        except (IndexError, ValueError):
-            continue
-        if best is None or value >= best[0]:
-            best = value, dict(_LABEL.findall(line[len(prefix):closing]))
-    if best is None:
-        return None
-    labels = best[1]
+def lora_load(labels: Mapping[str, str] | None) -> LoraLoad:
+    """A pod's vllm:lora_requests_info labels (ScrapedMetrics.lora_info) as the picker reads them."""
+    if labels is None:
+        return LoraLoad()
     try:
         max_lora = int(float(labels.get(MAX_LORA, "0")))
     except ValueError:

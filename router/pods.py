@@ -37,7 +37,7 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
-from kvmesh.router.lora import MODELS_REFRESH_SECONDS, LoraLoad, ServedModels, parse_lora_info
+from kvmesh.router.lora import MODELS_REFRESH_SECONDS, LoraLoad, ServedModels, lora_load
 from kvmesh.router.picker import PodState
 
 log = logging.getLogger("kvmesh.router.pods")
@@ -85,19 +85,15 @@ _PICKER_READS = {  # exposed name -> the PodState field it feeds
 }
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """The load numbers the picker reads, from an engine's Prometheus text."""
+def parse_metrics(text: str) -> tuple[dict[str, float], LoraLoad]:
+    """The load numbers the picker reads and the adapters running, from an engine's Prometheus text."""
     m = read_engine_metrics(text)
     out = {field: m.values[name] for name, field in _PICKER_READS.items() if name in m.values}
     if "p90" in m.forecast_usage:
         out["forecast_usage_p90"] = m.forecast_usage["p90"]
     if m.num_blocks is not None and m.block_size is not None:
         out["num_blocks"], out["block_size"] = m.num_blocks, m.block_size
-    return out
-
-
-def _parse_all(text: str) -> tuple[dict[str, float], LoraLoad]:
-    return parse_metrics(text), parse_lora_info(text) or LoraLoad()
+    return out, lora_load(m.lora_info)
 
 
 class Discovery(Protocol):
@@ -296,7 +292,7 @@ class PodSet:
                     if pod.served is None or time.monotonic() - pod.served_at >= MODELS_REFRESH_SECONDS:
                         await self._read_models(pod)
                     text = (await self._client.get(pod.url + "/metrics")).text
-                    pod.metrics, pod.lora = await asyncio.to_thread(_parse_all, text)  # ms of parsing: off the loop
+                    pod.metrics, pod.lora = await asyncio.to_thread(parse_metrics, text)  # ms of parsing: off the loop
                     pod.scraped_at = time.monotonic()
                 pod.healthy = health.status_code == 200
             except asyncio.CancelledError:

@@ -37,8 +37,9 @@ from kvmesh.router.app import Router, build_router, create_router_app
 from kvmesh.router.config import RouterConfig, load_router_config
 from kvmesh.router.extproc import endpoint_of, start_ext_proc
 from kvmesh.router.index import PrefixMatch
-from kvmesh.router.lora import LoraLoad, ServedModels, parse_lora_info, union_cards
+from kvmesh.router.lora import LoraLoad, ServedModels, union_cards
 from kvmesh.router.picker import PickerConfig, PodState, RequestInfo, pick
+from kvmesh.router.pods import parse_metrics
 
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
@@ -71,11 +72,10 @@ vllm:num_requests_running{model_name="tiny"} 3.0
 
 def test_the_newest_lora_series_is_the_pods_current_adapters() -> None:
     """vLLM keeps a series per label set it has shown, valued with the time it was set: the newest one counts."""
-    load = parse_lora_info(LORA_METRICS)
+    _, load = parse_metrics(LORA_METRICS)
     assert load == LoraLoad(frozenset({"sql", "chat"}), frozenset({"poet"}), 4)
     assert load.active == {"sql", "chat", "poet"}
-    assert parse_lora_info("vllm:num_requests_running 0.0\n") is None
-    assert parse_lora_info("# HELP vllm:lora_requests_info{x=\"1\"} 5\n") is None  # a comment is no sample
+    assert parse_metrics("vllm:num_requests_running 0.0\n")[1] == LoraLoad()  # none exported: nothing running
 
 
 def test_a_pods_model_list_says_which_names_are_adapters_of_which_base() -> None:
