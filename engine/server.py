@@ -70,6 +70,7 @@ from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.structured import Guide, StructuredError
 from kvmesh.engine.tools import ToolStream, tool_constraint, tool_message
+from kvmesh.engine.tracing import OFF, Tracing, engine_call
 
 log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
@@ -693,7 +694,7 @@ async def warm(e: Engine, client: httpx.AsyncClient, body: WarmRequest) -> WarmR
     return out
 
 
-def create_app(holder: EngineHolder) -> FastAPI:
+def create_app(holder: EngineHolder, tracing: Tracing = OFF) -> FastAPI:
     peers = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0))  # KV transfers from other pods
 
     @asynccontextmanager
@@ -726,14 +727,21 @@ def create_app(holder: EngineHolder) -> FastAPI:
 
     async def _serve(body: ChatRequest | CompletionRequest, http: HttpRequest, chat: bool) -> Response:
         handler = _Completions(holder.get(), chat, body, http)
+        call = engine_call(tracing, http.headers, chat, body)  # None: tracing off
         job = await handler.job()
-        await handler.pull(job, peers)
+        await (handler.pull(job, peers) if call is None else call.timed_pull(handler.pull(job, peers)))
         if body.stream:
-            return StreamingResponse(handler.stream(job), media_type="text/event-stream")
+            lines = handler.stream(job)
+            if call is not None:  # its span is built when the stream ends
+                lines = call.relay(lines, handler.id, handler.model, job.requests, job.prompt_of)
+            return StreamingResponse(lines, media_type="text/event-stream")
         try:
             return JSONResponse(await handler.complete(job))
         except ConnectionAbortedError:
             return Response(status_code=499)
+        finally:
+            if call is not None:
+                call.finish(handler.id, handler.model, job.requests, job.prompt_of)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HttpRequest) -> Response:

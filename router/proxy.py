@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh.router.tracing import RequestSpan, UpstreamSpan
+
 CONNECT_TIMEOUT_SECONDS = 10.0
 
 
@@ -25,9 +27,12 @@ class UpstreamError(Exception):
 class UpstreamReply:
     """A pod's reply, its body not yet read: read it whole, or line by line for a stream; close it always."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, span: UpstreamSpan | None = None) -> None:
         self._response = response
         self.status: int = response.status
+        self._span = span  # the call's trace span, ended with the reply
+        if span is not None:
+            span.answered(response.status)
 
     async def read(self) -> bytes:
         try:
@@ -53,6 +58,8 @@ class UpstreamReply:
         """Hand the connection back when the body was read to its end; otherwise drop it, which tells the pod
         its client has gone (the engine aborts the request and frees its blocks)."""
         self._response.close()
+        if self._span is not None:
+            self._span.end()
 
 
 class Upstream:
@@ -70,13 +77,24 @@ class Upstream:
                                                   json_serialize=json.dumps)
         return self._session
 
-    async def post(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamReply:
-        """POST `body` as JSON; the reply once its status and headers are in."""
+    async def post(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str],
+                   traced: RequestSpan | None = None) -> UpstreamReply:
+        """POST `body` as JSON; the reply once its status and headers are in. Within `traced` (a request's span,
+        when tracing is on), the call is a child span whose context goes to the pod in `traceparent`."""
+        span = traced.upstream(url, body) if traced is not None else None
         try:
-            response = await self._open().post(url, json=body, headers=dict(headers))
+            response = await self._open().post(url, json=body, headers=dict(headers) if span is None
+                                               else span.headers(headers))
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(str(exc) or type(exc).__name__) from exc
-        return UpstreamReply(response)
+            error = str(exc) or type(exc).__name__
+            if span is not None:
+                span.failed(error)
+            raise UpstreamError(error) from exc
+        except BaseException:  # cancelled (the client left)
+            if span is not None:
+                span.failed("cancelled")
+            raise
+        return UpstreamReply(response, span)
 
     async def close(self) -> None:
         if self._session is not None:
