@@ -77,6 +77,9 @@ class EngineConfig:
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # adapters of a larger rank are refused
     max_loras: int = DEFAULT_MAX_LORAS  # adapters loaded at once: the slots model/lora.py allocates at the first load
+    # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    # "prompt_lookup_max": b}, a mapping or its JSON text (engine/spec.py); None: off
+    speculative_config: dict[str, Any] | str | None = None
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -120,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"queue_policy must be one of {', '.join(QUEUE_POLICIES)} and max_queue_delay_seconds "
                              f">= 0, got {self.queue_policy!r}, {self.max_queue_delay_seconds}")
         HashAlgo(self.hash_algo)
+        from kvmesh.engine.spec import SpecConfig
+
+        SpecConfig.parse(self.speculative_config)
 
 
 def _normalize(raw: dict[str, Any]) -> dict[str, Any]:

@@ -325,6 +325,12 @@ class VllmMetric:
     # gauge, value = the time (unix seconds) of the update; labels running_lora_adapters, waiting_lora_adapters
     # (comma-separated adapter names with running / waiting requests), max_lora: what LoRA-affinity pickers read
     LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+    # speculative decoding (engine/spec.py), counters with the _total suffix: draft runs verified, draft tokens
+    # proposed, drafts accepted, and drafts accepted at each draft position (label position, 0 = first draft)
+    SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
+    SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+    SPEC_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+    SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 class Metric:

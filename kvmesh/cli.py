@@ -50,6 +50,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="LoRA adapters (PEFT directories) to serve under these model names")
     p.add_argument("--max-lora-rank", type=int, help=f"the largest LoRA rank loaded (default {DEFAULT_MAX_LORA_RANK})")
     p.add_argument("--max-loras", type=int, help=f"LoRA adapters loaded at once (default {DEFAULT_MAX_LORAS})")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: off)')
     p.add_argument("--log-level", default="info")
 
 

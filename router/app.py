@@ -55,6 +55,7 @@ from kvmesh.engine.protocol import (
     parse_priority,
     workload_class,
 )
+from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
 from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
@@ -65,6 +66,7 @@ from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.shed import Shed, ShedPolicy, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
+from kvmesh.router.tracing import RequestSpan, request_span
 
 if TYPE_CHECKING:
     from kvmesh.router.extproc import ExtProcServer
@@ -165,6 +167,7 @@ class Trace:
     predicted: int = 0
     first_chunk_at: float | None = None
     chunks: int = 0
+    span: RequestSpan | None = None  # tracing on: the request's span (router/tracing.py)
 
 
 def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
@@ -326,9 +329,12 @@ class Router:
     shed: ShedPolicy
     salt_secret: str
     pull: PullPolicy
+    tracing: Tracing = OFF
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
-        """One row of the request log (numbers only), when the pool has one."""
+        """One row of the request log (numbers only), when the pool has one; the end of the request's span."""
+        if trace.span is not None:
+            trace.span.end(outcome, status, trace.route, trace.pods, usage)
         if self.log is None:
             return
         usage = usage or {}
@@ -379,6 +385,7 @@ class Router:
         """Authenticate, validate, salt, tokenize and hash one request, the same whichever edge received it (this
         HTTP app, or a Gateway's ext_proc stream): RouteError (401, 400) when it cannot be served. The key comes
         first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send."""
+        arrived_ns = time.time_ns()
         tenant = self.authenticate(headers)
         model = ChatRequest if chat else CompletionRequest
 
@@ -407,7 +414,9 @@ class Router:
             info = await asyncio.to_thread(self.request_info, body, priority)
         self.metrics.decision.observe(time.perf_counter() - start)
         workload = workload_class("chat" if chat else "completion", info.prompt_tokens, headers.get(WORKLOAD_HEADER))
-        return Admitted(raw, body, Trace(info, tenant, workload), rewritten=bool(dropped) or self.keys.enabled)
+        trace = Trace(info, tenant, workload, span=request_span(self.tracing, headers, arrived_ns, chat, info, tenant,
+                                                                workload))
+        return Admitted(raw, body, trace, rewritten=bool(dropped) or self.keys.enabled)
 
     def authenticate(self, headers: Mapping[str, str]) -> str:
         """The tenant of a request's API key (DEFAULT_TENANT with auth off); RouteError 401 without a valid one."""
@@ -474,6 +483,8 @@ class Router:
         held by the booking returned, which the caller closes when the request ends."""
         trace.pods.append(pod.name)
         trace.predicted = decision.predicted_cached_tokens
+        if trace.span is not None:
+            trace.span.decided(pod.name, decision)
         self.index.add_provisional(pod.name, trace.info.block_hashes, time.monotonic(),
                                    self.config.provisional_ttl_seconds)
         return Booking(pod)
@@ -524,8 +535,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
             "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
             "an engine directly could use to probe another tenant's cached prefixes; set KVMESH_CACHE_SALT_SECRET")
     pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
+    tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), upstream,
-                  keys, log, shed, secret or config.pool, pull)
+                  keys, log, shed, secret or config.pool, pull, tracing)
 
 
 def wants_usage(raw: dict[str, Any]) -> bool:
@@ -688,6 +700,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         except RouteError as exc:
             outcome = "no_pod" if exc.status == 503 else "error"
             router.metrics.requests.labels(outcome, "aggregated").inc()
+            if trace.span is not None:
+                trace.span.end(outcome, exc.status, trace.route, trace.pods, None)
             return JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status)
 
     async def open_upstream(
@@ -715,7 +729,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 trace.route = "retry" if trace.route == "aggregated" else trace.route
             booking = router.commit(trace, pod, decision)
             try:
-                booking.reply = reply = await router.upstream.post(pod.url + path, body, headers)
+                booking.reply = reply = await router.upstream.post(pod.url + path, body, headers, trace.span)
             except UpstreamError:
                 booking.close()
                 continue

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
+from kvmesh.engine.tracing import check_endpoint
 
 DISCOVERY_MODES = ("static", "kubernetes")
 GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endpoint-picker port (the operator's)
@@ -66,6 +67,7 @@ class RouterConfig:
     cache_salt_secret: str | None = None  # keys the tenants' cache salts; every replica needs the same (a Secret)
     database_url: str | None = None  # the request log (SQLite locally, PostgreSQL in Kubernetes)
     weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (engine/tracing.py); None: the OTEL_* env
 
     def endpoint_selector(self) -> str:
         """The label selector of the pool's engine EndpointSlices. Slices inherit their Service's labels; the
@@ -87,6 +89,8 @@ class RouterConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"pod {url!r} is not an http(s) URL")
         HashAlgo(self.hash_algo)
+        if self.otlp_traces_endpoint:
+            check_endpoint(self.otlp_traces_endpoint)
         if self.ext_proc_port is not None and not (0 < self.ext_proc_port < 65536 and self.ext_proc_port != self.port):
             raise ValueError(f"ext_proc_port {self.ext_proc_port} must be a TCP port (1-65535) other than the "
                              f"HTTP port {self.port}")
