@@ -398,6 +398,8 @@ class RouterMetric:
     PODS = "kvmesh_router_pods"  # gauge; label state (healthy, unhealthy, draining, refused)
     DECISIONS = "kvmesh_router_decisions"  # counter; label reason (what decided the choice)
     EVENT_LAG = "kvmesh_router_kv_event_lag_batches"  # gauge; label engine: its last batch minus the index's
+    # counter; labels tenant (auth.tenant_hash, never the name), reason (LIMIT_REASONS): 429s of a tenant's limits
+    RATE_LIMITED = "kvmesh_router_rate_limited"
 
 
 class OperatorMetric:
@@ -412,6 +414,9 @@ class OperatorMetric:
 
 
 ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
+# why a tenant's request got 429 (router/limits.py): its requests or tokens per minute, its concurrent requests, or
+# its share of a saturated pool (router/shed.py)
+LIMIT_REASONS: tuple[str, ...] = ("requests", "tokens", "concurrency", "fair_share")
 GATEWAY_ROUTE = "gateway"  # requests a Gateway sent through the router's ext_proc endpoint picker
 ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated", GATEWAY_ROUTE)
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")

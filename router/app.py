@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,7 @@ from kvmesh.engine.openai_types import MODEL_NOT_FOUND, ChatRequest, CompletionR
 from kvmesh.engine.protocol import (
     CACHE_SALT_FIELD,
     KV_TRANSFER_FIELD,
+    LIMIT_REASONS,
     MODELS_PATH,
     POD_STATES,
     PRIORITY_CLASSES,
@@ -56,15 +57,16 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
-from kvmesh.router.auth import ApiKeys, cache_salt_for, tenant_hash
+from kvmesh.router.auth import DEFAULT_TENANT, ApiKeys, cache_salt_for, tenant_hash
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
+from kvmesh.router.limits import Lease, Limiter, Refusal, check_tenants, parse_tenants
 from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
-from kvmesh.router.shed import Shed, ShedPolicy, priority_label, should_shed
+from kvmesh.router.shed import Shed, ShedPolicy, fair_share, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 from kvmesh.router.tracing import RequestSpan, request_span
 
@@ -88,7 +90,7 @@ assert HTTP_DRAIN_SECONDS >= 0, "the minimum wait is part of the drain bound"
 
 
 class RouterMetrics:
-    def __init__(self, pods: PodSet, index: PrefixIndex) -> None:
+    def __init__(self, pods: PodSet, index: PrefixIndex, tenants: Iterable[str] = (DEFAULT_TENANT,)) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(RouterMetric.REQUESTS, "Requests by outcome and route.", ["outcome", "route"],
                                 registry=r)
@@ -103,6 +105,11 @@ class RouterMetrics:
         self.shed = Counter(RouterMetric.SHED, "Requests refused with 429 under overload.", ["priority"], registry=r)
         for priority in PRIORITY_CLASSES:
             self.shed.labels(priority)
+        self.rate_limited = Counter(RouterMetric.RATE_LIMITED, "Requests refused with 429 by their tenant's limits "
+                                    "or fair share.", ["tenant", "reason"], registry=r)
+        for tenant in tenants:  # pseudonyms, as in the request log: tenant names may be secret
+            for reason in LIMIT_REASONS:
+                self.rate_limited.labels(tenant_hash(tenant), reason)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
         self.decisions = Counter(RouterMetric.DECISIONS, "Routing decisions by what decided them.", ["reason"],
@@ -149,9 +156,11 @@ def _count_pods(pods: PodSet, state: str) -> int:
 
 
 class RouteError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.kind = status, message, code, kind
+        self.headers = dict(headers or {})  # sent with the error (a rate limit's Retry-After and x-ratelimit-*)
 
 
 @dataclass
@@ -167,6 +176,7 @@ class Trace:
     predicted: int = 0
     first_chunk_at: float | None = None
     chunks: int = 0
+    lease: Lease | None = None  # the request's hold on its tenant's limits, closed when it ends (record)
     span: RequestSpan | None = None  # tracing on: the request's span (router/tracing.py)
 
 
@@ -330,11 +340,14 @@ class Router:
     salt_secret: str
     pull: PullPolicy
     tracing: Tracing = OFF
+    limits: Limiter = field(default_factory=Limiter)
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
         """One row of the request log (numbers only), when the pool has one; the end of the request's span."""
         if trace.span is not None:
             trace.span.end(outcome, status, trace.route, trace.pods, usage)
+        if trace.lease is not None:  # the tenant's concurrency slot back; its output tokens (or streamed chunks)
+            trace.lease.close((usage or {}).get("completion_tokens", trace.chunks))
         if self.log is None:
             return
         usage = usage or {}
@@ -387,6 +400,8 @@ class Router:
         first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send."""
         arrived_ns = time.time_ns()
         tenant = self.authenticate(headers)
+        if (over := self.limits.check(tenant)) is not None:  # before any work on the body
+            raise self.rate_limited(tenant, over)
         model = ChatRequest if chat else CompletionRequest
 
         def parse() -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
@@ -414,8 +429,12 @@ class Router:
             info = await asyncio.to_thread(self.request_info, body, priority)
         self.metrics.decision.observe(time.perf_counter() - start)
         workload = workload_class("chat" if chat else "completion", info.prompt_tokens, headers.get(WORKLOAD_HEADER))
+        lease = self.limits.take(tenant, info.prompt_tokens)
+        if isinstance(lease, Refusal):
+            raise self.rate_limited(tenant, lease)
         trace = Trace(info, tenant, workload, span=request_span(self.tracing, headers, arrived_ns, chat, info, tenant,
                                                                 workload))
+        trace.lease = lease
         return Admitted(raw, body, trace, rewritten=bool(dropped) or self.keys.enabled)
 
     def authenticate(self, headers: Mapping[str, str]) -> str:
@@ -425,6 +444,12 @@ class Router:
             raise RouteError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
                              kind="authentication_error")
         return tenant
+
+    def rate_limited(self, tenant: str, refusal: Refusal) -> RouteError:
+        """The 429 of a request over its tenant's limits (router/limits.py), counted by tenant pseudonym and reason."""
+        self.metrics.rate_limited.labels(tenant_hash(tenant), refusal.reason).inc()
+        return RouteError(429, refusal.message, code="rate_limit_exceeded", kind="rate_limit_error",
+                          headers=refusal.headers)
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens), with the
@@ -465,8 +490,11 @@ class Router:
 
     def refuse(self, trace: Trace, decision: Decision) -> Shed | None:
         """The 429 for a request the overloaded pool sheds at its priority (counted and logged), or None."""
-        refusal = should_shed(decision, trace.info.priority, self.shed)
+        fair = fair_share(self.limits.inflight, self.limits.weight, trace.tenant)
+        refusal = should_shed(decision, trace.info.priority, self.shed, fair)
         if refusal is not None:
+            if refusal.fair_share:
+                self.metrics.rate_limited.labels(tenant_hash(trace.tenant), "fair_share").inc()
             self.metrics.shed.labels(priority_label(trace.info.priority)).inc()
             self.metrics.requests.labels("shed", trace.route).inc()
             self.record(trace, "shed", 429, None)
@@ -535,9 +563,13 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
             "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
             "an engine directly could use to probe another tenant's cached prefixes; set KVMESH_CACHE_SALT_SECRET")
     pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
+    table = parse_tenants(config.tenants)
+    tenants = set(keys.by_hash.values()) if keys.enabled else {DEFAULT_TENANT}
+    check_tenants(table, tenants)
+    limits = Limiter(table, config.rate_limit_replicas)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
-    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index), upstream,
-                  keys, log, shed, secret or config.pool, pull, tracing)
+    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index, tenants),
+                  upstream, keys, log, shed, secret or config.pool, pull, tracing, limits=limits)
 
 
 def wants_usage(raw: dict[str, Any]) -> bool:
@@ -560,6 +592,13 @@ def _several_prompts(raw: dict[str, Any]) -> bool:
     """A completion body with a list of prompts (texts or token lists): one choice per prompt."""
     prompt = raw.get("prompt")
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+
+
+def _with_limits(response: Response, trace: Trace) -> Response:
+    """Every answer to a tenant with limits carries their x-ratelimit-* headers as at its admission, as OpenAI's do."""
+    if trace.lease is not None:
+        response.headers.update(trace.lease.headers)
+    return response
 
 
 async def _wait_disconnected(http: HttpRequest) -> None:
@@ -682,17 +721,18 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             admitted = await router.admit(await http.body(), http.headers, chat)
         except RouteError as exc:
             router.metrics.requests.labels("error", "aggregated").inc()
-            return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status)
+            return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status,
+                                headers=exc.headers)
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:
             work = asyncio.ensure_future(forward(http, path, raw, trace, bool(body.stream)))
             if body.stream:  # a stream notices a gone client itself: its relay is cancelled
-                return await work
+                return _with_limits(await work, trace)
             gone = asyncio.ensure_future(_wait_disconnected(http))
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if work in done:
                 gone.cancel()
-                return work.result()
+                return _with_limits(work.result(), trace)
             work.cancel()  # closes the upstream call, so the engine aborts the request and frees its blocks
             with contextlib.suppress(asyncio.CancelledError):
                 await work
@@ -702,7 +742,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             router.metrics.requests.labels(outcome, "aggregated").inc()
             if trace.span is not None:
                 trace.span.end(outcome, exc.status, trace.route, trace.pods, None)
-            return JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status)
+            if trace.lease is not None:  # a refusal after admission, which nothing logs: the slot back
+                trace.lease.close()
+            return _with_limits(JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status),
+                                trace)
 
     async def open_upstream(
         trace: Trace,

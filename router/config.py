@@ -15,6 +15,7 @@ import yaml
 
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 from kvmesh.engine.tracing import check_endpoint
+from kvmesh.router.limits import Limiter, parse_tenants
 
 DISCOVERY_MODES = ("static", "kubernetes")
 GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endpoint-picker port (the operator's)
@@ -66,6 +67,9 @@ class RouterConfig:
     api_keys_file: str | None = None
     cache_salt_secret: str | None = None  # keys the tenants' cache salts; every replica needs the same (a Secret)
     database_url: str | None = None  # the request log (SQLite locally, PostgreSQL in Kubernetes)
+    # per-tenant limits and weights by tenant name, `default` for tenants without an entry (router/limits.py)
+    tenants: dict[str, Any] = field(default_factory=dict)
+    rate_limit_replicas: int = 1  # each replica enforces the tenants' limits divided by this (1: each the whole)
     weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (engine/tracing.py); None: the OTEL_* env
 
@@ -106,6 +110,7 @@ class RouterConfig:
                 raise ValueError(f"ext_proc_cert_dir {self.ext_proc_cert_dir!r} has no {' and no '.join(missing)}: "
                                  f"it must hold {' and '.join(files)} (e.g. a kubernetes.io/tls Secret, mounted)")
             read_certificate_pair(self.ext_proc_cert_dir)
+        Limiter(parse_tenants(self.tenants), self.rate_limit_replicas)  # bad limits: an error at start, not later
 
 
 def read_certificate_pair(cert_dir: str) -> tuple[bytes, bytes]:

@@ -1,0 +1,309 @@
+"""Per-tenant rate limits: requests and tokens per minute, and concurrent requests, as token buckets.
+
+A bucket holds one minute's worth and refills continuously, so a tenant that spent its minute waits only for what
+its next request needs, never for a window to roll over (Envoy's and OpenAI's limits work this way). Prompt tokens
+are charged when a request is admitted (the router tokenizes it anyway); output tokens when its usage comes back,
+so tokens per minute stay honest for long answers: that charge may take the bucket below zero, and the tenant's
+next requests wait until it has refilled. Each router replica enforces its own buckets (see `per_replica`).
+Pure: every bucket operation takes the time, and the Limiter reads the clock it is given.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any
+
+from kvmesh.engine.protocol import LIMIT_REASONS
+from kvmesh.router.auth import DEFAULT_TENANT
+
+DEFAULTS_ENTRY = DEFAULT_TENANT  # the `tenants:` entry whose limits apply to tenants without one of their own
+RATE_LIMIT_HEADERS = ("x-ratelimit-limit-{}", "x-ratelimit-remaining-{}", "x-ratelimit-reset-{}")
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's limits; None is unlimited. `weight` is its share of a saturated pool (router/shed.py)."""
+
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    max_concurrent_requests: int | None = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "tokens_per_minute", "weight"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number{'' if name == 'weight' else ' or null'}, "
+                                 f"not {value!r}")
+        concurrent = self.max_concurrent_requests
+        if concurrent is not None and (isinstance(concurrent, bool) or not isinstance(concurrent, int)
+                                       or concurrent < 1):
+            raise ValueError(f"max_concurrent_requests must be a whole number of at least 1 or null, not "
+                             f"{concurrent!r}")
+
+    def per_replica(self, replicas: int) -> TenantLimits:
+        """What one of `replicas` router replicas enforces so that together they allow the tenant's limits."""
+        def split(rate: float | None) -> float | None:
+            return None if rate is None else rate / replicas
+
+        concurrent = self.max_concurrent_requests
+        return replace(self, requests_per_minute=split(self.requests_per_minute),
+                       tokens_per_minute=split(self.tokens_per_minute),
+                       max_concurrent_requests=None if concurrent is None else math.ceil(concurrent / replicas))
+
+
+LIMIT_FIELDS = tuple(f.name for f in fields(TenantLimits))
+
+
+@dataclass(frozen=True)
+class LimitTable:
+    """The limits of every tenant: its own entry's fields, over the `default` entry's, over unlimited."""
+
+    default: TenantLimits = TenantLimits()
+    tenants: Mapping[str, TenantLimits] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
+
+    def of(self, tenant: str) -> TenantLimits:
+        return self.tenants.get(tenant, self.default)
+
+
+def parse_tenants(raw: Any, where: str = "tenants") -> LimitTable:
+    """`{"default": {...}, "acme": {...}}` from the router's config; ValueError saying what is wrong and where.
+
+    A tenant's entry overrides the fields it names of the `default` entry; null sets a limit off for that tenant.
+    """
+    if raw is None:
+        return LimitTable()
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where} must map tenant names to their limits, not {type(raw).__name__}")
+    base: dict[str, Any] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for name, entry in raw.items():
+        here = f"{where}.{name}"
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{where}: tenant names must be non-empty strings, not {name!r}")
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{here} must be a mapping of limits ({', '.join(LIMIT_FIELDS)})")
+        if unknown := sorted(set(entry) - set(LIMIT_FIELDS)):
+            raise ValueError(f"{here}: unknown fields {unknown}; allowed: {', '.join(LIMIT_FIELDS)}")
+        if entry.get("weight", 1.0) is None:
+            raise ValueError(f"{here}: weight must be a positive number, not null")
+        (base if name == DEFAULTS_ENTRY else entries.setdefault(name, {})).update(entry)
+    try:
+        default = TenantLimits(**base)
+    except ValueError as exc:
+        raise ValueError(f"{where}.{DEFAULTS_ENTRY}: {exc}") from None
+    tenants = {}
+    for name, entry in entries.items():
+        try:
+            tenants[name] = TenantLimits(**{**base, **entry})
+        except ValueError as exc:
+            raise ValueError(f"{where}.{name}: {exc}") from None
+    return LimitTable(default, tenants)
+
+
+def check_tenants(table: LimitTable, known: set[str]) -> None:
+    """Every tenant with limits of its own must be one the API keys name: a misspelt name would otherwise leave the
+    real tenant on the defaults, silently. ValueError naming the strangers."""
+    if strangers := sorted(set(table.tenants) - known):
+        raise ValueError(f"tenants {strangers} have limits but no API key (tenants with keys: "
+                         f"{', '.join(sorted(known))}; without api_keys_file every request is tenant "
+                         f"{DEFAULT_TENANT!r}, whose limits are the `{DEFAULTS_ENTRY}` entry)")
+
+
+@dataclass
+class TokenBucket:
+    """`per_minute` units a minute, holding at most one minute's worth; `level` below zero is debt."""
+
+    per_minute: float
+    level: float
+    updated: float
+
+    @classmethod
+    def full(cls, per_minute: float, now: float) -> TokenBucket:
+        return cls(per_minute, per_minute, now)
+
+    def available(self, now: float) -> float:
+        self.level = min(self.per_minute, self.level + max(now - self.updated, 0.0) * self.per_minute / 60.0)
+        self.updated = max(now, self.updated)
+        return self.level
+
+    def take(self, amount: float, now: float) -> bool:
+        """Take `amount` if the bucket holds it; otherwise take nothing."""
+        if self.available(now) < amount:
+            return False
+        self.level -= amount
+        return True
+
+    def charge(self, amount: float, now: float) -> None:
+        """Take `amount` whatever the bucket holds (spent already: output tokens), going into debt if need be."""
+        self.level = self.available(now) - amount
+
+    def wait_seconds(self, amount: float, now: float) -> float:
+        """Until the bucket holds `amount` (infinite when it never can: more than a minute's worth)."""
+        if amount > self.per_minute:
+            return math.inf
+        return max(amount - self.available(now), 0.0) * 60.0 / self.per_minute
+
+    def reset_seconds(self, now: float) -> float:
+        """Until the bucket is full again (OpenAI's x-ratelimit-reset-*)."""
+        return self.wait_seconds(self.per_minute, now)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request over its tenant's limits: the 429's message, its headers (Retry-After unless waiting cannot help)
+    and why (one of LIMIT_REASONS)."""
+
+    reason: str
+    message: str
+    headers: Mapping[str, str]
+
+
+class Lease:
+    """One admitted request's hold on its tenant's limits. `close` gives the concurrency slot back and charges the
+    output tokens, exactly once, however the request ended; a lease dropped unclosed (a refusal after admission
+    that nothing logged) gives its slot back when it is collected, so a slot can never leak. `headers` are the
+    x-ratelimit-* values at admission."""
+
+    def __init__(self, limiter: Limiter, tenant: str, headers: Mapping[str, str]) -> None:
+        self.tenant, self.headers, self._limiter = tenant, MappingProxyType(dict(headers)), limiter
+        self._release = weakref.finalize(self, limiter.release, tenant, 0)
+
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
+
+    def close(self, output_tokens: int = 0) -> None:
+        if self._release.detach() is not None:  # the first close: the collector's release is off
+            self._limiter.release(self.tenant, output_tokens)
+
+
+@dataclass
+class _Buckets:
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+
+
+class Limiter:
+    """The tenants' buckets and in-flight counts on this router replica. `check` before any work (takes nothing),
+    `take` once the prompt is tokenized (all or nothing), `Lease.close` when the request ends."""
+
+    def __init__(self, table: LimitTable | None = None, replicas: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"rate_limit_replicas must be a whole number of at least 1, not {replicas!r}")
+        self.table, self.replicas, self.clock = table or LimitTable(), replicas, clock
+        self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
+        self._buckets: dict[str, _Buckets] = {}
+
+    def limits(self, tenant: str) -> TenantLimits:
+        """What this replica enforces for `tenant`."""
+        return self.table.of(tenant).per_replica(self.replicas)
+
+    def weight(self, tenant: str) -> float:
+        return self.table.of(tenant).weight
+
+    def _of(self, tenant: str) -> _Buckets:
+        buckets = self._buckets.get(tenant)
+        if buckets is None:
+            limits, now = self.limits(tenant), self.clock()
+            rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+            buckets = self._buckets[tenant] = _Buckets(None if rpm is None else TokenBucket.full(rpm, now),
+                                                       None if tpm is None else TokenBucket.full(tpm, now))
+        return buckets
+
+    def check(self, tenant: str) -> Refusal | None:
+        """Whether a request of `tenant` could pass now, judged before its prompt is read: one request, one token
+        (every prompt has one) and a concurrency slot. Takes nothing."""
+        return self._refusal(tenant, 1)
+
+    def take(self, tenant: str, prompt_tokens: int) -> Lease | Refusal:
+        """Admit a tokenized request: one request, its prompt tokens and a concurrency slot, or nothing."""
+        refusal = self._refusal(tenant, prompt_tokens)
+        if refusal is not None:
+            return refusal
+        buckets, now = self._of(tenant), self.clock()  # the buckets hold what `_refusal` found (time only adds)
+        if buckets.requests is not None:
+            buckets.requests.charge(1, now)
+        if buckets.tokens is not None:
+            buckets.tokens.charge(prompt_tokens, now)
+        self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
+        return Lease(self, tenant, self.headers(tenant))
+
+    def release(self, tenant: str, output_tokens: int) -> None:
+        """A request of `tenant` ended, having generated `output_tokens`."""
+        assert self.inflight.get(tenant, 0) > 0, f"tenant {tenant!r} has no request in flight to release"
+        self.inflight[tenant] -= 1
+        if not self.inflight[tenant]:
+            del self.inflight[tenant]
+        tokens = self._of(tenant).tokens
+        if tokens is not None and output_tokens > 0:
+            tokens.charge(output_tokens, self.clock())
+
+    def _refusal(self, tenant: str, tokens_needed: int) -> Refusal | None:
+        limits, buckets, now = self.limits(tenant), self._of(tenant), self.clock()
+        concurrent = limits.max_concurrent_requests
+        if concurrent is not None and self.inflight.get(tenant, 0) >= concurrent:
+            return self._refuse(tenant, "concurrency", 1.0, f"Too many concurrent requests: limit {concurrent}, "
+                                                            f"in flight {self.inflight[tenant]}")
+        if buckets.requests is not None and buckets.requests.available(now) < 1:
+            wait = buckets.requests.wait_seconds(1, now)
+            return self._refuse(tenant, "requests", wait, f"Rate limit reached for requests per minute (RPM): "
+                                                          f"limit {_number(buckets.requests.per_minute)}")
+        if buckets.tokens is not None and buckets.tokens.available(now) < tokens_needed:
+            tpm = buckets.tokens.per_minute
+            wait = buckets.tokens.wait_seconds(tokens_needed, now)
+            if math.isinf(wait):
+                return self._refuse(tenant, "tokens", wait, f"Request too large for tokens per minute (TPM): limit "
+                                                            f"{_number(tpm)}, requested {tokens_needed}; shorten "
+                                                            "the prompt")
+            used = max(tpm - buckets.tokens.level, 0)
+            return self._refuse(tenant, "tokens", wait, f"Rate limit reached for tokens per minute (TPM): limit "
+                                                        f"{_number(tpm)}, used {_number(used)}, requested "
+                                                        f"{tokens_needed}")
+        return None
+
+    def _refuse(self, tenant: str, reason: str, wait: float, what: str) -> Refusal:
+        assert reason in LIMIT_REASONS
+        headers = dict(self.headers(tenant))
+        if math.isinf(wait):
+            return Refusal(reason, f"{what}.", headers)
+        wait = max(wait, 0.001)
+        headers["retry-after"] = str(math.ceil(wait))
+        headers["retry-after-ms"] = str(math.ceil(wait * 1000))  # read first by OpenAI's own clients
+        return Refusal(reason, f"{what}. Please try again in {duration(wait)}.", headers)
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        """OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the tenant's limited dimensions."""
+        buckets, now = self._of(tenant), self.clock()
+        out: dict[str, str] = {}
+        for kind, bucket in (("requests", buckets.requests), ("tokens", buckets.tokens)):
+            if bucket is not None:
+                limit, remaining, reset = (name.format(kind) for name in RATE_LIMIT_HEADERS)
+                out[limit] = _number(bucket.per_minute)
+                out[remaining] = str(max(math.floor(bucket.available(now)), 0))
+                out[reset] = duration(bucket.reset_seconds(now))
+        return out
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format (Go's durations): 20ms, 1s, 6.5s, 1m0s, 1m30.25s."""
+    ms = round(seconds * 1000)
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:.2f}"
