@@ -77,6 +77,7 @@ class EngineConfig:
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # adapters of a larger rank are refused
     max_loras: int = DEFAULT_MAX_LORAS  # adapters loaded at once: the slots model/lora.py allocates at the first load
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (engine/tracing.py); None: the OTEL_* env
     # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     # "prompt_lookup_max": b}, a mapping or its JSON text (engine/spec.py); None: off
     speculative_config: dict[str, Any] | str | None = None
@@ -105,6 +106,10 @@ class EngineConfig:
                              f"{self.max_loras}")
         if len(self.lora_modules) > self.max_loras:
             raise ValueError(f"{len(self.lora_modules)} lora_modules but max_loras is {self.max_loras}")
+        if self.otlp_traces_endpoint:
+            from kvmesh.engine.tracing import check_endpoint
+
+            check_endpoint(self.otlp_traces_endpoint)
         if self.warmup_grace_seconds < 0:
             raise ValueError(f"warmup_grace_seconds must be >= 0, got {self.warmup_grace_seconds}")
         if self.kv_host_memory_mib < 0 or self.kv_disk_mib < 0 or self.kv_tier_chunk_blocks < 1:

@@ -53,6 +53,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: off)')
+    p.add_argument("--otlp-traces-endpoint",
+                   help="export OpenTelemetry traces over OTLP/HTTP here, e.g. http://collector:4318/v1/traces "
+                        "(default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)")
     p.add_argument("--log-level", default="info")
 
 
@@ -63,10 +66,12 @@ def _serve(args: argparse.Namespace) -> int:
     from kvmesh.engine.config import EngineConfig, load_config
     from kvmesh.engine.engine import Engine
     from kvmesh.engine.server import EngineHolder, create_app
+    from kvmesh.engine.tracing import ENGINE_SERVICE, setup_tracing
 
     try:
         flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
         config = load_config(args.config, flags)
+        tracing = setup_tracing(ENGINE_SERVICE, config.otlp_traces_endpoint)
     except (OSError, ValueError) as exc:
         print(f"kvmesh serve: {exc}", file=sys.stderr)
         return 2
@@ -75,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     holder = EngineHolder(loader=lambda: Engine(config))
     holder.load_in_background()
-    uvicorn.run(create_app(holder), host=config.host, port=config.port, log_level=args.log_level)
+    uvicorn.run(create_app(holder, tracing), host=config.host, port=config.port, log_level=args.log_level)
     if holder.engine is not None:
         holder.engine.close()  # also syncs and unlocks the KV tier files
     return 0
@@ -97,6 +102,9 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pool", help="the pool's name (for the request log)")
     p.add_argument("--database-url", help="request log, e.g. sqlite:///requests.db")
     p.add_argument("--api-keys-file", help="YAML of tenants and sha256 key hashes; no file: no auth")
+    p.add_argument("--otlp-traces-endpoint",
+                   help="export OpenTelemetry traces over OTLP/HTTP here, e.g. http://collector:4318/v1/traces "
+                        "(default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)")
     p.add_argument("--log-level", default="info")
 
 
