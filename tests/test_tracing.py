@@ -1,0 +1,415 @@
+"""Distributed tracing: one trace from a client through the router to every engine it calls.
+
+The end-to-end tests run a real OTLP/HTTP receiver (http.server decoding the protobuf ExportTraceServiceRequest with
+the opentelemetry-proto classes the exporter ships) in front of which real engine processes and a real router
+export; the finer checks use the SDK's in-memory exporter with an in-process engine."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvmesh.cli import main
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.server import EngineHolder, create_app
+from kvmesh.engine.tracing import (
+    ENGINE_SERVICE,
+    OFF,
+    ROUTER_SERVICE,
+    Tracing,
+    resolve_endpoint,
+    setup_tracing,
+)
+from kvmesh.processes import free_port, spawn, stop, wait_healthy
+from kvmesh.router.app import Router, build_router
+from kvmesh.router.auth import tenant_hash
+from kvmesh.router.config import RouterConfig, load_router_config
+
+from .conftest import make_engine
+from .engines import serve_router
+
+CLIENT_TRACE = "0af7651916cd43dd8421aaa7b7a1c9e5"
+CLIENT_SPAN = "b7ad6b7169203331"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+
+
+# ---- configuration -------------------------------------------------------------------------------------------
+
+
+def test_the_endpoint_comes_from_the_flag_then_the_standard_environment() -> None:
+    assert resolve_endpoint(None, {}) is None  # nothing set: tracing off
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/"}
+    assert resolve_endpoint(None, env) == "http://collector:4318/v1/traces"  # a base URL gets the traces path
+    env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = "http://tempo:4318/custom"
+    assert resolve_endpoint(None, env) == "http://tempo:4318/custom"  # the traces URL is used as it is
+    assert resolve_endpoint("https://mine:443/v1/traces", env) == "https://mine:443/v1/traces"
+
+
+@pytest.mark.parametrize("bad", ["collector:4318", "ftp://collector/v1/traces", "http://:4318/v1/traces",
+                                 "http://collector:port/v1/traces"])
+def test_an_unusable_endpoint_is_a_clear_error_at_start(bad: str, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="OTLP traces endpoint"):
+        resolve_endpoint(bad, {})
+    with pytest.raises(ValueError, match="OTLP traces endpoint"):
+        load_router_config(None, {"pods": ["http://127.0.0.1:1"], "otlp_traces_endpoint": bad})
+    with pytest.raises(ValueError, match="OTLP traces endpoint"):
+        EngineConfig(otlp_traces_endpoint=bad).validate()
+    assert main(["router", "--pod", "http://127.0.0.1:1", "--otlp-traces-endpoint", bad]) == 2
+    assert "OTLP traces endpoint" in capsys.readouterr().err
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", bad)  # the environment is checked as strictly
+    assert main(["router", "--pod", "http://127.0.0.1:1"]) == 2
+    assert "OTLP traces endpoint" in capsys.readouterr().err
+
+
+def test_tracing_off_creates_no_provider_and_loads_no_sdk() -> None:
+    """Off by default: the router and engine hold OFF, and the SDK and exporter are never even imported."""
+    program = ("import json, os, sys\n"
+               "for name in [k for k in os.environ if k.startswith('OTEL_')]: del os.environ[name]\n"
+               "from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, setup_tracing\n"
+               "import kvmesh.router.app\n"
+               "assert setup_tracing(ROUTER_SERVICE, None) is OFF\n"
+               "print(json.dumps(sorted(m for m in sys.modules if m.startswith('opentelemetry'))))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", program], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert not [m for m in loaded if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter"))]
+    assert OFF.tracer is None
+
+
+# ---- an in-process engine and router, spans in memory ------------------------------------------------------
+
+
+@contextmanager
+def traced_engine(engine: Engine, tracing: Tracing) -> Iterator[str]:
+    """`engine` behind its HTTP app with `tracing`, in a thread of this process (tests/engines.py's serve_engine,
+    which serves untraced)."""
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine), tracing), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout=60)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()
+        engine.kv.check_invariants()
+
+
+@dataclass
+class Memory:
+    engine_spans: InMemorySpanExporter = field(default_factory=InMemorySpanExporter)
+    router_spans: InMemorySpanExporter = field(default_factory=InMemorySpanExporter)
+    engine: str = ""
+    router: str = ""
+    router_obj: Router | None = None
+
+    def spans(self) -> list[Any]:
+        return list(self.router_spans.get_finished_spans()) + list(self.engine_spans.get_finished_spans())
+
+    def clear(self) -> None:
+        self.engine_spans.clear()
+        self.router_spans.clear()
+
+
+@pytest.fixture(scope="module")
+def memory(tiny_dir: Path) -> Iterator[Memory]:
+    m = Memory()
+    engine = make_engine(tiny_dir, kv_cache_blocks=256)
+    with traced_engine(engine, setup_tracing(ENGINE_SERVICE, None, exporter=m.engine_spans)) as url:
+        router = build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
+        router.tracing = setup_tracing(ROUTER_SERVICE, None, exporter=m.router_spans)
+        with serve_router(router) as router_url:
+            m.engine, m.router, m.router_obj = url, router_url, router
+            yield m
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    """Until `condition()` holds (spans are exported after the response is sent); fails only if it never does."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.05)
+
+
+def named(spans: list[Any], name: str) -> list[Any]:
+    return [s for s in spans if s.name == name]
+
+
+def test_one_trace_from_the_client_through_the_router_into_the_engine(memory: Memory) -> None:
+    memory.clear()
+    body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 5, "temperature": 0.5,
+            "seed": 7}
+    for _ in range(2):  # the second finds the prompt cached
+        reply = httpx.post(memory.router + "/v1/completions", json=body, headers={"traceparent": TRACEPARENT},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+    wait_for(lambda: len([s for s in memory.spans() if s.name.startswith("text_completion ")]) == 2,
+             "two engine spans")
+    spans = memory.spans()
+    requests = named(spans, "kvmesh.router.request")
+    upstreams = named(spans, "kvmesh.router.upstream")
+    engines = [s for s in spans if s.name.startswith("text_completion ")]
+    assert len(requests) == len(upstreams) == len(engines) == 2
+    assert {format(s.context.trace_id, "032x") for s in spans} == {CLIENT_TRACE}  # the client's trace, continued
+    for request, upstream, engine in zip(requests, upstreams, engines, strict=True):
+        assert format(request.parent.span_id, "016x") == CLIENT_SPAN
+        assert upstream.parent.span_id == request.context.span_id
+        assert engine.parent.span_id == upstream.context.span_id  # traceparent went upstream
+        a = request.attributes
+        assert a["kvmesh.pod"] == memory.engine and a["kvmesh.pods"] == (memory.engine,)
+        assert a["kvmesh.outcome"] == "ok" and a["http.response.status_code"] == 200
+        assert a["kvmesh.tenant"] == tenant_hash("default") and a["kvmesh.route"] == "aggregated"
+        assert a["kvmesh.decision.reason"] and "kvmesh.predicted_cached_tokens" in a
+        assert a["gen_ai.usage.output_tokens"] == 5 and a["kvmesh.disaggregated"] is False
+        assert upstream.attributes["kvmesh.hop"] == "whole"
+        assert upstream.attributes["http.response.status_code"] == 200
+        e = engine.attributes
+        assert e["gen_ai.request.max_tokens"] == 5 and e["gen_ai.request.temperature"] == 0.5
+        assert e["gen_ai.request.seed"] == 7 and e["gen_ai.response.finish_reasons"] == ("length",)
+        assert e["gen_ai.usage.input_tokens"] == a["gen_ai.usage.input_tokens"] == a["kvmesh.prompt_tokens"]
+        assert e["gen_ai.usage.output_tokens"] == 5 and e["kvmesh.ttft_seconds"] >= e["kvmesh.queue_seconds"] >= 0
+        assert e["kvmesh.cached_tokens"] == a["kvmesh.cached_tokens"]
+        phases = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == engine.context.span_id}
+        assert set(phases) == {"kvmesh.engine.queue", "kvmesh.engine.prefill", "kvmesh.engine.decode"}
+        prefill = phases["kvmesh.engine.prefill"].attributes
+        assert prefill["kvmesh.computed_tokens"] + prefill["kvmesh.cached_tokens"] == e["gen_ai.usage.input_tokens"]
+        assert phases["kvmesh.engine.queue"].end_time <= phases["kvmesh.engine.prefill"].start_time
+        assert engine.start_time <= phases["kvmesh.engine.queue"].start_time
+        assert [ev.name for ev in engine.events] == ["first_token"]
+    assert engines[0].attributes["kvmesh.cached_tokens"] == 0
+    assert engines[1].attributes["kvmesh.cached_tokens"] > 0  # the repeated prompt hit the cache
+    assert engines[1].attributes["kvmesh.cached_tokens.device"] == engines[1].attributes["kvmesh.cached_tokens"]
+    assert requests[1].attributes["kvmesh.predicted_cached_tokens"] > 0
+    assert {s.resource.attributes["service.name"] for s in requests} == {ROUTER_SERVICE}
+    assert {s.resource.attributes["service.name"] for s in engines} == {ENGINE_SERVICE}
+
+
+def test_a_request_without_a_traceparent_starts_a_trace_and_a_stream_is_traced_to_its_end(memory: Memory) -> None:
+    memory.clear()
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", memory.router + "/v1/chat/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    wait_for(lambda: any(s.name.startswith("chat ") for s in memory.spans()), "the engine's span")
+    spans = memory.spans()
+    (request,) = named(spans, "kvmesh.router.request")
+    (engine,) = [s for s in spans if s.name.startswith("chat ")]
+    assert request.parent is None  # a new trace, rooted at the router
+    assert engine.context.trace_id == request.context.trace_id
+    assert request.attributes["gen_ai.operation.name"] == engine.attributes["gen_ai.operation.name"] == "chat"
+    assert request.attributes["gen_ai.usage.output_tokens"] == engine.attributes["gen_ai.usage.output_tokens"] == 4
+    assert engine.status.is_ok
+
+
+def test_a_refused_request_is_a_failed_span(memory: Memory) -> None:
+    """A model the pool does not serve: 404, and the router's span says so."""
+    memory.clear()
+    reply = httpx.post(memory.router + "/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 1},
+                       timeout=60)
+    assert reply.status_code == 404
+    (request,) = named(memory.spans(), "kvmesh.router.request")
+    assert request.attributes["http.response.status_code"] == 404 and not request.status.is_ok
+    assert request.attributes["gen_ai.request.model"] == "nope"
+
+
+# ---- a real OTLP/HTTP receiver, engine processes, a disaggregated pool --------------------------------------
+
+
+class Receiver(ThreadingHTTPServer):
+    """An OTLP/HTTP collector on 127.0.0.1: POST /v1/traces, protobuf ExportTraceServiceRequest, spans kept."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _ReceiverHandler)
+        self.spans: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1/traces"
+
+    def received(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.spans)
+
+
+class _ReceiverHandler(BaseHTTPRequestHandler):
+    server: Receiver
+
+    def do_POST(self) -> None:
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Content-Encoding") == "gzip":
+            data = gzip.decompress(data)
+        request = ExportTraceServiceRequest.FromString(data)
+        spans = []
+        for resource_spans in request.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+            for scope in resource_spans.scope_spans:
+                for s in scope.spans:
+                    spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
+                                  "parent": s.parent_span_id.hex(), "attributes": {a.key: _value(a.value)
+                                                                                 for a in s.attributes}})
+        with self.server.lock:
+            self.server.spans.extend(spans)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
+@dataclass
+class Pool:
+    receiver: Receiver
+    prefill: str
+    decode: str
+    router: str
+    router_obj: Router
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """A prefill and a decode engine process and an in-process router, all exporting to one receiver."""
+    receiver = Receiver()
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    logs = tmp_path_factory.mktemp("tracing")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the engines export every 0.1 s, not every 5 s
+            roles = {}
+            for role in ("prefill", "decode"):
+                url = f"http://127.0.0.1:{free_port()}"
+                roles[url] = role
+                procs[url] = spawn(["serve", "--model", str(tiny_dir), "--port", url.rsplit(":", 1)[1], "--dtype",
+                                    "float32", "--threads", "1", "--kv-cache-memory-mib", "16", "--log-level",
+                                    "warning", "--role", role, "--otlp-traces-endpoint", receiver.url],
+                                   logs / f"{role}.log")
+            for url, proc in procs.items():
+                wait_healthy(url, proc, log=logs / f"{roles[url]}.log")
+            prefill, decode = procs
+            router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1,
+                                               prefill_hop_min_tokens=32, otlp_traces_endpoint=receiver.url),
+                                  tiny_dir)
+        with serve_router(router) as url:
+            wait_for(lambda: len(httpx.get(url + "/health").json()["pods"]) == 2, "both pods healthy")
+            yield Pool(receiver, prefill, decode, url, router)
+    finally:
+        stop(procs.values())
+        receiver.shutdown()
+
+
+def trace_of(pool: Pool, trace_id: str, engine_spans: int) -> list[dict[str, Any]]:
+    """The receiver's spans of one trace, once the engines' `engine_spans` request spans and the router's are in."""
+    pool.router_obj.tracing.flush()
+
+    def spans() -> list[dict[str, Any]]:
+        return [s for s in pool.receiver.received() if s["trace"] == trace_id]
+
+    wait_for(lambda: len([s for s in spans() if s["service"] == ENGINE_SERVICE
+                          and "gen_ai.operation.name" in s["attributes"]]) >= engine_spans
+             and any(s["name"] == "kvmesh.router.request" for s in spans()), f"trace {trace_id}")
+    return spans()
+
+
+def children(spans: list[dict[str, Any]], parent: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in spans if s["parent"] == parent["id"]]
+
+
+@pytest.mark.slow
+def test_a_repeated_prompt_exported_over_otlp_shows_its_pod_and_cached_tokens(pool: Pool) -> None:
+    body = {"prompt": [(i * 7919) % 48000 + 200 for i in range(20)], "max_tokens": 3}  # under the prefill hop
+    for n in range(2):
+        trace_id = f"{n + 1:032x}"
+        reply = httpx.post(pool.router + "/v1/completions", json=body, timeout=60,
+                           headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+        assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == pool.decode
+        spans = trace_of(pool, trace_id, 1)
+        (request,) = [s for s in spans if s["name"] == "kvmesh.router.request"]
+        assert request["parent"] == CLIENT_SPAN and request["service"] == ROUTER_SERVICE
+        assert request["attributes"]["kvmesh.pod"] == pool.decode
+        (upstream,) = children(spans, request)
+        (engine,) = children(spans, upstream)
+        assert engine["service"] == ENGINE_SERVICE and engine["attributes"]["gen_ai.usage.input_tokens"] == 20
+        assert {s["name"] for s in children(spans, engine)} >= {"kvmesh.engine.queue", "kvmesh.engine.prefill"}
+    assert engine["attributes"]["kvmesh.cached_tokens"] == 16  # the second time: one full block
+    assert request["attributes"]["kvmesh.cached_tokens"] == 16
+
+
+@pytest.mark.slow
+def test_a_disaggregated_request_is_one_trace_over_both_pods(pool: Pool) -> None:
+    trace_id = "d" * 32
+    body = {"prompt": [(i * 104729) % 48000 + 200 for i in range(90)], "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", pool.router + "/v1/completions", json=body, timeout=60,
+                      headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"}) as reply:
+        assert reply.headers["x-kvmesh-pod"] == f"{pool.prefill},{pool.decode}"
+        assert [line for line in reply.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+    spans = trace_of(pool, trace_id, 2)
+    (request,) = [s for s in spans if s["name"] == "kvmesh.router.request"]
+    a = request["attributes"]
+    assert a["kvmesh.disaggregated"] is True and a["kvmesh.pods"] == [pool.prefill, pool.decode]
+    assert a["kvmesh.route"] == "disaggregated" and a["gen_ai.usage.output_tokens"] == 6
+    hops = {s["attributes"]["kvmesh.hop"]: s for s in children(spans, request)}
+    assert set(hops) == {"prefill", "decode"}
+    assert hops["prefill"]["attributes"]["url.full"].startswith(pool.prefill)
+    assert hops["decode"]["attributes"]["url.full"].startswith(pool.decode)
+    (prefill,) = children(spans, hops["prefill"])
+    (decode,) = children(spans, hops["decode"])
+    assert prefill["attributes"]["kvmesh.kv_transfer.mode"] == "prefill"
+    assert prefill["attributes"]["gen_ai.usage.output_tokens"] == 1
+    assert decode["attributes"]["kvmesh.kv_transfer.mode"] == "decode"
+    assert decode["attributes"]["gen_ai.usage.output_tokens"] == 6  # the prefill's token counts as generated
+    assert decode["attributes"]["kvmesh.cached_tokens.peer"] > 0  # the decode pod pulled the prefill's KV
+    assert "kvmesh.engine.kv_pull" in {s["name"] for s in children(spans, decode)}
+
+
+# ---- a collector that is down -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_requests_succeed_when_the_collector_is_down(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens at the endpoint: spans fail to export on the batch thread, requests never notice."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")  # export (and fail) while requests run
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")  # the exit's last flush gives up fast
+    closed = f"http://127.0.0.1:{free_port()}/v1/traces"
+    engine_tracing = setup_tracing(ENGINE_SERVICE, closed)
+    with traced_engine(make_engine(tiny_dir, kv_cache_blocks=128), engine_tracing) as url:
+        router = build_router(RouterConfig(pods=[url], otlp_traces_endpoint=closed), tiny_dir)
+        assert router.tracing.enabled
+        with serve_router(router) as router_url:
+            for i in range(4):
+                body = {"prompt": f"request {i} " * 5, "max_tokens": 3, "stream": bool(i % 2)}
+                reply = httpx.post(router_url + "/v1/completions", json=body, timeout=60)
+                assert reply.status_code == 200, reply.text
+    for tracing in (engine_tracing, router.tracing):
+        tracing.shutdown()
