@@ -38,8 +38,9 @@ from kvmesh.engine.openai_types import MODEL_NOT_FOUND
 from kvmesh.engine.protocol import HashAlgo, KVConfig, KVEvent
 from kvmesh.engine.request import Request, RequestOutput, Status
 from kvmesh.engine.runner import ModelRunner, StepInput
-from kvmesh.engine.sampling import sample
-from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
+from kvmesh.engine.sampling import SampleResult, sample
+from kvmesh.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from kvmesh.engine.spec import SpecConfig, TokenHistory, Verdict, accept, propose
 from kvmesh.engine.structured import Masks, StructuredError, StructuredOutputs
 
 log = logging.getLogger("kvmesh.engine")
@@ -141,8 +142,11 @@ class Engine:
             except LoraError as exc:  # one bad adapter must not keep the base model and the others from serving
                 # (under the operator a pod that died here would crash-loop; its adapter sync reports the refusal)
                 log.error("LoRA adapter %r not loaded: %s", name, exc)
+        self.spec = SpecConfig.parse(config.speculative_config)
+        self._histories: dict[str, TokenHistory] = {}  # speculating requests' tokens, for the n-gram lookup
         self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype,
-                                     self.kv_layout.stored_format)
+                                     self.kv_layout.stored_format,
+                                     self.spec.num_speculative_tokens if self.spec is not None else 0)
         self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                             self.metrics.structured_mask_seconds, self.metrics.structured_masks)
         self.kv_config = KVConfig(
@@ -531,6 +535,7 @@ class Engine:
         self._take_inbox()
         self._tier_tick()
         self._swap_in()
+        self._propose_drafts()
         out = self.scheduler.schedule()
         for request in out.unservable:
             self._finish(request, "length", error="the request does not fit in this engine's KV cache")
@@ -572,23 +577,41 @@ class Engine:
             self.kv.free(request.import_key)
             request.import_key = None
 
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: n-gram drafts for each decoding request that may speculate (every one but those
+        with a structured-output constraint, whose matcher would have to run ahead of verification), never more
+        than its max_tokens or the context can take. The scheduler cuts them to the step's budget."""
+        spec = self.spec
+        if spec is None:
+            return
+        for r in self.scheduler.running:
+            k = min(spec.num_speculative_tokens, r.remaining_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            if r.guide is not None or r.num_computed_tokens != r.num_tokens - 1 or k < 1:
+                r.draft_ids = []
+                continue
+            history = self._histories.setdefault(r.request_id, TokenHistory())
+            history.sync(r.prompt_ids, r.output_ids)
+            r.draft_ids = propose(history.tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     def _run(self, out: SchedulerOutput) -> None:
         inputs = []
         for s in out.scheduled:
             r = s.request
             start = r.num_computed_tokens
+            known = s.num_new_tokens - len(s.draft_ids)
             inputs.append(
                 StepInput(
                     self.kv.block_ids(r.request_id),
                     start,
-                    r.token_ids[start : start + s.num_new_tokens],
-                    wants_logits=start + s.num_new_tokens == r.num_tokens,
+                    r.token_ids[start : start + known] + list(s.draft_ids),
+                    wants_logits=start + known == r.num_tokens,
                     lora_slot=self.loras.slot(r.extra.lora),
+                    num_logits=1 + len(s.draft_ids),
                 )
             )
         result = self.runner.run(inputs)
-        sampling = [s.request for s, i in zip(out.scheduled, inputs, strict=True) if i.wants_logits]
-        prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        sampling = [s for s, i in zip(out.scheduled, inputs, strict=True) if i.wants_logits]
+        prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens - len(s.draft_ids) > 1)
         if prefill_tokens:
             self.prefill_tps = _ema(self.prefill_tps, prefill_tokens / result.seconds)
         else:
@@ -596,23 +619,61 @@ class Engine:
         self.metrics.batch_size.observe(len(out.scheduled))
         self.metrics.steps.inc()
         self.metrics.computed_tokens.inc(result.num_tokens)
-        for s in out.scheduled:
+        for s in out.scheduled:  # drafts' KV is not counted (nor committed) until they are accepted
             r = s.request
-            r.num_computed_tokens += s.num_new_tokens
+            r.num_computed_tokens += s.num_new_tokens - len(s.draft_ids)
             self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
         if not sampling:
             return
-        masks = self.structured.masks([r.guide for r in sampling])  # None, at no cost, when nothing is constrained
-        samples = sample(result.logits, [r.params for r in sampling], [r.num_generated for r in sampling],
-                         self.tokenizer.eos_token_ids, [r.output_ids for r in sampling], masks)
+        # one row per position that wants logits: a request with k drafts has k + 1, each sampled as if the drafts
+        # before it were already output (its output index, min_tokens and penalties see them)
+        guides, params, indices, generated = [], [], [], []
+        for s in sampling:
+            r = s.request
+            for i in range(len(s.draft_ids) + 1):
+                guides.append(r.guide)
+                params.append(r.params)
+                indices.append(r.num_generated + i)
+                generated.append(r.output_ids + list(s.draft_ids[:i]) if i else r.output_ids)
+        masks = self.structured.masks(guides)  # None, at no cost, when nothing is constrained
+        samples = sample(result.logits, params, indices, self.tokenizer.eos_token_ids, generated, masks)
         now = time.monotonic()
-        for row, r in enumerate(sampling):
-            if r.guide is not None and (failed := self._guide_failed(r, samples.token_ids[row], masks, row)):
+        row = 0
+        for s in sampling:
+            r, first = s.request, row
+            row += len(s.draft_ids) + 1
+            if s.draft_ids:
+                self._append_verified(s, accept(s.draft_ids, samples.token_ids[first:row]), samples, first, now)
+                continue
+            if r.guide is not None and (failed := self._guide_failed(r, samples.token_ids[first], masks, first)):
                 self._finish(r, "error", error=f"structured output failed: {failed}")
                 continue
-            logprob = samples.logprobs[row] if samples.logprobs is not None else None
-            top = samples.top_logprobs[row] if samples.top_logprobs is not None else None
-            self._append_token(r, samples.token_ids[row], logprob, top, now)
+            logprob = samples.logprobs[first] if samples.logprobs is not None else None
+            top = samples.top_logprobs[first] if samples.top_logprobs is not None else None
+            self._append_token(r, samples.token_ids[first], logprob, top, now)
+
+    def _append_verified(self, s: ScheduledRequest, verdict: Verdict, samples: SampleResult, first: int,
+                         now: float) -> None:
+        """Append a draft run's accepted tokens and the model's own token after them, one at a time (a stop string,
+        a stop token or max_tokens may end the request inside the run: the tokens after it are dropped). The KV
+        of rejected drafts is rolled back, and each accepted token's KV is counted (and its block committed to the
+        prefix cache once full) only as the token is appended."""
+        r, m = s.request, self.metrics
+        m.spec_drafts.labels(self.model_name).inc()
+        m.spec_draft_tokens.labels(self.model_name).inc(len(s.draft_ids))
+        m.spec_accepted_tokens.labels(self.model_name).inc(verdict.num_accepted)
+        for position in range(verdict.num_accepted):
+            m.spec_accepted_per_pos.labels(self.model_name, str(position)).inc()
+        self.kv.truncate(r.request_id, r.num_computed_tokens + verdict.num_accepted)
+        for i, token in enumerate(verdict.token_ids):
+            if i:  # the token before this one was an accepted draft: its KV was computed this step
+                r.num_computed_tokens += 1
+                self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
+            logprob = samples.logprobs[first + i] if samples.logprobs is not None else None
+            top = samples.top_logprobs[first + i] if samples.top_logprobs is not None else None
+            self._append_token(r, token, logprob, top, now)
+            if r.status is Status.FINISHED:
+                return
 
     @staticmethod
     def _guide_failed(r: Request, token: int, masks: Masks | None, row: int) -> str | None:
@@ -689,6 +750,7 @@ class Engine:
         self._staged.pop(r.request_id, None)  # its promotion still lands; its blocks stay cached
         self._tier_tokens.pop(r.request_id, None)
         self._swapped.discard(r.request_id)
+        self._histories.pop(r.request_id, None)
         handoff = None
         # a handoff keeps the request's blocks; one finished as it arrived (a constraint already complete) has none
         kept = r.handoff_ttl is not None and r.request_id in self.kv.seqs

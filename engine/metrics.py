@@ -136,7 +136,7 @@ class EngineMetrics:
     """Event-driven metrics; `render()` gives the Prometheus text for /metrics."""
 
     def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
-                 kv_format: str = "") -> None:
+                 kv_format: str = "", num_speculative_tokens: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         lm = [MODEL_LABEL]
@@ -228,7 +228,16 @@ class EngineMetrics:
             self.preemptions_by_mode.labels(mode)
         for reason in FINISH_REASONS:
             self.requests.labels(reason)
-        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens):
+        self.spec_drafts = Counter(V.SPEC_DRAFTS, "Speculative draft runs verified.", lm, registry=r)
+        self.spec_draft_tokens = Counter(V.SPEC_DRAFT_TOKENS, "Speculative draft tokens verified.", lm, registry=r)
+        self.spec_accepted_tokens = Counter(V.SPEC_ACCEPTED_TOKENS, "Speculative draft tokens accepted.", lm,
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter(V.SPEC_ACCEPTED_PER_POS, "Speculative draft tokens accepted, by draft "
+                                             "position (0 = first).", [MODEL_LABEL, "position"], registry=r)
+        for position in range(num_speculative_tokens):  # positions known at start: every series from 0
+            self.spec_accepted_per_pos.labels(model, str(position))
+        for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens,
+                  self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
             c.labels(model)
         r.register(_StateCollector(state, model, cache_dtype, kv_format))
 

@@ -27,11 +27,12 @@ class StepInput:
     token_ids: list[int]
     wants_logits: bool
     lora_slot: int | None = None  # the LoRA adapter's slot (model/lora.py); None: the base model
+    num_logits: int = 1  # with wants_logits: logits at this many trailing positions (a draft run verifies them all)
 
 
 @dataclass(frozen=True)
 class StepResult:
-    logits: torch.Tensor  # [rows wanting logits, vocab], fp32
+    logits: torch.Tensor  # [sum of num_logits over the sequences wanting logits, vocab], fp32
     num_tokens: int
     seconds: float
 
@@ -58,7 +59,8 @@ class ModelRunner:
         self.cascade_attention = True
 
     def run(self, seqs: list[StepInput]) -> StepResult:
-        """Logits rows follow `seqs`' order, whatever order the flat batch took."""
+        """Logits rows follow `seqs`' order, whatever order the flat batch took; a sequence's `num_logits` rows are
+        consecutive, in position order."""
         start = time.perf_counter()
         order = seqs
         if any(s.lora_slot is not None for s in seqs):  # stable: the base model's sequences first, then by slot
@@ -78,7 +80,8 @@ class ModelRunner:
                 segments[-1] = LoraSegment(segments[-1].start, len(ids), s.lora_slot)
             else:
                 segments.append(LoraSegment(begin, len(ids), s.lora_slot))
-        rows = [last_row[id(s)] for s in seqs if s.wants_logits]
+        rows = [row for s in seqs if s.wants_logits
+                for row in range(last_row[id(s)] - s.num_logits + 1, last_row[id(s)] + 1)]
         meta = build_metadata(
             [(s.block_table, s.num_computed, len(s.token_ids)) for s in order],
             self.block_size,

@@ -6,6 +6,10 @@ what is left, taking their cached prefix first. When blocks run out, the least i
 preempted: its blocks are released (full ones stay cached) and it recomputes later. It knows nothing of
 model code.
 
+A decoding request with speculative drafts (`Request.draft_ids`, engine/spec.py) is scheduled like a small chunk:
+its last token plus the drafts, all within the budget and the blocks. Drafts are optional: cut to the budget
+left, and dropped rather than preempting anyone for their slots.
+
 The queue policy orders admission. `fcfs`: priority, then arrival. `prefix` (SGLang's longest-prefix-match,
 KVShare): priority, then the longest cached prefix, so requests that reuse what is cached go before the
 cache turns over; a request that has waited `max_queue_delay` seconds goes ahead of every one that has not,
@@ -38,6 +42,8 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
+    # unverified drafts computed after the request's last token (engine/spec.py); counted in num_new_tokens
+    draft_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -127,6 +133,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.draft_ids = []
         self.kv.free(request.request_id, self._eviction_class.get(request.request_id, request.workload))
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -140,8 +147,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed = request.num_tokens - request.num_computed_tokens
+            drafts, request.draft_ids = request.draft_ids[: max(budget - needed, 0)], []
+            assert not drafts or needed == 1, "drafts follow a decoding request's last token only"
+            n = min(needed + len(drafts), budget)
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+                if drafts:  # drafts are optional: drop them before preempting anyone for their slots
+                    drafts, n = [], min(needed, budget)
+                    continue
                 victim = self.running[-1]  # the least important; never one scheduled earlier this step
                 if victim is request and len(self.running) == 1 and not out.scheduled:
                     self.running.remove(request)
@@ -151,7 +164,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, n))
+                out.scheduled.append(ScheduledRequest(request, n, tuple(drafts)))
                 budget -= n
                 i += 1
         if out.preempted or out.unservable:

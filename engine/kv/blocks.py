@@ -430,6 +430,21 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.seqs[seq_id].blocks]
 
+    def truncate(self, seq_id: str, num_tokens: int) -> int:
+        """Shrink a table to the blocks its first `num_tokens` tokens fill (the slots of rejected speculative
+        drafts go back); returns how many blocks were dropped. Only tokens a request verified are ever committed,
+        so a dropped block is never registered, cached or published: it goes straight back to the free list."""
+        seq = self.seqs[seq_id]
+        keep = self.blocks_for(num_tokens)
+        dropped = seq.blocks[keep:]
+        if not dropped:
+            return 0
+        assert keep >= seq.num_registered, "truncating into registered blocks"
+        assert all(b.block_hash is None and b.ref_count == 1 for b in dropped), "a dropped draft block is shared"
+        del seq.blocks[keep:]
+        self.pool.release(dropped)
+        return len(dropped)
+
     def free(self, seq_id: str, workload: str = "") -> None:
         """Release a request's blocks: registered ones stay cached (evictable, filed under the request's
         `workload` class for the eviction policy), the rest become free."""
