@@ -35,6 +35,7 @@ ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # a base URL: traces go to its /v1
 SERVICE_NAME_ENV = "OTEL_SERVICE_NAME"
 ENGINE_SERVICE, ROUTER_SERVICE = "kvmesh-engine", "kvmesh-router"
 INSTRUMENTATION = "kvmesh"
+FINISHED = ("stop", "length")  # finish reasons of a request that ended well (not abort, error, or none yet)
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent/tracestate only, whatever OTEL_PROPAGATORS says
 
 
@@ -149,8 +150,7 @@ class EngineCall:
             await lines.aclose()  # the stream's own ending (aborting what is left) runs first
             self.finish(response_id, model, requests, prompt_of)
 
-    def finish(self, response_id: str, model: str, requests: Sequence[Request], prompt_of: Sequence[int],
-               error: str | None = None) -> None:
+    def finish(self, response_id: str, model: str, requests: Sequence[Request], prompt_of: Sequence[int]) -> None:
         """Build and end the call's span and its phases' (requests: the call's engine requests; prompt_of: which
         prompt each answers, as n choices share one)."""
         tracer = self.tracing.tracer
@@ -164,8 +164,9 @@ class EngineCall:
         finish_reasons = [r.finish_reason for r in requests if r.finish_reason]
         if finish_reasons:
             span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
-        if error is not None or not requests or len(finish_reasons) < len(requests):
-            span.set_status(Status(StatusCode.ERROR, error or "the request did not finish"))
+        unfinished = [r.finish_reason or "unfinished" for r in requests if r.finish_reason not in FINISHED]
+        if unfinished or not requests:
+            span.set_status(Status(StatusCode.ERROR, ", ".join(unfinished) or "no request"))
         inside = trace.set_span_in_context(span)
         if self.pull_ns is not None:
             tracer.start_span("kvmesh.engine.kv_pull", inside, start_time=self.pull_ns[0],
