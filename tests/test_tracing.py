@@ -41,6 +41,7 @@ from kvmesh.processes import free_port, spawn, stop, wait_healthy
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.auth import tenant_hash
 from kvmesh.router.config import RouterConfig, load_router_config
+from kvmesh.router.tracing import hop
 
 from .conftest import make_engine
 from .engines import serve_router
@@ -91,6 +92,24 @@ def test_tracing_off_creates_no_provider_and_loads_no_sdk() -> None:
                                        text=True).stdout)
     assert not [m for m in loaded if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter"))]
     assert OFF.tracer is None
+
+
+def test_a_router_built_without_an_endpoint_traces_nothing(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert build_router(RouterConfig(pods=["http://127.0.0.1:1"]), tiny_dir).tracing is OFF
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")  # the standard variable turns it on
+    assert build_router(RouterConfig(pods=["http://127.0.0.1:1"]), tiny_dir).tracing.enabled
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"prompt": "x"}, "whole"),
+    ({"prompt": "x", "resume_output_ids": [5, 6]}, "resume"),  # a migrated stream, or a decode pod recomputing
+    ({"prompt": "x", "kv_transfer": {"mode": "pull", "source": "http://p", "tokens": 64}}, "pull"),
+    ({"prompt": "x", "kv_transfer": {"mode": "prefill"}}, "prefill"),
+])
+def test_each_call_to_a_pod_names_its_hop(body: dict[str, Any], expected: str) -> None:
+    assert hop(body) == expected
 
 
 # ---- an in-process engine and router, spans in memory ------------------------------------------------------
@@ -222,6 +241,19 @@ def test_a_request_without_a_traceparent_starts_a_trace_and_a_stream_is_traced_t
     assert request.attributes["gen_ai.operation.name"] == engine.attributes["gen_ai.operation.name"] == "chat"
     assert request.attributes["gen_ai.usage.output_tokens"] == engine.attributes["gen_ai.usage.output_tokens"] == 4
     assert engine.status.is_ok
+
+
+def test_a_client_that_does_not_sample_is_served_and_not_traced(memory: Memory) -> None:
+    """The sampled flag off in the client's traceparent: the router and the engine follow it (parent-based)."""
+    memory.clear()
+    reply = httpx.post(memory.router + "/v1/completions", json={"prompt": "hello there", "max_tokens": 2},
+                       headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}, timeout=60)
+    assert reply.status_code == 200
+    traced = httpx.post(memory.router + "/v1/completions", json={"prompt": "hello there", "max_tokens": 2},
+                        timeout=60)  # sent after: its spans come after any the first could have made
+    assert traced.status_code == 200
+    wait_for(lambda: any(s.name.startswith("text_completion ") for s in memory.spans()), "the second's spans")
+    assert all(format(s.context.trace_id, "032x") != CLIENT_TRACE for s in memory.spans())
 
 
 def test_a_refused_request_is_a_failed_span(memory: Memory) -> None:
