@@ -35,12 +35,13 @@ class TenantLimits:
     weight: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("requests_per_minute", "tokens_per_minute", "weight"):
+        for name, nullable in (("requests_per_minute", True), ("tokens_per_minute", True), ("weight", False)):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or not 0 < value < math.inf):
-                raise ValueError(f"{name} must be a positive number{'' if name == 'weight' else ' or null'}, "
-                                 f"not {value!r}")
+            if value is None and nullable:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number{' or null' if nullable else ''}, not "
+                                 f"{'null' if value is None else repr(value)}")
         concurrent = self.max_concurrent_requests
         if concurrent is not None and (isinstance(concurrent, bool) or not isinstance(concurrent, int)
                                        or concurrent < 1):
@@ -94,8 +95,6 @@ def parse_tenants(raw: Any, where: str = "tenants") -> LimitTable:
             raise ValueError(f"{here} must be a mapping of limits ({', '.join(LIMIT_FIELDS)})")
         if unknown := sorted(set(entry) - set(LIMIT_FIELDS)):
             raise ValueError(f"{here}: unknown fields {unknown}; allowed: {', '.join(LIMIT_FIELDS)}")
-        if entry.get("weight", 1.0) is None:
-            raise ValueError(f"{here}: weight must be a positive number, not null")
         (base if name == DEFAULTS_ENTRY else entries.setdefault(name, {})).update(entry)
     try:
         default = TenantLimits(**base)
@@ -177,10 +176,6 @@ class Lease:
     def __init__(self, limiter: Limiter, tenant: str, headers: Mapping[str, str]) -> None:
         self.tenant, self.headers, self._limiter = tenant, MappingProxyType(dict(headers)), limiter
         self._release = weakref.finalize(self, limiter.release, tenant, 0)
-
-    @property
-    def closed(self) -> bool:
-        return not self._release.alive
 
     def close(self, output_tokens: int = 0) -> None:
         if self._release.detach() is not None:  # the first close: the collector's release is off
