@@ -4,6 +4,7 @@ model), where the limiter's clock is injected too: nothing here sleeps or times 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import yaml
 
 from kvmesh.cli import main
 from kvmesh.engine.engine import Engine
-from kvmesh.router.app import Router, build_router
+from kvmesh.router.app import RouteError, Router, build_router
 from kvmesh.router.auth import hash_key, tenant_hash
 from kvmesh.router.config import RouterConfig, load_router_config
 from kvmesh.router.limits import (
@@ -354,7 +355,22 @@ def test_a_tenant_over_its_limit_leaves_the_others_served(served: Served) -> Non
     assert post(served, "acme").status_code == 429
     assert post(served, "globex").status_code == 200
     assert post(served, "initech").status_code == 200
+    missing = post(served, "initech", model="no-such-model")  # refused after admission: the headers still come
+    assert missing.status_code == 404 and missing.headers["x-ratelimit-remaining-requests"] == "0"
     assert served.router.limits.inflight == {}  # every answered request gave its slot back
+
+
+@pytest.mark.slow
+def test_both_edges_share_the_admission_that_limits(served: Served) -> None:
+    """`Router.admit` is what the HTTP edge and a Gateway's ext_proc stream both call: a tenant over its limit is
+    refused there, before its body is even parsed."""
+    for _ in range(2):
+        assert post(served, "initech").status_code == 200
+    headers = {"authorization": f"Bearer {KEYS['initech']}"}
+    with pytest.raises(RouteError) as info:
+        asyncio.run(served.router.admit(b"not even JSON", headers, chat=False))
+    assert info.value.status == 429 and info.value.code == "rate_limit_exceeded"
+    assert info.value.headers["retry-after"] == "30"
 
 
 @pytest.mark.slow
