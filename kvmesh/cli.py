@@ -294,6 +294,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.structured import add_parser as add_structured_bench
 
     add_structured_bench(bench)
+    from kvmesh.bench.spec import add_parser as add_spec_bench
+
+    add_spec_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -301,6 +304,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "spec":
+        from kvmesh.bench.spec import run as run_spec_bench
+
+        return run_spec_bench(args)
     if args.bench == "structured":
         from kvmesh.bench.structured import run as run_structured_bench
 

@@ -400,3 +400,16 @@ def test_engine_config_validation_rejects_bad_speculation() -> None:
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 3,
                                          "prompt_lookup_max": 2}).validate()
+
+
+def test_bench_spec_reports_ratios_and_same_outputs(tiny_dir: Path, tmp_path: Path) -> None:
+    """`kvmesh bench spec` end to end on the tiny model (few tokens): a row per workload and concurrency, outputs
+    compared, the lookup cost measured."""
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(tiny_dir), "--concurrency", "1,2", "--max-tokens", "6",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [(r["workload"], r["concurrency"]) for r in results["rows"]] == [
+        ("repeat", 1), ("repeat", 2), ("chat", 1), ("chat", 2)]
+    assert all(r["identical_outputs"] and r["speedup"] > 0 and r["tokens_per_step"] >= 1 for r in results["rows"])
+    assert set(results["lookup_us"]) == {"1000", "8000", "32000"}
