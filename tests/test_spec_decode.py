@@ -413,3 +413,31 @@ def test_bench_spec_reports_ratios_and_same_outputs(tiny_dir: Path, tmp_path: Pa
         ("repeat", 1), ("repeat", 2), ("chat", 1), ("chat", 2)]
     assert all(r["identical_outputs"] and r["speedup"] > 0 and r["tokens_per_step"] >= 1 for r in results["rows"])
     assert set(results["lookup_us"]) == {"1000", "8000", "32000"}
+
+
+def test_lora_requests_verify_drafts_through_their_adapter(tiny_dir: Path, tmp_path: Path) -> None:
+    """Drafts run in the request's own adapter segment: a batch mixing the base model and an adapter gives, with
+    speculation, what it gives without."""
+    from kvmesh.engine.protocol import BlockExtra
+
+    from .test_lora import write_adapter
+
+    adapter = str(write_adapter(tmp_path / "a", seed=3))
+    engines = [make_engine(tiny_dir, lora_modules={"a": adapter}, **extra)
+               for extra in ({}, {"speculative_config": SPEC})]
+    results = []
+    for engine in engines:
+        outs: list[list[RequestOutput]] = []
+        for i, lora in ((0, None), (0, "a"), (1, "a"), (1, None)):
+            request = Request(f"spec-{next(_ids)}", prompt(i), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                              logit_bias=dict(BIAS)),
+                              extra=BlockExtra(lora=lora))
+            outs.append([])
+            request.on_output = outs[-1].append
+            engine.submit(request)
+        engine.run_until_idle()
+        check_idle(engine)
+        results.append([tokens(o) for o in outs])
+    assert results[0] == results[1]
+    assert results[0][0] != results[0][1]  # the adapter changes the answer, so a wrong segment would show it
+    assert spec_counts(engines[1])[2] > 0
