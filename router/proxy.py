@@ -38,7 +38,7 @@ class UpstreamReply:
         try:
             return await self._response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(str(exc) or type(exc).__name__) from exc
+            raise self._broken(exc) from exc
 
     async def lines(self) -> AsyncIterator[str]:
         """The body's lines without their line ends, as they arrive (no length limit on a line)."""
@@ -50,9 +50,16 @@ class UpstreamReply:
                 for line in complete:
                     yield line.rstrip(b"\r").decode()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(str(exc) or type(exc).__name__) from exc
+            raise self._broken(exc) from exc
         if pending:
             yield pending.decode()
+
+    def _broken(self, exc: BaseException) -> UpstreamError:
+        """The reply broke off: the error to raise (and the call's span, failed)."""
+        error = str(exc) or type(exc).__name__
+        if self._span is not None:
+            self._span.failed(error)
+        return UpstreamError(error)
 
     def close(self) -> None:
         """Hand the connection back when the body was read to its end; otherwise drop it, which tells the pod

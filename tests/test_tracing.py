@@ -23,6 +23,7 @@ import httpx
 import pytest
 import uvicorn
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvmesh.cli import main
@@ -49,6 +50,7 @@ from .engines import serve_router
 CLIENT_TRACE = "0af7651916cd43dd8421aaa7b7a1c9e5"
 CLIENT_SPAN = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+STATUS_ERROR = Status.STATUS_CODE_ERROR
 
 
 # ---- configuration -------------------------------------------------------------------------------------------
@@ -301,8 +303,8 @@ class _ReceiverHandler(BaseHTTPRequestHandler):
             for scope in resource_spans.scope_spans:
                 for s in scope.spans:
                     spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
-                                  "parent": s.parent_span_id.hex(), "attributes": {a.key: _value(a.value)
-                                                                                 for a in s.attributes}})
+                                  "parent": s.parent_span_id.hex(), "failed": s.status.code == STATUS_ERROR,
+                                  "attributes": {a.key: _value(a.value) for a in s.attributes}})
         with self.server.lock:
             self.server.spans.extend(spans)
         self.send_response(200)
@@ -323,42 +325,50 @@ def _value(v: Any) -> Any:
 @dataclass
 class Pool:
     receiver: Receiver
-    prefill: str
-    decode: str
+    engines: list[str]  # their URLs, in the order of their roles
+    procs: dict[str, subprocess.Popen[bytes]]
     router: str
     router_obj: Router
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    """A prefill and a decode engine process and an in-process router, all exporting to one receiver."""
+def receiver() -> Iterator[Receiver]:
     receiver = Receiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    logs = tmp_path_factory.mktemp("tracing")
+    yield receiver
+    receiver.shutdown()
+
+
+@contextmanager
+def traced_pool(tiny_dir: Path, logs: Path, receiver: Receiver, roles: tuple[str, ...]) -> Iterator[Pool]:
+    """Engine processes of these roles and an in-process router in front of them, all exporting to `receiver`."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the engines export every 0.1 s, not every 5 s
-            roles = {}
-            for role in ("prefill", "decode"):
+            for i, role in enumerate(roles):
                 url = f"http://127.0.0.1:{free_port()}"
-                roles[url] = role
                 procs[url] = spawn(["serve", "--model", str(tiny_dir), "--port", url.rsplit(":", 1)[1], "--dtype",
                                     "float32", "--threads", "1", "--kv-cache-memory-mib", "16", "--log-level",
                                     "warning", "--role", role, "--otlp-traces-endpoint", receiver.url],
-                                   logs / f"{role}.log")
-            for url, proc in procs.items():
-                wait_healthy(url, proc, log=logs / f"{roles[url]}.log")
-            prefill, decode = procs
+                                   logs / f"{role}-{i}.log")
+            for i, (url, proc) in enumerate(procs.items()):
+                wait_healthy(url, proc, log=logs / f"{roles[i]}-{i}.log")
             router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1,
                                                prefill_hop_min_tokens=32, otlp_traces_endpoint=receiver.url),
                                   tiny_dir)
         with serve_router(router) as url:
-            wait_for(lambda: len(httpx.get(url + "/health").json()["pods"]) == 2, "both pods healthy")
-            yield Pool(receiver, prefill, decode, url, router)
+            wait_for(lambda: len(httpx.get(url + "/health").json()["pods"]) == len(roles), "every pod healthy")
+            yield Pool(receiver, list(procs), procs, url, router)
     finally:
         stop(procs.values())
-        receiver.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[Pool]:
+    """A disaggregated pool: a prefill and a decode engine."""
+    with traced_pool(tiny_dir, tmp_path_factory.mktemp("tracing"), receiver, ("prefill", "decode")) as pool:
+        yield pool
 
 
 def trace_of(pool: Pool, trace_id: str, engine_spans: int) -> list[dict[str, Any]]:
@@ -381,15 +391,16 @@ def children(spans: list[dict[str, Any]], parent: dict[str, Any]) -> list[dict[s
 @pytest.mark.slow
 def test_a_repeated_prompt_exported_over_otlp_shows_its_pod_and_cached_tokens(pool: Pool) -> None:
     body = {"prompt": [(i * 7919) % 48000 + 200 for i in range(20)], "max_tokens": 3}  # under the prefill hop
+    decode = pool.engines[1]
     for n in range(2):
         trace_id = f"{n + 1:032x}"
         reply = httpx.post(pool.router + "/v1/completions", json=body, timeout=60,
                            headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
-        assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == pool.decode
+        assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == decode
         spans = trace_of(pool, trace_id, 1)
         (request,) = [s for s in spans if s["name"] == "kvmesh.router.request"]
         assert request["parent"] == CLIENT_SPAN and request["service"] == ROUTER_SERVICE
-        assert request["attributes"]["kvmesh.pod"] == pool.decode
+        assert request["attributes"]["kvmesh.pod"] == decode
         (upstream,) = children(spans, request)
         (engine,) = children(spans, upstream)
         assert engine["service"] == ENGINE_SERVICE and engine["attributes"]["gen_ai.usage.input_tokens"] == 20
@@ -401,20 +412,21 @@ def test_a_repeated_prompt_exported_over_otlp_shows_its_pod_and_cached_tokens(po
 @pytest.mark.slow
 def test_a_disaggregated_request_is_one_trace_over_both_pods(pool: Pool) -> None:
     trace_id = "d" * 32
+    prefill, decode = pool.engines
     body = {"prompt": [(i * 104729) % 48000 + 200 for i in range(90)], "max_tokens": 6, "stream": True}
     with httpx.stream("POST", pool.router + "/v1/completions", json=body, timeout=60,
                       headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"}) as reply:
-        assert reply.headers["x-kvmesh-pod"] == f"{pool.prefill},{pool.decode}"
+        assert reply.headers["x-kvmesh-pod"] == f"{prefill},{decode}"
         assert [line for line in reply.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
     spans = trace_of(pool, trace_id, 2)
     (request,) = [s for s in spans if s["name"] == "kvmesh.router.request"]
     a = request["attributes"]
-    assert a["kvmesh.disaggregated"] is True and a["kvmesh.pods"] == [pool.prefill, pool.decode]
+    assert a["kvmesh.disaggregated"] is True and a["kvmesh.pods"] == [prefill, decode]
     assert a["kvmesh.route"] == "disaggregated" and a["gen_ai.usage.output_tokens"] == 6
     hops = {s["attributes"]["kvmesh.hop"]: s for s in children(spans, request)}
     assert set(hops) == {"prefill", "decode"}
-    assert hops["prefill"]["attributes"]["url.full"].startswith(pool.prefill)
-    assert hops["decode"]["attributes"]["url.full"].startswith(pool.decode)
+    assert hops["prefill"]["attributes"]["url.full"].startswith(prefill)
+    assert hops["decode"]["attributes"]["url.full"].startswith(decode)
     (prefill,) = children(spans, hops["prefill"])
     (decode,) = children(spans, hops["decode"])
     assert prefill["attributes"]["kvmesh.kv_transfer.mode"] == "prefill"
@@ -423,6 +435,37 @@ def test_a_disaggregated_request_is_one_trace_over_both_pods(pool: Pool) -> None
     assert decode["attributes"]["gen_ai.usage.output_tokens"] == 6  # the prefill's token counts as generated
     assert decode["attributes"]["kvmesh.cached_tokens.peer"] > 0  # the decode pod pulled the prefill's KV
     assert "kvmesh.engine.kv_pull" in {s["name"] for s in children(spans, decode)}
+
+
+@pytest.mark.slow
+def test_a_stream_moved_off_a_killed_pod_stays_one_trace(tiny_dir: Path, tmp_path: Path, receiver: Receiver) -> None:
+    """The serving engine dies mid-stream: the router's span shows the migration, the broken call failed, and the
+    engine that continues is a child of the resuming call."""
+    with traced_pool(tiny_dir, tmp_path, receiver, ("both", "both")) as pair:
+        trace_id = "e" * 32
+        body = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+        chunks = 0
+        with httpx.stream("POST", pair.router + "/v1/completions", json=body, timeout=60,
+                          headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"}) as reply:
+            serving = reply.headers["x-kvmesh-pod"]
+            lines = []
+            for line in reply.iter_lines():
+                lines += [line] if line.startswith("data: ") else []
+                chunks += line.startswith("data: {")
+                if chunks == 5:
+                    pair.procs[serving].kill()
+            assert lines[-1] == "data: [DONE]" and "error" not in "".join(lines)
+        (other,) = set(pair.engines) - {serving}
+        spans = trace_of(pair, trace_id, 1)  # the killed engine never sent its span
+    (request,) = [s for s in spans if s["name"] == "kvmesh.router.request"]
+    assert request["attributes"]["kvmesh.route"] == "migrated" and request["attributes"]["kvmesh.pods"] == [serving,
+                                                                                                           other]
+    assert request["attributes"]["gen_ai.usage.output_tokens"] == 300 and not request["failed"]
+    first, resumed = sorted(children(spans, request), key=lambda s: s["attributes"]["kvmesh.hop"] != "whole")
+    assert first["attributes"]["url.full"].startswith(serving) and first["failed"]
+    assert resumed["attributes"]["kvmesh.hop"] == "resume" and resumed["attributes"]["url.full"].startswith(other)
+    (engine,) = children(spans, resumed)
+    assert engine["service"] == ENGINE_SERVICE and engine["attributes"]["gen_ai.usage.output_tokens"] == 300
 
 
 # ---- a collector that is down -------------------------------------------------------------------------------
