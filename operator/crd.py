@@ -25,6 +25,7 @@ from kvmesh.engine.protocol import (
     HOT_CHAINS_DEFAULT,
     HOT_CHAINS_MAX,
     KV_CACHE_DTYPES,
+    LORA_ACTIONS,
     QUANTIZATIONS,
     HashAlgo,
 )
@@ -51,6 +52,10 @@ BUNDLED = "bundled"  # model.source naming the image's bundled model
 ADAPTERS_DIR = "/adapters"  # an adapter's own volumeClaim is mounted read-only at ADAPTERS_DIR/NAME
 LORA_NAME = r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$"  # what clients send as `model`; also a directory name
 MAX_LORA_ADAPTERS = 32
+# The adapter sync's memory in a pool's status (operator/lora.py), bounded so a long-lived pool's status stays small:
+# names the spec declared that engines may still serve, and refusals (engine pod life x action) not to try again.
+MAX_MANAGED_ADAPTERS = 4 * MAX_LORA_ADAPTERS
+MAX_ADAPTER_REFUSALS = 256
 
 
 def _package_version() -> str:
@@ -332,6 +337,22 @@ def status_schema() -> dict[str, Any]:
                               "replicas": {"type": "object", "additionalProperties": {"type": "integer"}}}),
         "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",
                        "x-kubernetes-list-map-keys": ["type"]},
+        "adapters": _obj({
+            "managed": {"type": "array", "maxItems": MAX_MANAGED_ADAPTERS, "items": {"type": "string"},
+                        "description": "names the spec declared that an engine may still serve: unloaded once "
+                                       "dropped from the spec, forgotten once no engine serves them"},
+            "refused": {"type": "array", "maxItems": MAX_ADAPTER_REFUSALS, "description":
+                        "adapter actions an engine refused, per engine pod life: not tried again on it",
+                        "items": _obj({
+                            "pod": _str("the engine pod"),
+                            "podUid": _str("its uid"),
+                            "restarts": _int("its containers' restarts when it refused (a restart is a new life)",
+                                             0),
+                            "action": _enum("what was refused", LORA_ACTIONS),
+                            "adapter": _str("the adapter's name"),
+                            "path": _str("the directory a refused load named"),
+                        }, ("pod", "action", "adapter"))},
+        }, description="the operator's LoRA adapter sync, kept here so a restarted operator carries on"),
     }, description="what the operator observed")
 
 

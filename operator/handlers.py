@@ -286,8 +286,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
             return
         state.last_evaluated = now
-        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates,
-             memo.setdefault("kvmesh-lora", AdapterMemory()))
+        if "kvmesh-lora" not in memo:  # a restarted operator carries on from what the pool's status kept
+            memo["kvmesh-lora"] = AdapterMemory.from_status(status)
+        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates, memo["kvmesh-lora"])
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
@@ -332,8 +333,11 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     operator_metrics.record(pool, decision, replicas, before)
     # after scaling: a scale-up decided now must not wait behind the copies of the last one's pods
     warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
-    if adapters is not None and (loaded := sync_adapters(pool, body, pods, adapters, operator_metrics)) is not None:
-        state.condition(status, "AdaptersLoaded", loaded.ok, loaded.reason, loaded.message, generation)
+    if adapters is not None:
+        if (loaded := sync_adapters(pool, body, pods, adapters, operator_metrics)) is not None:
+            state.condition(status, "AdaptersLoaded", loaded.ok, loaded.reason, loaded.message, generation)
+        if adapters.managed or adapters.refused or status.get("adapters"):
+            patch.status["adapters"] = adapters.to_status()
     ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
              for role in pool.roles}
     router_ready = int(((deployments.get("router") or {}).get("status") or {}).get("readyReplicas") or 0)
@@ -383,8 +387,9 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
 def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapters: AdapterMemory,
                   operator_metrics: OperatorMetrics) -> AdapterStatus | None:
     """Load and unload LoRA adapters in the Ready engine pods so they serve what the spec declares
-    (operator/lora.py); count the actions, post a Warning Event for each refusal (once: it is not retried), and
-    log every action and a tick that leaves engines out of step. The pool's AdaptersLoaded condition: None for
+    (operator/lora.py); count the actions, post a Warning Event for each refusal (once: it is not retried, also
+    after a restart, which finds the refusals in status.adapters), and log every action and a tick that leaves
+    engines out of step. The pool's AdaptersLoaded condition: None for
     a pool that declares no adapters and had none to unload."""
     declared = desired.engine_adapters(pool)
     if declared is None:
@@ -392,10 +397,11 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     port = pool.spec["engine"]["port"]
     claims = {a["volumeClaim"] for a in pool.spec["model"]["loraAdapters"] if "volumeClaim" in a}
 
-    def engine(p: dict[str, Any]) -> EnginePod:
-        return EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port),
+    def engine(p: dict[str, Any]) -> EnginePod:  # a pod not yet given an address has no URL (nor is it ready)
+        return EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"),
+                         pod_url(p, port) if (p.get("status") or {}).get("podIP") else "",
                          sum(int(c.get("restartCount") or 0) for c in (p.get("status") or {}).get("containerStatuses")
-                             or []))
+                             or []), str(p["metadata"].get("uid") or ""))
 
     def mounts_every_claim(p: dict[str, Any]) -> bool:  # a pod of the template before an adapter's claim was added
         mounted = {(v.get("persistentVolumeClaim") or {}).get("claimName") for v in (p.get("spec") or {}).get(
@@ -417,7 +423,7 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     summary = summarize(syncs, declared)
     if not summary.ok:
         log.info("pool %s/%s adapters %s: %s", pool.namespace, pool.name, summary.reason, summary.message)
-    acted = any(s.results or s.held for s in syncs)
+    acted = any(s.results or s.held or s.deferred for s in syncs)
     return summary if declared or acted else None
 
 

@@ -6,17 +6,24 @@ card per adapter with its directory as `root`), plans the difference against `sp
 /v1/load_lora_adapter). Unloads go first so they free slots for the loads. A changed path for a known name is an
 unload then a load; an engine refuses different weights under a name it served before (400: its cached blocks
 are hashed by name), which the user must fix with a new name. So a refused action (a 4xx other than 409) is
-remembered per engine and not tried again while the spec asks for the same thing: one Event, no retry storm.
+remembered per engine life and not tried again while the spec asks for the same thing: one Event, no retry storm.
 A busy or full engine (409) or one that does not answer is simply planned again at the next tick.
 
-Kopf-free: the cluster operator (operator/handlers.py) calls `sync_pool` from its scaling timer.
+What the sync remembers (the refusals, the names the spec has declared) is kept in the pool's status
+(`AdapterMemory.to_status`), so a restarted operator neither retries refusals nor leaves a dropped adapter loaded.
+The engines are synced concurrently within one budget per tick (ADAPTER_BUDGET_SECONDS): what does not fit is
+left for the next tick, so a hanging engine cannot hold up the pool's scaling.
+
+Kopf-free: the cluster operator (operator/handlers.py) calls `sync_pool` from its scaling timer, and
+`kvmesh up -f` (operator/local.py) from its local one.
 """
 
 from __future__ import annotations
 
 import posixpath
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -24,7 +31,7 @@ from typing import Any
 import httpx
 
 from kvmesh.engine.protocol import LOAD_LORA_PATH, LORA_ACTIONS, LORA_OUTCOMES, MODELS_PATH, UNLOAD_LORA_PATH
-from kvmesh.operator.crd import Pool
+from kvmesh.operator.crd import MAX_ADAPTER_REFUSALS, MAX_MANAGED_ADAPTERS, Pool
 
 LOAD, UNLOAD = LORA_ACTIONS
 OK, RETRY, REFUSED = LORA_OUTCOMES
@@ -32,6 +39,11 @@ MODELS_TIMEOUT_SECONDS = 2.0
 # A load reads the adapter's directory and takes a slot at the next step boundary; a timed-out load may still
 # complete, and the next tick sees it in /v1/models.
 ACTION_TIMEOUT_SECONDS = 30.0
+# All of a tick's adapter calls end within this (each call's timeout is cut to what is left of it): the sync runs
+# inside the pool's scaling tick (every scaling.intervalSeconds, 15 s by default), whose decision must not wait
+# on slow adapter storage or a hanging engine. What did not fit is planned again at the next tick (Pending).
+ADAPTER_BUDGET_SECONDS = 10.0
+BUDGET_GRACE_SECONDS = 1.0  # past the budget, how long the tick waits for calls whose timeouts just ran out
 SYNC_WORKERS = 8  # engines synced at once
 
 
@@ -120,27 +132,42 @@ def outcome_of(action: AdapterAction, status: int | None, message: str) -> Actio
                                          f"new name)")
 
 
+Life = tuple[str, str, int]  # one engine's life: its pod's name, uid and containers' restarts
+
+
 @dataclass(frozen=True)
 class EnginePod:
     name: str
     role: str
     url: str  # http://ip:port of its engine
     restarts: int = 0  # its containers' restarts: a restarted engine starts a new life, with nothing refused yet
+    uid: str = ""  # the pod's uid: a later pod of the same name is another engine
 
     @property
-    def life(self) -> tuple[str, int]:
-        return self.name, self.restarts
+    def life(self) -> Life:
+        return self.name, self.uid, self.restarts
 
 
 @dataclass(frozen=True)
 class EngineSync:
-    """One engine's tick: what it served, what was done and how it went, what was held back; `error` when its
-    /v1/models could not be read (nothing was done)."""
+    """One engine's tick: what it served, what was done and how it went, what was held back (refused before) and
+    what was deferred (the tick's budget was spent first); `error` when its /v1/models was not read (nothing was
+    done)."""
 
     pod: EnginePod
     results: tuple[ActionResult, ...] = ()
     held: tuple[AdapterAction, ...] = ()
     error: str | None = None
+    served: Mapping[str, str] = field(default_factory=dict)
+    deferred: tuple[AdapterAction, ...] = ()
+
+    def serves_after(self) -> set[str]:
+        """The adapters it serves once this tick's actions are done, as far as their answers tell."""
+        names = set(self.served)
+        for r in self.results:
+            if r.outcome == OK:
+                (names.add if r.action.kind == LOAD else names.discard)(r.action.name)
+        return names
 
 
 @dataclass(frozen=True)
@@ -160,7 +187,9 @@ def summarize(syncs: Sequence[EngineSync], declared: Mapping[str, str]) -> Adapt
     if refused:
         return AdapterStatus(False, "Refused", "refused, change the spec: " + "; ".join(refused))
     pending = [f"{s.pod.name}: {s.error}" for s in syncs if s.error] + \
-        [f"{s.pod.name}: {r.message}" for s in syncs for r in s.results if r.outcome == RETRY]
+        [f"{s.pod.name}: {r.message}" for s in syncs for r in s.results if r.outcome == RETRY] + \
+        [f"{s.pod.name}: {a.describe()}: the tick's adapter budget was spent first (next tick)" for s in syncs
+         for a in s.deferred]
     if pending:
         return AdapterStatus(False, "Pending", "; ".join(pending))
     if declared and not syncs:
@@ -168,39 +197,102 @@ def summarize(syncs: Sequence[EngineSync], declared: Mapping[str, str]) -> Adapt
     return AdapterStatus(True, "Loaded", f"{len(declared)} adapters on {len(syncs)} ready engines")
 
 
-# ---- carrying it out ---------------------------------------------------------------------------------------------
+# ---- what the sync remembers, in the pool's status -------------------------------------------------------------
 
 
 @dataclass
 class AdapterMemory:
-    """Per engine (a pod's life: its name and restarts), the actions it refused: not tried again on it (the Event
-    was posted once)."""
+    """What the sync remembers of one pool: per engine life, the actions it refused (not tried again on it: the
+    Event was posted once), and the names the spec has declared that an engine may still serve (the ones it
+    manages: unloaded once the spec drops them). Kept in the pool's status (`to_status`, `from_status`), bounded
+    (operator/crd.py), so a restarted operator carries on. `busy`: engines whose calls from an earlier tick are
+    still out (this process only: a restarted operator has none), not called again until those end."""
 
-    refused: dict[tuple[str, int], set[AdapterAction]] = field(default_factory=dict)
-    declared_before: set[str] = field(default_factory=set)  # every name the spec has declared: the ones it manages
+    refused: dict[Life, set[AdapterAction]] = field(default_factory=dict)
+    managed: set[str] = field(default_factory=set)
+    busy: set[Life] = field(default_factory=set)
 
-    def keep_only(self, lives: Collection[tuple[str, int]]) -> None:
+    def keep_only(self, lives: Collection[Life]) -> None:
         """Forget engines that are gone or restarted (a replacement starts with a clean slate); an engine that is
         only not Ready for a moment keeps what it refused."""
         self.refused = {p: a for p, a in self.refused.items() if p in lives}
 
+    def to_status(self) -> dict[str, Any]:
+        """`status.adapters`: the managed names and each refusal, sorted (an unchanged memory is an unchanged
+        status)."""
+        refused = [{"pod": life[0], "podUid": life[1], "restarts": life[2], "action": a.kind, "adapter": a.name,
+                    **({"path": a.path} if a.path is not None else {})}
+                   for life in sorted(self.refused) for a in sorted(self.refused[life], key=_action_key)]
+        return {"managed": sorted(self.managed), "refused": refused}
 
-Reader = Callable[[str], dict[str, str]]  # engine URL -> the adapters it serves
-Caller = Callable[[str, AdapterAction], tuple[int | None, str]]  # engine URL, action -> (status or None, message)
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any]) -> AdapterMemory:
+        """The memory a pool's status kept (what `to_status` wrote); entries of another shape (a status edited by
+        hand) are left out."""
+        kept = status.get("adapters")
+        if not isinstance(kept, Mapping):
+            return cls()
+        memory = cls(managed={n for n in kept.get("managed") or [] if isinstance(n, str)})
+        for entry in kept.get("refused") or []:
+            if not isinstance(entry, Mapping):
+                continue
+            kind, name, path = entry.get("action"), entry.get("adapter"), entry.get("path")
+            pod, uid, restarts = entry.get("pod"), entry.get("podUid", ""), entry.get("restarts", 0)
+            if kind in LORA_ACTIONS and isinstance(name, str) and isinstance(pod, str) and isinstance(uid, str) \
+                    and isinstance(restarts, int) and (path is None) == (kind == UNLOAD) \
+                    and (path is None or isinstance(path, str)):
+                memory.refused.setdefault((pod, uid, restarts), set()).add(AdapterAction(kind, name, path))
+        return memory
+
+    def learn(self, syncs: Sequence[EngineSync], declared: Mapping[str, str], lives: Collection[Life]) -> None:
+        """After a tick: remember its refusals; forget a dropped name once every engine alive was read and none
+        serves it any more; keep within the status' bounds (past them a refusal may be tried, and announced,
+        once more, and a dropped name left loaded in an engine that did not answer)."""
+        for sync in syncs:
+            for result in sync.results:
+                if result.outcome == REFUSED:
+                    self.refused.setdefault(sync.pod.life, set()).add(result.action)
+        read = {s.pod.life for s in syncs if s.error is None}
+        if set(lives) <= read:
+            still = set().union(*(s.serves_after() for s in syncs))
+            self.managed = {n for n in self.managed if n in declared or n in still}
+        if len(self.managed) > MAX_MANAGED_ADAPTERS:
+            dropped = sorted(self.managed - declared.keys())
+            self.managed = set(declared) | set(dropped[:MAX_MANAGED_ADAPTERS - len(declared)])
+        kept = 0
+        for life in sorted(self.refused):
+            room = MAX_ADAPTER_REFUSALS - kept
+            actions = sorted(self.refused[life], key=_action_key)[:max(0, room)]
+            if actions:
+                self.refused[life] = set(actions)
+                kept += len(actions)
+            else:
+                del self.refused[life]
 
 
-def http_served(url: str) -> dict[str, str]:
-    reply = httpx.get(url + MODELS_PATH, timeout=MODELS_TIMEOUT_SECONDS)
+def _action_key(action: AdapterAction) -> tuple[str, str, str]:
+    return action.kind, action.name, action.path or ""
+
+
+# ---- carrying it out ---------------------------------------------------------------------------------------------
+
+Reader = Callable[[str, float], dict[str, str]]  # engine URL, timeout -> the adapters it serves
+Caller = Callable[[str, AdapterAction, float], tuple[int | None, str]]  # URL, action, timeout -> (status, message)
+Clock = Callable[[], float]
+
+
+def http_served(url: str, timeout: float = MODELS_TIMEOUT_SECONDS) -> dict[str, str]:
+    reply = httpx.get(url + MODELS_PATH, timeout=timeout)
     reply.raise_for_status()
     return served_adapters(reply.json())
 
 
-def http_act(url: str, action: AdapterAction) -> tuple[int | None, str]:
+def http_act(url: str, action: AdapterAction, timeout: float = ACTION_TIMEOUT_SECONDS) -> tuple[int | None, str]:
     """POST the action; the status and the engine's error message (None and the reason when no answer came)."""
     path, body = (LOAD_LORA_PATH, {"lora_name": action.name, "lora_path": action.path}) if action.kind == LOAD \
         else (UNLOAD_LORA_PATH, {"lora_name": action.name})
     try:
-        reply = httpx.post(url + path, json=body, timeout=ACTION_TIMEOUT_SECONDS)
+        reply = httpx.post(url + path, json=body, timeout=timeout)
     except httpx.HTTPError as exc:
         return None, f"no answer: {exc!r}"
     try:
@@ -212,39 +304,77 @@ def http_act(url: str, action: AdapterAction) -> tuple[int | None, str]:
     return reply.status_code, str(message or reply.text[:300])
 
 
-def sync_engine(pod: EnginePod, declared: Mapping[str, str], memory: AdapterMemory, read: Reader = http_served,
-                act: Caller = http_act, managed: Collection[str] | None = None) -> EngineSync:
-    """Plan and carry out one engine's actions; a refusal is remembered. A name whose unload failed is not loaded
-    (the engine would refuse it as already loaded)."""
+def sync_engine(pod: EnginePod, declared: Mapping[str, str], refused: Collection[AdapterAction] = (),
+                read: Reader = http_served, act: Caller = http_act, managed: Collection[str] | None = None,
+                deadline: float = float("inf"), clock: Clock = time.monotonic) -> EngineSync:
+    """Plan and carry out one engine's actions, each call's timeout cut to what is left before `deadline`; an
+    action with no time left is deferred. A name whose unload failed is not loaded (the engine would refuse it as
+    already loaded)."""
+    left = deadline - clock()
+    if left <= 0:
+        return EngineSync(pod, error="not reached: the tick's adapter budget was spent first (next tick)")
     try:
-        served = read(pod.url)
+        served = read(pod.url, min(MODELS_TIMEOUT_SECONDS, left))
     except (httpx.HTTPError, ValueError) as exc:
         return EngineSync(pod, error=f"could not read its adapters: {exc!r}")
-    plan = plan_adapters(declared, served, memory.refused.get(pod.life, set()), managed)
+    plan = plan_adapters(declared, served, refused, managed)
     results: list[ActionResult] = []
+    deferred: list[AdapterAction] = []
     still_loaded: set[str] = set()
     for action in plan.actions:
         if action.kind == LOAD and action.name in still_loaded:
             continue
-        result = outcome_of(action, *act(pod.url, action))
-        if result.outcome == REFUSED:
-            memory.refused.setdefault(pod.life, set()).add(action)
-        if action.kind == UNLOAD and result.outcome != OK:
+        left = deadline - clock()
+        if left <= 0:
+            deferred.append(action)
+            done = False
+        else:
+            results.append(outcome_of(action, *act(pod.url, action, min(ACTION_TIMEOUT_SECONDS, left))))
+            done = results[-1].outcome == OK
+        if action.kind == UNLOAD and not done:
             still_loaded.add(action.name)
-        results.append(result)
-    return EngineSync(pod, tuple(results), plan.held)
+    return EngineSync(pod, tuple(results), plan.held, served=dict(served), deferred=tuple(deferred))
 
 
 def sync_pool(pods: Sequence[EnginePod], declared: Mapping[str, str], memory: AdapterMemory,
-              read: Reader = http_served, act: Caller = http_act,
-              alive: Collection[tuple[str, int]] | None = None) -> list[EngineSync]:
-    """Sync every engine in `pods` (the ready ones), in parallel, in the order given; forget engines not `alive`
-    (default: not among `pods`). Only names the spec declares or declared before are unloaded; a pool that never
-    declared an adapter is not read at all."""
-    memory.keep_only({p.life for p in pods} if alive is None else alive)
-    memory.declared_before |= declared.keys()
-    if not pods or not memory.declared_before:
+              read: Reader = http_served, act: Caller = http_act, alive: Collection[Life] | None = None,
+              budget: float = ADAPTER_BUDGET_SECONDS, clock: Clock = time.monotonic) -> list[EngineSync]:
+    """Sync every engine in `pods` (the ready ones), SYNC_WORKERS at a time, within `budget` seconds in all, and
+    return in the order given; then `memory.learn` from it, forgetting engines not `alive` (default: not among
+    `pods`). An engine still busy with an earlier tick's calls, or not finished within the budget, is Pending
+    (its calls run out on their own timeouts; the next tick reads what they did). Only names the spec declares
+    or declared before are unloaded; a pool that never declared an adapter is not read at all."""
+    lives = {p.life for p in pods} if alive is None else set(alive)
+    memory.keep_only(lives)
+    memory.managed |= declared.keys()
+    if not pods or not memory.managed:
         return []
-    managed = set(memory.declared_before)
-    with ThreadPoolExecutor(max_workers=min(SYNC_WORKERS, len(pods)), thread_name_prefix="lora") as workers:
-        return list(workers.map(lambda p: sync_engine(p, declared, memory, read, act, managed), pods))
+    deadline = clock() + budget
+    managed = frozenset(memory.managed)
+    idle = [p for p in pods if p.life not in memory.busy]
+    memory.busy |= {p.life for p in idle}
+
+    def one(pod: EnginePod) -> EngineSync:
+        try:
+            return sync_engine(pod, declared, memory.refused.get(pod.life, ()), read, act, managed, deadline, clock)
+        finally:
+            memory.busy.discard(pod.life)
+
+    workers = ThreadPoolExecutor(max_workers=max(1, min(SYNC_WORKERS, len(idle))), thread_name_prefix="lora")
+    futures = {p.life: workers.submit(one, p) for p in idle}
+    wait(futures.values(), timeout=max(0.0, deadline - clock()) + BUDGET_GRACE_SECONDS)
+    workers.shutdown(wait=False, cancel_futures=True)  # a call still out ends on its own timeout
+    syncs: list[EngineSync] = []
+    for pod in pods:
+        future = futures.get(pod.life)
+        if future is None:
+            syncs.append(EngineSync(pod, error="its adapter calls from an earlier tick are still out (next tick)"))
+        elif future.cancelled() or not future.done():
+            if future.cancelled():
+                memory.busy.discard(pod.life)
+            syncs.append(EngineSync(pod, error=f"not done within the tick's adapter budget ({budget:g} s; next "
+                                               f"tick)"))
+        else:
+            syncs.append(future.result())
+    memory.learn(syncs, declared, lives)
+    return syncs

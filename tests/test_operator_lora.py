@@ -88,7 +88,7 @@ def test_only_names_the_spec_manages_are_unloaded() -> None:
 
 
 def test_a_pool_that_never_declared_adapters_is_not_read_and_says_nothing() -> None:
-    def unreachable(url: str) -> dict[str, str]:
+    def unreachable(url: str, timeout: float) -> dict[str, str]:
         raise AssertionError(f"{url} was read")
 
     memory = AdapterMemory()
@@ -99,9 +99,9 @@ def test_a_pool_that_never_declared_adapters_is_not_read_and_says_nothing() -> N
 
 
 def test_a_refusal_is_kept_while_the_engine_is_only_not_ready() -> None:
-    memory = AdapterMemory(refused={("p", 0): {AdapterAction(LOAD, "sql", "/v2")}})
-    sync_pool([], {"sql": "/v2"}, memory, alive={("p", 0)})
-    assert memory.refused == {("p", 0): {AdapterAction(LOAD, "sql", "/v2")}}
+    memory = AdapterMemory(refused={("p", "uid-p", 0): {AdapterAction(LOAD, "sql", "/v2")}})
+    sync_pool([], {"sql": "/v2"}, memory, alive={("p", "uid-p", 0)})
+    assert memory.refused == {("p", "uid-p", 0): {AdapterAction(LOAD, "sql", "/v2")}}
     sync_pool([], {"sql": "/v2"}, memory, alive=set())  # deleted: forgotten
     assert memory.refused == {}
 
@@ -256,12 +256,12 @@ def test_an_engine_that_does_not_answer_is_pending_and_others_are_still_synced(e
 
     pods = [EnginePod("gone", "both", f"http://127.0.0.1:{free_port()}"), EnginePod("up", "both", engine_url)]
     memory = AdapterMemory()
-    memory.refused[("old-pod", 0)] = {AdapterAction(LOAD, "x", "/x")}
+    memory.refused[("old-pod", "", 0)] = {AdapterAction(LOAD, "x", "/x")}
     syncs = sync_pool(pods, {"a": weights["a"], "c": weights["c"]}, memory)
     assert syncs[0].error and syncs[0].results == ()
     assert outcomes(syncs) == [(LOAD, "c", OK)]
     assert summarize(syncs, {}).reason == "Pending"
-    assert ("old-pod", 0) not in memory.refused  # a pod that is gone is forgotten
+    assert ("old-pod", "", 0) not in memory.refused  # a pod that is gone is forgotten
 
 
 # ---- the kopf timer, against the emulator --------------------------------------------------------------------------

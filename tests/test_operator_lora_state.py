@@ -1,0 +1,312 @@
+"""The adapter sync's memory survives an operator restart (it lives in the pool's status), stays bounded, and a
+tick's adapter calls keep to one budget: the status round trip and the pruning (pure), a hanging engine against
+a real one (the tick returns within its budget, the real engine still gets its adapter), and two kopf runs in a row
+against kmock's emulator, the pod's IP a real in-process engine's: an adapter dropped from the spec while no
+operator ran is unloaded by the next one, and a refusal the first one announced is neither retried nor announced
+again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+import kopf
+import pytest
+import yaml
+
+from kvmesh.engine.protocol import OperatorMetric
+from kvmesh.operator.crd import MAX_ADAPTER_REFUSALS, MAX_MANAGED_ADAPTERS, PLURAL
+from kvmesh.operator.handlers import OperatorConfig, register
+from kvmesh.operator.lora import (
+    LOAD,
+    OK,
+    REFUSED,
+    RETRY,
+    UNLOAD,
+    ActionResult,
+    AdapterAction,
+    AdapterMemory,
+    EnginePod,
+    EngineSync,
+    served_adapters,
+    summarize,
+    sync_pool,
+)
+from kvmesh.router.discovery import kube_configuration
+
+from .conftest import make_engine
+from .engines import serve_engine
+from .test_lora import ATTN_QV, write_adapter
+from .test_operator import NS, POOLS, RESOURCES, Cluster, Env, conditions, eventually, pod_body, pool_body, run
+
+# ---- the memory in status (pure) -------------------------------------------------------------------------------
+
+
+def test_the_memory_round_trips_through_the_status_and_skips_what_it_did_not_write() -> None:
+    memory = AdapterMemory(refused={("chat-both-x", "uid-1", 2): {AdapterAction(LOAD, "b", "/v2"),
+                                                                  AdapterAction(UNLOAD, "z")}},
+                           managed={"a", "b", "z"})
+    status = memory.to_status()
+    assert status["managed"] == ["a", "b", "z"]
+    assert status["refused"][0] == {"pod": "chat-both-x", "podUid": "uid-1", "restarts": 2, "action": "load",
+                                    "adapter": "b", "path": "/v2"}
+    back = AdapterMemory.from_status({"adapters": status})
+    assert (back.refused, back.managed) == (memory.refused, memory.managed)
+    hand_edited = {"adapters": {"managed": ["a", 7], "refused": [
+        {"pod": "p", "action": "load", "adapter": "b"},  # a load without its path
+        {"pod": "p", "action": "delete", "adapter": "b"}, "junk",
+        {"pod": "p", "action": "unload", "adapter": "c"}]}}
+    back = AdapterMemory.from_status(hand_edited)
+    assert back.managed == {"a"} and back.refused == {("p", "", 0): {AdapterAction(UNLOAD, "c")}}
+    assert AdapterMemory.from_status({}).refused == {}
+
+
+def sync(pod: EnginePod, served: dict[str, str], *results: ActionResult, error: str | None = None) -> EngineSync:
+    return EngineSync(pod, tuple(results), served=served, error=error)
+
+
+def test_a_dropped_name_is_forgotten_only_once_every_engine_alive_was_read_without_it() -> None:
+    a, b = EnginePod("a", "both", "http://a", uid="ua"), EnginePod("b", "both", "http://b", uid="ub")
+    memory = AdapterMemory(managed={"keep", "gone"})
+    declared = {"keep": "/k"}
+    # b is alive but not read (not Ready): it may still serve "gone"
+    memory.learn([sync(a, {"keep": "/k"})], declared, {a.life, b.life})
+    assert memory.managed == {"keep", "gone"}
+    # both read, but b's unload failed: still served
+    busy = ActionResult(AdapterAction(UNLOAD, "gone"), "retry", "409")
+    memory.learn([sync(a, {"keep": "/k"}), sync(b, {"gone": "/g"}, busy)], declared, {a.life, b.life})
+    assert memory.managed == {"keep", "gone"}
+    # both read, b's unload done: forgotten (its status entry goes with it)
+    done = ActionResult(AdapterAction(UNLOAD, "gone"), OK, "unloaded")
+    memory.learn([sync(a, {"keep": "/k"}), sync(b, {"gone": "/g"}, done)], declared, {a.life, b.life})
+    assert memory.managed == {"keep"}
+
+
+def test_the_memory_stays_within_the_status_bounds() -> None:
+    pods = [EnginePod(f"p{i}", "both", f"http://p{i}", uid=f"u{i}") for i in range(MAX_ADAPTER_REFUSALS + 10)]
+    refusal = AdapterAction(LOAD, "bad", "/nowhere")
+    memory = AdapterMemory(managed={f"old-{i}" for i in range(MAX_MANAGED_ADAPTERS + 5)})
+    syncs = [EngineSync(p, (ActionResult(refusal, REFUSED, "400"),), error=None) for p in pods[:-1]]
+    memory.learn(syncs, {"bad": "/nowhere"}, {p.life for p in pods})  # the last pod was not read: names stay
+    assert sum(len(a) for a in memory.refused.values()) == MAX_ADAPTER_REFUSALS
+    assert len(memory.managed) == MAX_MANAGED_ADAPTERS and "bad" in memory.managed
+
+
+# ---- the budget: a hanging engine next to a real one -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hanging_engine() -> Iterator[tuple[str, list[str]]]:
+    """Fault injection, not a mock: a loopback HTTP server that answers GET /v1/models (no adapters) and then
+    never answers the POST that follows, as an engine stuck reading an adapter from slow storage. Yields its URL
+    and the request lines it received."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[str] = []
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            request = conn.recv(65536).decode(errors="replace")
+            seen.append(request.split("\r\n", 1)[0])
+            if request.startswith("GET"):
+                body = b'{"object": "list", "data": [{"id": "base", "root": "base", "parent": null}]}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                conn.close()
+            else:
+                held.append(conn)  # never answered
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("state-loras")
+    return {name: str(write_adapter(root / name, seed=seed, rank=4, targets=ATTN_QV, layers=1))
+            for name, seed in (("a", 21), ("b", 22))}
+
+
+@pytest.fixture
+def engine_url(tiny_dir: Path, weights: dict[str, str]) -> Iterator[str]:
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, max_lora_rank=8, lora_modules={"a": weights["a"]})
+    with serve_engine(engine) as url:
+        yield url
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(25)  # a tick that waited for the hanging load's own 30 s timeout would fail here
+def test_a_hanging_engine_holds_the_tick_no_longer_than_its_budget_and_the_others_get_their_adapters(
+        engine_url: str, weights: dict[str, str]) -> None:
+    declared = {"a": weights["a"], "b": weights["b"]}
+    memory = AdapterMemory()
+    with hanging_engine() as (stuck_url, seen):
+        stuck, real = EnginePod("stuck", "both", stuck_url, uid="u1"), EnginePod("real", "both", engine_url, uid="u2")
+        syncs = sync_pool([stuck, real], declared, memory, budget=2.0)
+        assert syncs[1].error is None and [(r.action.name, r.outcome) for r in syncs[1].results] == [("b", OK)]
+        assert served_adapters(httpx.get(engine_url + "/v1/models").json()) == declared
+        # the stuck engine: its first load ran out of the budget (no answer: retried next tick), the rest deferred
+        assert [(r.action.name, r.outcome) for r in syncs[0].results] == [("a", RETRY)]
+        assert syncs[0].deferred == (AdapterAction(LOAD, "b", weights["b"]),)
+        status = summarize(syncs, declared)
+        assert (status.ok, status.reason) == (False, "Pending") and "budget" in status.message
+        assert memory.refused == {} and memory.busy == set()  # no answer is no refusal
+        assert [line.split()[0] for line in seen] == ["GET", "POST"]
+
+
+def test_an_engine_whose_call_outlasts_the_tick_is_not_called_again_until_it_ends() -> None:
+    """A call that ignores its timeout (the HTTP client's timeouts bound each read, not a trickling answer): the
+    tick returns anyway, and the next one leaves that engine alone instead of piling a second call on it. The
+    engine here is a stand-in function: what is tested is the sync's bookkeeping, with no engine to run."""
+    release = threading.Event()
+    calls: list[str] = []
+
+    def read(url: str, timeout: float) -> dict[str, str]:
+        return {}
+
+    def act(url: str, action: AdapterAction, timeout: float) -> tuple[int | None, str]:
+        calls.append(url)
+        release.wait(30)
+        return 200, ""
+
+    memory = AdapterMemory()
+    pod = EnginePod("slow", "both", "http://slow", uid="u")
+    first = sync_pool([pod], {"a": "/a"}, memory, read=read, act=act, budget=0.2)
+    assert "budget" in (first[0].error or "") and memory.busy == {pod.life}
+    second = sync_pool([pod], {"a": "/a"}, memory, read=read, act=act, budget=0.2)
+    assert "still out" in (second[0].error or "") and calls == ["http://slow"]
+    release.set()
+    for _ in range(100):
+        if not memory.busy:
+            break
+        threading.Event().wait(0.05)
+    assert memory.busy == set()  # the call ended: the next tick syncs it again
+
+
+# ---- two operators in a row, against the emulator ----------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def cluster() -> AsyncIterator[tuple[Cluster, str]]:
+    async with Cluster() as k8s, kmock.Server(k8s) as server:
+        for key, (kind, subresources) in RESOURCES.items():
+            k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
+                                  "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]}
+        k8s.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch"]}
+        yield k8s, str(server.url).rstrip("/")
+
+
+@contextlib.asynccontextmanager
+async def operator_run(k8s: Cluster, server: str, tmp_path: Path) -> AsyncIterator[Env]:
+    """One operator process's life: a new kopf run with its own memo and metrics, and a clock running 10x the
+    test's (so each pool's intervalSeconds passes quickly)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
+        "users": [{"name": "test", "user": {"token": "t"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
+    clock = [1000.0]
+    registry = kopf.OperatorRegistry()
+    metrics = register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=0.2, clock=lambda: clock[0]),
+                       kube_configuration(str(kubeconfig)))
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS], stop_flag=stop,
+                                             ready_flag=ready))
+
+    async def ticking() -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            clock[0] += 0.5
+
+    clock_task = asyncio.create_task(ticking())
+    await asyncio.wait_for(ready.wait(), 20)
+    try:
+        yield Env(k8s, clock, metrics)
+        assert not task.done(), "the operator exited"
+    finally:
+        clock_task.cancel()
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 20)
+
+
+def served_by(url: str) -> dict[str, str]:
+    return served_adapters(httpx.get(url + "/v1/models", timeout=5).json())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_restarted_operator_unloads_what_was_dropped_meanwhile_and_does_not_retry_a_refusal(
+        engine_url: str, weights: dict[str, str], tmp_path: Path) -> None:
+    port = int(engine_url.rsplit(":", 1)[1])
+    missing = str(tmp_path / "no-such-adapter")
+
+    def spec(adapters: dict[str, str]) -> dict[str, Any]:
+        return {"engine": {"port": port, "maxLoras": 4, "maxLoraRank": 8}, "replicas": {"both": {"min": 1, "max": 1}},
+                "scaling": {"intervalSeconds": 1},
+                "model": {"source": "bundled", "loraAdapters": [{"name": n, "path": p} for n, p in adapters.items()]}}
+
+    ready_pod = pod_body("chat-both-0", "127.0.0.1")
+    ready_pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+
+    def kept(env: Env) -> dict[str, Any]:
+        return env.pool().get("status", {}).get("adapters") or {}
+
+    async def main() -> None:
+        async with cluster() as (k8s, server):
+            async with operator_run(k8s, server, tmp_path) as first:
+                await k8s.post(POOLS, json=pool_body(**spec({"a": weights["a"], "b": weights["b"], "bad": missing})))
+                await k8s.post(f"/api/v1/namespaces/{NS}/pods", json=ready_pod)
+                await eventually(lambda: served_by(engine_url) == {"a": weights["a"], "b": weights["b"]})
+                await eventually(lambda: first.events("AdapterRefused"))
+                status = await eventually(lambda: (s := kept(first)).get("refused") and s)
+                assert status["managed"] == ["a", "b", "bad"]
+                (refusal,) = status["refused"]
+                assert (refusal["pod"], refusal["action"], refusal["adapter"], refusal["path"]) == \
+                    ("chat-both-0", "load", "bad", missing)
+                assert refusal["podUid"] == first.get("v1/pods", "chat-both-0")["metadata"]["uid"]
+
+            # no operator runs: the spec drops `a`
+            # (written into the emulator's store: with no operator, a PATCH through it waits on the stopped watches)
+            (stored,) = [o for (r, ns, name), o in k8s.objects.items() if r.plural == PLURAL and name == "chat"]
+            stored.patch({"metadata": {"generation": stored.raw["metadata"]["generation"] + 1},
+                          "spec": spec({"b": weights["b"], "bad": missing})})
+            assert served_by(engine_url) == {"a": weights["a"], "b": weights["b"]}
+
+            async with operator_run(k8s, server, tmp_path) as second:
+                await eventually(lambda: served_by(engine_url) == {"b": weights["b"]})
+                await eventually(lambda: kept(second).get("managed") == ["b", "bad"])  # `a`: gone everywhere
+                for _ in range(10):  # more ticks of the new operator
+                    await asyncio.sleep(0.1)
+                assert len(second.events("AdapterRefused")) == 1  # the first operator's, not announced again
+                assert second.sample(f"{OperatorMetric.LORA_ACTIONS}_total", role="both", action="load",
+                                     outcome="refused") == 0  # and not tried again
+                assert second.sample(f"{OperatorMetric.LORA_ACTIONS}_total", role="both", action="unload",
+                                     outcome="ok") == 1
+                refused = await eventually(lambda: conditions(second)["AdaptersLoaded"]["reason"] == "Refused"
+                                           and conditions(second)["AdaptersLoaded"])
+                assert "bad" in refused["message"]
+
+    run(main, 140)
