@@ -42,7 +42,8 @@ from kvmesh.processes import free_port, spawn, stop, wait_healthy
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.auth import tenant_hash
 from kvmesh.router.config import RouterConfig, load_router_config
-from kvmesh.router.tracing import hop
+from kvmesh.router.picker import RequestInfo
+from kvmesh.router.tracing import hop, request_span
 
 from .conftest import make_engine
 from .engines import serve_router
@@ -256,6 +257,42 @@ def test_a_client_that_does_not_sample_is_served_and_not_traced(memory: Memory) 
     assert traced.status_code == 200
     wait_for(lambda: any(s.name.startswith("text_completion ") for s in memory.spans()), "the second's spans")
     assert all(format(s.context.trace_id, "032x") != CLIENT_TRACE for s in memory.spans())
+
+
+def test_several_choices_count_their_prompt_once_and_each_has_its_phases(memory: Memory) -> None:
+    memory.clear()
+    body = {"prompt": "Count to ten: one, two,", "max_tokens": 3, "n": 2, "seed": 1}
+    reply = httpx.post(memory.engine + "/v1/completions", json=body, timeout=60)  # the engine alone: no parent
+    assert reply.status_code == 200
+    usage = reply.json()["usage"]
+    (engine,) = [s for s in memory.spans() if s.name.startswith("text_completion ")]
+    assert engine.parent is None and engine.attributes["gen_ai.request.choice.count"] == 2
+    assert engine.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]  # once, not twice
+    assert engine.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 6
+    phases = [s for s in memory.spans() if s.parent is not None and s.parent.span_id == engine.context.span_id]
+    assert sorted((s.name, s.attributes["kvmesh.choice"]) for s in phases) == [
+        (f"kvmesh.engine.{name}", choice) for name in ("decode", "prefill", "queue") for choice in (0, 1)]
+
+
+def test_a_planned_prefix_pull_is_on_the_call_that_asks_for_it() -> None:
+    spans = InMemorySpanExporter()
+    tracing = setup_tracing(ROUTER_SERVICE, None, exporter=spans)
+    info = RequestInfo("m", 300, (1, 2, 3))
+    request = request_span(tracing, {}, time.time_ns(), False, info, "acme", "completion-short")
+    assert request is not None
+    call = request.upstream("http://pod-b:8000/v1/completions", {
+        "prompt": "x", "kv_transfer": {"mode": "pull", "source": "http://pod-a:8000", "tokens": 256}})
+    assert call.headers({"x-kvmesh-priority": "1"})["traceparent"].split("-")[1] == format(
+        request.span.get_span_context().trace_id, "032x")
+    call.answered(200)
+    call.end()
+    request.end("ok", 200, "aggregated", ["pod-b"], None)
+    request.end("error", 500, "aggregated", ["pod-b"], None)  # a second end changes nothing
+    upstream, router = spans.get_finished_spans()
+    assert upstream.attributes["kvmesh.hop"] == "pull" and upstream.attributes["kvmesh.pull.tokens"] == 256
+    assert upstream.attributes["kvmesh.pull.source"] == "http://pod-a:8000"
+    assert router.attributes["kvmesh.outcome"] == "ok" and router.attributes["kvmesh.tenant"] == tenant_hash("acme")
+    assert "acme" not in json.dumps(dict(router.attributes))  # the tenant's name never leaves the router
 
 
 def test_a_refused_request_is_a_failed_span(memory: Memory) -> None:
