@@ -172,14 +172,16 @@ def _body_chunks(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse
 def immediate(error: RouteError, retry_after: int | None = None) -> pb.ProcessingResponse:
     """The gateway answers the client at once with this status and an OpenAI-style error body."""
     body = error_body(error.message, error.kind, code=error.code)
-    return _immediate_json(error.status, body, f"kvmesh_{error.code or error.status}", retry_after)
+    extra = dict(error.headers)  # a rate limit's Retry-After and x-ratelimit-*, as the HTTP edge sends them
+    if retry_after is not None:
+        extra["retry-after"] = str(retry_after)
+    return _immediate_json(error.status, body, f"kvmesh_{error.code or error.status}", extra)
 
 
 def _immediate_json(status: int, body: Mapping[str, Any], details: str,
-                    retry_after: int | None = None) -> pb.ProcessingResponse:
+                    extra: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
     headers = [_header("content-type", "application/json")]
-    if retry_after is not None:
-        headers.append(_header("retry-after", str(retry_after)))
+    headers += [_header(key.lower(), value) for key, value in (extra or {}).items()]
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=headers),
         body=json.dumps(body).encode(), details=details))  # Envoy's response code details: one token, no spaces
@@ -337,7 +339,13 @@ class Exchange:
         if self.choice and served and served != self.choice.endpoint:
             self._moved_to(served)
         self.done = headers.end_of_stream
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        lease = self.choice.trace.lease if self.choice and self.choice.trace else None
+        if lease is None or not lease.headers:
+            return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        # the tenant's x-ratelimit-* as at its admission, on the answer as the HTTP edge sends them
+        mutation = pb.HeaderMutation(set_headers=[_header(k, v, OVERWRITE) for k, v in lease.headers.items()])
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation)))
 
     def _moved_to(self, served: str) -> None:
         """The gateway fell back down the list (the chosen pod failed or refused): the pod that answers holds the

@@ -50,6 +50,7 @@ from kvmesh.router.extproc import (
     self_signed_certificate,
     start_ext_proc,
 )
+from kvmesh.router.limits import Limiter, parse_tenants
 
 from .engines import serve_router, tiny_engines
 
@@ -968,3 +969,25 @@ def test_the_gateway_and_the_http_edge_choose_alike(served: tuple[str, int, Rout
     again = httpx.post(url + "/v1/completions", json={"prompt": [*fresh, 5], "max_tokens": 2}, timeout=60)
     assert again.status_code == 200 and endpoint_of(again.headers["x-kvmesh-pod"]) == picked
     assert 'kvmesh_router_requests_total{outcome="ok",route="gateway"} 4.0' in httpx.get(url + "/metrics").text
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_over_its_limit_gets_the_429_and_its_rate_limit_headers_through_the_gateway(picker) -> None:
+    """The same limits as the HTTP edge: an answer carries the tenant's x-ratelimit-* (a response-headers
+    mutation), and the refusal past the limit is a 429 with Retry-After and those headers."""
+    router, stub, _ = picker
+    router.keys = ApiKeys({hash_key("sk-acme"): "acme"})
+    router.limits = Limiter(parse_tenants({"acme": {"requests_per_minute": 1}}))
+    key = {"authorization": "Bearer sk-acme"}
+    answer = b'{"usage": {"prompt_tokens": 96, "completion_tokens": 4}}'
+    replies = await full_duplex(stub, [request_headers(**key), *body_chunks(json.dumps(completion(30)).encode()),
+                                       *response_phases(answer)])
+    mutation = replies[2].response_headers.response.header_mutation.set_headers
+    served = {h.header.key: h.header.raw_value.decode() for h in mutation}
+    assert served["x-ratelimit-limit-requests"] == "1" and served["x-ratelimit-remaining-requests"] == "0"
+
+    replies = await full_duplex(stub, [request_headers(**key), *body_chunks(json.dumps(completion(31)).encode())])
+    status, error, headers = refusal(replies[0])
+    assert status == 429 and error["error"]["code"] == "rate_limit_exceeded"
+    assert float(headers["retry-after"]) > 0 and headers["x-ratelimit-remaining-requests"] == "0"
+    assert all(p.inflight == 0 for p in router.pods.pods.values())
