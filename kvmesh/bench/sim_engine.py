@@ -1,7 +1,8 @@
 """`kvmesh sim-engine`: the engine with its model replaced by a latency model, for many pods on one machine.
 
 Everything but the forward pass is the real engine: the HTTP API, scheduler, KV manager (what is cached and
-evicted), metrics, KV events, forecast and KV transfer. Only the model runner differs (through the engine's
+evicted), metrics, KV events, forecast, KV transfer and LoRA adapters (loaded and unloaded, listed, hashed and
+counted as the engine does; their weights are not applied). Only the model runner differs (through the engine's
 `make_runner` hook): it sleeps as long as the latency model says a step takes and answers deterministic tokens,
 with no weights and a KV tensor of a few bytes a block. So the router and operator can be tested against dozens of
 pods, and a benchmark against a simulated pool exercises the same code paths and contracts as a real one.
@@ -98,7 +99,7 @@ def sim_config(profile: Profile, config_file: str | None, flags: dict[str, objec
 
 ENGINE_FLAGS = ("served_model_name", "host", "port", "block_size", "kv_cache_memory_mib", "kv_cache_blocks",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_cache", "eviction_policy",
-                "hash_algo", "role")
+                "hash_algo", "role", "lora_modules", "max_loras", "max_lora_rank")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -120,6 +121,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction-policy")
     p.add_argument("--hash-algo", choices=["xxh3_64", "sha256_cbor_64bit"])
     p.add_argument("--role", choices=["prefill", "decode", "both"])
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters served from the start (PEFT directories: their config and weights file are "
+                        "checked, the weights not applied); more load at run time via POST /v1/load_lora_adapter")
+    p.add_argument("--max-loras", type=int, help="adapters loaded at once (default: the engine's)")
+    p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank loaded (default: the engine's)")
     p.add_argument("--prefill-ms-per-token", type=float, help="override the profile's prefill time per token")
     p.add_argument("--decode-step-ms", type=float, help="override the profile's decode step time at batch 1")
     p.add_argument("--decode-ms-per-seq", type=float, help="override the decode time added per sequence")

@@ -1,9 +1,16 @@
 """The simulated engine behind `kvmesh sim-engine` (kvmesh/bench/sim_engine.py has its latency model and CLI):
-the real engine, with a model runner that sleeps instead of computing."""
+the real engine, with a model runner that sleeps instead of computing. LoRA adapters are the engine's own
+(registry, endpoints, /v1/models cards, vllm:lora_requests_info, blocks hashed with the adapter's name); only
+their weights are not read, since the simulated model has none to add them to."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -11,6 +18,7 @@ from kvmesh.bench.sim_engine import LatencyModel, Profile
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine, LoadedModel
 from kvmesh.engine.model import loader
+from kvmesh.engine.model.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, LoraError
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.runner import ModelRunner, StepInput, StepResult
 
@@ -18,11 +26,30 @@ FIRST_ORDINARY_TOKEN = 100  # simulated outputs stay above the special tokens of
 NOT_CHOSEN = -1e9  # the logit of every token the simulated model does not pick
 
 
+@dataclass
+class SimLoraSlots:
+    """The simulated model's adapter slots (the engine fills and clears them as the real model's): which adapter
+    each holds, so an adapter's answers can differ from the base model's."""
+
+    names: dict[int, str] = field(default_factory=dict)
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        self.names[slot] = adapter.name
+
+    def clear(self, slot: int) -> None:
+        self.names.pop(slot, None)
+
+
+@dataclass
+class SimModel:
+    lora: SimLoraSlots = field(default_factory=SimLoraSlots)
+
+
 class SimRunner(ModelRunner):
     """A model runner that computes nothing: it sleeps for the step's modelled time and picks, for each sequence
-    that samples, one token determined by its last token and position (the same prompt always gets the same
-    answer, on every pod, whatever the sampling parameters). Its KV tensor holds one number per token, so KV
-    transfer still moves (and checks) real frames."""
+    that samples, one token determined by its last token, position and adapter name (the same prompt always gets
+    the same answer, on every pod, whatever the sampling parameters). Its KV tensor holds one number per token,
+    so KV transfer still moves (and checks) real frames."""
 
     def __init__(self, latency: LatencyModel, vocab_size: int, num_blocks: int, block_size: int) -> None:
         self.latency = latency
@@ -32,17 +59,20 @@ class SimRunner(ModelRunner):
         self.kv_cache = torch.zeros((num_blocks, 1, 1, block_size, 1, 1), dtype=torch.float32)
         self.computed_tokens = 0
         self.steps = 0
+        self.model = SimModel()
 
-    def next_token(self, last_token: int, position: int) -> int:
+    def next_token(self, last_token: int, position: int, adapter: str | None = None) -> int:
         span = self.vocab_size - FIRST_ORDINARY_TOKEN
-        return FIRST_ORDINARY_TOKEN + (last_token * 7919 + position * 104729) % span
+        shift = zlib.crc32(adapter.encode()) if adapter is not None else 0  # stable across processes, unlike hash()
+        return FIRST_ORDINARY_TOKEN + (last_token * 7919 + position * 104729 + shift) % span
 
     def run(self, seqs: list[StepInput]) -> StepResult:
         start = time.perf_counter()
         rows = [s for s in seqs if s.wants_logits]
         logits = torch.full((len(rows), self.vocab_size), NOT_CHOSEN)
         for row, s in enumerate(rows):
-            logits[row, self.next_token(s.token_ids[-1], s.num_computed + len(s.token_ids))] = 0.0
+            adapter = self.model.lora.names.get(s.lora_slot) if s.lora_slot is not None else None
+            logits[row, self.next_token(s.token_ids[-1], s.num_computed + len(s.token_ids), adapter)] = 0.0
         num_tokens = sum(len(s.token_ids) for s in seqs)
         self.computed_tokens += num_tokens
         self.steps += 1
@@ -60,6 +90,30 @@ class SimEngine(Engine):
 
     def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         return SimRunner(self.latency, loaded.tokenizer.vocab_size, num_blocks, self.config.block_size)
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """A PEFT directory as the engine checks it, less its tensors' shapes (the simulated model's are not the
+        adapter's base model's): its config's rank against max_lora_rank, its weights file present. Its
+        fingerprint covers both files, so other weights under a name served before are refused as by the engine.
+        Raises LoraError."""
+        if name == self.model_name:
+            raise LoraError(f"{name!r} is the base model's name; give the adapter another one")
+        where = Path(path).expanduser()
+        if not (where / CONFIG_FILE).is_file() or not (where / WEIGHTS_FILE).is_file():
+            raise LoraError(f"LoRA adapter {name!r}: {where} lacks {CONFIG_FILE} or {WEIGHTS_FILE} (is it a PEFT "
+                            f"adapter directory?)")
+        try:
+            config_bytes = (where / CONFIG_FILE).read_bytes()
+            rank = int(json.loads(config_bytes)["r"])
+            digest = hashlib.sha256(config_bytes + (where / WEIGHTS_FILE).read_bytes())
+        except OSError as exc:
+            raise LoraError(f"LoRA adapter {name!r}: cannot read {where}: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LoraError(f"{where / CONFIG_FILE}: needs an integer r ({exc})") from None
+        if not 1 <= rank <= self.config.max_lora_rank:
+            raise LoraError(f"LoRA adapter {name!r} has rank {rank}; this engine takes ranks 1 to "
+                            f"{self.config.max_lora_rank} (max_lora_rank)")
+        return LoraAdapter(name, str(where), rank, 1.0, {}, digest.hexdigest()[:16])
 
     def read_frame(self, block_ids: list[int], hashes: list[int]) -> bytes:
         start = time.perf_counter()

@@ -1,0 +1,142 @@
+"""LoRA adapters on the engine simulator, so the router's adapter routing can be exercised with many simulated
+pods: `--lora-modules`, the load and unload endpoints, /v1/models cards with their parent, vllm:lora_requests_info,
+the real engine's 404 for an unknown adapter, blocks hashed with the adapter's name, and a router over two
+simulated engines sending an adapter's requests to the one that serves it and caching its prefix on its own."""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.bench.sim_engine import ENGINE_FLAGS, PROFILES, LatencyModel, add_parser, sim_config
+from kvmesh.bench.sim_runner import SimEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.openai_types import CompletionRequest
+from kvmesh.engine.protocol import (
+    LOAD_LORA_PATH,
+    MODELS_PATH,
+    UNLOAD_LORA_PATH,
+    BlockExtra,
+    HashAlgo,
+    VllmMetric,
+    block_hashes,
+)
+from kvmesh.router.app import build_router
+from kvmesh.router.config import RouterConfig
+
+from .conftest import make_engine
+from .engines import serve_engine, serve_router
+from .test_lora import write_adapter
+from .test_router_lora import listed, wait_for
+
+FREE = LatencyModel(0.0, 0.0, 0.0, 0.0, 1e15)
+
+
+def sim(**settings: object) -> SimEngine:
+    config = EngineConfig(**{"kv_cache_blocks": 64, "max_loras": 2, "max_lora_rank": 8, **settings})  # type: ignore
+    return SimEngine(config, PROFILES["cpu-smollm"], FREE)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("sim-loras")
+    return {name: str(write_adapter(root / name, seed=seed, rank=4, layers=1))
+            for name, seed in (("sql", 1), ("poet", 2), ("sql-v2", 3))}
+
+
+def test_the_cli_takes_adapters_as_the_engines_cli_does(adapters: dict[str, str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["sim-engine", "--lora-modules", f"sql={adapters['sql']}", "--max-loras", "3",
+                              "--max-lora-rank", "16"])
+    config = sim_config(PROFILES["cpu-smollm"], None, {name: getattr(args, name) for name in ENGINE_FLAGS})
+    assert (config.lora_modules, config.max_loras, config.max_lora_rank) == ({"sql": adapters["sql"]}, 3, 16)
+
+
+def lora_info(text: str) -> list[dict[str, str]]:
+    return [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == VllmMetric.LORA_REQUESTS_INFO]
+
+
+@pytest.mark.slow
+def test_adapters_load_unload_list_count_and_hash_as_on_the_engine(tiny_dir: Path, adapters: dict[str, str]) -> None:
+    prompt = list(range(4000, 4040))  # two full blocks
+    with ExitStack() as stack, httpx.Client(timeout=60) as client:
+        url = stack.enter_context(serve_engine(sim(lora_modules={"sql": adapters["sql"]})))
+        real = stack.enter_context(serve_engine(make_engine(tiny_dir, kv_cache_blocks=64)))
+        cards = client.get(url + MODELS_PATH).json()["data"]
+        base = cards[0]["id"]
+        assert [(c["id"], c.get("parent"), c["root"]) for c in cards] == [(base, None, base),
+                                                                         ("sql", base, adapters["sql"])]
+        assert lora_info(client.get(url + "/metrics").text)[0]["max_lora"] == "2"
+
+        # an adapter's answer is its own, and its blocks are hashed with its name, apart from the base model's
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+        as_sql = client.post(url + "/v1/completions", json={**body, "model": "sql"}).json()
+        as_base = client.post(url + "/v1/completions", json=body).json()
+        assert as_sql["model"] == "sql" and as_sql["choices"][0]["text"] != as_base["choices"][0]["text"]
+        assert as_base["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the adapter's blocks are not its
+        with client.stream("GET", f"{url}/v1/kv/events", params={"after": 0}) as events:
+            first = httpx.Response(200, content=next(events.iter_lines())).json()
+        stored = [h for e in first["events"] if e["type"] == "stored" for h in e["block_hashes"]]
+        algo, root = HashAlgo(EngineConfig.hash_algo), EngineConfig.hash_root
+        assert stored[:2] == block_hashes(prompt[:32], 16, BlockExtra(lora="sql"), algo, root)
+
+        # unknown adapter: the engine's 404, field for field
+        unknown = {**body, "model": "nope"}
+        sim_404, real_404 = (client.post(u + "/v1/completions", json=unknown) for u in (url, real))
+        assert sim_404.status_code == real_404.status_code == 404
+        strip = ("message",)  # it names each engine's base model
+        assert {k: v for k, v in sim_404.json()["error"].items() if k not in strip} == \
+            {k: v for k, v in real_404.json()["error"].items() if k not in strip}
+
+        # loaded and unloaded at run time; other weights under a name served before are refused (400)
+        loaded = client.post(url + LOAD_LORA_PATH, json={"lora_name": "poet", "lora_path": adapters["poet"]})
+        assert loaded.status_code == 200, loaded.text
+        assert [c["id"] for c in client.get(url + MODELS_PATH).json()["data"]] == [base, "sql", "poet"]
+        full = client.post(url + LOAD_LORA_PATH, json={"lora_name": "extra", "lora_path": adapters["sql-v2"]})
+        assert full.status_code == 409  # max_loras 2
+        assert client.post(url + UNLOAD_LORA_PATH, json={"lora_name": "sql"}).status_code == 200
+        swapped = client.post(url + LOAD_LORA_PATH, json={"lora_name": "sql", "lora_path": adapters["sql-v2"]})
+        assert swapped.status_code == 400 and "other weights" in swapped.json()["error"]["message"]
+        missing = client.post(url + LOAD_LORA_PATH, json={"lora_name": "x", "lora_path": "/no/such/dir"})
+        assert missing.status_code == 400 and "PEFT" in missing.json()["error"]["message"]
+        assert client.post(url + UNLOAD_LORA_PATH, json={"lora_name": "sql"}).status_code == 404
+
+
+@pytest.mark.slow
+def test_a_router_over_simulated_engines_sends_an_adapters_requests_to_its_engine_and_caches_them_apart(
+        bundled_dir: Path, adapters: dict[str, str]) -> None:
+    with ExitStack() as stack:
+        with_sql = stack.enter_context(serve_engine(sim(lora_modules={"sql": adapters["sql"]})))
+        plain = stack.enter_context(serve_engine(sim()))
+        base = httpx.get(plain + MODELS_PATH).json()["data"][0]["id"]
+        router = build_router(RouterConfig(pods=[with_sql, plain], scrape_interval_seconds=0.1), bundled_dir)
+        url = stack.enter_context(serve_router(router))
+        wait_for(lambda: listed(url) == {base: None, "sql": base}, "the router never listed the adapter")
+        wait_for(lambda: router.pods.pods[with_sql].lora.max_lora == 2, "the engine's LoRA metric was never read")
+
+        for seed in range(4):  # distinct prompts: only who serves the adapter decides
+            ids = [(seed * 7919 + i * 104729) % 48000 + 200 for i in range(70)]
+            body = {"model": "sql", "prompt": ids, "max_tokens": 2, "temperature": 0}
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == with_sql, reply.text
+        info = router.request_info(CompletionRequest.model_validate(body), 0)
+        confirmed = lambda: router.index.match(info.block_hashes, [with_sql]).get(with_sql)  # noqa: E731
+        wait_for(lambda: confirmed() is not None and confirmed().blocks == 4,  # type: ignore[union-attr]
+                 "the simulated engine's KV events never confirmed the router's hashes of the adapter's prompt")
+        base_info = router.request_info(CompletionRequest.model_validate({**body, "model": base}), 0)
+        assert not set(base_info.block_hashes) & set(info.block_hashes)
+
+        gone = httpx.post(url + "/v1/completions", json={**body, "model": "poet"}, timeout=60)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        assert httpx.post(plain + LOAD_LORA_PATH, json={"lora_name": "poet", "lora_path": adapters["poet"]},
+                          timeout=60).status_code == 200
+        wait_for(lambda: "poet" in listed(url), "an adapter loaded at run time never reached the router")
+        reply = httpx.post(url + "/v1/completions", json={**body, "model": "poet"}, timeout=60)
+        assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == plain
