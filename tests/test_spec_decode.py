@@ -271,17 +271,56 @@ def test_mixed_batch_with_penalties_logprobs_min_tokens_and_a_constraint(plain: 
     assert spec_counts(spec)[2] > before[2]
 
 
-def test_stops_inside_a_draft_drop_what_follows(plain: Engine, spec: Engine) -> None:
-    (free,) = generate(plain, [prompt(2)])
-    text = "".join(o.new_text for o in free)
+def test_stops_inside_a_draft_drop_what_follows(plain: Engine, spec: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop string or stop token completed inside a run of accepted drafts ends the request there: the run's
+    later tokens are dropped, and the output is the plain engine's. An accepted draft repeats what came before, so
+    a stop inside a run must be one seen earlier: a stop string past `min_tokens` (which holds stop strings off
+    without changing what is sampled), or a stop token after a resume whose resumed tokens hold it."""
+    runs: list[tuple[int, int]] = []  # per verified run: (tokens appended, tokens in the run)
+    append_verified = spec._append_verified
+
+    def spy(s, verdict, *args):  # type: ignore[no-untyped-def]
+        before = s.request.num_generated
+        append_verified(s, verdict, *args)
+        runs.append((s.request.num_generated - before, len(verdict.token_ids)))
+
+    def run(engine: Engine, resume: list[int], **params: object) -> list[RequestOutput]:
+        settings = {"max_tokens": 48, "temperature": 0.0, "logit_bias": dict(BIAS), **params}
+        request = Request(f"spec-{next(_ids)}", prompt(2), SamplingParams(**settings),  # type: ignore[arg-type]
+                          output_ids=list(resume))
+        outs: list[RequestOutput] = []
+        request.on_output = outs.append
+        engine.submit(request)
+        engine.run_until_idle()
+        check_idle(engine)
+        return outs
+
+    monkeypatch.setattr(spec, "_append_verified", spy)
+    (free,) = generate(spec, [prompt(2)])
     ids = tokens(free)
-    for stop_params in ({"stop": [plain.tokenizer.decode(ids[30:32])]}, {"stop_token_ids": [ids[30]]}):
-        (want,) = generate(plain, [prompt(2)], **stop_params)
-        (got,) = generate(spec, [prompt(2)], **stop_params)
-        assert tokens(got) == tokens(want) and len(tokens(got)) < len(ids)
-        assert "".join(o.new_text for o in got) == "".join(o.new_text for o in want)
-        assert got[-1].finish_reason == "stop" and got[-1].completion_tokens == len(tokens(want))
-    assert text  # the free run had text to cut
+    text = spec.tokenizer.decode
+    inside, at = [], 0  # output indices inside a run, not its last token
+    for appended, _ in runs:
+        inside += range(at, at + appended - 1)
+        at += appended
+    candidates = [([], {"stop": [text(ids[j - 1 : j + 1])], "min_tokens": j - 1}) for j in inside if j > 1]
+    candidates += [(ids[: max(i for i in range(j) if ids[i] == ids[j]) + 1], {"stop_token_ids": [ids[j]]})
+                   for j in inside if ids[j] in ids[:j]]
+    cut = {"stop": 0, "stop_token_ids": 0}
+    for resume, params in candidates:
+        runs.clear()
+        got = run(spec, resume, **params)
+        if not runs or runs[-1][0] == runs[-1][1]:
+            continue  # the stop fell at a run's end or outside one: not what this test is after
+        kind = next(k for k in cut if k in params)
+        cut[kind] += 1
+        want = run(plain, resume, **params)
+        assert tokens(got) == tokens(want) and "".join(o.new_text for o in got) == "".join(o.new_text for o in want)
+        assert got[-1].finish_reason == want[-1].finish_reason == "stop"
+        assert got[-1].completion_tokens == want[-1].completion_tokens < 48
+        if all(cut.values()):
+            break
+    assert all(cut.values()), cut
 
 
 def test_never_computes_past_max_tokens(tiny_dir: Path) -> None:
