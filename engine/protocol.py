@@ -400,6 +400,7 @@ class RouterMetric:
     EVENT_LAG = "kvmesh_router_kv_event_lag_batches"  # gauge; label engine: its last batch minus the index's
     # counter; labels tenant (auth.tenant_hash, never the name), reason (LIMIT_REASONS): 429s of a tenant's limits
     RATE_LIMITED = "kvmesh_router_rate_limited"
+    API_KEYS_RELOADS = "kvmesh_router_api_keys_reloads"  # counter; label outcome (KEYS_RELOAD_OUTCOMES)
 
 
 class OperatorMetric:
@@ -417,6 +418,7 @@ ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gon
 # why a tenant's request got 429 (router/limits.py): its requests or tokens per minute, its concurrent requests, or
 # its share of a saturated pool (router/shed.py)
 LIMIT_REASONS: tuple[str, ...] = ("requests", "tokens", "concurrency", "fair_share")
+KEYS_RELOAD_OUTCOMES: tuple[str, ...] = ("loaded", "refused")  # a changed API keys file: taken, or not (old stay)
 GATEWAY_ROUTE = "gateway"  # requests a Gateway sent through the router's ext_proc endpoint picker
 ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated", GATEWAY_ROUTE)
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")

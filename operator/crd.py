@@ -45,6 +45,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256, 512)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 ROLE_REPLICAS = ("both", "prefill", "decode")
+API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds the keys file, by default
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded")  # the last only for pools with adapters
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -259,6 +260,15 @@ def spec_schema() -> dict[str, Any]:
         "port": _int("the router's HTTP port", 1, 65535, default=8080),
         "weights": {"type": "object", "description": "picker weights by scorer name",
                     "additionalProperties": {"type": "number", "minimum": 0}},
+        "apiKeys": _obj({
+            "secretName": _str("a Secret holding the router's API keys file ({keys: [{tenant, key_sha256}]}), "
+                               "mounted read-only and re-read when it changes (keys rotate without a restart)",
+                               pattern=DNS_LABEL),
+            "key": _str("the Secret's key that holds the keys file", minLength=1, default=API_KEYS_FILE),
+            "cacheSaltKey": _str("a key of the same Secret holding the secret that keys each tenant's cache salt "
+                                 "(without it the salts are keyed by the pool's name)", minLength=1),
+        }, ("secretName",), description="API keys: each maps to a tenant, which gets its own prefix cache salt and "
+                                        "its limits (router.settings.tenants); without them auth is off"),
         "settings": _settings("router", "kvmesh router"),
         "resources": _resources("each router container's resources", {"cpu": "500m", "memory": "1Gi"}),
     }, description="the router in front of the engines", default={})

@@ -21,8 +21,9 @@ import yaml
 
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
-from kvmesh.operator.crd import ADAPTERS_DIR, API_VERSION, BUNDLED, KIND, Pool
+from kvmesh.operator.crd import ADAPTERS_DIR, API_KEYS_FILE, API_VERSION, BUNDLED, KIND, Pool
 from kvmesh.operator.lora import declared_adapters
+from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
@@ -41,6 +42,7 @@ GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
 EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the picker's mounted certificate
 EXT_PROC_PORT_NAME = "grpc-ext-proc"  # the router's endpoint-picker port (the grpc- prefix tells meshes it is gRPC)
 DATABASE_URL_ENV = "KVMESH_DATABASE_URL"
+API_KEYS_DIR = f"{CONFIG_DIR}/api-keys"  # where the router reads spec.router.apiKeys' Secret (updated in place)
 
 # camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
 ENGINE_SETTINGS = {"blockSize": "block_size", "hashAlgo": "hash_algo", "kvCacheMemoryMiB": "kv_cache_memory_mib",
@@ -141,6 +143,8 @@ def router_settings(pool: Pool) -> dict[str, Any]:
         out["ttft_slo_seconds"] = scaling["slo"]["ttftSeconds"]
     if "databaseUrl" in pool.spec["store"]:
         out["database_url"] = pool.spec["store"]["databaseUrl"]
+    if "apiKeys" in spec:
+        out["api_keys_file"] = f"{API_KEYS_DIR}/{spec['apiKeys'].get('key', API_KEYS_FILE)}"
     gateway = pool.spec["gatewayInferencePool"]
     if gateway["enabled"]:  # the Gateway's endpoint picker: Envoy ext_proc over gRPC
         out["ext_proc_port"] = GATEWAY_EXT_PROC_PORT
@@ -306,6 +310,10 @@ def router_deployment(pool: Pool) -> dict[str, Any]:
     if secret:  # the URL carries a password: from the Secret, expanded by the kubelet into the flag
         env.append({"name": DATABASE_URL_ENV, "valueFrom": {"secretKeyRef": dict(secret)}})
         command += ["--database-url", f"$({DATABASE_URL_ENV})"]
+    salt_key = spec.get("apiKeys", {}).get("cacheSaltKey")
+    if salt_key:  # every replica keys the tenants' salts alike; a pod reads it at start
+        env.append({"name": CACHE_SALT_SECRET_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": spec["apiKeys"]["secretName"], "key": salt_key}}})
     container = {
         "name": "router",
         "image": spec.get("image") or pool.spec["engine"]["image"],
@@ -319,6 +327,13 @@ def router_deployment(pool: Pool) -> dict[str, Any]:
         container["ports"].append({"name": EXT_PROC_PORT_NAME, "containerPort": ext_proc_port(pool), "protocol": "TCP"})
     template = _pod_template(pool, "router", container, engine=False, service_account=router_name(pool))
     template["spec"]["terminationGracePeriodSeconds"] = ROUTER_TERMINATION_GRACE_SECONDS
+    keys = spec.get("apiKeys")
+    if keys:  # a volume, not an env var or subPath: the kubelet updates it in place and the router re-reads it
+        key = keys.get("key", API_KEYS_FILE)
+        template["spec"]["volumes"].append(
+            {"name": "api-keys", "secret": {"secretName": keys["secretName"], "items": [{"key": key, "path": key}]}})
+        template["spec"]["containers"][0]["volumeMounts"].append(
+            {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     tls_secret = pool.spec["gatewayInferencePool"].get("tlsSecretName")
     if ext_proc_port(pool) is not None and tls_secret:  # the kubelet renews the files in place when the Secret is
         template["spec"]["volumes"].append({"name": "ext-proc-tls", "secret": {"secretName": tls_secret}})

@@ -37,6 +37,7 @@ from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, ChatRequest, CompletionRequest, error_body
 from kvmesh.engine.protocol import (
     CACHE_SALT_FIELD,
+    KEYS_RELOAD_OUTCOMES,
     KV_TRANSFER_FIELD,
     LIMIT_REASONS,
     MODELS_PATH,
@@ -57,7 +58,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
-from kvmesh.router.auth import DEFAULT_TENANT, ApiKeys, cache_salt_for, tenant_hash
+from kvmesh.router.auth import CACHE_SALT_SECRET_ENV, DEFAULT_TENANT, ApiKeys, KeysFile, cache_salt_for, tenant_hash
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.limits import Lease, Limiter, Refusal, check_tenants, parse_tenants
@@ -107,6 +108,10 @@ class RouterMetrics:
             self.shed.labels(priority)
         self.rate_limited = Counter(RouterMetric.RATE_LIMITED, "Requests refused with 429 by their tenant's limits "
                                     "or fair share.", ["tenant", "reason"], registry=r)
+        self.api_keys_reloads = Counter(RouterMetric.API_KEYS_RELOADS, "Changes of the API keys file, taken "
+                                        "(loaded) or refused (the keys in force stay).", ["outcome"], registry=r)
+        for outcome in KEYS_RELOAD_OUTCOMES:
+            self.api_keys_reloads.labels(outcome)
         for tenant in tenants:  # pseudonyms, as in the request log: tenant names may be secret
             for reason in LIMIT_REASONS:
                 self.rate_limited.labels(tenant_hash(tenant), reason)
@@ -341,6 +346,7 @@ class Router:
     pull: PullPolicy
     tracing: Tracing = OFF
     limits: Limiter = field(default_factory=Limiter)
+    keys_file: KeysFile | None = None  # where `keys` come from, re-read when it changes (a rotated Secret)
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
         """One row of the request log (numbers only), when the pool has one; the end of the request's span."""
@@ -439,6 +445,8 @@ class Router:
 
     def authenticate(self, headers: Mapping[str, str]) -> str:
         """The tenant of a request's API key (DEFAULT_TENANT with auth off); RouteError 401 without a valid one."""
+        if self.keys_file is not None:
+            self.keys = self.keys_file.current()
         tenant = self.keys.tenant_for(headers.get("authorization"))
         if tenant is None:
             raise RouteError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
@@ -554,22 +562,28 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     index = PrefixIndex()
     pods = PodSet.from_config(config, expected, index)
     upstream = Upstream(config.request_timeout_seconds)
-    keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys({})
+    table = parse_tenants(config.tenants)
+    keys_file = None
+    if config.api_keys_file:  # re-read when it changes; a version that would orphan a tenant's limits is refused
+        keys_file = KeysFile(config.api_keys_file, lambda new: check_tenants(table, set(new.by_hash.values())))
+    keys = keys_file.keys if keys_file is not None else ApiKeys({})
     log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None
     shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
-    secret = config.cache_salt_secret or os.environ.get("KVMESH_CACHE_SALT_SECRET") or ""
+    secret = config.cache_salt_secret or os.environ.get(CACHE_SALT_SECRET_ENV) or ""
     if keys.enabled and not secret:
         logging.getLogger("kvmesh.router").warning(
             "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
-            "an engine directly could use to probe another tenant's cached prefixes; set KVMESH_CACHE_SALT_SECRET")
+            "an engine directly could use to probe another tenant's cached prefixes; set %s", CACHE_SALT_SECRET_ENV)
     pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
-    table = parse_tenants(config.tenants)
     tenants = set(keys.by_hash.values()) if keys.enabled else {DEFAULT_TENANT}
     check_tenants(table, tenants)
     limits = Limiter(table, config.rate_limit_replicas)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
-    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), RouterMetrics(pods, index, tenants),
-                  upstream, keys, log, shed, secret or config.pool, pull, tracing, limits=limits)
+    metrics = RouterMetrics(pods, index, tenants)
+    if keys_file is not None:
+        keys_file.on_reload = lambda outcome: metrics.api_keys_reloads.labels(outcome).inc()
+    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
+                  secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file)
 
 
 def wants_usage(raw: dict[str, Any]) -> bool:

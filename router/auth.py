@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 import yaml
 
 DEFAULT_TENANT = "default"  # every request's tenant when auth is off
+CACHE_SALT_SECRET_ENV = "KVMESH_CACHE_SALT_SECRET"  # the environment's cache_salt_secret (from a Secret)
+KEYS_CHECK_SECONDS = 1.0  # how often the keys file's stat is compared with the one last read
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _ENTRY_FIELDS = frozenset({"tenant", "key_sha256"})
 _HOW_TO_HASH = (
@@ -143,3 +147,55 @@ def _parse_entry(entry: Any, where: str) -> tuple[str, str]:
     if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest.strip().lower()):
         raise ValueError(f"{where}: 'key_sha256' must be a sha256 hex digest (64 hex characters); {_HOW_TO_HASH}")
     return digest.strip().lower(), tenant.strip()
+
+
+class KeysFile:
+    """The API keys file, re-read when it changes, so keys are added and revoked without a restart.
+
+    A Secret mounted as a volume is updated in place by the kubelet (it swaps a symlink to a new directory), so
+    the file's identity (inode, mtime, size) is compared at most once per `check_seconds`, on the request path: a
+    stat costs microseconds. A new version is taken only whole and valid (`accept` may veto it, as the router
+    does for a tenant whose limits it would orphan); otherwise the keys in force stay, and the error is logged
+    once per version: a broken rotation must neither open the pool nor lock every tenant out.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], accept: Callable[[ApiKeys], None] = lambda _: None,
+                 on_reload: Callable[[str], None] = lambda _: None, check_seconds: float = KEYS_CHECK_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path, self.accept, self.on_reload = path, accept, on_reload
+        self.check_seconds, self.clock = check_seconds, clock
+        self._seen = self._identity()
+        self.keys = ApiKeys.from_file(path)  # at start a bad file is an error, as before
+        accept(self.keys)
+        self._checked = clock()
+
+    def _identity(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def current(self) -> ApiKeys:
+        """The keys in force, after re-reading the file if it changed since the last look."""
+        now = self.clock()
+        if now - self._checked < self.check_seconds:
+            return self.keys
+        self._checked = now
+        seen = self._identity()
+        if seen == self._seen:
+            return self.keys
+        self._seen = seen
+        try:
+            keys = ApiKeys.from_file(self.path)
+            self.accept(keys)
+        except (OSError, ValueError) as exc:
+            logging.getLogger("kvmesh.router").error("API keys file %s changed but was not taken (the keys in force "
+                                                     "stay): %s", self.path, exc)
+            self.on_reload("refused")
+            return self.keys
+        self.keys = keys
+        logging.getLogger("kvmesh.router").info("API keys file %s re-read: %d keys, %d tenants", self.path,
+                                                len(keys.by_hash), len(set(keys.by_hash.values())))
+        self.on_reload("loaded")
+        return keys

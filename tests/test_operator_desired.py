@@ -161,6 +161,34 @@ def test_a_tls_secret_is_what_the_router_serves_the_gateway_with() -> None:
     assert not [v for v in engines["volumes"] if v.get("secret")], "only the router reads the certificate"
 
 
+def test_an_api_keys_secret_is_mounted_where_the_router_reads_its_keys_and_salt() -> None:
+    """router.apiKeys: the keys file is a Secret volume (updated in place by the kubelet, which the router re-reads),
+    at the path the router's own file names; the salt secret an env var from the same Secret; engines get neither."""
+    doc = yaml.safe_load(DISAGGREGATED.read_text())
+    doc["spec"]["router"]["apiKeys"] = {"secretName": "pool-keys", "cacheSaltKey": "salt"}
+    doc["metadata"]["uid"] = "uid-1"
+    objects = desired_objects(parse_pool(doc))
+    settings = yaml.safe_load(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])["router"]
+    router = by_kind(objects, "Deployment")["docs-router"]
+    template = router["spec"]["template"]["spec"]
+    (volume,) = [v for v in template["volumes"] if v.get("secret")]
+    (mount,) = [m for m in template["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert volume["secret"] == {"secretName": "pool-keys", "items": [{"key": "keys.yaml", "path": "keys.yaml"}]}
+    assert mount["readOnly"] and "subPath" not in mount  # a subPath mount is never updated
+    assert settings["api_keys_file"] == f"{mount['mountPath']}/keys.yaml"
+    (salt,) = [e for e in template["containers"][0]["env"] if e["name"] == "KVMESH_CACHE_SALT_SECRET"]
+    assert salt["valueFrom"]["secretKeyRef"] == {"name": "pool-keys", "key": "salt"}
+    kubernetes_validate.validate(router, "1.30", strict=True)
+    engines = by_kind(objects, "Deployment")["docs-decode"]["spec"]["template"]["spec"]
+    assert not [v for v in engines["volumes"] if v.get("secret")], "only the router reads the keys"
+    assert all(e["name"] != "KVMESH_CACHE_SALT_SECRET" for e in engines["containers"][0]["env"])
+
+    doc["spec"]["router"]["apiKeys"] = {"secretName": "pool-keys", "key": "tenants.yaml"}
+    objects = desired_objects(parse_pool(doc))
+    settings = yaml.safe_load(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])["router"]
+    assert settings["api_keys_file"].endswith("/tenants.yaml")
+
+
 def test_replicas_start_at_the_minimum_and_stay_within_bounds() -> None:
     p = pool(DISAGGREGATED)
     deployments = by_kind(desired_objects(p), "Deployment")

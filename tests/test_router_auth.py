@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvmesh.router.auth import DEFAULT_TENANT, ApiKeys, cache_salt_for, hash_key, tenant_hash
+from kvmesh.router.app import RouteError, build_router
+from kvmesh.router.auth import DEFAULT_TENANT, ApiKeys, KeysFile, cache_salt_for, hash_key, tenant_hash
+from kvmesh.router.config import RouterConfig
 
 ACME_KEY = "sk-acme-0123456789"
 GLOBEX_KEY = "sk-globex-abcdef"
@@ -111,3 +113,71 @@ def test_salts_differ_per_tenant_and_pool() -> None:
     assert "acme" not in acme
     assert cache_salt_for("acme", share_across_tenants=True) is None
     assert cache_salt_for(DEFAULT_TENANT) is not None  # auth off: one shared salt for everybody
+
+
+def write_keys(path: Path, keys: dict[str, str]) -> None:
+    """Replace the file as the kubelet updates a mounted Secret: a new file swapped in (a new inode)."""
+    staged = path.with_suffix(".new")
+    staged.write_text(yaml.safe_dump({"keys": [{"tenant": t, "key_sha256": hash_key(k)} for k, t in keys.items()]}))
+    staged.replace(path)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_rotated_keys_file_is_taken_without_a_restart(keys_file: Path) -> None:
+    clock, reloads = Clock(), []
+    watched = KeysFile(keys_file, on_reload=reloads.append, check_seconds=1.0, clock=clock)
+    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme"
+
+    write_keys(keys_file, {"sk-acme-rotated": "acme", GLOBEX_KEY: "globex"})  # acme's old key revoked
+    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme"  # not looked at again within a second
+    clock.now += 1.0
+    keys = watched.current()
+    assert keys.tenant_for(f"Bearer {ACME_KEY}") is None and keys.tenant_for("Bearer sk-acme-rotated") == "acme"
+    assert reloads == ["loaded"]
+    clock.now += 1.0
+    assert watched.current() is keys and reloads == ["loaded"]  # unchanged: not read again
+
+
+@pytest.mark.parametrize("text", ["keys: []\n", "keys: [{tenant: acme, key: plain}]\n", "{{{"])
+def test_a_broken_rotation_keeps_the_keys_in_force(keys_file: Path, text: str) -> None:
+    """An empty, plain-key or unparsable new version neither opens the pool nor locks everyone out."""
+    clock, reloads = Clock(), []
+    watched = KeysFile(keys_file, on_reload=reloads.append, clock=clock)
+    staged = keys_file.with_suffix(".new")
+    staged.write_text(text)
+    staged.replace(keys_file)
+    clock.now += 5
+    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme" and reloads == ["refused"]
+    clock.now += 5
+    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme" and reloads == ["refused"]  # logged once
+    write_keys(keys_file, {"sk-new": "acme"})  # the next good version is taken
+    clock.now += 5
+    assert watched.current().tenant_for("Bearer sk-new") == "acme" and reloads == ["refused", "loaded"]
+
+
+def test_the_router_re_reads_its_keys_and_refuses_a_version_that_orphans_a_tenants_limits(
+        keys_file: Path, tiny_dir: Path) -> None:
+    router = build_router(RouterConfig(pods=[], api_keys_file=str(keys_file),
+                                       tenants={"globex": {"requests_per_minute": 10}}), tiny_dir)
+    assert router.keys_file is not None
+    router.keys_file.check_seconds = 0.0
+    assert router.authenticate({"authorization": f"Bearer {ACME_KEY}"}) == "acme"
+
+    write_keys(keys_file, {"sk-acme-2": "acme", GLOBEX_KEY: "globex"})
+    with pytest.raises(RouteError) as refused:
+        router.authenticate({"authorization": f"Bearer {ACME_KEY}"})
+    assert refused.value.status == 401
+    assert router.authenticate({"authorization": "Bearer sk-acme-2"}) == "acme"
+
+    write_keys(keys_file, {"sk-acme-3": "acme"})  # globex has limits but would have no key: refused, old keys stay
+    assert router.authenticate({"authorization": "Bearer sk-acme-2"}) == "acme"
+    assert router.authenticate({"authorization": f"Bearer {GLOBEX_KEY}"}) == "globex"
+    reloads = router.metrics.api_keys_reloads
+    assert reloads.labels("loaded")._value.get() == 1 and reloads.labels("refused")._value.get() == 1
