@@ -414,7 +414,9 @@ class OperatorMetric:
     LORA_ACTIONS = "kvmesh_operator_lora_actions"
 
 
-ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "no_pod", "client_gone")
+# rate_limited: a tenant's own limits (router/limits.py), apart from errors and from sheds of an overloaded pool
+ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "rate_limited", "no_pod", "client_gone")
+RATE_LIMIT_CODE = "rate_limit_exceeded"  # the error code of a 429 for a tenant's limits, as OpenAI's
 # why a tenant's request got 429 (router/limits.py): its requests or tokens per minute, its concurrent requests, or
 # its share of a saturated pool (router/shed.py)
 LIMIT_REASONS: tuple[str, ...] = ("requests", "tokens", "concurrency", "fair_share")

@@ -44,6 +44,7 @@ from kvmesh.engine.protocol import (
     POD_STATES,
     PRIORITY_CLASSES,
     PRIORITY_HEADER,
+    RATE_LIMIT_CODE,
     RESUME_OUTPUT_IDS_FIELD,
     RETURN_TOKEN_IDS_FIELD,
     ROUTER_OUTCOMES,
@@ -456,7 +457,7 @@ class Router:
     def rate_limited(self, tenant: str, refusal: Refusal) -> RouteError:
         """The 429 of a request over its tenant's limits (router/limits.py), counted by tenant pseudonym and reason."""
         self.metrics.rate_limited.labels(tenant_hash(tenant), refusal.reason).inc()
-        return RouteError(429, refusal.message, code="rate_limit_exceeded", kind="rate_limit_error",
+        return RouteError(429, refusal.message, code=RATE_LIMIT_CODE, kind="rate_limit_error",
                           headers=refusal.headers)
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
@@ -584,6 +585,13 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
         keys_file.on_reload = lambda outcome: metrics.api_keys_reloads.labels(outcome).inc()
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
                   secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file)
+
+
+def refusal_outcome(error: RouteError) -> str:
+    """How kvmesh_router_requests_total counts a request refused before an engine answered it."""
+    if error.code == RATE_LIMIT_CODE:
+        return "rate_limited"
+    return "no_pod" if error.status == 503 else "error"
 
 
 def wants_usage(raw: dict[str, Any]) -> bool:
@@ -734,7 +742,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         try:
             admitted = await router.admit(await http.body(), http.headers, chat)
         except RouteError as exc:
-            router.metrics.requests.labels("error", "aggregated").inc()
+            router.metrics.requests.labels(refusal_outcome(exc), "aggregated").inc()
             return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status,
                                 headers=exc.headers)
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
@@ -752,7 +760,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 await work
             return client_gone(trace)
         except RouteError as exc:
-            outcome = "no_pod" if exc.status == 503 else "error"
+            outcome = refusal_outcome(exc)
             router.metrics.requests.labels(outcome, "aggregated").inc()
             if trace.span is not None:
                 trace.span.end(outcome, exc.status, trace.route, trace.pods, None)

@@ -990,4 +990,5 @@ async def test_a_tenant_over_its_limit_gets_the_429_and_its_rate_limit_headers_t
     status, error, headers = refusal(replies[0])
     assert status == 429 and error["error"]["code"] == "rate_limit_exceeded"
     assert float(headers["retry-after"]) > 0 and headers["x-ratelimit-remaining-requests"] == "0"
+    assert counted(router, "rate_limited") == 1 and counted(router, "error") == 0
     assert all(p.inflight == 0 for p in router.pods.pods.values())
