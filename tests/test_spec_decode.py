@@ -480,3 +480,24 @@ def test_lora_requests_verify_drafts_through_their_adapter(tiny_dir: Path, tmp_p
     assert results[0] == results[1]
     assert results[0][0] != results[0][1]  # the adapter changes the answer, so a wrong segment would show it
     assert spec_counts(engines[1])[2] > 0
+
+
+def test_a_pool_turns_it_on_through_engine_settings(tmp_path: Path) -> None:
+    """An InferencePool's free-form engine.settings carries the mapping into the engines' file, which the real
+    engine configuration reads; a bad one is refused there, at the engine's start."""
+    import yaml
+
+    from kvmesh.operator.desired import desired_objects
+
+    from .test_operator_desired import AGGREGATED, by_kind, pool
+
+    def engine_file(settings: dict[str, object]) -> Path:
+        doc = yaml.safe_load(AGGREGATED.read_text())
+        p = pool(engine={**doc["spec"]["engine"], "settings": {"speculative_config": settings}})
+        path = tmp_path / "engine.yaml"
+        path.write_text(by_kind(desired_objects(p), "ConfigMap")[f"{p.name}-config"]["data"]["engine.yaml"])
+        return path
+
+    assert SpecConfig.parse(load_config(engine_file(SPEC)).speculative_config) == SpecConfig(4, 2, 4)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        load_config(engine_file({"method": "ngram", "num_speculative_tokens": -1}))
