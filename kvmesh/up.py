@@ -3,7 +3,9 @@ InferencePool YAML file; waits until every child is healthy, prints the endpoint
 Ctrl-C or SIGTERM (gracefully: the router drains first, then the engines; `stop_pool`) or as soon as one child
 dies unasked (with the tail of its log). From a pool file, the operator's scaler runs too and its decisions are
 carried out: engines start (warmed from a peer), or the coldest drain and stop, the router follows its pods file,
-and the operator's metrics are served on a loopback port."""
+the engines' LoRA adapters are kept equal to the spec's, and the operator's metrics are served on a loopback port.
+The file is followed as the operator follows the CRD: an edit is read, checked as a pool, and applied (replicas,
+scaling, adapters), or reported and ignored, the pool running on its last good spec (`PoolFile`)."""
 
 from __future__ import annotations
 
@@ -46,15 +48,16 @@ class PoolPlan:
     sim: str | None = None  # a `kvmesh sim-engine` profile: simulated engines instead of real ones
     roles: list[str] | None = None  # each engine's role in a disaggregated pool; None: all `both`
     pool: Any = None  # the InferencePool (operator/crd.py's Pool) the plan came from: its scaler runs too
+    file: str | None = None  # the file it was read from: followed while the pool runs
 
 
 def plan_from_file(path: str | Path) -> PoolPlan:
     """A local pool from an InferencePool file, read through operator/crd.py (the cluster's defaults and checks):
     each role's minimum replicas, the model, and the engine and router settings the operator would write."""
-    from kvmesh.operator.crd import BUNDLED, load_pool_file
+    from kvmesh.operator.crd import BUNDLED
     from kvmesh.operator.local import local_engine_settings, local_router_settings
 
-    pool = replace(load_pool_file(str(path)), namespace=LOCAL_NAMESPACE)
+    pool = read_pool_file(path)
     roles = [role for role in pool.roles for _ in range(pool.bounds(role)[0])]
     source = pool.spec["model"]["source"]
     return PoolPlan(
@@ -65,7 +68,46 @@ def plan_from_file(path: str | Path) -> PoolPlan:
         router=local_router_settings(pool),
         roles=roles if pool.mode == "disaggregated" else None,
         pool=pool,
+        file=str(path),
     )
+
+
+def read_pool_file(path: str | Path) -> Any:
+    """The local pool a file holds, read and checked by operator/crd.py as the cluster's API server and operator
+    check a pool. Raises OSError or ValueError (a YAML error, or the spec's: SpecError) naming the problem."""
+    from kvmesh.operator.crd import load_pool_file
+
+    try:
+        return replace(load_pool_file(str(path)), namespace=LOCAL_NAMESPACE)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not YAML: {exc}") from None
+
+
+class PoolFile:
+    """The pool file, polled for edits: its modification time, size and inode, read once per supervision loop.
+    A poll rather than inotify: no extra dependency, any platform, and an editor that saves by renaming a new
+    file over the old one (vim, most IDEs) is seen like one that writes in place; half a second of delay is
+    nothing next to a scaling interval. The first poll counts as a change (the file is read again, and an
+    unchanged pool is no news), so an edit made while the pool was starting is not missed."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.seen: tuple[int, int, int] | None = None
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def changed(self) -> bool:
+        """Whether the file changed since the last call (a file gone or unreadable is a change too)."""
+        now = self._signature()
+        if now == self.seen:
+            return False
+        self.seen = now
+        return True
 
 
 @dataclass
@@ -276,8 +318,9 @@ def observe_engines(engines: Sequence[Engine], scrape: Callable[[str], str] | No
 class _ScalingWatch:
     """The operator's tick over the local engines, every `scaling.intervalSeconds`: engines that began serving
     are warmed from a peer, each decision is printed and carried out within the pool's replica bounds (engines
-    started, or drained and stopped), and recorded in the operator's metrics, which a loopback port serves (the
-    targets file lists it) until `close`."""
+    started, or drained and stopped), the serving engines' LoRA adapters are synced with the spec's, and all is
+    recorded in the operator's metrics, which a loopback port serves (the targets file lists it) until `close`.
+    Before each tick, an edit of the pool file is followed (`follow_file`)."""
 
     def __init__(self, plan: PoolPlan, engines: LocalEngines) -> None:
         from kvmesh.operator.local import LocalOperator
@@ -287,6 +330,8 @@ class _ScalingWatch:
         self.operator = LocalOperator(plan.pool)
         self.interval = plan.pool.spec["scaling"]["intervalSeconds"]
         self.next = time.monotonic()
+        self.file = PoolFile(plan.file) if plan.file else None
+        self.adapters_said = ""  # the adapters' last reported state: a new one is printed once
         port = free_port()
         self.server, _ = start_http_server(port, addr="127.0.0.1", registry=self.operator.metrics.registry)
         engines.operator_url = f"http://127.0.0.1:{port}"
@@ -295,9 +340,40 @@ class _ScalingWatch:
         self.server.shutdown()
         self.server.server_close()
 
+    def follow_file(self) -> None:
+        """Re-read the pool file if it changed; apply what a running pool can take on (replica bounds and scaling
+        at once: the next tick runs now; adapters through the sync, and in the engine files new engines start
+        from) or say why not, running on the last good spec. Never raises: a bad edit is the user's to fix."""
+        from kvmesh.operator.local import needs_restart
+
+        if self.file is None or not self.file.changed():
+            return
+        path = self.file.path
+        try:
+            pool = read_pool_file(path)
+        except (OSError, ValueError) as exc:
+            _say(f"{path} changed but cannot be used: {exc}; the pool runs on as before (fix the file to go on)")
+            return
+        stuck = needs_restart(self.pool, pool)
+        if stuck:
+            _say(f"{path} changed {', '.join(stuck)}, which running engines and router cannot take on; none of "
+                 f"this edit is applied, the pool runs on as before (restart kvmesh up to apply it)")
+            return
+        if pool == self.pool:
+            return
+        self.pool = self.engines.plan.pool = pool
+        self.operator.follow(pool)
+        self.interval = pool.spec["scaling"]["intervalSeconds"]
+        self.next = time.monotonic()
+        _set_engine_adapters(self.engines.workdir, pool)
+        bounds = ", ".join(f"{role} {low}..{high}" for role in pool.roles for low, high in [pool.bounds(role)])
+        adapters = ", ".join(a["name"] for a in pool.spec["model"]["loraAdapters"]) or "none"
+        _say(f"{path} changed: following it (replicas {bounds}; adapters {adapters})")
+
     def tick(self) -> None:
         from kvmesh.operator.local import describe
 
+        self.follow_file()
         if time.monotonic() < self.next:
             return
         self.next = time.monotonic() + self.interval
@@ -306,16 +382,54 @@ class _ScalingWatch:
         try:
             tick = self.operator.decide(time.monotonic(), pods, before)
         except Exception as exc:  # as the cluster operator's timer: this tick fails, the pool keeps serving
-            print(f"kvmesh up: scaler: this tick failed ({exc!r}); the pool stays as it is", file=sys.stderr,
-                  flush=True)
+            _say(f"scaler: this tick failed ({exc!r}); the pool stays as it is")
             return
         for line in describe(tick.decision, before):
-            print(f"kvmesh up: scaler: {line}", file=sys.stderr, flush=True)
+            _say(f"scaler: {line}")
         for role, n in tick.decision.changed(before).items():
             self.engines.scale(role, n, tick.deletion_costs)  # the decision is already within the pool's bounds
         self.operator.record(tick.decision, self.engines.replicas(), before)
         for line in self.operator.warm_up(tick.warmups):  # after scaling, as the operator does
-            print(f"kvmesh up: warm-up: {line}", file=sys.stderr, flush=True)
+            _say(f"warm-up: {line}")
+        self.sync_adapters()
+
+    def sync_adapters(self) -> None:
+        from kvmesh.operator.lora import EnginePod
+
+        def pod(engine: Engine) -> EnginePod:
+            return EnginePod(engine.child.name, engine.role, engine.child.url)
+
+        alive = {pod(e).life for e in self.engines.observable()}
+        adapters = self.operator.sync_adapters([pod(e) for e in self.engines.serving()], alive)
+        for line in adapters.lines:
+            _say(f"adapters: {line}")
+        said = f"{adapters.status.reason}: {adapters.status.message}" if adapters.status else ""
+        if said != self.adapters_said and adapters.status is not None:
+            _say(f"adapters {said}")
+        self.adapters_said = said
+
+
+def _say(line: str) -> None:
+    print(f"kvmesh up: {line}", file=sys.stderr, flush=True)
+
+
+def _set_engine_adapters(workdir: Path, pool: Any) -> None:
+    """Give the engines started from now on the spec's adapters (as the operator's ConfigMap does for new pods):
+    the engine files' `lora_modules`, each replaced atomically."""
+    from kvmesh.operator.desired import LORA_MODULES
+    from kvmesh.operator.local import local_engine_settings
+
+    modules = local_engine_settings(pool).get(LORA_MODULES)
+    for path in (workdir / "engine.yaml", workdir / "engine-scaled.yaml"):
+        if not path.exists():
+            continue
+        settings = dict(yaml.safe_load(path.read_text())["engine"])
+        settings.pop(LORA_MODULES, None)
+        if modules:
+            settings[LORA_MODULES] = modules
+        partial = path.with_suffix(".yaml.partial")
+        partial.write_text(yaml.safe_dump({"engine": settings}))
+        os.replace(partial, path)
 
 
 class _StopNow(Exception):

@@ -1,8 +1,10 @@
 """The operator's decisions on one machine: `kvmesh up -f pool.yaml` reads the pool through operator/crd.py (the
 same defaults and checks as the cluster), writes the same engine and router settings, and runs the operator's
 scaling tick over its local engines: the same scaler, the same warm-ups of new engines from the peer whose cache
-serves the most hits, and the same /metrics registry. `kvmesh up` carries the decisions out, so scaling works
-without Kubernetes.
+serves the most hits, the same LoRA adapter sync (operator/lora.py), and the same /metrics registry. `kvmesh up`
+carries the decisions out, so scaling works without Kubernetes. It follows edits of the pool file as the operator
+follows the CRD (`follow`): replica bounds, scaling settings and adapters change under running engines; an edit of
+anything the engines or the router read at start is refused (`needs_restart`), as only a restart can apply it.
 
 Locally the engines listen on 127.0.0.1 at ports `kvmesh up` picks, and the router follows them in a pods file
 that `kvmesh up` rewrites; everything else in the two files is what the operator's ConfigMap holds.
@@ -10,14 +12,15 @@ that `kvmesh up` rewrites; everything else in the two files is what the operator
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.operator.crd import Pool
-from kvmesh.operator.desired import engine_settings, router_settings
+from kvmesh.operator.desired import engine_adapters, engine_settings, router_settings
 from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.forecast import Scaler, parse_pod
+from kvmesh.operator.lora import AdapterMemory, AdapterStatus, EnginePod, Life, summarize, sync_pool
 from kvmesh.operator.memory import PoolMemory, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
@@ -32,7 +35,8 @@ from kvmesh.operator.warmup import (
     plan_tick_warmups,
 )
 
-__all__ = ["LocalOperator", "LocalPod", "describe", "local_engine_settings", "local_router_settings"]
+__all__ = ["AdapterTick", "LocalOperator", "LocalPod", "describe", "local_engine_settings", "local_router_settings",
+           "needs_restart"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
@@ -46,6 +50,26 @@ def local_engine_settings(pool: Pool) -> dict[str, Any]:
 
 def local_router_settings(pool: Pool) -> dict[str, Any]:
     return {k: v for k, v in router_settings(pool).items() if k not in CLUSTER_ONLY_ROUTER}
+
+
+# What a running local pool takes on from an edited file; everything else is read by engines or the router at start.
+LIVE_FIELDS = ("replicas", "scaling", "model.loraAdapters")
+
+
+def needs_restart(old: Pool, new: Pool) -> list[str]:
+    """The fields (dotted, sorted) that an edit from `old` to `new` changed and a running local pool cannot take
+    on; empty when it can follow the edit whole."""
+    def flat(pool: Pool) -> dict[str, Any]:
+        fields = {"metadata.name": pool.name}
+        for key, value in pool.spec.items():
+            if isinstance(value, Mapping):
+                fields.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                fields[key] = value
+        return {k: v for k, v in fields.items() if k not in LIVE_FIELDS and k.split(".")[0] not in LIVE_FIELDS}
+
+    before, after = flat(old), flat(new)
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
 
 def describe(decision: Decision, replicas: Mapping[str, int]) -> list[str]:
@@ -71,6 +95,12 @@ class Tick:
     deletion_costs: Mapping[str, int]  # per engine scraped, the operator's pod-deletion cost: the cheapest drains first
 
 
+@dataclass(frozen=True)
+class AdapterTick:
+    lines: list[str]  # one per action taken: what and how it went
+    status: AdapterStatus | None  # the cluster's AdaptersLoaded condition; None for a pool without adapters
+
+
 class LocalOperator:
     """The operator's scaling tick for one local pool, less the Kubernetes calls: `decide` observes and plans,
     `kvmesh up` warms (`warm_up`) and scales, and `record` exports the outcome under the operator's own metric
@@ -82,7 +112,17 @@ class LocalOperator:
         self.scaler = Scaler(pool)
         self.memory = PoolMemory(scaler=self.scaler)  # what the timer keeps between ticks: hits, serving pods
         self.warmup = WarmupSettings.of(pool)
+        self.adapters = AdapterMemory()  # in memory only: a restarted `kvmesh up` starts new engines too
         self._warm, self._open_gates = warm, open_gates
+
+    def follow(self, pool: Pool) -> None:
+        """Carry on under an edited spec (checked with `needs_restart` first): the scaler keeps what it learnt of
+        the traffic, as the cluster operator's timer keeps it when a spec changes."""
+        assert not needs_restart(self.pool, pool), needs_restart(self.pool, pool)
+        self.pool = pool
+        self.scaler = Scaler(pool, self.scaler.traffic, self.scaler.history)
+        self.memory.scaler = self.scaler
+        self.warmup = WarmupSettings.of(pool)
 
     @property
     def gated(self) -> bool:
@@ -105,6 +145,19 @@ class LocalOperator:
         serves anyway (its grace opens its gate at the latest), computing those prefixes itself."""
         results = carry_out(plan, self.warmup.limit, self.warmup.gated, self._warm, self._open_gates)
         return [o.message for _, _, o in results.warmed] + [o.message for _, o in results.opened]
+
+    def sync_adapters(self, serving: list[EnginePod], alive: Collection[Life]) -> AdapterTick:
+        """Keep the `serving` engines' LoRA adapters equal to the spec's, as the cluster operator's tick does
+        (operator/lora.py: loads and unloads, refusals remembered and not retried, one budget per tick), and count
+        the actions in the operator's metrics."""
+        declared = engine_adapters(self.pool)
+        if declared is None:  # given as a list in engine settings: left as the engines started
+            return AdapterTick([], None)
+        syncs = sync_pool(serving, declared, self.adapters, alive=alive)
+        self.metrics.record_adapters(self.pool, syncs)
+        lines = [f"{s.pod.name}: {r.message}" for s in syncs for r in s.results]
+        acted = any(s.results or s.held or s.deferred for s in syncs)
+        return AdapterTick(lines, summarize(syncs, declared) if declared or acted else None)
 
     def record(self, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
         """The replicas carried out (`before` them: what the decision saw), as the operator's timer records them."""

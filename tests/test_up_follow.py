@@ -1,0 +1,142 @@
+"""`kvmesh up -f pool.yaml` follows edits of its file as the operator follows the CRD: a broken edit and one that
+only a restart could apply are reported and change nothing (the pool serves on); a valid edit raises the replica
+bounds (a new engine starts and serves) and swaps the LoRA adapters in the running engine through the operator's
+adapter sync, while the engine started after the edit starts with the new list. Simulated engines; the checks of
+what an edit may change are pure and tested first."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvmesh.engine.protocol import MODELS_PATH, OperatorMetric
+from kvmesh.operator.crd import parse_pool
+from kvmesh.operator.local import needs_restart
+from kvmesh.operator.lora import served_adapters
+from kvmesh.processes import free_port, launch
+from kvmesh.up import PoolFile
+
+from .test_lora import write_adapter
+from .test_up_scaling import engine_urls, operator_url, sample, wait_for
+
+
+def pool(**spec: object) -> object:
+    base = {"model": {"source": "bundled"}, "replicas": {"both": {"min": 1, "max": 1}}}
+    return parse_pool({"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "p"},
+                       "spec": {**base, **spec}})
+
+
+def test_replicas_scaling_and_adapters_change_live_and_anything_else_needs_a_restart() -> None:
+    before = pool()
+    live = pool(replicas={"both": {"min": 2, "max": 3}}, scaling={"intervalSeconds": 2},
+                model={"source": "bundled", "loraAdapters": [{"name": "sql", "path": "/a/sql"}]})
+    assert needs_restart(before, live) == []  # type: ignore[arg-type]
+    engine = pool(engine={"maxNumSeqs": 7}, router={"replicas": 3})
+    assert needs_restart(before, engine) == ["engine.maxNumSeqs", "router.replicas"]  # type: ignore[arg-type]
+    assert needs_restart(before, pool(model={"source": "/models/other"})) == ["model.source"]  # type: ignore
+
+
+def test_the_file_is_polled_by_its_signature_and_an_edit_by_rename_counts(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text("a: 1\n")
+    watched = PoolFile(path)
+    assert watched.changed() and not watched.changed()  # the first poll reads it; then nothing changed
+    replacement = tmp_path / "new.yaml"
+    replacement.write_text("a: 2\n")
+    os.replace(replacement, path)  # as editors save
+    assert watched.changed() and not watched.changed()
+    path.unlink()
+    assert watched.changed()  # gone: read again, and the read's error is reported
+
+
+POOL = """
+apiVersion: kvmesh.io/v1alpha1
+kind: InferencePool
+metadata: {{name: follow}}
+spec:
+  model:
+    source: bundled
+    loraAdapters: [{adapters}]
+  engine: {{kvCacheMemoryMiB: 8, maxLoras: 2, maxLoraRank: 8{engine}}}
+  replicas:
+    both: {{min: {low}, max: {high}}}
+  scaling: {{intervalSeconds: 1}}
+"""
+
+
+def write_pool(path: Path, adapters: dict[str, Path], low: int = 1, high: int = 1, engine: str = "",
+               text: str | None = None) -> None:
+    """Saved as editors save: a new file renamed over the old one."""
+    listed = ", ".join(f"{{name: {n}, path: {p}}}" for n, p in adapters.items())
+    partial = path.with_suffix(".partial")
+    partial.write_text(text if text is not None else POOL.format(adapters=listed, low=low, high=high, engine=engine))
+    os.replace(partial, path)
+
+
+def served(url: str) -> dict[str, str]:
+    return served_adapters(httpx.get(url + MODELS_PATH, timeout=10).json())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
+    sql, poet = (write_adapter(tmp_path / name, seed=seed, rank=4, layers=1) for name, seed in (("sql", 1),
+                                                                                                ("poet", 2)))
+    pool_file = tmp_path / "pool.yaml"
+    write_pool(pool_file, {"sql": sql})
+    port, ready, targets, log = free_port(), tmp_path / "ready", tmp_path / "targets.json", tmp_path / "up.log"
+    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "-f", str(pool_file), "--sim", "--port", str(port),
+                   "--ready-file", str(ready), "--targets-file", str(targets)], log)
+    url = f"http://127.0.0.1:{port}"
+
+    def logged(text: str) -> bool:
+        return text in log.read_text()
+
+    try:
+        wait_for(ready.exists, "the pool to be ready", proc, log)
+        first = engine_urls(targets)["engine-0"]
+        assert served(first) == {"sql": str(sql)}
+
+        # a broken edit: said, and nothing changes
+        write_pool(pool_file, {}, text="spec: [unclosed\n")
+        wait_for(lambda: logged("changed but cannot be used"), "the broken edit to be reported", proc, log)
+        write_pool(pool_file, {"sql": sql}, low=1, high=1, engine=", maxNumSeqs: 7")
+        wait_for(lambda: logged("engine.maxNumSeqs, which running engines and router cannot take on"),
+                 "the edit needing a restart to be reported", proc, log)
+        reply = httpx.post(url + "/v1/completions", json={"model": "sql", "prompt": [1, 2, 3], "max_tokens": 2},
+                           timeout=60)
+        assert reply.status_code == 200 and list(engine_urls(targets)) == ["engine-0"]
+
+        # a valid edit: two engines, and `poet` instead of `sql`
+        write_pool(pool_file, {"poet": poet}, low=2, high=2)
+        wait_for(lambda: logged("changed: following it (replicas both 2..2; adapters poet)"), "the edit followed",
+                 proc, log)
+        wait_for(lambda: len(engine_urls(targets)) == 2, "a second engine for the new minimum", proc, log)
+        wait_for(lambda: all(served(u) == {"poet": str(poet)} for u in engine_urls(targets).values()),
+                 "both engines to serve only the new adapter", proc, log)
+        assert logged("adapters: engine-0: unload LoRA adapter 'sql'")
+        assert logged("adapters: engine-0: load LoRA adapter 'poet'")
+        assert not logged("adapters: engine-1: load")  # it started with the new list: nothing to load
+        operator = operator_url(targets)
+        counted = {"pool_namespace": "local", "pool": "follow", "role": "both"}
+        assert sample(operator, f"{OperatorMetric.LORA_ACTIONS}_total", **counted, action="load", outcome="ok") == 1
+        assert sample(operator, f"{OperatorMetric.LORA_ACTIONS}_total", **counted, action="unload",
+                      outcome="ok") == 1
+        wait_for(lambda: httpx.post(url + "/v1/completions", json={"model": "poet", "prompt": [1, 2, 3],
+                                                                    "max_tokens": 2}, timeout=60).status_code == 200,
+                 "the router to route the new adapter", proc, log)
+        assert proc.poll() is None
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
