@@ -472,6 +472,14 @@ class Router:
         return RequestInfo(model=model, prompt_tokens=len(ids), block_hashes=tuple(hashes), priority=priority,
                            lora=lora)
 
+    def refused_unlogged(self, trace: Trace, outcome: str, status: int) -> None:
+        """A refusal after admission that no request-log row records (a 404 of an adapter gone, say): the request's
+        span ends and the tenant's concurrency slot comes back here, on either edge."""
+        if trace.span is not None:
+            trace.span.end(outcome, status, trace.route, trace.pods, None)
+        if trace.lease is not None:
+            trace.lease.close()
+
     def view(self, info: RequestInfo) -> View:
         """The pods and the request's prefix matches, taken once: every choice for this request reads them."""
         now = time.monotonic()
@@ -762,10 +770,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         except RouteError as exc:
             outcome = refusal_outcome(exc)
             router.metrics.requests.labels(outcome, "aggregated").inc()
-            if trace.span is not None:
-                trace.span.end(outcome, exc.status, trace.route, trace.pods, None)
-            if trace.lease is not None:  # a refusal after admission, which nothing logs: the slot back
-                trace.lease.close()
+            router.refused_unlogged(trace, outcome, exc.status)
             return _with_limits(JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status),
                                 trace)
 

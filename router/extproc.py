@@ -73,6 +73,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD, MODELS_PATH, RATE_LIMIT_CODE
+from kvmesh.engine.tracing import Tracing
 from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage, with_usage
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
@@ -328,6 +329,9 @@ class Exchange:
     def _mutation(self) -> pb.CommonResponse:
         assert self.choice is not None
         extra = {"content-length": str(len(self.choice.body))} if self.choice.rewritten else {}
+        trace = self.choice.trace
+        if trace is not None and trace.span is not None:  # the engine's span a child of the picker's, as over HTTP
+            Tracing.inject(extra, trace.span.context)
         return _choice_mutation(self.choice.destination, extra)
 
     def _response_headers(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
@@ -409,6 +413,8 @@ class Exchange:
             if refused.status == 503:  # counted and logged as on the HTTP edge
                 router.no_pod(trace)
                 refused.outcome = None
+            else:  # counted where the stream answers it; nothing logs it
+                router.refused_unlogged(trace, refused.outcome or "error", refused.status)
             raise
         assert decision.pod is not None
         refusal = router.refuse(trace, decision)

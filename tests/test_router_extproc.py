@@ -34,10 +34,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from fastapi.testclient import TestClient
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvmesh import cli
 from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.engine.protocol import KVConfig, KVEvent, KVEventBatch
+from kvmesh.engine.tracing import ROUTER_SERVICE, setup_tracing
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router, create_router_app
 from kvmesh.router.auth import ApiKeys, cache_salt_for, hash_key
@@ -992,3 +994,28 @@ async def test_a_tenant_over_its_limit_gets_the_429_and_its_rate_limit_headers_t
     assert float(headers["retry-after"]) > 0 and headers["x-ratelimit-remaining-requests"] == "0"
     assert counted(router, "rate_limited") == 1 and counted(router, "error") == 0
     assert all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.asyncio
+async def test_the_gateway_carries_the_pickers_trace_to_the_engine_and_ends_a_refused_requests_span(picker) -> None:
+    """Tracing on: the choice's header mutation carries the router span's traceparent, so the engine's span is its
+    child behind a Gateway too; a request refused after admission (a model no pod serves) still ends its span."""
+    router, stub, _ = picker
+    spans = InMemorySpanExporter()
+    router.tracing = setup_tracing(ROUTER_SERVICE, None, exporter=spans)
+    client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    answer = b'{"usage": {"prompt_tokens": 96, "completion_tokens": 4}}'
+    replies = await full_duplex(stub, [request_headers(traceparent=client),
+                                       *body_chunks(json.dumps(completion(40)).encode()), *response_phases(answer)])
+    mutation = {h.header.key: h.header.raw_value.decode()
+                for h in replies[0].request_headers.response.header_mutation.set_headers}
+    (span,) = spans.get_finished_spans()
+    assert span.context.trace_id == int(client.split("-")[1], 16)  # the client's trace, continued
+    assert mutation["traceparent"].split("-")[1:3] == [client.split("-")[1], format(span.context.span_id, "016x")]
+
+    spans.clear()
+    unknown = json.dumps(completion(41, model="nope")).encode()
+    refused = await full_duplex(stub, [request_headers(), *body_chunks(unknown)])
+    assert refusal(refused[0])[0] == 404
+    (span,) = spans.get_finished_spans()
+    assert span.attributes["http.response.status_code"] == 404
