@@ -397,9 +397,8 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     port = pool.spec["engine"]["port"]
     claims = {a["volumeClaim"] for a in pool.spec["model"]["loraAdapters"] if "volumeClaim" in a}
 
-    def engine(p: dict[str, Any]) -> EnginePod:  # a pod not yet given an address has no URL (nor is it ready)
-        return EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"),
-                         pod_url(p, port) if (p.get("status") or {}).get("podIP") else "",
+    def engine(p: dict[str, Any]) -> EnginePod:
+        return EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port),
                          sum(int(c.get("restartCount") or 0) for c in (p.get("status") or {}).get("containerStatuses")
                              or []), str(p["metadata"].get("uid") or ""))
 
@@ -408,9 +407,10 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
             "volumes") or []}
         return claims <= mounted
 
-    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    ready = [engine(p) for p in alive if pod_ready(p) and (p.get("status") or {}).get("podIP")
-             and mounts_every_claim(p)]
+    # Alive: pods with an engine that may serve adapters (a pod not yet given an address has started none, and
+    # will read the current list at start); Ready ones are synced, the others keep what they refused.
+    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP")]
+    ready = [engine(p) for p in alive if pod_ready(p) and mounts_every_claim(p)]
     syncs = sync_pool(ready, declared, adapters, alive={engine(p).life for p in alive})
     operator_metrics.record_adapters(pool, syncs)
     for sync in syncs:

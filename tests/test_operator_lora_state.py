@@ -287,6 +287,10 @@ def test_a_restarted_operator_unloads_what_was_dropped_meanwhile_and_does_not_re
                 assert (refusal["pod"], refusal["action"], refusal["adapter"], refusal["path"]) == \
                     ("chat-both-0", "load", "bad", missing)
                 assert refusal["podUid"] == first.get("v1/pods", "chat-both-0")["metadata"]["uid"]
+                pending = pod_body("chat-both-1", "")  # scheduled, no address yet: no engine to wait for
+                del pending["status"]["podIP"]
+                pending["status"]["phase"] = "Pending"
+                await k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pending)
 
             # no operator runs: the spec drops `a`
             # (written into the emulator's store: with no operator, a PATCH through it waits on the stopped watches)
