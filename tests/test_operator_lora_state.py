@@ -156,14 +156,14 @@ def engine_url(tiny_dir: Path, weights: dict[str, str]) -> Iterator[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(25)  # a tick that waited for the hanging load's own 30 s timeout would fail here
+@pytest.mark.timeout(28)  # a tick that waited for the hanging load's own 30 s timeout would fail here (the budget: 6 s)
 def test_a_hanging_engine_holds_the_tick_no_longer_than_its_budget_and_the_others_get_their_adapters(
         engine_url: str, weights: dict[str, str]) -> None:
     declared = {"a": weights["a"], "b": weights["b"]}
     memory = AdapterMemory()
     with hanging_engine() as (stuck_url, seen):
         stuck, real = EnginePod("stuck", "both", stuck_url, uid="u1"), EnginePod("real", "both", engine_url, uid="u2")
-        syncs = sync_pool([stuck, real], declared, memory, budget=2.0)
+        syncs = sync_pool([stuck, real], declared, memory, budget=6.0)
         assert syncs[1].error is None and [(r.action.name, r.outcome) for r in syncs[1].results] == [("b", OK)]
         assert served_adapters(httpx.get(engine_url + "/v1/models").json()) == declared
         # the stuck engine: its first load ran out of the budget (no answer: retried next tick), the rest deferred
@@ -192,9 +192,9 @@ def test_an_engine_whose_call_outlasts_the_tick_is_not_called_again_until_it_end
 
     memory = AdapterMemory()
     pod = EnginePod("slow", "both", "http://slow", uid="u")
-    first = sync_pool([pod], {"a": "/a"}, memory, read=read, act=act, budget=0.2)
+    first = sync_pool([pod], {"a": "/a"}, memory, read=read, act=act, budget=1.0)
     assert "budget" in (first[0].error or "") and memory.busy == {pod.life}
-    second = sync_pool([pod], {"a": "/a"}, memory, read=read, act=act, budget=0.2)
+    second = sync_pool([pod], {"a": "/a"}, memory, read=read, act=act, budget=1.0)
     assert "still out" in (second[0].error or "") and calls == ["http://slow"]
     release.set()
     for _ in range(100):
