@@ -118,6 +118,7 @@ class HashAlgo(StrEnum):
     SHA256_CBOR = "sha256_cbor_64bit"
 
 
+CACHE_DIR_ENV = "KVMESH_CACHE_DIR"  # where engines keep converted models (default ~/.cache/kvmesh)
 DEFAULT_BLOCK_SIZE = 16
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8")  # the engine's weights and activations (engine/model/linear.py)
 # how the engine stores K and V (engine/kvcache.py): auto = the model's dtype; int8 = int8 with a scale per row.

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kvmesh.engine.protocol import (
+    CACHE_DIR_ENV,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
@@ -29,6 +30,7 @@ from kvmesh.engine.protocol import (
     QUANTIZATIONS,
     HashAlgo,
 )
+from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
 
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
@@ -45,6 +47,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256, 512)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 ROLE_REPLICAS = ("both", "prefill", "decode")
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"  # what the API server accepts as an environment variable's name
+MAX_ENV_VARS = 64
+DATABASE_URL_ENV = "KVMESH_DATABASE_URL"  # the router's request-log URL, from store.databaseUrlSecret
+# variables the operator sets itself: a pool's own env cannot override them
+OPERATOR_ENV = ("HOME", CACHE_DIR_ENV, DATABASE_URL_ENV, CACHE_SALT_SECRET_ENV)
 API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds the keys file, by default
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded")  # the last only for pools with adapters
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
@@ -125,6 +132,20 @@ def _settings(program: str, command: str) -> dict[str, Any]:
                            f"`{command} --config` reads (its own key names)."}
 
 
+def _env(program: str) -> dict[str, Any]:
+    return {"type": "array", "maxItems": MAX_ENV_VARS, "default": [],
+            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+            "description": f"more environment variables of each {program} container, as Kubernetes writes them "
+                           "(a value, or valueFrom a Secret or ConfigMap key), e.g. OTEL_SERVICE_NAME or "
+                           "OTEL_EXPORTER_OTLP_HEADERS; the ones the operator sets cannot be overridden",
+            "items": _obj({"name": _str("the variable's name", pattern=ENV_NAME, maxLength=256),
+                           "value": {"type": "string", "description": "its value"},
+                           "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                         "description": "where its value comes from (secretKeyRef, "
+                                                        "configMapKeyRef, fieldRef, resourceFieldRef)"}},
+                          ("name",))}
+
+
 def _role_replicas(role: str) -> dict[str, Any]:
     return _obj({"min": _int(f"fewest {role} pods", 0, 1000, default=1),
                  "max": _int(f"most {role} pods", 1, 1000, default=4)},
@@ -150,6 +171,12 @@ RULES: tuple[Rule, ...] = (
     Rule(("scaling",), "self.horizonSeconds >= self.podStartupSeconds",
          "scaling.horizonSeconds must be at least podStartupSeconds: a scale-up must be ready before it is needed",
          lambda s: s["horizonSeconds"] >= s["podStartupSeconds"]),
+    *(Rule((program, "env"), f"self.all(e, !(e.name in {list(OPERATOR_ENV)}))",
+           f"{program}.env: the operator sets {', '.join(OPERATOR_ENV)} itself",
+           lambda s: all(e["name"] not in OPERATOR_ENV for e in s)) for program in ("engine", "router")),
+    *(Rule((program, "env"), "self.all(e, !(has(e.value) && has(e.valueFrom)))",
+           f"{program}.env: give a variable a value or valueFrom, not both",
+           lambda s: all(not ("value" in e and "valueFrom" in e) for e in s)) for program in ("engine", "router")),
     Rule(("store",), "!(has(self.databaseUrl) && has(self.databaseUrlSecret))",
          "store: give databaseUrl or databaseUrlSecret, not both",
          lambda s: not ("databaseUrl" in s and "databaseUrlSecret" in s)),
@@ -252,6 +279,7 @@ def spec_schema() -> dict[str, Any]:
         "hostTierMiB": _int("memory-backed volume for the host KV tier (0: none); it survives an engine restart",
                             0, default=0),
         "settings": _settings("engine", "kvmesh serve"),
+        "env": _env("engine"),
         "resources": _resources("each engine container's resources", {"cpu": "2", "memory": "4Gi"}),
     }, description="the engine pods", default={})
     router = _obj({
@@ -270,6 +298,7 @@ def spec_schema() -> dict[str, Any]:
         }, ("secretName",), description="API keys: each maps to a tenant, which gets its own prefix cache salt and "
                                         "its limits (router.settings.tenants); without them auth is off"),
         "settings": _settings("router", "kvmesh router"),
+        "env": _env("router"),
         "resources": _resources("each router container's resources", {"cpu": "500m", "memory": "1Gi"}),
     }, description="the router in front of the engines", default={})
     store = _obj({

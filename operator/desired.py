@@ -21,7 +21,16 @@ import yaml
 
 from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
-from kvmesh.operator.crd import ADAPTERS_DIR, API_KEYS_FILE, API_VERSION, BUNDLED, KIND, Pool
+from kvmesh.operator.crd import (
+    ADAPTERS_DIR,
+    API_KEYS_FILE,
+    API_VERSION,
+    BUNDLED,
+    CACHE_DIR_ENV,
+    DATABASE_URL_ENV,
+    KIND,
+    Pool,
+)
 from kvmesh.operator.lora import declared_adapters
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, RouterConfig
@@ -41,7 +50,6 @@ RUN_AS = 65532  # the image's non-root user
 GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
 EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the picker's mounted certificate
 EXT_PROC_PORT_NAME = "grpc-ext-proc"  # the router's endpoint-picker port (the grpc- prefix tells meshes it is gRPC)
-DATABASE_URL_ENV = "KVMESH_DATABASE_URL"
 API_KEYS_DIR = f"{CONFIG_DIR}/api-keys"  # where the router reads spec.router.apiKeys' Secret (updated in place)
 
 # camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
@@ -238,8 +246,14 @@ def _converts(pool: Pool) -> bool:
 def _env(pool: Pool) -> list[dict[str, Any]]:
     env = [{"name": "HOME", "value": "/tmp"}]
     if _converts(pool):
-        env.append({"name": "KVMESH_CACHE_DIR", "value": CACHE_DIR})
+        env.append({"name": CACHE_DIR_ENV, "value": CACHE_DIR})
     return env
+
+
+def _pool_env(pool: Pool, program: str) -> list[dict[str, Any]]:
+    """The pool's own variables for that program (`engine.env`, `router.env`), placed after the operator's so they
+    may refer to them as $(NAME); the CRD refuses names the operator sets, so none is given twice."""
+    return copy.deepcopy(pool.spec[program].get("env") or [])
 
 
 def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool,
@@ -287,7 +301,7 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
         "command": ["kvmesh", "serve", "--config", f"{CONFIG_DIR}/engine.yaml",
                     "--warmup-grace-seconds", f"{warmup_grace_seconds(pool):g}", "--role", role],
         "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
-        "env": _env(pool),
+        "env": _env(pool) + _pool_env(pool, "engine"),
         "resources": copy.deepcopy(spec["resources"]),
         "lifecycle": {"preStop": {"exec": {"command": [
             "python", "-c", DRAIN_SCRIPT.format(seconds=DRAIN_SECONDS, port=spec["port"], path=DRAIN_PATH)]}}},
@@ -314,6 +328,7 @@ def router_deployment(pool: Pool) -> dict[str, Any]:
     if salt_key:  # every replica keys the tenants' salts alike; a pod reads it at start
         env.append({"name": CACHE_SALT_SECRET_ENV,
                     "valueFrom": {"secretKeyRef": {"name": spec["apiKeys"]["secretName"], "key": salt_key}}})
+    env += _pool_env(pool, "router")
     container = {
         "name": "router",
         "image": spec.get("image") or pool.spec["engine"]["image"],

@@ -172,6 +172,9 @@ RULE_BAD = [
     ("scaling.podStartupSeconds", 120.5, "horizonSeconds must be at least"),
     ("store", {"databaseUrl": "sqlite://", "databaseUrlSecret": {"name": "s", "key": "k"}}, "not both"),
     ("replicas.both", {"min": 0, "max": 2}, "at least one pod"),
+    ("engine.env", [{"name": "KVMESH_CACHE_DIR", "value": "/x"}], "the operator sets"),
+    ("router.env", [{"name": "HOME", "value": "/root"}], "the operator sets"),
+    ("router.env", [{"name": "OTEL_SERVICE_NAME", "value": "r", "valueFrom": {"fieldRef": {}}}], "not both"),
 ]
 
 

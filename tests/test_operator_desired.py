@@ -189,6 +189,26 @@ def test_an_api_keys_secret_is_mounted_where_the_router_reads_its_keys_and_salt(
     assert settings["api_keys_file"].endswith("/tenants.yaml")
 
 
+def test_a_pools_own_environment_reaches_its_programs_after_the_operators() -> None:
+    """engine.env and router.env (OTEL_* for tracing, a token from a Secret): appended to what the operator sets,
+    each only on its own program's pods, and the Deployments stay valid."""
+    doc = yaml.safe_load(DISAGGREGATED.read_text())
+    doc["spec"]["engine"]["env"] = [{"name": "OTEL_SERVICE_NAME", "value": "chat-engine"},
+                                    {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}]
+    doc["spec"]["router"]["env"] = [{"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"}]
+    doc["metadata"]["uid"] = "uid-1"
+    deployments = by_kind(desired_objects(parse_pool(doc)), "Deployment")
+    for name in ("docs-prefill", "docs-decode"):
+        env = deployments[name]["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert env[0]["name"] == "HOME" and env[-2:] == doc["spec"]["engine"]["env"]
+        assert all(e["name"] != "OTEL_TRACES_SAMPLER" for e in env)
+        kubernetes_validate.validate(deployments[name], "1.30", strict=True)
+    env = deployments["docs-router"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env[-1] == {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"}
+    assert all(e["name"] != "HF_TOKEN" for e in env)
+    kubernetes_validate.validate(deployments["docs-router"], "1.30", strict=True)
+
+
 def test_replicas_start_at_the_minimum_and_stay_within_bounds() -> None:
     p = pool(DISAGGREGATED)
     deployments = by_kind(desired_objects(p), "Deployment")

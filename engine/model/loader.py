@@ -30,6 +30,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
+from kvmesh.engine.protocol import CACHE_DIR_ENV
+
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # Part of every converted directory's name: bump it when the conversion's output changes, so old caches are redone.
@@ -115,7 +117,7 @@ def bundled_gguf_path() -> Path:
 
 def cache_root() -> Path:
     """Where converted models live: $KVMESH_CACHE_DIR, else ~/.cache/kvmesh."""
-    configured = os.environ.get("KVMESH_CACHE_DIR")
+    configured = os.environ.get(CACHE_DIR_ENV)
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvmesh"
 
 
