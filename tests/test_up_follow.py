@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -113,21 +114,30 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
                            timeout=60)
         assert reply.status_code == 200 and list(engine_urls(targets)) == ["engine-0"]
 
-        # a valid edit: two engines, and `poet` instead of `sql`
-        write_pool(pool_file, {"poet": poet}, low=2, high=2)
-        wait_for(lambda: logged("changed: following it (replicas both 2..2; adapters poet)"), "the edit followed",
-                 proc, log)
+        # a valid edit: two engines, `poet` instead of `sql`, and an adapter no engine can load
+        missing = tmp_path / "missing"
+        write_pool(pool_file, {"poet": poet, "bad": missing}, low=2, high=2)
+        wait_for(lambda: logged("changed: following it (replicas both 2..2; adapters poet, bad)"),
+                 "the edit followed", proc, log)
         wait_for(lambda: len(engine_urls(targets)) == 2, "a second engine for the new minimum", proc, log)
         wait_for(lambda: all(served(u) == {"poet": str(poet)} for u in engine_urls(targets).values()),
                  "both engines to serve only the new adapter", proc, log)
         assert logged("adapters: engine-0: unload LoRA adapter 'sql'")
         assert logged("adapters: engine-0: load LoRA adapter 'poet'")
-        assert not logged("adapters: engine-1: load")  # it started with the new list: nothing to load
+        assert not logged("adapters: engine-1: load LoRA adapter 'poet'")  # it started with the new list
         operator = operator_url(targets)
         counted = {"pool_namespace": "local", "pool": "follow", "role": "both"}
-        assert sample(operator, f"{OperatorMetric.LORA_ACTIONS}_total", **counted, action="load", outcome="ok") == 1
-        assert sample(operator, f"{OperatorMetric.LORA_ACTIONS}_total", **counted, action="unload",
-                      outcome="ok") == 1
+
+        def actions(action: str, outcome: str) -> float | None:
+            return sample(operator, f"{OperatorMetric.LORA_ACTIONS}_total", **counted, action=action, outcome=outcome)
+
+        # `bad` is refused once by each engine, said once each, and then held, not retried at each tick
+        wait_for(lambda: actions("load", "refused") == 2, "both engines to refuse the missing adapter", proc, log)
+        for engine in ("engine-0", "engine-1"):
+            assert log.read_text().count(f"adapters: {engine}: load LoRA adapter 'bad'") == 1
+        assert logged("adapters Refused: refused, change the spec")
+        time.sleep(3)  # three more ticks (intervalSeconds 1): a retry storm would show here
+        assert (actions("load", "refused"), actions("load", "ok"), actions("unload", "ok")) == (2, 1, 1)
         wait_for(lambda: httpx.post(url + "/v1/completions", json={"model": "poet", "prompt": [1, 2, 3],
                                                                     "max_tokens": 2}, timeout=60).status_code == 200,
                  "the router to route the new adapter", proc, log)
