@@ -62,7 +62,7 @@ from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV, DEFAULT_TENANT, ApiKeys, KeysFile, cache_salt_for, tenant_hash
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
-from kvmesh.router.limits import Lease, Limiter, Refusal, check_tenants, parse_tenants
+from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, check_tenants, parse_tenants
 from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
@@ -113,9 +113,7 @@ class RouterMetrics:
                                         "(loaded) or refused (the keys in force stay).", ["outcome"], registry=r)
         for outcome in KEYS_RELOAD_OUTCOMES:
             self.api_keys_reloads.labels(outcome)
-        for tenant in tenants:  # pseudonyms, as in the request log: tenant names may be secret
-            for reason in LIMIT_REASONS:
-                self.rate_limited.labels(tenant_hash(tenant), reason)
+        self.add_tenants(tenants)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
         self.decisions = Counter(RouterMetric.DECISIONS, "Routing decisions by what decided them.", ["reason"],
@@ -129,6 +127,13 @@ class RouterMetrics:
         for outcome in ROUTER_OUTCOMES:
             for route in ROUTES:
                 self.requests.labels(outcome, route)
+
+    def add_tenants(self, tenants: Iterable[str]) -> None:
+        """Every tenant's 429 series at 0 from the start (also those a rotated keys file adds), by pseudonym, as
+        in the request log: tenant names may be secret."""
+        for tenant in tenants:
+            for reason in LIMIT_REASONS:
+                self.rate_limited.labels(tenant_hash(tenant), reason)
 
 
 class _EventLag:
@@ -572,9 +577,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     pods = PodSet.from_config(config, expected, index)
     upstream = Upstream(config.request_timeout_seconds)
     table = parse_tenants(config.tenants)
-    keys_file = None
-    if config.api_keys_file:  # re-read when it changes; a version that would orphan a tenant's limits is refused
-        keys_file = KeysFile(config.api_keys_file, lambda new: check_tenants(table, set(new.by_hash.values())))
+    keys_file = KeysFile(config.api_keys_file) if config.api_keys_file else None  # re-read when it changes
     keys = keys_file.keys if keys_file is not None else ApiKeys({})
     log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None
     shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
@@ -590,9 +593,22 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
     metrics = RouterMetrics(pods, index, tenants)
     if keys_file is not None:
-        keys_file.on_reload = lambda outcome: metrics.api_keys_reloads.labels(outcome).inc()
+        keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
                   secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file)
+
+
+def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
+    """A new version of the keys file was taken (or refused): counted; its new tenants' series made; limits left
+    without a key said (not refused: revoking a key must work at once, and the limits apply again when a key does)."""
+    metrics.api_keys_reloads.labels(outcome).inc()
+    if keys is None:
+        return
+    tenants = set(keys.by_hash.values())
+    metrics.add_tenants(tenants)
+    if orphans := sorted(set(table.tenants) - tenants):
+        logging.getLogger("kvmesh.router").warning("tenants %s have limits but no API key now: their limits are "
+                                                   "unused until a key names them again", orphans)
 
 
 def refusal_outcome(error: RouteError) -> str:

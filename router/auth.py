@@ -154,19 +154,19 @@ class KeysFile:
 
     A Secret mounted as a volume is updated in place by the kubelet (it swaps a symlink to a new directory), so
     the file's identity (inode, mtime, size) is compared at most once per `check_seconds`, on the request path: a
-    stat costs microseconds. A new version is taken only whole and valid (`accept` may veto it, as the router
-    does for a tenant whose limits it would orphan); otherwise the keys in force stay, and the error is logged
-    once per version: a broken rotation must neither open the pool nor lock every tenant out.
+    stat costs microseconds. A new version is taken whenever it is whole and valid, so a revoked key stops working
+    at once; an invalid one (no keys, a plain key, broken YAML) is refused and the keys in force stay, with the
+    error logged once per version: a broken rotation must neither open the pool nor lock every tenant out.
+    `on_reload(outcome, keys)` hears of each version: "loaded" with its keys, or "refused" with None.
     """
 
-    def __init__(self, path: str | os.PathLike[str], accept: Callable[[ApiKeys], None] = lambda _: None,
-                 on_reload: Callable[[str], None] = lambda _: None, check_seconds: float = KEYS_CHECK_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.path, self.accept, self.on_reload = path, accept, on_reload
+    def __init__(self, path: str | os.PathLike[str],
+                 on_reload: Callable[[str, ApiKeys | None], None] = lambda *_: None,
+                 check_seconds: float = KEYS_CHECK_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path, self.on_reload = path, on_reload
         self.check_seconds, self.clock = check_seconds, clock
         self._seen = self._identity()
         self.keys = ApiKeys.from_file(path)  # at start a bad file is an error, as before
-        accept(self.keys)
         self._checked = clock()
 
     def _identity(self) -> tuple[int, int, int] | None:
@@ -186,16 +186,15 @@ class KeysFile:
         if seen == self._seen:
             return self.keys
         self._seen = seen
+        log = logging.getLogger("kvmesh.router")
         try:
             keys = ApiKeys.from_file(self.path)
-            self.accept(keys)
         except (OSError, ValueError) as exc:
-            logging.getLogger("kvmesh.router").error("API keys file %s changed but was not taken (the keys in force "
-                                                     "stay): %s", self.path, exc)
-            self.on_reload("refused")
+            log.error("API keys file %s changed but was not taken (the keys in force stay): %s", self.path, exc)
+            self.on_reload("refused", None)
             return self.keys
         self.keys = keys
-        logging.getLogger("kvmesh.router").info("API keys file %s re-read: %d keys, %d tenants", self.path,
-                                                len(keys.by_hash), len(set(keys.by_hash.values())))
-        self.on_reload("loaded")
+        log.info("API keys file %s re-read: %d keys, %d tenants", self.path, len(keys.by_hash),
+                 len(set(keys.by_hash.values())))
+        self.on_reload("loaded", keys)
         return keys

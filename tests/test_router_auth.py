@@ -132,7 +132,8 @@ class Clock:
 
 def test_a_rotated_keys_file_is_taken_without_a_restart(keys_file: Path) -> None:
     clock, reloads = Clock(), []
-    watched = KeysFile(keys_file, on_reload=reloads.append, check_seconds=1.0, clock=clock)
+    watched = KeysFile(keys_file, on_reload=lambda outcome, _: reloads.append(outcome), check_seconds=1.0,
+                       clock=clock)
     assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme"
 
     write_keys(keys_file, {"sk-acme-rotated": "acme", GLOBEX_KEY: "globex"})  # acme's old key revoked
@@ -149,7 +150,7 @@ def test_a_rotated_keys_file_is_taken_without_a_restart(keys_file: Path) -> None
 def test_a_broken_rotation_keeps_the_keys_in_force(keys_file: Path, text: str) -> None:
     """An empty, plain-key or unparsable new version neither opens the pool nor locks everyone out."""
     clock, reloads = Clock(), []
-    watched = KeysFile(keys_file, on_reload=reloads.append, clock=clock)
+    watched = KeysFile(keys_file, on_reload=lambda outcome, _: reloads.append(outcome), clock=clock)
     staged = keys_file.with_suffix(".new")
     staged.write_text(text)
     staged.replace(keys_file)
@@ -162,22 +163,28 @@ def test_a_broken_rotation_keeps_the_keys_in_force(keys_file: Path, text: str) -
     assert watched.current().tenant_for("Bearer sk-new") == "acme" and reloads == ["refused", "loaded"]
 
 
-def test_the_router_re_reads_its_keys_and_refuses_a_version_that_orphans_a_tenants_limits(
-        keys_file: Path, tiny_dir: Path) -> None:
+def test_the_router_re_reads_its_keys_and_a_revoked_key_stops_at_once_even_with_limits_left(
+        keys_file: Path, tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     router = build_router(RouterConfig(pods=[], api_keys_file=str(keys_file),
                                        tenants={"globex": {"requests_per_minute": 10}}), tiny_dir)
     assert router.keys_file is not None
     router.keys_file.check_seconds = 0.0
     assert router.authenticate({"authorization": f"Bearer {ACME_KEY}"}) == "acme"
 
-    write_keys(keys_file, {"sk-acme-2": "acme", GLOBEX_KEY: "globex"})
+    write_keys(keys_file, {"sk-acme-2": "acme", GLOBEX_KEY: "globex", "sk-initech": "initech"})
     with pytest.raises(RouteError) as refused:
         router.authenticate({"authorization": f"Bearer {ACME_KEY}"})
     assert refused.value.status == 401
     assert router.authenticate({"authorization": "Bearer sk-acme-2"}) == "acme"
+    assert router.authenticate({"authorization": "Bearer sk-initech"}) == "initech"
+    series = router.metrics.rate_limited.labels(tenant_hash("initech"), "requests")._value.get()
+    assert series == 0  # the new tenant's series exist from its first key
 
-    write_keys(keys_file, {"sk-acme-3": "acme"})  # globex has limits but would have no key: refused, old keys stay
-    assert router.authenticate({"authorization": "Bearer sk-acme-2"}) == "acme"
-    assert router.authenticate({"authorization": f"Bearer {GLOBEX_KEY}"}) == "globex"
+    write_keys(keys_file, {"sk-acme-3": "acme"})  # globex's key revoked: taken although globex still has limits
+    with pytest.raises(RouteError):
+        router.authenticate({"authorization": f"Bearer {GLOBEX_KEY}"})
+    assert "['globex'] have limits but no API key now" in caplog.text
+    write_keys(keys_file, {})  # no keys at all: refused, the keys in force stay (auth is never turned off)
+    assert router.authenticate({"authorization": "Bearer sk-acme-3"}) == "acme"
     reloads = router.metrics.api_keys_reloads
-    assert reloads.labels("loaded")._value.get() == 1 and reloads.labels("refused")._value.get() == 1
+    assert reloads.labels("loaded")._value.get() == 2 and reloads.labels("refused")._value.get() == 1
