@@ -359,7 +359,11 @@ class Router:
         if trace.span is not None:
             trace.span.end(outcome, status, trace.route, trace.pods, usage)
         if trace.lease is not None:  # the tenant's concurrency slot back; its output tokens (or streamed chunks)
-            trace.lease.close((usage or {}).get("completion_tokens", trace.chunks))
+            # the tokens spent beyond those charged at admission: the output (or the chunks relayed of a stream cut
+            # before its usage), and the prompts after the first of a several-prompt completion
+            usage = usage or {}
+            trace.lease.close(usage.get("completion_tokens", trace.chunks)
+                              + max(usage.get("prompt_tokens", 0) - trace.info.prompt_tokens, 0))
         if self.log is None:
             return
         usage = usage or {}

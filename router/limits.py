@@ -10,6 +10,8 @@ Pure: every bucket operation takes the time, and the Limiter reads the clock it 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 import weakref
@@ -175,11 +177,13 @@ class Lease:
 
     def __init__(self, limiter: Limiter, tenant: str, headers: Mapping[str, str]) -> None:
         self.tenant, self.headers, self._limiter = tenant, MappingProxyType(dict(headers)), limiter
-        self._release = weakref.finalize(self, limiter.release, tenant, 0)
+        self._release = weakref.finalize(self, limiter.release_soon, tenant)
 
-    def close(self, output_tokens: int = 0) -> None:
+    def close(self, spent_tokens: int = 0) -> None:
+        """`spent_tokens`: those the request used beyond the prompt charged at admission (its output, and the other
+        prompts of a several-prompt completion), charged even into debt."""
         if self._release.detach() is not None:  # the first close: the collector's release is off
-            self._limiter.release(self.tenant, output_tokens)
+            self._limiter.release(self.tenant, spent_tokens)
 
 
 @dataclass
@@ -199,6 +203,16 @@ class Limiter:
         self.table, self.replicas, self.clock = table or LimitTable(), replicas, clock
         self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
         self._buckets: dict[str, _Buckets] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the counts (the router's), once known
+        for name, limits in (("default", self.table.default), *self.table.tenants.items()):
+            here = limits.per_replica(replicas)
+            for field_name, rate in (("requests_per_minute", here.requests_per_minute),
+                                     ("tokens_per_minute", here.tokens_per_minute)):
+                if rate is not None and rate < 1:
+                    split = f" split over rate_limit_replicas {replicas}" if replicas > 1 else ""
+                    raise ValueError(f"tenants.{name}: {field_name}{split} is {_number(rate)} per replica, under one "
+                                     "a minute, so no request could ever pass; raise it"
+                                     f"{' or lower rate_limit_replicas' if replicas > 1 else ''}")
 
     def limits(self, tenant: str) -> TenantLimits:
         """What this replica enforces for `tenant`."""
@@ -232,10 +246,27 @@ class Limiter:
         if buckets.tokens is not None:
             buckets.tokens.charge(prompt_tokens, now)
         self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
+        if self.loop is None:
+            with contextlib.suppress(RuntimeError):  # taken outside a loop (a test): released where collected
+                self.loop = asyncio.get_running_loop()
         return Lease(self, tenant, self.headers(tenant))
 
+    def release_soon(self, tenant: str) -> None:
+        """A lease collected unclosed: the garbage collector may run in any thread (a parsing worker's too), so the
+        slot comes back on the event loop that owns the counts when there is one running."""
+        if self.loop is not None and not self.loop.is_closed():
+            try:
+                if asyncio.get_running_loop() is self.loop:
+                    self.release(tenant, 0)
+                    return
+            except RuntimeError:  # no loop in this thread
+                pass
+            self.loop.call_soon_threadsafe(self.release, tenant, 0)
+            return
+        self.release(tenant, 0)
+
     def release(self, tenant: str, output_tokens: int) -> None:
-        """A request of `tenant` ended, having generated `output_tokens`."""
+        """A request of `tenant` ended, having spent `output_tokens` beyond its admitted prompt."""
         assert self.inflight.get(tenant, 0) > 0, f"tenant {tenant!r} has no request in flight to release"
         self.inflight[tenant] -= 1
         if not self.inflight[tenant]:
@@ -250,22 +281,29 @@ class Limiter:
         if concurrent is not None and self.inflight.get(tenant, 0) >= concurrent:
             return self._refuse(tenant, "concurrency", 1.0, f"Too many concurrent requests: limit {concurrent}, "
                                                             f"in flight {self.inflight[tenant]}")
+        over: list[tuple[str, float, str]] = []  # (reason, wait, what) for each limit the request is over
         if buckets.requests is not None and buckets.requests.available(now) < 1:
-            wait = buckets.requests.wait_seconds(1, now)
-            return self._refuse(tenant, "requests", wait, f"Rate limit reached for requests per minute (RPM): "
-                                                          f"limit {_number(buckets.requests.per_minute)}")
-        if buckets.tokens is not None and buckets.tokens.available(now) < tokens_needed:
-            tpm = buckets.tokens.per_minute
-            wait = buckets.tokens.wait_seconds(tokens_needed, now)
-            if math.isinf(wait):
-                return self._refuse(tenant, "tokens", wait, f"Request too large for tokens per minute (TPM): limit "
-                                                            f"{_number(tpm)}, requested {tokens_needed}; shorten "
-                                                            "the prompt")
-            used = max(tpm - buckets.tokens.level, 0)
-            return self._refuse(tenant, "tokens", wait, f"Rate limit reached for tokens per minute (TPM): limit "
-                                                        f"{_number(tpm)}, used {_number(used)}, requested "
-                                                        f"{tokens_needed}")
-        return None
+            over.append(("requests", buckets.requests.wait_seconds(1, now), "Rate limit reached for requests per "
+                         f"minute (RPM): limit {_number(buckets.requests.per_minute)}"))
+        tokens = buckets.tokens
+        if tokens is not None:
+            whole = self.table.of(tenant).tokens_per_minute
+            assert whole is not None
+            if tokens_needed > whole:  # no wait helps: judged against the tenant's whole limit, not this replica's
+                return self._refuse(tenant, "tokens", math.inf, f"Request too large for tokens per minute (TPM): "
+                                                                f"limit {_number(whole)}, requested {tokens_needed}; "
+                                                                "shorten the prompt")
+            # more than this replica's minute but within the tenant's: it passes once the bucket is full, into debt
+            needed = min(tokens_needed, tokens.per_minute)
+            if tokens.available(now) < needed:
+                used = max(tokens.per_minute - tokens.level, 0)
+                over.append(("tokens", tokens.wait_seconds(needed, now), "Rate limit reached for tokens per minute "
+                             f"(TPM): limit {_number(tokens.per_minute)}, used {_number(used)}, requested "
+                             f"{tokens_needed}"))
+        if not over:
+            return None
+        reason, _, what = over[0]
+        return self._refuse(tenant, reason, max(wait for _, wait, _ in over), what)  # the wait that clears all
 
     def _refuse(self, tenant: str, reason: str, wait: float, what: str) -> Refusal:
         assert reason in LIMIT_REASONS
@@ -284,7 +322,7 @@ class Limiter:
         for kind, bucket in (("requests", buckets.requests), ("tokens", buckets.tokens)):
             if bucket is not None:
                 limit, remaining, reset = (name.format(kind) for name in RATE_LIMIT_HEADERS)
-                out[limit] = _number(bucket.per_minute)
+                out[limit] = _whole(bucket.per_minute)
                 out[remaining] = str(max(math.floor(bucket.available(now)), 0))
                 out[reset] = duration(bucket.reset_seconds(now))
         return out
@@ -302,3 +340,8 @@ def duration(seconds: float) -> str:
 
 def _number(value: float) -> str:
     return str(int(value)) if value == int(value) else f"{value:.2f}"
+
+
+def _whole(value: float) -> str:
+    """A header's count: OpenAI sends whole numbers (a replica's share of a limit may not be one)."""
+    return str(math.floor(value))

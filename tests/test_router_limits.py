@@ -22,6 +22,7 @@ from kvmesh.router.app import RouteError, Router, build_router
 from kvmesh.router.auth import hash_key, tenant_hash
 from kvmesh.router.config import RouterConfig, load_router_config
 from kvmesh.router.limits import (
+    Lease,
     Limiter,
     LimitTable,
     Refusal,
@@ -108,7 +109,7 @@ def test_tokens_per_minute_count_prompt_and_output_tokens() -> None:
     lease = limits.take("globex", 30)
     assert not isinstance(lease, Refusal) and lease.headers["x-ratelimit-remaining-tokens"] == "70"
     assert "x-ratelimit-limit-requests" not in lease.headers  # only the limited dimensions are told
-    lease.close(output_tokens=90)  # a long answer: 120 of 100 spent
+    lease.close(spent_tokens=90)  # a long answer: 120 of 100 spent
     refusal = limits.check("globex")
     assert isinstance(refusal, Refusal) and refusal.reason == "tokens"
     assert refusal.headers["x-ratelimit-remaining-tokens"] == "0"
@@ -157,6 +158,45 @@ def test_replicas_split_the_limits() -> None:
                                                 "max_concurrent_requests": 3})
     assert limits.limits("acme") == TenantLimits(2.5, 500, 2)
     assert [isinstance(limits.take("acme", 1), Refusal) for _ in range(3)] == [False, False, True]
+
+
+def test_a_rate_under_one_a_minute_per_replica_is_refused_at_start() -> None:
+    """Such a bucket never holds one request: every request would get 429 forever."""
+    with pytest.raises(ValueError, match=r"tenants.acme: requests_per_minute split over rate_limit_replicas 3 is "
+                                         r"0.67 per replica.*lower rate_limit_replicas"):
+        limiter(Clock(), replicas=3, acme={"requests_per_minute": 2})
+    with pytest.raises(ValueError, match=r"tenants.default: tokens_per_minute is 0.50 per replica"):
+        limiter(Clock(), default={"tokens_per_minute": 0.5})
+
+
+def test_a_prompt_within_the_tenants_limit_passes_a_replica_whose_share_is_smaller() -> None:
+    """tpm 10,000 over 3 replicas: a 5,000-token prompt is more than a replica's minute, not the tenant's; it
+    passes once the bucket is full, into debt. Only a prompt over the whole limit is too large. Headers are whole."""
+    clock = Clock()
+    limits = limiter(clock, replicas=3, acme={"tokens_per_minute": 10_000, "requests_per_minute": 30})
+    lease = limits.take("acme", 5_000)
+    assert isinstance(lease, Lease) and lease.headers["x-ratelimit-limit-tokens"] == "3333"
+    assert lease.headers["x-ratelimit-remaining-tokens"] == "0"
+    refused = limits.take("acme", 10)
+    assert isinstance(refused, Refusal) and "retry-after" in refused.headers  # waits for the debt to clear
+    too_large = limits.take("acme", 10_001)
+    assert isinstance(too_large, Refusal) and "limit 10000, requested 10001" in too_large.message
+    assert "retry-after" not in too_large.headers
+
+
+def test_retry_after_is_the_wait_that_clears_every_limit_the_request_is_over() -> None:
+    clock = Clock()
+    limits = limiter(clock, acme={"requests_per_minute": 60, "tokens_per_minute": 60})
+    for _ in range(60):
+        assert isinstance(limits.take("acme", 1), Lease)
+    refused = limits.check("acme")  # both buckets empty: 1 s for a request, 1 s for a token
+    assert refused is not None and refused.headers["retry-after"] == "1"
+    clock.now += 1
+    lease = limits.take("acme", 1)
+    assert isinstance(lease, Lease)
+    lease.close(spent_tokens=29)  # 29 tokens into debt: the token bucket needs 30 s, the request bucket 1 s
+    refused = limits.check("acme")
+    assert refused is not None and refused.reason == "requests" and refused.headers["retry-after"] == "30"
 
 
 # ---- fair sharing ---------------------------------------------------------------------------------------------
@@ -351,6 +391,18 @@ def test_tokens_per_minute_are_charged_the_output_tokens_too(served: Served) -> 
     assert post(served, "acme").status_code == 200  # another tenant's bucket is its own
     served.clock.now += 3
     assert post(served, "globex", prompt=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_every_prompt_of_a_several_prompt_completion_is_charged(served: Served) -> None:
+    """The router routes by the first prompt; the others are charged when the usage comes back."""
+    prompts = [list(range(100, 102)), list(range(200, 240))]
+    several = httpx.post(served.url + "/v1/completions", json={"prompt": prompts, "max_tokens": 1, "temperature": 0},
+                         headers={"Authorization": f"Bearer {KEYS['globex']}"}, timeout=60)
+    assert several.status_code == 200 and several.json()["usage"]["prompt_tokens"] == 42
+    assert several.headers["x-ratelimit-remaining-tokens"] == "98"  # at admission: the first prompt only
+    after = post(served, "globex", prompt=1)
+    assert after.headers["x-ratelimit-remaining-tokens"] == str(100 - 42 - 2 - 1)  # both prompts and the outputs
 
 
 @pytest.mark.slow
