@@ -694,13 +694,17 @@ async def warm(e: Engine, client: httpx.AsyncClient, body: WarmRequest) -> WarmR
     return out
 
 
-def create_app(holder: EngineHolder, tracing: Tracing = OFF) -> FastAPI:
+def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[], None] | None = None) -> FastAPI:
+    """`on_exit` runs when the server stops, signal or not: uvicorn re-raises a SIGTERM once it has stopped, so
+    nothing after `uvicorn.run` runs in a pod (`kvmesh serve` closes the engine and flushes its spans here)."""
     peers = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0))  # KV transfers from other pods
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await peers.aclose()
+        if on_exit is not None:
+            await asyncio.to_thread(on_exit)
 
     app = FastAPI(title="kvmesh engine", lifespan=lifespan)
 

@@ -80,9 +80,13 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     holder = EngineHolder(loader=lambda: Engine(config))
     holder.load_in_background()
-    uvicorn.run(create_app(holder, tracing), host=config.host, port=config.port, log_level=args.log_level)
-    if holder.engine is not None:
-        holder.engine.close()  # also syncs and unlocks the KV tier files
+
+    def on_exit() -> None:
+        if holder.engine is not None:
+            holder.engine.close()  # also syncs and unlocks the KV tier files
+        tracing.shutdown()  # the last batch of spans
+
+    uvicorn.run(create_app(holder, tracing, on_exit), host=config.host, port=config.port, log_level=args.log_level)
     return 0
 
 

@@ -763,6 +763,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         await router.upstream.close()
         if router.log is not None:
             router.log.close()
+        await asyncio.to_thread(router.tracing.shutdown)  # the last batch of spans, signal or not
 
     app = FastAPI(title="kvmesh router", lifespan=lifespan)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -503,6 +504,31 @@ def test_a_stream_moved_off_a_killed_pod_stays_one_trace(tiny_dir: Path, tmp_pat
     assert resumed["attributes"]["kvmesh.hop"] == "resume" and resumed["attributes"]["url.full"].startswith(other)
     (engine,) = children(spans, resumed)
     assert engine["service"] == ENGINE_SERVICE and engine["attributes"]["gen_ai.usage.output_tokens"] == 300
+
+
+@pytest.mark.slow
+def test_an_engine_stopped_by_sigterm_sends_its_last_spans(tiny_dir: Path, tmp_path: Path,
+                                                            receiver: Receiver) -> None:
+    """As a pod is stopped: the spans waiting for the next export (a minute away here) leave before the process
+    does; uvicorn re-raises SIGTERM, so only its shutdown can send them."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+        proc = spawn(["serve", "--model", str(tiny_dir), "--port", url.rsplit(":", 1)[1], "--dtype", "float32",
+                      "--threads", "1", "--kv-cache-memory-mib", "16", "--log-level", "warning",
+                      "--otlp-traces-endpoint", receiver.url], tmp_path / "engine.log")
+    try:
+        wait_healthy(url, proc, log=tmp_path / "engine.log")
+        trace_id = "f" * 32
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60,
+                           headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+        assert reply.status_code == 200
+        assert not [s for s in receiver.received() if s["trace"] == trace_id]  # still waiting in the batch
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        stop([proc])
+    assert [s for s in receiver.received() if s["trace"] == trace_id and s["service"] == ENGINE_SERVICE]
 
 
 # ---- a collector that is down -------------------------------------------------------------------------------
