@@ -6,9 +6,15 @@ what is left, taking their cached prefix first. When blocks run out, the least i
 preempted: its blocks are released (full ones stay cached) and it recomputes later. It knows nothing of
 model code.
 
-A decoding request with speculative drafts (`Request.draft_ids`, engine/spec.py) is scheduled like a small chunk:
-its last token plus the drafts, all within the budget and the blocks. Drafts are optional: cut to the budget
-left, and dropped rather than preempting anyone for their slots.
+Speculative drafts (`Request.draft_ids`, engine/spec.py) are optional work and come last: a guess that may be
+rejected must never cost another request its token, its admission or its blocks. So a step first schedules
+exactly what it would without speculation (every running request's required tokens, preempting if blocks run
+out, then admission of waiting requests), and only then gives drafts what is left: the remaining token budget,
+running requests in order, and blocks that are free now (never an evicted prefix-cache block, never a
+preemption). Admission goes before drafts because a waiting request's prompt is certain work and its
+time to first token is what a user waits for, while a draft is accepted only part of the time; the cost is
+that while chunked prefill fills the budget, decoding requests decode one token a step as without
+speculation. A request with drafts is then scheduled like a small chunk: its last token plus the drafts.
 
 The queue policy orders admission. `fcfs`: priority, then arrival. `prefix` (SGLang's longest-prefix-match,
 KVShare): priority, then the longest cached prefix, so requests that reuse what is cached go before the
@@ -133,7 +139,6 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        request.draft_ids = []
         self.kv.free(request.request_id, self._eviction_class.get(request.request_id, request.workload))
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -142,19 +147,26 @@ class Scheduler:
         self.add(request)
 
     def schedule(self) -> SchedulerOutput:
+        drafts = {r.request_id: r.draft_ids for r in self.running if r.draft_ids}
+        for request in self.running:
+            request.draft_ids = []  # consumed: the drafts scheduled travel in ScheduledRequest.draft_ids
         out = SchedulerOutput()
+        budget = self._schedule_running(out)
+        if out.preempted or out.unservable:
+            return out
+        budget = self._admit(out, budget)
+        self._schedule_drafts(out, budget, drafts)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Every running request's required tokens (one for a decoding request, a chunk for a prefilling one),
+        preempting the least important when blocks run out; returns the budget left."""
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            needed = request.num_tokens - request.num_computed_tokens
-            drafts, request.draft_ids = request.draft_ids[: max(budget - needed, 0)], []
-            assert not drafts or needed == 1, "drafts follow a decoding request's last token only"
-            n = min(needed + len(drafts), budget)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
-                if drafts:  # drafts are optional: drop them before preempting anyone for their slots
-                    drafts, n = [], min(needed, budget)
-                    continue
                 victim = self.running[-1]  # the least important; never one scheduled earlier this step
                 if victim is request and len(self.running) == 1 and not out.scheduled:
                     self.running.remove(request)
@@ -164,11 +176,13 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, n, tuple(drafts)))
+                out.scheduled.append(ScheduledRequest(request, n))
                 budget -= n
                 i += 1
-        if out.preempted or out.unservable:
-            return out
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in admission order with what is left; returns the budget left."""
         for request in self.admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -191,4 +205,25 @@ class Scheduler:
             self.running.insert(bisect.bisect_right(keys, _order(request)), request)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
-        return out
+        return budget
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int, drafts: dict[str, list[int]]) -> None:
+        """Add drafts to the decoding requests scheduled this step, in order, from the budget left and the free
+        blocks only: a draft never evicts a cached block nor preempts anyone."""
+        for j, scheduled in enumerate(out.scheduled):
+            if budget <= 0:
+                return
+            request = scheduled.request
+            proposed = drafts.get(request.request_id)
+            if not proposed:
+                continue
+            assert scheduled.num_new_tokens == 1 and request.num_computed_tokens == request.num_tokens - 1, (
+                "drafts follow a decoding request's last token only")
+            room = self.kv.free_capacity(request.request_id) - request.num_tokens
+            ids = proposed[: min(budget, room)]
+            if not ids:
+                continue
+            grown = self.kv.allocate(request.request_id, request.num_tokens + len(ids))
+            assert grown, "free blocks were counted"
+            out.scheduled[j] = ScheduledRequest(request, 1 + len(ids), tuple(ids))
+            budget -= len(ids)

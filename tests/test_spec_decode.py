@@ -20,9 +20,11 @@ from kvmesh.cli import main
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.constraint import Constraint
 from kvmesh.engine.engine import Engine
+from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.runner import StepInput
 from kvmesh.engine.sampling import SamplingParams, sample
+from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 from kvmesh.engine.spec import SpecConfig, TokenHistory, accept, propose
 
 from .conftest import make_engine
@@ -145,6 +147,78 @@ def test_accept_stops_at_the_first_mismatch_and_adds_a_bonus_after_all() -> None
     assert accept([5, 6, 7], [5, 9, 7, 8]).token_ids == [5, 9]
     assert accept([5, 6, 7], [5, 9, 7, 8]).num_accepted == 1
     assert accept([5], [4, 1]).token_ids == [4] and accept([5], [4, 1]).num_accepted == 0
+
+
+# ---- the scheduler: drafts only from what is left -------------------------------------------------------------
+
+
+def decoding(scheduler: Scheduler, prompts: list[list[int]]) -> list[Request]:
+    """Requests prefilled to their last prompt token and given one output token: each decodes next step."""
+    reqs = [Request(f"d{i}", list(p), SamplingParams(max_tokens=50)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        scheduler.add(r)
+    while any(r.num_computed_tokens < len(r.prompt_ids) for r in reqs):
+        for s in scheduler.schedule().scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+    for r in reqs:
+        r.output_ids.append(100)
+    return reqs
+
+
+def planned(out: SchedulerOutput) -> list[tuple[str, int, tuple[int, ...]]]:
+    return [(s.request.request_id, s.num_new_tokens, s.draft_ids) for s in out.scheduled]
+
+
+def test_drafts_never_preempt_a_request_that_fits_without_them() -> None:
+    """a's drafts would take the last free block that b's own next token needs: they are dropped, not b."""
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_cache=False)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    a, _ = decoding(scheduler, [list(range(1, 8)), list(range(11, 19))])  # a: 8 tokens, b: 9 (needs a 3rd block)
+    assert kv.pool.num_available == 1
+    a.draft_ids = [5, 6]
+    out = scheduler.schedule()
+    assert planned(out) == [("d0", 1, ()), ("d1", 1, ())] and not out.preempted
+    kv.check_invariants()
+
+
+def test_drafts_take_only_the_budget_left_after_every_decoding_token() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_cache=False)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32)
+    reqs = decoding(scheduler, [[10 + i] * 7 for i in range(4)])
+    scheduler.max_num_batched_tokens = 8
+    for r in reqs:
+        r.draft_ids = [1, 2, 3, 4]
+    out = scheduler.schedule()
+    # every request gets its token; the 4 tokens left go to drafts, earlier requests first
+    assert planned(out) == [("d0", 5, (1, 2, 3, 4)), ("d1", 1, ()), ("d2", 1, ()), ("d3", 1, ())]
+    assert out.num_tokens == 8 and all(not r.draft_ids for r in reqs)
+
+
+def test_waiting_requests_are_admitted_before_drafts() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_cache=False)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32)
+    (a,) = decoding(scheduler, [[7] * 7])
+    scheduler.max_num_batched_tokens = 6
+    scheduler.add(Request("new", [9] * 4, SamplingParams(max_tokens=5)))
+    a.draft_ids = [1, 2, 3, 4]
+    assert planned(scheduler.schedule()) == [("d0", 2, (1,)), ("new", 4, ())]
+
+
+def test_drafts_use_free_blocks_only_and_never_evict_the_prefix_cache() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    cached = Request("cached", [50, 51, 52, 53, 54], SamplingParams(max_tokens=1))
+    scheduler.add(cached)
+    (s,) = scheduler.schedule().scheduled
+    cached.num_computed_tokens += s.num_new_tokens
+    kv.commit("cached", cached.token_ids, cached.num_computed_tokens)
+    (cached_hash,) = kv.seqs["cached"].hashes
+    scheduler.remove(cached)  # its full block stays cached (evictable), the other goes back to the free list
+    assert (kv.stats().evictable, kv.stats().free) == (1, 3)
+    (a,) = decoding(scheduler, [list(range(1, 8))])  # 8 tokens: two blocks, one free left
+    a.draft_ids = [5, 6, 7, 8, 9, 10]  # would need two more blocks
+    assert planned(scheduler.schedule()) == [("d0", 5, (5, 6, 7, 8))]
+    assert kv.stats().evictable == 1 and kv.pool.lookup(cached_hash) is not None
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------

@@ -115,6 +115,11 @@ class BlockPool(ResidencySampling):
         """Blocks an allocation can take now: free plus evictable."""
         return len(self._free) + len(self.policy)
 
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take without evicting a cached one."""
+        return len(self._free)
+
     def counts(self) -> tuple[int, int, int]:
         """(used, evictable, free)."""
         evictable = len(self.policy)
@@ -330,6 +335,12 @@ class KVCacheManager:
             need += sum(1 for b in hit.blocks if b.ref_count == 0)
         return max(need, 0)
 
+    def free_capacity(self, seq_id: str) -> int:
+        """Tokens the table of `seq_id` can cover taking free blocks only, evicting no cached one (the room for
+        optional work such as speculative drafts)."""
+        seq = self.seqs.get(seq_id)
+        return ((len(seq.blocks) if seq else 0) + self.pool.num_free) * self.block_size
+
     def allocate(self, seq_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Grow the table of `seq_id` to cover `num_tokens` tokens, first taking the prefix `hit` (at
         admission). Returns False, changing nothing, when the pool cannot supply the blocks."""
@@ -430,20 +441,19 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.seqs[seq_id].blocks]
 
-    def truncate(self, seq_id: str, num_tokens: int) -> int:
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Shrink a table to the blocks its first `num_tokens` tokens fill (the slots of rejected speculative
-        drafts go back); returns how many blocks were dropped. Only tokens a request verified are ever committed,
-        so a dropped block is never registered, cached or published: it goes straight back to the free list."""
+        drafts go back). Only tokens a request verified are ever committed, so a dropped block is never
+        registered, cached or published: it goes straight back to the free list."""
         seq = self.seqs[seq_id]
         keep = self.blocks_for(num_tokens)
         dropped = seq.blocks[keep:]
         if not dropped:
-            return 0
+            return
         assert keep >= seq.num_registered, "truncating into registered blocks"
         assert all(b.block_hash is None and b.ref_count == 1 for b in dropped), "a dropped draft block is shared"
         del seq.blocks[keep:]
         self.pool.release(dropped)
-        return len(dropped)
 
     def free(self, seq_id: str, workload: str = "") -> None:
         """Release a request's blocks: registered ones stay cached (evictable, filed under the request's
