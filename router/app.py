@@ -857,6 +857,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         # or a migrated stream would give to two pods in parts
         single = raw.get("n", 1) == 1 and not _several_prompts(raw) and not _calls_tools(raw)
         first = router.decide(trace.info, tried, view=view)  # the whole request on one pod
+        refusal = router.refuse(trace, first)  # before any hop: a split request is shed (and shared) alike
+        if refusal is not None:
+            return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
+                                headers={"Retry-After": str(refusal.retry_after_seconds)})
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
         if prefill_pods and single and (trace.info.prompt_tokens - first.predicted_cached_tokens
                                         >= router.config.prefill_hop_min_tokens):
@@ -867,10 +871,6 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
         if stream:  # the request log and metrics need the usage even when the client did not ask for it
             upstream["stream_options"] = with_usage(raw)
-        refusal = router.refuse(trace, first)
-        if refusal is not None:
-            return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
-                                headers={"Retry-After": str(refusal.retry_after_seconds)})
         pull = router.plan_pull(first, trace.info, view)
         if pull is not None:  # cheaper to fetch the longer prefix a peer holds than to compute it
             upstream[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
@@ -888,7 +888,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                                  client_usage=wants_usage(raw))
             return RelayResponse(relay(trace, stream_state), stream_state, decided, lambda: ended(trace, "client_gone"))
         with booking:
-            content = await reply.read()
+            try:
+                content = await reply.read()
+            except UpstreamError as exc:  # the pod broke off mid-answer: a 502, counted and logged like any error
+                content, reply.status = json.dumps(error_body(f"the pod {booking.pod.name} broke off its answer: "
+                                                              f"{exc}", "server_error")).encode(), 502
         outcome = "ok" if reply.status == 200 else "error"
         router.metrics.requests.labels(outcome, trace.route).inc()
         usage = _count_cached(json.loads(content)) if reply.status == 200 else None

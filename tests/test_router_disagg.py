@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -113,4 +114,19 @@ def test_a_tool_call_is_answered_whole_by_one_pod(pool: dict[str, str], router: 
     assert reply.headers["x-kvmesh-pod"] == pool["decode"]
     (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
     assert set(json.loads(call["function"]["arguments"])) == {"city"}
+    wait_nothing_in_flight(router)
+
+
+def test_an_overloaded_pool_sheds_a_request_that_would_be_split(pool: dict[str, str], router: Router) -> None:
+    """Shedding (and so fair sharing) is decided before the prefill hop: a long uncached prompt is refused with
+    429 like any other when no pod can meet the TTFT objective; it used to go to the prefill pod regardless."""
+    kept = router.shed
+    router.shed = dataclasses.replace(kept, ttft_slo_seconds=1e-6, priority_headroom=0.0)
+    try:
+        reply = httpx.post(pool["router"] + "/v1/completions", json={"prompt": tokens(60, 90), "max_tokens": 2},
+                           timeout=60)
+    finally:
+        router.shed = kept
+    assert reply.status_code == 429 and reply.json()["error"]["code"] == "overloaded", reply.text
+    assert "retry-after" in reply.headers
     wait_nothing_in_flight(router)
