@@ -52,6 +52,7 @@ MAX_ENV_VARS = 64
 DATABASE_URL_ENV = "KVMESH_DATABASE_URL"  # the router's request-log URL, from store.databaseUrlSecret
 # variables the operator sets itself: a pool's own env cannot override them
 OPERATOR_ENV = ("HOME", CACHE_DIR_ENV, DATABASE_URL_ENV, CACHE_SALT_SECRET_ENV)
+SECRET_KEY = r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # a Secret's data key: a plain file name, never . or .. or a path
 API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds the keys file, by default
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded")  # the last only for pools with adapters
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
@@ -292,9 +293,11 @@ def spec_schema() -> dict[str, Any]:
             "secretName": _str("a Secret holding the router's API keys file ({keys: [{tenant, key_sha256}]}), "
                                "mounted read-only and re-read when it changes (keys rotate without a restart)",
                                pattern=DNS_LABEL),
-            "key": _str("the Secret's key that holds the keys file", minLength=1, default=API_KEYS_FILE),
+            "key": _str("the Secret's key that holds the keys file (a file name in the mounted directory)",
+                        pattern=SECRET_KEY, maxLength=253, default=API_KEYS_FILE),
             "cacheSaltKey": _str("a key of the same Secret holding the secret that keys each tenant's cache salt "
-                                 "(without it the salts are keyed by the pool's name)", minLength=1),
+                                 "(without it the salts are keyed by the pool's name)", pattern=SECRET_KEY,
+                                 maxLength=253),
         }, ("secretName",), description="API keys: each maps to a tenant, which gets its own prefix cache salt and "
                                         "its limits (router.settings.tenants); without them auth is off"),
         "settings": _settings("router", "kvmesh router"),

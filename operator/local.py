@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.operator.crd import Pool
-from kvmesh.operator.desired import engine_adapters, engine_settings, router_settings
+from kvmesh.operator.desired import API_KEYS_DIR, engine_adapters, engine_settings, router_settings
 from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.forecast import Scaler, parse_pod
 from kvmesh.operator.lora import AdapterMemory, AdapterStatus, EnginePod, Life, summarize, sync_pool
@@ -49,7 +49,12 @@ def local_engine_settings(pool: Pool) -> dict[str, Any]:
 
 
 def local_router_settings(pool: Pool) -> dict[str, Any]:
-    return {k: v for k, v in router_settings(pool).items() if k not in CLUSTER_ONLY_ROUTER}
+    """The router's settings less those of the cluster; the keys file where `router.apiKeys` mounts it (a Secret)
+    exists only in a pod, so locally auth takes `router.settings.api_keys_file`, a file of this machine."""
+    settings = {k: v for k, v in router_settings(pool).items() if k not in CLUSTER_ONLY_ROUTER}
+    if str(settings.get("api_keys_file", "")).startswith(f"{API_KEYS_DIR}/"):
+        del settings["api_keys_file"]
+    return settings
 
 
 # What a running local pool takes on from an edited file; everything else is read by engines or the router at start.

@@ -152,6 +152,10 @@ SCHEMA_BAD = [
     ("replicas.both.min", -1, "min"),
     ("engine.kvCacheMiB", 5, "kvCacheMiB"),  # a misspelt field is refused, not ignored
     ("router.weights.prefix_weight", "high", "prefix_weight"),
+    ("router.apiKeys", {"secretName": "keys", "key": "../etc/passwd"}, "key"),  # a file name, not a path
+    ("router.apiKeys", {"secretName": "keys", "key": ".."}, "key"),
+    ("router.apiKeys", {"key": "keys.yaml"}, "secretName"),  # required
+    ("engine.env", [{"name": "1BAD NAME", "value": "x"}], "name"),
 ]
 
 

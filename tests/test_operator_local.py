@@ -42,6 +42,18 @@ def test_a_local_pool_opens_no_gateway_port(tmp_path: Path) -> None:
     assert "ext_proc_port" not in plan_from_file(tmp_path / "gw.yaml").router
 
 
+def test_a_local_pool_reads_no_keys_file_from_a_clusters_secret_mount(tmp_path: Path) -> None:
+    """router.apiKeys mounts a Secret in a pod; a local router would fail to start on that path. A keys file of
+    this machine, named in router.settings, is kept."""
+    pool = yaml.safe_load((EXAMPLES / "aggregated.yaml").read_text())
+    pool["spec"]["router"]["apiKeys"] = {"secretName": "pool-keys"}
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump(pool))
+    assert "api_keys_file" not in plan_from_file(tmp_path / "keys.yaml").router
+    pool["spec"]["router"]["settings"] = {"api_keys_file": "/home/me/keys.yaml"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(pool))
+    assert plan_from_file(tmp_path / "mine.yaml").router["api_keys_file"] == "/home/me/keys.yaml"
+
+
 def test_kvmesh_up_refuses_a_bad_pool_file_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "pool.yaml").write_text("apiVersion: kvmesh.io/v1alpha1\nkind: InferencePool\n"
                                         "metadata: {name: x}\nspec: {model: {source: bundled}, mode: sharded}\n")
