@@ -166,6 +166,8 @@ class Engine:
         self.draining = False
         self.prefill_tps = 0.0
         self.decode_step_s = 0.0
+        # output tokens per decoding request per decode step (moving average): 1 without speculative decoding
+        self.tokens_per_decode_step = 0.0
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
@@ -580,7 +582,7 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Speculative decoding: n-gram drafts for each decoding request that may speculate (every one but those
         with a structured-output constraint, whose matcher would have to run ahead of verification), never more
-        than its max_tokens or the context can take. The scheduler cuts them to the step's budget."""
+        than its max_tokens or the context can take. The scheduler gives them only what is left of the step."""
         spec = self.spec
         if spec is None:
             return
@@ -611,7 +613,12 @@ class Engine:
             )
         result = self.runner.run(inputs)
         sampling = [s for s, i in zip(out.scheduled, inputs, strict=True) if i.wants_logits]
+        rows = sum(1 + len(s.draft_ids) for s in sampling)
+        if result.logits.shape[0] != rows:
+            raise RuntimeError(f"{type(self.runner).__name__} returned {result.logits.shape[0]} logits rows for "
+                               f"{rows} positions that sample (StepInput.num_logits rows per sequence)")
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens - len(s.draft_ids) > 1)
+        generated_before = sum(s.request.num_generated for s in sampling)
         if prefill_tokens:
             self.prefill_tps = _ema(self.prefill_tps, prefill_tokens / result.seconds)
         else:
@@ -622,7 +629,7 @@ class Engine:
         for s in out.scheduled:  # drafts' KV is not counted (nor committed) until they are accepted
             r = s.request
             r.num_computed_tokens += s.num_new_tokens - len(s.draft_ids)
-            self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
+            self._commit(r)
         if not sampling:
             return
         # one row per position that wants logits: a request with k drafts has k + 1, each sampled as if the drafts
@@ -630,11 +637,13 @@ class Engine:
         guides, params, indices, generated = [], [], [], []
         for s in sampling:
             r = s.request
+            penalized = bool(r.params.presence_penalty or r.params.frequency_penalty)
             for i in range(len(s.draft_ids) + 1):
                 guides.append(r.guide)
                 params.append(r.params)
                 indices.append(r.num_generated + i)
-                generated.append(r.output_ids + list(s.draft_ids[:i]) if i else r.output_ids)
+                # the tokens penalties count (copied only for a request that has penalties and drafts before)
+                generated.append(r.output_ids + list(s.draft_ids[:i]) if i and penalized else r.output_ids)
         masks = self.structured.masks(guides)  # None, at no cost, when nothing is constrained
         samples = sample(result.logits, params, indices, self.tokenizer.eos_token_ids, generated, masks)
         now = time.monotonic()
@@ -650,14 +659,25 @@ class Engine:
                 continue
             logprob = samples.logprobs[first] if samples.logprobs is not None else None
             top = samples.top_logprobs[first] if samples.top_logprobs is not None else None
-            self._append_token(r, samples.token_ids[first], logprob, top, now)
+            self._observe_output_step(r, now)
+            self._append_token(r, samples.token_ids[first], logprob, top)
+        if not prefill_tokens:
+            made = sum(s.request.num_generated for s in sampling) - generated_before
+            self.tokens_per_decode_step = _ema(self.tokens_per_decode_step, made / len(sampling))
+
+    def _commit(self, r: Request) -> None:
+        """Register the blocks a request's computed tokens filled in the prefix cache (building its token list only
+        when one did: at 32k tokens a copy costs about 50 us)."""
+        if self.kv.fills_block(r.request_id, r.num_computed_tokens):
+            self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
 
     def _append_verified(self, s: ScheduledRequest, verdict: Verdict, samples: SampleResult, first: int,
                          now: float) -> None:
         """Append a draft run's accepted tokens and the model's own token after them, one at a time (a stop string,
         a stop token or max_tokens may end the request inside the run: the tokens after it are dropped). The KV
-        of rejected drafts is rolled back, and each accepted token's KV is counted (and its block committed to the
-        prefix cache once full) only as the token is appended."""
+        of rejected drafts is rolled back, and each accepted token's KV is counted only as the token is appended;
+        a block it fills is committed to the prefix cache then, before a stop later in the run can end the
+        request (so only verified tokens are ever committed, and no committed block is lost)."""
         r, m = s.request, self.metrics
         m.spec_drafts.labels(self.model_name).inc()
         m.spec_draft_tokens.labels(self.model_name).inc(len(s.draft_ids))
@@ -665,13 +685,14 @@ class Engine:
         for position in range(verdict.num_accepted):
             m.spec_accepted_per_pos.labels(self.model_name, str(position)).inc()
         self.kv.truncate(r.request_id, r.num_computed_tokens + verdict.num_accepted)
+        self._observe_output_step(r, now)
         for i, token in enumerate(verdict.token_ids):
             if i:  # the token before this one was an accepted draft: its KV was computed this step
                 r.num_computed_tokens += 1
-                self.kv.commit(r.request_id, r.token_ids, r.num_computed_tokens, r.extra)
+                self._commit(r)
             logprob = samples.logprobs[first + i] if samples.logprobs is not None else None
             top = samples.top_logprobs[first + i] if samples.top_logprobs is not None else None
-            self._append_token(r, token, logprob, top, now)
+            self._append_token(r, token, logprob, top)
             if r.status is Status.FINISHED:
                 return
 
@@ -688,9 +709,10 @@ class Engine:
             return str(exc)
         return None
 
-    def _append_token(
-        self, r: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None, now: float
-    ) -> None:
+    def _observe_output_step(self, r: Request, now: float) -> None:
+        """Latency, once per request per step that outputs tokens: time to first token at its first, then
+        vllm:inter_token_latency_seconds as the time since its previous output step (as vLLM observes it), so a
+        step that outputs a run of verified drafts is one gap, not one gap and near-zero ones."""
         m = self.metrics
         if r.first_token_time is None:
             r.first_token_time = now
@@ -700,6 +722,9 @@ class Engine:
         elif r.last_token_time is not None:
             m.itl.labels(self.model_name).observe(now - r.last_token_time)
         r.last_token_time = now
+
+    def _append_token(self, r: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        m = self.metrics
         r.output_ids.append(token)
         m.generation_tokens.labels(self.model_name).inc()
         p = r.params
@@ -865,7 +890,8 @@ class Engine:
             self.kv.pool.num_blocks,
             self.config.block_size,
             self.config.forecast_horizon_seconds,
-            self.decode_step_s or 0.05,
+            # the time a request takes per output token: a step outputs several under speculative decoding
+            (self.decode_step_s or 0.05) / (self.tokens_per_decode_step or 1.0),
             self.prefill_tps or 1000.0,
             self.lengths,
         )

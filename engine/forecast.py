@@ -190,7 +190,9 @@ def forecast_usage(
 ) -> Forecast:
     """Forecast device KV usage over the next `horizon_seconds` from the requests the engine holds.
 
-    Time advances in decode steps (horizon_seconds / decode_step_seconds, at least one). Pending prefill is
+    Time advances in decode steps (horizon_seconds / decode_step_seconds, at least one); the engine passes the time
+    per output token of a decoding request (its step time over the tokens a step outputs per request, more than
+    one with speculative decoding), so a request's growth of one token per step holds. Pending prefill is
     computed first, in the order of `requests`, at `prefill_tokens_per_second`; a request starts decoding when
     its prompt is done and then grows one token per step until its sampled remaining output is spent, when it
     releases all its blocks. Each of `n_samples` futures is evaluated at up to `grid_points` + 1 step indices

@@ -157,6 +157,9 @@ def sample(
     its structured-output mask (`masks`), its penalties over `generated[i]` (the tokens it generated so far) and its
     logit_bias. Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids. Logprobs
     are the model's own."""
+    if not logits.shape[0] == len(params) == len(output_indices):
+        raise ValueError(f"sample: {logits.shape[0]} logits rows, {len(params)} sampling params and "
+                         f"{len(output_indices)} output indices; one of each per row")
     raw = logits.float()
     logits = raw
     if masks is not None:

@@ -12,7 +12,8 @@ x ~ p; accept d iff x == d, else emit x" accepts with probability p(d) and, on r
 distributed as p with d removed and renormalised: the standard rejection-sampling rule for a deterministic draft,
 so the output distribution is exactly the target's. Because the draw is the one the non-speculative sampler
 makes for that output index, a seeded request's output is the same token for token with or without
-speculation, on any pod.
+speculation, on any pod, wherever the logits are the same bits both ways (the CPU in fp32; on a GPU the draft run's
+extend kernel and the decode kernel sum in different orders, so a near-tie can flip: docs/engine.md).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class SpecConfig:
     def parse(cls, value: Any) -> SpecConfig | None:
         """From a mapping (YAML) or its JSON text (the CLI flag); None (or an empty mapping) means off. Raises
         ValueError naming what is wrong."""
-        if value is None or isinstance(value, SpecConfig):
-            return value
+        if value is None:
+            return None
         if isinstance(value, str):
             try:
                 value = json.loads(value)

@@ -359,6 +359,12 @@ class KVCacheManager:
             seq.blocks.extend(self.pool.allocate(missing))
         return True
 
+    def fills_block(self, seq_id: str, num_computed: int) -> bool:
+        """Whether `commit` with `num_computed` tokens would register a block (so a caller builds the token list
+        only then)."""
+        seq = self.seqs[seq_id]
+        return self.enable_prefix_cache and min(num_computed // self.block_size, len(seq.blocks)) > seq.num_registered
+
     def commit(
         self, seq_id: str, token_ids: Sequence[int], num_computed: int, extra: BlockExtra = NO_EXTRA
     ) -> None:

@@ -46,10 +46,11 @@ class SimModel:
 
 
 class SimRunner(ModelRunner):
-    """A model runner that computes nothing: it sleeps for the step's modelled time and picks, for each sequence
-    that samples, one token determined by its last token, position and adapter name (the same prompt always gets
-    the same answer, on every pod, whatever the sampling parameters). Its KV tensor holds one number per token,
-    so KV transfer still moves (and checks) real frames."""
+    """A model runner that computes nothing: it sleeps for the step's modelled time and picks, at each position that
+    wants logits (`num_logits` per sequence: a draft run verifies several), one token determined by the token
+    there, its position and the adapter name (the same prompt always gets the same answer, on every pod, whatever
+    the sampling parameters). Its KV tensor holds one number per token, so KV transfer still moves (and checks)
+    real frames."""
 
     def __init__(self, latency: LatencyModel, vocab_size: int, num_blocks: int, block_size: int) -> None:
         self.latency = latency
@@ -69,10 +70,13 @@ class SimRunner(ModelRunner):
     def run(self, seqs: list[StepInput]) -> StepResult:
         start = time.perf_counter()
         rows = [s for s in seqs if s.wants_logits]
-        logits = torch.full((len(rows), self.vocab_size), NOT_CHOSEN)
-        for row, s in enumerate(rows):
+        logits = torch.full((sum(s.num_logits for s in rows), self.vocab_size), NOT_CHOSEN)
+        row = 0
+        for s in rows:  # num_logits rows per sequence: each predicts the token after one of its last positions
             adapter = self.model.lora.names.get(s.lora_slot) if s.lora_slot is not None else None
-            logits[row, self.next_token(s.token_ids[-1], s.num_computed + len(s.token_ids), adapter)] = 0.0
+            for at in range(len(s.token_ids) - s.num_logits, len(s.token_ids)):
+                logits[row, self.next_token(s.token_ids[at], s.num_computed + at + 1, adapter)] = 0.0
+                row += 1
         num_tokens = sum(len(s.token_ids) for s in seqs)
         self.computed_tokens += num_tokens
         self.steps += 1
