@@ -486,6 +486,20 @@ def test_rolled_back_draft_blocks_return_to_the_free_list(tiny_dir: Path) -> Non
     assert_accepted_and_rejected(engine)
 
 
+def test_under_a_small_token_budget_speculation_never_costs_steps(tiny_dir: Path) -> None:
+    """Chunked prefills and draft runs share a 12-token budget: drafts take only what is left, so every request
+    decodes and prefills as fast as without speculation and the whole takes no more steps (it took 50 against
+    45 when the first requests' drafts came before the others' tokens)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompts = [prompt(s, 40) for s in range(4)]
+    plain = make_engine(tiny_dir, max_num_batched_tokens=12)
+    speculating = make_engine(tiny_dir, max_num_batched_tokens=12, speculative_config=spec)
+    want = generate(plain, prompts, max_tokens=30)
+    got = generate(speculating, prompts, max_tokens=30)
+    assert [tokens(o) for o in got] == [tokens(o) for o in want]
+    assert spec_counts(speculating)[2] > 0 and speculating.runner.steps <= plain.runner.steps
+
+
 def test_inter_token_latency_is_observed_once_per_output_step(tiny_dir: Path) -> None:
     """A step that outputs a run of verified drafts is one gap in vllm:inter_token_latency_seconds (as vLLM
     observes it), not one gap plus near-zero ones that would drag the Latency dashboard's quantiles to 0; the
