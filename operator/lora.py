@@ -203,27 +203,51 @@ def summarize(syncs: Sequence[EngineSync], declared: Mapping[str, str]) -> Adapt
 @dataclass
 class AdapterMemory:
     """What the sync remembers of one pool: per engine life, the actions it refused (not tried again on it: the
-    Event was posted once), and the names the spec has declared that an engine may still serve (the ones it
-    manages: unloaded once the spec drops them). Kept in the pool's status (`to_status`, `from_status`), bounded
-    (operator/crd.py), so a restarted operator carries on. `busy`: engines whose calls from an earlier tick are
-    still out (this process only: a restarted operator has none), not called again until those end."""
+    Event was posted once) while the spec asks for the same thing, and the names the spec has declared that an
+    engine may still serve (the ones it manages: unloaded once the spec drops them). Unbounded in this process
+    (at most engines x names the spec asks for: a refusal goes when the spec stops asking for it), kept in the
+    pool's status bounded (`to_status`, operator/crd.py), so a restarted operator carries on. `busy`: engines
+    whose calls from an earlier tick are still out (this process only: a restarted operator has none), not
+    called again until those end. `asked`: the adapters the spec declared at the last `update` (this process
+    only), to see a name declared again."""
 
     refused: dict[Life, set[AdapterAction]] = field(default_factory=dict)
     managed: set[str] = field(default_factory=set)
     busy: set[Life] = field(default_factory=set)
+    asked: dict[str, str] | None = None
 
-    def keep_only(self, lives: Collection[Life]) -> None:
-        """Forget engines that are gone or restarted (a replacement starts with a clean slate); an engine that is
-        only not Ready for a moment keeps what it refused."""
-        self.refused = {p: a for p, a in self.refused.items() if p in lives}
+    def update(self, lives: Collection[Life], declared: Mapping[str, str]) -> None:
+        """Before a tick, under the spec's `declared` adapters: manage them; forget engines that are gone or
+        restarted (a replacement starts with a clean slate; an engine only not Ready for a moment keeps what it
+        refused) and the refusals the spec no longer asks for, so an adapter removed and added back is tried
+        once more: a load of a name the spec no longer declares with that path; an unload of a name no longer
+        managed, or declared again or otherwise (its entry changed since the last update)."""
+        self.managed |= declared.keys()
+        changed = set() if self.asked is None else \
+            {n for n in self.asked.keys() | declared.keys() if self.asked.get(n) != declared.get(n)}
+        self.asked = dict(declared)
+
+        def still_asked(action: AdapterAction) -> bool:
+            if action.kind == LOAD:
+                return same_directory(declared.get(action.name), action.path)
+            return action.name in self.managed and action.name not in changed
+
+        kept = {life: {a for a in actions if still_asked(a)} for life, actions in self.refused.items()
+                if life in lives}
+        self.refused = {life: actions for life, actions in kept.items() if actions}
 
     def to_status(self) -> dict[str, Any]:
         """`status.adapters`: the managed names and each refusal, sorted (an unchanged memory is an unchanged
-        status)."""
+        status), within the CRD's bounds: past MAX_MANAGED_ADAPTERS the dropped names last in order are left out
+        (a restarted operator leaves them loaded), past MAX_ADAPTER_REFUSALS the refusals of the engines last in
+        order (a restarted operator tries each of those once more, one more Event, and remembers it again). This
+        process keeps them all: the cut never makes it retry."""
         refused = [{"pod": life[0], "podUid": life[1], "restarts": life[2], "action": a.kind, "adapter": a.name,
                     **({"path": a.path} if a.path is not None else {})}
                    for life in sorted(self.refused) for a in sorted(self.refused[life], key=_action_key)]
-        return {"managed": sorted(self.managed), "refused": refused}
+        declared = sorted(self.asked or {})
+        managed = declared + sorted(self.managed - set(declared))
+        return {"managed": sorted(managed[:MAX_MANAGED_ADAPTERS]), "refused": refused[:MAX_ADAPTER_REFUSALS]}
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> AdapterMemory:
@@ -246,8 +270,7 @@ class AdapterMemory:
 
     def learn(self, syncs: Sequence[EngineSync], declared: Mapping[str, str], lives: Collection[Life]) -> None:
         """After a tick: remember its refusals; forget a dropped name once every engine alive was read and none
-        serves it any more; keep within the status' bounds (past them a refusal may be tried, and announced,
-        once more, and a dropped name left loaded in an engine that did not answer)."""
+        serves it any more."""
         for sync in syncs:
             for result in sync.results:
                 if result.outcome == REFUSED:
@@ -256,18 +279,6 @@ class AdapterMemory:
         if set(lives) <= read:
             still = set().union(*(s.serves_after() for s in syncs))
             self.managed = {n for n in self.managed if n in declared or n in still}
-        if len(self.managed) > MAX_MANAGED_ADAPTERS:
-            dropped = sorted(self.managed - declared.keys())
-            self.managed = set(declared) | set(dropped[:MAX_MANAGED_ADAPTERS - len(declared)])
-        kept = 0
-        for life in sorted(self.refused):
-            room = MAX_ADAPTER_REFUSALS - kept
-            actions = sorted(self.refused[life], key=_action_key)[:max(0, room)]
-            if actions:
-                self.refused[life] = set(actions)
-                kept += len(actions)
-            else:
-                del self.refused[life]
 
 
 def _action_key(action: AdapterAction) -> tuple[str, str, str]:
@@ -308,8 +319,8 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], refused: Collection
                 read: Reader = http_served, act: Caller = http_act, managed: Collection[str] | None = None,
                 deadline: float = float("inf"), clock: Clock = time.monotonic) -> EngineSync:
     """Plan and carry out one engine's actions, each call's timeout cut to what is left before `deadline`; an
-    action with no time left is deferred. A name whose unload failed is not loaded (the engine would refuse it as
-    already loaded)."""
+    action with no time left is deferred. A name whose unload failed or is held back is not loaded (the engine
+    would refuse it as already loaded)."""
     left = deadline - clock()
     if left <= 0:
         return EngineSync(pod, error="not reached: the tick's adapter budget was spent first (next tick)")
@@ -320,7 +331,7 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], refused: Collection
     plan = plan_adapters(declared, served, refused, managed)
     results: list[ActionResult] = []
     deferred: list[AdapterAction] = []
-    still_loaded: set[str] = set()
+    still_loaded = {a.name for a in plan.held if a.kind == UNLOAD}
     for action in plan.actions:
         if action.kind == LOAD and action.name in still_loaded:
             continue
@@ -345,8 +356,7 @@ def sync_pool(pods: Sequence[EnginePod], declared: Mapping[str, str], memory: Ad
     (its calls run out on their own timeouts; the next tick reads what they did). Only names the spec declares
     or declared before are unloaded; a pool that never declared an adapter is not read at all."""
     lives = {p.life for p in pods} if alive is None else set(alive)
-    memory.keep_only(lives)
-    memory.managed |= declared.keys()
+    memory.update(lives, declared)
     if not pods or not memory.managed:
         return []
     deadline = clock() + budget

@@ -89,14 +89,78 @@ def test_a_dropped_name_is_forgotten_only_once_every_engine_alive_was_read_witho
     assert memory.managed == {"keep"}
 
 
-def test_the_memory_stays_within_the_status_bounds() -> None:
-    pods = [EnginePod(f"p{i}", "both", f"http://p{i}", uid=f"u{i}") for i in range(MAX_ADAPTER_REFUSALS + 10)]
-    refusal = AdapterAction(LOAD, "bad", "/nowhere")
-    memory = AdapterMemory(managed={f"old-{i}" for i in range(MAX_MANAGED_ADAPTERS + 5)})
-    syncs = [EngineSync(p, (ActionResult(refusal, REFUSED, "400"),), error=None) for p in pods[:-1]]
-    memory.learn(syncs, {"bad": "/nowhere"}, {p.life for p in pods})  # the last pod was not read: names stay
-    assert sum(len(a) for a in memory.refused.values()) == MAX_ADAPTER_REFUSALS
-    assert len(memory.managed) == MAX_MANAGED_ADAPTERS and "bad" in memory.managed
+def test_past_the_status_bound_refusals_are_neither_retried_nor_announced_again_and_the_status_stays_bounded(
+) -> None:
+    # 20 engines x 16 adapters on broken storage: 320 refusals, more than the status holds
+    pods = [EnginePod(f"engine-{i:02d}", "both", f"http://p{i}", uid=f"u{i}") for i in range(20)]
+    declared = {f"a{j:02d}": f"/broken/{j}" for j in range(16)}
+    calls: list[str] = []
+
+    def act(url: str, action: AdapterAction, timeout: float) -> tuple[int | None, str]:
+        calls.append(url)
+        return 400, "no adapter_config.json"
+
+    memory = AdapterMemory()
+    first = sync_pool(pods, declared, memory, read=lambda url, timeout: {}, act=act, budget=60)
+    assert sum(r.outcome == REFUSED for s in first for r in s.results) == len(calls) == 320
+    for _ in range(3):  # the next ticks: all held, no call, no new refusal (no Event)
+        calls.clear()
+        again = sync_pool(pods, declared, memory, read=lambda url, timeout: {}, act=act, budget=60)
+        assert calls == [] and sum(len(s.held) for s in again) == 320
+    assert len(memory.to_status()["refused"]) == MAX_ADAPTER_REFUSALS
+    names = AdapterMemory(managed={f"old-{i}" for i in range(MAX_MANAGED_ADAPTERS + 5)} | set(declared),
+                          asked=declared).to_status()["managed"]
+    assert len(names) == MAX_MANAGED_ADAPTERS and set(declared) <= set(names)  # the declared ones are kept
+
+
+def test_a_refusal_goes_when_the_spec_stops_asking_for_it_so_an_adapter_added_back_is_tried_once_more() -> None:
+    pod = EnginePod("engine-0", "both", "http://p0", uid="u0")
+    served: dict[str, str] = {}
+    uploaded, loads = False, []
+
+    def act(url: str, action: AdapterAction, timeout: float) -> tuple[int | None, str]:
+        if action.kind == UNLOAD:
+            served.pop(action.name, None)
+            return 200, "ok"
+        loads.append(action.name)
+        if not uploaded:
+            return 400, "no adapter_config.json"
+        served[action.name] = action.path or ""
+        return 200, "ok"
+
+    def tick(declared: dict[str, str]) -> str:
+        return summarize(sync_pool([pod], declared, memory, read=lambda url, timeout: dict(served), act=act),
+                         declared).reason
+
+    memory = AdapterMemory()
+    assert tick({"sql": "/a/sql"}) == "Refused" and tick({"sql": "/a/sql"}) == "Refused" and loads == ["sql"]
+    uploaded = True  # the user uploads the files, removes the entry and adds it back
+    assert tick({}) == "Loaded" and memory.to_status()["refused"] == []
+    assert tick({"sql": "/a/sql"}) == "Loaded" and served == {"sql": "/a/sql"} and loads == ["sql", "sql"]
+
+
+def test_an_unload_refusal_holds_while_the_spec_stays_and_goes_when_the_name_is_declared_again() -> None:
+    pod = EnginePod("engine-0", "both", "http://p0", uid="u0")
+    memory = AdapterMemory(managed={"x"})
+    unloads: list[str] = []
+
+    def act(url: str, action: AdapterAction, timeout: float) -> tuple[int | None, str]:
+        unloads.append(action.name)
+        assert action.kind == UNLOAD, action  # never a load over the name it still serves
+        return 400, "cannot unload"
+
+    def tick(declared: dict[str, str]) -> list[EngineSync]:
+        return sync_pool([pod], declared, memory, read=lambda url, timeout: {"x": "/old"}, act=act)
+
+    tick({"x": "/new"})  # a path change: the unload is refused...
+    tick({"x": "/new"})
+    assert unloads == ["x"]  # ...and not retried while the spec stays
+    tick({})  # the entry removed: the spec changed, tried once more
+    assert unloads == ["x", "x"]
+    tick({})
+    assert unloads == ["x", "x"] and memory.refused == {pod.life: {AdapterAction(UNLOAD, "x")}}
+    tick({"x": "/old"})  # declared again with what it serves: nothing to unload, the refusal is gone
+    assert unloads == ["x", "x"] and memory.refused == {}
 
 
 # ---- the budget: a hanging engine next to a real one -------------------------------------------------------------
