@@ -109,6 +109,17 @@ class PoolFile:
         self.seen = now
         return True
 
+    def read(self) -> tuple[Any, str | None]:
+        """The pool the file holds now, or None and why not. Never raises: a file that cannot be read or is no
+        valid pool (OSError, a YAML or spec ValueError, or any shape the checks did not foresee) is the user's to
+        fix, and the pool runs on its last good spec meanwhile."""
+        try:
+            return read_pool_file(self.path), None
+        except (OSError, ValueError) as exc:
+            return None, str(exc)
+        except Exception as exc:  # not a crash of the whole pool for an edit of its file
+            return None, f"{exc!r} (reading it failed unexpectedly)"
+
 
 @dataclass
 class Child:
@@ -349,10 +360,9 @@ class _ScalingWatch:
         if self.file is None or not self.file.changed():
             return
         path = self.file.path
-        try:
-            pool = read_pool_file(path)
-        except (OSError, ValueError) as exc:
-            _say(f"{path} changed but cannot be used: {exc}; the pool runs on as before (fix the file to go on)")
+        pool, problem = self.file.read()
+        if pool is None:
+            _say(f"{path} changed but cannot be used: {problem}; the pool runs on as before (fix the file to go on)")
             return
         stuck = needs_restart(self.pool, pool)
         if stuck:

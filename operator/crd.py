@@ -574,6 +574,12 @@ def parse_pool(body: Mapping[str, Any]) -> Pool:
         raise SpecError(f"expected apiVersion {API_VERSION} kind {KIND}, got {body.get('apiVersion')} "
                         f"{body.get('kind')}")
     meta = body.get("metadata") or {}
+    if not isinstance(meta, Mapping) or not isinstance(body.get("spec", {}), Mapping):
+        raise SpecError(f"metadata and spec must be mappings, got {type(meta).__name__} and "
+                        f"{type(body.get('spec')).__name__}")
+    if not isinstance(meta.get("labels") or {}, Mapping) or not isinstance(meta.get("generation") or 0, int):
+        raise SpecError(f"metadata.labels must be a mapping and metadata.generation an integer, got "
+                        f"{meta.get('labels')!r} and {meta.get('generation')!r}")
     name = meta.get("name")
     if not isinstance(name, str) or not re.match(DNS_LABEL, name) or len(name) > 40:
         raise SpecError(f"metadata.name must be a DNS label of at most 40 characters (it prefixes the pool's "

@@ -209,3 +209,14 @@ def test_pool_objects_need_a_short_dns_name_and_the_right_kind() -> None:
         parse_pool({**body, "kind": "Deployment"})
     pool = parse_pool({**body, "metadata": {"name": "chat", "namespace": "ml", "generation": 3}})
     assert (pool.name, pool.namespace, pool.generation, pool.roles) == ("chat", "ml", 3, ("both",))
+
+
+@pytest.mark.parametrize("edit", [{"metadata": ["chat"]}, {"metadata": "chat"}, {"spec": ["model"]},
+                                  {"metadata": {"name": "chat", "labels": ["a"]}},
+                                  {"metadata": {"name": "chat", "generation": "x"}}])
+def test_a_pool_object_of_another_shape_is_a_spec_error_naming_the_field(edit: dict[str, Any]) -> None:
+    # as `kubectl apply` or an edit of a `kvmesh up -f` file may hand it: a clear SpecError, not an AttributeError
+    body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "chat"},
+            "spec": {"model": {"source": "bundled"}}, **edit}
+    with pytest.raises(SpecError, match=r"metadata|spec"):
+        parse_pool(body)

@@ -56,6 +56,25 @@ def test_the_file_is_polled_by_its_signature_and_an_edit_by_rename_counts(tmp_pa
     assert watched.changed()  # gone: read again, and the read's error is reported
 
 
+def test_reading_an_edit_never_raises_a_malformed_one_is_reported(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "pool.yaml"
+    head = "apiVersion: kvmesh.io/v1alpha1\nkind: InferencePool\n"
+    path.write_text(head + "metadata: [p]\nspec: {model: {source: bundled}}\n")
+    pool, problem = PoolFile(path).read()
+    assert pool is None and "metadata and spec must be mappings" in str(problem)
+    path.write_text(head + "metadata: {name: p}\nspec: {model: {source: bundled}}\n")
+    pool, problem = PoolFile(path).read()
+    assert problem is None and pool.name == "p" and pool.namespace == "local"
+
+    def unforeseen(path: object) -> None:  # fault injection: a shape no check foresaw fails inside the reader
+        raise KeyError("model")
+
+    monkeypatch.setattr("kvmesh.up.read_pool_file", unforeseen)
+    pool, problem = PoolFile(path).read()
+    assert pool is None and "KeyError('model')" in str(problem)
+
+
 POOL = """
 apiVersion: kvmesh.io/v1alpha1
 kind: InferencePool
