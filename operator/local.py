@@ -82,6 +82,15 @@ def describe(decision: Decision, replicas: Mapping[str, int]) -> list[str]:
     return [decision.describe(role, replicas) for role in decision.changed(replicas)]
 
 
+# The local adapter sync's budget per tick (the cluster's is ADAPTER_BUDGET_SECONDS): `kvmesh up` runs it on its
+# supervision thread, which also notices a child's death, publishes engines that came up and stops drained ones,
+# so a hanging load holds those up for at most this (plus the sync's BUDGET_GRACE_SECONDS). A small budget rather
+# than a thread of its own: the memory, the pool and the metrics stay single-threaded, and a stop never waits for
+# a hanging call. It costs nothing locally: a load not answered in time goes on in the engine, and the next tick
+# sees it in /v1/models (the engines and their adapter files are on this machine).
+LOCAL_ADAPTER_BUDGET_SECONDS = 1.0
+
+
 @dataclass(frozen=True)
 class LocalPod:
     """A local engine that answered its /metrics this tick (the cluster's pod with an address that answered)."""
@@ -153,12 +162,12 @@ class LocalOperator:
 
     def sync_adapters(self, serving: list[EnginePod], alive: Collection[Life]) -> AdapterTick:
         """Keep the `serving` engines' LoRA adapters equal to the spec's, as the cluster operator's tick does
-        (operator/lora.py: loads and unloads, refusals remembered and not retried, one budget per tick), and count
-        the actions in the operator's metrics."""
+        (operator/lora.py: loads and unloads, refusals remembered and not retried; a budget of its own per tick:
+        LOCAL_ADAPTER_BUDGET_SECONDS), and count the actions in the operator's metrics."""
         declared = engine_adapters(self.pool)
         if declared is None:  # given as a list in engine settings: left as the engines started
             return AdapterTick([], None)
-        syncs = sync_pool(serving, declared, self.adapters, alive=alive)
+        syncs = sync_pool(serving, declared, self.adapters, alive=alive, budget=LOCAL_ADAPTER_BUDGET_SECONDS)
         self.metrics.record_adapters(self.pool, syncs)
         lines = [f"{s.pod.name}: {r.message}" for s in syncs for r in s.results]
         acted = any(s.results or s.held or s.deferred for s in syncs)

@@ -18,12 +18,13 @@ import pytest
 
 from kvmesh.engine.protocol import MODELS_PATH, OperatorMetric
 from kvmesh.operator.crd import parse_pool
-from kvmesh.operator.local import needs_restart
-from kvmesh.operator.lora import served_adapters
+from kvmesh.operator.local import LocalOperator, needs_restart
+from kvmesh.operator.lora import EnginePod, served_adapters
 from kvmesh.processes import free_port, launch
 from kvmesh.up import PoolFile
 
 from .test_lora import write_adapter
+from .test_operator_lora_state import hanging_engine
 from .test_up_scaling import engine_urls, operator_url, sample, wait_for
 
 
@@ -73,6 +74,17 @@ def test_reading_an_edit_never_raises_a_malformed_one_is_reported(tmp_path: Path
     monkeypatch.setattr("kvmesh.up.read_pool_file", unforeseen)
     pool, problem = PoolFile(path).read()
     assert pool is None and "KeyError('model')" in str(problem)
+
+
+@pytest.mark.timeout(8)  # the cluster's budget (10 s) on `kvmesh up`'s supervision thread would fail here
+def test_a_hanging_load_holds_the_local_tick_for_its_small_budget_only() -> None:
+    adapters = pool(model={"source": "bundled", "loraAdapters": [{"name": "sql", "path": "/a/sql"}]})
+    operator = LocalOperator(adapters)  # type: ignore[arg-type]
+    with hanging_engine() as (url, seen):
+        engine = EnginePod("engine-0", "both", url)
+        tick = operator.sync_adapters([engine], {engine.life})
+    assert seen[-1].startswith("POST /v1/load_lora_adapter")  # the load was tried...
+    assert tick.status is not None and tick.status.reason == "Pending"  # ...and is retried at the next tick
 
 
 POOL = """
