@@ -158,7 +158,7 @@ def test_summary_arithmetic(store: RequestLog) -> None:
     )  # fmt: skip
     s = store.summary(pool="pool-a")
     assert s["requests"] == 4
-    assert s["outcomes"] == {"ok": 2, "error": 0, "shed": 1, "no_pod": 0, "client_gone": 1}
+    assert s["outcomes"] == {"ok": 2, "error": 0, "shed": 1, "rate_limited": 0, "no_pod": 0, "client_gone": 1}
     assert s["workloads"][WORKLOAD_CLASSES[0]] == 3 and s["workloads"][WORKLOAD_CLASSES[1]] == 1
     assert set(WORKLOAD_CLASSES) <= set(s["workloads"])  # every class present, at 0 when unseen
     assert s["routes"] == {"aggregated": 4}
