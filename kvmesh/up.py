@@ -5,7 +5,7 @@ dies unasked (with the tail of its log). From a pool file, the operator's scaler
 carried out: engines start (warmed from a peer), or the coldest drain and stop, the router follows its pods file,
 the engines' LoRA adapters are kept equal to the spec's, and the operator's metrics are served on a loopback port.
 The file is followed as the operator follows the CRD: an edit is read, checked as a pool, and applied (replicas,
-scaling, adapters), or reported and ignored, the pool running on its last good spec (`PoolFile`)."""
+the scaler's settings, adapters), or reported and ignored, the pool running on its last good spec (`PoolFile`)."""
 
 from __future__ import annotations
 
@@ -352,10 +352,12 @@ class _ScalingWatch:
         self.server.server_close()
 
     def follow_file(self) -> None:
-        """Re-read the pool file if it changed; apply what a running pool can take on (replica bounds and scaling
-        at once: the next tick runs now; adapters through the sync, and in the engine files new engines start
-        from) or say why not, running on the last good spec. Never raises: a bad edit is the user's to fix."""
-        from kvmesh.operator.local import needs_restart
+        """Re-read the pool file if it changed; apply what a running pool can take on (replica bounds and the
+        scaler's settings at once: the next tick runs now; adapters through the sync, and in the engine files new
+        engines start from; a cluster's own fields are ignored, and said so) or say why not (it changes what the
+        processes started with: operator/local.py `start_inputs`), running on the last good spec. Never raises: a
+        bad edit is the user's to fix."""
+        from kvmesh.operator.local import ignored_locally, needs_restart
 
         if self.file is None or not self.file.changed():
             return
@@ -366,19 +368,23 @@ class _ScalingWatch:
             return
         stuck = needs_restart(self.pool, pool)
         if stuck:
-            _say(f"{path} changed {', '.join(stuck)}, which running engines and router cannot take on; none of "
-                 f"this edit is applied, the pool runs on as before (restart kvmesh up to apply it)")
+            _say(f"{path} changed what the pool started with ({', '.join(stuck)}), which running engines and "
+                 f"router cannot take on; none of this edit is applied, the pool runs on as before (restart "
+                 f"kvmesh up to apply it)")
             return
         if pool == self.pool:
             return
-        self.pool = self.engines.plan.pool = pool
+        previous, self.pool = self.pool, pool
+        self.engines.plan.pool = pool
         self.operator.follow(pool)
         self.interval = pool.spec["scaling"]["intervalSeconds"]
         self.next = time.monotonic()
         _set_engine_adapters(self.engines.workdir, pool)
         bounds = ", ".join(f"{role} {low}..{high}" for role in pool.roles for low, high in [pool.bounds(role)])
         adapters = ", ".join(a["name"] for a in pool.spec["model"]["loraAdapters"]) or "none"
-        _say(f"{path} changed: following it (replicas {bounds}; adapters {adapters})")
+        ignored = ignored_locally(previous, pool)
+        unused = f"; ignored locally, a cluster's only: {', '.join(ignored)}" if ignored else ""
+        _say(f"{path} changed: following it (replicas {bounds}; adapters {adapters}{unused})")
 
     def tick(self) -> None:
         from kvmesh.operator.local import describe
@@ -547,6 +553,7 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     if plan.pool is not None:  # engines the scaler adds wait for their warm-up as the operator's pods do
         from kvmesh.operator.desired import warmup_grace_seconds
 
+        # what this writes is what operator/local.py `start_inputs` lists: an edit changing it needs a restart
         gated = {**settings, "warmup_grace_seconds": warmup_grace_seconds(plan.pool)}
         scaled = [*engine_args, "--config", str(_engine_file(workdir, "engine-scaled", gated))]
     engines = LocalEngines(plan, initial, workdir, targets_file, scaled)

@@ -3,8 +3,9 @@ same defaults and checks as the cluster), writes the same engine and router sett
 scaling tick over its local engines: the same scaler, the same warm-ups of new engines from the peer whose cache
 serves the most hits, the same LoRA adapter sync (operator/lora.py), and the same /metrics registry. `kvmesh up`
 carries the decisions out, so scaling works without Kubernetes. It follows edits of the pool file as the operator
-follows the CRD (`follow`): replica bounds, scaling settings and adapters change under running engines; an edit of
-anything the engines or the router read at start is refused (`needs_restart`), as only a restart can apply it.
+follows the CRD (`follow`): replica bounds, the scaler's settings and adapters change under running engines; an
+edit of anything the engines or the router read at start is refused (`needs_restart`, from `start_inputs`: which
+file each field feeds), as only a restart can apply it, and the cluster's own fields are ignored.
 
 Locally the engines listen on 127.0.0.1 at ports `kvmesh up` picks, and the router follows them in a pods file
 that `kvmesh up` rewrites; everything else in the two files is what the operator's ConfigMap holds.
@@ -35,8 +36,8 @@ from kvmesh.operator.warmup import (
     plan_tick_warmups,
 )
 
-__all__ = ["AdapterTick", "LocalOperator", "LocalPod", "describe", "local_engine_settings", "local_router_settings",
-           "needs_restart"]
+__all__ = ["AdapterTick", "LocalOperator", "LocalPod", "describe", "ignored_locally", "local_engine_settings",
+           "local_router_settings", "needs_restart", "start_inputs"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
@@ -57,15 +58,48 @@ def local_router_settings(pool: Pool) -> dict[str, Any]:
     return settings
 
 
-# What a running local pool takes on from an edited file; everything else is read by engines or the router at start.
-LIVE_FIELDS = ("replicas", "scaling", "model.loraAdapters")
+def start_inputs(pool: Pool) -> dict[str, Any]:
+    """What `kvmesh up` writes and starts a pool's processes with, the one list of which file each spec field
+    feeds (`kvmesh/up.py` writes them from these same functions), keyed by where it goes:
+    - `engine.yaml KEY` and `engine-scaled.yaml KEY` (the initial engines, those the scaler adds): the engine
+      settings (`local_engine_settings`: spec.engine, spec.model, scaling.horizonSeconds ...) less `lora_modules`,
+      which the adapter sync changes under running engines and `kvmesh up` rewrites in both files;
+    - `engine-scaled.yaml warmup_grace_seconds`: the warm-up gate of added engines (scaling.warmupPrefixes,
+      scaling.warmupGraceSeconds);
+    - `router.yaml KEY`: the router settings (`local_router_settings`: spec.router, scaling.slo ...) and the
+      pool's name;
+    - `engines`: the model the engines load and the roles they start with (spec.model.source, spec.mode).
+    Running processes read none of them again, so an edit changing one needs a restart (`needs_restart`). The
+    rest of the spec is live (replica bounds, the scaler's own policy in spec.scaling, model.loraAdapters) or
+    means nothing locally (`ignored_locally`)."""
+    from kvmesh.operator.desired import LORA_MODULES, warmup_grace_seconds
+
+    engine = {k: v for k, v in local_engine_settings(pool).items() if k != LORA_MODULES}
+    return {**{f"engine.yaml {k}": v for k, v in engine.items()},
+            "engine-scaled.yaml warmup_grace_seconds": warmup_grace_seconds(pool),
+            **{f"router.yaml {k}": v for k, v in local_router_settings(pool).items()},
+            "router.yaml pool": pool.name,
+            "engines model": pool.spec["model"]["source"],
+            "engines roles": (pool.mode, pool.roles)}
 
 
 def needs_restart(old: Pool, new: Pool) -> list[str]:
-    """The fields (dotted, sorted) that an edit from `old` to `new` changed and a running local pool cannot take
-    on; empty when it can follow the edit whole."""
+    """What an edit from `old` to `new` changes in the files and flags the pool's processes started with
+    (`start_inputs` keys, sorted): a running local pool cannot take it on. Empty when it can follow the edit."""
+    before, after = start_inputs(old), start_inputs(new)
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+# The spec fields a running local pool takes on: the scaler's bounds and policy, and the adapters.
+LIVE_FIELDS = ("replicas", "scaling", "model.loraAdapters")
+
+
+def ignored_locally(old: Pool, new: Pool) -> list[str]:
+    """The spec fields (dotted, sorted) an edit changed that are neither live (LIVE_FIELDS) nor feed what the
+    pool's processes started with: a cluster's only (engine.resources, engine.image, router.replicas, ...). An
+    edit `needs_restart` finds nothing in changes nothing locally through them."""
     def flat(pool: Pool) -> dict[str, Any]:
-        fields = {"metadata.name": pool.name}
+        fields = {}
         for key, value in pool.spec.items():
             if isinstance(value, Mapping):
                 fields.update({f"{key}.{k}": v for k, v in value.items()})

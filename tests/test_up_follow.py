@@ -18,7 +18,7 @@ import pytest
 
 from kvmesh.engine.protocol import MODELS_PATH, OperatorMetric
 from kvmesh.operator.crd import parse_pool
-from kvmesh.operator.local import LocalOperator, needs_restart
+from kvmesh.operator.local import LocalOperator, ignored_locally, needs_restart, start_inputs
 from kvmesh.operator.lora import EnginePod, served_adapters
 from kvmesh.processes import free_port, launch
 from kvmesh.up import PoolFile
@@ -34,14 +34,27 @@ def pool(**spec: object) -> object:
                        "spec": {**base, **spec}})
 
 
-def test_replicas_scaling_and_adapters_change_live_and_anything_else_needs_a_restart() -> None:
-    before = pool()
-    live = pool(replicas={"both": {"min": 2, "max": 3}}, scaling={"intervalSeconds": 2},
+def test_what_the_processes_started_with_needs_a_restart_the_rest_is_live_or_a_clusters_only() -> None:
+    before = pool(scaling={"warmupPrefixes": 64})
+    live = pool(replicas={"both": {"min": 2, "max": 3}}, scaling={"warmupPrefixes": 64, "intervalSeconds": 2},
                 model={"source": "bundled", "loraAdapters": [{"name": "sql", "path": "/a/sql"}]})
-    assert needs_restart(before, live) == []  # type: ignore[arg-type]
-    engine = pool(engine={"maxNumSeqs": 7}, router={"replicas": 3})
-    assert needs_restart(before, engine) == ["engine.maxNumSeqs", "router.replicas"]  # type: ignore[arg-type]
-    assert needs_restart(before, pool(model={"source": "/models/other"})) == ["model.source"]  # type: ignore
+    assert needs_restart(before, live) == [] and ignored_locally(before, live) == []  # type: ignore[arg-type]
+    # a cluster's only: changes nothing locally, said so, and the edit's replicas are followed with it
+    cluster = pool(replicas={"both": {"min": 1, "max": 3}}, scaling={"warmupPrefixes": 64},
+                   engine={"image": "x/y:2", "resources": {"requests": {"cpu": "8"}}}, router={"replicas": 3})
+    assert needs_restart(before, cluster) == []  # type: ignore[arg-type]
+    assert ignored_locally(before, cluster) == ["engine.image", "engine.resources", "router.replicas"]  # type: ignore
+    # what the engines, the engines the scaler adds, or the router read at start, even under spec.scaling
+    restart = {
+        "engine.yaml max_num_seqs": pool(scaling={"warmupPrefixes": 64}, engine={"maxNumSeqs": 7}),
+        "engine.yaml forecast_horizon_seconds": pool(scaling={"warmupPrefixes": 64, "horizonSeconds": 600}),
+        "router.yaml ttft_slo_seconds": pool(scaling={"warmupPrefixes": 64, "slo": {"ttftSeconds": 0.5}}),
+        "engine-scaled.yaml warmup_grace_seconds": pool(scaling={"warmupPrefixes": 0}),
+        "engines model": pool(scaling={"warmupPrefixes": 64}, model={"source": "/models/other"}),
+    }
+    for named, edited in restart.items():
+        assert named in needs_restart(before, edited), named  # type: ignore[arg-type]
+    assert start_inputs(live) == start_inputs(before)  # type: ignore[arg-type]
 
 
 def test_the_file_is_polled_by_its_signature_and_an_edit_by_rename_counts(tmp_path: Path) -> None:
@@ -139,7 +152,7 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
         write_pool(pool_file, {}, text="spec: [unclosed\n")
         wait_for(lambda: logged("changed but cannot be used"), "the broken edit to be reported", proc, log)
         write_pool(pool_file, {"sql": sql}, low=1, high=1, engine=", maxNumSeqs: 7")
-        wait_for(lambda: logged("engine.maxNumSeqs, which running engines and router cannot take on"),
+        wait_for(lambda: logged("(engine.yaml max_num_seqs), which running engines and router cannot take on"),
                  "the edit needing a restart to be reported", proc, log)
         reply = httpx.post(url + "/v1/completions", json={"model": "sql", "prompt": [1, 2, 3], "max_tokens": 2},
                            timeout=60)
