@@ -3,6 +3,7 @@ pools the end-to-end tests run against, started and stopped one way."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
 import time
@@ -15,6 +16,7 @@ import uvicorn
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.server import EngineHolder, create_app
+from kvmesh.engine.tracing import OFF, Tracing
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 from kvmesh.router.app import Router, create_router_app
 
@@ -65,13 +67,13 @@ def serve_router(router: Router) -> Iterator[str]:
 
 
 @contextmanager
-def serve_engine(engine: Engine, healthy: bool = True) -> Iterator[str]:
-    """`engine` (started here) behind the engine's own HTTP app, in a daemon thread of this process; yields its URL
-    once healthy (with `healthy` False: once it answers at all, e.g. while its warm-up gate holds it), and stops
-    both at the end. For in-process engines such as simulated ones."""
+def serve_engine(engine: Engine, healthy: bool = True, tracing: Tracing = OFF) -> Iterator[str]:
+    """`engine` (started here) behind the engine's own HTTP app (traced with `tracing`), in a daemon thread of this
+    process; yields its URL once healthy (with `healthy` False: once it answers at all, e.g. while its warm-up gate
+    holds it), and stops both at the end. For in-process engines such as simulated ones."""
     engine.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine)), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine), tracing), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -89,9 +91,9 @@ def serve_engine(engine: Engine, healthy: bool = True) -> Iterator[str]:
 
 
 @contextmanager
-def serve_checked(engine: Engine) -> Iterator[str]:
+def serve_checked(engine: Engine, tracing: Tracing = OFF) -> Iterator[str]:
     """serve_engine for a module's tests, then the engine's KV accounting checked once they all ended."""
-    with serve_engine(engine) as url:
+    with serve_engine(engine, tracing=tracing) as url:
         yield url
     engine.kv.check_invariants()
 
@@ -105,3 +107,14 @@ def _wait_answering(url: str, timeout: float) -> None:
         except httpx.TransportError:
             assert time.monotonic() < deadline, f"{url} never answered"
             time.sleep(0.05)
+
+
+def stop_up(proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Stop a `kvmesh up` as Ctrl-C does and check it exited cleanly (its log's tail if not)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]

@@ -45,6 +45,7 @@ from .conftest import make_engine
 from .engines import serve_engine
 from .test_lora import ATTN_QV, write_adapter
 from .test_operator import NS, POOLS, RESOURCES, Cluster, Env, conditions, eventually, pod_body, pool_body, run
+from .test_operator_lora import served_by
 
 # ---- the memory in status (pure) -------------------------------------------------------------------------------
 
@@ -314,10 +315,6 @@ async def operator_run(k8s: Cluster, server: str, tmp_path: Path) -> AsyncIterat
         stop.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 20)
-
-
-def served_by(url: str) -> dict[str, str]:
-    return served_adapters(httpx.get(url + "/v1/models", timeout=5).json())
 
 
 @pytest.mark.slow

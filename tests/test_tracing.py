@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -30,7 +29,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvmesh.cli import main
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.server import EngineHolder, create_app
 from kvmesh.engine.tracing import (
     ENGINE_SERVICE,
     OFF,
@@ -47,7 +45,7 @@ from kvmesh.router.picker import RequestInfo
 from kvmesh.router.tracing import hop, request_span
 
 from .conftest import make_engine
-from .engines import serve_router
+from .engines import serve_checked, serve_router
 
 CLIENT_TRACE = "0af7651916cd43dd8421aaa7b7a1c9e5"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -121,23 +119,9 @@ def test_each_call_to_a_pod_names_its_hop(body: dict[str, Any], expected: str) -
 
 @contextmanager
 def traced_engine(engine: Engine, tracing: Tracing) -> Iterator[str]:
-    """`engine` behind its HTTP app with `tracing`, in a thread of this process (tests/engines.py's serve_engine,
-    which serves untraced)."""
-    engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine), tracing), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout=60)
+    """`engine` behind its HTTP app with `tracing`, in a thread of this process; its KV accounting checked after."""
+    with serve_checked(engine, tracing) as url:
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.stop()
-        engine.kv.check_invariants()
 
 
 @dataclass

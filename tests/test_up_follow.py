@@ -7,8 +7,6 @@ what an edit may change are pure and tested first."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from kvmesh.operator.lora import EnginePod, served_adapters
 from kvmesh.processes import free_port, launch
 from kvmesh.up import PoolFile
 
+from .engines import stop_up
 from .test_lora import write_adapter
 from .test_operator_lora_state import hanging_engine
 from .test_up_scaling import engine_urls, operator_url, sample, wait_for
@@ -187,10 +186,4 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
                  "the router to route the new adapter", proc, log)
         assert proc.poll() is None
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert proc.returncode == 0, log.read_text()[-3000:]
+        stop_up(proc, log)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import Metric, OperatorMetric
 from kvmesh.processes import free_port, launch
+
+from .engines import stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -151,10 +152,4 @@ def test_kvmesh_up_grows_under_load_and_shrinks_after(tmp_path: Path) -> None:
         reply = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
         assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == engine_urls(targets)[kept]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert proc.returncode == 0, log.read_text()[-3000:]
+        stop_up(proc, log)
