@@ -592,7 +592,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
             "an engine directly could use to probe another tenant's cached prefixes; set %s", CACHE_SALT_SECRET_ENV)
     pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
     tenants = set(keys.by_hash.values()) if keys.enabled else {DEFAULT_TENANT}
-    check_tenants(table, tenants)
+    _warn_unkeyed(table, tenants)
     limits = Limiter(table, config.rate_limit_replicas)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
     metrics = RouterMetrics(pods, index, tenants)
@@ -603,16 +603,21 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
 
 
 def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
-    """A new version of the keys file was taken (or refused): counted; its new tenants' series made; limits left
-    without a key said (not refused: revoking a key must work at once, and the limits apply again when a key does)."""
+    """A new version of the keys file was taken (or refused): counted, its new tenants' series made."""
     metrics.api_keys_reloads.labels(outcome).inc()
-    if keys is None:
-        return
-    tenants = set(keys.by_hash.values())
-    metrics.add_tenants(tenants)
-    if orphans := sorted(set(table.tenants) - tenants):
-        logging.getLogger("kvmesh.router").warning("tenants %s have limits but no API key now: their limits are "
-                                                   "unused until a key names them again", orphans)
+    if keys is not None:
+        tenants = set(keys.by_hash.values())
+        metrics.add_tenants(tenants)
+        _warn_unkeyed(table, tenants)
+
+
+def _warn_unkeyed(table: LimitTable, tenants: set[str]) -> None:
+    """Limits no key uses are said, at start and at each rotation, not refused: revoking a team's last key must cut
+    it off at once and must not stop the next router from starting (a misspelt name shows here too)."""
+    try:
+        check_tenants(table, tenants)
+    except ValueError as exc:
+        logging.getLogger("kvmesh.router").warning("%s: their limits are unused until a key names them", exc)
 
 
 def refusal_outcome(error: RouteError) -> str:

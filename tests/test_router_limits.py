@@ -273,11 +273,20 @@ def test_bad_limits_stop_the_router_at_start(tmp_path: Path, capsys: pytest.Capt
         RouterConfig(pods=["http://127.0.0.1:1"], rate_limit_replicas=0).validate()
 
 
-def test_limits_for_a_tenant_without_a_key_are_refused() -> None:
+def test_limits_for_a_tenant_without_a_key_are_named_and_the_router_still_starts(
+        tmp_path: Path, tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A misspelt name, or a team whose last key was revoked: said in the log at start, never a router that cannot
+    start (a revocation must not crash-loop the next rollout)."""
     table = parse_tenants({"default": {"requests_per_minute": 1}, "acmee": {"requests_per_minute": 9}})
     with pytest.raises(ValueError, match=r"tenants \['acmee'\] have limits but no API key"):
         check_tenants(table, {"acme", "globex"})
     check_tenants(table, {"acme", "acmee"})
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": [{"tenant": "acme", "key_sha256": hash_key("sk-acme")}]}))
+    router = build_router(RouterConfig(pods=[], api_keys_file=str(keys), tenants={"acmee": {"requests_per_minute": 9}}),
+                          tiny_dir)
+    assert router.authenticate({"authorization": "Bearer sk-acme"}) == "acme"
+    assert "tenants ['acmee'] have limits but no API key" in caplog.text
 
 
 # ---- through the router, in front of a real engine -------------------------------------------------------------
