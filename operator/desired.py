@@ -181,13 +181,18 @@ def config_files(pool: Pool) -> dict[str, str]:
     return _files(engine_settings(pool), router_settings(pool))
 
 
-def config_hash(pool: Pool) -> str:
-    """The pod templates' hash of the files, less the adapter list: the operator loads and unloads adapters in
-    running engines (operator/lora.py), so a changed list must not roll them; a new pod reads the whole file at
-    start. (An adapter on its own volumeClaim still rolls them: its volume is in the pod template.)"""
-    managed = engine_adapters(pool) is not None  # a list of name=path is not kept in step: it rolls the pods
-    engine = {k: v for k, v in engine_settings(pool).items() if k != LORA_MODULES or not managed}
-    return hashlib.sha256(json.dumps(_files(engine, router_settings(pool)), sort_keys=True).encode()).hexdigest()[:16]
+def config_hash(pool: Pool, engine: bool) -> str:
+    """A pod template's hash of the one file its program reads, so a change rolls only the pods that read it: a
+    router setting (a tenant's limits) must not restart the engines and empty their caches. The engines' hash
+    leaves the adapter list out: the operator loads and unloads adapters in running engines (operator/lora.py),
+    so a changed list must not roll them; a new pod reads the whole file at start. (An adapter on its own
+    volumeClaim still rolls them: its volume is in the pod template.)"""
+    if engine:
+        managed = engine_adapters(pool) is not None  # a list of name=path is not kept in step: it rolls the pods
+        settings = {k: v for k, v in engine_settings(pool).items() if k != LORA_MODULES or not managed}
+    else:
+        settings = router_settings(pool)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---- pods ------------------------------------------------------------------------------------------------------------
@@ -269,7 +274,8 @@ def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool
         spec["automountServiceAccountToken"] = False
     if engine:
         spec["terminationGracePeriodSeconds"] = DRAIN_SECONDS + 30
-    return {"metadata": {"labels": labels(pool, role), "annotations": {CONFIG_HASH_ANNOTATION: config_hash(pool)}},
+    return {"metadata": {"labels": labels(pool, role),
+                         "annotations": {CONFIG_HASH_ANNOTATION: config_hash(pool, engine)}},
             "spec": spec}
 
 

@@ -320,15 +320,24 @@ def load_router_config_from_text(text: str) -> Any:
         return load_router_config(f.name)
 
 
-def test_a_configuration_change_rolls_the_pods_and_a_replica_change_does_not() -> None:
-    def template_hash(p: Pool, replicas: dict[str, int] | None = None) -> str:
-        d = by_kind(desired_objects(p, replicas), "Deployment")["chat-both"]
+def test_a_configuration_change_rolls_the_pods_that_read_it_and_a_replica_change_does_not() -> None:
+    """One hash per program's file: an engine setting rolls the engines (and the router only when its own file
+    changes), a router setting such as a tenant's limits rolls only the routers: the engines keep their caches."""
+    def template_hash(p: Pool, name: str = "chat-both", replicas: dict[str, int] | None = None) -> str:
+        d = by_kind(desired_objects(p, replicas), "Deployment")[name]
         return d["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
 
     base = pool()
-    assert template_hash(base) == template_hash(base, {"both": 4})
+    assert template_hash(base) == template_hash(base, replicas={"both": 4})
     changed = pool(engine={**base.spec["engine"], "maxNumSeqs": 8})
     assert template_hash(changed) != template_hash(base)
+    assert template_hash(changed, "chat-router") == template_hash(base, "chat-router")
+    limited = pool(router={**base.spec["router"], "settings": {"tenants": {"default": {"requests_per_minute": 60}}}})
+    assert template_hash(limited, "chat-router") != template_hash(base, "chat-router")
+    assert template_hash(limited) == template_hash(base)
+    hashed = pool(engine={**base.spec["engine"], "blockSize": 32})  # in both files: both roll
+    assert template_hash(hashed) != template_hash(base)
+    assert template_hash(hashed, "chat-router") != template_hash(base, "chat-router")
 
 
 def test_hpa_mode_creates_autoscalers_on_the_forecast_and_never_patches_engine_replicas() -> None:
