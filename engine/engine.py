@@ -32,7 +32,15 @@ from kvmesh.engine.kvcache import KVLayout
 from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.model import loader
 from kvmesh.engine.model.llama import Llama
-from kvmesh.engine.model.lora import LoadedLora, LoraAdapter, LoraConflict, LoraError, LoraRegistry, read_adapter
+from kvmesh.engine.model.lora import (
+    LORA_MEMORY_SUFFIX,
+    LoadedLora,
+    LoraAdapter,
+    LoraConflict,
+    LoraError,
+    LoraRegistry,
+    read_adapter,
+)
 from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND
 from kvmesh.engine.protocol import HashAlgo, KVConfig, KVEvent
@@ -136,12 +144,6 @@ class Engine:
         self.loras = LoraRegistry(config.max_loras)  # changed on the engine thread, read by the HTTP edge
         self.lengths = OutputLengthModel()
         self.state = EngineState(kv=self.kv.stats(), max_loras=config.max_loras)
-        for name, path in config.lora_modules.items():
-            try:
-                self.add_lora(self.read_lora(name, path))
-            except LoraError as exc:  # one bad adapter must not keep the base model and the others from serving
-                # (under the operator a pod that died here would crash-loop; its adapter sync reports the refusal)
-                log.error("LoRA adapter %r not loaded: %s", name, exc)
         self.spec = SpecConfig.parse(config.speculative_config)
         self._histories: dict[str, TokenHistory] = {}  # speculating requests' tokens, for the n-gram lookup
         self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype,
@@ -183,6 +185,15 @@ class Engine:
         self._swapped: set[str] = set()  # preempted requests whose blocks come back from the host tier
         self._tier_tokens: dict[str, dict[str, int]] = {}  # request -> prompt tokens promoted, by tier
         self.tiers = self._make_tiers(self.kv_layout.block_bytes())
+        if self.tiers is not None:  # adapter names hash cached blocks: remember their weights as long as the tiers
+            self.loras.remember_in([(t.store.path.with_name(t.store.path.name + LORA_MEMORY_SUFFIX), t.store.fresh)
+                                    for t in self.tiers.tiers.values()])
+        for name, path in config.lora_modules.items():
+            try:
+                self.add_lora(self.read_lora(name, path))
+            except LoraError as exc:  # one bad adapter must not keep the base model and the others from serving
+                # (under the operator a pod that died here would crash-loop; its adapter sync reports the refusal)
+                log.error("LoRA adapter %r not loaded: %s", name, exc)
         self.kv.pool.on_residency = lambda kind, s: self.metrics.residency[kind].labels("device").observe(s)
 
     def _make_tiers(self, block_bytes: int) -> KVTiers | None:

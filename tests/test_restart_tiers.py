@@ -14,11 +14,13 @@ import httpx
 import numpy as np
 import pytest
 
+from kvmesh.engine.model.lora import LoraError
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.protocol import KVEvent, block_hashes
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 
 from .test_kv_tiers import chain, metric, prompt, run, run_cold, tiered
+from .test_lora import write_adapter
 
 
 def test_a_restarted_engine_serves_from_its_host_and_disk_tiers(tiny_dir: Path, tmp_path: Path) -> None:
@@ -175,3 +177,27 @@ def test_events_of_a_recovered_block_carry_parent_and_tier(tiny_dir: Path, tmp_p
     by_hash = {e.block_hashes[0]: e for e in stored}
     assert by_hash[hashes[1]] == KVEvent("stored", (hashes[1],), tier="disk", parent_hash=hashes[0], token_count=16)
     second.close()
+
+
+def test_a_restarted_engine_still_refuses_other_weights_under_a_name_its_tiers_cached(tiny_dir: Path,
+                                                                                     tmp_path: Path) -> None:
+    """An adapter's blocks are hashed by its name, and the tiers outlive the process: the weights each name was
+    served with are kept beside them, so files replaced in place cannot be served over the old weights' blocks.
+    A tier that starts empty forgets them."""
+    first_weights = write_adapter(tmp_path / "v1", seed=1)
+    other_weights = write_adapter(tmp_path / "v2", seed=2)
+    first = tiered(tiny_dir, tmp_path)
+    first.add_lora(first.read_lora("sql", str(first_weights)))
+    first.close()
+
+    second = tiered(tiny_dir, tmp_path)
+    with pytest.raises(LoraError, match="before a restart that kept its KV tiers"):
+        second.add_lora(second.read_lora("sql", str(other_weights)))
+    second.add_lora(second.read_lora("sql", str(first_weights)))  # the same weights: served again
+    second.close()
+
+    for tier in ("host.kv", "disk.kv"):  # the tiers start empty: no block of the old weights is left
+        (tmp_path / tier).unlink()
+    third = tiered(tiny_dir, tmp_path)
+    third.add_lora(third.read_lora("sql", str(other_weights)))
+    third.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from kvmesh.engine.model.loader import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+LORA_MEMORY_SUFFIX = ".loras.json"  # beside a KV tier file: the weights each adapter name was served with
 # The model's fused projections (llama.py concatenates them in this order) and the PEFT modules inside each.
 PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -266,6 +269,39 @@ class LoraRegistry:
         self.max_loras = max_loras
         self.loaded: dict[str, LoadedLora] = {}
         self._seen: dict[str, str] = {}  # every name ever loaded -> the fingerprint of its weights
+        self._memory: list[Path] = []  # files keeping `_seen` beside the KV tiers that outlive this process
+
+    def remember_in(self, files: Sequence[tuple[Path, bool]]) -> None:
+        """Keep the names' fingerprints in these files, one beside each KV tier file that survives a restart, and
+        read back what an earlier process left there: a restarted engine must still refuse other weights under a
+        name whose blocks its tiers hold (they are hashed by the name). A tier that started empty (`fresh`: another
+        model or layout, or no file) holds no such block, so its file's memory is dropped."""
+        for path, fresh in files:
+            if fresh:
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                remembered = json.loads(path.read_text()) if path.exists() else {}
+            except (OSError, ValueError) as exc:
+                logging.getLogger("kvmesh.engine").warning("LoRA memory %s unreadable (%s): other weights under "
+                                                           "a name its tier's blocks were cached with would not "
+                                                           "be refused", path, exc)
+                continue
+            if isinstance(remembered, dict):
+                self._seen.update({str(k): str(v) for k, v in remembered.items()})
+        self._memory = [path for path, _ in files]
+        self._save()
+
+    def _save(self) -> None:
+        """Write the memory whole (a temporary file renamed over it), so a crash leaves the old or the new one."""
+        text = json.dumps(self._seen, sort_keys=True)
+        for path in self._memory:
+            try:
+                staged = path.with_name(path.name + ".tmp")
+                staged.write_text(text)
+                os.replace(staged, path)
+            except OSError as exc:
+                logging.getLogger("kvmesh.engine").warning("LoRA memory %s not written: %s", path, exc)
 
     def names(self) -> list[str]:
         return list(self.loaded)
@@ -284,8 +320,9 @@ class LoraRegistry:
                             f"first")
         if self._seen.get(name, adapter.fingerprint) != adapter.fingerprint:
             # the router hashes blocks by adapter name: the old weights' cached blocks may still be found under it
-            raise LoraError(f"the name {name!r} was served with other weights earlier in this engine's life and its "
-                            f"cached KV blocks may remain; load these weights under a new name")
+            raise LoraError(f"the name {name!r} was served with other weights earlier (in this engine's life, or "
+                            f"before a restart that kept its KV tiers) and its cached KV blocks may remain; load "
+                            f"these weights under a new name")
         taken = {a.slot for a in self.loaded.values()}
         free = [s for s in range(self.max_loras) if s not in taken]
         if not free:
@@ -293,7 +330,9 @@ class LoraRegistry:
                                f"(max_loras = {self.max_loras}); unload one first")
         entry = LoadedLora(name, adapter.path, free[0], adapter.rank)
         self.loaded[name] = entry
-        self._seen[name] = adapter.fingerprint
+        if self._seen.get(name) != adapter.fingerprint:
+            self._seen[name] = adapter.fingerprint
+            self._save()
         return entry
 
     def remove(self, name: str) -> LoadedLora:
