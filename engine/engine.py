@@ -616,7 +616,7 @@ class Engine:
                 StepInput(
                     self.kv.block_ids(r.request_id),
                     start,
-                    r.token_ids[start : start + known] + list(s.draft_ids),
+                    r.token_slice(start, start + known) + list(s.draft_ids),
                     wants_logits=start + known == r.num_tokens,
                     lora_slot=self.loras.slot(r.extra.lora),
                     num_logits=1 + len(s.draft_ids),

@@ -78,6 +78,15 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] without building the whole list (a decode step needs one token of a long one)."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.output_ids[start - split : stop - split]
+        if stop <= split:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - split]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

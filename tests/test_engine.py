@@ -282,3 +282,12 @@ def test_penalties_change_the_answer_and_continue_exactly_after_a_resume(tiny_en
     tiny_engine.submit(resumed)
     tiny_engine.run_until_idle()
     assert whole.tokens[:4] + [t for o in outputs for t in o.new_token_ids] == whole.tokens
+
+
+def test_a_requests_token_slice_is_that_of_its_whole_token_list() -> None:
+    """A step reads the tokens it computes by slice (one for a decode) without joining prompt and output."""
+    request = Request("r", [1, 2, 3, 4], SamplingParams())
+    request.output_ids = [5, 6, 7]
+    whole = request.token_ids
+    for start, stop in itertools.combinations_with_replacement(range(len(whole) + 1), 2):
+        assert request.token_slice(start, stop) == whole[start:stop]
