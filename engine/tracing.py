@@ -112,8 +112,13 @@ def setup_tracing(service: str, configured: str | None, exporter: SpanExporter |
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:  # a start error that says what to do, not a traceback deep in the exporter
+            raise ValueError(f"the OTLP exporter cannot load ({exc}); xds-protos ships an older copy of "
+                             "opentelemetry-proto's files and was installed after it: reinstall it last with `pip "
+                             "install --force-reinstall --no-deps opentelemetry-proto==<its version>` (the "
+                             "Makefile and the image do)") from None
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     return Tracing(provider.get_tracer(INSTRUMENTATION), provider)
 

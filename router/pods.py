@@ -305,7 +305,11 @@ class PodSet:
             await asyncio.sleep(self.scrape_interval)
 
     async def _read_models(self, pod: Pod) -> None:
+        """The pod's model list; a pod without the endpoint (404) serves the model its KV config names."""
         reply = await self._client.get(pod.url + MODELS_PATH)
+        if reply.status_code == 404 and pod.kv_config is not None:
+            pod.served, pod.served_at = ServedModels.base_only(pod.kv_config.model), time.monotonic()
+            return
         reply.raise_for_status()
         pod.served, pod.served_at = ServedModels.of(reply.json()), time.monotonic()
 

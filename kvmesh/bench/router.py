@@ -36,6 +36,7 @@ from kvmesh.engine.protocol import (
     DEFAULT_HASH_ROOT,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
+    MODELS_PATH,
     TIERS,
     BlockExtra,
     HashAlgo,
@@ -599,6 +600,8 @@ def _stub_routes(fingerprint: str) -> dict[bytes, tuple[int, bytes, bytes]]:
         b"/metrics": (200, b"text/plain; version=0.0.4", metrics),
         KV_CONFIG_PATH.encode(): (200, as_json, json.dumps(config.to_json()).encode()),
         KV_EVENTS_PATH.encode(): (200, b"application/x-ndjson", b""),  # no events: the router reconnects later
+        MODELS_PATH.encode(): (200, as_json, json.dumps({"object": "list", "data": [
+            {"id": "stub", "object": "model", "created": 0, "owned_by": "kvmesh"}]}).encode()),
         b"/v1/completions": (200, as_json, json.dumps(completion).encode()),
     }
 
