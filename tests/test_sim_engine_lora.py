@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.bench.sim_engine import ENGINE_FLAGS, PROFILES, LatencyModel, add_parser, sim_config
 from kvmesh.bench.sim_runner import SimEngine
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.model.lora import LoraError
 from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.engine.protocol import (
     LOAD_LORA_PATH,
@@ -56,6 +57,16 @@ def test_the_cli_takes_adapters_as_the_engines_cli_does(adapters: dict[str, str]
                               "--max-lora-rank", "16"])
     config = sim_config(PROFILES["cpu-smollm"], None, {name: getattr(args, name) for name in ENGINE_FLAGS})
     assert (config.lora_modules, config.max_loras, config.max_lora_rank) == ({"sql": adapters["sql"]}, 3, 16)
+
+
+@pytest.mark.parametrize(("config", "fragment"), [({"use_dora": True}, "DoRA"), ({"bias": "all"}, "bias"),
+                                                  ({"peft_type": "IA3"}, "IA3"), ({"r": 64}, "rank 64")])
+def test_the_simulator_refuses_the_adapters_the_engine_refuses(tmp_path: Path, config: dict[str, object],
+                                                               fragment: str) -> None:
+    """The same config checks as the engine (one function), so tests against simulated pods see its refusals."""
+    path = write_adapter(tmp_path / "bad", seed=5, rank=4, layers=1, **config)
+    with pytest.raises(LoraError, match=fragment):
+        sim().read_lora("bad", str(path))
 
 
 def lora_info(text: str) -> list[dict[str, str]]:

@@ -110,8 +110,19 @@ def _refuse_unsupported(cfg: dict, where: Path) -> None:
                         f"{', '.join(TARGET_MODULES)} (embed_tokens and lm_head are not)")
 
 
-def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
-    """Read and check a PEFT LoRA directory against the base model; raises LoraError naming the problem."""
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A PEFT LoRA directory's checked config: where it is, its rank and scale, and its config file's bytes."""
+
+    where: Path
+    rank: int
+    scale: float
+    config_bytes: bytes
+
+
+def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
+    """The checks of a PEFT directory that need no tensor: its files, its config's rank and alpha, the PEFT features
+    refused by name, the rank against `max_rank`. Raises LoraError. (The simulated engine checks adapters this far.)"""
     where = Path(path).expanduser()
     if not (where / CONFIG_FILE).is_file():
         raise LoraError(f"LoRA adapter {name!r}: {where} has no {CONFIG_FILE} (is it a PEFT adapter directory?)")
@@ -130,9 +141,16 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int, dtype
         raise LoraError(f"LoRA adapter {name!r} has rank {rank}; this engine takes ranks 1 to {max_rank} "
                         f"(max_lora_rank)")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return AdapterConfig(where, rank, scale, config_bytes)
+
+
+def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
+    """Read and check a PEFT LoRA directory against the base model; raises LoraError naming the problem."""
+    checked = read_adapter_config(name, path, max_rank)
+    where, rank, scale = checked.where, checked.rank, checked.scale
     shapes = module_shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    digest = hashlib.sha256(config_bytes)
+    digest = hashlib.sha256(checked.config_bytes)
     try:
         with safe_open(str(where / WEIGHTS_FILE), framework="pt") as f:
             for key in sorted(f.keys()):

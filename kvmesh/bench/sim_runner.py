@@ -6,11 +6,9 @@ their weights are not read, since the simulated model has none to add them to.""
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -18,7 +16,7 @@ from kvmesh.bench.sim_engine import LatencyModel, Profile
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine, LoadedModel
 from kvmesh.engine.model import loader
-from kvmesh.engine.model.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, LoraError
+from kvmesh.engine.model.lora import WEIGHTS_FILE, LoraAdapter, LoraError, read_adapter_config
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.runner import ModelRunner, StepInput, StepResult
 
@@ -95,29 +93,17 @@ class SimEngine(Engine):
     def make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         return SimRunner(self.latency, loaded.tokenizer.vocab_size, num_blocks, self.config.block_size)
 
-    def read_lora(self, name: str, path: str) -> LoraAdapter:
-        """A PEFT directory as the engine checks it, less its tensors' shapes (the simulated model's are not the
-        adapter's base model's): its config's rank against max_lora_rank, its weights file present. Its
-        fingerprint covers both files, so other weights under a name served before are refused as by the engine.
-        Raises LoraError."""
-        if name == self.model_name:
-            raise LoraError(f"{name!r} is the base model's name; give the adapter another one")
-        where = Path(path).expanduser()
-        if not (where / CONFIG_FILE).is_file() or not (where / WEIGHTS_FILE).is_file():
-            raise LoraError(f"LoRA adapter {name!r}: {where} lacks {CONFIG_FILE} or {WEIGHTS_FILE} (is it a PEFT "
-                            f"adapter directory?)")
+    def read_adapter_files(self, name: str, path: str) -> LoraAdapter:
+        """A PEFT directory as the engine checks it (read_adapter_config: its files, its config, the PEFT features
+        refused by name, its rank), less its tensors (the simulated model's shapes are not the adapter's base
+        model's). Its fingerprint covers both files, so other weights under a name served before are refused as by
+        the engine. Raises LoraError."""
+        checked = read_adapter_config(name, path, self.config.max_lora_rank)
         try:
-            config_bytes = (where / CONFIG_FILE).read_bytes()
-            rank = int(json.loads(config_bytes)["r"])
-            digest = hashlib.sha256(config_bytes + (where / WEIGHTS_FILE).read_bytes())
+            digest = hashlib.sha256(checked.config_bytes + (checked.where / WEIGHTS_FILE).read_bytes())
         except OSError as exc:
-            raise LoraError(f"LoRA adapter {name!r}: cannot read {where}: {exc}") from None
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LoraError(f"{where / CONFIG_FILE}: needs an integer r ({exc})") from None
-        if not 1 <= rank <= self.config.max_lora_rank:
-            raise LoraError(f"LoRA adapter {name!r} has rank {rank}; this engine takes ranks 1 to "
-                            f"{self.config.max_lora_rank} (max_lora_rank)")
-        return LoraAdapter(name, str(where), rank, 1.0, {}, digest.hexdigest()[:16])
+            raise LoraError(f"LoRA adapter {name!r}: cannot read {checked.where}: {exc}") from None
+        return LoraAdapter(name, str(checked.where), checked.rank, checked.scale, {}, digest.hexdigest()[:16])
 
     def read_frame(self, block_ids: list[int], hashes: list[int]) -> bytes:
         start = time.perf_counter()
