@@ -92,6 +92,21 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [(f'kvmesh_warmup_gate_opened_total{{reason="warmed", pod="e1", role="decode", {POOL}}}', "0x5 1x10"),
          (f'kvmesh_warmup_gate_opened_total{{reason="grace_expired", pod="e1", role="decode", {POOL}}}', "0x15")],
         "10m", []),
+    "a key rotation refused": (
+        [(f'kvmesh_router_api_keys_reloads_total{{outcome="refused", pod="r0", role="router", {POOL}}}',
+          "0x20 1x30"),
+         (f'kvmesh_router_api_keys_reloads_total{{outcome="loaded", pod="r0", role="router", {POOL}}}', "0x50")],
+        "40m",
+        [alert("KvmeshApiKeysRotationRefused", {"severity": "warning", **WHERE},
+               "Pool ml/chat: a router refused a new API keys file",
+               "Routers refused 1 new version(s) of the API keys file in the last hour (no keys, a plain key or "
+               "broken YAML): the keys in force stay, revoked ones included. The router's log says why; fix the "
+               "Secret.")]),
+    "key rotations taken": (
+        [(f'kvmesh_router_api_keys_reloads_total{{outcome="loaded", pod="r0", role="router", {POOL}}}',
+          "0x20 1x30"),
+         (f'kvmesh_router_api_keys_reloads_total{{outcome="refused", pod="r0", role="router", {POOL}}}', "0x50")],
+        "40m", []),
     "an adapter refused": (
         # the operator's series: the pool's namespace as pool_namespace, its own pod's as the target's namespace
         [(f'kvmesh_operator_lora_actions_total{{action="load", outcome="refused", role="decode", {OPERATOR}}}',
@@ -166,7 +181,7 @@ def test_the_rule_file_is_valid() -> None:
     assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
                                      "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached",
-                                     "KvmeshLoraAdapterRefused"])
+                                     "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused"])
 
 
 def test_every_alert_is_seen_firing() -> None:
