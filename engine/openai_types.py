@@ -125,16 +125,21 @@ class ResponseFormat(BaseModel):
         return None
 
 
-def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
-    """vLLM's clients send a JSON schema as an object or as its JSON text."""
+def json_object(value: Any, what: str) -> dict[str, Any]:
+    """A mapping given as itself or as its JSON text (vLLM takes both: a schema in a body, a config in a flag);
+    ValueError naming `what` otherwise."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+            raise ValueError(f"{what} is not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ValueError("a JSON schema is an object")
+        raise ValueError(f"{what} must be a JSON object (a mapping), got {value!r:.80}")
     return value
+
+
+def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    return json_object(value, "the JSON schema")
 
 
 class StructuredOutputsParams(BaseModel):

@@ -18,12 +18,13 @@ extend kernel and the decode kernel sum in different orders, so a near-tie can f
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from kvmesh.engine.openai_types import json_object
 
 SPEC_METHODS: tuple[str, ...] = ("ngram",)
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min/max when neither is given
@@ -45,13 +46,7 @@ class SpecConfig:
         ValueError naming what is wrong."""
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a mapping, got {value!r}")
+        value = json_object(value, "speculative_config")
         if not value:
             return None
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}

@@ -81,7 +81,7 @@ def test_token_history_follows_prompt_and_output_growth() -> None:
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
     ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown keys ['lookahead']"),
     ("{not json", "not JSON"),
-    ([1, 2], "must be a mapping"),
+    ([1, 2], "must be a JSON object"),
 ])
 def test_bad_speculative_config_is_refused_at_start(value: object, message: str) -> None:
     with pytest.raises(ValueError) as info:
