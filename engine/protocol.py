@@ -420,7 +420,8 @@ ROUTER_OUTCOMES: tuple[str, ...] = ("ok", "error", "shed", "rate_limited", "no_p
 RATE_LIMIT_CODE = "rate_limit_exceeded"  # the error code of a 429 for a tenant's limits, as OpenAI's
 # why a tenant's request got 429 (router/limits.py): its requests or tokens per minute, its concurrent requests, or
 # its share of a saturated pool (router/shed.py)
-LIMIT_REASONS: tuple[str, ...] = ("requests", "tokens", "concurrency", "fair_share")
+FAIR_SHARE = "fair_share"  # a tenant shed under overload while above its share of the requests in flight
+LIMIT_REASONS: tuple[str, ...] = ("requests", "tokens", "concurrency", FAIR_SHARE)
 KEYS_RELOAD_OUTCOMES: tuple[str, ...] = ("loaded", "refused")  # a changed API keys file: taken, or not (old stay)
 GATEWAY_ROUTE = "gateway"  # requests a Gateway sent through the router's ext_proc endpoint picker
 ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated", GATEWAY_ROUTE)

@@ -357,6 +357,7 @@ class _ScalingWatch:
         engines start from; a cluster's own fields are ignored, and said so) or say why not (it changes what the
         processes started with: operator/local.py `start_inputs`), running on the last good spec. Never raises: a
         bad edit is the user's to fix."""
+        from kvmesh.operator.crd import transition_errors
         from kvmesh.operator.local import ignored_locally, needs_restart
 
         if self.file is None or not self.file.changed():
@@ -365,6 +366,10 @@ class _ScalingWatch:
         pool, problem = self.file.read()
         if pool is None:
             _say(f"{path} changed but cannot be used: {problem}; the pool runs on as before (fix the file to go on)")
+            return
+        if broken := transition_errors(self.pool.spec, pool.spec):  # what the API server refuses on an update
+            _say(f"{path} changed in a way a running pool refuses: {'; '.join(broken)}; none of this edit is "
+                 f"applied, the pool runs on as before")
             return
         stuck = needs_restart(self.pool, pool)
         if stuck:

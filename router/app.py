@@ -37,6 +37,7 @@ from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, ChatRequest, CompletionRequest, error_body
 from kvmesh.engine.protocol import (
     CACHE_SALT_FIELD,
+    FAIR_SHARE,
     KEYS_RELOAD_OUTCOMES,
     KV_TRANSFER_FIELD,
     LIMIT_REASONS,
@@ -59,10 +60,18 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
-from kvmesh.router.auth import CACHE_SALT_SECRET_ENV, DEFAULT_TENANT, ApiKeys, KeysFile, cache_salt_for, tenant_hash
+from kvmesh.router.auth import (
+    CACHE_SALT_SECRET_ENV,
+    DEFAULT_TENANT,
+    KEYS_CHECK_SECONDS,
+    ApiKeys,
+    KeysFile,
+    cache_salt_for,
+    tenant_hash,
+)
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
-from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, check_tenants, parse_tenants
+from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tenants, unkeyed_tenants
 from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
@@ -453,10 +462,13 @@ class Router:
         trace.lease = lease
         return Admitted(raw, body, trace, rewritten=bool(dropped) or self.keys.enabled)
 
+    def reload_keys(self) -> None:
+        """Take a changed keys file (blocking: the app's background task runs it off the event loop)."""
+        if self.keys_file is not None and self.keys_file.reload_if_changed():
+            self.keys = self.keys_file.keys
+
     def authenticate(self, headers: Mapping[str, str]) -> str:
         """The tenant of a request's API key (DEFAULT_TENANT with auth off); RouteError 401 without a valid one."""
-        if self.keys_file is not None:
-            self.keys = self.keys_file.current()
         tenant = self.keys.tenant_for(headers.get("authorization"))
         if tenant is None:
             raise RouteError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
@@ -520,7 +532,7 @@ class Router:
         refusal = should_shed(decision, trace.info.priority, self.shed, fair)
         if refusal is not None:
             if refusal.fair_share:
-                self.metrics.rate_limited.labels(tenant_hash(trace.tenant), "fair_share").inc()
+                self.metrics.rate_limited.labels(tenant_hash(trace.tenant), FAIR_SHARE).inc()
             self.metrics.shed.labels(priority_label(trace.info.priority)).inc()
             self.metrics.requests.labels("shed", trace.route).inc()
             self.record(trace, "shed", 429, None)
@@ -614,10 +626,10 @@ def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys
 def _warn_unkeyed(table: LimitTable, tenants: set[str]) -> None:
     """Limits no key uses are said, at start and at each rotation, not refused: revoking a team's last key must cut
     it off at once and must not stop the next router from starting (a misspelt name shows here too)."""
-    try:
-        check_tenants(table, tenants)
-    except ValueError as exc:
-        logging.getLogger("kvmesh.router").warning("%s: their limits are unused until a key names them", exc)
+    if strangers := unkeyed_tenants(table, tenants):
+        logging.getLogger("kvmesh.router").warning(
+            "tenants %s have limits but no API key (tenants with keys: %s): their limits are unused until a key "
+            "names them", strangers, ", ".join(sorted(tenants)))
 
 
 def refusal_outcome(error: RouteError) -> str:
@@ -751,8 +763,14 @@ def run_router(router: Router, log_level: str = "info") -> None:
 def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     drain = drain or Drain()
 
+    async def watch_keys() -> None:
+        while True:
+            await asyncio.sleep(KEYS_CHECK_SECONDS)
+            await asyncio.to_thread(router.reload_keys)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        keys_task = asyncio.create_task(watch_keys()) if router.keys_file is not None else None
         await router.pods.start()
         if router.config.ext_proc_port is not None:  # imported here: grpc only for routers that serve a Gateway
             from kvmesh.router.extproc import start_ext_proc
@@ -764,6 +782,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 drain.begin()
         yield
         await drain.finish()
+        if keys_task is not None:
+            keys_task.cancel()
         await router.pods.stop()
         await router.upstream.close()
         if router.log is not None:
@@ -1069,8 +1089,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         return await route(http, "/v1/completions", chat=False)
 
     @app.get(MODELS_PATH)
-    async def models() -> dict[str, Any]:
-        return router.models()
+    async def models(http: HttpRequest) -> Response:
+        try:  # the key, as for completions and as the Gateway edge asks it
+            router.authenticate(http.headers)
+        except RouteError as exc:
+            return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status)
+        return JSONResponse(router.models())
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -11,7 +11,6 @@ import hmac
 import logging
 import os
 import re
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -153,21 +152,19 @@ class KeysFile:
     """The API keys file, re-read when it changes, so keys are added and revoked without a restart.
 
     A Secret mounted as a volume is updated in place by the kubelet (it swaps a symlink to a new directory), so
-    the file's identity (inode, mtime, size) is compared at most once per `check_seconds`, on the request path: a
-    stat costs microseconds. A new version is taken whenever it is whole and valid, so a revoked key stops working
-    at once; an invalid one (no keys, a plain key, broken YAML) is refused and the keys in force stay, with the
-    error logged once per version: a broken rotation must neither open the pool nor lock every tenant out.
+    the router's background task (router/app.py) compares the file's identity (inode, mtime, size) every
+    KEYS_CHECK_SECONDS, off the event loop: a poll, because a mounted Secret gives no event a process can wait
+    on portably. A new version is taken whenever it is whole and valid, so a revoked key stops working at once;
+    an invalid one (no keys, a plain key, broken YAML) is refused and the keys in force stay, with the error
+    logged once per version: a broken rotation must neither open the pool nor lock every tenant out.
     `on_reload(outcome, keys)` hears of each version: "loaded" with its keys, or "refused" with None.
     """
 
     def __init__(self, path: str | os.PathLike[str],
-                 on_reload: Callable[[str, ApiKeys | None], None] = lambda *_: None,
-                 check_seconds: float = KEYS_CHECK_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+                 on_reload: Callable[[str, ApiKeys | None], None] = lambda *_: None) -> None:
         self.path, self.on_reload = path, on_reload
-        self.check_seconds, self.clock = check_seconds, clock
         self._seen = self._identity()
         self.keys = ApiKeys.from_file(path)  # at start a bad file is an error, as before
-        self._checked = clock()
 
     def _identity(self) -> tuple[int, int, int] | None:
         try:
@@ -176,15 +173,12 @@ class KeysFile:
             return None
         return st.st_ino, st.st_mtime_ns, st.st_size
 
-    def current(self) -> ApiKeys:
-        """The keys in force, after re-reading the file if it changed since the last look."""
-        now = self.clock()
-        if now - self._checked < self.check_seconds:
-            return self.keys
-        self._checked = now
+    def reload_if_changed(self) -> bool:
+        """Re-read the file if it changed since the last look (blocking: call it off the event loop); whether a
+        new version was taken."""
         seen = self._identity()
         if seen == self._seen:
-            return self.keys
+            return False
         self._seen = seen
         log = logging.getLogger("kvmesh.router")
         try:
@@ -192,9 +186,9 @@ class KeysFile:
         except (OSError, ValueError) as exc:
             log.error("API keys file %s changed but was not taken (the keys in force stay): %s", self.path, exc)
             self.on_reload("refused", None)
-            return self.keys
+            return False
         self.keys = keys
         log.info("API keys file %s re-read: %d keys, %d tenants", self.path, len(keys.by_hash),
                  len(set(keys.by_hash.values())))
         self.on_reload("loaded", keys)
-        return keys
+        return True

@@ -72,9 +72,9 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.engine.openai_types import error_body
-from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD, MODELS_PATH, RATE_LIMIT_CODE
+from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD, MODELS_PATH
 from kvmesh.engine.tracing import Tracing
-from kvmesh.router.app import Booking, RouteError, Router, Trace, View, wants_usage, with_usage
+from kvmesh.router.app import Booking, RouteError, Router, Trace, View, refusal_outcome, wants_usage, with_usage
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
     EXT_PROC_KEY_FILE,
@@ -196,7 +196,7 @@ class Refused(Exception):
         super().__init__(error.message)
         self.status = error.status
         self.reply = immediate(error, retry_after)
-        self.outcome = "rate_limited" if outcome == "error" and error.code == RATE_LIMIT_CODE else outcome
+        self.outcome = refusal_outcome(error) if outcome == "error" else outcome
 
 
 class Answered(Refused):

@@ -111,13 +111,10 @@ def parse_tenants(raw: Any, where: str = "tenants") -> LimitTable:
     return LimitTable(default, tenants)
 
 
-def check_tenants(table: LimitTable, known: set[str]) -> None:
-    """Every tenant with limits of its own must be one the API keys name: a misspelt name would otherwise leave the
-    real tenant on the defaults, silently. ValueError naming the strangers."""
-    if strangers := sorted(set(table.tenants) - known):
-        raise ValueError(f"tenants {strangers} have limits but no API key (tenants with keys: "
-                         f"{', '.join(sorted(known))}; without api_keys_file every request is tenant "
-                         f"{DEFAULT_TENANT!r}, whose limits are the `{DEFAULTS_ENTRY}` entry)")
+def unkeyed_tenants(table: LimitTable, known: set[str]) -> list[str]:
+    """The tenants with limits of their own that no API key names (a misspelt name, or a team whose last key was
+    revoked): their limits are unused, which the router says."""
+    return sorted(set(table.tenants) - known)
 
 
 @dataclass
@@ -204,8 +201,10 @@ class Limiter:
         self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
         self._buckets: dict[str, _Buckets] = {}
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the counts (the router's), once known
-        for name, limits in (("default", self.table.default), *self.table.tenants.items()):
-            here = limits.per_replica(replicas)
+        # what this replica enforces, per `tenants:` entry: worked out once, read on every request
+        self._default = self.table.default.per_replica(replicas)
+        self._here = {name: limits.per_replica(replicas) for name, limits in self.table.tenants.items()}
+        for name, here in ((DEFAULTS_ENTRY, self._default), *self._here.items()):
             for field_name, rate in (("requests_per_minute", here.requests_per_minute),
                                      ("tokens_per_minute", here.tokens_per_minute)):
                 if rate is not None and rate < 1:
@@ -216,7 +215,7 @@ class Limiter:
 
     def limits(self, tenant: str) -> TenantLimits:
         """What this replica enforces for `tenant`."""
-        return self.table.of(tenant).per_replica(self.replicas)
+        return self._here.get(tenant, self._default)
 
     def weight(self, tenant: str) -> float:
         return self.table.of(tenant).weight

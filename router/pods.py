@@ -305,9 +305,11 @@ class PodSet:
             await asyncio.sleep(self.scrape_interval)
 
     async def _read_models(self, pod: Pod) -> None:
-        """The pod's model list; a pod without the endpoint (404) serves the model its KV config names."""
+        """The pod's model list (its KV config is read by then); a pod without the endpoint (404) serves the model
+        its KV config names."""
+        assert pod.kv_config is not None
         reply = await self._client.get(pod.url + MODELS_PATH)
-        if reply.status_code == 404 and pod.kv_config is not None:
+        if reply.status_code == 404:
             pod.served, pod.served_at = ServedModels.base_only(pod.kv_config.model), time.monotonic()
             return
         reply.raise_for_status()

@@ -25,6 +25,7 @@ from kvmesh.operator.crd import (
     defaulted_spec,
     parse_pool,
     spec_schema,
+    transition_errors,
 )
 from kvmesh.operator.desired import config_files, desired_objects
 from kvmesh.operator.local import local_engine_settings
@@ -168,3 +169,4 @@ def test_an_adapters_path_cannot_change_under_its_name_on_update(after: list[dic
     verdict = env.program(env.compile(rule.cel)).evaluate(
         {"self": cel_value(new["model"], schema), "oldSelf": cel_value(old["model"], schema)})
     assert bool(verdict) == allowed
+    assert (transition_errors(old, new) == []) == allowed  # the Python twin `kvmesh up -f` checks edits with

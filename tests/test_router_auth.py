@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from fastapi.testclient import TestClient
 
-from kvmesh.router.app import RouteError, build_router
+from kvmesh.router.app import RouteError, build_router, create_router_app
 from kvmesh.router.auth import DEFAULT_TENANT, ApiKeys, KeysFile, cache_salt_for, hash_key, tenant_hash
 from kvmesh.router.config import RouterConfig
 
@@ -122,45 +124,34 @@ def write_keys(path: Path, keys: dict[str, str]) -> None:
     staged.replace(path)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_rotated_keys_file_is_taken_without_a_restart(keys_file: Path) -> None:
-    clock, reloads = Clock(), []
-    watched = KeysFile(keys_file, on_reload=lambda outcome, _: reloads.append(outcome), check_seconds=1.0,
-                       clock=clock)
-    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme"
+    reloads: list[str] = []
+    watched = KeysFile(keys_file, on_reload=lambda outcome, _: reloads.append(outcome))
+    assert watched.keys.tenant_for(f"Bearer {ACME_KEY}") == "acme"
+    assert not watched.reload_if_changed() and reloads == []  # unchanged: not read again
 
     write_keys(keys_file, {"sk-acme-rotated": "acme", GLOBEX_KEY: "globex"})  # acme's old key revoked
-    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme"  # not looked at again within a second
-    clock.now += 1.0
-    keys = watched.current()
+    assert watched.reload_if_changed()
+    keys = watched.keys
     assert keys.tenant_for(f"Bearer {ACME_KEY}") is None and keys.tenant_for("Bearer sk-acme-rotated") == "acme"
     assert reloads == ["loaded"]
-    clock.now += 1.0
-    assert watched.current() is keys and reloads == ["loaded"]  # unchanged: not read again
+    assert not watched.reload_if_changed() and watched.keys is keys and reloads == ["loaded"]
 
 
 @pytest.mark.parametrize("text", ["keys: []\n", "keys: [{tenant: acme, key: plain}]\n", "{{{"])
 def test_a_broken_rotation_keeps_the_keys_in_force(keys_file: Path, text: str) -> None:
     """An empty, plain-key or unparsable new version neither opens the pool nor locks everyone out."""
-    clock, reloads = Clock(), []
-    watched = KeysFile(keys_file, on_reload=lambda outcome, _: reloads.append(outcome), clock=clock)
+    reloads: list[str] = []
+    watched = KeysFile(keys_file, on_reload=lambda outcome, _: reloads.append(outcome))
     staged = keys_file.with_suffix(".new")
     staged.write_text(text)
     staged.replace(keys_file)
-    clock.now += 5
-    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme" and reloads == ["refused"]
-    clock.now += 5
-    assert watched.current().tenant_for(f"Bearer {ACME_KEY}") == "acme" and reloads == ["refused"]  # logged once
+    assert not watched.reload_if_changed()
+    assert watched.keys.tenant_for(f"Bearer {ACME_KEY}") == "acme" and reloads == ["refused"]
+    assert not watched.reload_if_changed() and reloads == ["refused"]  # logged once
     write_keys(keys_file, {"sk-new": "acme"})  # the next good version is taken
-    clock.now += 5
-    assert watched.current().tenant_for("Bearer sk-new") == "acme" and reloads == ["refused", "loaded"]
+    assert watched.reload_if_changed()
+    assert watched.keys.tenant_for("Bearer sk-new") == "acme" and reloads == ["refused", "loaded"]
 
 
 def test_the_router_re_reads_its_keys_and_a_revoked_key_stops_at_once_even_with_limits_left(
@@ -168,10 +159,10 @@ def test_the_router_re_reads_its_keys_and_a_revoked_key_stops_at_once_even_with_
     router = build_router(RouterConfig(pods=[], api_keys_file=str(keys_file),
                                        tenants={"globex": {"requests_per_minute": 10}}), tiny_dir)
     assert router.keys_file is not None
-    router.keys_file.check_seconds = 0.0
     assert router.authenticate({"authorization": f"Bearer {ACME_KEY}"}) == "acme"
 
     write_keys(keys_file, {"sk-acme-2": "acme", GLOBEX_KEY: "globex", "sk-initech": "initech"})
+    router.reload_keys()  # what the app's background task does every KEYS_CHECK_SECONDS, off the event loop
     with pytest.raises(RouteError) as refused:
         router.authenticate({"authorization": f"Bearer {ACME_KEY}"})
     assert refused.value.status == 401
@@ -181,10 +172,26 @@ def test_the_router_re_reads_its_keys_and_a_revoked_key_stops_at_once_even_with_
     assert series == 0  # the new tenant's series exist from its first key
 
     write_keys(keys_file, {"sk-acme-3": "acme"})  # globex's key revoked: taken although globex still has limits
+    router.reload_keys()
     with pytest.raises(RouteError):
         router.authenticate({"authorization": f"Bearer {GLOBEX_KEY}"})
     assert "['globex'] have limits but no API key" in caplog.text
     write_keys(keys_file, {})  # no keys at all: refused, the keys in force stay (auth is never turned off)
+    router.reload_keys()
     assert router.authenticate({"authorization": "Bearer sk-acme-3"}) == "acme"
     reloads = router.metrics.api_keys_reloads
     assert reloads.labels("loaded")._value.get() == 2 and reloads.labels("refused")._value.get() == 1
+
+
+def test_the_running_router_takes_a_rotation_by_itself(keys_file: Path, tiny_dir: Path) -> None:
+    """The app's background task re-reads the file: no request is needed to notice it (an idle router counts and
+    logs a rotation too)."""
+    router = build_router(RouterConfig(pods=[], api_keys_file=str(keys_file)), tiny_dir)
+    with TestClient(create_router_app(router)) as client:  # runs the app's lifespan, its background tasks too
+        write_keys(keys_file, {"sk-acme-4": "acme"})
+        deadline = time.monotonic() + 30
+        while router.metrics.api_keys_reloads.labels("loaded")._value.get() < 1:
+            assert time.monotonic() < deadline, "the router never re-read its keys file"
+            time.sleep(0.1)
+        assert client.get("/v1/models", headers={"authorization": "Bearer sk-acme-4"}).status_code == 200
+        assert client.get("/v1/models", headers={"authorization": f"Bearer {ACME_KEY}"}).status_code == 401

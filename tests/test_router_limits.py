@@ -28,9 +28,9 @@ from kvmesh.router.limits import (
     Refusal,
     TenantLimits,
     TokenBucket,
-    check_tenants,
     duration,
     parse_tenants,
+    unkeyed_tenants,
 )
 from kvmesh.router.picker import Decision, PodState
 from kvmesh.router.shed import ShedPolicy, fair_share, should_shed
@@ -278,9 +278,8 @@ def test_limits_for_a_tenant_without_a_key_are_named_and_the_router_still_starts
     """A misspelt name, or a team whose last key was revoked: said in the log at start, never a router that cannot
     start (a revocation must not crash-loop the next rollout)."""
     table = parse_tenants({"default": {"requests_per_minute": 1}, "acmee": {"requests_per_minute": 9}})
-    with pytest.raises(ValueError, match=r"tenants \['acmee'\] have limits but no API key"):
-        check_tenants(table, {"acme", "globex"})
-    check_tenants(table, {"acme", "acmee"})
+    assert unkeyed_tenants(table, {"acme", "globex"}) == ["acmee"]
+    assert unkeyed_tenants(table, {"acme", "acmee"}) == []
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump({"keys": [{"tenant": "acme", "key_sha256": hash_key("sk-acme")}]}))
     router = build_router(RouterConfig(pods=[], api_keys_file=str(keys), tenants={"acmee": {"requests_per_minute": 9}}),

@@ -114,10 +114,12 @@ def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_acceptance_keeps_the_target_distribution_exactly() -> None:
-    """A draft d verified against p (after temperature and top-k) is accepted with probability p(d), a rejection
-    emits p without d renormalised, and so the token emitted is distributed as p: chi-square bounds at fixed seeds
-    (deterministic, never flaky). 20,000 draws over 6 tokens; 0.1 % critical values."""
+def test_the_seeded_draws_a_draft_is_verified_against_follow_the_target_distribution() -> None:
+    """What makes the acceptance rule exact is the sampler, not `accept` (which keeps a draft iff it equals the
+    draw): each output index's seeded draw must follow p (after temperature and top-k), independently of the
+    others. Then a draft d is accepted with probability p(d) and a rejection emits p without d renormalised:
+    chi-square bounds at fixed seeds (deterministic, never flaky). 20,000 draws over 6 tokens; 0.1 % critical
+    values."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 3.0, -9.0])
     params = SamplingParams(temperature=0.8, top_k=6, seed=7)
     probs = torch.softmax(logits / 0.8, -1)

@@ -316,7 +316,10 @@ class LoraRegistry:
         for path in self._memory:
             try:
                 staged = path.with_name(path.name + ".tmp")
-                staged.write_text(text)
+                with open(staged, "w", encoding="utf-8") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())  # on disk before the rename, so a crash leaves one whole version
                 os.replace(staged, path)
             except OSError as exc:
                 logging.getLogger("kvmesh.engine").warning("LoRA memory %s not written: %s", path, exc)
