@@ -102,9 +102,13 @@ def wait_or_kill(procs: Iterable[subprocess.Popen[bytes]], timeout: float) -> No
             proc.wait()
 
 
-def write_json_atomically(path: Path, data: object) -> None:
-    """Replace `path` with `data` as JSON in one step (a new file renamed over it), so a process polling the file
-    (a router's pods file, Prometheus' targets file) never reads half of it."""
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step (a new file renamed over it), so a process reading the file (a
+    router's pods file, Prometheus' targets file, an engine starting from its config) never reads half of it."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomically(path: Path, data: object) -> None:
+    write_atomically(path, json.dumps(data, indent=2))

@@ -26,7 +26,15 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.protocol import DRAIN_PATH
-from kvmesh.processes import free_port, spawn, tail, wait_healthy, wait_or_kill, write_json_atomically
+from kvmesh.processes import (
+    free_port,
+    spawn,
+    tail,
+    wait_healthy,
+    wait_or_kill,
+    write_atomically,
+    write_json_atomically,
+)
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS
 
 if TYPE_CHECKING:  # the operator loads only for a pool file
@@ -448,9 +456,7 @@ def _set_engine_adapters(workdir: Path, pool: Any) -> None:
         settings.pop(LORA_MODULES, None)
         if modules:
             settings[LORA_MODULES] = modules
-        partial = path.with_suffix(".yaml.partial")
-        partial.write_text(yaml.safe_dump({"engine": settings}))
-        os.replace(partial, path)
+        write_atomically(path, yaml.safe_dump({"engine": settings}))
 
 
 class _StopNow(Exception):

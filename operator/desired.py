@@ -172,13 +172,9 @@ def ext_proc_tls(pool: Pool) -> bool:
     return router_settings(pool).get("ext_proc_tls", RouterConfig.ext_proc_tls)
 
 
-def _files(engine: Mapping[str, Any], router: Mapping[str, Any]) -> dict[str, str]:
-    return {"engine.yaml": yaml.safe_dump({"engine": dict(engine)}, sort_keys=True),
-            "router.yaml": yaml.safe_dump({"router": dict(router)}, sort_keys=True)}
-
-
 def config_files(pool: Pool) -> dict[str, str]:
-    return _files(engine_settings(pool), router_settings(pool))
+    return {"engine.yaml": yaml.safe_dump({"engine": engine_settings(pool)}, sort_keys=True),
+            "router.yaml": yaml.safe_dump({"router": router_settings(pool)}, sort_keys=True)}
 
 
 def config_hash(pool: Pool, engine: bool) -> str:
