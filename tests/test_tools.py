@@ -180,6 +180,8 @@ def test_a_template_that_reads_tools_gets_them(tiny_dir: Path) -> None:
                 "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}{% endfor %}\n{% endfor %}")
     tok = Tokenizer((tiny_dir / "tokenizer.json").read_text(), template, {}, [])
     assert tok.template_uses_tools
+    mentions = "{# no tools here #}You are a helper with tools.{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert not Tokenizer((tiny_dir / "tokenizer.json").read_text(), mentions, {}, []).template_uses_tools
     prompt = tok.apply_chat_template(prompt_messages(HISTORY, TOOLS, True), tools=TOOLS)
     assert prompt.startswith("TOOLS:get_weather;add;") and "assistant:CALL Paris" in prompt  # arguments as object
     assert "tool:21 C, sunny" in prompt and "<tools>" not in prompt

@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
-from jinja2 import Template, TemplateError
+from jinja2 import Template, TemplateError, meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -198,8 +198,14 @@ class Tokenizer:
 
     @cached_property
     def template_uses_tools(self) -> bool:
-        """Whether the chat template reads a `tools` variable (else model/tool_prompt.py adds the Hermes prompt)."""
-        return "tools" in (self._chat_template or "")
+        """Whether the chat template reads a `tools` variable (else model/tool_prompt.py adds the Hermes prompt): the
+        template's undeclared variables, not its text, which may say "tools" in a comment or a sentence."""
+        if not self._chat_template:
+            return False
+        try:
+            return "tools" in meta.find_undeclared_variables(_template_env().parse(self._chat_template))
+        except TemplateError:
+            return False  # a template that does not parse fails when rendered, with its own message
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
