@@ -112,32 +112,33 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
     return content or None, calls
 
 
-def parse_required(text: str, names: set[str]) -> list[ToolCall]:
-    """tool_choice "required": the calls of the constrained array; when max_tokens cut it, its complete objects."""
-    scanner = ArrayScanner()
-    objects = scanner.feed(text)
-    return [c for o in objects if (c := _call(o, names)) is not None]
+_SIGNIFICANT = re.compile(r'[\[\]{}"\\]')  # the characters that change a JSON scanner's state
 
 
 class ArrayScanner:
-    """The top-level objects of a JSON array, each returned once its closing brace arrives (streamed text)."""
+    """The top-level objects of a JSON array, each returned once its closing brace arrives (streamed text).
+    Linear in the text however it is cut: it jumps from one structural character to the next and keeps only the
+    open object's pieces, joined once when it closes (a long answer's arguments are never copied per piece)."""
 
     def __init__(self) -> None:
-        self._text = ""
         self._depth = 0
         self._in_string = False
-        self._escaped = False
-        self._start = -1
+        self._escaped = False  # the last piece ended inside a string with a backslash: the next character is escaped
+        self._object: list[str] | None = None  # the open top-level object's text, piece by piece
 
     def feed(self, text: str) -> list[Any]:
         done = []
-        for ch in text:
-            self._text += ch
+        start = 0 if self._object is not None else -1  # where the open object's text begins in `text`
+        skip = 0 if self._escaped else -1  # the position of an escaped character, which changes nothing
+        self._escaped = False
+        for match in _SIGNIFICANT.finditer(text):
+            i, ch = match.start(), match.group()
+            if i == skip:
+                continue
             if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
+                if ch == "\\":
+                    skip = i + 1
+                    self._escaped = skip == len(text)
                 elif ch == '"':
                     self._in_string = False
             elif ch == '"':
@@ -145,13 +146,16 @@ class ArrayScanner:
             elif ch in "[{":
                 self._depth += 1
                 if ch == "{" and self._depth == 2:
-                    self._start = len(self._text) - 1
-            elif ch in "]}":
+                    start, self._object = i, []
+            else:
                 self._depth -= 1
-                if ch == "}" and self._depth == 1 and self._start >= 0:
+                if ch == "}" and self._depth == 1 and self._object is not None:
+                    self._object.append(text[start: i + 1])
                     with contextlib.suppress(json.JSONDecodeError):  # the constraint makes this rare
-                        done.append(json.loads(self._text[self._start:]))
-                    self._start = -1
+                        done.append(json.loads("".join(self._object)))
+                    start, self._object = -1, None
+        if self._object is not None:
+            self._object.append(text[start:])
         return done
 
 
@@ -172,53 +176,67 @@ def _longest_marker_prefix(text: str) -> int:
 
 
 class ToolStream:
-    """One choice's streamed answer under a tool_choice (`mode`: "named" with the function's `name`,
-    "required" or "auto"): feed each text delta, then finish once. Named: the text is the arguments, streamed
-    as they come; required: each call is sent whole once its object closes; auto: content streams until text
-    could start <tool_call>, is held from there, and at the end is either calls or flushed as content."""
+    """One choice's answer under a tool_choice (`mode`: "named" with the function's `name`, "required" or
+    "auto"): feed each text delta, then finish once. The one parser of each mode: a whole answer is the same
+    stream fed in one piece (tool_message). Named: the text is the arguments, streamed as they come; required:
+    each call is sent whole once its object closes; auto: content streams until text could start <tool_call>,
+    is held from there, and at the end is either calls or flushed as content. Linear in the answer: the text is
+    kept as pieces, joined once at the end, and auto searches only the held tail for the marker."""
 
     def __init__(self, mode: str, names: set[str], name: str | None = None) -> None:
         assert mode in ("named", "required", "auto") and (mode == "named") == (name is not None), (mode, name)
         self.mode = mode
         self.names = names
         self.name = name or ""
-        self.text = ""
         self.calls = 0  # tool calls sent so far
+        self._pieces: list[str] = []  # the text so far
         self._sent = 0  # auto: characters of text sent as content
+        self._held = ""  # auto, until the marker: the text after the sent part (a suffix that may open a call)
+        self._marker = -1  # auto: where the first <tool_call> starts, once seen
         self._named: ToolCall | None = None
         self._scanner = ArrayScanner()
 
     def feed(self, text: str) -> ToolDelta:
-        self.text += text
+        self._pieces.append(text)
         if self.mode == "required":
             calls = [c for o in self._scanner.feed(text) if (c := _call(o, self.names)) is not None]
             deltas = [c.delta(self.calls + i) for i, c in enumerate(calls)]
             self.calls += len(calls)
             return ToolDelta("", deltas)
         if self.mode == "auto":
-            marker = self.text.find(CALL_OPEN)
-            hold = marker if marker >= 0 else len(self.text) - _longest_marker_prefix(self.text)
-            content = self.text[self._sent: hold] if hold > self._sent else ""
-            self._sent = max(self._sent, hold)
-            return ToolDelta(content, [])
+            return ToolDelta(self._auto_content(text), [])
         if self._named is None:  # named: the first delta opens the call, later ones extend its arguments
             self._named = ToolCall(self.name, "")
             self.calls = 1
             return ToolDelta("", [{**self._named.delta(0), "function": {"name": self.name, "arguments": text}}])
         return ToolDelta("", [{"index": 0, "function": {"arguments": text}}] if text else [])
 
+    def _auto_content(self, text: str) -> str:
+        """The content `text` lets through: what comes before <tool_call>, or before a suffix that may become it."""
+        if self._marker >= 0:
+            return ""
+        unsent = self._held + text
+        at = unsent.find(CALL_OPEN)
+        if at >= 0:
+            self._marker = self._sent + at
+        hold = at if at >= 0 else len(unsent) - _longest_marker_prefix(unsent)
+        self._sent += hold
+        self._held = unsent[hold:]
+        return unsent[:hold]
+
     def finish(self, finish_reason: str | None) -> tuple[ToolDelta, str | None]:
         """The last delta (auto: held-back content, or the calls) and the choice's finish_reason: "tool_calls"
         when it ended with calls, unless max_tokens cut it ("length")."""
         delta = ToolDelta("", [])
+        text = "".join(self._pieces)
         if self.mode == "auto":
-            _, calls = parse_hermes(self.text, self.names)
-            end = self.text.find(CALL_OPEN) if calls else len(self.text)
-            delta = ToolDelta(self.text[self._sent: end] if end > self._sent else "",
+            _, calls = parse_hermes(text, self.names)
+            end = self._marker if calls else len(text)
+            delta = ToolDelta(text[self._sent: end] if end > self._sent else "",
                               [c.delta(i) for i, c in enumerate(calls)])
-            self._sent, self.calls = len(self.text), len(calls)
+            self._sent, self.calls = len(text), len(calls)
         elif self.mode == "required" and not self.calls:  # cut before any call closed: the text, as unstreamed
-            delta = ToolDelta(self.text, [])
+            delta = ToolDelta(text, [])
         elif self.mode == "named" and self._named is None:  # nothing generated yet
             self._named = ToolCall(self.name, "")
             self.calls = 1
@@ -226,18 +244,30 @@ class ToolStream:
         return delta, ("tool_calls" if self.calls and finish_reason == "stop" else finish_reason)
 
 
+def merge_tool_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed tool_calls deltas put together as a client does: the first of an index opens that call (id, type,
+    name), later ones extend its arguments. The calls in index order, as a whole message lists them."""
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        index = delta["index"]
+        if index in calls:
+            calls[index]["function"]["arguments"] += delta["function"]["arguments"]
+        else:
+            calls[index] = {k: v for k, v in delta.items() if k != "index"} | {"function": dict(delta["function"])}
+    return [calls[i] for i in sorted(calls)]
+
+
 def tool_message(mode: str, text: str, names: set[str], finish_reason: str | None,
                  name: str | None = None) -> tuple[dict[str, Any], str | None]:
-    """A whole (non-streamed) answer's message and finish_reason under a tool_choice (see ToolStream)."""
-    if mode == "auto":
-        content, calls = parse_hermes(text, names)
-    elif mode == "required":
-        calls = parse_required(text, names)
-        content = None if calls else text
-    else:
-        assert mode == "named" and name is not None, (mode, name)
-        content, calls = None, [ToolCall(name, text)]
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    """A whole (non-streamed) answer's message and finish_reason under a tool_choice: the text fed to a ToolStream
+    in one piece, its deltas merged. Content beside calls (auto's text before the first block) is trimmed, and
+    None when nothing is left, as OpenAI sends a message with calls and no text."""
+    stream = ToolStream(mode, names, name)
+    first = stream.feed(text)
+    last, reason = stream.finish(finish_reason)
+    content = first.content + last.content
+    calls = merge_tool_deltas(first.tool_calls + last.tool_calls)
+    message: dict[str, Any] = {"role": "assistant", "content": (content.strip() or None) if calls else content}
     if calls:
-        message["tool_calls"] = [c.to_json() for c in calls]
-    return message, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
+        message["tool_calls"] = calls
+    return message, reason

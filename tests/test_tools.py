@@ -14,6 +14,8 @@ import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.model.tool_prompt import HERMES_SYSTEM, prompt_messages
@@ -23,8 +25,8 @@ from kvmesh.engine.server import _Completions
 from kvmesh.engine.tools import (
     ArrayScanner,
     ToolStream,
+    merge_tool_deltas,
     parse_hermes,
-    parse_required,
     tool_constraint,
     tool_message,
 )
@@ -75,7 +77,8 @@ def test_hermes_parser_drops_malformed_and_undeclared_calls() -> None:
 
 def test_required_parser_takes_complete_objects_of_a_cut_array() -> None:
     whole = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "R'
-    assert [c.name for c in parse_required(whole, NAMES)] == ["add"]
+    message, reason = tool_message("required", whole, NAMES, "length")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"] and reason == "length"
     braces = '[{"name": "add", "arguments": {"a": 1, "b": 2}, "x": "}{\\"]"}]'  # braces and quotes in strings
     assert len(ArrayScanner().feed(braces)) == 1
 
@@ -150,6 +153,72 @@ def test_tool_message_shapes() -> None:
     assert message == {"role": "assistant", "content": "[{"} and reason == "length"
     assert _feed(ToolStream("required", NAMES), ["[", "{"], "length") == ("[{", [], "length")  # streamed alike
 
+
+def _same_answer(mode: str, text: str, pieces: list[str], finish: str, name: str | None = None) -> dict:
+    """The whole answer of `text` and its stream cut into `pieces` say the same: finish_reason, the calls (name
+    and arguments, in order), and the content (beside calls, the whole answer's is trimmed, None when empty)."""
+    assert "".join(pieces) == text
+    message, reason = tool_message(mode, text, NAMES, finish, name)
+    content, deltas, streamed_reason = _feed(ToolStream(mode, NAMES, name), pieces, finish)
+    calls = merge_tool_deltas(deltas)
+    assert streamed_reason == reason
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert message["content"] == ((content.strip() or None) if calls else content)
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    return message
+
+
+def test_a_long_tool_call_answer_parses_whole_and_streamed_alike() -> None:
+    """A few hundred KB of arguments (a document passed to a tool) in every mode, streamed in small pieces; the
+    parsers keep the text as pieces, so this is linear (it took seconds when each character was appended)."""
+    document = ("Line with \"quotes\", {braces} and [brackets] \\ " * 6000)[:300_000]
+    arguments = {"city": document, "unit": "c"}
+    call = json.dumps({"name": "get_weather", "arguments": arguments})
+    texts = {"named": json.dumps(arguments), "required": f"[{call}]",
+             "auto": f"Looking it up.\n<tool_call>\n{call}\n</tool_call>"}
+    for mode, text in texts.items():
+        name = "get_weather" if mode == "named" else None
+        message = _same_answer(mode, text, [text[i: i + 5] for i in range(0, len(text), 5)], "stop", name)
+        (parsed,) = message["tool_calls"]
+        assert json.loads(parsed["function"]["arguments"]) == arguments
+    assert _same_answer("auto", texts["auto"], [texts["auto"]], "stop")["content"] == "Looking it up."
+
+
+# pieces of answers in every mode: Hermes blocks (valid, malformed, undeclared), array syntax, markers cut apart,
+# quotes, backslashes and braces inside strings
+ADD_CALL = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+TRICKY_CALL = '{"name": "get_weather", "arguments": {"city": "a\\"}{[\\\\", "unit": "c"}}'  # city: a"}{[\
+TEXT_ARGUMENTS_CALL = '{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}'  # arguments as JSON text
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "[", "]", ",", "{", "}", '"', "\\", "\n", " ",
+             "Sure. ", ADD_CALL, TRICKY_CALL, TEXT_ARGUMENTS_CALL, '{"name": "rm_rf", "arguments": {}}']
+
+
+@settings(max_examples=300, deadline=None)
+@given(mode=st.sampled_from(["auto", "required", "named"]), finish=st.sampled_from(["stop", "length"]),
+       parts=st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=12), data=st.data())
+def test_whole_and_streamed_answers_agree_however_the_text_is_cut(mode: str, finish: str, parts: list[str],
+                                                                  data: st.DataObject) -> None:
+    text = "".join(parts)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    name = "add" if mode == "named" else None
+    _same_answer(mode, text, pieces, finish, name)
+    _same_answer(mode, text, list(text), finish, name)  # one character at a time
+
+
+def test_answers_built_from_the_fragments_hold_calls() -> None:
+    """The property's fragments make answers with calls, not only text: spot checks of what it compares."""
+    required = f"[{ADD_CALL}, {TRICKY_CALL}]"
+    cut = TRICKY_CALL.index("\\") + 1  # a piece ends with the backslash that escapes the next one's quote
+    pieces = ["[", ADD_CALL[:9], ADD_CALL[9:] + ", " + TRICKY_CALL[:cut], TRICKY_CALL[cut:], "]"]
+    message = _same_answer("required", required, pieces, "stop")
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        {"a": 1, "b": 2}, {"city": 'a"}{[\\', "unit": "c"}]
+    text = f"Sure. <tool_call>{TRICKY_CALL}</tool_call><tool_call>{TEXT_ARGUMENTS_CALL}</tool_call>"
+    message = _same_answer("auto", text, [text[:8], text[8:30], text[30:]], "stop")
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        {"city": 'a"}{[\\', "unit": "c"}, {"a": 3, "b": 4}]
 
 # ---- the prompt -----------------------------------------------------------------------------------------------
 
