@@ -70,7 +70,7 @@ from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.structured import Guide, StructuredError
 from kvmesh.engine.tools import ToolStream, tool_constraint, tool_message
-from kvmesh.engine.tracing import OFF, Tracing, engine_call
+from kvmesh.engine.tracing import OFF, ChoiceTokens, Tracing, call_usage, engine_call
 
 log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
@@ -175,23 +175,17 @@ class EngineHolder:
 
 
 def _usage(finals: dict[int, RequestOutput], job: _Job) -> dict[str, Any]:
-    """OpenAI's usage: each prompt counted once however many choices answer it, completions summed."""
-    first_of_prompt = {job.prompt_of[i]: o for i, o in sorted(finals.items(), reverse=True)}
-    prompt = sum(o.prompt_tokens for o in first_of_prompt.values())
-    cached = sum(o.cached_tokens for o in first_of_prompt.values())
-    peer = sum(o.peer_tokens for o in first_of_prompt.values())
-    completion = sum(o.completion_tokens for o in finals.values())
-    by_source = dict.fromkeys(CACHE_SOURCES, 0)
-    for o in first_of_prompt.values():
-        for tier, tokens in o.cached_by_tier.items():
-            by_source[tier] += tokens
-    by_source["peer"] = peer
-    by_source["device"] = cached - sum(by_source.values())
+    """OpenAI's usage, counted as the engine's span counts it (tracing.call_usage), with where the cached tokens
+    came from (every source, zero when none)."""
+    usage = call_usage([ChoiceTokens(job.prompt_of[i], o.prompt_tokens, o.completion_tokens, o.cached_tokens,
+                                     o.peer_tokens, o.cached_by_tier) for i, o in sorted(finals.items())])
+    by_source = dict.fromkeys(CACHE_SOURCES, 0) | usage.cached_by_tier
+    by_source["peer"], by_source["device"] = usage.peer_tokens, usage.device_tokens
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached, "kvmesh_cached_by_source": by_source},
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "kvmesh_cached_by_source": by_source},
     }
 
 

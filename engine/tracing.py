@@ -8,7 +8,8 @@ carries one trace from a client through the router to every engine it calls.
 
 The engine's span of a request is built when the request ends, at the HTTP edge, from the timestamps the request
 already carries (arrival, first scheduled, first and last token): the step loop never touches a span. No torch here:
-the router imports this module.
+the router imports this module. How a call's tokens are counted (`call_usage`) lives here too, as the span and the
+HTTP answer's usage (engine/server.py) must count alike and both can import it.
 """
 
 from __future__ import annotations
@@ -199,28 +200,64 @@ def engine_call(tracing: Tracing, headers: Mapping[str, str], chat: bool, body: 
     return EngineCall(tracing, tracing.extract(headers), time.time_ns(), request["gen_ai.operation.name"], request)
 
 
-def _usage(requests: Sequence[Request], prompt_of: Sequence[int]) -> dict[str, Any]:
-    """Token counts of the call: each prompt once (n choices of one prompt share it), outputs summed."""
-    prompts = list({prompt: r for prompt, r in reversed(list(zip(prompt_of, requests, strict=True)))}.values())
-    first = requests[0] if requests else None
+@dataclass(frozen=True)
+class ChoiceTokens:
+    """One choice's token counts (read from its Request, or its final RequestOutput) and the prompt it answers."""
+
+    prompt_index: int
+    prompt: int
+    completion: int
+    cached: int
+    peer: int  # of cached, pulled from another pod
+    cached_by_tier: Mapping[str, int]  # of cached, promoted from host/disk
+
+
+@dataclass(frozen=True)
+class CallUsage:
+    """A call's token counts: each prompt once however many choices answer it (n choices share their prompt and
+    its cached prefix), completions summed."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    peer_tokens: int
+    cached_by_tier: dict[str, int]
+
+    @property
+    def device_tokens(self) -> int:
+        """Cached tokens that were on the device already: neither pulled from a peer nor promoted from a tier."""
+        return self.cached_tokens - self.peer_tokens - sum(self.cached_by_tier.values())
+
+
+def call_usage(choices: Sequence[ChoiceTokens]) -> CallUsage:
+    """The usage of a call's choices (in choice order): a prompt's counts are its first choice's."""
+    prompts: dict[int, ChoiceTokens] = {}
+    for choice in choices:
+        prompts.setdefault(choice.prompt_index, choice)
     by_tier: dict[str, int] = {}
-    for r in prompts:
-        for tier, tokens in r.cached_by_tier.items():
+    for choice in prompts.values():
+        for tier, tokens in choice.cached_by_tier.items():
             by_tier[tier] = by_tier.get(tier, 0) + tokens
-    cached = sum(r.cached_tokens for r in prompts)
-    peer = sum(r.peer_tokens for r in prompts)
+    return CallUsage(sum(c.prompt for c in prompts.values()), sum(c.completion for c in choices),
+                     sum(c.cached for c in prompts.values()), sum(c.peer for c in prompts.values()), by_tier)
+
+
+def _usage(requests: Sequence[Request], prompt_of: Sequence[int]) -> dict[str, Any]:
+    """The span's token counts (call_usage's, from the requests themselves) and the first request's timings."""
+    usage = call_usage([ChoiceTokens(p, len(r.prompt_ids), r.num_generated, r.cached_tokens, r.peer_tokens,
+                                     r.cached_by_tier) for p, r in zip(prompt_of, requests, strict=True)])
     attributes: dict[str, Any] = {
-        "gen_ai.usage.input_tokens": sum(len(r.prompt_ids) for r in prompts),
-        "gen_ai.usage.output_tokens": sum(r.num_generated for r in requests),
-        "kvmesh.cached_tokens": cached,
-        "kvmesh.cached_tokens.peer": peer,
-        "kvmesh.cached_tokens.device": cached - peer - sum(by_tier.values()),
+        "gen_ai.usage.input_tokens": usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": usage.completion_tokens,
+        "kvmesh.cached_tokens": usage.cached_tokens,
+        "kvmesh.cached_tokens.peer": usage.peer_tokens,
+        "kvmesh.cached_tokens.device": usage.device_tokens,
         "kvmesh.preemptions": sum(r.num_preemptions for r in requests),
     }
-    attributes.update({f"kvmesh.cached_tokens.{tier}": tokens for tier, tokens in by_tier.items()})
-    if first is not None:
-        attributes["kvmesh.request_id"] = first.request_id
-        times = _seconds(first)
+    attributes.update({f"kvmesh.cached_tokens.{tier}": tokens for tier, tokens in usage.cached_by_tier.items()})
+    if requests:
+        attributes["kvmesh.request_id"] = requests[0].request_id
+        times = _seconds(requests[0])
         attributes.update({f"kvmesh.{name}_seconds": value for name, value in times.items() if value is not None})
     return attributes
 

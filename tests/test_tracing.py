@@ -33,7 +33,9 @@ from kvmesh.engine.tracing import (
     ENGINE_SERVICE,
     OFF,
     ROUTER_SERVICE,
+    ChoiceTokens,
     Tracing,
+    call_usage,
     resolve_endpoint,
     setup_tracing,
 )
@@ -257,6 +259,37 @@ def test_several_choices_count_their_prompt_once_and_each_has_its_phases(memory:
     phases = [s for s in memory.spans() if s.parent is not None and s.parent.span_id == engine.context.span_id]
     assert sorted((s.name, s.attributes["kvmesh.choice"]) for s in phases) == [
         (f"kvmesh.engine.{name}", choice) for name in ("decode", "prefill", "queue") for choice in (0, 1)]
+
+
+def test_a_call_counts_each_prompt_once_with_its_first_choice_s_cached_prefix() -> None:
+    usage = call_usage([ChoiceTokens(0, 40, 5, 32, 16, {"host": 16, "disk": 0}),
+                        ChoiceTokens(0, 40, 7, 40, 0, {"host": 0, "disk": 0}),  # a later choice: its prompt is counted
+                        ChoiceTokens(1, 20, 3, 16, 0, {"host": 0, "disk": 16})])
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (60, 15, 48)
+    assert usage.peer_tokens == 16 and usage.cached_by_tier == {"host": 16, "disk": 16} and usage.device_tokens == 0
+
+
+def test_the_span_and_the_http_usage_agree_for_several_choices_of_cached_prompts(memory: Memory) -> None:
+    """n choices of two prompts, one of them cached: the span reports the very counts the client's usage says."""
+    memory.clear()
+    cached = "The span and the usage count a cached prompt once per call, whatever n is. " * 3
+    body = {"prompt": cached, "max_tokens": 2, "seed": 4}
+    assert httpx.post(memory.engine + "/v1/completions", json=body, timeout=60).status_code == 200
+    reply = httpx.post(memory.engine + "/v1/completions", timeout=60,
+                       json={**body, "prompt": [cached, "A prompt seen once."], "n": 3})
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    wait_for(lambda: len([s for s in memory.spans() if s.name.startswith("text_completion ")]) == 2, "two spans")
+    (span,) = [s for s in memory.spans() if s.name.startswith("text_completion ")
+               and s.attributes["gen_ai.request.choice.count"] == 3]
+    a, details = span.attributes, usage["prompt_tokens_details"]
+    by_source = details["kvmesh_cached_by_source"]
+    assert details["cached_tokens"] > 0 and usage["completion_tokens"] == 2 * 3 * 2  # 2 prompts, n=3, 2 tokens
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (usage["prompt_tokens"],
+                                                                                usage["completion_tokens"])
+    assert a["kvmesh.cached_tokens"] == details["cached_tokens"] == by_source["device"] < usage["prompt_tokens"]
+    assert (a["kvmesh.cached_tokens.device"], a["kvmesh.cached_tokens.peer"]) == (by_source["device"],
+                                                                                 by_source["peer"])
 
 
 def test_a_planned_prefix_pull_is_on_the_call_that_asks_for_it() -> None:
