@@ -553,8 +553,7 @@ class Engine:
         self._take_inbox()
         self._tier_tick()
         self._swap_in()
-        self._propose_drafts()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._propose_drafts())
         for request in out.unservable:
             self._finish(request, "length", error="the request does not fit in this engine's KV cache")
         if out.preempted:
@@ -595,21 +594,24 @@ class Engine:
             self.kv.free(request.import_key)
             request.import_key = None
 
-    def _propose_drafts(self) -> None:
-        """Speculative decoding: n-gram drafts for each decoding request that may speculate (every one but those
-        with a structured-output constraint, whose matcher would have to run ahead of verification), never more
-        than its max_tokens or the context can take. The scheduler gives them only what is left of the step."""
+    def _propose_drafts(self) -> dict[str, list[int]]:
+        """Speculative decoding: n-gram drafts, by request id, for each decoding request that may speculate (every
+        one but those with a structured-output constraint, whose matcher would have to run ahead of verification),
+        never more than its max_tokens or the context can take. The scheduler gives them only what is left of the
+        step; they are this step's alone (a draft not scheduled is proposed afresh next step)."""
         spec = self.spec
+        drafts: dict[str, list[int]] = {}
         if spec is None:
-            return
+            return drafts
         for r in self.scheduler.running:
             k = min(spec.num_speculative_tokens, r.remaining_tokens - 1, self.max_model_len - r.num_tokens - 1)
             if r.guide is not None or r.num_computed_tokens != r.num_tokens - 1 or k < 1:
-                r.draft_ids = []
                 continue
             history = self._histories.setdefault(r.request_id, TokenHistory())
             history.sync(r.prompt_ids, r.output_ids)
-            r.draft_ids = propose(history.tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if proposed := propose(history.tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max):
+                drafts[r.request_id] = proposed
+        return drafts
 
     def _run(self, out: SchedulerOutput) -> None:
         inputs = []

@@ -52,9 +52,6 @@ class Request:
     extra: BlockExtra = field(default_factory=BlockExtra)
     on_output: Callable[[RequestOutput], None] | None = None
     output_ids: list[int] = field(default_factory=list)
-    # speculative decoding: tokens proposed for the next step (engine/spec.py), computed after the last token and
-    # verified by the model; never part of output_ids until accepted
-    draft_ids: list[int] = field(default_factory=list)
     guide: Guide | None = None  # structured outputs: the matcher, already fed output_ids (engine/structured.py)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0

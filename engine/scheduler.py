@@ -6,15 +6,16 @@ what is left, taking their cached prefix first. When blocks run out, the least i
 preempted: its blocks are released (full ones stay cached) and it recomputes later. It knows nothing of
 model code.
 
-Speculative drafts (`Request.draft_ids`, engine/spec.py) are optional work and come last: a guess that may be
-rejected must never cost another request its token, its admission or its blocks. So a step first schedules
-exactly what it would without speculation (every running request's required tokens, preempting if blocks run
-out, then admission of waiting requests), and only then gives drafts what is left: the remaining token budget,
-running requests in order, and blocks that are free now (never an evicted prefix-cache block, never a
-preemption). Admission goes before drafts because a waiting request's prompt is certain work and its
-time to first token is what a user waits for, while a draft is accepted only part of the time; the cost is
-that while chunked prefill fills the budget, decoding requests decode one token a step as without
-speculation. A request with drafts is then scheduled like a small chunk: its last token plus the drafts.
+Speculative drafts (engine/spec.py) are optional work, an input of `schedule` that the engine proposes each step,
+and come last: a guess that may be rejected must never cost another request its token, its admission or its
+blocks. So a step first schedules exactly what it would without speculation (every running request's required
+tokens, preempting if blocks run out, then admission of waiting requests), and only then gives drafts what is
+left: the remaining token budget, running requests in order, and blocks that are free now (never an evicted
+prefix-cache block, never a preemption). Admission goes before drafts because a waiting request's prompt is
+certain work and its time to first token is what a user waits for, while a draft is accepted only part of the
+time; the cost is that while chunked prefill fills the budget, decoding requests decode one token a step as
+without speculation. A request with drafts is then scheduled like a small chunk: its last token plus the drafts
+that fit, which its ScheduledRequest carries (the engine rolls back the blocks of those the model rejects).
 
 The queue policy orders admission. `fcfs`: priority, then arrival. `prefix` (SGLang's longest-prefix-match,
 KVShare): priority, then the longest cached prefix, so requests that reuse what is cached go before the
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import OpeningCounter
@@ -40,6 +42,7 @@ QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "prefix")
 # priorities and the oldest, so the overdue): every step looks up each one's cached prefix, and a queue of
 # thousands would make that lookup the step's cost; the rest wait in FCFS order behind them.
 PREFIX_WINDOW = 128
+NO_DRAFTS: Mapping[str, Sequence[int]] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,9 @@ class Scheduler:
         out.preempted.append(request)
         self.add(request)
 
-    def schedule(self) -> SchedulerOutput:
-        drafts = {r.request_id: r.draft_ids for r in self.running if r.draft_ids}
-        for request in self.running:
-            request.draft_ids = []  # consumed: the drafts scheduled travel in ScheduledRequest.draft_ids
+    def schedule(self, drafts: Mapping[str, Sequence[int]] = NO_DRAFTS) -> SchedulerOutput:
+        """One step's plan. `drafts`: speculative tokens proposed for this step, by request id, each following a
+        decoding request's last token; those that fit go in the request's ScheduledRequest.draft_ids."""
         out = SchedulerOutput()
         budget = self._schedule_running(out)
         if out.preempted or out.unservable:
@@ -207,7 +209,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_drafts(self, out: SchedulerOutput, budget: int, drafts: dict[str, list[int]]) -> None:
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int, drafts: Mapping[str, Sequence[int]]) -> None:
         """Add drafts to the decoding requests scheduled this step, in order, from the budget left and the free
         blocks only: a draft never evicts a cached block nor preempts anyone."""
         for j, scheduled in enumerate(out.scheduled):

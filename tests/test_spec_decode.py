@@ -179,8 +179,7 @@ def test_drafts_never_preempt_a_request_that_fits_without_them() -> None:
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     a, _ = decoding(scheduler, [list(range(1, 8)), list(range(11, 19))])  # a: 8 tokens, b: 9 (needs a 3rd block)
     assert kv.pool.num_available == 1
-    a.draft_ids = [5, 6]
-    out = scheduler.schedule()
+    out = scheduler.schedule({a.request_id: [5, 6]})
     assert planned(out) == [("d0", 1, ()), ("d1", 1, ())] and not out.preempted
     kv.check_invariants()
 
@@ -190,12 +189,10 @@ def test_drafts_take_only_the_budget_left_after_every_decoding_token() -> None:
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32)
     reqs = decoding(scheduler, [[10 + i] * 7 for i in range(4)])
     scheduler.max_num_batched_tokens = 8
-    for r in reqs:
-        r.draft_ids = [1, 2, 3, 4]
-    out = scheduler.schedule()
+    out = scheduler.schedule({r.request_id: [1, 2, 3, 4] for r in reqs})
     # every request gets its token; the 4 tokens left go to drafts, earlier requests first
     assert planned(out) == [("d0", 5, (1, 2, 3, 4)), ("d1", 1, ()), ("d2", 1, ()), ("d3", 1, ())]
-    assert out.num_tokens == 8 and all(not r.draft_ids for r in reqs)
+    assert out.num_tokens == 8
 
 
 def test_waiting_requests_are_admitted_before_drafts() -> None:
@@ -204,8 +201,7 @@ def test_waiting_requests_are_admitted_before_drafts() -> None:
     (a,) = decoding(scheduler, [[7] * 7])
     scheduler.max_num_batched_tokens = 6
     scheduler.add(Request("new", [9] * 4, SamplingParams(max_tokens=5)))
-    a.draft_ids = [1, 2, 3, 4]
-    assert planned(scheduler.schedule()) == [("d0", 2, (1,)), ("new", 4, ())]
+    assert planned(scheduler.schedule({a.request_id: [1, 2, 3, 4]})) == [("d0", 2, (1,)), ("new", 4, ())]
 
 
 def test_drafts_use_free_blocks_only_and_never_evict_the_prefix_cache() -> None:
@@ -220,8 +216,8 @@ def test_drafts_use_free_blocks_only_and_never_evict_the_prefix_cache() -> None:
     scheduler.remove(cached)  # its full block stays cached (evictable), the other goes back to the free list
     assert (kv.stats().evictable, kv.stats().free) == (1, 3)
     (a,) = decoding(scheduler, [list(range(1, 8))])  # 8 tokens: two blocks, one free left
-    a.draft_ids = [5, 6, 7, 8, 9, 10]  # would need two more blocks
-    assert planned(scheduler.schedule()) == [("d0", 5, (5, 6, 7, 8))]
+    drafts = {a.request_id: [5, 6, 7, 8, 9, 10]}  # would need two more blocks
+    assert planned(scheduler.schedule(drafts)) == [("d0", 5, (5, 6, 7, 8))]
     assert kv.stats().evictable == 1 and kv.pool.lookup(cached_hash) is not None
 
 
