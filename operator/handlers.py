@@ -38,7 +38,7 @@ from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
-from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, summarize, sync_pool
+from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
@@ -387,13 +387,9 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
 def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapters: AdapterMemory,
                   operator_metrics: OperatorMetrics) -> AdapterStatus | None:
     """Load and unload LoRA adapters in the Ready engine pods so they serve what the spec declares
-    (operator/lora.py); count the actions, post a Warning Event for each refusal (once: it is not retried, also
-    after a restart, which finds the refusals in status.adapters), and log every action and a tick that leaves
-    engines out of step. The pool's AdaptersLoaded condition: None for
-    a pool that declares no adapters and had none to unload."""
-    declared = desired.engine_adapters(pool)
-    if declared is None:
-        return None
+    (operator/lora.py `adapter_tick`); count the actions, post a Warning Event for each refusal (once: it is not
+    retried, also after a restart, which finds the refusals in status.adapters), and log every action and a tick
+    that leaves engines out of step. The pool's AdaptersLoaded condition, or None to set none."""
     port = pool.spec["engine"]["port"]
     claims = {a["volumeClaim"] for a in pool.spec["model"]["loraAdapters"] if "volumeClaim" in a}
 
@@ -411,20 +407,17 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     # will read the current list at start); Ready ones are synced, the others keep what they refused.
     alive = [p for p in pods if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP")]
     ready = [engine(p) for p in alive if pod_ready(p) and mounts_every_claim(p)]
-    syncs = sync_pool(ready, declared, adapters, alive={engine(p).life for p in alive})
-    operator_metrics.record_adapters(pool, syncs)
-    for sync in syncs:
-        for result in sync.results:
-            message = f"{sync.pod.name}: {result.message}"
-            if result.outcome == REFUSED:
-                kopf.event(body, type="Warning", reason="AdapterRefused", message=message[:1024])
-            log.log(logging.WARNING if result.outcome == REFUSED else logging.INFO, "pool %s/%s %s", pool.namespace,
-                    pool.name, message)
-    summary = summarize(syncs, declared)
-    if not summary.ok:
-        log.info("pool %s/%s adapters %s: %s", pool.namespace, pool.name, summary.reason, summary.message)
-    acted = any(s.results or s.held or s.deferred for s in syncs)
-    return summary if declared or acted else None
+    tick = adapter_tick(desired.engine_adapters(pool), ready, adapters, alive={engine(p).life for p in alive})
+    operator_metrics.record_adapters(pool, tick.syncs)
+    for pod, result in tick.results():
+        message = f"{pod.name}: {result.message}"
+        if result.outcome == REFUSED:
+            kopf.event(body, type="Warning", reason="AdapterRefused", message=message[:1024])
+        log.log(logging.WARNING if result.outcome == REFUSED else logging.INFO, "pool %s/%s %s", pool.namespace,
+                pool.name, message)
+    if tick.summary is not None and not tick.summary.ok:
+        log.info("pool %s/%s adapters %s: %s", pool.namespace, pool.name, tick.summary.reason, tick.summary.message)
+    return tick.status
 
 
 def run(config: OperatorConfig) -> None:

@@ -21,7 +21,7 @@ from kvmesh.operator.crd import Pool
 from kvmesh.operator.desired import API_KEYS_DIR, engine_adapters, engine_settings, router_settings
 from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.forecast import Scaler, parse_pod
-from kvmesh.operator.lora import AdapterMemory, AdapterStatus, EnginePod, Life, summarize, sync_pool
+from kvmesh.operator.lora import AdapterMemory, AdapterTick, EnginePod, Life, adapter_tick
 from kvmesh.operator.memory import PoolMemory, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
@@ -36,8 +36,8 @@ from kvmesh.operator.warmup import (
     plan_tick_warmups,
 )
 
-__all__ = ["AdapterTick", "LocalOperator", "LocalPod", "describe", "ignored_locally", "local_engine_settings",
-           "local_router_settings", "needs_restart", "start_inputs"]
+__all__ = ["LocalOperator", "LocalPod", "describe", "ignored_locally", "local_engine_settings", "local_router_settings",
+           "needs_restart", "start_inputs"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
@@ -143,12 +143,6 @@ class Tick:
     deletion_costs: Mapping[str, int]  # per engine scraped, the operator's pod-deletion cost: the cheapest drains first
 
 
-@dataclass(frozen=True)
-class AdapterTick:
-    lines: list[str]  # one per action taken: what and how it went
-    status: AdapterStatus | None  # the cluster's AdaptersLoaded condition; None for a pool without adapters
-
-
 class LocalOperator:
     """The operator's scaling tick for one local pool, less the Kubernetes calls: `decide` observes and plans,
     `kvmesh up` warms (`warm_up`) and scales, and `record` exports the outcome under the operator's own metric
@@ -196,16 +190,12 @@ class LocalOperator:
 
     def sync_adapters(self, serving: list[EnginePod], alive: Collection[Life]) -> AdapterTick:
         """Keep the `serving` engines' LoRA adapters equal to the spec's, as the cluster operator's tick does
-        (operator/lora.py: loads and unloads, refusals remembered and not retried; a budget of its own per tick:
-        LOCAL_ADAPTER_BUDGET_SECONDS), and count the actions in the operator's metrics."""
-        declared = engine_adapters(self.pool)
-        if declared is None:  # given as a list in engine settings: left as the engines started
-            return AdapterTick([], None)
-        syncs = sync_pool(serving, declared, self.adapters, alive=alive, budget=LOCAL_ADAPTER_BUDGET_SECONDS)
-        self.metrics.record_adapters(self.pool, syncs)
-        lines = [f"{s.pod.name}: {r.message}" for s in syncs for r in s.results]
-        acted = any(s.results or s.held or s.deferred for s in syncs)
-        return AdapterTick(lines, summarize(syncs, declared) if declared or acted else None)
+        (operator/lora.py `adapter_tick`, with a budget of its own per tick: LOCAL_ADAPTER_BUDGET_SECONDS), and
+        count the actions in the operator's metrics."""
+        tick = adapter_tick(engine_adapters(self.pool), serving, self.adapters, alive,
+                            budget=LOCAL_ADAPTER_BUDGET_SECONDS)
+        self.metrics.record_adapters(self.pool, tick.syncs)
+        return tick
 
     def record(self, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
         """The replicas carried out (`before` them: what the decision saw), as the operator's timer records them."""

@@ -14,7 +14,7 @@ What the sync remembers (the refusals, the names the spec has declared) is kept 
 The engines are synced concurrently within one budget per tick (ADAPTER_BUDGET_SECONDS): what does not fit is
 left for the next tick, so a hanging engine cannot hold up the pool's scaling.
 
-Kopf-free: the cluster operator (operator/handlers.py) calls `sync_pool` from its scaling timer, and
+Kopf-free: the cluster operator (operator/handlers.py) calls `adapter_tick` from its scaling timer, and
 `kvmesh up -f` (operator/local.py) from its local one.
 """
 
@@ -388,3 +388,41 @@ def sync_pool(pods: Sequence[EnginePod], declared: Mapping[str, str], memory: Ad
             syncs.append(future.result())
     memory.learn(syncs, declared, lives)
     return syncs
+
+
+# ---- one tick of a pool, for both operators ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterTick:
+    """A pool's adapter sync in one tick: each engine's sync, how the engines stand (`summary`; None when the
+    engine settings list the adapters themselves: nothing is synced), and the pool's AdaptersLoaded condition to
+    set (`status`: the summary, or None for a pool that declares no adapters and had nothing to do)."""
+
+    syncs: tuple[EngineSync, ...] = ()
+    summary: AdapterStatus | None = None
+    status: AdapterStatus | None = None
+
+    def results(self) -> list[tuple[EnginePod, ActionResult]]:
+        """Every action taken, with its engine, in the order taken."""
+        return [(s.pod, r) for s in self.syncs for r in s.results]
+
+    @property
+    def lines(self) -> list[str]:
+        """One per action taken: which engine, what, and how it went."""
+        return [f"{pod.name}: {r.message}" for pod, r in self.results()]
+
+
+def adapter_tick(declared: Mapping[str, str] | None, serving: Sequence[EnginePod], memory: AdapterMemory,
+                 alive: Collection[Life], budget: float = ADAPTER_BUDGET_SECONDS, read: Reader = http_served,
+                 act: Caller = http_act) -> AdapterTick:
+    """Keep the `serving` engines' adapters equal to `declared` (the spec's, desired.engine_adapters; None: the
+    engine settings list them, left as the engines started), within `budget`, remembering in `memory` (`sync_pool`),
+    and say whether the pool gets an AdaptersLoaded condition: the cluster operator's timer and `kvmesh up -f`'s
+    tick both call this, and keep only their I/O (pods, Events, status, lines printed) at their edges."""
+    if declared is None:
+        return AdapterTick()
+    syncs = sync_pool(serving, declared, memory, read, act, alive=alive, budget=budget)
+    summary = summarize(syncs, declared)
+    acted = any(s.results or s.held or s.deferred for s in syncs)
+    return AdapterTick(tuple(syncs), summary, summary if declared or acted else None)

@@ -27,6 +27,7 @@ from kvmesh.operator.lora import (
     AdapterAction,
     AdapterMemory,
     EnginePod,
+    adapter_tick,
     outcome_of,
     plan_adapters,
     served_adapters,
@@ -96,6 +97,38 @@ def test_a_pool_that_never_declared_adapters_is_not_read_and_says_nothing() -> N
     assert summarize([], {}).ok
     pending = summarize([], {"sql": "/a/sql"})  # declared, but no ready engine yet
     assert (pending.ok, pending.reason) == (False, "Pending")
+
+
+def test_one_tick_sets_the_adapters_condition_only_for_a_pool_that_declares_or_dropped_adapters() -> None:
+    """The tick both operators run (the cluster's timer, `kvmesh up -f`): a pool that lists its adapters in engine
+    settings is left alone, one that never declared any gets no AdaptersLoaded condition, and one that dropped
+    its last adapter gets one until the engines no longer serve it. Fake engine calls: the rule is pure."""
+    served: dict[str, str] = {}
+
+    def read(url: str, timeout: float) -> dict[str, str]:
+        assert url == "http://p"
+        return dict(served)
+
+    def act(url: str, action: AdapterAction, timeout: float) -> tuple[int | None, str]:
+        if action.kind == LOAD:
+            served[action.name] = str(action.path)
+        else:
+            del served[action.name]
+        return 200, ""
+
+    def unreachable(url: str, timeout: float) -> dict[str, str]:
+        raise AssertionError(f"{url} was read")
+
+    pod, memory = EnginePod("p", "both", "http://p"), AdapterMemory()
+    listed = adapter_tick(None, [pod], memory, {pod.life}, read=unreachable, act=act)
+    assert (listed.syncs, listed.summary, listed.status) == ((), None, None)
+    assert adapter_tick({}, [pod], memory, {pod.life}, read=unreachable, act=act).status is None
+    loaded = adapter_tick({"sql": "/a/sql"}, [pod], memory, {pod.life}, read=read, act=act)
+    assert loaded.status is not None and (loaded.status.ok, loaded.status.reason) == (True, "Loaded")
+    assert loaded.lines == ["p: load LoRA adapter 'sql' from /a/sql"]
+    dropped = adapter_tick({}, [pod], memory, {pod.life}, read=read, act=act)
+    assert dropped.status is not None and dropped.status.ok and dropped.lines == ["p: unload LoRA adapter 'sql'"]
+    assert served == {} and adapter_tick({}, [pod], memory, {pod.life}, read=unreachable, act=act).status is None
 
 
 def test_a_refusal_is_kept_while_the_engine_is_only_not_ready() -> None:
