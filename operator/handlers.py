@@ -37,7 +37,7 @@ from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
-from kvmesh.operator.forecast import PodMetrics, Scaler, TrafficEstimator, parse_pod
+from kvmesh.operator.forecast import PodMetrics, parse_pod
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
@@ -308,15 +308,12 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")}
     pods = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=engine")
     scraped = observe(pods, pool.spec["engine"]["port"], scrape)
-    if state.scaler is None or state.scaler.pool != pool:
-        state.scaler = Scaler(pool, state.scaler.traffic if state.scaler else TrafficEstimator(),
-                              state.scaler.history if state.scaler else ())
     operator_scales = pool.spec["scaling"]["mode"] == "operator"
     replicas = current_replicas(pool, status)
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}
-    decision = state.scaler.observe(now, scraped, replicas)
+    decision = state.scaler_for(pool).observe(now, scraped, replicas)
     hit_rates = pod_hit_rates(state, now, scraped)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         message = decision.describe(role, replicas)

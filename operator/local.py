@@ -20,7 +20,7 @@ from typing import Any
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.desired import API_KEYS_DIR, engine_adapters, engine_settings, router_settings
 from kvmesh.operator.engines import http_open_gates, http_warm
-from kvmesh.operator.forecast import Scaler, parse_pod
+from kvmesh.operator.forecast import parse_pod
 from kvmesh.operator.lora import AdapterMemory, AdapterTick, EnginePod, Life, adapter_tick
 from kvmesh.operator.memory import PoolMemory, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
@@ -151,19 +151,16 @@ class LocalOperator:
     def __init__(self, pool: Pool, warm: Warmer = http_warm, open_gates: GateOpener = http_open_gates) -> None:
         self.pool = pool
         self.metrics = OperatorMetrics()
-        self.scaler = Scaler(pool)
-        self.memory = PoolMemory(scaler=self.scaler)  # what the timer keeps between ticks: hits, serving pods
+        self.memory = PoolMemory()  # what the timer keeps between ticks: the scaler, hits, serving pods
         self.warmup = WarmupSettings.of(pool)
         self.adapters = AdapterMemory()  # in memory only: a restarted `kvmesh up` starts new engines too
         self._warm, self._open_gates = warm, open_gates
 
     def follow(self, pool: Pool) -> None:
         """Carry on under an edited spec (checked with `needs_restart` first): the scaler keeps what it learnt of
-        the traffic, as the cluster operator's timer keeps it when a spec changes."""
+        the traffic (`PoolMemory.scaler_for`), as the cluster operator's timer keeps it when a spec changes."""
         assert not needs_restart(self.pool, pool), needs_restart(self.pool, pool)
         self.pool = pool
-        self.scaler = Scaler(pool, self.scaler.traffic, self.scaler.history)
-        self.memory.scaler = self.scaler
         self.warmup = WarmupSettings.of(pool)
 
     @property
@@ -173,7 +170,7 @@ class LocalOperator:
 
     def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
         scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
-        decision = self.scaler.observe(now, scraped, replicas)
+        decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas)
         hit_rates = pod_hit_rates(self.memory, now, scraped)
         places = {p.name: PodPlace(p.url, p.ready) for p in pods}
         warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)

@@ -64,6 +64,16 @@ class PoolMemory:
         self.conditions = with_condition(self.conditions, kind, value, reason, message, generation)
         return self.conditions
 
+    def scaler_for(self, pool: Pool) -> Scaler:
+        """The pool's scaler; under an edited spec, a new one that keeps what the last learnt (the traffic estimate,
+        the recent recommendations): an edit of the bounds or the policy must not blind it or restart its
+        stabilization window."""
+        if self.scaler is None:
+            self.scaler = Scaler(pool)
+        elif self.scaler.pool != pool:
+            self.scaler = Scaler(pool, self.scaler.traffic, self.scaler.history)
+        return self.scaler
+
 
 def pod_hit_rates(state: PoolMemory, now: float, metrics: list[PodMetrics]) -> dict[str, float]:
     """Cached prompt tokens per second each pod served since the last tick: how much its cache is worth now."""

@@ -12,7 +12,7 @@ from kvmesh.cli import main
 from kvmesh.engine.protocol import Metric, VllmMetric
 from kvmesh.operator.crd import SpecError, load_pool_file, render_crd
 from kvmesh.operator.forecast import Scaler, parse_pod
-from kvmesh.operator.local import describe
+from kvmesh.operator.local import LocalOperator, LocalPod, describe
 from kvmesh.up import plan_from_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,3 +85,25 @@ def test_the_local_scaler_makes_the_operator_s_decision_from_engine_metrics() ->
     assert line.startswith("both: 2 -> 3 replicas (ScaleUpPredictedOverload")
     calm = [parse_pod(f"engine-{i}", "both", engine_text(0.1, 0.1, 0.0)) for i in range(2)]
     assert describe(scaler.observe(10.0, calm, {"both": 3}), {"both": 3}) == []  # within the stabilization window
+
+
+def test_an_edited_spec_keeps_what_the_scaler_learnt_of_the_traffic(tmp_path: Path) -> None:
+    """`kvmesh up -f` following an edit, as the cluster operator's timer under a changed spec
+    (PoolMemory.scaler_for): the scaler takes the new bounds and keeps the traffic estimate and its recent
+    recommendations, so the edit neither blinds it nor restarts its stabilization window."""
+    pool = load_pool_file(str(EXAMPLES / "aggregated.yaml"))
+    operator = LocalOperator(pool)
+    hot = [LocalPod(f"engine-{i}", "both", f"http://127.0.0.1:{9000 + i}", engine_text(0.6, 1.0, 0.4), True)
+           for i in range(2)]
+    assert operator.decide(0.0, hot, {"both": 2}).decision.replicas == {"both": 3}
+    learnt = operator.memory.scaler
+    assert learnt is not None and learnt.history
+    raw = yaml.safe_load((EXAMPLES / "aggregated.yaml").read_text())
+    raw["spec"]["replicas"]["both"]["max"] = 2
+    (tmp_path / "edited.yaml").write_text(yaml.safe_dump(raw))
+    edited = load_pool_file(str(tmp_path / "edited.yaml"))
+    operator.follow(edited)
+    scaler = operator.memory.scaler_for(edited)
+    assert (scaler.pool, scaler.traffic, scaler.history) == (edited, learnt.traffic, learnt.history)
+    assert operator.memory.scaler_for(edited) is scaler  # rebuilt once per edit, not at every tick
+    assert operator.decide(10.0, hot, {"both": 2}).decision.replicas == {"both": 2}  # the new bound
