@@ -32,6 +32,7 @@ import httpx
 
 from kvmesh.engine.protocol import LOAD_LORA_PATH, LORA_ACTIONS, LORA_OUTCOMES, MODELS_PATH, UNLOAD_LORA_PATH
 from kvmesh.operator.crd import MAX_ADAPTER_REFUSALS, MAX_MANAGED_ADAPTERS, Pool
+from kvmesh.router.lora import ServedModels
 
 LOAD, UNLOAD = LORA_ACTIONS
 OK, RETRY, REFUSED = LORA_OUTCOMES
@@ -78,16 +79,14 @@ class AdapterPlan:
 
 
 def served_adapters(models: Any) -> dict[str, str]:
-    """An engine's GET /v1/models answer -> the adapters it serves, name -> directory (the cards with a parent:
-    the base model's has none). Raises ValueError for an answer of another shape."""
-    cards = models.get("data") if isinstance(models, Mapping) else None
-    if not isinstance(cards, list) or not all(isinstance(c, Mapping) and isinstance(c.get("id"), str)
-                                              for c in cards):
-        raise ValueError(f"not a /v1/models answer: {str(models)[:200]}")
-    adapters = [c for c in cards if c.get("parent")]
-    if not all(isinstance(c.get("root"), str) for c in adapters):
-        raise ValueError(f"an adapter card without its directory (root): {str(adapters)[:200]}")
-    return {c["id"]: c["root"] for c in adapters}
+    """An engine's GET /v1/models answer, read as the router reads it (router/lora.py `ServedModels.of`) -> the
+    adapters it serves, name -> directory (each adapter card's `root`: the path the engine opened). Raises
+    ValueError for an answer of another shape."""
+    served = ServedModels.of(models)
+    cards = [c for c in served.cards if c["id"] in served.adapters]
+    if not all(isinstance(c.get("root"), str) for c in cards):
+        raise ValueError(f"an adapter card without its directory (root): {str(cards)[:200]}")
+    return {c["id"]: c["root"] for c in cards}
 
 
 def same_directory(a: str | None, b: str | None) -> bool:

@@ -29,11 +29,13 @@ class ServedModels:
     cards: tuple[dict[str, Any], ...]  # as the pod listed them, for the router's own /v1/models
 
     @classmethod
-    def of(cls, body: Mapping[str, Any]) -> ServedModels:
-        """From a `/v1/models` answer (ValueError when it is not one)."""
-        data = body.get("data")
-        if not isinstance(data, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in data):
-            raise ValueError(f"{MODELS_PATH} did not answer a list of models with ids")
+    def of(cls, body: Any) -> ServedModels:
+        """From a `/v1/models` answer (ValueError when it is not one): the one reading of it, the router's and the
+        operator's adapter sync's (operator/lora.py `served_adapters`)."""
+        data = body.get("data") if isinstance(body, Mapping) else None
+        if not isinstance(data, list) or not all(isinstance(c, Mapping) and isinstance(c.get("id"), str)
+                                                 for c in data):
+            raise ValueError(f"{MODELS_PATH} did not answer a list of models with ids: {str(body)[:200]}")
         adapters = {c["id"]: str(c["parent"]) for c in data if c.get("parent")}
         return cls(frozenset(c["id"] for c in data), adapters, tuple(dict(c) for c in data))
 

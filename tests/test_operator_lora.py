@@ -67,8 +67,9 @@ def test_a_base_model_only_engine_serves_no_adapters_and_loads_the_declared_ones
     assert plan_adapters({"sql": "/v1"}, served_adapters(models)).actions == (AdapterAction(LOAD, "sql", "/v1"),)
     with_card = {"data": models["data"] + [{"id": "sql", "root": "/v1", "parent": "smol"}]}
     assert served_adapters(with_card) == {"sql": "/v1"}
-    with pytest.raises(ValueError, match="not a /v1/models answer"):
-        served_adapters({"detail": "Not Found"})
+    for wrong in ({"detail": "Not Found"}, [], {"data": [{"object": "model"}]}):
+        with pytest.raises(ValueError, match="did not answer a list of models with ids"):
+            served_adapters(wrong)
     with pytest.raises(ValueError, match="without its directory"):
         served_adapters({"data": [{"id": "sql", "parent": "smol"}]})
 

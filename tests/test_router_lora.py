@@ -81,8 +81,9 @@ def test_the_newest_lora_series_is_the_pods_current_adapters() -> None:
 def test_a_pods_model_list_says_which_names_are_adapters_of_which_base() -> None:
     served = ServedModels.of(models_body("sql", "chat"))
     assert served.names == {BASE, "sql", "chat"} and served.adapters == {"sql": BASE, "chat": BASE}
-    with pytest.raises(ValueError, match="list of models"):
-        ServedModels.of({"data": [{"object": "model"}]})
+    for wrong in ({"data": [{"object": "model"}]}, ["not", "a", "mapping"]):
+        with pytest.raises(ValueError, match="list of models"):
+            ServedModels.of(wrong)
     union = union_cards([ServedModels.of(models_body("sql")), ServedModels.of(models_body("chat", "sql")),
                          ServedModels.base_only(BASE)])
     assert [c["id"] for c in union] == [BASE, "chat", "sql"]  # base first, then adapters, each once
