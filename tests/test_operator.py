@@ -125,6 +125,12 @@ class Env:
         """The requests the operator made (the test's own come from kmock's client)."""
         return [r for r in self.k8s if not r.headers.get("User-Agent", "").startswith("kmock/")]
 
+    def ticks(self) -> int:
+        """The scaling ticks the operator has begun: each lists the pool's engine pods once (nothing else lists
+        pods). Tick n + 1 begun means tick n has ended: one pool's timer runs one tick at a time."""
+        return sum(1 for r in self.operator_requests() if r.action == kmock.action.LIST and r.resource is not None
+                   and r.resource.plural == "pods")
+
     def used(self) -> set[tuple[str, str, str]]:
         """(group, resource, verb) of every API request the operator made so far."""
         return {used(r) for r in self.operator_requests() if r.resource is not None and r.resource.plural is not None}
