@@ -402,6 +402,9 @@ class RouterMetric:
     # counter; labels tenant (auth.tenant_hash, never the name), reason (LIMIT_REASONS): 429s of a tenant's limits
     RATE_LIMITED = "kvmesh_router_rate_limited"
     API_KEYS_RELOADS = "kvmesh_router_api_keys_reloads"  # counter; label outcome (KEYS_RELOAD_OUTCOMES)
+    BATCH_REQUESTS = "kvmesh_router_batch_requests"  # counter; label outcome (router/batches.BATCH_REQUEST_OUTCOMES)
+    BATCHES = "kvmesh_router_batches"  # counter; label status (router/batches.FINAL_STATUSES): batches ended here
+    BATCHES_RUNNING = "kvmesh_router_batches_running"  # gauge: batches this replica holds the lease of
 
 
 class OperatorMetric:

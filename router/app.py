@@ -69,6 +69,10 @@ from kvmesh.router.auth import (
     cache_salt_for,
     tenant_hash,
 )
+from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseudonym
+from kvmesh.router.batch_runner import Answer, BatchRunner
+from kvmesh.router.batch_store import BatchStore
+from kvmesh.router.batches import CHAT_PATH
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tenants, unkeyed_tenants
@@ -122,6 +126,7 @@ class RouterMetrics:
                                         "(loaded) or refused (the keys in force stay).", ["outcome"], registry=r)
         for outcome in KEYS_RELOAD_OUTCOMES:
             self.api_keys_reloads.labels(outcome)
+        self.batches = BatchMetrics(r)
         self.add_tenants(tenants)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
@@ -362,6 +367,11 @@ class Router:
     tracing: Tracing = OFF
     limits: Limiter = field(default_factory=Limiter)
     keys_file: KeysFile | None = None  # where `keys` come from, re-read when it changes (a rotated Secret)
+    batches: BatchStore | None = None  # the Batch API's files and batches (in the request log's database)
+
+    def tenants(self) -> Iterable[str]:
+        """The tenants that have a key now (the one default tenant with auth off)."""
+        return set(self.keys.by_hash.values()) if self.keys.enabled else {DEFAULT_TENANT}
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
         """One row of the request log (numbers only), when the pool has one; the end of the request's span."""
@@ -419,12 +429,14 @@ class Router:
             raise RouteError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1})")
         return ids
 
-    async def admit(self, payload: bytes, headers: Mapping[str, str], chat: bool) -> Admitted:
+    async def admit(self, payload: bytes, headers: Mapping[str, str], chat: bool,
+                    tenant: str | None = None) -> Admitted:
         """Authenticate, validate, salt, tokenize and hash one request, the same whichever edge received it (this
         HTTP app, or a Gateway's ext_proc stream): RouteError (401, 400) when it cannot be served. The key comes
-        first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send."""
+        first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send.
+        A batch's request comes with its `tenant`, whose key was checked when the batch was created."""
         arrived_ns = time.time_ns()
-        tenant = self.authenticate(headers)
+        tenant = tenant if tenant is not None else self.authenticate(headers)
         if (over := self.limits.check(tenant)) is not None:  # before any work on the body
             raise self.rate_limited(tenant, over)
         model = ChatRequest if chat else CompletionRequest
@@ -611,7 +623,8 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     if keys_file is not None:
         keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
-                  secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file)
+                  secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file,
+                  batches=BatchStore(config.database_url) if config.database_url else None)
 
 
 def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
@@ -768,9 +781,25 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             await asyncio.sleep(KEYS_CHECK_SECONDS)
             await asyncio.to_thread(router.reload_keys)
 
+    async def send_batch_request(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        """A batch's request through this router's own routing, at the batch priority (shed first)."""
+        headers = {PRIORITY_HEADER: str(router.config.batch_priority)}
+        response = await serve(json.dumps(body).encode(), headers, path, path == CHAT_PATH, tenant)
+        try:
+            content = json.loads(bytes(response.body))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            content = error_body(bytes(response.body).decode(errors="replace")[:1000], "server_error")
+        retry = response.headers.get("retry-after")
+        return Answer(response.status_code, content, float(retry) if retry else None)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         keys_task = asyncio.create_task(watch_keys()) if router.keys_file is not None else None
+        batch_task = None
+        if router.batches is not None:
+            runner = BatchRunner(router.batches, send_batch_request, tenants_by_pseudonym(router.tenants),
+                                 router.metrics.batches, router.config.batch_settings())
+            batch_task = asyncio.create_task(runner.serve_forever())
         await router.pods.start()
         if router.config.ext_proc_port is not None:  # imported here: grpc only for routers that serve a Gateway
             from kvmesh.router.extproc import start_ext_proc
@@ -781,6 +810,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             if drain.draining:  # a signal came while it started
                 drain.begin()
         yield
+        if batch_task is not None:  # no new batch request; the batch's lease goes back for another replica
+            batch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await batch_task
         await drain.finish()
         if keys_task is not None:
             keys_task.cancel()
@@ -788,20 +821,36 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         await router.upstream.close()
         if router.log is not None:
             router.log.close()
+        if router.batches is not None:
+            router.batches.close()
         await asyncio.to_thread(router.tracing.shutdown)  # the last batch of spans, signal or not
 
     app = FastAPI(title="kvmesh router", lifespan=lifespan)
+    app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
+                                    router.config.batch_max_file_bytes))
 
     async def route(http: HttpRequest, path: str, chat: bool) -> Response:
+        return await serve(await http.body(), http.headers, path, chat, http=http)
+
+    async def serve(payload: bytes, headers: Mapping[str, str], path: str, chat: bool, tenant: str | None = None,
+                    http: HttpRequest | None = None) -> Response:
+        """One completion from a client of the HTTP edge (`http`: watched for a client that leaves), or of the
+        batch runner in this process (`tenant`: whose batch it is, authenticated when the batch was created)."""
         try:
-            admitted = await router.admit(await http.body(), http.headers, chat)
+            admitted = await router.admit(payload, headers, chat, tenant)
         except RouteError as exc:
             router.metrics.requests.labels(refusal_outcome(exc), "aggregated").inc()
             return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status,
                                 headers=exc.headers)
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:
-            work = asyncio.ensure_future(forward(http, path, raw, trace, bool(body.stream)))
+            work = asyncio.ensure_future(forward(headers, path, raw, trace, bool(body.stream)))
+            if http is None:  # the batch runner's: cancelled when its batch stops, which aborts the upstream call
+                try:
+                    return _with_limits(await work, trace)
+                except asyncio.CancelledError:
+                    client_gone(trace)
+                    raise
             if body.stream:  # a stream notices a gone client itself: its relay is cancelled
                 return _with_limits(await work, trace)
             gone = asyncio.ensure_future(_wait_disconnected(http))
@@ -874,9 +923,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         return JSONResponse(error_body(message, "server_error", code="no_pod"), status_code=503,
                             headers={"Retry-After": "1"})
 
-    async def forward(http: HttpRequest, path: str, raw: dict[str, Any], trace: Trace, stream: bool) -> Response:
+    async def forward(client_headers: Mapping[str, str], path: str, raw: dict[str, Any], trace: Trace,
+                      stream: bool) -> Response:
         tried: set[str] = set()
-        headers = {k: v for k, v in http.headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
+        headers = {k: v for k, v in client_headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
         view = router.view(trace.info)
         # one pod answers a tool call whole: it parses the calls out of all the text it generated, which a split
         # or a migrated stream would give to two pods in parts

@@ -15,6 +15,8 @@ import yaml
 
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 from kvmesh.engine.tracing import check_endpoint
+from kvmesh.router.batch_runner import BatchSettings
+from kvmesh.router.batches import BATCH_PRIORITY, MAX_FILE_BYTES
 from kvmesh.router.limits import Limiter, parse_tenants
 
 DISCOVERY_MODES = ("static", "kubernetes")
@@ -72,6 +74,12 @@ class RouterConfig:
     rate_limit_replicas: int = 1  # each replica enforces the tenants' limits divided by this (1: each the whole)
     weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (engine/tracing.py); None: the OTEL_* env
+    # the Batch API (router/batch_runner.py; needs database_url): requests of a batch in flight from one replica,
+    # requests per input file, an input file's size, and the priority batch requests are sent at (shed first)
+    batch_concurrency: int = BatchSettings.concurrency
+    batch_max_requests: int = BatchSettings.max_requests
+    batch_max_file_bytes: int = MAX_FILE_BYTES
+    batch_priority: int = BATCH_PRIORITY
 
     def endpoint_selector(self) -> str:
         """The label selector of the pool's engine EndpointSlices. Slices inherit their Service's labels; the
@@ -111,6 +119,12 @@ class RouterConfig:
                                  f"it must hold {' and '.join(files)} (e.g. a kubernetes.io/tls Secret, mounted)")
             read_certificate_pair(self.ext_proc_cert_dir)
         Limiter(parse_tenants(self.tenants), self.rate_limit_replicas)  # bad limits: an error at start, not later
+        self.batch_settings()
+        if self.batch_max_file_bytes < 1:
+            raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
+
+    def batch_settings(self) -> BatchSettings:
+        return BatchSettings(concurrency=self.batch_concurrency, max_requests=self.batch_max_requests)
 
 
 def read_certificate_pair(cert_dir: str) -> tuple[bytes, bytes]:

@@ -166,7 +166,7 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
-def _make_engine(url: str) -> Engine:
+def make_engine(url: str) -> Engine:
     """SQLite gets WAL and a busy timeout so router processes on one machine can share a file."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
@@ -196,7 +196,7 @@ class RequestLog:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.engine = _make_engine(url)
+        self.engine = make_engine(url)
         self._create_table()
 
     def _create_table(self) -> None:

@@ -1,0 +1,193 @@
+"""The Batch API's HTTP edge: OpenAI's `/v1/files` and `/v1/batches`, as the official clients call them.
+
+Every call needs the tenant's API key (with auth on) and sees only that tenant's files and batches: another
+tenant's id is a 404, as an unknown one. The store calls run in a worker thread; nothing here runs a batch
+(router/batch_runner.py does, in every replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from starlette.datastructures import UploadFile
+
+from kvmesh.engine.openai_types import error_body
+from kvmesh.engine.protocol import RouterMetric
+from kvmesh.router.auth import tenant_hash
+from kvmesh.router.batch_store import BatchStore
+from kvmesh.router.batches import (
+    BATCH_ENDPOINTS,
+    BATCH_REQUEST_OUTCOMES,
+    FINAL_STATUSES,
+    UPLOAD_PURPOSE,
+    BatchInputError,
+    check_metadata,
+    window_seconds,
+)
+
+MAX_PAGE = 100  # OpenAI's bound on a list page
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # a multipart body's boundaries and fields beside the file itself
+NO_STORE = ("the Batch API keeps files and batches in the pool's database, and this router has none: set "
+            "database_url (a pool's spec.store.databaseUrl)")
+
+
+class BatchMetrics:
+    """The batch runner's counters (router/batch_runner.BatchCounters) on the router's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(RouterMetric.BATCH_REQUESTS, "Requests of batches sent by this replica, by outcome.",
+                                ["outcome"], registry=registry)
+        for outcome in BATCH_REQUEST_OUTCOMES:
+            self.requests.labels(outcome)
+        self.batches = Counter(RouterMetric.BATCHES, "Batches this replica ended, by final status.", ["status"],
+                               registry=registry)
+        for status in FINAL_STATUSES:
+            self.batches.labels(status)
+        self.held = Gauge(RouterMetric.BATCHES_RUNNING, "Batches this replica runs now.", registry=registry)
+
+    def request(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def finished(self, status: str) -> None:
+        self.batches.labels(status).inc()
+
+    def running(self, delta: int) -> None:
+        self.held.inc(delta)
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = error_body(message, "invalid_request_error" if status < 500 else "server_error", code=code)
+    body["error"]["param"] = param
+    return JSONResponse(body, status_code=status)
+
+
+def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], str | None],
+                 max_file_bytes: int) -> APIRouter:
+    """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused)."""
+    api = APIRouter()
+
+    async def call(http: HttpRequest, work: Callable[[BatchStore, str], Any]) -> Response:
+        """Authenticate, then run `work(store, tenant pseudonym)` in a thread: a Response, or JSON to answer."""
+        tenant = tenant_for(http.headers.get("authorization"))
+        if tenant is None:
+            return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
+                                           "authentication_error", code="invalid_api_key"), status_code=401)
+        if store is None:
+            return _error(501, NO_STORE, code="batches_disabled")
+        try:
+            result = await asyncio.to_thread(work, store, tenant_hash(tenant))
+        except BatchInputError as exc:
+            return _error(400, str(exc), exc.param)
+        return result if isinstance(result, Response) else JSONResponse(result)
+
+    def found(value: Any, kind: str, item_id: str) -> Any:
+        return value if value is not None else _error(404, f"No {kind} found with id '{item_id}'.",
+                                                      code="not_found")
+
+    def page(http: HttpRequest) -> tuple[int, str | None]:
+        raw = http.query_params.get("limit", "20")
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+            raise BatchInputError(f"limit must be a whole number from 1 to {MAX_PAGE}", "limit")
+        return int(raw), http.query_params.get("after")
+
+    @api.post("/v1/files")
+    async def upload(http: HttpRequest) -> Response:
+        size = http.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_file_bytes + MULTIPART_OVERHEAD_BYTES:
+            return _error(413, f"the file is over this pool's limit of {max_file_bytes} bytes", "file")
+        try:
+            form = await http.form(max_files=1, max_fields=8)
+        except Exception as exc:  # not multipart, or a malformed one: the client's mistake
+            return _error(400, f"upload a file as multipart/form-data with fields `file` and `purpose`: {exc}")
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            return _error(400, "the form has no file field `file`", "file")
+        if purpose != UPLOAD_PURPOSE:
+            return _error(400, f"purpose must be '{UPLOAD_PURPOSE}': this server keeps files for batches",
+                          "purpose")
+        content = await upload.read(max_file_bytes + 1)
+        if len(content) > max_file_bytes:
+            return _error(413, f"the file is over this pool's limit of {max_file_bytes} bytes", "file")
+        name = upload.filename or "upload.jsonl"
+        return await call(http, lambda s, tenant: s.add_file(tenant, UPLOAD_PURPOSE, name, content))
+
+    @api.get("/v1/files")
+    async def list_files(http: HttpRequest) -> Response:
+        purpose = http.query_params.get("purpose")
+        return await call(http, lambda s, tenant: s.files(tenant, purpose, *page(http)))
+
+    @api.get("/v1/files/{file_id}")
+    async def get_file(http: HttpRequest, file_id: str) -> Response:
+        return await call(http, lambda s, tenant: found(s.file(tenant, file_id), "file", file_id))
+
+    @api.get("/v1/files/{file_id}/content")
+    async def file_content(http: HttpRequest, file_id: str) -> Response:
+        def read(s: BatchStore, tenant: str) -> Any:
+            content = s.file_content(tenant, file_id)
+            return found(None if content is None else Response(content, media_type="application/jsonl"), "file",
+                         file_id)
+
+        return await call(http, read)
+
+    @api.delete("/v1/files/{file_id}")
+    async def delete_file(http: HttpRequest, file_id: str) -> Response:
+        return await call(http, lambda s, tenant: found(
+            {"id": file_id, "object": "file", "deleted": True} if s.delete_file(tenant, file_id) else None,
+            "file", file_id))
+
+    @api.post("/v1/batches")
+    async def create(http: HttpRequest) -> Response:
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "malformed JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+
+        def create_batch(s: BatchStore, tenant: str) -> Any:
+            endpoint, file_id = body.get("endpoint"), body.get("input_file_id")
+            if endpoint not in BATCH_ENDPOINTS:
+                raise BatchInputError(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}; got {endpoint!r}",
+                                      "endpoint")
+            window = body.get("completion_window", "24h")
+            seconds, metadata = window_seconds(window), check_metadata(body.get("metadata"))
+            source = s.file(tenant, file_id) if isinstance(file_id, str) else None
+            if source is None:
+                return _error(404, f"No file found with id '{file_id}'.", "input_file_id", "not_found")
+            if source["purpose"] != UPLOAD_PURPOSE:
+                raise BatchInputError(f"the file {file_id} has purpose '{source['purpose']}', not "
+                                      f"'{UPLOAD_PURPOSE}'", "input_file_id")
+            return s.create_batch(tenant, endpoint, file_id, window, seconds, metadata)
+
+        return await call(http, create_batch)
+
+    @api.get("/v1/batches")
+    async def list_batches(http: HttpRequest) -> Response:
+        return await call(http, lambda s, tenant: s.batches(tenant, *page(http)))
+
+    @api.get("/v1/batches/{batch_id}")
+    async def get_batch(http: HttpRequest, batch_id: str) -> Response:
+        return await call(http, lambda s, tenant: found(s.batch(tenant, batch_id), "batch", batch_id))
+
+    @api.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(http: HttpRequest, batch_id: str) -> Response:
+        return await call(http, lambda s, tenant: found(s.cancel(tenant, batch_id), "batch", batch_id))
+
+    return api
+
+
+def tenants_by_pseudonym(tenants: Callable[[], Iterable[str]]) -> Callable[[str], str | None]:
+    """tenant pseudonym -> tenant name, over the tenants that have a key now (`tenants()`, read at each call: a
+    rotated keys file adds and removes them)."""
+    def tenant_of(pseudonym: str) -> str | None:
+        return next((t for t in tenants() if tenant_hash(t) == pseudonym), None)
+
+    return tenant_of
+

@@ -1,0 +1,249 @@
+"""Runs batches: each router replica claims one batch at a time from the pool's database and sends its requests
+through its own routing, at a low priority, so a batch fills the pool's idle capacity and is shed first when
+interactive traffic needs the pods.
+
+A request refused for load or for its tenant's limits (429, 503) waits and is sent again: overload delays a
+batch, it never fails one. A server error is retried a few times; any other answer is final and goes to the
+batch's error file. Requests are sent in prefix order (router/batches.run_order), so each run of requests sharing
+a prompt prefix is served from the first one's cached blocks. Answers are written as they come, so a replica that
+dies loses at most a second of them and the replica that takes the batch over skips what was answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvmesh.router.batch_store import BatchStore, ClaimedBatch
+from kvmesh.router.batches import (
+    BatchLine,
+    LineProblem,
+    LineResult,
+    check_input,
+    jsonl,
+    new_id,
+    run_order,
+    unrun_line,
+)
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 30.0  # a replica that stops renewing for this long hands its batch to another
+FLUSH_SECONDS = 1.0  # answers are written, the lease renewed and the status read this often
+POLL_SECONDS = 1.0  # how often an idle replica looks for a batch to run
+REFUSED = frozenset({429, 503})  # the pool's "not now": overloaded, over the tenant's limits, no pod yet
+MAX_WAIT_SECONDS = 10.0  # a refused request waits its Retry-After, but no longer than this, before it is sent again
+SERVER_ERROR_BACKOFF_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the router answered one request of a batch."""
+
+    status: int
+    body: dict[str, Any]
+    retry_after: float | None = None
+
+
+# (tenant name, endpoint path, request body) -> the router's answer, as a client of its HTTP edge would get it
+Send = Callable[[str, str, dict[str, Any]], Awaitable[Answer]]
+
+
+class BatchCounters(Protocol):
+    def request(self, outcome: str) -> None: ...  # a BATCH_REQUEST_OUTCOMES value
+    def finished(self, status: str) -> None: ...  # a FINAL_STATUSES value
+    def running(self, delta: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How a replica runs batches (the router's `batch_*` settings)."""
+
+    concurrency: int = 8  # requests of a batch in flight at once from one replica
+    max_requests: int = 50_000  # requests per input file (OpenAI's bound)
+    server_error_attempts: int = 3  # sends of a request that keeps getting a 5xx other than 503
+    lease_seconds: float = LEASE_SECONDS
+    flush_seconds: float = FLUSH_SECONDS
+    poll_seconds: float = POLL_SECONDS
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.max_requests < 1 or self.server_error_attempts < 1:
+            raise ValueError("batch_concurrency, batch_max_requests and the attempts must be at least 1")
+        if not 0 < self.flush_seconds < self.lease_seconds:
+            raise ValueError("a batch's lease must outlast the time between its renewals")
+
+
+class BatchRunner:
+    """One replica's batch worker: claim, check, run, write the files; `serve_forever` until cancelled."""
+
+    def __init__(self, store: BatchStore, send: Send, tenant_of: Callable[[str], str | None],
+                 counters: BatchCounters, settings: BatchSettings | None = None, owner: str | None = None) -> None:
+        self.store = store
+        self.send = send
+        self.tenant_of = tenant_of  # tenant pseudonym -> the tenant's name, None once it has no API key
+        self.counters = counters
+        self.settings = settings or BatchSettings()
+        self.owner = owner or new_id("router-")
+
+    async def serve_forever(self) -> None:
+        while True:
+            claimed = None
+            try:
+                claimed = await asyncio.to_thread(self.store.claim, self.owner, self.settings.lease_seconds)
+            except Exception:  # the database away: batches wait for it, interactive traffic does not notice
+                log.exception("batch runner: could not read the batches")
+            if claimed is None:
+                await asyncio.sleep(self.settings.poll_seconds)
+                continue
+            self.counters.running(1)
+            try:
+                await self.run(claimed)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(asyncio.to_thread(self.store.release, claimed.id, self.owner))
+                raise
+            except Exception:
+                log.exception("batch runner: batch %s stopped; it is taken up again when its lease ends", claimed.id)
+                await asyncio.sleep(self.settings.poll_seconds)
+            finally:
+                self.counters.running(-1)
+
+    async def run(self, batch: ClaimedBatch) -> None:
+        """Take a claimed batch as far as it goes: checked, run, and ended with its files."""
+        store, owner = self.store, self.owner
+        content = await asyncio.to_thread(store.file_content, batch.tenant, batch.input_file_id)
+        if content is None:
+            await self._fail(batch, [LineProblem("missing_file", f"the input file {batch.input_file_id} was "
+                                                                 "deleted before the batch ran")])
+            return
+        checked = await asyncio.to_thread(check_input, content, batch.endpoint, self.settings.max_requests)
+        if batch.status == "validating":
+            if checked.problems:
+                await self._fail(batch, checked.problems)
+                return
+            if not await asyncio.to_thread(store.start, batch.id, owner, len(checked.lines)):
+                return  # cancelled while it was checked: the next claim ends it
+            batch = dataclasses.replace(batch, status="in_progress")
+        tenant = self.tenant_of(batch.tenant)
+        if tenant is None and batch.status == "in_progress":
+            await self._fail(batch, [LineProblem("tenant_revoked", "the batch's tenant no longer has an API key")])
+            return
+        status = batch.status
+        if status == "in_progress":
+            status = "expired"
+            if time.time() < batch.expires_at:
+                status = await self._run_lines(batch, checked.lines, tenant or "")
+            if status is None:
+                return  # the lease went to another replica: it carries on
+        await self._finish(batch, checked.lines, status)
+
+    async def _fail(self, batch: ClaimedBatch, problems: list[LineProblem]) -> None:
+        if await asyncio.to_thread(self.store.fail, batch.id, self.owner, problems):
+            self.counters.finished("failed")
+
+    async def _run_lines(self, batch: ClaimedBatch, lines: list[BatchLine], tenant: str) -> str | None:
+        """Send every request not yet answered; the status to end in (in_progress: all answered, or cancelling,
+        or expired), or None when the lease was lost."""
+        answered = await asyncio.to_thread(self.store.answered_lines, batch.id)
+        todo = deque(line for line in run_order(lines) if line.line not in answered)
+        stop = asyncio.Event()
+        ended: list[str | None] = ["in_progress"]
+        done: list[LineResult] = []
+
+        async def worker() -> None:
+            while todo and not stop.is_set():
+                line = todo.popleft()
+                result = await self._attempt(batch, line, tenant, stop)
+                if result is not None:
+                    done.append(result)
+
+        async def flush() -> None:
+            taken = done[:]
+            del done[: len(taken)]
+            if taken:
+                await asyncio.to_thread(self.store.add_results, batch.id, taken)
+
+        async def keep_lease() -> None:
+            while True:
+                await asyncio.sleep(self.settings.flush_seconds)
+                await flush()
+                status = await asyncio.to_thread(self.store.renew, batch.id, self.owner, self.settings.lease_seconds)
+                if status is None or status == "cancelling" or time.time() >= batch.expires_at:
+                    ended[0] = status if status in (None, "cancelling") else "expired"
+                    stop.set()
+                    return
+
+        keeper = asyncio.create_task(keep_lease())
+        try:
+            await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await asyncio.shield(flush())
+        return ended[0]
+
+    async def _attempt(self, batch: ClaimedBatch, line: BatchLine, tenant: str,
+                       stop: asyncio.Event) -> LineResult | None:
+        """One request sent until it has a final answer; None when the batch stopped first."""
+        server_errors = 0
+        while not stop.is_set():
+            try:
+                answer = await self._send_unless_stopped(tenant, batch.endpoint, line.body, stop)
+                if answer is None:
+                    return None
+            except Exception as exc:  # the router's own failure: as a 500 would be
+                log.exception("batch runner: request %s of %s", line.custom_id, batch.id)
+                answer = Answer(500, {"error": {"message": f"the router failed: {exc}", "type": "server_error"}})
+            wait = None
+            if answer.status in REFUSED:
+                wait = min(answer.retry_after or 1.0, MAX_WAIT_SECONDS)
+            elif answer.status >= 500 and (server_errors := server_errors + 1) < self.settings.server_error_attempts:
+                wait = SERVER_ERROR_BACKOFF_SECONDS * server_errors
+            if wait is None:
+                self.counters.request("ok" if answer.status == 200 else "failed")
+                request_id = answer.body.get("id") if isinstance(answer.body.get("id"), str) else new_id("")
+                return LineResult(line.line, line.custom_id, answer.status, answer.body, request_id)
+            self.counters.request("retried")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+        return None
+
+    async def _send_unless_stopped(self, tenant: str, path: str, body: dict[str, Any],
+                                   stop: asyncio.Event) -> Answer | None:
+        """The answer, or None when the batch stopped first: the call is cancelled then, so the engine aborts the
+        request and frees its blocks (a cancelled batch's requests stop at once, not when they end)."""
+        call = asyncio.ensure_future(self.send(tenant, path, body))
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({call, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled (the router stopping): the call is never left running
+            stopped.cancel()
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+        return None if call.cancelled() else call.result()
+
+    async def _finish(self, batch: ClaimedBatch, lines: list[BatchLine], status: str) -> None:
+        """Write the output and error files and end the batch: completed, cancelled or expired."""
+        final = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}.get(status, status)
+        if (final == "completed" and status != "finalizing"
+                and not await asyncio.to_thread(self.store.finalizing, batch.id, self.owner)):
+            return  # cancelled in the meantime: the next claim ends it so
+        results = await asyncio.to_thread(self.store.results, batch.id)
+        answered = {r.line for r in results}
+        why = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+               "expired": ("batch_expired", "the batch's completion window ended before this request ran")}
+        unrun = [unrun_line(line, *why[final]) for line in lines if line.line not in answered] if final in why else []
+        output = jsonl(r.output_line() for r in results if r.ok)
+        errors = jsonl([r.output_line() for r in results if not r.ok] + unrun)
+        if await asyncio.to_thread(self.store.finish, batch, self.owner, final, output, errors):
+            self.counters.finished(final)

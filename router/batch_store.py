@@ -1,0 +1,342 @@
+"""Files, batches and their results in the pool's database (the request log's: SQLite locally, PostgreSQL by URL).
+
+Every router replica of a pool shares the database, so a batch created through one replica is read, cancelled
+and run through any other; a replica runs a batch while it holds the batch's lease, renewed as it works, so a
+replica that dies hands its batches to another, which skips the requests already answered. Unlike the request
+log these tables hold what clients sent (input files) and what the pool answered: a tenant's own data, read back
+only with the same tenant's key and deleted on request. Synchronous: the router calls it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import BigInteger, Float, Integer, LargeBinary, String, Text, case, delete, func, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from kvmesh.router.batches import (
+    ACTIVE_STATUSES,
+    CANCELLABLE_STATUSES,
+    OUTPUT_PURPOSE,
+    LineProblem,
+    LineResult,
+    list_page,
+    new_id,
+)
+from kvmesh.router.store import make_engine
+
+FILES_TABLE, BATCHES_TABLE, RESULTS_TABLE = "kvmesh_files", "kvmesh_batches", "kvmesh_batch_results"
+_ID_LEN, _TENANT_LEN = 64, 64
+# the timestamps of a batch object, each set once when the batch enters that state
+_STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+           "cancelled_at")
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+def _seq() -> Mapped[int]:
+    """An insertion counter: list pages in creation order, stable among rows created in the same second."""
+    return mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True)
+
+
+class FileRow(_Base):
+    __tablename__ = FILES_TABLE
+
+    seq: Mapped[int] = _seq()
+    id: Mapped[str] = mapped_column(String(_ID_LEN), unique=True)
+    tenant: Mapped[str] = mapped_column(String(_TENANT_LEN), index=True)  # auth.tenant_hash
+    purpose: Mapped[str] = mapped_column(String(16))
+    filename: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # read only for a download or a run
+
+
+class BatchRow(_Base):
+    __tablename__ = BATCHES_TABLE
+
+    seq: Mapped[int] = _seq()
+    id: Mapped[str] = mapped_column(String(_ID_LEN), unique=True)
+    tenant: Mapped[str] = mapped_column(String(_TENANT_LEN), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(_ID_LEN))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int] = mapped_column(BigInteger)
+    in_progress_at: Mapped[int | None] = mapped_column(BigInteger)
+    finalizing_at: Mapped[int | None] = mapped_column(BigInteger)
+    completed_at: Mapped[int | None] = mapped_column(BigInteger)
+    failed_at: Mapped[int | None] = mapped_column(BigInteger)
+    expired_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelling_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelled_at: Mapped[int | None] = mapped_column(BigInteger)
+    output_file_id: Mapped[str | None] = mapped_column(String(_ID_LEN))
+    error_file_id: Mapped[str | None] = mapped_column(String(_ID_LEN))
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    errors: Mapped[str | None] = mapped_column(Text)  # JSON: the input file's problems, when it was refused
+    batch_metadata: Mapped[str | None] = mapped_column(Text)  # JSON
+    owner: Mapped[str | None] = mapped_column(String(128))  # the replica running it, while its lease lasts
+    lease_until: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class ResultRow(_Base):
+    __tablename__ = RESULTS_TABLE
+
+    batch_id: Mapped[str] = mapped_column(String(_ID_LEN), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    status_code: Mapped[int] = mapped_column(Integer)
+    body: Mapped[str] = mapped_column(Text)  # JSON
+    request_id: Mapped[str] = mapped_column(String(64))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+
+
+@dataclass(frozen=True)
+class ClaimedBatch:
+    """A batch this replica holds the lease of: what running it needs."""
+
+    id: str
+    tenant: str  # tenant_hash
+    endpoint: str
+    input_file_id: str
+    status: str
+    expires_at: int
+
+
+def _file_json(row: FileRow) -> dict[str, Any]:
+    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": row.created_at,
+            "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+class BatchStore:
+    """One pool's files and batches; safe to share between threads (each call its own session)."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = make_engine(url)
+        try:  # two replicas starting together may race to create the tables: the loser carries on
+            _Base.metadata.create_all(self.engine)
+        except DBAPIError:
+            _Base.metadata.create_all(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- files
+
+    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes) -> dict[str, Any]:
+        row = FileRow(id=new_id("file-"), tenant=tenant, purpose=purpose, filename=filename[:255],
+                      bytes=len(content), created_at=int(time.time()), content=content)
+        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            session.add(row)
+        return _file_json(row)
+
+    def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
+        with Session(self.engine) as session:
+            row = session.scalar(select(FileRow).where(FileRow.id == file_id, FileRow.tenant == tenant))
+            return None if row is None else _file_json(row)
+
+    def file_content(self, tenant: str, file_id: str) -> bytes | None:
+        with Session(self.engine) as session:
+            return session.scalar(select(FileRow.content).where(FileRow.id == file_id, FileRow.tenant == tenant))
+
+    def files(self, tenant: str, purpose: str | None, limit: int, after: str | None) -> dict[str, Any]:
+        """The tenant's files, newest first, a page of `limit` after the file `after`."""
+        query = select(FileRow).where(FileRow.tenant == tenant)
+        if purpose is not None:
+            query = query.where(FileRow.purpose == purpose)
+        with Session(self.engine) as session:
+            if after is not None:
+                cursor = session.scalar(select(FileRow.seq).where(FileRow.id == after, FileRow.tenant == tenant))
+                if cursor is not None:
+                    query = query.where(FileRow.seq < cursor)
+            rows = session.scalars(query.order_by(FileRow.seq.desc()).limit(limit + 1)).all()
+            return list_page([_file_json(r) for r in rows[:limit]], len(rows) > limit)
+
+    def delete_file(self, tenant: str, file_id: str) -> bool:
+        with Session(self.engine) as session, session.begin():
+            gone = session.execute(delete(FileRow).where(FileRow.id == file_id, FileRow.tenant == tenant))
+            return gone.rowcount == 1
+
+    # -- batches, as the API sees them
+
+    def create_batch(self, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
+                     window_seconds: int, metadata: dict[str, str] | None) -> dict[str, Any]:
+        now = int(time.time())
+        row = BatchRow(id=new_id("batch_"), tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
+                       completion_window=completion_window, status="validating", created_at=now,
+                       expires_at=now + window_seconds, total=0, lease_until=0.0,
+                       batch_metadata=None if metadata is None else json.dumps(metadata))
+        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            session.add(row)
+        return self._batch_json(row)
+
+    def batch(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
+        with Session(self.engine) as session:
+            row = session.scalar(select(BatchRow).where(BatchRow.id == batch_id, BatchRow.tenant == tenant))
+            return None if row is None else self._batch_json(row, session)
+
+    def batches(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
+        """The tenant's batches, newest first, a page of `limit` after the batch `after`."""
+        query = select(BatchRow).where(BatchRow.tenant == tenant)
+        with Session(self.engine) as session:
+            if after is not None:
+                cursor = session.scalar(select(BatchRow.seq).where(BatchRow.id == after, BatchRow.tenant == tenant))
+                if cursor is not None:
+                    query = query.where(BatchRow.seq < cursor)
+            rows = session.scalars(query.order_by(BatchRow.seq.desc()).limit(limit + 1)).all()
+            return list_page([self._batch_json(r, session) for r in rows[:limit]], len(rows) > limit)
+
+    def cancel(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
+        """Ask the batch to stop: `cancelling` until its runner has written what was answered (then `cancelled`).
+        A batch already past running is answered as it is."""
+        with Session(self.engine) as session, session.begin():
+            session.execute(update(BatchRow)
+                            .where(BatchRow.id == batch_id, BatchRow.tenant == tenant,
+                                   BatchRow.status.in_(CANCELLABLE_STATUSES))
+                            .values(status="cancelling", cancelling_at=int(time.time())))
+        return self.batch(tenant, batch_id)
+
+    def _batch_json(self, row: BatchRow, session: Session | None = None) -> dict[str, Any]:
+        counts, usage = (0, 0), (0, 0, 0)
+        if session is not None:
+            counts, usage = self._progress(session, row.id)
+        completed, failed = counts
+        prompt, cached, output = usage
+        errors = None if row.errors is None else {"object": "list", "data": json.loads(row.errors)}
+        return {
+            "id": row.id, "object": "batch", "endpoint": row.endpoint, "errors": errors,
+            "input_file_id": row.input_file_id, "completion_window": row.completion_window, "status": row.status,
+            "output_file_id": row.output_file_id, "error_file_id": row.error_file_id,
+            "created_at": row.created_at, "expires_at": row.expires_at,
+            **{stamp: getattr(row, stamp) for stamp in _STAMPS},
+            # total: the requests of the input file; an expired or cancelled batch counts the ones it never ran
+            # as failed once its error file lists them
+            "request_counts": {"total": row.total, "completed": completed,
+                               "failed": row.total - completed if row.status in ("expired", "cancelled")
+                               else failed},
+            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": prompt + output},
+            "metadata": None if row.batch_metadata is None else json.loads(row.batch_metadata),
+        }
+
+    @staticmethod
+    def _progress(session: Session, batch_id: str) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        row = session.execute(
+            select(func.count(), func.coalesce(func.sum(case((ResultRow.status_code == 200, 1), else_=0)), 0),
+                   func.coalesce(func.sum(ResultRow.prompt_tokens), 0),
+                   func.coalesce(func.sum(ResultRow.cached_tokens), 0),
+                   func.coalesce(func.sum(ResultRow.completion_tokens), 0))
+            .where(ResultRow.batch_id == batch_id)
+        ).one()
+        answered, served, prompt, cached, output = (int(v) for v in row)
+        return (served, answered - served), (prompt, cached, output)
+
+    # -- batches, as a runner sees them
+
+    def claim(self, owner: str, lease_seconds: float) -> ClaimedBatch | None:
+        """The oldest active batch whose lease is free, expired or already ours, now leased to `owner`; the
+        conditional update makes two replicas racing for one batch agree on a single winner."""
+        now = time.time()
+        free = (BatchRow.owner.is_(None)) | (BatchRow.lease_until < now) | (BatchRow.owner == owner)
+        with Session(self.engine) as session:
+            candidates = session.scalars(select(BatchRow.id).where(BatchRow.status.in_(ACTIVE_STATUSES), free)
+                                         .order_by(BatchRow.seq).limit(8)).all()
+        for batch_id in candidates:
+            with Session(self.engine) as session, session.begin():
+                won = session.execute(update(BatchRow).where(BatchRow.id == batch_id, free,
+                                                             BatchRow.status.in_(ACTIVE_STATUSES))
+                                      .values(owner=owner, lease_until=now + lease_seconds)).rowcount == 1
+                if won:
+                    row = session.scalars(select(BatchRow).where(BatchRow.id == batch_id)).one()
+                    return ClaimedBatch(row.id, row.tenant, row.endpoint, row.input_file_id, row.status,
+                                        row.expires_at)
+        return None
+
+    def renew(self, batch_id: str, owner: str, lease_seconds: float) -> str | None:
+        """Extend our lease; the batch's status (a client may have cancelled it), or None when the lease is lost."""
+        with Session(self.engine) as session, session.begin():
+            held = session.execute(update(BatchRow).where(BatchRow.id == batch_id, BatchRow.owner == owner)
+                                   .values(lease_until=time.time() + lease_seconds)).rowcount == 1
+            return session.scalar(select(BatchRow.status).where(BatchRow.id == batch_id)) if held else None
+
+    def start(self, batch_id: str, owner: str, total: int) -> bool:
+        """validating -> in_progress once its file passed; False if the lease or the state moved meanwhile."""
+        return self._move(batch_id, owner, ("validating",), "in_progress", total=total)
+
+    def fail(self, batch_id: str, owner: str, problems: Sequence[LineProblem]) -> bool:
+        """-> failed, with the problems as the batch's `errors` (its input file's, or its tenant's key revoked)."""
+        return self._move(batch_id, owner, ("validating", "in_progress", "cancelling"), "failed",
+                          errors=json.dumps([p.as_json() for p in problems]))
+
+    def finalizing(self, batch_id: str, owner: str) -> bool:
+        return self._move(batch_id, owner, ("in_progress",), "finalizing")
+
+    def _move(self, batch_id: str, owner: str, sources: tuple[str, ...], status: str, **values: Any) -> bool:
+        stamp = f"{status}_at"
+        with Session(self.engine) as session, session.begin():
+            return session.execute(
+                update(BatchRow).where(BatchRow.id == batch_id, BatchRow.owner == owner,
+                                       BatchRow.status.in_(sources))
+                .values(status=status, **({stamp: int(time.time())} if stamp in _STAMPS else {}), **values)
+            ).rowcount == 1
+
+    def answered_lines(self, batch_id: str) -> set[int]:
+        with Session(self.engine) as session:
+            return set(session.scalars(select(ResultRow.line).where(ResultRow.batch_id == batch_id)))
+
+    def add_results(self, batch_id: str, results: Sequence[LineResult]) -> None:
+        """Record answered requests; one a previous owner of the batch already recorded is kept, not doubled."""
+        for result in results:
+            prompt, cached, output = result.usage()
+            try:
+                with Session(self.engine) as session, session.begin():
+                    session.add(ResultRow(batch_id=batch_id, line=result.line, custom_id=result.custom_id,
+                                          status_code=result.status_code, body=json.dumps(result.body),
+                                          request_id=result.request_id, prompt_tokens=prompt,
+                                          cached_tokens=cached, completion_tokens=output))
+            except IntegrityError:
+                continue
+
+    def results(self, batch_id: str) -> list[LineResult]:
+        with Session(self.engine) as session:
+            rows = session.scalars(select(ResultRow).where(ResultRow.batch_id == batch_id)
+                                   .order_by(ResultRow.line)).all()
+            return [LineResult(r.line, r.custom_id, r.status_code, json.loads(r.body), r.request_id) for r in rows]
+
+    def finish(self, batch: ClaimedBatch, owner: str, status: str, output: bytes, errors: bytes) -> bool:
+        """Write the output and error files (each only when it has lines) and end the batch in `status`, in one
+        transaction: a client sees the final status with its files or neither."""
+        now = int(time.time())
+        files = {name: FileRow(id=new_id("file-"), tenant=batch.tenant, purpose=OUTPUT_PURPOSE,
+                               filename=f"{batch.id}_{name}.jsonl", bytes=len(content), created_at=now,
+                               content=content)
+                 for name, content in (("output", output), ("error", errors)) if content}
+        with Session(self.engine) as session, session.begin():
+            moved = session.execute(
+                update(BatchRow).where(BatchRow.id == batch.id, BatchRow.owner == owner,
+                                       BatchRow.status.in_(ACTIVE_STATUSES))
+                .values(status=status, **{f"{status}_at": now}, owner=None, lease_until=0.0,
+                        output_file_id=files["output"].id if "output" in files else None,
+                        error_file_id=files["error"].id if "error" in files else None)
+            ).rowcount == 1
+            if moved:
+                session.add_all(files.values())
+        return moved
+
+    def release(self, batch_id: str, owner: str) -> None:
+        """Give the lease up (a replica shutting down) so another replica takes the batch at once."""
+        with Session(self.engine) as session, session.begin():
+            session.execute(update(BatchRow).where(BatchRow.id == batch_id, BatchRow.owner == owner)
+                            .values(owner=None, lease_until=0.0))

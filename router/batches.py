@@ -1,0 +1,224 @@
+"""OpenAI's Batch API, the pure part: checking an input file, ordering its requests, and the objects the API answers.
+
+A batch is a JSONL file of requests (`custom_id`, `method`, `url`, `body`) that the router runs at low priority in
+the pool's idle capacity and answers as two files: the responses, and the requests that failed. Nothing here does
+I/O: router/batch_store.py keeps files and batches in the pool's database, router/batch_runner.py runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+BATCH_ENDPOINTS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH)
+FILE_PURPOSES: tuple[str, ...] = ("batch", "batch_output")  # what clients upload, what batches write
+UPLOAD_PURPOSE, OUTPUT_PURPOSE = FILE_PURPOSES
+# validating: the input file is being checked; finalizing: the output files are being written
+ACTIVE_STATUSES: tuple[str, ...] = ("validating", "in_progress", "finalizing", "cancelling")
+FINAL_STATUSES: tuple[str, ...] = ("completed", "failed", "cancelled", "expired")
+CANCELLABLE_STATUSES: tuple[str, ...] = ("validating", "in_progress")
+# ok: answered 200; failed: answered otherwise (in the error file); retried: refused for load or limits, sent again
+BATCH_REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "failed", "retried")
+MAX_FILE_BYTES = 100 * 2**20  # an input file's default bound (OpenAI's is 200 MB; this one lives in a database)
+BATCH_PRIORITY = -1  # x-kvmesh-priority of a batch's requests: shed before any interactive request (router/shed.py)
+MAX_CUSTOM_ID_CHARS = 512
+MAX_LISTED_ERRORS = 100  # a batch that fails its check lists this many problems (the count says how many in all)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
+_WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")
+MAX_WINDOW_HOURS = 168
+
+
+class BatchInputError(ValueError):
+    """A create-batch or upload request that cannot be accepted (a 400 with this message)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def new_id(prefix: str) -> str:
+    """An id as OpenAI's look (`file-...`, `batch_...`): random, so ids reveal nothing of other tenants' counts."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def window_seconds(completion_window: str) -> int:
+    """`24h` (OpenAI's only window), or another whole number of hours up to a week: a self-hosted pool's choice."""
+    match = _WINDOW.match(completion_window or "")
+    if match is None or int(match.group(1)) > MAX_WINDOW_HOURS:
+        raise BatchInputError(f"completion_window must be a whole number of hours up to {MAX_WINDOW_HOURS}, "
+                              f"like '24h'; got {completion_window!r}", "completion_window")
+    return int(match.group(1)) * 3600
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: at most 16 string pairs, keys up to 64 characters, values up to 512."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or not all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_METADATA_KEY and len(v) <= MAX_METADATA_VALUE
+        for k, v in metadata.items()
+    ):
+        raise BatchInputError(f"metadata must map at most {MAX_METADATA_PAIRS} strings of up to {MAX_METADATA_KEY} "
+                              f"characters to strings of up to {MAX_METADATA_VALUE}", "metadata")
+    return dict(metadata)
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One request of an input file: its line number (0-based), the client's id for it, and the request body."""
+
+    line: int
+    custom_id: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LineProblem:
+    """Why an input file was refused, as OpenAI lists it in `errors` (line numbers 1-based there)."""
+
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "line": self.line, "param": self.param}
+
+
+@dataclass(frozen=True)
+class CheckedInput:
+    """An input file's requests, or the problems that refuse it (then `lines` is empty)."""
+
+    lines: list[BatchLine] = field(default_factory=list)
+    problems: list[LineProblem] = field(default_factory=list)
+    problem_count: int = 0  # every problem found; `problems` holds the first MAX_LISTED_ERRORS
+
+
+def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInput:
+    """Every line a request for `endpoint` with a unique custom_id and a body, and at most `max_requests` of
+    them: a file with any problem is refused whole (as OpenAI does), so a batch never runs half of what was meant."""
+    problems: list[LineProblem] = []
+    lines: list[BatchLine] = []
+    seen: set[str] = set()
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        return _refused([LineProblem("invalid_file_format", "the input file is not UTF-8 text")])
+    for number, raw_line in enumerate(text.splitlines(), start=1):
+        if not raw_line.strip():
+            continue
+        problem = _check_line(raw_line, number, endpoint, seen)
+        if isinstance(problem, LineProblem):
+            problems.append(problem)
+        else:
+            lines.append(BatchLine(len(lines), *problem))
+    if not lines and not problems:
+        problems.append(LineProblem("empty_file", "the input file has no requests"))
+    if len(lines) > max_requests:
+        problems.append(LineProblem("too_many_requests", f"the input file has {len(lines)} requests; a batch "
+                                                         f"takes at most {max_requests}"))
+    return _refused(problems) if problems else CheckedInput(lines)
+
+
+def _refused(problems: list[LineProblem]) -> CheckedInput:
+    return CheckedInput([], problems[:MAX_LISTED_ERRORS], len(problems))
+
+
+def _check_line(raw_line: str, number: int, endpoint: str, seen: set[str]) -> LineProblem | tuple[str, dict[str, Any]]:
+    try:
+        entry = json.loads(raw_line)
+    except json.JSONDecodeError as exc:
+        return LineProblem("invalid_json_line", f"line {number} is not JSON: {exc.msg}", number)
+    if not isinstance(entry, dict):
+        return LineProblem("invalid_json_line", f"line {number} is not a JSON object", number)
+    custom_id = entry.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return LineProblem("invalid_custom_id", f"line {number}: custom_id must be a string of 1 to "
+                                                f"{MAX_CUSTOM_ID_CHARS} characters", number, "custom_id")
+    if custom_id in seen:
+        return LineProblem("duplicate_custom_id", f"line {number}: custom_id {custom_id!r} is used by an earlier "
+                                                  f"line", number, "custom_id")
+    seen.add(custom_id)
+    if entry.get("method") != "POST":
+        return LineProblem("invalid_method", f"line {number}: method must be POST", number, "method")
+    if entry.get("url") != endpoint:
+        return LineProblem("mismatched_endpoint", f"line {number}: url {entry.get('url')!r} is not the batch's "
+                                                  f"endpoint {endpoint}", number, "url")
+    body = entry.get("body")
+    if not isinstance(body, dict):
+        return LineProblem("invalid_request", f"line {number}: body must be a JSON object", number, "body")
+    if body.get("stream"):
+        return LineProblem("invalid_request", f"line {number}: a batch's requests cannot stream", number,
+                           "body.stream")
+    return custom_id, body
+
+
+def prefix_key(body: Mapping[str, Any]) -> str:
+    """A text that sorts requests sharing a prompt prefix next to each other: the model, the tools (a chat
+    template shows them before the messages), then the messages or the prompt as the client wrote them. Sorted
+    order is the depth-first order of the prefix trie, so a run of requests shares the longest prefixes the file
+    has, and a pod's prefix cache serves each run's prefix from its first request on."""
+    prompt = body.get("messages", body.get("prompt"))
+    parts = (body.get("model"), body.get("tools"), prompt)
+    return "\x00".join(p if isinstance(p, str) else json.dumps(p, sort_keys=True, ensure_ascii=False) for p in parts)
+
+
+def run_order(lines: Iterable[BatchLine]) -> list[BatchLine]:
+    """The order a batch's requests are sent in: shared prefixes together (ties in file order)."""
+    return sorted(lines, key=lambda line: (prefix_key(line.body), line.line))
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """How one request of a batch ended: the response's status and body (the pod's answer or the router's
+    error), and its usage counted into the batch's."""
+
+    line: int
+    custom_id: str
+    status_code: int
+    body: dict[str, Any]
+    request_id: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code == 200
+
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, cached, completion) tokens of a served request; zeros otherwise."""
+        usage = self.body.get("usage") if self.ok else None
+        if not isinstance(usage, dict):
+            return 0, 0, 0
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return int(usage.get("prompt_tokens", 0)), int(cached or 0), int(usage.get("completion_tokens", 0))
+
+    def output_line(self) -> dict[str, Any]:
+        """The line of the output file (served) or the error file (not), in OpenAI's shape."""
+        error = None
+        if not self.ok:
+            detail = self.body.get("error") if isinstance(self.body.get("error"), dict) else {}
+            error = {"code": detail.get("code") or str(self.status_code),
+                     "message": detail.get("message") or f"the request ended with status {self.status_code}"}
+        return {"id": new_id("batch_req_"), "custom_id": self.custom_id,
+                "response": {"status_code": self.status_code, "request_id": self.request_id, "body": self.body},
+                "error": error}
+
+
+def unrun_line(line: BatchLine, code: str, message: str) -> dict[str, Any]:
+    """The error file's line for a request the batch never ran (it expired or was cancelled first)."""
+    return {"id": new_id("batch_req_"), "custom_id": line.custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+def jsonl(entries: Iterable[Mapping[str, Any]]) -> bytes:
+    return "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
+
+
+def list_page(items: Sequence[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A cursor page as OpenAI's list endpoints answer (`after` = the last id of the page before)."""
+    return {"object": "list", "data": list(items), "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}

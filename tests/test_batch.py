@@ -1,0 +1,464 @@
+"""The Batch API: checking input files and ordering their requests (pure), the store shared by router replicas
+(claims, leases, results kept once), the runner's handling of refusals, errors, cancellation, expiry and a takeover,
+and the whole flow through a real router in front of a real engine (the tiny model) with the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from kvmesh.engine.engine import Engine
+from kvmesh.router.app import build_router
+from kvmesh.router.auth import hash_key, tenant_hash
+from kvmesh.router.batch_runner import Answer, BatchRunner, BatchSettings
+from kvmesh.router.batch_store import BatchStore
+from kvmesh.router.batches import (
+    BATCH_PRIORITY,
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    BatchInputError,
+    BatchLine,
+    check_input,
+    check_metadata,
+    jsonl,
+    run_order,
+    window_seconds,
+)
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.store import RequestLog
+
+from .conftest import make_engine
+from .engines import serve_engine, serve_router
+
+TENANT = tenant_hash("default")
+
+
+def line(custom_id: str, body: dict[str, Any], url: str = CHAT_PATH, method: str = "POST") -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": method, "url": url, "body": body}
+
+
+def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            "max_tokens": 2, "temperature": 0, **extra}
+
+
+# ---- the input file ---------------------------------------------------------------------------------------------
+
+
+def test_a_good_file_gives_its_requests_in_file_order() -> None:
+    entries = [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)]
+    checked = check_input(jsonl(entries) + b"\n\n", CHAT_PATH, max_requests=10)  # blank lines are skipped
+    assert not checked.problems
+    assert [(x.line, x.custom_id) for x in checked.lines] == [(i, f"r{i}") for i in range(5)]
+    assert checked.lines[2].body == entries[2]["body"]
+
+
+def test_a_file_with_any_problem_is_refused_whole_with_each_problem_and_its_line() -> None:
+    text = "\n".join([
+        json.dumps(line("a", chat("s", "q"))),
+        json.dumps(line("a", chat("s", "q"))),  # duplicate id
+        json.dumps(line("b", chat("s", "q"), url=COMPLETIONS_PATH)),  # another endpoint
+        json.dumps(line("c", chat("s", "q"), method="GET")),
+        json.dumps(line("d", chat("s", "q", stream=True))),
+        "{not json",
+        json.dumps(line("e", "a string")),  # type: ignore[arg-type]
+        json.dumps([1, 2]),
+        json.dumps(line("", chat("s", "q"))),
+    ])
+    checked = check_input(text.encode(), CHAT_PATH, max_requests=10)
+    assert checked.lines == []
+    assert [(p.code, p.line) for p in checked.problems] == [
+        ("duplicate_custom_id", 2), ("mismatched_endpoint", 3), ("invalid_method", 4), ("invalid_request", 5),
+        ("invalid_json_line", 6), ("invalid_request", 7), ("invalid_json_line", 8), ("invalid_custom_id", 9)]
+    assert checked.problem_count == 8
+
+
+def test_an_empty_file_a_file_over_the_bound_and_one_not_utf8_are_refused() -> None:
+    assert [p.code for p in check_input(b"\n \n", CHAT_PATH, 10).problems] == ["empty_file"]
+    many = jsonl(line(f"r{i}", chat("s", "q")) for i in range(4))
+    assert [p.code for p in check_input(many, CHAT_PATH, 3).problems] == ["too_many_requests"]
+    assert [p.code for p in check_input(b"\xff\xfe", CHAT_PATH, 3).problems] == ["invalid_file_format"]
+
+
+def test_the_window_and_the_metadata_are_checked() -> None:
+    assert window_seconds("24h") == 86400 and window_seconds("1h") == 3600
+    for bad in ("24", "0h", "2d", "169h", "", "1.5h"):
+        with pytest.raises(BatchInputError, match="completion_window"):
+            window_seconds(bad)
+    assert check_metadata({"team": "search"}) == {"team": "search"} and check_metadata(None) is None
+    for bad in ({"k": 1}, {str(i): "v" for i in range(17)}, {"k" * 65: "v"}, ["k"]):
+        with pytest.raises(BatchInputError, match="metadata"):
+            check_metadata(bad)
+
+
+def test_requests_sharing_a_prefix_are_sent_together_whatever_the_file_order() -> None:
+    """Sorted order is the prefix trie's depth-first order: each system prompt's requests form one run, and a
+    shorter shared prefix (the same opening with another ending) sits next to its longer relatives."""
+    systems = ["You are a lawyer. " * 8, "You are a doctor. " * 8, "You are a doctor. " * 8 + "Be brief."]
+    lines = [BatchLine(i, f"r{i}", chat(systems[i % 3], f"question {i}")) for i in range(30)]
+    random.Random(7).shuffle(lines)
+    ordered = run_order(lines)
+    runs = [body["messages"][0]["content"] for body in (x.body for x in ordered)]
+    changes = sum(1 for a, b in itertools.pairwise(runs) if a != b)
+    assert changes == 2  # three runs, one per system prompt
+    assert sorted(x.line for x in ordered) == list(range(30))
+    # the two doctor prompts (one a prefix of the other) are adjacent runs
+    assert runs.index(systems[2]) in (runs.index(systems[1]) + 10, runs.index(systems[1]) - 10)
+
+
+# ---- the store --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[BatchStore]:
+    batches = BatchStore(f"sqlite:///{tmp_path / 'pool.db'}")
+    yield batches
+    batches.close()
+
+
+def new_batch(store: BatchStore, entries: list[dict[str, Any]], window: int = 3600, tenant: str = TENANT) -> str:
+    file = store.add_file(tenant, "batch", "in.jsonl", jsonl(entries))
+    return store.create_batch(tenant, CHAT_PATH, file["id"], "1h", window, None)["id"]
+
+
+def test_two_replicas_never_hold_one_batch_and_a_stopped_ones_lease_passes_on(store: BatchStore) -> None:
+    batch_id = new_batch(store, [line("a", chat("s", "q"))])
+    held = store.claim("replica-a", lease_seconds=60)
+    assert held is not None and held.id == batch_id and held.status == "validating"
+    assert store.claim("replica-b", lease_seconds=60) is None  # leased
+    assert store.renew(batch_id, "replica-b", 60) is None  # not its lease
+    assert store.renew(batch_id, "replica-a", -1) == "validating"  # a's lease now over: as if it stopped renewing
+    assert store.claim("replica-b", lease_seconds=60) is not None
+    assert store.renew(batch_id, "replica-a", 60) is None  # a learns it lost the batch
+    assert not store.start(batch_id, "replica-a", 1)  # and cannot move it
+
+
+def test_each_request_is_recorded_once_even_when_two_replicas_answer_it(store: BatchStore) -> None:
+    from kvmesh.router.batches import LineResult
+
+    batch_id = new_batch(store, [line("a", chat("s", "q")), line("b", chat("s", "q"))])
+    ok = {"id": "x", "usage": {"prompt_tokens": 10, "completion_tokens": 2,
+                               "prompt_tokens_details": {"cached_tokens": 8}}}
+    store.add_results(batch_id, [LineResult(0, "a", 200, ok, "x")])
+    store.add_results(batch_id, [LineResult(0, "a", 200, ok, "y"), LineResult(1, "b", 400, {"error": {}}, "z")])
+    assert store.answered_lines(batch_id) == {0, 1}
+    assert [r.request_id for r in store.results(batch_id)] == ["x", "z"]
+    shown = store.batch(TENANT, batch_id)
+    assert shown is not None
+    assert shown["request_counts"] == {"total": 0, "completed": 1, "failed": 1}
+    assert shown["usage"]["input_tokens"] == 10 and shown["usage"]["input_tokens_details"]["cached_tokens"] == 8
+
+
+def test_a_tenant_sees_only_its_own_files_and_batches(store: BatchStore) -> None:
+    batch_id = new_batch(store, [line("a", chat("s", "q"))])
+    other = tenant_hash("other")
+    assert store.batch(other, batch_id) is None and store.cancel(other, batch_id) is None
+    assert store.files(other, None, 20, None)["data"] == []
+    file_id = store.files(TENANT, None, 20, None)["data"][0]["id"]
+    assert store.file_content(other, file_id) is None and not store.delete_file(other, file_id)
+    assert store.delete_file(TENANT, file_id) and store.file(TENANT, file_id) is None
+
+
+def test_list_pages_run_newest_first_from_a_cursor(store: BatchStore) -> None:
+    ids = [new_batch(store, [line("a", chat("s", "q"))]) for _ in range(5)]
+    first = store.batches(TENANT, 2, None)
+    assert [b["id"] for b in first["data"]] == ids[::-1][:2] and first["has_more"]
+    rest = store.batches(TENANT, 10, first["last_id"])
+    assert [b["id"] for b in rest["data"]] == ids[::-1][2:] and not rest["has_more"]
+
+
+# ---- the runner, over a scripted pool ---------------------------------------------------------------------------
+# The pool's answers are scripted here: a real pool cannot be made to refuse, fail or hang on cue. The end-to-end
+# tests below run batches through a real router and engine.
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.ended: list[str] = []
+        self.held = 0
+
+    def request(self, outcome: str) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def finished(self, status: str) -> None:
+        self.ended.append(status)
+
+    def running(self, delta: int) -> None:
+        self.held += delta
+
+
+FAST = BatchSettings(concurrency=2, flush_seconds=0.05, lease_seconds=5, poll_seconds=0.05)
+
+
+def served(body: dict[str, Any]) -> Answer:
+    return Answer(200, {"id": "cmpl-" + body["messages"][1]["content"],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+
+
+async def run_claimed(runner: BatchRunner, store: BatchStore) -> None:
+    claimed = await asyncio.to_thread(store.claim, runner.owner, runner.settings.lease_seconds)
+    assert claimed is not None
+    await runner.run(claimed)
+
+
+def output_of(store: BatchStore, batch_id: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    batch = store.batch(TENANT, batch_id)
+    assert batch is not None
+
+    def lines(file_id: str | None) -> list[dict[str, Any]]:
+        content = store.file_content(TENANT, file_id) if file_id else b""
+        return [json.loads(x) for x in (content or b"").splitlines()]
+
+    return batch, lines(batch["output_file_id"]), lines(batch["error_file_id"])
+
+
+def test_refusals_are_sent_again_server_errors_retried_and_other_answers_final(store: BatchStore) -> None:
+    calls: dict[str, int] = {}
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        question = body["messages"][1]["content"]
+        calls[question] = calls.get(question, 0) + 1
+        if question == "shed" and calls[question] < 3:
+            return Answer(429, {"error": {"message": "overloaded"}}, retry_after=0.01)
+        if question == "broken":
+            return Answer(502, {"error": {"message": "pod broke off", "code": None}})
+        if question == "bad":
+            return Answer(400, {"error": {"message": "messages: invalid", "code": None}})
+        return served(body)
+
+    batch_id = new_batch(store, [line(q, chat("s", q)) for q in ("ok", "shed", "broken", "bad")])
+    counters = Counters()
+    runner = BatchRunner(store, send, lambda pseudonym: "default", counters, FAST)
+    asyncio.run(run_claimed(runner, store))
+    batch, output, errors = output_of(store, batch_id)
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert {x["custom_id"] for x in output} == {"ok", "shed"}
+    assert {x["custom_id"]: (x["response"]["status_code"], x["error"]["code"]) for x in errors} == {
+        "broken": (502, "502"), "bad": (400, "400")}
+    assert calls == {"ok": 1, "shed": 3, "broken": FAST.server_error_attempts, "bad": 1}
+    assert counters.requests == {"ok": 2, "failed": 2, "retried": 2 + FAST.server_error_attempts - 1}
+    assert counters.ended == ["completed"] and batch["usage"]["input_tokens"] == 10
+
+
+def test_a_cancelled_batch_stops_sending_and_lists_what_it_never_ran(store: BatchStore) -> None:
+    started = asyncio.Event()
+    sent: list[str] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        sent.append(body["messages"][1]["content"])
+        if len(sent) == 2:
+            started.set()
+            await asyncio.sleep(3600)  # the pool holds this one until the batch stops
+        return served(body)
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(6)])
+    counters = Counters()
+
+    async def scenario() -> None:
+        runner = BatchRunner(store, send, lambda pseudonym: "default", counters,
+                             BatchSettings(concurrency=1, flush_seconds=0.05, lease_seconds=5))
+        run = asyncio.create_task(run_claimed(runner, store))
+        await started.wait()
+        assert (await asyncio.to_thread(store.cancel, TENANT, batch_id))["status"] == "cancelling"
+        await run
+
+    asyncio.run(scenario())
+    batch, output, errors = output_of(store, batch_id)
+    assert batch["status"] == "cancelled" and batch["cancelled_at"] is not None
+    assert [x["custom_id"] for x in output] == ["r0"]
+    assert {x["custom_id"] for x in errors} == {f"r{i}" for i in range(1, 6)}
+    assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    assert batch["request_counts"] == {"total": 6, "completed": 1, "failed": 5}
+    assert counters.ended == ["cancelled"]
+
+
+def test_a_batch_past_its_window_expires_with_its_requests_in_the_error_file(store: BatchStore) -> None:
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        raise AssertionError("an expired batch sends nothing")
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(3)], window=0)
+    asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST), store))
+    batch, output, errors = output_of(store, batch_id)
+    assert batch["status"] == "expired" and batch["output_file_id"] is None and output == []
+    assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [(f"r{i}", "batch_expired") for i in range(3)]
+
+
+def test_a_replica_taking_a_batch_over_sends_only_what_was_not_answered(store: BatchStore) -> None:
+    from kvmesh.router.batches import LineResult
+
+    sent: list[str] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        sent.append(body["messages"][1]["content"])
+        return served(body)
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
+    first = store.claim("replica-a", 60)
+    assert first is not None and store.start(batch_id, "replica-a", 5)
+    store.add_results(batch_id, [LineResult(i, f"r{i}", 200, {"id": f"a{i}"}, f"a{i}") for i in (0, 3)])
+    store.renew(batch_id, "replica-a", -1)  # replica-a died: its lease runs out
+    asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST,
+                                        owner="replica-b"), store))
+    batch, output, errors = output_of(store, batch_id)
+    assert sorted(sent) == ["q1", "q2", "q4"]
+    assert batch["status"] == "completed" and errors == []
+    assert [x["custom_id"] for x in output] == [f"r{i}" for i in range(5)]  # once each, in file order
+
+
+def test_a_batch_whose_file_fails_its_check_or_whose_tenant_lost_its_key_fails(store: BatchStore) -> None:
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        raise AssertionError("nothing is sent")
+
+    bad = new_batch(store, [line("a", chat("s", "q"), url=COMPLETIONS_PATH)])
+    asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST), store))
+    batch = store.batch(TENANT, bad)
+    assert batch is not None and batch["status"] == "failed"
+    assert [(e["code"], e["line"]) for e in batch["errors"]["data"]] == [("mismatched_endpoint", 1)]
+    revoked = new_batch(store, [line("a", chat("s", "q"))])
+    asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: None, Counters(), FAST), store))
+    batch = store.batch(TENANT, revoked)
+    assert batch is not None and batch["status"] == "failed"
+    assert batch["errors"]["data"][0]["code"] == "tenant_revoked"
+
+
+# ---- through a real router and engine ---------------------------------------------------------------------------
+
+KEYS = {"acme": "sk-acme-1", "globex": "sk-globex-1"}
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_dir: Path) -> Iterator[str]:
+    engine: Engine = make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=512)
+    with serve_engine(engine) as url:
+        yield url
+    engine.kv.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def pool(engine_url: str, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A keyed router with a database in front of the engine: (its URL, the database URL)."""
+    folder = tmp_path_factory.mktemp("batch")
+    keys = folder / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": [{"tenant": t, "key_sha256": hash_key(k)} for t, k in KEYS.items()]}))
+    database = f"sqlite:///{folder / 'pool.db'}"
+    router = build_router(RouterConfig(pods=[engine_url], scrape_interval_seconds=0.1, api_keys_file=str(keys),
+                                       database_url=database, batch_max_file_bytes=20_000), tiny_dir)
+    with serve_router(router) as url:
+        yield url, database
+
+
+def client(url: str, tenant: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEYS[tenant], max_retries=0)
+
+
+def wait_ended(api: openai.OpenAI, batch_id: str) -> Any:
+    deadline = time.monotonic() + 120
+    batch = api.batches.retrieve(batch_id)
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.1)
+        batch = api.batches.retrieve(batch_id)
+    return batch
+
+
+@pytest.mark.slow
+def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> None:
+    url, database = pool
+    api = client(url, "acme")
+    system = "You answer questions about the weather in one word. " * 4
+    entries = [line(f"req-{i}", chat(system, f"question {i}", max_tokens=3)) for i in range(6)]
+    entries.append(line("too-long", chat(system, "x", max_tokens=10**6)))  # the engine refuses it: the error file
+    uploaded = api.files.create(file=("questions.jsonl", jsonl(entries)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(entries))
+    batch = api.batches.create(input_file_id=uploaded.id, endpoint=CHAT_PATH, completion_window="24h",
+                               metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    batch = wait_ended(api, batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (7, 6, 1)
+    output = [json.loads(x) for x in api.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in output) == [f"req-{i}" for i in range(6)]
+    for entry in output:
+        body = entry["response"]["body"]
+        assert entry["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] == 3
+    # the five requests after the first found its system prompt cached: they were sent as one run
+    assert batch.usage.input_tokens_details.cached_tokens >= 5 * 16
+    assert batch.usage.output_tokens == 18
+    errors = [json.loads(x) for x in api.files.content(batch.error_file_id).text.splitlines()]
+    assert [(x["custom_id"], x["response"]["status_code"]) for x in errors] == [("too-long", 400)]
+    assert api.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    assert batch.id in [b.id for b in api.batches.list(limit=5).data]
+    # every request went through the router at the batch priority, and was counted
+    log, deadline = RequestLog(database), time.monotonic() + 30
+    while len(rows := [r for r in log.recent() if r.prompt_tokens > 16]) < 7:  # the log writes every second
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+    assert {r.priority for r in rows} == {BATCH_PRIORITY}
+    metrics = httpx.get(url + "/metrics").text
+    assert 'kvmesh_router_batch_requests_total{outcome="ok"} 6.0' in metrics
+    assert 'kvmesh_router_batches_total{status="completed"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_a_file_with_a_problem_fails_its_batch_with_the_line_named(pool: tuple[str, str]) -> None:
+    url, _ = pool
+    api = client(url, "acme")
+    content = jsonl([line("a", chat("s", "q")), line("a", chat("s", "q"))])
+    file_id = api.files.create(file=("dup.jsonl", content), purpose="batch").id
+    batch = wait_ended(api, api.batches.create(input_file_id=file_id, endpoint=CHAT_PATH,
+                                               completion_window="24h").id)
+    assert batch.status == "failed"
+    assert [(e.code, e.line) for e in batch.errors.data] == [("duplicate_custom_id", 2)]
+
+
+@pytest.mark.slow
+def test_tenants_cannot_reach_each_others_batches_and_bad_calls_say_why(pool: tuple[str, str]) -> None:
+    url, _ = pool
+    acme, globex = client(url, "acme"), client(url, "globex")
+    file_id = acme.files.create(file=("a.jsonl", jsonl([line("a", chat("s", "q"))])), purpose="batch").id
+    batch_id = acme.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="24h").id
+    with pytest.raises(openai.NotFoundError):
+        globex.batches.retrieve(batch_id)
+    with pytest.raises(openai.NotFoundError):
+        globex.files.content(file_id)
+    with pytest.raises(openai.NotFoundError):
+        globex.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="24h")
+    assert file_id not in [f.id for f in globex.files.list().data]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).batches.list()
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        acme.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        acme.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="2d")  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        acme.files.create(file=("a.jsonl", b"{}"), purpose="assistants")
+    with pytest.raises(openai.APIStatusError, match="limit of 20000 bytes") as raised:
+        acme.files.create(file=("big.jsonl", b"x" * 20_001), purpose="batch")
+    assert raised.value.status_code == 413
+    headers = {"Authorization": f"Bearer {KEYS['acme']}"}
+    assert httpx.post(url + "/v1/batches", content=b"{nope", headers=headers).status_code == 400
+    assert httpx.post(url + "/v1/files", json={"purpose": "batch"}, headers=headers).status_code == 400
+    assert httpx.get(url + "/v1/files?limit=0", headers=headers).status_code == 400
+    assert acme.files.delete(file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        acme.files.retrieve(file_id)
+
+
+def test_without_a_database_the_batch_api_says_what_to_set(engine_url: str, tiny_dir: Path) -> None:
+    router = build_router(RouterConfig(pods=[engine_url], scrape_interval_seconds=0.1), tiny_dir)
+    with serve_router(router) as url:
+        answer = httpx.get(url + "/v1/batches")
+    assert answer.status_code == 501 and "database_url" in answer.json()["error"]["message"]
