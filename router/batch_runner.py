@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 from kvmesh.router.batch_store import BatchStore, ClaimedBatch
 from kvmesh.router.batches import (
+    BATCH_ORDERS,
+    PREFIX_ORDER,
     BatchLine,
     LineProblem,
     LineResult,
@@ -72,8 +74,11 @@ class BatchSettings:
     lease_seconds: float = LEASE_SECONDS
     flush_seconds: float = FLUSH_SECONDS
     poll_seconds: float = POLL_SECONDS
+    order: str = PREFIX_ORDER  # BATCH_ORDERS: prefix (shared prefixes sent together) or file
 
     def __post_init__(self) -> None:
+        if self.order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order must be one of {', '.join(BATCH_ORDERS)}, not {self.order!r}")
         if self.concurrency < 1 or self.max_requests < 1 or self.server_error_attempts < 1:
             raise ValueError("batch_concurrency, batch_max_requests and the attempts must be at least 1")
         if not 0 < self.flush_seconds < self.lease_seconds:
@@ -152,7 +157,7 @@ class BatchRunner:
         """Send every request not yet answered; the status to end in (in_progress: all answered, or cancelling,
         or expired), or None when the lease was lost."""
         answered = await asyncio.to_thread(self.store.answered_lines, batch.id)
-        todo = deque(line for line in run_order(lines) if line.line not in answered)
+        todo = deque(line for line in run_order(lines, self.settings.order) if line.line not in answered)
         stop = asyncio.Event()
         ended: list[str | None] = ["in_progress"]
         done: list[LineResult] = []

@@ -27,6 +27,8 @@ BATCH_REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "failed", "retried")
 MAX_FILE_BYTES = 100 * 2**20  # an input file's default bound (OpenAI's is 200 MB; this one lives in a database)
 BATCH_PRIORITY = -1  # x-kvmesh-priority of a batch's requests: shed before any interactive request (router/shed.py)
 MAX_CUSTOM_ID_CHARS = 512
+PREFIX_ORDER, FILE_ORDER = "prefix", "file"  # how a batch's requests are ordered to be sent (batch_order)
+BATCH_ORDERS: tuple[str, ...] = (PREFIX_ORDER, FILE_ORDER)
 MAX_LISTED_ERRORS = 100  # a batch that fails its check lists this many problems (the count says how many in all)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
 _WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")
@@ -168,8 +170,10 @@ def prefix_key(body: Mapping[str, Any]) -> str:
     return "\x00".join(p if isinstance(p, str) else json.dumps(p, sort_keys=True, ensure_ascii=False) for p in parts)
 
 
-def run_order(lines: Iterable[BatchLine]) -> list[BatchLine]:
-    """The order a batch's requests are sent in: shared prefixes together (ties in file order)."""
+def run_order(lines: Iterable[BatchLine], order: str = PREFIX_ORDER) -> list[BatchLine]:
+    """The order a batch's requests are sent in: shared prefixes together (ties in file order), or the file's."""
+    if order == FILE_ORDER:
+        return sorted(lines, key=lambda line: line.line)
     return sorted(lines, key=lambda line: (prefix_key(line.body), line.line))
 
 

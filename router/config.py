@@ -80,6 +80,7 @@ class RouterConfig:
     batch_max_requests: int = BatchSettings.max_requests
     batch_max_file_bytes: int = MAX_FILE_BYTES
     batch_priority: int = BATCH_PRIORITY
+    batch_order: str = BatchSettings.order  # prefix: requests sharing a prompt prefix sent together; file: as written
 
     def endpoint_selector(self) -> str:
         """The label selector of the pool's engine EndpointSlices. Slices inherit their Service's labels; the
@@ -124,7 +125,8 @@ class RouterConfig:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
 
     def batch_settings(self) -> BatchSettings:
-        return BatchSettings(concurrency=self.batch_concurrency, max_requests=self.batch_max_requests)
+        return BatchSettings(concurrency=self.batch_concurrency, max_requests=self.batch_max_requests,
+                             order=self.batch_order)
 
 
 def read_certificate_pair(cert_dir: str) -> tuple[bytes, bytes]:

@@ -113,6 +113,7 @@ def test_requests_sharing_a_prefix_are_sent_together_whatever_the_file_order() -
     changes = sum(1 for a, b in itertools.pairwise(runs) if a != b)
     assert changes == 2  # three runs, one per system prompt
     assert sorted(x.line for x in ordered) == list(range(30))
+    assert [x.line for x in run_order(lines, "file")] == list(range(30))  # batch_order: file
     # the two doctor prompts (one a prefix of the other) are adjacent runs
     assert runs.index(systems[2]) in (runs.index(systems[1]) + 10, runs.index(systems[1]) - 10)
 
