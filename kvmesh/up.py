@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the operator loads only for a pool file
 
 HEALTH_TIMEOUT_SECONDS = 600.0
 LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
+LOCAL_DATABASE = "pool.db"  # in the pool's work folder: the router's SQLite database when the pool names none
 
 
 @dataclass
@@ -587,7 +588,9 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
             engines.start(plan.roles[i] if plan.roles else "both", initial=True).state = SERVING
         engines.publish()
         router_file = workdir / "router.yaml"
-        router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **plan.router,
+        # a database of its own (the request log, the Batch API's files and batches) unless the pool names one
+        database = {"database_url": f"sqlite:///{workdir / LOCAL_DATABASE}"}
+        router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **database, **plan.router,
                                                           "pods_file": str(engines.pods_file)}}))
         engines.router = _spawn("router", ["router", "--config", str(router_file), "--model", str(model_dir),
                                            "--port", str(router_port), "--log-level", "warning"], router_port,
