@@ -3,7 +3,9 @@ engines built on them. Every engine a test touches has its block-pool invariants
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +68,27 @@ def tiny_engine(tiny_dir: Path) -> Iterator[Engine]:
     engine = make_engine(tiny_dir)
     yield engine
     engine.kv.check_invariants()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real PostgreSQL (pgserver's wheel: the server binaries, no system package), started once per session:
+    the database a cluster's routers share."""
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("runtime")))  # read at pgserver's import
+    import pgserver
+
+    server = pgserver.get_server(tmp_path_factory.mktemp("postgres"), cleanup_mode="stop")
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database of each kind the router's store runs on: a SQLite file (a local pool) and a fresh
+    PostgreSQL database (a cluster), so each store test runs on both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'pool.db'}"
+    server = request.getfixturevalue("postgres_server")
+    name = f"test_{uuid.uuid4().hex}"
+    server.psql(f'CREATE DATABASE "{name}";')
+    return server.get_uri(name).replace("postgresql://", "postgresql+psycopg://", 1)

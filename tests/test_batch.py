@@ -5,6 +5,7 @@ and the whole flow through a real router in front of a real engine (the tiny mod
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import random
@@ -122,8 +123,9 @@ def test_requests_sharing_a_prefix_are_sent_together_whatever_the_file_order() -
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[BatchStore]:
-    batches = BatchStore(f"sqlite:///{tmp_path / 'pool.db'}")
+def store(database_url: str) -> Iterator[BatchStore]:
+    """On a SQLite file and on PostgreSQL (conftest's database_url): a local pool's database and a cluster's."""
+    batches = BatchStore(database_url)
     yield batches
     batches.close()
 
@@ -143,6 +145,13 @@ def test_two_replicas_never_hold_one_batch_and_a_stopped_ones_lease_passes_on(st
     assert store.claim("replica-b", lease_seconds=60) is not None
     assert store.renew(batch_id, "replica-a", 60) is None  # a learns it lost the batch
     assert not store.start(batch_id, "replica-a", 1)  # and cannot move it
+
+
+def test_replicas_racing_for_a_batch_agree_on_one_winner(store: BatchStore) -> None:
+    new_batch(store, [line("a", chat("s", "q"))])
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        claims = list(pool.map(lambda i: store.claim(f"replica-{i}", lease_seconds=60), range(6)))
+    assert sum(c is not None for c in claims) == 1
 
 
 def test_each_request_is_recorded_once_even_when_two_replicas_answer_it(store: BatchStore) -> None:

@@ -52,8 +52,9 @@ def rec(**kw: object) -> RequestRecord:
 
 
 @pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'requests.db'}"
+def db_url(database_url: str) -> str:
+    """Each test on a SQLite file and on PostgreSQL (conftest's database_url)."""
+    return database_url
 
 
 @pytest.fixture
@@ -86,13 +87,16 @@ def test_round_trip_keeps_every_field(store: RequestLog) -> None:
     assert all(r.ts.tzinfo is not None and r.ts.utcoffset() == timedelta(0) for r in got)
 
 
-def test_sqlite_file_is_in_wal_mode(store: RequestLog, db_url: str) -> None:
+def test_sqlite_file_is_in_wal_mode(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'requests.db'}"
+    store = RequestLog(db_url)
     with store.engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert conn.execute(text("PRAGMA busy_timeout")).scalar() >= 1000
     # A second process (here: a plain sqlite3 connection) sees WAL persisted in the file.
     with sqlite3.connect(db_url.removeprefix("sqlite:///")) as raw:
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.close()
 
 
 def test_recent_filters_orders_and_limits(store: RequestLog) -> None:
