@@ -301,6 +301,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.spec import add_parser as add_spec_bench
 
     add_spec_bench(bench)
+    from kvmesh.bench.batch import add_parser as add_batch_bench
+
+    add_batch_bench(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -308,6 +311,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.router import run as run_router_bench
 
         return run_router_bench(args)
+    if args.bench == "batch":
+        from kvmesh.bench.batch import run as run_batch_bench
+
+        return run_batch_bench(args)
     if args.bench == "spec":
         from kvmesh.bench.spec import run as run_spec_bench
 
