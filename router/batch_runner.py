@@ -250,5 +250,5 @@ class BatchRunner:
         unrun = [unrun_line(line, *why[final]) for line in lines if line.line not in answered] if final in why else []
         output = jsonl(r.output_line() for r in results if r.ok)
         errors = jsonl([r.output_line() for r in results if not r.ok] + unrun)
-        if await asyncio.to_thread(self.store.finish, batch, self.owner, final, output, errors):
+        if await asyncio.to_thread(self.store.finish, batch, self.owner, final, output, errors, len(unrun)):
             self.counters.finished(final)

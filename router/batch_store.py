@@ -81,6 +81,12 @@ class BatchRow(_Base):
     output_file_id: Mapped[str | None] = mapped_column(String(_ID_LEN))
     error_file_id: Mapped[str | None] = mapped_column(String(_ID_LEN))
     total: Mapped[int] = mapped_column(Integer, default=0)
+    # an ended batch's counts and usage, frozen when its answers move into its files (its results rows go then)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     errors: Mapped[str | None] = mapped_column(Text)  # JSON: the input file's problems, when it was refused
     batch_metadata: Mapped[str | None] = mapped_column(Text)  # JSON
     owner: Mapped[str | None] = mapped_column(String(128))  # the replica running it, while its lease lasts
@@ -208,11 +214,12 @@ class BatchStore:
         return self.batch(tenant, batch_id)
 
     def _batch_json(self, row: BatchRow, session: Session | None = None) -> dict[str, Any]:
-        counts, usage = (0, 0), (0, 0, 0)
-        if session is not None:
-            counts, usage = self._progress(session, row.id)
-        completed, failed = counts
-        prompt, cached, output = usage
+        """OpenAI's batch object: a running batch's counts and usage read from its results so far, an ended one's
+        as frozen when it ended."""
+        completed, failed = row.completed or 0, row.failed or 0
+        prompt, cached, output = row.prompt_tokens or 0, row.cached_tokens or 0, row.completion_tokens or 0
+        if session is not None and row.status in ACTIVE_STATUSES:
+            (completed, failed), (prompt, cached, output) = self._progress(session, row.id)
         errors = None if row.errors is None else {"object": "list", "data": json.loads(row.errors)}
         return {
             "id": row.id, "object": "batch", "endpoint": row.endpoint, "errors": errors,
@@ -221,10 +228,8 @@ class BatchStore:
             "created_at": row.created_at, "expires_at": row.expires_at,
             **{stamp: getattr(row, stamp) for stamp in _STAMPS},
             # total: the requests of the input file; an expired or cancelled batch counts the ones it never ran
-            # as failed once its error file lists them
-            "request_counts": {"total": row.total, "completed": completed,
-                               "failed": row.total - completed if row.status in ("expired", "cancelled")
-                               else failed},
+            # as failed, as its error file lists them
+            "request_counts": {"total": row.total, "completed": completed, "failed": failed},
             "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                       "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": prompt + output},
@@ -315,24 +320,30 @@ class BatchStore:
                                    .order_by(ResultRow.line)).all()
             return [LineResult(r.line, r.custom_id, r.status_code, json.loads(r.body), r.request_id) for r in rows]
 
-    def finish(self, batch: ClaimedBatch, owner: str, status: str, output: bytes, errors: bytes) -> bool:
-        """Write the output and error files (each only when it has lines) and end the batch in `status`, in one
-        transaction: a client sees the final status with its files or neither."""
+    def finish(self, batch: ClaimedBatch, owner: str, status: str, output: bytes, errors: bytes,
+               unrun: int) -> bool:
+        """Write the output and error files (each only when it has lines), freeze the batch's counts and usage, drop
+        its results rows (the files hold them now) and end it in `status`, in one transaction: a client sees the
+        final status with its files or neither. `unrun`: requests never sent (cancelled or expired), failed."""
         now = int(time.time())
         files = {name: FileRow(id=new_id("file-"), tenant=batch.tenant, purpose=OUTPUT_PURPOSE,
                                filename=f"{batch.id}_{name}.jsonl", bytes=len(content), created_at=now,
                                content=content)
                  for name, content in (("output", output), ("error", errors)) if content}
         with Session(self.engine) as session, session.begin():
+            (completed, failed), (prompt, cached, output_tokens) = self._progress(session, batch.id)
             moved = session.execute(
                 update(BatchRow).where(BatchRow.id == batch.id, BatchRow.owner == owner,
                                        BatchRow.status.in_(ACTIVE_STATUSES))
                 .values(status=status, **{f"{status}_at": now}, owner=None, lease_until=0.0,
                         output_file_id=files["output"].id if "output" in files else None,
-                        error_file_id=files["error"].id if "error" in files else None)
+                        error_file_id=files["error"].id if "error" in files else None,
+                        completed=completed, failed=failed + unrun, prompt_tokens=prompt, cached_tokens=cached,
+                        completion_tokens=output_tokens)
             ).rowcount == 1
             if moved:
                 session.add_all(files.values())
+                session.execute(delete(ResultRow).where(ResultRow.batch_id == batch.id))
         return moved
 
     def release(self, batch_id: str, owner: str) -> None:

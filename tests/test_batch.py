@@ -260,6 +260,7 @@ def test_refusals_are_sent_again_server_errors_retried_and_other_answers_final(s
     assert calls == {"ok": 1, "shed": 3, "broken": FAST.server_error_attempts, "bad": 1}
     assert counters.requests == {"ok": 2, "failed": 2, "retried": 2 + FAST.server_error_attempts - 1}
     assert counters.ended == ["completed"] and batch["usage"]["input_tokens"] == 10
+    assert store.answered_lines(batch_id) == set()  # the answers moved into the files; the counts stay frozen
 
 
 def test_a_cancelled_batch_stops_sending_and_lists_what_it_never_ran(store: BatchStore) -> None:
