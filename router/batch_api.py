@@ -29,6 +29,7 @@ from kvmesh.router.batches import (
     UPLOAD_PURPOSE,
     BatchInputError,
     check_metadata,
+    expiry_seconds,
     window_seconds,
 )
 
@@ -116,7 +117,14 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
         if len(content) > max_file_bytes:
             return _error(413, f"the file is over this pool's limit of {max_file_bytes} bytes", "file")
         name = upload.filename or "upload.jsonl"
-        return await call(http, lambda s, tenant: s.add_file(tenant, UPLOAD_PURPOSE, name, content))
+        fields = {key.removeprefix("expires_after[").removesuffix("]"): value for key, value in form.items()
+                  if key.startswith("expires_after[")}
+
+        def add(s: BatchStore, tenant: str) -> Any:
+            ttl = expiry_seconds(fields or None, "expires_after")
+            return s.add_file(tenant, UPLOAD_PURPOSE, name, content, ttl)
+
+        return await call(http, add)
 
     @api.get("/v1/files")
     async def list_files(http: HttpRequest) -> Response:
@@ -158,13 +166,14 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
                                       "endpoint")
             window = body.get("completion_window", "24h")
             seconds, metadata = window_seconds(window), check_metadata(body.get("metadata"))
+            output_ttl = expiry_seconds(body.get("output_expires_after"), "output_expires_after")
             source = s.file(tenant, file_id) if isinstance(file_id, str) else None
             if source is None:
                 return _error(404, f"No file found with id '{file_id}'.", "input_file_id", "not_found")
             if source["purpose"] != UPLOAD_PURPOSE:
                 raise BatchInputError(f"the file {file_id} has purpose '{source['purpose']}', not "
                                       f"'{UPLOAD_PURPOSE}'", "input_file_id")
-            return s.create_batch(tenant, endpoint, file_id, window, seconds, metadata)
+            return s.create_batch(tenant, endpoint, file_id, window, seconds, metadata, output_ttl)
 
         return await call(http, create_batch)
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0  # a replica that stops renewing for this long hands its batch to another
 FLUSH_SECONDS = 1.0  # answers are written, the lease renewed and the status read this often
 POLL_SECONDS = 1.0  # how often an idle replica looks for a batch to run
+SWEEP_SECONDS = 60.0  # how often a replica removes expired files
 REFUSED = frozenset({429, 503})  # the pool's "not now": overloaded, over the tenant's limits, no pod yet
 MAX_WAIT_SECONDS = 10.0  # a refused request waits its Retry-After, but no longer than this, before it is sent again
 SERVER_ERROR_BACKOFF_SECONDS = 1.0
@@ -98,9 +100,13 @@ class BatchRunner:
         self.owner = owner or new_id("router-")
 
     async def serve_forever(self) -> None:
+        swept = -math.inf
         while True:
             claimed = None
             try:
+                if time.monotonic() - swept >= SWEEP_SECONDS:
+                    swept = time.monotonic()
+                    await asyncio.to_thread(self.store.delete_expired)
                 claimed = await asyncio.to_thread(self.store.claim, self.owner, self.settings.lease_seconds)
             except Exception:  # the database away: batches wait for it, interactive traffic does not notice
                 log.exception("batch runner: could not read the batches")

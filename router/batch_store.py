@@ -56,6 +56,7 @@ class FileRow(_Base):
     filename: Mapped[str] = mapped_column(String(255))
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger, index=True)  # None: kept until deleted
     content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # read only for a download or a run
 
 
@@ -89,6 +90,7 @@ class BatchRow(_Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     errors: Mapped[str | None] = mapped_column(Text)  # JSON: the input file's problems, when it was refused
     batch_metadata: Mapped[str | None] = mapped_column(Text)  # JSON
+    output_ttl: Mapped[int | None] = mapped_column(BigInteger)  # the output and error files' lifetime, seconds
     owner: Mapped[str | None] = mapped_column(String(128))  # the replica running it, while its lease lasts
     lease_until: Mapped[float] = mapped_column(Float, default=0.0)
 
@@ -117,12 +119,18 @@ class ClaimedBatch:
     input_file_id: str
     status: str
     expires_at: int
+    output_ttl: int | None
 
 
 def _file_json(row: FileRow) -> dict[str, Any]:
     return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": row.created_at,
-            "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
+            "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": row.expires_at,
             "status_details": None}
+
+
+def _visible(tenant: str) -> tuple[Any, ...]:
+    """A tenant's files that have not expired (an expired one is gone for clients before the sweep removes it)."""
+    return FileRow.tenant == tenant, (FileRow.expires_at.is_(None)) | (FileRow.expires_at >= int(time.time()))
 
 
 class BatchStore:
@@ -140,25 +148,27 @@ class BatchStore:
 
     # -- files
 
-    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes) -> dict[str, Any]:
+    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes, ttl: int | None) -> dict[str, Any]:
+        now = int(time.time())
         row = FileRow(id=new_id("file-"), tenant=tenant, purpose=purpose, filename=filename[:255],
-                      bytes=len(content), created_at=int(time.time()), content=content)
+                      bytes=len(content), created_at=now, expires_at=None if ttl is None else now + ttl,
+                      content=content)
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
             session.add(row)
         return _file_json(row)
 
     def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
         with Session(self.engine) as session:
-            row = session.scalar(select(FileRow).where(FileRow.id == file_id, FileRow.tenant == tenant))
+            row = session.scalar(select(FileRow).where(FileRow.id == file_id, *_visible(tenant)))
             return None if row is None else _file_json(row)
 
     def file_content(self, tenant: str, file_id: str) -> bytes | None:
         with Session(self.engine) as session:
-            return session.scalar(select(FileRow.content).where(FileRow.id == file_id, FileRow.tenant == tenant))
+            return session.scalar(select(FileRow.content).where(FileRow.id == file_id, *_visible(tenant)))
 
     def files(self, tenant: str, purpose: str | None, limit: int, after: str | None) -> dict[str, Any]:
         """The tenant's files, newest first, a page of `limit` after the file `after`."""
-        query = select(FileRow).where(FileRow.tenant == tenant)
+        query = select(FileRow).where(*_visible(tenant))
         if purpose is not None:
             query = query.where(FileRow.purpose == purpose)
         with Session(self.engine) as session:
@@ -171,17 +181,22 @@ class BatchStore:
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
         with Session(self.engine) as session, session.begin():
-            gone = session.execute(delete(FileRow).where(FileRow.id == file_id, FileRow.tenant == tenant))
+            gone = session.execute(delete(FileRow).where(FileRow.id == file_id, *_visible(tenant)))
             return gone.rowcount == 1
+
+    def delete_expired(self) -> int:
+        """Remove the files past their expiry (already invisible to clients); how many went."""
+        with Session(self.engine) as session, session.begin():
+            return session.execute(delete(FileRow).where(FileRow.expires_at < int(time.time()))).rowcount
 
     # -- batches, as the API sees them
 
     def create_batch(self, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
-                     window_seconds: int, metadata: dict[str, str] | None) -> dict[str, Any]:
+                     window_seconds: int, metadata: dict[str, str] | None, output_ttl: int | None) -> dict[str, Any]:
         now = int(time.time())
         row = BatchRow(id=new_id("batch_"), tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
                        completion_window=completion_window, status="validating", created_at=now,
-                       expires_at=now + window_seconds, total=0, lease_until=0.0,
+                       expires_at=now + window_seconds, total=0, lease_until=0.0, output_ttl=output_ttl,
                        batch_metadata=None if metadata is None else json.dumps(metadata))
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
             session.add(row)
@@ -266,7 +281,7 @@ class BatchStore:
                 if won:
                     row = session.scalars(select(BatchRow).where(BatchRow.id == batch_id)).one()
                     return ClaimedBatch(row.id, row.tenant, row.endpoint, row.input_file_id, row.status,
-                                        row.expires_at)
+                                        row.expires_at, row.output_ttl)
         return None
 
     def renew(self, batch_id: str, owner: str, lease_seconds: float) -> str | None:
@@ -328,6 +343,7 @@ class BatchStore:
         now = int(time.time())
         files = {name: FileRow(id=new_id("file-"), tenant=batch.tenant, purpose=OUTPUT_PURPOSE,
                                filename=f"{batch.id}_{name}.jsonl", bytes=len(content), created_at=now,
+                               expires_at=None if batch.output_ttl is None else now + batch.output_ttl,
                                content=content)
                  for name, content in (("output", output), ("error", errors)) if content}
         with Session(self.engine) as session, session.begin():

@@ -33,6 +33,8 @@ MAX_LISTED_ERRORS = 100  # a batch that fails its check lists this many problems
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
 _WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")
 MAX_WINDOW_HOURS = 168
+FILE_TTL_SECONDS = 30 * 86400  # a batch file's default lifetime and the longest one asked for (OpenAI's)
+MIN_FILE_TTL_SECONDS = 3600
 
 
 class BatchInputError(ValueError):
@@ -55,6 +57,22 @@ def window_seconds(completion_window: str) -> int:
         raise BatchInputError(f"completion_window must be a whole number of hours up to {MAX_WINDOW_HOURS}, "
                               f"like '24h'; got {completion_window!r}", "completion_window")
     return int(match.group(1)) * 3600
+
+
+def expiry_seconds(policy: Any, param: str) -> int:
+    """OpenAI's `expires_after` ({"anchor": "created_at", "seconds": N}, N from an hour to 30 days): a file's
+    lifetime. Without one a batch's files live FILE_TTL_SECONDS, as at OpenAI, so the database does not grow
+    without bound."""
+    if policy is None:
+        return FILE_TTL_SECONDS
+    seconds = policy.get("seconds") if isinstance(policy, dict) else None
+    if isinstance(seconds, str) and seconds.isdigit():
+        seconds = int(seconds)  # a multipart form's fields are text
+    if (not isinstance(policy, dict) or policy.get("anchor") != "created_at" or not isinstance(seconds, int)
+            or not MIN_FILE_TTL_SECONDS <= seconds <= FILE_TTL_SECONDS):
+        raise BatchInputError(f"{param} must be {{\"anchor\": \"created_at\", \"seconds\": N}} with N from "
+                              f"{MIN_FILE_TTL_SECONDS} to {FILE_TTL_SECONDS}", param)
+    return seconds
 
 
 def check_metadata(metadata: Any) -> dict[str, str] | None:

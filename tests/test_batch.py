@@ -32,6 +32,7 @@ from kvmesh.router.batches import (
     BatchLine,
     check_input,
     check_metadata,
+    expiry_seconds,
     jsonl,
     run_order,
     window_seconds,
@@ -103,6 +104,16 @@ def test_the_window_and_the_metadata_are_checked() -> None:
             check_metadata(bad)
 
 
+def test_a_file_lifetime_is_openais_expires_after_30_days_by_default() -> None:
+    assert expiry_seconds(None, "expires_after") == 30 * 86400
+    assert expiry_seconds({"anchor": "created_at", "seconds": 7200}, "expires_after") == 7200
+    assert expiry_seconds({"anchor": "created_at", "seconds": "7200"}, "expires_after") == 7200  # a form's text
+    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "created_at", "seconds": 31 * 86400},
+                {"anchor": "last_active_at", "seconds": 7200}, {"seconds": 7200}, 7200):
+        with pytest.raises(BatchInputError, match="output_expires_after"):
+            expiry_seconds(bad, "output_expires_after")
+
+
 def test_requests_sharing_a_prefix_are_sent_together_whatever_the_file_order() -> None:
     """Sorted order is the prefix trie's depth-first order: each system prompt's requests form one run, and a
     shorter shared prefix (the same opening with another ending) sits next to its longer relatives."""
@@ -131,8 +142,8 @@ def store(database_url: str) -> Iterator[BatchStore]:
 
 
 def new_batch(store: BatchStore, entries: list[dict[str, Any]], window: int = 3600, tenant: str = TENANT) -> str:
-    file = store.add_file(tenant, "batch", "in.jsonl", jsonl(entries))
-    return store.create_batch(tenant, CHAT_PATH, file["id"], "1h", window, None)["id"]
+    file = store.add_file(tenant, "batch", "in.jsonl", jsonl(entries), ttl=None)
+    return store.create_batch(tenant, CHAT_PATH, file["id"], "1h", window, None, output_ttl=None)["id"]
 
 
 def test_two_replicas_never_hold_one_batch_and_a_stopped_ones_lease_passes_on(store: BatchStore) -> None:
@@ -178,6 +189,16 @@ def test_a_tenant_sees_only_its_own_files_and_batches(store: BatchStore) -> None
     file_id = store.files(TENANT, None, 20, None)["data"][0]["id"]
     assert store.file_content(other, file_id) is None and not store.delete_file(other, file_id)
     assert store.delete_file(TENANT, file_id) and store.file(TENANT, file_id) is None
+
+
+def test_an_expired_file_is_gone_for_clients_at_once_and_from_the_database_at_the_sweep(store: BatchStore) -> None:
+    kept = store.add_file(TENANT, "batch", "kept.jsonl", b"{}", ttl=3600)
+    gone = store.add_file(TENANT, "batch", "gone.jsonl", b"{}", ttl=-1)
+    assert kept["expires_at"] == kept["created_at"] + 3600
+    assert store.file(TENANT, gone["id"]) is None and store.file_content(TENANT, gone["id"]) is None
+    assert [f["id"] for f in store.files(TENANT, None, 20, None)["data"]] == [kept["id"]]
+    assert store.delete_expired() == 1 and store.delete_expired() == 0
+    assert store.file(TENANT, kept["id"]) is not None
 
 
 def test_list_pages_run_newest_first_from_a_cursor(store: BatchStore) -> None:
@@ -391,10 +412,13 @@ def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> Non
     system = "You answer questions about the weather in one word. " * 4
     entries = [line(f"req-{i}", chat(system, f"question {i}", max_tokens=3)) for i in range(6)]
     entries.append(line("too-long", chat(system, "x", max_tokens=10**6)))  # the engine refuses it: the error file
-    uploaded = api.files.create(file=("questions.jsonl", jsonl(entries)), purpose="batch")
+    uploaded = api.files.create(file=("questions.jsonl", jsonl(entries)), purpose="batch",
+                                expires_after={"anchor": "created_at", "seconds": 7200})
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(entries))
+    assert uploaded.expires_at == uploaded.created_at + 7200
     batch = api.batches.create(input_file_id=uploaded.id, endpoint=CHAT_PATH, completion_window="24h",
-                               metadata={"job": "nightly"})
+                               metadata={"job": "nightly"},
+                               output_expires_after={"anchor": "created_at", "seconds": 3600})
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
     batch = wait_ended(api, batch.id)
     assert batch.status == "completed", batch
@@ -410,7 +434,8 @@ def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> Non
     assert batch.usage.output_tokens == 18
     errors = [json.loads(x) for x in api.files.content(batch.error_file_id).text.splitlines()]
     assert [(x["custom_id"], x["response"]["status_code"]) for x in errors] == [("too-long", 400)]
-    assert api.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    output_file = api.files.retrieve(batch.output_file_id)
+    assert output_file.purpose == "batch_output" and output_file.expires_at == output_file.created_at + 3600
     assert batch.id in [b.id for b in api.batches.list(limit=5).data]
     # every request went through the router at the batch priority, and was counted
     log, deadline = RequestLog(database), time.monotonic() + 30
