@@ -5,7 +5,9 @@ interactive traffic needs the pods.
 A request refused for load or for its tenant's limits (429, 503) waits and is sent again: overload delays a
 batch, it never fails one. A server error is retried a few times; any other answer is final and goes to the
 batch's error file. Requests are sent in prefix order (router/batches.run_order), so each run of requests sharing
-a prompt prefix is served from the first one's cached blocks. Answers are written as they come, so a replica that
+a prompt prefix is served from the first one's cached blocks. Batches take turns: after TURN_SECONDS a replica
+hands its batch on when another waits (the requests in flight finish first), so one tenant's long batch never
+holds every replica while another's waits. Answers are written as they come, so a replica that
 dies loses at most a second of them and the replica that takes the batch over skips what was answered.
 """
 
@@ -42,6 +44,8 @@ LEASE_SECONDS = 30.0  # a replica that stops renewing for this long hands its ba
 FLUSH_SECONDS = 1.0  # answers are written, the lease renewed and the status read this often
 POLL_SECONDS = 1.0  # how often an idle replica looks for a batch to run
 SWEEP_SECONDS = 60.0  # how often a replica removes expired files
+TURN_SECONDS = 60.0  # a replica runs a batch this long, then hands it on if another batch waits (round robin)
+YIELDED = "yielded"  # _run_lines' status when the batch's turn ended with requests left
 REFUSED = frozenset({429, 503})  # the pool's "not now": overloaded, over the tenant's limits, no pod yet
 MAX_WAIT_SECONDS = 10.0  # a refused request waits its Retry-After, but no longer than this, before it is sent again
 SERVER_ERROR_BACKOFF_SECONDS = 1.0
@@ -76,6 +80,7 @@ class BatchSettings:
     lease_seconds: float = LEASE_SECONDS
     flush_seconds: float = FLUSH_SECONDS
     poll_seconds: float = POLL_SECONDS
+    turn_seconds: float = TURN_SECONDS
     order: str = PREFIX_ORDER  # BATCH_ORDERS: prefix (shared prefixes sent together) or file
 
     def __post_init__(self) -> None:
@@ -83,6 +88,8 @@ class BatchSettings:
             raise ValueError(f"batch_order must be one of {', '.join(BATCH_ORDERS)}, not {self.order!r}")
         if self.concurrency < 1 or self.max_requests < 1 or self.server_error_attempts < 1:
             raise ValueError("batch_concurrency, batch_max_requests and the attempts must be at least 1")
+        if self.turn_seconds <= 0:
+            raise ValueError("a batch's turn must last more than 0 s")
         if not 0 < self.flush_seconds < self.lease_seconds:
             raise ValueError("a batch's lease must outlast the time between its renewals")
 
@@ -153,6 +160,9 @@ class BatchRunner:
                 status = await self._run_lines(batch, checked.lines, tenant or "")
             if status is None:
                 return  # the lease went to another replica: it carries on
+            if status == YIELDED:  # another batch's turn: this one is taken up again after it
+                await asyncio.to_thread(store.release, batch.id, owner)
+                return
         await self._finish(batch, checked.lines, status)
 
     async def _fail(self, batch: ClaimedBatch, problems: list[LineProblem]) -> None:
@@ -161,35 +171,45 @@ class BatchRunner:
 
     async def _run_lines(self, batch: ClaimedBatch, lines: list[BatchLine], tenant: str) -> str | None:
         """Send every request not yet answered; the status to end in (in_progress: all answered, or cancelling,
-        or expired), or None when the lease was lost."""
+        or expired), YIELDED when its turn ended (the requests in flight finish; the rest wait for its next
+        turn), or None when the lease was lost."""
         answered = await asyncio.to_thread(self.store.answered_lines, batch.id)
         todo = deque(line for line in run_order(lines, self.settings.order) if line.line not in answered)
-        stop = asyncio.Event()
+        stop = asyncio.Event()  # cancel what is in flight: the batch was cancelled, expired or lost
+        turn_over = asyncio.Event()  # send nothing more: another batch's turn
         ended: list[str | None] = ["in_progress"]
         done: list[LineResult] = []
 
         async def worker() -> None:
-            while todo and not stop.is_set():
+            while todo and not stop.is_set() and not turn_over.is_set():
                 line = todo.popleft()
                 result = await self._attempt(batch, line, tenant, stop)
                 if result is not None:
                     done.append(result)
 
+        written = asyncio.Lock()  # the last flush waits for one under way, so the files miss no answer
+
         async def flush() -> None:
-            taken = done[:]
-            del done[: len(taken)]
-            if taken:
-                await asyncio.to_thread(self.store.add_results, batch.id, taken)
+            async with written:
+                taken = done[:]
+                del done[: len(taken)]
+                if taken:
+                    await asyncio.to_thread(self.store.add_results, batch.id, taken)
 
         async def keep_lease() -> None:
+            turn_ends = time.monotonic() + self.settings.turn_seconds
             while True:
                 await asyncio.sleep(self.settings.flush_seconds)
-                await flush()
+                await asyncio.shield(flush())  # a write under way finishes even when the keeper is cancelled
                 status = await asyncio.to_thread(self.store.renew, batch.id, self.owner, self.settings.lease_seconds)
                 if status is None or status == "cancelling" or time.time() >= batch.expires_at:
                     ended[0] = status if status in (None, "cancelling") else "expired"
                     stop.set()
                     return
+                if time.monotonic() >= turn_ends and not turn_over.is_set():
+                    if await asyncio.to_thread(self.store.others_waiting, batch.id):
+                        turn_over.set()  # the workers end once their requests in flight are answered
+                    turn_ends = time.monotonic() + self.settings.turn_seconds
 
         keeper = asyncio.create_task(keep_lease())
         try:
@@ -199,7 +219,7 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
             await asyncio.shield(flush())
-        return ended[0]
+        return YIELDED if ended[0] == "in_progress" and todo else ended[0]
 
     async def _attempt(self, batch: ClaimedBatch, line: BatchLine, tenant: str,
                        stop: asyncio.Event) -> LineResult | None:

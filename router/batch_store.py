@@ -93,6 +93,7 @@ class BatchRow(_Base):
     output_ttl: Mapped[int | None] = mapped_column(BigInteger)  # the output and error files' lifetime, seconds
     owner: Mapped[str | None] = mapped_column(String(128))  # the replica running it, while its lease lasts
     lease_until: Mapped[float] = mapped_column(Float, default=0.0)
+    claimed_at: Mapped[float] = mapped_column(Float, default=0.0)  # when a replica last took it: least recent first
 
 
 class ResultRow(_Base):
@@ -126,6 +127,12 @@ def _file_json(row: FileRow) -> dict[str, Any]:
     return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": row.created_at,
             "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": row.expires_at,
             "status_details": None}
+
+
+def _free(owner: str | None) -> Any:
+    """A batch no replica holds (its lease ended), or held by `owner` itself."""
+    free = BatchRow.owner.is_(None) | (BatchRow.lease_until < time.time())
+    return free if owner is None else free | (BatchRow.owner == owner)
 
 
 def _visible(tenant: str) -> tuple[Any, ...]:
@@ -266,23 +273,31 @@ class BatchStore:
     # -- batches, as a runner sees them
 
     def claim(self, owner: str, lease_seconds: float) -> ClaimedBatch | None:
-        """The oldest active batch whose lease is free, expired or already ours, now leased to `owner`; the
+        """The active batch whose lease is free, expired or already ours that was taken least recently (a new
+        one first, then round robin: batches share the replicas in turns), now leased to `owner`; the
         conditional update makes two replicas racing for one batch agree on a single winner."""
         now = time.time()
-        free = (BatchRow.owner.is_(None)) | (BatchRow.lease_until < now) | (BatchRow.owner == owner)
         with Session(self.engine) as session:
-            candidates = session.scalars(select(BatchRow.id).where(BatchRow.status.in_(ACTIVE_STATUSES), free)
-                                         .order_by(BatchRow.seq).limit(8)).all()
+            candidates = session.scalars(select(BatchRow.id).where(BatchRow.status.in_(ACTIVE_STATUSES), _free(owner))
+                                         .order_by(BatchRow.claimed_at, BatchRow.seq).limit(8)).all()
         for batch_id in candidates:
             with Session(self.engine) as session, session.begin():
-                won = session.execute(update(BatchRow).where(BatchRow.id == batch_id, free,
+                won = session.execute(update(BatchRow).where(BatchRow.id == batch_id, _free(owner),
                                                              BatchRow.status.in_(ACTIVE_STATUSES))
-                                      .values(owner=owner, lease_until=now + lease_seconds)).rowcount == 1
+                                      .values(owner=owner, lease_until=now + lease_seconds,
+                                              claimed_at=now)).rowcount == 1
                 if won:
                     row = session.scalars(select(BatchRow).where(BatchRow.id == batch_id)).one()
                     return ClaimedBatch(row.id, row.tenant, row.endpoint, row.input_file_id, row.status,
                                         row.expires_at, row.output_ttl)
         return None
+
+    def others_waiting(self, batch_id: str) -> bool:
+        """Whether another active batch waits for a replica (its lease free): then a running one yields its turn."""
+        with Session(self.engine) as session:
+            waiting = select(BatchRow.id).where(BatchRow.status.in_(ACTIVE_STATUSES), BatchRow.id != batch_id,
+                                                _free(None))
+            return session.scalar(waiting.limit(1)) is not None
 
     def renew(self, batch_id: str, owner: str, lease_seconds: float) -> str | None:
         """Extend our lease; the batch's status (a client may have cancelled it), or None when the lease is lost."""

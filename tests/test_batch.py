@@ -284,6 +284,35 @@ def test_refusals_are_sent_again_server_errors_retried_and_other_answers_final(s
     assert store.answered_lines(batch_id) == set()  # the answers moved into the files; the counts stay frozen
 
 
+def test_batches_take_turns_so_a_long_one_does_not_hold_the_replica(store: BatchStore) -> None:
+    sent: list[str] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        sent.append(body["messages"][1]["content"])
+        await asyncio.sleep(0.01)
+        return served(body)
+
+    long = new_batch(store, [line(f"a{i}", chat("s", f"a{i}")) for i in range(40)])
+    short = new_batch(store, [line(f"b{i}", chat("s", f"b{i}")) for i in range(3)])
+    counters = Counters()
+    settings = BatchSettings(concurrency=1, flush_seconds=0.02, lease_seconds=5, poll_seconds=0.02, turn_seconds=0.05)
+
+    async def scenario() -> None:
+        runner = asyncio.create_task(BatchRunner(store, send, lambda pseudonym: "default", counters,
+                                                 settings).serve_forever())
+        while len(counters.ended) < 2:
+            await asyncio.sleep(0.02)
+        runner.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert counters.ended == ["completed", "completed"]
+    assert max(sent.index(f"b{i}") for i in range(3)) < sent.index("a39")  # the short one ran in the long one's time
+    assert sorted(sent) == sorted([f"a{i}" for i in range(40)] + ["b0", "b1", "b2"])  # each request sent once
+    for batch_id, total in ((long, 40), (short, 3)):
+        batch = store.batch(TENANT, batch_id)
+        assert batch is not None and batch["request_counts"] == {"total": total, "completed": total, "failed": 0}
+
+
 def test_a_cancelled_batch_stops_sending_and_lists_what_it_never_ran(store: BatchStore) -> None:
     started = asyncio.Event()
     sent: list[str] = []
