@@ -91,6 +91,9 @@ def test_prefix_order_serves_every_shared_prefix_from_the_cache_and_file_order_d
     assert result.ideal_cached_tokens == 4 * 3 * 64
     assert result.prefix.cached_tokens == result.ideal_cached_tokens
     assert result.file.cached_tokens < result.prefix.cached_tokens
+    # what the cache served, the engine did not compute
+    (prefix_work,), (file_work,) = result.prefix.engine_computed_tokens, result.file.engine_computed_tokens
+    assert file_work - prefix_work == result.prefix.cached_tokens - result.file.cached_tokens
     ratios = result.as_json()["ratios_prefix_over_file"]
     assert ratios["cached_tokens"] > 1 and ratios["hit_ratio"] > 1
     assert set(result.as_json()) == {"prefix", "file", "ideal_cached_tokens", "ratios_prefix_over_file"}

@@ -14,6 +14,7 @@ system prompt, shuffled).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -29,7 +30,7 @@ from kvmesh.bench.args import positive_int
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.serve import DEFAULT_VOCAB, BenchRequest, finite, shared_prefix_requests, trace_requests
 from kvmesh.bench.sim_engine import PROFILES
-from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE
+from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, Metric
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 from kvmesh.router.batches import COMPLETIONS_PATH, FILE_ORDER, FINAL_STATUSES, PREFIX_ORDER, jsonl
 
@@ -127,6 +128,14 @@ class OrderRun:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    engine_computed_tokens: tuple[int, ...] = ()  # tokens each engine's model ran (prompt and output)
+
+    @property
+    def engine_balance(self) -> float:
+        """The busiest engine's computed tokens over the mean: 1 when the work was spread evenly. Prefix order
+        sends a prefix's requests together, and the router sends them where the prefix is cached."""
+        work = self.engine_computed_tokens
+        return max(work) * len(work) / sum(work) if work and sum(work) else 1.0
 
     @property
     def requests_per_second(self) -> float:
@@ -137,7 +146,8 @@ class OrderRun:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "requests_per_second": self.requests_per_second, "hit_ratio": self.hit_ratio}
+        return {**asdict(self), "requests_per_second": self.requests_per_second, "hit_ratio": self.hit_ratio,
+                "engine_balance": self.engine_balance}
 
 
 def run_batch(url: str, content: bytes, requests: int, order: str, timeout: float, progress: bool) -> OrderRun:
@@ -197,9 +207,21 @@ def measure_order(plan: PoolPlan, content: bytes, requests: int, order: str, wor
             wait_healthy(url, proc, timeout=120, log=log)
         router_url = f"http://127.0.0.1:{port}"
         wait_healthy(router_url, procs[-1], timeout=120, log=router_log)
-        return run_batch(router_url, content, requests, order, timeout, progress)
+        run = run_batch(router_url, content, requests, order, timeout, progress)
+        return dataclasses.replace(run, engine_computed_tokens=tuple(computed_tokens(url) for url, _, _ in pods))
     finally:
         stop(procs)
+
+
+def computed_tokens(engine_url: str) -> int:
+    """The tokens an engine's model ran, from its /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{engine_url}/metrics", timeout=10).raise_for_status().text
+    return round(sum(sample.value for family in text_string_to_metric_families(text)
+                     if family.name == Metric.COMPUTED_TOKENS for sample in family.samples
+                     if sample.name.endswith("_total")))
 
 
 # ---- the comparison -----------------------------------------------------------------------------------------------
@@ -249,13 +271,13 @@ def compare(plan: PoolPlan, requests: Sequence[BenchRequest], timeout: float = 1
 
 def format_comparison(c: Comparison) -> str:
     ratios = c.ratios()
-    lines = ["| batch_order | wall s | req/s | prompt tokens | cached tokens | hit ratio |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| batch_order | wall s | req/s | prompt tokens | cached tokens | hit ratio | busiest engine / mean |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for run in (c.prefix, c.file):
         lines.append(f"| {run.order} | {run.seconds:.1f} | {run.requests_per_second:.2f} | {run.prompt_tokens} | "
-                     f"{run.cached_tokens} | {run.hit_ratio:.1%} |")
+                     f"{run.cached_tokens} | {run.hit_ratio:.1%} | {run.engine_balance:.2f} |")
     lines.append(f"| prefix / file | {ratios['seconds']:.2f}x | {ratios['requests_per_second']:.2f}x | | "
-                 f"{ratios['cached_tokens']:.2f}x | {ratios['hit_ratio']:.2f}x |")
+                 f"{ratios['cached_tokens']:.2f}x | {ratios['hit_ratio']:.2f}x | |")
     ceiling = c.ideal_cached_tokens / c.prefix.prompt_tokens if c.prefix.prompt_tokens else 0.0
     lines.append(f"\nceiling (one unbounded cache): {c.ideal_cached_tokens} cached tokens, hit ratio {ceiling:.1%}")
     return "\n".join(lines)
@@ -270,17 +292,17 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", choices=["trace", "synthetic"], default="trace",
                    help="trace (default): a Mooncake trace's multi-turn conversations in trace order; synthetic: "
                         "groups of prompts sharing a system prompt, shuffled")
-    p.add_argument("--requests", type=positive_int, default=160, help="requests in the batch (default 160)")
+    p.add_argument("--requests", type=positive_int, default=150, help="requests in the batch (default 150)")
     p.add_argument("--trace", help="trace: a Mooncake-format JSONL file (default: the Mooncake conversation trace)")
-    p.add_argument("--trace-scan", type=positive_int, default=3000,
-                   help="trace: conversations are found among this many first requests (default 3000)")
+    p.add_argument("--trace-scan", type=positive_int, default=1000,
+                   help="trace: conversations are found among this many first requests (default 1000)")
     p.add_argument("--min-turns", type=positive_int, default=3, help="trace: turns a conversation needs (default 3)")
     p.add_argument("--length-scale", type=float, default=1 / 32,
                    help="trace: scale its 512-token blocks by this (default 1/32: 16 tokens, one engine block)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=2048,
                    help="trace: longer prompts keep their leading blocks (default 2048)")
-    p.add_argument("--groups", type=positive_int, default=8, help="synthetic: system prompts (default 8)")
-    p.add_argument("--system-tokens", type=positive_int, default=512, help="synthetic: system prompt length")
+    p.add_argument("--groups", type=positive_int, default=24, help="synthetic: system prompts (default 24)")
+    p.add_argument("--system-tokens", type=positive_int, default=384, help="synthetic: system prompt length")
     p.add_argument("--question-tokens", type=positive_int, default=32, help="synthetic: question length")
     p.add_argument("--output-tokens", type=positive_int, default=8,
                    help="tokens each request generates, at most (default 8: ordering changes prefill, not decode)")
