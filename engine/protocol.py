@@ -44,6 +44,7 @@ HEALTH_WARMING = "warming"  # /health's status (503) while a new pod waits for i
 # LoRA adapters at run time, as vLLM: POST {"lora_name", "lora_path"} / {"lora_name"}
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
+TOKENIZE_PATH, DETOKENIZE_PATH = "/tokenize", "/detokenize"  # vLLM's: a prompt's ids, and ids back to text
 MODELS_PATH = "/v1/models"  # the base model and each loaded adapter (with its parent): what the router serves by
 DEFAULT_MAX_LORAS = 8  # adapters an engine holds at once: the slots it allocates at the first load
 DEFAULT_MAX_LORA_RANK = 64  # the largest rank an engine loads
@@ -416,6 +417,11 @@ class OperatorMetric:
     OVERLOAD_PROBABILITY = "kvmesh_operator_kv_overload_probability"  # gauge: P(usage > 95 %) within the horizon
     # counter; also labels action (LORA_ACTIONS), outcome (LORA_OUTCOMES): adapter loads and unloads in running engines
     LORA_ACTIONS = "kvmesh_operator_lora_actions"
+    # the operator's heartbeat, per pool (labels pool_namespace, pool; no role): counter, also label outcome
+    # (EVALUATION_OUTCOMES); gauges: when it last evaluated the pool (Unix seconds), its scaling.intervalSeconds
+    EVALUATIONS = "kvmesh_operator_evaluations"
+    LAST_EVALUATION = "kvmesh_operator_last_evaluation_timestamp_seconds"
+    EVALUATION_INTERVAL = "kvmesh_operator_evaluation_interval_seconds"
 
 
 # rate_limited: a tenant's own limits (router/limits.py), apart from errors and from sheds of an overloaded pool
@@ -438,6 +444,8 @@ SCALING_DIRECTIONS: tuple[str, ...] = ("up", "down")  # kvmesh_operator_scaling_
 LORA_ACTIONS: tuple[str, ...] = ("load", "unload")  # kvmesh_operator_lora_actions_total{action}
 # ok: done; retry: busy, full or no answer (tried again next tick); refused: another 4xx (not tried again)
 LORA_OUTCOMES: tuple[str, ...] = ("ok", "retry", "refused")
+# error: a scaling evaluation that raised or could not read its inputs (the API, the pool's spec)
+EVALUATION_OUTCOMES: tuple[str, ...] = ("ok", "error")
 FORECAST_LEVELS: tuple[str, ...] = ("p50", "p90", "p99")
 EVICTION_REASONS: tuple[str, ...] = ("capacity", "cleared", "damaged")  # damaged: failed its check at start
 # promotions end in device, demotions leave it; host gets every block (write-through), disk only reused ones

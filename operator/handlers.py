@@ -274,21 +274,26 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         kopf.event(body, type="Normal", reason="Reconciled", message=f"objects: {summary}")
 
     # A failed tick (an API or scrape error) is logged and the next tick tries again: no backoff to wait out.
+    # Each evaluation is counted by outcome, the operator's heartbeat; a spec that does not parse (one the API
+    # server's copy of the CRD let through: an operator newer than its CRD) has no interval of its own, and counts
+    # an error at every wake of the timer.
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.tick_seconds, errors=kopf.ErrorsMode.IGNORED,
                 registry=registry)
     def scale(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
         try:
             pool = parse_pool(body)
-        except SpecError:
-            return  # reconcile reported it
+        except SpecError:  # reconcile reported it
+            metrics.evaluated(str(body.metadata.namespace), str(body.metadata.name), ok=False)
+            return
         state: PoolMemory = memo.setdefault("kvmesh", PoolMemory())
         now = config.clock()
         if now - state.last_evaluated < pool.spec["scaling"]["intervalSeconds"]:
             return
         state.last_evaluated = now
-        if "kvmesh-lora" not in memo:  # a restarted operator carries on from what the pool's status kept
-            memo["kvmesh-lora"] = AdapterMemory.from_status(status)
-        tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates, memo["kvmesh-lora"])
+        with metrics.evaluation(pool):
+            if "kvmesh-lora" not in memo:  # a restarted operator carries on from what the pool's status kept
+                memo["kvmesh-lora"] = AdapterMemory.from_status(status)
+            tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates, memo["kvmesh-lora"])
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)

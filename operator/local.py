@@ -169,14 +169,17 @@ class LocalOperator:
         return self.warmup.gated
 
     def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
-        scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
-        decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas)
-        hit_rates = pod_hit_rates(self.memory, now, scraped)
-        places = {p.name: PodPlace(p.url, p.ready) for p in pods}
-        warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)
-        costs = {name: cost for role in self.pool.roles
-                 for name, cost in deletion_costs(role, scraped, hit_rates).items()}
-        return Tick(decision, warmups, costs)
+        """One scaling evaluation of the pool, counted in the operator's heartbeat as the cluster's timer counts
+        its ticks (an error if it raises)."""
+        with self.metrics.evaluation(self.pool):
+            scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
+            decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas)
+            hit_rates = pod_hit_rates(self.memory, now, scraped)
+            places = {p.name: PodPlace(p.url, p.ready) for p in pods}
+            warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)
+            costs = {name: cost for role in self.pool.roles
+                     for name, cost in deletion_costs(role, scraped, hit_rates).items()}
+            return Tick(decision, warmups, costs)
 
     def warm_up(self, plan: WarmupPlan) -> list[str]:
         """Carry out a tick's warm-ups with the operator's HTTP calls, and open the gates of new engines left with

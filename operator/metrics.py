@@ -6,18 +6,26 @@ One registry shape for the cluster operator (operator/handlers.py) and the local
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvmesh.engine.protocol import LORA_ACTIONS, LORA_OUTCOMES, SCALING_DIRECTIONS, OperatorMetric
+from kvmesh.engine.protocol import (
+    EVALUATION_OUTCOMES,
+    LORA_ACTIONS,
+    LORA_OUTCOMES,
+    SCALING_DIRECTIONS,
+    OperatorMetric,
+)
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.lora import EngineSync
 from kvmesh.operator.scaling import Decision
 
 
 class OperatorMetrics:
-    """The operator's series, labelled `pool_namespace`, `pool`, `role`; a deleted pool's are dropped."""
+    """The operator's series, labelled `pool_namespace`, `pool`, `role` (the heartbeat's per pool, without
+    `role`); a deleted pool's are dropped."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -32,8 +40,42 @@ class OperatorMetrics:
                               registry=self.registry)
         self.lora_actions = Counter(OperatorMetric.LORA_ACTIONS, "LoRA adapter loads and unloads in running "
                                     "engines, by outcome.", [*labels, "action", "outcome"], registry=self.registry)
+        # The heartbeat: a stuck timer, a crash loop or lost permissions stop it or turn it to errors, while the
+        # series above just stop changing. The interval lets an alert say "several periods" for any pool.
+        pool_labels = ["pool_namespace", "pool"]
+        self.evaluations = Counter(OperatorMetric.EVALUATIONS, "Scaling evaluations of a pool, by outcome (error: "
+                                   "it raised or could not read its inputs).", [*pool_labels, "outcome"],
+                                   registry=self.registry)
+        self.last_evaluation = Gauge(OperatorMetric.LAST_EVALUATION, "When the operator last evaluated the pool, "
+                                     "either outcome (Unix seconds).", pool_labels, registry=self.registry)
+        self.interval = Gauge(OperatorMetric.EVALUATION_INTERVAL, "The pool's scaling.intervalSeconds: how often "
+                              "it is due for an evaluation.", pool_labels, registry=self.registry)
         self._keys: set[tuple[str, str, str]] = set()
         self._lora_keys: set[tuple[str, str, str]] = set()
+        self._pools: set[tuple[str, str]] = set()
+
+    @contextmanager
+    def evaluation(self, pool: Pool) -> Iterator[None]:
+        """Count the block as one scaling evaluation of `pool`: ok, or error if it raises (the exception goes on).
+        The one place both operators count their ticks."""
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.evaluated(pool.namespace, pool.name, ok, pool.spec["scaling"]["intervalSeconds"])
+
+    def evaluated(self, namespace: str, name: str, ok: bool, interval_seconds: float | None = None) -> None:
+        """One evaluation of a pool, stamped now (wall clock: alerts compare it with Prometheus' time()); without
+        `interval_seconds` (a spec that does not parse) the last one known stays."""
+        key = (namespace, name)
+        self._pools.add(key)
+        for outcome in EVALUATION_OUTCOMES:  # both series exist from the first evaluation
+            self.evaluations.labels(*key, outcome)
+        self.evaluations.labels(*key, "ok" if ok else "error").inc()
+        self.last_evaluation.labels(*key).set_to_current_time()
+        if interval_seconds is not None:
+            self.interval.labels(*key).set(interval_seconds)
 
     def record(self, pool: Pool, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
         self.record_adapters(pool, ())  # the adapter series exist from the pool's first tick, with or without any
@@ -64,6 +106,12 @@ class OperatorMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted pool's series."""
+        if (namespace, name) in self._pools:
+            self._pools.discard((namespace, name))
+            for outcome in EVALUATION_OUTCOMES:
+                self.evaluations.remove(namespace, name, outcome)
+            self.last_evaluation.remove(namespace, name)
+            self.interval.remove(namespace, name)
         for key in [k for k in self._keys if k[:2] == (namespace, name)]:
             self._keys.discard(key)
             for gauge in (self.desired, self.predicted, self.overload):

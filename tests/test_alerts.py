@@ -18,6 +18,16 @@ from .promql import CHART, RULES, promtool
 POOL = 'namespace="ml", pool="chat"'
 WHERE = {"namespace": "ml", "pool": "chat"}
 OPERATOR = 'pool_namespace="ml", pool="chat", namespace="kvmesh-system", pod="kvmesh-operator-0"'
+RESTARTED = OPERATOR.replace("kvmesh-operator-0", "kvmesh-operator-1")  # a new pod: new series
+# The operator's heartbeat (time() is 0 at the first sample): evaluated every minute, its stamp equal to the time
+LAST = "kvmesh_operator_last_evaluation_timestamp_seconds"
+INTERVAL = "kvmesh_operator_evaluation_interval_seconds"
+EVALUATIONS = "kvmesh_operator_evaluations_total"
+POOL_PODS = (f'up{{pod="r0", role="router", {POOL}}}', "1x40")  # the pool exists: its router is a target
+STALLED = ("Pool ml/chat: the operator stopped evaluating it",
+           "The operator last evaluated the pool 5m 0s ago, over three of its scaling periods: nothing scales it, "
+           "warms its new engines or syncs its adapters. Check that the operator's pod runs (not crash-looping), "
+           "its log for a stuck timer, and that it may still watch InferencePools.")
 
 
 def alert(name: str, labels: dict[str, str], summary: str, description: str) -> dict[str, Any]:
@@ -131,6 +141,52 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
          (f'kvmesh_operator_lora_actions_total{{action="load", outcome="refused", role="decode", {OPERATOR}}}',
           "0x30")],
         "25m", []),
+    "the operator stopped evaluating a pool": (
+        # every minute until 5m, then no more: at 10m the last stamp is 5 minutes old, over 3 x 15 s and 3 minutes
+        [(f"{LAST}{{{OPERATOR}}}", "0+60x5 300x15"), (f"{INTERVAL}{{{OPERATOR}}}", "15x20"), POOL_PODS],
+        "10m",
+        [alert("KvmeshOperatorStalled", {"severity": "warning", **WHERE}, *STALLED)]),
+    "the operator is gone": (
+        # its series end at 5m (a crash loop, a deleted Deployment): its last stamp still counts
+        [(f"{LAST}{{{OPERATOR}}}", "0+60x5"), (f"{INTERVAL}{{{OPERATOR}}}", "15x5"), POOL_PODS],
+        "10m",
+        [alert("KvmeshOperatorStalled", {"severity": "warning", **WHERE}, *STALLED)]),
+    "the operator evaluates every period": (
+        [(f"{LAST}{{{OPERATOR}}}", "0+60x40"), (f"{INTERVAL}{{{OPERATOR}}}", "60x40"), POOL_PODS],
+        "30m", []),
+    "a long period not yet over thrice": (
+        # evaluated once, at 0, every hour: 30 minutes later it is not late
+        [(f"{LAST}{{{OPERATOR}}}", "0x40"), (f"{INTERVAL}{{{OPERATOR}}}", "3600x40"), POOL_PODS],
+        "30m", []),
+    "the operator restarted as a new pod": (
+        # the old pod's stamp stops at 5m, the new one's go on from 7m: the newest counts
+        [(f"{LAST}{{{OPERATOR}}}", "0+60x5"), (f"{INTERVAL}{{{OPERATOR}}}", "15x5"),
+         (f"{LAST}{{{RESTARTED}}}", "_x6 420+60x30"), (f"{INTERVAL}{{{RESTARTED}}}", "_x6 15x30"), POOL_PODS],
+        "20m", []),
+    "a deleted pool": (
+        # its series were dropped at 5m and its pods went with it
+        [(f"{LAST}{{{OPERATOR}}}", "0+60x5"), (f"{INTERVAL}{{{OPERATOR}}}", "15x5"),
+         (f'up{{pod="r0", role="router", {POOL}}}', "1x5")],
+        "15m", []),
+    "every evaluation fails": (
+        # four evaluations a minute (every 15 s), all errors from 5m (lost permission to list the pods)
+        [(f'{EVALUATIONS}{{outcome="error", {OPERATOR}}}', "0x5 0+4x30"),
+         (f'{EVALUATIONS}{{outcome="ok", {OPERATOR}}}', "0+4x5 20x30")],
+        "30m",
+        [alert("KvmeshOperatorEvaluationsFailing", {"severity": "warning", **WHERE},
+               "Pool ml/chat: the operator's evaluations fail",
+               "100% of the operator's evaluations of the pool in the last 15 minutes failed: it is not scaled. "
+               "The operator's log says why (the scaling timer's exception); check its RBAC against "
+               "operator/rbac.py and the pool's Degraded condition.")]),
+    "a few evaluations failed": (
+        [(f'{EVALUATIONS}{{outcome="error", {OPERATOR}}}', "0x10 3x30"),
+         (f'{EVALUATIONS}{{outcome="ok", {OPERATOR}}}', "0+4x40")],
+        "30m", []),
+    "evaluations failed for 8 minutes": (
+        # an API server away for 8 minutes, then all ok again: over half failed for less than 10 minutes
+        [(f'{EVALUATIONS}{{outcome="error", {OPERATOR}}}', "0x10 0+4x8 32x20"),
+         (f'{EVALUATIONS}{{outcome="ok", {OPERATOR}}}', "0+4x10 40x8 40+4x20")],
+        "25m", []),
     "one engine down": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"),
          (f'up{{pod="e1", role="decode", {POOL}}}', "1x10"),
@@ -181,7 +237,8 @@ def test_the_rule_file_is_valid() -> None:
     assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
                                      "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached",
-                                     "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused"])
+                                     "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused",
+                                     "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing"])
 
 
 def test_every_alert_is_seen_firing() -> None:

@@ -28,7 +28,7 @@ import kopf
 import pytest
 import yaml
 
-from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
+from kvmesh.engine.protocol import EVALUATION_OUTCOMES, POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvmesh.operator.handlers import API_RETRY, DELETION_COST_ANNOTATION, OperatorConfig, register
@@ -126,8 +126,13 @@ class Env:
         return [r for r in self.k8s if not r.headers.get("User-Agent", "").startswith("kmock/")]
 
     def ticks(self) -> int:
-        """The scaling ticks the operator has begun: each lists the pool's engine pods once (nothing else lists
-        pods). Tick n + 1 begun means tick n has ended: one pool's timer runs one tick at a time."""
+        """The pool's scaling ticks that have ended, either outcome: the operator's heartbeat."""
+        return int(sum(self.sample(f"{OperatorMetric.EVALUATIONS}_total", outcome=outcome) or 0
+                       for outcome in EVALUATION_OUTCOMES))
+
+    def ticks_begun(self) -> int:
+        """The scaling ticks the operator has begun, seen from the API server: each lists the pool's engine pods
+        once (nothing else lists pods), answered or not."""
         return sum(1 for r in self.operator_requests() if r.action == kmock.action.LIST and r.resource is not None
                    and r.resource.plural == "pods")
 
@@ -280,10 +285,14 @@ def test_an_invalid_spec_is_reported_as_degraded_and_fixing_it_recovers(tmp_path
             assert "min must be at most max" in degraded["message"]
             await eventually(lambda: env.events("InvalidSpec"))
             assert env.get("apps/v1/deployments", "chat-both") is None
+            # the timer cannot read the pool: its heartbeat counts errors (an operator newer than its CRD)
+            await eventually(lambda: (env.sample(f"{OperatorMetric.EVALUATIONS}_total", outcome="error") or 0) >= 2)
+            assert env.sample(f"{OperatorMetric.EVALUATIONS}_total", outcome="ok") == 0
             await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"replicas": {"both": {"min": 2, "max": 4}}}})
             await eventually(lambda: {c["type"]: c["status"] for c in env.pool()["status"]["conditions"]}
                              ["Degraded"] == "False")
             assert env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 2  # type: ignore[index]
+            await eventually(lambda: env.sample(f"{OperatorMetric.EVALUATIONS}_total", outcome="ok") == 1)
 
     run(main)
 
@@ -292,11 +301,13 @@ def fail(env: Env, action: kmock.action, plural: str, times: int, status: int) -
     """The next `times` requests of `action` on `plural` answer `status`; returns those requests as they come.
     (The emulator still carries out a failed write, as a server that committed it and then failed to answer.)"""
     failed: list[kmock.Request] = []
+    before = max((r.id for r in env.k8s), default=-1)  # kmock offers a new reaction the requests already answered
 
     def matches(request: kmock.Request) -> bool:  # kmock may ask more than once per request
         if any(r is request for r in failed):
             return True
-        if request.resource is None or request.resource.plural != plural or len(failed) >= times:
+        if (request.id <= before or request.resource is None or request.resource.plural != plural
+                or len(failed) >= times):
             return False
         failed.append(request)
         return True
@@ -359,6 +370,48 @@ def test_a_persistent_api_error_is_degraded_then_retried(tmp_path: Path) -> None
 
 
 # ---- scaling ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_scaling_tick_is_counted_in_the_heartbeat_by_outcome(tmp_path: Path) -> None:
+    """What the Stalled and EvaluationsFailing alerts read: one count per tick of the pool's timer, an error for
+    a tick that cannot read its inputs (the pods list refused, as after lost RBAC), ok again once it can; the
+    last evaluation's wall-clock time and the pool's interval; all gone with the pool."""
+    evaluations = f"{OperatorMetric.EVALUATIONS}_total"
+
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            start = time.time()
+            await env.k8s.post(POOLS, json=pool_body(scaling={"intervalSeconds": 2}))
+
+            async def clock() -> None:  # the operator's clock runs 10x faster than the test's
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            await eventually(lambda: env.ticks() >= 2)
+            assert env.sample(evaluations, outcome="error") == 0
+            assert env.sample(OperatorMetric.EVALUATION_INTERVAL) == 2
+            stamped = env.sample(OperatorMetric.LAST_EVALUATION)
+            assert stamped is not None and start <= stamped <= time.time()  # Unix time, not the operator's clock
+
+            failed = fail(env, kmock.action.LIST, "pods", 2, 403)  # a 403 is not retried: two ticks fail
+            await eventually(lambda: env.sample(evaluations, outcome="error") == 2)
+            ok = env.sample(evaluations, outcome="ok") or 0
+            await eventually(lambda: (env.sample(evaluations, outcome="ok") or 0) >= ok + 2)  # and recovers
+            assert len(failed) == 2 and env.sample(evaluations, outcome="error") == 2
+
+            # The clock stops, so no tick begins; once the last one ends, every tick begun was counted once.
+            ticking.cancel()
+            await eventually(lambda: env.ticks() == env.ticks_begun())
+            await env.k8s.delete(f"{POOLS}/chat")
+            await eventually(lambda: env.sample(OperatorMetric.LAST_EVALUATION) is None)
+            assert env.sample(evaluations, outcome="ok") is None
+            assert env.sample(OperatorMetric.EVALUATION_INTERVAL) is None
+
+    run(main)
 
 
 def metrics_text(usage: float, forecast: tuple[float, float, float], overload: float, blocks: int = 1000,

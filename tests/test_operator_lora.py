@@ -349,7 +349,7 @@ def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolli
             await eventually(lambda: "b-v2" in (env.get("v1/configmaps", "chat-config") or {})["data"]["engine.yaml"])
             assert template_hash(env) == first_hash  # the list changed, the engines did not roll
             begun = env.ticks()
-            await eventually(lambda: env.ticks() >= begun + 6)  # five more whole ticks: no retry storm, no 2nd Event
+            await eventually(lambda: env.ticks() >= begun + 5)  # five more whole ticks: no retry storm, no 2nd Event
             (event,) = env.events("AdapterRefused")
             assert "other weights" in event["message"] and "new name" in event["message"]
             refused = await eventually(lambda: conditions(env)["AdaptersLoaded"]["reason"] == "Refused"

@@ -364,7 +364,7 @@ def test_a_restarted_operator_unloads_what_was_dropped_meanwhile_and_does_not_re
                 await eventually(lambda: served_by(engine_url) == {"b": weights["b"]})
                 await eventually(lambda: kept(second).get("managed") == ["b", "bad"])  # `a`: gone everywhere
                 begun = second.ticks()
-                await eventually(lambda: second.ticks() >= begun + 6)  # five more whole ticks of the new operator
+                await eventually(lambda: second.ticks() >= begun + 5)  # five more whole ticks of the new operator
                 assert len(second.events("AdapterRefused")) == 1  # the first operator's, not announced again
                 assert second.sample(f"{OperatorMetric.LORA_ACTIONS}_total", role="both", action="load",
                                      outcome="refused") == 0  # and not tried again

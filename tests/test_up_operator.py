@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -58,6 +60,36 @@ def test_the_local_tick_plans_warming_new_engines_from_the_hottest_peer_and_reco
     (warmup,) = second.warmups.warmups
     assert warmup.source.name == "engine-1" and [t.name for t in warmup.targets] == ["engine-2"]
     assert warmup.source.url == "http://127.0.0.1:1/engine-1"
+
+
+def test_each_local_tick_is_one_evaluation_in_the_operator_s_heartbeat() -> None:
+    """`kvmesh up`'s tick counts in the cluster timer's heartbeat (operator/metrics.py `evaluation`): one ok per
+    decision, an error for one that cannot read an engine's metrics (raised on: `kvmesh up` reports it and keeps
+    the pool as it is), stamped with the wall clock and the pool's interval, which the Stalled alert compares."""
+    plan = plan_from_file(EXAMPLES / "aggregated.yaml")
+    operator = LocalOperator(plan.pool)
+
+    def value(name: str, **labels: str) -> float | None:
+        return operator.metrics.registry.get_sample_value(name, {"pool_namespace": LOCAL_NAMESPACE, "pool": "chat",
+                                                                 **labels})
+
+    def counted() -> tuple[float | None, float | None]:
+        return (value(f"{OperatorMetric.EVALUATIONS}_total", outcome="ok"),
+                value(f"{OperatorMetric.EVALUATIONS}_total", outcome="error"))
+
+    assert counted() == (None, None) and value(OperatorMetric.LAST_EVALUATION) is None  # none before a first tick
+    start = time.time()
+    for step in range(3):
+        operator.decide(15.0 * step, [engine("engine-0", 0), engine("engine-1", 0)], {"both": 2})
+    assert counted() == (3, 0)
+    stamped = value(OperatorMetric.LAST_EVALUATION)
+    assert stamped is not None and start <= stamped <= time.time()  # Unix time, not the scaler's clock (0 to 30)
+    assert value(OperatorMetric.EVALUATION_INTERVAL) == plan.pool.spec["scaling"]["intervalSeconds"]
+
+    broken = LocalPod("engine-0", "both", "http://127.0.0.1:1/engine-0", "not prometheus text {", True)
+    with pytest.raises(ValueError):
+        operator.decide(45.0, [broken], {"both": 2})
+    assert counted() == (3, 1)
 
 
 def test_a_local_pool_never_loads_kopf() -> None:
