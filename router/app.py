@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +72,7 @@ from kvmesh.router.auth import (
 from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseudonym
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
-from kvmesh.router.batches import CHAT_PATH
+from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tenants, unkeyed_tenants
@@ -81,13 +81,16 @@ from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, Requ
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
-from kvmesh.router.shed import Shed, ShedPolicy, fair_share, priority_label, should_shed
+from kvmesh.router.shed import ShedPolicy, fair_share, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
+from kvmesh.router.tokenize_api import tokenize_routes
 from kvmesh.router.tracing import RequestSpan, request_span
 
 if TYPE_CHECKING:
     from kvmesh.router.extproc import ExtProcServer
 
+COMPLETION_PATHS = {COMPLETIONS_PATH: False, CHAT_PATH: True}  # the routes that take completions -> chat
+OVERLOADED_CODE = "overloaded"  # the error code of a 429 the overloaded pool sheds (router/shed.py)
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRYABLE = (429, 503)
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
@@ -132,15 +135,22 @@ class RouterMetrics:
         index_blocks.set_function(index.size)
         self.decisions = Counter(RouterMetric.DECISIONS, "Routing decisions by what decided them.", ["reason"],
                                  registry=r)
-        for reason in REASONS:
-            self.decisions.labels(reason)
+        # the series every request counts in, made here and kept: looking a child up costs more than its count
+        self._decided = {reason: self.decisions.labels(reason) for reason in REASONS}
         r.register(_EventLag(pods, index))
         pod_states = Gauge(RouterMetric.PODS, "Pods by state.", ["state"], registry=r)
         for state in POD_STATES:
             pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
-        for outcome in ROUTER_OUTCOMES:
-            for route in ROUTES:
-                self.requests.labels(outcome, route)
+        self._ended = {(outcome, route): self.requests.labels(outcome, route)
+                       for outcome in ROUTER_OUTCOMES for route in ROUTES}
+
+    def count_request(self, outcome: str, route: str) -> None:
+        """One request ended (kvmesh_router_requests_total), by outcome (ROUTER_OUTCOMES) and route (ROUTES)."""
+        (self._ended.get((outcome, route)) or self.requests.labels(outcome, route)).inc()
+
+    def count_decision(self, reason: str) -> None:
+        """One routing decision sent (kvmesh_router_decisions_total), by what decided it (REASONS)."""
+        (self._decided.get(reason) or self.decisions.labels(reason)).inc()
 
     def add_tenants(self, tenants: Iterable[str]) -> None:
         """Every tenant's 429 series at 0 from the start (also those a rotated keys file adds), by pseudonym, as
@@ -201,7 +211,7 @@ class Trace:
     predicted: int = 0
     first_chunk_at: float | None = None
     chunks: int = 0
-    lease: Lease | None = None  # the request's hold on its tenant's limits, closed when it ends (record)
+    lease: Lease | None = None  # the request's hold on its tenant's limits, closed when it ends (each edge's)
     span: RequestSpan | None = None  # tracing on: the request's span (router/tracing.py)
 
 
@@ -469,10 +479,13 @@ class Router:
         lease = self.limits.take(tenant, info.prompt_tokens)
         if isinstance(lease, Refusal):
             raise self.rate_limited(tenant, lease)
-        trace = Trace(info, tenant, workload, span=request_span(self.tracing, headers, arrived_ns, chat, info, tenant,
-                                                                workload))
-        trace.lease = lease
-        return Admitted(raw, body, trace, rewritten=bool(dropped) or self.keys.enabled)
+        try:
+            span = request_span(self.tracing, headers, arrived_ns, chat, info, tenant, workload)
+        except BaseException:
+            lease.close()
+            raise
+        return Admitted(raw, body, Trace(info, tenant, workload, lease=lease, span=span),
+                        rewritten=bool(dropped) or self.keys.enabled)
 
     def reload_keys(self) -> None:
         """Take a changed keys file (blocking: the app's background task runs it off the event loop)."""
@@ -538,21 +551,24 @@ class Router:
         return {"object": "list", "data": union_cards(
             p.models() for p in self.pods.pods.values() if p.healthy and p.refused is None and p.kv_config)}
 
-    def refuse(self, trace: Trace, decision: Decision) -> Shed | None:
-        """The 429 for a request the overloaded pool sheds at its priority (counted and logged), or None."""
+    def refuse(self, trace: Trace, decision: Decision) -> RouteError | None:
+        """The 429 for a request the overloaded pool sheds at its priority (counted and logged), as both edges
+        answer it (with Retry-After), or None."""
         fair = fair_share(self.limits.inflight, self.limits.weight, trace.tenant)
         refusal = should_shed(decision, trace.info.priority, self.shed, fair)
-        if refusal is not None:
-            if refusal.fair_share:
-                self.metrics.rate_limited.labels(tenant_hash(trace.tenant), FAIR_SHARE).inc()
-            self.metrics.shed.labels(priority_label(trace.info.priority)).inc()
-            self.metrics.requests.labels("shed", trace.route).inc()
-            self.record(trace, "shed", 429, None)
-        return refusal
+        if refusal is None:
+            return None
+        if refusal.fair_share:
+            self.metrics.rate_limited.labels(tenant_hash(trace.tenant), FAIR_SHARE).inc()
+        self.metrics.shed.labels(priority_label(trace.info.priority)).inc()
+        self.metrics.count_request("shed", trace.route)
+        self.record(trace, "shed", 429, None)
+        return RouteError(429, refusal.message, code=OVERLOADED_CODE, kind="rate_limit_error",
+                          headers={"retry-after": str(refusal.retry_after_seconds)})
 
     def no_pod(self, trace: Trace) -> None:
         """Count and log a request no pod could take (answered 503 by whichever edge received it)."""
-        self.metrics.requests.labels("no_pod", trace.route).inc()
+        self.metrics.count_request("no_pod", trace.route)
         self.record(trace, "no_pod", 503, None)
 
     def commit(self, trace: Trace, pod: Pod, decision: Decision) -> Booking:
@@ -643,6 +659,12 @@ def _warn_unkeyed(table: LimitTable, tenants: set[str]) -> None:
         logging.getLogger("kvmesh.router").warning(
             "tenants %s have limits but no API key (tenants with keys: %s): their limits are unused until a key "
             "names them", strangers, ", ".join(sorted(tenants)))
+
+
+def error_response(error: RouteError) -> JSONResponse:
+    """A refusal as the HTTP edge answers it: an OpenAI-style error body, with the error's headers."""
+    return JSONResponse(error_body(error.message, error.kind, code=error.code), status_code=error.status,
+                        headers=error.headers)
 
 
 def refusal_outcome(error: RouteError) -> str:
@@ -773,6 +795,40 @@ def run_router(router: Router, log_level: str = "info") -> None:
     RouterServer(config, drain).run()
 
 
+class RouterApp(FastAPI):
+    """The router's FastAPI app, whose completion POSTs skip FastAPI: those are the router's hot path, and
+    FastAPI's middleware, routing and request machinery cost about a quarter of the CPU of each routed request
+    (`kvmesh bench router`). They go straight to `completions`, a plain ASGI handler; every other request
+    (the Batch API, /v1/models, /health, /metrics, another method on a completion path) is FastAPI's."""
+
+    completions: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.completions is not None and scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] in COMPLETION_PATHS):
+            await self.completions(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
+def header_map(scope: Scope) -> dict[str, str]:
+    """A request's headers by name (ASGI servers give names lowercased); of a repeated header, the first, as
+    Starlette's `Headers.get` reads it."""
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in reversed(scope["headers"])}
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    """A request's whole body; None when the client left before sending all of it."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     drain = drain or Drain()
 
@@ -825,12 +881,22 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             router.batches.close()
         await asyncio.to_thread(router.tracing.shutdown)  # the last batch of spans, signal or not
 
-    app = FastAPI(title="kvmesh router", lifespan=lifespan)
+    app = RouterApp(title="kvmesh router", lifespan=lifespan)
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
                                     router.config.batch_max_file_bytes))
+    app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models))
 
-    async def route(http: HttpRequest, path: str, chat: bool) -> Response:
-        return await serve(await http.body(), http.headers, path, chat, http=http)
+    async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+        """A completion POST, as plain ASGI (RouterApp)."""
+        payload = await read_body(receive)
+        if payload is None:  # the client left before its request was whole: nobody to answer
+            return
+        path = scope["path"]
+        response = await serve(payload, header_map(scope), path, COMPLETION_PATHS[path],
+                               http=HttpRequest(scope, receive))
+        await response(scope, receive, send)
+
+    app.completions = completions
 
     async def serve(payload: bytes, headers: Mapping[str, str], path: str, chat: bool, tenant: str | None = None,
                     http: HttpRequest | None = None) -> Response:
@@ -839,9 +905,19 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         try:
             admitted = await router.admit(payload, headers, chat, tenant)
         except RouteError as exc:
-            router.metrics.requests.labels(refusal_outcome(exc), "aggregated").inc()
-            return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status,
-                                headers=exc.headers)
+            router.metrics.count_request(refusal_outcome(exc), "aggregated")
+            return error_response(exc)
+        response: Response | None = None
+        try:
+            response = await respond(admitted, headers, path, http)
+            return response
+        finally:  # the tenant's slot back, however the request ended (a bug's 500 too): every request but a relayed
+            # stream ends here; a stream's relay gives the slot back when it ends (RelayResponse)
+            if not isinstance(response, RelayResponse) and admitted.trace.lease is not None:
+                admitted.trace.lease.close()
+
+    async def respond(admitted: Admitted, headers: Mapping[str, str], path: str,
+                      http: HttpRequest | None) -> Response:
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:
             work = asyncio.ensure_future(forward(headers, path, raw, trace, bool(body.stream)))
@@ -854,20 +930,22 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             if body.stream:  # a stream notices a gone client itself: its relay is cancelled
                 return _with_limits(await work, trace)
             gone = asyncio.ensure_future(_wait_disconnected(http))
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
+            # the client leaving cancels the work, which closes the upstream call: the engine aborts the request
+            # and frees its blocks (a callback, not asyncio.wait: this runs for every request)
+            gone.add_done_callback(lambda _: work.cancel())
+            try:
+                return _with_limits(await work, trace)
+            except asyncio.CancelledError:
+                if not gone.done() or gone.cancelled():  # not the client: this request itself was cancelled
+                    raise
+                return client_gone(trace)
+            finally:
                 gone.cancel()
-                return _with_limits(work.result(), trace)
-            work.cancel()  # closes the upstream call, so the engine aborts the request and frees its blocks
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            return client_gone(trace)
         except RouteError as exc:
             outcome = refusal_outcome(exc)
-            router.metrics.requests.labels(outcome, "aggregated").inc()
+            router.metrics.count_request(outcome, "aggregated")
             router.refused_unlogged(trace, outcome, exc.status)
-            return _with_limits(JSONResponse(error_body(exc.message, code=exc.code), status_code=exc.status),
-                                trace)
+            return _with_limits(error_response(exc), trace)
 
     async def open_upstream(
         trace: Trace,
@@ -910,7 +988,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 unloaded = True
                 booking.close()
                 continue
-            router.metrics.decisions.labels(decision.reason).inc()
+            router.metrics.count_decision(decision.reason)
             return booking, reply, decision
         if unloaded:
             raise RouteError(404, f"The model `{trace.info.lora}` is no longer served by any pod it was sent to",
@@ -932,10 +1010,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         # or a migrated stream would give to two pods in parts
         single = raw.get("n", 1) == 1 and not _several_prompts(raw) and not _calls_tools(raw)
         first = router.decide(trace.info, tried, view=view)  # the whole request on one pod
-        refusal = router.refuse(trace, first)  # before any hop: a split request is shed (and shared) alike
-        if refusal is not None:
-            return JSONResponse(error_body(refusal.message, "rate_limit_error", code="overloaded"), status_code=429,
-                                headers={"Retry-After": str(refusal.retry_after_seconds)})
+        shed = router.refuse(trace, first)  # before any hop: a split request is shed (and shared) alike
+        if shed is not None:
+            return error_response(shed)
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
         if prefill_pods and single and (trace.info.prompt_tokens - first.predicted_cached_tokens
                                         >= router.config.prefill_hop_min_tokens):
@@ -969,7 +1046,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 content, reply.status = json.dumps(error_body(f"the pod {booking.pod.name} broke off its answer: "
                                                               f"{exc}", "server_error")).encode(), 502
         outcome = "ok" if reply.status == 200 else "error"
-        router.metrics.requests.labels(outcome, trace.route).inc()
+        router.metrics.count_request(outcome, trace.route)
         usage = _count_cached(json.loads(content)) if reply.status == 200 else None
         router.record(trace, outcome, reply.status, usage)
         return Response(content, status_code=reply.status, media_type="application/json", headers=decided)
@@ -1003,7 +1080,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if choice["finish_reason"] == "stop" or asked == 1 or ticket is None or len(ids) != 1:
             if client_ids:
                 choice["token_ids"] = ids
-            router.metrics.requests.labels("ok", trace.route).inc()
+            router.metrics.count_request("ok", trace.route)
             router.record(trace, "ok", 200, first["usage"])
             decided = {"x-kvmesh-pod": prefill_pod.name,
                        "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
@@ -1045,7 +1122,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         with booking:
             rest = json.loads(await reply.read())
         if reply.status != 200:
-            router.metrics.requests.labels("error", trace.route).inc()
+            router.metrics.count_request("error", trace.route)
             router.record(trace, "error", reply.status, None)
             return JSONResponse(rest, status_code=reply.status, headers=decided)
         merged = rest["choices"][0]
@@ -1057,7 +1134,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             merged["token_ids"] = [token, *merged.get("token_ids", [])]
         rest["usage"] = merge_usage(first["usage"], rest["usage"])
         rest["id"] = first["id"]
-        router.metrics.requests.labels("ok", trace.route).inc()
+        router.metrics.count_request("ok", trace.route)
         router.record(trace, "ok", 200, rest["usage"])
         return JSONResponse(rest, headers=decided)
 
@@ -1127,23 +1204,25 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     def ended(trace: Trace, outcome: str, usage: dict[str, Any] | None = None) -> None:
         """A relayed stream's end, counted and logged once (a client gone as 499, as on the Gateway edge)."""
-        router.metrics.requests.labels(outcome, trace.route).inc()
+        router.metrics.count_request(outcome, trace.route)
         router.record(trace, outcome, 499 if outcome == "client_gone" else 200, usage)
 
-    @app.post("/v1/chat/completions")
+    # RouterApp takes these POSTs before FastAPI routes them: the routes are declared so that the OpenAPI schema
+    # lists them and another method gets FastAPI's 405.
+    @app.post(CHAT_PATH)
     async def chat_completions(http: HttpRequest) -> Response:
-        return await route(http, "/v1/chat/completions", chat=True)
+        return await serve(await http.body(), header_map(http.scope), CHAT_PATH, True, http=http)
 
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest) -> Response:
-        return await route(http, "/v1/completions", chat=False)
+    @app.post(COMPLETIONS_PATH)
+    async def text_completions(http: HttpRequest) -> Response:
+        return await serve(await http.body(), header_map(http.scope), COMPLETIONS_PATH, False, http=http)
 
     @app.get(MODELS_PATH)
     async def models(http: HttpRequest) -> Response:
         try:  # the key, as for completions and as the Gateway edge asks it
             router.authenticate(http.headers)
         except RouteError as exc:
-            return JSONResponse(error_body(exc.message, exc.kind, code=exc.code), status_code=exc.status)
+            return error_response(exc)
         return JSONResponse(router.models())
 
     @app.get("/health")

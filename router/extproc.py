@@ -74,7 +74,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD, MODELS_PATH
 from kvmesh.engine.tracing import Tracing
-from kvmesh.router.app import Booking, RouteError, Router, Trace, View, refusal_outcome, wants_usage, with_usage
+from kvmesh.router.app import (
+    COMPLETION_PATHS,
+    Admitted,
+    Booking,
+    RouteError,
+    Router,
+    Trace,
+    View,
+    refusal_outcome,
+    wants_usage,
+    with_usage,
+)
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
     EXT_PROC_KEY_FILE,
@@ -90,7 +101,6 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"  # the header and the metadat
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # in the response's metadata: the endpoint that answered
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 # What the router's HTTP edge serves to clients, and so all a Gateway may send to an engine through the picker:
 # path -> method.
 CLIENT_ROUTES = {**dict.fromkeys(COMPLETION_PATHS, "POST"), MODELS_PATH: "GET"}
@@ -405,8 +415,17 @@ class Exchange:
             admitted = await router.admit(body, self.headers, COMPLETION_PATHS[self.path])
         except RouteError as exc:
             raise Refused(exc) from None
-        trace, raw = admitted.trace, admitted.raw
-        trace.route = GATEWAY_ROUTE
+        admitted.trace.route = GATEWAY_ROUTE
+        try:
+            return self._book(admitted, body)
+        except BaseException:  # not booked (refused, or a bug): the tenant's slot back now; a booked request's
+            if admitted.trace.lease is not None:  # comes back at its stream's end (finish)
+                admitted.trace.lease.close()
+            raise
+
+    def _book(self, admitted: Admitted, body: bytes) -> Choice:
+        """Decide an admitted request, shed it or book it on the chosen pod."""
+        router, trace, raw = self.router, admitted.trace, admitted.raw
         try:
             decision, view = self._decide(trace.info)
         except Refused as refused:
@@ -417,10 +436,9 @@ class Exchange:
                 router.refused_unlogged(trace, refused.outcome or "error", refused.status)
             raise
         assert decision.pod is not None
-        refusal = router.refuse(trace, decision)
-        if refusal is not None:  # counted and logged by refuse
-            raise Refused(RouteError(429, refusal.message, code="overloaded", kind="rate_limit_error"),
-                          retry_after=refusal.retry_after_seconds, outcome=None)
+        shed = router.refuse(trace, decision)
+        if shed is not None:  # counted and logged by refuse
+            raise Refused(shed, outcome=None)
         # Everything that can fail comes before commit: once the pod's in-flight count is taken, finish() gives
         # it back only for a choice this returns.
         pull = router.plan_pull(decision, trace.info, view)
@@ -435,7 +453,7 @@ class Exchange:
         upstream = json.dumps(raw).encode() if rewritten else body
         pod = router.pods.pods[decision.pod.name]
         booking = router.commit(trace, pod, decision)
-        router.metrics.decisions.labels(decision.reason).inc()
+        router.metrics.count_decision(decision.reason)
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         if pull is not None:
             router.metrics.pulls.inc()
@@ -482,7 +500,7 @@ class Exchange:
         status = self.status or 200
         cut = not self.done and (cancelled or self.status is not None)
         outcome = "client_gone" if cut else "ok" if status == 200 else "error"
-        router.metrics.requests.labels(outcome, trace.route).inc()
+        router.metrics.count_request(outcome, trace.route)
         router.record(trace, outcome, 499 if outcome == "client_gone" else status, self.usage)
 
 
@@ -522,7 +540,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         exc = Refused(RouteError(500, "the endpoint picker failed on this request",
                                                  kind="server_error"))
                     if exc.outcome is not None:
-                        self.router.metrics.requests.labels(exc.outcome, GATEWAY_ROUTE).inc()
+                        self.router.metrics.count_request(exc.outcome, GATEWAY_ROUTE)
                     exchange.done = True
                     yield exc.reply
                     break

@@ -10,11 +10,8 @@ Pure: every bucket operation takes the time, and the Limiter reads the clock it 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -168,18 +165,19 @@ class Refusal:
 
 class Lease:
     """One admitted request's hold on its tenant's limits. `close` gives the concurrency slot back and charges the
-    output tokens, exactly once, however the request ended; a lease dropped unclosed (a refusal after admission
-    that nothing logged) gives its slot back when it is collected, so a slot can never leak. `headers` are the
-    x-ratelimit-* values at admission."""
+    output tokens, exactly once, however the request ended: each edge closes it where a request's handling ends,
+    in a `finally` (router/app.py `serve` and a stream's relay, router/extproc.py's stream), so no slot waits for
+    the garbage collector. `headers` are the x-ratelimit-* values at admission."""
 
     def __init__(self, limiter: Limiter, tenant: str, headers: Mapping[str, str]) -> None:
         self.tenant, self.headers, self._limiter = tenant, MappingProxyType(dict(headers)), limiter
-        self._release = weakref.finalize(self, limiter.release_soon, tenant)
+        self.closed = False
 
     def close(self, spent_tokens: int = 0) -> None:
         """`spent_tokens`: those the request used beyond the prompt charged at admission (its output, and the other
-        prompts of a several-prompt completion), charged even into debt."""
-        if self._release.detach() is not None:  # the first close: the collector's release is off
+        prompts of a several-prompt completion), charged even into debt. Later closes do nothing."""
+        if not self.closed:
+            self.closed = True
             self._limiter.release(self.tenant, spent_tokens)
 
 
@@ -200,7 +198,6 @@ class Limiter:
         self.table, self.replicas, self.clock = table or LimitTable(), replicas, clock
         self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
         self._buckets: dict[str, _Buckets] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the counts (the router's), once known
         # what this replica enforces, per `tenants:` entry: worked out once, read on every request
         self._default = self.table.default.per_replica(replicas)
         self._here = {name: limits.per_replica(replicas) for name, limits in self.table.tenants.items()}
@@ -245,24 +242,7 @@ class Limiter:
         if buckets.tokens is not None:
             buckets.tokens.charge(prompt_tokens, now)
         self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
-        if self.loop is None:
-            with contextlib.suppress(RuntimeError):  # taken outside a loop (a test): released where collected
-                self.loop = asyncio.get_running_loop()
         return Lease(self, tenant, self.headers(tenant))
-
-    def release_soon(self, tenant: str) -> None:
-        """A lease collected unclosed: the garbage collector may run in any thread (a parsing worker's too), so the
-        slot comes back on the event loop that owns the counts when there is one running."""
-        if self.loop is not None and not self.loop.is_closed():
-            try:
-                if asyncio.get_running_loop() is self.loop:
-                    self.release(tenant, 0)
-                    return
-            except RuntimeError:  # no loop in this thread
-                pass
-            self.loop.call_soon_threadsafe(self.release, tenant, 0)
-            return
-        self.release(tenant, 0)
 
     def release(self, tenant: str, output_tokens: int) -> None:
         """A request of `tenant` ended, having spent `output_tokens` beyond its admitted prompt."""

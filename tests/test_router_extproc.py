@@ -997,6 +997,28 @@ async def test_a_tenant_over_its_limit_gets_the_429_and_its_rate_limit_headers_t
 
 
 @pytest.mark.asyncio
+async def test_a_request_that_fails_after_admission_gives_its_slot_back_through_the_gateway(
+        picker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault between admission and the booking (a prefix-pull plan failing, as a bug would) answers 500, and the
+    tenant's one concurrency slot is free again at once: the next request is served."""
+    router, stub, _ = picker
+    router.limits = Limiter(parse_tenants({"default": {"max_concurrent_requests": 1}}))
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a bug past admission")
+
+    monkeypatch.setattr(router, "plan_pull", broken)
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(completion(50)).encode())])
+    assert refusal(replies[0])[0] == 500 and router.limits.inflight == {}
+    monkeypatch.undo()
+    answer = b'{"usage": {"prompt_tokens": 96, "completion_tokens": 4}}'
+    replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(completion(51)).encode()),
+                                       *response_phases(answer)])
+    assert chosen(replies[0]) in (endpoint_of(POD_A), endpoint_of(POD_B)) and router.limits.inflight == {}
+    assert all(p.inflight == 0 for p in router.pods.pods.values())
+
+
+@pytest.mark.asyncio
 async def test_the_gateway_carries_the_pickers_trace_to_the_engine_and_ends_a_refused_requests_span(picker) -> None:
     """Tracing on: the choice's header mutation carries the router span's traceparent, so the engine's span is its
     child behind a Gateway too; a request refused after admission (a model no pod serves) still ends its span."""

@@ -5,7 +5,6 @@ model), where the limiter's clock is injected too: nothing here sleeps or times 
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,7 +137,7 @@ def test_tenants_are_isolated_and_the_default_applies_to_the_rest() -> None:
     assert Limiter(LimitTable()).check("anyone") is None and Limiter().take("x", 10**9).headers == {}
 
 
-def test_concurrent_requests_come_back_when_they_end_or_are_dropped() -> None:
+def test_concurrent_requests_come_back_when_they_end() -> None:
     limits = limiter(Clock(), acme={"max_concurrent_requests": 2})
     first, second = limits.take("acme", 1), limits.take("acme", 1)
     refusal = limits.check("acme")
@@ -148,9 +147,8 @@ def test_concurrent_requests_come_back_when_they_end_or_are_dropped() -> None:
     first.close()
     first.close()  # once only
     assert limits.inflight == {"acme": 1} and limits.check("acme") is None
-    del second  # a lease nobody closed (a refusal after admission): its slot comes back with it
-    gc.collect()
-    assert limits.inflight == {}
+    second.close(spent_tokens=5)
+    assert limits.inflight == {} and first.closed and second.closed
 
 
 def test_replicas_split_the_limits() -> None:
@@ -423,6 +421,21 @@ def test_a_tenant_over_its_limit_leaves_the_others_served(served: Served) -> Non
     missing = post(served, "initech", model="no-such-model")  # refused after admission: the headers still come
     assert missing.status_code == 404 and missing.headers["x-ratelimit-remaining-requests"] == "0"
     assert served.router.limits.inflight == {}  # every answered request gave its slot back
+
+
+@pytest.mark.slow
+def test_a_request_that_fails_after_admission_gives_its_slot_back(served: Served,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault past admission (the pods' view failing, as a bug would) is a 500, and the tenant's concurrency slot
+    comes back with it: the edge closes every request's lease where its handling ends."""
+    def broken(*_: object) -> None:
+        raise RuntimeError("a bug past admission")
+
+    monkeypatch.setattr(served.router, "view", broken)
+    assert post(served, "acme").status_code == 500
+    assert served.router.limits.inflight == {}
+    monkeypatch.undo()
+    assert post(served, "acme").status_code == 200 and served.router.limits.inflight == {}
 
 
 @pytest.mark.slow
