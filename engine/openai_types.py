@@ -425,3 +425,47 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a prompt, or chat messages rendered through the chat template (with their tools), turned
+    into the ids a completion of it would prefill: what a client counts against `max_model_len` or a budget."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as a chat completion does
+    add_special_tokens: bool = True  # prompt: the tokenizer's BOS (messages: the template places its own)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools are shown through the chat template: give messages with them")
+        return self
+
+    def token_ids(self, tokenizer: Any) -> list[int]:
+        """The ids (a `Tokenizer`'s encode or encode_chat); ValueError when the template refuses the messages."""
+        if self.messages is None:
+            return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        return tokenizer.encode_chat([m.for_template() for m in self.messages], tools or None,
+                                     add_generation_prompt=self.add_generation_prompt)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `/detokenize`: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+    def text(self, tokenizer: Any) -> str:
+        """The text of the ids; ValueError for an id outside the vocabulary."""
+        if bad := [t for t in self.tokens if not 0 <= t < tokenizer.vocab_size]:
+            raise ValueError(f"token ids outside the vocabulary (0..{tokenizer.vocab_size - 1}): {bad[:5]}")
+        return tokenizer.decode(self.tokens, skip_special_tokens=False)
+

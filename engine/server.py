@@ -33,15 +33,18 @@ from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     FetchRequest,
     HotChainBody,
     HotResponse,
+    TokenizeRequest,
     WarmRequest,
     WarmResponse,
     error_body,
 )
 from kvmesh.engine.protocol import (
     CACHE_SOURCES,
+    DETOKENIZE_PATH,
     DRAIN_PATH,
     GATE_REASONS,
     HEALTH_WARMING,
@@ -58,6 +61,7 @@ from kvmesh.engine.protocol import (
     MODELS_PATH,
     PRIORITY_HEADER,
     READY_PATH,
+    TOKENIZE_PATH,
     UNLOAD_LORA_PATH,
     WORKLOAD_HEADER,
     BlockExtra,
@@ -234,6 +238,14 @@ class _Job:
             return item
 
 
+def _check_model(engine: Engine, model: str | None) -> None:
+    """404 for a `model` this engine does not serve (its base model or a loaded adapter); None means the base."""
+    if model is not None and model != engine.model_name and model not in engine.loras.loaded:
+        served = ", ".join(repr(n) for n in [engine.model_name, *engine.loras.names()])
+        raise ApiError(404, f"model {model!r} does not exist; this engine serves {served}", param="model",
+                       code=MODEL_NOT_FOUND)
+
+
 def _logprob_token(engine: Engine, token: int) -> str:
     return engine.tokenizer.decode([token], skip_special_tokens=False)
 
@@ -337,10 +349,7 @@ class _Completions:
 
     async def job(self) -> _Job:
         b, e = self.body, self.engine
-        if b.model is not None and b.model != e.model_name and b.model not in e.loras.loaded:
-            served = ", ".join(repr(n) for n in [e.model_name, *e.loras.names()])
-            raise ApiError(404, f"model {b.model!r} does not exist; this engine serves {served}",
-                           param="model", code=MODEL_NOT_FOUND)
+        _check_model(e, b.model)
         transfer = b.kv_transfer
         if transfer is not None and transfer.mode == "prefill" and (b.stream or b.n > 1):
             raise ApiError(400, "a kv_transfer prefill is one non-streamed choice", param="kv_transfer")
@@ -759,6 +768,26 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             + [{"id": a.name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": a.path,
                 "parent": e.model_name, "max_model_len": e.max_model_len} for a in list(e.loras.loaded.values())],
         }
+
+    @app.post(TOKENIZE_PATH)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the ids a completion of this prompt or these messages would prefill."""
+        e = holder.get()
+        _check_model(e, body.model)
+        try:
+            ids = body.token_ids(e.tokenizer)
+        except ValueError as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
+        return {"count": len(ids), "max_model_len": e.max_model_len, "tokens": ids}
+
+    @app.post(DETOKENIZE_PATH)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        e = holder.get()
+        _check_model(e, body.model)
+        try:
+            return {"prompt": body.text(e.tokenizer)}
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tokens") from None
 
     @app.post(LOAD_LORA_PATH)
     async def load_lora_adapter(body: LoadLoraRequest) -> dict[str, Any]:

@@ -222,12 +222,14 @@ class Tokenizer:
         except TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat, with `tools` (OpenAI's tool dicts) shown the way this template can
         (model/tool_prompt.py); the template already holds its special tokens, so none are added again."""
         rendered = prompt_messages(messages, tools, self.template_uses_tools)
-        return self.encode(self.apply_chat_template(rendered, tools=tools if self.template_uses_tools else None),
-                           add_special_tokens=False)
+        text = self.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                        tools=tools if self.template_uses_tools else None)
+        return self.encode(text, add_special_tokens=False)
 
     @cached_property
     def fingerprint(self) -> str:

@@ -1,0 +1,70 @@
+"""vLLM's `/tokenize` and `/detokenize` on the router: answered with the router's own tokenizer (the engines', as the
+router checks their fingerprints), so counting a prompt's tokens costs no engine any work."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from kvmesh.engine.model.tokenizer import Tokenizer
+from kvmesh.engine.openai_types import MODEL_NOT_FOUND, DetokenizeRequest, TokenizeRequest, error_body
+from kvmesh.engine.protocol import DETOKENIZE_PATH, TOKENIZE_PATH
+
+
+def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str | None],
+                    models: Callable[[], dict[str, Any]]) -> APIRouter:
+    """`tenant_for(authorization header)`: the tenant of a valid key (None: 401); `models()`: the pool's
+    `/v1/models` answer, for the model check and `max_model_len`."""
+    api = APIRouter()
+
+    async def parse(http: HttpRequest, kind: type[BaseModel]) -> Any:
+        """The body as `kind`, or the JSONResponse that refuses the call (401, 400, 404)."""
+        if tenant_for(http.headers.get("authorization")) is None:
+            return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
+                                           "authentication_error", code="invalid_api_key"), status_code=401)
+        try:
+            body = kind.model_validate_json(await http.body())
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
+                                 for e in exc.errors()[:5])
+            return JSONResponse(error_body(problems), status_code=400)
+        cards = models()["data"]
+        served = {card["id"] for card in cards}
+        if body.model is not None and served and body.model not in served:
+            return JSONResponse(error_body(f"The model `{body.model}` does not exist; this pool serves "
+                                           f"{', '.join(sorted(served))}", code=MODEL_NOT_FOUND), status_code=404)
+        return body
+
+    def max_model_len(model: str | None) -> int | None:
+        cards = models()["data"]
+        card = next((c for c in cards if c["id"] == model), None) if model else None
+        card = card or next((c for c in cards if c.get("parent") is None), None)
+        return None if card is None else card.get("max_model_len")
+
+    @api.post(TOKENIZE_PATH)
+    async def tokenize(http: HttpRequest) -> Any:
+        body = await parse(http, TokenizeRequest)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            ids = body.token_ids(tokenizer)
+        except ValueError as exc:
+            return JSONResponse(error_body(f"messages: {exc}", param="messages"), status_code=400)
+        return {"count": len(ids), "max_model_len": max_model_len(body.model), "tokens": ids}
+
+    @api.post(DETOKENIZE_PATH)
+    async def detokenize(http: HttpRequest) -> Any:
+        body = await parse(http, DetokenizeRequest)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            return {"prompt": body.text(tokenizer)}
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), param="tokens"), status_code=400)
+
+    return api
