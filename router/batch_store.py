@@ -129,6 +129,18 @@ def _file_json(row: FileRow) -> dict[str, Any]:
             "status_details": None}
 
 
+def _page(session: Session, table: type[FileRow] | type[BatchRow], query: Any, tenant: str, limit: int,
+          after: str | None) -> tuple[list[Any], bool]:
+    """A list page of `query`'s rows, newest first, after the tenant's row `after` (OpenAI's cursor), and whether
+    more follow."""
+    if after is not None:
+        cursor = session.scalar(select(table.seq).where(table.id == after, table.tenant == tenant))
+        if cursor is not None:
+            query = query.where(table.seq < cursor)
+    rows = session.scalars(query.order_by(table.seq.desc()).limit(limit + 1)).all()
+    return list(rows[:limit]), len(rows) > limit
+
+
 def _free(owner: str | None) -> Any:
     """A batch no replica holds (its lease ended), or held by `owner` itself."""
     free = BatchRow.owner.is_(None) | (BatchRow.lease_until < time.time())
@@ -179,12 +191,8 @@ class BatchStore:
         if purpose is not None:
             query = query.where(FileRow.purpose == purpose)
         with Session(self.engine) as session:
-            if after is not None:
-                cursor = session.scalar(select(FileRow.seq).where(FileRow.id == after, FileRow.tenant == tenant))
-                if cursor is not None:
-                    query = query.where(FileRow.seq < cursor)
-            rows = session.scalars(query.order_by(FileRow.seq.desc()).limit(limit + 1)).all()
-            return list_page([_file_json(r) for r in rows[:limit]], len(rows) > limit)
+            rows, more = _page(session, FileRow, query, tenant, limit, after)
+            return list_page([_file_json(r) for r in rows], more)
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
         with Session(self.engine) as session, session.begin():
@@ -218,12 +226,8 @@ class BatchStore:
         """The tenant's batches, newest first, a page of `limit` after the batch `after`."""
         query = select(BatchRow).where(BatchRow.tenant == tenant)
         with Session(self.engine) as session:
-            if after is not None:
-                cursor = session.scalar(select(BatchRow.seq).where(BatchRow.id == after, BatchRow.tenant == tenant))
-                if cursor is not None:
-                    query = query.where(BatchRow.seq < cursor)
-            rows = session.scalars(query.order_by(BatchRow.seq.desc()).limit(limit + 1)).all()
-            return list_page([self._batch_json(r, session) for r in rows[:limit]], len(rows) > limit)
+            rows, more = _page(session, BatchRow, query, tenant, limit, after)
+            return list_page([self._batch_json(r, session) for r in rows], more)
 
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
         """Ask the batch to stop: `cancelling` until its runner has written what was answered (then `cancelled`).

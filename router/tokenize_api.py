@@ -46,25 +46,30 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
         card = card or next((c for c in cards if c.get("parent") is None), None)
         return None if card is None else card.get("max_model_len")
 
-    @api.post(TOKENIZE_PATH)
-    async def tokenize(http: HttpRequest) -> Any:
-        body = await parse(http, TokenizeRequest)
+    async def answer(http: HttpRequest, kind: type[BaseModel], work: Callable[[Any], dict[str, Any]],
+                     param: str) -> Any:
+        """Parse and check the call, then `work(body)`; its ValueError is the client's 400 on `param`."""
+        body = await parse(http, kind)
         if isinstance(body, JSONResponse):
             return body
         try:
-            ids = body.token_ids(tokenizer)
+            return work(body)
         except ValueError as exc:
-            return JSONResponse(error_body(f"messages: {exc}", param="messages"), status_code=400)
+            return JSONResponse(error_body(str(exc), param=param), status_code=400)
+
+    def count(body: TokenizeRequest) -> dict[str, Any]:
+        try:
+            ids = body.token_ids(tokenizer)
+        except ValueError as exc:  # the chat template refused the messages: said as the engine says it
+            raise ValueError(f"messages: {exc}") from None
         return {"count": len(ids), "max_model_len": max_model_len(body.model), "tokens": ids}
+
+    @api.post(TOKENIZE_PATH)
+    async def tokenize(http: HttpRequest) -> Any:
+        return await answer(http, TokenizeRequest, count, "messages")
 
     @api.post(DETOKENIZE_PATH)
     async def detokenize(http: HttpRequest) -> Any:
-        body = await parse(http, DetokenizeRequest)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            return {"prompt": body.text(tokenizer)}
-        except ValueError as exc:
-            return JSONResponse(error_body(str(exc), param="tokens"), status_code=400)
+        return await answer(http, DetokenizeRequest, lambda body: {"prompt": body.text(tokenizer)}, "tokens")
 
     return api

@@ -19,7 +19,6 @@ import openai
 import pytest
 import yaml
 
-from kvmesh.engine.engine import Engine
 from kvmesh.router.app import build_router
 from kvmesh.router.auth import hash_key, tenant_hash
 from kvmesh.router.batch_runner import Answer, BatchRunner, BatchSettings
@@ -41,7 +40,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.store import RequestLog
 
 from .conftest import make_engine
-from .engines import serve_engine, serve_router
+from .engines import serve_checked, serve_router
 
 TENANT = tenant_hash("default")
 
@@ -401,10 +400,8 @@ KEYS = {"acme": "sk-acme-1", "globex": "sk-globex-1"}
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_dir: Path) -> Iterator[str]:
-    engine: Engine = make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=512)
-    with serve_engine(engine) as url:
+    with serve_checked(make_engine(tiny_dir, kv_cache_blocks=256, max_model_len=512)) as url:
         yield url
-    engine.kv.check_invariants()
 
 
 @pytest.fixture(scope="module")
