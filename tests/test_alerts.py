@@ -102,6 +102,25 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [(f'kvmesh_warmup_gate_opened_total{{reason="warmed", pod="e1", role="decode", {POOL}}}', "0x5 1x10"),
          (f'kvmesh_warmup_gate_opened_total{{reason="grace_expired", pod="e1", role="decode", {POOL}}}', "0x15")],
         "10m", []),
+    "a batch held with no request sent": (
+        [(f'kvmesh_router_batches_running{{pod="r0", role="router", {POOL}}}', "1x60"),
+         (f'kvmesh_router_batch_requests_total{{outcome="ok", pod="r0", role="router", {POOL}}}', "0+1x10 10x50")],
+        "50m",
+        [alert("KvmeshBatchStalled", {"severity": "warning", **WHERE},
+               "Pool ml/chat: a batch runs but sends nothing",
+               "A router has held a batch for at least 15 minutes without sending any of its requests, not even one "
+               "refused and retried. Check the routers' logs (batch runner) and the pool's database; restarting the "
+               "router hands the batch to another replica, which goes on where it stopped.")]),
+    "a batch waiting out an overload": (
+        # every request refused and retried: the batch waits, as meant; no alert
+        [(f'kvmesh_router_batches_running{{pod="r0", role="router", {POOL}}}', "1x60"),
+         (f'kvmesh_router_batch_requests_total{{outcome="ok", pod="r0", role="router", {POOL}}}', "0+1x10 10x50"),
+         (f'kvmesh_router_batch_requests_total{{outcome="retried", pod="r0", role="router", {POOL}}}', "0+5x60")],
+        "50m", []),
+    "no batch held": (
+        [(f'kvmesh_router_batches_running{{pod="r0", role="router", {POOL}}}', "0x60"),
+         (f'kvmesh_router_batch_requests_total{{outcome="ok", pod="r0", role="router", {POOL}}}', "5x60")],
+        "50m", []),
     "a key rotation refused": (
         [(f'kvmesh_router_api_keys_reloads_total{{outcome="refused", pod="r0", role="router", {POOL}}}',
           "0x20 1x30"),
@@ -237,7 +256,7 @@ def test_the_rule_file_is_valid() -> None:
     assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
                                      "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached",
-                                     "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused",
+                                     "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused", "KvmeshBatchStalled",
                                      "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing"])
 
 
