@@ -44,6 +44,7 @@ LEASE_SECONDS = 30.0  # a replica that stops renewing for this long hands its ba
 FLUSH_SECONDS = 1.0  # answers are written, the lease renewed and the status read this often
 POLL_SECONDS = 1.0  # how often an idle replica looks for a batch to run
 SWEEP_SECONDS = 60.0  # how often a replica removes expired files
+MAX_CRASHES = 3  # runs of one batch in a row that raise before the batch is failed
 TURN_SECONDS = 60.0  # a replica runs a batch this long, then hands it on if another batch waits (round robin)
 YIELDED = "yielded"  # _run_lines' status when the batch's turn ended with requests left
 REFUSED = frozenset({429, 503})  # the pool's "not now": overloaded, over the tenant's limits, no pod yet
@@ -108,6 +109,7 @@ class BatchRunner:
 
     async def serve_forever(self) -> None:
         swept = -math.inf
+        crashes: dict[str, int] = {}  # batch id -> runs in a row that raised
         while True:
             claimed = None
             try:
@@ -127,9 +129,16 @@ class BatchRunner:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(asyncio.to_thread(self.store.release, claimed.id, self.owner))
                 raise
-            except Exception:
-                log.exception("batch runner: batch %s stopped; it is taken up again when its lease ends", claimed.id)
+            except Exception as exc:
+                crashes[claimed.id] = crashes.get(claimed.id, 0) + 1
+                log.exception("batch runner: batch %s stopped (%d time(s))", claimed.id, crashes[claimed.id])
+                if crashes[claimed.id] >= MAX_CRASHES:  # not a passing fault: end it rather than retry forever
+                    with contextlib.suppress(Exception):
+                        await self._fail(claimed, [LineProblem("runner_error", f"the batch runner failed on this "
+                                                                               f"batch {MAX_CRASHES} times: {exc}")])
                 await asyncio.sleep(self.settings.poll_seconds)
+            else:
+                crashes.pop(claimed.id, None)
             finally:
                 self.counters.running(-1)
 

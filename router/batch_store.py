@@ -22,6 +22,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from kvmesh.router.batches import (
     ACTIVE_STATUSES,
     CANCELLABLE_STATUSES,
+    FINAL_STATUSES,
     OUTPUT_PURPOSE,
     LineProblem,
     LineResult,
@@ -315,15 +316,23 @@ class BatchStore:
         return self._move(batch_id, owner, ("validating",), "in_progress", total=total)
 
     def fail(self, batch_id: str, owner: str, problems: Sequence[LineProblem]) -> bool:
-        """-> failed, with the problems as the batch's `errors` (its input file's, or its tenant's key revoked)."""
-        return self._move(batch_id, owner, ("validating", "in_progress", "cancelling"), "failed",
-                          errors=json.dumps([p.as_json() for p in problems]))
+        """-> failed, with the problems as the batch's `errors` (its input file's, its tenant's key revoked, or the
+        runner's repeated failure); answers it had are dropped, as a failed batch has no files."""
+        failed = self._move(batch_id, owner, ACTIVE_STATUSES, "failed",
+                            errors=json.dumps([p.as_json() for p in problems]))
+        if failed:
+            with Session(self.engine) as session, session.begin():
+                session.execute(delete(ResultRow).where(ResultRow.batch_id == batch_id))
+        return failed
 
     def finalizing(self, batch_id: str, owner: str) -> bool:
         return self._move(batch_id, owner, ("in_progress",), "finalizing")
 
     def _move(self, batch_id: str, owner: str, sources: tuple[str, ...], status: str, **values: Any) -> bool:
+        """Our batch from one of `sources` to `status` (stamped); an ended batch's lease is given up."""
         stamp = f"{status}_at"
+        if status in FINAL_STATUSES:
+            values.update(owner=None, lease_until=0.0)
         with Session(self.engine) as session, session.begin():
             return session.execute(
                 update(BatchRow).where(BatchRow.id == batch_id, BatchRow.owner == owner,

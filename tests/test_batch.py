@@ -377,6 +377,32 @@ def test_a_replica_taking_a_batch_over_sends_only_what_was_not_answered(store: B
     assert [x["custom_id"] for x in output] == [f"r{i}" for i in range(5)]  # once each, in file order
 
 
+def test_a_batch_the_runner_keeps_failing_on_is_failed_not_retried_forever(store: BatchStore) -> None:
+    calls: list[str] = []
+
+    def broken_tenant_of(pseudonym: str) -> str:
+        calls.append(pseudonym)
+        raise RuntimeError("a bug in the runner")
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        raise AssertionError("nothing is sent")
+
+    batch_id = new_batch(store, [line("a", chat("s", "q"))])
+    counters = Counters()
+
+    async def scenario() -> None:
+        runner = asyncio.create_task(BatchRunner(store, send, broken_tenant_of, counters, FAST).serve_forever())
+        while not counters.ended:
+            await asyncio.sleep(0.02)
+        runner.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    batch = store.batch(TENANT, batch_id)
+    assert batch is not None and batch["status"] == "failed" and len(calls) == 3
+    assert batch["errors"]["data"][0]["code"] == "runner_error" and "a bug in the runner" in str(batch["errors"])
+    assert store.claim("another", 60) is None  # nothing left to take up
+
+
 def test_a_batch_whose_file_fails_its_check_or_whose_tenant_lost_its_key_fails(store: BatchStore) -> None:
     async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
         raise AssertionError("nothing is sent")
@@ -412,7 +438,8 @@ def pool(engine_url: str, tiny_dir: Path, tmp_path_factory: pytest.TempPathFacto
     keys.write_text(yaml.safe_dump({"keys": [{"tenant": t, "key_sha256": hash_key(k)} for t, k in KEYS.items()]}))
     database = f"sqlite:///{folder / 'pool.db'}"
     router = build_router(RouterConfig(pods=[engine_url], scrape_interval_seconds=0.1, api_keys_file=str(keys),
-                                       database_url=database, batch_max_file_bytes=20_000), tiny_dir)
+                                       database_url=database, batch_max_file_bytes=20_000, batch_concurrency=1),
+                          tiny_dir)
     with serve_router(router) as url:
         yield url, database
 
@@ -455,7 +482,7 @@ def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> Non
         body = entry["response"]["body"]
         assert entry["response"]["status_code"] == 200 and body["object"] == "chat.completion"
         assert body["usage"]["completion_tokens"] == 3
-    # the five requests after the first found its system prompt cached: they were sent as one run
+    # one at a time (batch_concurrency 1), the requests after the first found its system prompt cached
     assert batch.usage.input_tokens_details.cached_tokens >= 5 * 16
     assert batch.usage.output_tokens == 18
     errors = [json.loads(x) for x in api.files.content(batch.error_file_id).text.splitlines()]
