@@ -34,6 +34,7 @@ from kvmesh.router.batches import (
     check_input,
     jsonl,
     new_id,
+    prefix_groups,
     run_order,
     unrun_line,
 )
@@ -47,9 +48,51 @@ SWEEP_SECONDS = 60.0  # how often a replica removes expired files
 MAX_CRASHES = 3  # runs of one batch in a row that raise before the batch is failed
 TURN_SECONDS = 60.0  # a replica runs a batch this long, then hands it on if another batch waits (round robin)
 YIELDED = "yielded"  # _run_lines' status when the batch's turn ended with requests left
+# requests whose prompts open with this many characters alike (about 64 tokens) wait for the first of them
+GROUP_MIN_CHARS = 256
 REFUSED = frozenset({429, 503})  # the pool's "not now": overloaded, over the tenant's limits, no pod yet
 MAX_WAIT_SECONDS = 10.0  # a refused request waits its Retry-After, but no longer than this, before it is sent again
 SERVER_ERROR_BACKOFF_SECONDS = 1.0
+
+
+class Dispatch:
+    """Which request of a batch goes next: the first of each prefix run alone, and the rest of its run once it was
+    answered (the run's prefix is cached then, so they compute only their own tokens; sent together they would
+    each compute the prefix), other runs' requests meanwhile."""
+
+    def __init__(self, groups: list[list[BatchLine]]) -> None:
+        self.unstarted = deque(groups)
+        self.open: deque[BatchLine] = deque()  # followers whose run's first was answered
+        self.following: dict[int, list[BatchLine]] = {}  # line of a run's first, in flight -> its followers
+        self.in_flight = 0
+
+    def ready(self) -> bool:
+        return bool(self.open or self.unstarted)
+
+    def busy(self) -> bool:
+        """Requests are in flight whose answer may open more."""
+        return self.in_flight > 0
+
+    def left(self) -> int:
+        return len(self.open) + sum(len(g) for g in self.unstarted) + sum(len(f) for f in self.following.values())
+
+    def take(self) -> BatchLine | None:
+        """The next request to send, or None when nothing is ready (then nothing is in flight either)."""
+        if self.open:
+            line = self.open.popleft()
+        elif self.unstarted:
+            first, *followers = self.unstarted.popleft()
+            self.following[first.line] = followers
+            line = first
+        else:
+            return None
+        self.in_flight += 1
+        return line
+
+    def answered(self, line: BatchLine) -> None:
+        """`line` has its final answer (or the batch stopped): its followers, if it led a run, may go."""
+        self.in_flight -= 1
+        self.open.extend(self.following.pop(line.line, []))
 
 
 @dataclass(frozen=True)
@@ -183,18 +226,31 @@ class BatchRunner:
         or expired), YIELDED when its turn ended (the requests in flight finish; the rest wait for its next
         turn), or None when the lease was lost."""
         answered = await asyncio.to_thread(self.store.answered_lines, batch.id)
-        todo = deque(line for line in run_order(lines, self.settings.order) if line.line not in answered)
+        ordered = [line for line in run_order(lines, self.settings.order) if line.line not in answered]
+        shared = GROUP_MIN_CHARS if self.settings.order == PREFIX_ORDER else 0
+        dispatch = Dispatch(prefix_groups(ordered, shared))
         stop = asyncio.Event()  # cancel what is in flight: the batch was cancelled, expired or lost
         turn_over = asyncio.Event()  # send nothing more: another batch's turn
         ended: list[str | None] = ["in_progress"]
         done: list[LineResult] = []
+        changed = asyncio.Condition()  # a run's first request was answered: its followers may go
+
+        def halted() -> bool:
+            return stop.is_set() or turn_over.is_set()
 
         async def worker() -> None:
-            while todo and not stop.is_set() and not turn_over.is_set():
-                line = todo.popleft()
+            while True:
+                async with changed:
+                    await changed.wait_for(lambda: dispatch.ready() or not dispatch.busy() or halted())
+                    line = None if halted() else dispatch.take()
+                if line is None:
+                    return
                 result = await self._attempt(batch, line, tenant, stop)
                 if result is not None:
                     done.append(result)
+                async with changed:
+                    dispatch.answered(line)
+                    changed.notify_all()
 
         written = asyncio.Lock()  # the last flush waits for one under way, so the files miss no answer
 
@@ -214,10 +270,14 @@ class BatchRunner:
                 if status is None or status == "cancelling" or time.time() >= batch.expires_at:
                     ended[0] = status if status in (None, "cancelling") else "expired"
                     stop.set()
+                    async with changed:  # workers waiting for a run's first answer end too
+                        changed.notify_all()
                     return
                 if time.monotonic() >= turn_ends and not turn_over.is_set():
                     if await asyncio.to_thread(self.store.others_waiting, batch.id):
                         turn_over.set()  # the workers end once their requests in flight are answered
+                        async with changed:
+                            changed.notify_all()
                     turn_ends = time.monotonic() + self.settings.turn_seconds
 
         keeper = asyncio.create_task(keep_lease())
@@ -228,7 +288,7 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
             await asyncio.shield(flush())
-        return YIELDED if ended[0] == "in_progress" and todo else ended[0]
+        return YIELDED if ended[0] == "in_progress" and dispatch.left() else ended[0]
 
     async def _attempt(self, batch: ClaimedBatch, line: BatchLine, tenant: str,
                        stop: asyncio.Event) -> LineResult | None:

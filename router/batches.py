@@ -195,6 +195,22 @@ def run_order(lines: Iterable[BatchLine], order: str = PREFIX_ORDER) -> list[Bat
     return sorted(lines, key=lambda line: (prefix_key(line.body), line.line))
 
 
+def prefix_groups(ordered: Sequence[BatchLine], min_shared_chars: int) -> list[list[BatchLine]]:
+    """Runs of `ordered` (run_order's) whose prefix keys begin with the same `min_shared_chars` characters as the
+    run's first: requests worth sending once the first of their run was answered, its prefix then cached. With
+    min_shared_chars 0 each request is a run of its own."""
+    groups: list[list[BatchLine]] = []
+    opening = ""
+    for line in ordered:
+        key = prefix_key(line.body)
+        if groups and min_shared_chars > 0 and len(key) >= min_shared_chars and key[:min_shared_chars] == opening:
+            groups[-1].append(line)
+        else:
+            groups.append([line])
+            opening = key[:min_shared_chars]
+    return groups
+
+
 @dataclass(frozen=True)
 class LineResult:
     """How one request of a batch ended: the response's status and body (the pod's answer or the router's

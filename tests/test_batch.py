@@ -21,7 +21,7 @@ import yaml
 
 from kvmesh.router.app import build_router
 from kvmesh.router.auth import hash_key, tenant_hash
-from kvmesh.router.batch_runner import Answer, BatchRunner, BatchSettings
+from kvmesh.router.batch_runner import GROUP_MIN_CHARS, Answer, BatchRunner, BatchSettings
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import (
     BATCH_PRIORITY,
@@ -33,6 +33,7 @@ from kvmesh.router.batches import (
     check_metadata,
     expiry_seconds,
     jsonl,
+    prefix_groups,
     run_order,
     window_seconds,
 )
@@ -124,9 +125,18 @@ def test_requests_sharing_a_prefix_are_sent_together_whatever_the_file_order() -
     changes = sum(1 for a, b in itertools.pairwise(runs) if a != b)
     assert changes == 2  # three runs, one per system prompt
     assert sorted(x.line for x in ordered) == list(range(30))
-    assert [x.line for x in run_order(lines, "file")] == list(range(30))  # batch_order: file
     # the two doctor prompts (one a prefix of the other) are adjacent runs
     assert runs.index(systems[2]) in (runs.index(systems[1]) + 10, runs.index(systems[1]) - 10)
+    assert [x.line for x in run_order(lines, "file")] == list(range(30))  # batch_order: file
+    # the two doctor prompts open with about 170 characters alike (the key's model and tools, then 144 of prompt)
+    assert [len(g) for g in prefix_groups(ordered, min_shared_chars=100)] == [20, 10]
+    assert [len(g) for g in prefix_groups(ordered, min_shared_chars=200)] == [10, 10, 10]
+    assert [len(g) for g in prefix_groups(ordered, 0)] == [1] * 30
+
+
+def test_requests_sharing_a_short_opening_are_not_held_back() -> None:
+    lines = [BatchLine(i, f"r{i}", chat("Hi", f"question {i}")) for i in range(3)]
+    assert [len(g) for g in prefix_groups(run_order(lines), GROUP_MIN_CHARS)] == [1, 1, 1]
 
 
 # ---- the store --------------------------------------------------------------------------------------------------
@@ -281,6 +291,36 @@ def test_refusals_are_sent_again_server_errors_retried_and_other_answers_final(s
     assert counters.requests == {"ok": 2, "failed": 2, "retried": 2 + FAST.server_error_attempts - 1}
     assert counters.ended == ["completed"] and batch["usage"]["input_tokens"] == 10
     assert store.answered_lines(batch_id) == set()  # the answers moved into the files; the counts stay frozen
+
+
+@pytest.mark.parametrize("order", ["prefix", "file"])
+def test_a_prefix_run_is_sent_after_its_first_request_is_answered(store: BatchStore, order: str) -> None:
+    """The first request of each run of a long shared prefix goes alone; the rest follow its answer (the prefix is
+    cached then), while another run's first goes meanwhile. In file order nothing waits."""
+    long_a, long_b = "A" * GROUP_MIN_CHARS, "B" * GROUP_MIN_CHARS
+    entries = [line(f"{tag}{i}", chat(system, f"{tag}{i}")) for i in range(4) for tag, system in
+               (("a", long_a), ("b", long_b), ("s", "short"))]
+    events: list[tuple[str, str]] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        question = body["messages"][1]["content"]
+        events.append(("sent", question))
+        await asyncio.sleep(0.02)
+        events.append(("answered", question))
+        return served(body)
+
+    batch_id = new_batch(store, entries)
+    settings = BatchSettings(concurrency=4, flush_seconds=0.05, lease_seconds=5, order=order)
+    asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), settings), store))
+    batch = store.batch(TENANT, batch_id)
+    assert batch is not None and batch["request_counts"]["completed"] == 12
+    if order == "prefix":
+        for tag in ("a", "b"):
+            first = events.index(("answered", f"{tag}0"))
+            assert min(events.index(("sent", f"{tag}{i}")) for i in (1, 2, 3)) > first, events
+        assert events.index(("sent", "b0")) < events.index(("answered", "a0"))  # another run's first meanwhile
+    else:  # in file order a1 is among the first four sent, before a0's answer
+        assert events.index(("sent", "a1")) < events.index(("answered", "a0")), events
 
 
 def test_batches_take_turns_so_a_long_one_does_not_hold_the_replica(store: BatchStore) -> None:
@@ -438,8 +478,7 @@ def pool(engine_url: str, tiny_dir: Path, tmp_path_factory: pytest.TempPathFacto
     keys.write_text(yaml.safe_dump({"keys": [{"tenant": t, "key_sha256": hash_key(k)} for t, k in KEYS.items()]}))
     database = f"sqlite:///{folder / 'pool.db'}"
     router = build_router(RouterConfig(pods=[engine_url], scrape_interval_seconds=0.1, api_keys_file=str(keys),
-                                       database_url=database, batch_max_file_bytes=20_000, batch_concurrency=1),
-                          tiny_dir)
+                                       database_url=database, batch_max_file_bytes=20_000), tiny_dir)
     with serve_router(router) as url:
         yield url, database
 
@@ -462,7 +501,7 @@ def wait_ended(api: openai.OpenAI, batch_id: str) -> Any:
 def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> None:
     url, database = pool
     api = client(url, "acme")
-    system = "You answer questions about the weather in one word. " * 4
+    system = "You answer questions about the weather in one word. " * 8  # over GROUP_MIN_CHARS: one prefix run
     entries = [line(f"req-{i}", chat(system, f"question {i}", max_tokens=3)) for i in range(6)]
     entries.append(line("too-long", chat(system, "x", max_tokens=10**6)))  # the engine refuses it: the error file
     uploaded = api.files.create(file=("questions.jsonl", jsonl(entries)), purpose="batch",
@@ -482,7 +521,7 @@ def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> Non
         body = entry["response"]["body"]
         assert entry["response"]["status_code"] == 200 and body["object"] == "chat.completion"
         assert body["usage"]["completion_tokens"] == 3
-    # one at a time (batch_concurrency 1), the requests after the first found its system prompt cached
+    # the run's first went alone, the others after its answer: they found the system prompt cached
     assert batch.usage.input_tokens_details.cached_tokens >= 5 * 16
     assert batch.usage.output_tokens == 18
     errors = [json.loads(x) for x in api.files.content(batch.error_file_id).text.splitlines()]
