@@ -12,9 +12,11 @@ import pytest
 
 from kvmesh.bench.batch import (
     Comparison,
+    OrderRun,
     PoolPlan,
     batch_file,
     compare,
+    format_comparison,
     ideal_cached_tokens,
     trace_conversations,
 )
@@ -45,6 +47,23 @@ def test_the_ceiling_counts_each_full_block_seen_before_short_of_the_last_token(
     # block is computed again, as the engine does)
     assert ideal_cached_tokens(prompts, 16) == 32 + 16 + 16
     assert ideal_cached_tokens(prompts[:1], 16) == 0
+
+
+def test_repeated_runs_are_reported_each_and_as_medians() -> None:
+    def run(order: str, seconds: float, cached: int, work: tuple[int, int]) -> OrderRun:
+        return OrderRun(order, seconds, 10, 10, 0, 1000, cached, 20, work)
+
+    result = Comparison((run("prefix", 9.0, 600, (500, 500)), run("prefix", 5.0, 500, (300, 700)),
+                         run("prefix", 6.0, 700, (400, 400))),
+                        (run("file", 10.0, 200, (600, 600)), run("file", 12.0, 100, (800, 800)),
+                         run("file", 11.0, 300, (700, 700))), ideal_cached_tokens=800)
+    assert (result.prefix.seconds, result.prefix.cached_tokens) == (6.0, 600)
+    assert result.prefix.engine_computed_tokens == (400, 500)
+    assert result.ratios()["seconds"] == pytest.approx(6 / 11) and result.ratios()["cached_tokens"] == 3.0
+    table = format_comparison(result)
+    assert table.count("(run ") == 6 and "| **prefix, median** | 6.0 |" in table
+    assert "| prefix / file | 0.55x |" in table
+    assert len(result.as_json()["runs"]) == 6
 
 
 def _line(timestamp: int, ids: list[int]) -> str:
@@ -96,4 +115,4 @@ def test_prefix_order_serves_every_shared_prefix_from_the_cache_and_file_order_d
     assert file_work - prefix_work == result.prefix.cached_tokens - result.file.cached_tokens
     ratios = result.as_json()["ratios_prefix_over_file"]
     assert ratios["cached_tokens"] > 1 and ratios["hit_ratio"] > 1
-    assert set(result.as_json()) == {"prefix", "file", "ideal_cached_tokens", "ratios_prefix_over_file"}
+    assert set(result.as_json()) == {"prefix", "file", "runs", "ideal_cached_tokens", "ratios_prefix_over_file"}

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -129,6 +130,7 @@ class OrderRun:
     cached_tokens: int
     output_tokens: int
     engine_computed_tokens: tuple[int, ...] = ()  # tokens each engine's model ran (prompt and output)
+    errors: tuple[tuple[str, int], ...] = ()  # the error file's messages and how often, the most frequent first
 
     @property
     def engine_balance(self) -> float:
@@ -174,11 +176,17 @@ def run_batch(url: str, content: bytes, requests: int, order: str, timeout: floa
             bar.update(counts["completed"] + counts["failed"] - bar.n)
         seconds = time.monotonic() - start
         bar.close()
-    if batch["status"] != "completed":
-        raise RuntimeError(f"the {order}-order batch ended {batch['status']}: {batch.get('errors')}")
+        if batch["status"] != "completed":
+            raise RuntimeError(f"the {order}-order batch ended {batch['status']}: {batch.get('errors')}")
+        errors: Counter[str] = Counter()
+        if batch.get("error_file_id"):
+            error_lines = client.get(f"/v1/files/{batch['error_file_id']}/content").raise_for_status().text
+            errors.update(f"{e['error']['code']}: {e['error']['message']}"[:200]
+                          for e in map(json.loads, error_lines.splitlines()))
     counts, usage = batch["request_counts"], batch["usage"]
     return OrderRun(order, seconds, counts["total"], counts["completed"], counts["failed"], usage["input_tokens"],
-                    usage["input_tokens_details"]["cached_tokens"], usage["output_tokens"])
+                    usage["input_tokens_details"]["cached_tokens"], usage["output_tokens"],
+                    errors=tuple(errors.most_common(3)))
 
 
 def measure_order(plan: PoolPlan, content: bytes, requests: int, order: str, workdir: Path, timeout: float = 1800.0,
@@ -234,13 +242,31 @@ def ratio(a: float, b: float) -> float:
     return a / b
 
 
+def median_run(runs: Sequence[OrderRun]) -> OrderRun:
+    """Each measure's median over runs of one order (the workload's counts are the same in every run)."""
+    first = runs[0]
+    per_engine = tuple(round(statistics.median(w)) for w in zip(*(r.engine_computed_tokens for r in runs),
+                                                                 strict=True))
+    return OrderRun(first.order, statistics.median(r.seconds for r in runs), first.requests,
+                    min(r.completed for r in runs), max(r.failed for r in runs), first.prompt_tokens,
+                    round(statistics.median(r.cached_tokens for r in runs)), first.output_tokens, per_engine)
+
+
 @dataclass(frozen=True)
 class Comparison:
-    """Both runs of one batch file, and what prefix order changes, as prefix over file."""
+    """Every run of one batch file in each order, and what prefix order changes (medians, prefix over file)."""
 
-    prefix: OrderRun
-    file: OrderRun
+    prefix_runs: tuple[OrderRun, ...]
+    file_runs: tuple[OrderRun, ...]
     ideal_cached_tokens: int  # the ceiling: one unbounded cache
+
+    @property
+    def prefix(self) -> OrderRun:
+        return median_run(self.prefix_runs)
+
+    @property
+    def file(self) -> OrderRun:
+        return median_run(self.file_runs)
 
     def ratios(self) -> dict[str, float]:
         p, f = self.prefix, self.file
@@ -251,31 +277,44 @@ class Comparison:
 
     def as_json(self) -> dict[str, Any]:
         return {"prefix": self.prefix.as_json(), "file": self.file.as_json(),
+                "runs": [r.as_json() for r in (*self.prefix_runs, *self.file_runs)],
                 "ideal_cached_tokens": self.ideal_cached_tokens, "ratios_prefix_over_file": self.ratios()}
 
 
-def compare(plan: PoolPlan, requests: Sequence[BenchRequest], timeout: float = 1800.0,
+def compare(plan: PoolPlan, requests: Sequence[BenchRequest], repeats: int = 1, timeout: float = 1800.0,
             progress: bool = True) -> Comparison:
-    """The batch of `requests` in prefix order, then in file order, each on a fresh pool."""
+    """The batch of `requests` in prefix order, then in file order, `repeats` times, each run on a fresh pool
+    (alternating, so a machine whose load drifts moves both orders alike)."""
     content = batch_file(requests)
+    runs: dict[str, list[OrderRun]] = {PREFIX_ORDER: [], FILE_ORDER: []}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-batch-") as workdir:
-        runs = {order: measure_order(plan, content, len(requests), order, Path(workdir), timeout, progress)
-                for order in (PREFIX_ORDER, FILE_ORDER)}
-    for run in runs.values():
-        if run.completed != len(requests):
-            raise RuntimeError(f"the {run.order}-order batch answered {run.completed} of {len(requests)} requests "
-                               f"({run.failed} failed)")
+        for _ in range(repeats):
+            for order, done in runs.items():
+                run = measure_order(plan, content, len(requests), order, Path(workdir), timeout, progress)
+                if run.completed != len(requests):
+                    raise RuntimeError(f"the {order}-order batch answered {run.completed} of {len(requests)} "
+                                       f"requests ({run.failed} failed: "
+                                       f"{'; '.join(f'{n} x {e}' for e, n in run.errors)})")
+                done.append(run)
     ideal = ideal_cached_tokens([r.prompt for r in requests], plan.block_size)
-    return Comparison(runs[PREFIX_ORDER], runs[FILE_ORDER], ideal)
+    return Comparison(tuple(runs[PREFIX_ORDER]), tuple(runs[FILE_ORDER]), ideal)
+
+
+def _row(label: str, run: OrderRun) -> str:
+    return (f"| {label} | {run.seconds:.1f} | {run.requests_per_second:.2f} | {run.prompt_tokens} | "
+            f"{run.cached_tokens} | {run.hit_ratio:.1%} | {run.engine_balance:.2f} |")
 
 
 def format_comparison(c: Comparison) -> str:
     ratios = c.ratios()
     lines = ["| batch_order | wall s | req/s | prompt tokens | cached tokens | hit ratio | busiest engine / mean |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for run in (c.prefix, c.file):
-        lines.append(f"| {run.order} | {run.seconds:.1f} | {run.requests_per_second:.2f} | {run.prompt_tokens} | "
-                     f"{run.cached_tokens} | {run.hit_ratio:.1%} | {run.engine_balance:.2f} |")
+    if len(c.prefix_runs) > 1:
+        lines += [_row(f"{run.order} (run {i + 1})", run) for runs in (c.prefix_runs, c.file_runs)
+                  for i, run in enumerate(runs)]
+        lines += [_row(f"**{run.order}, median**", run) for run in (c.prefix, c.file)]
+    else:
+        lines += [_row(run.order, run) for run in (c.prefix, c.file)]
     lines.append(f"| prefix / file | {ratios['seconds']:.2f}x | {ratios['requests_per_second']:.2f}x | | "
                  f"{ratios['cached_tokens']:.2f}x | {ratios['hit_ratio']:.2f}x | |")
     ceiling = c.ideal_cached_tokens / c.prefix.prompt_tokens if c.prefix.prompt_tokens else 0.0
@@ -314,6 +353,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=positive_int, default=PoolPlan.concurrency,
                    help="the router's batch_concurrency (default 8)")
     p.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB, help="token ids stay below this")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of each order, alternating; the table shows each and the medians (default 1)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write both runs, the ratios, the settings and the machine here")
@@ -350,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
                              "raise --kv-cache-blocks or lower --max-prompt-tokens")
         print(f"kvmesh bench batch: {what}; {plan.engines} {plan.profile} engines of {plan.kv_cache_blocks} KV "
               f"blocks, batch_concurrency {plan.concurrency}", file=sys.stderr)
-        comparison = compare(plan, requests, args.timeout)
+        comparison = compare(plan, requests, args.repeats, args.timeout)
     except ValueError as exc:
         print(f"kvmesh bench batch: {exc}", file=sys.stderr)
         return 2
