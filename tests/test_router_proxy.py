@@ -1,0 +1,181 @@
+"""The router's upstream client (router/proxy.py) against a scripted HTTP/1.1 server on loopback: a raw asyncio
+server that answers each request as the test says (a whole reply, chunks on cue, a reply cut off, nothing), so
+each case is exact. What the router relies on: keep-alive reuse, lines of a stream as they come, a reply closed
+early dropping its connection (the engine's signal to abort), and every failure as one UpstreamError."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvmesh.processes import free_port
+from kvmesh.router.proxy import Upstream, UpstreamError
+
+Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Pod:
+    url: str
+    connections: int = 0
+    requests: list[tuple[bytes, bytes]] = field(default_factory=list)  # (head, body) as received
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # a connection was closed by the client
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    return head, await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def pod(handler: Handler) -> AsyncIterator[Pod]:
+    """A server that hands every request to `handler` with the connection's writer, on keep-alive connections."""
+    state = Pod("")
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state.connections += 1
+        try:
+            while True:
+                head, body = await read_request(reader)
+                state.requests.append((head, body))
+                await handler(body, writer)
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            state.closed.set()
+        finally:
+            writer.close()
+
+    port = free_port()
+    server = await asyncio.start_server(connection, "127.0.0.1", port)
+    state.url = f"http://127.0.0.1:{port}"
+    async with server:
+        yield state
+
+
+def whole(body: bytes, status: int = 200) -> bytes:
+    return b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body),
+                                                                                                  body)
+
+
+async def echo(body: bytes, writer: asyncio.StreamWriter) -> None:
+    writer.write(whole(body))
+
+
+@pytest.mark.asyncio
+async def test_requests_reuse_one_keep_alive_connection_and_send_json_with_the_headers() -> None:
+    async with pod(echo) as server:
+        upstream = Upstream(30.0)
+        for i in range(3):
+            reply = await upstream.post(server.url + "/v1/completions", {"prompt": "hi", "n": i},
+                                        {"x-kvmesh-priority": "2"})
+            assert reply.status == 200 and json.loads(await reply.read()) == {"prompt": "hi", "n": i}
+            reply.close()
+        await upstream.close()
+    assert server.connections == 1
+    head = server.requests[0][0].decode()
+    assert head.startswith("POST /v1/completions HTTP/1.1\r\n") and "x-kvmesh-priority: 2\r\n" in head
+    assert "content-type: application/json\r\n" in head and f"host: {server.url[7:]}\r\n" in head
+
+
+@pytest.mark.asyncio
+async def test_a_stream_arrives_line_by_line_as_the_pod_sends_it() -> None:
+    go_on = asyncio.Event()
+
+    async def stream(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in (b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\ndata: [DONE]\n\n'):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await go_on.wait()  # the second event only once the first line was read
+        writer.write(b"0\r\n\r\n")
+
+    async with pod(stream) as server:
+        upstream = Upstream(30.0)
+        reply = await upstream.post(server.url + "/v1/completions", {"stream": True}, {})
+        lines = []
+        async for line in reply.lines():
+            lines.append(line)
+            go_on.set()
+        reply.close()
+        again = await upstream.post(server.url + "/v1/completions", {}, {})  # the stream ended: connection reused
+        again.close()
+        await upstream.close()
+    assert lines == ['data: {"a": 1}', "", 'data: {"b": 2}', "", "data: [DONE]", ""]
+    assert server.connections == 1
+
+
+@pytest.mark.asyncio
+async def test_a_reply_closed_before_its_end_drops_the_connection() -> None:
+    """The router closes a reply early when its client left: the pod must see the connection go (it then aborts
+    the request and frees its blocks), and the next request gets a new connection."""
+    async def endless(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+
+    async with pod(endless) as server:
+        upstream = Upstream(30.0)
+        reply = await upstream.post(server.url + "/v1/completions", {}, {})
+        assert reply.status == 200
+        reply.close()
+        await server.closed.wait()  # the pod saw its client leave
+        reply = await upstream.post(server.url + "/v1/completions", {}, {})
+        reply.close()
+        await upstream.close()
+    assert server.connections == 2
+
+
+@pytest.mark.asyncio
+async def test_failures_are_upstream_errors() -> None:
+    async def cut(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
+        writer.close()
+
+    async def silent(_: bytes, writer: asyncio.StreamWriter) -> None:
+        await asyncio.Event().wait()
+
+    async def garbage(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"not HTTP at all\r\n\r\n")
+
+    upstream = Upstream(0.2)
+    async with pod(cut) as server:
+        reply = await upstream.post(server.url + "/v1/completions", {}, {})
+        with pytest.raises(UpstreamError):
+            await reply.read()  # the pod broke off mid-answer
+        reply.close()
+    async with pod(silent) as server:
+        with pytest.raises(UpstreamError, match=r"no reply within 0\.2 s"):
+            await upstream.post(server.url + "/v1/completions", {}, {})
+    async with pod(garbage) as server:
+        with pytest.raises(UpstreamError, match="malformed reply"):
+            await upstream.post(server.url + "/v1/completions", {}, {})
+    with pytest.raises(UpstreamError, match="cannot connect"):
+        await upstream.post(f"http://127.0.0.1:{free_port()}/v1/completions", {}, {})  # nothing listens
+    with pytest.raises(UpstreamError, match="line break"):
+        await upstream.post(server.url + "/v1/completions", {}, {"x-kvmesh-workload": "a\r\nx-injected: 1"})
+    await upstream.close()
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_runs_to_the_connections_end_and_a_closed_idle_connection() -> None:
+    """A reply with neither length nor chunks ends with its connection; the next request, finding that connection
+    gone, opens another."""
+    async def unsized(body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + body)
+        writer.close()
+
+    async with pod(unsized) as server:
+        upstream = Upstream(30.0)
+        for i in range(2):
+            reply = await upstream.post(server.url + "/v1/completions", {"n": i}, {})
+            assert json.loads(await reply.read()) == {"n": i}
+            reply.close()
+        await upstream.close()
+    assert server.connections == 2
