@@ -5,17 +5,20 @@ dies unasked (with the tail of its log). From a pool file, the operator's scaler
 carried out: engines start (warmed from a peer), or the coldest drain and stop, the router follows its pods file,
 the engines' LoRA adapters are kept equal to the spec's, and the operator's metrics are served on a loopback port.
 The file is followed as the operator follows the CRD: an edit is read, checked as a pool, and applied (replicas,
-the scaler's settings, adapters), or reported and ignored, the pool running on its last good spec (`PoolFile`)."""
+the scaler's settings, adapters at once; engine settings by replacing the engines one at a time, router settings by
+restarting the router on its port, as the operator's rollout does), or reported and ignored, the pool running on
+its last good spec (`PoolFile`)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,25 +184,35 @@ class Engine:
     role: str
     state: str = STARTING
     deadline: float = 0.0  # draining: stop it by then anyway; stopping: SIGKILL by then
+    generation: int = 0  # the engine files' version it started from (`LocalEngines.generation`)
+    replaces: str | None = None  # rolled in for this engine (a surge: not counted in the replicas until it is routed)
 
 
 class LocalEngines:
     """The engines of a local pool, started and stopped as the scaler asks, with the router's pods file (and the
     Prometheus targets file, if any) kept equal to the engines that serve. Engines the scaler adds start from
-    `scaled_args` (the initial ones have no peer to be warmed from, so they may differ)."""
+    `scaled_args` (the initial ones have no peer to be warmed from, so they may differ). When the engine files
+    change (`roll`), the engines started before are replaced one at a time, and the router restarts after them."""
 
     def __init__(self, plan: PoolPlan, engine_args: list[str], workdir: Path, targets_file: str | None,
-                 scaled_args: list[str] | None = None) -> None:
+                 scaled_args: list[str] | None = None, engine_defaults: Mapping[str, Any] | None = None) -> None:
         self.plan = plan
         self.engine_args = engine_args
         self.scaled_args = scaled_args or engine_args
+        self.engine_defaults = dict(engine_defaults or {})  # under the pool's settings in the engine files
         self.workdir = workdir
         self.pods_file = workdir / "pods.json"
         self.targets_file = targets_file
         self.router: Child | None = None
+        self.router_args: list[str] = []  # what it (and a restarted one) starts with
         self.operator_url: str | None = None  # the local operator's /metrics, for the targets file
         self.engines: list[Engine] = []
         self._started = 0
+        self.generation = 0  # the engine files' version: an engine started from an older one is rolled
+        self.rolling: set[str] = set()  # the settings the engines are being rolled for (`start_inputs` keys)
+        self.router_changes: set[str] = set()  # the settings the router restarts for, once the engines are rolled
+        self.router_starting = False  # a restarted router not answering /health yet
+        self.old_routers: list[tuple[Child, float]] = []  # restarted ones finishing their streams, SIGKILL by then
 
     def start(self, role: str, initial: bool = False) -> Engine:
         port = free_port()
@@ -208,15 +221,20 @@ class LocalEngines:
         child = _spawn(f"engine-{self._started}", [*args, "--port", str(port), *flags, "--log-level", "warning"],
                        port, self.workdir)
         self._started += 1
-        engine = Engine(child, role)
+        engine = Engine(child, role, generation=self.generation)
         self.engines.append(engine)
         return engine
 
+    def start_router(self, args: list[str], port: int) -> None:
+        self.router_args = args
+        self.router = _spawn("router", args, port, self.workdir)
+
     def replicas(self) -> dict[str, int]:
-        """Engines per role that count towards its replicas: starting or serving."""
+        """Engines per role that count towards its replicas: starting or serving, less a roll's surge (it counts
+        in place of the engine it replaces once that one drains)."""
         counts = {role: 0 for role in self.plan.pool.roles} if self.plan.pool is not None else {}
         for engine in self.engines:
-            if engine.state in (STARTING, SERVING):
+            if engine.state in (STARTING, SERVING) and engine.replaces is None:
                 counts[engine.role] = counts.get(engine.role, 0) + 1
         return counts
 
@@ -235,7 +253,8 @@ class LocalEngines:
         newest."""
         from kvmesh.operator.scale_in import Candidate, removal_order
 
-        have = [engine for engine in self.engines if engine.role == role and engine.state in (STARTING, SERVING)]
+        have = [engine for engine in self.engines
+                if engine.role == role and engine.state in (STARTING, SERVING) and engine.replaces is None]
         for _ in range(replicas - len(have)):
             engine = self.start(role)
             print(f"kvmesh up: starting {engine.child.name} ({role})", file=sys.stderr, flush=True)
@@ -243,16 +262,37 @@ class LocalEngines:
         order = removal_order([Candidate(e.child.name, e.state == SERVING) for e in reversed(have)],
                               deletion_costs or {})
         for engine in [by_name[name] for name in order[:max(0, len(have) - replicas)]]:
-            if engine.state == STARTING:
-                self._stop(engine)
-            else:
-                engine.state, engine.deadline = DRAINING, time.monotonic() + DRAIN_TIMEOUT_SECONDS
-                print(f"kvmesh up: draining {engine.child.name} ({role})", file=sys.stderr, flush=True)
+            self._retire(engine)
+            for surge in [e for e in self.engines if e.replaces == engine.child.name]:
+                self._retire(surge)  # rolled in for an engine the scaler removes: it goes too
         self.publish()
 
+    def _retire(self, engine: Engine) -> None:
+        """Out of the pool: a starting engine stops at once, a serving one drains first (`progress` stops it)."""
+        if engine.state == STARTING:
+            self._stop(engine)
+        else:
+            engine.state, engine.deadline = DRAINING, time.monotonic() + DRAIN_TIMEOUT_SECONDS
+            print(f"kvmesh up: draining {engine.child.name} ({engine.role})", file=sys.stderr, flush=True)
+
+    def roll(self, engine_changes: Collection[str], router_changes: Collection[str]) -> None:
+        """The engine files (`engine_changes`) or the router's file (`router_changes`) were rewritten: replace the
+        engines started before, one at a time (a new one started, warmed and routed to before an old one drains),
+        then restart the router; `progress` carries it out, and a later edit joins a roll under way."""
+        if engine_changes:
+            self.generation += 1
+            self.rolling |= set(engine_changes)
+        self.router_changes |= set(router_changes)
+
+    def surges(self) -> list[Engine]:
+        """The engines rolled in that do not yet count in place of the one they replace."""
+        return [e for e in self.engines if e.replaces is not None]
+
     def unexpected_exit(self) -> Child | None:
-        """A child that died without being told to (an engine stopping on request is no failure)."""
-        for child in [e.child for e in self.engines if e.state != STOPPING] + ([self.router] if self.router else []):
+        """A child that died without being told to (an engine stopping on request is no failure, nor a rolled-in
+        one: its death stops the roll, `_roll`)."""
+        engines = [e.child for e in self.engines if e.state != STOPPING and e.replaces is None]
+        for child in engines + ([self.router] if self.router else []):
             if child.process.poll() is not None:
                 return child
         return None
@@ -278,6 +318,78 @@ class LocalEngines:
                     engine.child.process.kill()
         if changed:
             self.publish()
+        self._roll(client)
+        self._restart_router(client)
+        for old in list(self.old_routers):
+            if old[0].process.poll() is not None:
+                self.old_routers.remove(old)
+                _say(f"the previous router exited ({old[0].process.returncode}): its open requests are done")
+            elif now > old[1]:
+                old[0].process.kill()
+
+    def _roll(self, client: httpx.Client) -> None:
+        """One step of a roll: a surge that died ends it; one the router routes to takes its old engine's place
+        (drained, as at a scale-down); with no surge left, the next old engine gets one; then it is done."""
+        if not self.rolling:
+            return
+        for surge in self.surges():
+            if surge.child.process.poll() is not None:
+                self.engines.remove(surge)
+                why = ", ".join(sorted(self.rolling))
+                self.rolling = set()
+                _say(f"{surge.child.name}, rolled in for {surge.replaces}, exited with {surge.child.process.returncode}"
+                     f"; the roll stops, the old engines serve on ({why}: fix the pool file):\n{surge.child.tail()}")
+                return
+            if surge.state == STARTING or surge.child.url not in self._routed(client):
+                return  # one at a time: the next waits for this one to be routed to
+            old, surge.replaces = self._named(surge.replaces), None
+            if old is not None and old.state == SERVING:
+                self._retire(old)
+                self.publish()
+        why = ", ".join(sorted(self.rolling))
+        outdated = [e for e in self.engines if e.state == SERVING and e.generation < self.generation]
+        if outdated:
+            new = self.start(outdated[0].role)
+            new.replaces = outdated[0].child.name
+            _say(f"rolling {outdated[0].child.name} -> {new.child.name} ({new.role}; settings changed: {why})")
+        elif not any(e.state == STARTING and e.generation < self.generation for e in self.engines):
+            self.rolling = set()  # (an old engine still starting is rolled once it serves)
+            _say(f"engines rolled: every engine runs the new settings ({why})")
+
+    def _routed(self, client: httpx.Client) -> list[str]:
+        """The engines the router routes to (its /health lists them): empty while it does not answer."""
+        assert self.router is not None
+        try:
+            return client.get(self.router.url + "/health").json().get("pods", [])
+        except (httpx.TransportError, ValueError, AttributeError):
+            return []
+
+    def _named(self, name: str | None) -> Engine | None:
+        return next((e for e in self.engines if e.child.name == name), None)
+
+    def _restart_router(self, client: httpx.Client) -> None:
+        """Once the engines are rolled, restart the router on its port if its file changed: the old one drains as at
+        a Ctrl-C (its port closes at once, its open requests and streams finish within SHUTDOWN_DRAIN_SECONDS,
+        `progress` reaps it) while the new one starts from the rewritten file; then say when it serves."""
+        if self.router is None:
+            return
+        if self.router_starting:
+            if _answers(client, "GET", self.router.url + "/health") is not None:
+                self.router_starting = False
+                _say(f"router restarted: serving on {self.router.url}")
+            return
+        if not self.router_changes or self.rolling:
+            return
+        why, self.router_changes = ", ".join(sorted(self.router_changes)), set()
+        port = int(self.router.url.rsplit(":", 1)[1])
+        _say(f"restarting the router on port {port} (settings changed: {why}): its open requests and streams finish "
+             f"first (up to {SHUTDOWN_DRAIN_SECONDS:g} s); new connections are refused until the new one listens")
+        old = self.router
+        old.process.send_signal(signal.SIGINT)  # as at a Ctrl-C: no settle time, nobody has to learn of a 503
+        self.old_routers.append((old, time.monotonic() + ROUTER_STOP_SECONDS))
+        _wait_port_free(port, old.process, ROUTER_STOP_SECONDS)
+        self.router = _spawn("router", self.router_args, port, self.workdir)
+        self.router_starting = True
 
     def publish(self) -> None:
         """Rewrite the pods file (and the targets file) from the serving engines, each atomically: the router
@@ -290,7 +402,8 @@ class LocalEngines:
             write_json_atomically(Path(self.targets_file), targets)
 
     def children(self) -> list[Child]:
-        return [e.child for e in self.engines] + ([self.router] if self.router else [])
+        return [e.child for e in self.engines] + [old for old, _ in self.old_routers] + (
+            [self.router] if self.router else [])
 
     def _stop(self, engine: Engine) -> None:
         if engine.child.process.poll() is None:
@@ -312,6 +425,25 @@ def _wait_routed(client: httpx.Client, engines: LocalEngines, count: int, timeou
             raise TimeoutError(f"the router did not see all {count} engines healthy within {timeout:.0f} s")
         time.sleep(0.1)
     return None
+
+
+def _wait_port_free(port: int, process: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until a new listener can bind `port` (the old router closes it at once on SIGINT; open connections do not
+    hold it: SO_REUSEADDR, which uvicorn sets too); past `timeout`, the old process is killed to free it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            deadline = float("inf")  # its port is free once it is gone
+        time.sleep(0.05)
 
 
 def _answers(client: httpx.Client, method: str, url: str) -> dict[str, Any] | None:
@@ -363,11 +495,13 @@ class _ScalingWatch:
     def follow_file(self) -> None:
         """Re-read the pool file if it changed; apply what a running pool can take on (replica bounds and the
         scaler's settings at once: the next tick runs now; adapters through the sync, and in the engine files new
-        engines start from; a cluster's own fields are ignored, and said so) or say why not (it changes what the
-        processes started with: operator/local.py `start_inputs`), running on the last good spec. Never raises: a
-        bad edit is the user's to fix."""
+        engines start from; changed engine or router settings in the files, and by rolling the engines and then
+        restarting the router: operator/local.py `restarts`; a cluster's own fields are ignored, and said so) or
+        say why not (it cannot be read, the API server would refuse it, the new files would not start an engine
+        or a router, or it changes what every process must share), running on the last good spec. Never raises:
+        a bad edit is the user's to fix."""
         from kvmesh.operator.crd import transition_errors
-        from kvmesh.operator.local import ignored_locally, needs_restart
+        from kvmesh.operator.local import ignored_locally, local_engine_settings, local_router_settings, restarts
 
         if self.file is None or not self.file.changed():
             return
@@ -380,30 +514,48 @@ class _ScalingWatch:
             _say(f"{path} changed in a way a running pool refuses: {'; '.join(broken)}; none of this edit is "
                  f"applied, the pool runs on as before")
             return
-        stuck = needs_restart(self.pool, pool)
-        if stuck:
-            _say(f"{path} changed what the pool started with ({', '.join(stuck)}), which running engines and "
-                 f"router cannot take on; none of this edit is applied, the pool runs on as before (restart "
+        todo = restarts(self.pool, pool)
+        if todo.refused:
+            _say(f"{path} changed what every process of the pool must share ({', '.join(todo.refused)}), which no "
+                 f"rolling restart can change; none of this edit is applied, the pool runs on as before (restart "
                  f"kvmesh up to apply it)")
             return
         if pool == self.pool:
             return
+        engine, router = local_engine_settings(pool), local_router_settings(pool)
+        plan, workdir = self.engines.plan, self.engines.workdir
+        router_file = _router_section(workdir, plan.name, router, self.engines.pods_file)
+        if todo.rolls and (problem := _settings_problem({**self.engines.engine_defaults, **engine}, router_file)):
+            _say(f"{path} changed settings no new process would start with: {problem}; none of this edit is "
+                 f"applied, the pool runs on as before")
+            return
         previous, self.pool = self.pool, pool
-        self.engines.plan.pool = pool
+        plan.pool, plan.engine, plan.router = pool, engine, router
         self.operator.follow(pool)
         self.interval = pool.spec["scaling"]["intervalSeconds"]
         self.next = time.monotonic()
-        _set_engine_adapters(self.engines.workdir, pool)
+        _write_engine_files(workdir, {**self.engines.engine_defaults, **engine}, pool)
+        if todo.router:
+            _write_router_file(workdir, router_file)
+        self.engines.roll(todo.engines, todo.router)
         bounds = ", ".join(f"{role} {low}..{high}" for role in pool.roles for low, high in [pool.bounds(role)])
         adapters = ", ".join(a["name"] for a in pool.spec["model"]["loraAdapters"]) or "none"
         ignored = ignored_locally(previous, pool)
         unused = f"; ignored locally, a cluster's only: {', '.join(ignored)}" if ignored else ""
-        _say(f"{path} changed: following it (replicas {bounds}; adapters {adapters}{unused})")
+        steps = ([f"rolling the engines for {', '.join(todo.engines)}"] if todo.engines else []) + (
+            [f"then restarting the router for {', '.join(todo.router)}"] if todo.router else []) + (
+            [f"engines started from now on get {', '.join(todo.gate)}"] if todo.gate else [])
+        rolled = f"; {'; '.join(steps)}" if steps else ""
+        _say(f"{path} changed: following it (replicas {bounds}; adapters {adapters}{rolled}{unused})")
 
     def tick(self) -> None:
         from kvmesh.operator.local import describe
 
         self.follow_file()
+        if any(e.state == STARTING and e.child.name not in (self.operator.memory.serving or ())
+               for e in self.engines.surges()):
+            for line in self.operator.warm_new(time.monotonic(), observe_engines(self.engines.observable())):
+                _say(f"warm-up: {line}")  # a rolled-in engine, warmed (or let serve) once it answers
         if time.monotonic() < self.next:
             return
         self.next = time.monotonic() + self.interval
@@ -443,21 +595,52 @@ def _say(line: str) -> None:
     print(f"kvmesh up: {line}", file=sys.stderr, flush=True)
 
 
-def _set_engine_adapters(workdir: Path, pool: Any) -> None:
-    """Give the engines started from now on the spec's adapters (as the operator's ConfigMap does for new pods):
-    the engine files' `lora_modules`, each replaced atomically."""
-    from kvmesh.operator.desired import LORA_MODULES
-    from kvmesh.operator.local import local_engine_settings
+def _write_engine_files(workdir: Path, settings: Mapping[str, Any], pool: Any) -> tuple[Path, Path | None]:
+    """The engines' files, each replaced atomically (an engine starting meanwhile reads the old or the new one):
+    `engine.yaml` for the first engines and, from a pool file, `engine-scaled.yaml` for every engine started later
+    (scaled up or rolled in: warmed from a peer behind the warm-up gate), what operator/local.py `start_inputs`
+    lists. Rewritten at each edit, as the operator's ConfigMap is: engines started from then on read it."""
+    initial = workdir / "engine.yaml"
+    write_atomically(initial, yaml.safe_dump({"engine": dict(settings)}))
+    if pool is None:
+        return initial, None
+    from kvmesh.operator.desired import warmup_grace_seconds
 
-    modules = local_engine_settings(pool).get(LORA_MODULES)
-    for path in (workdir / "engine.yaml", workdir / "engine-scaled.yaml"):
-        if not path.exists():
-            continue
-        settings = dict(yaml.safe_load(path.read_text())["engine"])
-        settings.pop(LORA_MODULES, None)
-        if modules:
-            settings[LORA_MODULES] = modules
-        write_atomically(path, yaml.safe_dump({"engine": settings}))
+    scaled = workdir / "engine-scaled.yaml"
+    write_atomically(scaled, yaml.safe_dump({"engine": {**settings,
+                                                        "warmup_grace_seconds": warmup_grace_seconds(pool)}}))
+    return initial, scaled
+
+
+def _router_section(workdir: Path, pool: str, settings: Mapping[str, Any], pods_file: Path) -> dict[str, Any]:
+    """The router's file: its pool's settings, with a database of its own (the request log, the Batch API's files
+    and batches) unless the pool names one, and the pods file `kvmesh up` keeps."""
+    database = {"database_url": f"sqlite:///{workdir / LOCAL_DATABASE}"}
+    return {"pool": pool, **database, **settings, "pods_file": str(pods_file)}
+
+
+def _write_router_file(workdir: Path, section: Mapping[str, Any]) -> Path:
+    path = workdir / "router.yaml"
+    write_atomically(path, yaml.safe_dump({"router": dict(section)}))
+    return path
+
+
+def _settings_problem(engine: Mapping[str, Any], router: Mapping[str, Any]) -> str | None:
+    """Why an engine or a router would refuse these files' sections at start (their own config checks), or None:
+    checked before a roll, so a mistyped setting stops no engine and leaves the pool as it was."""
+    from kvmesh.engine.config import load_config
+    from kvmesh.router.config import load_router_config
+
+    with tempfile.TemporaryDirectory(prefix="kvmesh-check-") as folder:
+        engine_file, router_file = Path(folder) / "engine.yaml", Path(folder) / "router.yaml"
+        engine_file.write_text(yaml.safe_dump({"engine": dict(engine)}))
+        router_file.write_text(yaml.safe_dump({"router": dict(router)}))
+        for name, load, path in (("engine", load_config, engine_file), ("router", load_router_config, router_file)):
+            try:
+                load(path)
+            except Exception as exc:  # whatever its checks raise (an unknown key is a TypeError): never a crash
+                return f"the {name}'s: {exc}"
+    return None
 
 
 class _StopNow(Exception):
@@ -484,7 +667,9 @@ def stop_pool(engines: LocalEngines, client: httpx.Client, router_signal: int = 
             print(f"kvmesh up: stopping the router: its open requests and streams finish first (up to "
                   f"{SHUTDOWN_DRAIN_SECONDS:g} s; Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
             router.process.send_signal(router_signal)
-            wait_or_kill([router.process], ROUTER_STOP_SECONDS)
+        # and a router restarted earlier that still finishes its streams (signalled then: again would cut them)
+        wait_or_kill([r.process for r in [router, *[old for old, _ in engines.old_routers]] if r is not None],
+                     ROUTER_STOP_SECONDS)
         running = [e for e in engines.engines if e.child.process.poll() is None]
         told = [e for e in running if e.state != STOPPING]  # those stopping were drained and signalled already
         print("kvmesh up: router stopped; draining the engines", file=sys.stderr, flush=True)
@@ -557,18 +742,13 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     model_dir = resolve_model_dir(plan.model)
     threads = max(1, (os.cpu_count() or 2) // plan.engines)
     workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{plan.name}-"))
-    real = {"threads": threads, "kv_cache_memory_mib": 256}  # simulated engines take their profile's budget
-    settings = {**({} if plan.sim else real), **plan.engine}
+    defaults = {} if plan.sim else {"threads": threads, "kv_cache_memory_mib": 256}  # sims: their profile's budget
     engine_args = ["sim-engine", "--profile", plan.sim] if plan.sim else ["serve", "--model", str(model_dir)]
-    initial = [*engine_args, "--config", str(_engine_file(workdir, "engine", settings))]
-    scaled = None
-    if plan.pool is not None:  # engines the scaler adds wait for their warm-up as the operator's pods do
-        from kvmesh.operator.desired import warmup_grace_seconds
-
-        # what this writes is what operator/local.py `start_inputs` lists: an edit changing it needs a restart
-        gated = {**settings, "warmup_grace_seconds": warmup_grace_seconds(plan.pool)}
-        scaled = [*engine_args, "--config", str(_engine_file(workdir, "engine-scaled", gated))]
-    engines = LocalEngines(plan, initial, workdir, targets_file, scaled)
+    # engines the scaler adds (and a roll's) wait for their warm-up as the operator's pods do
+    initial_file, scaled_file = _write_engine_files(workdir, {**defaults, **plan.engine}, plan.pool)
+    initial = [*engine_args, "--config", str(initial_file)]
+    scaled = [*engine_args, "--config", str(scaled_file)] if scaled_file else None
+    engines = LocalEngines(plan, initial, workdir, targets_file, scaled, defaults)
     try:
         code = _supervise(plan, engines, model_dir, router_port, ready_file)
     finally:  # also when supervising failed unexpectedly
@@ -587,14 +767,10 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
         for i in range(plan.engines):  # in the pods file from the start, as a static list would be
             engines.start(plan.roles[i] if plan.roles else "both", initial=True).state = SERVING
         engines.publish()
-        router_file = workdir / "router.yaml"
-        # a database of its own (the request log, the Batch API's files and batches) unless the pool names one
-        database = {"database_url": f"sqlite:///{workdir / LOCAL_DATABASE}"}
-        router_file.write_text(yaml.safe_dump({"router": {"pool": plan.name, **database, **plan.router,
-                                                          "pods_file": str(engines.pods_file)}}))
-        engines.router = _spawn("router", ["router", "--config", str(router_file), "--model", str(model_dir),
-                                           "--port", str(router_port), "--log-level", "warning"], router_port,
-                                workdir)
+        router_file = _write_router_file(workdir, _router_section(workdir, plan.name, plan.router,
+                                                                  engines.pods_file))
+        engines.start_router(["router", "--config", str(router_file), "--model", str(model_dir), "--port",
+                              str(router_port), "--log-level", "warning"], router_port)
         kind = f"simulated ({plan.sim}) " if plan.sim else ""
         print(f"kvmesh up: starting {plan.engines} {kind}engines and a router (logs in {workdir}) ...", file=sys.stderr)
         dead = _wait_healthy(engines.children(), HEALTH_TIMEOUT_SECONDS)
@@ -634,9 +810,3 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
     finally:
         if watch is not None:
             watch.close()
-
-
-def _engine_file(workdir: Path, name: str, settings: dict[str, Any]) -> Path:
-    path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"engine": settings}))
-    return path

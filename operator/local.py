@@ -4,8 +4,10 @@ scaling tick over its local engines: the same scaler, the same warm-ups of new e
 serves the most hits, the same LoRA adapter sync (operator/lora.py), and the same /metrics registry. `kvmesh up`
 carries the decisions out, so scaling works without Kubernetes. It follows edits of the pool file as the operator
 follows the CRD (`follow`): replica bounds, the scaler's settings and adapters change under running engines; an
-edit of anything the engines or the router read at start is refused (`needs_restart`, from `start_inputs`: which
-file each field feeds), as only a restart can apply it, and the cluster's own fields are ignored.
+edit of what the engines or the router read at start (`needs_restart`, from `start_inputs`: which file each field
+feeds) is applied as the cluster's rollout applies it, by replacing the processes (`restarts` says how: the
+engines one at a time, then the router), except what every process must share (the model, the mode, the pool's
+name, the KV hashing), which only a new `kvmesh up` can change; the cluster's own fields are ignored.
 
 Locally the engines listen on 127.0.0.1 at ports `kvmesh up` picks, and the router follows them in a pods file
 that `kvmesh up` rewrites; everything else in the two files is what the operator's ConfigMap holds.
@@ -14,7 +16,7 @@ that `kvmesh up` rewrites; everything else in the two files is what the operator
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmesh.operator.crd import Pool
@@ -36,8 +38,8 @@ from kvmesh.operator.warmup import (
     plan_tick_warmups,
 )
 
-__all__ = ["LocalOperator", "LocalPod", "describe", "ignored_locally", "local_engine_settings", "local_router_settings",
-           "needs_restart", "start_inputs"]
+__all__ = ["LocalOperator", "LocalPod", "Restarts", "describe", "ignored_locally", "local_engine_settings",
+           "local_router_settings", "needs_restart", "restarts", "start_inputs"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
@@ -69,9 +71,9 @@ def start_inputs(pool: Pool) -> dict[str, Any]:
     - `router.yaml KEY`: the router settings (`local_router_settings`: spec.router, scaling.slo ...) and the
       pool's name;
     - `engines`: the model the engines load and the roles they start with (spec.model.source, spec.mode).
-    Running processes read none of them again, so an edit changing one needs a restart (`needs_restart`). The
-    rest of the spec is live (replica bounds, the scaler's own policy in spec.scaling, model.loraAdapters) or
-    means nothing locally (`ignored_locally`)."""
+    Running processes read none of them again, so an edit changing one needs a restart (`needs_restart`: of the
+    processes they feed, `restarts`). The rest of the spec is live (replica bounds, the scaler's own policy in
+    spec.scaling, model.loraAdapters) or means nothing locally (`ignored_locally`)."""
     from kvmesh.operator.desired import LORA_MODULES, warmup_grace_seconds
 
     engine = {k: v for k, v in local_engine_settings(pool).items() if k != LORA_MODULES}
@@ -85,9 +87,45 @@ def start_inputs(pool: Pool) -> dict[str, Any]:
 
 def needs_restart(old: Pool, new: Pool) -> list[str]:
     """What an edit from `old` to `new` changes in the files and flags the pool's processes started with
-    (`start_inputs` keys, sorted): a running local pool cannot take it on. Empty when it can follow the edit."""
+    (`start_inputs` keys, sorted): running processes cannot take it on, new ones must (`restarts`). Empty when
+    the running processes can follow the edit as they are."""
     before, after = start_inputs(old), start_inputs(new)
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+# What no process of a running pool can change alone, so no rollout applies it: the model (the router tokenizes for
+# it, the engines load it: a pool half rolled would answer one name with two models), the roles the engines start
+# with, the pool's name (every process's metrics and the work folder carry it), and the KV hashing (a router
+# refuses engines that hash otherwise than it does, so a rolled engine would never be routed to).
+FIXED_INPUTS = ("engines model", "engine.yaml model", "router.yaml model", "engines roles", "router.yaml pool",
+                "engine.yaml block_size", "engine.yaml hash_algo", "router.yaml block_size", "router.yaml hash_algo")
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """How a running local pool takes on an edit of what its processes started with (`needs_restart`'s keys,
+    each in one group): as the cluster's rollout of a new ConfigMap, by replacing processes, not by telling them."""
+
+    engines: tuple[str, ...]  # `engine.yaml` keys: every engine is replaced, one at a time, by one started anew
+    gate: tuple[str, ...]  # `engine-scaled.yaml` keys: the warm-up gate matters only to engines started from now on
+    router: tuple[str, ...]  # `router.yaml` keys: the router restarts on its port (after the engines' roll)
+    refused: tuple[str, ...]  # FIXED_INPUTS: only a new `kvmesh up` applies them
+
+    @property
+    def rolls(self) -> bool:
+        return bool(self.engines or self.router)
+
+
+def restarts(old: Pool, new: Pool) -> Restarts:
+    """Sort what an edit from `old` to `new` changes of the processes' start (`needs_restart`) by how it applies."""
+    changed = needs_restart(old, new)
+    refused = tuple(k for k in changed if k in FIXED_INPUTS)
+    rest = [k for k in changed if k not in FIXED_INPUTS]
+    engines = tuple(k for k in rest if k.startswith("engine.yaml "))
+    gate = tuple(k for k in rest if k.startswith("engine-scaled.yaml "))
+    router = tuple(k for k in rest if k.startswith("router.yaml "))
+    assert len(engines) + len(gate) + len(router) == len(rest), rest  # every start input has its way to apply
+    return Restarts(engines, gate, router, refused)
 
 
 # The spec fields a running local pool takes on: the scaler's bounds and policy, and the adapters.
@@ -96,8 +134,8 @@ LIVE_FIELDS = ("replicas", "scaling", "model.loraAdapters")
 
 def ignored_locally(old: Pool, new: Pool) -> list[str]:
     """The spec fields (dotted, sorted) an edit changed that are neither live (LIVE_FIELDS) nor feed what the
-    pool's processes started with: a cluster's only (engine.resources, engine.image, router.replicas, ...). An
-    edit `needs_restart` finds nothing in changes nothing locally through them."""
+    pool's processes start with (changed alone, the field changes no `start_inputs`): a cluster's only
+    (engine.resources, engine.image, router.replicas, ...), which change nothing locally."""
     def flat(pool: Pool) -> dict[str, Any]:
         fields = {}
         for key, value in pool.spec.items():
@@ -108,7 +146,21 @@ def ignored_locally(old: Pool, new: Pool) -> list[str]:
         return {k: v for k, v in fields.items() if k not in LIVE_FIELDS and k.split(".")[0] not in LIVE_FIELDS}
 
     before, after = flat(old), flat(new)
-    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return [k for k in changed if not needs_restart(old, _with_field(old, new, k))]
+
+
+def _with_field(old: Pool, new: Pool, dotted: str) -> Pool:
+    """`old` with one field (`key` or `key.sub`) as `new` has it, or without it where `new` has none."""
+    spec = {k: dict(v) if isinstance(v, Mapping) else v for k, v in old.spec.items()}
+    key, _, sub = dotted.partition(".")
+    where, source = (spec, new.spec) if not sub else (spec.setdefault(key, {}), new.spec.get(key) or {})
+    name = sub or key
+    if name in source:
+        where[name] = source[name]
+    else:
+        where.pop(name, None)
+    return replace(old, spec=spec)
 
 
 def describe(decision: Decision, replicas: Mapping[str, int]) -> list[str]:
@@ -157,9 +209,9 @@ class LocalOperator:
         self._warm, self._open_gates = warm, open_gates
 
     def follow(self, pool: Pool) -> None:
-        """Carry on under an edited spec (checked with `needs_restart` first): the scaler keeps what it learnt of
-        the traffic (`PoolMemory.scaler_for`), as the cluster operator's timer keeps it when a spec changes."""
-        assert not needs_restart(self.pool, pool), needs_restart(self.pool, pool)
+        """Carry on under an edited spec (one `restarts` refuses nothing of): the scaler keeps what it learnt of the
+        traffic (`PoolMemory.scaler_for`), as the cluster operator's timer keeps it when a spec changes."""
+        assert not restarts(self.pool, pool).refused, restarts(self.pool, pool)
         self.pool = pool
         self.warmup = WarmupSettings.of(pool)
 
@@ -180,6 +232,16 @@ class LocalOperator:
             costs = {name: cost for role in self.pool.roles
                      for name, cost in deletion_costs(role, scraped, hit_rates).items()}
             return Tick(decision, warmups, costs)
+
+    def warm_new(self, now: float, pods: list[LocalPod]) -> list[str]:
+        """Warm, between two ticks, the engines that began serving since the last one, and open their gates, as the
+        tick would (the same plan and memory, so the tick does not warm them again): an engine rolled in for an
+        old one is warmed as soon as it answers, and a roll of N engines waits for no N ticks. The hit rates read
+        here start the next tick's window, as a tick's own would."""
+        scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
+        places = {p.name: PodPlace(p.url, p.ready) for p in pods}
+        plan = plan_tick_warmups(self.memory, scraped, places, pod_hit_rates(self.memory, now, scraped), self.warmup)
+        return self.warm_up(plan)
 
     def warm_up(self, plan: WarmupPlan) -> list[str]:
         """Carry out a tick's warm-ups with the operator's HTTP calls, and open the gates of new engines left with

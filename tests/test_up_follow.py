@@ -1,9 +1,10 @@
 """`kvmesh up -f pool.yaml` follows edits of its file as the operator follows the CRD: a broken edit and one that
-only a restart could apply are reported and change nothing (the pool serves on); a valid edit raises the replica
-bounds (a new engine starts and serves) and swaps the LoRA adapters in the running engine through the operator's
-adapter sync, while the engine started after the edit starts with the new list; a refused adapter is not retried
-over ticks counted by a full engine's retries. Simulated engines; the checks of what an edit may change are pure
-and tested first."""
+only a new `kvmesh up` could apply (the pool's name, here with an engine setting: none of it is applied) are
+reported and change nothing (the pool serves on); a valid edit raises the replica bounds (a new engine starts and
+serves) and swaps the LoRA adapters in the running engine through the operator's adapter sync, while the engine
+started after the edit starts with the new list; a refused adapter is not retried over ticks counted by a full
+engine's retries. Simulated engines; the checks of what an edit may change are pure and tested first (the rolls
+of engines and router an edit of their settings starts: tests/test_up_roll.py)."""
 
 from __future__ import annotations
 
@@ -150,9 +151,11 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
         # a broken edit: said, and nothing changes
         write_pool(pool_file, {}, text="spec: [unclosed\n")
         wait_for(lambda: logged("changed but cannot be used"), "the broken edit to be reported", proc, log)
-        write_pool(pool_file, {"sql": sql}, low=1, high=1, engine=", maxNumSeqs: 7")
-        wait_for(lambda: logged("(engine.yaml max_num_seqs), which running engines and router cannot take on"),
-                 "the edit needing a restart to be reported", proc, log)
+        renamed = POOL.format(adapters=f"{{name: sql, path: {sql}}}", low=1, high=1, engine=", maxNumSeqs: 7")
+        write_pool(pool_file, {}, text=renamed.replace("name: follow}", "name: renamed}"))
+        wait_for(lambda: logged("must share (router.yaml pool), which no rolling restart can change; none of this "
+                                "edit is applied"), "the edit needing a new kvmesh up to be reported", proc, log)
+        assert not logged("rolling engine-0")
         reply = httpx.post(url + "/v1/completions", json={"model": "sql", "prompt": [1, 2, 3], "max_tokens": 2},
                            timeout=60)
         assert reply.status_code == 200 and list(engine_urls(targets)) == ["engine-0"]

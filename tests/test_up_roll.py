@@ -1,0 +1,199 @@
+"""`kvmesh up -f pool.yaml` applies an edit of what its processes started with as the operator's rollout does:
+changed engine settings replace the engines one at a time (a new engine started, warmed and routed to before an
+old one drains), so clients see no failure; changed router settings restart the router on its port after the
+engines, its open streams finishing on the old one. Simulated engines (`--sim`); what an edit may change, and how,
+is pure and tested first."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvmesh.operator.crd import parse_pool
+from kvmesh.operator.local import Restarts, ignored_locally, restarts
+from kvmesh.processes import free_port, launch
+
+from .engines import stop_up
+from .test_up_scaling import engine_urls, wait_for
+from .test_up_stop import events
+
+
+def pool(**spec: object) -> object:
+    base = {"model": {"source": "bundled"}, "replicas": {"both": {"min": 1, "max": 1}}}
+    return parse_pool({"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "p"},
+                       "spec": {**base, **spec}})
+
+
+def test_engine_settings_roll_the_engines_router_settings_restart_it_what_all_share_is_refused() -> None:
+    before = pool()
+    mixed = pool(engine={"maxNumSeqs": 7}, router={"settings": {"retries": 1}}, scaling={"warmupGraceSeconds": 5},
+                 replicas={"both": {"min": 1, "max": 3}})
+    assert restarts(before, mixed) == Restarts(  # type: ignore[arg-type]
+        engines=("engine.yaml max_num_seqs",), gate=("engine-scaled.yaml warmup_grace_seconds",),
+        router=("router.yaml retries",), refused=())
+    assert ignored_locally(before, mixed) == []  # type: ignore[arg-type]  # engine.settings feeds the engines
+    assert restarts(before, pool(scaling={"horizonSeconds": 600})).engines == (  # type: ignore[arg-type]
+        "engine.yaml forecast_horizon_seconds",)
+    assert restarts(before, pool(scaling={"slo": {"ttftSeconds": 0.5}})).router == (  # type: ignore[arg-type]
+        "router.yaml ttft_slo_seconds",)
+    # the model, the KV hashing and the mode: every process must share them, so no process changes them alone
+    for edited, refused in ((pool(model={"source": "/models/other"}), "engines model"),
+                            (pool(engine={"blockSize": 32}), "router.yaml block_size"),
+                            (pool(mode="disaggregated", replicas={"prefill": {"min": 1, "max": 1},
+                                                                   "decode": {"min": 1, "max": 1}}), "engines roles")):
+        assert refused in restarts(before, edited).refused, refused  # type: ignore[arg-type]
+
+
+POOL = """
+apiVersion: kvmesh.io/v1alpha1
+kind: InferencePool
+metadata: {{name: roll}}
+spec:
+  model: {{source: bundled}}
+  engine: {{settings: {{kv_cache_blocks: {blocks}}}}}
+  router: {{settings: {{tenants: {{default: {{requests_per_minute: {rate}}}}}}}}}
+  replicas:
+    both: {{min: {engines}, max: {high}}}
+  scaling: {{intervalSeconds: 1}}
+"""
+
+
+def write_pool(path: Path, engines: int, blocks: int, rate: int, high: int | None = None) -> None:
+    """Saved as editors save: a new file renamed over the old one."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(POOL.format(engines=engines, high=high or engines, blocks=blocks, rate=rate))
+    os.replace(partial, path)
+
+
+def start(tmp_path: Path, engines: int, blocks: int, rate: int) -> tuple[object, str, Path, Path, Path]:
+    pool_file, port = tmp_path / "pool.yaml", free_port()
+    ready, targets, log = tmp_path / "ready", tmp_path / "targets.json", tmp_path / "up.log"
+    write_pool(pool_file, engines, blocks, rate)
+    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "-f", str(pool_file), "--sim", "--port", str(port),
+                   "--ready-file", str(ready), "--targets-file", str(targets)], log)
+    wait_for(ready.exists, "the pool to be ready", proc, log)  # type: ignore[arg-type]
+    return proc, f"http://127.0.0.1:{port}", pool_file, targets, log
+
+
+def blocks(engine: str) -> int:
+    return httpx.get(engine + "/v1/kv/config", timeout=10).json()["num_device_blocks"]
+
+
+def answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+        return True
+    except httpx.TransportError:
+        return False
+
+
+PROMPT = list(range(1, 41))  # shared by every request: a prefix the engines reuse, so a new one has one to copy
+
+
+class Load:
+    """Completions sent one after another by a few threads until stopped; every answer that is not a 200 (or no
+    answer) is kept."""
+
+    def __init__(self, url: str, threads: int = 3) -> None:
+        self.url, self.sent, self.failed = url, 0, list[str]()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                try:
+                    reply = client.post(self.url + "/v1/completions",
+                                        json={"prompt": PROMPT, "max_tokens": 4})
+                    if reply.status_code != 200:
+                        self.failed.append(f"{reply.status_code}: {reply.text[:200]}")
+                except httpx.HTTPError as exc:
+                    self.failed.append(repr(exc))
+                self.sent += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_engine_setting_edit_rolls_the_engines_one_at_a_time_under_load(tmp_path: Path) -> None:
+    proc, url, pool_file, targets, log = start(tmp_path, engines=2, blocks=64, rate=60000)
+    try:
+        old = engine_urls(targets)
+        assert sorted(old) == ["engine-0", "engine-1"] and {blocks(u) for u in old.values()} == {64}
+        load = Load(url)
+        try:
+            wait_for(lambda: load.sent >= 6, "requests before the edit", proc, log)  # type: ignore[arg-type]
+            write_pool(pool_file, engines=2, blocks=96, rate=60000, high=3)  # and a live part: the maximum
+            wait_for(lambda: "engines rolled" in log.read_text(), "the roll to end", proc, log)  # type: ignore
+            sent_during_roll = load.sent
+        finally:
+            load.stop()
+        out = log.read_text()
+        assert "changed: following it (replicas both 2..3; adapters none; rolling the engines for engine.yaml " \
+               "kv_cache_blocks)" in out, out
+        assert load.failed == [] and sent_during_roll > 6, (load.failed, out[-3000:])
+        assert "rolling engine-0 -> engine-2 (both; settings changed: engine.yaml kv_cache_blocks)" in out, out
+        assert "rolling engine-1 -> engine-3 (both; settings changed: engine.yaml kv_cache_blocks)" in out, out
+        # one at a time: the second starts only after the first new one is routed to and its old one drains
+        assert out.index("rolling engine-0") < out.index("draining engine-0") < out.index("rolling engine-1"), out
+        assert any("warm-up:" in line and "engine-2" in line for line in out.splitlines()), out  # from a peer
+        wait_for(lambda: sorted(engine_urls(targets)) == ["engine-2", "engine-3"], "the pods file to hold only the "
+                 "new engines", proc, log)  # type: ignore[arg-type]
+        assert all(blocks(u) == 96 for u in engine_urls(targets).values())
+        wait_for(lambda: not any(answers(u) for u in old.values()), "the old engines to stop", proc, log)  # type: ignore
+        pods = json.loads((tmp_path / "targets.json").read_text())
+        assert len([t for t in pods if t["labels"].get("role") == "both"]) == 2  # the replica count kept
+        assert proc.poll() is None  # type: ignore[attr-defined]
+    finally:
+        stop_up(proc, log)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_router_setting_edit_restarts_the_router_on_its_port_after_the_engines(tmp_path: Path) -> None:
+    proc, url, pool_file, targets, log = start(tmp_path, engines=1, blocks=64, rate=6000)
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 400, "stream": True}  # about 20 s: it outlasts the engines' roll
+    try:
+        reply = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=60)
+        assert reply.headers["x-ratelimit-limit-requests"] == "6000"
+        tokens, done = 0, False
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+            assert stream.status_code == 200
+            for event in events(stream.iter_lines()):
+                if event == "[DONE]":
+                    done = True
+                    break
+                assert "error" not in event, event
+                tokens += len(event["choices"])
+                if tokens == 5:  # engines and router at once: the engines first
+                    write_pool(pool_file, engines=1, blocks=96, rate=12000)
+                    wait_for(lambda: "restarting the router" in log.read_text(), "the router restart", proc,
+                             log)  # type: ignore[arg-type]
+        assert done and tokens == body["max_tokens"], (tokens, log.read_text()[-3000:])  # it ran to its end
+        for line in ("router restarted", "engine-0 stopped"):
+            wait_for(lambda line=line: line in log.read_text(), line, proc, log)  # type: ignore[misc, arg-type]
+        out = log.read_text()
+        assert out.index("engines rolled") < out.index("restarting the router on port"), out
+        # the old engine stopped only once the stream was done (its drain waits for it), after the router restarted:
+        # so the stream was open on the old router when it got its signal, and still ran to its end
+        assert out.index("restarting the router on port") < out.index("engine-0 stopped"), out
+        assert "settings changed: router.yaml tenants" in out, out
+        reply = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=60)
+        assert reply.status_code == 200 and reply.headers["x-ratelimit-limit-requests"] == "12000"
+        assert [blocks(u) for u in engine_urls(targets).values()] == [96]
+        wait_for(lambda: "the previous router exited (0)" in log.read_text(), "the old router to exit", proc,
+                 log)  # type: ignore[arg-type]
+    finally:
+        stop_up(proc, log)  # type: ignore[arg-type]
