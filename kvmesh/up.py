@@ -264,7 +264,8 @@ class LocalEngines:
         for engine in [by_name[name] for name in order[:max(0, len(have) - replicas)]]:
             self._retire(engine)
             for surge in [e for e in self.engines if e.replaces == engine.child.name]:
-                self._retire(surge)  # rolled in for an engine the scaler removes: it goes too
+                surge.replaces = None  # rolled in for an engine the scaler removes: it goes too, ending no roll
+                self._retire(surge)
         self.publish()
 
     def _retire(self, engine: Engine) -> None:
@@ -369,8 +370,8 @@ class LocalEngines:
 
     def _restart_router(self, client: httpx.Client) -> None:
         """Once the engines are rolled, restart the router on its port if its file changed: the old one drains as at
-        a Ctrl-C (its port closes at once, its open requests and streams finish within SHUTDOWN_DRAIN_SECONDS,
-        `progress` reaps it) while the new one starts from the rewritten file; then say when it serves."""
+        a Ctrl-C (its port closes at once, its open requests and streams get HTTP_DRAIN_SECONDS, `progress` reaps
+        it) while the new one starts from the rewritten file; then say when it serves."""
         if self.router is None:
             return
         if self.router_starting:
@@ -380,10 +381,12 @@ class LocalEngines:
             return
         if not self.router_changes or self.rolling:
             return
+        from kvmesh.router.app import HTTP_DRAIN_SECONDS  # here: the router's app loads only for a restart
+
         why, self.router_changes = ", ".join(sorted(self.router_changes)), set()
         port = int(self.router.url.rsplit(":", 1)[1])
         _say(f"restarting the router on port {port} (settings changed: {why}): its open requests and streams finish "
-             f"first (up to {SHUTDOWN_DRAIN_SECONDS:g} s); new connections are refused until the new one listens")
+             f"first (up to {HTTP_DRAIN_SECONDS:g} s); new connections are refused until the new one listens")
         old = self.router
         old.process.send_signal(signal.SIGINT)  # as at a Ctrl-C: no settle time, nobody has to learn of a 503
         self.old_routers.append((old, time.monotonic() + ROUTER_STOP_SECONDS))

@@ -2,25 +2,30 @@
 changed engine settings replace the engines one at a time (a new engine started, warmed and routed to before an
 old one drains), so clients see no failure; changed router settings restart the router on its port after the
 engines, its open streams finishing on the old one. Simulated engines (`--sim`); what an edit may change, and how,
-is pure and tested first."""
+is pure and tested first, and so is the scaler's view of a roll (an engine rolled in counts in no replica)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.operator.crd import parse_pool
 from kvmesh.operator.local import Restarts, ignored_locally, restarts
 from kvmesh.processes import free_port, launch
+from kvmesh.up import DRAINING, SERVING, STARTING, STOPPING, LocalEngines, plan_from_file
 
 from .engines import stop_up
-from .test_up_scaling import engine_urls, wait_for
+from .test_up_observe import EXAMPLES, engine
+from .test_up_scaling import engine_urls, operator_url, sample, wait_for
 from .test_up_stop import events
 
 
@@ -50,6 +55,31 @@ def test_engine_settings_roll_the_engines_router_settings_restart_it_what_all_sh
         assert refused in restarts(before, edited).refused, refused  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A real child process for the engines' records (scaling them here only rewrites the pods file)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_surge_counts_in_no_replica_and_goes_with_the_old_engine_the_scaler_removes(
+        sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    engines = LocalEngines(plan_from_file(EXAMPLES / "aggregated.yaml"), [], tmp_path, None)
+    engines.engines = [engine(f"engine-{i}", sleeper, tmp_path) for i in range(2)]
+    surge = engine("engine-2", sleeper, tmp_path, STARTING)
+    surge.replaces = "engine-0"
+    engines.engines.append(surge)
+    assert engines.replicas() == {"both": 2}  # the scaler sees the pool it asked for, not one more
+    engines.scale("both", 2)
+    assert [e.state for e in engines.engines] == [SERVING, SERVING, STARTING]
+    engines.scale("both", 1, {"engine-0": 0, "engine-1": 10})  # engine-0 is the coldest: it goes, and its surge
+    assert [(e.child.name, e.state) for e in engines.engines] == [
+        ("engine-0", DRAINING), ("engine-1", SERVING), ("engine-2", STOPPING)]
+    assert engines.replicas() == {"both": 1} and engines.surges() == []
+
+
 POOL = """
 apiVersion: kvmesh.io/v1alpha1
 kind: InferencePool
@@ -59,15 +89,15 @@ spec:
   engine: {{settings: {{kv_cache_blocks: {blocks}}}}}
   router: {{settings: {{tenants: {{default: {{requests_per_minute: {rate}}}}}}}}}
   replicas:
-    both: {{min: {engines}, max: {high}}}
-  scaling: {{intervalSeconds: 1}}
+    both: {{min: {engines}, max: {engines}}}
+  scaling: {{intervalSeconds: {interval}}}
 """
 
 
-def write_pool(path: Path, engines: int, blocks: int, rate: int, high: int | None = None) -> None:
+def write_pool(path: Path, engines: int, blocks: int, rate: int, interval: int = 1) -> None:
     """Saved as editors save: a new file renamed over the old one."""
     partial = path.with_suffix(".partial")
-    partial.write_text(POOL.format(engines=engines, high=high or engines, blocks=blocks, rate=rate))
+    partial.write_text(POOL.format(engines=engines, blocks=blocks, rate=rate, interval=interval))
     os.replace(partial, path)
 
 
@@ -135,14 +165,15 @@ def test_an_engine_setting_edit_rolls_the_engines_one_at_a_time_under_load(tmp_p
         load = Load(url)
         try:
             wait_for(lambda: load.sent >= 6, "requests before the edit", proc, log)  # type: ignore[arg-type]
-            write_pool(pool_file, engines=2, blocks=96, rate=60000, high=3)  # and a live part: the maximum
+            write_pool(pool_file, engines=2, blocks=96, rate=60000, interval=2)  # and a live part: the interval
             wait_for(lambda: "engines rolled" in log.read_text(), "the roll to end", proc, log)  # type: ignore
             sent_during_roll = load.sent
         finally:
             load.stop()
         out = log.read_text()
-        assert "changed: following it (replicas both 2..3; adapters none; rolling the engines for engine.yaml " \
+        assert "changed: following it (replicas both 2..2; adapters none; rolling the engines for engine.yaml " \
                "kv_cache_blocks)" in out, out
+        assert sample(operator_url(targets), OperatorMetric.EVALUATION_INTERVAL, pool="roll") == 2  # the live part
         assert load.failed == [] and sent_during_roll > 6, (load.failed, out[-3000:])
         assert "rolling engine-0 -> engine-2 (both; settings changed: engine.yaml kv_cache_blocks)" in out, out
         assert "rolling engine-1 -> engine-3 (both; settings changed: engine.yaml kv_cache_blocks)" in out, out
