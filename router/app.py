@@ -797,9 +797,10 @@ def run_router(router: Router, log_level: str = "info") -> None:
 
 class RouterApp(FastAPI):
     """The router's FastAPI app, whose completion POSTs skip FastAPI: those are the router's hot path, and
-    FastAPI's middleware, routing and request machinery cost about a quarter of the CPU of each routed request
-    (`kvmesh bench router`). They go straight to `completions`, a plain ASGI handler; every other request
-    (the Batch API, /v1/models, /health, /metrics, another method on a completion path) is FastAPI's."""
+    FastAPI's middleware, routing and request machinery were about a third of the CPU of each routed request
+    (`kvmesh bench router`, docs/benchmarks.md). They go straight to `completions`, a plain ASGI handler; every
+    other request (the Batch API, /tokenize, /v1/models, /health, /metrics, another method on a completion path)
+    is FastAPI's."""
 
     completions: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
 
@@ -918,6 +919,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     async def respond(admitted: Admitted, headers: Mapping[str, str], path: str,
                       http: HttpRequest | None) -> Response:
+        """An admitted request's answer, forwarded to a pod (the client watched, when it is one that may leave)."""
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:
             work = asyncio.ensure_future(forward(headers, path, raw, trace, bool(body.stream)))
