@@ -1,10 +1,11 @@
-"""`kvmesh up -f pool.yaml` follows edits of its file as the operator follows the CRD: a broken edit and one that
-only a new `kvmesh up` could apply (the pool's name, here with an engine setting: none of it is applied) are
-reported and change nothing (the pool serves on); a valid edit raises the replica bounds (a new engine starts and
-serves) and swaps the LoRA adapters in the running engine through the operator's adapter sync, while the engine
-started after the edit starts with the new list; a refused adapter is not retried over ticks counted by a full
-engine's retries. Simulated engines; the checks of what an edit may change are pure and tested first (the rolls
-of engines and router an edit of their settings starts: tests/test_up_roll.py)."""
+"""`kvmesh up -f pool.yaml` follows edits of its file as the operator follows the CRD: a broken edit, one that
+only a new `kvmesh up` could apply (the pool's name, here with an engine setting: none of it is applied) and one
+no engine would start with (an unknown setting) are reported and change nothing (the pool serves on); a valid
+edit raises the replica bounds (a new engine starts and serves) and swaps the LoRA adapters in the running engine
+through the operator's adapter sync, while the engine started after the edit starts with the new list; a refused
+adapter is not retried over ticks counted by a full engine's retries. Simulated engines; the checks of what an
+edit may change are pure and tested first (the rolls of engines and router an edit of their settings starts:
+tests/test_up_roll.py)."""
 
 from __future__ import annotations
 
@@ -155,6 +156,10 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
         write_pool(pool_file, {}, text=renamed.replace("name: follow}", "name: renamed}"))
         wait_for(lambda: logged("must share (router.yaml pool), which no rolling restart can change; none of this "
                                 "edit is applied"), "the edit needing a new kvmesh up to be reported", proc, log)
+        # a setting no engine would start with: refused before any engine is replaced
+        write_pool(pool_file, {"sql": sql}, low=1, high=1, engine=", settings: {kv_cache_blockz: 9}")
+        wait_for(lambda: logged("changed settings no new process would start with: the engine's: unknown engine "
+                                "setting 'kv_cache_blockz'"), "the unknown setting to be reported", proc, log)
         assert not logged("rolling engine-0")
         reply = httpx.post(url + "/v1/completions", json={"model": "sql", "prompt": [1, 2, 3], "max_tokens": 2},
                            timeout=60)
