@@ -80,6 +80,28 @@ def test_a_surge_counts_in_no_replica_and_goes_with_the_old_engine_the_scaler_re
     assert engines.replicas() == {"both": 1} and engines.surges() == []
 
 
+def test_a_rolled_in_engine_that_exits_stops_the_roll_and_the_old_engines_serve_on(
+        sleeper: subprocess.Popen[bytes], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    engines = LocalEngines(plan_from_file(EXAMPLES / "aggregated.yaml"), [], tmp_path, None)
+    engines.engines = [engine(f"engine-{i}", sleeper, tmp_path) for i in range(2)]
+    engines.roll(["engine.yaml max_num_seqs"], [])
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])  # a new engine that could not start
+    failed.wait()
+    surge = engine("engine-2", failed, tmp_path, STARTING)
+    surge.replaces = "engine-0"
+    engines.engines.append(surge)
+    assert engines.unexpected_exit() is None  # not a failure of the pool: only of the roll
+    with httpx.Client() as client:
+        engines.progress(client)
+    assert [(e.child.name, e.state) for e in engines.engines] == [("engine-0", SERVING), ("engine-1", SERVING)]
+    assert not engines.rolling and engines.unexpected_exit() is None
+    assert "engine-2, rolled in for engine-0, exited with 3; the roll stops, the old engines serve on" in \
+        capsys.readouterr().err
+    with httpx.Client() as client:
+        engines.progress(client)  # and no new engine is rolled in for them
+    assert len(engines.engines) == 2
+
+
 POOL = """
 apiVersion: kvmesh.io/v1alpha1
 kind: InferencePool
