@@ -324,7 +324,8 @@ class LocalEngines:
         for old in list(self.old_routers):
             if old[0].process.poll() is not None:
                 self.old_routers.remove(old)
-                _say(f"the previous router exited ({old[0].process.returncode}): its open requests are done")
+                code = old[0].process.returncode
+                _say(f"the previous router exited ({code}){': its open requests are done' if code == 0 else ''}")
             elif now > old[1]:
                 old[0].process.kill()
 
@@ -431,22 +432,25 @@ def _wait_routed(client: httpx.Client, engines: LocalEngines, count: int, timeou
 
 
 def _wait_port_free(port: int, process: subprocess.Popen[bytes], timeout: float) -> None:
-    """Until a new listener can bind `port` (the old router closes it at once on SIGINT; open connections do not
-    hold it: SO_REUSEADDR, which uvicorn sets too); past `timeout`, the old process is killed to free it."""
+    """Until a new listener can bind `port` (the old router `process` closes it at once on SIGINT; its open
+    connections do not hold it: SO_REUSEADDR, which uvicorn sets too), or `process` is gone (if something else
+    holds the port, the new router says so as it exits); past `timeout`, `process` is killed."""
     deadline = time.monotonic() + timeout
-    while True:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-                return
-            except OSError:
-                pass
+    while not _bindable(port) and process.poll() is None:
         if time.monotonic() > deadline:
             process.kill()
             process.wait()
-            deadline = float("inf")  # its port is free once it is gone
         time.sleep(0.05)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _answers(client: httpx.Client, method: str, url: str) -> dict[str, Any] | None:
@@ -641,7 +645,7 @@ def _settings_problem(engine: Mapping[str, Any], router: Mapping[str, Any]) -> s
         for name, load, path in (("engine", load_config, engine_file), ("router", load_router_config, router_file)):
             try:
                 load(path)
-            except Exception as exc:  # whatever its checks raise (an unknown key is a TypeError): never a crash
+            except Exception as exc:  # whatever its checks raise: never a crash of the pool
                 return f"the {name}'s: {exc}"
     return None
 
