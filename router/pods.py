@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -62,6 +62,8 @@ class Pod:
     served_at: float = 0.0
     scraped_at: float = 0.0
     inflight: int = 0
+    # its last snapshot and what it was made from (PodSet.snapshot): rebuilt only when one of those changed
+    snapped: tuple[tuple[Any, ...], PodState] | None = field(default=None, repr=False, compare=False)
 
     def models(self) -> ServedModels:
         if self.served is not None:
@@ -215,39 +217,48 @@ class PodSet:
             self.mark_draining(url, draining)
 
     def snapshot(self, now: float | None = None) -> list[PodState]:
+        """Every pod's state now, for one request's decision. A pod's state is made again only when something it
+        is made from changed (most pods of a large pool do not between two requests): building a PodState costs
+        microseconds, and a request reads every pod's."""
         now = time.monotonic() if now is None else now
         states = []
         for pod in self.pods.values():
-            m = pod.metrics
-            config = pod.kv_config
-            served = pod.models()
-            states.append(
-                PodState(
-                    name=pod.name,
-                    url=pod.url,
-                    role=config.role if config else "both",
-                    model=config.model if config else "",
-                    models=served.names,
-                    adapters_active=pod.lora.active,
-                    adapters_running=len(pod.lora.running),
-                    max_loras=pod.lora.max_lora,
-                    healthy=pod.healthy and pod.refused is None and config is not None,
-                    draining=pod.draining,
-                    stale=now - pod.scraped_at > self.stale_after,
-                    running=int(m.get("running", 0)),
-                    waiting=int(m.get("waiting", 0)),
-                    inflight=pod.inflight,
-                    kv_usage=m.get("kv_usage", 0.0),
-                    forecast_usage_p90=m.get("forecast_usage_p90", 0.0),
-                    overload_probability=m.get("overload_probability", 0.0),
-                    pending_prefill_tokens=int(m.get("pending_prefill_tokens", 0)),
-                    prefill_tokens_per_second=m.get("prefill_tokens_per_second", 0.0),
-                    decode_step_seconds=m.get("decode_step_seconds", 0.0),
-                    num_blocks=int(m.get("num_blocks", 0)),
-                    block_size=int(m.get("block_size", self.expected.block_size)),
-                )
-            )
+            stale = now - pod.scraped_at > self.stale_after
+            inputs = (pod.kv_config, pod.served, pod.lora, pod.healthy, pod.refused, pod.draining, stale, pod.inflight,
+                      tuple(pod.metrics.items()))  # a copy of the numbers: the dict may change in place
+            if pod.snapped is None or pod.snapped[0] != inputs:
+                pod.snapped = (inputs, self._state(pod, stale))
+            states.append(pod.snapped[1])
         return states
+
+    def _state(self, pod: Pod, stale: bool) -> PodState:
+        m = pod.metrics
+        config = pod.kv_config
+        served = pod.models()
+        return PodState(
+            name=pod.name,
+            url=pod.url,
+            role=config.role if config else "both",
+            model=config.model if config else "",
+            models=served.names,
+            adapters_active=pod.lora.active,
+            adapters_running=len(pod.lora.running),
+            max_loras=pod.lora.max_lora,
+            healthy=pod.healthy and pod.refused is None and config is not None,
+            draining=pod.draining,
+            stale=stale,
+            running=int(m.get("running", 0)),
+            waiting=int(m.get("waiting", 0)),
+            inflight=pod.inflight,
+            kv_usage=m.get("kv_usage", 0.0),
+            forecast_usage_p90=m.get("forecast_usage_p90", 0.0),
+            overload_probability=m.get("overload_probability", 0.0),
+            pending_prefill_tokens=int(m.get("pending_prefill_tokens", 0)),
+            prefill_tokens_per_second=m.get("prefill_tokens_per_second", 0.0),
+            decode_step_seconds=m.get("decode_step_seconds", 0.0),
+            num_blocks=int(m.get("num_blocks", 0)),
+            block_size=int(m.get("block_size", self.expected.block_size)),
+        )
 
     # ---- per-pod tasks -------------------------------------------------------------------------------------
 

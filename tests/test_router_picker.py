@@ -227,3 +227,36 @@ def test_choosing_among_64_pods() -> None:
         runs.append(time.perf_counter() - start)
     runs.sort()
     print(f"\npick, 64 pods: p50 {runs[100] * 1e3:.3f} ms, p99 {runs[197] * 1e3:.3f} ms")
+
+
+def test_a_pods_snapshot_follows_every_change_the_picker_reads() -> None:
+    """PodSet.snapshot reuses a pod's state while nothing it is made from changed, so each change must show in
+    the next snapshot: a scrape's new numbers, numbers changed in place, the router's in-flight count, health,
+    draining, a new KV config and staleness."""
+    from kvmesh.engine.protocol import KVConfig
+    from kvmesh.router.index import PrefixIndex
+    from kvmesh.router.pods import PodSet
+
+    config = KVConfig(model="m", block_size=16, hash_algo="xxh3_64", hash_root="r", tokenizer_fingerprint="f",
+                      num_device_blocks=100, boot_id="a")
+    pods = PodSet(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], config, PrefixIndex(), 1.0, 10.0)
+    now = time.monotonic()
+    for pod in pods.pods.values():
+        pod.healthy, pod.kv_config, pod.metrics, pod.scraped_at = True, config, {"running": 1.0}, now
+    first, other = pods.snapshot(now)
+    assert pods.snapshot(now) == [first, other] and pods.snapshot(now)[1] is other  # unchanged: the same state
+    pod = pods.pods[first.name]
+    pod.metrics = {"running": 3.0, "kv_usage": 0.5}
+    assert (pods.snapshot(now)[0].running, pods.snapshot(now)[0].kv_usage) == (3, 0.5)
+    pod.metrics["waiting"] = 2.0  # in place
+    assert pods.snapshot(now)[0].waiting == 2
+    pod.inflight += 1
+    assert pods.snapshot(now)[0].inflight == 1 and pods.snapshot(now)[0].load == 6
+    pod.draining = True
+    assert pods.snapshot(now)[0].draining
+    pod.healthy = False
+    assert not pods.snapshot(now)[0].healthy
+    pod.healthy, pod.kv_config = True, replace(config, model="m2", boot_id="b")
+    assert pods.snapshot(now)[0].model == "m2" and pods.snapshot(now)[0].healthy
+    assert pods.snapshot(now)[1] is other  # the other pod changed in nothing
+    assert pods.snapshot(now + 11.0)[0].stale and not pods.snapshot(now)[0].stale
