@@ -2,8 +2,9 @@
 through its own routing, at a low priority, so a batch fills the pool's idle capacity and is shed first when
 interactive traffic needs the pods.
 
-A request refused for load or for its tenant's limits (429, 503) waits and is sent again: overload delays a
-batch, it never fails one. A server error is retried a few times; any other answer is final and goes to the
+A request refused for load or for its tenant's limits (a 429 with Retry-After, a 503) waits and is sent again:
+overload delays a batch, it never fails one. A 429 without Retry-After (a prompt over the tenant's whole minute of
+tokens: waiting cannot help) is final. A server error is retried a few times; any other answer is final and goes to the
 batch's error file. Requests are sent in prefix order (router/batches.run_order), so each run of requests sharing
 a prompt prefix is served from the first one's cached blocks. Batches take turns: after TURN_SECONDS a replica
 hands its batch on when another waits (the requests in flight finish first), so one tenant's long batch never
@@ -50,7 +51,6 @@ TURN_SECONDS = 60.0  # a replica runs a batch this long, then hands it on if ano
 YIELDED = "yielded"  # _run_lines' status when the batch's turn ended with requests left
 # requests whose prompts open with this many characters alike (about 64 tokens) wait for the first of them
 GROUP_MIN_CHARS = 256
-REFUSED = frozenset({429, 503})  # the pool's "not now": overloaded, over the tenant's limits, no pod yet
 MAX_WAIT_SECONDS = 10.0  # a refused request waits its Retry-After, but no longer than this, before it is sent again
 SERVER_ERROR_BACKOFF_SECONDS = 1.0
 
@@ -303,7 +303,7 @@ class BatchRunner:
                 log.exception("batch runner: request %s of %s", line.custom_id, batch.id)
                 answer = Answer(500, {"error": {"message": f"the router failed: {exc}", "type": "server_error"}})
             wait = None
-            if answer.status in REFUSED:
+            if answer.status == 503 or (answer.status == 429 and answer.retry_after is not None):
                 wait = min(answer.retry_after or 1.0, MAX_WAIT_SECONDS)
             elif answer.status >= 500 and (server_errors := server_errors + 1) < self.settings.server_error_attempts:
                 wait = SERVER_ERROR_BACKOFF_SECONDS * server_errors

@@ -276,19 +276,21 @@ def test_refusals_are_sent_again_server_errors_retried_and_other_answers_final(s
             return Answer(502, {"error": {"message": "pod broke off", "code": None}})
         if question == "bad":
             return Answer(400, {"error": {"message": "messages: invalid", "code": None}})
+        if question == "huge":  # over the tenant's whole minute of tokens: no Retry-After, waiting cannot help
+            return Answer(429, {"error": {"message": "Request too large", "code": "rate_limit_exceeded"}})
         return served(body)
 
-    batch_id = new_batch(store, [line(q, chat("s", q)) for q in ("ok", "shed", "broken", "bad")])
+    batch_id = new_batch(store, [line(q, chat("s", q)) for q in ("ok", "shed", "broken", "bad", "huge")])
     counters = Counters()
     runner = BatchRunner(store, send, lambda pseudonym: "default", counters, FAST)
     asyncio.run(run_claimed(runner, store))
     batch, output, errors = output_of(store, batch_id)
-    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
     assert {x["custom_id"] for x in output} == {"ok", "shed"}
     assert {x["custom_id"]: (x["response"]["status_code"], x["error"]["code"]) for x in errors} == {
-        "broken": (502, "502"), "bad": (400, "400")}
-    assert calls == {"ok": 1, "shed": 3, "broken": FAST.server_error_attempts, "bad": 1}
-    assert counters.requests == {"ok": 2, "failed": 2, "retried": 2 + FAST.server_error_attempts - 1}
+        "broken": (502, "502"), "bad": (400, "400"), "huge": (429, "rate_limit_exceeded")}
+    assert calls == {"ok": 1, "shed": 3, "broken": FAST.server_error_attempts, "bad": 1, "huge": 1}
+    assert counters.requests == {"ok": 2, "failed": 3, "retried": 2 + FAST.server_error_attempts - 1}
     assert counters.ended == ["completed"] and batch["usage"]["input_tokens"] == 10
     assert store.answered_lines(batch_id) == set()  # the answers moved into the files; the counts stay frozen
 
