@@ -73,7 +73,7 @@ from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseud
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH
-from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
+from kvmesh.router.config import INLINE_TOKENIZE_BYTES, SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tenants, unkeyed_tenants
 from kvmesh.router.lora import union_cards
@@ -97,9 +97,6 @@ SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill 
 # Request fields only the router sets (a prefix pull, a resumed stream): a client's would make an engine fetch KV
 # from any address it names, or skip tokens. Admission drops them; the router adds its own after deciding.
 ROUTER_ONLY_FIELDS = (KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD)
-# Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
-# thread, so a long prompt does not stall other requests' streams.
-INLINE_TOKENIZE_BYTES = 8192
 # Shutdown, one bound for both edges (SHUTDOWN_DRAIN_SECONDS, which the router pod's grace period is derived from):
 # the HTTP port stays open, /health at 503, as long as the picker goes on taking new streams; then it closes and
 # the requests open get the rest of the bound.
@@ -845,6 +842,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         try:
             content = json.loads(bytes(response.body))
         except (json.JSONDecodeError, UnicodeDecodeError):
+            content = None
+        if not isinstance(content, dict):  # not an OpenAI answer (a pod's broken reply): kept as the error's text
             content = error_body(bytes(response.body).decode(errors="replace")[:1000], "server_error")
         retry = response.headers.get("retry-after")
         return Answer(response.status_code, content, float(retry) if retry else None)

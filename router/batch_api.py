@@ -33,7 +33,8 @@ from kvmesh.router.batches import (
     window_seconds,
 )
 
-MAX_PAGE = 100  # OpenAI's bound on a list page
+MAX_PAGE = 100  # OpenAI's bound on a page of batches
+MAX_FILES_PAGE = 10_000  # and on a page of files (also its default)
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # a multipart body's boundaries and fields beside the file itself
 NO_STORE = ("the Batch API keeps files and batches in the pool's database, and this router has none: set "
             "database_url (a pool's spec.store.databaseUrl)")
@@ -74,39 +75,59 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
     """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused)."""
     api = APIRouter()
 
-    async def call(http: HttpRequest, work: Callable[[BatchStore, str], Any]) -> Response:
-        """Authenticate, then run `work(store, tenant pseudonym)` in a thread: a Response, or JSON to answer."""
+    def admitted(http: HttpRequest) -> tuple[BatchStore, str] | Response:
+        """The store and the caller's tenant pseudonym, or the answer to a call that cannot go on (401 without a
+        valid key, 501 without a database)."""
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
                                            "authentication_error", code="invalid_api_key"), status_code=401)
-        if store is None:
-            return _error(501, NO_STORE, code="batches_disabled")
+        return _error(501, NO_STORE, code="batches_disabled") if store is None else (store, tenant_hash(tenant))
+
+    async def call(http: HttpRequest, work: Callable[[BatchStore, str], Any]) -> Response:
+        """Authenticate, then run `work(store, tenant pseudonym)` in a thread: a Response, or JSON to answer."""
+        caller = admitted(http)
+        if isinstance(caller, Response):
+            return caller
         try:
-            result = await asyncio.to_thread(work, store, tenant_hash(tenant))
+            result = await asyncio.to_thread(work, *caller)
         except BatchInputError as exc:
-            return _error(400, str(exc), exc.param)
+            return _error(exc.status, str(exc), exc.param)
         return result if isinstance(result, Response) else JSONResponse(result)
 
     def found(value: Any, kind: str, item_id: str) -> Any:
         return value if value is not None else _error(404, f"No {kind} found with id '{item_id}'.",
                                                       code="not_found")
 
-    def page(http: HttpRequest) -> tuple[int, str | None]:
-        raw = http.query_params.get("limit", "20")
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
-            raise BatchInputError(f"limit must be a whole number from 1 to {MAX_PAGE}", "limit")
-        return int(raw), http.query_params.get("after")
+    def page(http: HttpRequest, most: int, default: int) -> tuple[int, str | None, bool]:
+        """OpenAI's list parameters: `limit` (1 to `most`), the cursor `after`, and whether `order` is newest
+        first (desc, the default)."""
+        raw, order = http.query_params.get("limit", str(default)), http.query_params.get("order", "desc")
+        if not raw.isdigit() or not 1 <= int(raw) <= most:
+            raise BatchInputError(f"limit must be a whole number from 1 to {most}", "limit")
+        if order not in ("asc", "desc"):
+            raise BatchInputError(f"order must be asc or desc, not {order!r}", "order")
+        return int(raw), http.query_params.get("after"), order == "desc"
 
     @api.post("/v1/files")
     async def upload(http: HttpRequest) -> Response:
+        if isinstance(caller := admitted(http), Response):  # before reading a byte of the body
+            return caller
         size = http.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_file_bytes + MULTIPART_OVERHEAD_BYTES:
+        if size is None or not size.isdigit():  # the bound holds before the body is read, so its size must be said
+            return _error(411, "an upload needs a Content-Length header")
+        if int(size) > max_file_bytes + MULTIPART_OVERHEAD_BYTES:
             return _error(413, f"the file is over this pool's limit of {max_file_bytes} bytes", "file")
         try:
             form = await http.form(max_files=1, max_fields=8)
         except Exception as exc:  # not multipart, or a malformed one: the client's mistake
             return _error(400, f"upload a file as multipart/form-data with fields `file` and `purpose`: {exc}")
+        try:
+            return await _uploaded(http, form)
+        finally:
+            await form.close()
+
+    async def _uploaded(http: HttpRequest, form: Any) -> Response:
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):
             return _error(400, "the form has no file field `file`", "file")
@@ -129,7 +150,8 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
     @api.get("/v1/files")
     async def list_files(http: HttpRequest) -> Response:
         purpose = http.query_params.get("purpose")
-        return await call(http, lambda s, tenant: s.files(tenant, purpose, *page(http)))
+        return await call(http, lambda s, tenant: s.files(tenant, purpose, *page(http, MAX_FILES_PAGE,
+                                                                                  MAX_FILES_PAGE)))
 
     @api.get("/v1/files/{file_id}")
     async def get_file(http: HttpRequest, file_id: str) -> Response:
@@ -179,7 +201,7 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
 
     @api.get("/v1/batches")
     async def list_batches(http: HttpRequest) -> Response:
-        return await call(http, lambda s, tenant: s.batches(tenant, *page(http)))
+        return await call(http, lambda s, tenant: s.batches(tenant, *page(http, MAX_PAGE, 20)))
 
     @api.get("/v1/batches/{batch_id}")
     async def get_batch(http: HttpRequest, batch_id: str) -> Response:

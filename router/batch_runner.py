@@ -19,11 +19,14 @@ import contextlib
 import dataclasses
 import logging
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from sqlalchemy.exc import DBAPIError
 
 from kvmesh.router.batch_store import BatchStore, ClaimedBatch
 from kvmesh.router.batches import (
@@ -173,6 +176,13 @@ class BatchRunner:
                     await asyncio.shield(asyncio.to_thread(self.store.release, claimed.id, self.owner))
                 raise
             except Exception as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # stopping: a fault on the way out does not hold it
+                    raise asyncio.CancelledError from exc
+                if isinstance(exc, DBAPIError):  # the database away: a passing fault, tried again, not counted
+                    log.exception("batch runner: batch %s: the database failed", claimed.id)
+                    await asyncio.sleep(self.settings.poll_seconds)
+                    continue
                 crashes[claimed.id] = crashes.get(claimed.id, 0) + 1
                 log.exception("batch runner: batch %s stopped (%d time(s))", claimed.id, crashes[claimed.id])
                 if crashes[claimed.id] >= MAX_CRASHES:  # not a passing fault: end it rather than retry forever
@@ -188,12 +198,15 @@ class BatchRunner:
     async def run(self, batch: ClaimedBatch) -> None:
         """Take a claimed batch as far as it goes: checked, run, and ended with its files."""
         store, owner = self.store, self.owner
-        content = await asyncio.to_thread(store.file_content, batch.tenant, batch.input_file_id)
+        content = await asyncio.to_thread(store.file_content, batch.tenant, batch.input_file_id, True)
         if content is None:
             await self._fail(batch, [LineProblem("missing_file", f"the input file {batch.input_file_id} was "
                                                                  "deleted before the batch ran")])
             return
-        checked = await asyncio.to_thread(check_input, content, batch.endpoint, self.settings.max_requests)
+        # the bound on requests is checked once, when the batch is validated: a replica with a lower one that takes
+        # the batch over runs what was accepted
+        bound = self.settings.max_requests if batch.status == "validating" else sys.maxsize
+        checked = await asyncio.to_thread(check_input, content, batch.endpoint, bound)
         if batch.status == "validating":
             if checked.problems:
                 await self._fail(batch, checked.problems)
@@ -245,49 +258,75 @@ class BatchRunner:
                     line = None if halted() else dispatch.take()
                 if line is None:
                     return
-                result = await self._attempt(batch, line, tenant, stop)
-                if result is not None:
-                    done.append(result)
-                async with changed:
-                    dispatch.answered(line)
-                    changed.notify_all()
+                try:
+                    result = await self._attempt(batch, line, tenant, stop)
+                    if result is not None:
+                        done.append(result)
+                finally:
+                    async with changed:
+                        dispatch.answered(line)
+                        changed.notify_all()
 
         written = asyncio.Lock()  # the last flush waits for one under way, so the files miss no answer
 
         async def flush() -> None:
             async with written:
                 taken = done[:]
-                del done[: len(taken)]
-                if taken:
-                    await asyncio.to_thread(self.store.add_results, batch.id, taken)
+                if taken:  # dropped from `done` once written: a failed write keeps them for the next flush
+                    await asyncio.to_thread(self.store.add_results, batch.id, self.owner, taken)
+                    del done[: len(taken)]
+
+        async def halt(status: str | None) -> None:
+            """Stop the run: cancel what is in flight, and wake the workers waiting for a run's first answer."""
+            ended[0] = status
+            stop.set()
+            async with changed:
+                changed.notify_all()
 
         async def keep_lease() -> None:
+            """Every flush_seconds: write the answers, renew the lease, read the status. A database fault skips a
+            tick (the answers stay for the next); the run stops only once the lease may have passed to another
+            replica, not having been renewed for lease_seconds."""
             turn_ends = time.monotonic() + self.settings.turn_seconds
+            renewed = time.monotonic()
             while True:
                 await asyncio.sleep(self.settings.flush_seconds)
-                await asyncio.shield(flush())  # a write under way finishes even when the keeper is cancelled
-                status = await asyncio.to_thread(self.store.renew, batch.id, self.owner, self.settings.lease_seconds)
+                try:
+                    await asyncio.shield(flush())  # a write under way finishes even when the keeper is cancelled
+                    status = await asyncio.to_thread(self.store.renew, batch.id, self.owner,
+                                                     self.settings.lease_seconds)
+                    waiting = (time.monotonic() >= turn_ends and not turn_over.is_set()
+                               and await asyncio.to_thread(self.store.others_waiting, batch.id))
+                except Exception:
+                    log.exception("batch runner: batch %s: the database failed; trying again", batch.id)
+                    if time.monotonic() - renewed >= self.settings.lease_seconds:
+                        await halt(None)  # our lease has run out: another replica may run the batch now
+                        return
+                    continue
+                renewed = time.monotonic()
                 if status is None or status == "cancelling" or time.time() >= batch.expires_at:
-                    ended[0] = status if status in (None, "cancelling") else "expired"
-                    stop.set()
-                    async with changed:  # workers waiting for a run's first answer end too
-                        changed.notify_all()
+                    await halt(status if status in (None, "cancelling") else "expired")
                     return
-                if time.monotonic() >= turn_ends and not turn_over.is_set():
-                    if await asyncio.to_thread(self.store.others_waiting, batch.id):
-                        turn_over.set()  # the workers end once their requests in flight are answered
-                        async with changed:
-                            changed.notify_all()
+                if waiting:
+                    turn_over.set()  # the workers end once their requests in flight are answered
+                    async with changed:
+                        changed.notify_all()
+                if time.monotonic() >= turn_ends:
                     turn_ends = time.monotonic() + self.settings.turn_seconds
 
         keeper = asyncio.create_task(keep_lease())
         try:
-            await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
+            async with asyncio.TaskGroup() as workers:  # one that raises cancels the others: none runs unwatched
+                for _ in range(self.settings.concurrency):
+                    workers.create_task(worker())
         finally:
             keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await keeper
-            await asyncio.shield(flush())
+            try:
+                await asyncio.shield(flush())
+            except Exception:  # the answers not written are sent again by whoever runs the batch next
+                log.exception("batch runner: batch %s: its last answers could not be written", batch.id)
         return YIELDED if ended[0] == "in_progress" and dispatch.left() else ended[0]
 
     async def _attempt(self, batch: ClaimedBatch, line: BatchLine, tenant: str,
@@ -345,5 +384,6 @@ class BatchRunner:
         unrun = [unrun_line(line, *why[final]) for line in lines if line.line not in answered] if final in why else []
         output = jsonl(r.output_line() for r in results if r.ok)
         errors = jsonl([r.output_line() for r in results if not r.ok] + unrun)
-        if await asyncio.to_thread(self.store.finish, batch, self.owner, final, output, errors, len(unrun)):
+        if await asyncio.to_thread(self.store.finish, batch, self.owner, final, output, errors, len(lines),
+                                   len(unrun)):
             self.counters.finished(final)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import BigInteger, Float, Integer, LargeBinary, String, Text, case, delete, func, select, update
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from kvmesh.router.batches import (
@@ -24,6 +24,7 @@ from kvmesh.router.batches import (
     CANCELLABLE_STATUSES,
     FINAL_STATUSES,
     OUTPUT_PURPOSE,
+    BatchInputError,
     LineProblem,
     LineResult,
     list_page,
@@ -130,16 +131,31 @@ def _file_json(row: FileRow) -> dict[str, Any]:
             "status_details": None}
 
 
+def _result_row(batch_id: str, result: LineResult) -> ResultRow:
+    prompt, cached, output = result.usage()
+    return ResultRow(batch_id=batch_id, line=result.line, custom_id=result.custom_id, status_code=result.status_code,
+                     body=json.dumps(result.body), request_id=result.request_id[:_ID_LEN], prompt_tokens=prompt,
+                     cached_tokens=cached, completion_tokens=output)
+
+
 def _page(session: Session, table: type[FileRow] | type[BatchRow], query: Any, tenant: str, limit: int,
-          after: str | None) -> tuple[list[Any], bool]:
-    """A list page of `query`'s rows, newest first, after the tenant's row `after` (OpenAI's cursor), and whether
-    more follow."""
+          after: str | None, newest_first: bool) -> tuple[list[Any], bool]:
+    """A list page of `query`'s rows after the tenant's row `after` (OpenAI's cursor), and whether more follow;
+    BatchInputError for a cursor that names no row of the tenant (paging would start over and repeat itself)."""
     if after is not None:
         cursor = session.scalar(select(table.seq).where(table.id == after, table.tenant == tenant))
-        if cursor is not None:
-            query = query.where(table.seq < cursor)
-    rows = session.scalars(query.order_by(table.seq.desc()).limit(limit + 1)).all()
+        if cursor is None:
+            kind = "file" if table is FileRow else "batch"
+            raise BatchInputError(f"after: no {kind} with id '{after}' (deleted or expired?)", "after")
+        query = query.where(table.seq < cursor if newest_first else table.seq > cursor)
+    order = table.seq.desc() if newest_first else table.seq.asc()
+    rows = session.scalars(query.order_by(order).limit(limit + 1)).all()
     return list(rows[:limit]), len(rows) > limit
+
+
+def _reading(file_id: str) -> tuple[Any, ...]:
+    """The batches still running over the file."""
+    return BatchRow.input_file_id == file_id, BatchRow.status.in_(ACTIVE_STATUSES)
 
 
 def _free(owner: str | None) -> Any:
@@ -182,28 +198,40 @@ class BatchStore:
             row = session.scalar(select(FileRow).where(FileRow.id == file_id, *_visible(tenant)))
             return None if row is None else _file_json(row)
 
-    def file_content(self, tenant: str, file_id: str) -> bytes | None:
+    def file_content(self, tenant: str, file_id: str, expired_too: bool = False) -> bytes | None:
+        """A file's bytes; `expired_too`: also one past its expiry not yet swept (a running batch's input, which
+        the sweep keeps)."""
+        owned = (FileRow.tenant == tenant,) if expired_too else _visible(tenant)
         with Session(self.engine) as session:
-            return session.scalar(select(FileRow.content).where(FileRow.id == file_id, *_visible(tenant)))
+            return session.scalar(select(FileRow.content).where(FileRow.id == file_id, *owned))
 
-    def files(self, tenant: str, purpose: str | None, limit: int, after: str | None) -> dict[str, Any]:
-        """The tenant's files, newest first, a page of `limit` after the file `after`."""
+    def files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
+              newest_first: bool = True) -> dict[str, Any]:
+        """The tenant's files, a page of `limit` after the file `after`."""
         query = select(FileRow).where(*_visible(tenant))
         if purpose is not None:
             query = query.where(FileRow.purpose == purpose)
         with Session(self.engine) as session:
-            rows, more = _page(session, FileRow, query, tenant, limit, after)
+            rows, more = _page(session, FileRow, query, tenant, limit, after, newest_first)
             return list_page([_file_json(r) for r in rows], more)
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
+        """Remove a file; BatchInputError when a batch still running reads it (cancel the batch first)."""
         with Session(self.engine) as session, session.begin():
+            reader = session.scalar(select(BatchRow.id).where(*_reading(file_id), BatchRow.tenant == tenant).limit(1))
+            if reader is not None:
+                raise BatchInputError(f"the file {file_id} is the input of batch {reader}, which is still running: "
+                                      f"cancel it or wait for it to end", "file_id", status=409)
             gone = session.execute(delete(FileRow).where(FileRow.id == file_id, *_visible(tenant)))
             return gone.rowcount == 1
 
     def delete_expired(self) -> int:
-        """Remove the files past their expiry (already invisible to clients); how many went."""
+        """Remove the files past their expiry (already invisible to clients) that no running batch reads; how
+        many went."""
+        running = select(BatchRow.input_file_id).where(BatchRow.status.in_(ACTIVE_STATUSES))
         with Session(self.engine) as session, session.begin():
-            return session.execute(delete(FileRow).where(FileRow.expires_at < int(time.time()))).rowcount
+            return session.execute(delete(FileRow).where(FileRow.expires_at < int(time.time()),
+                                                         FileRow.id.not_in(running))).rowcount
 
     # -- batches, as the API sees them
 
@@ -223,11 +251,11 @@ class BatchStore:
             row = session.scalar(select(BatchRow).where(BatchRow.id == batch_id, BatchRow.tenant == tenant))
             return None if row is None else self._batch_json(row, session)
 
-    def batches(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
-        """The tenant's batches, newest first, a page of `limit` after the batch `after`."""
+    def batches(self, tenant: str, limit: int, after: str | None, newest_first: bool = True) -> dict[str, Any]:
+        """The tenant's batches, a page of `limit` after the batch `after`."""
         query = select(BatchRow).where(BatchRow.tenant == tenant)
         with Session(self.engine) as session:
-            rows, more = _page(session, BatchRow, query, tenant, limit, after)
+            rows, more = _page(session, BatchRow, query, tenant, limit, after, newest_first)
             return list_page([self._batch_json(r, session) for r in rows], more)
 
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
@@ -344,18 +372,22 @@ class BatchStore:
         with Session(self.engine) as session:
             return set(session.scalars(select(ResultRow.line).where(ResultRow.batch_id == batch_id)))
 
-    def add_results(self, batch_id: str, results: Sequence[LineResult]) -> None:
-        """Record answered requests; one a previous owner of the batch already recorded is kept, not doubled."""
-        for result in results:
-            prompt, cached, output = result.usage()
-            try:
-                with Session(self.engine) as session, session.begin():
-                    session.add(ResultRow(batch_id=batch_id, line=result.line, custom_id=result.custom_id,
-                                          status_code=result.status_code, body=json.dumps(result.body),
-                                          request_id=result.request_id, prompt_tokens=prompt,
-                                          cached_tokens=cached, completion_tokens=output))
-            except IntegrityError:
-                continue
+    def add_results(self, batch_id: str, owner: str, results: Sequence[LineResult]) -> bool:
+        """Record answered requests in one transaction, while `owner` still runs the batch (a replica that lost it,
+        or a write arriving after the batch ended, adds nothing: False); a request already recorded is kept, not
+        doubled."""
+        with Session(self.engine) as session, session.begin():
+            held = session.scalar(select(BatchRow.id).where(BatchRow.id == batch_id, BatchRow.owner == owner,
+                                                            BatchRow.status.in_(ACTIVE_STATUSES))
+                                  .with_for_update())  # serialized with finish(), which drops the rows
+            if held is None:
+                return False
+            lines = [r.line for r in results]
+            known = set(session.scalars(select(ResultRow.line).where(ResultRow.batch_id == batch_id,
+                                                                     ResultRow.line.in_(lines))))
+            fresh = {r.line: r for r in results if r.line not in known}  # one per line, the first
+            session.add_all(_result_row(batch_id, r) for r in fresh.values())
+        return True
 
     def results(self, batch_id: str) -> list[LineResult]:
         with Session(self.engine) as session:
@@ -363,11 +395,12 @@ class BatchStore:
                                    .order_by(ResultRow.line)).all()
             return [LineResult(r.line, r.custom_id, r.status_code, json.loads(r.body), r.request_id) for r in rows]
 
-    def finish(self, batch: ClaimedBatch, owner: str, status: str, output: bytes, errors: bytes,
+    def finish(self, batch: ClaimedBatch, owner: str, status: str, output: bytes, errors: bytes, total: int,
                unrun: int) -> bool:
         """Write the output and error files (each only when it has lines), freeze the batch's counts and usage, drop
         its results rows (the files hold them now) and end it in `status`, in one transaction: a client sees the
-        final status with its files or neither. `unrun`: requests never sent (cancelled or expired), failed."""
+        final status with its files or neither. `total`: the input's requests (also for a batch cancelled before it
+        started); `unrun`: those never sent (cancelled or expired), counted as failed."""
         now = int(time.time())
         files = {name: FileRow(id=new_id("file-"), tenant=batch.tenant, purpose=OUTPUT_PURPOSE,
                                filename=f"{batch.id}_{name}.jsonl", bytes=len(content), created_at=now,
@@ -379,7 +412,7 @@ class BatchStore:
             moved = session.execute(
                 update(BatchRow).where(BatchRow.id == batch.id, BatchRow.owner == owner,
                                        BatchRow.status.in_(ACTIVE_STATUSES))
-                .values(status=status, **{f"{status}_at": now}, owner=None, lease_until=0.0,
+                .values(status=status, **{f"{status}_at": now}, owner=None, lease_until=0.0, total=total,
                         output_file_id=files["output"].id if "output" in files else None,
                         error_file_id=files["error"].id if "error" in files else None,
                         completed=completed, failed=failed + unrun, prompt_tokens=prompt, cached_tokens=cached,

@@ -29,7 +29,7 @@ BATCH_PRIORITY = -1  # x-kvmesh-priority of a batch's requests: shed before any 
 MAX_CUSTOM_ID_CHARS = 512
 PREFIX_ORDER, FILE_ORDER = "prefix", "file"  # how a batch's requests are ordered to be sent (batch_order)
 BATCH_ORDERS: tuple[str, ...] = (PREFIX_ORDER, FILE_ORDER)
-MAX_LISTED_ERRORS = 100  # a batch that fails its check lists this many problems (the count says how many in all)
+MAX_LISTED_ERRORS = 100  # a batch that fails its check lists this many problems, then says how many more
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
 _WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")
 MAX_WINDOW_HOURS = 168
@@ -38,11 +38,11 @@ MIN_FILE_TTL_SECONDS = 3600
 
 
 class BatchInputError(ValueError):
-    """A create-batch or upload request that cannot be accepted (a 400 with this message)."""
+    """A call that cannot be accepted: its status (400, or 409 for a conflict with a running batch) and message."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
 
 
 def new_id(prefix: str) -> str:
@@ -116,7 +116,6 @@ class CheckedInput:
 
     lines: list[BatchLine] = field(default_factory=list)
     problems: list[LineProblem] = field(default_factory=list)
-    problem_count: int = 0  # every problem found; `problems` holds the first MAX_LISTED_ERRORS
 
 
 def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInput:
@@ -129,7 +128,9 @@ def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInpu
         text = content.decode("utf-8")
     except UnicodeDecodeError:
         return _refused([LineProblem("invalid_file_format", "the input file is not UTF-8 text")])
-    for number, raw_line in enumerate(text.splitlines(), start=1):
+    # JSONL lines end at "\n" only: str.splitlines would also cut at U+2028 and the like, which JSON strings may hold
+    for number, raw_line in enumerate(text.split("\n"), start=1):
+        raw_line = raw_line.removesuffix("\r")
         if not raw_line.strip():
             continue
         problem = _check_line(raw_line, number, endpoint, seen)
@@ -146,7 +147,11 @@ def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInpu
 
 
 def _refused(problems: list[LineProblem]) -> CheckedInput:
-    return CheckedInput([], problems[:MAX_LISTED_ERRORS], len(problems))
+    """The first MAX_LISTED_ERRORS problems, and a last one saying how many more there are."""
+    listed = problems[:MAX_LISTED_ERRORS]
+    if len(problems) > MAX_LISTED_ERRORS:
+        listed.append(LineProblem("more_problems", f"{len(problems) - MAX_LISTED_ERRORS} more problems not listed"))
+    return CheckedInput([], listed)
 
 
 def _check_line(raw_line: str, number: int, endpoint: str, seen: set[str]) -> LineProblem | tuple[str, dict[str, Any]]:
@@ -236,14 +241,9 @@ class LineResult:
 
     def output_line(self) -> dict[str, Any]:
         """The line of the output file (served) or the error file (not), in OpenAI's shape."""
-        error = None
-        if not self.ok:
-            detail = self.body.get("error") if isinstance(self.body.get("error"), dict) else {}
-            error = {"code": detail.get("code") or str(self.status_code),
-                     "message": detail.get("message") or f"the request ended with status {self.status_code}"}
         return {"id": new_id("batch_req_"), "custom_id": self.custom_id,
                 "response": {"status_code": self.status_code, "request_id": self.request_id, "body": self.body},
-                "error": error}
+                "error": None}  # as OpenAI's: `error` is for a request that got no HTTP answer (unrun_line)
 
 
 def unrun_line(line: BatchLine, code: str, message: str) -> dict[str, Any]:

@@ -31,6 +31,9 @@ SHUTDOWN_DRAIN_SECONDS = 30.0
 # every 5 s (or a readiness probe's two failures at 2 s), also time for the pod's removal from its Service's
 # endpoints to reach the load balancers.
 SHUTDOWN_SETTLE_SECONDS = 5.0
+# Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
+# thread, so a long prompt does not stall other requests' streams.
+INLINE_TOKENIZE_BYTES = 8192
 EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE = "tls.crt", "tls.key"  # in ext_proc_cert_dir: a kubernetes.io/tls Secret's keys
 
 

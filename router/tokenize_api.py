@@ -3,6 +3,7 @@ router checks their fingerprints), so counting a prompt's tokens costs no engine
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, DetokenizeRequest, TokenizeRequest, error_body
 from kvmesh.engine.protocol import DETOKENIZE_PATH, TOKENIZE_PATH
+from kvmesh.router.config import INLINE_TOKENIZE_BYTES
 
 
 def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str | None],
@@ -48,11 +50,14 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
 
     async def answer(http: HttpRequest, kind: type[BaseModel], work: Callable[[Any], dict[str, Any]],
                      param: str) -> Any:
-        """Parse and check the call, then `work(body)`; its ValueError is the client's 400 on `param`."""
+        """Parse and check the call, then `work(body)` (in a thread for a large body, as admission tokenizes: the
+        event loop routes meanwhile); its ValueError is the client's 400 on `param`."""
         body = await parse(http, kind)
         if isinstance(body, JSONResponse):
             return body
         try:
+            if int(http.headers.get("content-length") or 0) > INLINE_TOKENIZE_BYTES:
+                return await asyncio.to_thread(work, body)
             return work(body)
         except ValueError as exc:
             return JSONResponse(error_body(str(exc), param=param), status_code=400)

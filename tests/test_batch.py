@@ -83,7 +83,16 @@ def test_a_file_with_any_problem_is_refused_whole_with_each_problem_and_its_line
     assert [(p.code, p.line) for p in checked.problems] == [
         ("duplicate_custom_id", 2), ("mismatched_endpoint", 3), ("invalid_method", 4), ("invalid_request", 5),
         ("invalid_json_line", 6), ("invalid_request", 7), ("invalid_json_line", 8), ("invalid_custom_id", 9)]
-    assert checked.problem_count == 8
+    many = check_input(b"\n".join([b"{not json"] * 150), CHAT_PATH, max_requests=10)
+    assert len(many.problems) == 101 and many.problems[-1].code == "more_problems" and "50 more" in \
+        many.problems[-1].message
+
+
+def test_lines_end_at_newlines_only_so_json_strings_may_hold_unicode_line_separators() -> None:
+    entry = line("a", chat("s", "one\u2028two\u0085three"))
+    text = json.dumps(entry, ensure_ascii=False) + "\r\n"  # raw separators, a CRLF ending
+    checked = check_input(text.encode(), CHAT_PATH, max_requests=10)
+    assert not checked.problems and checked.lines[0].body["messages"][1]["content"] == "one\u2028two\u0085three"
 
 
 def test_an_empty_file_a_file_over_the_bound_and_one_not_utf8_are_refused() -> None:
@@ -174,14 +183,17 @@ def test_replicas_racing_for_a_batch_agree_on_one_winner(store: BatchStore) -> N
     assert sum(c is not None for c in claims) == 1
 
 
-def test_each_request_is_recorded_once_even_when_two_replicas_answer_it(store: BatchStore) -> None:
+def test_each_request_is_recorded_once_and_only_by_the_replica_running_the_batch(store: BatchStore) -> None:
     from kvmesh.router.batches import LineResult
 
     batch_id = new_batch(store, [line("a", chat("s", "q")), line("b", chat("s", "q"))])
     ok = {"id": "x", "usage": {"prompt_tokens": 10, "completion_tokens": 2,
                                "prompt_tokens_details": {"cached_tokens": 8}}}
-    store.add_results(batch_id, [LineResult(0, "a", 200, ok, "x")])
-    store.add_results(batch_id, [LineResult(0, "a", 200, ok, "y"), LineResult(1, "b", 400, {"error": {}}, "z")])
+    assert store.claim("replica-a", lease_seconds=60) is not None
+    assert store.add_results(batch_id, "replica-a", [LineResult(0, "a", 200, ok, "x")])
+    assert not store.add_results(batch_id, "replica-b", [LineResult(1, "b", 200, ok, "w")])  # not its batch
+    assert store.add_results(batch_id, "replica-a", [LineResult(0, "a", 200, ok, "y"),
+                                                     LineResult(1, "b", 400, {"error": {}}, "z")])
     assert store.answered_lines(batch_id) == {0, 1}
     assert [r.request_id for r in store.results(batch_id)] == ["x", "z"]
     shown = store.batch(TENANT, batch_id)
@@ -196,8 +208,10 @@ def test_a_tenant_sees_only_its_own_files_and_batches(store: BatchStore) -> None
     assert store.batch(other, batch_id) is None and store.cancel(other, batch_id) is None
     assert store.files(other, None, 20, None)["data"] == []
     file_id = store.files(TENANT, None, 20, None)["data"][0]["id"]
-    assert store.file_content(other, file_id) is None and not store.delete_file(other, file_id)
-    assert store.delete_file(TENANT, file_id) and store.file(TENANT, file_id) is None
+    assert store.file_content(other, file_id) is None and not store.delete_file(other, file_id)  # a 404, no more
+    spare = store.add_file(TENANT, "batch", "spare.jsonl", b"{}", ttl=None)["id"]
+    assert not store.delete_file(other, spare)
+    assert store.delete_file(TENANT, spare) and store.file(TENANT, spare) is None
 
 
 def test_an_expired_file_is_gone_for_clients_at_once_and_from_the_database_at_the_sweep(store: BatchStore) -> None:
@@ -216,6 +230,21 @@ def test_list_pages_run_newest_first_from_a_cursor(store: BatchStore) -> None:
     assert [b["id"] for b in first["data"]] == ids[::-1][:2] and first["has_more"]
     rest = store.batches(TENANT, 10, first["last_id"])
     assert [b["id"] for b in rest["data"]] == ids[::-1][2:] and not rest["has_more"]
+    oldest = store.batches(TENANT, 2, ids[1], newest_first=False)  # order=asc
+    assert [b["id"] for b in oldest["data"]] == ids[2:4] and oldest["has_more"]
+    with pytest.raises(BatchInputError, match="after: no batch with id 'batch_gone'"):
+        store.batches(TENANT, 2, "batch_gone")  # paging would start over and repeat itself
+
+
+def test_a_running_batchs_input_cannot_be_deleted_and_outlives_its_expiry(store: BatchStore) -> None:
+    file = store.add_file(TENANT, "batch", "in.jsonl", jsonl([line("a", chat("s", "q"))]), ttl=-1)  # expired
+    batch_id = store.create_batch(TENANT, CHAT_PATH, file["id"], "1h", 3600, None, output_ttl=None)["id"]
+    with pytest.raises(BatchInputError, match=f"input of batch {batch_id}") as refused:
+        store.delete_file(TENANT, file["id"])
+    assert refused.value.status == 409
+    assert store.delete_expired() == 0  # the sweep keeps what a running batch reads
+    assert store.file_content(TENANT, file["id"]) is None  # gone for clients...
+    assert store.file_content(TENANT, file["id"], expired_too=True) is not None  # ...not for the batch
 
 
 # ---- the runner, over a scripted pool ---------------------------------------------------------------------------
@@ -287,8 +316,8 @@ def test_refusals_are_sent_again_server_errors_retried_and_other_answers_final(s
     batch, output, errors = output_of(store, batch_id)
     assert batch["status"] == "completed" and batch["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
     assert {x["custom_id"] for x in output} == {"ok", "shed"}
-    assert {x["custom_id"]: (x["response"]["status_code"], x["error"]["code"]) for x in errors} == {
-        "broken": (502, "502"), "bad": (400, "400"), "huge": (429, "rate_limit_exceeded")}
+    assert {x["custom_id"]: x["response"]["status_code"] for x in errors} == {"broken": 502, "bad": 400, "huge": 429}
+    assert all(x["error"] is None for x in errors)  # as OpenAI's: `error` only for a request with no HTTP answer
     assert calls == {"ok": 1, "shed": 3, "broken": FAST.server_error_attempts, "bad": 1, "huge": 1}
     assert counters.requests == {"ok": 2, "failed": 3, "retried": 2 + FAST.server_error_attempts - 1}
     assert counters.ended == ["completed"] and batch["usage"]["input_tokens"] == 10
@@ -386,6 +415,42 @@ def test_a_cancelled_batch_stops_sending_and_lists_what_it_never_ran(store: Batc
     assert counters.ended == ["cancelled"]
 
 
+def test_a_batch_cancelled_before_it_started_counts_every_request_as_failed(store: BatchStore) -> None:
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        raise AssertionError("a cancelled batch sends nothing")
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(4)])
+    store.cancel(TENANT, batch_id)
+    asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST), store))
+    batch, output, errors = output_of(store, batch_id)
+    assert batch["status"] == "cancelled" and output == [] and len(errors) == 4
+    assert batch["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
+
+
+def test_a_passing_database_fault_loses_no_answer(store: BatchStore) -> None:
+    """One renewal fails (a dropped connection): the run goes on and every answer is written."""
+    faults = iter([RuntimeError("connection reset")])
+    renew = store.renew
+
+    def flaky_renew(batch_id: str, owner: str, lease_seconds: float) -> str | None:
+        if (fault := next(faults, None)) is not None:
+            raise fault
+        return renew(batch_id, owner, lease_seconds)
+
+    store.renew = flaky_renew  # type: ignore[method-assign]
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        await asyncio.sleep(0.01)
+        return served(body)
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(20)])
+    settings = BatchSettings(concurrency=2, flush_seconds=0.02, lease_seconds=5, poll_seconds=0.02)
+    asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), settings), store))
+    batch, output, _ = output_of(store, batch_id)
+    assert next(faults, None) is None  # the fault happened
+    assert batch["status"] == "completed" and len(output) == 20
+
+
 def test_a_batch_past_its_window_expires_with_its_requests_in_the_error_file(store: BatchStore) -> None:
     async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
         raise AssertionError("an expired batch sends nothing")
@@ -409,7 +474,7 @@ def test_a_replica_taking_a_batch_over_sends_only_what_was_not_answered(store: B
     batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
     first = store.claim("replica-a", 60)
     assert first is not None and store.start(batch_id, "replica-a", 5)
-    store.add_results(batch_id, [LineResult(i, f"r{i}", 200, {"id": f"a{i}"}, f"a{i}") for i in (0, 3)])
+    store.add_results(batch_id, "replica-a", [LineResult(i, f"r{i}", 200, {"id": f"a{i}"}, f"a{i}") for i in (0, 3)])
     store.renew(batch_id, "replica-a", -1)  # replica-a died: its lease runs out
     asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST,
                                         owner="replica-b"), store))
@@ -567,8 +632,19 @@ def test_tenants_cannot_reach_each_others_batches_and_bad_calls_say_why(pool: tu
     with pytest.raises(openai.NotFoundError):
         globex.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="24h")
     assert file_id not in [f.id for f in globex.files.list().data]
+    stranger = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).batches.list()
+        stranger.batches.list()
+    with pytest.raises(openai.AuthenticationError):
+        stranger.files.create(file=("a.jsonl", b"{}"), purpose="batch")
+    chunked = httpx.post(url + "/v1/files", headers={"Authorization": f"Bearer {KEYS['acme']}",
+                                                      "content-type": "multipart/form-data; boundary=x"},
+                         content=iter([b"--x--\r\n"]))  # no Content-Length: the size bound could not hold
+    assert chunked.status_code == 411
+    with pytest.raises(openai.ConflictError, match="still running"):
+        acme.files.delete(file_id)  # the batch made over it above has not ended
+    acme.batches.cancel(batch_id)
+    wait_ended(acme, batch_id)
     with pytest.raises(openai.BadRequestError, match="endpoint"):
         acme.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="completion_window"):
