@@ -33,6 +33,7 @@ from kvmesh.router.batches import (
     BATCH_ORDERS,
     PREFIX_ORDER,
     BatchLine,
+    CheckedInput,
     LineProblem,
     LineResult,
     check_input,
@@ -50,6 +51,7 @@ FLUSH_SECONDS = 1.0  # answers are written, the lease renewed and the status rea
 POLL_SECONDS = 1.0  # how often an idle replica looks for a batch to run
 SWEEP_SECONDS = 60.0  # how often a replica removes expired files
 MAX_CRASHES = 3  # runs of one batch in a row that raise before the batch is failed
+CHECKED_KEPT = 4  # parsed input files a replica keeps, for batches that come back to it in turns
 TURN_SECONDS = 60.0  # a replica runs a batch this long, then hands it on if another batch waits (round robin)
 YIELDED = "yielded"  # _run_lines' status when the batch's turn ended with requests left
 # requests whose prompts open with this many characters alike (about 64 tokens) wait for the first of them
@@ -152,6 +154,7 @@ class BatchRunner:
         self.counters = counters
         self.settings = settings or BatchSettings()
         self.owner = owner or new_id("router-")
+        self._checked: dict[str, CheckedInput] = {}  # the input files of the batches run last, newest first
 
     async def serve_forever(self) -> None:
         swept = -math.inf
@@ -198,15 +201,20 @@ class BatchRunner:
     async def run(self, batch: ClaimedBatch) -> None:
         """Take a claimed batch as far as it goes: checked, run, and ended with its files."""
         store, owner = self.store, self.owner
-        content = await asyncio.to_thread(store.file_content, batch.tenant, batch.input_file_id, True)
-        if content is None:
-            await self._fail(batch, [LineProblem("missing_file", f"the input file {batch.input_file_id} was "
-                                                                 "deleted before the batch ran")])
-            return
-        # the bound on requests is checked once, when the batch is validated: a replica with a lower one that takes
-        # the batch over runs what was accepted
-        bound = self.settings.max_requests if batch.status == "validating" else sys.maxsize
-        checked = await asyncio.to_thread(check_input, content, batch.endpoint, bound)
+        checked = self._checked.get(batch.id)  # a batch taking turns is read and parsed once, not at each turn
+        if checked is None:
+            content = await asyncio.to_thread(store.file_content, batch.tenant, batch.input_file_id, True)
+            if content is None:
+                await self._fail(batch, [LineProblem("missing_file", f"the input file {batch.input_file_id} was "
+                                                                     "deleted before the batch ran")])
+                return
+            # the bound on requests is checked once, when the batch is validated: a replica with a lower one that
+            # takes the batch over runs what was accepted
+            bound = self.settings.max_requests if batch.status == "validating" else sys.maxsize
+            checked = await asyncio.to_thread(check_input, content, batch.endpoint, bound)
+            del content
+            if not checked.problems:
+                self._checked = {batch.id: checked, **dict(list(self._checked.items())[: CHECKED_KEPT - 1])}
         if batch.status == "validating":
             if checked.problems:
                 await self._fail(batch, checked.problems)
