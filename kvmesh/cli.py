@@ -104,7 +104,7 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ext-proc-cert-dir",
                    help="directory with tls.crt and tls.key for ext_proc's TLS (default: a self-signed certificate)")
     p.add_argument("--pool", help="the pool's name (for the request log)")
-    p.add_argument("--database-url", help="request log, e.g. sqlite:///requests.db")
+    p.add_argument("--database-url", help="the request log and the Batch API's store, e.g. sqlite:///pool.db")
     p.add_argument("--api-keys-file", help="YAML of tenants and sha256 key hashes; no file: no auth")
     p.add_argument("--otlp-traces-endpoint",
                    help="export OpenTelemetry traces over OTLP/HTTP here, e.g. http://collector:4318/v1/traces "
