@@ -127,6 +127,8 @@ class ArrayScanner:
         self._object: list[str] | None = None  # the open top-level object's text, piece by piece
 
     def feed(self, text: str) -> list[Any]:
+        if not text:  # an empty piece changes nothing (and must not drop an escape carried to the next one)
+            return []
         done = []
         start = 0 if self._object is not None else -1  # where the open object's text begins in `text`
         skip = 0 if self._escaped else -1  # the position of an escaped character, which changes nothing

@@ -207,6 +207,14 @@ def test_whole_and_streamed_answers_agree_however_the_text_is_cut(mode: str, fin
     _same_answer(mode, text, list(text), finish, name)  # one character at a time
 
 
+def test_an_empty_piece_after_a_backslash_keeps_the_escape() -> None:
+    """A stream's piece may be empty (hypothesis found it): the backslash ending the piece before it still escapes
+    the first character of the piece after."""
+    text = f"{TEXT_ARGUMENTS_CALL}{{{ADD_CALL}"
+    cut = TEXT_ARGUMENTS_CALL.index("\\") + 1
+    _same_answer("required", text, [text[:cut], "", text[cut:]], "stop")
+
+
 def test_answers_built_from_the_fragments_hold_calls() -> None:
     """The property's fragments make answers with calls, not only text: spot checks of what it compares."""
     required = f"[{ADD_CALL}, {TRICKY_CALL}]"
