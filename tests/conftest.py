@@ -11,10 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.model.loader import resolve_model_dir
+
+# Property tests draw the same examples on every run, so CI passes or fails on the code, never on the draw; explore
+# with other draws by hand: HYPOTHESIS_PROFILE=explore pytest ... (random, more examples).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
