@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import random
@@ -449,6 +450,33 @@ def test_a_passing_database_fault_loses_no_answer(store: BatchStore) -> None:
     batch, output, _ = output_of(store, batch_id)
     assert next(faults, None) is None  # the fault happened
     assert batch["status"] == "completed" and len(output) == 20
+
+
+def test_a_replica_that_stops_hands_its_batch_on_at_once_keeping_its_answers(store: BatchStore) -> None:
+    sent: list[str] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        sent.append(body["messages"][1]["content"])
+        if len(sent) > 3:
+            await asyncio.sleep(3600)  # the rest hang until the replica stops
+        return served(body)
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(8)])
+    settings = BatchSettings(concurrency=1, flush_seconds=0.02, lease_seconds=60, poll_seconds=0.02)
+
+    async def scenario() -> None:
+        runner = asyncio.create_task(BatchRunner(store, send, lambda pseudonym: "default", Counters(), settings,
+                                                 owner="stopping").serve_forever())
+        while len(sent) < 4:
+            await asyncio.sleep(0.02)
+        runner.cancel()  # the router's shutdown
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert store.answered_lines(batch_id) == {0, 1, 2}  # what was answered is kept
+    taken = store.claim("next-replica", lease_seconds=60)  # no 60 s lease to wait out
+    assert taken is not None and taken.id == batch_id and taken.status == "in_progress"
 
 
 def test_a_batch_past_its_window_expires_with_its_requests_in_the_error_file(store: BatchStore) -> None:
