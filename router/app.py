@@ -72,9 +72,10 @@ from kvmesh.router.auth import (
 from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseudonym
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
-from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH
+from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, new_id
 from kvmesh.router.config import INLINE_TOKENIZE_BYTES, SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
 from kvmesh.router.index import PrefixIndex, PrefixMatch
+from kvmesh.router.limit_sync import DemandTable, LimitSync
 from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tenants, unkeyed_tenants
 from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
@@ -375,6 +376,7 @@ class Router:
     limits: Limiter = field(default_factory=Limiter)
     keys_file: KeysFile | None = None  # where `keys` come from, re-read when it changes (a rotated Secret)
     batches: BatchStore | None = None  # the Batch API's files and batches (in the request log's database)
+    limit_sync: LimitSync | None = None  # tenants' limits split with the other replicas by demand (the same database)
 
     def tenants(self) -> Iterable[str]:
         """The tenants that have a key now (the one default tenant with auth off)."""
@@ -637,7 +639,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
         keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
                   secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file,
-                  batches=BatchStore(config.database_url) if config.database_url else None)
+                  batches=BatchStore(config.database_url) if config.database_url else None,
+                  limit_sync=LimitSync(DemandTable(config.database_url), limits, new_id("router-"))
+                  if config.database_url and config.rate_limit_sync else None)
 
 
 def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
@@ -851,6 +855,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         keys_task = asyncio.create_task(watch_keys()) if router.keys_file is not None else None
+        sync_task = asyncio.create_task(router.limit_sync.run(router.tenants)) if router.limit_sync else None
         batch_task = None
         if router.batches is not None:
             runner = BatchRunner(router.batches, send_batch_request, tenants_by_pseudonym(router.tenants),
@@ -873,12 +878,16 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         await drain.finish()
         if keys_task is not None:
             keys_task.cancel()
+        if sync_task is not None:
+            sync_task.cancel()
         await router.pods.stop()
         await router.upstream.close()
         if router.log is not None:
             router.log.close()
         if router.batches is not None:
             router.batches.close()
+        if router.limit_sync is not None:
+            router.limit_sync.table.close()
         await asyncio.to_thread(router.tracing.shutdown)  # the last batch of spans, signal or not
 
     app = RouterApp(title="kvmesh router", lifespan=lifespan)

@@ -75,6 +75,9 @@ class RouterConfig:
     # per-tenant limits and weights by tenant name, `default` for tenants without an entry (router/limits.py)
     tenants: dict[str, Any] = field(default_factory=dict)
     rate_limit_replicas: int = 1  # each replica enforces the tenants' limits divided by this (1: each the whole)
+    # with database_url: the replicas split each tenant's limits by where its requests arrive (router/limit_sync.py),
+    # instead of by rate_limit_replicas
+    rate_limit_sync: bool = True
     weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (engine/tracing.py); None: the OTEL_* env
     # the Batch API (router/batch_runner.py; needs database_url): requests of a batch in flight from one replica,

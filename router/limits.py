@@ -20,6 +20,7 @@ from typing import Any
 from kvmesh.engine.protocol import LIMIT_REASONS
 from kvmesh.router.auth import DEFAULT_TENANT
 
+MIN_PER_MINUTE = 1.0  # the least a replica's share of a rate may be: one request (or token) a minute
 DEFAULTS_ENTRY = DEFAULT_TENANT  # the `tenants:` entry whose limits apply to tenants without one of their own
 RATE_LIMIT_HEADERS = ("x-ratelimit-limit-{}", "x-ratelimit-remaining-{}", "x-ratelimit-reset-{}")
 
@@ -49,13 +50,19 @@ class TenantLimits:
 
     def per_replica(self, replicas: int) -> TenantLimits:
         """What one of `replicas` router replicas enforces so that together they allow the tenant's limits."""
-        def split(rate: float | None) -> float | None:
-            return None if rate is None else rate / replicas
+        return self.share(1 / replicas)
+
+    def share(self, fraction: float) -> TenantLimits:
+        """This fraction of the limits: what one replica enforces when the replicas split them by demand (router/
+        limit_sync.py), or evenly. A concurrent-request limit rounds up (one request always fits)."""
+        def part(rate: float | None) -> float | None:
+            return None if rate is None else rate * fraction
 
         concurrent = self.max_concurrent_requests
-        return replace(self, requests_per_minute=split(self.requests_per_minute),
-                       tokens_per_minute=split(self.tokens_per_minute),
-                       max_concurrent_requests=None if concurrent is None else math.ceil(concurrent / replicas))
+        return replace(self, requests_per_minute=part(self.requests_per_minute),
+                       tokens_per_minute=part(self.tokens_per_minute),
+                       max_concurrent_requests=None if concurrent is None else max(math.ceil(concurrent * fraction),
+                                                                                   1))
 
 
 LIMIT_FIELDS = tuple(f.name for f in fields(TenantLimits))
@@ -197,10 +204,12 @@ class Limiter:
             raise ValueError(f"rate_limit_replicas must be a whole number of at least 1, not {replicas!r}")
         self.table, self.replicas, self.clock = table or LimitTable(), replicas, clock
         self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
+        self.demand: dict[str, float] = {}  # requests asked for per tenant since router/limit_sync.py last read it
         self._buckets: dict[str, _Buckets] = {}
         # what this replica enforces, per `tenants:` entry: worked out once, read on every request
         self._default = self.table.default.per_replica(replicas)
         self._here = {name: limits.per_replica(replicas) for name, limits in self.table.tenants.items()}
+        self._shared: dict[str, TenantLimits] = {}  # by demand, when the replicas share a database (set_shares)
         for name, here in ((DEFAULTS_ENTRY, self._default), *self._here.items()):
             for field_name, rate in (("requests_per_minute", here.requests_per_minute),
                                      ("tokens_per_minute", here.tokens_per_minute)):
@@ -212,7 +221,22 @@ class Limiter:
 
     def limits(self, tenant: str) -> TenantLimits:
         """What this replica enforces for `tenant`."""
-        return self._here.get(tenant, self._default)
+        return self._shared.get(tenant) or self._here.get(tenant, self._default)
+
+    def set_shares(self, shares: Mapping[str, float]) -> None:
+        """Enforce these fractions of the tenants' whole limits from now on (the replicas split each tenant's limits
+        by where its requests arrive: router/limit_sync.py); a tenant not named goes back to the even split. Each
+        bucket keeps how full it is, as a fraction, so a share that grows does not hand out a burst."""
+        now = self.clock()
+        self._shared = {tenant: self.table.of(tenant).share(fraction) for tenant, fraction in shares.items()}
+        for tenant, buckets in self._buckets.items():
+            limits = self.limits(tenant)
+            for bucket, rate in ((buckets.requests, limits.requests_per_minute),
+                                 (buckets.tokens, limits.tokens_per_minute)):
+                if bucket is not None and rate is not None:
+                    rate = max(rate, MIN_PER_MINUTE)
+                    bucket.level = bucket.available(now) * rate / bucket.per_minute
+                    bucket.per_minute = rate
 
     def weight(self, tenant: str) -> float:
         return self.table.of(tenant).weight
@@ -222,13 +246,15 @@ class Limiter:
         if buckets is None:
             limits, now = self.limits(tenant), self.clock()
             rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+            rpm, tpm = (None if r is None else max(r, MIN_PER_MINUTE) for r in (rpm, tpm))
             buckets = self._buckets[tenant] = _Buckets(None if rpm is None else TokenBucket.full(rpm, now),
                                                        None if tpm is None else TokenBucket.full(tpm, now))
         return buckets
 
     def check(self, tenant: str) -> Refusal | None:
         """Whether a request of `tenant` could pass now, judged before its prompt is read: one request, one token
-        (every prompt has one) and a concurrency slot. Takes nothing."""
+        (every prompt has one) and a concurrency slot. Takes nothing; counts the request in the tenant's demand."""
+        self.demand[tenant] = self.demand.get(tenant, 0.0) + 1.0
         return self._refusal(tenant, 1)
 
     def take(self, tenant: str, prompt_tokens: int) -> Lease | Refusal:

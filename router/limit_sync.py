@@ -1,0 +1,126 @@
+"""Tenant limits shared by the router replicas of a pool, split by where each tenant's requests arrive.
+
+Each replica enforces a share of every tenant's limits (router/limits.py). Without a shared database the split is
+even (`rate_limit_replicas`), which is exact only when a load balancer spreads each tenant's requests evenly; a
+tenant whose connections stick to one replica gets 1/N of its limit. With the pool's database (`database_url`)
+the replicas tell each other every SYNC_SECONDS how many requests of each tenant they were asked, and each takes a
+share of the tenant's limits in proportion to its part of that demand, so together they allow the tenant its whole
+limits wherever its requests land (within a few seconds of a shift). A FLOOR of the limit is spread evenly, so a
+replica a tenant has not used yet can still admit its first requests. A replica that stops reporting drops out of
+the split after STALE_SECONDS. The split is pure (`shares`); the table and the loop are the edges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from sqlalchemy import Float, String, delete, select
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from kvmesh.router.auth import tenant_hash
+from kvmesh.router.limits import Limiter
+from kvmesh.router.store import make_engine
+
+log = logging.getLogger(__name__)
+
+DEMAND_TABLE = "kvmesh_limit_demand"
+SYNC_SECONDS = 2.0  # how often a replica reports its demand and reads the others'
+STALE_SECONDS = 3 * SYNC_SECONDS  # a replica not heard from for this long is out of the split
+FLOOR = 0.1  # this fraction of each limit is spread evenly over the replicas, whatever the demand
+SMOOTHING = 0.5  # each report's demand: this much of the last interval's requests, the rest the previous report's
+ANY_TENANT = ""  # the row a replica writes every time, so an idle one still counts in the split
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class DemandRow(_Base):
+    __tablename__ = DEMAND_TABLE
+
+    replica: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)  # auth.tenant_hash: no names in the table
+    requests: Mapped[float] = mapped_column(Float)  # smoothed requests asked for per interval
+    updated: Mapped[float] = mapped_column(Float)  # wall-clock time of the report
+
+
+def shares(mine: str, demand: Mapping[str, Mapping[str, float]], replicas: set[str]) -> dict[str, float]:
+    """This replica's fraction of each tenant's limits: FLOOR split evenly over the live `replicas`, the rest in
+    proportion to each one's demand for the tenant (`demand[tenant][replica]`); evenly when nobody asks. The
+    fractions of one tenant over the replicas add up to 1."""
+    count = max(len(replicas), 1)
+    out = {}
+    for tenant, by_replica in demand.items():
+        total = sum(v for r, v in by_replica.items() if r in replicas)
+        if total <= 0:
+            out[tenant] = 1 / count
+        else:
+            out[tenant] = FLOOR / count + (1 - FLOOR) * by_replica.get(mine, 0.0) / total
+    return out
+
+
+class DemandTable:
+    """The replicas' reports in the pool's database (the request log's and the Batch API's)."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = make_engine(url)
+        try:  # replicas starting together race to create the table: the loser carries on
+            _Base.metadata.create_all(self.engine)
+        except DBAPIError:
+            _Base.metadata.create_all(self.engine)
+
+    def report(self, replica: str, demand: Mapping[str, float]) -> tuple[dict[str, dict[str, float]], set[str]]:
+        """Replace this replica's rows with `demand` (by tenant pseudonym) and read every live replica's: (demand
+        by tenant and replica, the live replicas)."""
+        now = time.time()
+        with Session(self.engine) as session, session.begin():
+            session.execute(delete(DemandRow).where(DemandRow.replica == replica))
+            session.execute(delete(DemandRow).where(DemandRow.updated < now - 10 * STALE_SECONDS))  # long gone
+            session.add_all(DemandRow(replica=replica, tenant=t, requests=v, updated=now)
+                            for t, v in {ANY_TENANT: 0.0, **demand}.items())
+        with Session(self.engine) as session:
+            rows = session.scalars(select(DemandRow).where(DemandRow.updated >= now - STALE_SECONDS)).all()
+        live = {row.replica for row in rows}
+        by_tenant: dict[str, dict[str, float]] = {}
+        for row in rows:
+            if row.tenant != ANY_TENANT:
+                by_tenant.setdefault(row.tenant, {})[row.replica] = row.requests
+        return by_tenant, live
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class LimitSync:
+    """One replica's side: report its smoothed demand, take its shares. The limiter is touched on the event loop
+    only (it is not thread-safe); the database in a thread."""
+
+    def __init__(self, table: DemandTable, limiter: Limiter, replica: str) -> None:
+        self.table, self.limiter, self.replica = table, limiter, replica
+        self.smoothed: dict[str, float] = {}  # by tenant name
+
+    async def sync(self, tenants: Iterable[str]) -> dict[str, float]:
+        """One report and this replica's shares of the `tenants`' limits (names), set on the limiter."""
+        names = {tenant_hash(t): t for t in tenants}
+        asked, self.limiter.demand = self.limiter.demand, {}
+        for tenant in set(names.values()) | set(self.smoothed):
+            self.smoothed[tenant] = (SMOOTHING * asked.get(tenant, 0.0)
+                                     + (1 - SMOOTHING) * self.smoothed.get(tenant, 0.0))
+        report = {h: self.smoothed[t] for h, t in names.items()}
+        demand, live = await asyncio.to_thread(self.table.report, self.replica, report)
+        fractions = {names[h]: f for h, f in shares(self.replica, demand, live).items() if h in names}
+        fractions |= {t: 1 / max(len(live), 1) for t in names.values() if t not in fractions}
+        self.limiter.set_shares(fractions)
+        return fractions
+
+    async def run(self, tenants: Callable[[], Iterable[str]]) -> None:
+        while True:
+            await asyncio.sleep(SYNC_SECONDS)
+            try:
+                await self.sync(tenants())
+            except Exception:  # the database away: the shares in force stay
+                log.exception("tenant limits: could not share demand with the other replicas")

@@ -1,0 +1,108 @@
+"""Tenant limits split between router replicas by demand (router/limit_sync.py): the split (pure), a limiter taking
+its new share without handing out a burst, and replicas that share a database (a SQLite file and a real PostgreSQL)
+converging on the split that gives each tenant its whole limit where its requests land."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kvmesh.router.app import build_router
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.limit_sync import FLOOR, DemandRow, DemandTable, LimitSync, shares
+from kvmesh.router.limits import Limiter, parse_tenants
+
+from .conftest import make_engine
+from .engines import serve_checked, serve_router
+
+TENANTS = {"acme": {"requests_per_minute": 60}, "globex": {"requests_per_minute": 120}}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_replica_takes_the_floor_and_its_part_of_the_demand() -> None:
+    live = {"a", "b"}
+    demand = {"t": {"a": 9.0, "b": 1.0}, "idle": {"a": 0.0, "b": 0.0}}
+    a, b = shares("a", demand, live), shares("b", demand, live)
+    assert a["t"] == pytest.approx(FLOOR / 2 + (1 - FLOOR) * 0.9) and a["t"] + b["t"] == pytest.approx(1)
+    assert a["idle"] == b["idle"] == 0.5  # nobody asks: even
+    gone = shares("a", {"t": {"a": 1.0, "c": 5.0}}, {"a"})  # c stopped reporting: out of the split
+    assert gone["t"] == pytest.approx(1.0)
+
+
+def test_a_limiter_takes_its_share_keeping_how_full_its_buckets_are() -> None:
+    clock = Clock()
+    limiter = Limiter(parse_tenants(TENANTS), clock=clock)
+    for _ in range(30):  # half of acme's minute spent
+        assert limiter.check("acme") is None
+        lease = limiter.take("acme", 1)
+        assert not isinstance(lease, type(None))
+    limiter.set_shares({"acme": 0.25})
+    assert limiter.limits("acme").requests_per_minute == 15
+    assert limiter.headers("acme")["x-ratelimit-limit-requests"] == "15"
+    assert limiter.headers("acme")["x-ratelimit-remaining-requests"] == "7"  # half of 15: no burst from the change
+    limiter.set_shares({})
+    assert limiter.limits("acme").requests_per_minute == 60  # back to the even split (one replica: all of it)
+    assert limiter.demand == {"acme": 30.0}
+
+
+def test_replicas_sharing_a_database_split_a_tenants_limit_where_its_requests_land(database_url: str) -> None:
+    """acme's requests all reach replica a, globex's are spread evenly: a ends up enforcing nearly all of acme's
+    limit (not half, as an even split would), globex's is split in two, and together they allow the whole (each
+    reads the other's previous report, so a steady demand converges over a few periods)."""
+    rounds = 8
+    table = DemandTable(database_url)
+    table_tenants = parse_tenants(TENANTS)
+    a, b = Limiter(table_tenants), Limiter(table_tenants)
+    sync_a, sync_b = LimitSync(table, a, "a"), LimitSync(table, b, "b")
+
+    async def traffic() -> None:
+        for _ in range(rounds):
+            for _ in range(20):
+                a.check("acme")
+                a.check("globex")
+                b.check("globex")
+            await sync_a.sync(["acme", "globex"])
+            await sync_b.sync(["acme", "globex"])
+
+    asyncio.run(traffic())
+    acme_a, acme_b = a.limits("acme").requests_per_minute, b.limits("acme").requests_per_minute
+    assert acme_a == pytest.approx(60 * (FLOOR / 2 + 1 - FLOOR))  # 57 of 60
+    assert acme_a + acme_b == pytest.approx(60)
+    globex = [limiter.limits("globex").requests_per_minute for limiter in (a, b)]
+    assert globex == pytest.approx([60, 60], rel=0.02)
+    with Session(table.engine) as session:  # the table names tenants by pseudonym only
+        assert not {"acme", "globex"} & set(session.scalars(select(DemandRow.tenant)))
+    table.close()
+
+
+@pytest.mark.slow
+def test_a_router_with_a_database_reports_its_demand(tmp_path: Path, tiny_dir: Path) -> None:
+    database = f"sqlite:///{tmp_path / 'pool.db'}"
+    with serve_checked(make_engine(tiny_dir, kv_cache_blocks=64, max_model_len=256)) as engine_url:
+        router = build_router(RouterConfig(pods=[engine_url], scrape_interval_seconds=0.1, database_url=database,
+                                           tenants=TENANTS), tiny_dir)
+        assert router.limit_sync is not None
+        with serve_router(router) as url:
+            assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+            table, deadline = DemandTable(database), time.monotonic() + 30
+            with Session(table.engine) as session:
+                while not session.scalars(select(DemandRow.replica)).all():  # the first report: one period in
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            table.close()
+    off = build_router(RouterConfig(pods=["http://127.0.0.1:9"], database_url=database, rate_limit_sync=False),
+                       tiny_dir)
+    assert off.limit_sync is None
