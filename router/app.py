@@ -887,6 +887,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if router.batches is not None:
             router.batches.close()
         if router.limit_sync is not None:
+            with contextlib.suppress(Exception):  # a database away: its rows go stale on their own
+                await asyncio.to_thread(router.limit_sync.table.leave, router.limit_sync.replica)
             router.limit_sync.table.close()
         await asyncio.to_thread(router.tracing.shutdown)  # the last batch of spans, signal or not
 

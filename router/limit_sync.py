@@ -91,6 +91,11 @@ class DemandTable:
                 by_tenant.setdefault(row.tenant, {})[row.replica] = row.requests
         return by_tenant, live
 
+    def leave(self, replica: str) -> None:
+        """Drop a stopping replica's reports, so the others take its part of the split at their next period."""
+        with Session(self.engine) as session, session.begin():
+            session.execute(delete(DemandRow).where(DemandRow.replica == replica))
+
     def close(self) -> None:
         self.engine.dispose()
 

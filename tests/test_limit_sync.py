@@ -102,7 +102,9 @@ def test_a_router_with_a_database_reports_its_demand(tmp_path: Path, tiny_dir: P
                 while not session.scalars(select(DemandRow.replica)).all():  # the first report: one period in
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
-            table.close()
+        with Session(table.engine) as session:  # a router that stops leaves the split at once
+            assert session.scalars(select(DemandRow.replica)).all() == []
+        table.close()
     off = build_router(RouterConfig(pods=["http://127.0.0.1:9"], database_url=database, rate_limit_sync=False),
                        tiny_dir)
     assert off.limit_sync is None
