@@ -855,7 +855,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         keys_task = asyncio.create_task(watch_keys()) if router.keys_file is not None else None
-        sync_task = asyncio.create_task(router.limit_sync.run(router.tenants)) if router.limit_sync else None
+        sync_task = None
+        if router.limit_sync is not None:
+            sync_task = asyncio.create_task(router.limit_sync.run(router.tenants, lambda: drain.draining))
         batch_task = None
         if router.batches is not None:
             runner = BatchRunner(router.batches, send_batch_request, tenants_by_pseudonym(router.tenants),

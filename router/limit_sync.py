@@ -5,9 +5,11 @@ even (`rate_limit_replicas`), which is exact only when a load balancer spreads e
 tenant whose connections stick to one replica gets 1/N of its limit. With the pool's database (`database_url`)
 the replicas tell each other every SYNC_SECONDS how many requests of each tenant they were asked, and each takes a
 share of the tenant's limits in proportion to its part of that demand, so together they allow the tenant its whole
-limits wherever its requests land (within a few seconds of a shift). A FLOOR of the limit is spread evenly, so a
-replica a tenant has not used yet can still admit its first requests. A replica that stops reporting drops out of
-the split after STALE_SECONDS. The split is pure (`shares`); the table and the loop are the edges.
+limits wherever its requests land (within a few seconds of a shift). Every replica counts VIRTUAL_REQUESTS more than
+it was asked, so a light tenant's limits stay near an even split and a replica a tenant has not used yet can still
+admit its first requests, while a heavy tenant's follow its demand. A replica that stops reporting drops out of the
+split after STALE_SECONDS; one that stops (draining) leaves it at its next period. The split is pure (`shares`);
+the table and the loop are the edges.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 DEMAND_TABLE = "kvmesh_limit_demand"
 SYNC_SECONDS = 2.0  # how often a replica reports its demand and reads the others'
 STALE_SECONDS = 3 * SYNC_SECONDS  # a replica not heard from for this long is out of the split
-FLOOR = 0.1  # this fraction of each limit is spread evenly over the replicas, whatever the demand
+VIRTUAL_REQUESTS = 1.0  # added to each replica's demand per period: the split of a tenant nobody asks is even
 SMOOTHING = 0.5  # each report's demand: this much of the last interval's requests, the rest the previous report's
 ANY_TENANT = ""  # the row a replica writes every time, so an idle one still counts in the split
 
@@ -49,17 +51,13 @@ class DemandRow(_Base):
 
 
 def shares(mine: str, demand: Mapping[str, Mapping[str, float]], replicas: set[str]) -> dict[str, float]:
-    """This replica's fraction of each tenant's limits: FLOOR split evenly over the live `replicas`, the rest in
-    proportion to each one's demand for the tenant (`demand[tenant][replica]`); evenly when nobody asks. The
-    fractions of one tenant over the replicas add up to 1."""
-    count = max(len(replicas), 1)
+    """This replica's fraction of each tenant's limits: in proportion to each live replica's demand for the tenant
+    (`demand[tenant][replica]`) plus VIRTUAL_REQUESTS. The fractions of one tenant over the replicas add up to 1."""
+    live = replicas | {mine}
     out = {}
     for tenant, by_replica in demand.items():
-        total = sum(v for r, v in by_replica.items() if r in replicas)
-        if total <= 0:
-            out[tenant] = 1 / count
-        else:
-            out[tenant] = FLOOR / count + (1 - FLOOR) * by_replica.get(mine, 0.0) / total
+        total = sum(by_replica.get(r, 0.0) for r in live) + VIRTUAL_REQUESTS * len(live)
+        out[tenant] = (by_replica.get(mine, 0.0) + VIRTUAL_REQUESTS) / total
     return out
 
 
@@ -122,10 +120,15 @@ class LimitSync:
         self.limiter.set_shares(fractions)
         return fractions
 
-    async def run(self, tenants: Callable[[], Iterable[str]]) -> None:
+    async def run(self, tenants: Callable[[], Iterable[str]], stopping: Callable[[], bool]) -> None:
+        """Sync every SYNC_SECONDS until the router drains: then leave the split (it takes no new requests; a
+        replica taking over must not share a tenant's limits with it)."""
         while True:
             await asyncio.sleep(SYNC_SECONDS)
             try:
+                if stopping():
+                    await asyncio.to_thread(self.table.leave, self.replica)
+                    return
                 await self.sync(tenants())
             except Exception:  # the database away: the shares in force stay
                 log.exception("tenant limits: could not share demand with the other replicas")
