@@ -25,7 +25,9 @@ import httptools
 from kvmesh.router.tracing import RequestSpan, UpstreamSpan
 
 CONNECT_TIMEOUT_SECONDS = 10.0
-IDLE_SECONDS = 60.0  # a pooled connection idle this long is closed rather than reused
+# A pooled connection idle this long is closed rather than reused: under the engines' keep-alive (uvicorn's 5 s),
+# so the router seldom writes on a connection the pod is closing (the rare one that loses that race is resent).
+IDLE_SECONDS = 4.0
 _BODY_HEADERS = (b"content-length", b"transfer-encoding")  # a reply without either ends when its connection does
 READ_AHEAD_BYTES = 1 << 20  # reading from a pod pauses while this much of its reply waits for the reader
 
@@ -55,6 +57,8 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0  # their size
         self.complete = False
         self.keep_alive = False  # the pod keeps the connection open after this reply
+        self.informational = False  # inside a 1xx interim reply
+        self.received = False  # a byte of this reply came
         self.error: UpstreamError | None = None
 
     # ---- the reader's side ---------------------------------------------------------------------------------------
@@ -103,6 +107,11 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
 
     def data_received(self, data: bytes) -> None:
+        if self in self.idle:  # bytes with no request asked: the connection is out of step, never reused
+            self.idle.remove(self)
+            self.abort()
+            return
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -123,7 +132,10 @@ class _Connection(asyncio.Protocol):
             self.sized = True
 
     def on_headers_complete(self) -> None:
-        self.status, self.head = self.parser.get_status_code(), True
+        status = self.parser.get_status_code()
+        self.informational = 100 <= status < 200  # 100 Continue, 103 Early Hints: the reply itself follows
+        if not self.informational:
+            self.status, self.head = status, True
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
@@ -133,6 +145,9 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()  # a slow reader: the pod's writes wait (TCP's flow control)
 
     def on_message_complete(self) -> None:
+        if self.informational:  # an interim reply ended; the parser reads the real one next
+            self.informational = False
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()  # readable only here: the parser resets after
 
@@ -152,13 +167,20 @@ class UpstreamReply:
             span.answered(self.status)
 
     async def read(self) -> bytes:
+        """The whole body, taken as it arrives: a body over READ_AHEAD_BYTES pauses the pod's socket until taken,
+        so waiting for the end before taking any would never see it."""
         connection = self._reading()
+        parts = []
         try:
-            while not connection.complete:
+            while True:
+                if connection.chunks:
+                    parts.append(connection.take())
+                if connection.complete:
+                    break
                 await connection.wait()
         except UpstreamError as exc:
             raise self._broken(exc) from exc
-        return connection.take()
+        return b"".join(parts)
 
     async def lines(self) -> AsyncIterator[str]:
         """The body's lines without their line ends, as they arrive (no length limit on a line)."""
@@ -246,12 +268,18 @@ class Upstream:
                     raise UpstreamError(f"a line break in the header {name!r}")
                 lines.append(f"{name}: {value}\r\n")
             lines.append("\r\n")
-            connection = await self._connection(pod)
-            if connection.transport is None:
-                raise connection.error or UpstreamError("the pod closed the connection")
-            connection.transport.write("".join(lines).encode("latin-1") + payload)
-            while not connection.head:
-                await connection.wait()
+            request = "".join(lines).encode("latin-1") + payload
+            connection, reused = await self._connection(pod)
+            try:
+                await self._send(connection, request)
+            except UpstreamError:
+                if not reused or connection.received:
+                    raise
+                # a kept-alive connection the pod closed as the request went out: it never read it, so once
+                # more on a new connection (the pod's first byte had not come: nothing was answered twice)
+                connection.abort()
+                connection, _ = await self._connection(pod, fresh=True)
+                await self._send(connection, request)
         except UpstreamError as exc:
             if connection is not None:
                 connection.abort()
@@ -276,14 +304,24 @@ class Upstream:
             pod = self._pods[base] = _Pod(base)
         return pod, slash + path if slash else "/"
 
-    async def _connection(self, pod: _Pod) -> _Connection:
-        """An idle connection to `pod` that is still open and fresh, or a new one."""
+    @staticmethod
+    async def _send(connection: _Connection, request: bytes) -> None:
+        """Write the request and wait for the reply's status and headers."""
+        if connection.transport is None:
+            raise connection.error or UpstreamError("the pod closed the connection")
+        connection.transport.write(request)
+        while not connection.head:
+            await connection.wait()
+
+    async def _connection(self, pod: _Pod, fresh: bool = False) -> tuple[_Connection, bool]:
+        """An idle connection to `pod` that is still open and fresh (unless `fresh`), or a new one; and whether
+        it was kept alive from an earlier request."""
         loop = asyncio.get_running_loop()
-        while pod.idle:
+        while pod.idle and not fresh:
             connection = pod.idle.pop()
             if connection.reusable() and loop.time() - connection.idle_since < IDLE_SECONDS:
                 connection.begin()
-                return connection
+                return connection, True
             connection.abort()
         tls = None
         if pod.tls:
@@ -295,7 +333,7 @@ class Upstream:
                 CONNECT_TIMEOUT_SECONDS)
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise UpstreamError(f"cannot connect to {pod.authority}: {exc or type(exc).__name__}") from exc
-        return connection
+        return connection, False
 
     async def close(self) -> None:
         """Close the idle connections (those in use close with their replies)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvmesh.processes import free_port
-from kvmesh.router.proxy import Upstream, UpstreamError
+from kvmesh.router.proxy import READ_AHEAD_BYTES, Upstream, UpstreamError
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
 
@@ -179,3 +179,63 @@ async def test_a_body_that_runs_to_the_connections_end_and_a_closed_idle_connect
             reply.close()
         await upstream.close()
     assert server.connections == 2
+
+
+@pytest.mark.asyncio
+async def test_a_reply_larger_than_the_read_ahead_is_read_whole() -> None:
+    """Over READ_AHEAD_BYTES the pod's socket pauses until the reader takes what came: a whole read takes it as
+    it comes (it used to wait for the end with the socket paused, and failed at the read timeout)."""
+    big = json.dumps({"text": "x" * (3 * READ_AHEAD_BYTES)}).encode()
+
+    async def large(body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(whole(big))
+
+    async with pod(large) as server:
+        upstream = Upstream(5.0)
+        reply = await upstream.post(server.url + "/v1/completions", {}, {})
+        assert await reply.read() == big
+        reply.close()
+        await upstream.close()
+
+
+@pytest.mark.asyncio
+async def test_a_kept_alive_connection_the_pod_closed_is_resent_on_a_new_one() -> None:
+    """Each connection answers one request and closes when the next arrives, unanswered (a pod closing an idle
+    keep-alive connection as the router writes on it): the router sends that request once more on a new
+    connection, so the client never sees the race."""
+    answered: set[int] = set()
+
+    async def one_per_connection(body: bytes, writer: asyncio.StreamWriter) -> None:
+        if id(writer) in answered:
+            writer.close()  # read, never answered
+            return
+        answered.add(id(writer))
+        writer.write(whole(body))
+
+    async with pod(one_per_connection) as server:
+        upstream = Upstream(5.0)
+        for i in range(3):
+            reply = await upstream.post(server.url + "/v1/completions", {"n": i}, {})
+            assert json.loads(await reply.read()) == {"n": i}
+            reply.close()
+        assert server.connections == 3  # requests 1 and 2 each went out twice: on the closing connection, then anew
+        assert [json.loads(body)["n"] for _, body in server.requests] == [0, 1, 1, 2, 2]
+        await upstream.close()
+
+
+@pytest.mark.asyncio
+async def test_interim_replies_are_skipped_and_the_real_reply_read() -> None:
+    async def hints(body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + whole(body))
+
+    async with pod(hints) as server:
+        upstream = Upstream(5.0)
+        for i in range(2):  # and the connection stays in step for the next request
+            reply = await upstream.post(server.url + "/v1/completions", {"n": i}, {})
+            assert reply.status == 200 and json.loads(await reply.read()) == {"n": i}
+            reply.close()
+        assert server.connections == 1
+        await upstream.close()
