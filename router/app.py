@@ -73,7 +73,13 @@ from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseud
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, new_id
-from kvmesh.router.config import INLINE_TOKENIZE_BYTES, SHUTDOWN_DRAIN_SECONDS, SHUTDOWN_SETTLE_SECONDS, RouterConfig
+from kvmesh.router.config import (
+    INLINE_TOKENIZE_BYTES,
+    MAX_REQUEST_BODY_BYTES,
+    SHUTDOWN_DRAIN_SECONDS,
+    SHUTDOWN_SETTLE_SECONDS,
+    RouterConfig,
+)
 from kvmesh.router.index import PrefixIndex, PrefixMatch
 from kvmesh.router.limit_sync import DemandTable, LimitSync
 from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tenants, unkeyed_tenants
@@ -819,14 +825,19 @@ def header_map(scope: Scope) -> dict[str, str]:
     return {name.decode("latin-1"): value.decode("latin-1") for name, value in reversed(scope["headers"])}
 
 
-async def read_body(receive: Receive) -> bytes | None:
-    """A request's whole body; None when the client left before sending all of it."""
-    chunks = []
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """A request's whole body; None when the client left before sending all of it; RouteError 413 past `limit`
+    bytes (counted as they come: a chunked body says no length)."""
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RouteError(413, f"the request body exceeds {limit >> 20} MiB")
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -900,13 +911,21 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models))
 
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-        """A completion POST, as plain ASGI (RouterApp)."""
-        payload = await read_body(receive)
+        """A completion POST, as plain ASGI (RouterApp). The key is checked before a byte of the body is read,
+        and the body is bounded, so a stranger cannot make the router hold an unbounded body."""
+        headers = header_map(scope)
+        try:
+            tenant = router.authenticate(headers)
+            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
+        except RouteError as exc:
+            router.metrics.count_request(refusal_outcome(exc), "aggregated")
+            await error_response(exc)(scope, receive, send)
+            return
         if payload is None:  # the client left before its request was whole: nobody to answer
             return
         path = scope["path"]
-        response = await serve(payload, header_map(scope), path, COMPLETION_PATHS[path],
-                               http=HttpRequest(scope, receive))
+        response = await serve(payload, headers, path, COMPLETION_PATHS[path], tenant, http=HttpRequest(scope,
+                                                                                                       receive))
         await response(scope, receive, send)
 
     app.completions = completions

@@ -34,6 +34,7 @@ SHUTDOWN_SETTLE_SECONDS = 5.0
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
 INLINE_TOKENIZE_BYTES = 8192
+MAX_REQUEST_BODY_BYTES = 32 << 20  # a completion's body the router holds in memory at most, on either edge
 EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE = "tls.crt", "tls.key"  # in ext_proc_cert_dir: a kubernetes.io/tls Secret's keys
 
 

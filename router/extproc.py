@@ -89,6 +89,7 @@ from kvmesh.router.app import (
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
     EXT_PROC_KEY_FILE,
+    MAX_REQUEST_BODY_BYTES,
     SHUTDOWN_SETTLE_SECONDS,
     read_certificate_pair,
 )
@@ -105,7 +106,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # path -> method.
 CLIENT_ROUTES = {**dict.fromkeys(COMPLETION_PATHS, "POST"), MODELS_PATH: "GET"}
 BODY_CHUNK_BYTES = 62_000  # per streamed body message: under the 64 KiB some gateways allow per chunk
-MAX_BODY_BYTES = 32 << 20  # a request body the picker holds in memory at most
+MAX_BODY_BYTES = MAX_REQUEST_BODY_BYTES  # a request body the picker holds in memory at most
 # The largest gRPC message either way: a BUFFERED body comes (and a rewritten one goes back) whole in one message.
 # gRPC's default (4 MiB) would fail such a stream; a margin over the body limit lets a body just over it get its 413.
 MAX_MESSAGE_BYTES = MAX_BODY_BYTES + (1 << 20)

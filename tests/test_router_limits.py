@@ -19,7 +19,7 @@ from kvmesh.cli import main
 from kvmesh.engine.engine import Engine
 from kvmesh.router.app import RouteError, Router, build_router
 from kvmesh.router.auth import hash_key, tenant_hash
-from kvmesh.router.config import RouterConfig, load_router_config
+from kvmesh.router.config import MAX_REQUEST_BODY_BYTES, RouterConfig, load_router_config
 from kvmesh.router.limits import (
     Lease,
     Limiter,
@@ -471,3 +471,15 @@ def test_an_overloaded_pool_sheds_the_tenant_above_its_fair_share(engine_url: st
         assert int(shed.headers["retry-after"]) >= 1
         assert rate_limited(served, "acme", "fair_share") == 1 and rate_limited(served, "globex", "fair_share") == 0
         del burst
+
+
+def test_a_completion_body_is_bounded_and_a_stranger_refused_before_it_is_read(served: Served) -> None:
+    """The key is checked before the body is read: a stranger's oversized body is a 401, not a 413; a tenant's
+    body over the bound is a 413 that says the bound (the router never holds more of it)."""
+    oversized = b'{"prompt": "' + b"x" * (MAX_REQUEST_BODY_BYTES + 1) + b'"}'
+    stranger = httpx.post(served.url + "/v1/completions", content=oversized, timeout=60,
+                          headers={"Authorization": "Bearer sk-nobody", "content-type": "application/json"})
+    assert stranger.status_code == 401
+    tenant = httpx.post(served.url + "/v1/completions", content=oversized, timeout=60,
+                        headers={"Authorization": f"Bearer {KEYS['acme']}", "content-type": "application/json"})
+    assert tenant.status_code == 413 and "exceeds 32 MiB" in tenant.json()["error"]["message"]
