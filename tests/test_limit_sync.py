@@ -20,16 +20,9 @@ from kvmesh.router.limits import Limiter, parse_tenants
 
 from .conftest import make_engine
 from .engines import serve_checked, serve_router
+from .test_router_limits import Clock
 
 TENANTS = {"acme": {"requests_per_minute": 60}, "globex": {"requests_per_minute": 120}}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_each_replica_takes_its_part_of_the_demand() -> None:
