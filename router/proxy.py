@@ -250,6 +250,7 @@ class Upstream:
         self._read_timeout = read_timeout_seconds
         self._pods: dict[str, _Pod] = {}  # by base URL (scheme, host and port)
         self._tls: ssl.SSLContext | None = None
+        self._swept = 0.0  # when idle connections were last swept
 
     async def post(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str],
                    traced: RequestSpan | None = None) -> UpstreamReply:
@@ -313,10 +314,21 @@ class Upstream:
         while not connection.head:
             await connection.wait()
 
+    def _sweep(self, now: float) -> None:
+        """Close every pod's connections idle past IDLE_SECONDS: a pod that left the pool (or vanished without
+        closing its end) keeps no socket open for long. (A pod's entry stays: a few bytes per address seen.)"""
+        self._swept = now
+        for pod in self._pods.values():
+            for connection in [c for c in pod.idle if now - c.idle_since >= IDLE_SECONDS]:
+                pod.idle.remove(connection)
+                connection.abort()
+
     async def _connection(self, pod: _Pod, fresh: bool = False) -> tuple[_Connection, bool]:
         """An idle connection to `pod` that is still open and fresh (unless `fresh`), or a new one; and whether
         it was kept alive from an earlier request."""
         loop = asyncio.get_running_loop()
+        if loop.time() - self._swept >= IDLE_SECONDS:
+            self._sweep(loop.time())
         while pod.idle and not fresh:
             connection = pod.idle.pop()
             if connection.reusable() and loop.time() - connection.idle_since < IDLE_SECONDS:

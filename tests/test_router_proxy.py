@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvmesh.processes import free_port
-from kvmesh.router.proxy import READ_AHEAD_BYTES, Upstream, UpstreamError
+from kvmesh.router.proxy import IDLE_SECONDS, READ_AHEAD_BYTES, Upstream, UpstreamError
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
 
@@ -238,4 +238,27 @@ async def test_interim_replies_are_skipped_and_the_real_reply_read() -> None:
             assert reply.status == 200 and json.loads(await reply.read()) == {"n": i}
             reply.close()
         assert server.connections == 1
+        await upstream.close()
+
+
+@pytest.mark.asyncio
+async def test_idle_connections_of_a_pod_no_longer_asked_are_closed() -> None:
+    """A pod the router stops sending to (it left the pool) keeps no idle socket open: the next request to any pod
+    past IDLE_SECONDS sweeps it, and the pod sees its connection closed."""
+    async with pod(echo) as gone, pod(echo) as other:
+        upstream = Upstream(5.0)
+        reply = await upstream.post(gone.url + "/v1/completions", {}, {})
+        await reply.read()
+        reply.close()  # pooled, idle
+        loop = asyncio.get_running_loop()
+        later = loop.time() + IDLE_SECONDS + 1
+        original = loop.time
+        loop.time = lambda: later  # type: ignore[method-assign]  # the idle time passes (no sleep)
+        try:
+            reply = await upstream.post(other.url + "/v1/completions", {}, {})
+        finally:
+            loop.time = original  # type: ignore[method-assign]
+        await reply.read()
+        reply.close()
+        await asyncio.wait_for(gone.closed.wait(), 5)
         await upstream.close()
