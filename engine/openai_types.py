@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvmesh.engine.constraint import Constraint, check
 from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
@@ -419,6 +419,11 @@ class ChatRequest(_Common):
 
 
 MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model (here also an adapter) nobody serves
+
+
+def validation_problems(exc: ValidationError) -> str:
+    """A request body's first few validation errors, each at its field's path, as a 400 says them."""
+    return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

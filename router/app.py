@@ -34,7 +34,13 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.model.tokenizer import Tokenizer
-from kvmesh.engine.openai_types import MODEL_NOT_FOUND, ChatRequest, CompletionRequest, error_body
+from kvmesh.engine.openai_types import (
+    MODEL_NOT_FOUND,
+    ChatRequest,
+    CompletionRequest,
+    error_body,
+    validation_problems,
+)
 from kvmesh.engine.protocol import (
     CACHE_SALT_FIELD,
     FAIR_SHARE,
@@ -64,6 +70,7 @@ from kvmesh.router.auth import (
     CACHE_SALT_SECRET_ENV,
     DEFAULT_TENANT,
     KEYS_CHECK_SECONDS,
+    UNAUTHORIZED,
     ApiKeys,
     KeysFile,
     cache_salt_for,
@@ -466,8 +473,7 @@ class Router:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RouteError(400, "malformed JSON") from None
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
-            raise RouteError(400, problems) from None
+            raise RouteError(400, validation_problems(exc)) from None
         except ValueError:
             raise RouteError(400, f"{PRIORITY_HEADER} must be an integer") from None
         dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]
@@ -501,8 +507,8 @@ class Router:
         """The tenant of a request's API key (DEFAULT_TENANT with auth off); RouteError 401 without a valid one."""
         tenant = self.keys.tenant_for(headers.get("authorization"))
         if tenant is None:
-            raise RouteError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
-                             kind="authentication_error")
+            message, kind, code = UNAUTHORIZED
+            raise RouteError(401, message, code=code, kind=kind)
         return tenant
 
     def rate_limited(self, tenant: str, refusal: Refusal) -> RouteError:

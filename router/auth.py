@@ -18,15 +18,25 @@ from typing import Any
 
 import yaml
 
+from kvmesh.engine.openai_types import error_body
+
 DEFAULT_TENANT = "default"  # every request's tenant when auth is off
 CACHE_SALT_SECRET_ENV = "KVMESH_CACHE_SALT_SECRET"  # the environment's cache_salt_secret (from a Secret)
 KEYS_CHECK_SECONDS = 1.0  # how often the keys file's stat is compared with the one last read
+# the 401 of every router endpoint for a request without a valid key: message, OpenAI error type and code
+UNAUTHORIZED = ("a valid API key is required (Authorization: Bearer KEY)", "authentication_error", "invalid_api_key")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _ENTRY_FIELDS = frozenset({"tenant", "key_sha256"})
 _HOW_TO_HASH = (
     "store the key's sha256 hex digest as key_sha256 instead, e.g. "
     '`printf %s "$KEY" | sha256sum` or `kvmesh router hash-key`'
 )
+
+
+def unauthorized_body() -> dict[str, Any]:
+    """The 401's OpenAI error body, as every router endpoint answers a request without a valid key."""
+    message, kind, code = UNAUTHORIZED
+    return error_body(message, kind, code=code)
 
 
 def hash_key(key: str) -> str:

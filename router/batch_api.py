@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.engine.protocol import RouterMetric
-from kvmesh.router.auth import tenant_hash
+from kvmesh.router.auth import tenant_hash, unauthorized_body
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import (
     BATCH_ENDPOINTS,
@@ -80,8 +80,7 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
         valid key, 501 without a database)."""
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
-            return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
-                                           "authentication_error", code="invalid_api_key"), status_code=401)
+            return JSONResponse(unauthorized_body(), status_code=401)
         return _error(501, NO_STORE, code="batches_disabled") if store is None else (store, tenant_hash(tenant))
 
     async def call(http: HttpRequest, work: Callable[[BatchStore, str], Any]) -> Response:
@@ -95,8 +94,8 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
             return _error(exc.status, str(exc), exc.param)
         return result if isinstance(result, Response) else JSONResponse(result)
 
-    def found(value: Any, kind: str, item_id: str) -> Any:
-        return value if value is not None else _error(404, f"No {kind} found with id '{item_id}'.",
+    def found(value: Any, kind: str, item_id: str, param: str | None = None) -> Any:
+        return value if value is not None else _error(404, f"No {kind} found with id '{item_id}'.", param,
                                                       code="not_found")
 
     def page(http: HttpRequest, most: int, default: int) -> tuple[int, str | None, bool]:
@@ -191,7 +190,7 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
             output_ttl = expiry_seconds(body.get("output_expires_after"), "output_expires_after")
             source = s.file(tenant, file_id) if isinstance(file_id, str) else None
             if source is None:
-                return _error(404, f"No file found with id '{file_id}'.", "input_file_id", "not_found")
+                return found(None, "file", file_id, "input_file_id")
             if source["purpose"] != UPLOAD_PURPOSE:
                 raise BatchInputError(f"the file {file_id} has purpose '{source['purpose']}', not "
                                       f"'{UPLOAD_PURPOSE}'", "input_file_id")

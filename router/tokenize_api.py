@@ -13,8 +13,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from kvmesh.engine.model.tokenizer import Tokenizer
-from kvmesh.engine.openai_types import MODEL_NOT_FOUND, DetokenizeRequest, TokenizeRequest, error_body
+from kvmesh.engine.openai_types import (
+    MODEL_NOT_FOUND,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    validation_problems,
+)
 from kvmesh.engine.protocol import DETOKENIZE_PATH, TOKENIZE_PATH
+from kvmesh.router.auth import unauthorized_body
 from kvmesh.router.config import INLINE_TOKENIZE_BYTES
 
 
@@ -27,14 +34,11 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
     async def parse(http: HttpRequest, kind: type[BaseModel]) -> Any:
         """The body as `kind`, or the JSONResponse that refuses the call (401, 400, 404)."""
         if tenant_for(http.headers.get("authorization")) is None:
-            return JSONResponse(error_body("a valid API key is required (Authorization: Bearer KEY)",
-                                           "authentication_error", code="invalid_api_key"), status_code=401)
+            return JSONResponse(unauthorized_body(), status_code=401)
         try:
             body = kind.model_validate_json(await http.body())
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
-                                 for e in exc.errors()[:5])
-            return JSONResponse(error_body(problems), status_code=400)
+            return JSONResponse(error_body(validation_problems(exc)), status_code=400)
         cards = models()["data"]
         served = {card["id"] for card in cards}
         if body.model is not None and served and body.model not in served:
