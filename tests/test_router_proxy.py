@@ -69,6 +69,14 @@ async def echo(body: bytes, writer: asyncio.StreamWriter) -> None:
     writer.write(whole(body))
 
 
+async def ask(upstream: Upstream, url: str, body: dict) -> object:
+    """POST `body`, read the reply whole and give its connection back: the reply's JSON."""
+    reply = await upstream.post(url + "/v1/completions", body, {})
+    answer = json.loads(await reply.read())
+    reply.close()
+    return answer
+
+
 @pytest.mark.asyncio
 async def test_requests_reuse_one_keep_alive_connection_and_send_json_with_the_headers() -> None:
     async with pod(echo) as server:
@@ -174,9 +182,7 @@ async def test_a_body_that_runs_to_the_connections_end_and_a_closed_idle_connect
     async with pod(unsized) as server:
         upstream = Upstream(30.0)
         for i in range(2):
-            reply = await upstream.post(server.url + "/v1/completions", {"n": i}, {})
-            assert json.loads(await reply.read()) == {"n": i}
-            reply.close()
+            assert await ask(upstream, server.url, {"n": i}) == {"n": i}
         await upstream.close()
     assert server.connections == 2
 
@@ -215,9 +221,7 @@ async def test_a_kept_alive_connection_the_pod_closed_is_resent_on_a_new_one() -
     async with pod(one_per_connection) as server:
         upstream = Upstream(5.0)
         for i in range(3):
-            reply = await upstream.post(server.url + "/v1/completions", {"n": i}, {})
-            assert json.loads(await reply.read()) == {"n": i}
-            reply.close()
+            assert await ask(upstream, server.url, {"n": i}) == {"n": i}
         assert server.connections == 3  # requests 1 and 2 each went out twice: on the closing connection, then anew
         assert [json.loads(body)["n"] for _, body in server.requests] == [0, 1, 1, 2, 2]
         await upstream.close()
