@@ -396,7 +396,8 @@ class ChatRequest(_Common):
     @property
     def tool_dicts(self) -> list[dict[str, Any]]:
         """The tools as plain dicts (what chat templates and the Hermes prompt show)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+        return _tool_dicts(self.tools)
+
 
     @property
     def tool_mode(self) -> str | None:
@@ -432,6 +433,19 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def _tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]]:
+    return [t.model_dump(exclude_none=True) for t in tools or []]
+
+
+def chat_ids(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolDef] | None,
+             add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids of chat messages with their tools, shown as the chat template can (a `Tokenizer`): what the
+    engine prefills, the router hashes and /tokenize counts, from one place; ValueError when the template refuses
+    the messages."""
+    return tokenizer.encode_chat([m.for_template() for m in messages], _tool_dicts(tools) or None,
+                                 add_generation_prompt=add_generation_prompt)
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's `/tokenize`: a prompt, or chat messages rendered through the chat template (with their tools), turned
     into the ids a completion of it would prefill: what a client counts against `max_model_len` or a budget."""
@@ -456,9 +470,7 @@ class TokenizeRequest(BaseModel):
         """The ids (a `Tokenizer`'s encode or encode_chat); ValueError when the template refuses the messages."""
         if self.messages is None:
             return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
-        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
-        return tokenizer.encode_chat([m.for_template() for m in self.messages], tools or None,
-                                     add_generation_prompt=self.add_generation_prompt)
+        return chat_ids(tokenizer, self.messages, self.tools, self.add_generation_prompt)
 
 
 class DetokenizeRequest(BaseModel):

@@ -40,6 +40,7 @@ from kvmesh.engine.openai_types import (
     TokenizeRequest,
     WarmRequest,
     WarmResponse,
+    chat_ids,
     error_body,
 )
 from kvmesh.engine.protocol import (
@@ -290,9 +291,8 @@ class _Completions:
     def prompts(self) -> list[list[int]]:
         tok = self.engine.tokenizer
         if isinstance(self.body, ChatRequest):
-            messages = [m.for_template() for m in self.body.messages]
             try:
-                return [tok.encode_chat(messages, self.body.tool_dicts or None)]
+                return [chat_ids(tok, self.body.messages, self.body.tools)]
             except ValueError as exc:
                 raise ApiError(400, f"messages: {exc}", param="messages") from None
         prompt = self.body.prompt
@@ -774,8 +774,8 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         """vLLM's /tokenize: the ids a completion of this prompt or these messages would prefill."""
         e = holder.get()
         _check_model(e, body.model)
-        try:
-            ids = body.token_ids(e.tokenizer)
+        try:  # off the loop, as a completion's prompt: a long one takes milliseconds
+            ids = await asyncio.to_thread(body.token_ids, e.tokenizer)
         except ValueError as exc:
             raise ApiError(400, f"messages: {exc}", param="messages") from None
         return {"count": len(ids), "max_model_len": e.max_model_len, "tokens": ids}
@@ -785,7 +785,7 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         e = holder.get()
         _check_model(e, body.model)
         try:
-            return {"prompt": body.text(e.tokenizer)}
+            return {"prompt": await asyncio.to_thread(body.text, e.tokenizer)}
         except ValueError as exc:
             raise ApiError(400, str(exc), param="tokens") from None
 

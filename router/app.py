@@ -38,6 +38,7 @@ from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
+    chat_ids,
     error_body,
     validation_problems,
 )
@@ -434,9 +435,8 @@ class Router:
 
     def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(body, ChatRequest):
-            messages = [m.for_template() for m in body.messages]
-            try:  # with the tools shown as the engine shows them: the same prompt, the same block hashes
-                return self.tokenizer.encode_chat(messages, body.tool_dicts or None)
+            try:  # as the engine builds it: the same prompt, the same block hashes
+                return chat_ids(self.tokenizer, body.messages, body.tools)
             except ValueError as exc:
                 raise RouteError(400, f"messages: {exc}") from None
         prompt = body.prompt

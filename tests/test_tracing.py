@@ -28,13 +28,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvmesh.cli import main
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.engine import Engine
 from kvmesh.engine.tracing import (
     ENGINE_SERVICE,
     OFF,
     ROUTER_SERVICE,
     ChoiceTokens,
-    Tracing,
     call_usage,
     resolve_endpoint,
     setup_tracing,
@@ -119,13 +117,6 @@ def test_each_call_to_a_pod_names_its_hop(body: dict[str, Any], expected: str) -
 # ---- an in-process engine and router, spans in memory ------------------------------------------------------
 
 
-@contextmanager
-def traced_engine(engine: Engine, tracing: Tracing) -> Iterator[str]:
-    """`engine` behind its HTTP app with `tracing`, in a thread of this process; its KV accounting checked after."""
-    with serve_checked(engine, tracing) as url:
-        yield url
-
-
 @dataclass
 class Memory:
     engine_spans: InMemorySpanExporter = field(default_factory=InMemorySpanExporter)
@@ -146,7 +137,7 @@ class Memory:
 def memory(tiny_dir: Path) -> Iterator[Memory]:
     m = Memory()
     engine = make_engine(tiny_dir, kv_cache_blocks=256)
-    with traced_engine(engine, setup_tracing(ENGINE_SERVICE, None, exporter=m.engine_spans)) as url:
+    with serve_checked(engine, setup_tracing(ENGINE_SERVICE, None, exporter=m.engine_spans)) as url:
         router = build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
         router.tracing = setup_tracing(ROUTER_SERVICE, None, exporter=m.router_spans)
         with serve_router(router) as router_url:
@@ -558,7 +549,7 @@ def test_requests_succeed_when_the_collector_is_down(tiny_dir: Path, monkeypatch
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")  # the exit's last flush gives up fast
     closed = f"http://127.0.0.1:{free_port()}/v1/traces"
     engine_tracing = setup_tracing(ENGINE_SERVICE, closed)
-    with traced_engine(make_engine(tiny_dir, kv_cache_blocks=128), engine_tracing) as url:
+    with serve_checked(make_engine(tiny_dir, kv_cache_blocks=128), engine_tracing) as url:
         router = build_router(RouterConfig(pods=[url], otlp_traces_endpoint=closed), tiny_dir)
         assert router.tracing.enabled
         with serve_router(router) as router_url:
