@@ -897,8 +897,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         await drain.finish()
         if keys_task is not None:
             keys_task.cancel()
-        if sync_task is not None:
+        if sync_task is not None:  # ended before leaving: a report under way must not land after the leave
             sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sync_task
         await router.pods.stop()
         await router.upstream.close()
         if router.log is not None:

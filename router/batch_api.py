@@ -65,9 +65,8 @@ class BatchMetrics:
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = error_body(message, "invalid_request_error" if status < 500 else "server_error", code=code)
-    body["error"]["param"] = param
-    return JSONResponse(body, status_code=status)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
 def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], str | None],

@@ -34,7 +34,6 @@ SYNC_SECONDS = 2.0  # how often a replica reports its demand and reads the other
 STALE_SECONDS = 3 * SYNC_SECONDS  # a replica not heard from for this long is out of the split
 VIRTUAL_REQUESTS = 1.0  # added to each replica's demand per period: the split of a tenant nobody asks is even
 SMOOTHING = 0.5  # each report's demand: this much of the last interval's requests, the rest the previous report's
-ANY_TENANT = ""  # the row a replica writes every time, so an idle one still counts in the split
 
 
 class _Base(DeclarativeBase):
@@ -79,14 +78,13 @@ class DemandTable:
             session.execute(delete(DemandRow).where(DemandRow.replica == replica))
             session.execute(delete(DemandRow).where(DemandRow.updated < now - 10 * STALE_SECONDS))  # long gone
             session.add_all(DemandRow(replica=replica, tenant=t, requests=v, updated=now)
-                            for t, v in {ANY_TENANT: 0.0, **demand}.items())
+                            for t, v in demand.items())  # every tenant, asked or not: it is live
         with Session(self.engine) as session:
             rows = session.scalars(select(DemandRow).where(DemandRow.updated >= now - STALE_SECONDS)).all()
         live = {row.replica for row in rows}
         by_tenant: dict[str, dict[str, float]] = {}
         for row in rows:
-            if row.tenant != ANY_TENANT:
-                by_tenant.setdefault(row.tenant, {})[row.replica] = row.requests
+            by_tenant.setdefault(row.tenant, {})[row.replica] = row.requests
         return by_tenant, live
 
     def leave(self, replica: str) -> None:
@@ -110,14 +108,12 @@ class LimitSync:
         """One report and this replica's shares of the `tenants`' limits (names), set on the limiter."""
         names = {tenant_hash(t): t for t in tenants}
         asked, self.limiter.demand = self.limiter.demand, {}
-        for tenant in set(names.values()) | set(self.smoothed):
-            self.smoothed[tenant] = (SMOOTHING * asked.get(tenant, 0.0)
-                                     + (1 - SMOOTHING) * self.smoothed.get(tenant, 0.0))
+        self.smoothed = {tenant: SMOOTHING * asked.get(tenant, 0.0) + (1 - SMOOTHING) * self.smoothed.get(tenant, 0.0)
+                         for tenant in names.values()}  # a tenant whose key went is dropped
         report = {h: self.smoothed[t] for h, t in names.items()}
         demand, live = await asyncio.to_thread(self.table.report, self.replica, report)
         fractions = {names[h]: f for h, f in shares(self.replica, demand, live).items() if h in names}
-        fractions |= {t: 1 / max(len(live), 1) for t in names.values() if t not in fractions}
-        self.limiter.set_shares(fractions)
+        self.limiter.set_shares(fractions)  # every tenant reported above is in `demand`
         return fractions
 
     async def run(self, tenants: Callable[[], Iterable[str]], stopping: Callable[[], bool]) -> None:

@@ -22,7 +22,7 @@ from kvmesh.engine.openai_types import (
 )
 from kvmesh.engine.protocol import DETOKENIZE_PATH, TOKENIZE_PATH
 from kvmesh.router.auth import unauthorized_body
-from kvmesh.router.config import INLINE_TOKENIZE_BYTES
+from kvmesh.router.config import INLINE_TOKENIZE_BYTES, MAX_REQUEST_BODY_BYTES
 
 
 def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str | None],
@@ -31,12 +31,22 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
     `/v1/models` answer, for the model check and `max_model_len`."""
     api = APIRouter()
 
-    async def parse(http: HttpRequest, kind: type[BaseModel]) -> Any:
-        """The body as `kind`, or the JSONResponse that refuses the call (401, 400, 404)."""
+    async def parse(http: HttpRequest, kind: type[BaseModel]) -> tuple[Any, bool] | JSONResponse:
+        """The body as `kind` and whether it is large (worked on in a thread, as admission does), or the
+        JSONResponse that refuses the call (401 before a byte is read, 413 past the body bound, 400, 404)."""
         if tenant_for(http.headers.get("authorization")) is None:
             return JSONResponse(unauthorized_body(), status_code=401)
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > MAX_REQUEST_BODY_BYTES:
+                return JSONResponse(error_body(f"the request body exceeds {MAX_REQUEST_BODY_BYTES >> 20} MiB"),
+                                    status_code=413)
+            chunks.append(chunk)
+        payload, large = b"".join(chunks), size > INLINE_TOKENIZE_BYTES
         try:
-            body = kind.model_validate_json(await http.body())
+            body = await asyncio.to_thread(kind.model_validate_json, payload) if large else \
+                kind.model_validate_json(payload)
         except ValidationError as exc:
             return JSONResponse(error_body(validation_problems(exc)), status_code=400)
         cards = models()["data"]
@@ -44,7 +54,7 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
         if body.model is not None and served and body.model not in served:
             return JSONResponse(error_body(f"The model `{body.model}` does not exist; this pool serves "
                                            f"{', '.join(sorted(served))}", code=MODEL_NOT_FOUND), status_code=404)
-        return body
+        return body, large
 
     def max_model_len(model: str | None) -> int | None:
         cards = models()["data"]
@@ -56,13 +66,12 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
                      param: str) -> Any:
         """Parse and check the call, then `work(body)` (in a thread for a large body, as admission tokenizes: the
         event loop routes meanwhile); its ValueError is the client's 400 on `param`."""
-        body = await parse(http, kind)
-        if isinstance(body, JSONResponse):
-            return body
+        parsed = await parse(http, kind)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        body, large = parsed
         try:
-            if int(http.headers.get("content-length") or 0) > INLINE_TOKENIZE_BYTES:
-                return await asyncio.to_thread(work, body)
-            return work(body)
+            return await asyncio.to_thread(work, body) if large else work(body)
         except ValueError as exc:
             return JSONResponse(error_body(str(exc), param=param), status_code=400)
 

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from helm_python import _native
 
+from kvmesh.engine.protocol import OperatorMetric
+
 from .promql import CHART, RULES, promtool
 
 POOL = 'namespace="ml", pool="chat"'
@@ -20,9 +22,8 @@ WHERE = {"namespace": "ml", "pool": "chat"}
 OPERATOR = 'pool_namespace="ml", pool="chat", namespace="kvmesh-system", pod="kvmesh-operator-0"'
 RESTARTED = OPERATOR.replace("kvmesh-operator-0", "kvmesh-operator-1")  # a new pod: new series
 # The operator's heartbeat (time() is 0 at the first sample): evaluated every minute, its stamp equal to the time
-LAST = "kvmesh_operator_last_evaluation_timestamp_seconds"
-INTERVAL = "kvmesh_operator_evaluation_interval_seconds"
-EVALUATIONS = "kvmesh_operator_evaluations_total"
+LAST, INTERVAL = OperatorMetric.LAST_EVALUATION, OperatorMetric.EVALUATION_INTERVAL
+EVALUATIONS = OperatorMetric.EVALUATIONS + "_total"
 POOL_PODS = (f'up{{pod="r0", role="router", {POOL}}}', "1x40")  # the pool exists: its router is a target
 STALLED = ("Pool ml/chat: the operator stopped evaluating it",
            "The operator last evaluated the pool 5m 0s ago, over three of its scaling periods: nothing scales it, "

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.limit_sync import VIRTUAL_REQUESTS, DemandRow, DemandTable, LimitSync, shares
-from kvmesh.router.limits import Limiter, parse_tenants
+from kvmesh.router.limits import Lease, Limiter, parse_tenants
 
 from .conftest import make_engine
 from .engines import serve_checked, serve_router
@@ -42,7 +42,7 @@ def test_a_limiter_takes_its_share_keeping_how_full_its_buckets_are() -> None:
     for _ in range(30):  # half of acme's minute spent
         assert limiter.check("acme") is None
         lease = limiter.take("acme", 1)
-        assert not isinstance(lease, type(None))
+        assert isinstance(lease, Lease)
     limiter.set_shares({"acme": 0.25})
     assert limiter.limits("acme").requests_per_minute == 15
     assert limiter.headers("acme")["x-ratelimit-limit-requests"] == "15"

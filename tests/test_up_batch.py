@@ -5,8 +5,6 @@ timing) with the official client."""
 from __future__ import annotations
 
 import json
-import signal
-import time
 from pathlib import Path
 
 import openai
@@ -14,7 +12,9 @@ import pytest
 
 from kvmesh.router.batches import CHAT_PATH, jsonl
 
-from .test_up_stop import finish, start_pool
+from .engines import stop_up
+from .test_up_scaling import wait_for
+from .test_up_stop import start_pool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -27,17 +27,13 @@ def test_a_local_pool_runs_a_batch_with_no_database_configured(tmp_path: Path) -
                     "body": {"messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 2}}
                    for i in range(3)]
         file_id = api.files.create(file=("q.jsonl", jsonl(entries)), purpose="batch").id
-        batch = api.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="24h")
-        deadline = time.monotonic() + 120
-        while batch.status not in ("completed", "failed", "cancelled", "expired"):
-            assert time.monotonic() < deadline, batch
-            time.sleep(0.2)
-            batch = api.batches.retrieve(batch.id)
+        batch_id = api.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="24h").id
+        wait_for(lambda: api.batches.retrieve(batch_id).status in ("completed", "failed", "cancelled", "expired"),
+                 "the batch to end", proc, log)
+        batch = api.batches.retrieve(batch_id)
         assert batch.status == "completed" and batch.request_counts.completed == 3, batch
         output = [json.loads(x) for x in api.files.content(batch.output_file_id).text.splitlines()]
         assert sorted(x["custom_id"] for x in output) == ["q0", "q1", "q2"]
         assert all(x["response"]["body"]["usage"]["completion_tokens"] == 2 for x in output)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
-        finish(proc)
+        stop_up(proc, log)
