@@ -219,7 +219,8 @@ class BatchRunner:
             if checked.problems:
                 await self._fail(batch, checked.problems)
                 return
-            if not await asyncio.to_thread(store.start, batch.id, owner, len(checked.lines)):
+            if not await asyncio.to_thread(store.start, batch.id, owner, len(checked.lines),
+                                           checked.model):
                 return  # cancelled while it was checked: the next claim ends it
             batch = dataclasses.replace(batch, status="in_progress")
         tenant = self.tenant_of(batch.tenant)

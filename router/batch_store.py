@@ -69,6 +69,7 @@ class BatchRow(_Base):
     id: Mapped[str] = mapped_column(String(_ID_LEN), unique=True)
     tenant: Mapped[str] = mapped_column(String(_TENANT_LEN), index=True)
     endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(256))  # the input's requests' model, known once checked
     input_file_id: Mapped[str] = mapped_column(String(_ID_LEN))
     completion_window: Mapped[str] = mapped_column(String(8))
     status: Mapped[str] = mapped_column(String(16), index=True)
@@ -277,7 +278,7 @@ class BatchStore:
             (completed, failed), (prompt, cached, output) = self._progress(session, row.id)
         errors = None if row.errors is None else {"object": "list", "data": json.loads(row.errors)}
         return {
-            "id": row.id, "object": "batch", "endpoint": row.endpoint, "errors": errors,
+            "id": row.id, "object": "batch", "endpoint": row.endpoint, "model": row.model, "errors": errors,
             "input_file_id": row.input_file_id, "completion_window": row.completion_window, "status": row.status,
             "output_file_id": row.output_file_id, "error_file_id": row.error_file_id,
             "created_at": row.created_at, "expires_at": row.expires_at,
@@ -339,9 +340,10 @@ class BatchStore:
                                    .values(lease_until=time.time() + lease_seconds)).rowcount == 1
             return session.scalar(select(BatchRow.status).where(BatchRow.id == batch_id)) if held else None
 
-    def start(self, batch_id: str, owner: str, total: int) -> bool:
-        """validating -> in_progress once its file passed; False if the lease or the state moved meanwhile."""
-        return self._move(batch_id, owner, ("validating",), "in_progress", total=total)
+    def start(self, batch_id: str, owner: str, total: int, model: str | None) -> bool:
+        """validating -> in_progress once its file passed, with its requests' model; False if the lease or the
+        state moved meanwhile."""
+        return self._move(batch_id, owner, ("validating",), "in_progress", total=total, model=model)
 
     def fail(self, batch_id: str, owner: str, problems: Sequence[LineProblem]) -> bool:
         """-> failed, with the problems as the batch's `errors` (its input file's, its tenant's key revoked, or the

@@ -117,6 +117,15 @@ class CheckedInput:
     lines: list[BatchLine] = field(default_factory=list)
     problems: list[LineProblem] = field(default_factory=list)
 
+    @property
+    def model(self) -> str | None:
+        """The model the batch's requests ask for, as OpenAI's batch object reports it: the first request's (a
+        file normally names one model; a pool serving several takes each request's own)."""
+        for line in self.lines:
+            if isinstance(line.body.get("model"), str):
+                return line.body["model"]
+        return None
+
 
 def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInput:
     """Every line a request for `endpoint` with a unique custom_id and a body, and at most `max_requests` of

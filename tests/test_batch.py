@@ -64,7 +64,9 @@ def test_a_good_file_gives_its_requests_in_file_order() -> None:
     checked = check_input(jsonl(entries) + b"\n\n", CHAT_PATH, max_requests=10)  # blank lines are skipped
     assert not checked.problems
     assert [(x.line, x.custom_id) for x in checked.lines] == [(i, f"r{i}") for i in range(5)]
-    assert checked.lines[2].body == entries[2]["body"]
+    assert checked.lines[2].body == entries[2]["body"] and checked.model is None  # the requests name none
+    named = check_input(jsonl([line("a", chat("s", "q")), line("b", chat("s", "q", model="m1"))]), CHAT_PATH, 10)
+    assert named.model == "m1"
 
 
 def test_a_file_with_any_problem_is_refused_whole_with_each_problem_and_its_line() -> None:
@@ -174,7 +176,7 @@ def test_two_replicas_never_hold_one_batch_and_a_stopped_ones_lease_passes_on(st
     assert store.renew(batch_id, "replica-a", -1) == "validating"  # a's lease now over: as if it stopped renewing
     assert store.claim("replica-b", lease_seconds=60) is not None
     assert store.renew(batch_id, "replica-a", 60) is None  # a learns it lost the batch
-    assert not store.start(batch_id, "replica-a", 1)  # and cannot move it
+    assert not store.start(batch_id, "replica-a", 1, None)  # and cannot move it
 
 
 def test_replicas_racing_for_a_batch_agree_on_one_winner(store: BatchStore) -> None:
@@ -501,7 +503,7 @@ def test_a_replica_taking_a_batch_over_sends_only_what_was_not_answered(store: B
 
     batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
     first = store.claim("replica-a", 60)
-    assert first is not None and store.start(batch_id, "replica-a", 5)
+    assert first is not None and store.start(batch_id, "replica-a", 5, "m")
     store.add_results(batch_id, "replica-a", [LineResult(i, f"r{i}", 200, {"id": f"a{i}"}, f"a{i}") for i in (0, 3)])
     store.renew(batch_id, "replica-a", -1)  # replica-a died: its lease runs out
     asyncio.run(run_claimed(BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST,
@@ -597,8 +599,10 @@ def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> Non
     url, database = pool
     api = client(url, "acme")
     system = "You answer questions about the weather in one word. " * 8  # over GROUP_MIN_CHARS: one prefix run
-    entries = [line(f"req-{i}", chat(system, f"question {i}", max_tokens=3)) for i in range(6)]
-    entries.append(line("too-long", chat(system, "x", max_tokens=10**6)))  # the engine refuses it: the error file
+    model = api.models.list().data[0].id
+    entries = [line(f"req-{i}", chat(system, f"question {i}", max_tokens=3, model=model)) for i in range(6)]
+    # the engine refuses the last: it goes to the error file
+    entries.append(line("too-long", chat(system, "x", max_tokens=10**6, model=model)))
     uploaded = api.files.create(file=("questions.jsonl", jsonl(entries)), purpose="batch",
                                 expires_after={"anchor": "created_at", "seconds": 7200})
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(entries))
@@ -606,9 +610,10 @@ def test_the_openai_client_runs_a_batch_end_to_end(pool: tuple[str, str]) -> Non
     batch = api.batches.create(input_file_id=uploaded.id, endpoint=CHAT_PATH, completion_window="24h",
                                metadata={"job": "nightly"},
                                output_expires_after={"anchor": "created_at", "seconds": 3600})
-    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"} and batch.model is None
     batch = wait_ended(api, batch.id)
     assert batch.status == "completed", batch
+    assert batch.model == model  # OpenAI's batch object names the model its requests ask for
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (7, 6, 1)
     output = [json.loads(x) for x in api.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(x["custom_id"] for x in output) == [f"req-{i}" for i in range(6)]
