@@ -29,6 +29,7 @@ from typing import Any
 
 from kvmesh.bench.args import positive_int
 from kvmesh.bench.machine import machine_info
+from kvmesh.bench.scrape import metric_sum, read_metrics
 from kvmesh.bench.serve import DEFAULT_VOCAB, BenchRequest, finite, shared_prefix_requests, trace_requests
 from kvmesh.bench.sim_engine import PROFILES
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, Metric
@@ -224,12 +225,9 @@ def measure_order(plan: PoolPlan, content: bytes, requests: int, order: str, wor
 def computed_tokens(engine_url: str) -> int:
     """The tokens an engine's model ran, from its /metrics."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{engine_url}/metrics", timeout=10).raise_for_status().text
-    return round(sum(sample.value for family in text_string_to_metric_families(text)
-                     if family.name == Metric.COMPUTED_TOKENS for sample in family.samples
-                     if sample.name.endswith("_total")))
+    with httpx.Client(timeout=10) as client:
+        return round(metric_sum(read_metrics(client, engine_url), f"{Metric.COMPUTED_TOKENS}_total"))
 
 
 # ---- the comparison -----------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.bench.args import positive_ints
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.router import Processes, resolve_model_dir
+from kvmesh.bench.scrape import metric, read_metrics
 from kvmesh.bench.stats import percentile
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, block_hashes
 from kvmesh.processes import free_port, wait_healthy
@@ -135,23 +136,6 @@ def near_best(mb_per_s: dict[int, float], within: float = NEAR_BEST) -> list[int
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------------
-
-
-def read_metrics(client: httpx.Client, url: str) -> list[tuple[str, dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    reply = client.get(url + "/metrics")
-    reply.raise_for_status()
-    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(reply.text)
-            for s in family.samples]
-
-
-def metric(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
-    """The first sample named `name` whose labels include `labels`; 0 when there is none yet."""
-    for sample_name, sample_labels, value in samples:
-        if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items()):
-            return value
-    return 0.0
 
 
 def _delta(before: list, after: list, name: str, **labels: str) -> float:
