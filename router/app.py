@@ -915,7 +915,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     app = RouterApp(title="kvmesh router", lifespan=lifespan)
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
-                                    router.config.batch_max_file_bytes))
+                                    router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests))
     app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models))
 
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:

@@ -70,8 +70,9 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 
 def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], str | None],
-                 max_file_bytes: int) -> APIRouter:
-    """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused)."""
+                 max_file_bytes: int, max_enqueued_requests: int) -> APIRouter:
+    """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused); a tenant's
+    batches enqueue at most `max_enqueued_requests` (batch_max_enqueued_requests)."""
     api = APIRouter()
 
     def admitted(http: HttpRequest) -> tuple[BatchStore, str] | Response:
@@ -90,7 +91,7 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
         try:
             result = await asyncio.to_thread(work, *caller)
         except BatchInputError as exc:
-            return _error(exc.status, str(exc), exc.param)
+            return _error(exc.status, str(exc), exc.param, exc.code)
         return result if isinstance(result, Response) else JSONResponse(result)
 
     def found(value: Any, kind: str, item_id: str, param: str | None = None) -> Any:
@@ -193,7 +194,8 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
             if source["purpose"] != UPLOAD_PURPOSE:
                 raise BatchInputError(f"the file {file_id} has purpose '{source['purpose']}', not "
                                       f"'{UPLOAD_PURPOSE}'", "input_file_id")
-            return s.create_batch(tenant, endpoint, file_id, window, seconds, metadata, output_ttl)
+            return s.create_batch(tenant, endpoint, file_id, window, seconds, metadata, output_ttl,
+                                  max_enqueued_requests)
 
         return await call(http, create_batch)
 

@@ -22,13 +22,16 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from kvmesh.router.batches import (
     ACTIVE_STATUSES,
     CANCELLABLE_STATUSES,
+    ENQUEUED_STATUSES,
     FINAL_STATUSES,
     OUTPUT_PURPOSE,
     BatchInputError,
     LineProblem,
     LineResult,
+    enqueued_limit_error,
     list_page,
     new_id,
+    request_lines,
 )
 from kvmesh.router.store import make_engine
 
@@ -57,6 +60,7 @@ class FileRow(_Base):
     purpose: Mapped[str] = mapped_column(String(16))
     filename: Mapped[str] = mapped_column(String(255))
     bytes: Mapped[int] = mapped_column(BigInteger)
+    lines: Mapped[int] = mapped_column(Integer, default=0)  # batches.request_lines: what a batch of it enqueues
     created_at: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[int | None] = mapped_column(BigInteger, index=True)  # None: kept until deleted
     content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # read only for a download or a run
@@ -188,8 +192,8 @@ class BatchStore:
     def add_file(self, tenant: str, purpose: str, filename: str, content: bytes, ttl: int | None) -> dict[str, Any]:
         now = int(time.time())
         row = FileRow(id=new_id("file-"), tenant=tenant, purpose=purpose, filename=filename[:255],
-                      bytes=len(content), created_at=now, expires_at=None if ttl is None else now + ttl,
-                      content=content)
+                      bytes=len(content), lines=request_lines(content), created_at=now,
+                      expires_at=None if ttl is None else now + ttl, content=content)
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
             session.add(row)
         return _file_json(row)
@@ -237,13 +241,22 @@ class BatchStore:
     # -- batches, as the API sees them
 
     def create_batch(self, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
-                     window_seconds: int, metadata: dict[str, str] | None, output_ttl: int | None) -> dict[str, Any]:
+                     window_seconds: int, metadata: dict[str, str] | None, output_ttl: int | None,
+                     max_enqueued: int) -> dict[str, Any]:
+        """A new batch, unless its input's lines and the tenant's enqueued requests pass `max_enqueued` (a 429;
+        two replicas creating at the same instant may both pass, by one file at most each)."""
         now = int(time.time())
         row = BatchRow(id=new_id("batch_"), tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
                        completion_window=completion_window, status="validating", created_at=now,
                        expires_at=now + window_seconds, total=0, lease_until=0.0, output_ttl=output_ttl,
                        batch_metadata=None if metadata is None else json.dumps(metadata))
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            adding = session.scalar(select(FileRow.lines).where(FileRow.id == input_file_id)) or 0
+            enqueued = int(session.scalar(
+                select(func.coalesce(func.sum(FileRow.lines), 0)).join(BatchRow, BatchRow.input_file_id == FileRow.id)
+                .where(BatchRow.tenant == tenant, BatchRow.status.in_(ENQUEUED_STATUSES))) or 0)
+            if enqueued + adding > max_enqueued:
+                raise enqueued_limit_error(enqueued, adding, max_enqueued)
             session.add(row)
         return self._batch_json(row)
 

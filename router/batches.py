@@ -24,6 +24,10 @@ FINAL_STATUSES: tuple[str, ...] = ("completed", "failed", "cancelled", "expired"
 CANCELLABLE_STATUSES: tuple[str, ...] = ("validating", "in_progress")
 # ok: answered 200; failed: answered otherwise (in the error file); retried: refused for load or limits, sent again
 BATCH_REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "failed", "retried")
+# a tenant's requests waiting in its validating and in-progress batches, at most (OpenAI bounds an organisation's
+# enqueued tokens the same way): a new batch past it is refused with a 429 until earlier ones end
+MAX_ENQUEUED_REQUESTS = 200_000
+ENQUEUED_STATUSES: tuple[str, ...] = ("validating", "in_progress")
 MAX_FILE_BYTES = 100 * 2**20  # an input file's default bound (OpenAI's is 200 MB; this one lives in a database)
 BATCH_PRIORITY = -1  # x-kvmesh-priority of a batch's requests: shed before any interactive request (router/shed.py)
 MAX_CUSTOM_ID_CHARS = 512
@@ -38,11 +42,24 @@ MIN_FILE_TTL_SECONDS = 3600
 
 
 class BatchInputError(ValueError):
-    """A call that cannot be accepted: its status (400, or 409 for a conflict with a running batch) and message."""
+    """A call that cannot be accepted: its status (400, 409 for a conflict with a running batch, 429 for a tenant
+    over its enqueued requests), message and OpenAI-style code."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
+
+
+def request_lines(content: bytes) -> int:
+    """An input file's lines, blank ones too: what its batch will enqueue at most, known without parsing it."""
+    return content.count(b"\n") + (1 if content and not content.endswith(b"\n") else 0)
+
+
+def enqueued_limit_error(enqueued: int, adding: int, limit: int) -> BatchInputError:
+    return BatchInputError(f"Enqueued request limit reached: this tenant's validating and in-progress batches hold "
+                           f"{enqueued} requests and this batch's input file has {adding} lines; the limit is "
+                           f"{limit} (batch_max_enqueued_requests). Wait for a batch to end, or cancel one.",
+                           "input_file_id", 429, "batch_enqueued_limit_reached")
 
 
 def new_id(prefix: str) -> str:

@@ -16,7 +16,7 @@ import yaml
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 from kvmesh.engine.tracing import check_endpoint
 from kvmesh.router.batch_runner import BatchSettings
-from kvmesh.router.batches import BATCH_PRIORITY, MAX_FILE_BYTES
+from kvmesh.router.batches import BATCH_PRIORITY, MAX_ENQUEUED_REQUESTS, MAX_FILE_BYTES
 from kvmesh.router.limits import Limiter, parse_tenants
 
 DISCOVERY_MODES = ("static", "kubernetes")
@@ -86,6 +86,8 @@ class RouterConfig:
     batch_concurrency: int = BatchSettings.concurrency
     batch_max_requests: int = BatchSettings.max_requests
     batch_max_file_bytes: int = MAX_FILE_BYTES
+    # requests a tenant's validating and in-progress batches hold at most: POST /v1/batches past it is a 429
+    batch_max_enqueued_requests: int = MAX_ENQUEUED_REQUESTS
     batch_priority: int = BATCH_PRIORITY
     batch_order: str = BatchSettings.order  # prefix: requests sharing a prompt prefix sent together; file: as written
 
@@ -130,6 +132,8 @@ class RouterConfig:
         self.batch_settings()
         if self.batch_max_file_bytes < 1:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
+        if self.batch_max_enqueued_requests < 1:
+            raise ValueError(f"batch_max_enqueued_requests must be at least 1, not {self.batch_max_enqueued_requests}")
 
     def batch_settings(self) -> BatchSettings:
         return BatchSettings(concurrency=self.batch_concurrency, max_requests=self.batch_max_requests,

@@ -164,7 +164,7 @@ def store(database_url: str) -> Iterator[BatchStore]:
 
 def new_batch(store: BatchStore, entries: list[dict[str, Any]], window: int = 3600, tenant: str = TENANT) -> str:
     file = store.add_file(tenant, "batch", "in.jsonl", jsonl(entries), ttl=None)
-    return store.create_batch(tenant, CHAT_PATH, file["id"], "1h", window, None, output_ttl=None)["id"]
+    return store.create_batch(tenant, CHAT_PATH, file["id"], "1h", window, None, None, 10**6)["id"]
 
 
 def test_two_replicas_never_hold_one_batch_and_a_stopped_ones_lease_passes_on(store: BatchStore) -> None:
@@ -241,13 +241,32 @@ def test_list_pages_run_newest_first_from_a_cursor(store: BatchStore) -> None:
 
 def test_a_running_batchs_input_cannot_be_deleted_and_outlives_its_expiry(store: BatchStore) -> None:
     file = store.add_file(TENANT, "batch", "in.jsonl", jsonl([line("a", chat("s", "q"))]), ttl=-1)  # expired
-    batch_id = store.create_batch(TENANT, CHAT_PATH, file["id"], "1h", 3600, None, output_ttl=None)["id"]
+    batch_id = store.create_batch(TENANT, CHAT_PATH, file["id"], "1h", 3600, None, None, 10**6)["id"]
     with pytest.raises(BatchInputError, match=f"input of batch {batch_id}") as refused:
         store.delete_file(TENANT, file["id"])
     assert refused.value.status == 409
     assert store.delete_expired() == 0  # the sweep keeps what a running batch reads
     assert store.file_content(TENANT, file["id"]) is None  # gone for clients...
     assert store.file_content(TENANT, file["id"], expired_too=True) is not None  # ...not for the batch
+
+
+def test_a_tenants_batches_enqueue_at_most_its_limit_and_an_ended_batch_frees_its_share(store: BatchStore) -> None:
+    def create(tenant: str, requests: int) -> str:
+        entries = [line(f"r{i}", chat("s", f"q{i}")) for i in range(requests)]
+        file = store.add_file(tenant, "batch", "in.jsonl", jsonl(entries) + b"\n", ttl=None)  # a blank line too
+        return store.create_batch(tenant, CHAT_PATH, file["id"], "1h", 3600, None, None, max_enqueued=10)["id"]
+
+    first = create(TENANT, 4)
+    second = create(TENANT, 4)  # 5 + 5 lines (the blank line counts): 10 is not passed
+    with pytest.raises(BatchInputError, match=r"hold 10 requests .* 2 lines; the limit is 10") as refused:
+        create(TENANT, 1)
+    assert (refused.value.status, refused.value.code) == (429, "batch_enqueued_limit_reached")
+    create("other-tenant", 9)  # each tenant has its own
+    assert store.claim("replica-a", 30) is not None and store.start(first, "replica-a", 4, None)
+    with pytest.raises(BatchInputError):  # an in-progress batch still holds its requests
+        create(TENANT, 1)
+    assert store.cancel(TENANT, second) is not None  # cancelling: no longer enqueued
+    create(TENANT, 4)
 
 
 # ---- the runner, over a scripted pool ---------------------------------------------------------------------------
