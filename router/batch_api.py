@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.datastructures import UploadFile
 
@@ -159,9 +159,11 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
     @api.get("/v1/files/{file_id}/content")
     async def file_content(http: HttpRequest, file_id: str) -> Response:
         def read(s: BatchStore, tenant: str) -> Any:
-            content = s.file_content(tenant, file_id)
-            return found(None if content is None else Response(content, media_type="application/jsonl"), "file",
-                         file_id)
+            stored = s.file_pieces(tenant, file_id)
+            if stored is None:
+                return found(None, "file", file_id)
+            size, pieces = stored  # starlette iterates the pieces in a thread: each a database read
+            return StreamingResponse(pieces, media_type="application/jsonl", headers={"content-length": str(size)})
 
         return await call(http, read)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from kvmesh.router.store import make_engine
 
 FILES_TABLE, BATCHES_TABLE, RESULTS_TABLE = "kvmesh_files", "kvmesh_batches", "kvmesh_batch_results"
 _ID_LEN, _TENANT_LEN = 64, 64
+PIECE_BYTES = 2**20  # a download's piece, read from the database and sent at a time
 # the timestamps of a batch object, each set once when the batch enters that state
 _STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
            "cancelled_at")
@@ -209,6 +210,25 @@ class BatchStore:
         owned = (FileRow.tenant == tenant,) if expired_too else _visible(tenant)
         with Session(self.engine) as session:
             return session.scalar(select(FileRow.content).where(FileRow.id == file_id, *owned))
+
+    def file_pieces(self, tenant: str, file_id: str) -> tuple[int, Iterator[bytes]] | None:
+        """A visible file's size and its content in pieces of PIECE_BYTES, each read on its own from the database
+        (substr), so a download holds one piece, not the file; None for a file the tenant cannot see."""
+        with Session(self.engine) as session:
+            size = session.scalar(select(FileRow.bytes).where(FileRow.id == file_id, *_visible(tenant)))
+        if size is None:
+            return None
+
+        def pieces() -> Iterator[bytes]:
+            for start in range(0, size, PIECE_BYTES):
+                with Session(self.engine) as session:
+                    piece = session.scalar(select(func.substr(FileRow.content, start + 1, PIECE_BYTES,
+                                                              type_=LargeBinary)).where(FileRow.id == file_id))
+                if not piece:  # deleted meanwhile: the download ends short
+                    return
+                yield bytes(piece)
+
+        return size, pieces()
 
     def files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
               newest_first: bool = True) -> dict[str, Any]:

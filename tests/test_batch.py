@@ -20,6 +20,7 @@ import openai
 import pytest
 import yaml
 
+from kvmesh.router import batch_store
 from kvmesh.router.app import build_router
 from kvmesh.router.auth import hash_key, tenant_hash
 from kvmesh.router.batch_runner import GROUP_MIN_CHARS, Answer, BatchRunner, BatchSettings
@@ -267,6 +268,19 @@ def test_a_tenants_batches_enqueue_at_most_its_limit_and_an_ended_batch_frees_it
         create(TENANT, 1)
     assert store.cancel(TENANT, second) is not None  # cancelling: no longer enqueued
     create(TENANT, 4)
+
+
+def test_a_download_is_read_from_the_database_in_bounded_pieces(store: BatchStore,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_store, "PIECE_BYTES", 1000)
+    content = jsonl([line(f"r{i}", chat("s" * 50, f"q{i}")) for i in range(60)])
+    file = store.add_file(TENANT, "batch", "in.jsonl", content, ttl=None)
+    stored = store.file_pieces(TENANT, file["id"])
+    assert stored is not None and stored[0] == len(content)
+    pieces = list(stored[1])
+    assert b"".join(pieces) == content and len(pieces) == -(-len(content) // 1000)
+    assert all(len(piece) <= 1000 for piece in pieces)
+    assert store.file_pieces("other-tenant", file["id"]) is None
 
 
 # ---- the runner, over a scripted pool ---------------------------------------------------------------------------
