@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,13 +150,12 @@ def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInpu
     problems: list[LineProblem] = []
     lines: list[BatchLine] = []
     seen: set[str] = set()
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        return _refused([LineProblem("invalid_file_format", "the input file is not UTF-8 text")])
-    # JSONL lines end at "\n" only: str.splitlines would also cut at U+2028 and the like, which JSON strings may hold
-    for number, raw_line in enumerate(text.split("\n"), start=1):
-        raw_line = raw_line.removesuffix("\r")
+    for number, raw_bytes in enumerate(_byte_lines(content), start=1):
+        try:  # a line at a time: "\n" is never part of a longer UTF-8 character
+            raw_line = raw_bytes.decode("utf-8").removesuffix("\r")
+        except UnicodeDecodeError:
+            return _refused([LineProblem("invalid_file_format", f"the input file is not UTF-8 text (line {number})",
+                                         number)])
         if not raw_line.strip():
             continue
         problem = _check_line(raw_line, number, endpoint, seen)
@@ -170,6 +169,17 @@ def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInpu
         problems.append(LineProblem("too_many_requests", f"the input file has {len(lines)} requests; a batch "
                                                          f"takes at most {max_requests}"))
     return _refused(problems) if problems else CheckedInput(lines)
+
+
+def _byte_lines(content: bytes) -> Iterator[bytes]:
+    """The file's lines, each copied alone: the file is neither decoded nor split whole. JSONL lines end at "\n"
+    only (str.splitlines would also cut at U+2028 and the like, which JSON strings may hold)."""
+    start = 0
+    while start <= len(content):
+        end = content.find(b"\n", start)
+        end = len(content) if end < 0 else end
+        yield content[start:end]
+        start = end + 1
 
 
 def _refused(problems: list[LineProblem]) -> CheckedInput:

@@ -104,6 +104,8 @@ def test_an_empty_file_a_file_over_the_bound_and_one_not_utf8_are_refused() -> N
     many = jsonl(line(f"r{i}", chat("s", "q")) for i in range(4))
     assert [p.code for p in check_input(many, CHAT_PATH, 3).problems] == ["too_many_requests"]
     assert [p.code for p in check_input(b"\xff\xfe", CHAT_PATH, 3).problems] == ["invalid_file_format"]
+    not_utf8 = check_input(many + b"\xff\xfe\n", CHAT_PATH, 10).problems  # checked line by line: the line named
+    assert [(p.code, p.line) for p in not_utf8] == [("invalid_file_format", 5)]
 
 
 def test_the_window_and_the_metadata_are_checked() -> None:
