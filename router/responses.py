@@ -124,3 +124,14 @@ def response_object(response_id: str, body: Mapping[str, Any], completion: Mappi
                                                                         "cache_write_tokens": prompt - cached},
                   "output_tokens_details": {"reasoning_tokens": 0}},
     }
+
+
+def history_after(body: Mapping[str, Any], chat: Mapping[str, Any],
+                  completion: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The messages a continuation of this turn starts with: its input and its answer, without its instructions
+    (OpenAI does not carry instructions over), in the order the turn's prompt had them."""
+    messages = list(chat["messages"])
+    if body.get("instructions"):
+        messages = messages[1:]
+    answer = dict(completion["choices"][0]["message"])
+    return [*messages, {key: answer[key] for key in ("role", "content", "tool_calls") if answer.get(key) is not None}]

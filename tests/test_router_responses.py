@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from openai.types.responses import Response
 
-from router.responses import ResponsesError, chat_request, response_object
+from router.responses import ResponsesError, chat_request, history_after, response_object
 
 
 def test_string_input_with_instructions_and_sampling() -> None:
@@ -52,3 +52,12 @@ def test_response_object_parses_with_the_openai_client_types() -> None:
     parsed = Response.model_validate(response_object("resp_1", {"model": "m", "input": "hi"}, completion))
     assert parsed.output_text == "hello"
     assert parsed.usage is not None and parsed.usage.input_tokens_details.cached_tokens == 8
+
+
+def test_a_continuation_drops_instructions_and_appends_the_answer() -> None:
+    body = {"model": "m", "input": "q1", "instructions": "sys"}
+    chat = chat_request(body)
+    completion = {"choices": [{"message": {"role": "assistant", "content": "a1", "tool_calls": None}}]}
+    history = history_after(body, chat, completion)
+    assert history == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+    assert chat_request({"model": "m", "input": "q2"}, history)["messages"][:2] == history
