@@ -98,7 +98,7 @@ from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.shed import ShedPolicy, fair_share, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
-from kvmesh.router.tokenize_api import tokenize_routes
+from kvmesh.router.tokenize_api import tokenize_routes, unknown_model
 from kvmesh.router.tracing import RequestSpan, request_span
 
 if TYPE_CHECKING:
@@ -552,8 +552,7 @@ class Router:
         if info.model:
             served = {name for p in states if p.healthy for name in (p.models or {p.model})}
             if served and info.model not in served:
-                raise RouteError(404, f"The model `{info.model}` does not exist; this pool serves "
-                                      f"{', '.join(sorted(served))}", code=MODEL_NOT_FOUND)
+                raise RouteError(404, unknown_model(info.model, served), code=MODEL_NOT_FOUND)
         return pick(info, states, view.matches, self.picker, roles)
 
     def models(self) -> dict[str, Any]:

@@ -25,6 +25,11 @@ from kvmesh.router.auth import unauthorized_body
 from kvmesh.router.config import INLINE_TOKENIZE_BYTES, MAX_REQUEST_BODY_BYTES
 
 
+def unknown_model(model: str, served: set[str]) -> str:
+    """The 404 message for a model the pool does not serve (the completion routes and these say it alike)."""
+    return f"The model `{model}` does not exist; this pool serves {', '.join(sorted(served))}"
+
+
 def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str | None],
                     models: Callable[[], dict[str, Any]]) -> APIRouter:
     """`tenant_for(authorization header)`: the tenant of a valid key (None: 401); `models()`: the pool's
@@ -52,8 +57,7 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
         cards = models()["data"]
         served = {card["id"] for card in cards}
         if body.model is not None and served and body.model not in served:
-            return JSONResponse(error_body(f"The model `{body.model}` does not exist; this pool serves "
-                                           f"{', '.join(sorted(served))}", code=MODEL_NOT_FOUND), status_code=404)
+            return JSONResponse(error_body(unknown_model(body.model, served), code=MODEL_NOT_FOUND), status_code=404)
         return body, large
 
     def max_model_len(model: str | None) -> int | None:
