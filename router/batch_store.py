@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import BigInteger, Float, Integer, LargeBinary, String, Text, case, delete, func, select, update
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from kvmesh.router.batches import (
@@ -33,7 +32,7 @@ from kvmesh.router.batches import (
     new_id,
     request_lines,
 )
-from kvmesh.router.store import make_engine
+from kvmesh.router.store import create_tables, make_engine
 
 FILES_TABLE, BATCHES_TABLE, RESULTS_TABLE = "kvmesh_files", "kvmesh_batches", "kvmesh_batch_results"
 _ID_LEN, _TENANT_LEN = 64, 64
@@ -180,10 +179,7 @@ class BatchStore:
 
     def __init__(self, url: str) -> None:
         self.engine = make_engine(url)
-        try:  # two replicas starting together may race to create the tables: the loser carries on
-            _Base.metadata.create_all(self.engine)
-        except DBAPIError:
-            _Base.metadata.create_all(self.engine)
+        create_tables(self.engine, _Base.metadata)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -20,12 +20,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from sqlalchemy import Float, String, delete, select
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from kvmesh.router.auth import tenant_hash
 from kvmesh.router.limits import Limiter
-from kvmesh.router.store import make_engine
+from kvmesh.router.store import create_tables, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +64,7 @@ class DemandTable:
 
     def __init__(self, url: str) -> None:
         self.engine = make_engine(url)
-        try:  # replicas starting together race to create the table: the loser carries on
-            _Base.metadata.create_all(self.engine)
-        except DBAPIError:
-            _Base.metadata.create_all(self.engine)
+        create_tables(self.engine, _Base.metadata)
 
     def report(self, replica: str, demand: Mapping[str, float]) -> tuple[dict[str, dict[str, float]], set[str]]:
         """Replace this replica's rows with `demand` (by tenant pseudonym) and read every live replica's: (demand

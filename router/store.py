@@ -24,6 +24,7 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    MetaData,
     String,
     case,
     create_engine,
@@ -32,6 +33,7 @@ from sqlalchemy import (
     insert,
     inspect,
     select,
+    text,
 )
 from sqlalchemy.engine import URL, Dialect, Engine, make_url
 from sqlalchemy.exc import DBAPIError
@@ -191,21 +193,44 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+def create_tables(engine: Engine, metadata: MetaData) -> None:
+    """Create `metadata`'s tables where missing and add the columns a newer kvmesh declares to tables an older one
+    made (a pool's database outlives upgrades; `create_all` never alters a table). Replicas starting together
+    race: the loser of a create or an ALTER carries on once what it wanted exists."""
+    for attempt in range(2):
+        try:
+            metadata.create_all(engine)
+            _add_missing_columns(engine, metadata)
+            return
+        except DBAPIError:
+            if attempt:
+                raise
+
+
+def _add_missing_columns(engine: Engine, metadata: MetaData) -> None:
+    """ALTER TABLE ADD COLUMN for each declared column an existing table lacks, nullable, with the column's
+    scalar default (if any) filling the rows already there."""
+    inspector = inspect(engine)
+    for table in metadata.sorted_tables:
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present:
+                continue
+            kind = column.type.compile(dialect=engine.dialect)
+            default = column.default.arg if column.default is not None and column.default.is_scalar else None
+            clause = "" if default is None else f" DEFAULT {int(default) if isinstance(default, bool) else default!r}"
+            with engine.begin() as conn:
+                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}{clause}'))
+            log.info("added column %s.%s to a table an older kvmesh made", table.name, column.name)
+
+
 class RequestLog:
     """Synchronous access to one pool's request log; safe to share between threads."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
-        self._create_table()
-
-    def _create_table(self) -> None:
-        """Create the table if missing; two replicas starting together may race, and the loser carries on."""
-        try:
-            Base.metadata.create_all(self.engine)
-        except DBAPIError:
-            if not inspect(self.engine).has_table(TABLE_NAME):
-                raise
+        create_tables(self.engine, Base.metadata)
 
     def write(self, records: Sequence[RequestRecord]) -> None:
         """Insert a batch in one transaction (one executemany round trip)."""

@@ -182,6 +182,25 @@ def test_two_replicas_never_hold_one_batch_and_a_stopped_ones_lease_passes_on(st
     assert not store.start(batch_id, "replica-a", 1, None)  # and cannot move it
 
 
+def test_a_database_an_older_kvmesh_made_gets_the_new_columns_and_keeps_its_rows(database_url: str) -> None:
+    from sqlalchemy import text
+
+    older = BatchStore(database_url)
+    kept = new_batch(older, [line("a", chat("s", "q"))])
+    with older.engine.begin() as conn:  # the tables as the previous release made them
+        conn.execute(text("ALTER TABLE kvmesh_files DROP COLUMN lines"))
+        conn.execute(text("ALTER TABLE kvmesh_batches DROP COLUMN model"))
+    older.close()
+    upgraded = BatchStore(database_url)
+    try:
+        assert upgraded.batch(TENANT, kept)["status"] == "validating"
+        new_batch(upgraded, [line("a", chat("s", "q")), line("b", chat("s", "q"))])
+        assert len(upgraded.batches(TENANT, 10, None)["data"]) == 2
+        BatchStore(database_url).close()  # a second replica starting on the upgraded tables alters nothing
+    finally:
+        upgraded.close()
+
+
 def test_replicas_racing_for_a_batch_agree_on_one_winner(store: BatchStore) -> None:
     new_batch(store, [line("a", chat("s", "q"))])
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
