@@ -755,3 +755,19 @@ def test_without_a_database_the_batch_api_says_what_to_set(engine_url: str, tiny
     with serve_router(router) as url:
         answer = httpx.get(url + "/v1/batches")
     assert answer.status_code == 501 and "database_url" in answer.json()["error"]["message"]
+
+
+def test_a_batch_past_the_tenants_enqueued_limit_is_a_429_naming_the_limit(engine_url: str, tiny_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    router = build_router(RouterConfig(pods=[engine_url], scrape_interval_seconds=0.1,
+                                       database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+                                       batch_max_enqueued_requests=2), tiny_dir)
+    with serve_router(router) as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        entries = [line(str(i), chat("s", f"q{i}")) for i in range(3)]
+        file_id = api.files.create(file=("in.jsonl", jsonl(entries)), purpose="batch").id
+        with pytest.raises(openai.RateLimitError) as refused:
+            api.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="24h")
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "batch_enqueued_limit_reached"
+    assert "2" in error["message"] and "3" in error["message"]
