@@ -94,10 +94,10 @@ def _call(value: Any, names: set[str]) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments))
 
 
-def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+def parse_hermes(text: str, names: set[str]) -> list[ToolCall]:
     """tool_choice "auto": the valid calls in `text`'s <tool_call> blocks (a last block may lack its closing tag:
-    EOS came first), and the content before the first block (None when empty). Blocks that are not JSON or name
-    an undeclared function are dropped; with no valid call the whole text is the content."""
+    EOS came first). Blocks that are not JSON or name an undeclared function are dropped; the content beside the
+    calls is the ToolStream's to cut (the text before the first block)."""
     calls = []
     for block in _CALL_BLOCK.findall(text):
         try:
@@ -106,10 +106,7 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
             call = None
         if call is not None:
             calls.append(call)
-    if not calls:
-        return text, []
-    content = text[: text.find(CALL_OPEN)].strip()
-    return content or None, calls
+    return calls
 
 
 _SIGNIFICANT = re.compile(r'[\[\]{}"\\]')  # the characters that change a JSON scanner's state
@@ -232,7 +229,7 @@ class ToolStream:
         delta = ToolDelta("", [])
         text = "".join(self._pieces)
         if self.mode == "auto":
-            _, calls = parse_hermes(text, self.names)
+            calls = parse_hermes(text, self.names)
             end = self._marker if calls else len(text)
             delta = ToolDelta(text[self._sent: end] if end > self._sent else "",
                               [c.delta(i) for i, c in enumerate(calls)])

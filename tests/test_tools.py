@@ -57,22 +57,24 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def test_hermes_parser_finds_several_calls_and_keeps_text_before() -> None:
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
             '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
-    content, calls = parse_hermes(text, NAMES)
-    assert content == "Let me check."
+    calls = parse_hermes(text, NAMES)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    message, reason = tool_message("auto", text, NAMES, "stop")
+    assert message["content"] == "Let me check." and len(message["tool_calls"]) == 2 and reason == "tool_calls"
 
 
 def test_hermes_parser_drops_malformed_and_undeclared_calls() -> None:
     bad = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
     undeclared = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
-    assert parse_hermes("plain answer", NAMES) == ("plain answer", [])
-    assert parse_hermes(bad, NAMES) == (bad, [])  # no valid call: the text is the content, as written
-    assert parse_hermes(undeclared, NAMES) == (undeclared, [])
-    content, calls = parse_hermes(bad + undeclared + '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}',
-                                  NAMES)  # the last block lacks its closing tag: EOS came first
-    assert content is None and [c.name for c in calls] == ["add"]
+    for text in ("plain answer", bad, undeclared):  # no valid call: the text is the content, as written
+        assert parse_hermes(text, NAMES) == []
+        assert tool_message("auto", text, NAMES, "stop") == ({"role": "assistant", "content": text}, "stop")
+    text = bad + undeclared + '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'  # EOS before the tag
+    assert [c.name for c in parse_hermes(text, NAMES)] == ["add"]
+    message, _ = tool_message("auto", text, NAMES, "stop")
+    assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == ["add"]
 
 
 def test_required_parser_takes_complete_objects_of_a_cut_array() -> None:
