@@ -342,7 +342,8 @@ class LocalEngines:
                 _say(f"{surge.child.name}, rolled in for {surge.replaces}, exited with {surge.child.process.returncode}"
                      f"; the roll stops, the old engines serve on ({why}: fix the pool file):\n{surge.child.tail()}")
                 return
-            if surge.state == STARTING or surge.child.url not in self._routed(client):
+            routed = [] if self.router is None or surge.state == STARTING else _routed(client, self.router.url)
+            if surge.child.url not in routed:
                 return  # one at a time: the next waits for this one to be routed to
             old, surge.replaces = self._named(surge.replaces), None
             if old is not None and old.state == SERVING:
@@ -357,14 +358,6 @@ class LocalEngines:
         elif not any(e.state == STARTING and e.generation < self.generation for e in self.engines):
             self.rolling = set()  # (an old engine still starting is rolled once it serves)
             _say(f"engines rolled: every engine runs the new settings ({why})")
-
-    def _routed(self, client: httpx.Client) -> list[str]:
-        """The engines the router routes to (its /health lists them): empty while it does not answer."""
-        assert self.router is not None
-        try:
-            return client.get(self.router.url + "/health").json().get("pods", [])
-        except (httpx.TransportError, ValueError, AttributeError):
-            return []
 
     def _named(self, name: str | None) -> Engine | None:
         return next((e for e in self.engines if e.child.name == name), None)
@@ -415,13 +408,23 @@ class LocalEngines:
         engine.state, engine.deadline = STOPPING, time.monotonic() + STOP_TIMEOUT_SECONDS
 
 
+def _routed(client: httpx.Client, router_url: str) -> list[str]:
+    """The engines the router routes to (its /health lists them, also beside a 503): empty while it does not
+    answer."""
+    try:
+        body = client.get(router_url + "/health").json()
+    except (httpx.TransportError, ValueError):
+        return []
+    return body.get("pods", []) if isinstance(body, dict) else []
+
+
 def _wait_routed(client: httpx.Client, engines: LocalEngines, count: int, timeout: float) -> Child | None:
     """Until the router routes to `count` engines (its /health lists them): "ready" means the whole pool serves,
     not only the first engine the router happened to scrape. The child that died meanwhile, if one did;
     TimeoutError past `timeout`."""
     assert engines.router is not None
     deadline = time.monotonic() + timeout
-    while len((_answers(client, "GET", engines.router.url + "/health") or {}).get("pods", [])) < count:
+    while len(_routed(client, engines.router.url)) < count:
         dead = engines.unexpected_exit()
         if dead is not None:
             return dead
