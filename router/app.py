@@ -394,7 +394,7 @@ class Router:
 
     def tenants(self) -> Iterable[str]:
         """The tenants that have a key now (the one default tenant with auth off)."""
-        return set(self.keys.by_hash.values()) if self.keys.enabled else {DEFAULT_TENANT}
+        return self.keys.tenants
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
         """One row of the request log (numbers only), when the pool has one; the end of the request's span."""
@@ -641,7 +641,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
             "no cache_salt_secret: tenants' cache salts are keyed by the pool's name, which anyone who can reach "
             "an engine directly could use to probe another tenant's cached prefixes; set %s", CACHE_SALT_SECRET_ENV)
     pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
-    tenants = set(keys.by_hash.values()) if keys.enabled else {DEFAULT_TENANT}
+    tenants = set(keys.tenants)
     _warn_unkeyed(table, tenants)
     limits = Limiter(table, config.rate_limit_replicas)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
@@ -659,7 +659,7 @@ def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys
     """A new version of the keys file was taken (or refused): counted, its new tenants' series made."""
     metrics.api_keys_reloads.labels(outcome).inc()
     if keys is not None:
-        tenants = set(keys.by_hash.values())
+        tenants = set(keys.tenants)
         metrics.add_tenants(tenants)
         _warn_unkeyed(table, tenants)
 

@@ -96,6 +96,11 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self.by_hash)
 
+    @property
+    def tenants(self) -> frozenset[str]:
+        """The tenants that have a key (the one default tenant with auth off)."""
+        return frozenset(self.by_hash.values()) if self.enabled else frozenset({DEFAULT_TENANT})
+
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ApiKeys:
         """Read `{"keys": [{"tenant": "acme", "key_sha256": "..."}, ...]}` from YAML; ValueError says what is wrong.
