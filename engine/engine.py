@@ -328,10 +328,13 @@ class Engine:
     # ---- LoRA adapters (model/lora.py; docs/engine.md "LoRA adapters") ------------------------------------------
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
-        """Read and check a PEFT adapter directory (any thread: it only reads files). Raises LoraError."""
+        """Read and check a PEFT adapter directory and bind its name to its weights (any thread but the engine's:
+        it reads files and may write the LoRA memory with an fsync). Raises LoraError."""
         if name == self.model_name:
             raise LoraError(f"{name!r} is the base model's name; give the adapter another one")
-        return self.read_adapter_files(name, path)
+        adapter = self.read_adapter_files(name, path)
+        self.loras.remember(adapter)
+        return adapter
 
     def read_adapter_files(self, name: str, path: str) -> LoraAdapter:
         """The adapter's files, checked against this model. The engine simulator overrides it: it checks all but

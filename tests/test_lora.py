@@ -28,7 +28,7 @@ from kvmesh.engine import server as server_module
 from kvmesh.engine.attention import TorchMetadata
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.model.lora import TARGET_MODULES
+from kvmesh.engine.model.lora import TARGET_MODULES, LoraAdapter, LoraError, LoraRegistry
 from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, Metric, VllmMetric, block_hashes
 from kvmesh.engine.request import Request
 from kvmesh.engine.runner import StepInput
@@ -421,3 +421,29 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
     assert lora_info(http)[2] == 0
     # the same weights come back under their name (their cached blocks are still right)
     assert http.post(LOAD_LORA_PATH, json={"lora_name": "all", "lora_path": str(adapters["all"])}).status_code == 200
+
+
+def test_a_restarted_engine_refuses_other_weights_under_a_name_its_kept_tiers_cached(tmp_path: Path) -> None:
+    """The LoRA memory beside a KV tier file that survives a restart: what the next process reads back."""
+    memory = tmp_path / "tier.lora.json"
+
+    def adapter(fingerprint: str) -> LoraAdapter:
+        return LoraAdapter("support", str(tmp_path), 8, 1.0, {}, fingerprint)
+
+    before = LoraRegistry(max_loras=2)
+    before.remember_in([(memory, False)])
+    before.remember(adapter("weights-1"))
+    before.add(adapter("weights-1"))
+    assert json.loads(memory.read_text()) == {"support": "weights-1"}  # on disk once remembered, before serving
+
+    restarted = LoraRegistry(max_loras=2)
+    restarted.remember_in([(memory, False)])
+    with pytest.raises(LoraError, match="other weights"):
+        restarted.remember(adapter("weights-2"))
+    restarted.remember(adapter("weights-1"))  # the same weights load again
+    assert restarted.add(adapter("weights-1")).name == "support"
+
+    emptied = LoraRegistry(max_loras=2)  # the tier started empty (another model or layout): no block to protect
+    emptied.remember_in([(memory, True)])
+    emptied.remember(adapter("weights-2"))
+    assert json.loads(memory.read_text()) == {"support": "weights-2"}

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,6 +289,7 @@ class LoraRegistry:
         self.loaded: dict[str, LoadedLora] = {}
         self._seen: dict[str, str] = {}  # every name ever loaded -> the fingerprint of its weights
         self._memory: list[Path] = []  # files keeping `_seen` beside the KV tiers that outlive this process
+        self._remembering = threading.Lock()  # loads read on worker threads, each may write the memory files
 
     def remember_in(self, files: Sequence[tuple[Path, bool]]) -> None:
         """Keep the names' fingerprints in these files, one beside each KV tier file that survives a restart, and
@@ -332,18 +334,33 @@ class LoraRegistry:
             return None
         return self.loaded[name].slot
 
+    def remember(self, adapter: LoraAdapter) -> None:
+        """Bind the adapter's name to its weights, on disk before it can serve (the load's worker thread: the fsync
+        pauses no model step). Raises LoraError if the name was served with other weights: the router hashes
+        blocks by adapter name, so the old weights' cached blocks may still be found under it. A name remembered
+        by a load that then found no free slot stays bound to these weights."""
+        with self._remembering:
+            self._refuse_other_weights(adapter)
+            if self._seen.get(adapter.name) != adapter.fingerprint:
+                self._seen[adapter.name] = adapter.fingerprint
+                self._save()
+
+    def _refuse_other_weights(self, adapter: LoraAdapter) -> None:
+        if self._seen.get(adapter.name, adapter.fingerprint) != adapter.fingerprint:
+            raise LoraError(f"the name {adapter.name!r} was served with other weights earlier (in this engine's "
+                            f"life, or before a restart that kept its KV tiers) and its cached KV blocks may remain; "
+                            f"load these weights under a new name")
+
     def add(self, adapter: LoraAdapter) -> LoadedLora:
-        """Take a free slot for `adapter`; raises LoraError (already loaded, or the name was another adapter's)
-        or LoraConflict (every slot taken)."""
+        """Take a free slot for `adapter`, whose name `remember` bound to its weights; raises LoraError (already
+        loaded, or not remembered with these weights) or LoraConflict (every slot taken)."""
         name = adapter.name
         if name in self.loaded:
             raise LoraError(f"LoRA adapter {name!r} is already loaded (from {self.loaded[name].path}); unload it "
                             f"first")
-        if self._seen.get(name, adapter.fingerprint) != adapter.fingerprint:
-            # the router hashes blocks by adapter name: the old weights' cached blocks may still be found under it
-            raise LoraError(f"the name {name!r} was served with other weights earlier (in this engine's life, or "
-                            f"before a restart that kept its KV tiers) and its cached KV blocks may remain; load "
-                            f"these weights under a new name")
+        self._refuse_other_weights(adapter)
+        if self._seen.get(name) != adapter.fingerprint:
+            raise LoraError(f"LoRA adapter {name!r} was not remembered before its load (remember() first)")
         taken = {a.slot for a in self.loaded.values()}
         free = [s for s in range(self.max_loras) if s not in taken]
         if not free:
@@ -351,9 +368,6 @@ class LoraRegistry:
                                f"(max_loras = {self.max_loras}); unload one first")
         entry = LoadedLora(name, adapter.path, free[0], adapter.rank)
         self.loaded[name] = entry
-        if self._seen.get(name) != adapter.fingerprint:
-            self._seen[name] = adapter.fingerprint
-            self._save()
         return entry
 
     def remove(self, name: str) -> LoadedLora:
