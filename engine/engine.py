@@ -59,9 +59,9 @@ EMA = 0.2  # weight of the newest sample in the moving averages
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """The serving dtype. `auto`: bf16 on CUDA, fp32 on a CPU. Not bf16 on a CPU even where it has bf16 matrix
-    units: there (AVX512-BF16, torch 2.13) the bundled model in bf16 answers wrongly through this engine while
-    transformers' bf16 answers right (found 2026-12-05, not yet explained); without the units bf16 is several
-    times slower. `bfloat16` can still be asked for."""
+    units: the vocabulary product's bf16 output rounds the bundled model's close first tokens into ties (25.33
+    and 25.24 both to 25.375) and greedy answers drift (docs/architecture.md "Serving dtype"); without the units
+    bf16 is several times slower. `bfloat16` can still be asked for."""
     if name != "auto":
         return getattr(torch, name)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
