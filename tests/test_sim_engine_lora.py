@@ -11,7 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
 
 from kvmesh.bench.sim_engine import ENGINE_FLAGS, PROFILES, LatencyModel, add_parser, sim_config
 from kvmesh.bench.sim_runner import SimEngine
@@ -67,6 +69,37 @@ def test_the_simulator_refuses_the_adapters_the_engine_refuses(tmp_path: Path, c
     path = write_adapter(tmp_path / "bad", seed=5, rank=4, layers=1, **config)
     with pytest.raises(LoraError, match=fragment):
         sim().read_lora("bad", str(path))
+
+
+def damage(path: Path, how: str) -> None:
+    """Spoil an adapter's weights file as a broken copy, a wrong file or another kind of adapter would."""
+    weights = path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif how == "not safetensors":
+        weights.write_bytes(b"PK\x03\x04 a zip archive, not a safetensors file")
+    elif how == "foreign key":
+        save_file({**tensors, "base_model.model.lm_head.weight": torch.zeros(4, 4)}, str(weights))
+    else:  # an A without its B
+        save_file({k: v for k, v in tensors.items() if ".lora_B." not in k}, str(weights))
+
+
+@pytest.mark.parametrize(("how", "fragment"), [("truncated", "could not be read"),
+                                               ("not safetensors", "could not be read"),
+                                               ("foreign key", "lm_head"), ("half", "lacks lora_B")])
+def test_a_damaged_weights_file_is_refused_by_the_simulator_as_by_the_engine(
+        tmp_path: Path, tiny_dir: Path, how: str, fragment: str) -> None:
+    """The weights file's checks that need no base model are one function: an adapter a real engine refuses must
+    not load on the simulated pods a test or a benchmark stands in for it."""
+    path = write_adapter(tmp_path / "bad", seed=6, rank=4, layers=1)
+    damage(path, how)
+    refusals = []
+    for engine in (sim(), make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, max_lora_rank=8)):
+        with pytest.raises(LoraError, match=fragment) as refused:
+            engine.read_lora("bad", str(path))
+        refusals.append(str(refused.value))
+    assert refusals[0] == refusals[1]
 
 
 def lora_info(text: str) -> list[dict[str, str]]:

@@ -123,7 +123,7 @@ class AdapterConfig:
 
 def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
     """The checks of a PEFT directory that need no tensor: its files, its config's rank and alpha, the PEFT features
-    refused by name, the rank against `max_rank`. Raises LoraError. (The simulated engine checks adapters this far.)"""
+    refused by name, the rank against `max_rank`. Raises LoraError."""
     where = Path(path).expanduser()
     if not (where / CONFIG_FILE).is_file():
         raise LoraError(f"LoRA adapter {name!r}: {where} has no {CONFIG_FILE} (is it a PEFT adapter directory?)")
@@ -145,44 +145,63 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
     return AdapterConfig(where, rank, scale, config_bytes)
 
 
-def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
-    """Read and check a PEFT LoRA directory against the base model; raises LoraError naming the problem."""
-    checked = read_adapter_config(name, path, max_rank)
-    where, rank, scale = checked.where, checked.rank, checked.scale
-    shapes = module_shapes(config)
+@dataclass(frozen=True)
+class AdapterTensors:
+    """A PEFT LoRA weights file as read: per (layer, module) its A and B, and the adapter's fingerprint."""
+
+    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    fingerprint: str  # of the config's bytes and every tensor's key and values
+
+
+def read_adapter_tensors(name: str, checked: AdapterConfig) -> AdapterTensors:
+    """The checks of the weights file that need no base model, shared with the simulated engine so it refuses the
+    files the engine refuses: safetensors opens it and reads every tensor (a damaged or foreign file is refused),
+    each key is a LoRA A or B of a target module, each module has both, and it holds at least one. Raises
+    LoraError."""
+    where = checked.where / WEIGHTS_FILE
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     digest = hashlib.sha256(checked.config_bytes)
     try:
-        with safe_open(str(where / WEIGHTS_FILE), framework="pt") as f:
+        with safe_open(str(where), framework="pt") as f:
             for key in sorted(f.keys()):
                 match = _KEY.match(key)
-                if match is None or match.group(2) not in shapes:
-                    raise LoraError(f"{where / WEIGHTS_FILE}: tensor {key!r} is not a LoRA A or B weight of "
+                if match is None or match.group(2) not in TARGET_MODULES:
+                    raise LoraError(f"{where}: tensor {key!r} is not a LoRA A or B weight of "
                                     f"{', '.join(TARGET_MODULES)}; embeddings, lm_head and other modules are not "
                                     f"supported")
                 tensor = f.get_tensor(key)
                 digest.update(key.encode() + tensor.float().numpy().tobytes())
-                halves.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor.to(dtype)
+                halves.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
     except LoraError:
         raise
     except Exception as exc:  # safetensors' own errors: a damaged or foreign file
-        raise LoraError(f"{where / WEIGHTS_FILE} could not be read: {exc}") from None
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        raise LoraError(f"{where} could not be read: {exc}") from None
+    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} lacks lora_{'B' if 'A' in ab else 'A'}")
+        pairs[(layer, module)] = (ab["A"], ab["B"])
+    if not pairs:
+        raise LoraError(f"LoRA adapter {name!r}: {where} holds no LoRA weights")
+    return AdapterTensors(pairs, digest.hexdigest()[:16])
+
+
+def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
+    """Read and check a PEFT LoRA directory against the base model; raises LoraError naming the problem."""
+    checked = read_adapter_config(name, path, max_rank)
+    tensors = read_adapter_tensors(name, checked)
+    rank, shapes = checked.rank, module_shapes(config)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (a, b) in tensors.pairs.items():
         fan_in, fan_out = shapes[module]
         if layer >= config.num_layers:
             raise LoraError(f"LoRA adapter {name!r} names layer {layer}; the model has {config.num_layers}")
-        if set(ab) != {"A", "B"}:
-            raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} lacks lora_{'B' if 'A' in ab else 'A'}")
-        a, b = ab["A"], ab["B"]
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
                             f"{tuple(b.shape)}; this model and r={rank} need A {(rank, fan_in)} and B "
                             f"{(fan_out, rank)} (an adapter of another base model?)")
-        weights[(layer, module)] = (a, b)
-    if not weights:
-        raise LoraError(f"LoRA adapter {name!r}: {where / WEIGHTS_FILE} holds no LoRA weights")
-    return LoraAdapter(name, str(where), rank, scale, weights, digest.hexdigest()[:16])
+        weights[(layer, module)] = (a.to(dtype), b.to(dtype))
+    return LoraAdapter(name, str(checked.where), rank, checked.scale, weights, tensors.fingerprint)
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """The simulated engine behind `kvmesh sim-engine` (kvmesh/bench/sim_engine.py has its latency model and CLI):
 the real engine, with a model runner that sleeps instead of computing. LoRA adapters are the engine's own
-(registry, endpoints, /v1/models cards, vllm:lora_requests_info, blocks hashed with the adapter's name); only
-their weights are not read, since the simulated model has none to add them to."""
+(registry, endpoints, /v1/models cards, vllm:lora_requests_info, blocks hashed with the adapter's name, the
+files checked as the engine checks them); only their weights are not applied, since the simulated model has none
+to add them to."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -16,7 +16,7 @@ from kvmesh.bench.sim_engine import LatencyModel, Profile
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine, LoadedModel
 from kvmesh.engine.model import loader
-from kvmesh.engine.model.lora import WEIGHTS_FILE, LoraAdapter, LoraError, read_adapter_config
+from kvmesh.engine.model.lora import LoraAdapter, read_adapter_config, read_adapter_tensors
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.runner import ModelRunner, StepInput, StepResult
 
@@ -95,15 +95,13 @@ class SimEngine(Engine):
 
     def read_adapter_files(self, name: str, path: str) -> LoraAdapter:
         """A PEFT directory as the engine checks it (read_adapter_config: its files, its config, the PEFT features
-        refused by name, its rank), less its tensors (the simulated model's shapes are not the adapter's base
-        model's). Its fingerprint covers both files, so other weights under a name served before are refused as by
-        the engine. Raises LoraError."""
+        refused by name, its rank; read_adapter_tensors: its weights file opened and read whole, its keys), less
+        the tensors' shapes, which are the adapter's base model's, not the simulated model's; the tensors are not
+        kept. Its fingerprint is the engine's, so other weights under a name served before are refused as by the
+        engine. Raises LoraError."""
         checked = read_adapter_config(name, path, self.config.max_lora_rank)
-        try:
-            digest = hashlib.sha256(checked.config_bytes + (checked.where / WEIGHTS_FILE).read_bytes())
-        except OSError as exc:
-            raise LoraError(f"LoRA adapter {name!r}: cannot read {checked.where}: {exc}") from None
-        return LoraAdapter(name, str(checked.where), checked.rank, checked.scale, {}, digest.hexdigest()[:16])
+        fingerprint = read_adapter_tensors(name, checked).fingerprint
+        return LoraAdapter(name, str(checked.where), checked.rank, checked.scale, {}, fingerprint)
 
     def read_frame(self, block_ids: list[int], hashes: list[int]) -> bytes:
         start = time.perf_counter()
