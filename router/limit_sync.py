@@ -7,8 +7,15 @@ the replicas tell each other every SYNC_SECONDS how many requests of each tenant
 share of the tenant's limits in proportion to its part of that demand, so together they allow the tenant its whole
 limits wherever its requests land (within a few seconds of a shift). Every replica counts VIRTUAL_REQUESTS more than
 it was asked, so a light tenant's limits stay near an even split and a replica a tenant has not used yet can still
-admit its first requests, while a heavy tenant's follow its demand. A replica that stops reporting drops out of the
-split after STALE_SECONDS; one that stops (draining) leaves it at its next period. The split is pure (`shares`);
+admit its first requests, while a heavy tenant's follow its demand. Rates divide; a concurrent-request limit is
+whole, so the replicas apportion it by largest remainder (limits.apportion): their parts add up to the limit
+exactly (as they read the same reports), a seat left over going to the larger remainder, then to the replica with
+more demand. The price of never admitting more than the limit: a replica whose part is no seat (one the tenant has
+barely used, or a limit smaller than the replicas) refuses the tenant's requests with a 429 and Retry-After until
+its demand, which the refused requests count in, earns it a seat at a later period. A tenant whose limit is below
+the number of replicas its requests reach evenly stays refused on some of them: give it connections that stay on
+one replica, or a limit of at least the replicas. A replica that stops reporting drops out of the split after
+STALE_SECONDS; one that stops (draining) leaves it at its next period. The split is pure (`shares`, `apportion`);
 the table and the loop are the edges.
 """
 
@@ -48,14 +55,13 @@ class DemandRow(_Base):
     updated: Mapped[float] = mapped_column(Float)  # wall-clock time of the report
 
 
-def shares(mine: str, demand: Mapping[str, Mapping[str, float]], replicas: set[str]) -> dict[str, float]:
-    """This replica's fraction of each tenant's limits: in proportion to each live replica's demand for the tenant
-    (`demand[tenant][replica]`) plus VIRTUAL_REQUESTS. The fractions of one tenant over the replicas add up to 1."""
-    live = replicas | {mine}
+def shares(demand: Mapping[str, Mapping[str, float]], replicas: set[str]) -> dict[str, dict[str, float]]:
+    """Each live replica's fraction of each tenant's limits (`demand[tenant][replica]`): in proportion to its demand
+    for the tenant plus VIRTUAL_REQUESTS. The fractions of one tenant add up to 1."""
     out = {}
     for tenant, by_replica in demand.items():
-        total = sum(by_replica.get(r, 0.0) for r in live) + VIRTUAL_REQUESTS * len(live)
-        out[tenant] = (by_replica.get(mine, 0.0) + VIRTUAL_REQUESTS) / total
+        total = sum(by_replica.get(r, 0.0) for r in replicas) + VIRTUAL_REQUESTS * len(replicas)
+        out[tenant] = {r: (by_replica.get(r, 0.0) + VIRTUAL_REQUESTS) / total for r in replicas}
     return out
 
 
@@ -100,17 +106,16 @@ class LimitSync:
         self.table, self.limiter, self.replica = table, limiter, replica
         self.smoothed: dict[str, float] = {}  # by tenant name
 
-    async def sync(self, tenants: Iterable[str]) -> dict[str, float]:
-        """One report and this replica's shares of the `tenants`' limits (names), set on the limiter."""
+    async def sync(self, tenants: Iterable[str]) -> None:
+        """One report, and this replica's part of the `tenants`' limits (names) set on the limiter."""
         names = {tenant_hash(t): t for t in tenants}
         asked, self.limiter.demand = self.limiter.demand, {}
         self.smoothed = {tenant: SMOOTHING * asked.get(tenant, 0.0) + (1 - SMOOTHING) * self.smoothed.get(tenant, 0.0)
                          for tenant in names.values()}  # a tenant whose key went is dropped
         report = {h: self.smoothed[t] for h, t in names.items()}
         demand, live = await asyncio.to_thread(self.table.report, self.replica, report)
-        fractions = {names[h]: f for h, f in shares(self.replica, demand, live).items() if h in names}
-        self.limiter.set_shares(fractions)  # every tenant reported above is in `demand`
-        return fractions
+        fractions = {names[h]: f for h, f in shares(demand, live | {self.replica}).items() if h in names}
+        self.limiter.set_shares(fractions, self.replica)  # every tenant reported above is in `demand`
 
     async def run(self, tenants: Callable[[], Iterable[str]], stopping: Callable[[], bool]) -> None:
         """Sync every SYNC_SECONDS until the router drains: then leave the split (it takes no new requests; a

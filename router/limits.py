@@ -27,42 +27,52 @@ RATE_LIMIT_HEADERS = ("x-ratelimit-limit-{}", "x-ratelimit-remaining-{}", "x-rat
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """One tenant's limits; None is unlimited. `weight` is its share of a saturated pool (router/shed.py)."""
+    """One tenant's limits, or one replica's part of them; None is unlimited. `weight` is its share of a saturated
+    pool (router/shed.py). Configured limits are checked by `parse_tenants`; a part may hold no concurrent request."""
 
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     max_concurrent_requests: int | None = None
     weight: float = 1.0
 
-    def __post_init__(self) -> None:
-        for name, nullable in (("requests_per_minute", True), ("tokens_per_minute", True), ("weight", False)):
-            value = getattr(self, name)
-            if value is None and nullable:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive number{' or null' if nullable else ''}, not "
-                                 f"{'null' if value is None else repr(value)}")
-        concurrent = self.max_concurrent_requests
-        if concurrent is not None and (isinstance(concurrent, bool) or not isinstance(concurrent, int)
-                                       or concurrent < 1):
-            raise ValueError(f"max_concurrent_requests must be a whole number of at least 1 or null, not "
-                             f"{concurrent!r}")
-
     def per_replica(self, replicas: int) -> TenantLimits:
         """What one of `replicas` router replicas enforces so that together they allow the tenant's limits."""
         return self.share(1 / replicas)
 
     def share(self, fraction: float) -> TenantLimits:
-        """This fraction of the limits: what one replica enforces when the replicas split them by demand (router/
-        limit_sync.py), or evenly. A concurrent-request limit rounds up (one request always fits)."""
+        """This fraction of the limits: what one replica enforces when the replicas split them evenly. A rate is never
+        under MIN_PER_MINUTE (a request must be able to pass); a concurrent-request limit rounds up (one request
+        always fits)."""
         def part(rate: float | None) -> float | None:
-            return None if rate is None else rate * fraction
+            return None if rate is None else max(rate * fraction, MIN_PER_MINUTE)
 
         concurrent = self.max_concurrent_requests
         return replace(self, requests_per_minute=part(self.requests_per_minute),
                        tokens_per_minute=part(self.tokens_per_minute),
                        max_concurrent_requests=None if concurrent is None else max(math.ceil(concurrent * fraction),
                                                                                    1))
+
+    def split(self, fractions: Mapping[str, float]) -> dict[str, TenantLimits]:
+        """The parts of the limits for parts taking these `fractions` of them (adding up to 1): the router replicas
+        splitting a tenant's limits by demand (router/limit_sync.py). Rates divide as `share`; concurrent requests
+        are whole, so they are apportioned (`apportion`) and add up to the limit exactly."""
+        concurrent = self.max_concurrent_requests
+        seats = None if concurrent is None else apportion(concurrent, fractions)
+        return {name: replace(self.share(fraction), max_concurrent_requests=None if seats is None else seats[name])
+                for name, fraction in fractions.items()}
+
+
+def apportion(total: int, fractions: Mapping[str, float]) -> dict[str, int]:
+    """`total` whole seats split by `fractions` (adding up to 1) with the largest-remainder method: each part gets
+    the whole part of its quota, and the seats left go to the largest remainders, a tie to the larger fraction
+    (the replica with more demand), then to the first name, so that every replica computes the same split. The
+    parts add up to `total` exactly, so a part whose quota is under one may get none."""
+    quotas = {name: total * fraction for name, fraction in fractions.items()}
+    seats = {name: math.floor(quota) for name, quota in quotas.items()}
+    left = max(total - sum(seats.values()), 0)
+    for name in sorted(fractions, key=lambda n: (seats[n] - quotas[n], -fractions[n], n))[:left]:
+        seats[name] += 1
+    return seats
 
 
 LIMIT_FIELDS = tuple(f.name for f in fields(TenantLimits))
@@ -103,16 +113,31 @@ def parse_tenants(raw: Any, where: str = "tenants") -> LimitTable:
             raise ValueError(f"{here}: unknown fields {unknown}; allowed: {', '.join(LIMIT_FIELDS)}")
         (base if name == DEFAULTS_ENTRY else entries.setdefault(name, {})).update(entry)
     try:
-        default = TenantLimits(**base)
+        default = _checked(base)
     except ValueError as exc:
         raise ValueError(f"{where}.{DEFAULTS_ENTRY}: {exc}") from None
     tenants = {}
     for name, entry in entries.items():
         try:
-            tenants[name] = TenantLimits(**{**base, **entry})
+            tenants[name] = _checked({**base, **entry})
         except ValueError as exc:
             raise ValueError(f"{where}.{name}: {exc}") from None
     return LimitTable(default, tenants)
+
+
+def _checked(entry: Mapping[str, Any]) -> TenantLimits:
+    """One tenant's configured limits; ValueError naming the field that is wrong."""
+    for name, nullable in (("requests_per_minute", True), ("tokens_per_minute", True), ("weight", False)):
+        value = entry.get(name)
+        if name not in entry or (value is None and nullable):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive number{' or null' if nullable else ''}, not "
+                             f"{'null' if value is None else repr(value)}")
+    concurrent = entry.get("max_concurrent_requests")
+    if concurrent is not None and (isinstance(concurrent, bool) or not isinstance(concurrent, int) or concurrent < 1):
+        raise ValueError(f"max_concurrent_requests must be a whole number of at least 1 or null, not {concurrent!r}")
+    return TenantLimits(**entry)
 
 
 def unkeyed_tenants(table: LimitTable, known: set[str]) -> list[str]:
@@ -210,31 +235,31 @@ class Limiter:
         self._default = self.table.default.per_replica(replicas)
         self._here = {name: limits.per_replica(replicas) for name, limits in self.table.tenants.items()}
         self._shared: dict[str, TenantLimits] = {}  # by demand, when the replicas share a database (set_shares)
-        for name, here in ((DEFAULTS_ENTRY, self._default), *self._here.items()):
-            for field_name, rate in (("requests_per_minute", here.requests_per_minute),
-                                     ("tokens_per_minute", here.tokens_per_minute)):
-                if rate is not None and rate < 1:
+        for name, whole in ((DEFAULTS_ENTRY, self.table.default), *self.table.tenants.items()):
+            for field_name in ("requests_per_minute", "tokens_per_minute"):
+                rate = getattr(whole, field_name)
+                if rate is not None and rate / replicas < MIN_PER_MINUTE:  # `share` would raise it to one: refused
                     split = f" split over rate_limit_replicas {replicas}" if replicas > 1 else ""
-                    raise ValueError(f"tenants.{name}: {field_name}{split} is {_number(rate)} per replica, under one "
-                                     "a minute, so no request could ever pass; raise it"
+                    raise ValueError(f"tenants.{name}: {field_name}{split} is {_number(rate / replicas)} per replica, "
+                                     "under one a minute, so no request could ever pass; raise it"
                                      f"{' or lower rate_limit_replicas' if replicas > 1 else ''}")
 
     def limits(self, tenant: str) -> TenantLimits:
         """What this replica enforces for `tenant`."""
         return self._shared.get(tenant) or self._here.get(tenant, self._default)
 
-    def set_shares(self, shares: Mapping[str, float]) -> None:
-        """Enforce these fractions of the tenants' whole limits from now on (the replicas split each tenant's limits
-        by where its requests arrive: router/limit_sync.py); a tenant not named goes back to the even split. Each
-        bucket keeps how full it is, as a fraction, so a share that grows does not hand out a burst."""
+    def set_shares(self, shares: Mapping[str, Mapping[str, float]], mine: str) -> None:
+        """Enforce replica `mine`'s part of the tenants' whole limits from now on, split by these fractions per tenant
+        and replica (the replicas split each tenant's limits by where its requests arrive: router/limit_sync.py); a
+        tenant not named goes back to the even split. Each bucket keeps how full it is, as a fraction, so a share
+        that grows does not hand out a burst."""
         now = self.clock()
-        self._shared = {tenant: self.table.of(tenant).share(fraction) for tenant, fraction in shares.items()}
+        self._shared = {tenant: self.table.of(tenant).split(fractions)[mine] for tenant, fractions in shares.items()}
         for tenant, buckets in self._buckets.items():
             limits = self.limits(tenant)
             for bucket, rate in ((buckets.requests, limits.requests_per_minute),
                                  (buckets.tokens, limits.tokens_per_minute)):
                 if bucket is not None and rate is not None:
-                    rate = max(rate, MIN_PER_MINUTE)
                     bucket.level = bucket.available(now) * rate / bucket.per_minute
                     bucket.per_minute = rate
 
@@ -246,7 +271,6 @@ class Limiter:
         if buckets is None:
             limits, now = self.limits(tenant), self.clock()
             rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-            rpm, tpm = (None if r is None else max(r, MIN_PER_MINUTE) for r in (rpm, tpm))
             buckets = self._buckets[tenant] = _Buckets(None if rpm is None else TokenBucket.full(rpm, now),
                                                        None if tpm is None else TokenBucket.full(tpm, now))
         return buckets
@@ -283,9 +307,11 @@ class Limiter:
     def _refusal(self, tenant: str, tokens_needed: int) -> Refusal | None:
         limits, buckets, now = self.limits(tenant), self._of(tenant), self.clock()
         concurrent = limits.max_concurrent_requests
-        if concurrent is not None and self.inflight.get(tenant, 0) >= concurrent:
-            return self._refuse(tenant, "concurrency", 1.0, f"Too many concurrent requests: limit {concurrent}, "
-                                                            f"in flight {self.inflight[tenant]}")
+        if concurrent is not None and (inflight := self.inflight.get(tenant, 0)) >= concurrent:
+            whole = self.table.of(tenant).max_concurrent_requests
+            part = f" (this router replica's part of {whole})" if concurrent != whole else ""
+            return self._refuse(tenant, "concurrency", 1.0, f"Too many concurrent requests: limit {concurrent}"
+                                                            f"{part}, in flight {inflight}")
         over: list[tuple[str, float, str]] = []  # (reason, wait, what) for each limit the request is over
         if buckets.requests is not None and buckets.requests.available(now) < 1:
             over.append(("requests", buckets.requests.wait_seconds(1, now), "Rate limit reached for requests per "

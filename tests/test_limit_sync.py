@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.limit_sync import VIRTUAL_REQUESTS, DemandRow, DemandTable, LimitSync, shares
-from kvmesh.router.limits import Lease, Limiter, parse_tenants
+from kvmesh.router.limits import Lease, Limiter, Refusal, TenantLimits, apportion, parse_tenants
 
 from .conftest import make_engine
 from .engines import serve_checked, serve_router
@@ -28,12 +28,43 @@ TENANTS = {"acme": {"requests_per_minute": 60}, "globex": {"requests_per_minute"
 def test_each_replica_takes_its_part_of_the_demand() -> None:
     live = {"a", "b"}
     demand = {"t": {"a": 99.0, "b": 0.0}, "light": {"a": 1.0, "b": 0.0}, "idle": {"a": 0.0, "b": 0.0}}
-    a, b = shares("a", demand, live), shares("b", demand, live)
-    assert a["t"] == pytest.approx(100 / (99 + 2 * VIRTUAL_REQUESTS)) and a["t"] + b["t"] == pytest.approx(1)
-    assert b["light"] == pytest.approx(1 / 3)  # a light tenant stays near even: b can still admit its requests
-    assert a["idle"] == b["idle"] == 0.5  # nobody asks: even
-    gone = shares("a", {"t": {"a": 1.0, "c": 5.0}}, {"a"})  # c stopped reporting: out of the split
-    assert gone["t"] == pytest.approx(1.0)
+    split = shares(demand, live)
+    assert split["t"]["a"] == pytest.approx(100 / (99 + 2 * VIRTUAL_REQUESTS)) and sum(split["t"].values()) == 1
+    assert split["light"]["b"] == pytest.approx(1 / 3)  # a light tenant stays near even: b can still admit its requests
+    assert split["idle"] == {"a": 0.5, "b": 0.5}  # nobody asks: even
+    gone = shares({"t": {"a": 1.0, "c": 5.0}}, {"a"})  # c stopped reporting: out of the split
+    assert gone["t"] == {"a": 1.0}
+
+
+def test_concurrent_requests_are_apportioned_to_add_up_to_the_limit() -> None:
+    """Rounding each replica's part up would let three replicas admit 6 requests of a limit of 4."""
+    assert apportion(4, {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}) == {"a": 2, "b": 1, "c": 1}  # a tie: by name
+    assert apportion(10, {"a": 0.55, "b": 0.25, "c": 0.2}) == {"a": 6, "b": 2, "c": 2}  # .5 and .5: more demand
+    assert apportion(4, {"a": 0.84, "b": 0.08, "c": 0.08}) == {"a": 4, "b": 0, "c": 0}  # barely used: no seat
+    assert apportion(2, {"a": 0.4, "b": 0.35, "c": 0.25}) == {"a": 1, "b": 1, "c": 0}  # fewer seats than replicas
+    for total in range(1, 30):
+        fractions = {"a": 0.61, "b": 0.29, "c": 0.1}
+        assert sum(apportion(total, fractions).values()) == total
+
+
+def test_replicas_splitting_a_tenants_concurrency_admit_no_more_than_its_limit_together() -> None:
+    table = parse_tenants({"acme": {"max_concurrent_requests": 4}})
+    replicas = {name: Limiter(table) for name in "abc"}
+    split = shares({"acme": {"a": 10.0, "b": 1.0, "c": 0.0}}, set(replicas))
+    for name, limiter in replicas.items():
+        limiter.set_shares(split, name)
+    admitted = {name: sum(isinstance(limiter.take("acme", 1), Lease) for _ in range(10))
+                for name, limiter in replicas.items()}
+    assert admitted == {"a": 3, "b": 1, "c": 0}  # 4 in all, most where the tenant's requests arrive
+    refusal = replicas["c"].take("acme", 1)
+    assert isinstance(refusal, Refusal) and refusal.reason == "concurrency" and "retry-after" in refusal.headers
+    assert "limit 0 (this router replica's part of 4), in flight 0" in refusal.message
+
+
+def test_a_share_of_a_rate_is_at_least_one_a_minute() -> None:
+    """Else its bucket never holds one request; the clamp lives in the share, the one place parts are made."""
+    part = TenantLimits(requests_per_minute=30, tokens_per_minute=10_000).share(0.01)
+    assert (part.requests_per_minute, part.tokens_per_minute) == (1, 100)
 
 
 def test_a_limiter_takes_its_share_keeping_how_full_its_buckets_are() -> None:
@@ -43,11 +74,11 @@ def test_a_limiter_takes_its_share_keeping_how_full_its_buckets_are() -> None:
         assert limiter.check("acme") is None
         lease = limiter.take("acme", 1)
         assert isinstance(lease, Lease)
-    limiter.set_shares({"acme": 0.25})
+    limiter.set_shares({"acme": {"a": 0.25, "b": 0.75}}, "a")
     assert limiter.limits("acme").requests_per_minute == 15
     assert limiter.headers("acme")["x-ratelimit-limit-requests"] == "15"
     assert limiter.headers("acme")["x-ratelimit-remaining-requests"] == "7"  # half of 15: no burst from the change
-    limiter.set_shares({})
+    limiter.set_shares({}, "a")
     assert limiter.limits("acme").requests_per_minute == 60  # back to the even split (one replica: all of it)
     assert limiter.demand == {"acme": 30.0}
 
