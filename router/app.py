@@ -96,6 +96,14 @@ from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, Requ
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
+from kvmesh.router.responses_api import response_routes
+from kvmesh.router.responses_store import (
+    RESPONSES_MEMORY_ITEMS,
+    RESPONSES_TTL_SECONDS,
+    MemoryResponses,
+    ResponseStore,
+    open_store,
+)
 from kvmesh.router.shed import ShedPolicy, fair_share, priority_label, should_shed
 from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
 from kvmesh.router.tokenize_api import tokenize_routes, unknown_model
@@ -391,6 +399,8 @@ class Router:
     keys_file: KeysFile | None = None  # where `keys` come from, re-read when it changes (a rotated Secret)
     batches: BatchStore | None = None  # the Batch API's files and batches (in the request log's database)
     limit_sync: LimitSync | None = None  # tenants' limits split with the other replicas by demand (the same database)
+    responses: ResponseStore = field(  # the Responses API's stored responses (the same database, or memory)
+        default_factory=lambda: MemoryResponses(RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS))
 
     def tenants(self) -> Iterable[str]:
         """The tenants that have a key now (the one default tenant with auth off)."""
@@ -652,7 +662,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
                   secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file,
                   batches=BatchStore(config.database_url) if config.database_url else None,
                   limit_sync=LimitSync(DemandTable(config.database_url), limits, new_id("router-"))
-                  if config.database_url and config.rate_limit_sync else None)
+                  if config.database_url and config.rate_limit_sync else None,
+                  responses=open_store(config.database_url, config.responses_ttl_seconds,
+                                       config.responses_memory_items))
 
 
 def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
@@ -906,6 +918,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             router.log.close()
         if router.batches is not None:
             router.batches.close()
+        router.responses.close()
         if router.limit_sync is not None:
             with contextlib.suppress(Exception):  # a database away: its rows go stale on their own
                 await asyncio.to_thread(router.limit_sync.table.leave, router.limit_sync.replica)
@@ -916,6 +929,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
                                     router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests))
     app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models))
+
+    async def send_chat(tenant: str, body: dict[str, Any], http: HttpRequest) -> Response:
+        """A Responses API request's chat request through this router's own path, its client watched."""
+        return await serve(json.dumps(body).encode(), header_map(http.scope), CHAT_PATH, True, tenant, http=http)
+
+    app.include_router(response_routes(router.responses, lambda header: router.keys.tenant_for(header), send_chat))
 
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
         """A completion POST, as plain ASGI (RouterApp). The key is checked before a byte of the body is read,

@@ -18,6 +18,7 @@ from kvmesh.engine.tracing import check_endpoint
 from kvmesh.router.batch_runner import BatchSettings
 from kvmesh.router.batches import BATCH_PRIORITY, MAX_ENQUEUED_REQUESTS, MAX_FILE_BYTES
 from kvmesh.router.limits import Limiter, parse_tenants
+from kvmesh.router.responses_store import RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS
 
 DISCOVERY_MODES = ("static", "kubernetes")
 GATEWAY_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's usual endpoint-picker port (the operator's)
@@ -90,6 +91,10 @@ class RouterConfig:
     batch_max_enqueued_requests: int = MAX_ENQUEUED_REQUESTS
     batch_priority: int = BATCH_PRIORITY
     batch_order: str = BatchSettings.order  # prefix: requests sharing a prompt prefix sent together; file: as written
+    # the Responses API's stored responses (router/responses_store.py): kept this long in the pool's database, or,
+    # without one, this many newest per replica in memory
+    responses_ttl_seconds: int = RESPONSES_TTL_SECONDS
+    responses_memory_items: int = RESPONSES_MEMORY_ITEMS
 
     def endpoint_selector(self) -> str:
         """The label selector of the pool's engine EndpointSlices. Slices inherit their Service's labels; the
@@ -134,6 +139,9 @@ class RouterConfig:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
         if self.batch_max_enqueued_requests < 1:
             raise ValueError(f"batch_max_enqueued_requests must be at least 1, not {self.batch_max_enqueued_requests}")
+        for name in ("responses_ttl_seconds", "responses_memory_items"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
 
     def batch_settings(self) -> BatchSettings:
         return BatchSettings(concurrency=self.batch_concurrency, max_requests=self.batch_max_requests,

@@ -7,9 +7,10 @@ token prefix and the prefix-aware choice sends it to the pod that holds it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from kvmesh.router.batches import BatchInputError, check_metadata
 
 UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversation", "truncation")
 ROLES = ("user", "system", "developer", "assistant")
@@ -77,8 +78,17 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
         messages.append({"role": "system", "content": str(body["instructions"])})
     messages += [*history, *input_messages(body["input"])]
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    try:
+        check_metadata(body.get("metadata"))
+    except BatchInputError as exc:
+        raise ResponsesError(str(exc), "metadata") from None
+    for flag in ("store", "stream"):
+        if not isinstance(body.get(flag, False), bool):
+            raise ResponsesError(f"{flag} must be true or false", flag)
+    if (response_format := _response_format(body.get("text"))) is not None:
+        chat["response_format"] = response_format
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("user", "user")):
+                         ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     tools = []
@@ -97,33 +107,96 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
     return chat
 
 
-def response_object(response_id: str, body: Mapping[str, Any], completion: Mapping[str, Any]) -> dict[str, Any]:
-    """The Responses API object for a finished chat completion."""
-    message = completion["choices"][0]["message"]
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """A response request's `text.format` as the chat request's `response_format` (None: free text)."""
+    if text is None:
+        return None
+    form = text.get("format") if isinstance(text, Mapping) else None
+    kind = form.get("type") if isinstance(form, Mapping) else None
+    if text and kind not in ("text", "json_object", "json_schema"):
+        raise ResponsesError("text.format must be an object whose type is text, json_object or json_schema",
+                             "text.format")
+    if kind == "json_schema":
+        if not isinstance(form.get("schema"), Mapping):
+            raise ResponsesError("text.format.schema must be a JSON schema object", "text.format.schema")
+        return {"type": "json_schema", "json_schema": {
+            key: form[key] for key in ("name", "schema", "strict", "description") if key in form}}
+    return {"type": "json_object"} if kind == "json_object" else None
+
+
+def message_id(response_id: str) -> str:
+    """The id of a response's output message (the stream's items name it before the response is whole)."""
+    return f"msg_{response_id.removeprefix('resp_')}"
+
+
+def response_shell(response_id: str, body: Mapping[str, Any], created_at: int,
+                   status: str = "in_progress") -> dict[str, Any]:
+    """A response object without output or usage: what a stream's first events carry."""
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "model": body.get("model"), "output": [], "instructions": body.get("instructions"),
+        "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {},
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"), "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True), "error": None,
+        "incomplete_details": None, "store": body.get("store", True), "user": body.get("user"),
+        "text": body.get("text") or {"format": {"type": "text"}}, "usage": None,
+    }
+
+
+def output_items(response_id: str, message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat answer's message as the response's output items: its text, then one item per tool call."""
     output: list[dict[str, Any]] = []
     if message.get("content"):
-        output.append({"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
+        output.append({"type": "message", "id": message_id(response_id), "role": "assistant",
+                       "status": "completed",
                        "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
     for call in message.get("tool_calls") or []:
         output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})
+    return output
+
+
+def response_object(response_id: str, body: Mapping[str, Any], completion: Mapping[str, Any],
+                    created_at: int) -> dict[str, Any]:
+    """The Responses API object for a finished chat completion: completed, or incomplete when the answer ran
+    into max_output_tokens."""
+    choice = completion["choices"][0]
+    response = response_shell(response_id, body, created_at, "completed")
+    response["model"] = completion.get("model") or body.get("model")
+    response["output"] = output_items(response_id, choice["message"])
+    if choice.get("finish_reason") == "length":
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+        for item in response["output"]:
+            item["status"] = "incomplete"
     usage = completion.get("usage") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     prompt = usage.get("prompt_tokens", 0)
-    return {
-        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "completed",
-        "model": completion.get("model", body.get("model")), "output": output,
-        "instructions": body.get("instructions"), "previous_response_id": body.get("previous_response_id"),
-        "metadata": body.get("metadata") or {}, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "max_output_tokens": body.get("max_output_tokens"), "tools": body.get("tools") or [],
-        "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": True, "error": None,
-        "incomplete_details": None, "store": body.get("store", True), "user": body.get("user"),
-        "usage": {"input_tokens": prompt, "output_tokens": usage.get("completion_tokens", 0),
-                  "total_tokens": usage.get("total_tokens", 0), "input_tokens_details": {"cached_tokens": cached,
-                                                                        "cache_write_tokens": prompt - cached},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
-    }
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    response["usage"] = {
+        "input_tokens": prompt, "output_tokens": usage.get("completion_tokens", 0),
+        "total_tokens": usage.get("total_tokens", 0),
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached},
+        "output_tokens_details": {"reasoning_tokens": 0}}
+    return response
+
+
+def input_items(body: Mapping[str, Any], response_id: str) -> list[dict[str, Any]]:
+    """A request's input as the items `GET /v1/responses/{id}/input_items` lists: each with an id, messages with
+    their content as input_text parts (a string input is one user message)."""
+    raw = body.get("input")
+    items = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) else list(raw or [])
+    listed = []
+    for i, item in enumerate(items):
+        entry = {"type": "message", **item, "id": item.get("id") or f"item_{response_id.removeprefix('resp_')}_{i}"}
+        if entry["type"] == "message":
+            content = entry.get("content", "")
+            entry["content"] = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+            entry.setdefault("status", "completed")
+        listed.append(entry)
+    return listed
 
 
 def history_after(body: Mapping[str, Any], chat: Mapping[str, Any],

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-from openai.types.responses import Response
+import json
+import time
 
-from router.responses import ResponsesError, chat_request, history_after, response_object
+import pytest
+from openai.types.responses import Response, ResponseInputItem, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from kvmesh.router.responses import ResponsesError, chat_request, history_after, input_items, response_object
+from kvmesh.router.responses_api import items_page
+from kvmesh.router.responses_store import DatabaseResponses, MemoryResponses, StoredResponse
+from kvmesh.router.responses_stream import ResponseEvents
 
 
 def test_string_input_with_instructions_and_sampling() -> None:
@@ -49,7 +56,7 @@ def test_response_object_parses_with_the_openai_client_types() -> None:
     completion = {"model": "m", "choices": [{"message": {"role": "assistant", "content": "hello"}}],
                   "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
                             "prompt_tokens_details": {"cached_tokens": 8}}}
-    parsed = Response.model_validate(response_object("resp_1", {"model": "m", "input": "hi"}, completion))
+    parsed = Response.model_validate(response_object("resp_1", {"model": "m", "input": "hi"}, completion, 0))
     assert parsed.output_text == "hello"
     assert parsed.usage is not None and parsed.usage.input_tokens_details.cached_tokens == 8
 
@@ -61,3 +68,123 @@ def test_a_continuation_drops_instructions_and_appends_the_answer() -> None:
     history = history_after(body, chat, completion)
     assert history == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
     assert chat_request({"model": "m", "input": "q2"}, history)["messages"][:2] == history
+
+
+def test_text_format_becomes_the_chat_response_format() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    chat = chat_request({"model": "m", "input": "x", "text": {"format": {
+        "type": "json_schema", "name": "place", "schema": schema, "strict": True}}})
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "place", "schema": schema,
+                                                                               "strict": True}}
+    assert chat_request({"model": "m", "input": "x", "text": {"format": {"type": "json_object"}}})[
+        "response_format"] == {"type": "json_object"}
+    assert "response_format" not in chat_request({"model": "m", "input": "x", "text": {"format": {"type": "text"}}})
+    for text, param in (({"format": {"type": "yaml"}}, "text.format"),
+                        ({"format": {"type": "json_schema", "name": "x"}}, "text.format.schema")):
+        with pytest.raises(ResponsesError) as caught:
+            chat_request({"model": "m", "input": "x", "text": text})
+        assert caught.value.param == param
+
+
+def test_bad_metadata_and_flags_are_refused() -> None:
+    for body, param in (({"metadata": {"k": 1}}, "metadata"), ({"store": "yes"}, "store"),
+                        ({"stream": 1}, "stream")):
+        with pytest.raises(ResponsesError) as caught:
+            chat_request({"model": "m", "input": "x", **body})
+        assert caught.value.param == param
+
+
+def test_an_answer_cut_by_max_output_tokens_is_incomplete() -> None:
+    completion = {"choices": [{"message": {"role": "assistant", "content": "abc"}, "finish_reason": "length"}]}
+    parsed = Response.model_validate(response_object("resp_1", {"model": "m", "input": "hi"}, completion, 0))
+    assert parsed.status == "incomplete" and parsed.incomplete_details is not None
+    assert parsed.incomplete_details.reason == "max_output_tokens"
+
+
+def chat_chunks() -> list[dict]:
+    """A chat stream as the engine sends it: the role, text in pieces, a whole tool call, the finish, the usage."""
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    return [chunk({"role": "assistant"}), chunk({"content": "Hel"}), chunk({"content": "lo"}),
+            chunk({"tool_calls": [call]}), chunk({}, "tool_calls"),
+            {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13,
+                       "prompt_tokens_details": {"cached_tokens": 0}}}]
+
+
+def test_a_chat_stream_becomes_response_events_the_openai_client_reads() -> None:
+    events = ResponseEvents("resp_1", {"model": "m", "input": "hi"}, int(time.time()))
+    raw = [*events.start()]
+    for chunk in chat_chunks():
+        raw += events.on_chunk(chunk)
+    raw += events.finish()
+    adapter = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_python(event) for event in raw]
+    assert [event.sequence_number for event in parsed] == list(range(len(parsed)))
+    kinds = [event.type for event in parsed]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(event.delta for event in parsed if event.type == "response.output_text.delta") == "Hello"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    final = parsed[-1].response
+    assert final.output_text == "Hello" and final.usage is not None and final.usage.output_tokens == 4
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert json.loads(final.output[1].arguments) == {"a": 1}
+    assert events.completion()["choices"][0]["message"]["tool_calls"][0]["id"] == "call_1"
+
+
+def test_a_stream_no_pod_could_finish_ends_failed() -> None:
+    events = ResponseEvents("resp_1", {"model": "m", "input": "hi"}, 0)
+    (failed,) = events.fail({"message": "the pod failed"})
+    event = TypeAdapter(ResponseStreamEvent).validate_python(failed)
+    assert event.type == "response.failed" and event.response.error is not None
+    assert event.response.error.message == "the pod failed"
+
+
+def test_input_items_have_ids_and_page_like_openai_lists() -> None:
+    items = input_items({"input": [{"role": "user", "content": "a"},
+                                   {"type": "function_call_output", "call_id": "c", "output": "4"},
+                                   {"role": "user", "content": [{"type": "input_text", "text": "b"}]}]}, "resp_9")
+    assert len({item["id"] for item in items}) == 3
+    for item in items:
+        TypeAdapter(ResponseInputItem).validate_python({k: v for k, v in item.items() if k != "status"})
+    assert items[0]["content"] == [{"type": "input_text", "text": "a"}]
+    newest = items_page(items, 2, None, newest_first=True)
+    assert [item["id"] for item in newest["data"]] == [items[2]["id"], items[1]["id"]] and newest["has_more"]
+    rest = items_page(items, 2, newest["last_id"], newest_first=True)
+    assert [item["id"] for item in rest["data"]] == [items[0]["id"]] and not rest["has_more"]
+    with pytest.raises(ResponsesError):
+        items_page(items, 2, "item_unknown", newest_first=False)
+    assert input_items({"input": "hi"}, "resp_9")[0]["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+def stored(response_id: str) -> StoredResponse:
+    return StoredResponse({"id": response_id, "object": "response"}, [{"id": "i"}], [{"role": "user", "content": "x"}])
+
+
+def test_memory_store_keeps_the_newest_and_scopes_by_tenant() -> None:
+    store = MemoryResponses(capacity=2, ttl=60)
+    for n in range(3):
+        store.save("t1", stored(f"resp_{n}"))
+    assert store.get("t1", "resp_0") is None  # the oldest went first
+    assert store.get("t1", "resp_2") == stored("resp_2")
+    assert store.get("t2", "resp_2") is None and not store.delete("t2", "resp_2")
+    assert store.delete("t1", "resp_2") and store.get("t1", "resp_2") is None
+
+
+def test_database_store_scopes_by_tenant_and_forgets_expired(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DatabaseResponses(f"sqlite:///{tmp_path / 'pool.db'}", ttl=60)
+    store.save("t1", stored("resp_a"))
+    again = DatabaseResponses(f"sqlite:///{tmp_path / 'pool.db'}", ttl=60)  # another replica reads it
+    assert again.get("t1", "resp_a") == stored("resp_a")
+    assert again.get("t2", "resp_a") is None and not again.delete("t2", "resp_a")
+    later = time.time() + 120
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert again.get("t1", "resp_a") is None  # past its ttl
+    again.save("t1", stored("resp_b"))  # sweeps the expired row
+    monkeypatch.undo()
+    assert store.get("t1", "resp_a") is None and store.get("t1", "resp_b") is not None
+    assert store.delete("t1", "resp_b") and store.get("t1", "resp_b") is None
+    store.close()
+    again.close()

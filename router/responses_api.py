@@ -1,0 +1,189 @@
+"""The Responses API's HTTP edge: `/v1/responses` as OpenAI's clients call it.
+
+A response request becomes a chat request (router/responses.py) that takes the router's own path for chat
+completions (admission, tenant limits, the prefix- and load-aware choice, migration of a broken stream), so a
+continuation, whose earlier turns come first, goes to the pod that holds them. Answers are stored per tenant
+(router/responses_store.py) unless the request says `store: false`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvmesh.engine.openai_types import error_body
+from kvmesh.router.auth import tenant_hash, unauthorized_body
+from kvmesh.router.batches import new_id
+from kvmesh.router.responses import ResponsesError, chat_request, history_after, input_items, response_object
+from kvmesh.router.responses_store import ResponseStore, StoredResponse
+from kvmesh.router.responses_stream import ResponseEvents, sse
+
+log = logging.getLogger(__name__)
+
+RESPONSES_PATH = "/v1/responses"
+MAX_ITEMS_PAGE = 100  # OpenAI's bound on a page of input items
+DEFAULT_ITEMS_PAGE = 20
+# A chat request through the router's own path: (tenant, the chat body, the client's HTTP request, whose headers
+# it keeps: a priority, a trace context).
+SendChat = Callable[[str, dict[str, Any], HttpRequest], Awaitable[Response]]
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=status)
+
+
+def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
+    code = "previous_response_not_found" if param else "not_found"
+    return _error(404, f"No response found with id '{response_id}'.", param, code)
+
+
+def items_page(items: list[dict[str, Any]], limit: int, after: str | None, newest_first: bool) -> dict[str, Any]:
+    """OpenAI's list object of a response's input items, `limit` after the item `after`."""
+    ordered = list(reversed(items)) if newest_first else list(items)
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise ResponsesError(f"after: no input item with id '{after}'", "after")
+        ordered = ordered[ids.index(after) + 1:]
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
+
+
+def response_routes(store: ResponseStore, tenant_for: Callable[[str | None], str | None],
+                    send_chat: SendChat) -> APIRouter:
+    """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused)."""
+    api = APIRouter()
+
+    async def save(owner: str, stored: StoredResponse) -> None:
+        """Store an answered response; a database away loses only the stored copy, never the client's answer."""
+        try:
+            await asyncio.to_thread(store.save, owner, stored)
+        except Exception:
+            log.exception("could not store response %s: a continuation of it will not find it",
+                          stored.response["id"])
+
+    async def stored(http: HttpRequest, response_id: str) -> StoredResponse | Response:
+        tenant = tenant_for(http.headers.get("authorization"))
+        if tenant is None:
+            return JSONResponse(unauthorized_body(), status_code=401)
+        found = await asyncio.to_thread(store.get, tenant_hash(tenant), response_id)
+        return _not_found(response_id) if found is None else found
+
+    @api.post(RESPONSES_PATH)
+    async def create(http: HttpRequest) -> Response:
+        tenant = tenant_for(http.headers.get("authorization"))
+        if tenant is None:
+            return JSONResponse(unauthorized_body(), status_code=401)
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "malformed JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        owner, history = tenant_hash(tenant), []
+        if (previous := body.get("previous_response_id")) is not None:
+            earlier = await asyncio.to_thread(store.get, owner, str(previous))
+            if earlier is None:
+                return _not_found(str(previous), "previous_response_id")
+            history = earlier.history
+        try:
+            chat = chat_request(body, history)
+        except ResponsesError as exc:
+            return _error(400, str(exc), exc.param)
+        response_id, created = new_id("resp_"), int(time.time())
+
+        def stored_copy(completion: Mapping[str, Any], response: dict[str, Any]) -> StoredResponse:
+            return StoredResponse(response, input_items(body, response_id), history_after(body, chat, completion))
+
+        if body.get("stream"):
+            chat.update(stream=True, stream_options={"include_usage": True})
+            answer = await send_chat(tenant, chat, http)
+            if not isinstance(answer, StreamingResponse):  # refused before a byte was sent: its error as it is
+                return answer
+            events = ResponseEvents(response_id, body, created)
+
+            async def saved(response: dict[str, Any]) -> None:
+                if body.get("store", True):
+                    await save(owner, stored_copy(events.completion(), response))
+
+            answer.body_iterator = _events(answer.body_iterator, events, saved)
+            return answer
+        answer = await send_chat(tenant, chat, http)
+        if answer.status_code != 200:
+            return answer
+        completion = json.loads(bytes(answer.body))
+        response = response_object(response_id, body, completion, created)
+        if body.get("store", True):
+            await save(owner, stored_copy(completion, response))
+        return JSONResponse(response, headers={name: value for name, value in answer.headers.items()
+                                               if name.startswith("x-")})  # the pod, the tenant's limits
+
+    @api.get(RESPONSES_PATH + "/{response_id}")
+    async def retrieve(http: HttpRequest, response_id: str) -> Response:
+        found = await stored(http, response_id)
+        return found if isinstance(found, Response) else JSONResponse(found.response)
+
+    @api.get(RESPONSES_PATH + "/{response_id}/input_items")
+    async def list_input_items(http: HttpRequest, response_id: str) -> Response:
+        found = await stored(http, response_id)
+        if isinstance(found, Response):
+            return found
+        raw, order = http.query_params.get("limit", str(DEFAULT_ITEMS_PAGE)), http.query_params.get("order", "desc")
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_ITEMS_PAGE:
+            return _error(400, f"limit must be a whole number from 1 to {MAX_ITEMS_PAGE}", "limit")
+        if order not in ("asc", "desc"):
+            return _error(400, f"order must be asc or desc, not {order!r}", "order")
+        try:
+            return JSONResponse(items_page(found.input_items, int(raw), http.query_params.get("after"),
+                                           order == "desc"))
+        except ResponsesError as exc:
+            return _error(400, str(exc), exc.param)
+
+    @api.delete(RESPONSES_PATH + "/{response_id}")
+    async def remove(http: HttpRequest, response_id: str) -> Response:
+        tenant = tenant_for(http.headers.get("authorization"))
+        if tenant is None:
+            return JSONResponse(unauthorized_body(), status_code=401)
+        if not await asyncio.to_thread(store.delete, tenant_hash(tenant), response_id):
+            return _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    return api
+
+
+async def _events(lines: AsyncIterator[str | bytes], events: ResponseEvents,
+                  saved: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[str]:
+    """A relayed chat stream's SSE lines as response events; `saved` gets the whole response once it is."""
+    for event in events.start():
+        yield sse(event)
+    pending, ended = "", False
+    async for piece in lines:  # read to its end even after the answer's end: the relay counts a stream cut short
+        pending += piece.decode() if isinstance(piece, bytes) else piece  # as a client gone
+        *whole, pending = pending.split("\n")
+        for line in whole:
+            if ended:
+                continue
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # no pod could finish the answer (router/app.py's relay)
+                    ended = True
+                    for event in events.fail(chunk["error"]):
+                        yield sse(event)
+                    continue
+                for event in events.on_chunk(chunk):
+                    yield sse(event)
+            elif line == "data: [DONE]":
+                ended = True
+                for event in events.finish():
+                    yield sse(event)
+                assert events.result is not None  # finish() sets it
+                await saved(events.result)

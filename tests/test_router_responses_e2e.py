@@ -1,0 +1,157 @@
+"""OpenAI's Responses API through a real router in front of two real engine processes (the tiny model), called
+with the official openai client: answers, streams, stored continuations on the pod holding their prefix, tool
+calls, structured output, tenants kept apart, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from kvmesh.router.app import build_router
+from kvmesh.router.auth import hash_key
+from kvmesh.router.config import RouterConfig
+
+from .engines import serve_router, tiny_engines
+
+pytestmark = pytest.mark.slow
+
+ACME_KEY, GLOBEX_KEY = "sk-acme-responses-1", "sk-globex-responses-2"
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def router_url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    work = tmp_path_factory.mktemp("responses")
+    keys = work / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": [{"tenant": "acme", "key_sha256": hash_key(ACME_KEY)},
+                                             {"tenant": "globex", "key_sha256": hash_key(GLOBEX_KEY)}]}))
+    with tiny_engines(tiny_dir, work) as procs:
+        router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, api_keys_file=str(keys),
+                                           database_url=f"sqlite:///{work / 'pool.db'}"), tiny_dir)
+        with serve_router(router) as url:
+            yield url
+
+
+def client(url: str, key: str = ACME_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(router_url: str) -> str:
+    return client(router_url).models.list().data[0].id
+
+
+def test_a_continuation_reads_the_stored_turn_and_hits_its_cached_prefix(router_url: str, model: str) -> None:
+    acme = client(router_url)
+    first = acme.responses.with_raw_response.create(
+        model=model, input="Tell me about the sea and the ships that sail on it.", instructions="Answer briefly.",
+        max_output_tokens=8, temperature=0, metadata={"case": "continuation"})
+    turn = first.parse()
+    assert turn.status in ("completed", "incomplete") and turn.output_text
+    assert turn.metadata == {"case": "continuation"} and turn.usage is not None and turn.usage.output_tokens > 0
+    assert acme.responses.retrieve(turn.id).output_text == turn.output_text
+    (item,) = acme.responses.input_items.list(turn.id).data
+    assert item.type == "message" and item.content[0].text.startswith("Tell me about the sea")
+
+    second = acme.responses.with_raw_response.create(
+        model=model, input="And the harbours?", instructions="Answer briefly.", previous_response_id=turn.id,
+        max_output_tokens=4, temperature=0)
+    follow = second.parse()
+    assert follow.previous_response_id == turn.id
+    # the earlier turn is the prompt's prefix: the router sends it to the pod that served it, which has it cached
+    assert second.headers["x-kvmesh-pod"] == first.headers["x-kvmesh-pod"]
+    assert follow.usage is not None and follow.usage.input_tokens_details.cached_tokens >= 16
+    assert follow.usage.input_tokens > turn.usage.input_tokens
+
+    deleted = acme.responses.delete(turn.id)  # the client returns None for a 200 here
+    assert deleted is None
+    with pytest.raises(openai.NotFoundError):
+        acme.responses.retrieve(turn.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        acme.responses.create(model=model, input="x", previous_response_id=turn.id, max_output_tokens=1)
+    assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_a_stream_carries_the_same_answer_as_events(router_url: str, model: str) -> None:
+    acme = client(router_url)
+    whole = acme.responses.create(model=model, input="Count the waves.", max_output_tokens=8, temperature=0,
+                                  store=False)
+    events = list(acme.responses.create(model=model, input="Count the waves.", max_output_tokens=8, temperature=0,
+                                        stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text and events[-1].response.output_text == text
+    streamed = events[-1].response
+    assert acme.responses.retrieve(streamed.id).output_text == text  # a stream's answer is stored too
+    with pytest.raises(openai.NotFoundError):  # store: false was not
+        acme.responses.retrieve(whole.id)
+
+
+def test_a_forced_tool_call_and_its_output_continue_the_turn(router_url: str, model: str) -> None:
+    acme = client(router_url)
+    turn = acme.responses.create(model=model, input="Weather in Paris? " * 4, tools=[WEATHER],
+                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)
+    (call,) = [item for item in turn.output if item.type == "function_call"]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    streamed = list(acme.responses.create(model=model, input="Weather in Paris? " * 4, tools=[WEATHER],
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=40, stream=True))
+    done = [event for event in streamed if event.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and set(json.loads(done[0].arguments)) == {"city"}
+    answer = acme.responses.create(model=model, previous_response_id=turn.id, tools=[WEATHER], max_output_tokens=4,
+                                   input=[{"type": "function_call_output", "call_id": call.call_id,
+                                           "output": "sunny"}])
+    assert answer.status in ("completed", "incomplete")
+
+
+def test_text_format_json_schema_gives_json_that_follows_it(router_url: str, model: str) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    answer = client(router_url).responses.create(
+        model=model, input="A number, please.", max_output_tokens=30,
+        text={"format": {"type": "json_schema", "name": "number", "schema": schema, "strict": True}})
+    assert set(json.loads(answer.output_text)) == {"n"}
+
+
+def test_another_tenant_cannot_read_or_continue_a_response(router_url: str, model: str) -> None:
+    mine = client(router_url).responses.create(model=model, input="private", max_output_tokens=2)
+    globex = client(router_url, GLOBEX_KEY)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.create(model=model, input="x", previous_response_id=mine.id, max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.delete(mine.id)
+    with pytest.raises(openai.AuthenticationError):
+        client(router_url, "sk-wrong").responses.create(model=model, input="x")
+    assert client(router_url).responses.retrieve(mine.id).id == mine.id
+
+
+def test_bad_requests_get_a_400_that_names_the_field(router_url: str, model: str) -> None:
+    acme = client(router_url)
+    with pytest.raises(openai.BadRequestError) as caught:
+        acme.responses.create(model=model, input="x", tools=[{"type": "web_search"}])
+    assert caught.value.body["param"] == "tools[0].type"
+    with pytest.raises(openai.BadRequestError) as caught:
+        acme.responses.create(model=model, input="x", reasoning={"effort": "low"})
+    assert caught.value.body["param"] == "reasoning"
+    with pytest.raises(openai.BadRequestError):  # the chat path's own check, passed through
+        acme.responses.create(model=model, input="x", temperature=9)
+    with pytest.raises(openai.NotFoundError):
+        acme.responses.create(model="no-such-model", input="x")
+    raw = httpx.post(router_url + "/v1/responses", content=b"{not json", timeout=30,
+                     headers={"authorization": f"Bearer {ACME_KEY}", "content-type": "application/json"})
+    assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+    page = httpx.get(router_url + "/v1/responses/resp_x/input_items", timeout=30,
+                     headers={"authorization": f"Bearer {ACME_KEY}"})
+    assert page.status_code == 404
