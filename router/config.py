@@ -17,7 +17,7 @@ from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_L
 from kvmesh.engine.tracing import check_endpoint
 from kvmesh.router.batch_runner import BatchSettings
 from kvmesh.router.batches import BATCH_PRIORITY, MAX_ENQUEUED_REQUESTS, MAX_FILE_BYTES
-from kvmesh.router.limits import Limiter, parse_tenants
+from kvmesh.router.limits import BATCH_RATE_SHARE, Limiter, parse_tenants
 from kvmesh.router.responses_store import RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS
 
 DISCOVERY_MODES = ("static", "kubernetes")
@@ -80,6 +80,9 @@ class RouterConfig:
     # with database_url: the replicas split each tenant's limits by where its requests arrive (router/limit_sync.py),
     # instead of by rate_limit_replicas
     rate_limit_sync: bool = True
+    # the fraction of each of a tenant's limits its Batch API requests get, in buckets of their own: a batch never
+    # spends the limits of the tenant's interactive requests (router/limits.py)
+    batch_rate_share: float = BATCH_RATE_SHARE
     weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (engine/tracing.py); None: the OTEL_* env
     # the Batch API (router/batch_runner.py; needs database_url): requests of a batch in flight from one replica,
@@ -133,7 +136,8 @@ class RouterConfig:
                 raise ValueError(f"ext_proc_cert_dir {self.ext_proc_cert_dir!r} has no {' and no '.join(missing)}: "
                                  f"it must hold {' and '.join(files)} (e.g. a kubernetes.io/tls Secret, mounted)")
             read_certificate_pair(self.ext_proc_cert_dir)
-        Limiter(parse_tenants(self.tenants), self.rate_limit_replicas)  # bad limits: an error at start, not later
+        # bad limits: an error at start, not later
+        Limiter(parse_tenants(self.tenants), self.rate_limit_replicas, batch_share=self.batch_rate_share)
         self.batch_settings()
         if self.batch_max_file_bytes < 1:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")

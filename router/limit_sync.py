@@ -15,8 +15,10 @@ barely used, or a limit smaller than the replicas) refuses the tenant's requests
 its demand, which the refused requests count in, earns it a seat at a later period. A tenant whose limit is below
 the number of replicas its requests reach evenly stays refused on some of them: give it connections that stay on
 one replica, or a limit of at least the replicas. A replica that stops reporting drops out of the split after
-STALE_SECONDS; one that stops (draining) leaves it at its next period. The split is pure (`shares`, `apportion`);
-the table and the loop are the edges.
+STALE_SECONDS; one that stops (draining) leaves it at its next period. A tenant's Batch API requests, whose
+buckets are their own (limits.Limiter.batch), are reported and split apart from its interactive ones: a batch runs
+on the replica that holds it, and must not draw the tenant's interactive limits there. The split is pure
+(`shares`, `apportion`); the table and the loop are the edges.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ SYNC_SECONDS = 2.0  # how often a replica reports its demand and reads the other
 STALE_SECONDS = 3 * SYNC_SECONDS  # a replica not heard from for this long is out of the split
 VIRTUAL_REQUESTS = 1.0  # added to each replica's demand per period: the split of a tenant nobody asks is even
 SMOOTHING = 0.5  # each report's demand: this much of the last interval's requests, the rest the previous report's
+BATCH_SUFFIX = ":batch"  # a tenant's Batch API demand is reported under its pseudonym and this (never hex)
 
 
 class _Base(DeclarativeBase):
@@ -50,7 +53,7 @@ class DemandRow(_Base):
     __tablename__ = DEMAND_TABLE
 
     replica: Mapped[str] = mapped_column(String(128), primary_key=True)
-    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)  # auth.tenant_hash: no names in the table
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)  # auth.tenant_hash (+ BATCH_SUFFIX): no names
     requests: Mapped[float] = mapped_column(Float)  # smoothed requests asked for per interval
     updated: Mapped[float] = mapped_column(Float)  # wall-clock time of the report
 
@@ -104,18 +107,28 @@ class LimitSync:
 
     def __init__(self, table: DemandTable, limiter: Limiter, replica: str) -> None:
         self.table, self.limiter, self.replica = table, limiter, replica
-        self.smoothed: dict[str, float] = {}  # by tenant name
+        self.smoothed: dict[str, float] = {}  # by report key (`_keys`)
+
+    def _keys(self, tenants: Iterable[str]) -> dict[str, tuple[Limiter, str]]:
+        """report key -> (limiter, tenant name): a tenant's interactive requests under its pseudonym, its Batch API
+        requests (buckets of their own, run by whichever replica holds the batch) under the pseudonym and
+        BATCH_SUFFIX, so that a batch's demand never moves the tenant's interactive limits to its replica."""
+        lanes = ((self.limiter, ""), (self.limiter.batch, BATCH_SUFFIX))
+        return {tenant_hash(t) + suffix: (limiter, t) for t in set(tenants) for limiter, suffix in lanes}
 
     async def sync(self, tenants: Iterable[str]) -> None:
         """One report, and this replica's part of the `tenants`' limits (names) set on the limiter."""
-        names = {tenant_hash(t): t for t in tenants}
-        asked, self.limiter.demand = self.limiter.demand, {}
-        self.smoothed = {tenant: SMOOTHING * asked.get(tenant, 0.0) + (1 - SMOOTHING) * self.smoothed.get(tenant, 0.0)
-                         for tenant in names.values()}  # a tenant whose key went is dropped
-        report = {h: self.smoothed[t] for h, t in names.items()}
-        demand, live = await asyncio.to_thread(self.table.report, self.replica, report)
-        fractions = {names[h]: f for h, f in shares(demand, live | {self.replica}).items() if h in names}
-        self.limiter.set_shares(fractions, self.replica)  # every tenant reported above is in `demand`
+        keys = self._keys(tenants)
+        asked: dict[str, float] = {}
+        for limiter in (self.limiter, self.limiter.batch):
+            taken, limiter.demand = limiter.demand, {}
+            asked |= {key: taken[t] for key, (lane, t) in keys.items() if lane is limiter and t in taken}
+        self.smoothed = {key: SMOOTHING * asked.get(key, 0.0) + (1 - SMOOTHING) * self.smoothed.get(key, 0.0)
+                         for key in keys}  # a tenant whose key went is dropped
+        demand, live = await asyncio.to_thread(self.table.report, self.replica, self.smoothed)
+        fractions = shares(demand, live | {self.replica})  # every key reported above is in `demand`
+        for limiter in (self.limiter, self.limiter.batch):
+            limiter.set_shares({t: fractions[key] for key, (lane, t) in keys.items() if lane is limiter}, self.replica)
 
     async def run(self, tenants: Callable[[], Iterable[str]], stopping: Callable[[], bool]) -> None:
         """Sync every SYNC_SECONDS until the router drains: then leave the split (it takes no new requests; a

@@ -4,7 +4,10 @@ A bucket holds one minute's worth and refills continuously, so a tenant that spe
 its next request needs, never for a window to roll over (Envoy's and OpenAI's limits work this way). Prompt tokens
 are charged when a request is admitted (the router tokenizes it anyway); output tokens when its usage comes back,
 so tokens per minute stay honest for long answers: that charge may take the bucket below zero, and the tenant's
-next requests wait until it has refilled. Each router replica enforces its own buckets (see `per_replica`).
+next requests wait until it has refilled. Each router replica enforces its own buckets, a share of each limit
+(`rate_limit_replicas`, or split by demand: router/limit_sync.py).
+A tenant's Batch API requests have buckets of their own (`Limiter.batch`), BATCH_RATE_SHARE of each limit by
+default: a big batch waits on its own buckets and never spends the limits of the tenant's interactive requests.
 Pure: every bucket operation takes the time, and the Limiter reads the clock it is given.
 """
 
@@ -21,6 +24,7 @@ from kvmesh.engine.protocol import LIMIT_REASONS
 from kvmesh.router.auth import DEFAULT_TENANT
 
 MIN_PER_MINUTE = 1.0  # the least a replica's share of a rate may be: one request (or token) a minute
+BATCH_RATE_SHARE = 0.5  # the fraction of each of a tenant's limits its Batch API requests get, beside its own
 DEFAULTS_ENTRY = DEFAULT_TENANT  # the `tenants:` entry whose limits apply to tenants without one of their own
 RATE_LIMIT_HEADERS = ("x-ratelimit-limit-{}", "x-ratelimit-remaining-{}", "x-ratelimit-reset-{}")
 
@@ -34,10 +38,6 @@ class TenantLimits:
     tokens_per_minute: float | None = None
     max_concurrent_requests: int | None = None
     weight: float = 1.0
-
-    def per_replica(self, replicas: int) -> TenantLimits:
-        """What one of `replicas` router replicas enforces so that together they allow the tenant's limits."""
-        return self.share(1 / replicas)
 
     def share(self, fraction: float) -> TenantLimits:
         """This fraction of the limits: what one replica enforces when the replicas split them evenly. A rate is never
@@ -221,28 +221,31 @@ class _Buckets:
 
 class Limiter:
     """The tenants' buckets and in-flight counts on this router replica. `check` before any work (takes nothing),
-    `take` once the prompt is tokenized (all or nothing), `Lease.close` when the request ends."""
+    `take` once the prompt is tokenized (all or nothing), `Lease.close` when the request ends.
+
+    `batch` is the limiter of the tenants' Batch API requests: `batch_share` of each limit, in buckets, counts and
+    demand of its own (its own `batch` is itself), so that a batch never holds back the tenant's interactive
+    requests; together the two admit up to 1 + batch_share of the tenant's limits."""
 
     def __init__(self, table: LimitTable | None = None, replicas: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, batch_share: float = BATCH_RATE_SHARE, *,
+                 batch: bool = False) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"rate_limit_replicas must be a whole number of at least 1, not {replicas!r}")
+        if isinstance(batch_share, bool) or not isinstance(batch_share, int | float) or not 0 < batch_share <= 1:
+            raise ValueError(f"batch_rate_share must be a number above 0 and at most 1, not {batch_share!r}")
         self.table, self.replicas, self.clock = table or LimitTable(), replicas, clock
+        self.scale = batch_share if batch else 1.0  # of each limit
+        self.batch: Limiter = self if batch else Limiter(table, replicas, clock, batch_share, batch=True)
         self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
         self.demand: dict[str, float] = {}  # requests asked for per tenant since router/limit_sync.py last read it
         self._buckets: dict[str, _Buckets] = {}
         # what this replica enforces, per `tenants:` entry: worked out once, read on every request
-        self._default = self.table.default.per_replica(replicas)
-        self._here = {name: limits.per_replica(replicas) for name, limits in self.table.tenants.items()}
+        self._default = self.table.default.share(self.scale / replicas)
+        self._here = {name: limits.share(self.scale / replicas) for name, limits in self.table.tenants.items()}
         self._shared: dict[str, TenantLimits] = {}  # by demand, when the replicas share a database (set_shares)
-        for name, whole in ((DEFAULTS_ENTRY, self.table.default), *self.table.tenants.items()):
-            for field_name in ("requests_per_minute", "tokens_per_minute"):
-                rate = getattr(whole, field_name)
-                if rate is not None and rate / replicas < MIN_PER_MINUTE:  # `share` would raise it to one: refused
-                    split = f" split over rate_limit_replicas {replicas}" if replicas > 1 else ""
-                    raise ValueError(f"tenants.{name}: {field_name}{split} is {_number(rate / replicas)} per replica, "
-                                     "under one a minute, so no request could ever pass; raise it"
-                                     f"{' or lower rate_limit_replicas' if replicas > 1 else ''}")
+        if not batch:  # a batch's share under one a minute is raised to one (`share`): it waits, it is never refused
+            _check_rates(self.table, replicas)
 
     def limits(self, tenant: str) -> TenantLimits:
         """What this replica enforces for `tenant`."""
@@ -254,7 +257,8 @@ class Limiter:
         tenant not named goes back to the even split. Each bucket keeps how full it is, as a fraction, so a share
         that grows does not hand out a burst."""
         now = self.clock()
-        self._shared = {tenant: self.table.of(tenant).split(fractions)[mine] for tenant, fractions in shares.items()}
+        self._shared = {tenant: self.table.of(tenant).share(self.scale).split(fractions)[mine]
+                        for tenant, fractions in shares.items()}
         for tenant, buckets in self._buckets.items():
             limits = self.limits(tenant)
             for bucket, rate in ((buckets.requests, limits.requests_per_minute),
@@ -308,7 +312,7 @@ class Limiter:
         limits, buckets, now = self.limits(tenant), self._of(tenant), self.clock()
         concurrent = limits.max_concurrent_requests
         if concurrent is not None and (inflight := self.inflight.get(tenant, 0)) >= concurrent:
-            whole = self.table.of(tenant).max_concurrent_requests
+            whole = self.table.of(tenant).share(self.scale).max_concurrent_requests
             part = f" (this router replica's part of {whole})" if concurrent != whole else ""
             return self._refuse(tenant, "concurrency", 1.0, f"Too many concurrent requests: limit {concurrent}"
                                                             f"{part}, in flight {inflight}")
@@ -357,6 +361,19 @@ class Limiter:
                 out[remaining] = str(max(math.floor(bucket.available(now)), 0))
                 out[reset] = duration(bucket.reset_seconds(now))
         return out
+
+
+def _check_rates(table: LimitTable, replicas: int) -> None:
+    """ValueError for a rate that comes to under one a minute per replica: a bucket must hold one request, so
+    `share` would raise it to one and the replicas would allow more than the configured limit."""
+    for name, whole in ((DEFAULTS_ENTRY, table.default), *table.tenants.items()):
+        for field_name in ("requests_per_minute", "tokens_per_minute"):
+            rate = getattr(whole, field_name)
+            if rate is not None and rate / replicas < MIN_PER_MINUTE:
+                split = f" split over rate_limit_replicas {replicas}" if replicas > 1 else ""
+                raise ValueError(f"tenants.{name}: {field_name}{split} is {_number(rate / replicas)} per replica, "
+                                 "under one a minute, so a replica's bucket could not hold one request; raise it"
+                                 f"{' or lower rate_limit_replicas' if replicas > 1 else ''}")
 
 
 def duration(seconds: float) -> str:

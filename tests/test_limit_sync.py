@@ -83,6 +83,32 @@ def test_a_limiter_takes_its_share_keeping_how_full_its_buckets_are() -> None:
     assert limiter.demand == {"acme": 30.0}
 
 
+def test_a_batch_on_one_replica_does_not_draw_the_tenants_interactive_limits_there(database_url: str) -> None:
+    """acme's interactive requests reach replica a, its batch runs on b: a keeps nearly all of the interactive
+    limit and b takes nearly all of the batch's (reported apart), instead of the batch's demand moving the
+    interactive limit to b."""
+    table = DemandTable(database_url)
+    limits = parse_tenants(TENANTS)
+    a, b = Limiter(limits, batch_share=0.5), Limiter(limits, batch_share=0.5)
+    sync_a, sync_b = LimitSync(table, a, "a"), LimitSync(table, b, "b")
+
+    async def traffic() -> None:
+        for _ in range(8):
+            for _ in range(5):
+                a.check("acme")
+            for _ in range(100):
+                b.batch.check("acme")
+            await sync_a.sync(["acme"])
+            await sync_b.sync(["acme"])
+
+    asyncio.run(traffic())
+    interactive = a.limits("acme").requests_per_minute, b.limits("acme").requests_per_minute
+    batch = a.batch.limits("acme").requests_per_minute, b.batch.limits("acme").requests_per_minute
+    assert interactive[0] > 50 and sum(interactive) == pytest.approx(60)  # 6 of 7 parts of 60, not 6 of 107
+    assert batch[1] > 29 and batch[0] == 1  # a's part, 0.3 a minute, raised to one (a bucket holds one request)
+    table.close()
+
+
 def test_replicas_sharing_a_database_split_a_tenants_limit_where_its_requests_land(database_url: str) -> None:
     """acme's requests all reach replica a, globex's are spread evenly: a ends up enforcing nearly all of acme's
     limit (not half, as an even split would), globex's is split in two, and together they allow the whole (each

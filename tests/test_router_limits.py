@@ -158,6 +158,30 @@ def test_replicas_split_the_limits() -> None:
     assert [isinstance(limits.take("acme", 1), Refusal) for _ in range(3)] == [False, False, True]
 
 
+def test_batch_requests_have_buckets_of_their_own_so_a_batch_never_starves_interactive_traffic() -> None:
+    clock = Clock()
+    limits = Limiter(parse_tenants({"acme": {"requests_per_minute": 10, "max_concurrent_requests": 4},
+                                    "free": {}}), clock=clock, batch_share=0.3)
+    batch = [limits.batch.take("acme", 1) for _ in range(5)]
+    assert [isinstance(lease, Lease) for lease in batch] == [True] * 2 + [False] * 3  # concurrency: 30 % of 4, up
+    for lease in batch[:2]:
+        assert isinstance(lease, Lease)
+        lease.close()
+    third = limits.batch.take("acme", 1)
+    assert isinstance(third, Lease)
+    third.close()
+    refusal = limits.batch.take("acme", 1)  # 3 of 10 a minute: the batch waits on its own bucket
+    assert isinstance(refusal, Refusal) and refusal.reason == "requests"
+    assert limits.batch.headers("acme")["x-ratelimit-limit-requests"] == "3"
+    assert all(isinstance(limits.take("acme", 1), Lease) for _ in range(4))  # the tenant's own limits are whole
+    assert limits.inflight == {"acme": 4} and limits.batch.inflight == {}
+    assert isinstance(limits.batch.take("free", 10**6), Lease)  # unlimited stays unlimited
+    assert Limiter(parse_tenants({"acme": {"requests_per_minute": 1}}), batch_share=0.1).batch.limits(
+        "acme").requests_per_minute == 1  # under one a minute: raised to one (a batch waits, it is never refused)
+    with pytest.raises(ValueError, match="batch_rate_share must be a number above 0 and at most 1, not 0"):
+        RouterConfig(pods=["http://127.0.0.1:1"], batch_rate_share=0).validate()
+
+
 def test_a_rate_under_one_a_minute_per_replica_is_refused_at_start() -> None:
     """Such a bucket never holds one request: every request would get 429 forever."""
     with pytest.raises(ValueError, match=r"tenants.acme: requests_per_minute split over rate_limit_replicas 3 is "
