@@ -14,6 +14,9 @@ from kvmesh.router.batches import BatchInputError, check_metadata
 
 UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversation", "truncation")
 ROLES = ("user", "system", "developer", "assistant")
+# the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
+SAMPLING_EXTENSIONS = ("top_k", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+                       "logit_bias")
 
 
 class ResponsesError(ValueError):
@@ -88,7 +91,8 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
     if (response_format := _response_format(body.get("text"))) is not None:
         chat["response_format"] = response_format
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls")):
+                         ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls"),
+                         *((name, name) for name in SAMPLING_EXTENSIONS)):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     tools = []

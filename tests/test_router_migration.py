@@ -109,6 +109,52 @@ def test_a_stream_no_pod_can_go_on_with_ends_with_an_error_and_holds_no_pod(pool
     wait_nothing_in_flight(router)
 
 
+def response_events(url: str, body: dict, procs: dict[str, subprocess.Popen], kill_others: bool) -> list[dict]:
+    """A Responses API stream whose serving pod is killed after 10 text deltas (with `kill_others`, the pod that
+    could go on first); its events."""
+    events = []
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, timeout=60) as reply:
+        serving = reply.headers["x-kvmesh-pod"]
+        if kill_others:
+            (other,) = [u for u in procs if u != serving]
+            procs[other].kill()
+            procs[other].wait()
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if sum(e["type"] == "response.output_text.delta" for e in events) == 10:
+                    procs[serving].kill()
+    assert procs[serving].poll() is not None, "the pod was not killed during the stream"
+    return events
+
+
+@pytest.mark.usefixtures("both_alive")
+def test_a_responses_stream_goes_on_on_another_pod(pool: Pool) -> None:
+    """The Responses API rides the chat path: a pod killed mid-stream is replaced, and the events carry the whole
+    answer once, as the Responses API's stream."""
+    url, procs, router = pool
+    body = {"input": "Tell me a story", "max_output_tokens": 300, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(url + "/v1/responses", json={**body, "store": False}, timeout=60).json()
+    migrations = migrations_of(url)
+    events = response_events(url, body, procs, kill_others=False)
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    (answer,) = [item for item in whole["output"] if item["type"] == "message"]
+    assert text == answer["content"][0]["text"]
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["usage"]["output_tokens"] == 300
+    assert migrations_of(url) == migrations + 1
+    wait_nothing_in_flight(router)
+
+
+@pytest.mark.usefixtures("both_alive")
+def test_a_responses_stream_no_pod_can_go_on_with_ends_failed(pool: Pool) -> None:
+    url, procs, router = pool
+    body = {"input": "Once upon a time", "max_output_tokens": 300, "ignore_eos": True}
+    events = response_events(url, body, procs, kill_others=True)
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]["code"] == "server_error"
+    assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
+    wait_nothing_in_flight(router)
+
+
 def migrations_of(router: str) -> float:
     (line,) = [x for x in httpx.get(router + "/metrics").text.splitlines()
                if x.startswith("kvmesh_router_migrations_total ")]

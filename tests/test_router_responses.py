@@ -17,10 +17,10 @@ from kvmesh.router.responses_stream import ResponseEvents
 
 def test_string_input_with_instructions_and_sampling() -> None:
     chat = chat_request({"model": "m", "input": "hi", "instructions": "be brief", "max_output_tokens": 7,
-                         "temperature": 0.5, "top_p": 0.9})
+                         "temperature": 0.5, "top_p": 0.9, "seed": 3, "ignore_eos": True, "service_tier": "auto"})
     assert chat == {"model": "m", "messages": [{"role": "system", "content": "be brief"},
                                                {"role": "user", "content": "hi"}],
-                    "max_tokens": 7, "temperature": 0.5, "top_p": 0.9}
+                    "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "ignore_eos": True}
 
 
 def test_history_comes_before_new_input_so_the_prefix_is_shared() -> None:
