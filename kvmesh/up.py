@@ -210,6 +210,7 @@ class LocalEngines:
         self._started = 0
         self.generation = 0  # the engine files' version: an engine started from an older one is rolled
         self.rolling: set[str] = set()  # the settings the engines are being rolled for (`start_inputs` keys)
+        self.undo_roll: Callable[[], None] | None = None  # puts back the files and spec the roll under way left
         self.router_changes: set[str] = set()  # the settings the router restarts for, once the engines are rolled
         self.router_starting = False  # a restarted router not answering /health yet
         self.old_routers: list[tuple[Child, float]] = []  # restarted ones finishing their streams, SIGKILL by then
@@ -276,12 +277,16 @@ class LocalEngines:
             engine.state, engine.deadline = DRAINING, time.monotonic() + DRAIN_TIMEOUT_SECONDS
             print(f"kvmesh up: draining {engine.child.name} ({engine.role})", file=sys.stderr, flush=True)
 
-    def roll(self, engine_changes: Collection[str], router_changes: Collection[str]) -> None:
+    def roll(self, engine_changes: Collection[str], router_changes: Collection[str],
+             undo: Callable[[], None] | None = None) -> None:
         """The engine files (`engine_changes`) or the router's file (`router_changes`) were rewritten: replace the
         engines started before, one at a time (a new one started, warmed and routed to before an old one drains),
-        then restart the router; `progress` carries it out, and a later edit joins a roll under way."""
+        then restart the router; `progress` carries it out, and a later edit joins a roll under way. If a rolled-in
+        engine dies, `undo` (of the edit that began the roll) puts back what the pool ran on before it."""
         if engine_changes:
             self.generation += 1
+            if not self.rolling:
+                self.undo_roll = undo
             self.rolling |= set(engine_changes)
         self.router_changes |= set(router_changes)
 
@@ -341,6 +346,7 @@ class LocalEngines:
                 self.rolling = set()
                 _say(f"{surge.child.name}, rolled in for {surge.replaces}, exited with {surge.child.process.returncode}"
                      f"; the roll stops, the old engines serve on ({why}: fix the pool file):\n{surge.child.tail()}")
+                self._undo_roll()
                 return
             routed = [] if self.router is None or surge.state == STARTING else _routed(client, self.router.url)
             if surge.child.url not in routed:
@@ -356,8 +362,22 @@ class LocalEngines:
             new.replaces = outdated[0].child.name
             _say(f"rolling {outdated[0].child.name} -> {new.child.name} ({new.role}; settings changed: {why})")
         elif not any(e.state == STARTING and e.generation < self.generation for e in self.engines):
-            self.rolling = set()  # (an old engine still starting is rolled once it serves)
+            self.rolling, self.undo_roll = set(), None  # (an old engine still starting is rolled once it serves)
             _say(f"engines rolled: every engine runs the new settings ({why})")
+
+    def _undo_roll(self) -> None:
+        """After a failed roll: the files engines start from hold the settings that failed, so every engine the
+        scaler would start would fail too. Put back the files and spec the pool ran on before the roll (the
+        router's restart, waiting for the roll, is dropped with them); engines rolled in meanwhile keep the new
+        settings until the next roll."""
+        if self.undo_roll is None:
+            return
+        self.undo_roll()
+        self.undo_roll, self.router_changes = None, set()
+        rolled = [e.child.name for e in self.engines if e.generation == self.generation and e.state == SERVING]
+        kept = f" ({', '.join(rolled)} run the new settings until the next roll)" if rolled else ""
+        _say(f"the pool runs on its spec from before the roll: the pool file's edits since are undone, new engines "
+             f"and the router start from the earlier settings again{kept}")
 
     def _named(self, name: str | None) -> Engine | None:
         return next((e for e in self.engines if e.child.name == name), None)
@@ -511,7 +531,7 @@ class _ScalingWatch:
         or a router, or it changes what every process must share), running on the last good spec. Never raises:
         a bad edit is the user's to fix."""
         from kvmesh.operator.crd import transition_errors
-        from kvmesh.operator.local import ignored_locally, local_engine_settings, local_router_settings, restarts
+        from kvmesh.operator.local import ignored_locally, restarts
 
         if self.file is None or not self.file.changed():
             return
@@ -532,22 +552,14 @@ class _ScalingWatch:
             return
         if pool == self.pool:
             return
-        engine, router = local_engine_settings(pool), local_router_settings(pool)
-        plan, workdir = self.engines.plan, self.engines.workdir
-        router_file = _router_section(workdir, plan.name, router, self.engines.pods_file)
-        if todo.rolls and (problem := _settings_problem({**self.engines.engine_defaults, **engine}, router_file)):
+        engine, router = self._sections(pool)
+        if todo.rolls and (problem := _settings_problem(engine, router)):
             _say(f"{path} changed settings no new process would start with: {problem}; none of this edit is "
                  f"applied, the pool runs on as before")
             return
-        previous, self.pool = self.pool, pool
-        plan.pool, plan.engine, plan.router = pool, engine, router
-        self.operator.follow(pool)
-        self.interval = pool.spec["scaling"]["intervalSeconds"]
-        self.next = time.monotonic()
-        _write_engine_files(workdir, {**self.engines.engine_defaults, **engine}, pool)
-        if todo.router:
-            _write_router_file(workdir, router_file)
-        self.engines.roll(todo.engines, todo.router)
+        previous = self.pool
+        self._follow(pool)
+        self.engines.roll(todo.engines, todo.router, undo=lambda: self._follow(previous))
         bounds = ", ".join(f"{role} {low}..{high}" for role in pool.roles for low, high in [pool.bounds(role)])
         adapters = ", ".join(a["name"] for a in pool.spec["model"]["loraAdapters"]) or "none"
         ignored = ignored_locally(previous, pool)
@@ -557,6 +569,28 @@ class _ScalingWatch:
             [f"engines started from now on get {', '.join(todo.gate)}"] if todo.gate else [])
         rolled = f"; {'; '.join(steps)}" if steps else ""
         _say(f"{path} changed: following it (replicas {bounds}; adapters {adapters}{rolled}{unused})")
+
+    def _sections(self, pool: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The engine files' and the router file's sections for `pool`."""
+        from kvmesh.operator.local import local_engine_settings, local_router_settings
+
+        engines = self.engines
+        router = _router_section(engines.workdir, engines.plan.name, local_router_settings(pool), engines.pods_file)
+        return {**engines.engine_defaults, **local_engine_settings(pool)}, router
+
+    def _follow(self, pool: Any) -> None:
+        """Run on `pool`: the scaler follows it at once, and the files new processes start from hold its settings."""
+        from kvmesh.operator.local import local_engine_settings, local_router_settings
+
+        self.pool = pool
+        plan = self.engines.plan
+        plan.pool, plan.engine, plan.router = pool, local_engine_settings(pool), local_router_settings(pool)
+        self.operator.follow(pool)
+        self.interval = pool.spec["scaling"]["intervalSeconds"]
+        self.next = time.monotonic()
+        engine, router = self._sections(pool)
+        _write_engine_files(self.engines.workdir, engine, pool)
+        _write_router_file(self.engines.workdir, router)
 
     def tick(self) -> None:
         from kvmesh.operator.local import describe
@@ -637,7 +671,9 @@ def _write_router_file(workdir: Path, section: Mapping[str, Any]) -> Path:
 
 def _settings_problem(engine: Mapping[str, Any], router: Mapping[str, Any]) -> str | None:
     """Why an engine or a router would refuse these files' sections at start (their own config checks), or None:
-    checked before a roll, so a mistyped setting stops no engine and leaves the pool as it was."""
+    checked before a roll, so a mistyped setting stops no engine and leaves the pool as it was. Written to files
+    and loaded from them as the processes will: the loaders' override dicts are flags, which drop None values (and
+    the router's empty lists) as not given, where a file's null reaches the config and its checks."""
     from kvmesh.engine.config import load_config
     from kvmesh.router.config import load_router_config
 

@@ -16,12 +16,26 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
+from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.operator.crd import parse_pool
 from kvmesh.operator.local import Restarts, ignored_locally, restarts
 from kvmesh.processes import free_port, launch
-from kvmesh.up import DRAINING, SERVING, STARTING, STOPPING, LocalEngines, plan_from_file
+from kvmesh.up import (
+    DRAINING,
+    SERVING,
+    STARTING,
+    STOPPING,
+    LocalEngines,
+    _router_section,
+    _ScalingWatch,
+    _settings_problem,
+    _write_engine_files,
+    _write_router_file,
+    plan_from_file,
+)
 
 from .engines import stop_up
 from .test_up_observe import EXAMPLES, engine
@@ -100,6 +114,57 @@ def test_a_rolled_in_engine_that_exits_stops_the_roll_and_the_old_engines_serve_
     with httpx.Client() as client:
         engines.progress(client)  # and no new engine is rolled in for them
     assert len(engines.engines) == 2
+
+
+def test_the_settings_check_reads_the_settings_as_a_started_process_reads_its_file() -> None:
+    """An engine reads its settings from its file, which keeps a null: the check must refuse what that engine would
+    (the loaders' override dicts drop None as "flag not given", so checked as overrides this edit would pass)."""
+    router = {"pods": ["http://127.0.0.1:1"]}
+    assert load_config(None, {"max_num_seqs": None}).max_num_seqs == EngineConfig.max_num_seqs  # dropped
+    assert (_settings_problem({"max_num_seqs": None}, router) or "").startswith("the engine's: ")
+    assert _settings_problem({"max_num_seqs": 7}, router) is None
+
+
+def test_a_failed_roll_puts_back_the_settings_new_engines_start_from(
+        sleeper: subprocess.Popen[bytes], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rolled-in engine can die of settings the check passed (a model that does not fit, a port taken...): the
+    engines the scaler starts next must not start from the files that failed, and the next edit is compared with
+    what the engines run."""
+    pool_file, workdir = tmp_path / "pool.yaml", tmp_path / "work"
+    workdir.mkdir()
+    write_pool(pool_file, engines=1, blocks=64, rate=60)
+    plan = plan_from_file(pool_file)
+    engines = LocalEngines(plan, [], workdir, None)
+    engines.engines = [engine("engine-0", sleeper, tmp_path)]
+    _write_engine_files(workdir, plan.engine, plan.pool)  # as run_pool writes them (a simulated pool: no defaults)
+    _write_router_file(workdir, _router_section(workdir, plan.name, plan.router, engines.pods_file))
+    watch = _ScalingWatch(plan, engines)
+    files = [workdir / "engine.yaml", workdir / "engine-scaled.yaml", workdir / "router.yaml"]
+
+    def blocks_in_files() -> list[int]:
+        return [yaml.safe_load(f.read_text())["engine"]["kv_cache_blocks"] for f in files[:2]]
+
+    try:
+        watch.follow_file()  # the first poll: the pool as started, no edit
+        before = [f.read_text() for f in files]
+        write_pool(pool_file, engines=1, blocks=96, rate=120)
+        watch.follow_file()
+        assert blocks_in_files() == [96, 96] and engines.rolling and engines.router_changes
+        failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])  # the new engine, dead at start
+        failed.wait()
+        surge = engine("engine-1", failed, tmp_path, STARTING)
+        surge.replaces, surge.generation = "engine-0", engines.generation
+        engines.engines.append(surge)
+        with httpx.Client() as client:
+            engines.progress(client)
+        assert [f.read_text() for f in files] == before and blocks_in_files() == [64, 64]
+        assert not engines.rolling and not engines.router_changes  # nor is the router restarted for the edit
+        assert "the pool runs on its spec from before the roll" in capsys.readouterr().err
+        write_pool(pool_file, engines=1, blocks=96, rate=120)  # saved again: tried again, against what runs
+        watch.follow_file()
+        assert blocks_in_files() == [96, 96] and engines.rolling == {"engine.yaml kv_cache_blocks"}
+    finally:
+        watch.close()
 
 
 POOL = """
