@@ -462,14 +462,16 @@ class Router:
         return ids
 
     async def admit(self, payload: bytes, headers: Mapping[str, str], chat: bool,
-                    tenant: str | None = None) -> Admitted:
+                    tenant: str | None = None, batch: bool = False) -> Admitted:
         """Authenticate, validate, salt, tokenize and hash one request, the same whichever edge received it (this
         HTTP app, or a Gateway's ext_proc stream): RouteError (401, 400) when it cannot be served. The key comes
         first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send.
-        A batch's request comes with its `tenant`, whose key was checked when the batch was created."""
+        A request from inside the router comes with its `tenant`, whose key was checked already (a Responses API
+        request's, a batch's when the batch was created); a `batch` request takes the tenant's batch limits."""
         arrived_ns = time.time_ns()
         tenant = tenant if tenant is not None else self.authenticate(headers)
-        if (over := self.limits.check(tenant)) is not None:  # before any work on the body
+        limiter = self.limits.batch if batch else self.limits
+        if (over := limiter.check(tenant)) is not None:  # before any work on the body
             raise self.rate_limited(tenant, over)
         model = ChatRequest if chat else CompletionRequest
 
@@ -497,7 +499,7 @@ class Router:
             info = await asyncio.to_thread(self.request_info, body, priority)
         self.metrics.decision.observe(time.perf_counter() - start)
         workload = workload_class("chat" if chat else "completion", info.prompt_tokens, headers.get(WORKLOAD_HEADER))
-        lease = self.limits.take(tenant, info.prompt_tokens)
+        lease = limiter.take(tenant, info.prompt_tokens)
         if isinstance(lease, Refusal):
             raise self.rate_limited(tenant, lease)
         try:
@@ -653,7 +655,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     pull = PullPolicy(config.pull_bytes_per_second, config.pull_setup_seconds)
     tenants = set(keys.tenants)
     _warn_unkeyed(table, tenants)
-    limits = Limiter(table, config.rate_limit_replicas)
+    limits = Limiter(table, config.rate_limit_replicas, batch_share=config.batch_rate_share)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
     metrics = RouterMetrics(pods, index, tenants)
     if keys_file is not None:
@@ -870,7 +872,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     async def send_batch_request(tenant: str, path: str, body: dict[str, Any]) -> Answer:
         """A batch's request through this router's own routing, at the batch priority (shed first)."""
         headers = {PRIORITY_HEADER: str(router.config.batch_priority)}
-        response = await serve(json.dumps(body).encode(), headers, path, path == CHAT_PATH, tenant)
+        response = await serve(json.dumps(body).encode(), headers, path, path == CHAT_PATH, tenant, batch=True)
         try:
             content = json.loads(bytes(response.body))
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -957,11 +959,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     app.completions = completions
 
     async def serve(payload: bytes, headers: Mapping[str, str], path: str, chat: bool, tenant: str | None = None,
-                    http: HttpRequest | None = None) -> Response:
-        """One completion from a client of the HTTP edge (`http`: watched for a client that leaves), or of the
-        batch runner in this process (`tenant`: whose batch it is, authenticated when the batch was created)."""
+                    http: HttpRequest | None = None, batch: bool = False) -> Response:
+        """One completion from a client of the HTTP edge (`http`: watched for a client that leaves), of the
+        Responses API (`tenant` already authenticated), or of the batch runner in this process (`batch`; `tenant`:
+        whose batch it is, authenticated when the batch was created)."""
         try:
-            admitted = await router.admit(payload, headers, chat, tenant)
+            admitted = await router.admit(payload, headers, chat, tenant, batch)
         except RouteError as exc:
             router.metrics.count_request(refusal_outcome(exc), "aggregated")
             return error_response(exc)

@@ -5,6 +5,7 @@ model), where the limiter's clock is injected too: nothing here sleeps or times 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -473,6 +474,25 @@ def test_both_edges_share_the_admission_that_limits(served: Served) -> None:
         asyncio.run(served.router.admit(b"not even JSON", headers, chat=False))
     assert info.value.status == 429 and info.value.code == "rate_limit_exceeded"
     assert info.value.headers["retry-after"] == "30"
+
+
+@pytest.mark.slow
+def test_a_batchs_requests_spend_the_batch_buckets_not_the_interactive_ones(served: Served) -> None:
+    """The batch runner's requests are admitted with `batch` (router/app.py's send_batch_request): the tenant's
+    batch share (half of its 2 a minute: one) runs out while its interactive requests still pass, and a Responses
+    API request, which also comes with its tenant, counts as interactive."""
+    body = json.dumps({"prompt": [100, 101, 102], "max_tokens": 1}).encode()
+    admitted = asyncio.run(served.router.admit(body, {}, chat=False, tenant="initech", batch=True))
+    assert admitted.trace.lease is not None
+    admitted.trace.lease.close()
+    with pytest.raises(RouteError) as info:
+        asyncio.run(served.router.admit(body, {}, chat=False, tenant="initech", batch=True))
+    assert info.value.status == 429
+    inside = asyncio.run(served.router.admit(body, {}, chat=False, tenant="initech"))
+    assert inside.trace.lease is not None
+    inside.trace.lease.close()
+    assert post(served, "initech").status_code == 200
+    assert post(served, "initech").status_code == 429  # the interactive two a minute, spent by the two above
 
 
 @pytest.mark.slow
