@@ -80,7 +80,7 @@ from kvmesh.router.auth import (
 from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseudonym
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
-from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, new_id
+from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, new_id
 from kvmesh.router.config import (
     INLINE_TOKENIZE_BYTES,
     MAX_REQUEST_BODY_BYTES,
@@ -96,7 +96,7 @@ from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, Requ
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
-from kvmesh.router.responses_api import response_routes
+from kvmesh.router.responses_api import Responses, response_routes
 from kvmesh.router.responses_store import (
     RESPONSES_MEMORY_ITEMS,
     RESPONSES_TTL_SECONDS,
@@ -869,10 +869,20 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             await asyncio.sleep(KEYS_CHECK_SECONDS)
             await asyncio.to_thread(router.reload_keys)
 
+    responses = Responses(router.responses)
+
     async def send_batch_request(tenant: str, path: str, body: dict[str, Any]) -> Answer:
-        """A batch's request through this router's own routing, at the batch priority (shed first)."""
+        """A batch's request through this router's own routing, at the batch priority (shed first); a response
+        request through the Responses API's translation to a chat request."""
         headers = {PRIORITY_HEADER: str(router.config.batch_priority)}
-        response = await serve(json.dumps(body).encode(), headers, path, path == CHAT_PATH, tenant, batch=True)
+
+        async def send(chat: dict[str, Any]) -> Response:
+            return await serve(json.dumps(chat).encode(), headers, CHAT_PATH, True, tenant, batch=True)
+
+        if path == RESPONSES_PATH:
+            response = await responses.answer(tenant, body, send)
+        else:
+            response = await serve(json.dumps(body).encode(), headers, path, path == CHAT_PATH, tenant, batch=True)
         try:
             content = json.loads(bytes(response.body))
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -936,7 +946,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         """A Responses API request's chat request through this router's own path, its client watched."""
         return await serve(json.dumps(body).encode(), header_map(http.scope), CHAT_PATH, True, tenant, http=http)
 
-    app.include_router(response_routes(router.responses, lambda header: router.keys.tenant_for(header), send_chat))
+    app.include_router(response_routes(responses, lambda header: router.keys.tenant_for(header), send_chat))
 
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
         """A completion POST, as plain ASGI (RouterApp). The key is checked before a byte of the body is read,

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
-BATCH_ENDPOINTS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH)
+CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+BATCH_ENDPOINTS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH)
 FILE_PURPOSES: tuple[str, ...] = ("batch", "batch_output")  # what clients upload, what batches write
 UPLOAD_PURPOSE, OUTPUT_PURPOSE = FILE_PURPOSES
 # validating: the input file is being checked; finalizing: the output files are being written
@@ -221,11 +221,12 @@ def _check_line(raw_line: str, number: int, endpoint: str, seen: set[str]) -> Li
 
 def prefix_key(body: Mapping[str, Any]) -> str:
     """A text that sorts requests sharing a prompt prefix next to each other: the model, the tools (a chat
-    template shows them before the messages), then the messages or the prompt as the client wrote them. Sorted
+    template shows them before the messages), a response request's instructions (its system message), then the
+    messages, the prompt or the response request's input as the client wrote them. Sorted
     order is the depth-first order of the prefix trie, so a run of requests shares the longest prefixes the file
     has, and a pod's prefix cache serves each run's prefix from its first request on."""
-    prompt = body.get("messages", body.get("prompt"))
-    parts = (body.get("model"), body.get("tools"), prompt)
+    prompt = body.get("messages", body.get("prompt", body.get("input")))
+    parts = (body.get("model"), body.get("tools"), body.get("instructions"), prompt)
     return "\x00".join(p if isinstance(p, str) else json.dumps(p, sort_keys=True, ensure_ascii=False) for p in parts)
 
 
@@ -272,6 +273,9 @@ class LineResult:
         usage = self.body.get("usage") if self.ok else None
         if not isinstance(usage, dict):
             return 0, 0, 0
+        if "input_tokens" in usage:  # a response object's
+            cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+            return int(usage["input_tokens"]), int(cached or 0), int(usage.get("output_tokens", 0))
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return int(usage.get("prompt_tokens", 0)), int(cached or 0), int(usage.get("completion_tokens", 0))
 

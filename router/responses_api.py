@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -21,14 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.router.auth import tenant_hash, unauthorized_body
-from kvmesh.router.batches import new_id
+from kvmesh.router.batches import RESPONSES_PATH, new_id
 from kvmesh.router.responses import ResponsesError, chat_request, history_after, input_items, response_object
 from kvmesh.router.responses_store import ResponseStore, StoredResponse
 from kvmesh.router.responses_stream import ResponseEvents, sse
 
 log = logging.getLogger(__name__)
 
-RESPONSES_PATH = "/v1/responses"
 MAX_ITEMS_PAGE = 100  # OpenAI's bound on a page of input items
 DEFAULT_ITEMS_PAGE = 20
 # A chat request through the router's own path: (tenant, the chat body, the client's HTTP request, whose headers
@@ -58,18 +58,88 @@ def items_page(items: list[dict[str, Any]], limit: int, after: str | None, newes
             "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
 
 
-def response_routes(store: ResponseStore, tenant_for: Callable[[str | None], str | None],
+@dataclass(frozen=True)
+class Turn:
+    """A response request made ready to send: whose, its chat request, and the id its answer will carry."""
+
+    owner: str  # the tenant's pseudonym (auth.tenant_hash), what stored responses are keyed by
+    body: dict[str, Any]
+    chat: dict[str, Any]
+    response_id: str
+    created_at: int
+
+    def stored(self, completion: Mapping[str, Any], response: dict[str, Any]) -> StoredResponse:
+        return StoredResponse(response, input_items(self.body, self.response_id),
+                              history_after(self.body, self.chat, completion))
+
+
+class Responses:
+    """What `POST /v1/responses` does, for the HTTP edge and the batch runner alike: read the earlier turns, send
+    the chat request through the router (`send`), build and store the response."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def turn(self, tenant: str, body: Any) -> Turn | JSONResponse:
+        """The request ready to send, or the 4xx that refuses it (a bad field, an unknown previous response)."""
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        owner, history = tenant_hash(tenant), []
+        if (previous := body.get("previous_response_id")) is not None:
+            earlier = await asyncio.to_thread(self.store.get, owner, str(previous))
+            if earlier is None:
+                return _not_found(str(previous), "previous_response_id")
+            history = earlier.history
+        try:
+            chat = chat_request(body, history)
+        except ResponsesError as exc:
+            return _error(400, str(exc), exc.param)
+        return Turn(owner, body, chat, new_id("resp_"), int(time.time()))
+
+    async def save(self, turn: Turn, completion: Mapping[str, Any], response: dict[str, Any]) -> None:
+        """Store an answered response unless told not to; a database away loses only the stored copy, never the
+        client's answer."""
+        if not turn.body.get("store", True):
+            return
+        try:
+            await asyncio.to_thread(self.store.save, turn.owner, turn.stored(completion, response))
+        except Exception:
+            log.exception("could not store response %s: a continuation of it will not find it", turn.response_id)
+
+    async def whole(self, turn: Turn, send: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
+        """The answer as one response object (an error from the chat path as it came)."""
+        answer = await send(turn.chat)
+        if answer.status_code != 200:
+            return answer
+        completion = json.loads(bytes(answer.body))
+        response = response_object(turn.response_id, turn.body, completion, turn.created_at)
+        await self.save(turn, completion, response)
+        return JSONResponse(response, headers={name: value for name, value in answer.headers.items()
+                                               if name.startswith("x-")})  # the pod, the tenant's limits
+
+    async def streamed(self, turn: Turn, send: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
+        """The answer as the Responses API's event stream over the relayed chat stream."""
+        answer = await send({**turn.chat, "stream": True, "stream_options": {"include_usage": True}})
+        if not isinstance(answer, StreamingResponse):  # refused before a byte was sent: its error as it is
+            return answer
+        events = ResponseEvents(turn.response_id, turn.body, turn.created_at)
+
+        async def saved(response: dict[str, Any]) -> None:
+            await self.save(turn, events.completion(), response)
+
+        answer.body_iterator = _events(answer.body_iterator, events, saved)
+        return answer
+
+    async def answer(self, tenant: str, body: Any, send: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
+        """A whole answer to `body` (a batch's request: batches never stream)."""
+        turn = await self.turn(tenant, body)
+        return turn if isinstance(turn, Response) else await self.whole(turn, send)
+
+
+def response_routes(responses: Responses, tenant_for: Callable[[str | None], str | None],
                     send_chat: SendChat) -> APIRouter:
     """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused)."""
-    api = APIRouter()
-
-    async def save(owner: str, stored: StoredResponse) -> None:
-        """Store an answered response; a database away loses only the stored copy, never the client's answer."""
-        try:
-            await asyncio.to_thread(store.save, owner, stored)
-        except Exception:
-            log.exception("could not store response %s: a continuation of it will not find it",
-                          stored.response["id"])
+    api, store = APIRouter(), responses.store
 
     async def stored(http: HttpRequest, response_id: str) -> StoredResponse | Response:
         tenant = tenant_for(http.headers.get("authorization"))
@@ -87,45 +157,14 @@ def response_routes(store: ResponseStore, tenant_for: Callable[[str | None], str
             body = json.loads(await http.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "malformed JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        owner, history = tenant_hash(tenant), []
-        if (previous := body.get("previous_response_id")) is not None:
-            earlier = await asyncio.to_thread(store.get, owner, str(previous))
-            if earlier is None:
-                return _not_found(str(previous), "previous_response_id")
-            history = earlier.history
-        try:
-            chat = chat_request(body, history)
-        except ResponsesError as exc:
-            return _error(400, str(exc), exc.param)
-        response_id, created = new_id("resp_"), int(time.time())
+        turn = await responses.turn(tenant, body)
+        if isinstance(turn, Response):
+            return turn
 
-        def stored_copy(completion: Mapping[str, Any], response: dict[str, Any]) -> StoredResponse:
-            return StoredResponse(response, input_items(body, response_id), history_after(body, chat, completion))
+        async def send(chat: dict[str, Any]) -> Response:
+            return await send_chat(tenant, chat, http)
 
-        if body.get("stream"):
-            chat.update(stream=True, stream_options={"include_usage": True})
-            answer = await send_chat(tenant, chat, http)
-            if not isinstance(answer, StreamingResponse):  # refused before a byte was sent: its error as it is
-                return answer
-            events = ResponseEvents(response_id, body, created)
-
-            async def saved(response: dict[str, Any]) -> None:
-                if body.get("store", True):
-                    await save(owner, stored_copy(events.completion(), response))
-
-            answer.body_iterator = _events(answer.body_iterator, events, saved)
-            return answer
-        answer = await send_chat(tenant, chat, http)
-        if answer.status_code != 200:
-            return answer
-        completion = json.loads(bytes(answer.body))
-        response = response_object(response_id, body, completion, created)
-        if body.get("store", True):
-            await save(owner, stored_copy(completion, response))
-        return JSONResponse(response, headers={name: value for name, value in answer.headers.items()
-                                               if name.startswith("x-")})  # the pod, the tenant's limits
+        return await (responses.streamed if body.get("stream") else responses.whole)(turn, send)
 
     @api.get(RESPONSES_PATH + "/{response_id}")
     async def retrieve(http: HttpRequest, response_id: str) -> Response:

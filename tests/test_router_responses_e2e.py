@@ -4,7 +4,9 @@ calls, structured output, tenants kept apart, and clear errors."""
 
 from __future__ import annotations
 
+import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import yaml
 
 from kvmesh.router.app import build_router
 from kvmesh.router.auth import hash_key
+from kvmesh.router.batches import RESPONSES_PATH
 from kvmesh.router.config import RouterConfig
 
 from .engines import serve_router, tiny_engines
@@ -155,3 +158,41 @@ def test_bad_requests_get_a_400_that_names_the_field(router_url: str, model: str
     page = httpx.get(router_url + "/v1/responses/resp_x/input_items", timeout=30,
                      headers={"authorization": f"Bearer {ACME_KEY}"})
     assert page.status_code == 404
+
+
+def test_a_batch_of_response_requests_runs_with_their_instructions_cached(router_url: str, model: str) -> None:
+    """`/v1/responses` as a batch's endpoint: each line answered as a response object (usage counted into the
+    batch's), one refused line in the error file, and a line continuing a stored response reading it."""
+    acme = client(router_url)
+    earlier = acme.responses.create(model=model, input="Remember the word: harbour.", max_output_tokens=2)
+    instructions = "You answer questions about the sea in one word. " * 8
+    bodies = {f"q{i}": {"model": model, "instructions": instructions, "input": f"question {i}",
+                        "max_output_tokens": 3, "ignore_eos": True} for i in range(4)}
+    bodies["continued"] = {"model": model, "input": "Which word?", "previous_response_id": earlier.id,
+                           "max_output_tokens": 3, "ignore_eos": True}
+    bodies["refused"] = {"model": model, "input": "x", "reasoning": {"effort": "high"}}
+    lines = [json.dumps({"custom_id": key, "method": "POST", "url": RESPONSES_PATH, "body": body})
+             for key, body in bodies.items()]
+    uploaded = acme.files.create(file=("responses.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = acme.batches.create(input_file_id=uploaded.id, endpoint=RESPONSES_PATH, completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.1)
+        batch = acme.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 1)
+    output = {x["custom_id"]: x["response"] for x in map(json.loads, acme.files.content(
+        batch.output_file_id).text.splitlines())}
+    assert set(output) == {*(f"q{i}" for i in range(4)), "continued"}
+    for answer in output.values():
+        assert answer["status_code"] == 200 and answer["body"]["object"] == "response"
+        assert answer["body"]["usage"]["output_tokens"] == 3
+    assert output["continued"]["body"]["previous_response_id"] == earlier.id
+    assert output["continued"]["body"]["usage"]["input_tokens"] > earlier.usage.input_tokens
+    assert batch.usage.output_tokens == 15
+    # prefix order sent the first question alone and the rest after it: the instructions were found cached
+    assert batch.usage.input_tokens_details.cached_tokens >= 3 * 16
+    (error,) = map(json.loads, acme.files.content(batch.error_file_id).text.splitlines())
+    assert error["custom_id"] == "refused" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "reasoning"
