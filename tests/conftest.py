@@ -1,10 +1,13 @@
 """Shared fixtures: the bundled model's converted directory, a tiny random Llama with the same tokenizer, and
-engines built on them. Every engine a test touches has its block-pool invariants checked afterwards."""
+engines built on them (every engine a test touches has its block-pool invariants checked afterwards); a sleeping
+child process."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +63,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -> Pat
         if (bundled_dir / name).exists() and not (path / name).exists():
             shutil.copy(bundled_dir / name, path / name)
     return path
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A real child process that runs until the test ends, for records of `kvmesh up`'s engines whose process is
+    only polled (scaling or rolling them here rewrites files and starts nothing)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
 
 
 def make_engine(model_dir: Path, **overrides: object) -> Engine:

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -118,3 +118,40 @@ def stop_up(proc: subprocess.Popen[bytes], log: Path) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+class Load:
+    """Completions sent one after another by `threads` threads until stopped, each worker's n-th with
+    `prompt(worker, n)`: how many were sent, which pods served them (the router's x-kvmesh-pod) and every answer
+    that was not a 200, or no answer."""
+
+    def __init__(self, url: str, prompt: Callable[[int, int], list[int]], threads: int = 3,
+                 max_tokens: int = 4) -> None:
+        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.sent, self.served, self.failed = 0, set[str](), list[str]()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, worker: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                body = {"prompt": self.prompt(worker, n), "max_tokens": self.max_tokens}
+                try:
+                    reply = client.post(self.url + "/v1/completions", json=body)
+                except httpx.HTTPError as exc:
+                    self.failed.append(repr(exc))
+                else:
+                    if reply.status_code == 200:
+                        self.served.add(reply.headers["x-kvmesh-pod"])
+                    else:
+                        self.failed.append(f"{reply.status_code}: {reply.text[:200]}")
+                self.sent += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=90)

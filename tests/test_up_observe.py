@@ -7,12 +7,8 @@ engines whose answer the test must hold back at will, which a real engine cannot
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from kvmesh.engine.protocol import VllmMetric
 from kvmesh.operator.engines import scrape_all
@@ -24,21 +20,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 METRICS = f"{VllmMetric.KV_USAGE} 0.5\n"
 
 
-@pytest.fixture
-def process() -> Iterator[subprocess.Popen[bytes]]:
-    """A real child process for the engines' records (scaling serving engines only rewrites the pods file)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield proc
-    proc.kill()
-    proc.wait()
-
-
 def engine(name: str, process: subprocess.Popen[bytes], tmp_path: Path, state: str = SERVING) -> Engine:
     return Engine(Child(name, f"http://{name}", process, tmp_path / f"{name}.log"), "both", state)
 
 
 def test_engines_are_scraped_at_once_so_a_slow_one_delays_no_other(
-        process: subprocess.Popen[bytes], tmp_path: Path) -> None:
+        sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
     """engine-0's answer waits until engine-1 has been asked: scraped one after the other, engine-0 would never
     answer in time and be left out."""
     asked_fast = threading.Event()
@@ -51,7 +38,7 @@ def test_engines_are_scraped_at_once_so_a_slow_one_delays_no_other(
             asked_fast.set()
         return METRICS
 
-    pods = observe_engines([engine("engine-0", process, tmp_path), engine("engine-1", process, tmp_path, STARTING)],
+    pods = observe_engines([engine("engine-0", sleeper, tmp_path), engine("engine-1", sleeper, tmp_path, STARTING)],
                            scrape)
     assert [(p.name, p.ready, p.metrics) for p in pods] == [("engine-0", True, METRICS), ("engine-1", False, METRICS)]
 
@@ -101,7 +88,7 @@ def hits(name: str, cached_tokens: float, running: int = 0) -> LocalPod:
 
 
 def test_a_local_scale_down_drains_the_coldest_cache_not_the_newest_engine(
-        process: subprocess.Popen[bytes], tmp_path: Path) -> None:
+        sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
     plan = plan_from_file(EXAMPLES / "aggregated.yaml")
     operator = LocalOperator(plan.pool)
     operator.decide(0.0, [hits("engine-0", 0), hits("engine-1", 0), hits("engine-2", 0)], {"both": 3})
@@ -111,7 +98,7 @@ def test_a_local_scale_down_drains_the_coldest_cache_not_the_newest_engine(
     assert sorted(tick.deletion_costs, key=tick.deletion_costs.__getitem__) == ["engine-1", "engine-2", "engine-0"]
 
     engines = LocalEngines(plan, [], tmp_path, None)
-    engines.engines = [engine(f"engine-{i}", process, tmp_path) for i in range(3)]
+    engines.engines = [engine(f"engine-{i}", sleeper, tmp_path) for i in range(3)]
     engines.scale("both", 2, tick.deletion_costs)
     assert [(e.child.name, e.state) for e in engines.engines] == [
         ("engine-0", SERVING), ("engine-1", DRAINING), ("engine-2", SERVING)]

@@ -10,8 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -37,7 +35,7 @@ from kvmesh.up import (
     plan_from_file,
 )
 
-from .engines import stop_up
+from .engines import Load, stop_up
 from .test_up_observe import EXAMPLES, engine
 from .test_up_scaling import engine_urls, operator_url, sample, wait_for
 from .test_up_stop import events
@@ -67,15 +65,6 @@ def test_engine_settings_roll_the_engines_router_settings_restart_it_what_all_sh
                             (pool(mode="disaggregated", replicas={"prefill": {"min": 1, "max": 1},
                                                                    "decode": {"min": 1, "max": 1}}), "engines roles")):
         assert refused in restarts(before, edited).refused, refused  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    """A real child process for the engines' records (scaling them here only rewrites the pods file)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def test_a_surge_counts_in_no_replica_and_goes_with_the_old_engine_the_scaler_removes(
@@ -213,35 +202,6 @@ def answers(url: str) -> bool:
 PROMPT = list(range(1, 41))  # shared by every request: a prefix the engines reuse, so a new one has one to copy
 
 
-class Load:
-    """Completions sent one after another by a few threads until stopped; every answer that is not a 200 (or no
-    answer) is kept."""
-
-    def __init__(self, url: str, threads: int = 3) -> None:
-        self.url, self.sent, self.failed = url, 0, list[str]()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=60) as client:
-            while not self._stop.is_set():
-                try:
-                    reply = client.post(self.url + "/v1/completions",
-                                        json={"prompt": PROMPT, "max_tokens": 4})
-                    if reply.status_code != 200:
-                        self.failed.append(f"{reply.status_code}: {reply.text[:200]}")
-                except httpx.HTTPError as exc:
-                    self.failed.append(repr(exc))
-                self.sent += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=60)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_an_engine_setting_edit_rolls_the_engines_one_at_a_time_under_load(tmp_path: Path) -> None:
@@ -249,7 +209,7 @@ def test_an_engine_setting_edit_rolls_the_engines_one_at_a_time_under_load(tmp_p
     try:
         old = engine_urls(targets)
         assert sorted(old) == ["engine-0", "engine-1"] and {blocks(u) for u in old.values()} == {64}
-        load = Load(url)
+        load = Load(url, lambda worker, n: PROMPT)
         try:
             wait_for(lambda: load.sent >= 6, "requests before the edit", proc, log)  # type: ignore[arg-type]
             write_pool(pool_file, engines=2, blocks=96, rate=60000, interval=2)  # and a live part: the interval

@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.engine.protocol import Metric, OperatorMetric
 from kvmesh.processes import free_port, launch
 
-from .engines import stop_up
+from .engines import Load, stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -74,37 +73,14 @@ def sample(url: str, name: str, **labels: str) -> float | None:
     return values[0] if values else None
 
 
-class Load:
-    """Requests sent by a few threads until stopped; remembers which pods served them."""
-
-    def __init__(self, url: str, threads: int = 8) -> None:
-        self.url, self.served = url, set[str]()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def _run(self, worker: int) -> None:
-        with httpx.Client(timeout=60) as client:
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                # a shared prefix of two blocks (the pool's hot chain) and a long tail of its own
-                prompt = SHARED + [1000 + (worker * 7919 + n * 104729 + i) % 30000 for i in range(60)]
-                try:
-                    reply = client.post(self.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 30})
-                except httpx.TransportError:
-                    continue
-                if reply.status_code == 200:
-                    self.served.add(reply.headers["x-kvmesh-pod"])
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=90)
-
-
 SHARED = list(range(500, 532))
+
+
+def varied(worker: int, n: int) -> list[int]:
+    """A shared prefix of two blocks (the pool's hot chain) and a long tail of its own."""
+    return SHARED + [1000 + (worker * 7919 + n * 104729 + i) % 30000 for i in range(60)]
+
+
 DECISIONS = f"{OperatorMetric.SCALING_DECISIONS}_total"
 POOL_SERIES = {"pool_namespace": "local", "pool": "grow", "role": "both"}
 
@@ -123,7 +99,7 @@ def test_kvmesh_up_grows_under_load_and_shrinks_after(tmp_path: Path) -> None:
         assert sample(operator, OperatorMetric.DESIRED_REPLICAS, **POOL_SERIES) == 1
         assert sample(operator, DECISIONS, **POOL_SERIES, direction="up") == 0
 
-        load = Load(url)
+        load = Load(url, varied, threads=8, max_tokens=30)
         try:
             wait_for(lambda: "engine-1" in engine_urls(targets), "a second engine under load", proc, log)
             new = engine_urls(targets)["engine-1"]
