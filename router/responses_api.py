@@ -40,6 +40,25 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=status)
 
 
+class StoreUnavailable(Exception):
+    """The stored responses could not be read (the pool's database away): a 503, never a crash."""
+
+
+async def _read(call: Callable[..., Any], *args: Any) -> Any:
+    """A read of the store in a worker thread; StoreUnavailable when it fails."""
+    try:
+        return await asyncio.to_thread(call, *args)
+    except Exception as exc:
+        log.warning("the response store failed: %s", exc)
+        raise StoreUnavailable from exc
+
+
+def _unavailable() -> JSONResponse:
+    return JSONResponse(error_body("the stored responses cannot be read now (the pool's database is unavailable); "
+                                   "retry later", "server_error", code="store_unavailable"),
+                        status_code=503, headers={"retry-after": "5"})
+
+
 def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
     code = "previous_response_not_found" if param else "not_found"
     return _error(404, f"No response found with id '{response_id}'.", param, code)
@@ -86,7 +105,10 @@ class Responses:
             return _error(400, "the request body must be a JSON object")
         owner, history = tenant_hash(tenant), []
         if (previous := body.get("previous_response_id")) is not None:
-            earlier = await asyncio.to_thread(self.store.get, owner, str(previous))
+            try:
+                earlier = await _read(self.store.get, owner, str(previous))
+            except StoreUnavailable:
+                return _unavailable()
             if earlier is None:
                 return _not_found(str(previous), "previous_response_id")
             history = earlier.history
@@ -145,7 +167,10 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
-        found = await asyncio.to_thread(store.get, tenant_hash(tenant), response_id)
+        try:
+            found = await _read(store.get, tenant_hash(tenant), response_id)
+        except StoreUnavailable:
+            return _unavailable()
         return _not_found(response_id) if found is None else found
 
     @api.post(RESPONSES_PATH)
@@ -192,7 +217,11 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
-        if not await asyncio.to_thread(store.delete, tenant_hash(tenant), response_id):
+        try:
+            deleted = await _read(store.delete, tenant_hash(tenant), response_id)
+        except StoreUnavailable:
+            return _unavailable()
+        if not deleted:
             return _not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

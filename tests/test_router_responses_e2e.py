@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import sqlite3
+
 import httpx
 import openai
 import pytest
@@ -19,6 +21,7 @@ from kvmesh.router.app import build_router
 from kvmesh.router.auth import hash_key
 from kvmesh.router.batches import RESPONSES_PATH
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.responses_store import RESPONSES_TABLE, DatabaseResponses
 
 from .engines import serve_router, tiny_engines
 
@@ -31,8 +34,13 @@ WEATHER = {"type": "function", "name": "get_weather", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def router_url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    work = tmp_path_factory.mktemp("responses")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's folder: engine logs, the keys file and the pool's database, pool.db."""
+    return tmp_path_factory.mktemp("responses")
+
+
+@pytest.fixture(scope="module")
+def router_url(tiny_dir: Path, work: Path) -> Iterator[str]:
     keys = work / "keys.yaml"
     keys.write_text(yaml.safe_dump({"keys": [{"tenant": "acme", "key_sha256": hash_key(ACME_KEY)},
                                              {"tenant": "globex", "key_sha256": hash_key(GLOBEX_KEY)}]}))
@@ -196,3 +204,24 @@ def test_a_batch_of_response_requests_runs_with_their_instructions_cached(router
     (error,) = map(json.loads, acme.files.content(batch.error_file_id).text.splitlines())
     assert error["custom_id"] == "refused" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "reasoning"
+
+
+def test_a_store_that_fails_costs_the_stored_copy_never_the_answer(router_url: str, model: str, work: Path) -> None:
+    """The pool's database loses the responses table (a real SQLite fault): answers still come, reads of stored
+    responses get a 503 that says why, and nothing is left broken once the table is back."""
+    acme = client(router_url)
+    kept = acme.responses.create(model=model, input="kept", max_output_tokens=2)
+    with sqlite3.connect(work / "pool.db") as db:
+        db.execute(f"DROP TABLE {RESPONSES_TABLE}")
+    try:
+        answered = acme.responses.create(model=model, input="still answered", max_output_tokens=2)
+        assert answered.status in ("completed", "incomplete") and answered.usage is not None
+        for call in (lambda: acme.responses.retrieve(kept.id), lambda: acme.responses.delete(kept.id),
+                     lambda: acme.responses.create(model=model, input="x", previous_response_id=kept.id)):
+            with pytest.raises(openai.InternalServerError) as caught:
+                call()
+            assert caught.value.status_code == 503 and caught.value.body["code"] == "store_unavailable"
+    finally:
+        DatabaseResponses(f"sqlite:///{work / 'pool.db'}", ttl=60).close()  # the table made again, empty
+    with pytest.raises(openai.NotFoundError):  # its copy was lost with the table; the answer was not
+        acme.responses.retrieve(answered.id)
