@@ -18,6 +18,7 @@ from kvmesh.engine.tracing import check_endpoint
 from kvmesh.router.batch_runner import BatchSettings
 from kvmesh.router.batches import BATCH_PRIORITY, MAX_ENQUEUED_REQUESTS, MAX_FILE_BYTES
 from kvmesh.router.limits import BATCH_RATE_SHARE, Limiter, parse_tenants
+from kvmesh.router.proxy import MAX_CONNECTIONS_PER_POD, Upstream
 from kvmesh.router.responses_store import RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS
 
 DISCOVERY_MODES = ("static", "kubernetes")
@@ -71,6 +72,8 @@ class RouterConfig:
     shed_overload_probability: float = 0.9  # shed when the best pod's KV forecast says it runs out this likely
     priority_headroom: float = 0.5  # each priority level tolerates this much more overload before it is shed
     request_timeout_seconds: float = 600.0
+    # connections the router keeps open to one pod at most; past it a request waits for one (router/proxy.py)
+    max_connections_per_pod: int = MAX_CONNECTIONS_PER_POD
     api_keys_file: str | None = None
     cache_salt_secret: str | None = None  # keys the tenants' cache salts; every replica needs the same (a Secret)
     database_url: str | None = None  # the request log (SQLite locally, PostgreSQL in Kubernetes)
@@ -139,6 +142,7 @@ class RouterConfig:
         # bad limits: an error at start, not later
         Limiter(parse_tenants(self.tenants), self.rate_limit_replicas, batch_share=self.batch_rate_share)
         self.batch_settings()
+        Upstream(self.request_timeout_seconds, self.max_connections_per_pod)  # a bad bound: an error at start
         if self.batch_max_file_bytes < 1:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
         if self.batch_max_enqueued_requests < 1:

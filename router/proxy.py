@@ -30,6 +30,11 @@ CONNECT_TIMEOUT_SECONDS = 10.0
 IDLE_SECONDS = 4.0
 _BODY_HEADERS = (b"content-length", b"transfer-encoding")  # a reply without either ends when its connection does
 READ_AHEAD_BYTES = 1 << 20  # reading from a pod pauses while this much of its reply waits for the reader
+# Connections open to one pod at most (in use, idle or opening): each request in flight holds one, so this is far
+# above what an engine runs at once (max_num_seqs 64) with its queue; past it a request waits for one to come free
+# (at most CONNECT_TIMEOUT_SECONDS, then UpstreamError: the router tries another pod), never opening sockets
+# without bound to a pod that stalls.
+MAX_CONNECTIONS_PER_POD = 1024
 
 
 class UpstreamError(Exception):
@@ -39,9 +44,9 @@ class UpstreamError(Exception):
 class _Connection(asyncio.Protocol):
     """One connection to a pod and the reply being read on it (one at a time)."""
 
-    def __init__(self, idle: list[_Connection], read_timeout: float) -> None:
+    def __init__(self, pod: _Pod, read_timeout: float) -> None:
         self.loop = asyncio.get_running_loop()
-        self.idle, self.read_timeout = idle, read_timeout  # its pod's pool, which it leaves when it closes
+        self.pod, self.read_timeout = pod, read_timeout  # its pod, whose idle pool it leaves when it closes
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[None] | None = None
@@ -105,10 +110,11 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
+        self.pod.connected += 1
 
     def data_received(self, data: bytes) -> None:
-        if self in self.idle:  # bytes with no request asked: the connection is out of step, never reused
-            self.idle.remove(self)
+        if self in self.pod.idle:  # bytes with no request asked: the connection is out of step, never reused
+            self.pod.idle.remove(self)
             self.abort()
             return
         self.received = True
@@ -121,8 +127,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        if self in self.idle:
-            self.idle.remove(self)
+        self.pod.connected -= 1
+        self.pod.changed()
+        if self in self.pod.idle:
+            self.pod.idle.remove(self)
         if self.head and not self.sized and not self.complete and exc is None:
             self.complete = True  # a body that runs to the connection's end has ended
         self.fail(str(exc) if exc else "the pod closed the connection")
@@ -221,7 +229,8 @@ class UpstreamReply:
             return
         if connection.reusable() and connection.buffered < READ_AHEAD_BYTES:  # the reply ended, read or not
             connection.idle_since = connection.loop.time()
-            connection.idle.append(connection)
+            connection.pod.idle.append(connection)
+            connection.pod.changed()
         else:
             connection.abort()
         if self._span is not None:
@@ -229,7 +238,7 @@ class UpstreamReply:
 
 
 class _Pod:
-    """Where one pod's requests go (scheme, host and port) and its idle connections."""
+    """Where one pod's requests go (scheme, host and port), its idle connections and how many are open."""
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -241,13 +250,36 @@ class _Pod:
         self.authority = (f"[{self.host}]" if ":" in self.host else self.host) + ("" if default_port
                                                                                     else f":{self.port}")
         self.idle: list[_Connection] = []
+        self.connected = 0  # open connections (from connection_made to connection_lost)
+        self.opening = 0  # connections being opened
+        self._change: asyncio.Future[None] | None = None  # set when a connection goes idle or closes
+
+    def open(self) -> int:
+        return self.connected + self.opening
+
+    def changed(self) -> None:
+        """A connection went idle or closed: wake the requests waiting for one."""
+        if self._change is not None:
+            if not self._change.done():
+                self._change.set_result(None)
+            self._change = None
+
+    async def wait_change(self, timeout: float) -> None:
+        """Until `changed` (TimeoutError after `timeout`)."""
+        if self._change is None:
+            self._change = asyncio.get_running_loop().create_future()
+        await asyncio.wait_for(asyncio.shield(self._change), timeout)  # shared: one waiter leaving cancels none
 
 
 class Upstream:
     """Keep-alive connections to every pod, opened on first use inside the event loop that serves requests."""
 
-    def __init__(self, read_timeout_seconds: float) -> None:
-        self._read_timeout = read_timeout_seconds
+    def __init__(self, read_timeout_seconds: float, max_connections_per_pod: int = MAX_CONNECTIONS_PER_POD) -> None:
+        if (isinstance(max_connections_per_pod, bool) or not isinstance(max_connections_per_pod, int)
+                or max_connections_per_pod < 1):
+            raise ValueError(f"max_connections_per_pod must be a whole number of at least 1, not "
+                             f"{max_connections_per_pod!r}")
+        self._read_timeout, self._max_connections = read_timeout_seconds, max_connections_per_pod
         self._pods: dict[str, _Pod] = {}  # by base URL (scheme, host and port)
         self._tls: ssl.SSLContext | None = None
         self._swept = 0.0  # when idle connections were last swept
@@ -325,26 +357,40 @@ class Upstream:
 
     async def _connection(self, pod: _Pod, fresh: bool = False) -> tuple[_Connection, bool]:
         """An idle connection to `pod` that is still open and fresh (unless `fresh`), or a new one; and whether
-        it was kept alive from an earlier request."""
+        it was kept alive from an earlier request. With max_connections_per_pod open, the first to come free (an
+        idle one, or room for a new one), waiting at most CONNECT_TIMEOUT_SECONDS."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._swept >= IDLE_SECONDS:
             self._sweep(loop.time())
-        while pod.idle and not fresh:
-            connection = pod.idle.pop()
-            if connection.reusable() and loop.time() - connection.idle_since < IDLE_SECONDS:
-                connection.begin()
-                return connection, True
-            connection.abort()
+        deadline = loop.time() + CONNECT_TIMEOUT_SECONDS
+        while True:
+            while pod.idle and not fresh:
+                connection = pod.idle.pop()
+                if connection.reusable() and loop.time() - connection.idle_since < IDLE_SECONDS:
+                    connection.begin()
+                    return connection, True
+                connection.abort()
+            if pod.open() < self._max_connections:
+                break
+            try:
+                await pod.wait_change(deadline - loop.time())
+            except TimeoutError:
+                raise UpstreamError(f"all {self._max_connections} connections to {pod.authority} stayed busy for "
+                                    f"{CONNECT_TIMEOUT_SECONDS:g} s (max_connections_per_pod)") from None
         tls = None
         if pod.tls:
             self._tls = self._tls or ssl.create_default_context()
             tls = self._tls
+        pod.opening += 1
         try:
             _, connection = await asyncio.wait_for(loop.create_connection(
-                lambda: _Connection(pod.idle, self._read_timeout), pod.host, pod.port, ssl=tls),
+                lambda: _Connection(pod, self._read_timeout), pod.host, pod.port, ssl=tls),
                 CONNECT_TIMEOUT_SECONDS)
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise UpstreamError(f"cannot connect to {pod.authority}: {exc or type(exc).__name__}") from exc
+        finally:
+            pod.opening -= 1
+            pod.changed()  # a failed open leaves room for another
         return connection, False
 
     async def close(self) -> None:

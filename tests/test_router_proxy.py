@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvmesh.processes import free_port
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.proxy import IDLE_SECONDS, READ_AHEAD_BYTES, Upstream, UpstreamError
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
@@ -266,3 +267,45 @@ async def test_idle_connections_of_a_pod_no_longer_asked_are_closed() -> None:
         reply.close()
         await asyncio.wait_for(gone.closed.wait(), 5)
         await upstream.close()
+
+
+async def held_requests(server: Pod, count: int) -> None:
+    """Until the pod has received `count` requests in all."""
+    for _ in range(1000):
+        if len(server.requests) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the pod received {len(server.requests)} requests, not {count}")
+
+
+@pytest.mark.asyncio
+async def test_connections_to_a_pod_are_bounded_and_a_request_past_the_bound_waits_for_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod that stalls must not get a new socket for every request the router is asked: past
+    max_connections_per_pod a request waits for a connection to come free, and gives up (UpstreamError, so the
+    router tries another pod) when none does."""
+    release = asyncio.Event()
+
+    async def held(body: bytes, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        writer.write(whole(body))
+
+    async with pod(held) as server:
+        upstream = Upstream(30.0, max_connections_per_pod=2)
+        calls = [asyncio.ensure_future(ask(upstream, server.url, {"n": i})) for i in range(3)]
+        await held_requests(server, 2)
+        assert server.connections == 2 and not calls[2].done()
+        release.set()
+        assert await asyncio.gather(*calls) == [{"n": 0}, {"n": 1}, {"n": 2}]
+        assert server.connections == 2  # the third took a connection the others gave back
+        release.clear()
+        monkeypatch.setattr("kvmesh.router.proxy.CONNECT_TIMEOUT_SECONDS", 0.05)
+        stuck = [asyncio.ensure_future(ask(upstream, server.url, {})) for _ in range(2)]
+        await held_requests(server, 5)
+        with pytest.raises(UpstreamError, match=r"all 2 connections to 127\.0\.0\.1:\d+ stayed busy"):
+            await ask(upstream, server.url, {})
+        release.set()
+        await asyncio.gather(*stuck)
+        await upstream.close()
+    with pytest.raises(ValueError, match="max_connections_per_pod must be a whole number of at least 1, not 0"):
+        RouterConfig(pods=["http://127.0.0.1:1"], max_connections_per_pod=0).validate()
