@@ -123,7 +123,10 @@ class PodSet:
         self.scrape_interval = scrape_interval
         self.stale_after = stale_after
         self.discovery = discovery
-        # reads time out: engines send a heartbeat line every 10 s, so a silent stream is a dead connection
+        # reads time out: engines send a heartbeat line every 10 s, so a silent stream is a dead connection. No
+        # bound on connections: httpx's is over all pods, and each pod's event stream holds one for good (a bound
+        # under twice the pods would starve scrapes); each pod uses at most three, its scrape, its stream and a
+        # resync, one after another by construction. Requests go through router/proxy.py, bounded per pod.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=EVENT_READ_TIMEOUT_SECONDS),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Task[None]]] = {}
