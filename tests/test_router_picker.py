@@ -232,9 +232,10 @@ def test_choosing_among_64_pods() -> None:
 def test_a_pods_snapshot_follows_every_change_the_picker_reads() -> None:
     """PodSet.snapshot reuses a pod's state while nothing it is made from changed, so each change must show in
     the next snapshot: a scrape's new numbers, numbers changed in place, the router's in-flight count, health,
-    draining, a new KV config and staleness."""
+    draining, a new KV config, a refused configuration, the models served, the adapters' load and staleness."""
     from kvmesh.engine.protocol import KVConfig
     from kvmesh.router.index import PrefixIndex
+    from kvmesh.router.lora import LoraLoad, ServedModels
     from kvmesh.router.pods import PodSet
 
     config = KVConfig(model="m", block_size=16, hash_algo="xxh3_64", hash_root="r", tokenizer_fingerprint="f",
@@ -258,5 +259,11 @@ def test_a_pods_snapshot_follows_every_change_the_picker_reads() -> None:
     assert not pods.snapshot(now)[0].healthy
     pod.healthy, pod.kv_config = True, replace(config, model="m2", boot_id="b")
     assert pods.snapshot(now)[0].model == "m2" and pods.snapshot(now)[0].healthy
+    pod.refused = "hashes blocks differently"
+    assert not pods.snapshot(now)[0].healthy
+    pod.refused, pod.served = None, ServedModels.of({"data": [{"id": "m2"}, {"id": "sql", "parent": "m2"}]})
+    assert pods.snapshot(now)[0].models == {"m2", "sql"} and pods.snapshot(now)[0].healthy
+    pod.lora = LoraLoad(running=frozenset({"sql"}), max_lora=4)
+    assert (pods.snapshot(now)[0].adapters_running, pods.snapshot(now)[0].max_loras) == (1, 4)
     assert pods.snapshot(now)[1] is other  # the other pod changed in nothing
     assert pods.snapshot(now + 11.0)[0].stale and not pods.snapshot(now)[0].stale
