@@ -771,3 +771,23 @@ def test_a_batch_past_the_tenants_enqueued_limit_is_a_429_naming_the_limit(engin
     error = refused.value.body
     assert isinstance(error, dict) and error["code"] == "batch_enqueued_limit_reached"
     assert "2" in error["message"] and "3" in error["message"]
+
+
+def test_a_batch_spends_its_tenants_batch_buckets_not_its_interactive_limits(engine_url: str, tiny_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """A tenant allowed 10 requests a minute runs a batch of 4: its next interactive request still finds 9 of its
+    10 (the batch took 4 of the 5 its batch buckets hold), where the batch used to spend them."""
+    router = build_router(RouterConfig(pods=[engine_url], scrape_interval_seconds=0.1,
+                                       database_url=f"sqlite:///{tmp_path / 'pool.db'}", batch_rate_share=0.5,
+                                       tenants={"default": {"requests_per_minute": 10}}), tiny_dir)
+    with serve_router(router) as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        file_id = api.files.create(file=("in.jsonl", jsonl([line(str(i), chat("s", f"q{i}")) for i in range(4)])),
+                                   purpose="batch").id
+        batch = wait_ended(api, api.batches.create(input_file_id=file_id, endpoint=CHAT_PATH,
+                                                   completion_window="24h").id)
+        assert batch.status == "completed" and batch.request_counts.completed == 4
+        reply = httpx.post(url + CHAT_PATH, json=chat("s", "now"))
+    assert reply.status_code == 200
+    assert (reply.headers["x-ratelimit-limit-requests"], reply.headers["x-ratelimit-remaining-requests"]) == ("10", "9")
+    assert router.limits.batch.headers("default")["x-ratelimit-limit-requests"] == "5"
