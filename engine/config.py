@@ -26,6 +26,7 @@ from kvmesh.engine.protocol import (
     ROLES,
     HashAlgo,
 )
+from kvmesh.engine.typed_fields import check_types
 
 MIB = 1 << 20
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")  # see engine/attention.py
@@ -83,6 +84,7 @@ class EngineConfig:
     speculative_config: dict[str, Any] | str | None = None
 
     def validate(self) -> None:
+        check_types(self, "engine")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory_mib < 1:

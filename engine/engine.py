@@ -57,14 +57,41 @@ PIN_PREFIXES = ("handle:", "send:", "import:", "promote:")  # block holders that
 EMA = 0.2  # weight of the newest sample in the moving averages
 
 
+def _cpu_bf16_units() -> bool | None:
+    """Whether this x86 CPU has bf16 matrix instructions (AVX512-BF16 or AMX), from /proc/cpuinfo's flags;
+    None where the flags cannot be read (another OS or architecture)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    if "flags" not in flags:
+        return None
+    return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The serving dtype. `auto`: bf16 on CUDA, fp32 on a CPU. Not bf16 on a CPU even where it has bf16 matrix
-    units: the vocabulary product's bf16 output rounds the bundled model's close first tokens into ties (25.33
-    and 25.24 both to 25.375) and greedy answers drift (docs/architecture.md "Serving dtype"); without the units
-    bf16 is several times slower. `bfloat16` can still be asked for."""
+    """The serving dtype. `auto`: bf16 on CUDA; on a CPU, bf16 where it has bf16 matrix units and fp32 where it
+    has none (there fp32 products are several times faster); elsewhere the faster of the two, measured as the
+    best of several interleaved trials (a single timing on a busy machine once chose the slow one). bf16 serving
+    keeps the residual stream, the norms, attention on a CPU and the logits in fp32 (model/llama.py,
+    docs/architecture.md "Serving dtype")."""
     if name != "auto":
         return getattr(torch, name)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    units = _cpu_bf16_units()
+    if units is not None:
+        return torch.bfloat16 if units else torch.float32
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    operands = {dtype: (torch.randn(32, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)) for dtype in best}
+    for _ in range(5):
+        for dtype, (a, w) in operands.items():
+            torch.nn.functional.linear(a, w)
+            start = time.perf_counter()
+            for _ in range(10):
+                torch.nn.functional.linear(a, w)
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return min(best, key=best.__getitem__)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import yaml
 
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 from kvmesh.engine.tracing import check_endpoint
+from kvmesh.engine.typed_fields import check_types
 from kvmesh.router.batch_runner import BatchSettings
 from kvmesh.router.batches import BATCH_PRIORITY, MAX_ENQUEUED_REQUESTS, MAX_FILE_BYTES
 from kvmesh.router.limits import BATCH_RATE_SHARE, Limiter, parse_tenants
@@ -108,6 +109,7 @@ class RouterConfig:
         return self.label_selector or f"{POOL_LABEL}={self.pool},{ROLE_LABEL}!=router"
 
     def validate(self) -> None:
+        check_types(self, "router")
         if self.discovery not in DISCOVERY_MODES:
             raise ValueError(f"discovery {self.discovery!r} is not one of {', '.join(DISCOVERY_MODES)}")
         if self.discovery == "kubernetes":

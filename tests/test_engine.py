@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -14,6 +15,7 @@ from kvmesh.engine import engine as engine_module
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.protocol import BlockExtra
 from kvmesh.engine.request import Request, RequestOutput
+from kvmesh.engine.runner import StepInput
 from kvmesh.engine.sampling import SamplingParams
 
 from .conftest import make_engine
@@ -252,13 +254,29 @@ def test_min_tokens_holds_off_stop_strings(tiny_engine: Engine) -> None:
     assert held.tokens == free.tokens and held.final.finish_reason == "length"
 
 
-def test_auto_dtype_is_fp32_on_a_cpu_and_bf16_on_cuda() -> None:
-    """fp32 on any CPU (bf16 answers wrongly on CPUs with bf16 units, engine.pick_dtype), bf16 on CUDA; a named
-    dtype is taken as named."""
+def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without bf16 matrix units serves in fp32 (bf16 is several times slower there), whatever a timing on
+    a busy machine would say; one with them in bf16; CUDA in bf16; a named dtype is taken as named."""
     cpu = torch.device("cpu")
+    monkeypatch.setattr(engine_module, "_cpu_bf16_units", lambda: False)
     assert engine_module.pick_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(engine_module, "_cpu_bf16_units", lambda: True)
+    assert engine_module.pick_dtype("auto", cpu) == torch.bfloat16
     assert engine_module.pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert engine_module.pick_dtype("float16", cpu) == torch.float16
+
+
+def test_bf16_serving_computes_fp32_logits_from_an_fp32_residual_stream(tiny_dir: Path) -> None:
+    """bf16 logits step by 0.125 near 25 and tied the bundled model's two best first tokens (docs/architecture.md
+    "Serving dtype"): under bf16 the hidden states and the vocabulary product stay fp32, so the logits carry
+    more than bf16's 8 bits of mantissa."""
+    engine = make_engine(tiny_dir, dtype="bfloat16", kv_cache_blocks=8)
+    model = engine.runner.model
+    assert model.dtype == torch.bfloat16 and model.layers[0].qkv(torch.zeros(1, 64, dtype=torch.bfloat16)).dtype \
+        == torch.bfloat16  # the layers' products do run in bf16
+    logits = engine.runner.run([StepInput([0, 1], 0, list(range(100, 120)), True)]).logits
+    assert logits.dtype == torch.float32
+    assert (logits != logits.to(torch.bfloat16).float()).float().mean() > 0.9
 
 
 def test_penalties_change_the_answer_and_continue_exactly_after_a_resume(tiny_engine: Engine) -> None:

@@ -71,11 +71,17 @@ class Llama:
         self.config = config
         self.device = device
         c = config
-        self.embed = weights["model.embed_tokens.weight"].to(device)
+        embed = weights["model.embed_tokens.weight"]
+        self.dtype = embed.dtype
         head = weights.get("lm_head.weight")
-        head = weights["model.embed_tokens.weight"] if c.tie_word_embeddings or head is None else head
-        self.lm_head = make_linear(head, None, quantization, device, transpose=False)
-        self.final_norm = weights["model.norm.weight"].to(device)
+        tied = c.tie_word_embeddings or head is None
+        # Whatever the serving dtype, the residual stream, the norms and the vocabulary product run in fp32 and
+        # only the layers' products and attention in the serving dtype: bf16 rounding there flipped the bundled
+        # model's greedy answers (docs/architecture.md "Serving dtype"). A tied table is kept once, in fp32.
+        head32 = (embed if tied else head).to(device, torch.float32)
+        self.embed = head32 if tied else embed.to(device)
+        self.lm_head = make_linear(head32, None, quantization, device, transpose=False)
+        self.final_norm = weights["model.norm.weight"].to(device, torch.float32)
         self.layers: list[Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -87,15 +93,14 @@ class Llama:
             gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
             self.layers.append(
                 Layer(
-                    attn_norm=weights[p + "input_layernorm.weight"].to(device),
+                    attn_norm=weights[p + "input_layernorm.weight"].to(device, torch.float32),
                     qkv=make_linear(qkv, bias, quantization, device),
                     o=make_linear(weights[a + "o_proj.weight"], None, quantization, device),
-                    mlp_norm=weights[p + "post_attention_layernorm.weight"].to(device),
+                    mlp_norm=weights[p + "post_attention_layernorm.weight"].to(device, torch.float32),
                     gate_up=make_linear(gate_up, None, quantization, device),
                     down=make_linear(weights[p + "mlp.down_proj.weight"], None, quantization, device),
                 )
             )
-        self.dtype = self.embed.dtype
         # LoRA deltas on the four projections (lora.py); slots are allocated at the first adapter's load
         self.lora = LoraWeights(c, max_loras, max_lora_rank, self.dtype, device) if max_loras else None
         inv_freq, pos_scale = rope_inv_freq(c)
@@ -107,8 +112,9 @@ class Llama:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+    def _rms_norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the fp32 residual stream, in fp32."""
+        return F.rms_norm(h, (h.shape[-1],), weight, self.config.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE (HF's convention) on [T, heads, D], computed in fp32."""
@@ -135,15 +141,15 @@ class Llama:
         kv_layers: Sequence[tuple[LayerKV, LayerKV]],
         lora: Sequence[LoraSegment] = (),
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens. `lora`: the row segments
-        that run with an adapter (rows outside every segment run the base model)."""
+        """Hidden states [T, hidden] after the final norm, in fp32, for a flat batch of T tokens. `lora`: the row
+        segments that run with an adapter (rows outside every segment run the base model)."""
         c = self.config
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed).float()
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         for i, w in enumerate(self.layers):
-            x = self._rms_norm(h, w.attn_norm)
+            x = self._rms_norm(h, w.attn_norm).to(self.dtype)
             qkv = self._project(w.qkv, x, i, "qkv", lora)
             q = self._rope(qkv[:, : self.q_size].view(t, c.num_heads, c.head_dim), cos, sin)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_kv_heads, c.head_dim)
@@ -151,12 +157,12 @@ class Llama:
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv_layers[i], meta, self.scale)
             h = h + self._project(w.o, attn.reshape(t, self.q_size), i, "o", lora)
-            x = self._rms_norm(h, w.mlp_norm)
+            x = self._rms_norm(h, w.mlp_norm).to(self.dtype)
             gate, up = self._project(w.gate_up, x, i, "gate_up", lora).chunk(2, dim=-1)
             h = h + self._project(w.down, F.silu(gate) * up, i, "down", lora)
         return self._rms_norm(h, self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits in fp32 for the given rows of hidden states."""
-        return self.lm_head(hidden).float()
+        """Vocabulary logits in fp32 for the given rows of (fp32) hidden states."""
+        return self.lm_head(hidden)

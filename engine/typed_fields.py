@@ -1,0 +1,41 @@
+"""Settings checked against their dataclass annotations, so a YAML `null` or a string where a number belongs gets
+a message naming the setting instead of a TypeError from the first comparison that meets it."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+_NAMES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", dict: "a mapping",
+          list: "a list", type(None): "null"}
+
+
+def _accepted(hint: Any) -> tuple[type, ...] | None:
+    """The plain types a hint allows (None: anything, e.g. Any)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_accepted(arg) for arg in typing.get_args(hint)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts if p for t in p)
+    base = origin or hint
+    return (base,) if base in _NAMES else None
+
+
+def _fits(value: Any, kind: type) -> bool:
+    if kind is float:  # a YAML 1 is a fine 1.0; true is not a number
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_types(settings: Any, what: str) -> None:
+    """ValueError naming the first field of dataclass `settings` whose value its annotation does not allow."""
+    hints = typing.get_type_hints(type(settings))
+    for field in dataclasses.fields(settings):
+        kinds = _accepted(hints[field.name])
+        value = getattr(settings, field.name)
+        if kinds is not None and not any(_fits(value, kind) for kind in kinds):
+            wanted = " or ".join(_NAMES[kind] for kind in kinds)
+            raise ValueError(f"{what} setting {field.name} must be {wanted}, not {value!r}")
