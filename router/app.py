@@ -641,7 +641,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     )
     index = PrefixIndex()
     pods = PodSet.from_config(config, expected, index)
-    upstream = Upstream(config.request_timeout_seconds)
+    upstream = Upstream(config.request_timeout_seconds, config.max_connections_per_pod)
     table = parse_tenants(config.tenants)
     keys_file = KeysFile(config.api_keys_file) if config.api_keys_file else None  # re-read when it changes
     keys = keys_file.keys if keys_file is not None else ApiKeys({})
@@ -1279,15 +1279,13 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         router.metrics.count_request(outcome, trace.route)
         router.record(trace, outcome, 499 if outcome == "client_gone" else 200, usage)
 
-    # RouterApp takes these POSTs before FastAPI routes them: the routes are declared so that the OpenAPI schema
-    # lists them and another method gets FastAPI's 405.
-    @app.post(CHAT_PATH)
-    async def chat_completions(http: HttpRequest) -> Response:
-        return await serve(await http.body(), header_map(http.scope), CHAT_PATH, True, http=http)
+    async def served_by_router_app() -> Response:
+        """Never runs: RouterApp hands completion POSTs to `completions` before FastAPI routes them. Declared so
+        that the OpenAPI schema lists the paths and another method gets FastAPI's 405."""
+        raise AssertionError("RouterApp serves completion POSTs")
 
-    @app.post(COMPLETIONS_PATH)
-    async def text_completions(http: HttpRequest) -> Response:
-        return await serve(await http.body(), header_map(http.scope), COMPLETIONS_PATH, False, http=http)
+    for path in COMPLETION_PATHS:
+        app.add_api_route(path, served_by_router_app, methods=["POST"], name=path)
 
     @app.get(MODELS_PATH)
     async def models(http: HttpRequest) -> Response:

@@ -108,6 +108,17 @@ def test_streaming_through_the_router_with_openai(router: tuple[str, Router]) ->
         client.completions.create(model=model, prompt="x", max_tokens=1, temperature=9)
 
 
+def test_completion_paths_are_listed_and_answer_other_methods_405(router: tuple[str, Router]) -> None:
+    """Completion POSTs skip FastAPI (RouterApp), but the paths are still its routes: listed in the OpenAPI
+    schema, and another method gets 405 rather than 404."""
+    url, _ = router
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert httpx.get(url + path, timeout=30).status_code == 405
+    paths = httpx.get(url + "/openapi.json", timeout=30).json()["paths"]
+    assert "post" in paths["/v1/chat/completions"] and "post" in paths["/v1/completions"]
+    assert "post" in paths["/v1/responses"]
+
+
 def test_two_router_replicas_choose_the_same_pod(
     router: tuple[str, Router], engines: list[str], tiny_dir: Path
 ) -> None:
