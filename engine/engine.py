@@ -339,8 +339,9 @@ class Engine:
         return adapter
 
     def read_adapter_files(self, name: str, path: str) -> LoraAdapter:
-        """The adapter's files, checked against this model. The engine simulator overrides it: it checks all but
-        the tensors, which it does not apply."""
+        """The adapter's files, checked against this model. The engine simulator overrides it: it runs the same
+        file and key checks (model/lora.read_adapter_tensors) but not the shapes and layers, which fit the real
+        model, not the simulated one, and it applies no tensor."""
         return read_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype)
 
     def add_lora(self, adapter: LoraAdapter) -> LoadedLora:
