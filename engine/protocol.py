@@ -406,6 +406,8 @@ class RouterMetric:
     BATCH_REQUESTS = "kvmesh_router_batch_requests"  # counter; label outcome (router/batches.BATCH_REQUEST_OUTCOMES)
     BATCHES = "kvmesh_router_batches"  # counter; label status (router/batches.FINAL_STATUSES): batches ended here
     BATCHES_RUNNING = "kvmesh_router_batches_running"  # gauge: batches this replica holds the lease of
+    # counter; label operation (router/responses_api.STORE_OPERATIONS): stored-response reads and writes that failed
+    RESPONSE_STORE_ERRORS = "kvmesh_router_response_store_errors"
 
 
 class OperatorMetric:

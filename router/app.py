@@ -96,7 +96,7 @@ from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, Requ
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
-from kvmesh.router.responses_api import Responses, response_routes
+from kvmesh.router.responses_api import STORE_OPERATIONS, Responses, response_routes
 from kvmesh.router.responses_store import (
     RESPONSES_MEMORY_ITEMS,
     RESPONSES_TTL_SECONDS,
@@ -150,6 +150,10 @@ class RouterMetrics:
         for outcome in KEYS_RELOAD_OUTCOMES:
             self.api_keys_reloads.labels(outcome)
         self.batches = BatchMetrics(r)
+        self.response_store_errors = Counter(RouterMetric.RESPONSE_STORE_ERRORS, "Reads and writes of stored "
+                                             "responses (the Responses API) that failed.", ["operation"], registry=r)
+        for operation in STORE_OPERATIONS:
+            self.response_store_errors.labels(operation)
         self.add_tenants(tenants)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
@@ -869,7 +873,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             await asyncio.sleep(KEYS_CHECK_SECONDS)
             await asyncio.to_thread(router.reload_keys)
 
-    responses = Responses(router.responses)
+    responses = Responses(router.responses, lambda operation: router.metrics.response_store_errors.labels(
+        operation).inc())
 
     async def send_batch_request(tenant: str, path: str, body: dict[str, Any]) -> Answer:
         """A batch's request through this router's own routing, at the batch priority (shed first); a response

@@ -9,6 +9,7 @@ continuation, whose earlier turns come first, goes to the pod that holds them. A
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from kvmesh.router.responses_stream import ResponseEvents, sse
 
 log = logging.getLogger(__name__)
 
+STORE_OPERATIONS = ("read", "write")  # the label of kvmesh_router_response_store_errors_total
 MAX_ITEMS_PAGE = 100  # OpenAI's bound on a page of input items
 DEFAULT_ITEMS_PAGE = 20
 # A chat request through the router's own path: (tenant, the chat body, the client's HTTP request, whose headers
@@ -42,15 +44,6 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 class StoreUnavailable(Exception):
     """The stored responses could not be read (the pool's database away): a 503, never a crash."""
-
-
-async def _read(call: Callable[..., Any], *args: Any) -> Any:
-    """A read of the store in a worker thread; StoreUnavailable when it fails."""
-    try:
-        return await asyncio.to_thread(call, *args)
-    except Exception as exc:
-        log.warning("the response store failed: %s", exc)
-        raise StoreUnavailable from exc
 
 
 def _unavailable() -> JSONResponse:
@@ -96,8 +89,17 @@ class Responses:
     """What `POST /v1/responses` does, for the HTTP edge and the batch runner alike: read the earlier turns, send
     the chat request through the router (`send`), build and store the response."""
 
-    def __init__(self, store: ResponseStore) -> None:
-        self.store = store
+    def __init__(self, store: ResponseStore, failed: Callable[[str], None] = lambda operation: None) -> None:
+        self.store, self.failed = store, failed  # failed(one of STORE_OPERATIONS): counted for the alert
+
+    async def use(self, operation: str, call: Callable[..., Any], *args: Any) -> Any:
+        """`call(*args)` on the store in a worker thread; StoreUnavailable (counted, logged) when it fails."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except Exception as exc:
+            self.failed(operation)
+            log.warning("the response store failed (%s): %s", operation, exc)
+            raise StoreUnavailable from exc
 
     async def turn(self, tenant: str, body: Any) -> Turn | JSONResponse:
         """The request ready to send, or the 4xx that refuses it (a bad field, an unknown previous response)."""
@@ -106,7 +108,7 @@ class Responses:
         owner, history = tenant_hash(tenant), []
         if (previous := body.get("previous_response_id")) is not None:
             try:
-                earlier = await _read(self.store.get, owner, str(previous))
+                earlier = await self.use("read", self.store.get, owner, str(previous))
             except StoreUnavailable:
                 return _unavailable()
             if earlier is None:
@@ -123,10 +125,8 @@ class Responses:
         client's answer."""
         if not turn.body.get("store", True):
             return
-        try:
-            await asyncio.to_thread(self.store.save, turn.owner, turn.stored(completion, response))
-        except Exception:
-            log.exception("could not store response %s: a continuation of it will not find it", turn.response_id)
+        with contextlib.suppress(StoreUnavailable):  # a continuation of it will not find it
+            await self.use("write", self.store.save, turn.owner, turn.stored(completion, response))
 
     async def whole(self, turn: Turn, send: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
         """The answer as one response object (an error from the chat path as it came)."""
@@ -168,7 +168,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
         try:
-            found = await _read(store.get, tenant_hash(tenant), response_id)
+            found = await responses.use("read", store.get, tenant_hash(tenant), response_id)
         except StoreUnavailable:
             return _unavailable()
         return _not_found(response_id) if found is None else found
@@ -218,7 +218,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
         try:
-            deleted = await _read(store.delete, tenant_hash(tenant), response_id)
+            deleted = await responses.use("write", store.delete, tenant_hash(tenant), response_id)
         except StoreUnavailable:
             return _unavailable()
         if not deleted:

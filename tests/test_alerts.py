@@ -122,6 +122,22 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [(f'kvmesh_router_batches_running{{pod="r0", role="router", {POOL}}}', "0x60"),
          (f'kvmesh_router_batch_requests_total{{outcome="ok", pod="r0", role="router", {POOL}}}', "5x60")],
         "50m", []),
+    "the response store failing": (
+        # 3 failed reads a minute from 5m on: 27 in the window (samples 1 minute apart, the window's first left out)
+        [(f'kvmesh_router_response_store_errors_total{{operation="read", pod="r0", role="router", {POOL}}}',
+          "0x5 0+3x20"),
+         (f'kvmesh_router_response_store_errors_total{{operation="write", pod="r0", role="router", {POOL}}}',
+          "0x25")],
+        "15m",
+        [alert("KvmeshResponseStoreFailing", {"severity": "warning", **WHERE},
+               "Pool ml/chat: the routers cannot read or write stored responses",
+               "Routers failed 27 read(s) or write(s) of stored responses in the last 10 minutes: continuations "
+               "(previous_response_id) get 503 and new answers are not kept. Check the pool's database (spec.store) "
+               "and the routers' logs.")]),
+    "the response store failed once, long ago": (
+        [(f'kvmesh_router_response_store_errors_total{{operation="write", pod="r0", role="router", {POOL}}}',
+          "0x5 1x40")],
+        "40m", []),
     "a key rotation refused": (
         [(f'kvmesh_router_api_keys_reloads_total{{outcome="refused", pod="r0", role="router", {POOL}}}',
           "0x20 1x30"),
@@ -258,6 +274,7 @@ def test_the_rule_file_is_valid() -> None:
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
                                      "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached",
                                      "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused", "KvmeshBatchStalled",
+                                     "KvmeshResponseStoreFailing",
                                      "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing"])
 
 

@@ -221,6 +221,9 @@ def test_a_store_that_fails_costs_the_stored_copy_never_the_answer(router_url: s
             with pytest.raises(openai.InternalServerError) as caught:
                 call()
             assert caught.value.status_code == 503 and caught.value.body["code"] == "store_unavailable"
+        metrics = httpx.get(router_url + "/metrics", timeout=30).text  # what KvmeshResponseStoreFailing reads
+        for operation, failed in (("read", 2), ("write", 2)):  # a GET and a continuation; the save and the DELETE
+            assert f'kvmesh_router_response_store_errors_total{{operation="{operation}"}} {failed}.0' in metrics
     finally:
         DatabaseResponses(f"sqlite:///{work / 'pool.db'}", ttl=60).close()  # the table made again, empty
     with pytest.raises(openai.NotFoundError):  # its copy was lost with the table; the answer was not
