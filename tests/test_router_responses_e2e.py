@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-import sqlite3
 
 import httpx
 import openai
