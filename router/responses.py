@@ -12,7 +12,7 @@ from typing import Any
 
 from kvmesh.router.batches import BatchInputError, check_metadata
 
-UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversation", "truncation")
+UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversation")
 ROLES = ("user", "system", "developer", "assistant")
 # the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
 SAMPLING_EXTENSIONS = ("top_k", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
@@ -74,6 +74,9 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
     for name in UNSUPPORTED_FIELDS:
         if body.get(name):
             raise ResponsesError(f"{name} is not supported by this server", name)
+    if body.get("truncation", "disabled") != "disabled":  # "auto" would drop earlier turns to fit the context
+        raise ResponsesError("truncation must be 'disabled': a prompt over the context is refused, not cut",
+                             "truncation")
     if "input" not in body:
         raise ResponsesError("input is required", "input")
     messages: list[dict[str, Any]] = []

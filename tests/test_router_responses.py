@@ -23,6 +23,11 @@ def test_string_input_with_instructions_and_sampling() -> None:
                     "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "ignore_eos": True}
 
 
+def test_fields_at_their_default_are_accepted() -> None:
+    chat = chat_request({"model": "m", "input": "x", "truncation": "disabled", "background": False, "include": []})
+    assert chat["messages"] == [{"role": "user", "content": "x"}]
+
+
 def test_history_comes_before_new_input_so_the_prefix_is_shared() -> None:
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     chat = chat_request({"model": "m", "input": [{"role": "developer", "content": [
@@ -45,6 +50,7 @@ def test_function_call_items_become_tool_messages() -> None:
     ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"model": "m"}, "input"),
+    ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
 ])
 def test_unsupported_requests_name_their_param(body: dict, param: str) -> None:
     with pytest.raises(ResponsesError) as caught:
