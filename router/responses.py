@@ -108,7 +108,10 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
         chat["tools"] = tools
         choice = body.get("tool_choice")
         if isinstance(choice, Mapping):
-            chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise ResponsesError("tool_choice must be none, auto, required or a function by name",
+                                     "tool_choice")
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         elif choice is not None:
             chat["tool_choice"] = choice
     return chat

@@ -51,6 +51,8 @@ def test_function_call_items_become_tool_messages() -> None:
     ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"model": "m"}, "input"),
     ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
+    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}],
+      "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
 ])
 def test_unsupported_requests_name_their_param(body: dict, param: str) -> None:
     with pytest.raises(ResponsesError) as caught:
