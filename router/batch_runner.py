@@ -22,7 +22,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -143,6 +143,32 @@ class BatchSettings:
             raise ValueError("a batch's lease must outlast the time between its renewals")
 
 
+class _FileGone(Exception):
+    """The input file was deleted while it was read."""
+
+
+def check_stored_input(store: BatchStore, batch: ClaimedBatch, max_requests: int) -> CheckedInput | None:
+    """The batch's input file checked as it is read from the database, a piece at a time: a replica holds its
+    parsed requests, never a second, whole copy of the file. None when the file is gone (or went while read)."""
+    stored = store.file_pieces(batch.tenant, batch.input_file_id, expired_too=True)
+    if stored is None:
+        return None
+    size, pieces = stored
+
+    def whole() -> Iterator[bytes]:
+        read = 0
+        for piece in pieces:
+            read += len(piece)
+            yield piece
+        if read < size:  # ended short: the lines read are not the file (the last one cut, others missing)
+            raise _FileGone
+
+    try:
+        return check_input(whole(), batch.endpoint, max_requests)
+    except _FileGone:
+        return None
+
+
 class BatchRunner:
     """One replica's batch worker: claim, check, run, write the files; `serve_forever` until cancelled."""
 
@@ -203,16 +229,14 @@ class BatchRunner:
         store, owner = self.store, self.owner
         checked = self._checked.get(batch.id)  # a batch taking turns is read and parsed once, not at each turn
         if checked is None:
-            content = await asyncio.to_thread(store.file_content, batch.tenant, batch.input_file_id, True)
-            if content is None:
-                await self._fail(batch, [LineProblem("missing_file", f"the input file {batch.input_file_id} was "
-                                                                     "deleted before the batch ran")])
-                return
             # the bound on requests is checked once, when the batch is validated: a replica with a lower one that
             # takes the batch over runs what was accepted
             bound = self.settings.max_requests if batch.status == "validating" else sys.maxsize
-            checked = await asyncio.to_thread(check_input, content, batch.endpoint, bound)
-            del content
+            checked = await asyncio.to_thread(check_stored_input, store, batch, bound)
+            if checked is None:
+                await self._fail(batch, [LineProblem("missing_file", f"the input file {batch.input_file_id} was "
+                                                                     "deleted before the batch ran")])
+                return
             if not checked.problems:
                 self._checked = {batch.id: checked, **dict(list(self._checked.items())[: CHECKED_KEPT - 1])}
         if batch.status == "validating":

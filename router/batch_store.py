@@ -10,6 +10,7 @@ only with the same tenant's key and deleted on request. Synchronous: the router 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -200,31 +201,45 @@ class BatchStore:
             row = session.scalar(select(FileRow).where(FileRow.id == file_id, *_visible(tenant)))
             return None if row is None else _file_json(row)
 
-    def file_content(self, tenant: str, file_id: str, expired_too: bool = False) -> bytes | None:
-        """A file's bytes; `expired_too`: also one past its expiry not yet swept (a running batch's input, which
-        the sweep keeps)."""
+    def file_pieces(self, tenant: str, file_id: str,
+                    expired_too: bool = False) -> tuple[int, Iterator[bytes]] | None:
+        """A visible file's size and its content in pieces of PIECE_BYTES, each read on its own from the database,
+        so a download or a check holds one piece, not the file; None for a file the tenant cannot see. A file
+        deleted meanwhile ends short. `expired_too`: also one past its expiry not yet swept (a running batch's
+        input, which the sweep keeps)."""
         owned = (FileRow.tenant == tenant,) if expired_too else _visible(tenant)
         with Session(self.engine) as session:
-            return session.scalar(select(FileRow.content).where(FileRow.id == file_id, *owned))
-
-    def file_pieces(self, tenant: str, file_id: str) -> tuple[int, Iterator[bytes]] | None:
-        """A visible file's size and its content in pieces of PIECE_BYTES, each read on its own from the database
-        (substr), so a download holds one piece, not the file; None for a file the tenant cannot see."""
-        with Session(self.engine) as session:
-            size = session.scalar(select(FileRow.bytes).where(FileRow.id == file_id, *_visible(tenant)))
-        if size is None:
+            found = session.execute(select(FileRow.bytes, FileRow.seq).where(FileRow.id == file_id, *owned)).first()
+        if found is None:
             return None
+        size, seq = found
 
         def pieces() -> Iterator[bytes]:
             for start in range(0, size, PIECE_BYTES):
-                with Session(self.engine) as session:
-                    piece = session.scalar(select(func.substr(FileRow.content, start + 1, PIECE_BYTES,
-                                                              type_=LargeBinary)).where(FileRow.id == file_id))
-                if not piece:  # deleted meanwhile: the download ends short
+                piece = self._piece(file_id, seq, start)
+                if not piece:
                     return
-                yield bytes(piece)
+                yield piece
 
         return size, pieces()
+
+    def _piece(self, file_id: str, seq: int, start: int) -> bytes | None:
+        """PIECE_BYTES of a file's content from `start`, None once the file is gone. SQLite's substr reads the whole
+        value for each piece (a 100 MiB file read into memory 100 times over), so there the piece is read through
+        its incremental blob I/O, by rowid (seq), which reads only that piece's pages."""
+        if self.engine.dialect.name == "sqlite":
+            with self.engine.connect() as conn:
+                raw: Any = conn.connection.dbapi_connection  # the sqlite3 module's connection
+                try:
+                    with raw.blobopen(FILES_TABLE, "content", seq, readonly=True) as blob:
+                        blob.seek(start)
+                        return blob.read(PIECE_BYTES)
+                except sqlite3.OperationalError:  # no such row: deleted
+                    return None
+        with Session(self.engine) as session:
+            piece = session.scalar(select(func.substr(FileRow.content, start + 1, PIECE_BYTES, type_=LargeBinary))
+                                   .where(FileRow.id == file_id))
+        return None if piece is None else bytes(piece)
 
     def files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
               newest_first: bool = True) -> dict[str, Any]:

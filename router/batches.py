@@ -50,9 +50,18 @@ class BatchInputError(ValueError):
         self.param, self.status, self.code = param, status, code
 
 
-def request_lines(content: bytes) -> int:
-    """An input file's lines, blank ones too: what its batch will enqueue at most, known without parsing it."""
-    return content.count(b"\n") + (1 if content and not content.endswith(b"\n") else 0)
+def request_lines(content: bytes | Iterable[bytes]) -> int:
+    """An input file's lines, blank ones too: what its batch will enqueue at most, known without parsing it.
+    `content`: the file's bytes, or its pieces in order."""
+    count, last = 0, b"\n"
+    for piece in _pieces(content):
+        if piece:
+            count, last = count + piece.count(b"\n"), piece[-1:]
+    return count + (last != b"\n")
+
+
+def _pieces(content: bytes | Iterable[bytes]) -> Iterable[bytes]:
+    return (content,) if isinstance(content, bytes) else content
 
 
 def enqueued_limit_error(enqueued: int, adding: int, limit: int) -> BatchInputError:
@@ -144,13 +153,15 @@ class CheckedInput:
         return None
 
 
-def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInput:
+def check_input(content: bytes | Iterable[bytes], endpoint: str, max_requests: int) -> CheckedInput:
     """Every line a request for `endpoint` with a unique custom_id and a body, and at most `max_requests` of
-    them: a file with any problem is refused whole (as OpenAI does), so a batch never runs half of what was meant."""
+    them: a file with any problem is refused whole (as OpenAI does), so a batch never runs half of what was meant.
+    `content`: the file's bytes, or its pieces in order (the runner reads them from the database one at a time,
+    so it holds the parsed requests and a piece, never the file whole)."""
     problems: list[LineProblem] = []
     lines: list[BatchLine] = []
     seen: set[str] = set()
-    for number, raw_bytes in enumerate(_byte_lines(content), start=1):
+    for number, raw_bytes in enumerate(_byte_lines(_pieces(content)), start=1):
         try:  # a line at a time: "\n" is never part of a longer UTF-8 character
             raw_line = raw_bytes.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError:
@@ -171,15 +182,20 @@ def check_input(content: bytes, endpoint: str, max_requests: int) -> CheckedInpu
     return _refused(problems) if problems else CheckedInput(lines)
 
 
-def _byte_lines(content: bytes) -> Iterator[bytes]:
-    """The file's lines, each copied alone: the file is neither decoded nor split whole. JSONL lines end at "\n"
-    only (str.splitlines would also cut at U+2028 and the like, which JSON strings may hold)."""
-    start = 0
-    while start <= len(content):
-        end = content.find(b"\n", start)
-        end = len(content) if end < 0 else end
-        yield content[start:end]
-        start = end + 1
+def _byte_lines(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of a file given in pieces, each line copied alone (one that pieces cut is joined): the file is
+    neither decoded nor split whole. A UTF-8 character cut between two pieces is whole again in its line, as "\n"
+    is never part of a longer character. JSONL lines end at "\n" only (str.splitlines would also cut at U+2028 and
+    the like, which JSON strings may hold)."""
+    partial: list[bytes] = []  # the start of a line, cut by the end of a piece (or of several)
+    for piece in pieces:
+        start = 0
+        while (end := piece.find(b"\n", start)) >= 0:
+            yield b"".join([*partial, piece[start:end]]) if partial else piece[start:end]
+            partial, start = [], end + 1
+        if start < len(piece):
+            partial.append(piece[start:])
+    yield b"".join(partial)
 
 
 def _refused(problems: list[LineProblem]) -> CheckedInput:

@@ -11,6 +11,7 @@ import itertools
 import json
 import random
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import sqlalchemy
 import yaml
 
 from kvmesh.router import batch_store
 from kvmesh.router.app import build_router
 from kvmesh.router.auth import hash_key, tenant_hash
-from kvmesh.router.batch_runner import GROUP_MIN_CHARS, Answer, BatchRunner, BatchSettings
+from kvmesh.router.batch_runner import GROUP_MIN_CHARS, Answer, BatchRunner, BatchSettings, check_stored_input
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import (
     BATCH_PRIORITY,
@@ -36,6 +38,7 @@ from kvmesh.router.batches import (
     expiry_seconds,
     jsonl,
     prefix_groups,
+    request_lines,
     run_order,
     window_seconds,
 )
@@ -106,6 +109,21 @@ def test_an_empty_file_a_file_over_the_bound_and_one_not_utf8_are_refused() -> N
     assert [p.code for p in check_input(b"\xff\xfe", CHAT_PATH, 3).problems] == ["invalid_file_format"]
     not_utf8 = check_input(many + b"\xff\xfe\n", CHAT_PATH, 10).problems  # checked line by line: the line named
     assert [(p.code, p.line) for p in not_utf8] == [("invalid_file_format", 5)]
+
+
+def test_a_file_given_in_pieces_is_checked_as_whole_even_where_a_piece_cuts_a_character() -> None:
+    entries = [line(f"r{i}", chat("système", f"日本語 {i} 🙂")) for i in range(4)]
+    good = b"\r\n".join(json.dumps(e, ensure_ascii=False).encode() for e in entries) + b"\r\n\n"
+    bad = good + b"\xff\n" + good  # not UTF-8 on line 6
+    for content in (good, bad, b"", b"\n", b"{}"):
+        whole = check_input(content, CHAT_PATH, 10)
+        for size in range(1, 24):  # every cut: inside a character, between "\r" and "\n", at a line's end
+            pieces = [content[i:i + size] for i in range(0, len(content), size)]
+            assert check_input(iter(pieces), CHAT_PATH, 10) == whole, size
+            assert request_lines(iter(pieces)) == request_lines(content)
+    checked = check_input([good[:3], good[3:]], CHAT_PATH, 10)
+    assert [x.body for x in checked.lines] == [e["body"] for e in entries]  # "è" cut after its first byte
+    assert [(p.code, p.line) for p in check_input([bad], CHAT_PATH, 10).problems] == [("invalid_file_format", 6)]
 
 
 def test_the_window_and_the_metadata_are_checked() -> None:
@@ -233,7 +251,7 @@ def test_a_tenant_sees_only_its_own_files_and_batches(store: BatchStore) -> None
     assert store.batch(other, batch_id) is None and store.cancel(other, batch_id) is None
     assert store.files(other, None, 20, None)["data"] == []
     file_id = store.files(TENANT, None, 20, None)["data"][0]["id"]
-    assert store.file_content(other, file_id) is None and not store.delete_file(other, file_id)  # a 404, no more
+    assert store.file_pieces(other, file_id) is None and not store.delete_file(other, file_id)  # a 404, no more
     spare = store.add_file(TENANT, "batch", "spare.jsonl", b"{}", ttl=None)["id"]
     assert not store.delete_file(other, spare)
     assert store.delete_file(TENANT, spare) and store.file(TENANT, spare) is None
@@ -243,7 +261,7 @@ def test_an_expired_file_is_gone_for_clients_at_once_and_from_the_database_at_th
     kept = store.add_file(TENANT, "batch", "kept.jsonl", b"{}", ttl=3600)
     gone = store.add_file(TENANT, "batch", "gone.jsonl", b"{}", ttl=-1)
     assert kept["expires_at"] == kept["created_at"] + 3600
-    assert store.file(TENANT, gone["id"]) is None and store.file_content(TENANT, gone["id"]) is None
+    assert store.file(TENANT, gone["id"]) is None and store.file_pieces(TENANT, gone["id"]) is None
     assert [f["id"] for f in store.files(TENANT, None, 20, None)["data"]] == [kept["id"]]
     assert store.delete_expired() == 1 and store.delete_expired() == 0
     assert store.file(TENANT, kept["id"]) is not None
@@ -268,8 +286,8 @@ def test_a_running_batchs_input_cannot_be_deleted_and_outlives_its_expiry(store:
         store.delete_file(TENANT, file["id"])
     assert refused.value.status == 409
     assert store.delete_expired() == 0  # the sweep keeps what a running batch reads
-    assert store.file_content(TENANT, file["id"]) is None  # gone for clients...
-    assert store.file_content(TENANT, file["id"], expired_too=True) is not None  # ...not for the batch
+    assert store.file_pieces(TENANT, file["id"]) is None  # gone for clients...
+    assert store.file_pieces(TENANT, file["id"], expired_too=True) is not None  # ...not for the batch
 
 
 def test_a_tenants_batches_enqueue_at_most_its_limit_and_an_ended_batch_frees_its_share(store: BatchStore) -> None:
@@ -302,6 +320,63 @@ def test_a_download_is_read_from_the_database_in_bounded_pieces(store: BatchStor
     assert b"".join(pieces) == content and len(pieces) == -(-len(content) // 1000)
     assert all(len(piece) <= 1000 for piece in pieces)
     assert store.file_pieces("other-tenant", file["id"]) is None
+
+
+def test_the_runner_checks_an_input_a_piece_at_a_time_never_holding_the_file_whole(
+        store: BatchStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_store, "PIECE_BYTES", 2**16)
+    padding = " " * 20_000  # JSON may end in blanks: bytes the file has and its parsed requests do not
+    content = b"".join(json.dumps(line(f"r{i}", chat("s", f"q{i} é🙂"))).encode() + padding.encode() + b"\n"
+                       for i in range(200))
+    file = store.add_file(TENANT, "batch", "in.jsonl", content, ttl=None)
+    store.create_batch(TENANT, CHAT_PATH, file["id"], "1h", 3600, None, None, 10**6)
+    claimed = store.claim("replica-a", 60)
+    assert claimed is not None
+    tracemalloc.start()
+    try:
+        checked = check_stored_input(store, claimed, 1000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert checked is not None and not checked.problems and len(checked.lines) == 200
+    assert checked.lines[7].body == chat("s", "q7 é🙂")
+    assert peak < len(content) / 4, (peak, len(content))  # a few pieces and the requests, not the 4 MB file
+
+
+def test_an_input_cut_mid_character_by_the_pieces_reads_back_whole(store: BatchStore,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_store, "PIECE_BYTES", 7)  # cuts "日本語" and "🙂" in most lines
+    entries = [line(f"r{i}", chat("s", f"日本語 {i} 🙂")) for i in range(30)]
+    batch_id = new_batch(store, entries)
+    claimed = store.claim("replica-a", 60)
+    assert claimed is not None and claimed.id == batch_id
+    checked = check_stored_input(store, claimed, 1000)
+    assert checked is not None and [x.body for x in checked.lines] == [e["body"] for e in entries]
+
+
+def test_a_file_deleted_while_it_is_read_ends_short_and_its_check_finds_no_file(
+        store: BatchStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_store, "PIECE_BYTES", 100)
+    new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(10)])
+    claimed = store.claim("replica-a", 60)
+    assert claimed is not None
+    reading = store.file_pieces
+
+    def deleted_after_a_piece(tenant: str, file_id: str, expired_too: bool = False) -> Any:
+        stored = reading(tenant, file_id, expired_too)
+        assert stored is not None
+        size, pieces = stored
+
+        def cut() -> Iterator[bytes]:
+            yield next(pieces)
+            with store.engine.begin() as conn:  # under the API's rule (a running batch's file is kept): by hand
+                conn.execute(sqlalchemy.delete(batch_store.FileRow).where(batch_store.FileRow.id == file_id))
+            yield from pieces
+
+        return size, cut()
+
+    monkeypatch.setattr(store, "file_pieces", deleted_after_a_piece)
+    assert check_stored_input(store, claimed, 1000) is None  # not a batch of the lines read before it went
 
 
 # ---- the runner, over a scripted pool ---------------------------------------------------------------------------
@@ -344,8 +419,8 @@ def output_of(store: BatchStore, batch_id: str) -> tuple[dict[str, Any], list[di
     assert batch is not None
 
     def lines(file_id: str | None) -> list[dict[str, Any]]:
-        content = store.file_content(TENANT, file_id) if file_id else b""
-        return [json.loads(x) for x in (content or b"").splitlines()]
+        stored = store.file_pieces(TENANT, file_id) if file_id else None
+        return [json.loads(x) for x in b"".join(stored[1] if stored else []).splitlines()]
 
     return batch, lines(batch["output_file_id"]), lines(batch["error_file_id"])
 
