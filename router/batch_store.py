@@ -210,18 +210,14 @@ class BatchStore:
         owned = (FileRow.tenant == tenant,) if expired_too else _visible(tenant)
         with Session(self.engine) as session:
             found = session.execute(select(FileRow.bytes, FileRow.seq).where(FileRow.id == file_id, *owned)).first()
-        if found is None:
-            return None
-        size, seq = found
+        return None if found is None else (found.bytes, self._pieces(file_id, found.bytes, found.seq))
 
-        def pieces() -> Iterator[bytes]:
-            for start in range(0, size, PIECE_BYTES):
-                piece = self._piece(file_id, seq, start)
-                if not piece:
-                    return
-                yield piece
-
-        return size, pieces()
+    def _pieces(self, file_id: str, size: int, seq: int) -> Iterator[bytes]:
+        for start in range(0, size, PIECE_BYTES):
+            piece = self._piece(file_id, seq, start)
+            if not piece:
+                return
+            yield piece
 
     def _piece(self, file_id: str, seq: int, start: int) -> bytes | None:
         """PIECE_BYTES of a file's content from `start`, None once the file is gone. SQLite's substr reads the whole
@@ -281,6 +277,7 @@ class BatchStore:
                        completion_window=completion_window, status="validating", created_at=now,
                        expires_at=now + window_seconds, total=0, lease_until=0.0, output_ttl=output_ttl,
                        batch_metadata=None if metadata is None else json.dumps(metadata))
+        self._count_lines(tenant, input_file_id)
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
             adding = session.scalar(select(FileRow.lines).where(FileRow.id == input_file_id)) or 0
             enqueued = int(session.scalar(
@@ -290,6 +287,21 @@ class BatchStore:
                 raise enqueued_limit_error(enqueued, adding, max_enqueued)
             session.add(row)
         return self._batch_json(row)
+
+    def _count_lines(self, tenant: str, input_file_id: str) -> None:
+        """Files uploaded before kvmesh_files.lines existed hold 0 there (the column's default), so they would count
+        nothing toward the enqueued limit: the new batch's input and those of the tenant's enqueued batches, if not
+        empty, are counted, a piece at a time, and the count stored (once: a counted file keeps its count)."""
+        enqueued = select(BatchRow.input_file_id).where(BatchRow.tenant == tenant,
+                                                        BatchRow.status.in_(ENQUEUED_STATUSES))
+        with Session(self.engine) as session:
+            uncounted = session.execute(select(FileRow.id, FileRow.bytes, FileRow.seq).where(
+                FileRow.tenant == tenant, FileRow.lines == 0, FileRow.bytes > 0,
+                (FileRow.id == input_file_id) | FileRow.id.in_(enqueued))).all()
+        for file_id, size, seq in uncounted:
+            lines = request_lines(self._pieces(file_id, size, seq))
+            with Session(self.engine) as session, session.begin():
+                session.execute(update(FileRow).where(FileRow.id == file_id).values(lines=lines))
 
     def batch(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
         with Session(self.engine) as session:

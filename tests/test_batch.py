@@ -219,6 +219,34 @@ def test_a_database_an_older_kvmesh_made_gets_the_new_columns_and_keeps_its_rows
         upgraded.close()
 
 
+def test_files_uploaded_before_lines_were_counted_weigh_on_the_enqueued_limit(database_url: str) -> None:
+    from sqlalchemy import text
+
+    def upload(store: BatchStore, requests: int) -> str:
+        entries = [line(f"r{i}", chat("s", f"q{i}")) for i in range(requests)]
+        return store.add_file(TENANT, "batch", "in.jsonl", jsonl(entries) + b"\n", ttl=None)["id"]  # a blank line
+
+    def create(store: BatchStore, file_id: str) -> str:
+        return store.create_batch(TENANT, CHAT_PATH, file_id, "1h", 3600, None, None, max_enqueued=10)["id"]
+
+    older = BatchStore(database_url)
+    running, waiting, small = upload(older, 3), upload(older, 6), upload(older, 5)  # 4, 7 and 6 lines
+    create(older, running)  # enqueued before the upgrade
+    with older.engine.begin() as conn:  # the table as the release before `lines` made it
+        conn.execute(text("ALTER TABLE kvmesh_files DROP COLUMN lines"))
+    older.close()
+    upgraded = BatchStore(database_url)  # `lines` comes back as 0 in every row
+    try:
+        with pytest.raises(BatchInputError, match=r"hold 4 requests .* 7 lines; the limit is 10"):
+            create(upgraded, waiting)
+        create(upgraded, small)  # 4 + 6: not past 10
+        with upgraded.engine.connect() as conn:
+            counted = dict(conn.execute(sqlalchemy.select(batch_store.FileRow.id, batch_store.FileRow.lines)).all())
+        assert [counted[f] for f in (running, waiting, small)] == [4, 7, 6]  # stored: counted once
+    finally:
+        upgraded.close()
+
+
 def test_replicas_racing_for_a_batch_agree_on_one_winner(store: BatchStore) -> None:
     new_batch(store, [line("a", chat("s", "q"))])
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
