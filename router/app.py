@@ -935,7 +935,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             router.log.close()
         if router.batches is not None:
             router.batches.close()
-        router.responses.close()
+        responses.close()
         if router.limit_sync is not None:
             with contextlib.suppress(Exception):  # a database away: its rows go stale on their own
                 await asyncio.to_thread(router.limit_sync.table.leave, router.limit_sync.replica)

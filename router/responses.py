@@ -14,6 +14,7 @@ from kvmesh.router.batches import BatchInputError, check_metadata
 
 UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversation")
 ROLES = ("user", "system", "developer", "assistant")
+RESPONSE_ID_PREFIX = "resp_"
 # the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
 SAMPLING_EXTENSIONS = ("top_k", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                        "logit_bias")
@@ -41,10 +42,14 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def input_messages(items: str | Sequence[Any]) -> list[dict[str, Any]]:
-    """A response request's `input` as chat messages (function calls become assistant tool_calls)."""
+def input_messages(items: Any) -> list[dict[str, Any]]:
+    """A response request's `input` as chat messages. Function calls become the tool_calls of the assistant
+    message they follow (one message, as the answer that made them is stored), so a client that sends a
+    response's output back itself builds the prompt a stored continuation would."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise ResponsesError("input must be a string or a list of input items", "input")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         param = f"input[{i}]"
@@ -60,7 +65,10 @@ def input_messages(items: str | Sequence[Any]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": str(item.get("output", ""))})
@@ -74,7 +82,7 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
     for name in UNSUPPORTED_FIELDS:
         if body.get(name):
             raise ResponsesError(f"{name} is not supported by this server", name)
-    if body.get("truncation", "disabled") != "disabled":  # "auto" would drop earlier turns to fit the context
+    if body.get("truncation") not in (None, "disabled"):  # "auto" would drop earlier turns to fit the context
         raise ResponsesError("truncation must be 'disabled': a prompt over the context is refused, not cut",
                              "truncation")
     if "input" not in body:
@@ -99,6 +107,8 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     tools = []
+    if not isinstance(body.get("tools") or [], list):
+        raise ResponsesError("tools must be a list", "tools")
     for i, tool in enumerate(body.get("tools") or []):
         if not isinstance(tool, Mapping) or tool.get("type") != "function":
             raise ResponsesError("only function tools are supported", f"tools[{i}].type")
@@ -136,7 +146,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 
 def message_id(response_id: str) -> str:
     """The id of a response's output message (the stream's items name it before the response is whole)."""
-    return f"msg_{response_id.removeprefix('resp_')}"
+    return f"msg_{response_id.removeprefix(RESPONSE_ID_PREFIX)}"
 
 
 def response_shell(response_id: str, body: Mapping[str, Any], created_at: int,
@@ -194,17 +204,22 @@ def response_object(response_id: str, body: Mapping[str, Any], completion: Mappi
 
 
 def input_items(body: Mapping[str, Any], response_id: str) -> list[dict[str, Any]]:
-    """A request's input as the items `GET /v1/responses/{id}/input_items` lists: each with an id, messages with
-    their content as input_text parts (a string input is one user message)."""
+    """A request's input as the items `GET /v1/responses/{id}/input_items` lists, in the shapes OpenAI's clients
+    read: each with an id and a status; user, system and developer messages with input_text parts, assistant ones
+    as output messages with output_text parts (a string input is one user message)."""
     raw = body.get("input")
     items = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) else list(raw or [])
     listed = []
     for i, item in enumerate(items):
-        entry = {"type": "message", **item, "id": item.get("id") or f"item_{response_id.removeprefix('resp_')}_{i}"}
+        entry = {"type": "message", **item, "status": item.get("status") or "completed",
+                 "id": item.get("id") or f"item_{response_id.removeprefix(RESPONSE_ID_PREFIX)}_{i}"}
         if entry["type"] == "message":
             content = entry.get("content", "")
-            entry["content"] = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
-            entry.setdefault("status", "completed")
+            part = "output_text" if entry.get("role") == "assistant" else "input_text"
+            if isinstance(content, str):
+                content = [{"type": part, "text": content}]
+            entry["content"] = [{**c, "annotations": c.get("annotations", [])} if part == "output_text" else c
+                                for c in content]
         listed.append(entry)
     return listed
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +26,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvmesh.engine.openai_types import error_body
 from kvmesh.router.auth import tenant_hash, unauthorized_body
 from kvmesh.router.batches import RESPONSES_PATH, new_id
-from kvmesh.router.responses import ResponsesError, chat_request, history_after, input_items, response_object
+from kvmesh.router.config import MAX_REQUEST_BODY_BYTES
+from kvmesh.router.responses import (
+    RESPONSE_ID_PREFIX,
+    ResponsesError,
+    chat_request,
+    history_after,
+    input_items,
+    response_object,
+)
 from kvmesh.router.responses_store import ResponseStore, StoredResponse
 from kvmesh.router.responses_stream import ResponseEvents, sse
 
 log = logging.getLogger(__name__)
 
+STORE_THREADS = 4  # store calls at once per replica; more wait (a database away holds at most these)
 STORE_OPERATIONS = ("read", "write")  # the label of kvmesh_router_response_store_errors_total
 MAX_ITEMS_PAGE = 100  # OpenAI's bound on a page of input items
 DEFAULT_ITEMS_PAGE = 20
@@ -43,7 +54,7 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 
 class StoreUnavailable(Exception):
-    """The stored responses could not be read (the pool's database away): a 503, never a crash."""
+    """The stored responses could not be read or written (the pool's database away): a 503, never a crash."""
 
 
 def _unavailable() -> JSONResponse:
@@ -55,6 +66,18 @@ def _unavailable() -> JSONResponse:
 def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
     code = "previous_response_not_found" if param else "not_found"
     return _error(404, f"No response found with id '{response_id}'.", param, code)
+
+
+async def _bounded_body(http: HttpRequest) -> bytes | None:
+    """The body, read as it comes; None past MAX_REQUEST_BODY_BYTES (the completions' bound), so a client with a
+    key cannot make the router hold a body of any size."""
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def items_page(items: list[dict[str, Any]], limit: int, after: str | None, newest_first: bool) -> dict[str, Any]:
@@ -91,11 +114,17 @@ class Responses:
 
     def __init__(self, store: ResponseStore, failed: Callable[[str], None] = lambda operation: None) -> None:
         self.store, self.failed = store, failed  # failed(one of STORE_OPERATIONS): counted for the alert
+        # threads of its own: a hung database holds these, not the default pool that tokenizes large requests
+        self.threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="response-store")
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
 
     async def use(self, operation: str, call: Callable[..., Any], *args: Any) -> Any:
-        """`call(*args)` on the store in a worker thread; StoreUnavailable (counted, logged) when it fails."""
+        """`call(*args)` on the store in one of its threads; StoreUnavailable (counted, logged) when it fails."""
         try:
-            return await asyncio.to_thread(call, *args)
+            return await asyncio.get_running_loop().run_in_executor(self.threads, functools.partial(call, *args))
         except Exception as exc:
             self.failed(operation)
             log.warning("the response store failed (%s): %s", operation, exc)
@@ -118,7 +147,7 @@ class Responses:
             chat = chat_request(body, history)
         except ResponsesError as exc:
             return _error(400, str(exc), exc.param)
-        return Turn(owner, body, chat, new_id("resp_"), int(time.time()))
+        return Turn(owner, body, chat, new_id(RESPONSE_ID_PREFIX), int(time.time()))
 
     async def save(self, turn: Turn, completion: Mapping[str, Any], response: dict[str, Any]) -> None:
         """Store an answered response unless told not to; a database away loses only the stored copy, never the
@@ -178,8 +207,11 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
+        payload = await _bounded_body(http)
+        if payload is None:
+            return _error(413, f"the request body exceeds {MAX_REQUEST_BODY_BYTES >> 20} MiB")
         try:
-            body = json.loads(await http.body())
+            body = json.loads(payload)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "malformed JSON")
         turn = await responses.turn(tenant, body)
@@ -230,28 +262,33 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
 
 async def _events(lines: AsyncIterator[str | bytes], events: ResponseEvents,
                   saved: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[str]:
-    """A relayed chat stream's SSE lines as response events; `saved` gets the whole response once it is."""
+    """A relayed chat stream's SSE lines as response events. The closing events wait for the relay's end (its pod
+    and the tenant's slot given back, so a slow store holds neither) and for the stored copy (`saved`: a client
+    that continues on `response.completed` finds it)."""
     for event in events.start():
         yield sse(event)
-    pending, ended = "", False
-    async for piece in lines:  # read to its end even after the answer's end: the relay counts a stream cut short
-        pending += piece.decode() if isinstance(piece, bytes) else piece  # as a client gone
+    pending, done, failure = "", False, None
+    async for piece in lines:  # read to its end: the relay counts a stream cut short as a client gone
+        pending += piece.decode() if isinstance(piece, bytes) else piece
         *whole, pending = pending.split("\n")
         for line in whole:
-            if ended:
+            if done or failure is not None:
                 continue
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 if "error" in chunk:  # no pod could finish the answer (router/app.py's relay)
-                    ended = True
-                    for event in events.fail(chunk["error"]):
-                        yield sse(event)
+                    failure = chunk["error"]
                     continue
                 for event in events.on_chunk(chunk):
                     yield sse(event)
             elif line == "data: [DONE]":
-                ended = True
-                for event in events.finish():
-                    yield sse(event)
-                assert events.result is not None  # finish() sets it
-                await saved(events.result)
+                done = True
+    if failure is not None:
+        for event in events.fail(failure):
+            yield sse(event)
+    elif done:
+        closing = list(events.finish())
+        assert events.result is not None  # finish() sets it
+        await saved(events.result)
+        for event in closing:
+            yield sse(event)

@@ -18,11 +18,12 @@ from typing import Any, Protocol
 from sqlalchemy import BigInteger, String, Text, delete, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+from kvmesh.router.batches import FILE_TTL_SECONDS
 from kvmesh.router.store import create_tables, make_engine
 
 RESPONSES_TABLE = "kvmesh_responses"
 _ID_LEN, _TENANT_LEN = 64, 64
-RESPONSES_TTL_SECONDS = 30 * 24 * 3600  # as long as OpenAI keeps a stored response
+RESPONSES_TTL_SECONDS = FILE_TTL_SECONDS  # OpenAI keeps a stored response as long as a file: 30 days
 RESPONSES_MEMORY_ITEMS = 10_000  # per replica, without a database
 
 

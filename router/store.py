@@ -60,6 +60,8 @@ MAX_LEN: dict[str, int] = {
     "model": 256,
 }
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+CONNECT_TIMEOUT_SECONDS = 10
+LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connect_timeout
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -172,8 +174,10 @@ def make_engine(url: str) -> Engine:
     """SQLite gets WAL and a busy timeout so router processes on one machine can share a file."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        # pre_ping: connections through Kubernetes Services and poolers are cut while idle.
-        return create_engine(parsed, pool_pre_ping=True)
+        # pre_ping: connections through Kubernetes Services and poolers are cut while idle. A connect timeout: a
+        # database that does not answer fails the call in seconds, not after the kernel's TCP retries (minutes).
+        timeout = {"connect_timeout": CONNECT_TIMEOUT_SECONDS} if parsed.get_driver_name() in LIBPQ_DRIVERS else {}
+        return create_engine(parsed, pool_pre_ping=True, connect_args=timeout)
     if _is_sqlite_memory(parsed):
         # One shared connection, or every pooled connection would see its own empty database.
         engine = create_engine(parsed, poolclass=StaticPool, connect_args={"check_same_thread": False, "timeout": 30})

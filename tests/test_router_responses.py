@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from openai.types.responses import Response, ResponseInputItem, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from kvmesh.router.responses import ResponsesError, chat_request, history_after, input_items, response_object
@@ -24,8 +24,24 @@ def test_string_input_with_instructions_and_sampling() -> None:
 
 
 def test_fields_at_their_default_are_accepted() -> None:
-    chat = chat_request({"model": "m", "input": "x", "truncation": "disabled", "background": False, "include": []})
-    assert chat["messages"] == [{"role": "user", "content": "x"}]
+    for truncation in ("disabled", None):
+        chat = chat_request({"model": "m", "input": "x", "truncation": truncation, "background": False,
+                             "include": []})
+        assert chat["messages"] == [{"role": "user", "content": "x"}]
+
+
+def test_a_replayed_answer_with_calls_is_one_assistant_message_as_stored() -> None:
+    """A client sending a response's output back itself (store: false) gets the prompt a stored continuation
+    would: the answer's text and its calls in one assistant message."""
+    completion = {"choices": [{"message": {"role": "assistant", "content": "let me see", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}}]}
+    body = {"model": "m", "input": "q"}
+    stored = history_after(body, chat_request(body), completion)
+    output = response_object("resp_1", body, completion, 0)["output"]
+    replayed = [{"role": "user", "content": "q"}, *({k: v for k, v in item.items() if k != "id"}
+                                                    for item in output)]
+    assert chat_request({"model": "m", "input": replayed})["messages"] == stored
 
 
 def test_history_comes_before_new_input_so_the_prefix_is_shared() -> None:
@@ -51,6 +67,9 @@ def test_function_call_items_become_tool_messages() -> None:
     ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"model": "m"}, "input"),
     ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
+    ({"model": "m", "input": 5}, "input"),
+    ({"model": "m", "input": None}, "input"),
+    ({"model": "m", "input": "x", "tools": 5}, "tools"),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}],
       "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
 ])
@@ -152,11 +171,14 @@ def test_a_stream_no_pod_could_finish_ends_failed() -> None:
 
 def test_input_items_have_ids_and_page_like_openai_lists() -> None:
     items = input_items({"input": [{"role": "user", "content": "a"},
+                                   {"role": "assistant", "content": "calling"},
+                                   {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
                                    {"type": "function_call_output", "call_id": "c", "output": "4"},
                                    {"role": "user", "content": [{"type": "input_text", "text": "b"}]}]}, "resp_9")
-    assert len({item["id"] for item in items}) == 3
-    for item in items:
-        TypeAdapter(ResponseInputItem).validate_python({k: v for k, v in item.items() if k != "status"})
+    assert len({item["id"] for item in items}) == 5
+    for item in items:  # as the openai client reads a listed item
+        TypeAdapter(ResponseItem).validate_python(item)
+    items = [items[0], items[3], items[4]]
     assert items[0]["content"] == [{"type": "input_text", "text": "a"}]
     newest = items_page(items, 2, None, newest_first=True)
     assert [item["id"] for item in newest["data"]] == [items[2]["id"], items[1]["id"]] and newest["has_more"]
@@ -181,10 +203,12 @@ def test_memory_store_keeps_the_newest_and_scopes_by_tenant() -> None:
     assert store.delete("t1", "resp_2") and store.get("t1", "resp_2") is None
 
 
-def test_database_store_scopes_by_tenant_and_forgets_expired(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = DatabaseResponses(f"sqlite:///{tmp_path / 'pool.db'}", ttl=60)
+def test_database_store_scopes_by_tenant_and_forgets_expired(database_url: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a SQLite file and on PostgreSQL (conftest's database_url)."""
+    store = DatabaseResponses(database_url, ttl=60)
     store.save("t1", stored("resp_a"))
-    again = DatabaseResponses(f"sqlite:///{tmp_path / 'pool.db'}", ttl=60)  # another replica reads it
+    again = DatabaseResponses(database_url, ttl=60)  # another replica reads it
     assert again.get("t1", "resp_a") == stored("resp_a")
     assert again.get("t2", "resp_a") is None and not again.delete("t2", "resp_a")
     later = time.time() + 120

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +17,14 @@ import openai
 import pytest
 import yaml
 
-from kvmesh.router.app import build_router
+from kvmesh.router.app import Router, build_router
 from kvmesh.router.auth import hash_key
 from kvmesh.router.batches import RESPONSES_PATH
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.responses_store import RESPONSES_TABLE, DatabaseResponses
 
 from .engines import serve_router, tiny_engines
+from .test_router_disconnect import wait_nothing_in_flight
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +41,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def router_url(tiny_dir: Path, work: Path) -> Iterator[str]:
+def served(tiny_dir: Path, work: Path) -> Iterator[tuple[str, Router]]:
     keys = work / "keys.yaml"
     keys.write_text(yaml.safe_dump({"keys": [{"tenant": "acme", "key_sha256": hash_key(ACME_KEY)},
                                              {"tenant": "globex", "key_sha256": hash_key(GLOBEX_KEY)}]}))
@@ -47,7 +49,12 @@ def router_url(tiny_dir: Path, work: Path) -> Iterator[str]:
         router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, api_keys_file=str(keys),
                                            database_url=f"sqlite:///{work / 'pool.db'}"), tiny_dir)
         with serve_router(router) as url:
-            yield url
+            yield url, router
+
+
+@pytest.fixture(scope="module")
+def router_url(served: tuple[str, Router]) -> str:
+    return served[0]
 
 
 def client(url: str, key: str = ACME_KEY) -> openai.OpenAI:
@@ -162,6 +169,9 @@ def test_bad_requests_get_a_400_that_names_the_field(router_url: str, model: str
     raw = httpx.post(router_url + "/v1/responses", content=b"{not json", timeout=30,
                      headers={"authorization": f"Bearer {ACME_KEY}", "content-type": "application/json"})
     assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+    huge = httpx.post(router_url + "/v1/responses", content=b"x" * (33 << 20), timeout=60,
+                      headers={"authorization": f"Bearer {ACME_KEY}", "content-type": "application/json"})
+    assert huge.status_code == 413 and "exceeds 32 MiB" in huge.json()["error"]["message"]
     page = httpx.get(router_url + "/v1/responses/resp_x/input_items", timeout=30,
                      headers={"authorization": f"Bearer {ACME_KEY}"})
     assert page.status_code == 404
@@ -227,3 +237,52 @@ def test_a_store_that_fails_costs_the_stored_copy_never_the_answer(router_url: s
         DatabaseResponses(f"sqlite:///{work / 'pool.db'}", ttl=60).close()  # the table made again, empty
     with pytest.raises(openai.NotFoundError):  # its copy was lost with the table; the answer was not
         acme.responses.retrieve(answered.id)
+
+
+def test_a_slow_store_holds_neither_the_pod_nor_the_tenants_slot(served: tuple[str, Router], model: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's stored copy is written after its relay ended: while the write waits, no pod and no tenant slot
+    count the request, and the client's closing events wait for the copy (a continuation sent on
+    response.completed finds it)."""
+    url, router = served
+    store, writing, release = router.responses, threading.Event(), threading.Event()
+    save = store.save
+
+    def slow_save(tenant: str, stored: object) -> None:
+        writing.set()
+        release.wait(30)
+        save(tenant, stored)
+
+    monkeypatch.setattr(store, "save", slow_save)
+    events: list = []
+    stream = threading.Thread(target=lambda: events.extend(client(url).responses.create(
+        model=model, input="slow store", max_output_tokens=4, stream=True)))
+    stream.start()
+    try:
+        assert writing.wait(30), "the stored copy was never written"
+        wait_nothing_in_flight(router)
+        assert not router.limits.inflight
+        assert not any(event.type == "response.completed" for event in events)
+    finally:
+        release.set()
+        stream.join(30)
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert client(url).responses.retrieve(events[-1].response.id).id == events[-1].response.id
+
+
+def test_a_client_leaving_a_stream_frees_its_pod_and_slot(served: tuple[str, Router], model: str) -> None:
+    url, router = served
+    with httpx.stream("POST", url + "/v1/responses", timeout=60, headers={"authorization": f"Bearer {ACME_KEY}"},
+                      json={"model": model, "input": "a long one", "max_output_tokens": 300, "ignore_eos": True,
+                            "stream": True}) as reply:
+        deltas = 0
+        for line in reply.iter_lines():
+            deltas += '"response.output_text.delta"' in line
+            if deltas == 3:
+                break  # the client leaves mid-answer
+    wait_nothing_in_flight(router)
+    for _ in range(200):
+        if not router.limits.inflight:
+            break
+        time.sleep(0.025)
+    assert not router.limits.inflight
