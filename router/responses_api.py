@@ -192,14 +192,19 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
     """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused)."""
     api, store = APIRouter(), responses.store
 
-    async def stored(http: HttpRequest, response_id: str) -> StoredResponse | Response:
+    async def on_store(http: HttpRequest, operation: str, call: Callable[[str, str], Any], response_id: str) -> Any:
+        """`call(tenant pseudonym, response_id)` for the caller's tenant, or the Response that ends the request (401
+        without a valid key, 503 with the store away)."""
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
         try:
-            found = await responses.use("read", store.get, tenant_hash(tenant), response_id)
+            return await responses.use(operation, call, tenant_hash(tenant), response_id)
         except StoreUnavailable:
             return _unavailable()
+
+    async def stored(http: HttpRequest, response_id: str) -> StoredResponse | Response:
+        found = await on_store(http, "read", store.get, response_id)
         return _not_found(response_id) if found is None else found
 
     @api.post(RESPONSES_PATH)
@@ -246,13 +251,9 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
 
     @api.delete(RESPONSES_PATH + "/{response_id}")
     async def remove(http: HttpRequest, response_id: str) -> Response:
-        tenant = tenant_for(http.headers.get("authorization"))
-        if tenant is None:
-            return JSONResponse(unauthorized_body(), status_code=401)
-        try:
-            deleted = await responses.use("write", store.delete, tenant_hash(tenant), response_id)
-        except StoreUnavailable:
-            return _unavailable()
+        deleted = await on_store(http, "write", store.delete, response_id)
+        if isinstance(deleted, Response):
+            return deleted
         if not deleted:
             return _not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
