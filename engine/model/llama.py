@@ -151,9 +151,9 @@ class Llama:
         for i, w in enumerate(self.layers):
             x = self._rms_norm(h, w.attn_norm).to(self.dtype)
             qkv = self._project(w.qkv, x, i, "qkv", lora)
-            q = self._rope(qkv[:, : self.q_size].view(t, c.num_heads, c.head_dim), cos, sin)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, c.num_kv_heads, c.head_dim)
-            k = self._rope(k, cos, sin)
+            # q and k rotated in one pass: their columns are adjacent, so they are one run of heads
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+            q, k = self._rope(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv_layers[i], meta, self.scale)
             h = h + self._project(w.o, attn.reshape(t, self.q_size), i, "o", lora)
