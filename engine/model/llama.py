@@ -75,13 +75,16 @@ class Llama:
         self.dtype = embed.dtype
         head = weights.get("lm_head.weight")
         tied = c.tie_word_embeddings or head is None
-        # Whatever the serving dtype, the residual stream, the norms and the vocabulary product run in fp32 and
-        # only the layers' products and attention in the serving dtype: bf16 rounding there flipped the bundled
-        # model's greedy answers (docs/architecture.md "Serving dtype"). A tied table is kept once, in fp32.
-        head32 = (embed if tied else head).to(device, torch.float32)
-        self.embed = head32 if tied else embed.to(device)
-        self.lm_head = make_linear(head32, None, quantization, device, transpose=False)
-        self.final_norm = weights["model.norm.weight"].to(device, torch.float32)
+        # On a CPU, whatever the serving dtype, the residual stream, the norms and the vocabulary product run in
+        # fp32 and only the layers' products and attention in the serving dtype: bf16 rounding there flipped the
+        # bundled model's greedy answers (docs/architecture.md "Serving dtype"). On CUDA they stay in the serving
+        # dtype, as other engines serve: an fp32 vocabulary product would cost a large batch several ms a step and
+        # the head twice its memory (not measured here: no GPU). A tied table is kept once.
+        self.stream_dtype = torch.float32 if device.type == "cpu" else self.dtype
+        head_weight = (embed if tied else head).to(device, self.stream_dtype)
+        self.embed = head_weight if tied else embed.to(device)
+        self.lm_head = make_linear(head_weight, None, quantization, device, transpose=False)
+        self.final_norm = weights["model.norm.weight"].to(device, self.stream_dtype)
         self.layers: list[Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -93,10 +96,10 @@ class Llama:
             gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
             self.layers.append(
                 Layer(
-                    attn_norm=weights[p + "input_layernorm.weight"].to(device, torch.float32),
+                    attn_norm=weights[p + "input_layernorm.weight"].to(device, self.stream_dtype),
                     qkv=make_linear(qkv, bias, quantization, device),
                     o=make_linear(weights[a + "o_proj.weight"], None, quantization, device),
-                    mlp_norm=weights[p + "post_attention_layernorm.weight"].to(device, torch.float32),
+                    mlp_norm=weights[p + "post_attention_layernorm.weight"].to(device, self.stream_dtype),
                     gate_up=make_linear(gate_up, None, quantization, device),
                     down=make_linear(weights[p + "mlp.down_proj.weight"], None, quantization, device),
                 )
@@ -113,7 +116,7 @@ class Llama:
         self.scale = c.head_dim**-0.5
 
     def _rms_norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of the fp32 residual stream, in fp32."""
+        """RMSNorm of the residual stream, in its dtype (fp32 on a CPU)."""
         return F.rms_norm(h, (h.shape[-1],), weight, self.config.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,11 +144,12 @@ class Llama:
         kv_layers: Sequence[tuple[LayerKV, LayerKV]],
         lora: Sequence[LoraSegment] = (),
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, in fp32, for a flat batch of T tokens. `lora`: the row
-        segments that run with an adapter (rows outside every segment run the base model)."""
+        """Hidden states [T, hidden] after the final norm (fp32 on a CPU, the serving dtype on CUDA), for a flat
+        batch of T tokens. `lora`: the row segments that run with an adapter (rows outside every segment run the
+        base model)."""
         c = self.config
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed).float()
+        h = F.embedding(input_ids, self.embed).to(self.stream_dtype)
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         for i, w in enumerate(self.layers):
@@ -164,5 +168,5 @@ class Llama:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits in fp32 for the given rows of (fp32) hidden states."""
-        return self.lm_head(hidden)
+        """Vocabulary logits in fp32 for the given rows of hidden states."""
+        return self.lm_head(hidden).float()
