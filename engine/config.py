@@ -40,7 +40,7 @@ class EngineConfig:
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "auto"  # auto: the faster of bf16 and fp32 on this CPU (measured), bf16 on CUDA
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with bf16 units, else fp32 (engine.pick_dtype)
     device: str = "auto"
     quantization: str = "none"  # or int8: int8 weights, dynamic int8 activations (CPU; about 2x faster)
     block_size: int = DEFAULT_BLOCK_SIZE

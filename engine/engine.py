@@ -73,8 +73,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """The serving dtype. `auto`: bf16 on CUDA; on a CPU, bf16 where it has bf16 matrix units and fp32 where it
     has none (there fp32 products are several times faster); elsewhere the faster of the two, measured as the
     best of several interleaved trials (a single timing on a busy machine once chose the slow one). bf16 serving
-    keeps the residual stream, the norms, attention on a CPU and the logits in fp32 (model/llama.py,
-    docs/architecture.md "Serving dtype")."""
+    on a CPU keeps the residual stream, the norms, the vocabulary product and attention in fp32; on CUDA only the
+    logits are cast to fp32 (model/llama.py, docs/architecture.md "Serving dtype")."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
