@@ -279,9 +279,11 @@ def paged_attention(
     if meta.decode is not None:
         d = meta.decode
         kd, vd = _gather(k_cache, d.tables, work), _gather(v_cache, d.tables, work)
-        qd = q[d.rows][:, :, None, :].to(work)  # [B, Hq, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=True)
-        out[d.rows] = od[:, :, 0, :].to(out.dtype)
+        b = d.rows.shape[0]
+        # a KV head's queries (GQA: query head h reads KV head h // (Hq / Hkv)) as the rows of one problem
+        qd = q[d.rows].to(work).view(b, heads, -1, dim)  # [B, Hkv, Hq / Hkv, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
+        out[d.rows] = od.reshape(b, -1, dim).to(out.dtype)
     if meta.cascade_suffix is not None:
         _cascade_attention(q, k_cache, v_cache, meta.cascade_groups, meta.cascade_suffix, scale, out)
     for seq in meta.prefills:
