@@ -63,9 +63,9 @@ def _unavailable() -> JSONResponse:
                         status_code=503, headers={"retry-after": "5"})
 
 
-def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
+def _not_found(response_id: str, hint: str, param: str | None = None) -> JSONResponse:
     code = "previous_response_not_found" if param else "not_found"
-    return _error(404, f"No response found with id '{response_id}'.", param, code)
+    return _error(404, f"No response found with id '{response_id}'.{hint}", param, code)
 
 
 async def _bounded_body(http: HttpRequest) -> bytes | None:
@@ -141,7 +141,7 @@ class Responses:
             except StoreUnavailable:
                 return _unavailable()
             if earlier is None:
-                return _not_found(str(previous), "previous_response_id")
+                return _not_found(str(previous), self.store.not_found_hint, "previous_response_id")
             history = earlier.history
         try:
             chat = chat_request(body, history)
@@ -205,7 +205,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
 
     async def stored(http: HttpRequest, response_id: str) -> StoredResponse | Response:
         found = await on_store(http, "read", store.get, response_id)
-        return _not_found(response_id) if found is None else found
+        return _not_found(response_id, store.not_found_hint) if found is None else found
 
     @api.post(RESPONSES_PATH)
     async def create(http: HttpRequest) -> Response:
@@ -255,7 +255,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         if isinstance(deleted, Response):
             return deleted
         if not deleted:
-            return _not_found(response_id)
+            return _not_found(response_id, store.not_found_hint)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return api

@@ -38,6 +38,8 @@ class StoredResponse:
 
 
 class ResponseStore(Protocol):
+    not_found_hint: str  # said after "not found": what else may explain it
+
     def save(self, tenant: str, stored: StoredResponse) -> None: ...
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None: ...
@@ -64,6 +66,8 @@ class ResponseRow(_Base):
 
 class DatabaseResponses:
     """Responses in the pool's database, shared by its replicas; expired rows are swept as new ones are saved."""
+
+    not_found_hint = ""
 
     def __init__(self, url: str, ttl: int) -> None:
         self.engine, self.ttl = make_engine(url), ttl
@@ -99,6 +103,10 @@ class DatabaseResponses:
 
 class MemoryResponses:
     """A replica's newest `capacity` responses in memory (no database): the oldest goes first."""
+
+    not_found_hint = (" This router keeps stored responses in its own memory (the pool has no database): behind "
+                      "several router replicas, a response stored by another is not found here; give the pool a "
+                      "database (spec.store) so that they share them.")
 
     def __init__(self, capacity: int, ttl: int) -> None:
         self.capacity, self.ttl = capacity, ttl

@@ -6,11 +6,13 @@ import json
 import time
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from kvmesh.router.responses import ResponsesError, chat_request, history_after, input_items, response_object
-from kvmesh.router.responses_api import items_page
+from kvmesh.router.responses_api import Responses, items_page, response_routes
 from kvmesh.router.responses_store import DatabaseResponses, MemoryResponses, StoredResponse
 from kvmesh.router.responses_stream import ResponseEvents
 
@@ -220,3 +222,20 @@ def test_database_store_scopes_by_tenant_and_forgets_expired(database_url: str,
     assert store.delete("t1", "resp_b") and store.get("t1", "resp_b") is None
     store.close()
     again.close()
+
+
+def test_without_a_database_a_404_says_where_the_response_may_be() -> None:
+    """A router without the pool's database keeps responses in its own memory: behind several replicas a
+    continuation may reach one that never saw the turn, and the 404 says so and what to set."""
+    app = FastAPI()
+
+    async def never_sent(*_: object) -> None:  # no chat request is made by these calls
+        raise AssertionError("a read sent a chat request")
+
+    app.include_router(response_routes(Responses(MemoryResponses(10, 60)), lambda _: "acme", never_sent))
+    with TestClient(app) as http:
+        missing = http.get("/v1/responses/resp_elsewhere")
+        continued = http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_elsewhere"})
+    for reply in (missing, continued):
+        assert reply.status_code == 404 and "spec.store" in reply.json()["error"]["message"]
+    assert continued.json()["error"]["code"] == "previous_response_not_found"
