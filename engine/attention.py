@@ -263,9 +263,11 @@ def paged_attention(
     layer_kv: tuple[LayerKV, LayerKV],
     meta: AttentionMetadata,
     scale: float,
+    work_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Write this step's k, v ([T, Hkv, D]) into one layer's cache, then attend q ([T, Hq, D]) over each
-    context. Returns [T, Hq, D]."""
+    context. Returns [T, Hq, D]. `work_dtype`: the dtype the torch path reads the context and the queries in
+    (None: fp32 on a CPU, q's dtype elsewhere; engine.pick_attention_dtype says when a CPU keeps bf16)."""
     k_cache, v_cache = layer_kv
     if isinstance(meta, TritonMetadata):
         return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
@@ -273,9 +275,7 @@ def paged_attention(
     v_cache.write(meta.slot_blocks, meta.slot_offsets, v)
     out = torch.empty_like(q)
     _, _, heads, dim = k_cache.values.shape
-    # SDPA's CPU kernel in bf16 runs one query a sequence 5 to 10x slower than in fp32 (torch 2.13, AVX512-BF16
-    # EPYC; prefill alike either way), so on a CPU attention reads the context and the queries in fp32
-    work = torch.float32 if q.device.type == "cpu" else q.dtype
+    work = work_dtype or (torch.float32 if q.device.type == "cpu" else q.dtype)
     if meta.decode is not None:
         d = meta.decode
         kd, vd = _gather(k_cache, d.tables, work), _gather(v_cache, d.tables, work)

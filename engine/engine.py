@@ -57,16 +57,17 @@ PIN_PREFIXES = ("handle:", "send:", "import:", "promote:")  # block holders that
 EMA = 0.2  # weight of the newest sample in the moving averages
 
 
-def _cpu_bf16_units() -> bool | None:
-    """Whether this x86 CPU has bf16 matrix instructions (AVX512-BF16 or AMX), from /proc/cpuinfo's flags;
-    None where the flags cannot be read (another OS or architecture)."""
+def _cpu_flags() -> set[str] | None:
+    """This x86 CPU's feature flags from /proc/cpuinfo; None where they cannot be read (another OS or
+    architecture)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    if "flags" not in flags:
-        return None
-    return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
+    for line in info.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return None
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -79,9 +80,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
-    units = _cpu_bf16_units()
-    if units is not None:
-        return torch.bfloat16 if units else torch.float32
+    flags = _cpu_flags()
+    if flags is not None:  # bf16 matrix instructions: AVX512-BF16 or AMX
+        return torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
     best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
     operands = {dtype: (torch.randn(32, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)) for dtype in best}
     for _ in range(5):
@@ -92,6 +93,17 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
                 torch.nn.functional.linear(a, w)
             best[dtype] = min(best[dtype], time.perf_counter() - start)
     return min(best, key=best.__getitem__)
+
+
+def pick_attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the torch attention path reads the context and the queries in. The serving dtype, except bf16
+    on a CPU without AMX: there SDPA's CPU kernel ran one query a sequence 5 to 10x slower in bf16 than in fp32
+    (torch 2.13, AVX512-BF16 EPYC), while with AMX its bf16 kernel is the faster one (decode steps 8 % faster at
+    batch 32, a 1,024-token prefill 1.3x; Xeon with AMX, docs/architecture.md "Serving dtype")."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return dtype
+    flags = _cpu_flags()
+    return dtype if flags is not None and "amx_bf16" in flags else torch.float32
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
                           "cpu" if config.device == "auto" else config.device)
     dtype = pick_dtype(config.dtype, device)
     weights = loader.load_weights(model_dir, dtype)
-    model = Llama(model_config, weights, device, config.quantization, config.max_loras, config.max_lora_rank)
+    model = Llama(model_config, weights, device, config.quantization, config.max_loras, config.max_lora_rank,
+                  pick_attention_dtype(dtype, device))
     name = config.served_model_name or model_config.name
     return LoadedModel(name, model_config, Tokenizer.from_dir(model_dir), model, dtype)
 

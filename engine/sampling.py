@@ -144,6 +144,24 @@ def _apply_masks(logits: torch.Tensor, masks: Masks) -> None:
         logits[row] = torch.where(on_device[i], logits[row], forbidden)
 
 
+ARGMAX_CHUNK = 1024  # first_argmax's block width
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` for a 2-D tensor (the first of equal maxima), from block maxima: torch's CPU argmax is not
+    vectorized and took 2.0 ms for 32 rows of 49,152 logits (2 cores of a Xeon), this 0.4 ms."""
+    rows, width = x.shape
+    if width <= 2 * ARGMAX_CHUNK:
+        return x.argmax(-1)
+    full = width // ARGMAX_CHUNK
+    maxima = x[:, : full * ARGMAX_CHUNK].view(rows, full, ARGMAX_CHUNK).amax(-1)
+    if width > full * ARGMAX_CHUNK:
+        maxima = torch.cat([maxima, x[:, full * ARGMAX_CHUNK :].amax(-1, keepdim=True)], dim=1)
+    block = maxima.argmax(-1)  # the first block holding its row's maximum
+    cols = (block[:, None] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK, device=x.device)).clamp_(max=width - 1)
+    return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True)).squeeze(1)
+
+
 @torch.inference_mode()
 def sample(
     logits: torch.Tensor,
@@ -173,7 +191,7 @@ def sample(
         if index < p.min_tokens:
             logits = raw.clone() if logits is raw else logits
             logits[row, sorted(stop_ids | set(p.stop_token_ids))] = float("-inf")
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = first_argmax(logits)
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if p.greedy:
             continue
@@ -182,7 +200,8 @@ def sample(
         generator = torch.Generator().manual_seed(token_seed(p.seed or 0, index))
         # drawn on the CPU whatever the device, so every pod, CPU or GPU, continues the same stream
         noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator).to(probs.device)
-        tokens[row] = torch.argmax(probs / noise)  # the exponential race: argmax p_i / E_i draws i with prob p_i
+        # the exponential race: argmax p_i / E_i draws i with probability p_i
+        tokens[row] = first_argmax((probs / noise)[None])[0]
     token_list = tokens.tolist()
     want_logprobs = any(p.logprobs for p in params)
     if not want_logprobs:

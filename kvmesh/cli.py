@@ -241,7 +241,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvmesh.bench.args import positive_ints
+    from kvmesh.bench.args import positive_int, positive_ints
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
@@ -254,6 +254,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="the engine's quantization; the transformers baseline gets the same (dynamic int8)")
     e.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
+    e.add_argument("--rounds", type=positive_int, default=3,
+                   help="turns of the engine and transformers at the top concurrency; the ratio is their median")
     e.add_argument("--json", help="write the results here as JSON")
     k = bench.add_parser("kernels", help="Triton kernels: correctness, decode GB/s beside copy bandwidth and SDPA")
     from kvmesh.engine.kernels.bench import add_arguments as add_kernel_bench_arguments

@@ -258,12 +258,27 @@ def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch: pytest.MonkeyPatch)
     """A CPU without bf16 matrix units serves in fp32 (bf16 is several times slower there), whatever a timing on
     a busy machine would say; one with them in bf16; CUDA in bf16; a named dtype is taken as named."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(engine_module, "_cpu_bf16_units", lambda: False)
+    monkeypatch.setattr(engine_module, "_cpu_flags", lambda: {"avx2", "avx512f"})
     assert engine_module.pick_dtype("auto", cpu) == torch.float32
-    monkeypatch.setattr(engine_module, "_cpu_bf16_units", lambda: True)
-    assert engine_module.pick_dtype("auto", cpu) == torch.bfloat16
+    for units in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(engine_module, "_cpu_flags", lambda units=units: {"avx512f", units})
+        assert engine_module.pick_dtype("auto", cpu) == torch.bfloat16
     assert engine_module.pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert engine_module.pick_dtype("float16", cpu) == torch.float16
+
+
+def test_bf16_attention_on_a_cpu_only_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 SDPA on a CPU is the fast kernel with AMX and several times the slow one without (docs/architecture.md
+    "Serving dtype"), so a CPU without AMX attends in fp32; fp32 and CUDA attend in their own dtype."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(engine_module, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert engine_module.pick_attention_dtype(torch.bfloat16, cpu) == torch.float32
+    monkeypatch.setattr(engine_module, "_cpu_flags", lambda: None)
+    assert engine_module.pick_attention_dtype(torch.bfloat16, cpu) == torch.float32
+    monkeypatch.setattr(engine_module, "_cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert engine_module.pick_attention_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    assert engine_module.pick_attention_dtype(torch.float32, cpu) == torch.float32
+    assert engine_module.pick_attention_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
 
 
 def test_bf16_serving_computes_fp32_logits_from_an_fp32_residual_stream(tiny_dir: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvmesh.engine.engine import Engine
+from kvmesh.engine.model.linear import make_linear, onednn_bf16
 from kvmesh.engine.runner import StepInput
 
 from .conftest import make_engine
@@ -62,3 +63,41 @@ def test_faster_arithmetic_stays_close(tiny_dir: Path, reference, setting: dict[
     ref = _hf_last_logits(reference, prompt)
     assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
     assert not torch.equal(logits, ref)  # it really is another computation
+
+
+@pytest.mark.parametrize("attention_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_serving_stays_close_whichever_dtype_attention_reads(
+    tiny_dir: Path, reference, attention_dtype: torch.dtype
+) -> None:
+    """engine.pick_attention_dtype keeps attention in bf16 on a CPU with AMX and in fp32 elsewhere: both, over
+    a prefill and decode steps, stay close to transformers' fp32 and are different computations."""
+    engine = make_engine(tiny_dir, dtype="bfloat16", kv_cache_blocks=8)
+    engine.runner.model.attention_dtype = attention_dtype
+    ids = [(i * 7919) % 49152 for i in range(20)]
+    logits = engine.runner.run([StepInput([0, 1], 0, ids, True)]).logits[0]
+    for _ in range(4):
+        assert torch.nn.functional.cosine_similarity(logits, _hf_last_logits(reference, ids), dim=0) > 0.99
+        ids.append(int(logits.argmax()))
+        logits = engine.runner.run([StepInput([0, 1], len(ids) - 1, ids[-1:], True)]).logits[0]
+    engine.runner.model.attention_dtype = torch.float32 if attention_dtype == torch.bfloat16 else torch.bfloat16
+    other = engine.runner.run([StepInput([2, 3], 0, ids, True)]).logits[0]
+    engine.runner.model.attention_dtype = attention_dtype
+    again = engine.runner.run([StepInput([4, 5], 0, ids, True)]).logits[0]
+    assert not torch.equal(other, again)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_bf16_products_on_a_cpu_are_torchs_linear(rows: int) -> None:
+    """bf16 weights on a CPU whose oneDNN runs bf16 are reordered once into oneDNN's layout (model/linear.py):
+    the products are bit for bit torch's `F.linear`, with and without a bias, for any row count."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    for bias in (None, b):
+        got = make_linear(w, bias, "none", torch.device("cpu"))(x)
+        want = torch.nn.functional.linear(x, w, bias)
+        if onednn_bf16():
+            assert torch.equal(got, want)
+        else:  # the transposed-weight product: the same sums, perhaps in another order
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvmesh.engine.sampling import SamplingParams, sample, token_seed
+from kvmesh.engine.sampling import ARGMAX_CHUNK, SamplingParams, first_argmax, sample, token_seed
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
@@ -20,6 +20,20 @@ def draw(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS) -> Count
 def test_greedy_and_top_k_1_pick_the_argmax() -> None:
     assert draw(SamplingParams(temperature=0.0), 5) == Counter({0: 5})
     assert draw(SamplingParams(temperature=1.5, top_k=1, seed=3), 20) == Counter({0: 20})
+
+
+@pytest.mark.parametrize("width", [7, 2 * ARGMAX_CHUNK, 2 * ARGMAX_CHUNK + 1, 32_000, 49_152, 50_257])
+def test_first_argmax_is_torchs_argmax_ties_included(width: int) -> None:
+    """Greedy decoding takes the first of equal maxima, wherever they fall: inside one block, across blocks,
+    in the ragged last block, or a row of equal values."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=g)
+    x[1, [3, width - 1]] = 50.0  # a tie across blocks
+    x[2] = 0.0  # all equal
+    x[3, width - 1] = 50.0  # the last column alone
+    x[4, [width // 2, width // 2 + 1]] = 50.0  # a tie in one block
+    x[5:] = torch.randint(0, 3, (4, width), generator=g).float()  # many ties
+    assert torch.equal(first_argmax(x), x.argmax(-1))
 
 
 def test_sampling_follows_the_softmax() -> None:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from kvmesh.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.engine.kvcache import LayerKV
-from kvmesh.engine.model.linear import Linear, make_linear
+from kvmesh.engine.model.head import SplitBf16Head
+from kvmesh.engine.model.linear import Linear, make_linear, onednn_bf16
 from kvmesh.engine.model.loader import ModelConfig
 from kvmesh.engine.model.lora import LoraSegment, LoraWeights
 
@@ -67,8 +68,12 @@ class Llama:
         quantization: str = "none",
         max_loras: int = 0,
         max_lora_rank: int = 0,
+        attention_dtype: torch.dtype | None = None,
     ) -> None:
+        """`attention_dtype`: what attention reads the context in (None: fp32 on a CPU, the serving dtype on CUDA;
+        engine.pick_attention_dtype chooses per machine)."""
         self.config = config
+        self.attention_dtype = attention_dtype
         self.device = device
         c = config
         embed = weights["model.embed_tokens.weight"]
@@ -76,14 +81,22 @@ class Llama:
         head = weights.get("lm_head.weight")
         tied = c.tie_word_embeddings or head is None
         # On a CPU, whatever the serving dtype, the residual stream, the norms and the vocabulary product run in
-        # fp32 and only the layers' products and attention in the serving dtype: bf16 rounding there flipped the
-        # bundled model's greedy answers (docs/architecture.md "Serving dtype"). On CUDA they stay in the serving
-        # dtype, as other engines serve: an fp32 vocabulary product would cost a large batch several ms a step and
-        # the head twice its memory (not measured here: no GPU). A tied table is kept once.
+        # fp32 (the product, where oneDNN runs bf16, as head.py's split one: exact at each row's top) and only the
+        # layers' products (and attention, where engine.pick_attention_dtype says so) in the serving dtype: bf16
+        # rounding there flipped the bundled model's greedy answers (docs/architecture.md "Serving dtype"). On
+        # CUDA they stay in the serving dtype, as other engines serve: an fp32 vocabulary product would cost a
+        # large batch several ms a step and the head twice its memory (not measured here: no GPU). A tied table
+        # is kept once.
         self.stream_dtype = torch.float32 if device.type == "cpu" else self.dtype
-        head_weight = (embed if tied else head).to(device, self.stream_dtype)
-        self.embed = head_weight if tied else embed.to(device)
-        self.lm_head = make_linear(head_weight, None, quantization, device, transpose=False)
+        self.lm_head: Linear
+        if device.type == "cpu" and self.dtype == torch.bfloat16 and quantization == "none" and onednn_bf16():
+            # the fp32 product's greedy choice at bf16 speed (head.py), from the bf16 table the embedding reads too
+            self.embed = embed
+            self.lm_head = SplitBf16Head(embed if tied else head)
+        else:
+            head_weight = (embed if tied else head).to(device, self.stream_dtype)
+            self.embed = head_weight if tied else embed.to(device)
+            self.lm_head = make_linear(head_weight, None, quantization, device, transpose=False)
         self.final_norm = weights["model.norm.weight"].to(device, self.stream_dtype)
         self.layers: list[Layer] = []
         for i in range(c.num_layers):
@@ -159,7 +172,7 @@ class Llama:
             qk = qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
             q, k = self._rope(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(q, k, v, kv_layers[i], meta, self.scale)
+            attn = paged_attention(q, k, v, kv_layers[i], meta, self.scale, self.attention_dtype)
             h = h + self._project(w.o, attn.reshape(t, self.q_size), i, "o", lora)
             x = self._rms_norm(h, w.mlp_norm).to(self.dtype)
             gate, up = self._project(w.gate_up, x, i, "gate_up", lora).chunk(2, dim=-1)
