@@ -96,14 +96,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def pick_attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the torch attention path reads the context and the queries in. The serving dtype, except bf16
-    on a CPU without AMX: there SDPA's CPU kernel ran one query a sequence 5 to 10x slower in bf16 than in fp32
-    (torch 2.13, AVX512-BF16 EPYC), while with AMX its bf16 kernel is the faster one (decode steps 8 % faster at
-    batch 32, a 1,024-token prefill 1.3x; Xeon with AMX, docs/architecture.md "Serving dtype")."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    """The dtype the torch attention path reads the context and the queries in: the serving dtype on CUDA; on a
+    CPU fp32, except bf16 with AMX. Without AMX SDPA's CPU kernel ran one query a sequence 5 to 10x slower in
+    bf16 than in fp32 (torch 2.13, AVX512-BF16 EPYC), while with AMX its bf16 kernel is the faster one (decode
+    steps 8 % faster at batch 32, a 1,024-token prefill 1.3x; Xeon with AMX, docs/architecture.md "Serving
+    dtype")."""
+    if device.type != "cpu":
         return dtype
     flags = _cpu_flags()
-    return dtype if flags is not None and "amx_bf16" in flags else torch.float32
+    amx = flags is not None and "amx_bf16" in flags
+    return torch.bfloat16 if dtype == torch.bfloat16 and amx else torch.float32
 
 
 @dataclass(frozen=True)

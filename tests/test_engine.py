@@ -269,7 +269,8 @@ def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch: pytest.MonkeyPatch)
 
 def test_bf16_attention_on_a_cpu_only_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 SDPA on a CPU is the fast kernel with AMX and several times the slow one without (docs/architecture.md
-    "Serving dtype"), so a CPU without AMX attends in fp32; fp32 and CUDA attend in their own dtype."""
+    "Serving dtype"), so a CPU without AMX attends in fp32, and so does any other dtype on a CPU; CUDA attends in
+    the serving dtype."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(engine_module, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert engine_module.pick_attention_dtype(torch.bfloat16, cpu) == torch.float32
@@ -278,6 +279,7 @@ def test_bf16_attention_on_a_cpu_only_with_amx(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(engine_module, "_cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     assert engine_module.pick_attention_dtype(torch.bfloat16, cpu) == torch.bfloat16
     assert engine_module.pick_attention_dtype(torch.float32, cpu) == torch.float32
+    assert engine_module.pick_attention_dtype(torch.float16, cpu) == torch.float32  # fp16 attends in fp32, as before
     assert engine_module.pick_attention_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
 
 
