@@ -54,7 +54,8 @@ DATABASE_URL_ENV = "KVMESH_DATABASE_URL"  # the router's request-log URL, from s
 OPERATOR_ENV = ("HOME", CACHE_DIR_ENV, DATABASE_URL_ENV, CACHE_SALT_SECRET_ENV)
 SECRET_KEY = r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # a Secret's data key: a plain file name, never . or .. or a path
 API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds the keys file, by default
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded")  # the last only for pools with adapters
+# AdaptersLoaded only for pools with adapters; RouterStateShared: desired.router_state
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "RouterStateShared")
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 BUNDLED = "bundled"  # model.source naming the image's bundled model

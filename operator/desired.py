@@ -15,6 +15,7 @@ import copy
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -80,6 +81,32 @@ def config_name(pool: Pool) -> str:
 
 def router_address(pool: Pool) -> str:
     return f"http://{router_name(pool)}.{pool.namespace}.svc:{pool.spec['router']['port']}"
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Whether the pool's router replicas share what they keep (the `RouterStateShared` condition)."""
+
+    shared: bool
+    reason: str
+    message: str
+
+
+def router_state(pool: Pool) -> RouterState:
+    """Several router replicas share stored responses, the Batch API's files and batches, and the split of tenant
+    limits only through the pool's database (spec.store); without one each keeps its own, which a user learns
+    from a 404 on a Responses continuation that another replica stored."""
+    replicas = pool.spec["router"]["replicas"]
+    if replicas <= 1:
+        return RouterState(True, "SingleRouter", "one router replica keeps the pool's stored responses and tenant "
+                           "limits itself")
+    if pool.spec["store"]:
+        return RouterState(True, "Database", f"the {replicas} router replicas share stored responses, the Batch "
+                           "API and tenant limits through spec.store")
+    return RouterState(False, "NoStore", f"{replicas} router replicas and no spec.store: each keeps its own stored "
+                       "responses (a Responses API continuation that reaches another replica gets 404), tenant "
+                       "limits are split evenly between them, and the Batch API answers 501; set "
+                       "spec.store, or router.replicas: 1")
 
 
 def labels(pool: Pool, role: str) -> dict[str, str]:

@@ -263,6 +263,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             kopf.event(body, type="Warning", reason="ApiError", message=str(exc))
             raise kopf.TemporaryError(str(exc), delay=backoff_seconds(retry)) from exc
         state.condition(status, "Degraded", False, "Reconciled", "objects applied", generation)
+        shared = desired.router_state(pool)
+        state.condition(status, "RouterStateShared", shared.shared, shared.reason, shared.message, generation)
+        if not shared.shared:
+            kopf.event(body, type="Warning", reason=shared.reason, message=shared.message)
         conditions = state.condition(status, "Progressing", True, "Applied", summary, generation)
         if not any(c["type"] == "Ready" for c in conditions):
             conditions = state.condition(status, "Ready", False, "Starting", "waiting for pods", generation)

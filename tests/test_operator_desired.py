@@ -24,6 +24,7 @@ from kvmesh.operator.desired import (
     HOST_TIER_DIR,
     desired_objects,
     patch_body,
+    router_state,
 )
 from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod
 from kvmesh.operator.local import local_engine_settings
@@ -40,6 +41,18 @@ def pool(path: Path = AGGREGATED, **spec: Any) -> Pool:
     doc["spec"].update(spec)
     doc["metadata"]["uid"] = "uid-1"
     return parse_pool(doc)
+
+
+def test_router_replicas_share_their_state_only_through_a_database() -> None:
+    """Several router replicas without spec.store each keep their own stored responses: the condition says so,
+    and how to fix it; one replica, or a database, is fine."""
+    alone = router_state(pool(router={"replicas": 1}))
+    assert (alone.shared, alone.reason) == (True, "SingleRouter")
+    apart = router_state(pool(router={"replicas": 3}, store={}))
+    assert (apart.shared, apart.reason) == (False, "NoStore")
+    assert "3 router replicas" in apart.message and "404" in apart.message and "spec.store" in apart.message
+    together = router_state(pool(router={"replicas": 3}, store={"databaseUrlSecret": {"name": "db", "key": "url"}}))
+    assert (together.shared, together.reason) == (True, "Database")
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
