@@ -54,6 +54,18 @@ def test_a_near_tie_that_bf16_logits_cannot_tell_apart_goes_the_fp32_way() -> No
         assert int(SplitBf16Head(table)(x).argmax()) == rows[ahead]
 
 
+def test_flat_rows_fall_back_to_the_fp32_product() -> None:
+    """A zero hidden state makes every logit a candidate: such a step is the fp32 product (computed a slice of the
+    table at a time), not a gather of the whole table per row."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(3 * BLOCK + 5, 32, generator=g).bfloat16()
+    x = torch.randn(4, 32, generator=g)
+    x[1:3] = 0.0
+    got = SplitBf16Head(table)(x)
+    torch.testing.assert_close(got, _fp32(table, x), atol=1e-5, rtol=1e-5)
+    assert (got[1:3] == 0).all()
+
+
 def test_no_rows_give_no_logits() -> None:
     """A step in which no sequence samples asks for no rows."""
     assert SplitBf16Head(torch.zeros(3000, 8).bfloat16())(torch.empty(0, 8)).shape == (0, 3000)

@@ -58,7 +58,8 @@ def make_linear(
 
 
 def onednn_bf16() -> bool:
-    """Whether oneDNN runs bf16 products on this CPU (it needs AVX512-BF16 or AMX; elsewhere torch emulates)."""
+    """Whether oneDNN runs bf16 products on this CPU: natively with AVX512-BF16 or AMX, emulated on other AVX-512
+    CPUs (where `--dtype auto` serves fp32; only a dtype asked for gets bf16 there, unmeasured)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
