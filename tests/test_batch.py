@@ -219,6 +219,33 @@ def test_a_database_an_older_kvmesh_made_gets_the_new_columns_and_keeps_its_rows
         upgraded.close()
 
 
+def test_postgresql_stores_file_contents_uncompressed_so_a_piece_is_read_alone(database_url: str) -> None:
+    """A compressed bytea is decompressed from its start for every substr: PostgreSQL keeps contents uncompressed
+    (STORAGE EXTERNAL), in a new database and in one an older kvmesh made; a piece still reads back exactly."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("SQLite never compresses a blob")
+    storage = sqlalchemy.text("SELECT attstorage FROM pg_attribute "
+                              "WHERE attrelid = 'kvmesh_files'::regclass AND attname = 'content'")
+    older = BatchStore(database_url)
+    with older.engine.begin() as conn:
+        assert conn.scalar(storage) == "e"
+        conn.execute(sqlalchemy.text("ALTER TABLE kvmesh_files ALTER COLUMN content SET STORAGE EXTENDED"))
+    older.close()
+    upgraded = BatchStore(database_url)
+    try:
+        with upgraded.engine.connect() as conn:
+            assert conn.scalar(storage) == "e"
+        content = b"lorem ipsum " * 300_000  # 3.6 MB that compress well: stored as they are
+        file = upgraded.add_file(TENANT, "batch", "in.jsonl", content, ttl=None)
+        with upgraded.engine.connect() as conn:
+            stored = conn.scalar(sqlalchemy.text("SELECT pg_column_size(content) FROM kvmesh_files"))
+        assert stored >= len(content)
+        pieces = upgraded.file_pieces(TENANT, file["id"])
+        assert pieces is not None and b"".join(pieces[1]) == content
+    finally:
+        upgraded.close()
+
+
 def test_files_uploaded_before_lines_were_counted_weigh_on_the_enqueued_limit(database_url: str) -> None:
     from sqlalchemy import text
 
