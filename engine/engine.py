@@ -648,6 +648,9 @@ class Engine:
                     wants_logits=start + known == r.num_tokens,
                     lora_slot=self.loras.slot(r.extra.lora),
                     num_logits=1 + len(s.draft_ids),
+                    # greedy over logits the sampler changes: exact ones (model/head.py approximates away from the top)
+                    exact_logits=r.params.greedy and (r.guide is not None or r.params.adjusts_logits
+                                                      or r.num_generated < r.params.min_tokens),
                 )
             )
         result = self.runner.run(inputs)

@@ -28,6 +28,7 @@ class StepInput:
     wants_logits: bool
     lora_slot: int | None = None  # the LoRA adapter's slot (model/lora.py); None: the base model
     num_logits: int = 1  # with wants_logits: logits at this many trailing positions (a draft run verifies them all)
+    exact_logits: bool = False  # with wants_logits: the model's exact logits, not a faster close approximation
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class ModelRunner:
                 segments.append(LoraSegment(begin, len(ids), s.lora_slot))
         rows = [row for s in seqs if s.wants_logits
                 for row in range(last_row[id(s)] - s.num_logits + 1, last_row[id(s)] + 1)]
+        exact = [i for i, s in enumerate(r for r in seqs if r.wants_logits for _ in range(r.num_logits))
+                 if s.exact_logits]
         meta = build_metadata(
             [(s.block_table, s.num_computed, len(s.token_ids)) for s in order],
             self.block_size,
@@ -92,7 +95,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         hidden = self.model.forward(input_ids, pos, meta, self.kv_layers, segments)
-        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)], exact)
         self.computed_tokens += len(ids)
         self.steps += 1
         return StepResult(logits, len(ids), time.perf_counter() - start)

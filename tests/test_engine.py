@@ -296,6 +296,27 @@ def test_bf16_serving_computes_fp32_logits_from_an_fp32_residual_stream(tiny_dir
     assert (logits != logits.to(torch.bfloat16).float()).float().mean() > 0.9
 
 
+def test_greedy_rows_whose_logits_the_sampler_changes_ask_the_model_for_exact_logits(
+        tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 serving's vocabulary product is exact only near each row's top (model/head.py): greedy decoding under
+    a logit_bias, penalties or min_tokens asks for exact logits; plain greedy and sampling do not."""
+    asked: list[bool] = []
+    run = tiny_engine.runner.run
+
+    def spy(seqs: list[StepInput]) -> object:
+        asked.extend(s.exact_logits for s in seqs if s.wants_logits)
+        return run(seqs)
+
+    monkeypatch.setattr(tiny_engine.runner, "run", spy)
+    cases = [({}, [False] * 3), ({"logit_bias": {500: 1.0}}, [True] * 3), ({"presence_penalty": 0.5}, [True] * 3),
+             ({"min_tokens": 2}, [True, True, False]), ({"temperature": 1.0, "seed": 1, "logit_bias": {500: 1.0}},
+                                                        [False] * 3)]
+    for params, expected in cases:
+        asked.clear()
+        generate(tiny_engine, [prompt(40, 12)], max_tokens=3, **params)
+        assert asked == expected, params
+
+
 def test_penalties_change_the_answer_and_continue_exactly_after_a_resume(tiny_engine: Engine) -> None:
     """Penalties count the tokens generated so far; a pod continuing a request gets them as its output so far
     (resume_output_ids), so it goes on exactly as one pod would have."""

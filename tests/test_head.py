@@ -54,6 +54,19 @@ def test_a_near_tie_that_bf16_logits_cannot_tell_apart_goes_the_fp32_way() -> No
         assert int(SplitBf16Head(table)(x).argmax()) == rows[ahead]
 
 
+def test_rows_asked_exact_are_the_fp32_product_whole() -> None:
+    """Rows whose greedy choice the sampler makes after changing the logits get every entry exact; the others
+    keep the split product's approximation away from their top."""
+    g = torch.Generator().manual_seed(2)
+    table = (torch.randn(3 * BLOCK, 64, generator=g) * 0.5).bfloat16()
+    x = torch.randn(3, 64, generator=g) * 4
+    head, want = SplitBf16Head(table), _fp32(table, x)
+    got = head(x, exact_rows=[1])
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-6)
+    assert (got[0] - want[0]).abs().max() > 1e-3  # the others are the approximation
+    torch.testing.assert_close(head(x, exact_rows=[0, 1, 2]), want, atol=1e-4, rtol=1e-6)
+
+
 def test_flat_rows_fall_back_to_the_fp32_product() -> None:
     """A zero hidden state makes every logit a candidate: such a step is the fp32 product (computed a slice of the
     table at a time), not a gather of the whole table per row."""

@@ -180,6 +180,9 @@ class Llama:
         return self._rms_norm(h, self.final_norm)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits in fp32 for the given rows of hidden states."""
+    def logits(self, hidden: torch.Tensor, exact_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Vocabulary logits in fp32 for the given rows of hidden states; `exact_rows` get the exact product where
+        the head otherwise approximates (head.py: its greedy choice is exact only before the sampler's changes)."""
+        if isinstance(self.lm_head, SplitBf16Head):
+            return self.lm_head(hidden, exact_rows)
         return self.lm_head(hidden).float()
