@@ -1,4 +1,4 @@
-"""The one `kvmesh` command: `serve` (an engine), `router`, `up` (a local pool), `chat`, `bench`."""
+"""The one `kvmesh` command: `serve` (an engine), `router`, `up` (a local pool), `chat`, `status`, `bench`."""
 
 from __future__ import annotations
 
@@ -240,6 +240,19 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="a router's pods: state, load, KV use and forecast, the cached blocks it indexes")
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="the router's base URL (default: kvmesh up's)")
+    p.add_argument("--json", action="store_true", help="print the router's document (GET /kvmesh/pool) as it is")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="print it again every SECONDS until Ctrl-C")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvmesh.status import run
+
+    return run(args)
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.args import positive_int, positive_ints
 
@@ -393,13 +406,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _up_parser(sub)
     _operator_parser(sub)
     _chat_parser(sub)
+    _status_parser(sub)
     _bench_parser(sub)
     from kvmesh.bench.sim_engine import add_parser as add_sim_engine
 
     add_sim_engine(sub)
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "router": _router, "up": _up, "operator": _operator, "chat": _chat, "bench": _bench,
-                "sim-engine": _sim_engine}
+    handlers = {"serve": _serve, "router": _router, "up": _up, "operator": _operator, "chat": _chat, "status": _status,
+                "bench": _bench, "sim-engine": _sim_engine}
     return handlers[args.command](args)
 
 

@@ -94,6 +94,7 @@ from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tena
 from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
+from kvmesh.router.pool_status import POOL_STATUS_PATH, pod_state, pool_status
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.responses_api import STORE_OPERATIONS, Responses, response_routes
@@ -202,16 +203,7 @@ class _EventLag:
 
 
 def _count_pods(pods: PodSet, state: str) -> int:
-    def state_of(pod: Pod) -> str:
-        if pod.refused:
-            return "refused"
-        if pod.draining:
-            return "draining"
-        if pod.warming:
-            return "warming"
-        return "healthy" if pod.healthy else "unhealthy"
-
-    return sum(1 for pod in pods.pods.values() if state_of(pod) == state)
+    return sum(1 for pod in pods.pods.values() if pod_state(pod) == state)
 
 
 class RouteError(Exception):
@@ -1305,6 +1297,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         healthy = [p.name for p in router.pods.snapshot() if p.healthy and not p.draining]
         status = "draining" if drain.draining else "ok" if healthy else "no_pods"
         return JSONResponse({"status": status, "pods": healthy}, status_code=200 if status == "ok" else 503)
+
+    @app.get(POOL_STATUS_PATH)
+    async def pool() -> JSONResponse:
+        """Every pod as this replica sees it (`kvmesh status` prints it): open like /metrics, no key asked."""
+        return JSONResponse(pool_status(router.pods.pods, router.pods.snapshot(), router.index, time.monotonic()))
 
     @app.get("/metrics")
     async def metrics() -> Response:

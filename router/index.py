@@ -156,6 +156,11 @@ class PrefixIndex:
         """Distinct block hashes held by any pod (provisional entries not counted)."""
         return len(self._masks)
 
+    def held_blocks(self, pod: str) -> dict[str, int]:
+        """Blocks `pod` holds per tier (TIERS) as its events and snapshots told (provisional entries not counted)."""
+        held = self._held.get(pod)
+        return {tier: len(held[i]) if held else 0 for i, tier in enumerate(TIERS)}
+
     def pods(self) -> list[str]:
         """The pods the index knows, from events, a snapshot or a provisional entry."""
         return sorted(self._bits)

@@ -15,10 +15,12 @@ import httpx
 import openai
 import pytest
 
+from kvmesh.cli import main
 from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.pool_status import POOL_STATUS_PATH
 
 from .engines import serve_router, tiny_engines
 
@@ -64,6 +66,26 @@ def test_a_repeated_prefix_lands_on_the_pod_that_holds_it(router: tuple[str, Rou
     assert 'kvmesh_router_decisions_total{reason="prefix"} 0.0' not in metrics
     lags = [line for line in metrics.splitlines() if line.startswith("kvmesh_router_kv_event_lag_batches{")]
     assert len(lags) == 2 and all(float(line.split()[-1]) < 5 for line in lags)
+
+
+def test_kvmesh_status_shows_each_pod_and_the_prefix_it_holds(router: tuple[str, Router], engines: list[str],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvmesh status` against the router: both engines healthy, and the one that served a 160-token prompt holds
+    its 10 blocks in the router's index (from the engine's KV events); a URL that is no router is a clear error."""
+    url, _ = router
+    pod = complete(url, [*tokens(7, 160), 1, 2]).headers["x-kvmesh-pod"]
+    for _ in range(100):
+        rows = {row["name"]: row for row in httpx.get(url + POOL_STATUS_PATH, timeout=10).json()["pods"]}
+        if rows[pod]["indexed_blocks"]["device"] >= 10:
+            break
+        time.sleep(0.1)
+    assert sorted(rows) == sorted(engines) and {row["state"] for row in rows.values()} == {"healthy"}
+    assert rows[pod]["indexed_blocks"]["device"] >= 10 and rows[pod]["num_blocks"] > 0
+    assert main(["status", "--url", url]) == 0
+    table = capsys.readouterr().out
+    assert pod.removeprefix("http://") in table and "2 pods, 2 healthy" in table
+    assert main(["status", "--url", engines[0]]) == 1  # an engine has no pool to show
+    assert "is it a kvmesh router?" in capsys.readouterr().err
 
 
 def test_predicted_cached_tokens_match_the_engines(router: tuple[str, Router]) -> None:
