@@ -593,7 +593,7 @@ class _ScalingWatch:
         _write_router_file(self.engines.workdir, router)
 
     def tick(self) -> None:
-        from kvmesh.operator.local import describe
+        from kvmesh.operator.local import Tick, describe
 
         self.follow_file()
         if any(e.state == STARTING and e.child.name not in (self.operator.memory.serving or ())
@@ -605,18 +605,21 @@ class _ScalingWatch:
         self.next = time.monotonic() + self.interval
         pods = observe_engines(self.engines.observable())
         before = self.engines.replicas()
+
+        def carry_out(tick: Tick) -> None:
+            for line in describe(tick.decision, before):
+                _say(f"scaler: {line}")
+            for role, n in tick.decision.changed(before).items():
+                self.engines.scale(role, n, tick.deletion_costs)  # the decision is already within the pool's bounds
+            self.operator.record(tick.decision, self.engines.replicas(), before)
+            for line in self.operator.warm_up(tick.warmups):  # after scaling, as the operator does
+                _say(f"warm-up: {line}")
+
         try:
-            tick = self.operator.decide(time.monotonic(), pods, before)
-        except Exception as exc:  # as the cluster operator's timer: this tick fails, the pool keeps serving
-            _say(f"scaler: this tick failed ({exc!r}); the pool stays as it is")
+            self.operator.tick(time.monotonic(), pods, before, carry_out)
+        except Exception as exc:  # as the cluster operator's timer: the tick fails (counted), the pool keeps serving
+            _say(f"scaler: this tick failed ({exc!r}); the next one tries again")
             return
-        for line in describe(tick.decision, before):
-            _say(f"scaler: {line}")
-        for role, n in tick.decision.changed(before).items():
-            self.engines.scale(role, n, tick.deletion_costs)  # the decision is already within the pool's bounds
-        self.operator.record(tick.decision, self.engines.replicas(), before)
-        for line in self.operator.warm_up(tick.warmups):  # after scaling, as the operator does
-            _say(f"warm-up: {line}")
         self.sync_adapters()
 
     def sync_adapters(self) -> None:

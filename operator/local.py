@@ -15,7 +15,7 @@ that `kvmesh up` rewrites; everything else in the two files is what the operator
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -196,9 +196,9 @@ class Tick:
 
 
 class LocalOperator:
-    """The operator's scaling tick for one local pool, less the Kubernetes calls: `decide` observes and plans,
-    `kvmesh up` warms (`warm_up`) and scales, and `record` exports the outcome under the operator's own metric
-    names and labels."""
+    """The operator's scaling tick for one local pool, less the Kubernetes calls: `tick` decides (`decide` observes
+    and plans) and has `kvmesh up` carry it out: scale, `record` the outcome under the operator's own metric names
+    and labels, and warm (`warm_up`)."""
 
     def __init__(self, pool: Pool, warm: Warmer = http_warm, open_gates: GateOpener = http_open_gates) -> None:
         self.pool = pool
@@ -220,18 +220,26 @@ class LocalOperator:
         """Engines the scaler adds wait for their warm-up."""
         return self.warmup.gated
 
-    def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
-        """One scaling evaluation of the pool, counted in the operator's heartbeat as the cluster's timer counts
-        its ticks (an error if it raises)."""
+    def tick(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int],
+             carry_out: Callable[[Tick], None]) -> Tick:
+        """One scaling evaluation of the pool: `decide`, then `carry_out` the tick (`kvmesh up` starts and drains
+        engines, records, warms), counted in the operator's heartbeat as the cluster's timer counts a tick, which
+        also applies what it decided: an error if either part raises (the exception goes on)."""
         with self.metrics.evaluation(self.pool):
-            scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
-            decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas)
-            hit_rates = pod_hit_rates(self.memory, now, scraped)
-            places = {p.name: PodPlace(p.url, p.ready) for p in pods}
-            warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)
-            costs = {name: cost for role in self.pool.roles
-                     for name, cost in deletion_costs(role, scraped, hit_rates).items()}
-            return Tick(decision, warmups, costs)
+            tick = self.decide(now, pods, replicas)
+            carry_out(tick)
+            return tick
+
+    def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
+        """Observe the engines and plan: the replicas per role, the warm-ups, the cost of deleting each engine."""
+        scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
+        decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas)
+        hit_rates = pod_hit_rates(self.memory, now, scraped)
+        places = {p.name: PodPlace(p.url, p.ready) for p in pods}
+        warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)
+        costs = {name: cost for role in self.pool.roles
+                 for name, cost in deletion_costs(role, scraped, hit_rates).items()}
+        return Tick(decision, warmups, costs)
 
     def warm_new(self, now: float, pods: list[LocalPod]) -> list[str]:
         """Warm, between two ticks, the engines that began serving since the last one, and open their gates, as the

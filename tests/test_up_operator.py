@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import OperatorMetric, VllmMetric
-from kvmesh.operator.local import LocalOperator, LocalPod
+from kvmesh.operator.local import LocalOperator, LocalPod, Tick
 from kvmesh.up import LOCAL_NAMESPACE, plan_from_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
@@ -64,8 +64,9 @@ def test_the_local_tick_plans_warming_new_engines_from_the_hottest_peer_and_reco
 
 def test_each_local_tick_is_one_evaluation_in_the_operator_s_heartbeat() -> None:
     """`kvmesh up`'s tick counts in the cluster timer's heartbeat (operator/metrics.py `evaluation`): one ok per
-    decision, an error for one that cannot read an engine's metrics (raised on: `kvmesh up` reports it and keeps
-    the pool as it is), stamped with the wall clock and the pool's interval, which the Stalled alert compares."""
+    tick decided and carried out, an error for one that cannot read an engine's metrics or whose carrying out
+    fails (an engine that cannot be started: raised on, `kvmesh up` reports it and the next tick tries again),
+    stamped with the wall clock and the pool's interval, which the Stalled alert compares."""
     plan = plan_from_file(EXAMPLES / "aggregated.yaml")
     operator = LocalOperator(plan.pool)
 
@@ -79,17 +80,25 @@ def test_each_local_tick_is_one_evaluation_in_the_operator_s_heartbeat() -> None
 
     assert counted() == (None, None) and value(OperatorMetric.LAST_EVALUATION) is None  # none before a first tick
     start = time.time()
+    carried: list[Tick] = []
     for step in range(3):
-        operator.decide(15.0 * step, [engine("engine-0", 0), engine("engine-1", 0)], {"both": 2})
-    assert counted() == (3, 0)
+        operator.tick(15.0 * step, [engine("engine-0", 0), engine("engine-1", 0)], {"both": 2}, carried.append)
+    assert counted() == (3, 0) and len(carried) == 3
     stamped = value(OperatorMetric.LAST_EVALUATION)
     assert stamped is not None and start <= stamped <= time.time()  # Unix time, not the scaler's clock (0 to 30)
     assert value(OperatorMetric.EVALUATION_INTERVAL) == plan.pool.spec["scaling"]["intervalSeconds"]
 
     broken = LocalPod("engine-0", "both", "http://127.0.0.1:1/engine-0", "not prometheus text {", True)
     with pytest.raises(ValueError):
-        operator.decide(45.0, [broken], {"both": 2})
-    assert counted() == (3, 1)
+        operator.tick(45.0, [broken], {"both": 2}, carried.append)
+    assert counted() == (3, 1) and len(carried) == 3  # nothing to carry out
+
+    def no_engine_starts(_: Tick) -> None:
+        raise OSError(24, "Too many open files")
+
+    with pytest.raises(OSError):
+        operator.tick(60.0, [engine("engine-0", 0), engine("engine-1", 0)], {"both": 2}, no_engine_starts)
+    assert counted() == (3, 2)
 
 
 def test_a_local_pool_never_loads_kopf() -> None:
