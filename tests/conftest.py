@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,13 +94,16 @@ def tiny_engine(tiny_dir: Path) -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real PostgreSQL (pgserver's wheel: the server binaries, no system package), started once per session:
-    the database a cluster's routers share."""
-    os.environ.setdefault("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("runtime")))  # read at pgserver's import
-    import pgserver
+    the database a cluster's routers share. Its files live outside pytest's temporary directories: pytest keeps
+    only its 3 newest runs' directories, so other pytest runs started meanwhile on the machine would delete the
+    data directory (and socket) of a long run's server under it."""
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("runtime")))  # its lock file's home
+    with tempfile.TemporaryDirectory(prefix="kvmesh-postgres-") as where:  # the socket goes in the data directory
+        import pgserver
 
-    server = pgserver.get_server(tmp_path_factory.mktemp("postgres"), cleanup_mode="stop")
-    yield server
-    server.cleanup()
+        server = pgserver.get_server(Path(where) / "data", cleanup_mode="stop")
+        yield server
+        server.cleanup()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
