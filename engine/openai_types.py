@@ -7,6 +7,7 @@ is a 400 naming the parameter, never a 500 from deep inside the engine.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -19,6 +20,32 @@ MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties: -2 to 2
 MAX_LOGIT_BIAS = 100.0  # logit_bias values: -100 to 100
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \ud800 escape decodes to one; no UTF-8 encodes it
+_TOKEN_ID_FIELDS = frozenset({"prompt", "resume_output_ids", "stop_token_ids"})  # no text inside (prompt: below)
+
+
+def valid_text(value: Any) -> Any:
+    """`value` unchanged; ValueError when a string anywhere in it holds a lone surrogate, which the tokenizer and
+    the grammar engine cannot encode (a 500 from deep inside them otherwise). Iterative: a body nests as deep as
+    its JSON parser allows."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                raise ValueError(f"text must be valid Unicode, got a lone surrogate in {item!r:.60}")
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return value
+
+
+def _text_fields(value: Any, info: ValidationInfo) -> Any:
+    """A body field's raw value, refused when it holds text that is not valid Unicode (token id fields skipped)."""
+    return value if info.field_name in _TOKEN_ID_FIELDS else valid_text(value)
 
 
 class StreamOptions(BaseModel):
@@ -125,14 +152,22 @@ class ResponseFormat(BaseModel):
         return None
 
 
+def loads(text: str, what: str) -> Any:
+    """JSON text's value; ValueError naming `what` when it is not JSON or nests deeper than Python's recursion limit
+    lets it be read (RecursionError would otherwise escape as a 500)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply to read") from None
+
+
 def json_object(value: Any, what: str) -> dict[str, Any]:
     """A mapping given as itself or as its JSON text (vLLM takes both: a schema in a body, a config in a flag);
     ValueError naming `what` otherwise."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{what} is not JSON: {exc}") from None
+        value = loads(value, what)
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object (a mapping), got {value!r:.80}")
     return value
@@ -212,6 +247,8 @@ class _Common(BaseModel):
     resume_output_ids: list[int] | None = None
     return_token_ids: bool = False
 
+    _text = field_validator("*", mode="before")(_text_fields)
+
     @field_validator("guided_whitespace_pattern")
     @classmethod
     def _no_whitespace_pattern(cls, value: str | None) -> None:
@@ -289,12 +326,27 @@ class CompletionRequest(_Common):
     def _nonempty(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, str) or isinstance(value[0], str):  # token ids hold no text: not walked
+            valid_text(value)
         return value
 
 
 class CalledFunction(BaseModel):
     name: str = Field(min_length=1)
     arguments: str | dict[str, Any] = ""  # OpenAI sends JSON text; some clients an object
+
+    @field_validator("arguments")
+    @classmethod
+    def _readable(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        """JSON text is read as an object for the chat template: it must be readable; other text is shown as is."""
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError:
+                pass  # free text
+            except RecursionError:
+                raise ValueError("arguments nest too deeply to read as JSON") from None
+        return value
 
 
 class PastToolCall(BaseModel):
@@ -325,6 +377,13 @@ class ChatMessage(BaseModel):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
         return value
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        """Refused here, where the error names this message (the template would count a prepended tools prompt)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
 
 
 class FunctionDef(BaseModel):
@@ -385,8 +444,10 @@ class ChatRequest(_Common):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:
+            return value  # the tools were refused: that error is the one to read
         names = {t.function.name for t in info.data.get("tools") or []}
-        if value is not None and not names and "tools" in info.data:
+        if value is not None and not names:
             raise ValueError("tool_choice needs tools")
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
             raise ValueError(f"tool_choice names function {value.function.name!r}, which is not in tools "
@@ -457,6 +518,11 @@ class TokenizeRequest(BaseModel):
     tools: list[ToolDef] | None = None
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as a chat completion does
     add_special_tokens: bool = True  # prompt: the tokenizer's BOS (messages: the template places its own)
+
+    @field_validator("prompt", "messages", "tools", mode="before")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        return valid_text(value)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

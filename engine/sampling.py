@@ -23,6 +23,14 @@ from kvmesh.engine.structured import Masks
 GREEDY_TEMPERATURE = 1e-5
 
 
+class InvalidParam(ValueError):
+    """A sampling parameter outside its range; `param` names the request field (a 400 names it too)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """What a request asks of the sampler and the stop checks. Ranges follow OpenAI's documented ones."""
@@ -53,35 +61,40 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first parameter outside its range."""
+        """Raise InvalidParam naming the first parameter outside its range."""
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be between 0 and max_tokens, got {self.min_tokens}")
+            raise InvalidParam("min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
+                                             f"got {self.min_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
+            raise InvalidParam("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be above 0 and at most 1, got {self.top_p}")
+            raise InvalidParam("top_p", f"top_p must be above 0 and at most 1, got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            raise InvalidParam("top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
+            raise InvalidParam("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
         if any(not s for s in self.stop):
-            raise ValueError("stop sequences must not be empty")
+            raise InvalidParam("stop", "stop sequences must not be empty")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+            raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
+                                               f"got {self.top_logprobs}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids outside the vocabulary (0..{vocab_size - 1}): {bad}")
+            raise InvalidParam("stop_token_ids", f"stop_token_ids outside the vocabulary (0..{vocab_size - 1}): "
+                                                 f"{bad[:5]}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ValueError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
+                raise InvalidParam(name, f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
         bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
+            raise InvalidParam("logit_bias", f"logit_bias names token ids outside the vocabulary "
+                                             f"(0..{vocab_size - 1}): {bad[:5]}")
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
-            raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+            raise InvalidParam("logit_bias", f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and "
+                                             f"{MAX_LOGIT_BIAS:g}")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -173,8 +186,9 @@ def sample(
 ) -> SampleResult:
     """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i], after
     its structured-output mask (`masks`), its penalties over `generated[i]` (the tokens it generated so far) and its
-    logit_bias. Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids. Logprobs
-    are the model's own."""
+    logit_bias. Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids, unless their
+    constraint allows nothing else (the constraint wins: a token it forbids would fail the request). Logprobs are
+    the model's own."""
     if not logits.shape[0] == len(params) == len(output_indices):
         raise ValueError(f"sample: {logits.shape[0]} logits rows, {len(params)} sampling params and "
                          f"{len(output_indices)} output indices; one of each per row")
@@ -187,10 +201,15 @@ def sample(
         if p.adjusts_logits:
             logits = raw.clone() if logits is raw else logits
             _adjust(logits[row], p, generated[row] if generated is not None else ())
+    constrained = set(masks.rows) if masks is not None else set()
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if index < p.min_tokens:
             logits = raw.clone() if logits is raw else logits
-            logits[row, sorted(stop_ids | set(p.stop_token_ids))] = float("-inf")
+            stops = sorted(stop_ids | set(p.stop_token_ids))
+            kept = logits[row, stops].clone()
+            logits[row, stops] = float("-inf")
+            if row in constrained and not torch.isfinite(logits[row]).any():
+                logits[row, stops] = kept  # the constraint allows only stop tokens here: it ends the output early
     tokens = first_argmax(logits)
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if p.greedy:

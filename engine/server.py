@@ -72,7 +72,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.request import Request, RequestOutput
-from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.sampling import InvalidParam, SamplingParams
 from kvmesh.engine.structured import Guide, StructuredError
 from kvmesh.engine.tools import ToolStream, tool_constraint, tool_message
 from kvmesh.engine.tracing import OFF, ChoiceTokens, Tracing, call_usage, engine_call
@@ -89,6 +89,12 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object (a response's body, or a streamed event's)."""
+        return error_body(self.message, "invalid_request_error" if self.status < 500 else "server_error", self.param,
+                          self.code)
 
 
 class WarmupGate:
@@ -343,8 +349,8 @@ class _Completions:
         )
         try:
             params.validate(e.vocab_size)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
+        except InvalidParam as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         return params
 
     async def job(self) -> _Job:
@@ -516,10 +522,7 @@ class _Completions:
             while job.open:
                 index, out = await job.next(self.http)
                 if out.error and out.finish_reason not in ("stop", "length"):
-                    gone = out.error_code == MODEL_NOT_FOUND
-                    body = (error_body(out.error, param="model", code=MODEL_NOT_FOUND) if gone
-                            else error_body(out.error, "server_error"))
-                    yield f"data: {json.dumps(body)}\n\n"
+                    yield f"data: {json.dumps(self._failure(job, index, out).body)}\n\n"
                     continue
                 if out.finish_reason is not None:
                     finals[index] = out
@@ -542,6 +545,18 @@ class _Completions:
         finally:
             if job.open:
                 job.abort()
+
+    def _failure(self, job: _Job, index: int, out: RequestOutput) -> ApiError:
+        """Why a choice failed, as the client should read it: its adapter unloaded after the check (404), its
+        constraint failing while generating (400: the grammar hit one of llguidance's limits; its matcher says
+        so), else the engine's fault (500)."""
+        assert out.error is not None
+        if out.error_code == MODEL_NOT_FOUND:
+            return ApiError(404, out.error, param="model", code=MODEL_NOT_FOUND)
+        guide = job.requests[index].guide
+        if guide is not None and guide.error() is not None and self.constraint is not None:
+            return ApiError(400, out.error, param=self.constraint.param)
+        return ApiError(500, out.error, code="engine_error")
 
     @staticmethod
     def _tool_delta(choice: dict[str, Any], stream: ToolStream, out: RequestOutput) -> None:
@@ -574,9 +589,7 @@ class _Completions:
             final = outs[-1]
             finals[index] = final
             if final.error and final.finish_reason not in ("stop", "length"):
-                if final.error_code == MODEL_NOT_FOUND:  # its adapter was unloaded after the check above
-                    raise ApiError(404, final.error, param="model", code=MODEL_NOT_FOUND)
-                raise ApiError(500, final.error, code="engine_error")
+                raise self._failure(job, index, final)
             text = "".join(o.new_text for o in outs)
             if self.chat:
                 choice: dict[str, Any] = {
@@ -713,19 +726,20 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
 
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return JSONResponse(error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status)
+        return JSONResponse(exc.body, status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         problems = []
         param = None
         for err in exc.errors():
+            if err.get("type") == "json_invalid":  # its loc is the offset of the fault, not a field
+                reason = (err.get("ctx") or {}).get("error", "")
+                problems.append(f"body: malformed JSON at character {err['loc'][-1]}: {reason}".rstrip(": "))
+                continue
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             param = param or (loc[0] if loc else None)
-            where = ".".join(loc) or "body"
-            msg = "malformed JSON" if err.get("type") == "json_invalid" else err.get("msg", "invalid")
-            problems.append(f"{where}: {msg}")
+            problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
         return JSONResponse(error_body("; ".join(problems[:5]), param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -26,6 +26,11 @@ class StructuredError(ValueError):
     """A matcher refused a token or hit one of llguidance's limits."""
 
 
+def _reason(error: str) -> str:
+    """llguidance's error without the parser state it dumps after it (dozens of lines no client can act on)."""
+    return error.split("\n<state>", 1)[0].strip()
+
+
 class Guide:
     """One sequence's matcher: which tokens may come next, and the tokens generated so far fed through it."""
 
@@ -41,7 +46,7 @@ class Guide:
         """Why the matcher failed (a refused token, a limit of llguidance's), or None; a failed matcher stays so."""
         if not self._matcher.is_error():
             return None
-        return self._matcher.get_error() or "the matcher failed"
+        return _reason(self._matcher.get_error() or "") or "the matcher failed"
 
     def fill(self, bits: torch.Tensor, row: int) -> None:
         """Write the allowed-token bitmask of the next step into `bits[row]` (int32, 1 bit per token)."""
@@ -86,15 +91,20 @@ class StructuredOutputs:
     def guide(self, constraint: Constraint, resumed: Sequence[int] = ()) -> Guide:
         """A matcher for one sequence, with the tokens it already generated (`resume_output_ids`: a handoff or a
         migration) fed through it, so a continuing pod masks exactly as the first one would have. ValueError
-        when the grammar is invalid for this tokenizer or the resumed tokens break it."""
+        when the grammar is invalid for this tokenizer or allows no output at all (a regex such as [^\\s\\S]: its
+        first mask would fail the request mid-flight), StructuredError when the resumed tokens break it."""
         matcher = LLMatcher(self.ll_tokenizer, constraint.grammar(), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid {constraint.kind}: {matcher.get_error()}")
+            raise ValueError(f"invalid {constraint.kind}: {_reason(matcher.get_error())}")
         guide = Guide(matcher)
         try:
             guide.consume(resumed)
         except StructuredError as exc:
             raise StructuredError(f"resume_output_ids do not follow the {constraint.kind} constraint: {exc}") from None
+        if not matcher.is_stopped():
+            matcher.compute_bitmask()  # tens of microseconds, off the engine thread: a grammar of nothing fails here
+            if (error := guide.error()) is not None:
+                raise ValueError(f"the {constraint.kind} allows no output: {error}")
         return guide
 
     def masks(self, guides: Sequence[Guide | None]) -> Masks | None:

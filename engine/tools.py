@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.engine.constraint import Constraint
-from kvmesh.engine.model.tool_prompt import CALL_OPEN, arguments_value
+from kvmesh.engine.model.tool_prompt import CALL_OPEN
 
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function declared without parameters takes any object
@@ -83,15 +83,17 @@ def tool_constraint(mode: str | None, tools: list[dict[str, Any]], name: str | N
 
 
 def _call(value: Any, names: set[str]) -> ToolCall | None:
-    """A {"name", "arguments"} object naming a declared function, as a ToolCall; None otherwise."""
-    if not isinstance(value, dict) or value.get("name") not in names:
+    """A {"name", "arguments"} object naming a declared function, as a ToolCall; None otherwise: a model may write
+    anything there (a name that is a list, arguments nested deeper than Python's recursion limit)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
     arguments = value.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments = arguments_value(arguments)
-    if not isinstance(arguments, dict):
+    try:
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        return ToolCall(value["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
+    except (json.JSONDecodeError, RecursionError):
         return None
-    return ToolCall(value["name"], json.dumps(arguments))
 
 
 def parse_hermes(text: str, names: set[str]) -> list[ToolCall]:
@@ -102,7 +104,7 @@ def parse_hermes(text: str, names: set[str]) -> list[ToolCall]:
     for block in _CALL_BLOCK.findall(text):
         try:
             call = _call(json.loads(block), names)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             call = None
         if call is not None:
             calls.append(call)
@@ -150,7 +152,7 @@ class ArrayScanner:
                 self._depth -= 1
                 if ch == "}" and self._depth == 1 and self._object is not None:
                     self._object.append(text[start: i + 1])
-                    with contextlib.suppress(json.JSONDecodeError):  # the constraint makes this rare
+                    with contextlib.suppress(json.JSONDecodeError, RecursionError):  # the constraint makes this rare
                         done.append(json.loads("".join(self._object)))
                     start, self._object = -1, None
         if self._object is not None:
