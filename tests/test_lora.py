@@ -392,6 +392,11 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
                           ({"bias": "all"}, "bias"), ({"modules_to_save": ["embed_tokens"]}, "modules_to_save")):
         path = write_adapter(tmp_path / f"bad-{len(fragment)}-{fragment}", 4, targets=ATTN_QV, **bad)
         refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(path)}, 400, fragment)
+    for field, raw in (("r", "1e999"), ("r", "1.5"), ("r", "true"), ("lora_alpha", "NaN"), ("lora_alpha", "1e999")):
+        path = write_adapter(tmp_path / f"numbers-{field}-{raw}", 4, targets=ATTN_QV)
+        config = path / "adapter_config.json"  # the number as written in the file: JSON's 1e999 reads as infinity
+        config.write_text(config.read_text().replace(f'"{field}": ', f'"{field}": {raw}, "was": ', 1))
+        refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(path)}, 400, "needs integer r and a finite")
     embedding = write_adapter(tmp_path / "embed", 5, targets=ATTN_QV)
     save_file({"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 8)},
               str(embedding / "adapter_model.safetensors"))

@@ -132,11 +132,16 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
     try:
         config_bytes = (where / CONFIG_FILE).read_bytes()
         cfg = json.loads(config_bytes)
-        rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        rank, alpha = cfg["r"], cfg["lora_alpha"]
     except OSError as exc:
         raise LoraError(f"LoRA adapter {name!r}: cannot read {where / CONFIG_FILE}: {exc}") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise LoraError(f"{where / CONFIG_FILE}: needs integer r and number lora_alpha ({exc})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise LoraError(f"{where / CONFIG_FILE}: needs integer r and number lora_alpha ({exc!r})") from None
+    # exact types: 1.5 is no rank, and 1e999 (JSON's infinity) or NaN no scale
+    if isinstance(rank, bool) or not isinstance(rank, int) or isinstance(alpha, bool) \
+            or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoraError(f"{where / CONFIG_FILE}: needs integer r and a finite number lora_alpha (r {rank!r}, "
+                        f"lora_alpha {alpha!r})")
     _refuse_unsupported(cfg, where)
     if not 1 <= rank <= max_rank:
         raise LoraError(f"LoRA adapter {name!r} has rank {rank}; this engine takes ranks 1 to {max_rank} "
