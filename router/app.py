@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.model.tokenizer import Tokenizer
@@ -80,7 +81,7 @@ from kvmesh.router.auth import (
 from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseudonym
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
-from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, new_id
+from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, client_json, new_id
 from kvmesh.router.config import (
     INLINE_TOKENIZE_BYTES,
     MAX_REQUEST_BODY_BYTES,
@@ -126,6 +127,9 @@ ROUTER_ONLY_FIELDS = (KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD)
 # the requests open get the rest of the bound.
 HTTP_DRAIN_SECONDS = SHUTDOWN_DRAIN_SECONDS - SHUTDOWN_SETTLE_SECONDS
 assert HTTP_DRAIN_SECONDS >= 0, "the minimum wait is part of the drain bound"
+# the x-kvmesh-priority values taken: the request log's integer column (PostgreSQL's INTEGER) holds them, and a row
+# out of it would fail the write of its whole batch, other requests' rows with it (shedding saturates far within)
+MIN_PRIORITY, MAX_PRIORITY = -2**31, 2**31 - 1
 
 
 class RouterMetrics:
@@ -472,18 +476,16 @@ class Router:
         model = ChatRequest if chat else CompletionRequest
 
         def parse() -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
-            raw = json.loads(payload)
+            raw = client_json(payload)
             return raw, model.model_validate(raw)
 
         try:
             raw, body = parse() if len(payload) <= INLINE_TOKENIZE_BYTES else await asyncio.to_thread(parse)
-            priority = parse_priority(headers.get(PRIORITY_HEADER))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RouteError(400, "malformed JSON") from None
         except ValidationError as exc:
             raise RouteError(400, validation_problems(exc)) from None
-        except ValueError:
-            raise RouteError(400, f"{PRIORITY_HEADER} must be an integer") from None
+        except ValueError as exc:  # client_json's
+            raise RouteError(400, str(exc)) from None
+        priority = request_priority(headers.get(PRIORITY_HEADER))
         dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]
         body.kv_transfer = body.resume_output_ids = None
         if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
@@ -681,6 +683,14 @@ def _warn_unkeyed(table: LimitTable, tenants: set[str]) -> None:
         logging.getLogger("kvmesh.router").warning(
             "tenants %s have limits but no API key (tenants with keys: %s): their limits are unused until a key "
             "names them", strangers, ", ".join(sorted(tenants)))
+
+
+def request_priority(header: str | None) -> int:
+    """The `x-kvmesh-priority` of a request, from MIN_PRIORITY to MAX_PRIORITY; RouteError 400 otherwise."""
+    with contextlib.suppress(ValueError):
+        if MIN_PRIORITY <= (priority := parse_priority(header)) <= MAX_PRIORITY:
+            return priority
+    raise RouteError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}")
 
 
 def error_response(error: RouteError) -> JSONResponse:
@@ -935,6 +945,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         await asyncio.to_thread(router.tracing.shutdown)  # the last batch of spans, signal or not
 
     app = RouterApp(title="kvmesh router", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own refusals (a path nobody serves, another method) in OpenAI's error shape, as every other."""
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
                                     router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests))
     app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models))

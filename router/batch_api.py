@@ -8,7 +8,6 @@ tenant's id is a 404, as an unknown one. The store calls run in a worker thread;
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,12 +28,15 @@ from kvmesh.router.batches import (
     UPLOAD_PURPOSE,
     BatchInputError,
     check_metadata,
+    client_json,
     expiry_seconds,
+    whole_number,
     window_seconds,
 )
 
 MAX_PAGE = 100  # OpenAI's bound on a page of batches
 MAX_FILES_PAGE = 10_000  # and on a page of files (also its default)
+CREATE_BODY_BYTES = 64 * 1024  # POST /v1/batches: two ids, a window, an expiry and metadata (under 10 KiB)
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # a multipart body's boundaries and fields beside the file itself
 NO_STORE = ("the Batch API keeps files and batches in the pool's database, and this router has none: set "
             "database_url (a pool's spec.store.databaseUrl)")
@@ -101,21 +103,22 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
     def page(http: HttpRequest, most: int, default: int) -> tuple[int, str | None, bool]:
         """OpenAI's list parameters: `limit` (1 to `most`), the cursor `after`, and whether `order` is newest
         first (desc, the default)."""
-        raw, order = http.query_params.get("limit", str(default)), http.query_params.get("order", "desc")
-        if not raw.isdigit() or not 1 <= int(raw) <= most:
+        limit = whole_number(http.query_params.get("limit", str(default)))
+        order = http.query_params.get("order", "desc")
+        if limit is None or not 1 <= limit <= most:
             raise BatchInputError(f"limit must be a whole number from 1 to {most}", "limit")
         if order not in ("asc", "desc"):
             raise BatchInputError(f"order must be asc or desc, not {order!r}", "order")
-        return int(raw), http.query_params.get("after"), order == "desc"
+        return limit, http.query_params.get("after"), order == "desc"
 
     @api.post("/v1/files")
     async def upload(http: HttpRequest) -> Response:
         if isinstance(caller := admitted(http), Response):  # before reading a byte of the body
             return caller
-        size = http.headers.get("content-length")
-        if size is None or not size.isdigit():  # the bound holds before the body is read, so its size must be said
+        size = whole_number(http.headers.get("content-length", ""))
+        if size is None:  # the bound holds before the body is read, so its size must be said
             return _error(411, "an upload needs a Content-Length header")
-        if int(size) > max_file_bytes + MULTIPART_OVERHEAD_BYTES:
+        if size > max_file_bytes + MULTIPART_OVERHEAD_BYTES:
             return _error(413, f"the file is over this pool's limit of {max_file_bytes} bytes", "file")
         try:
             form = await http.form(max_files=1, max_fields=8)
@@ -175,10 +178,18 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
 
     @api.post("/v1/batches")
     async def create(http: HttpRequest) -> Response:
+        if isinstance(caller := admitted(http), Response):  # before reading a byte of the body
+            return caller
+        chunks, size = [], 0
+        async for chunk in http.stream():  # bounded as it comes: a chunked body says no length
+            size += len(chunk)
+            if size > CREATE_BODY_BYTES:
+                return _error(413, f"a batch's creation body is at most {CREATE_BODY_BYTES >> 10} KiB")
+            chunks.append(chunk)
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "malformed JSON")
+            body = client_json(b"".join(chunks))
+        except ValueError as exc:
+            return _error(400, str(exc))
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
 

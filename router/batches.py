@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_core import from_json
+
 CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 BATCH_ENDPOINTS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH)
 FILE_PURPOSES: tuple[str, ...] = ("batch", "batch_output")  # what clients upload, what batches write
@@ -35,7 +37,8 @@ PREFIX_ORDER, FILE_ORDER = "prefix", "file"  # how a batch's requests are ordere
 BATCH_ORDERS: tuple[str, ...] = (PREFIX_ORDER, FILE_ORDER)
 MAX_LISTED_ERRORS = 100  # a batch that fails its check lists this many problems, then says how many more
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
-_WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")
+_WINDOW = re.compile(r"([1-9][0-9]{0,2})h")
+_WHOLE_NUMBER = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit also takes "²", which int() refuses)
 MAX_WINDOW_HOURS = 168
 FILE_TTL_SECONDS = 30 * 86400  # a batch file's default lifetime and the longest one asked for (OpenAI's)
 MIN_FILE_TTL_SECONDS = 3600
@@ -76,9 +79,26 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
 
-def window_seconds(completion_window: str) -> int:
+def client_json(payload: bytes | str) -> Any:
+    """A client's JSON body, parsed by pydantic's parser rather than the json module: its nesting bound (200 levels)
+    holds wherever it runs, where json's recursion limit depends on the caller's stack, so a body a little less
+    deep than that limit could parse in one place and fail to serialize again on its way to a pod (a 500). Twice as
+    fast, too. ValueError ("malformed JSON: ...") for a body that is not UTF-8 JSON or nests past the bound."""
+    try:
+        return from_json(payload)
+    except ValueError as exc:
+        raise ValueError(f"malformed JSON: {exc}") from None
+
+
+def whole_number(text: str) -> int | None:
+    """A decimal text of ASCII digits as an int (a query value, a form field, a header), or None: another text,
+    digits Python's int() would refuse or take ("²", "٣"), or more than 18 of them."""
+    return int(text) if _WHOLE_NUMBER.fullmatch(text) else None
+
+
+def window_seconds(completion_window: Any) -> int:
     """`24h` (OpenAI's only window), or another whole number of hours up to a week: a self-hosted pool's choice."""
-    match = _WINDOW.match(completion_window or "")
+    match = _WINDOW.fullmatch(completion_window) if isinstance(completion_window, str) else None
     if match is None or int(match.group(1)) > MAX_WINDOW_HOURS:
         raise BatchInputError(f"completion_window must be a whole number of hours up to {MAX_WINDOW_HOURS}, "
                               f"like '24h'; got {completion_window!r}", "completion_window")
@@ -92,8 +112,8 @@ def expiry_seconds(policy: Any, param: str) -> int:
     if policy is None:
         return FILE_TTL_SECONDS
     seconds = policy.get("seconds") if isinstance(policy, dict) else None
-    if isinstance(seconds, str) and seconds.isdigit():
-        seconds = int(seconds)  # a multipart form's fields are text
+    if isinstance(seconds, str):
+        seconds = whole_number(seconds)  # a multipart form's fields are text
     if (not isinstance(policy, dict) or policy.get("anchor") != "created_at" or not isinstance(seconds, int)
             or not MIN_FILE_TTL_SECONDS <= seconds <= FILE_TTL_SECONDS):
         raise BatchInputError(f"{param} must be {{\"anchor\": \"created_at\", \"seconds\": N}} with N from "
@@ -207,10 +227,10 @@ def _refused(problems: list[LineProblem]) -> CheckedInput:
 
 
 def _check_line(raw_line: str, number: int, endpoint: str, seen: set[str]) -> LineProblem | tuple[str, dict[str, Any]]:
-    try:
-        entry = json.loads(raw_line)
-    except json.JSONDecodeError as exc:
-        return LineProblem("invalid_json_line", f"line {number} is not JSON: {exc.msg}", number)
+    try:  # as the router parses a request's body (its nesting bound too), which this line's becomes
+        entry = client_json(raw_line)
+    except ValueError as exc:
+        return LineProblem("invalid_json_line", f"line {number}: {exc}", number)
     if not isinstance(entry, dict):
         return LineProblem("invalid_json_line", f"line {number} is not a JSON object", number)
     custom_id = entry.get("custom_id")
