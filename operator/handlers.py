@@ -50,6 +50,9 @@ log = logging.getLogger("kvmesh.operator")
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 BACKOFF_MAX_SECONDS = 120.0
+# How often kopf checks whether a deleted pool's scaling timer has stopped, so that it can remove its finalizer
+# (the `configure` handler says why this is not kopf's 60 s).
+TIMER_STOP_POLL_SECONDS = 1.0
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Role": "roles",
            "RoleBinding": "rolebindings", "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
            "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods"}
@@ -230,6 +233,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         settings.scanning.disabled = True
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 30
+        # kopf keeps a finalizer on each pool until its scaling timer has stopped. A deletion that arrives while a
+        # tick runs (a sync handler, in kopf's thread pool, so it cannot stop within the few event-loop cycles kopf
+        # waits) leaves the timer "still exiting", and kopf looks again only after `cancellation_polling`: nothing
+        # wakes it sooner, since a tick that ends without a status patch (any tick before the pool's interval is
+        # due) writes nothing to the pool. At kopf's default of 60 s such a pool stayed a minute after its last tick.
+        settings.background.cancellation_polling = TIMER_STOP_POLL_SECONDS
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -92,11 +92,34 @@ def permitted(request: Any) -> bool:
     return rbac.allows(rbac.OPERATOR, request.resource.group, resource, VERBS[request.action])
 
 
+class TickGate:
+    """Holds the pool's scaling ticks part-way on request, in kopf's handler thread (each tick reads the operator's
+    clock first), so that a test can act while a tick is under way."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self.holding = threading.Event()  # a tick waits at the closed gate
+
+    def pass_through(self) -> None:
+        if not self._open.is_set():
+            self.holding.set()
+            self._open.wait()
+
+    def close(self) -> None:
+        self.holding.clear()
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+
 @dataclass
 class Env:
     k8s: Cluster
     clock: list[float]  # the operator's clock, moved by the test
     metrics: OperatorMetrics
+    ticks_gate: TickGate = field(default_factory=TickGate)
 
     def sample(self, name: str, **labels: str) -> float | None:
         return self.metrics.registry.get_sample_value(name, {"pool_namespace": NS, "pool": "chat", **labels})
@@ -185,21 +208,27 @@ async def operator(tmp_path: Path, tick: float = 0.2, warm: Warmer | None = None
             "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
             "users": [{"name": "test", "user": {"token": "t"}}],
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
-        clock = [1000.0]
+        clock, gate = [1000.0], TickGate()
+
+        def read_clock() -> float:
+            gate.pass_through()
+            return clock[0]
+
         registry = kopf.OperatorRegistry()
-        metrics = register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=tick, clock=lambda: clock[0]),
+        metrics = register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=tick, clock=read_clock),
                            kube_configuration(str(kubeconfig)), **({"warm": warm} if warm else {}),
                            **({"open_gates": open_gates} if open_gates else {}))
         stop, ready = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS],
                                                  stop_flag=stop, ready_flag=ready))
         await asyncio.wait_for(ready.wait(), 20)
-        env = Env(k8s, clock, metrics)
+        env = Env(k8s, clock, metrics, gate)
         try:
             yield env
             assert not task.done(), "the operator exited"
             env.check_rbac()
         finally:
+            gate.open()  # a tick held by a failed test must not keep the operator from stopping
             stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 20)
@@ -244,13 +273,16 @@ def test_a_pool_is_reconciled_patched_and_deleted(tmp_path: Path) -> None:
             shared = conditions["RouterStateShared"]
             assert (shared["status"], shared["reason"]) == ("False", "NoStore") and "404" in shared["message"]
             assert status["routerAddress"] == "http://chat-router.pool.svc:8080"
-            await eventually(lambda: env.events("Reconciled"))
+            await eventually(lambda: env.events("Reconciled") and env.events("NoStore"))
 
             # A change to the spec is patched onto the objects, and rolls the pods whose configuration changed.
             old_hash = engines["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"]
             await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"router": {"replicas": 3},
-                                                                "engine": {"maxNumSeqs": 32}}})
+                                                                "engine": {"maxNumSeqs": 32},
+                                                                "store": {"databaseUrl": "sqlite:///pool.db"}}})
             await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
+            shared = {c["type"]: c for c in env.pool()["status"]["conditions"]}["RouterStateShared"]
+            assert (shared["status"], shared["reason"]) == ("True", "Database")
             assert env.get("apps/v1/deployments", "chat-router")["spec"]["replicas"] == 3  # type: ignore[index]
             engines = env.get("apps/v1/deployments", "chat-both")
             assert engines["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"] != old_hash  # type: ignore[index]
@@ -272,6 +304,29 @@ def test_a_pool_is_reconciled_patched_and_deleted(tmp_path: Path) -> None:
             await env.k8s.delete(f"{POOLS}/chat")
             await eventually(lambda: env.get(f"{GROUP}/{VERSION}/{PLURAL}", "chat") is None)
             await asyncio.sleep(0.5)
+
+    run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_pool_deleted_during_a_scaling_tick_goes_once_the_tick_returns(tmp_path: Path) -> None:
+    """kopf's finalizer keeps a deleted pool until its scaling timer stops; a tick under way (here, held) cannot
+    stop at once, and one that writes nothing to the pool wakes nothing: the operator has kopf check the timer
+    again every TIMER_STOP_POLL_SECONDS, not kopf's default 60 s, which outlasts `eventually`'s 30 s."""
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await env.k8s.post(POOLS, json=pool_body())
+            await eventually(lambda: env.pool().get("status", {}).get("observedGeneration") == 1)
+            await eventually(env.ticks)  # the first tick evaluated; later ones return early (the clock stands)
+            env.ticks_gate.close()
+            await eventually(env.ticks_gate.holding.is_set)
+            await env.k8s.delete(f"{POOLS}/chat")
+            # kopf has asked the timer to stop, and run the deletion handler (it drops the pool's series)
+            await eventually(lambda: env.sample(f"{OperatorMetric.EVALUATIONS}_total", outcome="ok") is None)
+            assert env.get(f"{GROUP}/{VERSION}/{PLURAL}", "chat") is not None  # the finalizer holds it meanwhile
+            env.ticks_gate.open()
+            await eventually(lambda: env.get(f"{GROUP}/{VERSION}/{PLURAL}", "chat") is None)
 
     run(main)
 
