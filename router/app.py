@@ -487,6 +487,7 @@ class Router:
             raise RouteError(400, str(exc)) from None
         priority = request_priority(headers.get(PRIORITY_HEADER))
         dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]
+        retyped = _as_validated(raw, body)
         body.kv_transfer = body.resume_output_ids = None
         if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
             raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, self.salt_secret)
@@ -506,7 +507,7 @@ class Router:
             lease.close()
             raise
         return Admitted(raw, body, Trace(info, tenant, workload, lease=lease, span=span),
-                        rewritten=bool(dropped) or self.keys.enabled)
+                        rewritten=bool(dropped) or retyped or self.keys.enabled)
 
     def reload_keys(self) -> None:
         """Take a changed keys file (blocking: the app's background task runs it off the event loop)."""
@@ -683,6 +684,20 @@ def _warn_unkeyed(table: LimitTable, tenants: set[str]) -> None:
         logging.getLogger("kvmesh.router").warning(
             "tenants %s have limits but no API key (tenants with keys: %s): their limits are unused until a key "
             "names them", strangers, ", ".join(sorted(tenants)))
+
+
+def _as_validated(raw: dict[str, Any], body: ChatRequest | CompletionRequest) -> bool:
+    """The fields the router reads from the raw body itself (whether to stream, how many choices, whether the
+    client gets token ids and the usage chunk) written as validated: pydantic reads "false" as False, where the raw
+    text is truthy. Whether any changed."""
+    changed = False
+    for name in ("stream", "n", RETURN_TOKEN_IDS_FIELD):
+        if name in raw and raw[name] != getattr(body, name):
+            raw[name], changed = getattr(body, name), True
+    options = raw.get("stream_options")
+    if body.stream_options is not None and options.get("include_usage", False) != body.stream_options.include_usage:
+        raw["stream_options"], changed = {**options, "include_usage": body.stream_options.include_usage}, True
+    return changed
 
 
 def request_priority(header: str | None) -> int:

@@ -529,3 +529,20 @@ def test_a_batch_line_nested_past_the_bound_is_refused_with_its_line() -> None:
     checked = check_input(deep.encode() + b"\n", CHAT_PATH, max_requests=10)
     assert [(p.code, p.line) for p in checked.problems] == [("invalid_json_line", 1)]
     assert "malformed JSON" in checked.problems[0].message
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_flags_are_read_as_validated_not_as_written(pool: Pool, stream: bool) -> None:
+    """"false" is False to the request types, but the router read the raw text (truthy): the client got the token
+    ids and the usage chunk it had declined."""
+    body = {**COMPLETION, "stream": "true" if stream else "false", "return_token_ids": "false",
+            "stream_options": {"include_usage": "false"}}
+    reply = post_json(pool, COMPLETIONS_PATH, body)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        assert chunks and not any("usage" in c for c in chunks), reply.text
+        assert not any("token_ids" in choice for c in chunks for choice in c["choices"]), reply.text
+    else:
+        assert "token_ids" not in reply.json()["choices"][0]
+    settled(pool)
