@@ -224,12 +224,11 @@ def input_items(body: Mapping[str, Any], response_id: str) -> list[dict[str, Any
     return listed
 
 
-def history_after(body: Mapping[str, Any], chat: Mapping[str, Any],
-                  completion: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The messages a continuation of this turn starts with: its input and its answer, without its instructions
-    (OpenAI does not carry instructions over), in the order the turn's prompt had them."""
-    messages = list(chat["messages"])
-    if body.get("instructions"):
-        messages = messages[1:]
-    answer = dict(completion["choices"][0]["message"])
-    return [*messages, {key: answer[key] for key in ("role", "content", "tool_calls") if answer.get(key) is not None}]
+def turn_messages(body: Mapping[str, Any], completion: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The messages a turn adds to its conversation, which a continuation reads after the earlier turns': its input
+    and its answer, in the order its prompt had them, without its instructions (OpenAI does not carry instructions
+    over). The earlier turns' messages, then these, are exactly the turn's prompt less its instructions, plus the
+    answer: what its continuation's prompt starts with."""
+    answer = completion["choices"][0]["message"]
+    return [*input_messages(body["input"]),
+            {key: answer[key] for key in ("role", "content", "tool_calls") if answer.get(key) is not None}]

@@ -31,9 +31,9 @@ from kvmesh.router.responses import (
     RESPONSE_ID_PREFIX,
     ResponsesError,
     chat_request,
-    history_after,
     input_items,
     response_object,
+    turn_messages,
 )
 from kvmesh.router.responses_store import ResponseStore, StoredResponse
 from kvmesh.router.responses_stream import ResponseEvents, sse
@@ -95,17 +95,15 @@ def items_page(items: list[dict[str, Any]], limit: int, after: str | None, newes
 
 @dataclass(frozen=True)
 class Turn:
-    """A response request made ready to send: whose, its chat request, and the id its answer will carry."""
+    """A response request made ready to send: whose, its chat request, the id its answer will carry, and the
+    earlier turns' messages its prompt starts with."""
 
     owner: str  # the tenant's pseudonym (auth.tenant_hash), what stored responses are keyed by
     body: dict[str, Any]
     chat: dict[str, Any]
     response_id: str
     created_at: int
-
-    def stored(self, completion: Mapping[str, Any], response: dict[str, Any]) -> StoredResponse:
-        return StoredResponse(response, input_items(self.body, self.response_id),
-                              history_after(self.body, self.chat, completion))
+    history: list[dict[str, Any]]
 
 
 class Responses:
@@ -137,17 +135,17 @@ class Responses:
         owner, history = tenant_hash(tenant), []
         if (previous := body.get("previous_response_id")) is not None:
             try:
-                earlier = await self.use("read", self.store.get, owner, str(previous))
+                earlier = await self.use("read", self.store.history, owner, str(previous))
             except StoreUnavailable:
                 return _unavailable()
             if earlier is None:
                 return _not_found(str(previous), self.store.not_found_hint, "previous_response_id")
-            history = earlier.history
+            history = earlier
         try:
             chat = chat_request(body, history)
         except ResponsesError as exc:
             return _error(400, str(exc), exc.param)
-        return Turn(owner, body, chat, new_id(RESPONSE_ID_PREFIX), int(time.time()))
+        return Turn(owner, body, chat, new_id(RESPONSE_ID_PREFIX), int(time.time()), history)
 
     async def save(self, turn: Turn, completion: Mapping[str, Any], response: dict[str, Any]) -> None:
         """Store an answered response unless told not to; a database away loses only the stored copy, never the
@@ -155,7 +153,9 @@ class Responses:
         if not turn.body.get("store", True):
             return
         with contextlib.suppress(StoreUnavailable):  # a continuation of it will not find it
-            await self.use("write", self.store.save, turn.owner, turn.stored(completion, response))
+            await self.use("write", self.store.save, turn.owner,
+                           StoredResponse(response, input_items(turn.body, turn.response_id)), turn.history,
+                           turn_messages(turn.body, completion))
 
     async def whole(self, turn: Turn, send: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
         """The answer as one response object (an error from the chat path as it came)."""

@@ -4,6 +4,12 @@ With a database (the pool's: SQLite locally, PostgreSQL by URL) every router rep
 for `ttl` seconds (OpenAI keeps responses 30 days). Without one, each replica keeps its newest responses in memory,
 so a continuation must come back to the same replica. Both scope every read by tenant: another tenant's id is
 not found, as an unknown one. Synchronous: the router calls the database store in a worker thread.
+
+A response keeps only the chat messages its turn adds (router/responses.turn_messages) and a link to the response
+it continues; a continuation's history is the chain's messages read back root first, so a conversation of n turns
+stores each turn once, not n times. Responses linked this way form a tree (a conversation and its branches) that
+lives and expires as one: saving a turn extends its root's expiry, which every member reads. A deleted or evicted
+response that others continue from stays as a hidden part of their history until the last of them goes.
 """
 
 from __future__ import annotations
@@ -12,11 +18,25 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sqlalchemy import BigInteger, String, Text, delete, select
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy import (
+    BigInteger,
+    Select,
+    String,
+    Text,
+    Update,
+    bindparam,
+    delete,
+    exists,
+    func,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, aliased, mapped_column
 
 from kvmesh.router.batches import FILE_TTL_SECONDS
 from kvmesh.router.store import create_tables, make_engine
@@ -25,24 +45,36 @@ RESPONSES_TABLE = "kvmesh_responses"
 _ID_LEN, _TENANT_LEN = 64, 64
 RESPONSES_TTL_SECONDS = FILE_TTL_SECONDS  # OpenAI keeps a stored response as long as a file: 30 days
 RESPONSES_MEMORY_ITEMS = 10_000  # per replica, without a database
+# expired conversations are removed this long after they expire (they are hidden at once): a replica extending one
+# just as it expires, or with a clock behind another's, never loses part of it to another replica's sweep
+SWEEP_GRACE_SECONDS = 3600
+Messages = list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """A response as stored: the object clients read, its input items, and the chat messages a continuation of it
-    starts with (router/responses.history_after)."""
+    """A response as clients read it back: the object, and its input items."""
 
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
-    history: list[dict[str, Any]]
+
+    @property
+    def previous_id(self) -> str | None:
+        return self.response.get("previous_response_id")
 
 
 class ResponseStore(Protocol):
     not_found_hint: str  # said after "not found": what else may explain it
 
-    def save(self, tenant: str, stored: StoredResponse) -> None: ...
+    def save(self, tenant: str, stored: StoredResponse, earlier: Sequence[dict[str, Any]],
+             added: Sequence[dict[str, Any]]) -> None:
+        """Store a response whose turn added `added` to the history `earlier` read from its previous response
+        (kept whole only when that response was removed while this turn ran)."""
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None: ...
+
+    def history(self, tenant: str, response_id: str) -> Messages | None:
+        """The messages a continuation of the response starts with, the earlier turns' first; None: not found."""
 
     def delete(self, tenant: str, response_id: str) -> bool: ...
 
@@ -58,14 +90,71 @@ class ResponseRow(_Base):
 
     id: Mapped[str] = mapped_column(String(_ID_LEN), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(_TENANT_LEN))  # auth.tenant_hash
+    # a root's is its conversation's expiry (extended as turns are added); a member's is when it was saved + ttl
     expires_at: Mapped[int] = mapped_column(BigInteger, index=True)
-    response: Mapped[str] = mapped_column(Text)  # JSON, as the three fields of StoredResponse
+    response: Mapped[str] = mapped_column(Text)  # JSON, as the fields of StoredResponse
     input_items: Mapped[str] = mapped_column(Text)
+    # "" on rows this version writes, so an older router fails to read them (a 503) rather than continue from
+    # part of a conversation; an older router's rows keep their whole history here and no `messages`
     history: Mapped[str] = mapped_column(Text)
+    # the columns below are NULL on an older router's rows (store.create_tables adds them)
+    messages: Mapped[str | None] = mapped_column(Text)  # JSON: what its turn added (all of it at a root)
+    previous_id: Mapped[str | None] = mapped_column(String(_ID_LEN), index=True)  # the row it continues
+    root_id: Mapped[str | None] = mapped_column(String(_ID_LEN), index=True)  # its conversation's root; NULL: a root
+    deleted_at: Mapped[int | None] = mapped_column(BigInteger)  # deleted, kept while others continue from it
+
+
+def _added(row_messages: str | None, row_history: str) -> Messages:
+    """A row's part of the history: its own messages, or an older router's whole history."""
+    return json.loads(row_history if row_messages is None else row_messages)
+
+
+def _find() -> Select[Any]:
+    """The response (`rid`, `owner`) if visible at `now`: not deleted, its conversation not expired."""
+    root = aliased(ResponseRow)
+    return select(ResponseRow.id).outerjoin(root, root.id == ResponseRow.root_id).where(
+        ResponseRow.id == bindparam("rid"), ResponseRow.tenant == bindparam("owner"),
+        ResponseRow.deleted_at.is_(None), func.coalesce(root.expires_at, ResponseRow.expires_at) >= bindparam("now"))
+
+
+def _chain() -> Select[Any]:
+    """The rows from the response (`rid`, `owner`) up its links to its root, the root first."""
+    link = select(ResponseRow.id, ResponseRow.previous_id, ResponseRow.messages, ResponseRow.history,
+                  ResponseRow.deleted_at, ResponseRow.expires_at, literal(0).label("depth")).where(
+        ResponseRow.id == bindparam("rid"), ResponseRow.tenant == bindparam("owner")).cte(
+        "chain", recursive=True)
+    up = aliased(ResponseRow)
+    chain = link.union_all(select(up.id, up.previous_id, up.messages, up.history, up.deleted_at, up.expires_at,
+                                  link.c.depth + 1).where(up.id == link.c.previous_id,
+                                                          up.tenant == bindparam("owner")))
+    return select(chain).order_by(chain.c.depth.desc())
+
+
+def _hold(expires_at: Any) -> Update:
+    """Write the root of the response's (`rid`, `owner`) conversation unexpired at `now`, which holds it
+    (PostgreSQL's row lock, SQLite's one writer) until the transaction ends; its expiry set to `until`."""
+    root_of = select(func.coalesce(ResponseRow.root_id, ResponseRow.id)).where(
+        ResponseRow.id == bindparam("rid"), ResponseRow.tenant == bindparam("owner")).scalar_subquery()
+    return update(ResponseRow).where(
+        ResponseRow.id == func.coalesce(root_of, bindparam("rid")), ResponseRow.tenant == bindparam("owner"),
+        ResponseRow.expires_at >= bindparam("now")).values(expires_at=expires_at)
+
+
+# built once: building a statement costs more than SQLite takes to run it
+_FIND, _CHAIN = _find(), _chain()
+_HOLD, _EXTEND = _hold(ResponseRow.expires_at), _hold(bindparam("until"))
+_PARENT = select(ResponseRow.root_id).where(ResponseRow.id == bindparam("rid"),
+                                            ResponseRow.tenant == bindparam("owner"))
+_EXPIRED_ROOTS = (ResponseRow.root_id.is_(None), ResponseRow.expires_at < bindparam("cutoff"))
+_SWEEP_MEMBERS = delete(ResponseRow).where(ResponseRow.root_id.in_(select(ResponseRow.id).where(*_EXPIRED_ROOTS)))
+_SWEEP_ROOTS = delete(ResponseRow).where(*_EXPIRED_ROOTS)
 
 
 class DatabaseResponses:
-    """Responses in the pool's database, shared by its replicas; expired rows are swept as new ones are saved."""
+    """Responses in the pool's database, shared by its replicas; expired conversations are swept as new responses
+    are saved. Every change to a conversation first writes its root row, so changes to one conversation take turns
+    (PostgreSQL's row lock, SQLite's one writer): a turn saved while its previous response is deleted either links
+    to it, which keeps it, or finds it gone and keeps its history whole."""
 
     not_found_hint = ""
 
@@ -73,36 +162,83 @@ class DatabaseResponses:
         self.engine, self.ttl = make_engine(url), ttl
         create_tables(self.engine, _Base.metadata)
 
-    def save(self, tenant: str, stored: StoredResponse) -> None:
+    def save(self, tenant: str, stored: StoredResponse, earlier: Sequence[dict[str, Any]],
+             added: Sequence[dict[str, Any]]) -> None:
         now = int(time.time())
         row = ResponseRow(id=stored.response["id"], tenant=tenant, expires_at=now + self.ttl,
                           response=json.dumps(stored.response), input_items=json.dumps(stored.input_items),
-                          history=json.dumps(stored.history))
+                          history="", messages=json.dumps([*earlier, *added]))
         with Session(self.engine) as session, session.begin():
-            session.execute(delete(ResponseRow).where(ResponseRow.expires_at < now))
+            expired = {"cutoff": now - SWEEP_GRACE_SECONDS}
+            session.execute(_SWEEP_MEMBERS, expired)
+            session.execute(_SWEEP_ROOTS, expired)
+            where = {"rid": stored.previous_id, "owner": tenant, "now": now, "until": row.expires_at}
+            if stored.previous_id is not None and session.execute(_EXTEND, where).rowcount:
+                parent = session.execute(_PARENT, where).one_or_none()
+                if parent is not None:  # else deleted while this turn ran: this row keeps the history whole
+                    row.previous_id, row.root_id = stored.previous_id, parent.root_id or stored.previous_id
+                    row.messages = json.dumps(added)
             session.add(row)
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         with Session(self.engine) as session:
-            row = session.scalar(select(ResponseRow).where(
-                ResponseRow.id == response_id, ResponseRow.tenant == tenant,
-                ResponseRow.expires_at >= int(time.time())))
-            if row is None:
-                return None
-            return StoredResponse(json.loads(row.response), json.loads(row.input_items), json.loads(row.history))
+            found = session.execute(_FIND.add_columns(ResponseRow.response, ResponseRow.input_items), {
+                "rid": response_id, "owner": tenant, "now": int(time.time())}).one_or_none()
+        return None if found is None else StoredResponse(json.loads(found.response), json.loads(found.input_items))
+
+    def history(self, tenant: str, response_id: str) -> Messages | None:
+        """One query: the chain from the response up to its root (a recursive CTE), each row's part in turn."""
+        with Session(self.engine) as session:
+            rows = session.execute(_CHAIN, {"rid": response_id, "owner": tenant}).all()
+        if not rows:
+            return None
+        root, leaf = rows[0], rows[-1]
+        if leaf.deleted_at is not None or root.previous_id is not None or root.expires_at < time.time():
+            return None  # deleted, its chain cut (by an older router's sweep), or expired
+        return [message for row in rows for message in _added(row.messages, row.history)]
 
     def delete(self, tenant: str, response_id: str) -> bool:
+        """Hide the response; remove it, and the hidden responses above it that it alone continued from, unless a
+        response continues from it."""
+        now = int(time.time())
         with Session(self.engine) as session, session.begin():
-            result = session.execute(delete(ResponseRow).where(ResponseRow.id == response_id,
-                                                               ResponseRow.tenant == tenant))
-            return bool(result.rowcount)
+            where = {"rid": response_id, "owner": tenant, "now": now}
+            if not session.execute(_HOLD, where).rowcount or session.execute(_FIND, where).first() is None:
+                return False
+            session.execute(update(ResponseRow).where(ResponseRow.id == response_id).values(deleted_at=now))
+            child = aliased(ResponseRow)
+            doomed: str | None = response_id
+            while doomed is not None:
+                row = session.execute(select(ResponseRow.previous_id).where(
+                    ResponseRow.id == doomed, ResponseRow.deleted_at.is_not(None),
+                    ~exists().where(child.previous_id == ResponseRow.id))).one_or_none()
+                if row is None:
+                    break
+                session.execute(delete(ResponseRow).where(ResponseRow.id == doomed))
+                doomed = row.previous_id
+            return True
 
     def close(self) -> None:
         self.engine.dispose()
 
 
+@dataclass
+class _Held:
+    """One response in memory: a visible one, or a hidden part of the responses that continue from it."""
+
+    tenant: str
+    stored: StoredResponse
+    added: Messages  # what its turn added (all of the history at a root)
+    previous: str | None  # the response it continues
+    root: str  # its conversation's root (itself at a root)
+    expires_at: float  # at a root: the conversation's expiry
+    children: int = 0  # responses that continue from it
+    hidden: bool = False
+
+
 class MemoryResponses:
-    """A replica's newest `capacity` responses in memory (no database): the oldest goes first."""
+    """A replica's newest `capacity` responses in memory (no database): the oldest goes first, kept hidden while
+    others continue from it, so a conversation's messages are held once."""
 
     not_found_hint = (" This router keeps stored responses in its own memory (the pool has no database): behind "
                       "several router replicas, a response stored by another is not found here; give the pool a "
@@ -110,28 +246,63 @@ class MemoryResponses:
 
     def __init__(self, capacity: int, ttl: int) -> None:
         self.capacity, self.ttl = capacity, ttl
-        self._items: OrderedDict[str, tuple[str, float, StoredResponse]] = OrderedDict()
+        self._held: dict[str, _Held] = {}
+        self._visible: OrderedDict[str, None] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
 
-    def save(self, tenant: str, stored: StoredResponse) -> None:
+    def _find(self, tenant: str, response_id: str) -> _Held | None:
+        held = self._held.get(response_id)
+        if held is None or held.tenant != tenant or held.hidden:
+            return None
+        return held if self._held[held.root].expires_at >= time.time() else None
+
+    def save(self, tenant: str, stored: StoredResponse, earlier: Sequence[dict[str, Any]],
+             added: Sequence[dict[str, Any]]) -> None:
+        response_id, now = stored.response["id"], time.time()
         with self._lock:
-            self._items[stored.response["id"]] = (tenant, time.time() + self.ttl, stored)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            parent = self._held.get(stored.previous_id or "")
+            if parent is not None and parent.tenant == tenant and self._held[parent.root].expires_at >= now:
+                parent.children += 1
+                self._held[parent.root].expires_at = now + self.ttl
+                held = _Held(tenant, stored, list(added), stored.previous_id, parent.root, now + self.ttl)
+            else:
+                held = _Held(tenant, stored, [*earlier, *added], None, response_id, now + self.ttl)
+            self._held[response_id] = held
+            self._visible[response_id] = None
+            while len(self._visible) > self.capacity:
+                self._hide(next(iter(self._visible)))
+
+    def _hide(self, response_id: str) -> None:
+        """Hide a response; drop it, and the hidden ones above it it alone continued from, unless one continues
+        from it."""
+        self._visible.pop(response_id, None)
+        held: _Held | None = self._held[response_id]
+        held.hidden = True
+        while held is not None and held.hidden and not held.children:
+            del self._held[response_id]
+            response_id, held = held.previous, self._held.get(held.previous or "")
+            if held is not None:
+                held.children -= 1
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         with self._lock:
-            held = self._items.get(response_id)
-        if held is None or held[0] != tenant or held[1] < time.time():
-            return None
-        return held[2]
+            held = self._find(tenant, response_id)
+            return None if held is None else held.stored
+
+    def history(self, tenant: str, response_id: str) -> Messages | None:
+        with self._lock:
+            held = self._find(tenant, response_id)
+            parts = []
+            while held is not None:
+                parts.append(held.added)
+                held = self._held.get(held.previous or "")
+        return [message for part in reversed(parts) for message in part] if parts else None
 
     def delete(self, tenant: str, response_id: str) -> bool:
         with self._lock:
-            held = self._items.get(response_id)
-            if held is None or held[0] != tenant:
+            if self._find(tenant, response_id) is None:
                 return False
-            del self._items[response_id]
+            self._hide(response_id)
             return True
 
     def close(self) -> None:

@@ -10,10 +10,19 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
+from sqlalchemy import create_engine
+from sqlalchemy import text as sql
 
-from kvmesh.router.responses import ResponsesError, chat_request, history_after, input_items, response_object
+from kvmesh.router.responses import ResponsesError, chat_request, input_items, response_object, turn_messages
 from kvmesh.router.responses_api import Responses, items_page, response_routes
-from kvmesh.router.responses_store import DatabaseResponses, MemoryResponses, StoredResponse
+from kvmesh.router.responses_store import (
+    RESPONSES_TABLE,
+    SWEEP_GRACE_SECONDS,
+    DatabaseResponses,
+    MemoryResponses,
+    ResponseStore,
+    StoredResponse,
+)
 from kvmesh.router.responses_stream import ResponseEvents
 
 
@@ -39,7 +48,7 @@ def test_a_replayed_answer_with_calls_is_one_assistant_message_as_stored() -> No
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
         {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}}]}
     body = {"model": "m", "input": "q"}
-    stored = history_after(body, chat_request(body), completion)
+    stored = turn_messages(body, completion)
     output = response_object("resp_1", body, completion, 0)["output"]
     replayed = [{"role": "user", "content": "q"}, *({k: v for k, v in item.items() if k != "id"}
                                                     for item in output)]
@@ -92,9 +101,8 @@ def test_response_object_parses_with_the_openai_client_types() -> None:
 
 def test_a_continuation_drops_instructions_and_appends_the_answer() -> None:
     body = {"model": "m", "input": "q1", "instructions": "sys"}
-    chat = chat_request(body)
     completion = {"choices": [{"message": {"role": "assistant", "content": "a1", "tool_calls": None}}]}
-    history = history_after(body, chat, completion)
+    history = turn_messages(body, completion)
     assert history == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
     assert chat_request({"model": "m", "input": "q2"}, history)["messages"][:2] == history
 
@@ -191,32 +199,189 @@ def test_input_items_have_ids_and_page_like_openai_lists() -> None:
     assert input_items({"input": "hi"}, "resp_9")[0]["content"] == [{"type": "input_text", "text": "hi"}]
 
 
-def stored(response_id: str) -> StoredResponse:
-    return StoredResponse({"id": response_id, "object": "response"}, [{"id": "i"}], [{"role": "user", "content": "x"}])
+def stored(response_id: str, previous: str | None = None) -> StoredResponse:
+    return StoredResponse({"id": response_id, "object": "response", "previous_response_id": previous}, [{"id": "i"}])
+
+
+def saved(store: ResponseStore, tenant: str, response_id: str, previous: str | None = None) -> None:
+    store.save(tenant, stored(response_id, previous), [], [{"role": "user", "content": response_id}])
+
+
+def stores(database_url: str, ttl: int = 60) -> list[ResponseStore]:
+    return [MemoryResponses(100, ttl), DatabaseResponses(database_url, ttl)]
+
+
+def rows(database_url: str) -> int:
+    store = DatabaseResponses(database_url, 60)
+    with store.engine.connect() as conn:
+        count = conn.execute(sql(f"SELECT count(*) FROM {RESPONSES_TABLE}")).scalar_one()
+    store.close()
+    return count
+
+
+def call(call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": f'{{"q": "{call_id}"}}'}}
+
+
+# a conversation with tools: (the request, the answer's message); instructions come and go, as clients send them
+TURNS: list[tuple[dict, dict]] = [
+    ({"model": "m", "instructions": "sys", "input": "q0"}, {"role": "assistant", "content": None,
+                                                          "tool_calls": [call("c0")]}),
+    ({"model": "m", "input": [{"type": "function_call_output", "call_id": "c0", "output": "r0"}]},
+     {"role": "assistant", "content": "let me see", "tool_calls": [call("c1"), call("c2")]}),
+    ({"model": "m", "instructions": "other", "input": [
+        {"type": "function_call_output", "call_id": "c1", "output": "r1"},
+        {"type": "function_call_output", "call_id": "c2", "output": "r2"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "now answer"}]}]},
+     {"role": "assistant", "content": "the answer", "tool_calls": None}),
+    ({"model": "m", "instructions": "sys", "input": "thanks"}, {"role": "assistant", "content": "welcome"}),
+]
+
+
+def converse(store: ResponseStore, tenant: str, turns: list[tuple[dict, dict]],
+             previous: str | None = None) -> list[tuple[str, list]]:
+    """Each turn as the router takes it (its history read from the store, its chat request, its answer saved), with
+    the history an older router stored whole for it: the turn's prompt less its instructions, plus its answer."""
+    made = []
+    for n, (request, message) in enumerate(turns):
+        body = {**request, "previous_response_id": previous}
+        history = [] if previous is None else store.history(tenant, previous)
+        assert history is not None
+        chat, completion, response_id = chat_request(body, history), {"choices": [{"message": message}]}, f"resp_{n}"
+        response = response_object(response_id, body, completion, 0)
+        store.save(tenant, StoredResponse(response, input_items(body, response_id)), history,
+                   turn_messages(body, completion))
+        whole = [*chat["messages"][1 if body.get("instructions") else 0:],
+                 {key: value for key, value in message.items() if value is not None}]
+        made.append((response_id, whole))
+        previous = response_id
+    return made
+
+
+def test_a_chain_reads_back_the_history_stored_whole_before(database_url: str) -> None:
+    """On both stores: a conversation with tool calls and changing instructions rebuilds, turn by turn, exactly
+    the history an older router stored whole (so prompts, and their cached prefixes, do not change), while the
+    database holds each message once."""
+    for store in stores(database_url):
+        made = converse(store, "t1", TURNS)
+        for response_id, whole in made:
+            assert store.history("t1", response_id) == whole
+            assert store.get("t1", response_id) is not None
+        assert made[2][1][:4] == [{"role": "user", "content": "q0"}, *made[1][1][1:4]]  # no instructions carried
+        store.close()
+    with DatabaseResponses(database_url, 60).engine.connect() as conn:
+        kept = conn.execute(sql(f"SELECT messages FROM {RESPONSES_TABLE}")).scalars().all()
+    assert sum(len(json.loads(part)) for part in kept) == len(made[-1][1])
+
+
+def test_deleting_a_response_others_continue_keeps_their_history(database_url: str) -> None:
+    for store in stores(database_url):
+        made = converse(store, "t1", TURNS)
+        assert store.delete("t1", "resp_1")
+        assert store.get("t1", "resp_1") is None and store.history("t1", "resp_1") is None
+        assert not store.delete("t1", "resp_1")
+        for response_id, whole in (made[0], *made[2:]):
+            assert store.history("t1", response_id) == whole
+        # a second branch from resp_2, then the first branch's tip: resp_2 and resp_1 stay for the branch
+        store.save("t1", stored("resp_branch", "resp_2"), made[2][1], [{"role": "user", "content": "b"}])
+        assert store.delete("t1", "resp_3") and store.delete("t1", "resp_2")
+        assert store.history("t1", "resp_branch") == [*made[2][1], {"role": "user", "content": "b"}]
+        assert store.delete("t1", "resp_branch")
+        assert store.history("t1", "resp_0") == made[0][1]
+        store.close()
+    assert rows(database_url) == 1  # resp_0 alone: the hidden ones went with the last response continuing them
+
+
+def test_a_previous_response_removed_while_its_turn_ran_leaves_the_history_whole(database_url: str) -> None:
+    for store in stores(database_url):
+        saved(store, "t1", "resp_a")
+        earlier = store.history("t1", "resp_a")
+        assert earlier is not None and store.delete("t1", "resp_a")  # no one continued it yet: removed
+        store.save("t1", stored("resp_b", "resp_a"), earlier, [{"role": "user", "content": "b"}])
+        assert store.history("t1", "resp_b") == [*earlier, {"role": "user", "content": "b"}]
+        store.close()
+
+
+def test_a_conversation_expires_after_its_last_turn_and_is_swept(database_url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    start = time.time()
+    for store in stores(database_url):
+        saved(store, "t1", "resp_a")
+        monkeypatch.setattr(time, "time", lambda: start + 50)
+        saved(store, "t1", "resp_b", "resp_a")
+        monkeypatch.setattr(time, "time", lambda: start + 100)  # past resp_a's own 60 s, not its conversation's
+        assert store.get("t1", "resp_a") is not None
+        assert store.history("t1", "resp_b") == [{"role": "user", "content": "resp_a"},
+                                                 {"role": "user", "content": "resp_b"}]
+        monkeypatch.setattr(time, "time", lambda: start + 111)
+        assert store.get("t1", "resp_a") is None and store.history("t1", "resp_b") is None
+        assert not store.delete("t1", "resp_b")
+        monkeypatch.setattr(time, "time", lambda: start + 111 + SWEEP_GRACE_SECONDS)
+        saved(store, "t1", "resp_c")  # sweeps the expired conversation
+        monkeypatch.undo()
+        store.close()
+    assert rows(database_url) == 1
+
+
+def test_a_chain_never_crosses_tenants(database_url: str) -> None:
+    for store in stores(database_url):
+        saved(store, "t1", "resp_a")
+        assert store.get("t2", "resp_a") is None and store.history("t2", "resp_a") is None
+        assert not store.delete("t2", "resp_a")
+        store.save("t2", stored("resp_b", "resp_a"), [], [{"role": "user", "content": "b"}])  # not linked
+        assert store.history("t2", "resp_b") == [{"role": "user", "content": "b"}]
+        assert store.delete("t1", "resp_a") and store.history("t2", "resp_b") is not None
+        store.close()
+
+
+def test_an_older_routers_rows_are_read_and_continued(database_url: str) -> None:
+    """A row as an older router wrote it (the whole history, no newer columns): read, continued, deleted while its
+    continuation lives, once the table is upgraded in place."""
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    engine = create_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(sql(f"CREATE TABLE {RESPONSES_TABLE} (id VARCHAR(64) PRIMARY KEY, tenant VARCHAR(64) NOT "
+                         "NULL, expires_at BIGINT NOT NULL, response TEXT NOT NULL, input_items TEXT NOT NULL, "
+                         "history TEXT NOT NULL)"))
+        old = stored("resp_old")
+        conn.execute(sql(f"INSERT INTO {RESPONSES_TABLE} VALUES ('resp_old', 't1', :expires, :response, :items, "
+                         ":history)"), {"expires": int(time.time()) + 60, "history": json.dumps(history),
+                                        "response": json.dumps(old.response), "items": json.dumps(old.input_items)})
+    engine.dispose()
+    store = DatabaseResponses(database_url, 60)
+    assert store.get("t1", "resp_old") == stored("resp_old") and store.history("t1", "resp_old") == history
+    store.save("t1", stored("resp_new", "resp_old"), history, [{"role": "user", "content": "more"}])
+    assert store.delete("t1", "resp_old") and store.get("t1", "resp_old") is None
+    assert store.history("t1", "resp_new") == [*history, {"role": "user", "content": "more"}]
+    store.close()
 
 
 def test_memory_store_keeps_the_newest_and_scopes_by_tenant() -> None:
     store = MemoryResponses(capacity=2, ttl=60)
     for n in range(3):
-        store.save("t1", stored(f"resp_{n}"))
-    assert store.get("t1", "resp_0") is None  # the oldest went first
-    assert store.get("t1", "resp_2") == stored("resp_2")
+        saved(store, "t1", f"resp_{n}", f"resp_{n - 1}" if n else None)
+    assert store.get("t1", "resp_0") is None and store.history("t1", "resp_0") is None  # the oldest went first
+    assert store.history("t1", "resp_2") == [{"role": "user", "content": f"resp_{n}"} for n in range(3)]
+    assert store.get("t1", "resp_2") == stored("resp_2", "resp_1")
     assert store.get("t2", "resp_2") is None and not store.delete("t2", "resp_2")
     assert store.delete("t1", "resp_2") and store.get("t1", "resp_2") is None
+    saved(store, "t1", "resp_3")
+    saved(store, "t1", "resp_4")  # evicts resp_1, the last response continuing the hidden resp_0
+    assert store.get("t1", "resp_1") is None and set(store._held) == {"resp_3", "resp_4"}
 
 
 def test_database_store_scopes_by_tenant_and_forgets_expired(database_url: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """On a SQLite file and on PostgreSQL (conftest's database_url)."""
     store = DatabaseResponses(database_url, ttl=60)
-    store.save("t1", stored("resp_a"))
+    saved(store, "t1", "resp_a")
     again = DatabaseResponses(database_url, ttl=60)  # another replica reads it
     assert again.get("t1", "resp_a") == stored("resp_a")
     assert again.get("t2", "resp_a") is None and not again.delete("t2", "resp_a")
-    later = time.time() + 120
+    later = time.time() + 60 + SWEEP_GRACE_SECONDS + 1
     monkeypatch.setattr(time, "time", lambda: later)
     assert again.get("t1", "resp_a") is None  # past its ttl
-    again.save("t1", stored("resp_b"))  # sweeps the expired row
+    saved(again, "t1", "resp_b")  # sweeps the expired row: it is gone at the real time too
     monkeypatch.undo()
     assert store.get("t1", "resp_a") is None and store.get("t1", "resp_b") is not None
     assert store.delete("t1", "resp_b") and store.get("t1", "resp_b") is None

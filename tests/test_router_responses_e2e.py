@@ -248,10 +248,10 @@ def test_a_slow_store_holds_neither_the_pod_nor_the_tenants_slot(served: tuple[s
     store, writing, release = router.responses, threading.Event(), threading.Event()
     save = store.save
 
-    def slow_save(tenant: str, stored: object) -> None:
+    def slow_save(*args: object) -> None:
         writing.set()
         release.wait(30)
-        save(tenant, stored)
+        save(*args)
 
     monkeypatch.setattr(store, "save", slow_save)
     events: list = []
