@@ -116,3 +116,14 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     name = f"test_{uuid.uuid4().hex}"
     server.psql(f'CREATE DATABASE "{name}";')
     return server.get_uri(name).replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+def short_id(text: str, keep: int = 40) -> str:
+    """A test id no longer than about `keep` characters: a parameter of thousands of characters would otherwise
+    be its test's name in every report line."""
+    return text if len(text) <= keep else f"{text[:keep]}...({len(text)} chars)"
+
+
+def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
+    """Long string parameters get a short id (the rest keep pytest's own)."""
+    return short_id(val) if isinstance(val, str) and len(val) > 40 else None

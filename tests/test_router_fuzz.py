@@ -25,7 +25,7 @@ from kvmesh.router.auth import hash_key
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, check_input, jsonl
 from kvmesh.router.config import RouterConfig
 
-from .conftest import make_engine
+from .conftest import make_engine, short_id
 from .engines import serve_engine, serve_router
 
 KEY = "sk-fuzz"
@@ -248,7 +248,7 @@ def test_almost_valid_completions_are_refused_or_served_never_failed(pool: Pool,
 @pytest.mark.parametrize(("path", "field", "value"), [
     (path, field, value) for path, valid, fields in ((CHAT_PATH, CHAT, CHAT_FIELDS),
                                                      (COMPLETIONS_PATH, COMPLETION, COMPLETION_FIELDS))
-    for field in fields for value in FIELD_VALUES.get(field, [])], ids=repr)
+    for field in fields for value in FIELD_VALUES.get(field, [])], ids=lambda v: short_id(repr(v)))
 def test_each_listed_bad_value_is_refused_or_served(pool: Pool, path: str, field: str, value: Any) -> None:
     """Every value listed for a field, once in each request it belongs in (the properties draw only some)."""
     sane(post_json(pool, path, {**(CHAT if path == CHAT_PATH else COMPLETION), field: value}))
