@@ -43,7 +43,7 @@ from kvmesh.engine.model.lora import (
 )
 from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND
-from kvmesh.engine.protocol import HashAlgo, KVConfig, KVEvent
+from kvmesh.engine.protocol import HOST_TIER_DIR, HashAlgo, KVConfig, KVEvent
 from kvmesh.engine.request import Request, RequestOutput, Status
 from kvmesh.engine.runner import ModelRunner, StepInput
 from kvmesh.engine.sampling import SampleResult, sample
@@ -218,7 +218,7 @@ class Engine:
         c = self.config
         settings = TierSettings(
             host_blocks=int(c.kv_host_memory_mib * MIB // block_bytes),
-            host_path=Path(c.kv_host_path or f"/dev/shm/kvmesh-kv-host-{c.port}.kv"),
+            host_path=Path(c.kv_host_path or f"{HOST_TIER_DIR}/kvmesh-kv-host-{c.port}.kv"),
             disk_blocks=int(c.kv_disk_mib * MIB // block_bytes),
             disk_path=Path(c.kv_disk_path or Path.home() / ".cache" / "kvmesh" / f"kv-disk-{c.port}.kv"),
             chunk_blocks=c.kv_tier_chunk_blocks,

@@ -38,6 +38,7 @@ Role = Literal["prefill", "decode", "both", "router"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "both", "router")
 
 DRAIN_PATH = "/v1/admin/drain"
+HOST_TIER_DIR = "/dev/shm"  # the host KV tier's file by default; a pod mounts a memory-backed volume there
 # POST: the operator has nothing to warm this new pod with: open its warm-up gate now (issue 5)
 READY_PATH = "/v1/admin/ready"
 HEALTH_WARMING = "warming"  # /health's status (503) while a new pod waits for its warm-up

@@ -291,8 +291,8 @@ def spec_schema() -> dict[str, Any]:
         "maxLoras": _int(f"LoRA adapters an engine holds at once (the engine's default: {DEFAULT_MAX_LORAS})", 1, 256),
         "maxLoraRank": _int(f"the largest LoRA rank an engine loads (the engine's default: {DEFAULT_MAX_LORA_RANK})",
                             1, 1024),
-        "hostTierMiB": _int("memory-backed volume for the host KV tier (0: none); it survives an engine restart",
-                            0, default=0),
+        "hostTierMiB": _int("memory-backed volume at /dev/shm for the host KV tier, which takes 95 % of it (0: no "
+                            "tier); it survives an engine restart", 0, default=0),
         "settings": _settings("engine", "kvmesh serve"),
         "env": _env("engine"),
         "resources": _resources("each engine container's resources", {"cpu": "2", "memory": "4Gi"}),

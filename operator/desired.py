@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL, Metric
+from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import (
     ADAPTERS_DIR,
@@ -42,7 +42,9 @@ LORA_MODULES = "lora_modules"  # the engine setting of the pool's adapters, whic
 CONFIG_DIR = "/etc/kvmesh"
 MODELS_DIR = "/models"
 CACHE_DIR = "/var/cache/kvmesh"  # where a .gguf model is converted at start (the image's own cache is read-only)
-HOST_TIER_DIR = "/dev/shm"  # the host KV tier: a memory-backed volume that outlives an engine restart
+# The share of `engine.hostTierMiB` the engine's host tier takes: the tier file's slot records and the LoRA memory
+# beside it need a little more, and a volume past its sizeLimit gets the pod evicted.
+HOST_TIER_FILL = 0.95
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
 # How long a terminating router may take: its endpoint picker's drain and then some (stopping the HTTP server,
 # flushing the request log), so the streams a Gateway has open are not cut.
@@ -151,6 +153,8 @@ def engine_settings(pool: Pool) -> dict[str, Any]:
     if model["loraAdapters"]:
         out[LORA_MODULES] = declared_adapters(pool)
     out.update({ENGINE_SETTINGS[k]: v for k, v in spec.items() if k in ENGINE_SETTINGS})
+    if spec["hostTierMiB"]:  # the tier in the volume mounted for it (its default path is under HOST_TIER_DIR)
+        out["kv_host_memory_mib"] = int(spec["hostTierMiB"] * HOST_TIER_FILL)
     out.update(spec.get("settings") or {})
     return out
 

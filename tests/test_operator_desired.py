@@ -15,14 +15,15 @@ import yaml
 
 from kvmesh import cli
 from kvmesh.engine.config import EngineConfig, load_config
-from kvmesh.engine.protocol import DRAIN_PATH, POOL_LABEL, ROLE_LABEL
+from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import Pool, load_pool_file, parse_pool
 from kvmesh.operator.desired import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_SETTINGS,
-    HOST_TIER_DIR,
+    HOST_TIER_FILL,
     desired_objects,
+    engine_settings,
     patch_body,
     router_state,
 )
@@ -249,6 +250,11 @@ def test_pods_are_non_root_read_only_probed_resourced_and_drain_before_stopping(
     host = next(v for v in engine["volumes"] if v["name"] == "host-tier")
     assert host["emptyDir"] == {"medium": "Memory", "sizeLimit": "1024Mi"}
     assert {"name": "host-tier", "mountPath": HOST_TIER_DIR} in container["volumeMounts"]
+    # ...and the engines keep their host tier there: the volume alone served nothing (the tier was off)
+    settings = engine_settings(pool())
+    assert settings["kv_host_memory_mib"] == int(1024 * HOST_TIER_FILL) and "kv_host_path" not in settings
+    assert "kv_host_memory_mib" not in engine_settings(pool(engine={"hostTierMiB": 0}))
+    assert engine_settings(pool(engine={"settings": {"kv_host_memory_mib": 100}}))["kv_host_memory_mib"] == 100
     # The bundled model was converted when the image was built: nothing overrides the image's cache; a .gguf
     # file is converted at start into a writable volume.
     assert "KVMESH_CACHE_DIR" not in {e["name"] for e in container["env"]}
