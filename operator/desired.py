@@ -106,9 +106,10 @@ def router_state(pool: Pool) -> RouterState:
         return RouterState(True, "Database", f"the {replicas} router replicas share stored responses, the Batch "
                            "API and tenant limits through spec.store")
     return RouterState(False, "NoStore", f"{replicas} router replicas and no spec.store: each keeps its own stored "
-                       "responses (a Responses API continuation that reaches another replica gets 404), tenant "
-                       "limits are split evenly between them, and the Batch API answers 501; set "
-                       "spec.store, or router.replicas: 1")
+                       "responses (a Responses API continuation that reaches another replica gets 404), each "
+                       "enforces tenant limits alone (a tenant spread over them may get up to "
+                       f"{replicas} times its limits; router.settings.rate_limit_replicas divides them instead), "
+                       "and the Batch API answers 501; set spec.store, or router.replicas: 1")
 
 
 def labels(pool: Pool, role: str) -> dict[str, str]:

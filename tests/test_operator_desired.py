@@ -52,6 +52,7 @@ def test_router_replicas_share_their_state_only_through_a_database() -> None:
     apart = router_state(pool(router={"replicas": 3}, store={}))
     assert (apart.shared, apart.reason) == (False, "NoStore")
     assert "3 router replicas" in apart.message and "404" in apart.message and "spec.store" in apart.message
+    assert "up to 3 times its limits" in apart.message  # each replica enforces them whole (rate_limit_replicas 1)
     together = router_state(pool(router={"replicas": 3}, store={"databaseUrlSecret": {"name": "db", "key": "url"}}))
     assert (together.shared, together.reason) == (True, "Database")
 
