@@ -547,6 +547,16 @@ def defaulted_spec(spec: Any) -> dict[str, Any]:
     return _check(spec, spec_schema(), "spec")
 
 
+# Engine settings the spec gives elsewhere, because the router and the pods' Services must agree with the engines
+# (a router refuses every pod whose hashing or model differs from its own): engine.settings cannot set them. The
+# API server cannot refuse them (engine.settings keeps unknown fields, which CEL cannot read): the operator does,
+# with the pool's InvalidSpec condition, and `kvmesh up -f` before it starts anything.
+SHARED_ENGINE_SETTINGS = {"block_size": "engine.blockSize", "hash_algo": "engine.hashAlgo",
+                          "hash_root": "nothing (engines and router use the protocol's root)",
+                          "model": "model.source", "port": "engine.port", "host": "nothing (the operator's)",
+                          "role": "mode"}
+
+
 def complete_spec(spec: Any) -> dict[str, Any]:
     """The spec with every default filled in, after the schema's checks and the cross-field rules."""
     full = defaulted_spec(spec)
@@ -556,6 +566,11 @@ def complete_spec(spec: Any) -> dict[str, Any]:
             target = target[key]
         if not rule.check(target):
             raise SpecError(rule.message)
+    shared = [key for key in SHARED_ENGINE_SETTINGS if key in (full["engine"].get("settings") or {})]
+    if shared:
+        raise SpecError("engine.settings: " + "; ".join(f"{key} is set by {SHARED_ENGINE_SETTINGS[key]}"
+                                                       for key in shared)
+                        + " (the routers and Services must agree with the engines on it)")
     return full
 
 

@@ -200,6 +200,17 @@ def test_a_disaggregated_pool_needs_prefill_and_decode_pods_but_not_both() -> No
         complete_spec(starved)
 
 
+def test_engine_settings_cannot_set_what_the_router_and_services_share_with_the_engines() -> None:
+    """A block size, hashing or model given to the engines alone would have the router refuse every pod: the spec
+    is refused instead, naming the field that sets it."""
+    spec = example("aggregated.yaml")["spec"]
+    assert complete_spec(_set(spec, "engine.settings", {"max_num_seqs": 8, "kv_disk_mib": 64}))  # others pass
+    with pytest.raises(SpecError, match=r"block_size is set by engine\.blockSize; hash_root is set by nothing"):
+        complete_spec(_set(spec, "engine.settings", {"block_size": 32, "hash_root": 7}))
+    with pytest.raises(SpecError, match=r"model is set by model\.source"):
+        complete_spec(_set(spec, "engine.settings", {"model": "/models/other"}))
+
+
 def test_pool_objects_need_a_short_dns_name_and_the_right_kind() -> None:
     body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "Chat_Pool"},
             "spec": {"model": {"source": "bundled"}}}
