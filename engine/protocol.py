@@ -365,7 +365,7 @@ class Metric:
     FORECAST_EXHAUSTION = "kvmesh_kv_forecast_exhaustion_seconds"  # gauge
     FORECAST_HORIZON = "kvmesh_kv_forecast_horizon_seconds"  # gauge
     EVENTS_SEQ = "kvmesh_kv_events_seq"  # gauge: last sequence number published
-    KV_TRANSFERS = "kvmesh_kv_transfers"  # counter; labels kind (serve, pull, handoff), outcome (ok, failed)
+    KV_TRANSFERS = "kvmesh_kv_transfers"  # counter; labels kind (TRANSFER_KINDS), outcome (ok, failed)
     KV_TRANSFER_BYTES = "kvmesh_kv_transfer_bytes"  # counter; label direction (sent, received)
     KV_TRANSFER_SECONDS = "kvmesh_kv_transfer_seconds"  # histogram; label kind
     KV_HANDLES_EXPIRED = "kvmesh_kv_handles_expired"  # counter: handoff handles whose time ran out unused
@@ -398,7 +398,7 @@ class RouterMetric:
     SHED = "kvmesh_router_shed"  # counter; label priority (low, normal, high): 429s
     MIGRATIONS = "kvmesh_router_migrations"  # counter: streams continued on another pod
     INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed
-    PODS = "kvmesh_router_pods"  # gauge; label state (healthy, unhealthy, draining, refused)
+    PODS = "kvmesh_router_pods"  # gauge; label state (POD_STATES)
     DECISIONS = "kvmesh_router_decisions"  # counter; label reason (what decided the choice)
     EVENT_LAG = "kvmesh_router_kv_event_lag_batches"  # gauge; label engine: its last batch minus the index's
     # counter; labels tenant (auth.tenant_hash, never the name), reason (LIMIT_REASONS): 429s of a tenant's limits
