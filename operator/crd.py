@@ -319,12 +319,14 @@ def spec_schema() -> dict[str, Any]:
         "resources": _resources("each router container's resources", {"cpu": "500m", "memory": "1Gi"}),
     }, description="the router in front of the engines", default={})
     store = _obj({
-        "databaseUrl": _str("the routers' database (the request log, the Batch API's files and batches): a "
-                            "SQLAlchemy URL, e.g. postgresql+psycopg://host/kvmesh", minLength=1),
+        "databaseUrl": _str("the routers' database (the request log, the Batch API, stored responses, the split of "
+                            "tenant limits): a SQLAlchemy URL, e.g. postgresql+psycopg://host/kvmesh", minLength=1),
         "databaseUrlSecret": _obj({"name": _str("Secret name", pattern=DNS_LABEL), "key": _str("key", minLength=1)},
                                   ("name", "key"), description="a Secret key holding the URL (with its password)"),
-    }, description="the routers' database: the request log (contract 6) and the Batch API's files and batches; "
-                   "none: no log, and the Batch API answers 501", default={})
+    }, description="the routers' database: the request log (contract 6), the Batch API's files and batches, the "
+                   "Responses API's stored responses and the split of tenant limits between router replicas; none: "
+                   "no log, the Batch API answers 501, each replica keeps its own responses and limits",
+        default={})
     scaling = _obj({
         "mode": _enum("who sets the engines' replicas: the operator, or HPAs it creates on the forecast metric",
                       SCALING_MODES, "operator"),
