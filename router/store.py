@@ -198,13 +198,14 @@ def make_engine(url: str) -> Engine:
 
 
 def create_tables(engine: Engine, metadata: MetaData) -> None:
-    """Create `metadata`'s tables where missing and add the columns a newer kvmesh declares to tables an older one
-    made (a pool's database outlives upgrades; `create_all` never alters a table). Replicas starting together
+    """Create `metadata`'s tables where missing and add the columns and indexes a newer kvmesh declares to tables an
+    older one made (a pool's database outlives upgrades; `create_all` never alters a table). Replicas starting together
     race: the loser of a create or an ALTER carries on once what it wanted exists."""
     for attempt in range(2):
         try:
             metadata.create_all(engine)
             _add_missing_columns(engine, metadata)
+            _add_missing_indexes(engine, metadata)
             return
         except DBAPIError:
             if attempt:
@@ -226,6 +227,18 @@ def _add_missing_columns(engine: Engine, metadata: MetaData) -> None:
             with engine.begin() as conn:
                 conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}{clause}'))
             log.info("added column %s.%s to a table an older kvmesh made", table.name, column.name)
+
+
+def _add_missing_indexes(engine: Engine, metadata: MetaData) -> None:
+    """CREATE INDEX for each declared index an existing table lacks: a column added in place comes without the
+    index a new table would have (the stored responses' chain lookups would scan the whole table)."""
+    inspector = inspect(engine)
+    for table in metadata.sorted_tables:
+        present = {i["name"] for i in inspector.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name not in present:
+                index.create(engine)
+                log.info("added index %s to a table an older kvmesh made", index.name)
 
 
 class RequestLog:

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, inspect
 from sqlalchemy import text as sql
 
 from kvmesh.router.responses import ResponsesError, chat_request, input_items, response_object, turn_messages
@@ -20,6 +20,7 @@ from kvmesh.router.responses_store import (
     SWEEP_GRACE_SECONDS,
     DatabaseResponses,
     MemoryResponses,
+    ResponseRow,
     ResponseStore,
     StoredResponse,
 )
@@ -349,6 +350,8 @@ def test_an_older_routers_rows_are_read_and_continued(database_url: str) -> None
                                         "response": json.dumps(old.response), "items": json.dumps(old.input_items)})
     engine.dispose()
     store = DatabaseResponses(database_url, 60)
+    indexed = {i["name"] for i in inspect(store.engine).get_indexes(RESPONSES_TABLE)}
+    assert {i.name for i in ResponseRow.__table__.indexes} <= indexed  # the chain's lookups scan no whole table
     assert store.get("t1", "resp_old") == stored("resp_old") and store.history("t1", "resp_old") == history
     store.save("t1", stored("resp_new", "resp_old"), history, [{"role": "user", "content": "more"}])
     assert store.delete("t1", "resp_old") and store.get("t1", "resp_old") is None
