@@ -48,6 +48,9 @@ RESPONSES_MEMORY_ITEMS = 10_000  # per replica, without a database
 # expired conversations are removed this long after they expire (they are hidden at once): a replica extending one
 # just as it expires, or with a clock behind another's, never loses part of it to another replica's sweep
 SWEEP_GRACE_SECONDS = 3600
+# The most links a history read follows: far past any real conversation (every turn adds tokens to a context the
+# model bounds), it only ends the query on a loop that hand-edited rows could make (the chain then reads as cut).
+MAX_CHAIN_LINKS = 100_000
 Messages = list[dict[str, Any]]
 
 
@@ -126,7 +129,8 @@ def _chain() -> Select[Any]:
     up = aliased(ResponseRow)
     chain = link.union_all(select(up.id, up.previous_id, up.messages, up.history, up.deleted_at, up.expires_at,
                                   link.c.depth + 1).where(up.id == link.c.previous_id,
-                                                          up.tenant == bindparam("owner")))
+                                                          up.tenant == bindparam("owner"),
+                                                          link.c.depth < MAX_CHAIN_LINKS))
     return select(chain).order_by(chain.c.depth.desc())
 
 

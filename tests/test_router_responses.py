@@ -359,6 +359,20 @@ def test_an_older_routers_rows_are_read_and_continued(database_url: str) -> None
     store.close()
 
 
+def test_a_loop_of_hand_edited_links_ends_the_history_read(database_url: str) -> None:
+    """Links only ever point at older responses, but rows edited by hand could make a loop: the read stops after
+    MAX_CHAIN_LINKS links (a fraction of a second) and finds the chain cut (not found) instead of running forever."""
+    store = DatabaseResponses(database_url, 60)
+    saved(store, "t1", "resp_a")
+    saved(store, "t1", "resp_b", "resp_a")
+    assert store.history("t1", "resp_b") == [{"role": "user", "content": "resp_a"}, {"role": "user",
+                                                                                   "content": "resp_b"}]
+    with store.engine.begin() as conn:  # resp_a now continues resp_b, which continues resp_a
+        conn.execute(sql(f"UPDATE {RESPONSES_TABLE} SET previous_id = 'resp_b' WHERE id = 'resp_a'"))
+    assert store.history("t1", "resp_b") is None
+    store.close()
+
+
 def test_memory_store_keeps_the_newest_and_scopes_by_tenant() -> None:
     store = MemoryResponses(capacity=2, ttl=60)
     for n in range(3):
