@@ -58,6 +58,11 @@ API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "RouterStateShared")
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
+ENGINE_SETTINGS = {"blockSize": "block_size", "hashAlgo": "hash_algo", "kvCacheMemoryMiB": "kv_cache_memory_mib",
+                   "maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
+                   "maxModelLen": "max_model_len", "enablePrefixCache": "enable_prefix_cache",
+                   "maxLoras": "max_loras", "maxLoraRank": "max_lora_rank"}
 BUNDLED = "bundled"  # model.source naming the image's bundled model
 ADAPTERS_DIR = "/adapters"  # an adapter's own volumeClaim is mounted read-only at ADAPTERS_DIR/NAME
 LORA_NAME = r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$"  # what clients send as `model`; also a directory name
@@ -553,7 +558,7 @@ def defaulted_spec(spec: Any) -> dict[str, Any]:
 # (a router refuses every pod whose hashing or model differs from its own): engine.settings cannot set them. The
 # API server cannot refuse them (engine.settings keeps unknown fields, which CEL cannot read): the operator does,
 # with the pool's InvalidSpec condition, and `kvmesh up -f` before it starts anything.
-SHARED_ENGINE_SETTINGS = {"block_size": "engine.blockSize", "hash_algo": "engine.hashAlgo",
+SHARED_ENGINE_SETTINGS = {**{ENGINE_SETTINGS[field]: f"engine.{field}" for field in ("blockSize", "hashAlgo")},
                           "hash_root": "nothing (engines and router use the protocol's root)",
                           "model": "model.source", "port": "engine.port", "host": "nothing (the operator's)",
                           "role": "mode"}

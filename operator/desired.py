@@ -29,6 +29,7 @@ from kvmesh.operator.crd import (
     BUNDLED,
     CACHE_DIR_ENV,
     DATABASE_URL_ENV,
+    ENGINE_SETTINGS,
     KIND,
     Pool,
 )
@@ -55,11 +56,6 @@ EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the p
 EXT_PROC_PORT_NAME = "grpc-ext-proc"  # the router's endpoint-picker port (the grpc- prefix tells meshes it is gRPC)
 API_KEYS_DIR = f"{CONFIG_DIR}/api-keys"  # where the router reads spec.router.apiKeys' Secret (updated in place)
 
-# camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
-ENGINE_SETTINGS = {"blockSize": "block_size", "hashAlgo": "hash_algo", "kvCacheMemoryMiB": "kv_cache_memory_mib",
-                   "maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
-                   "maxModelLen": "max_model_len", "enablePrefixCache": "enable_prefix_cache",
-                   "maxLoras": "max_loras", "maxLoraRank": "max_lora_rank"}
 
 
 # ---- names, labels, owners ---------------------------------------------------------------------------------------

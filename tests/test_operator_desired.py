@@ -17,10 +17,9 @@ from kvmesh import cli
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import rbac
-from kvmesh.operator.crd import Pool, load_pool_file, parse_pool
+from kvmesh.operator.crd import ENGINE_SETTINGS, Pool, load_pool_file, parse_pool
 from kvmesh.operator.desired import (
     CONFIG_HASH_ANNOTATION,
-    ENGINE_SETTINGS,
     HOST_TIER_FILL,
     desired_objects,
     engine_settings,
