@@ -157,21 +157,34 @@ def _apply_masks(logits: torch.Tensor, masks: Masks) -> None:
         logits[row] = torch.where(on_device[i], logits[row], forbidden)
 
 
-ARGMAX_CHUNK = 1024  # first_argmax's block width
+BLOCK_WIDTH = 1024  # columns a block maximum covers (first_argmax, and the split head's search near each row's top)
+
+
+def block_maxima(x: torch.Tensor) -> torch.Tensor:
+    """[rows, ceil(width / BLOCK_WIDTH)]: each row's maximum over each block of BLOCK_WIDTH columns (the last block
+    ragged). Scanning these, then one block, is how torch's CPU finds a row's top fast: its argmax and whole-row
+    comparisons are not vectorized."""
+    rows, width = x.shape
+    full = width // BLOCK_WIDTH
+    maxima = x[:, : full * BLOCK_WIDTH].view(rows, full, BLOCK_WIDTH).amax(-1)
+    if width > full * BLOCK_WIDTH:
+        maxima = torch.cat([maxima, x[:, full * BLOCK_WIDTH :].amax(-1, keepdim=True)], dim=1)
+    return maxima
+
+
+def block_columns(blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """[k, BLOCK_WIDTH] column indices of each block in `blocks` ([k, 1]); the ragged last block repeats its last
+    column."""
+    return (blocks * BLOCK_WIDTH + torch.arange(BLOCK_WIDTH, device=blocks.device)).clamp_(max=width - 1)
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(-1)` for a 2-D tensor (the first of equal maxima), from block maxima: torch's CPU argmax is not
-    vectorized and took 2.0 ms for 32 rows of 49,152 logits (2 cores of a Xeon), this 0.4 ms."""
-    rows, width = x.shape
-    if width <= 2 * ARGMAX_CHUNK:
+    """`x.argmax(-1)` for a 2-D tensor (the first of equal maxima), from block maxima: torch's CPU argmax took
+    2.0 ms for 32 rows of 49,152 logits (2 cores of a Xeon), this 0.4 ms."""
+    if x.shape[1] <= 2 * BLOCK_WIDTH:
         return x.argmax(-1)
-    full = width // ARGMAX_CHUNK
-    maxima = x[:, : full * ARGMAX_CHUNK].view(rows, full, ARGMAX_CHUNK).amax(-1)
-    if width > full * ARGMAX_CHUNK:
-        maxima = torch.cat([maxima, x[:, full * ARGMAX_CHUNK :].amax(-1, keepdim=True)], dim=1)
-    block = maxima.argmax(-1)  # the first block holding its row's maximum
-    cols = (block[:, None] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK, device=x.device)).clamp_(max=width - 1)
+    block = block_maxima(x).argmax(-1)  # the first block holding its row's maximum
+    cols = block_columns(block[:, None], x.shape[1])
     return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True)).squeeze(1)
 
 

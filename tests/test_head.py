@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine.model.head import BLOCK, SplitBf16Head
+from kvmesh.engine.model.head import SplitBf16Head
 from kvmesh.engine.model.linear import onednn_bf16
+from kvmesh.engine.sampling import BLOCK_WIDTH
 
 pytestmark = pytest.mark.skipif(not onednn_bf16(), reason="this CPU's oneDNN has no bf16 products (the engine "
                                 "serves such a CPU with the fp32 vocabulary product)")
@@ -16,7 +17,7 @@ def _fp32(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x @ table.float().t()
 
 
-@pytest.mark.parametrize("vocab", [BLOCK // 3, 5 * BLOCK, 5 * BLOCK + 77])
+@pytest.mark.parametrize("vocab", [BLOCK_WIDTH // 3, 5 * BLOCK_WIDTH, 5 * BLOCK_WIDTH + 77])
 def test_greedy_choice_is_the_fp32_products_and_every_logit_is_close(vocab: int) -> None:
     """Logits of the bundled model's size (about 25 at the top): each row's argmax is the fp32 product's, the
     top entries are its values, and the rest lie within bf16's rounding of it."""
@@ -39,8 +40,8 @@ def test_a_near_tie_that_bf16_logits_cannot_tell_apart_goes_the_fp32_way() -> No
     x = torch.randn(1, hidden, generator=g).abs() + 0.5
     base = (x[0] / x[0].norm() * 25 / x[0].norm()).bfloat16()  # a row whose logit is about 25
     for ahead in (0, 1):
-        table = (torch.randn(3 * BLOCK, hidden, generator=g) * 0.01).bfloat16()
-        rows = [BLOCK - 1, 2 * BLOCK + 5]  # in different blocks
+        table = (torch.randn(3 * BLOCK_WIDTH, hidden, generator=g) * 0.01).bfloat16()
+        rows = [BLOCK_WIDTH - 1, 2 * BLOCK_WIDTH + 5]  # in different blocks
         table[rows[0]] = base
         table[rows[1]] = base
         nudge = 0
@@ -58,7 +59,7 @@ def test_rows_asked_exact_are_the_fp32_product_whole() -> None:
     """Rows whose greedy choice the sampler makes after changing the logits get every entry exact; the others
     keep the split product's approximation away from their top."""
     g = torch.Generator().manual_seed(2)
-    table = (torch.randn(3 * BLOCK, 64, generator=g) * 0.5).bfloat16()
+    table = (torch.randn(3 * BLOCK_WIDTH, 64, generator=g) * 0.5).bfloat16()
     x = torch.randn(3, 64, generator=g) * 4
     head, want = SplitBf16Head(table), _fp32(table, x)
     got = head(x, exact_rows=[1])
@@ -71,7 +72,7 @@ def test_flat_rows_fall_back_to_the_fp32_product() -> None:
     """A zero hidden state makes every logit a candidate: such a step is the fp32 product (computed a slice of the
     table at a time), not a gather of the whole table per row."""
     g = torch.Generator().manual_seed(1)
-    table = torch.randn(3 * BLOCK + 5, 32, generator=g).bfloat16()
+    table = torch.randn(3 * BLOCK_WIDTH + 5, 32, generator=g).bfloat16()
     x = torch.randn(4, 32, generator=g)
     x[1:3] = 0.0
     got = SplitBf16Head(table)(x)

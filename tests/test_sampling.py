@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvmesh.engine.sampling import ARGMAX_CHUNK, SamplingParams, first_argmax, sample, token_seed
+from kvmesh.engine.sampling import BLOCK_WIDTH, SamplingParams, first_argmax, sample, token_seed
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
@@ -22,7 +22,7 @@ def test_greedy_and_top_k_1_pick_the_argmax() -> None:
     assert draw(SamplingParams(temperature=1.5, top_k=1, seed=3), 20) == Counter({0: 20})
 
 
-@pytest.mark.parametrize("width", [7, 2 * ARGMAX_CHUNK, 2 * ARGMAX_CHUNK + 1, 32_000, 49_152, 50_257])
+@pytest.mark.parametrize("width", [7, 2 * BLOCK_WIDTH, 2 * BLOCK_WIDTH + 1, 32_000, 49_152, 50_257])
 def test_first_argmax_is_torchs_argmax_ties_included(width: int) -> None:
     """Greedy decoding takes the first of equal maxima, wherever they fall: inside one block, across blocks,
     in the ragged last block, or a row of equal values."""

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
-BLOCK = 1024  # candidates are searched among blocks of this many columns whose maximum comes near the row's
+from kvmesh.engine.model.linear import _prepacked
+from kvmesh.engine.sampling import block_columns, block_maxima
+
 MARGIN = 1.01  # over the bound, for the bound's own fp32 arithmetic
 MAX_CANDIDATES = 64  # a row on average; beyond, the rows are nearly flat and the fp32 product is cheaper
 FP32_SLICE = 8192  # table rows converted to fp32 at a time by the fallback (19 MB for a hidden size of 576)
@@ -42,11 +44,8 @@ class SplitBf16Head:
         if table.dtype != torch.bfloat16 or table.device.type != "cpu":
             raise ValueError(f"SplitBf16Head needs a bf16 table on the CPU, got {table.dtype} on {table.device}")
         self.table = table
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(table.contiguous(), None)
+        self._product = _prepacked(table, None)  # x W^T in bf16
         self.max_row_norm = float(table.float().norm(dim=-1).max())
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def __call__(self, hidden: torch.Tensor, exact_rows: Sequence[int] = ()) -> torch.Tensor:
         """Logits [rows, vocab] in fp32; `exact_rows` get the fp32 product whole (rows whose greedy choice the
@@ -89,13 +88,8 @@ def _near_top(logits: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, 
     """(row, column) of every entry >= its row's `floor`, found through block maxima: comparing and scanning the
     whole [rows, vocab] matrix took 2.9 ms at 32 rows, the blocks 0.7 ms. A column may be listed twice (the last,
     ragged block is read with its last column repeated)."""
-    n, width = logits.shape
-    full = width // BLOCK
-    maxima = logits[:, : full * BLOCK].view(n, full, BLOCK).amax(dim=-1)
-    if width > full * BLOCK:
-        maxima = torch.cat([maxima, logits[:, full * BLOCK :].amax(dim=-1, keepdim=True)], dim=1)
-    hit = (maxima >= floor[:, None]).nonzero()  # [k, 2]: (row, block)
-    cols = (hit[:, 1:] * BLOCK + torch.arange(BLOCK)).clamp_(max=width - 1)  # [k, BLOCK]
+    hit = (block_maxima(logits) >= floor[:, None]).nonzero()  # [k, 2]: (row, block)
+    cols = block_columns(hit[:, 1:], logits.shape[1])  # [k, BLOCK_WIDTH]
     rows = hit[:, :1]
     near = (logits[rows, cols] >= floor[hit[:, 0], None]).nonzero()  # [m, 2]: (hit, column in block)
     return rows[near[:, 0], 0], cols[near[:, 0], near[:, 1]]
