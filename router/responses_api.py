@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.engine.openai_types import error_body
 from kvmesh.router.auth import tenant_hash, unauthorized_body
-from kvmesh.router.batches import RESPONSES_PATH, new_id
+from kvmesh.router.batches import RESPONSES_PATH, client_json, new_id, whole_number
 from kvmesh.router.config import MAX_REQUEST_BODY_BYTES
 from kvmesh.router.responses import (
     RESPONSE_ID_PREFIX,
@@ -216,9 +216,9 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         if payload is None:
             return _error(413, f"the request body exceeds {MAX_REQUEST_BODY_BYTES >> 20} MiB")
         try:
-            body = json.loads(payload)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "malformed JSON")
+            body = client_json(payload)  # a bounded nesting depth: json.loads hit the recursion limit (a 500)
+        except ValueError as exc:
+            return _error(400, str(exc))
         turn = await responses.turn(tenant, body)
         if isinstance(turn, Response):
             return turn
@@ -239,12 +239,13 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         if isinstance(found, Response):
             return found
         raw, order = http.query_params.get("limit", str(DEFAULT_ITEMS_PAGE)), http.query_params.get("order", "desc")
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_ITEMS_PAGE:
+        limit = whole_number(raw)
+        if limit is None or not 1 <= limit <= MAX_ITEMS_PAGE:
             return _error(400, f"limit must be a whole number from 1 to {MAX_ITEMS_PAGE}", "limit")
         if order not in ("asc", "desc"):
             return _error(400, f"order must be asc or desc, not {order!r}", "order")
         try:
-            return JSONResponse(items_page(found.input_items, int(raw), http.query_params.get("after"),
+            return JSONResponse(items_page(found.input_items, limit, http.query_params.get("after"),
                                            order == "desc"))
         except ResponsesError as exc:
             return _error(400, str(exc), exc.param)

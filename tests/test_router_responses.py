@@ -13,6 +13,7 @@ from pydantic import TypeAdapter
 from sqlalchemy import create_engine, inspect
 from sqlalchemy import text as sql
 
+from kvmesh.router.auth import tenant_hash
 from kvmesh.router.responses import ResponsesError, chat_request, input_items, response_object, turn_messages
 from kvmesh.router.responses_api import Responses, items_page, response_routes
 from kvmesh.router.responses_store import (
@@ -404,6 +405,28 @@ def test_database_store_scopes_by_tenant_and_forgets_expired(database_url: str,
     assert store.delete("t1", "resp_b") and store.get("t1", "resp_b") is None
     store.close()
     again.close()
+
+
+def test_bodies_nested_too_deep_and_odd_digits_in_limit_are_400s_not_500s() -> None:
+    """The same two inputs the Batch API refuses (deep JSON past json's recursion limit, a limit of digits int()
+    takes or refuses: '²', '٣'), on the Responses API's own edge, which parsed them itself and answered 500."""
+    store = MemoryResponses(10, 60)
+    saved(store, tenant_hash("acme"), "resp_1")  # stored under the tenant's pseudonym, as the edge does
+    app = FastAPI()
+
+    async def never_sent(*_: object) -> None:
+        raise AssertionError("a refused request sent a chat request")
+
+    app.include_router(response_routes(Responses(store), lambda _: "acme", never_sent))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for payload in (b"[" * 5000 + b"]" * 5000, b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[]", b"7"):
+            reply = http.post("/v1/responses", content=payload, headers={"content-type": "application/json"})
+            assert reply.status_code == 400, (payload[:20], reply.text)
+            assert reply.json()["error"]["message"]
+        for limit in ("²", "٣", "9" * 30, "0", "-1"):
+            page = http.get(f"/v1/responses/resp_1/input_items?limit={limit}")
+            assert page.status_code == 400 and page.json()["error"]["param"] == "limit", (limit, page.text)
+        assert http.get("/v1/responses/resp_1/input_items?limit=5").status_code == 200
 
 
 def test_without_a_database_a_404_says_where_the_response_may_be() -> None:
