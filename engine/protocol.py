@@ -101,11 +101,20 @@ def eviction_class(workload: str, prefix_seen: int) -> str:
     return f"{workload}/{bucket}"
 
 
+# the x-kvmesh-priority values taken: the router's request log stores them in an integer column (PostgreSQL's
+# INTEGER), and a row out of it would fail the write of its whole batch, other requests' rows with it
+MIN_PRIORITY, MAX_PRIORITY = -2**31, 2**31 - 1
+
+
 def parse_priority(value: str | None) -> int:
-    """The `x-kvmesh-priority` header as an integer (0 when absent); raises ValueError when malformed."""
+    """The `x-kvmesh-priority` header as an integer (0 when absent); raises ValueError when malformed or outside
+    MIN_PRIORITY to MAX_PRIORITY (shedding saturates far within)."""
     if value is None or value == "":
         return 0
-    return int(value)
+    priority = int(value)
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority {priority} is outside {MIN_PRIORITY} to {MAX_PRIORITY}")
+    return priority
 
 
 # ---------------------------------------------------------------------------------------------------------

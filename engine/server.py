@@ -59,6 +59,8 @@ from kvmesh.engine.protocol import (
     KV_WARM_PATH,
     LOAD_LORA_PATH,
     LORA_NAME_PATTERN,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
     MODELS_PATH,
     PRIORITY_HEADER,
     READY_PATH,
@@ -368,7 +370,8 @@ class _Completions:
         try:
             priority = parse_priority(self.http.headers.get(PRIORITY_HEADER))
         except ValueError:
-            raise ApiError(400, f"{PRIORITY_HEADER} must be an integer", param=PRIORITY_HEADER) from None
+            raise ApiError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}",
+                           param=PRIORITY_HEADER) from None
         vocab = e.vocab_size
         job = _Job(e, asyncio.get_running_loop())
         prompts = await asyncio.to_thread(self.prompts)  # tokenizing a long prompt takes milliseconds: off the loop

@@ -49,6 +49,8 @@ from kvmesh.engine.protocol import (
     KEYS_RELOAD_OUTCOMES,
     KV_TRANSFER_FIELD,
     LIMIT_REASONS,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
     MODELS_PATH,
     POD_STATES,
     PRIORITY_CLASSES,
@@ -127,9 +129,6 @@ ROUTER_ONLY_FIELDS = (KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD)
 # the requests open get the rest of the bound.
 HTTP_DRAIN_SECONDS = SHUTDOWN_DRAIN_SECONDS - SHUTDOWN_SETTLE_SECONDS
 assert HTTP_DRAIN_SECONDS >= 0, "the minimum wait is part of the drain bound"
-# the x-kvmesh-priority values taken: the request log's integer column (PostgreSQL's INTEGER) holds them, and a row
-# out of it would fail the write of its whole batch, other requests' rows with it (shedding saturates far within)
-MIN_PRIORITY, MAX_PRIORITY = -2**31, 2**31 - 1
 
 
 class RouterMetrics:
@@ -702,10 +701,10 @@ def _as_validated(raw: dict[str, Any], body: ChatRequest | CompletionRequest) ->
 
 def request_priority(header: str | None) -> int:
     """The `x-kvmesh-priority` of a request, from MIN_PRIORITY to MAX_PRIORITY; RouteError 400 otherwise."""
-    with contextlib.suppress(ValueError):
-        if MIN_PRIORITY <= (priority := parse_priority(header)) <= MAX_PRIORITY:
-            return priority
-    raise RouteError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}")
+    try:
+        return parse_priority(header)
+    except ValueError:
+        raise RouteError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}") from None
 
 
 def error_response(error: RouteError) -> JSONResponse:

@@ -474,6 +474,14 @@ def test_sampling_errors_name_their_parameter(http: httpx.Client, body: dict[str
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
+@pytest.mark.parametrize("priority", [str(2**31), str(-2**31 - 1), str(2**63)])
+def test_a_priority_outside_the_contract_s_range_is_a_400(http: httpx.Client, priority: str) -> None:
+    """engine/protocol.parse_priority's range, the router's too (its request log's integer column holds it)."""
+    reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                      headers={"x-kvmesh-priority": priority})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "x-kvmesh-priority"
+
+
 def test_malformed_json_is_named_as_such_not_as_a_field(http: httpx.Client) -> None:
     """Its error's loc is the offset of the fault: it was reported as param "1"."""
     error = http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
