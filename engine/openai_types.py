@@ -11,6 +11,9 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from kvmesh.engine.constraint import Constraint, check
 from kvmesh.engine.protocol import HOT_CHAINS_MAX, MAX_CHAIN_BLOCKS
@@ -492,6 +495,12 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """The web framework's own refusals (a path nobody serves, another method with its Allow header) in OpenAI's
+    error shape, which clients read, on the engine and the router alike."""
+    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
 
 def _tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]]:

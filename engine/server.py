@@ -42,6 +42,7 @@ from kvmesh.engine.openai_types import (
     WarmResponse,
     chat_ids,
     error_body,
+    http_error_handler,
 )
 from kvmesh.engine.protocol import (
     CACHE_SOURCES,
@@ -745,9 +746,7 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
         return JSONResponse(error_body("; ".join(problems[:5]), param=param), status_code=400)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
 
     async def _serve(body: ChatRequest | CompletionRequest, http: HttpRequest, chat: bool) -> Response:
         handler = _Completions(holder.get(), chat, body, http)

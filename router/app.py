@@ -41,6 +41,7 @@ from kvmesh.engine.openai_types import (
     CompletionRequest,
     chat_ids,
     error_body,
+    http_error_handler,
     validation_problems,
 )
 from kvmesh.engine.protocol import (
@@ -960,10 +961,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     app = RouterApp(title="kvmesh router", lifespan=lifespan)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
-        """FastAPI's own refusals (a path nobody serves, another method) in OpenAI's error shape, as every other."""
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
 
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
                                     router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests))

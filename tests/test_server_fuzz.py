@@ -482,6 +482,14 @@ def test_a_priority_outside_the_contract_s_range_is_a_400(http: httpx.Client, pr
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "x-kvmesh-priority"
 
 
+def test_the_frameworks_own_refusals_are_openai_errors(http: httpx.Client) -> None:
+    """A path nobody serves and another method, in the error shape clients read; the 405 keeps its Allow header
+    (openai_types.http_error_handler, the router's too)."""
+    missing, wrong = http.get("/v1/nothing-here"), http.get("/v1/completions")
+    assert missing.status_code == 404 and missing.json()["error"]["message"]
+    assert wrong.status_code == 405 and wrong.json()["error"]["message"] and wrong.headers["allow"] == "POST"
+
+
 def test_malformed_json_is_named_as_such_not_as_a_field(http: httpx.Client) -> None:
     """Its error's loc is the offset of the fault: it was reported as param "1"."""
     error = http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
