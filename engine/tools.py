@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.engine.constraint import Constraint
-from kvmesh.engine.model.tool_prompt import CALL_OPEN
+from kvmesh.engine.model.tool_prompt import CALL_OPEN, arguments_value
 
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function declared without parameters takes any object
@@ -87,12 +87,10 @@ def _call(value: Any, names: set[str]) -> ToolCall | None:
     anything there (a name that is a list, arguments nested deeper than Python's recursion limit)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
-    arguments = value.get("arguments", {})
+    arguments = arguments_value(value.get("arguments", {}))
     try:
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
         return ToolCall(value["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
-    except (json.JSONDecodeError, RecursionError):
+    except RecursionError:  # read back, but too deep to write again
         return None
 
 

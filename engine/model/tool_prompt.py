@@ -23,11 +23,12 @@ HERMES_SYSTEM = (
 
 
 def arguments_value(arguments: Any) -> Any:
-    """Arguments as an object when they are JSON text (templates render them with tojson), else as given."""
+    """Arguments as an object when they are JSON text (templates render them with tojson), else as given (free
+    text, or JSON nested deeper than Python's recursion limit lets it be read)."""
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return arguments
     return arguments
 
