@@ -155,3 +155,13 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=90)
+
+
+def wait_idle(engine: Engine, timeout: float = 60.0) -> None:
+    """Until the engine has nothing left: no work and no KV block in use (the bound only ends a failing test on a
+    loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.has_work() or engine.kv.stats().used:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle: work={engine.scheduler.has_work()} used={engine.kv.stats().used}")
+        time.sleep(0.025)

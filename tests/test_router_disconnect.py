@@ -17,8 +17,8 @@ from kvmesh.engine.engine import Engine
 from kvmesh.router.app import Booking, Relay, RelayResponse, Router, build_router
 from kvmesh.router.config import RouterConfig
 
-from .engines import serve_router
-from .test_server import _aborts, served, wait_idle
+from .engines import serve_router, wait_idle
+from .test_server import _aborts, served
 
 __all__ = ["served"]  # the fixture: one in-process engine behind uvicorn
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvmesh.engine.sampling import BLOCK_WIDTH, SamplingParams, first_argmax, sample, token_seed
+from kvmesh.engine.structured import Masks
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
@@ -112,3 +113,14 @@ def test_penalties_and_biases_outside_their_ranges_are_refused() -> None:
         SamplingParams(logit_bias={7: 1.0}).validate(5)
     with pytest.raises(ValueError, match="between -100 and 100"):
         SamplingParams(logit_bias={1: -101.0}).validate(5)
+
+
+def test_the_sampler_keeps_a_constrained_rows_only_tokens_under_min_tokens() -> None:
+    logits = torch.zeros(2, 64)
+    bits = torch.zeros(2, 2, dtype=torch.int32)
+    bits[:, 0] = 1 << 3  # both rows: only token 3, a stop token
+    masks = Masks(rows=[0, 1], bits=bits, failed={})
+    params = [SamplingParams(min_tokens=2, temperature=0.0), SamplingParams(min_tokens=2, seed=1)]
+    assert sample(logits, params, [0, 0], frozenset({3}), masks=masks).token_ids == [3, 3]
+    unconstrained = sample(logits[:1], params[:1], [0], frozenset({0}))  # no mask: min_tokens still holds
+    assert unconstrained.token_ids != [0]

@@ -18,7 +18,7 @@ from kvmesh.operator.forecast import parse_pod
 from kvmesh.router.pods import parse_metrics
 
 from .conftest import make_engine
-from .engines import serve_engine
+from .engines import serve_engine, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +32,6 @@ def served(tiny_dir: Path) -> Iterator[tuple[str, Engine]]:
 @pytest.fixture
 def client(served: tuple[str, Engine]) -> openai.OpenAI:
     return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
-
-
-def wait_idle(engine: Engine) -> None:
-    """Until the engine has nothing left (a bound for a failing test: 30 s, for a loaded machine)."""
-    for _ in range(1200):
-        if not engine.scheduler.has_work() and engine.kv.stats().used == 0:
-            return
-        time.sleep(0.025)
-    raise AssertionError("engine did not become idle")
 
 
 def test_chat_and_completion_with_openai_client(client: openai.OpenAI, served: tuple[str, Engine]) -> None:

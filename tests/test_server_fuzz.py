@@ -8,24 +8,20 @@ from __future__ import annotations
 import json
 import math
 import string
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.sampling import SamplingParams, sample
-from kvmesh.engine.structured import Masks
 from kvmesh.engine.tools import ToolStream, parse_hermes
 
 from .conftest import make_engine
-from .engines import serve_engine
+from .engines import serve_engine, wait_idle
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -77,15 +73,6 @@ def assert_answered(reply: httpx.Response) -> None:
         assert sent and sent[-1] == "[DONE]", reply.text[-2000:]
         assert not [e for e in sent if isinstance(e, dict) and e.get("error", {}).get("type") == "server_error"], \
             reply.text[-3000:]
-
-
-def wait_idle(engine: Engine) -> None:
-    """Until the engine has nothing left (a bound for a failing test: 60 s, for a loaded machine)."""
-    for _ in range(2400):
-        if not engine.scheduler.has_work() and engine.kv.stats().used == 0:
-            return
-        time.sleep(0.025)
-    raise AssertionError(f"engine not idle: work={engine.scheduler.has_work()} used={engine.kv.stats().used}")
 
 
 # ---- strategies -------------------------------------------------------------------------------------------------
@@ -405,17 +392,6 @@ def test_min_tokens_yields_to_a_constraint_that_allows_only_stop_tokens(served: 
         assert [e["choices"][0]["finish_reason"] for e in events(reply)[:-1]][-1] == "stop"
     else:
         assert reply.json()["choices"][0]["finish_reason"] == "stop"
-
-
-def test_the_sampler_keeps_a_constrained_rows_only_tokens_under_min_tokens() -> None:
-    logits = torch.zeros(2, 64)
-    bits = torch.zeros(2, 2, dtype=torch.int32)
-    bits[:, 0] = 1 << 3  # both rows: only token 3, a stop token
-    masks = Masks(rows=[0, 1], bits=bits, failed={})
-    params = [SamplingParams(min_tokens=2, temperature=0.0), SamplingParams(min_tokens=2, seed=1)]
-    assert sample(logits, params, [0, 0], frozenset({3}), masks=masks).token_ids == [3, 3]
-    unconstrained = sample(logits[:1], params[:1], [0], frozenset({0}))  # no mask: min_tokens still holds
-    assert unconstrained.token_ids != [0]
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
