@@ -274,7 +274,7 @@ CONTENT_TYPES = [None, "application/json", "text/plain", "application/x-www-form
 
 @FUZZ
 @given(path=st.sampled_from(POST_PATHS), payload=NOT_OBJECTS, content_type=st.sampled_from(CONTENT_TYPES))
-def test_bodies_that_are_not_json_objects_are_refused(pool: Pool, path: str, payload: bytes,
+def test_bodies_that_are_not_json_objects_never_fail(pool: Pool, path: str, payload: bytes,
                                                       content_type: str | None) -> None:
     headers: dict[str, Any] = dict(AUTH)
     if content_type is not None:
@@ -350,7 +350,7 @@ def test_every_endpoint_refuses_a_bad_key_with_401(pool: Pool, path: str, author
     st.tuples(st.just("/detokenize"), st.builds(lambda t: {"tokens": t}, st.lists(BAD_INTS | st.floats(),
                                                                                   max_size=3))),
 ))
-def test_tokenize_and_detokenize_refuse_bad_calls(pool: Pool, call: tuple[str, dict[str, Any]]) -> None:
+def test_tokenize_and_detokenize_never_fail_on_bad_calls(pool: Pool, call: tuple[str, dict[str, Any]]) -> None:
     sane(post_json(pool, *call))
 
 
@@ -368,7 +368,7 @@ UPLOAD = {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_af
                                                "expires_after": FORM_TEXT, "expires_after[x]": FORM_TEXT}),
        dropped=st.lists(st.sampled_from(list(UPLOAD)), max_size=1),
        file_as=st.sampled_from(["file", "file", "text", "none", "two"]), content=st.binary(max_size=64))
-def test_uploads_with_bad_fields_are_refused(pool: Pool, form: dict[str, str], dropped: list[str], file_as: str,
+def test_uploads_with_bad_fields_never_fail(pool: Pool, form: dict[str, str], dropped: list[str], file_as: str,
                                              content: bytes) -> None:
     data = {name: value for name, value in {**UPLOAD, **form}.items() if name not in dropped}
     files: list[tuple[str, Any]] = []
@@ -392,7 +392,7 @@ def test_uploads_with_bad_fields_are_refused(pool: Pool, form: dict[str, str], d
            b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\nx",
            b"--b\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b--\r\n", b"--b--\r\n", b"--b\r\n\r\n",
            b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n" * 20 + b"--b--\r\n"])))
-def test_broken_multipart_uploads_are_refused(pool: Pool, content_type: str | None, payload: bytes) -> None:
+def test_broken_multipart_uploads_never_fail(pool: Pool, content_type: str | None, payload: bytes) -> None:
     headers = {**AUTH, **({"content-type": content_type} if content_type else {})}
     sane(pool.http.post("/v1/files", headers=headers, content=payload))
 
@@ -412,7 +412,7 @@ BATCH_FIELD_VALUES: dict[str, list[Any]] = {
 
 @FUZZ
 @given(data=st.data())
-def test_batch_creations_with_bad_fields_are_refused(pool: Pool, data: st.DataObject) -> None:
+def test_batch_creations_with_bad_fields_never_fail(pool: Pool, data: st.DataObject) -> None:
     body: dict[str, Any] = {"input_file_id": pool.failing_file, "endpoint": CHAT_PATH, "completion_window": "24h"}
     for field in data.draw(st.lists(st.sampled_from(list(BATCH_FIELD_VALUES)), min_size=1, max_size=2, unique=True)):
         body[field] = data.draw(st.sampled_from(BATCH_FIELD_VALUES[field]) | WEIRD)
@@ -430,7 +430,7 @@ QUERY_TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["0", "1", "100", "
 @FUZZ
 @given(path=st.sampled_from(["/v1/files", "/v1/batches"]),
        query=st.dictionaries(st.sampled_from(["limit", "after", "order", "purpose"]), QUERY_TEXT, max_size=3))
-def test_list_calls_with_bad_query_values_are_refused(pool: Pool, path: str, query: dict[str, str]) -> None:
+def test_list_calls_with_bad_query_values_never_fail(pool: Pool, path: str, query: dict[str, str]) -> None:
     sane(pool.http.get(path, params=query, headers=AUTH))
 
 
@@ -473,7 +473,7 @@ def test_a_body_nested_past_the_parsers_bound_is_a_400(pool: Pool, path: str, de
 
 
 @pytest.mark.parametrize("priority", [str(2**31), str(-2**31 - 1), str(2**63), "9" * 4000])
-def test_a_priority_the_request_log_cannot_hold_is_a_400_and_the_log_loses_nothing(pool: Pool,
+def test_a_priority_outside_the_request_log_s_column_is_a_400_and_the_log_loses_nothing(pool: Pool,
                                                                                    priority: str) -> None:
     """A priority past 2**63 was served, and its row failed the request log's batch write: up to 100 other
     requests' rows were dropped with it (PostgreSQL's INTEGER column fails from 2**31)."""
