@@ -84,7 +84,16 @@ from kvmesh.router.auth import (
 from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseudonym
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
-from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, client_json, new_id
+from kvmesh.router.batches import (
+    BATCH_SOURCE,
+    CHAT_PATH,
+    CLIENT_SOURCE,
+    COMPLETIONS_PATH,
+    REQUEST_SOURCES,
+    RESPONSES_PATH,
+    client_json,
+    new_id,
+)
 from kvmesh.router.config import (
     INLINE_TOKENIZE_BYTES,
     MAX_REQUEST_BODY_BYTES,
@@ -135,8 +144,8 @@ assert HTTP_DRAIN_SECONDS >= 0, "the minimum wait is part of the drain bound"
 class RouterMetrics:
     def __init__(self, pods: PodSet, index: PrefixIndex, tenants: Iterable[str] = (DEFAULT_TENANT,)) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(RouterMetric.REQUESTS, "Requests by outcome and route.", ["outcome", "route"],
-                                registry=r)
+        self.requests = Counter(RouterMetric.REQUESTS, "Requests by outcome, route and source.",
+                                ["outcome", "route", "source"], registry=r)
         self.decision = Histogram(RouterMetric.DECISION_SECONDS, "Tokenize, hash and pick.",
                                   buckets=DECISION_BUCKETS, registry=r)
         self.predicted = Counter(RouterMetric.PREDICTED_CACHED_TOKENS, "Cached tokens the router predicted.",
@@ -145,9 +154,11 @@ class RouterMetrics:
         self.retries = Counter(RouterMetric.RETRIES, "Requests sent to another pod after a refusal.", registry=r)
         self.migrations = Counter(RouterMetric.MIGRATIONS, "Streams continued on another pod.", registry=r)
         self.pulls = Counter(RouterMetric.PULLS, "Requests sent with a prefix pull from a peer.", registry=r)
-        self.shed = Counter(RouterMetric.SHED, "Requests refused with 429 under overload.", ["priority"], registry=r)
+        self.shed = Counter(RouterMetric.SHED, "Requests refused with 429 under overload, by priority and source "
+                            "(batch: deferred and retried by the batch runner).", ["priority", "source"], registry=r)
         for priority in PRIORITY_CLASSES:
-            self.shed.labels(priority)
+            for source in REQUEST_SOURCES:
+                self.shed.labels(priority, source)
         self.rate_limited = Counter(RouterMetric.RATE_LIMITED, "Requests refused with 429 by their tenant's limits "
                                     "or fair share.", ["tenant", "reason"], registry=r)
         self.api_keys_reloads = Counter(RouterMetric.API_KEYS_RELOADS, "Changes of the API keys file, taken "
@@ -170,12 +181,13 @@ class RouterMetrics:
         pod_states = Gauge(RouterMetric.PODS, "Pods by state.", ["state"], registry=r)
         for state in POD_STATES:
             pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
-        self._ended = {(outcome, route): self.requests.labels(outcome, route)
-                       for outcome in ROUTER_OUTCOMES for route in ROUTES}
+        self._ended = {(outcome, route, source): self.requests.labels(outcome, route, source)
+                       for outcome in ROUTER_OUTCOMES for route in ROUTES for source in REQUEST_SOURCES}
 
-    def count_request(self, outcome: str, route: str) -> None:
-        """One request ended (kvmesh_router_requests_total), by outcome (ROUTER_OUTCOMES) and route (ROUTES)."""
-        (self._ended.get((outcome, route)) or self.requests.labels(outcome, route)).inc()
+    def count_request(self, outcome: str, route: str, source: str) -> None:
+        """One request ended (kvmesh_router_requests_total), by outcome (ROUTER_OUTCOMES), route (ROUTES) and
+        source (REQUEST_SOURCES)."""
+        (self._ended.get((outcome, route, source)) or self.requests.labels(outcome, route, source)).inc()
 
     def count_decision(self, reason: str) -> None:
         """One routing decision sent (kvmesh_router_decisions_total), by what decided it (REASONS)."""
@@ -233,6 +245,7 @@ class Trace:
     chunks: int = 0
     lease: Lease | None = None  # the request's hold on its tenant's limits, closed when it ends (each edge's)
     span: RequestSpan | None = None  # tracing on: the request's span (router/tracing.py)
+    source: str = CLIENT_SOURCE  # REQUEST_SOURCES: a client's request, or the batch runner's
 
 
 def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
@@ -506,7 +519,8 @@ class Router:
         except BaseException:
             lease.close()
             raise
-        return Admitted(raw, body, Trace(info, tenant, workload, lease=lease, span=span),
+        return Admitted(raw, body, Trace(info, tenant, workload, lease=lease, span=span,
+                                         source=BATCH_SOURCE if batch else CLIENT_SOURCE),
                         rewritten=bool(dropped) or retyped or self.keys.enabled)
 
     def reload_keys(self) -> None:
@@ -581,15 +595,15 @@ class Router:
             return None
         if refusal.fair_share:
             self.metrics.rate_limited.labels(tenant_hash(trace.tenant), FAIR_SHARE).inc()
-        self.metrics.shed.labels(priority_label(trace.info.priority)).inc()
-        self.metrics.count_request("shed", trace.route)
+        self.metrics.shed.labels(priority_label(trace.info.priority), trace.source).inc()
+        self.metrics.count_request("shed", trace.route, trace.source)
         self.record(trace, "shed", 429, None)
         return RouteError(429, refusal.message, code=OVERLOADED_CODE, kind="rate_limit_error",
                           headers={"retry-after": str(refusal.retry_after_seconds)})
 
     def no_pod(self, trace: Trace) -> None:
         """Count and log a request no pod could take (answered 503 by whichever edge received it)."""
-        self.metrics.count_request("no_pod", trace.route)
+        self.metrics.count_request("no_pod", trace.route, trace.source)
         self.record(trace, "no_pod", 503, None)
 
     def commit(self, trace: Trace, pod: Pod, decision: Decision) -> Booking:
@@ -981,7 +995,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             tenant = router.authenticate(headers)
             payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
         except RouteError as exc:
-            router.metrics.count_request(refusal_outcome(exc), "aggregated")
+            router.metrics.count_request(refusal_outcome(exc), "aggregated", CLIENT_SOURCE)
             await error_response(exc)(scope, receive, send)
             return
         if payload is None:  # the client left before its request was whole: nobody to answer
@@ -1001,7 +1015,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         try:
             admitted = await router.admit(payload, headers, chat, tenant, batch)
         except RouteError as exc:
-            router.metrics.count_request(refusal_outcome(exc), "aggregated")
+            source = BATCH_SOURCE if batch else CLIENT_SOURCE
+            router.metrics.count_request(refusal_outcome(exc), "aggregated", source)
             return error_response(exc)
         response: Response | None = None
         try:
@@ -1040,7 +1055,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 gone.cancel()
         except RouteError as exc:
             outcome = refusal_outcome(exc)
-            router.metrics.count_request(outcome, "aggregated")
+            router.metrics.count_request(outcome, "aggregated", trace.source)
             router.refused_unlogged(trace, outcome, exc.status)
             return _with_limits(error_response(exc), trace)
 
@@ -1143,7 +1158,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 content, reply.status = json.dumps(error_body(f"the pod {booking.pod.name} broke off its answer: "
                                                               f"{exc}", "server_error")).encode(), 502
         outcome = "ok" if reply.status == 200 else "error"
-        router.metrics.count_request(outcome, trace.route)
+        router.metrics.count_request(outcome, trace.route, trace.source)
         usage = _count_cached(json.loads(content)) if reply.status == 200 else None
         router.record(trace, outcome, reply.status, usage)
         return Response(content, status_code=reply.status, media_type="application/json", headers=decided)
@@ -1177,7 +1192,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if choice["finish_reason"] == "stop" or asked == 1 or ticket is None or len(ids) != 1:
             if client_ids:
                 choice["token_ids"] = ids
-            router.metrics.count_request("ok", trace.route)
+            router.metrics.count_request("ok", trace.route, trace.source)
             router.record(trace, "ok", 200, first["usage"])
             decided = {"x-kvmesh-pod": prefill_pod.name,
                        "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
@@ -1219,7 +1234,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         with booking:
             rest = json.loads(await reply.read())
         if reply.status != 200:
-            router.metrics.count_request("error", trace.route)
+            router.metrics.count_request("error", trace.route, trace.source)
             router.record(trace, "error", reply.status, None)
             return JSONResponse(rest, status_code=reply.status, headers=decided)
         merged = rest["choices"][0]
@@ -1231,7 +1246,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             merged["token_ids"] = [token, *merged.get("token_ids", [])]
         rest["usage"] = merge_usage(first["usage"], rest["usage"])
         rest["id"] = first["id"]
-        router.metrics.count_request("ok", trace.route)
+        router.metrics.count_request("ok", trace.route, trace.source)
         router.record(trace, "ok", 200, rest["usage"])
         return JSONResponse(rest, headers=decided)
 
@@ -1301,7 +1316,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     def ended(trace: Trace, outcome: str, usage: dict[str, Any] | None = None) -> None:
         """A relayed stream's end, counted and logged once (a client gone as 499, as on the Gateway edge)."""
-        router.metrics.count_request(outcome, trace.route)
+        router.metrics.count_request(outcome, trace.route, trace.source)
         router.record(trace, outcome, 499 if outcome == "client_gone" else 200, usage)
 
     async def served_by_router_app() -> Response:

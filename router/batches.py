@@ -31,6 +31,9 @@ BATCH_REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "failed", "retried")
 MAX_ENQUEUED_REQUESTS = 200_000
 ENQUEUED_STATUSES: tuple[str, ...] = ("validating", "in_progress")
 MAX_FILE_BYTES = 100 * 2**20  # an input file's default bound (OpenAI's is 200 MB; this one lives in a database)
+# who sent a request the router serves (label `source` of kvmesh_router_requests_total and kvmesh_router_shed_total): a
+# client, or this router's own batch runner, whose 429s are deferrals it retries and no client sees
+CLIENT_SOURCE, BATCH_SOURCE = REQUEST_SOURCES = ("client", "batch")
 BATCH_PRIORITY = -1  # x-kvmesh-priority of a batch's requests: shed before any interactive request (router/shed.py)
 MAX_CUSTOM_ID_CHARS = 512
 PREFIX_ORDER, FILE_ORDER = "prefix", "file"  # how a batch's requests are ordered to be sent (batch_order)

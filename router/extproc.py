@@ -86,6 +86,7 @@ from kvmesh.router.app import (
     wants_usage,
     with_usage,
 )
+from kvmesh.router.batches import CLIENT_SOURCE
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
     EXT_PROC_KEY_FILE,
@@ -501,7 +502,7 @@ class Exchange:
         status = self.status or 200
         cut = not self.done and (cancelled or self.status is not None)
         outcome = "client_gone" if cut else "ok" if status == 200 else "error"
-        router.metrics.count_request(outcome, trace.route)
+        router.metrics.count_request(outcome, trace.route, trace.source)
         router.record(trace, outcome, 499 if outcome == "client_gone" else status, self.usage)
 
 
@@ -541,7 +542,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         exc = Refused(RouteError(500, "the endpoint picker failed on this request",
                                                  kind="server_error"))
                     if exc.outcome is not None:
-                        self.router.metrics.count_request(exc.outcome, GATEWAY_ROUTE)
+                        self.router.metrics.count_request(exc.outcome, GATEWAY_ROUTE, CLIENT_SOURCE)
                     exchange.done = True
                     yield exc.reply
                     break

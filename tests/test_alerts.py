@@ -13,7 +13,7 @@ import pytest
 import yaml
 from helm_python import _native
 
-from kvmesh.engine.protocol import OperatorMetric
+from kvmesh.engine.protocol import OperatorMetric, RouterMetric
 
 from .promql import CHART, RULES, promtool
 
@@ -25,6 +25,12 @@ RESTARTED = OPERATOR.replace("kvmesh-operator-0", "kvmesh-operator-1")  # a new 
 LAST, INTERVAL = OperatorMetric.LAST_EVALUATION, OperatorMetric.EVALUATION_INTERVAL
 EVALUATIONS = OperatorMetric.EVALUATIONS + "_total"
 POOL_PODS = (f'up{{pod="r0", role="router", {POOL}}}', "1x40")  # the pool exists: its router is a target
+ROUTER = f'pod="r0", role="router", {POOL}'
+SHED, REQUESTS = RouterMetric.SHED + "_total", RouterMetric.REQUESTS + "_total"
+SHEDDING = {"alertname": "KvmeshRouterShedding", "labels": {"severity": "warning", **WHERE},
+            "summary": "Pool ml/chat: over 5 % of clients' requests refused with 429",
+            "description": "The routers shed 10% of clients' requests (batches' deferred requests not counted): the "
+                           "pool is too small for its load."}
 STALLED = ("Pool ml/chat: the operator stopped evaluating it",
            "The operator last evaluated the pool 5m 0s ago, over three of its scaling periods: nothing scales it, "
            "warms its new engines or syncs its adapters. Check that the operator's pod runs (not crash-looping), "
@@ -65,20 +71,31 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [(f'kvmesh_prefix_cache_query_tokens_total{{pod="e0", {POOL}}}', "0+100x120"),
          (f'kvmesh_prefix_cache_hit_tokens_total{{tier="device", pod="e0", {POOL}}}', "0+80x80 6420+20x39")],
         "110m", []),
-    "10 % of requests shed": (
-        [(f'kvmesh_router_shed_total{{priority="low", pod="r0", role="router", {POOL}}}', "0+10x15"),
-         (f'kvmesh_router_requests_total{{outcome="ok", route="aggregated", pod="r0", role="router", {POOL}}}',
-          "0+90x15"),
-         (f'kvmesh_router_requests_total{{outcome="shed", route="aggregated", pod="r0", role="router", {POOL}}}',
-          "0+10x15")],
-        "12m",
-        [alert("KvmeshRouterShedding", {"severity": "warning", **WHERE},
-               "Pool ml/chat: over 5 % of requests refused with 429",
-               "The routers shed 10% of requests: the pool is too small for its load.")]),
-    "1 % of requests shed": (
-        [(f'kvmesh_router_shed_total{{priority="low", pod="r0", role="router", {POOL}}}', "0+1x15"),
-         (f'kvmesh_router_requests_total{{outcome="ok", route="aggregated", pod="r0", role="router", {POOL}}}',
-          "0+99x15")],
+    "10 % of clients' requests shed": (
+        [(f'{SHED}{{priority="normal", source="client", {ROUTER}}}', "0+10x15"),
+         (f'{REQUESTS}{{outcome="ok", route="aggregated", source="client", {ROUTER}}}', "0+90x15"),
+         (f'{REQUESTS}{{outcome="shed", route="aggregated", source="client", {ROUTER}}}', "0+10x15")],
+        "12m", [SHEDDING]),
+    "10 % of clients' requests shed beside a batch served whole": (
+        # 1,000 batch requests a minute, all answered: they neither dilute the clients' 429s nor count as theirs
+        [(f'{SHED}{{priority="normal", source="client", {ROUTER}}}', "0+10x15"),
+         (f'{REQUESTS}{{outcome="ok", route="aggregated", source="client", {ROUTER}}}', "0+90x15"),
+         (f'{REQUESTS}{{outcome="shed", route="aggregated", source="client", {ROUTER}}}', "0+10x15"),
+         (f'{REQUESTS}{{outcome="ok", route="aggregated", source="batch", {ROUTER}}}', "0+1000x15")],
+        "12m", [SHEDDING]),
+    "1 % of clients' requests shed": (
+        [(f'{SHED}{{priority="low", source="client", {ROUTER}}}', "0+1x15"),
+         (f'{REQUESTS}{{outcome="ok", route="aggregated", source="client", {ROUTER}}}', "0+99x15"),
+         (f'{REQUESTS}{{outcome="shed", route="aggregated", source="client", {ROUTER}}}', "0+1x15")],
+        "12m", []),
+    "only a batch's requests shed": (
+        # a big batch job deferred at priority low (half its attempts refused and retried) while every client's
+        # request is served: the pool does what it should, no alert
+        [(f'{SHED}{{priority="low", source="batch", {ROUTER}}}', "0+50x15"),
+         (f'{REQUESTS}{{outcome="shed", route="aggregated", source="batch", {ROUTER}}}', "0+50x15"),
+         (f'{REQUESTS}{{outcome="ok", route="aggregated", source="batch", {ROUTER}}}', "0+50x15"),
+         (f'{SHED}{{priority="normal", source="client", {ROUTER}}}', "0x15"),
+         (f'{REQUESTS}{{outcome="ok", route="aggregated", source="client", {ROUTER}}}', "0+100x15")],
         "12m", []),
     "event lag of 500 batches": (
         [(f'kvmesh_router_kv_event_lag_batches{{engine="e0", pod="r0", role="router", {POOL}}}', "500x10"),

@@ -52,7 +52,7 @@ def test_a_client_that_leaves_stops_the_request_on_the_engine(slowed: Slowed) ->
     wait_idle(slowed.engine)
     assert _aborts(slowed.engine) == slowed.aborts_before + 1
     metrics = httpx.get(slowed.router_url + "/metrics").text
-    assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
+    assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated",source="client"} 1.0' in metrics
     wait_nothing_in_flight(slowed.router)
 
 
@@ -67,7 +67,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_request_and_frees_its_pod(slo
     assert _aborts(slowed.engine) == slowed.aborts_before + 1
     wait_nothing_in_flight(slowed.router)
     metrics = httpx.get(slowed.router_url + "/metrics").text
-    assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated"} 1.0' in metrics
+    assert 'kvmesh_router_requests_total{outcome="client_gone",route="aggregated",source="client"} 1.0' in metrics
 
 
 def wait_nothing_in_flight(router: Router) -> None:

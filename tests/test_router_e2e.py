@@ -3,6 +3,8 @@ prefix affinity, predicted against reported cached tokens, draining, retries, te
 
 from __future__ import annotations
 
+import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -17,8 +19,10 @@ import pytest
 
 from kvmesh.cli import main
 from kvmesh.engine.openai_types import CompletionRequest
+from kvmesh.engine.protocol import PRIORITY_HEADER
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router
+from kvmesh.router.batches import BATCH_PRIORITY
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.pool_status import POOL_STATUS_PATH
 
@@ -213,7 +217,9 @@ def test_kvmesh_up_stops_the_pool_when_a_child_dies(tiny_dir: Path, tmp_path: Pa
 
 
 def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: Path) -> None:
-    """A router whose TTFT SLO no pod can meet: normal requests get 429 with Retry-After, important ones pass."""
+    """A router whose TTFT SLO no pod can meet: normal requests get 429 with Retry-After, important ones pass. A
+    request of the batch runner (admitted with `batch`, as send_batch_request does) is shed too, counted apart:
+    the batch retries it, no client sees that 429, and KvmeshRouterShedding counts clients' requests only."""
     strict = build_router(RouterConfig(pods=engines, scrape_interval_seconds=0.1, ttft_slo_seconds=1e-6,
                                        priority_headroom=1e9), tiny_dir)
     with serve_router(strict) as url:
@@ -223,7 +229,18 @@ def test_overload_sheds_the_lowest_priority_first(engines: list[str], tiny_dir: 
         assert shed.json()["error"]["code"] == "overloaded"
         served = httpx.post(url + "/v1/completions", json=body, headers={"x-kvmesh-priority": "5"}, timeout=30)
         assert served.status_code == 200
-        assert 'kvmesh_router_shed_total{priority="normal"} 1.0' in httpx.get(url + "/metrics").text
+        batch = asyncio.run(strict.admit(json.dumps(body).encode(), {PRIORITY_HEADER: str(BATCH_PRIORITY)},
+                                         chat=False, batch=True))
+        deferred = strict.refuse(batch.trace, strict.decide(batch.trace.info, set()))
+        assert deferred is not None and deferred.status == 429
+        metrics = httpx.get(url + "/metrics").text
+    for series in ('kvmesh_router_shed_total{priority="normal",source="client"} 1.0',
+                   'kvmesh_router_shed_total{priority="low",source="client"} 0.0',
+                   'kvmesh_router_shed_total{priority="low",source="batch"} 1.0',
+                   'kvmesh_router_requests_total{outcome="shed",route="aggregated",source="client"} 1.0',
+                   'kvmesh_router_requests_total{outcome="ok",route="aggregated",source="client"} 1.0',
+                   'kvmesh_router_requests_total{outcome="shed",route="aggregated",source="batch"} 1.0'):
+        assert series in metrics, series
 
 
 def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], tiny_dir: Path) -> None:

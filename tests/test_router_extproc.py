@@ -970,7 +970,8 @@ def test_the_gateway_and_the_http_edge_choose_alike(served: tuple[str, int, Rout
     picked = asyncio.run(gateway_pick(port, certificate, {"prompt": fresh, "max_tokens": 2}))
     again = httpx.post(url + "/v1/completions", json={"prompt": [*fresh, 5], "max_tokens": 2}, timeout=60)
     assert again.status_code == 200 and endpoint_of(again.headers["x-kvmesh-pod"]) == picked
-    assert 'kvmesh_router_requests_total{outcome="ok",route="gateway"} 4.0' in httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text
+    assert 'kvmesh_router_requests_total{outcome="ok",route="gateway",source="client"} 4.0' in metrics
 
 
 @pytest.mark.asyncio
