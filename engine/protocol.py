@@ -398,13 +398,13 @@ class Metric:
 class RouterMetric:
     """The router's own metrics."""
 
-    REQUESTS = "kvmesh_router_requests"  # counter; labels outcome, route
+    REQUESTS = "kvmesh_router_requests"  # counter; labels outcome, route, source (router/batches.REQUEST_SOURCES)
     DECISION_SECONDS = "kvmesh_router_decision_seconds"  # histogram: tokenize + hash + pick
     PREDICTED_CACHED_TOKENS = "kvmesh_router_predicted_cached_tokens"  # counter
     ACTUAL_CACHED_TOKENS = "kvmesh_router_actual_cached_tokens"  # counter (from the engines' usage)
     RETRIES = "kvmesh_router_retries"  # counter
     PULLS = "kvmesh_router_pulls"  # counter: requests sent with a prefix pull from a peer
-    SHED = "kvmesh_router_shed"  # counter; label priority (low, normal, high): 429s
+    SHED = "kvmesh_router_shed"  # counter; labels priority (low, normal, high), source: 429s (batch: deferrals)
     MIGRATIONS = "kvmesh_router_migrations"  # counter: streams continued on another pod
     INDEX_BLOCKS = "kvmesh_router_index_blocks"  # gauge: distinct block hashes indexed
     PODS = "kvmesh_router_pods"  # gauge; label state (POD_STATES)
