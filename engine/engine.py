@@ -49,6 +49,7 @@ from kvmesh.engine.runner import ModelRunner, StepInput
 from kvmesh.engine.sampling import SampleResult, sample
 from kvmesh.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from kvmesh.engine.spec import SpecConfig, TokenHistory, Verdict, accept, propose
+from kvmesh.engine.step_cost import DecodeStepFit
 from kvmesh.engine.structured import Masks, StructuredError, StructuredOutputs
 
 log = logging.getLogger("kvmesh.engine")
@@ -185,6 +186,7 @@ class Engine:
         self.draining = False
         self.prefill_tps = 0.0
         self.decode_step_s = 0.0
+        self.step_cost = DecodeStepFit()  # what a decode step costs by batch and KV read (engine/step_cost.py)
         # output tokens per decoding request per decode step (moving average): 1 without speculative decoding
         self.tokens_per_decode_step = 0.0
         self._inbox: deque[Request] = deque()
@@ -574,6 +576,7 @@ class Engine:
         self._take_inbox()
         self._tier_tick()
         self._swap_in()
+        started = time.perf_counter()
         out = self.scheduler.schedule(self._propose_drafts())
         for request in out.unservable:
             self._finish(request, "length", error="the request does not fit in this engine's KV cache")
@@ -590,7 +593,10 @@ class Engine:
         return out
 
     def _on_admitted(self, request: Request) -> None:
+            decode = _decode_shape(out)
         m = self.metrics
+            if decode is not None:  # the whole step, as its sequences wait between tokens
+                self.step_cost.add(*decode, time.perf_counter() - started)
         prompt = len(request.prompt_ids)
         m.prefix_queries.labels(self.model_name).inc(prompt)
         m.prefix_hits.labels(self.model_name).inc(request.cached_tokens)
@@ -890,6 +896,7 @@ class Engine:
             draining=self.draining,
             pinned_blocks=sum(len(s.blocks) for k, s in self.kv.seqs.items() if k.startswith(PIN_PREFIXES)),
             tiers=self.tiers.counts() if self.tiers is not None else {},
+            decode_step_cost=self.step_cost.cost(),
             lora_running=_adapters(self.scheduler.running),
             lora_waiting=_adapters(waiting),
             loras_loaded=len(self.loras.loaded),
@@ -963,6 +970,13 @@ def _ema(old: float, new: float) -> float:
 
 
 def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
+def _decode_shape(out: SchedulerOutput) -> tuple[int, int] | None:
+    """(sequences, KV tokens they attend to) of a step that only decodes; None when a prompt chunk is in it."""
+    if any(s.num_new_tokens - len(s.draft_ids) > 1 for s in out.scheduled):
+        return None
+    return len(out.scheduled), sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+
+
     """The LoRA adapters these requests run with, each once, sorted."""
     return tuple(sorted({r.extra.lora for r in requests if r.extra.lora is not None}))
 

@@ -33,6 +33,7 @@ from kvmesh.engine.protocol import (
     TRANSFER_DIRECTIONS,
     TRANSFER_KINDS,
     TRANSFER_OUTCOMES,
+    DecodeStepCost,
 )
 from kvmesh.engine.protocol import (
     Metric as M,
@@ -46,6 +47,11 @@ LATENCY_BUCKETS = (
 )
 TOKEN_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_STEP_COST_HELP = {
+    M.DECODE_STEP_BASE: "Fitted decode step cost: the fixed part of a step, seconds.",
+    M.DECODE_STEP_PER_SEQUENCE: "Fitted decode step cost: seconds per sequence in the batch.",
+    M.DECODE_STEP_PER_KV_TOKEN: "Fitted decode step cost: seconds per KV token the batch attends to.",
+}
 RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 
 
@@ -59,6 +65,7 @@ class EngineState:
     pending_prefill_tokens: int = 0
     prefill_tokens_per_second: float = 0.0
     decode_step_seconds: float = 0.0
+    decode_step_cost: DecodeStepCost | None = None  # fitted over the recent decode steps (engine/step_cost.py)
     forecast: Forecast | None = None
     events_seq: int = 0
     draining: bool = False
@@ -111,6 +118,9 @@ class _StateCollector:
         yield gauge(M.QUEUED_PREFILL_TOKENS, "Uncached prompt tokens waiting or in flight.", s.pending_prefill_tokens)
         yield gauge(M.PREFILL_THROUGHPUT, "Measured prefill speed (moving average).", s.prefill_tokens_per_second)
         yield gauge(M.DECODE_STEP_SECONDS, "Measured decode step time (moving average).", s.decode_step_seconds)
+        if s.decode_step_cost is not None:  # no line to show until the batch has varied
+            for name, value in s.decode_step_cost.metrics.items():
+                yield gauge(name, _STEP_COST_HELP[name], value)
         yield gauge(M.EVENTS_SEQ, "Last KV event batch number published.", s.events_seq)
         yield gauge(M.DRAINING, "1 while the engine drains.", float(s.draining))
         yield gauge(M.KV_BLOCKS_PINNED, "Blocks held for transfers.", s.pinned_blocks)

@@ -365,6 +365,10 @@ class Metric:
     DECODE_TIME = "kvmesh_request_decode_seconds"  # histogram
     TPOT = "kvmesh_request_time_per_output_token_seconds"  # histogram
     STEP_BATCH_SIZE = "kvmesh_step_batch_size"  # histogram: sequences per model step
+    # gauges, the decode step's fitted cost (DecodeStepCost), exported once the batch has varied enough to fit it
+    DECODE_STEP_BASE = "kvmesh_decode_step_base_seconds"  # a step's fixed part (reading the weights)
+    DECODE_STEP_PER_SEQUENCE = "kvmesh_decode_step_sequence_seconds"  # each sequence in the batch
+    DECODE_STEP_PER_KV_TOKEN = "kvmesh_decode_step_kv_token_seconds"  # each KV token the step's attention reads
     STEPS = "kvmesh_model_steps"  # counter
     COMPUTED_TOKENS = "kvmesh_computed_tokens"  # counter: tokens the model ran (prompt and output)
     REQUESTS = "kvmesh_requests"  # counter; label finish_reason
@@ -480,6 +484,43 @@ class ScrapedMetrics:
     """One engine's /metrics as its readers (the router, the operator) take it: each series that is one per engine
     (no label but the model's) by its exposed name, the usage forecast by level, and the KV geometry from vLLM's
     cache-config info (None when the engine does not say). Labelled families (histogram buckets, counters by
+@dataclass(frozen=True)
+class DecodeStepCost:
+    """What a decode step costs an engine, fitted from its own steps (engine/step_cost.py): seconds = base +
+    per_sequence x batch + per_kv_token x the KV tokens the batch attends to. The operator sizes decode pods
+    with it so that each pod's step stays within the pool's inter-token latency objective."""
+
+    base: float
+    per_sequence: float
+    per_kv_token: float
+
+    def seconds(self, batch: float, kv_tokens: float) -> float:
+        return self.base + self.per_sequence * batch + self.per_kv_token * kv_tokens
+
+    def largest_batch(self, step_seconds: float, context_tokens: float) -> int:
+        """The most sequences, each attending to `context_tokens`, whose step takes at most `step_seconds`;
+        at least 1 (a slower step cannot be had by spreading the batch thinner)."""
+        each = self.per_sequence + self.per_kv_token * context_tokens
+        if each <= 0:
+            raise ValueError(f"a sequence must cost something, got {self}")
+        return max(1, math.floor((step_seconds - self.base) / each + 1e-9))
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Exposed name -> value, as the engine exports it and `read_decode_step_cost` reads it back."""
+        return {Metric.DECODE_STEP_BASE: self.base, Metric.DECODE_STEP_PER_SEQUENCE: self.per_sequence,
+                Metric.DECODE_STEP_PER_KV_TOKEN: self.per_kv_token}
+
+
+def read_decode_step_cost(values: dict[str, float]) -> DecodeStepCost | None:
+    """An engine's fitted step cost from its scraped `values` (None until it exports one)."""
+    names = (Metric.DECODE_STEP_BASE, Metric.DECODE_STEP_PER_SEQUENCE, Metric.DECODE_STEP_PER_KV_TOKEN)
+    if not all(n in values for n in names):
+        return None
+    cost = DecodeStepCost(*(values[n] for n in names))
+    return cost if cost.per_sequence > 0 or cost.per_kv_token > 0 else None
+
+
     reason) are not in `values`: one number per name would be whichever series came last."""
 
     values: dict[str, float]

@@ -352,9 +352,12 @@ def spec_schema() -> dict[str, Any]:
         "warmupGraceSeconds": _num("with warm-up on, a new engine pod stays unready (its /health says warming) until "
                                    "its warm-up ends or this many seconds pass; 0: it serves at once, warmed later",
                                    0, 600, default=60),
-        "slo": _obj({"ttftSeconds": _num("time-to-first-token objective", 0, exclusive_min=True),
-                     "itlSeconds": _num("inter-token latency objective", 0, exclusive_min=True)},
-                    description="latency objectives: the router sheds by priority past the TTFT one", default={}),
+        "slo": _obj({"ttftSeconds": _num("time-to-first-token objective: the router sheds by priority past it", 0,
+                                         exclusive_min=True),
+                     "itlSeconds": _num("inter-token latency objective: decode pods (or pods that do both) are "
+                                        "scaled so that each one's decode step, fitted by batch and KV read, stays "
+                                        "within it", 0, exclusive_min=True)},
+                    description="latency objectives", default={}),
     }, description="scaling by predicted KV utilization", default={})
     gateway = _obj({"enabled": {"type": "boolean", "default": False,
                                 "description": "also create an inference.networking.k8s.io/v1 InferencePool that "

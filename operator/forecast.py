@@ -16,7 +16,14 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, Metric, VllmMetric, read_engine_metrics
+from kvmesh.engine.protocol import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_DTYPE,
+    Metric,
+    VllmMetric,
+    read_decode_step_cost,
+    read_engine_metrics,
+)
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.scaling import Decision, PodObservation, PoolObservation, Recommendation, ScalingPolicy, decide
 
@@ -71,7 +78,8 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
     counters = {field: m.values[exposed] for exposed, field in _COUNTERS.items() if exposed in m.values}
     running, waiting = int(values.pop("running", 0)), int(values.pop("waiting", 0))
     observation = PodObservation(name=name, role=role, num_blocks=m.num_blocks or 0, forecast=m.forecast_usage,
-                                 running=running, waiting=waiting, **values)
+                                 running=running, waiting=waiting, decode_step_cost=read_decode_step_cost(m.values),
+                                 **values)
     return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),
                       m.block_size or DEFAULT_BLOCK_SIZE, m.kv_format or m.cache_dtype or DEFAULT_KV_CACHE_DTYPE)
 
@@ -86,6 +94,7 @@ class Traffic:
     request_seconds: float = 0.0
     uncached_prompt_tokens: float = 0.0
     output_tokens: float = 0.0
+    decode_context_tokens: float = 0.0  # a decoding request's KV tokens, mean over its outputs: prompt + output / 2
 
 
 @dataclass
@@ -121,12 +130,12 @@ class TrafficEstimator:
             per_request = Traffic(blocks_per_request=math.ceil((prompt + output) / block_size),
                                   request_seconds=d.finished_seconds / d.finished,
                                   uncached_prompt_tokens=max(0.0, prompt - d.cached_tokens / d.finished),
-                                  output_tokens=output)
+                                  output_tokens=output, decode_context_tokens=prompt + output / 2)
         else:
             per_request = previous
         self._traffic = Traffic(rate, rate_trend(list(self._rates)), per_request.blocks_per_request,
                                 per_request.request_seconds, per_request.uncached_prompt_tokens,
-                                per_request.output_tokens)
+                                per_request.output_tokens, per_request.decode_context_tokens)
         return self._traffic
 
 
@@ -165,7 +174,7 @@ def scaling_policy(pool: Pool) -> ScalingPolicy:
                          overload_threshold=s["overloadProbability"],
                          scale_up_stabilization_seconds=s["scaleUpStabilizationSeconds"],
                          scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"],
-                         startup_seconds=s["podStartupSeconds"])
+                         startup_seconds=s["podStartupSeconds"], itl_seconds=s["slo"].get("itlSeconds"))
 
 
 @dataclass
@@ -184,7 +193,7 @@ class Scaler:
             now=now, pods=[m.observation for m in metrics], replicas=replicas, arrival_rate=traffic.arrival_rate,
             arrival_rate_slope=traffic.arrival_rate_slope, blocks_per_request=traffic.blocks_per_request,
             request_seconds=traffic.request_seconds, uncached_prompt_tokens=traffic.uncached_prompt_tokens,
-            output_tokens=traffic.output_tokens)
+            output_tokens=traffic.output_tokens, decode_context_tokens=traffic.decode_context_tokens)
         decision = decide(observation, scaling_policy(self.pool), self.history)
         self.history = decision.history
         return decision

@@ -20,7 +20,9 @@ highest need of the stabilization window (Kubernetes' HPA rule), where a need se
 the whole window and a predicted one only until its horizon has passed: a peak that was forecast and did not
 come is no evidence, and one that comes later is forecast again a horizon ahead. In a disaggregated pool the
 prefill:decode split follows by rate matching: prefill pods for arrivals x uncached prompt tokens over the
-measured prefill throughput, decode pods for KV capacity and generated tokens per second.
+measured prefill throughput, decode pods for KV capacity and for the generated tokens per second they make
+with their step within the pool's inter-token latency objective (`decode_speed`, from the step cost each
+engine fits over its own decode steps, engine/step_cost.py); the same holds for pods that do both.
 
 No I/O and no clock: the caller (the kopf timer, `kvmesh up`, the cluster simulator) passes the time and the
 recent recommendations, and keeps the ones `decide` returns.
@@ -34,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
-from kvmesh.engine.protocol import FORECAST_LEVELS, OVERLOAD_USAGE
+from kvmesh.engine.protocol import FORECAST_LEVELS, OVERLOAD_USAGE, DecodeStepCost
 
 SCALED_ROLES: tuple[str, ...] = ("prefill", "decode", "both")  # the router's replicas are fixed in the spec
 KV_ROLES: tuple[str, ...] = ("decode", "both")  # roles whose pods hold the pool's KV for a request's whole life
@@ -55,6 +57,7 @@ class PodObservation:
     waiting: int = 0
     prefill_tokens_per_second: float = 0.0  # measured; 0: not yet
     decode_step_seconds: float = 0.0  # measured; 0: not yet
+    decode_step_cost: DecodeStepCost | None = None  # fitted by the engine; None: not yet (its batch has not varied)
 
     def quantile(self, q: float) -> float:
         """The pod's usage at the horizon at probability level q, interpolated through (0, now) and its forecast
@@ -79,7 +82,7 @@ class PoolObservation:
     uncached_prompt_tokens: float = 0.0  # prompt tokens a request computes (prompt minus cached), mean
     output_tokens: float = 0.0  # generated tokens per request, mean
     prefill_tokens_per_second: float = 0.0  # one pod's measured prefill speed; 0: take the pods' own
-    decode_tokens_per_second: float = 0.0  # one pod's sustainable generation rate at full batch; 0: unknown
+    decode_context_tokens: float = 0.0  # KV tokens a decoding request attends to, mean over its output tokens
 
     def role_pods(self, role: str) -> list[PodObservation]:
         return [p for p in self.pods if p.role == role]
@@ -97,6 +100,7 @@ class ScalingPolicy:
     scale_up_stabilization_seconds: float = 0.0
     scale_down_stabilization_seconds: float = 300.0
     startup_seconds: float | None = None  # how long a new pod takes to serve; None: the horizon
+    itl_seconds: float | None = None  # the inter-token latency objective decode pods are sized for; None: none
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= OVERLOAD_USAGE:
@@ -105,6 +109,8 @@ class ScalingPolicy:
             raise ValueError(f"overload_threshold must be in (0, 1), got {self.overload_threshold}")
         if self.horizon_seconds <= 0:
             raise ValueError("horizon_seconds must be positive")
+        if self.itl_seconds is not None and not self.itl_seconds > 0:
+            raise ValueError(f"itl_seconds must be positive, got {self.itl_seconds}")
         if self.startup_seconds is not None and not 0 <= self.startup_seconds <= self.horizon_seconds:
             raise ValueError(f"startup_seconds must be in [0, horizon_seconds], got {self.startup_seconds}")
         for role, low in self.min_replicas.items():
@@ -169,7 +175,7 @@ REASONS: tuple[str, ...] = (
     "ScaleUpPredictedOverload",  # P(usage > 95 % within the horizon) reached the threshold
     "ScaleUpPredictedAboveTarget",  # the predicted peak within the horizon needs more pods at target utilization
     "ScaleUpPrefillRate",  # arrivals' prefill work exceeds what the role computes at target utilization
-    "ScaleUpDecodeRate",  # generated tokens per second exceed what the role sustains at target utilization
+    "ScaleUpInterTokenLatency",  # generated tokens per second exceed what the role makes within the ITL objective
     "ScaleDownUnderTarget",  # fewer pods fit the predicted peak, and every need the window holds (see decide_role)
     "HoldStabilizing",  # fewer pods would do, but not yet for the whole stabilization window
     "HoldWithinTarget",  # no change needed
@@ -346,14 +352,62 @@ def overload_probability(pods: Sequence[PodObservation], new: Arrivals | None, c
     return max(own, 1 - lo)
 
 
-def _rate_replicas(role: str, pods: Sequence[PodObservation], obs: PoolObservation, target: float) -> int:
-    """Pods needed for the arrivals' compute at target utilization (rate matching); 0 when not measurable."""
+def decode_speed(pods: Sequence[PodObservation], obs: PoolObservation, step_seconds: float) -> float:
+    """One pod's generated tokens per second when its decode step may take `step_seconds`: the largest batch
+    whose fitted step (each sequence attending to the pool's mean decode context) fits, over that step's time,
+    averaged over the pods that fitted a cost. 0 when none has, or when one sequence alone takes longer."""
+    costs = [p.decode_step_cost for p in pods if p.decode_step_cost is not None]
+    context = obs.decode_context_tokens
+    if not costs or any(c.seconds(1, context) > step_seconds for c in costs):
+        return 0.0
+    batches = [c.largest_batch(step_seconds, context) for c in costs]
+    return sum(b / c.seconds(b, b * context) for b, c in zip(batches, costs, strict=True)) / len(costs)
+
+
+MAX_SEARCHED_PODS = 1 << 16  # past this many pods the ITL objective is taken as out of reach
+
+
+def itl_replicas(pods: Sequence[PodObservation], obs: PoolObservation, policy: ScalingPolicy,
+                 prefill_load: float) -> int:
+    """The fewest pods whose generation meets the inter-token latency objective at target utilization; 0 without
+    an objective, a fitted step cost or generation to size, or when no pod count meets it (one sequence's step
+    is over the objective). At n pods each spends rho = prefill_load / n of its time on prompts (pods that do
+    both; decode pods none), and its decodes stall meanwhile, so its step may take itl x (1 - rho): it batches
+    the most sequences that fit (`decode_speed`), and generating its share of the tokens takes
+    (arrivals x output tokens / n) / that speed of its time. n fits when both shares sum to the target."""
+    generation = obs.arrival_rate * obs.output_tokens  # tokens per second the pool must generate
+    if policy.itl_seconds is None or generation <= 0:
+        return 0
+    if decode_speed(pods, obs, policy.itl_seconds) <= 0:
+        return 0
+
+    def fits(n: int) -> bool:
+        rho = prefill_load / n
+        speed = decode_speed(pods, obs, policy.itl_seconds * (1 - rho)) if rho < 1 else 0.0
+        return speed > 0 and rho + generation / n / speed <= policy.target_utilization + 1e-9
+
+    hi = 1
+    while not fits(hi):
+        if hi >= MAX_SEARCHED_PODS:
+            return 0
+        hi *= 2
+    lo = hi // 2  # 0, or a size that does not fit (the shares fall as pods are added)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def _rate_replicas(role: str, pods: Sequence[PodObservation], obs: PoolObservation,
+                   policy: ScalingPolicy) -> tuple[int, int]:
+    """Pods needed for the arrivals' compute at target utilization (rate matching): (for their prompts at the
+    measured prefill speed, for prompts and generation within the ITL objective, `itl_replicas`); 0 when not
+    measurable."""
     prefill_tps = prefill_speed(pods, obs)
     prefill_load = obs.arrival_rate * obs.uncached_prompt_tokens / prefill_tps if prefill_tps > 0 else 0.0
-    decode_tps = obs.decode_tokens_per_second
-    decode_load = obs.arrival_rate * obs.output_tokens / decode_tps if decode_tps > 0 else 0.0
-    load = {"prefill": prefill_load, "decode": decode_load, "both": prefill_load + decode_load}[role]
-    return math.ceil(load / target - 1e-9) if load > 0 else 0
+    for_prompts = math.ceil(prefill_load / policy.target_utilization - 1e-9) if role != "decode" else 0
+    for_tokens = itl_replicas(pods, obs, policy, prefill_load if role == "both" else 0.0) if role in KV_ROLES else 0
+    return for_prompts, for_tokens
 
 
 def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
@@ -381,7 +435,8 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
         held_as = capacity / held.factor(current, demand.horizon_rate)
         p_over = overload_probability(pods, new, held_as) if current else 1.0
         for_target = fewest_pods(demand, policy.target_utilization * per_pod)
-        for_rate = _rate_replicas(role, pods, obs, policy.target_utilization)
+        for_prompts, for_tokens = _rate_replicas(role, pods, obs, policy)
+        for_rate = max(for_prompts, for_tokens)
         observed = max(for_rate, fewest_pods(demand.seen, policy.target_utilization * per_pod))
         if p_over >= policy.overload_threshold:
             recommended, reason = max(for_target, for_rate, current + 1), "ScaleUpPredictedOverload"
@@ -389,8 +444,7 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
             recommended, reason = max(for_target, for_rate), "ScaleUpPredictedAboveTarget"
         elif for_rate > current:
             recommended = for_rate
-            reason = "ScaleUpPrefillRate" if role == "prefill" or obs.decode_tokens_per_second <= 0 else (
-                "ScaleUpDecodeRate")
+            reason = "ScaleUpPrefillRate" if for_prompts >= for_tokens else "ScaleUpInterTokenLatency"
         elif max(for_target, for_rate) < current:
             recommended, reason = max(for_target, for_rate, 1), "ScaleDownUnderTarget"
         else:

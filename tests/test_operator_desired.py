@@ -402,5 +402,6 @@ def test_traffic_is_estimated_from_counter_deltas_and_restarts_are_skipped() -> 
     assert t.arrival_rate == pytest.approx(2.5)  # 20 finished + 5 more in flight in 10 s
     assert t.blocks_per_request == 25  # (300 + 100) / 16
     assert (t.request_seconds, t.uncached_prompt_tokens, t.output_tokens) == (2.0, 200.0, 100.0)
+    assert t.decode_context_tokens == 300 + 100 / 2  # a decoding request attends to its prompt and half its output
     restarted = est.update(20, [("a", Counters(finished=1, in_flight=1))], 16)
     assert restarted == t  # counters fell: the interval is skipped, the last estimate stands

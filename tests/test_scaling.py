@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvmesh.engine.protocol import DecodeStepCost
 from kvmesh.operator.crd import load_pool_file
 from kvmesh.operator.forecast import Counters, TrafficEstimator, rate_trend, scaling_policy
 from kvmesh.operator.scaling import (
@@ -22,6 +23,7 @@ from kvmesh.operator.scaling import (
     ScalingPolicy,
     arrivals,
     decide,
+    decode_speed,
     fewest_pods,
     holding,
     little_calibrated,
@@ -191,6 +193,38 @@ def test_the_trend_is_followed_until_the_pods_asked_for_now_serve() -> None:
         ScalingPolicy(**bounds, startup_seconds=120)  # type: ignore[arg-type]
 
 
+def test_a_tighter_itl_objective_asks_for_more_decode_pods_and_a_longer_context_too() -> None:
+    """Pods that do both, each step 10 ms plus 1 ms a sequence plus 0.5 us a KV token. 20 requests/s of 400 output
+    tokens (8,000 tokens/s). At 1,000 tokens of context a sequence costs 1.5 ms: within 100 ms a pod batches 60
+    (600 tokens/s, 14 busy pods, 17 at 80 %); within 40 ms, 20 (500 tokens/s: 20 pods); at 3,000 tokens of
+    context and 40 ms, 12 (300 tokens/s: 34 pods). The pods that fitted no cost yet count for nothing."""
+    step = DecodeStepCost(base=0.01, per_sequence=0.001, per_kv_token=5e-7)
+    pods = [replace(p, decode_step_cost=step) for p in quiet(4)] + quiet(2)
+    obs = PoolObservation(0, pods, {"both": 6}, arrival_rate=20.0, output_tokens=400, decode_context_tokens=1000)
+    bounds = {"min_replicas": {"both": 1}, "max_replicas": {"both": 64}}
+
+    def sized(itl: float, o: PoolObservation = obs) -> RoleDecision:
+        return decide(o, ScalingPolicy(**bounds, itl_seconds=itl)).roles["both"]  # type: ignore[arg-type]
+
+    assert decode_speed(pods, obs, 0.1) == pytest.approx(60 / 0.1)
+    assert (sized(0.1).replicas, sized(0.1).reason) == (math.ceil(8000 / 600 / 0.8), "ScaleUpInterTokenLatency")
+    assert sized(0.04).replicas == math.ceil(8000 / 500 / 0.8)
+    longer = replace(obs, decode_context_tokens=3000)
+    assert decode_speed(pods, longer, 0.04) == pytest.approx(12 / 0.04)
+    assert sized(0.04, longer).replicas == math.ceil(8000 / 300 / 0.8)
+    assert decode_speed(quiet(2), obs, 0.04) == 0  # no pod fitted one: KV sizing alone
+    # 1,000 uncached prompt tokens each at 20,000 tokens/s: one pod's worth of prompts. At n pods each spends 1 / n
+    # of its time on them and its step may take 100 ms x (1 - 1 / n): at 19 pods, 94.7 ms, 56 sequences (595.7
+    # tokens/s), 5.3 % + 70.7 % of its time; at 18, 5.6 % + 74.6 % is past the target
+    stalled = replace(obs, uncached_prompt_tokens=1000, prefill_tokens_per_second=20_000)
+    assert (sized(0.1, stalled).replicas, sized(0.1, stalled).reason) == (19, "ScaleUpInterTokenLatency")
+    assert sized(0.0105, obs).replicas == 6  # one sequence's step (11.5 ms) is over the objective: out of reach
+    with pytest.raises(ValueError, match="itl_seconds"):
+        ScalingPolicy(**bounds, itl_seconds=0)  # type: ignore[arg-type]
+    # the pool's spec.scaling.slo.itlSeconds is the objective
+    assert scaling_policy(load_pool_file(str(EXAMPLES / "aggregated.yaml"))).itl_seconds == 0.1
+
+
 def test_a_request_is_held_longer_where_a_pod_spends_more_of_its_time_on_prefills() -> None:
     """4 pods take 40 requests/s of 1,000 uncached tokens at 20,000 tokens/s: each spends half its time
     prefilling, so its decodes run half the time. 8 pods spend a quarter: a request is held 0.5 / 0.75 as long;
@@ -285,15 +319,22 @@ def test_scale_up_is_immediate_but_bounded_and_min_holds() -> None:
 
 def test_prefill_and_decode_are_sized_by_rate_matching() -> None:
     """4 requests/s of 2,000 uncached prompt tokens on prefill pods that compute 5,000 tokens/s: 8,000 tokens/s
-    needs 1.6 pods, 2 at the 80 % target... at least 2; generation of 4 x 250 tokens/s on decode pods that
-    sustain 400 tokens/s each: 2.5 busy pods, 4 at 80 %."""
-    policy = ScalingPolicy(min_replicas={"prefill": 1, "decode": 1}, max_replicas={"prefill": 10, "decode": 10})
-    pods = [*quiet(1, "prefill"), *quiet(2, "decode")]
+    needs 1.6 pods, 2 at the 80 % target; generation of 4 x 250 tokens/s on decode pods whose step costs 10 ms plus
+    2 ms a sequence (each attending to 2,000 tokens, 1 us a token): within a 50 ms ITL objective a pod batches
+    (50 - 10) / 2 = 20 sequences, 20 tokens per 50 ms step = 400 tokens/s; 2.5 busy pods, 4 at 80 %."""
+    policy = ScalingPolicy(min_replicas={"prefill": 1, "decode": 1}, max_replicas={"prefill": 10, "decode": 10},
+                           itl_seconds=0.05)
+    step = DecodeStepCost(base=0.01, per_sequence=0.0, per_kv_token=1e-6)
+    pods = [*quiet(1, "prefill"), *(replace(p, decode_step_cost=step) for p in quiet(2, "decode"))]
     obs = PoolObservation(0, pods, {"prefill": 1, "decode": 2}, arrival_rate=4.0, uncached_prompt_tokens=2000,
-                          output_tokens=250, prefill_tokens_per_second=5000, decode_tokens_per_second=400)
+                          output_tokens=250, prefill_tokens_per_second=5000, decode_context_tokens=2000)
+    assert decode_speed(obs.role_pods("decode"), obs, 0.05) == pytest.approx(400)
     d = decide(obs, policy)
     assert d.replicas == {"prefill": math.ceil(8000 / 5000 / 0.8), "decode": math.ceil(1000 / 400 / 0.8)}
-    assert d.roles["prefill"].reason == "ScaleUpPrefillRate" and d.roles["decode"].reason == "ScaleUpDecodeRate"
+    assert d.roles["prefill"].reason == "ScaleUpPrefillRate"
+    assert d.roles["decode"].reason == "ScaleUpInterTokenLatency"
+    # Without an objective the decode pods are sized for their KV alone (2 quiet pods hold theirs).
+    assert decide(obs, replace(policy, itl_seconds=None)).replicas["decode"] == 2
     # Without a pool-level figure the pods' own measured prefill speed is used.
     measured = [pod("pf", 0.2, 0.2, 0.2, 0.2, role="prefill", prefill_tokens_per_second=2500), *quiet(2, "decode")]
     obs = PoolObservation(0, measured, {"prefill": 1, "decode": 2}, arrival_rate=4.0, uncached_prompt_tokens=2000)

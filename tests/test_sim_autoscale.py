@@ -125,6 +125,34 @@ def test_the_simulated_engines_forecast_reaches_the_operator() -> None:
     assert sum(o.arrivals for o in seen) <= 400 and seen[0].arrivals == 300  # 15 s at 20 per second
 
 
+def test_the_simulated_engines_fit_their_step_cost_and_the_operator_sizes_for_the_itl_objective() -> None:
+    """Simulated steps cost 10 ms plus 0.5 ms a further sequence: each instance's fit (the engine's own,
+    engine/step_cost.py) finds that line, and the operator's policy turns it into pods for an ITL objective."""
+    latency = LatencyModel(prefill_tokens_per_second=50_000.0, decode_step_seconds=0.01,
+                           decode_step_per_sequence_seconds=0.0005)
+    spec = ClusterSpec({"both": 1}, cache_tokens=200_000, block_size=16, latency=latency)
+    seen: list[Observation] = []
+
+    @dataclass
+    class Watch(Script):
+        def desired(self, observation: Observation) -> int:
+            seen.append(observation)
+            return 1
+
+    outputs = [20 + (t * 37) % 200 for t in range(300)]  # staggered ends: the batch varies
+    Cluster(spec, RouterPolicy(), Watch([1])).run(
+        build_requests([TraceRequest(t * 0.1, 200, out) for t, out in enumerate(outputs)], block_size=16))
+    cost = seen[-1].instances[0].decode_step_cost
+    assert cost is not None
+    for batch in (1, 10, 40):
+        assert cost.seconds(batch, batch * 300) == pytest.approx(latency.step_seconds(batch), rel=0.01)
+    ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}, itl_seconds=0.03))
+    obs = ours.pool_observation(seen[-1])
+    assert obs.pods[0].decode_step_cost == cost and obs.decode_context_tokens > 200
+    # within 30 ms a pod batches 41 sequences (10 ms + 40 x 0.5 ms): 41 / 0.03 tokens/s
+    assert scaling.decode_speed(obs.pods, obs, 0.03) == pytest.approx(41 / 0.03, rel=0.02)
+
+
 def test_picker_weights_from_flags_as_the_router_reads_them() -> None:
     assert picker_from_flags(["prefix_weight=2", "ttft_weight=0"]).prefix_weight == 2.0
     with pytest.raises(ValueError, match="NAME=VALUE"):

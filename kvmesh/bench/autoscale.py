@@ -114,6 +114,7 @@ class PredictivePolicy:
     _history: tuple[scaling.Recommendation, ...] = ()
     _rates: deque[tuple[float, float]] = field(default_factory=deque)
     _per_request: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    _context: float = 0.0  # KV tokens a decoding request attends to, mean
 
     @property
     def forecast_horizon_seconds(self) -> float:
@@ -136,14 +137,15 @@ class PredictivePolicy:
             self._per_request = (math.ceil((c.prompt_tokens + c.output_tokens) / c.finished / BLOCK_SIZE),
                                  c.finished_seconds / c.finished, (c.prompt_tokens - c.cached_tokens) / c.finished,
                                  c.output_tokens / c.finished)
+            self._context = (c.prompt_tokens + c.output_tokens / 2) / c.finished  # as TrafficEstimator reads it
         blocks, seconds, uncached, output = self._per_request
         pods = [scaling.PodObservation(
             i.name, i.role, i.num_blocks, i.kv_usage,
             dict(i.forecast.usage_quantiles) if i.forecast else {},
             i.forecast.overload_probability if i.forecast else 0.0, i.running, i.waiting,
-            i.prefill_tokens_per_second, i.decode_step_seconds) for i in obs.instances if i.ready]
+            i.prefill_tokens_per_second, i.decode_step_seconds, i.decode_step_cost) for i in obs.instances if i.ready]
         return scaling.PoolObservation(obs.now, pods, {ROLE: obs.replicas}, rate, slope, blocks, seconds, uncached,
-                                       output)
+                                       output, decode_context_tokens=self._context)
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                    help=f"the operator's forecast horizon, seconds (at least the {STARTUP_SECONDS:g} s start-up delay)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--itl-slo", type=float, default=0.1, help="seconds (mean per request)")
+    p.add_argument("--itl-objective", action="store_true",
+                   help="also give kvmesh's policy the ITL SLO as its objective (spec.scaling.slo.itlSeconds) and "
+                        "run it beside the policy without one")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write the instances over time here (PNG)")
 
@@ -238,13 +243,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     slo = SLO(args.ttft_slo, args.itl_slo)
-    runs = 1 + len(hpa_targets) + len(kvmesh_targets)
+    objectives = [None, args.itl_slo] if args.itl_objective else [None]
+    runs = 1 + len(hpa_targets) + len(kvmesh_targets) * len(objectives)
     with tqdm(total=runs * len(requests), unit="req", desc="policies") as bar:
         ours = [replay(requests, PredictivePolicy(scaling.ScalingPolicy({ROLE: 1}, {ROLE: 64}, target_utilization=t,
                                                                         horizon_seconds=args.horizon,
-                                                                        startup_seconds=STARTUP_SECONDS),
-                                                  name=f"kvmesh (forecast, target {t:.0%})"), args.initial, bar.update)
-                for t in kvmesh_targets]
+                                                                        startup_seconds=STARTUP_SECONDS,
+                                                                        itl_seconds=itl),
+                                                  name=f"kvmesh (forecast, target {t:.0%}"
+                                                       + (f", ITL objective {itl:g} s)" if itl else ")")),
+                       args.initial, bar.update)
+                for t in kvmesh_targets for itl in objectives]
+        kvmesh_targets = [t for t in kvmesh_targets for _ in objectives]
         reactive = [replay(requests, ReactivePolicy(target=t, name=f"reactive (HPA on KV usage, target {t:.0%})"),
                            args.initial, bar.update) for t in hpa_targets]
         size = math.ceil(ours[0].replica_seconds / ours[0].duration)

@@ -29,7 +29,8 @@ import numpy as np
 from kvmesh.bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, block_token_ids
 from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
 from kvmesh.engine.kv.blocks import KVCacheManager, SequenceBlocks
-from kvmesh.engine.protocol import DEFAULT_HASH_ROOT, KVEvent, KVEventBatch, hash_block, workload_class
+from kvmesh.engine.protocol import DEFAULT_HASH_ROOT, DecodeStepCost, KVEvent, KVEventBatch, hash_block, workload_class
+from kvmesh.engine.step_cost import DecodeStepFit
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import PodState
 
@@ -206,6 +207,7 @@ class Instance:
         self._step = 0.0  # seconds per step of the current decode run; 0 = not decoding
         self._planned_steps = 0
         self.lengths = OutputLengthModel()  # what the engine learns of output lengths, for its forecast
+        self.step_cost = DecodeStepFit()  # what the engine learns of its decode step's cost (engine/step_cost.py)
         self._version = 0  # bumps when the planned end of the current operation changes
 
     # ---- what the router and the scaler see -------------------------------------------------------------------
@@ -390,7 +392,9 @@ class Instance:
         now, step = self.cluster.now, self._step
         self._step = 0.0
         self.busy_seconds += now - self.op_start
-        if steps:
+        if steps:  # one sample a run of equal steps: its batch and the KV its middle step attends to
+            self.step_cost.add(len(self.running), sum(r.prompt_tokens + r.generated + (steps + 1) // 2
+                                                      for r in self.running), step)
             for r in self.running:
                 self.cluster.record_gaps(self.op_start + step - r.last_token_at, 1, step, steps - 1)
                 r.generated += steps
@@ -472,6 +476,7 @@ class InstanceObservation:
     prefill_tokens_per_second: float
     decode_step_seconds: float
     forecast: Forecast | None = None
+    decode_step_cost: DecodeStepCost | None = None  # the engine's fit (kvmesh_decode_step_*_seconds)
 
 
 @dataclass(frozen=True)
@@ -733,7 +738,7 @@ class Cluster:
                 i.name, i.role, i.ready, i.kv.pool.num_blocks, i.kv.stats().usage, len(i.queue),
                 len(i.running) + (i.prefilling is not None), i.pending_prefill_tokens(),
                 i.latency.prefill_tokens_per_second, i.latency.step_seconds(max(len(i.running), 1)),
-                i.forecast(horizon) if horizon and i.ready else None)
+                i.forecast(horizon) if horizon and i.ready else None, i.step_cost.cost())
             for i in self.scaled()
         )
         done = self.finished[self._observed_finished:]
