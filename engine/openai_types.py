@@ -23,6 +23,11 @@ MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties: -2 to 2
 MAX_LOGIT_BIAS = 100.0  # logit_bias values: -100 to 100
+MAX_N = 16  # choices per prompt
+# The sequences one request may start: a completion's prompts times `n`, each one engine request and one choice of
+# the answer. OpenAI caps a request's choices at 128 (its bound on `n`); a list of prompts shares that bound, so one
+# call cannot queue thousands of sequences ahead of everyone else's. The router parses with these models: one bound.
+MAX_SEQUENCES_PER_REQUEST = 128
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \ud800 escape decodes to one; no UTF-8 encodes it
 _TOKEN_ID_FIELDS = frozenset({"prompt", "resume_output_ids", "stop_token_ids"})  # no text inside (prompt: below)
@@ -226,7 +231,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -326,9 +331,15 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _nonempty(cls, value: Any) -> Any:
+    def _nonempty(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
+        prompts = len(value) if isinstance(value, list) and not isinstance(value[0], int) else 1
+        n = info.data.get("n", 1)  # validated before the prompt (a field of _Common); absent when it failed
+        if prompts * n > MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(f"{prompts} prompts with n={n} would start {prompts * n} sequences; a request may "
+                             f"start at most {MAX_SEQUENCES_PER_REQUEST} (prompts x n): send the prompts in several "
+                             "requests")
         if isinstance(value, str) or isinstance(value[0], str):  # token ids hold no text: not walked
             valid_text(value)
         return value

@@ -19,6 +19,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvmesh.engine.openai_types import MAX_N, MAX_SEQUENCES_PER_REQUEST
 from kvmesh.engine.protocol import PRIORITY_HEADER, WORKLOAD_HEADER
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.auth import hash_key
@@ -505,6 +506,19 @@ def test_numbers_int_refuses_are_400s_naming_their_param(pool: Pool, digits: str
     created = post_json(pool, "/v1/batches", {"input_file_id": pool.failing_file, "endpoint": CHAT_PATH,
                                               "output_expires_after": {"anchor": "created_at", "seconds": digits}})
     assert created.status_code == 400 and created.json()["error"]["param"] == "output_expires_after", created.text
+
+
+def test_a_completion_past_the_bound_of_sequences_is_refused_before_any_pod(pool: Pool) -> None:
+    """The router parses with the engine's models: the engine's bound on prompts x n (MAX_SEQUENCES_PER_REQUEST) is
+    its too, refused at admission, and a request at the bound is served whole."""
+    prompts = MAX_SEQUENCES_PER_REQUEST // MAX_N
+    body = {"prompt": [[5, 6 + i] for i in range(prompts)], "n": MAX_N, "max_tokens": 1, "temperature": 0}
+    served = post_json(pool, COMPLETIONS_PATH, body)
+    assert served.status_code == 200 and len(served.json()["choices"]) == MAX_SEQUENCES_PER_REQUEST, served.text
+    refused = post_json(pool, COMPLETIONS_PATH, {**body, "prompt": [*body["prompt"], [7]]})
+    assert refused.status_code == 400, refused.text
+    assert f"{prompts + 1} prompts with n={MAX_N}" in refused.json()["error"]["message"]
+    assert "x-kvmesh-pod" in served.headers and "x-kvmesh-pod" not in refused.headers  # no pod was asked
 
 
 def test_paths_and_methods_nobody_serves_answer_in_openai_shape(pool: Pool) -> None:

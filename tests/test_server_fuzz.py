@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.engine.engine import Engine
+from kvmesh.engine.openai_types import MAX_N, MAX_SEQUENCES_PER_REQUEST
 from kvmesh.engine.tools import ToolStream, parse_hermes
 
 from .conftest import make_engine
@@ -487,6 +488,20 @@ def test_refused_tools_are_the_only_error(http: httpx.Client) -> None:
             "tool_choice": {"type": "function", "function": {"name": "f"}}}
     error = post(http, "/v1/chat/completions", body).json()["error"]
     assert error["param"] == "tools" and "tool_choice" not in error["message"]
+
+
+@pytest.mark.parametrize(("prompts", "n"), [(8, MAX_N), (MAX_SEQUENCES_PER_REQUEST, 1)])
+def test_a_request_starts_at_most_its_bound_of_sequences(http: httpx.Client, prompts: int, n: int) -> None:
+    """A list of prompts times n, each one sequence: the bound is served whole, one past it (a prompt more) is a
+    400 naming both fields and the bound, before anything is queued."""
+    body = {"prompt": [[5, 6 + i] for i in range(prompts)], "n": n, "max_tokens": 1, "temperature": 0}
+    served = post(http, "/v1/completions", body)
+    assert served.status_code == 200 and len(served.json()["choices"]) == MAX_SEQUENCES_PER_REQUEST, served.text
+    refused = post(http, "/v1/completions", {**body, "prompt": [*body["prompt"], [7]]})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "prompt", refused.text
+    assert f"{prompts + 1} prompts with n={n}" in error["message"]
+    assert f"at most {MAX_SEQUENCES_PER_REQUEST} (prompts x n)" in error["message"]
 
 
 def test_the_engine_is_idle_with_its_kv_intact_after_all_of_it(served: tuple[str, Engine]) -> None:
