@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -28,6 +37,26 @@ MAX_N = 16  # choices per prompt
 # the answer. OpenAI caps a request's choices at 128 (its bound on `n`); a list of prompts shares that bound, so one
 # call cannot queue thousands of sequences ahead of everyone else's. The router parses with these models: one bound.
 MAX_SEQUENCES_PER_REQUEST = 128
+# A choice constraint's size, checked before llguidance compiles it: a grammar past about 65,000 symbols makes it
+# panic (100,000 choices: half a minute, then a 400 holding its backtrace). OpenAI's bounds on a structured output
+# schema's enum values: 1,000 of them, and 120,000 characters of strings in all.
+MAX_CHOICES = 1000
+MAX_CHOICES_CHARS = 120_000
+# A grammar's text: the same panic past 65,000 symbols (80,000 alternatives, 700 kB), while a real grammar (JSON,
+# SQL, a language's expressions in Lark or GBNF) takes a few kB; the densest 64 KiB (7,400 short alternatives)
+# compiles in a fifth of a second.
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+def _choices_within_bound(choices: list[str]) -> list[str]:
+    total = sum(len(c) for c in choices)
+    if total > MAX_CHOICES_CHARS:
+        raise ValueError(f"the choices hold {total} characters in all; at most {MAX_CHOICES_CHARS} are allowed")
+    return choices
+
+
+Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(_choices_within_bound)]
+GrammarText = Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \ud800 escape decodes to one; no UTF-8 encodes it
 _TOKEN_ID_FIELDS = frozenset({"prompt", "resume_output_ids", "stop_token_ids"})  # no text inside (prompt: below)
@@ -192,8 +221,8 @@ class StructuredOutputsParams(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = Field(default=None, min_length=1)
-    grammar: str | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = None
     json_object: bool | None = None
 
     @model_validator(mode="after")
@@ -246,8 +275,8 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(default=None, min_length=1)
-    guided_grammar: str | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: GrammarText | None = None
     guided_whitespace_pattern: str | None = None  # vLLM's: refused (JSON here is written with fixed separators)
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)

@@ -18,7 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.openai_types import MAX_N, MAX_SEQUENCES_PER_REQUEST
+from kvmesh.engine.openai_types import (
+    MAX_CHOICES,
+    MAX_CHOICES_CHARS,
+    MAX_GRAMMAR_CHARS,
+    MAX_N,
+    MAX_SEQUENCES_PER_REQUEST,
+)
 from kvmesh.engine.tools import ToolStream, parse_hermes
 
 from .conftest import make_engine
@@ -502,6 +508,44 @@ def test_a_request_starts_at_most_its_bound_of_sequences(http: httpx.Client, pro
     assert refused.status_code == 400 and error["param"] == "prompt", refused.text
     assert f"{prompts + 1} prompts with n={n}" in error["message"]
     assert f"at most {MAX_SEQUENCES_PER_REQUEST} (prompts x n)" in error["message"]
+
+
+def grammar_of(chars: int) -> str:
+    """A Lark grammar of exactly `chars` characters: 1,000 alternatives (under llguidance's 2,000 items a parser
+    row may hold, which it refuses with a plain 400 of its own), each a literal as long as the length asks."""
+    head, alternatives = "start: ", 1000
+    width = (chars - len(head) - 3 * (alternatives - 1)) // alternatives - 2  # ' | ' between, quotes around
+    grammar = head + " | ".join(f'"{i:04d}{"x" * (width - 4)}"' for i in range(alternatives))
+    return grammar + " " * (chars - len(grammar))
+
+
+AT_BOUND = [f"{i:04d}" + "x" * (MAX_CHOICES_CHARS // MAX_CHOICES - 4) for i in range(MAX_CHOICES)]
+
+
+@pytest.mark.parametrize(("field", "at_bound", "past_bound", "bound"), [
+    ("guided_choice", AT_BOUND, [*AT_BOUND, "y"], f"at most {MAX_CHOICES} items"),  # one choice more
+    ("guided_choice", AT_BOUND, [*AT_BOUND[:-1], AT_BOUND[-1] + "y"], f"at most {MAX_CHOICES_CHARS}"),  # a character
+    ("guided_choice", AT_BOUND, [f"option {i}" for i in range(100_000)], f"at most {MAX_CHOICES} items"),
+    ("guided_grammar", grammar_of(MAX_GRAMMAR_CHARS), grammar_of(MAX_GRAMMAR_CHARS + 1),
+     f"at most {MAX_GRAMMAR_CHARS} characters"),
+])
+def test_a_constraint_past_its_size_bound_is_a_plain_400(http: httpx.Client, field: str, at_bound: Any,
+                                                         past_bound: Any, bound: str) -> None:
+    """At the bound the constraint compiles and is served; past it the 400 names the field and the bound before
+    llguidance runs: 100,000 choices took it half a minute and ended in a panic with its backtrace in the message."""
+    body = {"prompt": "x", "max_tokens": 1, "temperature": 0}
+    served = post(http, "/v1/completions", {**body, field: at_bound})
+    assert served.status_code == 200, served.text[:2000]
+    refused = post(http, "/v1/completions", {**body, field: past_bound})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == field and bound in error["message"], refused.text[:2000]
+    assert not any(word in error["message"] for word in ("panic", "backtrace", "<state>")), error["message"]
+
+
+def test_structured_outputs_choices_share_the_bound(http: httpx.Client) -> None:
+    reply = post(http, "/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                           "structured_outputs": {"choice": ["a"] * (MAX_CHOICES + 1)}})
+    assert reply.status_code == 400 and f"at most {MAX_CHOICES} items" in reply.json()["error"]["message"]
 
 
 def test_the_engine_is_idle_with_its_kv_intact_after_all_of_it(served: tuple[str, Engine]) -> None:
