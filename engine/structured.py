@@ -9,6 +9,7 @@ where no request is constrained computes no mask at all.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -27,8 +28,9 @@ class StructuredError(ValueError):
 
 
 def _reason(error: str) -> str:
-    """llguidance's error without the parser state it dumps after it (dozens of lines no client can act on)."""
-    return error.split("\n<state>", 1)[0].strip()
+    """llguidance's error without the parser state or the panic's backtrace it dumps after it (dozens of lines
+    no client can act on)."""
+    return re.split(r"\n<(?:state|backtrace)>", error, maxsplit=1)[0].strip()
 
 
 class Guide:

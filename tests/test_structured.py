@@ -24,7 +24,7 @@ from kvmesh.engine.openai_types import ChatRequest, CompletionRequest
 from kvmesh.engine.protocol import STRUCTURED_KINDS
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams, sample
-from kvmesh.engine.structured import Guide, Masks, StructuredError
+from kvmesh.engine.structured import Guide, Masks, StructuredError, _reason
 from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.config import RouterConfig
 
@@ -470,3 +470,12 @@ def test_constraint_verdicts_are_remembered_per_kind_and_spec_and_large_specs_ar
     large = {"type": "object", "description": "x" * CACHED_SPEC_CHARS}
     check(Constraint("json_schema", large, "x"))
     assert _problem.cache_info().currsize == 3
+
+
+def test_llguidance_s_state_dump_and_panic_backtrace_stay_out_of_error_messages() -> None:
+    """What a client reads is llguidance's first lines; the parser state and a panic's backtrace (dozens of lines
+    each) are cut."""
+    assert _reason("regex matches nothing\n<state>\nrow 0: ...\n</state>") == "regex matches nothing"
+    panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX\n<backtrace>\n   0: llguidance::...\n"
+    assert _reason(panic) == "panic: assertion failed: grammar.symbols.len() < u16::MAX"
+    assert _reason("plain error") == "plain error"
