@@ -542,10 +542,15 @@ class Engine:
         while self._inbox:
             request = self._inbox.popleft()
             self.requests[request.request_id] = request
-            if request.extra.lora is not None and request.extra.lora not in self.loras.loaded:
-                self._finish(request, "error", error=f"LoRA adapter {request.extra.lora!r} was unloaded before "
-                                                     f"this request started", error_code=MODEL_NOT_FOUND)
-                continue
+            if request.extra.lora is not None:
+                adapter = self.loras.loaded.get(request.extra.lora)
+                if adapter is None:
+                    self._finish(request, "error", error=f"LoRA adapter {request.extra.lora!r} was unloaded before "
+                                                         f"this request started", error_code=MODEL_NOT_FOUND)
+                    continue
+                # hashed with the weights it runs with, those loaded now (new weights may have been loaded under the
+                # name since the HTTP edge read it): no other weights' cached blocks can match
+                request.extra = dataclasses.replace(request.extra, lora_fingerprint=adapter.fingerprint)
             try:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
                 if request.output_ids:
@@ -571,12 +576,12 @@ class Engine:
 
     def step(self) -> SchedulerOutput:
         """One scheduling decision and one model step."""
+        started = time.perf_counter()
         self._run_commands()
         self._expire_handles()
         self._take_inbox()
         self._tier_tick()
         self._swap_in()
-        started = time.perf_counter()
         out = self.scheduler.schedule(self._propose_drafts())
         for request in out.unservable:
             self._finish(request, "length", error="the request does not fit in this engine's KV cache")
@@ -588,15 +593,15 @@ class Engine:
             self._on_admitted(request)
         self._release_promotions()
         if out.scheduled:
+            decode = _decode_shape(out)
             self._run(out)
+            if decode is not None:  # the whole step, as its sequences wait between tokens
+                self.step_cost.add(*decode, time.perf_counter() - started)
         self._publish()
         return out
 
     def _on_admitted(self, request: Request) -> None:
-            decode = _decode_shape(out)
         m = self.metrics
-            if decode is not None:  # the whole step, as its sequences wait between tokens
-                self.step_cost.add(*decode, time.perf_counter() - started)
         prompt = len(request.prompt_ids)
         m.prefix_queries.labels(self.model_name).inc(prompt)
         m.prefix_hits.labels(self.model_name).inc(request.cached_tokens)
@@ -891,12 +896,12 @@ class Engine:
             pending_prefill_tokens=pending,
             prefill_tokens_per_second=self.prefill_tps,
             decode_step_seconds=self.decode_step_s,
+            decode_step_cost=self.step_cost.cost(),
             forecast=self.forecast,
             events_seq=self.events.seq,
             draining=self.draining,
             pinned_blocks=sum(len(s.blocks) for k, s in self.kv.seqs.items() if k.startswith(PIN_PREFIXES)),
             tiers=self.tiers.counts() if self.tiers is not None else {},
-            decode_step_cost=self.step_cost.cost(),
             lora_running=_adapters(self.scheduler.running),
             lora_waiting=_adapters(waiting),
             loras_loaded=len(self.loras.loaded),
@@ -965,11 +970,6 @@ class Engine:
         raise RuntimeError("requests still pending after max_steps")
 
 
-def _ema(old: float, new: float) -> float:
-    return new if old == 0.0 else (1 - EMA) * old + EMA * new
-
-
-def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
 def _decode_shape(out: SchedulerOutput) -> tuple[int, int] | None:
     """(sequences, KV tokens they attend to) of a step that only decodes; None when a prompt chunk is in it."""
     if any(s.num_new_tokens - len(s.draft_ids) > 1 for s in out.scheduled):
@@ -977,6 +977,11 @@ def _decode_shape(out: SchedulerOutput) -> tuple[int, int] | None:
     return len(out.scheduled), sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
 
 
+def _ema(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - EMA) * old + EMA * new
+
+
+def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
     """The LoRA adapters these requests run with, each once, sorted."""
     return tuple(sorted({r.extra.lora for r in requests if r.extra.lora is not None}))
 

@@ -47,6 +47,7 @@ LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 TOKENIZE_PATH, DETOKENIZE_PATH = "/tokenize", "/detokenize"  # vLLM's: a prompt's ids, and ids back to text
 MODELS_PATH = "/v1/models"  # the base model and each loaded adapter (with its parent): what the router serves by
+LORA_FINGERPRINT_FIELD = "kvmesh_fingerprint"  # an adapter card's: its weights, as its blocks are hashed (BlockExtra)
 DEFAULT_MAX_LORAS = 8  # adapters an engine holds at once: the slots it allocates at the first load
 DEFAULT_MAX_LORA_RANK = 64  # the largest rank an engine loads
 # an adapter's name: a request's `model`, a label value of vllm:lora_requests_info (comma-separated lists, so no
@@ -142,10 +143,14 @@ _U64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class BlockExtra:
-    """What makes equal token runs different caches: a LoRA adapter, and the tenant's salt (first block only)."""
+    """What makes equal token runs different caches: a LoRA adapter and its weights, and the tenant's salt (first
+    block only). The weights' fingerprint (LoraAdapter.fingerprint, published in the adapter's `/v1/models` card as
+    LORA_FINGERPRINT_FIELD) keys an adapter's blocks with what computed them, so new weights under an old name never
+    find the old weights' KV in any cache, tier or peer."""
 
     lora: str | None = None
     cache_salt: str | None = None
+    lora_fingerprint: str | None = None  # None: hashed by the name alone (a pod that publishes no fingerprint)
 
 
 def _encode_xxh3(parent: int, tokens: Sequence[int], extra: tuple[str, ...]) -> bytes:
@@ -172,7 +177,7 @@ def block_extras(extra: BlockExtra, index: int) -> tuple[str, ...]:
     """The extra keys of block `index`: the LoRA adapter for every block, the salt for the first only."""
     keys: list[str] = []
     if extra.lora:
-        keys.append(f"lora:{extra.lora}")
+        keys.append(f"lora:{extra.lora}@{extra.lora_fingerprint}" if extra.lora_fingerprint else f"lora:{extra.lora}")
     if index == 0 and extra.cache_salt:
         keys.append(f"salt:{extra.cache_salt}")
     return tuple(keys)
@@ -360,15 +365,15 @@ class Metric:
     QUEUED_PREFILL_TOKENS = "kvmesh_prefill_tokens_pending"  # gauge: uncached prompt tokens waiting or in flight
     PREFILL_THROUGHPUT = "kvmesh_prefill_throughput_tokens_per_second"  # gauge, moving average
     DECODE_STEP_SECONDS = "kvmesh_decode_step_seconds_avg"  # gauge, moving average
+    # gauges, the decode step's fitted cost (DecodeStepCost), exported once the batch has varied enough to fit it
+    DECODE_STEP_BASE = "kvmesh_decode_step_base_seconds"  # a step's fixed part (reading the weights)
+    DECODE_STEP_PER_SEQUENCE = "kvmesh_decode_step_sequence_seconds"  # each sequence in the batch
+    DECODE_STEP_PER_KV_TOKEN = "kvmesh_decode_step_kv_token_seconds"  # each KV token the step's attention reads
     QUEUE_TIME = "kvmesh_request_queue_seconds"  # histogram
     PREFILL_TIME = "kvmesh_request_prefill_seconds"  # histogram
     DECODE_TIME = "kvmesh_request_decode_seconds"  # histogram
     TPOT = "kvmesh_request_time_per_output_token_seconds"  # histogram
     STEP_BATCH_SIZE = "kvmesh_step_batch_size"  # histogram: sequences per model step
-    # gauges, the decode step's fitted cost (DecodeStepCost), exported once the batch has varied enough to fit it
-    DECODE_STEP_BASE = "kvmesh_decode_step_base_seconds"  # a step's fixed part (reading the weights)
-    DECODE_STEP_PER_SEQUENCE = "kvmesh_decode_step_sequence_seconds"  # each sequence in the batch
-    DECODE_STEP_PER_KV_TOKEN = "kvmesh_decode_step_kv_token_seconds"  # each KV token the step's attention reads
     STEPS = "kvmesh_model_steps"  # counter
     COMPUTED_TOKENS = "kvmesh_computed_tokens"  # counter: tokens the model ran (prompt and output)
     REQUESTS = "kvmesh_requests"  # counter; label finish_reason
@@ -480,11 +485,6 @@ OVERLOAD_USAGE = 0.95  # the forecast's "passes 95 %" threshold
 
 
 @dataclass(frozen=True)
-class ScrapedMetrics:
-    """One engine's /metrics as its readers (the router, the operator) take it: each series that is one per engine
-    (no label but the model's) by its exposed name, the usage forecast by level, and the KV geometry from vLLM's
-    cache-config info (None when the engine does not say). Labelled families (histogram buckets, counters by
-@dataclass(frozen=True)
 class DecodeStepCost:
     """What a decode step costs an engine, fitted from its own steps (engine/step_cost.py): seconds = base +
     per_sequence x batch + per_kv_token x the KV tokens the batch attends to. The operator sizes decode pods
@@ -521,6 +521,11 @@ def read_decode_step_cost(values: dict[str, float]) -> DecodeStepCost | None:
     return cost if cost.per_sequence > 0 or cost.per_kv_token > 0 else None
 
 
+@dataclass(frozen=True)
+class ScrapedMetrics:
+    """One engine's /metrics as its readers (the router, the operator) take it: each series that is one per engine
+    (no label but the model's) by its exposed name, the usage forecast by level, and the KV geometry from vLLM's
+    cache-config info (None when the engine does not say). Labelled families (histogram buckets, counters by
     reason) are not in `values`: one number per name would be whichever series came last."""
 
     values: dict[str, float]

@@ -59,6 +59,7 @@ from kvmesh.engine.protocol import (
     KV_TRANSFER_FIELD,
     KV_WARM_PATH,
     LOAD_LORA_PATH,
+    LORA_FINGERPRINT_FIELD,
     LORA_NAME_PATTERN,
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -374,6 +375,10 @@ class _Completions:
             raise ApiError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}",
                            param=PRIORITY_HEADER) from None
         vocab = e.vocab_size
+        adapter = e.loras.loaded.get(self.model)  # None for the base model (or an adapter unloaded since: a 404 later)
+        # the weights as read now, for a pull's hashes; the engine thread sets those the request runs with
+        extra = BlockExtra(lora=self.model if self.model != e.model_name else None, cache_salt=b.cache_salt,
+                           lora_fingerprint=adapter.fingerprint if adapter is not None else None)
         job = _Job(e, asyncio.get_running_loop())
         prompts = await asyncio.to_thread(self.prompts)  # tokenizing a long prompt takes milliseconds: off the loop
         for prompt_index, prompt_ids in enumerate(prompts):
@@ -413,8 +418,7 @@ class _Completions:
                         params=params,
                         workload=workload,
                         priority=priority,
-                        extra=BlockExtra(lora=self.model if self.model != e.model_name else None,
-                                         cache_salt=b.cache_salt),
+                        extra=extra,
                         output_ids=list(resume),
                         guide=guide,
                         handoff_ttl=(transfer.ttl_seconds or e.config.handoff_ttl_seconds)
@@ -782,7 +786,8 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             "data": [{"id": e.model_name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": e.model_name,
                       "parent": None, "max_model_len": e.max_model_len}]
             + [{"id": a.name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": a.path,
-                "parent": e.model_name, "max_model_len": e.max_model_len} for a in list(e.loras.loaded.values())],
+                "parent": e.model_name, "max_model_len": e.max_model_len, LORA_FINGERPRINT_FIELD: a.fingerprint}
+               for a in list(e.loras.loaded.values())],
         }
 
     @app.post(TOKENIZE_PATH)

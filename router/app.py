@@ -544,15 +544,22 @@ class Router:
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens), with the
-        LoRA adapter the request names, as the engines hash its blocks."""
+        LoRA adapter the request names and its weights, as the engines hash its blocks: once per fingerprint of
+        the adapter among the pods (one, unless new weights are being rolled out under the name)."""
         ids = self._token_ids(body)
-        c = self.config
         model = body.model or ""
-        lora = model if model and self.pods.is_adapter(model) else None
-        hashes = block_hashes(ids[: c.max_hashed_tokens], c.block_size, BlockExtra(lora, body.cache_salt),
-                              HashAlgo(c.hash_algo), c.hash_root)
-        return RequestInfo(model=model, prompt_tokens=len(ids), block_hashes=tuple(hashes), priority=priority,
-                           lora=lora)
+        fingerprints = self.pods.adapter_fingerprints(model) if model else []
+        if not fingerprints:
+            hashes = self._hashes(ids, BlockExtra(None, body.cache_salt))
+            return RequestInfo(model=model, prompt_tokens=len(ids), block_hashes=hashes, priority=priority)
+        by_fingerprint = {f: self._hashes(ids, BlockExtra(model, body.cache_salt, f)) for f in fingerprints}
+        return RequestInfo(model=model, prompt_tokens=len(ids), block_hashes=by_fingerprint[fingerprints[0]],
+                           priority=priority, lora=model, lora_hashes=by_fingerprint)
+
+    def _hashes(self, ids: list[int], extra: BlockExtra) -> tuple[int, ...]:
+        c = self.config
+        return tuple(block_hashes(ids[: c.max_hashed_tokens], c.block_size, extra, HashAlgo(c.hash_algo),
+                                  c.hash_root))
 
     def refused_unlogged(self, trace: Trace, outcome: str, status: int) -> None:
         """A refusal after admission that no request-log row records (a 404 of an adapter gone, say): the request's
@@ -566,7 +573,22 @@ class Router:
         """The pods and the request's prefix matches, taken once: every choice for this request reads them."""
         now = time.monotonic()
         states = self.pods.snapshot(now)
-        return View(states, self.index.match(info.block_hashes, [p.name for p in states], now))
+        if info.lora is None:
+            return View(states, self.index.match(info.block_hashes, [p.name for p in states], now))
+        if len(info.lora_hashes) == 1:  # steady state: one hashing, for every pod but those loaded other weights since
+            lora, (weights,) = info.lora, info.lora_hashes
+            names = [p.name for p in states if p.adapter_fingerprints.get(lora, weights) == weights]
+            return View(states, self.index.match(info.block_hashes, names, now))
+        # a rollout: each pod matched with the hashes of its own weights
+        groups: dict[int, tuple[tuple[int, ...], list[str]]] = {}
+        for pod in states:
+            hashes = info.hashes_for(pod)
+            if hashes is not None:
+                groups.setdefault(id(hashes), (hashes, []))[1].append(pod.name)
+        matches: dict[str, PrefixMatch] = {}
+        for hashes, names in groups.values():
+            matches.update(self.index.match(hashes, names, now))
+        return View(states, matches)
 
     def decide(
         self, info: RequestInfo, exclude: set[str], roles: tuple[str, ...] = SERVING_ROLES, view: View | None = None
@@ -614,8 +636,9 @@ class Router:
         trace.predicted = decision.predicted_cached_tokens
         if trace.span is not None:
             trace.span.decided(pod.name, decision)
-        self.index.add_provisional(pod.name, trace.info.block_hashes, time.monotonic(),
-                                   self.config.provisional_ttl_seconds)
+        hashes = trace.info.hashes_for(decision.pod) if decision.pod is not None else None
+        if hashes is not None:  # the blocks the pod will cache, as it hashes them
+            self.index.add_provisional(pod.name, hashes, time.monotonic(), self.config.provisional_ttl_seconds)
         return Booking(pod)
 
     def plan_pull(self, decision: Decision, info: RequestInfo, view: View) -> PullPlan | None:
@@ -627,6 +650,11 @@ class Router:
             return None
         unlike = self.stored_otherwise(decision.pod.name)
         alike = [p for p in view.pods if p.name not in unlike and self.pods.kv_config_of(p.name) is not None]
+        if info.lora is not None:  # the pod pulls by its own hashes: a peer matched with other weights' lacks them
+            hashes = info.hashes_for(decision.pod)
+            if hashes is None:
+                return None
+            alike = [p for p in alike if info.hashes_for(p) is hashes]
         return plan_pull(decision.pod, info, alike, view.matches, config.block_bytes, self.picker, self.pull)
 
     def stored_otherwise(self, name: str) -> set[str]:

@@ -5,16 +5,18 @@ card per loaded adapter with its `parent`), and which adapters it is running now
 Adapters come and go at run time (`/v1/load_lora_adapter`), so the router re-reads each pod's `/v1/models`
 every MODELS_REFRESH_SECONDS: a freshly loaded adapter is routed to within that bound (plus one scrape), and a
 pod that unloaded one may still get its requests for as long (it answers them 404, and the HTTP edge tries the
-next pod serving the adapter).
+next pod serving the adapter). Each adapter card also names the weights' fingerprint (LORA_FINGERPRINT_FIELD),
+which the pod hashes the adapter's blocks with; the router hashes a request once per fingerprint among the pods
+serving it (one in steady state, two during a rollout of new weights) and matches each pod with its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.engine.protocol import LORA_INFO_LABELS, MODELS_PATH
+from kvmesh.engine.protocol import LORA_FINGERPRINT_FIELD, LORA_INFO_LABELS, MODELS_PATH
 
 RUNNING, WAITING, MAX_LORA = LORA_INFO_LABELS
 MODELS_REFRESH_SECONDS = 2.0
@@ -27,6 +29,8 @@ class ServedModels:
     names: frozenset[str]
     adapters: Mapping[str, str]
     cards: tuple[dict[str, Any], ...]  # as the pod listed them, for the router's own /v1/models
+    # adapter -> its weights' fingerprint (None where the pod publishes none): how the pod hashes its blocks
+    fingerprints: Mapping[str, str | None] = field(default_factory=dict)
 
     @classmethod
     def of(cls, body: Any) -> ServedModels:
@@ -37,12 +41,14 @@ class ServedModels:
                                                  for c in data):
             raise ValueError(f"{MODELS_PATH} did not answer a list of models with ids: {str(body)[:200]}")
         adapters = {c["id"]: str(c["parent"]) for c in data if c.get("parent")}
-        return cls(frozenset(c["id"] for c in data), adapters, tuple(dict(c) for c in data))
+        fingerprints = {c["id"]: _fingerprint(c.get(LORA_FINGERPRINT_FIELD)) for c in data if c.get("parent")}
+        return cls(frozenset(c["id"] for c in data), adapters, tuple(dict(c) for c in data), fingerprints)
 
     def without(self, model: str) -> ServedModels:
         """The list less `model`: what a pod that just answered 404 for it serves until its list is read again."""
         return ServedModels(self.names - {model}, {k: v for k, v in self.adapters.items() if k != model},
-                            tuple(c for c in self.cards if c.get("id") != model))
+                            tuple(c for c in self.cards if c.get("id") != model),
+                            {k: v for k, v in self.fingerprints.items() if k != model})
 
     @classmethod
     def base_only(cls, model: str) -> ServedModels:
@@ -50,6 +56,11 @@ class ServedModels:
         if not model:
             return cls(frozenset(), {}, ())
         return cls(frozenset({model}), {}, ({"id": model, "object": "model", "created": 0, "owned_by": "kvmesh"},))
+
+
+def _fingerprint(value: Any) -> str | None:
+    """A card's fingerprint as the engine wrote it; anything else (an engine that publishes none) is None."""
+    return value if isinstance(value, str) and value else None
 
 
 @dataclass(frozen=True)

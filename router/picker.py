@@ -13,8 +13,9 @@ times another pod's (prefix weight 1 against TTFT weight 3: 1 + 3 x (t_best / t)
 
 LoRA adapters: only pods that serve the requested name (base model or adapter) are candidates, and a request
 for an adapter prefers pods already running it (the Gateway API Inference Extension's LoRA affinity), with a
-small weight: its blocks are hashed with the adapter's name, so the prefix score already tells which pods
-cached its prefix; affinity only breaks what prefix and load leave close.
+small weight: its blocks are hashed with the adapter's name and weights (each pod matched with its own weights'
+hashes), so the prefix score already tells which pods cached its prefix; affinity only breaks what prefix and
+load leave close.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class PodState:
     role: str = "both"
     model: str = ""  # the base model (its KV config's)
     models: frozenset[str] = frozenset()  # every name it answers to: the base model and its loaded adapters
+    # its adapters' weights (adapter -> fingerprint, None where it publishes none): how it hashes their blocks
+    adapter_fingerprints: Mapping[str, str | None] = field(default_factory=dict)
     adapters_active: frozenset[str] = frozenset()  # adapters with requests running or waiting there
     adapters_running: int = 0  # adapters with requests running there (what a vLLM-like engine holds in its slots)
     max_loras: int = 0  # its adapter slots (0: unknown, or no LoRA)
@@ -68,9 +71,20 @@ class RequestInfo:
 
     model: str
     prompt_tokens: int
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # for an adapter, as hashed with the first of `lora_hashes`' fingerprints
     priority: int = 0
     lora: str | None = None  # `model` names a LoRA adapter (its blocks are hashed with it)
+    # an adapter's block hashes per fingerprint of its weights among the pods serving it: one entry in steady state,
+    # more while pods are moved to new weights under the name
+    lora_hashes: Mapping[str | None, tuple[int, ...]] = field(default_factory=dict)
+
+    def hashes_for(self, pod: PodState) -> tuple[int, ...] | None:
+        """The prompt's block hashes as `pod` hashes them: with its weights of the adapter; `block_hashes` for a
+        base-model request or a pod not serving the adapter (only a pull source: it holds what it was sent);
+        None where the pod serves the adapter with weights this request was not hashed with (loaded since)."""
+        if self.lora is None or self.lora not in pod.adapter_fingerprints:
+            return self.block_hashes
+        return self.lora_hashes.get(pod.adapter_fingerprints[self.lora])
 
 
 def _default_tier_weights() -> dict[str, float]:

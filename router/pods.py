@@ -180,10 +180,13 @@ class PodSet:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
 
-    def is_adapter(self, model: str) -> bool:
-        """Whether a healthy pod serves `model` as a LoRA adapter (its blocks are then hashed with the name)."""
-        return any(pod.healthy and pod.served is not None and model in pod.served.adapters
-                   for pod in self.pods.values())
+    def adapter_fingerprints(self, model: str) -> list[str | None]:
+        """The fingerprints of the weights healthy pods serve LoRA adapter `model` with, sorted (None, a pod that
+        publishes none, first); empty when no healthy pod serves `model` as an adapter. Its blocks are hashed with
+        the name and the fingerprint: one hashing per entry."""
+        found = {pod.served.fingerprints.get(model) for pod in self.pods.values()
+                 if pod.healthy and pod.served is not None and model in pod.served.adapters}
+        return sorted(found, key=lambda f: f or "")
 
     def kv_config_of(self, name: str) -> KVConfig | None:
         """The KV config pod `name` published, or None (not read yet, or the pod has left)."""
@@ -255,6 +258,7 @@ class PodSet:
             role=config.role if config else "both",
             model=config.model if config else "",
             models=served_models(served, config).names,
+            adapter_fingerprints=served.fingerprints if served is not None else {},
             adapters_active=lora.active,
             adapters_running=len(lora.running),
             max_loras=lora.max_lora,

@@ -29,7 +29,15 @@ from kvmesh.engine.attention import TorchMetadata
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.model.lora import TARGET_MODULES, LoraAdapter, LoraError, LoraRegistry
-from kvmesh.engine.protocol import LOAD_LORA_PATH, UNLOAD_LORA_PATH, BlockExtra, Metric, VllmMetric, block_hashes
+from kvmesh.engine.protocol import (
+    LOAD_LORA_PATH,
+    LORA_FINGERPRINT_FIELD,
+    UNLOAD_LORA_PATH,
+    BlockExtra,
+    Metric,
+    VllmMetric,
+    block_hashes,
+)
 from kvmesh.engine.request import Request
 from kvmesh.engine.runner import StepInput
 from kvmesh.engine.sampling import SamplingParams
@@ -238,6 +246,24 @@ def test_prefix_cache_is_kept_apart_per_adapter(lora_engine: Engine) -> None:
     assert again.tokens == first.tokens
 
 
+def test_an_adapters_blocks_are_hashed_with_its_weights_not_only_its_name(lora_engine: Engine) -> None:
+    """New weights under an old name must never find the old weights' KV: the same tokens under the same name
+    hash apart with other weights, in every block; and the engine hashes a request with the weights it runs with,
+    whatever fingerprint the HTTP edge read before (an in-place update can fall in between)."""
+    ids = prompt(32, 40)
+    old, new = (block_hashes(ids, 16, BlockExtra("all", None, f)) for f in ("1" * 16, "2" * 16))
+    assert len(old) == 2 and not set(old) & set(new)
+    assert not set(old) & set(block_hashes(ids, 16, BlockExtra("all")))
+    assert old == block_hashes(ids, 16, BlockExtra("all", None, "1" * 16))  # stable: the router computes them too
+    weights = lora_engine.loras.loaded["all"].fingerprint
+    request = Request("stale-weights", ids, SamplingParams(max_tokens=1), extra=BlockExtra("all", None, "1" * 16))
+    lora_engine.submit(request)
+    lora_engine.run_until_idle()
+    assert request.extra.lora_fingerprint == weights
+    cached = [lora_engine.cached_run(block_hashes(ids, 16, BlockExtra("all", None, f))) for f in (weights, "1" * 16)]
+    assert cached == [2, 0]
+
+
 def test_a_request_for_an_adapter_unloaded_before_it_was_queued_ends_with_an_error(lora_engine: Engine) -> None:
     """The HTTP edge checks the name, then submits: an unload can fall in between."""
     request = Request("orphan", prompt(31, 5), SamplingParams(max_tokens=2), extra=BlockExtra(lora="gone"))
@@ -364,9 +390,13 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
     ids = prompt(60, 40)
     answer = http.post("/v1/completions", json={"model": "all", "prompt": ids, "max_tokens": 3, "temperature": 0})
     assert answer.status_code == 200 and answer.json()["model"] == "all"
-    # its blocks are cached under the hashes a router computes from the adapter's name, not the base model's
-    hashed = {lora: block_hashes(ids, engine.config.block_size, BlockExtra(lora=lora)) for lora in ("all", None)}
-    assert [engine.call(lambda h=h: engine.cached_run(h)).result() for h in hashed.values()] == [2, 0]
+    # its blocks are cached under the hashes a router computes from the adapter's name and the fingerprint its card
+    # publishes, not under the name alone nor the base model's
+    weights = cards[1][LORA_FINGERPRINT_FIELD]
+    assert weights == engine.loras.loaded["all"].fingerprint and len(weights) == 16
+    hashed = [block_hashes(ids, engine.config.block_size, extra)
+              for extra in (BlockExtra("all", None, weights), BlockExtra("all"), BlockExtra())]
+    assert [engine.call(lambda h=h: engine.cached_run(h)).result() for h in hashed] == [2, 0, 0]
     missing = http.post("/v1/completions", json={"model": "nope", "prompt": [5], "max_tokens": 1})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

@@ -25,6 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.engine.protocol import (
     LOAD_LORA_PATH,
+    LORA_FINGERPRINT_FIELD,
     UNLOAD_LORA_PATH,
     BlockExtra,
     HashAlgo,
@@ -48,14 +49,16 @@ from .test_lora import write_adapter
 from .test_router_extproc import body_chunks, chosen, full_duplex, refusal, request_headers
 
 BASE = "tiny"
+OLD, NEW = "0123456789abcdef", "fedcba9876543210"  # two fingerprints of an adapter's weights
 POD_A, POD_B, POD_C = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
 
 
-def models_body(*adapters: str) -> dict[str, Any]:
-    """A /v1/models answer as the engine gives it: the base model, then one card per adapter."""
+def models_body(*adapters: str, fingerprint: str | None = None) -> dict[str, Any]:
+    """A /v1/models answer as the engine gives it: the base model, then one card per adapter (with `fingerprint`
+    as its weights', or none, as an engine that publishes none)."""
     cards = [{"id": BASE, "object": "model", "owned_by": "kvmesh", "root": "/models/tiny"}]
-    cards += [{"id": a, "object": "model", "owned_by": "kvmesh", "root": f"/adapters/{a}", "parent": BASE}
-              for a in adapters]
+    cards += [{"id": a, "object": "model", "owned_by": "kvmesh", "root": f"/adapters/{a}", "parent": BASE,
+               **({LORA_FINGERPRINT_FIELD: fingerprint} if fingerprint else {})} for a in adapters]
     return {"object": "list", "data": cards}
 
 
@@ -81,6 +84,9 @@ def test_the_newest_lora_series_is_the_pods_current_adapters() -> None:
 def test_a_pods_model_list_says_which_names_are_adapters_of_which_base() -> None:
     served = ServedModels.of(models_body("sql", "chat"))
     assert served.names == {BASE, "sql", "chat"} and served.adapters == {"sql": BASE, "chat": BASE}
+    assert served.fingerprints == {"sql": None, "chat": None}  # an engine that publishes none
+    assert ServedModels.of(models_body("sql", fingerprint=OLD)).fingerprints == {"sql": OLD}
+    assert ServedModels.of(models_body("sql", "chat", fingerprint=OLD)).without("sql").fingerprints == {"chat": OLD}
     for wrong in ({"data": [{"object": "model"}]}, ["not", "a", "mapping"]):
         with pytest.raises(ValueError, match="list of models"):
             ServedModels.of(wrong)
@@ -133,8 +139,10 @@ def test_the_affinity_weight_is_a_router_weight_and_a_cached_prefix_outweighs_it
 # ---- the router over a snapshot it is given -----------------------------------------------------------------
 
 
-def set_pods(router: Router, served: dict[str, tuple[str, ...]], running: dict[str, tuple[str, ...]]) -> None:
-    """Pods as their scrapes would leave them: healthy, configured like the router, with these adapters."""
+def set_pods(router: Router, served: dict[str, tuple[str, ...]], running: dict[str, tuple[str, ...]],
+             fingerprints: dict[str, str] | None = None) -> None:
+    """Pods as their scrapes would leave them: healthy, configured like the router, with these adapters (of the
+    weights `fingerprints` names per pod, or published without one)."""
     for url, adapters in served.items():
         p = router.pods.pods[url]
         p.healthy, p.scraped_at = True, time.monotonic()
@@ -142,7 +150,7 @@ def set_pods(router: Router, served: dict[str, tuple[str, ...]], running: dict[s
                                hash_root=router.config.hash_root, tokenizer_fingerprint=router.tokenizer.fingerprint,
                                num_device_blocks=1000, boot_id="b")
         p.metrics = {"num_blocks": 1000.0, "block_size": 16.0}
-        p.served = ServedModels.of(models_body(*adapters))
+        p.served = ServedModels.of(models_body(*adapters, fingerprint=(fingerprints or {}).get(url)))
         p.lora = LoraLoad(frozenset(running.get(url, ())), frozenset(), 4)
 
 
@@ -168,6 +176,38 @@ def test_an_adapters_prompt_is_hashed_with_the_adapter_as_the_engines_hash_it(ro
 
 def router_body(raw: dict[str, Any]) -> CompletionRequest:
     return CompletionRequest.model_validate(raw)
+
+
+def test_during_a_rollout_of_new_weights_each_pod_is_matched_with_its_own_weights_hashes(router: Router) -> None:
+    """New weights under the name reach the pods one by one: the router hashes the prompt once per fingerprint
+    the pods serving the adapter publish, and each pod's cached prefix is what it holds under its own weights'
+    hashes (blocks of other weights it may still hold count for nothing)."""
+    set_pods(router, {POD_A: ("sql",), POD_B: ("sql",), POD_C: ()}, {}, {POD_A: OLD, POD_B: NEW})
+    ids = list(range(300, 385))  # 5 full blocks
+    info = router.request_info(router_body({"model": "sql", "prompt": ids}), 0)
+    hashed = {f: tuple(block_hashes(ids, 16, BlockExtra("sql", None, f), HashAlgo.XXH3, router.config.hash_root))
+              for f in (OLD, NEW)}
+    assert info.lora == "sql" and info.lora_hashes == hashed  # one hashing per weights, no more
+    now = time.monotonic()
+    router.index.add_provisional(POD_A, hashed[OLD][:4], now, 3600)
+    router.index.add_provisional(POD_B, hashed[OLD], now, 3600)  # cached before its weights changed: stale
+    router.index.add_provisional(POD_B, hashed[NEW][:2], now, 3600)
+    view = router.view(info)
+    assert {pod: view.matches[pod].blocks for pod in (POD_A, POD_B)} == {POD_A: 4, POD_B: 2}
+    decision = router.decide(info, set(), view=view)
+    assert decision.pod is not None and decision.pod.name == POD_A and decision.predicted_cached_tokens == 64
+    assert router.decide(info, {POD_A}, view=view).predicted_cached_tokens == 32  # POD_B: its own 2 blocks
+
+    # weights loaded on POD_B after the request was hashed: nothing it holds is credited to it
+    set_pods(router, {POD_B: ("sql",)}, {}, {POD_B: "3" * 16})
+    assert POD_B not in router.view(info).matches
+    # in steady state every pod agrees: one hashing, and the same hashes for every pod
+    set_pods(router, {POD_A: ("sql",), POD_B: ("sql",)}, {}, {POD_A: NEW, POD_B: NEW})
+    steady = router.request_info(router_body({"model": "sql", "prompt": ids}), 0)
+    assert steady.lora_hashes == {NEW: hashed[NEW]} and steady.block_hashes == hashed[NEW]
+    assert {pod: m.blocks for pod, m in router.view(steady).matches.items()} == {POD_B: 2}
+    set_pods(router, {POD_B: ("sql",)}, {}, {POD_B: OLD})  # as above, within one hashing
+    assert POD_B not in router.view(steady).matches
 
 
 @pytest.mark.asyncio
@@ -252,6 +292,10 @@ def test_an_adapters_requests_go_to_the_engine_serving_it_with_the_hashes_that_e
         confirmed = lambda: router.index.match(info.block_hashes, [with_sql]).get(with_sql)  # noqa: E731
         wait_for(lambda: confirmed() is not None and confirmed().blocks == 4,  # type: ignore[union-attr]
                  "the engine's KV events never confirmed the router's hashes of the adapter's prompt")
+        assert info.lora_hashes.keys() == {httpx.get(with_sql + "/v1/models").json()["data"][1][LORA_FINGERPRINT_FIELD]}
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60)  # the router's prediction is the real hit
+        predicted = int(again.headers["x-kvmesh-predicted-cached-tokens"])
+        assert predicted == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         base_info = router.request_info(CompletionRequest.model_validate({**body, "model": base}), 0)
         assert not set(base_info.block_hashes) & set(info.block_hashes)  # the adapter's cache is its own
         assert router.index.match(base_info.block_hashes) == {}  # no pod was sent the base model's prompt

@@ -22,6 +22,7 @@ from kvmesh.engine.model.lora import LoraError
 from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.engine.protocol import (
     LOAD_LORA_PATH,
+    LORA_FINGERPRINT_FIELD,
     MODELS_PATH,
     UNLOAD_LORA_PATH,
     BlockExtra,
@@ -129,7 +130,8 @@ def test_adapters_load_unload_list_count_and_hash_as_on_the_engine(tiny_dir: Pat
             first = httpx.Response(200, content=next(events.iter_lines())).json()
         stored = [h for e in first["events"] if e["type"] == "stored" for h in e["block_hashes"]]
         algo, root = HashAlgo(EngineConfig.hash_algo), EngineConfig.hash_root
-        assert stored[:2] == block_hashes(prompt[:32], 16, BlockExtra(lora="sql"), algo, root)
+        weights = cards[1][LORA_FINGERPRINT_FIELD]  # the weights' fingerprint: its blocks are hashed with it too
+        assert stored[:2] == block_hashes(prompt[:32], 16, BlockExtra("sql", None, weights), algo, root)
 
         # unknown adapter: the engine's 404, field for field
         unknown = {**body, "model": "nope"}

@@ -302,6 +302,7 @@ class LoadedLora:
     path: str
     slot: int
     rank: int
+    fingerprint: str  # its weights': its requests' blocks are hashed with it (BlockExtra.lora_fingerprint)
 
 
 class LoraRegistry:
@@ -390,7 +391,7 @@ class LoraRegistry:
         if not free:
             raise LoraConflict(f"{len(self.loaded)} LoRA adapters are loaded, the most this engine holds "
                                f"(max_loras = {self.max_loras}); unload one first")
-        entry = LoadedLora(name, adapter.path, free[0], adapter.rank)
+        entry = LoadedLora(name, adapter.path, free[0], adapter.rank, adapter.fingerprint)
         self.loaded[name] = entry
         return entry
 
