@@ -47,6 +47,7 @@ LATENCY_BUCKETS = (
 )
 TOKEN_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+NO_STEP_COST = DecodeStepCost(0.0, 0.0, 0.0)  # exported until a line is fitted (readers take no slope as none)
 _STEP_COST_HELP = {
     M.DECODE_STEP_BASE: "Fitted decode step cost: the fixed part of a step, seconds.",
     M.DECODE_STEP_PER_SEQUENCE: "Fitted decode step cost: seconds per sequence in the batch.",
@@ -118,9 +119,8 @@ class _StateCollector:
         yield gauge(M.QUEUED_PREFILL_TOKENS, "Uncached prompt tokens waiting or in flight.", s.pending_prefill_tokens)
         yield gauge(M.PREFILL_THROUGHPUT, "Measured prefill speed (moving average).", s.prefill_tokens_per_second)
         yield gauge(M.DECODE_STEP_SECONDS, "Measured decode step time (moving average).", s.decode_step_seconds)
-        if s.decode_step_cost is not None:  # no line to show until the batch has varied
-            for name, value in s.decode_step_cost.metrics.items():
-                yield gauge(name, _STEP_COST_HELP[name], value)
+        for name, value in (s.decode_step_cost or NO_STEP_COST).metrics.items():  # 0 until the batch has varied
+            yield gauge(name, _STEP_COST_HELP[name], value)
         yield gauge(M.EVENTS_SEQ, "Last KV event batch number published.", s.events_seq)
         yield gauge(M.DRAINING, "1 while the engine drains.", float(s.draining))
         yield gauge(M.KV_BLOCKS_PINNED, "Blocks held for transfers.", s.pinned_blocks)
