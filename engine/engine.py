@@ -33,7 +33,6 @@ from kvmesh.engine.metrics import EngineMetrics, EngineState
 from kvmesh.engine.model import loader
 from kvmesh.engine.model.llama import Llama
 from kvmesh.engine.model.lora import (
-    LORA_MEMORY_SUFFIX,
     LoadedLora,
     LoraAdapter,
     LoraConflict,
@@ -204,9 +203,6 @@ class Engine:
         self._swapped: set[str] = set()  # preempted requests whose blocks come back from the host tier
         self._tier_tokens: dict[str, dict[str, int]] = {}  # request -> prompt tokens promoted, by tier
         self.tiers = self._make_tiers(self.kv_layout.block_bytes())
-        if self.tiers is not None:  # adapter names hash cached blocks: remember their weights as long as the tiers
-            self.loras.remember_in([(t.store.path.with_name(t.store.path.name + LORA_MEMORY_SUFFIX), t.store.fresh)
-                                    for t in self.tiers.tiers.values()])
         for name, path in config.lora_modules.items():
             try:
                 self.add_lora(self.read_lora(name, path))
@@ -347,13 +343,11 @@ class Engine:
     # ---- LoRA adapters (model/lora.py; docs/engine.md "LoRA adapters") ------------------------------------------
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
-        """Read and check a PEFT adapter directory and bind its name to its weights (any thread but the engine's:
-        it reads files and may write the LoRA memory with an fsync). Raises LoraError."""
+        """Read and check a PEFT adapter directory (any thread but the engine's: it reads files). Other weights
+        than a name served before are fine: blocks are hashed with the weights' fingerprint. Raises LoraError."""
         if name == self.model_name:
             raise LoraError(f"{name!r} is the base model's name; give the adapter another one")
-        adapter = self.read_adapter_files(name, path)
-        self.loras.remember(adapter)
-        return adapter
+        return self.read_adapter_files(name, path)
 
     def read_adapter_files(self, name: str, path: str) -> LoraAdapter:
         """The adapter's files, checked against this model. The engine simulator overrides it: it runs the same
@@ -371,7 +365,7 @@ class Engine:
 
     def remove_lora(self, name: str) -> LoadedLora:
         """Stop serving an adapter no request uses (engine thread). Its cached blocks are left to age out: no
-        request can reach them until the name is loaded again, with the same weights (LoraRegistry.add).
+        request can reach them until the same weights are loaded again (they are hashed with the weights).
         Raises LoraNotFound, or LoraConflict while requests of it run or wait."""
         busy = sum(r.extra.lora == name for r in (*self.requests.values(), *self._inbox))
         if busy and name in self.loras.loaded:

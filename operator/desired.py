@@ -43,8 +43,8 @@ LORA_MODULES = "lora_modules"  # the engine setting of the pool's adapters, whic
 CONFIG_DIR = "/etc/kvmesh"
 MODELS_DIR = "/models"
 CACHE_DIR = "/var/cache/kvmesh"  # where a .gguf model is converted at start (the image's own cache is read-only)
-# The share of `engine.hostTierMiB` the engine's host tier takes: the tier file's slot records and the LoRA memory
-# beside it need a little more, and a volume past its sizeLimit gets the pod evicted.
+# The share of `engine.hostTierMiB` the engine's host tier takes: the tier file's slot records need a little more,
+# and a volume past its sizeLimit gets the pod evicted.
 HOST_TIER_FILL = 0.95
 DRAIN_SECONDS = 300  # how long a terminating engine may finish its streams
 # How long a terminating router may take: its endpoint picker's drain and then some (stopping the HTTP server,

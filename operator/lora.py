@@ -4,9 +4,11 @@ Each tick the operator asks every ready engine what it serves (GET /v1/models: t
 card per adapter with its directory as `root`), plans the difference against `spec.model.loraAdapters`
 (`plan_adapters`, pure), and carries it out with the engine's own endpoints (POST /v1/unload_lora_adapter, then
 /v1/load_lora_adapter). Unloads go first so they free slots for the loads. A changed path for a known name is an
-unload then a load; an engine refuses different weights under a name it served before (400: its cached blocks
-are hashed by name), which the user must fix with a new name. So a refused action (a 4xx other than 409) is
-remembered per engine life and not tried again while the spec asks for the same thing: one Event, no retry storm.
+unload then a load: the weights are updated in place, and the engines hash the new weights' blocks apart from the
+old ones' (their fingerprint is in the block hash), so no cache, tier or peer serves the old weights' KV under the
+name. An adapter an engine cannot load (a bad directory, a rank above its maximum) is the user's to fix in the
+spec, so a refused action (a 4xx other than 409) is remembered per engine life and not tried again while the spec
+asks for the same thing: one Event, no retry storm.
 A busy or full engine (409) or one that does not answer is simply planned again at the next tick.
 
 What the sync remembers (the refusals, the names the spec has declared) is kept in the pool's status
@@ -127,8 +129,7 @@ def outcome_of(action: AdapterAction, status: int | None, message: str) -> Actio
     if status is None or status == HTTPStatus.CONFLICT or status >= HTTPStatus.INTERNAL_SERVER_ERROR:
         return ActionResult(action, RETRY, f"{action.describe()}: {message} (retried next tick)")
     return ActionResult(action, REFUSED, f"{action.describe()} was refused ({status}): {message}; it is not "
-                                         f"retried until spec.model.loraAdapters changes it (new weights need a "
-                                         f"new name)")
+                                         f"retried until spec.model.loraAdapters changes it")
 
 
 Life = tuple[str, str, int]  # one engine's life: its pod's name, uid and containers' restarts

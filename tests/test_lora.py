@@ -28,7 +28,7 @@ from kvmesh.engine import server as server_module
 from kvmesh.engine.attention import TorchMetadata
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.model.lora import TARGET_MODULES, LoraAdapter, LoraError, LoraRegistry
+from kvmesh.engine.model.lora import TARGET_MODULES
 from kvmesh.engine.protocol import (
     LOAD_LORA_PATH,
     LORA_FINGERPRINT_FIELD,
@@ -264,6 +264,30 @@ def test_an_adapters_blocks_are_hashed_with_its_weights_not_only_its_name(lora_e
     assert cached == [2, 0]
 
 
+def test_new_weights_under_a_name_served_before_find_none_of_the_old_weights_cache(
+    lora_engine: Engine, adapters: dict[str, Path], tiny_dir: Path, tmp_path: Path,
+) -> None:
+    """An in-place update: unload an adapter, load other weights under its name. The old weights' cached prefix
+    is not reused (a hit of 0), the answer is the new weights' (the merged reference's), and the old weights,
+    loaded back, find their own blocks again."""
+    ids = prompt(33, 40)
+    old = run(lora_engine, [("qv", ids)])[0]
+    assert run(lora_engine, [("qv", ids)])[0].final.cached_tokens == 32  # the old weights' blocks are cached
+    new_path = write_adapter(tmp_path / "qv-new", seed=7)  # every module, rank 8: changes the output plainly
+    lora_engine.remove_lora("qv")
+    lora_engine.add_lora(lora_engine.read_lora("qv", str(new_path)))
+    try:
+        swapped = run(lora_engine, [("qv", ids)])[0]
+        assert swapped.final.cached_tokens == 0
+        assert swapped.tokens == hf_greedy(merged(tiny_dir, new_path), ids, 6)[0] != old.tokens
+        assert run(lora_engine, [("qv", ids)])[0].final.cached_tokens == 32  # the new weights cache their own
+    finally:
+        lora_engine.remove_lora("qv")
+        lora_engine.add_lora(lora_engine.read_lora("qv", str(adapters["qv"])))
+    back = run(lora_engine, [("qv", ids)])[0]
+    assert (back.final.cached_tokens, back.tokens) == (32, old.tokens)
+
+
 def test_a_request_for_an_adapter_unloaded_before_it_was_queued_ends_with_an_error(lora_engine: Engine) -> None:
     """The HTTP edge checks the name, then submits: an unload can fall in between."""
     request = Request("orphan", prompt(31, 5), SamplingParams(max_tokens=2), extra=BlockExtra(lora="gone"))
@@ -432,8 +456,14 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
               str(embedding / "adapter_model.safetensors"))
     refused(LOAD_LORA_PATH, {"lora_name": "x", "lora_path": str(embedding)}, 400, "embed_tokens")
     other = write_adapter(tmp_path / "other-qv", 6, rank=4, targets=ATTN_QV)
-    refused(LOAD_LORA_PATH, {"lora_name": "qv", "lora_path": str(other)}, 400, "other weights")
     refused(LOAD_LORA_PATH, {"lora_name": base, "lora_path": str(other)}, 400, "base model's name")
+    # other weights under a name served before are taken (an in-place update): the card names the new weights
+    assert http.post(LOAD_LORA_PATH, json={"lora_name": "qv", "lora_path": str(other)}).status_code == 200
+    refused(LOAD_LORA_PATH, {"lora_name": "qv", "lora_path": str(adapters["qv"])}, 400, "already loaded")
+    (card,) = [c for c in http.get("/v1/models").json()["data"] if c["id"] == "qv"]
+    assert (card["root"], card[LORA_FINGERPRINT_FIELD]) == (str(other), engine.loras.loaded["qv"].fingerprint)
+    assert card[LORA_FINGERPRINT_FIELD] != engine.read_lora("qv", str(adapters["qv"])).fingerprint
+    assert http.post(UNLOAD_LORA_PATH, json={"lora_name": "qv"}).status_code == 200
     assert lora_info(http)[2] == 1
 
     # an adapter with a request in flight is not unloaded; the metric names it as running
@@ -456,29 +486,3 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
     assert lora_info(http)[2] == 0
     # the same weights come back under their name (their cached blocks are still right)
     assert http.post(LOAD_LORA_PATH, json={"lora_name": "all", "lora_path": str(adapters["all"])}).status_code == 200
-
-
-def test_a_restarted_engine_refuses_other_weights_under_a_name_its_kept_tiers_cached(tmp_path: Path) -> None:
-    """The LoRA memory beside a KV tier file that survives a restart: what the next process reads back."""
-    memory = tmp_path / "tier.lora.json"
-
-    def adapter(fingerprint: str) -> LoraAdapter:
-        return LoraAdapter("support", str(tmp_path), 8, 1.0, {}, fingerprint)
-
-    before = LoraRegistry(max_loras=2)
-    before.remember_in([(memory, False)])
-    before.remember(adapter("weights-1"))
-    before.add(adapter("weights-1"))
-    assert json.loads(memory.read_text()) == {"support": "weights-1"}  # on disk once remembered, before serving
-
-    restarted = LoraRegistry(max_loras=2)
-    restarted.remember_in([(memory, False)])
-    with pytest.raises(LoraError, match="other weights"):
-        restarted.remember(adapter("weights-2"))
-    restarted.remember(adapter("weights-1"))  # the same weights load again
-    assert restarted.add(adapter("weights-1")).name == "support"
-
-    emptied = LoraRegistry(max_loras=2)  # the tier started empty (another model or layout): no block to protect
-    emptied.remember_in([(memory, True)])
-    emptied.remember(adapter("weights-2"))
-    assert json.loads(memory.read_text()) == {"support": "weights-2"}

@@ -1,8 +1,9 @@
 """Adapters added to or removed from a pool reach running engines without a restart: the plan against what an
 engine serves (pure), the pod template's hash that no longer rolls the engines for a changed list, and the
 operator's apply step against real in-process engines over the tiny model (load, unload, a busy/full 409 tried
-again, a 400 for other weights under an old name recorded once and not retried), and the kopf timer against
-kmock's emulator with a Ready pod whose IP is a real engine's."""
+again, new weights under a name as an unload then a load that finds none of the old weights' cache, a 400 for an
+adapter the engine cannot load recorded once and not retried), and the kopf timer against kmock's emulator with
+a Ready pod whose IP is a real engine's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvmesh.engine.protocol import OperatorMetric
+from kvmesh.engine.protocol import LORA_FINGERPRINT_FIELD, OperatorMetric
 from kvmesh.operator.crd import Pool, parse_pool
 from kvmesh.operator.desired import CONFIG_HASH_ANNOTATION, config_map, desired_objects, engine_adapters
 from kvmesh.operator.lora import (
@@ -153,8 +154,9 @@ def test_answers_are_ok_retried_or_refused() -> None:
     assert outcome_of(unload, 404, "no LoRA adapter named 'a'").outcome == OK  # gone already: done
     for status in (409, 503, None):
         assert outcome_of(load, status, "busy").outcome == RETRY
-    refused = outcome_of(load, 400, "served with other weights")
-    assert refused.outcome == REFUSED and "other weights" in refused.message and "new name" in refused.message
+    refused = outcome_of(load, 400, "rank 16; this engine takes ranks 1 to 8")
+    assert refused.outcome == REFUSED and "ranks 1 to 8" in refused.message
+    assert "not retried until spec.model.loraAdapters changes it" in refused.message
     assert outcome_of(load, 404, "x").outcome == REFUSED
 
 
@@ -209,7 +211,8 @@ def test_changing_anything_else_still_rolls_the_engines() -> None:
 def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("pool-loras")
     return {name: str(write_adapter(root / name, seed=seed, rank=4, targets=ATTN_QV, layers=1))
-            for name, seed in (("a", 11), ("b", 12), ("c", 13), ("b-v2", 14))}
+            for name, seed in (("a", 11), ("b", 12), ("c", 13), ("b-v2", 14))} | {
+        "big": str(write_adapter(root / "big", seed=15, rank=16, targets=ATTN_QV, layers=1))}  # above max rank 8
 
 
 @pytest.fixture
@@ -250,17 +253,34 @@ def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusa
     syncs = sync_pool([pod], declared, memory)
     assert syncs[0].results == () and summarize(syncs, declared).ok
 
-    # other weights under a name the engine served: unloaded, then the load is refused (400) and recorded
+    # new weights under the name (an in-place update): unloaded, then loaded; the old weights' cache is not used
+    body = {"model": "b", "prompt": list(range(300, 340)), "max_tokens": 1}
+
+    def cached() -> int:
+        reply = httpx.post(engine_url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert (cached(), cached()) == (0, 32)
+    before = card_of(engine_url, "b")
     declared = {"b": weights["b-v2"], "c": weights["c"]}
     syncs = sync_pool([pod], declared, memory)
+    assert outcomes(syncs) == [(UNLOAD, "b", OK), (LOAD, "b", OK)] and summarize(syncs, declared).ok
+    after = card_of(engine_url, "b")
+    assert after["root"] == weights["b-v2"] and after[LORA_FINGERPRINT_FIELD] != before[LORA_FINGERPRINT_FIELD]
+    assert (cached(), cached()) == (0, 32)  # none of the old weights' blocks; then the new weights' own
+
+    # an adapter the engine cannot load (a rank above its max): unloaded, then the load is refused and recorded
+    declared = {"b": weights["big"], "c": weights["c"]}
+    syncs = sync_pool([pod], declared, memory)
     assert outcomes(syncs) == [(UNLOAD, "b", OK), (LOAD, "b", REFUSED)]
-    assert "new name" in syncs[0].results[1].message and "other weights" in syncs[0].results[1].message
+    assert "ranks 1 to 8" in syncs[0].results[1].message
     metrics = OperatorMetrics()
-    pool = pool_with([{"name": "b", "path": weights["b-v2"]}, {"name": "c", "path": weights["c"]}])
+    pool = pool_with([{"name": "b", "path": weights["big"]}, {"name": "c", "path": weights["c"]}])
     metrics.record_adapters(pool, syncs)
     for _ in range(3):  # no retry storm: held, not tried again, while the spec asks for the same thing
         later = sync_pool([pod], declared, memory)
-        assert later[0].results == () and later[0].held == (AdapterAction(LOAD, "b", weights["b-v2"]),)
+        assert later[0].results == () and later[0].held == (AdapterAction(LOAD, "b", weights["big"]),)
         metrics.record_adapters(pool, later)
     status = summarize(later, declared)
     assert (status.ok, status.reason) == (False, "Refused") and "chat-both-0" in status.message
@@ -270,9 +290,9 @@ def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusa
     assert outcomes(sync_pool([restarted], declared, memory)) == [(LOAD, "b", REFUSED)]  # (this one did not restart)
     assert list(memory.refused) == [restarted.life]
 
-    # the fix: the new weights under a new name
-    declared = {"b2": weights["b-v2"], "c": weights["c"]}
-    assert outcomes(sync_pool([restarted], declared, memory)) == [(LOAD, "b2", OK)]
+    # the fix: weights it can load, under the same name
+    declared = {"b": weights["b-v2"], "c": weights["c"]}
+    assert outcomes(sync_pool([restarted], declared, memory)) == [(LOAD, "b", OK)]
 
     def count(action: str, outcome: str) -> float | None:
         return metrics.registry.get_sample_value(f"{OperatorMetric.LORA_ACTIONS}_total", {
@@ -305,13 +325,19 @@ def served_by(url: str) -> dict[str, str]:
     return served_adapters(httpx.get(url + "/v1/models", timeout=5).json())
 
 
+def card_of(url: str, adapter: str) -> dict[str, Any]:
+    (card,) = [c for c in httpx.get(url + "/v1/models", timeout=5).json()["data"] if c["id"] == adapter]
+    return card
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolling_it(
         engine_url: str, weights: dict[str, str], tmp_path: Path) -> None:
     """kopf against kmock's emulator, the pod's IP pointing at a real in-process engine: the scaling timer loads a
-    listed adapter, unloads a removed one, posts one AdapterRefused Event for other weights under an old name, and
-    the engine Deployment's pod template keeps its hash through the changes."""
+    listed adapter, unloads a removed one, updates one in place (a new path under its name: an unload, then a
+    load), posts one AdapterRefused Event for an adapter the engine cannot load, and the engine Deployment's pod
+    template keeps its hash through the changes."""
     port = int(engine_url.rsplit(":", 1)[1])
     ready_pod = pod_body("chat-both-0", "127.0.0.1")
     ready_pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
@@ -343,15 +369,16 @@ def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolli
                                       and conditions(env)["AdaptersLoaded"])
             assert loaded["status"] == "True" and "2 adapters on 1 ready engines" in loaded["message"]
 
-            await env.k8s.patch(f"{POOLS}/chat", json={"spec": spec({"b": weights["b-v2"]})})
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": spec({"b": weights["b-v2"], "c": weights["big"]})})
             await eventually(lambda: env.events("AdapterRefused"))
-            assert served_by(engine_url) == {}  # a unloaded (removed), b unloaded (changed) and its load refused
+            # a unloaded (removed), b unloaded and loaded from its new path (changed), c's load refused
+            await eventually(lambda: served_by(engine_url) == {"b": weights["b-v2"]})
             await eventually(lambda: "b-v2" in (env.get("v1/configmaps", "chat-config") or {})["data"]["engine.yaml"])
             assert template_hash(env) == first_hash  # the list changed, the engines did not roll
             begun = env.ticks()
             await eventually(lambda: env.ticks() >= begun + 5)  # five more whole ticks: no retry storm, no 2nd Event
             (event,) = env.events("AdapterRefused")
-            assert "other weights" in event["message"] and "new name" in event["message"]
+            assert "'c'" in event["message"] and "ranks 1 to 8" in event["message"]
             refused = await eventually(lambda: conditions(env)["AdaptersLoaded"]["reason"] == "Refused"
                                        and conditions(env)["AdaptersLoaded"])
             assert refused["status"] == "False" and "chat-both-0" in refused["message"]

@@ -14,11 +14,14 @@ import httpx
 import numpy as np
 import pytest
 
-from kvmesh.engine.model.lora import LoraError
+from kvmesh.engine.engine import Engine
 from kvmesh.engine.model.tokenizer import Tokenizer
-from kvmesh.engine.protocol import KVEvent, block_hashes
+from kvmesh.engine.protocol import BlockExtra, KVEvent, block_hashes
+from kvmesh.engine.request import Request, RequestOutput
+from kvmesh.engine.sampling import SamplingParams
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 
+from .conftest import make_engine
 from .test_kv_tiers import chain, metric, prompt, run, run_cold, tiered
 from .test_lora import write_adapter
 
@@ -179,25 +182,38 @@ def test_events_of_a_recovered_block_carry_parent_and_tier(tiny_dir: Path, tmp_p
     second.close()
 
 
-def test_a_restarted_engine_still_refuses_other_weights_under_a_name_its_tiers_cached(tiny_dir: Path,
-                                                                                     tmp_path: Path) -> None:
-    """An adapter's blocks are hashed by its name, and the tiers outlive the process: the weights each name was
-    served with are kept beside them, so files replaced in place cannot be served over the old weights' blocks.
-    A tier that starts empty forgets them."""
+def test_a_restarted_engine_serves_new_weights_under_a_name_without_the_old_weights_kept_blocks(
+    tiny_dir: Path, tmp_path: Path,
+) -> None:
+    """The tiers outlive the process, and an adapter's blocks in them are hashed with its weights: a restarted
+    engine loading other weights under the name finds none of the old weights' blocks (a hit of 0, the answer a
+    tierless engine with the new weights gives), and the old weights, loaded back, find theirs."""
     first_weights = write_adapter(tmp_path / "v1", seed=1)
     other_weights = write_adapter(tmp_path / "v2", seed=2)
+    tokens = prompt(22, 100)
+
+    def serve(engine: Engine, weights: Path) -> tuple[list[int], RequestOutput]:
+        if "sql" in engine.loras.loaded:
+            engine.remove_lora("sql")
+        engine.add_lora(engine.read_lora("sql", str(weights)))
+        outputs: list[RequestOutput] = []
+        request = Request(f"sql-{len(tokens)}-{weights.name}", list(tokens), SamplingParams(max_tokens=8,
+                          temperature=0.0, ignore_eos=True), extra=BlockExtra(lora="sql"))
+        request.on_output = outputs.append
+        engine.submit(request)
+        engine.run_until_idle()
+        return [t for o in outputs for t in o.new_token_ids], outputs[-1]
+
     first = tiered(tiny_dir, tmp_path)
-    first.add_lora(first.read_lora("sql", str(first_weights)))
+    old_answer, _ = serve(first, first_weights)
     first.close()
 
     second = tiered(tiny_dir, tmp_path)
-    with pytest.raises(LoraError, match="before a restart that kept its KV tiers"):
-        second.add_lora(second.read_lora("sql", str(other_weights)))
-    second.add_lora(second.read_lora("sql", str(first_weights)))  # the same weights: served again
+    assert metric(second, "kvmesh_kv_tier_recovered_blocks_total", tier="host") == 6  # the old weights' blocks
+    answer, final = serve(second, other_weights)
+    assert final.cached_tokens == 0
+    fresh = make_engine(tiny_dir, kv_cache_blocks=64)
+    assert answer == serve(fresh, other_weights)[0] != old_answer
+    again, final = serve(second, first_weights)
+    assert (again, final.cached_by_tier["host"]) == (old_answer, 96)
     second.close()
-
-    for tier in ("host.kv", "disk.kv"):  # the tiers start empty: no block of the old weights is left
-        (tmp_path / tier).unlink()
-    third = tiered(tiny_dir, tmp_path)
-    third.add_lora(third.read_lora("sql", str(other_weights)))
-    third.close()

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
-import os
 import re
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +25,6 @@ from kvmesh.engine.model.loader import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-LORA_MEMORY_SUFFIX = ".loras.json"  # beside a KV tier file: the weights each adapter name was served with
 # The model's fused projections (llama.py concatenates them in this order) and the PEFT modules inside each.
 PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -63,7 +59,7 @@ class LoraAdapter:
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    fingerprint: str  # of the files' bytes: a name must keep its weights while its cached blocks may live
+    fingerprint: str  # of the files' bytes: its requests' blocks are hashed with it, so weights never share KV
 
 
 @dataclass(frozen=True)
@@ -312,44 +308,6 @@ class LoraRegistry:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self.loaded: dict[str, LoadedLora] = {}
-        self._seen: dict[str, str] = {}  # every name ever loaded -> the fingerprint of its weights
-        self._memory: list[Path] = []  # files keeping `_seen` beside the KV tiers that outlive this process
-        self._remembering = threading.Lock()  # loads read on worker threads, each may write the memory files
-
-    def remember_in(self, files: Sequence[tuple[Path, bool]]) -> None:
-        """Keep the names' fingerprints in these files, one beside each KV tier file that survives a restart, and
-        read back what an earlier process left there: a restarted engine must still refuse other weights under a
-        name whose blocks its tiers hold (they are hashed by the name). A tier that started empty (`fresh`: another
-        model or layout, or no file) holds no such block, so its file's memory is dropped."""
-        for path, fresh in files:
-            if fresh:
-                path.unlink(missing_ok=True)
-                continue
-            try:
-                remembered = json.loads(path.read_text()) if path.exists() else {}
-            except (OSError, ValueError) as exc:
-                logging.getLogger("kvmesh.engine").warning("LoRA memory %s unreadable (%s): other weights under "
-                                                           "a name its tier's blocks were cached with would not "
-                                                           "be refused", path, exc)
-                continue
-            if isinstance(remembered, dict):
-                self._seen.update({str(k): str(v) for k, v in remembered.items()})
-        self._memory = [path for path, _ in files]
-        self._save()
-
-    def _save(self) -> None:
-        """Write the memory whole (a temporary file renamed over it), so a crash leaves the old or the new one."""
-        text = json.dumps(self._seen, sort_keys=True)
-        for path in self._memory:
-            try:
-                staged = path.with_name(path.name + ".tmp")
-                with open(staged, "w", encoding="utf-8") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())  # on disk before the rename, so a crash leaves one whole version
-                os.replace(staged, path)
-            except OSError as exc:
-                logging.getLogger("kvmesh.engine").warning("LoRA memory %s not written: %s", path, exc)
 
     def names(self) -> list[str]:
         return list(self.loaded)
@@ -359,33 +317,13 @@ class LoraRegistry:
             return None
         return self.loaded[name].slot
 
-    def remember(self, adapter: LoraAdapter) -> None:
-        """Bind the adapter's name to its weights, on disk before it can serve (the load's worker thread: the fsync
-        pauses no model step). Raises LoraError if the name was served with other weights: the router hashes
-        blocks by adapter name, so the old weights' cached blocks may still be found under it. A name remembered
-        by a load that then found no free slot stays bound to these weights."""
-        with self._remembering:
-            self._refuse_other_weights(adapter)
-            if self._seen.get(adapter.name) != adapter.fingerprint:
-                self._seen[adapter.name] = adapter.fingerprint
-                self._save()
-
-    def _refuse_other_weights(self, adapter: LoraAdapter) -> None:
-        if self._seen.get(adapter.name, adapter.fingerprint) != adapter.fingerprint:
-            raise LoraError(f"the name {adapter.name!r} was served with other weights earlier (in this engine's "
-                            f"life, or before a restart that kept its KV tiers) and its cached KV blocks may remain; "
-                            f"load these weights under a new name")
-
     def add(self, adapter: LoraAdapter) -> LoadedLora:
-        """Take a free slot for `adapter`, whose name `remember` bound to its weights; raises LoraError (already
-        loaded, or not remembered with these weights) or LoraConflict (every slot taken)."""
+        """Take a free slot for `adapter`; raises LoraError (its name is loaded: unload it first, whatever the
+        weights) or LoraConflict (every slot taken)."""
         name = adapter.name
         if name in self.loaded:
             raise LoraError(f"LoRA adapter {name!r} is already loaded (from {self.loaded[name].path}); unload it "
                             f"first")
-        self._refuse_other_weights(adapter)
-        if self._seen.get(name) != adapter.fingerprint:
-            raise LoraError(f"LoRA adapter {name!r} was not remembered before its load (remember() first)")
         taken = {a.slot for a in self.loaded.values()}
         free = [s for s in range(self.max_loras) if s not in taken]
         if not free:
