@@ -530,7 +530,6 @@ class _ScalingWatch:
         say why not (it cannot be read, the API server would refuse it, the new files would not start an engine
         or a router, or it changes what every process must share), running on the last good spec. Never raises:
         a bad edit is the user's to fix."""
-        from kvmesh.operator.crd import transition_errors
         from kvmesh.operator.local import ignored_locally, restarts
 
         if self.file is None or not self.file.changed():
@@ -539,10 +538,6 @@ class _ScalingWatch:
         pool, problem = self.file.read()
         if pool is None:
             _say(f"{path} changed but cannot be used: {problem}; the pool runs on as before (fix the file to go on)")
-            return
-        if broken := transition_errors(self.pool.spec, pool.spec):  # what the API server refuses on an update
-            _say(f"{path} changed in a way a running pool refuses: {'; '.join(broken)}; none of this edit is "
-                 f"applied, the pool runs on as before")
             return
         todo = restarts(self.pool, pool)
         if todo.refused:

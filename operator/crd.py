@@ -211,41 +211,8 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class TransitionRule:
-    """A CEL rule on an update (`oldSelf` is the object before it), and the same rule in Python for `kvmesh up -f`,
-    which sees both versions of its file (`check(old, new)` on the objects at `path`)."""
-
-    path: tuple[str, ...]
-    cel: str
-    message: str
-    check: Callable[[Mapping[str, Any], Mapping[str, Any]], bool]
-
-
-TRANSITION_RULES: tuple[TransitionRule, ...] = (
-    # engines and their peers key an adapter's cached KV by its name: new weights under an old name would be
-    # served other weights' KV by warm-ups and pulls between pods
-    TransitionRule(("model",), "self.loraAdapters.all(a, oldSelf.loraAdapters.all(o, o.name != a.name || "
-                               "o.path == a.path))",
-                   "model.loraAdapters: an adapter's path cannot change under the same name (cached KV is keyed by "
-                   "the name): add the new weights under a new name",
-                   lambda old, new: all(o["name"] != a["name"] or o["path"] == a["path"]
-                                        for a in new["loraAdapters"] for o in old["loraAdapters"])),
-)
-
-
-def transition_errors(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """The messages of the transition rules an update from spec `old` to spec `new` breaks (both defaulted)."""
-    def at(spec: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any]:
-        for key in path:
-            spec = spec[key]
-        return spec
-
-    return [r.message for r in TRANSITION_RULES if not r.check(at(old, r.path), at(new, r.path))]
-
-
 def _with_rules(schema: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
-    rules = [{"rule": r.cel, "message": r.message} for r in (*RULES, *TRANSITION_RULES) if r.path == path]
+    rules = [{"rule": r.cel, "message": r.message} for r in RULES if r.path == path]
     if rules:
         schema["x-kubernetes-validations"] = rules
     for name, child in schema.get("properties", {}).items():
