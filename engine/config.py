@@ -20,6 +20,7 @@ from kvmesh.engine.protocol import (
     DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
+    DEFAULT_MAX_NUM_SEQS,
     KV_CACHE_DTYPES,
     LORA_NAME_PATTERN,
     QUANTIZATIONS,
@@ -47,7 +48,7 @@ class EngineConfig:
     kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # or int8: 1.9x the blocks of bf16 in a budget (engine/kvcache.py)
     kv_cache_memory_mib: int = 512  # modest: several engines share one machine in tests and local clusters
     kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget (tests, simulators)
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_cache: bool = True

@@ -49,6 +49,7 @@ TOKENIZE_PATH, DETOKENIZE_PATH = "/tokenize", "/detokenize"  # vLLM's: a prompt'
 MODELS_PATH = "/v1/models"  # the base model and each loaded adapter (with its parent): what the router serves by
 LORA_FINGERPRINT_FIELD = "kvmesh_fingerprint"  # an adapter card's: its weights, as its blocks are hashed (BlockExtra)
 DEFAULT_MAX_LORAS = 8  # adapters an engine holds at once: the slots it allocates at the first load
+DEFAULT_MAX_NUM_SEQS = 64  # sequences an engine batches in a step; the operator's ITL sizing caps a pod's batch by it
 DEFAULT_MAX_LORA_RANK = 64  # the largest rank an engine loads
 # an adapter's name: a request's `model`, a label value of vllm:lora_requests_info (comma-separated lists, so no
 # comma), a key in block hashes; the CRD's names are a stricter subset (DNS-like)

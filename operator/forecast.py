@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_MAX_NUM_SEQS,
     Metric,
     VllmMetric,
     read_decode_step_cost,
     read_engine_metrics,
 )
 from kvmesh.operator.crd import Pool
+from kvmesh.operator.desired import engine_settings
 from kvmesh.operator.scaling import Decision, PodObservation, PoolObservation, Recommendation, ScalingPolicy, decide
 
 _GAUGES = {
@@ -174,7 +176,8 @@ def scaling_policy(pool: Pool) -> ScalingPolicy:
                          overload_threshold=s["overloadProbability"],
                          scale_up_stabilization_seconds=s["scaleUpStabilizationSeconds"],
                          scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"],
-                         startup_seconds=s["podStartupSeconds"], itl_seconds=s["slo"].get("itlSeconds"))
+                         startup_seconds=s["podStartupSeconds"], itl_seconds=s["slo"].get("itlSeconds"),
+                         max_batch=int(engine_settings(pool).get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)))
 
 
 @dataclass

@@ -101,6 +101,7 @@ class ScalingPolicy:
     scale_down_stabilization_seconds: float = 300.0
     startup_seconds: float | None = None  # how long a new pod takes to serve; None: the horizon
     itl_seconds: float | None = None  # the inter-token latency objective decode pods are sized for; None: none
+    max_batch: int | None = None  # sequences an engine batches in a step (its max_num_seqs); None: no cap
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= OVERLOAD_USAGE:
@@ -111,6 +112,8 @@ class ScalingPolicy:
             raise ValueError("horizon_seconds must be positive")
         if self.itl_seconds is not None and not self.itl_seconds > 0:
             raise ValueError(f"itl_seconds must be positive, got {self.itl_seconds}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.startup_seconds is not None and not 0 <= self.startup_seconds <= self.horizon_seconds:
             raise ValueError(f"startup_seconds must be in [0, horizon_seconds], got {self.startup_seconds}")
         for role, low in self.min_replicas.items():
@@ -352,15 +355,19 @@ def overload_probability(pods: Sequence[PodObservation], new: Arrivals | None, c
     return max(own, 1 - lo)
 
 
-def decode_speed(pods: Sequence[PodObservation], obs: PoolObservation, step_seconds: float) -> float:
+def decode_speed(pods: Sequence[PodObservation], obs: PoolObservation, step_seconds: float,
+                 max_batch: int | None = None) -> float:
     """One pod's generated tokens per second when its decode step may take `step_seconds`: the largest batch
-    whose fitted step (each sequence attending to the pool's mean decode context) fits, over that step's time,
-    averaged over the pods that fitted a cost. 0 when none has, or when one sequence alone takes longer."""
+    (up to `max_batch`, the engines' max_num_seqs) whose fitted step (each sequence attending to the pool's mean
+    decode context) fits, over that step's time, averaged over the pods that fitted a cost. 0 when none has, or
+    when one sequence alone takes longer."""
     costs = [p.decode_step_cost for p in pods if p.decode_step_cost is not None]
     context = obs.decode_context_tokens
     if not costs or any(c.seconds(1, context) > step_seconds for c in costs):
         return 0.0
     batches = [c.largest_batch(step_seconds, context) for c in costs]
+    if max_batch is not None:
+        batches = [min(b, max_batch) for b in batches]
     return sum(b / c.seconds(b, b * context) for b, c in zip(batches, costs, strict=True)) / len(costs)
 
 
@@ -373,8 +380,9 @@ def itl_replicas(pods: Sequence[PodObservation], obs: PoolObservation, policy: S
     an objective, a fitted step cost or generation to size, or when no pod count meets it (one sequence's step
     is over the objective). At n pods each spends rho = prefill_load / n of its time on prompts (pods that do
     both; decode pods none), and its decodes stall meanwhile, so its step may take itl x (1 - rho): it batches
-    the most sequences that fit (`decode_speed`), and generating its share of the tokens takes
-    (arrivals x output tokens / n) / that speed of its time. n fits when both shares sum to the target."""
+    the most sequences that fit, up to the engines' max_num_seqs (`decode_speed`), and generating its share of
+    the tokens takes (arrivals x output tokens / n) / that speed of its time. n fits when both shares sum to the
+    target."""
     generation = obs.arrival_rate * obs.output_tokens  # tokens per second the pool must generate
     if policy.itl_seconds is None or generation <= 0:
         return 0
@@ -383,7 +391,7 @@ def itl_replicas(pods: Sequence[PodObservation], obs: PoolObservation, policy: S
 
     def fits(n: int) -> bool:
         rho = prefill_load / n
-        speed = decode_speed(pods, obs, policy.itl_seconds * (1 - rho)) if rho < 1 else 0.0
+        speed = decode_speed(pods, obs, policy.itl_seconds * (1 - rho), policy.max_batch) if rho < 1 else 0.0
         return speed > 0 and rho + generation / n / speed <= policy.target_utilization + 1e-9
 
     hi = 1

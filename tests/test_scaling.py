@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from kvmesh.engine.protocol import DecodeStepCost
-from kvmesh.operator.crd import load_pool_file
+from kvmesh.engine.protocol import DEFAULT_MAX_NUM_SEQS, DecodeStepCost
+from kvmesh.operator.crd import load_pool_file, parse_pool
 from kvmesh.operator.forecast import Counters, TrafficEstimator, rate_trend, scaling_policy
 from kvmesh.operator.scaling import (
     PodObservation,
@@ -221,8 +222,19 @@ def test_a_tighter_itl_objective_asks_for_more_decode_pods_and_a_longer_context_
     assert sized(0.0105, obs).replicas == 6  # one sequence's step (11.5 ms) is over the objective: out of reach
     with pytest.raises(ValueError, match="itl_seconds"):
         ScalingPolicy(**bounds, itl_seconds=0)  # type: ignore[arg-type]
-    # the pool's spec.scaling.slo.itlSeconds is the objective
-    assert scaling_policy(load_pool_file(str(EXAMPLES / "aggregated.yaml"))).itl_seconds == 0.1
+    # an engine batches at most max_num_seqs: capped at 30 sequences (10 ms + 30 x 1.5 ms = 55 ms a step), a pod
+    # makes 545 tokens/s within 100 ms where 60 would make 600: 8,000 tokens/s needs 19 pods, not 17
+    capped = ScalingPolicy(**bounds, itl_seconds=0.1, max_batch=30)  # type: ignore[arg-type]
+    assert decode_speed(pods, obs, 0.1, max_batch=30) == pytest.approx(30 / 0.055)
+    assert decide(obs, capped).replicas["both"] == math.ceil(8000 / (30 / 0.055) / 0.8)
+    # the pool's spec.scaling.slo.itlSeconds is the objective, the engines' max_num_seqs the cap
+    from_spec = scaling_policy(load_pool_file(str(EXAMPLES / "aggregated.yaml")))
+    assert (from_spec.itl_seconds, from_spec.max_batch) == (0.1, DEFAULT_MAX_NUM_SEQS)
+    body = yaml.safe_load((EXAMPLES / "aggregated.yaml").read_text())
+    body["spec"].setdefault("engine", {})["maxNumSeqs"] = 24
+    assert scaling_policy(parse_pool(body)).max_batch == 24
+    body["spec"]["engine"]["settings"] = {"max_num_seqs": 12}  # the engines' file, as the operator writes it
+    assert scaling_policy(parse_pool(body)).max_batch == 12
 
 
 def test_a_request_is_held_longer_where_a_pod_spends_more_of_its_time_on_prefills() -> None:
