@@ -1,13 +1,15 @@
 """`kvmesh up`: a whole pool on one machine. N engines and a router as child processes, from flags or an
-InferencePool YAML file; waits until every child is healthy, prints the endpoint, and stops everything on
-Ctrl-C or SIGTERM (gracefully: the router drains first, then the engines; `stop_pool`) or as soon as one child
-dies unasked (with the tail of its log). From a pool file, the operator's scaler runs too and its decisions are
-carried out: engines start (warmed from a peer), or the coldest drain and stop, the router follows its pods file,
-the engines' LoRA adapters are kept equal to the spec's, and the operator's metrics are served on a loopback port.
-The file is followed as the operator follows the CRD: an edit is read, checked as a pool, and applied (replicas,
-the scaler's settings, adapters at once; engine settings by replacing the engines one at a time, router settings by
-restarting the router on its port, as the operator's rollout does), or reported and ignored, the pool running on
-its last good spec (`PoolFile`)."""
+InferencePool YAML file; waits until every child is healthy, prints the endpoint, and stops everything on Ctrl-C or
+SIGTERM (gracefully: the router drains first, then the engines; `stop_pool`). A child that dies unasked once the
+pool serves is restarted on its port after a back-off, as the kubelet restarts a crashed container (`CrashBackOff`),
+while the router serves on from the other engines; one that dies before the pool is first ready stops it (with the
+tail of its log): a bad flag or model would only crash again. From a pool file, the operator's scaler runs too and
+its decisions are carried out: engines start (warmed from a peer), or the coldest drain and stop, the router follows
+its pods file, the engines' LoRA adapters are kept equal to the spec's, and the operator's metrics are served on a
+loopback port. The file is followed as the operator follows the CRD: an edit is read, checked as a pool, and applied
+(replicas, the scaler's settings, adapters at once; engine settings by replacing the engines one at a time, router
+settings by restarting the router on its port, as the operator's rollout does), or reported and ignored, the pool
+running on its last good spec (`PoolFile`)."""
 
 from __future__ import annotations
 
@@ -133,22 +135,89 @@ class PoolFile:
             return None, f"{exc!r} (reading it failed unexpectedly)"
 
 
+# A crashed child's restarts (`CrashBackOff`): the kubelet's policy (10 s doubling to 5 min, reset after 10 min of
+# running) scaled down for one machine, where a crash is more often a transient one (memory pressure, a killed
+# process) than a broken image, and the person watching wants the engine back within seconds: 1 s doubling to 60 s
+# (a crash loop costs at most one start a minute of CPU the other engines need), reset after 10 minutes of running.
+BACKOFF_FIRST_SECONDS = 1.0
+BACKOFF_MAX_SECONDS = 60.0
+BACKOFF_RESET_SECONDS = 600.0
+
+
+@dataclass
+class CrashBackOff:
+    """When a crashed child starts again: the first crash waits BACKOFF_FIRST_SECONDS, each crash after it twice the
+    last delay up to BACKOFF_MAX_SECONDS, and a process that ran BACKOFF_RESET_SECONDS before crashing starts the
+    count over. Pure (every time is passed in), so the policy is tested without waiting."""
+
+    started: float  # when the current process started (time.monotonic)
+    restarts: int = 0  # restarts so far, shown in `kvmesh up`'s lines
+    delay: float = 0.0  # the last back-off; 0: none since the count (re)started
+    due: float | None = None  # crashed: restart then; None while the process runs
+
+    def crashed(self, now: float) -> float:
+        """Record a crash at `now`; the delay until the restart (`due`)."""
+        ran_long = now - self.started >= BACKOFF_RESET_SECONDS
+        first = self.delay == 0.0 or ran_long
+        self.delay = BACKOFF_FIRST_SECONDS if first else min(BACKOFF_MAX_SECONDS, 2 * self.delay)
+        self.due = now + self.delay
+        return self.delay
+
+    def restarted(self, now: float) -> None:
+        self.restarts, self.started, self.due = self.restarts + 1, now, None
+
+
 @dataclass
 class Child:
+    """A child process of the pool and what starts it again on the same port, into the same log (appended: the
+    log keeps what the crashed process wrote)."""
+
     name: str
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    args: list[str] = field(default_factory=list)  # `kvmesh ...` arguments, the port included
+    backoff: CrashBackOff = field(default_factory=lambda: CrashBackOff(time.monotonic()))
 
     def tail(self, lines: int = 20) -> str:
         return tail(self.log, lines)
+
+    @property
+    def waiting(self) -> bool:
+        """Crashed, waiting out its back-off."""
+        return self.backoff.due is not None
+
+    def crashed(self, now: float, what: str) -> None:
+        """Say that it died unasked (`what` it was doing), with its log's tail, and start its back-off."""
+        delay = self.backoff.crashed(now)
+        log = self.tail()
+        why = f":\n{log}" if log else " (its log is empty)"
+        _say(f"{self.name} exited with {_exit_status(self.process.returncode)} unasked{what}; restart "
+             f"{self.backoff.restarts + 1} in {delay:g} s on {self.url}{why}")
+
+    def respawn(self, now: float) -> None:
+        """Start the same command line again (its port, so its URL and a host KV tier named by the port are the
+        same), once its back-off is over."""
+        self.process = spawn(self.args, self.log, new_session=True)
+        self.backoff.restarted(now)
+        _say(f"{self.name} restarting (restart {self.backoff.restarts}) on {self.url}")
+
+
+def _exit_status(code: int | None) -> str:
+    """A return code as a person reads it: a negative one is the signal that killed the process."""
+    if code is not None and code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
 
 
 def _spawn(name: str, args: list[str], port: int, workdir: Path) -> Child:
     """In its own session (Ctrl-C reaches only `kvmesh up`, which stops the pool in order), and stopped with
     `kvmesh up` even if that is killed."""
     log = workdir / f"{name}.log"
-    return Child(name, f"http://127.0.0.1:{port}", spawn(args, log, new_session=True), log)
+    return Child(name, f"http://127.0.0.1:{port}", spawn(args, log, new_session=True), log, args)
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
@@ -164,6 +233,8 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
 
 
 STARTING, SERVING, DRAINING, STOPPING = "starting", "serving", "draining", "stopping"
+CRASHED = "crashed"  # exited unasked: out of the pods file, restarted on its port after its back-off
+COUNTED = (STARTING, SERVING, CRASHED)  # the states that count in a role's replicas, as a crash-looping pod counts
 DRAIN_TIMEOUT_SECONDS = 120.0  # a drained engine is stopped once its requests finish, or after this
 STOP_TIMEOUT_SECONDS = 20.0  # then SIGKILL
 # Stopping the pool (`stop_pool`): the router finishes its open requests and streams within SHUTDOWN_DRAIN_SECONDS
@@ -178,7 +249,8 @@ STOPPED_AT_ONCE = 130  # the exit status after a second Ctrl-C: 128 + SIGINT, as
 @dataclass
 class Engine:
     """One engine of a local pool and where it is in its life: starting (not yet in the pods file), serving,
-    draining (out of the pods file, finishing its requests), stopping (SIGINT sent: its exit is expected)."""
+    draining (out of the pods file, finishing its requests), stopping (SIGINT sent: its exit is expected), crashed
+    (exited unasked: waiting out its back-off, then starting again)."""
 
     child: Child
     role: str
@@ -192,7 +264,8 @@ class LocalEngines:
     """The engines of a local pool, started and stopped as the scaler asks, with the router's pods file (and the
     Prometheus targets file, if any) kept equal to the engines that serve. Engines the scaler adds start from
     `scaled_args` (the initial ones have no peer to be warmed from, so they may differ). When the engine files
-    change (`roll`), the engines started before are replaced one at a time, and the router restarts after them."""
+    change (`roll`), the engines started before are replaced one at a time, and the router restarts after them. A
+    child that exits unasked is restarted on its port after its back-off (`_restart_crashed`)."""
 
     def __init__(self, plan: PoolPlan, engine_args: list[str], workdir: Path, targets_file: str | None,
                  scaled_args: list[str] | None = None, engine_defaults: Mapping[str, Any] | None = None) -> None:
@@ -231,11 +304,11 @@ class LocalEngines:
         self.router = _spawn("router", args, port, self.workdir)
 
     def replicas(self) -> dict[str, int]:
-        """Engines per role that count towards its replicas: starting or serving, less a roll's surge (it counts
-        in place of the engine it replaces once that one drains)."""
+        """Engines per role that count towards its replicas: starting, serving or crashed (it comes back), less a
+        roll's surge (it counts in place of the engine it replaces once that one drains)."""
         counts = {role: 0 for role in self.plan.pool.roles} if self.plan.pool is not None else {}
         for engine in self.engines:
-            if engine.state in (STARTING, SERVING) and engine.replaces is None:
+            if engine.state in COUNTED and engine.replaces is None:
                 counts[engine.role] = counts.get(engine.role, 0) + 1
         return counts
 
@@ -248,14 +321,14 @@ class LocalEngines:
         return [engine for engine in self.engines if engine.state in (STARTING, SERVING)]
 
     def scale(self, role: str, replicas: int, deletion_costs: Mapping[str, int] | None = None) -> None:
-        """Start engines of `role`, or drain some, until `replicas` start or serve. The engines drained are the
-        pods the cluster operator's ReplicaSet would remove (operator/scale_in.py): starting ones first, then the
-        lowest of the operator's `deletion_costs` (the coldest cache, the fewest requests in flight), then the
-        newest."""
+        """Start engines of `role`, or drain some, until `replicas` start, serve or wait to restart. The engines
+        drained are the pods the cluster operator's ReplicaSet would remove (operator/scale_in.py): starting or
+        crashed ones first, then the lowest of the operator's `deletion_costs` (the coldest cache, the fewest
+        requests in flight), then the newest."""
         from kvmesh.operator.scale_in import Candidate, removal_order
 
         have = [engine for engine in self.engines
-                if engine.role == role and engine.state in (STARTING, SERVING) and engine.replaces is None]
+                if engine.role == role and engine.state in COUNTED and engine.replaces is None]
         for _ in range(replicas - len(have)):
             engine = self.start(role)
             print(f"kvmesh up: starting {engine.child.name} ({role})", file=sys.stderr, flush=True)
@@ -270,8 +343,12 @@ class LocalEngines:
         self.publish()
 
     def _retire(self, engine: Engine) -> None:
-        """Out of the pool: a starting engine stops at once, a serving one drains first (`progress` stops it)."""
-        if engine.state == STARTING:
+        """Out of the pool: a crashed engine is not restarted, a starting one stops at once, a serving one drains
+        first (`progress` stops it)."""
+        if engine.state == CRASHED:
+            self.engines.remove(engine)
+            _say(f"{engine.child.name} ({engine.role}), crashed, is not restarted: it leaves the pool")
+        elif engine.state == STARTING:
             self._stop(engine)
         else:
             engine.state, engine.deadline = DRAINING, time.monotonic() + DRAIN_TIMEOUT_SECONDS
@@ -296,7 +373,7 @@ class LocalEngines:
 
     def unexpected_exit(self) -> Child | None:
         """A child that died without being told to (an engine stopping on request is no failure, nor a rolled-in
-        one: its death stops the roll, `_roll`)."""
+        one: its death stops the roll, `_roll`): while the pool starts, such a death stops it."""
         engines = [e.child for e in self.engines if e.state != STOPPING and e.replaces is None]
         for child in engines + ([self.router] if self.router else []):
             if child.process.poll() is not None:
@@ -304,14 +381,16 @@ class LocalEngines:
         return None
 
     def progress(self, client: httpx.Client) -> None:
-        """Move every engine on: started ones that answer /health serve; drained ones with no requests left (or
-        out of time) stop; stopped ones that exited are forgotten (SIGKILL if they take too long)."""
-        changed = False
+        """Move every engine on: crashed ones restart after their back-off (and the router); started ones that
+        answer /health serve; drained ones with no requests left (or out of time) stop; stopped ones that exited
+        are forgotten (SIGKILL if they take too long)."""
         now = time.monotonic()
+        changed = self._restart_crashed(now)
         for engine in list(self.engines):
             if engine.state == STARTING and _answers(client, "GET", engine.child.url + "/health"):
                 engine.state, changed = SERVING, True
-                print(f"kvmesh up: {engine.child.name} serving", file=sys.stderr, flush=True)
+                restarts = engine.child.backoff.restarts
+                _say(f"{engine.child.name} serving{f' (restarts: {restarts})' if restarts else ''}")
             elif engine.state == DRAINING:
                 left = _answers(client, "POST", engine.child.url + DRAIN_PATH)
                 if now > engine.deadline or (left is not None and left["running"] + left["waiting"] == 0):
@@ -334,6 +413,43 @@ class LocalEngines:
             elif now > old[1]:
                 old[0].process.kill()
 
+    def _restart_crashed(self, now: float) -> bool:
+        """Children that died unasked (not stopping, nor a roll's surge: `_roll` ends the roll for that) leave the
+        pods file and wait out their back-off, the router routing to the other engines meanwhile; then they start
+        again with the same command line. A draining engine that dies is not restarted: it was leaving. Whether
+        the pods file must change (an engine that served crashed)."""
+        changed = False
+        for engine in [e for e in self.engines if e.replaces is None]:
+            exited = engine.child.process.poll() is not None
+            if engine.state in (STARTING, SERVING) and exited:
+                others = any(e.state == SERVING for e in self.engines if e is not engine)
+                meanwhile = "the router serves on from the others" if others else "no engine serves until it is back"
+                engine.child.crashed(now, f" ({engine.role}, {engine.state}); {meanwhile}")
+                changed |= engine.state == SERVING
+                engine.state = CRASHED
+            elif engine.state == DRAINING and exited:
+                _say(f"{engine.child.name} exited with {_exit_status(engine.child.process.returncode)} while "
+                     f"draining: not restarted, it was leaving the pool")
+                self._stop(engine)
+            elif engine.state == CRASHED and now >= (engine.child.backoff.due or now):
+                engine.child.respawn(now)
+                # it reads the engine files as they are now: a roll under way has nothing left to replace in it
+                engine.state, engine.generation = STARTING, self.generation
+        self._restart_crashed_router(now)
+        return changed
+
+    def _restart_crashed_router(self, now: float) -> None:
+        """The router, if it died unasked: restarted on its port after its back-off (a router restarted for its
+        settings is a new child, and the old one's exit is expected: `old_routers`)."""
+        router = self.router
+        if router is None:
+            return
+        if not router.waiting and router.process.poll() is not None:
+            router.crashed(now, "; clients cannot connect until it is back")
+        elif router.waiting and now >= (router.backoff.due or now):
+            router.respawn(now)
+            self.router_starting = True  # `_restart_router` says when it serves
+
     def _roll(self, client: httpx.Client) -> None:
         """One step of a roll: a surge that died ends it; one the router routes to takes its old engine's place
         (drained, as at a scale-down); with no surge left, the next old engine gets one; then it is done."""
@@ -352,7 +468,7 @@ class LocalEngines:
             if surge.child.url not in routed:
                 return  # one at a time: the next waits for this one to be routed to
             old, surge.replaces = self._named(surge.replaces), None
-            if old is not None and old.state == SERVING:
+            if old is not None and old.state in COUNTED:  # also if it crashed or restarts meanwhile
                 self._retire(old)
                 self.publish()
         why = ", ".join(sorted(self.rolling))
@@ -386,7 +502,7 @@ class LocalEngines:
         """Once the engines are rolled, restart the router on its port if its file changed: the old one drains as at
         a Ctrl-C (its port closes at once, its open requests and streams get HTTP_DRAIN_SECONDS, `progress` reaps
         it) while the new one starts from the rewritten file; then say when it serves."""
-        if self.router is None:
+        if self.router is None or self.router.waiting:  # a crashed router restarts first (`_restart_crashed_router`)
             return
         if self.router_starting:
             if _answers(client, "GET", self.router.url + "/health") is not None:
@@ -621,7 +737,8 @@ class _ScalingWatch:
         from kvmesh.operator.lora import EnginePod
 
         def pod(engine: Engine) -> EnginePod:
-            return EnginePod(engine.child.name, engine.role, engine.child.url)
+            # a restarted engine is a new life, as a pod's restarted container: a refusal there is tried again
+            return EnginePod(engine.child.name, engine.role, engine.child.url, engine.child.backoff.restarts)
 
         alive = {pod(e).life for e in self.engines.observable()}
         adapters = self.operator.sync_adapters([pod(e) for e in self.engines.serving()], alive)
@@ -772,7 +889,7 @@ def prometheus_targets(pool: str, members: list[tuple[Child, str]],
 
 def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
              targets_file: str | None = None) -> int:
-    """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a child's death (1); then stop it
+    """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a failed start (1); then stop it
     gracefully (`stop_pool`), or at once on a second Ctrl-C (STOPPED_AT_ONCE)."""
     stopped_by: list[int] = []  # the signal that stopped the pool, if one did
 
@@ -804,7 +921,8 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
 def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_port: int,
                ready_file: str | None) -> int:
     """Start the pool's processes, wait until the router routes to every engine, then keep the pool as the scaler
-    wants it until Ctrl-C or SIGTERM (0), a child's unasked death or a start that takes too long (1)."""
+    wants it, crashed children restarted, until Ctrl-C or SIGTERM (0); a child that dies before the pool is ready,
+    or a start that takes too long, ends it (1)."""
     workdir = engines.workdir
     watch: _ScalingWatch | None = None
     try:
@@ -819,12 +937,12 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
         print(f"kvmesh up: starting {plan.engines} {kind}engines and a router (logs in {workdir}) ...", file=sys.stderr)
         dead = _wait_healthy(engines.children(), HEALTH_TIMEOUT_SECONDS)
         if dead is not None:
-            print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
+            _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")
             return 1
         with httpx.Client(timeout=2.0) as client:
             dead = _wait_routed(client, engines, plan.engines, HEALTH_TIMEOUT_SECONDS)
             if dead is not None:
-                print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}:\n{dead.tail()}", file=sys.stderr)
+                _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")
                 return 1
             if plan.pool is not None:
                 watch = _ScalingWatch(plan, engines)
@@ -835,12 +953,7 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
             print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
             if ready_file:
                 Path(ready_file).write_text(endpoint)
-            while True:
-                dead = engines.unexpected_exit()
-                if dead is not None:
-                    print(f"kvmesh up: {dead.name} exited with {dead.process.returncode}; stopping the pool:\n"
-                          f"{dead.tail()}", file=sys.stderr)
-                    return 1
+            while True:  # a crash from here on is restarted (`progress`), not the end of the pool
                 engines.progress(client)
                 if watch is not None:
                     watch.tick()
