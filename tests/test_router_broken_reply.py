@@ -89,7 +89,7 @@ def test_a_pod_that_breaks_off_its_answer_is_a_502_counted_and_logged(tiny_dir: 
         reply, router = ask(pod, tiny_dir)
     assert reply.status_code == 502, reply.text
     assert "broke off its answer" in reply.json()["error"]["message"]
-    assert router.metrics.requests.labels("error", "aggregated")._value.get() == 1
+    assert router.metrics.requests.labels("error", "aggregated", "client")._value.get() == 1
     assert all(p.inflight == 0 for p in router.pods.pods.values())
 
 

@@ -212,7 +212,7 @@ async def test_full_duplex_picks_the_pod_holding_the_prefix_as_the_http_path_doe
     assert router.index.match(info.block_hashes, [holder], time.monotonic())[holder].blocks == len(info.block_hashes)
     assert all(p.inflight == 0 for p in router.pods.pods.values())
     metrics = router.metrics
-    assert metrics.requests.labels("ok", "gateway")._value.get() == 1
+    assert metrics.requests.labels("ok", "gateway", "client")._value.get() == 1
     assert metrics.decisions.labels("prefix")._value.get() == 1
     assert metrics.actual._value.get() == 80
 
@@ -336,7 +336,7 @@ async def test_no_healthy_pod_gets_503(picker) -> None:
     payload = json.dumps(completion(7)).encode()
     status, error, headers = refusal((await full_duplex(stub, [request_headers(), *body_chunks(payload)]))[0])
     assert status == 503 and error["error"]["code"] == "no_pod" and headers["retry-after"] == "1"
-    assert router.metrics.requests.labels("no_pod", "gateway")._value.get() == 1
+    assert router.metrics.requests.labels("no_pod", "gateway", "client")._value.get() == 1
 
 
 @pytest.mark.asyncio
@@ -417,7 +417,7 @@ async def test_a_fallback_that_served_the_request_holds_it(picker) -> None:
     assert await call.read() == grpc.aio.EOF
     assert sum(p.inflight for p in router.pods.pods.values()) == 0
     assert router.metrics.retries._value.get() == 1
-    assert router.metrics.requests.labels("ok", "gateway")._value.get() == 1
+    assert router.metrics.requests.labels("ok", "gateway", "client")._value.get() == 1
 
 
 @pytest.mark.asyncio
@@ -434,7 +434,7 @@ async def test_a_stream_the_gateway_abandons_gives_the_pod_back(picker) -> None:
         await call.write(message)
         await call.read()
     call.cancel()  # ...and the client goes away before it ends
-    gone = router.metrics.requests.labels("client_gone", "gateway")
+    gone = router.metrics.requests.labels("client_gone", "gateway", "client")
     for _ in range(500):  # the server sees the cancellation a moment later
         if gone._value.get():
             break
@@ -504,7 +504,7 @@ async def test_a_health_watch_is_told_when_the_picker_can_no_longer_pick_and_aga
 
 
 def counted(router: Router, outcome: str, route: str = "gateway") -> float:
-    return router.metrics.requests.labels(outcome, route)._value.get()
+    return router.metrics.requests.labels(outcome, route, "client")._value.get()
 
 
 @pytest.mark.parametrize(("method", "path"), [

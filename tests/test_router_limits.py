@@ -373,7 +373,7 @@ def rate_limited(served: Served, tenant: str, reason: str) -> float:
 def test_the_requests_past_a_tenants_rpm_get_429_until_its_bucket_refills(served: Served) -> None:
     before = rate_limited(served, "acme", "requests")
     outcomes = served.router.metrics.requests
-    errors, limited = (outcomes.labels(o, "aggregated")._value.get() for o in ("error", "rate_limited"))
+    errors, limited = (outcomes.labels(o, "aggregated", "client")._value.get() for o in ("error", "rate_limited"))
     answers = [post(served, "acme") for _ in range(3)]
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["2", "1", "0"]
@@ -386,8 +386,8 @@ def test_the_requests_past_a_tenants_rpm_get_429_until_its_bucket_refills(served
     assert "try again in 20s" in error["message"]
     assert rate_limited(served, "acme", "requests") == before + 1
     # a quota reached is not an error of the pool: its own outcome, so error ratios stay clean
-    assert outcomes.labels("rate_limited", "aggregated")._value.get() == limited + 1
-    assert outcomes.labels("error", "aggregated")._value.get() == errors
+    assert outcomes.labels("rate_limited", "aggregated", "client")._value.get() == limited + 1
+    assert outcomes.labels("error", "aggregated", "client")._value.get() == errors
     served.clock.now += 20  # a third of a minute later: one request's worth
     again = post(served, "acme")
     assert again.status_code == 200 and again.headers["x-ratelimit-remaining-requests"] == "0"
