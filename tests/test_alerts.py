@@ -181,7 +181,7 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
                "Pool ml/chat: an engine refused a LoRA adapter",
                "Engines refused 1 adapter load(s) or unload(s) in the last hour, not retried: the pool's "
                "AdaptersLoaded condition and its AdapterRefused Events say which engine and why. Fix the adapter "
-               "in spec.model.loraAdapters; give new weights a new name.")]),
+               "in spec.model.loraAdapters; a new path under its name loads new weights in place.")]),
     "an adapter refused over an hour ago": (
         [(f'kvmesh_operator_lora_actions_total{{action="load", outcome="refused", role="decode", {OPERATOR}}}',
           "0x20 1x90")],

@@ -97,8 +97,8 @@ class SimEngine(Engine):
         """A PEFT directory as the engine checks it (read_adapter_config: its files, its config, the PEFT features
         refused by name, its rank; read_adapter_tensors: its weights file opened and read whole, its keys), less
         the tensors' shapes, which are the adapter's base model's, not the simulated model's; the tensors are not
-        kept. Its fingerprint is the engine's, so other weights under a name served before are refused as by the
-        engine. Raises LoraError."""
+        kept. Its fingerprint is the engine's, so new weights under a name served before hash their blocks apart, as
+        in the engine. Raises LoraError."""
         checked = read_adapter_config(name, path, self.config.max_lora_rank)
         fingerprint = read_adapter_tensors(name, checked).fingerprint
         return LoraAdapter(name, str(checked.where), checked.rank, checked.scale, {}, fingerprint)
