@@ -10,6 +10,8 @@ that predates a rule); the tests evaluate both on the same objects with cel-pyth
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from kvmesh.engine.config import EngineConfig, parse_lora_modules
 from kvmesh.engine.protocol import (
     CACHE_DIR_ENV,
     DEFAULT_BLOCK_SIZE,
@@ -30,7 +33,9 @@ from kvmesh.engine.protocol import (
     QUANTIZATIONS,
     HashAlgo,
 )
+from kvmesh.engine.typed_fields import check_types
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
+from kvmesh.router.config import RouterConfig
 
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
@@ -58,6 +63,9 @@ API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "RouterStateShared")
 QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # a Secret's or ConfigMap's name
+CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"  # a Secret's or ConfigMap's data key, as Kubernetes accepts it in a key selector
+INT64 = 1 << 63  # the API server reads every integer into 64 bits, and refuses one that does not fit
 # camelCase spec fields of `engine` -> the engine's own setting names (engine/config.py)
 ENGINE_SETTINGS = {"blockSize": "block_size", "hashAlgo": "hash_algo", "kvCacheMemoryMiB": "kv_cache_memory_mib",
                    "maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
@@ -147,10 +155,31 @@ def _env(program: str) -> dict[str, Any]:
                            "OTEL_EXPORTER_OTLP_HEADERS; the ones the operator sets cannot be overridden",
             "items": _obj({"name": _str("the variable's name", pattern=ENV_NAME, maxLength=256),
                            "value": {"type": "string", "description": "its value"},
-                           "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-                                         "description": "where its value comes from (secretKeyRef, "
-                                                        "configMapKeyRef, fieldRef, resourceFieldRef)"}},
+                           "valueFrom": _value_from()},
                           ("name",))}
+
+
+def _value_from() -> dict[str, Any]:
+    """An env var's valueFrom, as Kubernetes takes it: exactly one source, with its required fields (a Deployment
+    with anything else is refused by the API server, which the operator would retry forever)."""
+    def key_ref(kind: str) -> dict[str, Any]:
+        return _obj({"name": _str(f"the {kind}'s name", pattern=DNS_SUBDOMAIN, maxLength=253),
+                     "key": _str(f"the {kind}'s key", pattern=CONFIG_KEY, maxLength=253),
+                     "optional": {"type": "boolean", "description": f"whether the {kind} or its key may be missing"}},
+                    ("name", "key"), description=f"a key of a {kind} in the pool's namespace")
+
+    return _obj({
+        "secretKeyRef": key_ref("Secret"),
+        "configMapKeyRef": key_ref("ConfigMap"),
+        "fieldRef": _obj({"fieldPath": _str("the pod's field, e.g. metadata.name or status.podIP", minLength=1),
+                          "apiVersion": _str("the version fieldPath is written in (default v1)", minLength=1)},
+                         ("fieldPath",), description="a field of the pod"),
+        "resourceFieldRef": _obj({"resource": _str("e.g. limits.cpu or requests.memory", minLength=1),
+                                  "containerName": _str("the container (default: this one)", minLength=1),
+                                  "divisor": _QUANTITY},
+                                 ("resource",), description="a resource of the container"),
+    }, description="where its value comes from: exactly one of secretKeyRef, configMapKeyRef, fieldRef and "
+                   "resourceFieldRef", minProperties=1, maxProperties=1)
 
 
 def _role_replicas(role: str) -> dict[str, Any]:
@@ -457,6 +486,7 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
         if not isinstance(value, dict):
             raise SpecError(f"{where}: expected an object, got {type(value).__name__}")
         if schema.get("x-kubernetes-preserve-unknown-fields"):
+            _check_json(value, where)
             return dict(value)
         out: dict[str, Any] = {}
         props = schema.get("properties", {})
@@ -474,6 +504,9 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
         for key in schema.get("required", ()):
             if key not in out:
                 raise SpecError(f"{where}.{key} is required")
+        if not schema.get("minProperties", 0) <= len(value) <= schema.get("maxProperties", len(value)):
+            raise SpecError(f"{where}: give exactly one of {', '.join(props)}, got {', '.join(value) or 'none'}"
+                            if schema.get("maxProperties") == 1 else f"{where}: {len(value)} fields is out of bounds")
         return out
     if kind == "array":
         return _check_list(value, schema, where)
@@ -482,12 +515,13 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
             raise SpecError(f"{where}: expected a string, got {value!r}")
         if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", len(value)):
             raise SpecError(f"{where}: length {len(value)} is out of bounds")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not _matches(schema["pattern"], value):
             raise SpecError(f"{where}: {value!r} does not match {schema['pattern']}")
     elif kind in ("integer", "number"):
         number_ok = isinstance(value, int | float) and not isinstance(value, bool)
         if not number_ok or (kind == "integer" and not isinstance(value, int)):
             raise SpecError(f"{where}: expected {'an integer' if kind == 'integer' else 'a number'}, got {value!r}")
+        _check_json(value, where)
         low, high = schema.get("minimum"), schema.get("maximum")
         if low is not None and (value < low or (schema.get("exclusiveMinimum") and value == low)):
             raise SpecError(f"{where}: {value} is below the minimum {low}")
@@ -498,6 +532,37 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
     if "enum" in schema and value not in schema["enum"]:
         raise SpecError(f"{where}: {value!r} is not one of {', '.join(map(str, schema['enum']))}")
     return value
+
+
+def _matches(pattern: str, value: str) -> bool:
+    """The API server's `pattern` (Go's RE2, where `$` ends the text): every pattern here is anchored at both ends,
+    and fullmatch keeps Python's `$` from also matching before a final newline."""
+    return re.fullmatch(pattern, value) is not None
+
+
+def _check_json(value: Any, where: str) -> None:
+    """Refuse what `kubectl apply` cannot send and the API server would not store, but a YAML file for `kvmesh up`
+    or a client's own object can hold: NaN and infinities, integers past 64 bits, non-string keys, dates and other
+    types. The operator would fail on them later (a hash, an autoscaler, a ConfigMap), retrying for ever."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, int):
+        if not -INT64 <= value < INT64:
+            raise SpecError(f"{where}: {value} does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise SpecError(f"{where}: {value} is not a finite number")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise SpecError(f"{where}: key {key!r} is not a string")
+            _check_json(item, f"{where}.{key}")
+    else:
+        raise SpecError(f"{where}: {value!r} is a {type(value).__name__}, not a string, number, true or false, null, "
+                        "list or mapping")
 
 
 def _check_list(value: Any, schema: Mapping[str, Any], where: str) -> list[Any]:
@@ -534,20 +599,77 @@ SHARED_ENGINE_SETTINGS = {**{ENGINE_SETTINGS[field]: f"engine.{field}" for field
                           "role": "mode"}
 
 
+# Router settings the operator writes into the router's file itself, from the spec or the pool's object: the
+# router's container port, probes and Service name its port, and it must find and agree with the engines.
+SHARED_ROUTER_SETTINGS = {"host": "nothing (the operator's)", "port": "router.port", "pool": "metadata.name",
+                          "discovery": "nothing (the operator's)", "namespace": "metadata.namespace",
+                          **{k: v for k, v in SHARED_ENGINE_SETTINGS.items() if k in ("block_size", "hash_algo",
+                                                                                     "hash_root", "model")}}
+_PORT = _int("a TCP port", 1, 65535)
+
+
+def _setting_names(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings by the name their program reads them under (its loader takes dashes for underscores)."""
+    return {key.replace("-", "_"): value for key, value in settings.items()}
+
+
+def _refuse_shared(program: str, settings: Mapping[str, Any], shared: Mapping[str, str], why: str) -> None:
+    taken = [key for key in shared if key in settings]
+    if taken:
+        raise SpecError(f"{program}.settings: " + "; ".join(f"{key} is set by {shared[key]}" for key in taken)
+                        + f" ({why})")
+
+
+def _check_types(program: str, config: type, settings: Mapping[str, Any]) -> None:
+    """The types the program's own config checks at start (engine/typed_fields.py), for the settings it knows; a
+    name it does not know is left to it (an engine image newer than the operator may know more)."""
+    known = {f.name for f in dataclasses.fields(config)}
+    try:
+        check_types(config(**{k: v for k, v in settings.items() if k in known}), program)
+    except ValueError as exc:
+        raise SpecError(f"{program}.settings: {exc}") from None
+
+
+def _check_settings(full: Mapping[str, Any], schema: Mapping[str, Any]) -> None:
+    """engine.settings and router.settings as far as the API server cannot check them (they keep unknown fields):
+    no setting the spec owns elsewhere, the bounds of the spec field of the same name (engine.settings.max_num_seqs
+    as engine.maxNumSeqs: the scaler reads it), the types the programs check at start, and a port the operator
+    renders into the router's container and Service that Kubernetes accepts."""
+    engine = _setting_names(full["engine"].get("settings") or {})
+    _refuse_shared("engine", engine, SHARED_ENGINE_SETTINGS,
+                   "the routers and Services must agree with the engines on it")
+    fields = schema["properties"]["engine"]["properties"]
+    for spec_field, name in ENGINE_SETTINGS.items():
+        if name in engine:
+            _check(engine[name], fields[spec_field], f"engine.settings.{name}")
+    if "lora_modules" in engine:
+        try:
+            engine["lora_modules"] = parse_lora_modules(engine["lora_modules"])
+        except ValueError as exc:
+            raise SpecError(f"engine.settings.lora_modules: {exc}") from None
+    _check_types("engine", EngineConfig, engine)
+    router = _setting_names(full["router"].get("settings") or {})
+    _refuse_shared("router", router, SHARED_ROUTER_SETTINGS,
+                   "the router's container, probes and Service, and the engines, must agree with it")
+    if "ext_proc_port" in router:
+        _check(router["ext_proc_port"], _PORT, "router.settings.ext_proc_port")
+        if router["ext_proc_port"] == full["router"]["port"]:
+            raise SpecError(f"router.settings.ext_proc_port: {router['ext_proc_port']} is router.port already")
+    _check_types("router", RouterConfig, router)
+
+
 def complete_spec(spec: Any) -> dict[str, Any]:
-    """The spec with every default filled in, after the schema's checks and the cross-field rules."""
-    full = defaulted_spec(spec)
+    """The spec with every default filled in, after the schema's checks, the cross-field rules and the checks of
+    engine and router settings."""
+    schema = spec_schema()
+    full = _check(spec, schema, "spec")
     for rule in RULES:
         target: Any = full
         for key in rule.path:
             target = target[key]
         if not rule.check(target):
             raise SpecError(rule.message)
-    shared = [key for key in SHARED_ENGINE_SETTINGS if key in (full["engine"].get("settings") or {})]
-    if shared:
-        raise SpecError("engine.settings: " + "; ".join(f"{key} is set by {SHARED_ENGINE_SETTINGS[key]}"
-                                                       for key in shared)
-                        + " (the routers and Services must agree with the engines on it)")
+    _check_settings(full, schema)
     return full
 
 
@@ -589,7 +711,7 @@ def parse_pool(body: Mapping[str, Any]) -> Pool:
         raise SpecError(f"metadata.labels must be a mapping and metadata.generation an integer, got "
                         f"{meta.get('labels')!r} and {meta.get('generation')!r}")
     name = meta.get("name")
-    if not isinstance(name, str) or not re.match(DNS_LABEL, name) or len(name) > 40:
+    if not isinstance(name, str) or not _matches(DNS_LABEL, name) or len(name) > 40:
         raise SpecError(f"metadata.name must be a DNS label of at most 40 characters (it prefixes the pool's "
                         f"objects), got {name!r}")
     if "spec" not in body:

@@ -178,7 +178,8 @@ RULE_BAD = [
     ("replicas.both", {"min": 0, "max": 2}, "at least one pod"),
     ("engine.env", [{"name": "KVMESH_CACHE_DIR", "value": "/x"}], "the operator sets"),
     ("router.env", [{"name": "HOME", "value": "/root"}], "the operator sets"),
-    ("router.env", [{"name": "OTEL_SERVICE_NAME", "value": "r", "valueFrom": {"fieldRef": {}}}], "not both"),
+    ("router.env", [{"name": "OTEL_SERVICE_NAME", "value": "r",
+                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}], "not both"),
 ]
 
 

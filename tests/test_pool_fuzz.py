@@ -1,9 +1,9 @@
 """InferencePool specs under bad input, through the operator's pure core. Specs are drawn from the CRD's own
 schema: values of each field's type inside its bounds and at them, and (the wild draws) past them, of another
 type, empty or huge strings, missing and unknown fields, odd adapter lists, arbitrary engine and router settings.
-Inputs that hit a known open bug are left out of the draws and pinned instead by the strict xfail tests at the end
-(KNOWN_BUG_SPECS): YAML-only values (NaN, dates, non-string keys), a pattern value with a final newline, typed
-settings the operator reads (engine max_num_seqs, router ext_proc_port) and env valueFrom of no known kind.
+Specs that the fuzzing found accepted and failing later (YAML-only values such as NaN, dates and non-string keys, a
+pattern value with a final newline, typed settings the operator reads or renders, env valueFrom of no known kind)
+are refused by name at the end (FAILED_LATER).
 
 Whatever the API server accepts (the schema with its Go regular expressions, the list-map keys, the CEL rules),
 `parse_pool` accepts too, or refuses with one of the operator's own checks the API server cannot make; whatever it
@@ -36,6 +36,7 @@ from kvmesh.operator.crd import (
     KIND,
     MAX_LORA_ADAPTERS,
     SHARED_ENGINE_SETTINGS,
+    SHARED_ROUTER_SETTINGS,
     Pool,
     SpecError,
     defaulted_spec,
@@ -55,8 +56,8 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
 SCHEMA = spec_schema()
 INT64 = 2**63
 BASE = parse_pool(example("aggregated.yaml"))  # a running pool that a fuzzed one is an edit of (kvmesh up -f)
-# The operator's refusals the API server cannot make: engine.settings keeps unknown fields, so CEL cannot read them.
-OPERATOR_ONLY = re.compile(r"^engine\.settings: ")
+# The operator's refusals the API server cannot make: the settings keep unknown fields, so CEL cannot read them.
+OPERATOR_ONLY = re.compile(r"^(engine|router)\.settings\b")
 # A message names the field it is about: a spec path, or the object's own fields.
 NAMES_A_FIELD = re.compile(r"\b(spec|metadata|apiVersion|" + "|".join(SCHEMA["properties"]) + r")\b")
 
@@ -127,9 +128,10 @@ def rarely(common: st.SearchStrategy[Any], rare: st.SearchStrategy[Any], one_in:
 
 def _settings(where: str, wild: bool) -> st.SearchStrategy[Any]:
     """engine.settings or router.settings: arbitrary keys and values, and the names the operator reads or refuses."""
-    names = [*(set(ENGINE_SETTINGS.values()) - set(KNOWN_BUGS)), *SHARED_ENGINE_SETTINGS, "lora_modules"] \
-        if where == "engine" else ["host", "weights", "api_keys_file", "rate_limit_replicas"]
-    plausible = st.integers(0, 4096) | st.booleans() | st.sampled_from(["x=/a", "", "xxh3"]) | st.lists(
+    names = [*ENGINE_SETTINGS.values(), *SHARED_ENGINE_SETTINGS, "lora_modules", "max-num-seqs"] \
+        if where == "engine" else [*SHARED_ROUTER_SETTINGS, "weights", "api_keys_file", "rate_limit_replicas",
+                                   "ext_proc_port", "ext_proc_tls"]
+    plausible = st.integers(0, 70000) | st.booleans() | st.sampled_from(["x=/a", "", "xxh3", None]) | st.lists(
         st.sampled_from(["a=/x", "b=/y", "bad"]), max_size=2) | st.dictionaries(st.sampled_from(["a", "b", "A B"]),
                                                                                 st.sampled_from(["/x", "", 3]))
     key_values = st.dictionaries(st.sampled_from(names), plausible, max_size=3) | st.dictionaries(
@@ -137,8 +139,6 @@ def _settings(where: str, wild: bool) -> st.SearchStrategy[Any]:
     return key_values
 
 
-# Engine settings the draws leave out: known bugs (KNOWN_BUGS below), each pinned by an xfail test at the end.
-KNOWN_BUGS = ("max_num_seqs",)
 WILD_ONE_IN = 25  # a wild draw puts a defect in about one field in this many: a spec has one or two
 
 
@@ -155,8 +155,6 @@ def _typed(schema: Mapping[str, Any], where: str, wild: bool) -> st.SearchStrate
     kind = schema.get("type")
     if schema.get("x-kubernetes-preserve-unknown-fields"):
         program = where.split(".")[-2] if where.endswith(".settings") else ""
-        if where.endswith(".valueFrom"):  # its content is a known bug (KNOWN_BUG_SPECS): only a sane one is drawn
-            return st.just({"secretKeyRef": {"name": "s", "key": "k"}})
         return _settings(program, wild) if program else st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=3)
     if kind == "object" and "properties" in schema:
         return _object(schema, where, wild)
@@ -311,22 +309,71 @@ def test_an_accepted_pool_renders_valid_objects_as_a_pure_function(body: dict[st
         assert low <= n <= high
 
 
-# Bugs the fuzzing found and left open (see each id): a spec the operator accepts and then fails on, or renders into
-# an object the API server refuses (ApiError retried forever instead of InvalidSpec). Each should be a SpecError.
-KNOWN_BUG_SPECS = {
-    "nan-target-utilization-crashes-the-hpa": {"scaling": {"mode": "hpa", "targetUtilization": float("nan")}},
-    "yaml-date-and-int-key-in-engine-settings": {"engine": {"settings": {0: datetime.date(2026, 1, 1)}}},
-    "router-settings-ext-proc-port-false": {"router": {"settings": {"ext_proc_port": False}}},
-    "engine-settings-max-num-seqs-0-breaks-the-scaling-policy": {"engine": {"settings": {"max_num_seqs": 0}}},
-    "volume-claim-with-a-final-newline": {"model": {"source": "/models/m", "volumeClaim": "weights\n"}},
-    "env-value-from-of-no-known-kind": {"engine": {"env": [{"name": "A", "valueFrom": {"": None}}]}},
+# Specs the fuzzing found accepted and failing later: a crash in the operator, or an object the API server refuses
+# (an ApiError retried for ever instead of InvalidSpec). Each is refused, naming its field; the draws cover them too.
+FAILED_LATER = {
+    "nan-target-utilization-crashes-the-hpa": ({"scaling": {"mode": "hpa", "targetUtilization": float("nan")}},
+                                               "scaling.targetUtilization"),
+    "inf-horizon": ({"scaling": {"horizonSeconds": float("inf")}}, "scaling.horizonSeconds"),
+    "an-integer-past-64-bits": ({"engine": {"kvCacheMemoryMiB": 2**63}}, "engine.kvCacheMemoryMiB"),
+    "nan-in-engine-settings": ({"engine": {"settings": {"kv_disk_mib": [float("nan")]}}},
+                               "engine.settings.kv_disk_mib"),
+    "yaml-date-in-engine-settings": ({"engine": {"settings": {"x": datetime.date(2026, 1, 1)}}}, "engine.settings.x"),
+    "int-key-in-engine-settings": ({"engine": {"settings": {0: "a"}}}, "engine.settings"),
+    "router-settings-ext-proc-port-false": ({"router": {"settings": {"ext_proc_port": False}}},
+                                            "router.settings.ext_proc_port"),
+    "router-settings-ext-proc-port-string": ({"router": {"settings": {"ext_proc_port": "9002"}}},
+                                             "router.settings.ext_proc_port"),
+    "router-settings-ext-proc-port-70000": ({"router": {"settings": {"ext_proc_port": 70000}}},
+                                            "router.settings.ext_proc_port"),
+    "router-settings-ext-proc-port-the-http-port": ({"router": {"settings": {"ext_proc_port": 8080}}},
+                                                    "router.settings.ext_proc_port"),
+    "router-settings-ext-proc-tls-a-string": ({"router": {"settings": {"ext_proc_tls": "no"}}}, "ext_proc_tls"),
+    "router-settings-port": ({"router": {"settings": {"port": 9000}}}, "router.port"),
+    "router-settings-host": ({"router": {"settings": {"host": "127.0.0.1"}}}, "router.settings: host"),
+    "router-settings-hash-algo-dashed": ({"router": {"settings": {"hash-algo": "sha256"}}}, "engine.hashAlgo"),
+    "engine-settings-max-num-seqs-0-breaks-the-scaling-policy": ({"engine": {"settings": {"max_num_seqs": 0}}},
+                                                                 "engine.settings.max_num_seqs"),
+    "engine-settings-max-num-seqs-a-string": ({"engine": {"settings": {"max_num_seqs": "abc"}}},
+                                              "engine.settings.max_num_seqs"),
+    "engine-settings-max-num-seqs-null": ({"engine": {"settings": {"max_num_seqs": None}}},
+                                          "engine.settings.max_num_seqs"),
+    "engine-settings-max-loras-past-the-spec-bound": ({"engine": {"settings": {"max-loras": 257}}},
+                                                      "engine.settings.max_loras"),
+    "engine-settings-of-the-wrong-type": ({"engine": {"settings": {"kv_disk_mib": "lots"}}}, "kv_disk_mib"),
+    "engine-settings-lora-modules-not-name-path": ({"engine": {"settings": {"lora_modules": ["bad"]}}},
+                                                   "engine.settings.lora_modules"),
+    "volume-claim-with-a-final-newline": ({"model": {"source": "/models/m", "volumeClaim": "weights\n"}},
+                                          "model.volumeClaim"),
+    "env-value-from-of-no-known-kind": ({"engine": {"env": [{"name": "A", "valueFrom": {"": None}}]}},
+                                        "engine.env[0].valueFrom"),
+    "env-value-from-of-two-kinds": ({"router": {"env": [{"name": "A", "valueFrom": {
+        "fieldRef": {"fieldPath": "metadata.name"}, "secretKeyRef": {"name": "s", "key": "k"}}}]}},
+                                    "router.env[0].valueFrom"),
+    "env-value-from-of-no-kind": ({"engine": {"env": [{"name": "A", "valueFrom": {}}]}}, "engine.env[0].valueFrom"),
+    "env-secret-key-ref-without-its-key": ({"engine": {"env": [{"name": "A", "valueFrom": {
+        "secretKeyRef": {"name": "s"}}}]}}, "engine.env[0].valueFrom.secretKeyRef.key"),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, open: the spec is accepted and fails later")
-@pytest.mark.parametrize("edit", KNOWN_BUG_SPECS.values(), ids=KNOWN_BUG_SPECS)
-def test_known_bugs_should_be_spec_errors(edit: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("edit", "field"), FAILED_LATER.values(), ids=FAILED_LATER)
+def test_specs_that_failed_later_are_refused_naming_the_field(edit: dict[str, Any], field: str) -> None:
     body = example("aggregated.yaml")
     body["spec"].update(edit)
-    with pytest.raises(SpecError):
+    with pytest.raises(SpecError, match=re.escape(field)):
         parse_pool(body)
+
+
+def test_settings_within_their_bounds_pass() -> None:
+    body = example("aggregated.yaml")
+    body["spec"]["engine"]["settings"] = {"max_num_seqs": 1, "max-loras": 256, "kv_disk_mib": 64.5,
+                                          "lora_modules": ["a=/models/a"], "speculative_config": None}
+    body["spec"]["router"]["settings"] = {"ext_proc_port": 9100, "ext_proc_tls": False, "retries": 1}
+    body["spec"]["engine"]["env"] = [{"name": "P", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                                     {"name": "S", "valueFrom": {"secretKeyRef": {"name": "s.x", "key": ".k"}}},
+                                     {"name": "R", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu",
+                                                                                     "divisor": "1m"}}}]
+    pool = parse_pool(body)
+    assert desired.ext_proc_port(pool) == 9100
+    assert scaling_policy(pool).max_batch == 1
+    assert not api_server_errors(body["spec"])
