@@ -355,18 +355,43 @@ class Engine:
         model, not the simulated one, and it applies no tensor."""
         return read_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype)
 
-    def add_lora(self, adapter: LoraAdapter) -> LoadedLora:
-        """Serve `adapter` under its name: a free slot, filled in place (engine thread). Raises LoraError."""
+    def add_lora(self, adapter: LoraAdapter, inplace: bool = False) -> LoadedLora:
+        """Serve `adapter` under its name: a free slot, filled in place (engine thread). With `inplace` a name already
+        loaded takes the new weights (`_update_lora`); otherwise it is refused. Raises LoraError."""
+        if inplace and adapter.name in self.loras.loaded:
+            return self._update_lora(adapter)
         entry = self.loras.add(adapter)
         self.runner.model.lora.write(entry.slot, adapter)
         self.state = dataclasses.replace(self.state, loras_loaded=len(self.loras.loaded))  # scraped at once
         log.info("LoRA adapter %r loaded from %s (rank %d, slot %d)", entry.name, entry.path, entry.rank, entry.slot)
         return entry
 
+    def _update_lora(self, adapter: LoraAdapter) -> LoadedLora:
+        """New weights under a loaded name, with no moment the name is not served: requests queued from now on run
+        with them, those queued before keep the slot (and fingerprint) they were bound to until they end, when a
+        retired slot is freed (`_finish`). Same weights: only the path changes. Raises LoraConflict when the old
+        weights are in use and no slot is free for the new ones."""
+        current = self.loras.loaded[adapter.name]
+        if current.fingerprint == adapter.fingerprint:
+            return self.loras.repath(adapter.name, adapter.path)
+        in_use = self._lora_slot_in_use(current.slot)
+        entry, old = self.loras.update(adapter, in_use)
+        self.runner.model.lora.write(entry.slot, adapter)
+        if entry.slot != old.slot and not in_use:
+            self.runner.model.lora.clear(old.slot)
+        log.info("LoRA adapter %r updated in place from %s (rank %d, slot %d; its earlier weights in slot %d %s)",
+                 entry.name, entry.path, entry.rank, entry.slot, old.slot,
+                 "serve their running requests" if in_use else "are gone")
+        return entry
+
+    def _lora_slot_in_use(self, slot: int) -> bool:
+        """Whether a queued or running request is bound to the adapter weights in `slot`."""
+        return any(r.lora_slot == slot for r in self.requests.values())
+
     def remove_lora(self, name: str) -> LoadedLora:
         """Stop serving an adapter no request uses (engine thread). Its cached blocks are left to age out: no
         request can reach them until the same weights are loaded again (they are hashed with the weights).
-        Raises LoraNotFound, or LoraConflict while requests of it run or wait."""
+        Raises LoraNotFound, or LoraConflict while requests of it run or wait (on any of its weights)."""
         busy = sum(r.extra.lora == name for r in (*self.requests.values(), *self._inbox))
         if busy and name in self.loras.loaded:
             raise LoraConflict(f"LoRA adapter {name!r} has {busy} running or queued requests; unload it when they "
@@ -542,8 +567,10 @@ class Engine:
                     self._finish(request, "error", error=f"LoRA adapter {request.extra.lora!r} was unloaded before "
                                                          f"this request started", error_code=MODEL_NOT_FOUND)
                     continue
-                # hashed with the weights it runs with, those loaded now (new weights may have been loaded under the
-                # name since the HTTP edge read it): no other weights' cached blocks can match
+                # bound for good to the weights loaded now (new weights may have been loaded under the name since the
+                # HTTP edge read it, or may be while it runs): it runs with them and its blocks are hashed with them,
+                # so no other weights' cached blocks can match
+                request.lora_slot = adapter.slot
                 request.extra = dataclasses.replace(request.extra, lora_fingerprint=adapter.fingerprint)
             try:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
@@ -651,7 +678,7 @@ class Engine:
                     start,
                     r.token_slice(start, start + known) + list(s.draft_ids),
                     wants_logits=start + known == r.num_tokens,
-                    lora_slot=self.loras.slot(r.extra.lora),
+                    lora_slot=r.lora_slot,
                     num_logits=1 + len(s.draft_ids),
                     # greedy over logits the sampler changes: exact ones (model/head.py approximates away from the top)
                     exact_logits=r.params.greedy and (r.guide is not None or r.params.adjusts_logits
@@ -834,6 +861,10 @@ class Engine:
                        "num_blocks": len(self.kv.seqs[f"handle:{handle}"].blocks)}
         self.scheduler.remove(r)
         self.requests.pop(r.request_id, None)
+        slot = r.lora_slot
+        if slot is not None and slot in self.loras.retired and not self._lora_slot_in_use(slot):
+            self.runner.model.lora.clear(slot)  # the last request on an adapter's earlier weights ended
+            self.loras.release(slot)
         r.finish_reason = reason
         now = time.monotonic()
         m = self.metrics

@@ -59,6 +59,7 @@ class Request:
     expected_cached_tokens: int = 0  # the cached prefix found at arrival (for load estimates while waiting)
     handoff_ttl: float | None = None  # a prefill for another pod: keep the KV under a handle this long
     import_key: str | None = None  # blocks pulled from a peer for this request, held until it is admitted
+    lora_slot: int | None = None  # its adapter's weights' slot, bound as the engine queues it (for good)
     peer_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)  # of cached_tokens, promoted from host/disk
     num_preemptions: int = 0

@@ -663,6 +663,8 @@ async def _import_blocks(e: Engine, client: httpx.AsyncClient, source: str, want
 class LoadLoraRequest(BaseModel):
     lora_name: str = Field(pattern=LORA_NAME_PATTERN)
     lora_path: str = Field(min_length=1)
+    # vLLM's: a name already loaded takes the new weights with no gap, its running requests finishing on the old
+    load_inplace: bool = False
 
 
 class UnloadLoraRequest(BaseModel):
@@ -814,14 +816,14 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
     async def load_lora_adapter(body: LoadLoraRequest) -> dict[str, Any]:
         """Read the adapter off the event loop, then take a slot on the engine thread (vLLM's endpoint)."""
         e = holder.get()
-        if body.lora_name in e.loras.loaded:  # before reading files: the common mistake answers fast
-            raise ApiError(400, f"LoRA adapter {body.lora_name!r} is already loaded; unload it first",
-                           param="lora_name")
+        if body.lora_name in e.loras.loaded and not body.load_inplace:  # before reading files: answers fast
+            raise ApiError(400, f"LoRA adapter {body.lora_name!r} is already loaded; unload it first, or load it "
+                                f"with load_inplace", param="lora_name")
         with _lora_errors():
             adapter = await asyncio.to_thread(e.read_lora, body.lora_name, body.lora_path)
-            entry = await asyncio.wrap_future(e.call(lambda: e.add_lora(adapter)))
+            entry = await asyncio.wrap_future(e.call(lambda: e.add_lora(adapter, body.load_inplace)))
         return {"lora_name": entry.name, "lora_path": entry.path, "rank": entry.rank,
-                "message": f"LoRA adapter {entry.name!r} loaded"}
+                LORA_FINGERPRINT_FIELD: entry.fingerprint, "message": f"LoRA adapter {entry.name!r} loaded"}
 
     @app.post(UNLOAD_LORA_PATH)
     async def unload_lora_adapter(body: UnloadLoraRequest) -> dict[str, Any]:

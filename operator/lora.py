@@ -3,13 +3,15 @@
 Each tick the operator asks every ready engine what it serves (GET /v1/models: the base model's card, then one
 card per adapter with its directory as `root`), plans the difference against `spec.model.loraAdapters`
 (`plan_adapters`, pure), and carries it out with the engine's own endpoints (POST /v1/unload_lora_adapter, then
-/v1/load_lora_adapter). Unloads go first so they free slots for the loads. A changed path for a known name is an
-unload then a load: the weights are updated in place, and the engines hash the new weights' blocks apart from the
-old ones' (their fingerprint is in the block hash), so no cache, tier or peer serves the old weights' KV under the
-name. An adapter an engine cannot load (a bad directory, a rank above its maximum) is the user's to fix in the
-spec, so a refused action (a 4xx other than 409) is remembered per engine life and not tried again while the spec
-asks for the same thing: one Event, no retry storm.
-A busy or full engine (409) or one that does not answer is simply planned again at the next tick.
+/v1/load_lora_adapter). Unloads go first so they free slots for the loads. A changed path for a known name is one
+load with `load_inplace` (vLLM's field): the engine points the name at the new weights with no moment it is not
+served, even while the adapter is busy (its running requests finish on the old weights, in a spare slot), and it
+hashes the new weights' blocks apart from the old ones' (their fingerprint is in the block hash), so no cache, tier
+or peer serves the old weights' KV under the name. An adapter an engine cannot load (a bad directory, a rank
+above its maximum) is the user's to fix in the spec, so a refused action (a 4xx other than 409) is remembered per
+engine life and not tried again while the spec asks for the same thing: one Event, no retry storm. A full engine
+(409: also an update of a busy adapter with no spare slot) or one that does not answer is simply planned again at
+the next tick.
 
 What the sync remembers (the refusals, the names the spec has declared) is kept in the pool's status
 (`AdapterMemory.to_status`), so a restarted operator neither retries refusals nor leaves a dropped adapter loaded.
@@ -63,13 +65,19 @@ class AdapterAction:
     kind: str  # LOAD or UNLOAD
     name: str
     path: str | None = None  # the directory to load; None for an unload
+    # a load over the name's other weights (load_inplace). Not part of its identity: a refusal is of the directory,
+    # whether it was to replace weights or not (the pool's status keeps refusals without it)
+    inplace: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         assert self.kind in LORA_ACTIONS and (self.path is None) == (self.kind == UNLOAD), self
+        assert not (self.inplace and self.kind == UNLOAD), self
 
     def describe(self) -> str:
-        return f"load LoRA adapter {self.name!r} from {self.path}" if self.kind == LOAD else \
-            f"unload LoRA adapter {self.name!r}"
+        if self.kind == UNLOAD:
+            return f"unload LoRA adapter {self.name!r}"
+        return f"update LoRA adapter {self.name!r} in place from {self.path}" if self.inplace else \
+            f"load LoRA adapter {self.name!r} from {self.path}"
 
 
 @dataclass(frozen=True)
@@ -100,13 +108,13 @@ def same_directory(a: str | None, b: str | None) -> bool:
 def plan_adapters(declared: Mapping[str, str], served: Mapping[str, str],
                   refused: Collection[AdapterAction] = (), managed: Collection[str] | None = None) -> AdapterPlan:
     """What one engine must do to serve `declared` (name -> directory) given what it `served`: unload the names it
-    manages (`managed`: default every name) that are no longer declared or declared with another directory, then
-    load the missing ones, each by name. An adapter someone loaded by hand under a name the operator never managed
-    stays. An action this engine `refused` before is held back (the spec must change for it to be tried again)."""
+    manages (`managed`: default every name) that are no longer declared, then load the missing ones and those
+    declared with another directory (in place: never an unload first, so the name is served throughout), each by
+    name. An adapter someone loaded by hand under a name the operator never managed stays. An action this engine
+    `refused` before is held back (the spec must change for it to be tried again)."""
     managed = served.keys() if managed is None else managed
-    unloads = [AdapterAction(UNLOAD, n) for n in sorted(served)
-               if n in managed and not same_directory(declared.get(n), served[n])]
-    loads = [AdapterAction(LOAD, n, declared[n]) for n in sorted(declared)
+    unloads = [AdapterAction(UNLOAD, n) for n in sorted(served) if n in managed and n not in declared]
+    loads = [AdapterAction(LOAD, n, declared[n], inplace=n in served) for n in sorted(declared)
              if not same_directory(served.get(n), declared[n])]
     wanted = unloads + loads
     return AdapterPlan(tuple(a for a in wanted if a not in refused), tuple(a for a in wanted if a in refused))
@@ -121,8 +129,8 @@ class ActionResult:
 
 def outcome_of(action: AdapterAction, status: int | None, message: str) -> ActionResult:
     """Classify an engine's answer (`status` None: no answer). Unloading a name it no longer holds is done; 409
-    (every slot taken, or the adapter still has requests), a 5xx or no answer is retried at the next tick; any
-    other 4xx is the spec's problem, refused for good."""
+    (every slot taken, an unload's adapter still has requests, or an update's has them and no slot is spare), a
+    5xx or no answer is retried at the next tick; any other 4xx is the spec's problem, refused for good."""
     if status is not None and (HTTPStatus.OK <= status < HTTPStatus.MULTIPLE_CHOICES or
                                (action.kind == UNLOAD and status == HTTPStatus.NOT_FOUND)):
         return ActionResult(action, OK, action.describe())
@@ -300,7 +308,8 @@ def http_served(url: str, timeout: float = MODELS_TIMEOUT_SECONDS) -> dict[str, 
 
 def http_act(url: str, action: AdapterAction, timeout: float = ACTION_TIMEOUT_SECONDS) -> tuple[int | None, str]:
     """POST the action; the status and the engine's error message (None and the reason when no answer came)."""
-    path, body = (LOAD_LORA_PATH, {"lora_name": action.name, "lora_path": action.path}) if action.kind == LOAD \
+    path, body = (LOAD_LORA_PATH, {"lora_name": action.name, "lora_path": action.path,
+                                   "load_inplace": action.inplace}) if action.kind == LOAD \
         else (UNLOAD_LORA_PATH, {"lora_name": action.name})
     try:
         reply = httpx.post(url + path, json=body, timeout=timeout)
@@ -319,8 +328,7 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], refused: Collection
                 read: Reader = http_served, act: Caller = http_act, managed: Collection[str] | None = None,
                 deadline: float = float("inf"), clock: Clock = time.monotonic) -> EngineSync:
     """Plan and carry out one engine's actions, each call's timeout cut to what is left before `deadline`; an
-    action with no time left is deferred. A name whose unload failed or is held back is not loaded (the engine
-    would refuse it as already loaded)."""
+    action with no time left is deferred."""
     left = deadline - clock()
     if left <= 0:
         return EngineSync(pod, error="not reached: the tick's adapter budget was spent first (next tick)")
@@ -331,19 +339,12 @@ def sync_engine(pod: EnginePod, declared: Mapping[str, str], refused: Collection
     plan = plan_adapters(declared, served, refused, managed)
     results: list[ActionResult] = []
     deferred: list[AdapterAction] = []
-    still_loaded = {a.name for a in plan.held if a.kind == UNLOAD}
     for action in plan.actions:
-        if action.kind == LOAD and action.name in still_loaded:
-            continue
         left = deadline - clock()
         if left <= 0:
             deferred.append(action)
-            done = False
         else:
             results.append(outcome_of(action, *act(pod.url, action, min(ACTION_TIMEOUT_SECONDS, left))))
-            done = results[-1].outcome == OK
-        if action.kind == UNLOAD and not done:
-            still_loaded.add(action.name)
     return EngineSync(pod, tuple(results), plan.held, served=dict(served), deferred=tuple(deferred))
 
 

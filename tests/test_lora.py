@@ -10,11 +10,13 @@ import copy
 import dataclasses
 import json
 import math
+import shutil
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -28,7 +30,7 @@ from kvmesh.engine import server as server_module
 from kvmesh.engine.attention import TorchMetadata
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.model.lora import TARGET_MODULES
+from kvmesh.engine.model.lora import TARGET_MODULES, LoraConflict, LoraError
 from kvmesh.engine.protocol import (
     LOAD_LORA_PATH,
     LORA_FINGERPRINT_FIELD,
@@ -121,16 +123,20 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
+def submit(engine: Engine, lora: str | None, ids: list[int], **params: object) -> Result:
+    """Queue one greedy request (6 tokens with logprobs unless `params` say otherwise); its outputs gather in the
+    Result."""
+    p = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": True, **params})
+    request = Request(f"lora-{next(_ids)}", list(ids), p, extra=BlockExtra(lora=lora))
+    result = Result(request)
+    request.on_output = result.outputs.append
+    engine.submit(request)
+    return result
+
+
 def run(engine: Engine, jobs: list[tuple[str | None, list[int]]], **params: object) -> list[Result]:
     """Submit every (adapter, prompt) at once, so they share steps, and step until all finished."""
-    results = []
-    for lora, ids in jobs:
-        p = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": True, **params})
-        request = Request(f"lora-{next(_ids)}", list(ids), p, extra=BlockExtra(lora=lora))
-        result = Result(request)
-        request.on_output = result.outputs.append
-        results.append(result)
-        engine.submit(request)
+    results = [submit(engine, lora, ids, **params) for lora, ids in jobs]
     engine.run_until_idle()
     engine.kv.check_invariants()
     for r in results:
@@ -286,6 +292,71 @@ def test_new_weights_under_a_name_served_before_find_none_of_the_old_weights_cac
         lora_engine.add_lora(lora_engine.read_lora("qv", str(adapters["qv"])))
     back = run(lora_engine, [("qv", ids)])[0]
     assert (back.final.cached_tokens, back.tokens) == (32, old.tokens)
+
+
+@pytest.fixture(scope="module")
+def qv_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """New weights for the "qv" adapter: every module, rank 8, so they change the output plainly."""
+    return write_adapter(tmp_path_factory.mktemp("qv-v2"), seed=7)
+
+
+def test_an_in_place_update_serves_new_requests_the_new_weights_while_running_ones_finish_on_the_old(
+    tiny_dir: Path, adapters: dict[str, Path], references, qv_v2: Path,
+) -> None:
+    """vLLM's load_inplace with a spare slot: the name points at the new weights at once (no moment it is not
+    served, no waiting for the busy adapter to go idle); a request queued before keeps the slot and fingerprint it
+    was bound to (its tokens are the old merged model's, its blocks hashed with the old weights), one queued after
+    runs and hashes with the new; the old slot is freed when its last request ends."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, lora_modules={"qv": str(adapters["qv"])})
+    ids = prompt(34, 40)
+    before = engine.loras.loaded["qv"]
+    old = submit(engine, "qv", ids, max_tokens=8)
+    engine.step()
+    engine.step()  # prefilled, decoding
+    assert old.outputs and old.final.finish_reason is None
+    entry = engine.add_lora(engine.read_lora("qv", str(qv_v2)), inplace=True)
+    assert engine.loras.loaded["qv"] == entry and entry.slot != before.slot and entry.fingerprint != before.fingerprint
+    new = submit(engine, "qv", ids, max_tokens=8)
+    engine.step()
+    assert engine.loras.retired == {before.slot: before}  # still running on it
+    engine.run_until_idle()
+    assert old.tokens == hf_greedy(references["qv"], ids, 8)[0]
+    assert new.tokens == hf_greedy(merged(tiny_dir, qv_v2), ids, 8)[0] != old.tokens
+    assert (old.request.lora_slot, old.request.extra.lora_fingerprint) == (before.slot, before.fingerprint)
+    assert (new.request.lora_slot, new.request.extra.lora_fingerprint) == (entry.slot, entry.fingerprint)
+    assert new.final.cached_tokens == 0  # none of the old weights' blocks
+    cached = [engine.cached_run(block_hashes(ids, 16, BlockExtra("qv", None, e.fingerprint))) for e in (before, entry)]
+    assert cached == [2, 2]  # each request's blocks, cached under its own weights
+    assert engine.loras.retired == {} and engine.loras.free_slots() == [before.slot]
+    assert engine.runner.model.lora.slots[before.slot].rank == 0  # cleared
+    assert engine.state.loras_loaded == 1 and engine.loras.names() == ["qv"]
+    engine.kv.check_invariants()
+
+
+def test_a_busy_adapters_update_needs_a_spare_slot_else_409_and_the_same_weights_are_a_no_op(
+    tiny_dir: Path, adapters: dict[str, Path], qv_v2: Path, tmp_path: Path,
+) -> None:
+    """With every slot taken a busy adapter cannot be updated (LoraConflict: the server's 409, naming max_loras) and
+    keeps its weights; idle, it is updated in its own slot. Loading the weights it has, from any directory, changes
+    only the path its card shows."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2,
+                         lora_modules={name: str(path) for name, path in adapters.items()})
+    before = engine.loras.loaded["qv"]
+    busy = submit(engine, "qv", prompt(35, 20))
+    engine.step()
+    with pytest.raises(LoraConflict, match=r"max_loras = 2.*'qv' has running or queued requests"):
+        engine.add_lora(engine.read_lora("qv", str(qv_v2)), inplace=True)
+    assert engine.loras.loaded["qv"] == before and engine.loras.retired == {}
+    engine.run_until_idle()
+    assert busy.final.finish_reason == "length"
+    entry = engine.add_lora(engine.read_lora("qv", str(qv_v2)), inplace=True)
+    assert (entry.slot, entry.path) == (before.slot, str(qv_v2)) and entry.fingerprint != before.fingerprint
+    copy_dir = tmp_path / "qv-v2-copy"
+    shutil.copytree(qv_v2, copy_dir)
+    same = engine.add_lora(engine.read_lora("qv", str(copy_dir)), inplace=True)
+    assert same == dataclasses.replace(entry, path=str(copy_dir)) and engine.loras.retired == {}
+    with pytest.raises(LoraError, match="already loaded"):  # without load_inplace a loaded name is refused
+        engine.add_lora(engine.read_lora("qv", str(qv_v2)))
 
 
 def test_a_request_for_an_adapter_unloaded_before_it_was_queued_ends_with_an_error(lora_engine: Engine) -> None:
@@ -486,3 +557,39 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
     assert lora_info(http)[2] == 0
     # the same weights come back under their name (their cached blocks are still right)
     assert http.post(LOAD_LORA_PATH, json={"lora_name": "all", "lora_path": str(adapters["all"])}).status_code == 200
+
+
+@pytest.mark.slow
+def test_load_inplace_updates_a_busy_adapter_over_http_when_a_slot_is_spare(
+    served: tuple[TestClient, Engine], adapters: dict[str, Path], qv_v2: Path,
+) -> None:
+    """POST /v1/load_lora_adapter with vLLM's `load_inplace`: a name not loaded is an ordinary load; a busy adapter
+    with every slot taken is a 409 naming the spare slot it needs; with one spare it is updated at once while its
+    request runs on, its card naming the new weights, and the old slot comes free when the request ends."""
+    http, engine = served
+
+    def load(name: str, path: Path, **flags: object) -> httpx.Response:
+        return http.post(LOAD_LORA_PATH, json={"lora_name": name, "lora_path": str(path), **flags})
+
+    assert load("qv", adapters["qv"], load_inplace=True).status_code == 200  # not loaded: a plain load
+    before = engine.loras.loaded["all"]
+    long = submit(engine, "all", prompt(51, 8), max_tokens=1000)
+    wait_until(lambda: lora_info(http)[0]["running_lora_adapters"] == "all", "running label")
+    full = load("all", qv_v2, load_inplace=True)
+    assert full.status_code == 409, full.text
+    error = full.json()["error"]
+    assert error["code"] == "lora_conflict" and "max_loras = 2" in error["message"] and "free slot" in error["message"]
+    assert load("all", qv_v2).status_code == 400  # without the flag: already loaded
+    assert http.post(UNLOAD_LORA_PATH, json={"lora_name": "qv"}).status_code == 200  # a spare slot
+    updated = load("all", qv_v2, load_inplace=True)
+    assert updated.status_code == 200, updated.text
+    (card,) = [c for c in http.get("/v1/models").json()["data"] if c["id"] == "all"]
+    assert card["root"] == str(qv_v2) and card[LORA_FINGERPRINT_FIELD] == updated.json()[LORA_FINGERPRINT_FIELD] \
+        != before.fingerprint
+    assert long.outputs[-1].finish_reason is None and engine.loras.retired == {before.slot: before}  # ran on
+    answer = http.post("/v1/completions", json={"model": "all", "prompt": [5, 6], "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["model"] == "all"
+    engine.abort(long.request.request_id)
+    wait_until(lambda: engine.loras.retired == {}, "the old slot freed")
+    assert long.final.finish_reason == "abort" and engine.loras.free_slots() == [before.slot]
+    assert lora_info(http)[2] == 1

@@ -1,14 +1,15 @@
 """Adapters added to or removed from a pool reach running engines without a restart: the plan against what an
 engine serves (pure), the pod template's hash that no longer rolls the engines for a changed list, and the
-operator's apply step against real in-process engines over the tiny model (load, unload, a busy/full 409 tried
-again, new weights under a name as an unload then a load that finds none of the old weights' cache, a 400 for an
-adapter the engine cannot load recorded once and not retried), and the kopf timer against kmock's emulator with
-a Ready pod whose IP is a real engine's."""
+operator's apply step against real in-process engines over the tiny model (load, unload, a full 409 tried again,
+new weights under a name as one load in place, done while the adapter is busy once a slot is spare, that finds none
+of the old weights' cache, a 400 for an adapter the engine cannot load recorded once and not retried), and the kopf
+timer against kmock's emulator with a Ready pod whose IP is a real engine's."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,15 @@ def test_missing_adapters_are_loaded_and_undeclared_ones_unloaded_unloads_first_
     assert plan.held == ()
 
 
-def test_a_changed_path_is_an_unload_then_a_load() -> None:
-    plan = plan_adapters({"sql": "/v2"}, {"sql": "/v1"})
-    assert plan.actions == (AdapterAction(UNLOAD, "sql"), AdapterAction(LOAD, "sql", "/v2"))
+def test_a_changed_path_is_one_load_in_place_never_an_unload() -> None:
+    """The name stays served throughout: the engine swaps the weights (load_inplace), even while it is busy."""
+    plan = plan_adapters({"sql": "/v2", "new": "/new"}, {"sql": "/v1"})
+    assert plan.actions == (AdapterAction(LOAD, "new", "/new"), AdapterAction(LOAD, "sql", "/v2"))
+    assert [a.inplace for a in plan.actions] == [False, True]
+    assert plan.actions[1].describe() == "update LoRA adapter 'sql' in place from /v2"
+    # a refusal is of the directory, whichever way it was loaded (the pool's status keeps no such flag)
+    held = plan_adapters({"sql": "/v2"}, {"sql": "/v1"}, refused={AdapterAction(LOAD, "sql", "/v2")})
+    assert (held.actions, held.held) == ((), (AdapterAction(LOAD, "sql", "/v2"),))
 
 
 def test_nothing_to_do_when_the_engine_serves_what_is_declared() -> None:
@@ -253,7 +260,10 @@ def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusa
     syncs = sync_pool([pod], declared, memory)
     assert syncs[0].results == () and summarize(syncs, declared).ok
 
-    # new weights under the name (an in-place update): unloaded, then loaded; the old weights' cache is not used
+    # new weights under the name (an in-place update) while a request of it runs: with every slot taken the update
+    # waits (409, retried), the old weights serving the name meanwhile; once a slot is spare (c removed in the same
+    # tick: unloads go first) it is done at once, the request running on; the name never answers 404, and the new
+    # weights find none of the old weights' cache
     body = {"model": "b", "prompt": list(range(300, 340)), "max_tokens": 1}
 
     def cached() -> int:
@@ -263,18 +273,28 @@ def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusa
 
     assert (cached(), cached()) == (0, 32)
     before = card_of(engine_url, "b")
-    declared = {"b": weights["b-v2"], "c": weights["c"]}
-    syncs = sync_pool([pod], declared, memory)
-    assert outcomes(syncs) == [(UNLOAD, "b", OK), (LOAD, "b", OK)] and summarize(syncs, declared).ok
-    after = card_of(engine_url, "b")
-    assert after["root"] == weights["b-v2"] and after[LORA_FINGERPRINT_FIELD] != before[LORA_FINGERPRINT_FIELD]
-    assert (cached(), cached()) == (0, 32)  # none of the old weights' blocks; then the new weights' own
+    running = {"model": "b", "prompt": [7, 8, 9], "max_tokens": 300, "ignore_eos": True, "stream": True}  # ~1 s
+    with httpx.stream("POST", engine_url + "/v1/completions", json=running, timeout=120) as stream:
+        lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+        next(lines)  # it runs
+        declared = {"b": weights["b-v2"], "c": weights["c"]}
+        syncs = sync_pool([pod], declared, memory)
+        assert outcomes(syncs) == [(LOAD, "b", RETRY)] and "free slot" in syncs[0].results[0].message
+        assert card_of(engine_url, "b") == before and cached() == 32  # the old weights serve on
+        declared = {"b": weights["b-v2"]}
+        syncs = sync_pool([pod], declared, memory)
+        assert outcomes(syncs) == [(UNLOAD, "c", OK), (LOAD, "b", OK)] and summarize(syncs, declared).ok
+        after = card_of(engine_url, "b")
+        assert after["root"] == weights["b-v2"] and after[LORA_FINGERPRINT_FIELD] != before[LORA_FINGERPRINT_FIELD]
+        assert (cached(), cached()) == (0, 32)  # none of the old weights' blocks; then the new weights' own
+        rest = [line for line in lines if line != "data: [DONE]"]
+    assert json.loads(rest[-1][len("data: "):])["choices"][0]["finish_reason"] == "length"  # ran on to its end
 
-    # an adapter the engine cannot load (a rank above its max): unloaded, then the load is refused and recorded
+    # an adapter the engine cannot load (a rank above its max): refused and recorded, the name keeps its weights
     declared = {"b": weights["big"], "c": weights["c"]}
     syncs = sync_pool([pod], declared, memory)
-    assert outcomes(syncs) == [(UNLOAD, "b", OK), (LOAD, "b", REFUSED)]
-    assert "ranks 1 to 8" in syncs[0].results[1].message
+    assert outcomes(syncs) == [(LOAD, "b", REFUSED), (LOAD, "c", OK)]
+    assert "ranks 1 to 8" in syncs[0].results[0].message and card_of(engine_url, "b") == after
     metrics = OperatorMetrics()
     pool = pool_with([{"name": "b", "path": weights["big"]}, {"name": "c", "path": weights["c"]}])
     metrics.record_adapters(pool, syncs)
@@ -290,15 +310,15 @@ def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusa
     assert outcomes(sync_pool([restarted], declared, memory)) == [(LOAD, "b", REFUSED)]  # (this one did not restart)
     assert list(memory.refused) == [restarted.life]
 
-    # the fix: weights it can load, under the same name
-    declared = {"b": weights["b-v2"], "c": weights["c"]}
+    # the fix: weights it can load, under the same name (in place, idle now)
+    declared = {"b": weights["b"], "c": weights["c"]}
     assert outcomes(sync_pool([restarted], declared, memory)) == [(LOAD, "b", OK)]
 
     def count(action: str, outcome: str) -> float | None:
         return metrics.registry.get_sample_value(f"{OperatorMetric.LORA_ACTIONS}_total", {
             "pool_namespace": "default", "pool": "chat", "role": "both", "action": action, "outcome": outcome})
 
-    assert (count("load", "refused"), count("unload", "ok"), count("load", "retry")) == (1, 1, 0)  # 0: pre-created
+    assert (count("load", "refused"), count("load", "ok"), count("load", "retry")) == (1, 1, 0)  # 0: pre-created
     metrics.forget("default", "chat")
     assert count("load", "refused") is None
 
@@ -335,9 +355,9 @@ def card_of(url: str, adapter: str) -> dict[str, Any]:
 def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolling_it(
         engine_url: str, weights: dict[str, str], tmp_path: Path) -> None:
     """kopf against kmock's emulator, the pod's IP pointing at a real in-process engine: the scaling timer loads a
-    listed adapter, unloads a removed one, updates one in place (a new path under its name: an unload, then a
-    load), posts one AdapterRefused Event for an adapter the engine cannot load, and the engine Deployment's pod
-    template keeps its hash through the changes."""
+    listed adapter, unloads a removed one, updates one in place (a new path under its name: one load with
+    load_inplace), posts one AdapterRefused Event for an adapter the engine cannot load, and the engine Deployment's
+    pod template keeps its hash through the changes."""
     port = int(engine_url.rsplit(":", 1)[1])
     ready_pod = pod_body("chat-both-0", "127.0.0.1")
     ready_pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
@@ -371,7 +391,7 @@ def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolli
 
             await env.k8s.patch(f"{POOLS}/chat", json={"spec": spec({"b": weights["b-v2"], "c": weights["big"]})})
             await eventually(lambda: env.events("AdapterRefused"))
-            # a unloaded (removed), b unloaded and loaded from its new path (changed), c's load refused
+            # a unloaded (removed), b updated in place from its new path (changed), c's load refused
             await eventually(lambda: served_by(engine_url) == {"b": weights["b-v2"]})
             await eventually(lambda: "b-v2" in (env.get("v1/configmaps", "chat-config") or {})["data"]["engine.yaml"])
             assert template_hash(env) == first_hash  # the list changed, the engines did not roll

@@ -1,7 +1,8 @@
 """LoRA adapters on the engine simulator, so the router's adapter routing can be exercised with many simulated
-pods: `--lora-modules`, the load and unload endpoints, /v1/models cards with their parent, vllm:lora_requests_info,
-the real engine's 404 for an unknown adapter, blocks hashed with the adapter's name, and a router over two
-simulated engines sending an adapter's requests to the one that serves it and caching its prefix on its own."""
+pods: `--lora-modules`, the load and unload endpoints, updates in place, /v1/models cards with their parent,
+vllm:lora_requests_info, the real engine's 404 for an unknown adapter, blocks hashed with the adapter's name and
+weights, and a router over two simulated engines sending an adapter's requests to the one that serves it and caching
+its prefix on its own."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
-from .test_lora import write_adapter
+from .test_lora import submit, write_adapter
 from .test_router_lora import listed, wait_for
 
 FREE = LatencyModel(0.0, 0.0, 0.0, 0.0, 1e15)
@@ -103,6 +104,27 @@ def test_a_damaged_weights_file_is_refused_by_the_simulator_as_by_the_engine(
     assert refusals[0] == refusals[1]
 
 
+def test_an_update_in_place_runs_on_the_simulator_as_on_the_engine(adapters: dict[str, str]) -> None:
+    """The simulator's adapters are the engine's: load_inplace points the name at the new weights while a request
+    runs; that request answers as the old weights do to its end, one queued after as the new weights do, and the
+    old slot is freed when the old request ends."""
+    engine = sim(lora_modules={"sql": adapters["sql"]})
+    ids = list(range(4000, 4040))
+    reference = submit(engine, "sql", ids, max_tokens=8)
+    engine.run_until_idle()
+    before = engine.loras.loaded["sql"]
+    old = submit(engine, "sql", ids, max_tokens=8)
+    engine.step()
+    engine.add_lora(engine.read_lora("sql", adapters["sql-v2"]), inplace=True)
+    new = submit(engine, "sql", ids, max_tokens=8)
+    engine.step()
+    assert old.final.finish_reason is None and set(engine.loras.retired) == {before.slot}
+    engine.run_until_idle()
+    assert old.tokens == reference.tokens != new.tokens
+    assert (old.final.cached_tokens, new.final.cached_tokens) == (32, 0)  # each finds only its own weights' blocks
+    assert engine.loras.retired == {} and engine.loras.free_slots() == [before.slot]
+
+
 def lora_info(text: str) -> list[dict[str, str]]:
     return [s.labels for f in text_string_to_metric_families(text) for s in f.samples
             if s.name == VllmMetric.LORA_REQUESTS_INFO]
@@ -141,19 +163,21 @@ def test_adapters_load_unload_list_count_and_hash_as_on_the_engine(tiny_dir: Pat
         assert {k: v for k, v in sim_404.json()["error"].items() if k not in strip} == \
             {k: v for k, v in real_404.json()["error"].items() if k not in strip}
 
-        # loaded and unloaded at run time; other weights under a name served before are taken, hashed apart
+        # loaded and unloaded at run time; other weights under a loaded name taken in place (load_inplace: every slot
+        # taken, the adapter idle, so in its own slot), hashed apart and answering apart
         loaded = client.post(url + LOAD_LORA_PATH, json={"lora_name": "poet", "lora_path": adapters["poet"]})
         assert loaded.status_code == 200, loaded.text
         assert [c["id"] for c in client.get(url + MODELS_PATH).json()["data"]] == [base, "sql", "poet"]
         full = client.post(url + LOAD_LORA_PATH, json={"lora_name": "extra", "lora_path": adapters["sql-v2"]})
         assert full.status_code == 409  # max_loras 2
-        assert client.post(url + UNLOAD_LORA_PATH, json={"lora_name": "sql"}).status_code == 200
-        swapped = client.post(url + LOAD_LORA_PATH, json={"lora_name": "sql", "lora_path": adapters["sql-v2"]})
+        swapped = client.post(url + LOAD_LORA_PATH, json={"lora_name": "sql", "lora_path": adapters["sql-v2"],
+                                                          "load_inplace": True})
         assert swapped.status_code == 200, swapped.text
         (card,) = [c for c in client.get(url + MODELS_PATH).json()["data"] if c["id"] == "sql"]
         assert card[LORA_FINGERPRINT_FIELD] != weights
         again = client.post(url + "/v1/completions", json={**body, "model": "sql"}).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # none of the old weights' blocks
+        assert again["choices"][0]["text"] != as_sql["choices"][0]["text"]  # the new weights' answer
         assert client.post(url + UNLOAD_LORA_PATH, json={"lora_name": "sql"}).status_code == 200
         missing = client.post(url + LOAD_LORA_PATH, json={"lora_name": "x", "lora_path": "/no/such/dir"})
         assert missing.status_code == 400 and "PEFT" in missing.json()["error"]["message"]

@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -302,12 +302,14 @@ class LoadedLora:
 
 
 class LoraRegistry:
-    """Which adapter names are loaded and in which slot; torch-free bookkeeping the engine thread changes and
-    the HTTP edge reads."""
+    """Which adapter names are loaded and in which slot, and which slots still hold earlier weights of a name updated
+    in place while requests run with them (`retired`, freed when the last of those ends); torch-free bookkeeping the
+    engine thread changes and the HTTP edge reads."""
 
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self.loaded: dict[str, LoadedLora] = {}
+        self.retired: dict[int, LoadedLora] = {}
 
     def names(self) -> list[str]:
         return list(self.loaded)
@@ -317,24 +319,64 @@ class LoraRegistry:
             return None
         return self.loaded[name].slot
 
+    def free_slots(self) -> list[int]:
+        """Slots neither a loaded name nor a retired copy holds."""
+        taken = {a.slot for a in self.loaded.values()} | self.retired.keys()
+        return [s for s in range(self.max_loras) if s not in taken]
+
+    def _full(self, what: str) -> LoraConflict:
+        held = f", and {len(self.retired)} hold earlier weights of adapters updated in place until their requests " \
+            f"finish" if self.retired else ""
+        return LoraConflict(f"{len(self.loaded)} LoRA adapters are loaded{held}: every slot is taken (max_loras = "
+                            f"{self.max_loras}); {what}")
+
     def add(self, adapter: LoraAdapter) -> LoadedLora:
-        """Take a free slot for `adapter`; raises LoraError (its name is loaded: unload it first, whatever the
-        weights) or LoraConflict (every slot taken)."""
+        """Take a free slot for `adapter`; raises LoraError (its name is loaded: unload it first or load it in
+        place, whatever the weights) or LoraConflict (every slot taken)."""
         name = adapter.name
         if name in self.loaded:
             raise LoraError(f"LoRA adapter {name!r} is already loaded (from {self.loaded[name].path}); unload it "
-                            f"first")
-        taken = {a.slot for a in self.loaded.values()}
-        free = [s for s in range(self.max_loras) if s not in taken]
+                            f"first, or load it with load_inplace")
+        free = self.free_slots()
         if not free:
-            raise LoraConflict(f"{len(self.loaded)} LoRA adapters are loaded, the most this engine holds "
-                               f"(max_loras = {self.max_loras}); unload one first")
-        entry = LoadedLora(name, adapter.path, free[0], adapter.rank, adapter.fingerprint)
+            raise self._full("unload one first")
+        entry = _entry(adapter, free[0])
         self.loaded[name] = entry
         return entry
+
+    def update(self, adapter: LoraAdapter, in_use: bool) -> tuple[LoadedLora, LoadedLora]:
+        """Point a loaded name at new weights (an in-place update) and return (new entry, old entry): in a free
+        slot if there is one, the old slot retired while it is `in_use` (else the caller clears it); in the old
+        slot itself when none is free and it is not in use. Raises LoraConflict when no slot is free and the
+        old weights are in use: a busy adapter's update needs one spare slot."""
+        old = self.loaded[adapter.name]
+        free = self.free_slots()
+        if not free and in_use:
+            raise self._full(f"LoRA adapter {adapter.name!r} has running or queued requests, and its update in "
+                             f"place needs a free slot for the new weights while they finish: unload another "
+                             f"adapter, or retry when it is idle")
+        entry = _entry(adapter, free[0] if free else old.slot)
+        self.loaded[adapter.name] = entry
+        if in_use:
+            self.retired[old.slot] = old
+        return entry, old
+
+    def repath(self, name: str, path: str) -> LoadedLora:
+        """The same weights read from another directory: the name's card shows the new one."""
+        entry = replace(self.loaded[name], path=path)
+        self.loaded[name] = entry
+        return entry
+
+    def release(self, slot: int) -> LoadedLora:
+        """A retired slot's last request ended: it is free again."""
+        return self.retired.pop(slot)
 
     def remove(self, name: str) -> LoadedLora:
         entry = self.loaded.pop(name, None)
         if entry is None:
             raise LoraNotFound(f"no LoRA adapter named {name!r} is loaded")
         return entry
+
+
+def _entry(adapter: LoraAdapter, slot: int) -> LoadedLora:
+    return LoadedLora(adapter.name, adapter.path, slot, adapter.rank, adapter.fingerprint)

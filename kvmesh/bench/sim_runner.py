@@ -1,8 +1,8 @@
 """The simulated engine behind `kvmesh sim-engine` (kvmesh/bench/sim_engine.py has its latency model and CLI):
 the real engine, with a model runner that sleeps instead of computing. LoRA adapters are the engine's own
-(registry, endpoints, /v1/models cards, vllm:lora_requests_info, blocks hashed with the adapter's name, the
-files checked as the engine checks them); only their weights are not applied, since the simulated model has none
-to add them to."""
+(registry, endpoints, updates in place, /v1/models cards, vllm:lora_requests_info, blocks hashed with the adapter's
+name and weights, the files checked as the engine checks them); only their weights are not applied, since the
+simulated model has none to add them to."""
 
 from __future__ import annotations
 
@@ -27,15 +27,16 @@ NOT_CHOSEN = -1e9  # the logit of every token the simulated model does not pick
 @dataclass
 class SimLoraSlots:
     """The simulated model's adapter slots (the engine fills and clears them as the real model's): which adapter
-    each holds, so an adapter's answers can differ from the base model's."""
+    weights each holds (`name@fingerprint`), so an adapter's answers differ from the base model's, and new weights'
+    (an update in place) from the old ones'."""
 
-    names: dict[int, str] = field(default_factory=dict)
+    weights: dict[int, str] = field(default_factory=dict)
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
-        self.names[slot] = adapter.name
+        self.weights[slot] = f"{adapter.name}@{adapter.fingerprint}"
 
     def clear(self, slot: int) -> None:
-        self.names.pop(slot, None)
+        self.weights.pop(slot, None)
 
 
 @dataclass
@@ -46,9 +47,9 @@ class SimModel:
 class SimRunner(ModelRunner):
     """A model runner that computes nothing: it sleeps for the step's modelled time and picks, at each position that
     wants logits (`num_logits` per sequence: a draft run verifies several), one token determined by the token
-    there, its position and the adapter name (the same prompt always gets the same answer, on every pod, whatever
-    the sampling parameters). Its KV tensor holds one number per token, so KV transfer still moves (and checks)
-    real frames."""
+    there, its position and the adapter's weights (the same prompt always gets the same answer, on every pod serving
+    the same weights, whatever the sampling parameters). Its KV tensor holds one number per token, so KV transfer
+    still moves (and checks) real frames."""
 
     def __init__(self, latency: LatencyModel, vocab_size: int, num_blocks: int, block_size: int) -> None:
         self.latency = latency
@@ -61,6 +62,7 @@ class SimRunner(ModelRunner):
         self.model = SimModel()
 
     def next_token(self, last_token: int, position: int, adapter: str | None = None) -> int:
+        """`adapter`: the weights' `name@fingerprint` (SimLoraSlots), None for the base model."""
         span = self.vocab_size - FIRST_ORDINARY_TOKEN
         shift = zlib.crc32(adapter.encode()) if adapter is not None else 0  # stable across processes, unlike hash()
         return FIRST_ORDINARY_TOKEN + (last_token * 7919 + position * 104729 + shift) % span
@@ -71,7 +73,7 @@ class SimRunner(ModelRunner):
         logits = torch.full((sum(s.num_logits for s in rows), self.vocab_size), NOT_CHOSEN)
         row = 0
         for s in rows:  # num_logits rows per sequence: each predicts the token after one of its last positions
-            adapter = self.model.lora.names.get(s.lora_slot) if s.lora_slot is not None else None
+            adapter = self.model.lora.weights.get(s.lora_slot) if s.lora_slot is not None else None
             for at in range(len(s.token_ids) - s.num_logits, len(s.token_ids)):
                 logits[row, self.next_token(s.token_ids[at], s.num_computed + at + 1, adapter)] = 0.0
                 row += 1
