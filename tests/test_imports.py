@@ -10,10 +10,12 @@ import sys
 
 # what the router and operator may load from the engine (docs/architecture.md): contracts, request bodies, the
 # output constraints' check, the tokenizer with its cache and its way of showing tools in a prompt, and the one
-# tracing setup (OpenTelemetry only, so both programs export their spans the same way), and the settings' type check
+# tracing setup (OpenTelemetry only, so both programs export their spans the same way), the settings' type check, and
+# the engines' settings file (the operator checks engine.settings against the fields the engine starts with)
 ALLOWED = {"kvmesh.engine", "kvmesh.engine.protocol", "kvmesh.engine.openai_types", "kvmesh.engine.constraint",
            "kvmesh.engine.model", "kvmesh.engine.model.tokenizer", "kvmesh.engine.model.token_cache",
-           "kvmesh.engine.model.tool_prompt", "kvmesh.engine.tracing", "kvmesh.engine.typed_fields"}
+           "kvmesh.engine.model.tool_prompt", "kvmesh.engine.tracing", "kvmesh.engine.typed_fields",
+           "kvmesh.engine.config"}
 
 
 def test_the_router_and_the_operator_load_no_torch_and_only_the_engine_s_contract_modules() -> None:
