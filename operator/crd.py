@@ -608,8 +608,9 @@ SHARED_ROUTER_SETTINGS = {"host": "nothing (the operator's)", "port": "router.po
 _PORT = _int("a TCP port", 1, 65535)
 
 
-def _setting_names(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Settings by the name their program reads them under (its loader takes dashes for underscores)."""
+def setting_names(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings by the name their program reads them under (its loader takes dashes for underscores): how the
+    operator checks them and writes them into the programs' files, so the scaler reads `max-num-seqs` too."""
     return {key.replace("-", "_"): value for key, value in settings.items()}
 
 
@@ -630,15 +631,15 @@ def _check_types(program: str, config: type, settings: Mapping[str, Any]) -> Non
         raise SpecError(f"{program}.settings: {exc}") from None
 
 
-def _check_settings(full: Mapping[str, Any], schema: Mapping[str, Any]) -> None:
+def _check_settings(full: Mapping[str, Any]) -> None:
     """engine.settings and router.settings as far as the API server cannot check them (they keep unknown fields):
     no setting the spec owns elsewhere, the bounds of the spec field of the same name (engine.settings.max_num_seqs
     as engine.maxNumSeqs: the scaler reads it), the types the programs check at start, and a port the operator
     renders into the router's container and Service that Kubernetes accepts."""
-    engine = _setting_names(full["engine"].get("settings") or {})
+    engine = setting_names(full["engine"].get("settings") or {})
     _refuse_shared("engine", engine, SHARED_ENGINE_SETTINGS,
                    "the routers and Services must agree with the engines on it")
-    fields = schema["properties"]["engine"]["properties"]
+    fields = spec_schema()["properties"]["engine"]["properties"]
     for spec_field, name in ENGINE_SETTINGS.items():
         if name in engine:
             _check(engine[name], fields[spec_field], f"engine.settings.{name}")
@@ -648,7 +649,7 @@ def _check_settings(full: Mapping[str, Any], schema: Mapping[str, Any]) -> None:
         except ValueError as exc:
             raise SpecError(f"engine.settings.lora_modules: {exc}") from None
     _check_types("engine", EngineConfig, engine)
-    router = _setting_names(full["router"].get("settings") or {})
+    router = setting_names(full["router"].get("settings") or {})
     _refuse_shared("router", router, SHARED_ROUTER_SETTINGS,
                    "the router's container, probes and Service, and the engines, must agree with it")
     if "ext_proc_port" in router:
@@ -661,15 +662,14 @@ def _check_settings(full: Mapping[str, Any], schema: Mapping[str, Any]) -> None:
 def complete_spec(spec: Any) -> dict[str, Any]:
     """The spec with every default filled in, after the schema's checks, the cross-field rules and the checks of
     engine and router settings."""
-    schema = spec_schema()
-    full = _check(spec, schema, "spec")
+    full = defaulted_spec(spec)
     for rule in RULES:
         target: Any = full
         for key in rule.path:
             target = target[key]
         if not rule.check(target):
             raise SpecError(rule.message)
-    _check_settings(full, schema)
+    _check_settings(full)
     return full
 
 

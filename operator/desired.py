@@ -32,6 +32,7 @@ from kvmesh.operator.crd import (
     ENGINE_SETTINGS,
     KIND,
     Pool,
+    setting_names,
 )
 from kvmesh.operator.lora import declared_adapters
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
@@ -152,7 +153,7 @@ def engine_settings(pool: Pool) -> dict[str, Any]:
     out.update({ENGINE_SETTINGS[k]: v for k, v in spec.items() if k in ENGINE_SETTINGS})
     if spec["hostTierMiB"]:  # the tier in the volume mounted for it (its default path is under HOST_TIER_DIR)
         out["kv_host_memory_mib"] = int(spec["hostTierMiB"] * HOST_TIER_FILL)
-    out.update(spec.get("settings") or {})
+    out.update(setting_names(spec.get("settings") or {}))  # dashed names as the engine reads them
     return out
 
 
@@ -186,7 +187,7 @@ def router_settings(pool: Pool) -> dict[str, Any]:
         out["ext_proc_port"] = GATEWAY_EXT_PROC_PORT
         if "tlsSecretName" in gateway:
             out["ext_proc_cert_dir"] = EXT_PROC_CERT_DIR
-    out.update(spec.get("settings") or {})
+    out.update(setting_names(spec.get("settings") or {}))  # dashed names as the router reads them
     return out
 
 

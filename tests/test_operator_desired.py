@@ -26,7 +26,7 @@ from kvmesh.operator.desired import (
     patch_body,
     router_state,
 )
-from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod
+from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod, scaling_policy
 from kvmesh.operator.local import local_engine_settings
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, load_router_config
 from kvmesh.router.picker import PickerConfig
@@ -221,6 +221,15 @@ def test_a_pools_own_environment_reaches_its_programs_after_the_operators() -> N
     assert env[-1] == {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"}
     assert all(e["name"] != "HF_TOKEN" for e in env)
     kubernetes_validate.validate(deployments["docs-router"], "1.30", strict=True)
+
+
+def test_a_dashed_engine_setting_is_written_and_scaled_on_under_the_engines_own_name() -> None:
+    """`max-num-seqs` in engine.settings is what the engine reads as max_num_seqs: the file has it once, under that
+    name (not beside the spec's default), and the ITL sizing caps its batch at it."""
+    dashed = pool(engine={"settings": {"max-num-seqs": 8}})
+    written = engine_settings(dashed)
+    assert written["max_num_seqs"] == 8 and "max-num-seqs" not in written
+    assert scaling_policy(dashed).max_batch == 8
 
 
 def test_replicas_start_at_the_minimum_and_stay_within_bounds() -> None:
