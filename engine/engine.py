@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,24 +369,32 @@ class Engine:
     def _update_lora(self, adapter: LoraAdapter) -> LoadedLora:
         """New weights under a loaded name, with no moment the name is not served: requests queued from now on run
         with them, those queued before keep the slot (and fingerprint) they were bound to until they end, when a
-        retired slot is freed (`_finish`). Same weights: only the path changes. Raises LoraConflict when the old
-        weights are in use and no slot is free for the new ones."""
+        retired slot is freed (`_finish`). Same weights: only the path changes. Weights a retired slot of the name
+        still holds (an update undone while the earlier weights' requests run) are served from that slot again, with
+        no write and no slot taken. Raises LoraConflict when the old weights are in use and no slot is free for the
+        new ones."""
         current = self.loras.loaded[adapter.name]
         if current.fingerprint == adapter.fingerprint:
             return self.loras.repath(adapter.name, adapter.path)
         in_use = self._lora_slot_in_use(current.slot)
-        entry, old = self.loras.update(adapter, in_use)
-        self.runner.model.lora.write(entry.slot, adapter)
+        update = self.loras.update(adapter, in_use)
+        entry, old = update.new, update.old
+        if not update.revived:
+            self.runner.model.lora.write(entry.slot, adapter)
         if entry.slot != old.slot and not in_use:
             self.runner.model.lora.clear(old.slot)
-        log.info("LoRA adapter %r updated in place from %s (rank %d, slot %d; its earlier weights in slot %d %s)",
-                 entry.name, entry.path, entry.rank, entry.slot, old.slot,
-                 "serve their running requests" if in_use else "are gone")
+        log.info("LoRA adapter %r updated in place from %s (rank %d, slot %d%s; its earlier weights in slot %d %s)",
+                 entry.name, entry.path, entry.rank, entry.slot, ", which still held them" if update.revived else "",
+                 old.slot, "serve their running requests" if in_use else "are gone")
         return entry
 
     def _lora_slot_in_use(self, slot: int) -> bool:
         """Whether a queued or running request is bound to the adapter weights in `slot`."""
         return any(r.lora_slot == slot for r in self.requests.values())
+
+    def check_lora_invariants(self) -> None:
+        """The adapter slots' bookkeeping agrees with the requests bound to them (LoraRegistry.check_invariants)."""
+        self.loras.check_invariants(Counter(r.lora_slot for r in self.requests.values() if r.lora_slot is not None))
 
     def remove_lora(self, name: str) -> LoadedLora:
         """Stop serving an adapter no request uses (engine thread). Its cached blocks are left to age out: no

@@ -30,7 +30,7 @@ from kvmesh.engine import server as server_module
 from kvmesh.engine.attention import TorchMetadata
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.model.lora import TARGET_MODULES, LoraConflict, LoraError
+from kvmesh.engine.model.lora import TARGET_MODULES, LoraAdapter, LoraConflict, LoraError, LoraRegistry
 from kvmesh.engine.protocol import (
     LOAD_LORA_PATH,
     LORA_FINGERPRINT_FIELD,
@@ -357,6 +357,91 @@ def test_a_busy_adapters_update_needs_a_spare_slot_else_409_and_the_same_weights
     assert same == dataclasses.replace(entry, path=str(copy_dir)) and engine.loras.retired == {}
     with pytest.raises(LoraError, match="already loaded"):  # without load_inplace a loaded name is refused
         engine.add_lora(engine.read_lora("qv", str(qv_v2)))
+
+
+def test_going_back_to_weights_still_running_revives_their_slot_with_no_load_and_no_spare_slot(
+    tiny_dir: Path, adapters: dict[str, Path], references, qv_v2: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Update A -> B while A's request runs, then B -> A while both A's and B's run: with max_loras 2 both slots are
+    taken, which refused an update of a busy adapter (409); A's retired slot still holds A's weights, so it is
+    served again, with no load, and B's slot is retired until B's request ends. Every request answers with the
+    weights it was bound to, and the request on A again finds A's cached prefix."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, lora_modules={"qv": str(adapters["qv"])})
+    slots = engine.runner.model.lora
+    writes: list[int] = []
+    write = slots.write
+    monkeypatch.setattr(slots, "write", lambda slot, adapter: (writes.append(slot), write(slot, adapter)))
+    a = engine.loras.loaded["qv"]
+    ids = prompt(36, 40)
+    on_a = submit(engine, "qv", ids, max_tokens=12)
+    engine.step()
+    engine.step()
+    b = engine.add_lora(engine.read_lora("qv", str(qv_v2)), inplace=True)
+    on_b = submit(engine, "qv", ids, max_tokens=12)
+    engine.step()
+    assert engine.loras.free_slots() == [] and on_a.final.finish_reason is None and on_b.outputs
+    engine.check_lora_invariants()
+    back = engine.add_lora(engine.read_lora("qv", str(adapters["qv"])), inplace=True)  # no LoraConflict
+    assert back == a and writes == [b.slot]  # A's slot and entry again; only B's weights were ever written
+    assert engine.loras.retired == {b.slot: b} and engine.loras.free_slots() == []
+    engine.check_lora_invariants()
+    on_a_again = submit(engine, "qv", ids, max_tokens=12)
+    engine.step()
+    engine.check_lora_invariants()
+    engine.run_until_idle()
+    a_tokens = hf_greedy(references["qv"], ids, 12)[0]
+    assert on_a.tokens == on_a_again.tokens == a_tokens
+    assert on_b.tokens == hf_greedy(merged(tiny_dir, qv_v2), ids, 12)[0] != a_tokens
+    assert [r.request.lora_slot for r in (on_a, on_b, on_a_again)] == [a.slot, b.slot, a.slot]
+    assert on_a_again.final.cached_tokens == 32  # A's blocks, hashed with A's weights, are A's again
+    assert engine.loras.retired == {} and engine.loras.free_slots() == [b.slot] and slots.slots[b.slot].rank == 0
+    engine.check_lora_invariants()
+    engine.kv.check_invariants()
+
+
+def test_going_back_to_earlier_weights_when_the_current_ones_are_idle_frees_their_slot(
+    tiny_dir: Path, adapters: dict[str, Path], qv_v2: Path,
+) -> None:
+    """A -> B while A's request runs, then B -> A with no request on B: A's slot serves again and B's is freed at
+    once (cleared); a request on A started before the revival and one after share A's slot."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, lora_modules={"qv": str(adapters["qv"])})
+    a = engine.loras.loaded["qv"]
+    on_a = submit(engine, "qv", prompt(37, 20), max_tokens=20)
+    engine.step()
+    b = engine.add_lora(engine.read_lora("qv", str(qv_v2)), inplace=True)
+    assert engine.add_lora(engine.read_lora("qv", str(adapters["qv"])), inplace=True) == a
+    assert engine.loras.retired == {} and engine.loras.free_slots() == [b.slot]
+    assert engine.runner.model.lora.slots[b.slot].rank == 0 and on_a.final.finish_reason is None
+    engine.check_lora_invariants()
+    engine.run_until_idle()
+    assert on_a.final.finish_reason == "length" and on_a.request.lora_slot == a.slot
+    assert engine.loras.free_slots() == [b.slot]
+
+
+def test_the_registry_revives_only_the_same_name_and_weights_and_keeps_one_slot_per_weights() -> None:
+    """The bookkeeping alone, through a chain of updates: each slot free, live or retired, never the same weights
+    of a name in two slots; another name's identical weights are not revived (a slot serves one name)."""
+    registry = LoraRegistry(3)
+
+    def weights(name: str, fingerprint: str) -> LoraAdapter:
+        return LoraAdapter(name, f"/adapters/{name}-{fingerprint}", 4, 1.0, {}, fingerprint)
+
+    a = registry.add(weights("x", "a"))
+    b = registry.update(weights("x", "b"), in_use=True)
+    assert (b.new.slot, b.old, b.revived, registry.retired) == (1, a, False, {0: a})
+    registry.check_invariants({0: 1, 1: 1})
+    revived = registry.update(weights("x", "a"), in_use=True)
+    assert (revived.new.slot, revived.revived, registry.retired, registry.free_slots()) == (0, True, {1: b.new}, [2])
+    assert revived.new.path == "/adapters/x-a"
+    registry.check_invariants({0: 2, 1: 1})
+    y = registry.add(weights("y", "b"))  # B's weights under another name: a slot of its own
+    assert y.slot == 2 and registry.free_slots() == []
+    registry.check_invariants({0: 2, 1: 1})
+    registry.release(1)
+    registry.check_invariants({0: 2})
+    registry.update(weights("x", "c"), in_use=True)
+    with pytest.raises(AssertionError, match="no request left"):  # a retired slot with no request would leak
+        registry.check_invariants({1: 1, 2: 1})
 
 
 def test_a_request_for_an_adapter_unloaded_before_it_was_queued_ends_with_an_error(lora_engine: Engine) -> None:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
+from kvmesh.engine.openai_types import CompletionRequest
 from kvmesh.engine.protocol import KVConfig
 from kvmesh.router.app import View, build_router
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixMatch
 from kvmesh.router.picker import Decision, PickerConfig, PodState, RequestInfo
 from kvmesh.router.pull import PullPolicy, plan_pull
+
+from .test_router_lora import NEW, OLD, POD_A, POD_B, POD_C, set_pods
 
 BLOCK_BYTES = 737_280  # SmolLM2, fp32
 
@@ -82,3 +86,38 @@ def test_blocks_are_pulled_only_from_pods_storing_them_alike(bundled_dir: Path) 
 
     assert holders(urls[1]) == {None}  # only a pod of the other format has the prefix: recompute
     assert holders(urls[1], urls[2]) == {urls[2]}  # a pod of the same format has it: pull from that one
+
+
+def test_an_adapters_prefix_is_pulled_only_from_pods_serving_the_same_weights(bundled_dir: Path) -> None:
+    """While new weights under an adapter's name reach the pods one by one, the chosen pod pulls by its own
+    weights' hashes (its blocks' `lora:NAME@FINGERPRINT`): a peer serving other weights holds none of those, so the
+    router plans no pull from it (it would cost a round trip for nothing) and none at all when the chosen pod's
+    weights changed after the request was hashed. A pod's weights read by the router may still be up to a refresh
+    old; the engine then pulls nothing or recomputes what it pulled (docs/engine.md, LoRA adapters)."""
+    router = build_router(RouterConfig(pods=[POD_A, POD_B, POD_C], stale_after_seconds=3600.0), bundled_dir)
+
+    def serve(weights: dict[str, str]) -> None:
+        set_pods(router, {url: ("sql",) for url in weights}, {}, weights)
+        for url in weights:
+            pod = router.pods.pods[url]
+            assert pod.kv_config is not None
+            pod.kv_config = dataclasses.replace(pod.kv_config, block_bytes=BLOCK_BYTES)
+            pod.metrics["prefill_tokens_per_second"] = 1.0  # computing is slow: a pull of any prefix pays
+
+    serve({POD_A: NEW, POD_B: OLD, POD_C: NEW})
+    info = router.request_info(CompletionRequest.model_validate({"model": "sql", "prompt": list(range(300, 700))}), 0)
+    assert info.lora_hashes.keys() == {OLD, NEW}
+
+    def source(holders: dict[str, int]) -> str | None:
+        view = router.view(info)
+        chosen = next(p for p in view.pods if p.name == POD_A)
+        plan = router.plan_pull(Decision(chosen, {}, 0, 0.0, "test"), info,
+                                View(view.pods, {name: match(blocks) for name, blocks in holders.items()}))
+        return plan.source.name if plan else None
+
+    assert source({POD_B: 24}) is None  # only a pod of the old weights holds the prefix: recompute
+    assert source({POD_B: 24, POD_C: 20}) == POD_C  # the shorter prefix of the same weights is the one to pull
+    serve({POD_A: "3" * 16})  # weights loaded there since the request was hashed
+    assert source({POD_B: 24, POD_C: 20}) is None
+    serve({POD_A: NEW})
+    assert source({POD_B: 24, POD_C: 20}) == POD_C  # as before: only the weights made the difference

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -301,6 +301,16 @@ class LoadedLora:
     fingerprint: str  # its weights': its requests' blocks are hashed with it (BlockExtra.lora_fingerprint)
 
 
+@dataclass(frozen=True)
+class LoraUpdate:
+    """What an in-place update did: the name's entry now and the one it replaced; `revived` when the new entry's
+    slot is a retired one that already holds those weights (nothing to write)."""
+
+    new: LoadedLora
+    old: LoadedLora
+    revived: bool
+
+
 class LoraRegistry:
     """Which adapter names are loaded and in which slot, and which slots still hold earlier weights of a name updated
     in place while requests run with them (`retired`, freed when the last of those ends); torch-free bookkeeping the
@@ -344,22 +354,29 @@ class LoraRegistry:
         self.loaded[name] = entry
         return entry
 
-    def update(self, adapter: LoraAdapter, in_use: bool) -> tuple[LoadedLora, LoadedLora]:
-        """Point a loaded name at new weights (an in-place update) and return (new entry, old entry): in a free
-        slot if there is one, the old slot retired while it is `in_use` (else the caller clears it); in the old
-        slot itself when none is free and it is not in use. Raises LoraConflict when no slot is free and the
-        old weights are in use: a busy adapter's update needs one spare slot."""
+    def update(self, adapter: LoraAdapter, in_use: bool) -> LoraUpdate:
+        """Point a loaded name at new weights (an in-place update), the old entry retired while it is `in_use` (else
+        the caller clears its slot unless the name keeps it). The new weights go, in this order: to the retired slot
+        of the name that still holds them (going back to earlier weights while their requests run: no write, no
+        slot taken), to a free slot, or into the old slot itself when none is free and it is not in use. Raises
+        LoraConflict when no slot is free and the old weights are in use: a busy adapter's update needs one spare
+        slot."""
         old = self.loaded[adapter.name]
-        free = self.free_slots()
-        if not free and in_use:
-            raise self._full(f"LoRA adapter {adapter.name!r} has running or queued requests, and its update in "
-                             f"place needs a free slot for the new weights while they finish: unload another "
-                             f"adapter, or retry when it is idle")
-        entry = _entry(adapter, free[0] if free else old.slot)
+        held = next((e for e in self.retired.values()
+                     if (e.name, e.fingerprint) == (adapter.name, adapter.fingerprint)), None)
+        if held is not None:
+            entry = replace(self.retired.pop(held.slot), path=adapter.path)
+        else:
+            free = self.free_slots()
+            if not free and in_use:
+                raise self._full(f"LoRA adapter {adapter.name!r} has running or queued requests, and its update in "
+                                 f"place needs a free slot for the new weights while they finish: unload another "
+                                 f"adapter, or retry when it is idle")
+            entry = _entry(adapter, free[0] if free else old.slot)
         self.loaded[adapter.name] = entry
         if in_use:
             self.retired[old.slot] = old
-        return entry, old
+        return LoraUpdate(entry, old, revived=held is not None)
 
     def repath(self, name: str, path: str) -> LoadedLora:
         """The same weights read from another directory: the name's card shows the new one."""
@@ -376,6 +393,23 @@ class LoraRegistry:
         if entry is None:
             raise LoraNotFound(f"no LoRA adapter named {name!r} is loaded")
         return entry
+
+
+    def check_invariants(self, requests_per_slot: Mapping[int, int]) -> None:
+        """Each slot is free, live (one loaded name's weights) or retired (earlier weights of a loaded name that
+        requests still run with), and requests are bound to live or retired slots only; `requests_per_slot` counts
+        the queued and running requests bound to each slot. Raises AssertionError."""
+        live = [e.slot for e in self.loaded.values()]
+        assert len(set(live)) == len(live), f"two names share a slot: {self.loaded}"
+        assert all(0 <= s < self.max_loras for s in (*live, *self.retired)), "a slot past max_loras"
+        weights = [(e.name, e.fingerprint) for e in (*self.loaded.values(), *self.retired.values())]
+        assert len(set(weights)) == len(weights), f"the same weights of a name in two slots: {weights}"
+        for slot, entry in self.retired.items():
+            assert slot not in live, f"slot {slot} both live and retired"
+            assert entry.slot == slot and entry.name in self.loaded, f"retired slot {slot}: {entry}"
+            assert requests_per_slot.get(slot, 0) > 0, f"retired slot {slot} has no request left"
+        bound = {s for s, n in requests_per_slot.items() if n > 0}
+        assert bound <= {*live, *self.retired}, f"requests bound to free slots {bound - {*live, *self.retired}}"
 
 
 def _entry(adapter: LoraAdapter, slot: int) -> LoadedLora:
