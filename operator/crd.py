@@ -11,7 +11,9 @@ that predates a rule); the tests evaluate both on the same objects with cel-pyth
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -89,6 +91,36 @@ def _package_version() -> str:
 
 
 DEFAULT_IMAGE = f"ghcr.io/kvmesh/kvmesh:{_package_version()}"
+DEFAULT_ENGINE_PORT = 8000
+DEFAULT_ROUTER_PORT = 8080
+# The operator's own Deployment (the chart) names the image and ports its pools default to in these variables.
+IMAGE_ENV, ENGINE_PORT_ENV, ROUTER_PORT_ENV = "KVMESH_IMAGE", "KVMESH_ENGINE_PORT", "KVMESH_ROUTER_PORT"
+
+
+@dataclass(frozen=True)
+class PoolDefaults:
+    """What a pool runs when its spec leaves these out: the operator's own image and the chart's ports, not values
+    in the CRD. An API server writes a CRD default into the object when it is created, so a default there would
+    pin every pool to the image of the day it was made (an upgrade of the chart would not reach it) and to the
+    public registry (a chart pointed at a mirror would still pull from it)."""
+
+    image: str = DEFAULT_IMAGE
+    engine_port: int = DEFAULT_ENGINE_PORT
+    router_port: int = DEFAULT_ROUTER_PORT
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PoolDefaults:
+        """The defaults the operator's Deployment gives (unset: the built-in ones); a bad value stops the operator
+        at start, naming the variable."""
+        env = os.environ if env is None else env
+        ports = {}
+        for name, default in ((ENGINE_PORT_ENV, DEFAULT_ENGINE_PORT), (ROUTER_PORT_ENV, DEFAULT_ROUTER_PORT)):
+            text = env.get(name, "").strip()
+            if text and not (text.isdigit() and 1 <= int(text) <= 65535):
+                raise ValueError(f"{name}={text!r} is not a TCP port (1 to 65535)")
+            ports[name] = int(text) if text else default
+        return cls(image=env.get(IMAGE_ENV, "").strip() or DEFAULT_IMAGE, engine_port=ports[ENGINE_PORT_ENV],
+                   router_port=ports[ROUTER_PORT_ENV])
 
 # ---- schema building blocks -----------------------------------------------------------------------------------
 
@@ -278,9 +310,11 @@ def spec_schema() -> dict[str, Any]:
         },
     }, ("source",), description="the model every engine of the pool serves")
     engine = _obj({
-        "image": _str("the kvmesh image", minLength=1, default=DEFAULT_IMAGE),
+        "image": _str(f"the kvmesh image (default: the operator's own, {IMAGE_ENV} in its Deployment: the chart's "
+                      f"image)", minLength=1),
         "imagePullPolicy": _enum("when to pull the image", PULL_POLICIES, "IfNotPresent"),
-        "port": _int("the engines' HTTP port", 1, 65535, default=8000),
+        "port": _int(f"the engines' HTTP port (default: the chart's ports.engine, {DEFAULT_ENGINE_PORT} without "
+                     f"it)", 1, 65535),
         "blockSize": _enum("tokens per KV block (engines and router must agree)", BLOCK_SIZES, DEFAULT_BLOCK_SIZE),
         "hashAlgo": _enum("block hash construction (DESIGN.md contract 1)", tuple(a.value for a in HashAlgo),
                           HashAlgo.XXH3.value),
@@ -301,7 +335,8 @@ def spec_schema() -> dict[str, Any]:
     router = _obj({
         "replicas": _int("router pods", 1, 64, default=2),
         "image": _str("the router's image (default: the engine's)", minLength=1),
-        "port": _int("the router's HTTP port", 1, 65535, default=8080),
+        "port": _int(f"the router's HTTP port (default: the chart's ports.router, {DEFAULT_ROUTER_PORT} without "
+                     f"it)", 1, 65535),
         "weights": {"type": "object", "description": "picker weights by scorer name",
                     "additionalProperties": {"type": "number", "minimum": 0}},
         "apiKeys": _obj({
@@ -621,21 +656,28 @@ def _refuse_shared(program: str, settings: Mapping[str, Any], shared: Mapping[st
                         + f" ({why})")
 
 
-def _check_types(program: str, config: type, settings: Mapping[str, Any]) -> None:
-    """The types the program's own config checks at start (engine/typed_fields.py), for the settings it knows; a
-    name it does not know is left to it (an engine image newer than the operator may know more)."""
+def _check_types(program: str, config: type, settings: Mapping[str, Any], own_image: bool) -> None:
+    """The names and types the program's own config checks at start (engine/typed_fields.py). A name it does not
+    know is refused when the pool runs the operator's own image, whose programs are this code (the engine would
+    refuse it at start, and its pods crash-loop); with another image it is left to that image, which may be newer."""
     known = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(settings) - known)
+    if own_image and unknown:
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, 1))
+                 else repr(name) for name in unknown]
+        raise SpecError(f"{program}.settings: unknown setting {', '.join(hints)}; docs/{program}.md lists the "
+                        f"{program}'s settings (an image that knows more can be set in {program}.image)")
     try:
         check_types(config(**{k: v for k, v in settings.items() if k in known}), program)
     except ValueError as exc:
         raise SpecError(f"{program}.settings: {exc}") from None
 
 
-def _check_settings(full: Mapping[str, Any]) -> None:
+def _check_settings(full: Mapping[str, Any], own_images: Mapping[str, bool]) -> None:
     """engine.settings and router.settings as far as the API server cannot check them (they keep unknown fields):
     no setting the spec owns elsewhere, the bounds of the spec field of the same name (engine.settings.max_num_seqs
-    as engine.maxNumSeqs: the scaler reads it), the types the programs check at start, and a port the operator
-    renders into the router's container and Service that Kubernetes accepts."""
+    as engine.maxNumSeqs: the scaler reads it), the names and types the programs check at start, and a port the
+    operator renders into the router's container and Service that Kubernetes accepts."""
     engine = setting_names(full["engine"].get("settings") or {})
     _refuse_shared("engine", engine, SHARED_ENGINE_SETTINGS,
                    "the routers and Services must agree with the engines on it")
@@ -648,7 +690,7 @@ def _check_settings(full: Mapping[str, Any]) -> None:
             engine["lora_modules"] = parse_lora_modules(engine["lora_modules"])
         except ValueError as exc:
             raise SpecError(f"engine.settings.lora_modules: {exc}") from None
-    _check_types("engine", EngineConfig, engine)
+    _check_types("engine", EngineConfig, engine, own_images["engine"])
     router = setting_names(full["router"].get("settings") or {})
     _refuse_shared("router", router, SHARED_ROUTER_SETTINGS,
                    "the router's container, probes and Service, and the engines, must agree with it")
@@ -656,20 +698,25 @@ def _check_settings(full: Mapping[str, Any]) -> None:
         _check(router["ext_proc_port"], _PORT, "router.settings.ext_proc_port")
         if router["ext_proc_port"] == full["router"]["port"]:
             raise SpecError(f"router.settings.ext_proc_port: {router['ext_proc_port']} is router.port already")
-    _check_types("router", RouterConfig, router)
+    _check_types("router", RouterConfig, router, own_images["router"])
 
 
-def complete_spec(spec: Any) -> dict[str, Any]:
-    """The spec with every default filled in, after the schema's checks, the cross-field rules and the checks of
-    engine and router settings."""
+def complete_spec(spec: Any, defaults: PoolDefaults = PoolDefaults()) -> dict[str, Any]:
+    """The spec with every default filled in (the operator's image and ports from `defaults`), after the schema's
+    checks, the cross-field rules and the checks of engine and router settings."""
     full = defaulted_spec(spec)
+    engine_image = full["engine"].get("image", defaults.image)
+    own_images = {"engine": engine_image == defaults.image,
+                  "router": full["router"].get("image", engine_image) == defaults.image}
+    full["engine"] = {"image": defaults.image, "port": defaults.engine_port, **full["engine"]}
+    full["router"] = {"port": defaults.router_port, **full["router"]}
     for rule in RULES:
         target: Any = full
         for key in rule.path:
             target = target[key]
         if not rule.check(target):
             raise SpecError(rule.message)
-    _check_settings(full)
+    _check_settings(full, own_images)
     return full
 
 
@@ -698,7 +745,7 @@ class Pool:
         return int(r["min"]), int(r["max"])
 
 
-def parse_pool(body: Mapping[str, Any]) -> Pool:
+def parse_pool(body: Mapping[str, Any], defaults: PoolDefaults = PoolDefaults()) -> Pool:
     """A pool object (as the API serves it, or as a YAML file holds it), checked and completed."""
     if body.get("kind", KIND) != KIND or body.get("apiVersion", API_VERSION) != API_VERSION:
         raise SpecError(f"expected apiVersion {API_VERSION} kind {KIND}, got {body.get('apiVersion')} "
@@ -716,7 +763,7 @@ def parse_pool(body: Mapping[str, Any]) -> Pool:
                         f"objects), got {name!r}")
     if "spec" not in body:
         raise SpecError("spec is required")
-    return Pool(name=name, namespace=meta.get("namespace") or "default", spec=complete_spec(body["spec"]),
+    return Pool(name=name, namespace=meta.get("namespace") or "default", spec=complete_spec(body["spec"], defaults),
                 uid=meta.get("uid", ""), generation=int(meta.get("generation") or 0),
                 labels=dict(meta.get("labels") or {}))
 

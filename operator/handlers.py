@@ -35,7 +35,7 @@ from urllib3.util.retry import Retry
 
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
-from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, SpecError, parse_pool
+from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
@@ -188,6 +188,7 @@ class OperatorConfig:
     tick_seconds: float = 5.0  # how often each pool's timer wakes (its spec's intervalSeconds decides whether to act)
     metrics_port: int | None = None  # serve the operator's /metrics here
     health_port: int | None = None  # serve kopf's liveness probe at /healthz here
+    pool_defaults: PoolDefaults = field(default_factory=PoolDefaults.from_env)  # the image and ports pools default to
     clock: Callable[[], float] = field(default=lambda: datetime.datetime.now(datetime.UTC).timestamp())
 
 
@@ -256,7 +257,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         generation = int(body.metadata.get("generation") or 0)
         state: PoolMemory = memo.setdefault("kvmesh", PoolMemory())
         try:
-            pool = parse_pool(body)
+            pool = parse_pool(body, config.pool_defaults)
         except SpecError as exc:
             state.condition(status, "Degraded", True, "InvalidSpec", str(exc), generation)
             patch.status["conditions"] = state.condition(status, "Progressing", False, "InvalidSpec",
@@ -294,7 +295,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
                 registry=registry)
     def scale(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
         try:
-            pool = parse_pool(body)
+            pool = parse_pool(body, config.pool_defaults)
         except SpecError:  # reconcile reported it
             metrics.evaluated(str(body.metadata.namespace), str(body.metadata.name), ok=False)
             return

@@ -17,7 +17,7 @@ import yaml
 from helm_python import _native
 
 from kvmesh import __version__
-from kvmesh.operator import crd, rbac
+from kvmesh.operator import crd, desired, rbac
 
 from .promql import CHART, DASHBOARDS, ROOT
 
@@ -195,15 +195,58 @@ def test_the_operator_command_is_one_kvmesh_accepts() -> None:
         assert yaml.safe_load(out.stdout) == the_crd()
 
 
-def test_the_operator_runs_the_image_and_ports_the_pools_default_to() -> None:
-    (deployment,) = by_kind(manifests(RENDERINGS["default"]), "Deployment")
+def operator_defaults(docs: list[dict[str, Any]]) -> crd.PoolDefaults:
+    """What the rendered operator reads from its Deployment's environment as its pools' image and ports."""
+    (deployment,) = [d for d in by_kind(docs, "Deployment") if d["spec"]["template"]["spec"]["containers"][0][
+        "args"][0] == "operator"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == crd.DEFAULT_IMAGE
-    schema = crd.spec_schema()["properties"]
-    with helm_python.Chart.load(CHART) as chart:
-        ports = chart.values["ports"]
-    assert ports == {"engine": schema["engine"]["properties"]["port"]["default"],
-                     "router": schema["router"]["properties"]["port"]["default"]}
+    return crd.PoolDefaults.from_env({e["name"]: e["value"] for e in container["env"] if "value" in e})
+
+
+def test_the_operator_runs_the_image_and_ports_the_pools_default_to() -> None:
+    docs = manifests(RENDERINGS["default"])
+    assert operator_defaults(docs) == crd.PoolDefaults()
+    (deployment,) = by_kind(docs, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == crd.DEFAULT_IMAGE
+
+
+def test_pools_run_the_charts_image_and_ports_not_the_public_registrys() -> None:
+    """An air-gapped cluster pulls from a mirror and may move the ports: the pools the operator makes (the chart's
+    own pool here, whose spec names neither) run the mirror's image on the ports the NetworkPolicies and
+    PodMonitor admit. With the CRD's defaults they pulled ghcr.io and listened where no policy let traffic in."""
+    values = {"image": {"repository": "registry.internal/ml/kvmesh", "tag": "7.7.7"},
+              "ports": {"engine": 9100, "router": 9180}, "pool": {"enabled": True}}
+    docs = manifests(render(values, api_versions=(MONITORING_API,)))
+    defaults = operator_defaults(docs)
+    assert defaults == crd.PoolDefaults("registry.internal/ml/kvmesh:7.7.7", 9100, 9180)
+    (pool_body,) = by_kind(docs, crd.KIND)
+    assert {"image", "port"}.isdisjoint(pool_body["spec"].get("engine") or {})
+    pool = crd.parse_pool(pool_body, defaults)
+    containers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                  for d in by_kind(desired.desired_objects(pool), "Deployment")}
+    assert {c["image"] for c in containers.values()} == {"registry.internal/ml/kvmesh:7.7.7"}
+    ports = {name: c["ports"][0]["containerPort"] for name, c in containers.items()}
+    assert ports == {desired.engine_name(pool, "both"): 9100, desired.router_name(pool): 9180}
+    admitted = {p["port"] for policy in by_kind(docs, "NetworkPolicy") for rule in policy["spec"].get("ingress") or []
+                for p in rule.get("ports") or []}
+    assert {9100, 9180} <= admitted
+    (monitor,) = by_kind(docs, "PodMonitor")
+    assert any(r.get("regex") == "9100|9180" for e in monitor["spec"]["podMetricsEndpoints"]
+               for r in e.get("relabelings") or [])
+
+
+def test_a_pool_that_names_its_image_and_ports_keeps_them() -> None:
+    spec = {"model": {"source": "bundled"}, "engine": {"image": "example.org/kvmesh:dev", "port": 7000},
+            "router": {"port": 7080}}
+    pool = crd.parse_pool({"metadata": {"name": "p"}, "spec": spec}, crd.PoolDefaults("mirror/kvmesh:1", 1, 2))
+    assert (pool.spec["engine"]["image"], pool.spec["engine"]["port"], pool.spec["router"]["port"]) == (
+        "example.org/kvmesh:dev", 7000, 7080)
+
+
+@pytest.mark.parametrize("env", [{"KVMESH_ENGINE_PORT": "http"}, {"KVMESH_ROUTER_PORT": "70000"}])
+def test_the_operator_refuses_a_port_variable_that_is_not_a_port(env: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match=next(iter(env))):
+        crd.PoolDefaults.from_env(env)
 
 
 def test_dashboards_are_configmaps_for_grafanas_sidecar() -> None:

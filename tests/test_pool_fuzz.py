@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from kvmesh.operator import desired
 from kvmesh.operator.crd import (
     API_VERSION,
+    DEFAULT_IMAGE,
     ENGINE_SETTINGS,
     KIND,
     MAX_LORA_ADAPTERS,
@@ -377,3 +378,32 @@ def test_settings_within_their_bounds_pass() -> None:
     assert desired.ext_proc_port(pool) == 9100
     assert scaling_policy(pool).max_batch == 1
     assert not api_server_errors(body["spec"])
+
+
+def test_a_setting_the_pools_own_image_does_not_know_is_refused_with_a_hint() -> None:
+    """A typo in engine.settings made every engine pod crash-loop on `unknown engine setting`; the operator runs the
+    same code as its own image, so it refuses the pool instead, naming the setting it was probably meant to be."""
+    body = example("aggregated.yaml")
+    body["spec"]["engine"]["settings"] = {"max-num-seq": 8}
+    with pytest.raises(SpecError, match=r"engine\.settings: unknown setting 'max_num_seq' \(did you mean "
+                                        r"'max_num_seqs'\?\)"):
+        parse_pool(body)
+    body = example("aggregated.yaml")
+    body["spec"]["router"]["settings"] = {"retires": 1, "zzz": 2}
+    with pytest.raises(SpecError, match=r"router\.settings: unknown setting 'retires' \(did you mean 'retries'\?\), "
+                                        r"'zzz'"):
+        parse_pool(body)
+
+
+def test_a_setting_unknown_here_passes_to_an_image_of_its_own() -> None:
+    """An image other than the operator's may be newer and know more: its engines (or router) judge the name."""
+    body = example("aggregated.yaml")
+    body["spec"]["engine"]["image"] = "registry.internal/kvmesh:next"
+    body["spec"]["engine"]["settings"] = {"paged_kernel_variant": "v2"}
+    body["spec"]["router"]["settings"] = {"picker_plugin": "x"}
+    pool = parse_pool(body)
+    assert desired.engine_settings(pool)["paged_kernel_variant"] == "v2"
+    assert desired.router_settings(pool)["picker_plugin"] == "x"
+    body["spec"]["router"]["image"] = DEFAULT_IMAGE
+    with pytest.raises(SpecError, match=r"router\.settings: unknown setting 'picker_plugin'"):
+        parse_pool(body)
