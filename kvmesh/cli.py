@@ -7,9 +7,13 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh import __version__
 from kvmesh.engine.protocol import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, KV_CACHE_DTYPES, QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from kvmesh.operator.leader import Election
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -176,7 +180,45 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
     p.add_argument("--health-port", type=int, help="serve a liveness probe at /healthz on this port")
     p.add_argument("--render-crd", action="store_true", help="print the InferencePool CRD and exit")
+    from kvmesh.operator.leader import DEFAULT_LEASE_NAME, Timing
+
+    timing = Timing()
+    p.add_argument("--leader-elect", action="store_true",
+                   help="reconcile only while holding a Lease, so that replicas stand by (identity: POD_NAME)")
+    p.add_argument("--leader-elect-lease-name", default=DEFAULT_LEASE_NAME, help="the Lease's name")
+    p.add_argument("--leader-elect-namespace",
+                   help="the Lease's namespace (default: POD_NAMESPACE, else the kubeconfig's namespace)")
+    p.add_argument("--leader-elect-lease-duration", type=int, default=timing.lease_seconds, metavar="SECONDS",
+                   help=f"how long a standby waits for a silent leader (default {timing.lease_seconds})")
+    p.add_argument("--leader-elect-renew-deadline", type=float, default=timing.renew_deadline_seconds,
+                   metavar="SECONDS", help="a leader that cannot renew for this long exits "
+                   f"(default {timing.renew_deadline_seconds:g})")
+    p.add_argument("--leader-elect-retry-period", type=float, default=timing.retry_seconds, metavar="SECONDS",
+                   help=f"how often candidates try and leaders renew (default {timing.retry_seconds:g})")
     p.add_argument("--log-level", default="info")
+
+
+def _election(args: argparse.Namespace) -> Election | None:
+    """The --leader-elect flags as an Election; ValueError for durations that would let two leaders overlap."""
+    import os
+
+    from kubernetes.config.config_exception import ConfigException
+
+    from kvmesh.operator.leader import Election, Timing
+    from kvmesh.router.discovery import default_namespace
+
+    if not args.leader_elect:
+        return None
+    timing = Timing(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+                    args.leader_elect_retry_period)
+    timing.check()
+    namespace = args.leader_elect_namespace or os.environ.get("POD_NAMESPACE")
+    if not namespace:
+        try:
+            namespace = default_namespace(args.kubeconfig)
+        except ConfigException as exc:
+            raise ValueError(f"kubeconfig: {exc}") from exc
+    return Election(namespace, args.leader_elect_lease_name, timing=timing)
 
 
 def _operator(args: argparse.Namespace) -> int:
@@ -194,8 +236,8 @@ def _operator(args: argparse.Namespace) -> int:
     try:
         run(OperatorConfig(kubeconfig=args.kubeconfig, namespaces=tuple(args.namespaces),
                            tick_seconds=args.tick_seconds, metrics_port=args.metrics_port,
-                           health_port=args.health_port))
-    except ValueError as exc:  # no kubeconfig and not in a cluster
+                           health_port=args.health_port, election=_election(args)))
+    except ValueError as exc:  # no kubeconfig and not in a cluster; election durations that overlap leaders
         print(f"kvmesh operator: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -17,11 +17,12 @@ its memory of a pool, its HTTP calls to engines) live in kopf-free modules, so a
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -38,9 +39,10 @@ from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod
+from kvmesh.operator.leader import Election, run_elected
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
-from kvmesh.operator.metrics import OperatorMetrics
+from kvmesh.operator.metrics import LeaderMetrics, OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
 from kvmesh.operator.scaling import Decision
 from kvmesh.operator.warmup import GateOpener, PodPlace, Warmer, WarmupSettings, carry_out, plan_tick_warmups
@@ -188,6 +190,7 @@ class OperatorConfig:
     tick_seconds: float = 5.0  # how often each pool's timer wakes (its spec's intervalSeconds decides whether to act)
     metrics_port: int | None = None  # serve the operator's /metrics here
     health_port: int | None = None  # serve kopf's liveness probe at /healthz here
+    election: Election | None = None  # reconcile only while holding this Lease; None: always (one replica)
     pool_defaults: PoolDefaults = field(default_factory=PoolDefaults.from_env)  # the image and ports pools default to
     clock: Callable[[], float] = field(default=lambda: datetime.datetime.now(datetime.UTC).timestamp())
 
@@ -442,9 +445,19 @@ def run(config: OperatorConfig) -> None:
     from kvmesh.router.discovery import kube_configuration
 
     registry = kopf.OperatorRegistry()
-    metrics = register(registry, config, kube_configuration(config.kubeconfig))
+    configuration = kube_configuration(config.kubeconfig)
+    metrics = register(registry, config, configuration)
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, registry=metrics.registry)
-    liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port is not None else None
-    kopf.run(registry=registry, standalone=True, clusterwide=not config.namespaces,
-             namespaces=list(config.namespaces), liveness_endpoint=liveness)
+    if config.election is None:
+        liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port is not None else None
+        kopf.run(registry=registry, standalone=True, clusterwide=not config.namespaces,
+                 namespaces=list(config.namespaces), liveness_endpoint=liveness)
+        return
+
+    def operate(stop: asyncio.Event) -> Awaitable[None]:  # /healthz is the election's, served from the start
+        return kopf.operator(registry=registry, standalone=True, clusterwide=not config.namespaces,
+                             namespaces=list(config.namespaces), stop_flag=stop)
+
+    asyncio.run(run_elected(config.election, configuration, operate, LeaderMetrics(metrics.registry),
+                            config.health_port))

@@ -123,3 +123,26 @@ class OperatorMetrics:
             for action in LORA_ACTIONS:
                 for outcome in LORA_OUTCOMES:
                     self.lora_actions.remove(*key, action, outcome)
+
+
+LEADER = "kvmesh_operator_leader"
+LEADER_TRANSITIONS = "kvmesh_operator_leader_transitions"
+
+
+class LeaderMetrics:
+    """The leader election's series (operator/leader.py), only in an operator run with --leader-elect: whether
+    this replica leads, and how often it took the lease (summed over replicas: the lease's first holder, then
+    every failover and handover)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.leader = Gauge(LEADER, "1 while this operator process holds the leader lease, else 0.",
+                            registry=registry)
+        self.transitions = Counter(LEADER_TRANSITIONS, "Times this operator process took the leader lease.",
+                                   registry=registry)
+
+    def acquired(self) -> None:
+        self.leader.set(1)
+        self.transitions.inc()
+
+    def stopped(self) -> None:
+        self.leader.set(0)

@@ -18,6 +18,7 @@ from helm_python import _native
 
 from kvmesh import __version__
 from kvmesh.operator import crd, desired, rbac
+from kvmesh.operator.leader import LEASE_API_VERSION, LEASE_VERBS
 
 from .promql import CHART, DASHBOARDS, ROOT
 
@@ -61,6 +62,7 @@ RENDERINGS = {
     "namespaced operator": render({"operator": {"watchNamespaces": ["team-a", "team-b"]},
                                    "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"app": "x"}}}]},
                                    "pool": {"enabled": True}}),
+    "two operators": render({"operator": {"replicas": 2}}),
 }
 
 
@@ -68,14 +70,14 @@ RENDERINGS = {
 
 
 def test_lint_finds_no_errors() -> None:
-    for values in ({}, DISAGGREGATED):
+    for values in ({}, DISAGGREGATED, {"operator": {"replicas": 2}}):
         report = helm_python.lint(CHART, values, kube_version=f"v{KUBERNETES}")
         assert report["errors"] == []
         assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
 def test_the_schema_rejects_bad_values() -> None:
-    for bad in ({"ports": {"engine": 70000}}, {"operator": {"replicas": 2}}, {"unknown": 1},
+    for bad in ({"ports": {"engine": 70000}}, {"operator": {"replicas": 4}}, {"unknown": 1},
                 {"securityContext": {"readOnlyRootFilesystem": False}}, {"pool": {"name": "Not_A_Name"}}):
         with pytest.raises(helm_python.HelmValuesError):
             render(bad)
@@ -148,22 +150,48 @@ def rules_block(permissions: tuple[rbac.Permission, ...]) -> str:
 
 
 def test_rbac_is_exactly_what_the_operator_uses() -> None:
+    """The ClusterRole is operator/rbac.py's list; one Role, in the release's namespace only, lets the operator
+    get, create and update Leases for its leader election (operator/leader.py)."""
     expected = [p.rule() for p in rbac.OPERATOR]
     for name, rendered in RENDERINGS.items():
         docs = manifests(rendered)
         (role,) = by_kind(docs, "ClusterRole")
         assert role["rules"] == expected, (
             f"{name}: operator/rbac.py changed; paste into templates/operator-rbac.yaml:\n{rules_block(rbac.OPERATOR)}")
-        assert by_kind(docs, "Role") == []
+        (lease_role,) = by_kind(docs, "Role")
+        assert lease_role["metadata"]["namespace"] == "kvmesh"
+        assert lease_role["rules"] == [{"apiGroups": [LEASE_API_VERSION.split("/")[0]], "resources": ["leases"],
+                                        "verbs": list(LEASE_VERBS)}]
+        roles = {"ClusterRole": role["metadata"]["name"], "Role": lease_role["metadata"]["name"]}
         bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
         (account,) = by_kind(docs, "ServiceAccount")
+        assert {b["roleRef"]["kind"] for b in bindings} == {"ClusterRole", "Role"}
         for binding in bindings:
-            assert binding["roleRef"]["name"] == role["metadata"]["name"]
+            assert binding["roleRef"]["name"] == roles[binding["roleRef"]["kind"]]
+            if binding["roleRef"]["kind"] == "Role":
+                assert binding["metadata"]["namespace"] == lease_role["metadata"]["namespace"]
             assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
                                             "namespace": "kvmesh"}]
     namespaced = manifests(RENDERINGS["namespaced operator"])
     assert by_kind(namespaced, "ClusterRoleBinding") == []
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(namespaced, "RoleBinding")) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(namespaced, "RoleBinding")
+                  if b["roleRef"]["kind"] == "ClusterRole") == ["team-a", "team-b"]
+
+
+def test_operators_elect_a_leader_so_two_replicas_and_rolling_updates_are_safe() -> None:
+    """Every rendering runs the operator with --leader-elect (one replica or two), its pod's name as the
+    candidate's identity, and rolls it: the new pod stands by until the old one stops and releases the lease."""
+    for name, rendered in RENDERINGS.items():
+        (deployment,) = [d for d in by_kind(manifests(rendered), "Deployment")
+                         if d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert "--leader-elect" in container["args"], name
+        env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+        assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                                  "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        assert deployment["spec"]["replicas"] == (2 if name == "two operators" else 1)
 
 
 @pytest.mark.parametrize("name", RENDERINGS)

@@ -1,0 +1,356 @@
+"""Operator high availability: the election's pure decision (operator/leader.py `decide`), and whole `kvmesh operator
+--leader-elect` processes against kmock's KubernetesEmulator, which stores Leases like any resource but has no PUT
+and no resourceVersion check: `LeaseCluster` adds both, as an API server answers them (a PUT whose
+resourceVersion is not the stored one gets 409), so two candidates racing for one lease meet the real rule."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from kvmesh.operator.leader import (
+    EXIT_LOST,
+    LEASE_VERBS,
+    RELEASED_LEASE_SECONDS,
+    Action,
+    Elector,
+    LeaseApi,
+    LeaseRecord,
+    Seen,
+    Timing,
+    decide,
+    released,
+    serve_health,
+)
+from kvmesh.operator.metrics import LEADER, LEADER_TRANSITIONS, LeaderMetrics
+from kvmesh.processes import free_port
+from kvmesh.router.discovery import kube_configuration
+
+from .test_operator import NS, POOLS, RESOURCES, Cluster, _versions, eventually, pool_body
+
+ME, OTHER = "operator-a_1", "operator-b_2"
+T0, T1 = "2026-01-01T00:00:00.000000Z", "2026-01-01T00:00:09.000000Z"
+
+
+def held(holder: str = OTHER, transitions: int = 3, renewed: str = T0, version: str = "7") -> LeaseRecord:
+    return LeaseRecord(holder, 15, transitions, T0, renewed, version)
+
+
+# ---- the decision --------------------------------------------------------------------------------------------------
+
+
+def test_no_lease_is_created_as_the_first_holder() -> None:
+    step = decide(None, None, ME, False, 100.0, T1, 15)
+    assert step.action == Action.ACQUIRE
+    assert step.write == LeaseRecord(ME, 15, 0, T1, T1, "")  # no resourceVersion: a create
+
+
+def test_a_held_lease_is_waited_for_until_it_has_not_changed_for_its_duration() -> None:
+    first = decide(held(), None, ME, False, 100.0, T1, 15)
+    assert (first.action, first.write) == (Action.WAIT, None)
+    assert first.seen == Seen(held(), 100.0)
+    assert decide(held(), first.seen, ME, False, 114.9, T1, 15).action == Action.WAIT
+    taken = decide(held(), first.seen, ME, False, 115.0, T1, 15)
+    assert taken.action == Action.ACQUIRE
+    # the transition is counted, the acquire time is the new holder's, the PUT is conditional on the lease read
+    assert taken.write == LeaseRecord(ME, 15, 4, T1, T1, "7")
+
+
+def test_a_holder_that_renews_is_never_taken_over() -> None:
+    seen = decide(held(), None, ME, False, 100.0, T1, 15).seen
+    renewed = held(renewed=T1, version="8")
+    step = decide(renewed, seen, ME, False, 114.0, T1, 15)
+    assert step.action == Action.WAIT and step.seen == Seen(renewed, 114.0)  # its clock starts again
+    assert decide(renewed, step.seen, ME, False, 128.9, T1, 15).action == Action.WAIT
+    assert decide(renewed, step.seen, ME, False, 129.0, T1, 15).action == Action.ACQUIRE
+
+
+def test_the_holders_clock_is_not_trusted() -> None:
+    """A renewTime far in the past (the holder's clock behind this one's) is no reason to take a lease this
+    candidate just saw change; one far in the future (a clock ahead) is no reason to wait once the lease stands
+    still for its duration. As client-go: only this candidate's own observation time counts."""
+    stale_looking = held(renewed="2001-01-01T00:00:00.000000Z")
+    assert decide(stale_looking, None, ME, False, 100.0, T1, 15).action == Action.WAIT
+    future = held(renewed="2099-01-01T00:00:00.000000Z")
+    seen = decide(future, None, ME, False, 100.0, T1, 15).seen
+    assert decide(future, seen, ME, False, 115.0, T1, 15).action == Action.ACQUIRE
+
+
+def test_the_own_lease_is_renewed_keeping_its_acquire_time_and_transitions() -> None:
+    mine = held(ME, transitions=4)
+    step = decide(mine, None, ME, True, 100.0, T1, 20)
+    assert step.action == Action.RENEW
+    assert step.write == LeaseRecord(ME, 20, 4, T0, T1, "7")
+
+
+def test_a_leader_that_sees_another_holder_lost_it() -> None:
+    """Even where the other's lease would look expired: someone wrote over this leader's lease, so it stops."""
+    seen = Seen(held(), 0.0)
+    step = decide(held(), seen, ME, True, 1000.0, T1, 15)
+    assert (step.action, step.write) == (Action.LOST, None)
+
+
+def test_a_released_lease_is_taken_at_once() -> None:
+    free = released(held(ME, transitions=2), T1)
+    assert (free.holder, free.lease_seconds, free.transitions) == ("", RELEASED_LEASE_SECONDS, 2)
+    step = decide(free, None, OTHER, False, 100.0, T1, 15)  # seen this instant for the first time
+    assert step.action == Action.ACQUIRE and step.write is not None
+    assert (step.write.holder, step.write.transitions) == (OTHER, 3)
+
+
+def test_the_lease_body_round_trips() -> None:
+    record = held()
+    body = record.body("ns", "kvmesh-operator")
+    assert body["apiVersion"] == "coordination.k8s.io/v1" and body["metadata"]["resourceVersion"] == "7"
+    assert LeaseRecord.parse(body) == record
+
+
+@pytest.mark.parametrize("timing", [Timing(15, 2.0, 2.0), Timing(12, 10.0, 2.0), Timing(15, 10.0, 0.0),
+                                    Timing(0, 0.5, 0.1)])
+def test_durations_that_let_two_leaders_overlap_are_refused(timing: Timing) -> None:
+    with pytest.raises(ValueError):
+        timing.check()
+    Timing().check()  # client-go's defaults pass
+
+
+# ---- against the emulator ------------------------------------------------------------------------------------------
+
+
+LEASES = "coordination.k8s.io/v1/leases"
+LEASE_PATH = f"/apis/{LEASES}/namespaces/{NS}/leases"
+
+
+class LeaseCluster(Cluster):
+    """The emulator plus what leader election relies on: PUT replaces a Lease only if the request's
+    resourceVersion is the stored one (else 409), checked and written under the emulator's lock. `lease_outage`
+    answers 503 to every Lease request, an API server a leader cannot reach."""
+
+    lease_outage = False
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is None or request.resource.plural != "leases":
+            return await super()._handle(request)
+        if self.lease_outage:
+            return await self._render_error(Unavailable())
+        if request.method != kmock.method.PUT:
+            return await super()._handle(request)
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                return await self._render_error(kmock.KubernetesObjectNotFoundError())
+            stored = self.objects[key].raw["metadata"]["resourceVersion"]
+            if request.data["metadata"].get("resourceVersion") != stored:
+                return await self._render_error(Conflict())
+            request.data["metadata"]["resourceVersion"] = str(next(_versions))
+            self.objects[key].patch(request.data)  # every field of a Lease's spec is written: a replace
+            return aiohttp.web.json_response(dict(self.objects[key].raw))
+
+
+class Conflict(kmock.KubernetesError):
+    status, reason, message = 409, "Conflict", "the object has been modified"
+
+
+class Unavailable(kmock.KubernetesError):
+    status, reason, message = 503, "ServiceUnavailable", "the API server is unavailable"
+
+
+@dataclass
+class Api:
+    k8s: LeaseCluster
+    kubeconfig: Path
+
+    def lease(self) -> LeaseRecord | None:
+        for (resource, namespace, name), obj in self.k8s.objects.items():
+            if resource.plural == "leases" and namespace == NS and name == "kvmesh-operator" and not obj.deleted:
+                return LeaseRecord.parse(obj.raw)
+        return None
+
+    def holder(self) -> str:
+        lease = self.lease()
+        return lease.holder if lease else ""
+
+    def pool(self) -> dict[str, Any]:
+        for (resource, namespace, name), obj in self.k8s.objects.items():
+            if resource.plural == "inferencepools" and namespace == NS and name == "chat" and not obj.deleted:
+                return dict(obj.raw)
+        return {}
+
+    def lease_verbs(self) -> set[str]:
+        """What the operators asked of Leases, as RBAC verbs."""
+        verbs = {kmock.method.GET: "get", kmock.method.POST: "create", kmock.method.PUT: "update"}
+        return {verbs.get(r.method, str(r.method)) for r in self.k8s
+                if r.resource is not None and r.resource.plural == "leases"}
+
+    def creates(self, plural: str, name: str) -> int:
+        """The operators' POSTs of this object (one per reconcile of a pool: later ones answer 409)."""
+        return sum(1 for r in self.k8s if r.method == kmock.method.POST and r.resource is not None
+                   and r.resource.plural == plural and (r.data or {}).get("metadata", {}).get("name") == name
+                   and not r.headers.get("User-Agent", "").startswith("kmock/"))
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp_path: Path) -> AsyncIterator[Api]:
+    async with LeaseCluster() as k8s, kmock.Server(k8s) as server:
+        for key, (kind, subresources) in RESOURCES.items():
+            k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
+                                  "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]}
+        k8s.resources[LEASES] = {"kind": "Lease", "namespaced": True, "verbs": ["get", "create", "update"]}
+        k8s.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch"]}
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
+            "users": [{"name": "test", "user": {"token": "t"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
+        yield Api(k8s, kubeconfig)
+
+
+@dataclass
+class Candidate:
+    name: str
+    process: asyncio.subprocess.Process
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+async def candidate(api: Api, name: str, lease_seconds: int, tmp_path: Path) -> Candidate:
+    """`kvmesh operator --leader-elect` as the chart runs it (POD_NAME, POD_NAMESPACE), with short durations."""
+    log = tmp_path / f"{name}.log"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvmesh.cli", "operator", "--kubeconfig", str(api.kubeconfig), "-n", NS,
+        "--leader-elect", f"--leader-elect-lease-duration={lease_seconds}", "--leader-elect-renew-deadline=1.5",
+        "--leader-elect-retry-period=0.25", "--tick-seconds=0.5",
+        env={**os.environ, "POD_NAME": name, "POD_NAMESPACE": NS}, stdout=log.open("wb"),
+        stderr=subprocess.STDOUT)
+    return Candidate(name, process, log)
+
+
+async def exit_code(c: Candidate, seconds: float = 20.0) -> int:
+    try:
+        return await asyncio.wait_for(c.process.wait(), seconds)
+    except TimeoutError:
+        raise AssertionError(f"{c.name} did not exit:\n{c.output()[-3000:]}") from None
+
+
+@contextlib.asynccontextmanager
+async def candidates(api: Api, lease_seconds: int, tmp_path: Path) -> AsyncIterator[tuple[Candidate, Candidate]]:
+    """A, which leads, then B beside it; both killed at the end, whatever happened."""
+    a = await candidate(api, "operator-a", lease_seconds, tmp_path)
+    b: Candidate | None = None
+    try:
+        await eventually(lambda: api.holder().startswith("operator-a_"), 60)
+        b = await candidate(api, "operator-b", lease_seconds, tmp_path)
+        await eventually(lambda: "is a candidate" in b.output(), 60)  # type: ignore[union-attr]
+        yield a, b
+    except AssertionError:
+        print(a.output()[-3000:], b.output()[-3000:] if b else "", sep="\n----\n")
+        raise
+    finally:
+        for c in (a, b):
+            if c is not None and c.process.returncode is None:
+                c.process.kill()
+                await c.process.wait()
+
+
+def run(main: Any, seconds: float = 150.0) -> None:
+    asyncio.run(asyncio.wait_for(main(), seconds))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_one_replica_reconciles_and_a_graceful_stop_hands_over_at_once(tmp_path: Path) -> None:
+    """The lease lasts 60 s: B takes over within the test's 20 s only because A released it when it stopped."""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as api, candidates(api, 60, tmp_path) as (a, b):
+            await api.k8s.post(POOLS, json=pool_body())
+            await eventually(lambda: api.pool().get("status", {}).get("observedGeneration") == 1)
+            await eventually(lambda: "is a candidate" in b.output())
+            # Each reconcile of the pool creates its Deployments (create-then-patch): the standby made none.
+            assert api.creates("deployments", "chat-both") == 1
+            assert api.holder().startswith("operator-a_") and "leads" not in b.output()
+
+            a.process.send_signal(signal.SIGTERM)
+            assert await exit_code(a) == 0
+            await eventually(lambda: api.holder().startswith("operator-b_"), 20)
+            lease = api.lease()
+            assert lease is not None and lease.transitions == 1
+
+            # B reconciles now: a change to the pool is applied.
+            await api.k8s.patch(f"{POOLS}/chat", json={"spec": {"router": {"replicas": 3}}})
+            await eventually(lambda: api.pool()["status"]["observedGeneration"] == 2, 30)
+            assert b.process.returncode is None
+            assert api.lease_verbs() == set(LEASE_VERBS)  # what the chart's Role grants, all of it used
+
+    run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_dead_leaders_lease_is_taken_and_a_leader_that_cannot_renew_exits(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path) as api, candidates(api, 2, tmp_path) as (a, b):
+            a.process.kill()  # no release: B waits out the 2 s lease
+            await exit_code(a)
+            await eventually(lambda: api.holder().startswith("operator-b_"), 30)
+            await api.k8s.post(POOLS, json=pool_body())
+            await eventually(lambda: api.pool().get("status", {}).get("observedGeneration") == 1)
+
+            api.k8s.lease_outage = True  # B cannot renew: past its 1.5 s renew deadline it exits
+            assert await exit_code(b) == EXIT_LOST
+            assert "leadership lost" in b.output()
+
+    run(main)
+
+
+def test_two_electors_one_leader_and_the_standby_answers_its_health_probe(tmp_path: Path) -> None:
+    """In one process: of two candidates that start together, one acquires (the other's write gets 409 or it
+    waits), the standby's /healthz answers 200 saying so, and the metrics say who leads."""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as api:
+            configuration = kube_configuration(str(api.kubeconfig))
+            timing = Timing(60, 1.5, 0.1)
+            registries = [CollectorRegistry(), CollectorRegistry()]
+            electors = [Elector(LeaseApi(configuration, NS, "kvmesh-operator", 5.0), name, timing, LeaderMetrics(r))
+                        for name, r in zip((ME, OTHER), registries, strict=True)]
+            tries = [asyncio.create_task(e.acquire()) for e in electors]
+            done, pending = await asyncio.wait(tries, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            (winner,) = [electors[tries.index(t)] for t in done]
+            (loser,) = [e for e in electors if e is not winner]
+            await asyncio.sleep(0.5)  # several more rounds: the standby still waits
+            assert not pending.pop().done() and api.holder() == winner.me
+            assert (winner.leading, loser.leading) == (True, False)
+            assert [r.get_sample_value(LEADER) for r in registries] == [float(e is winner) for e in electors]
+            assert registries[electors.index(winner)].get_sample_value(f"{LEADER_TRANSITIONS}_total") == 1
+
+            port = free_port()
+            health = await serve_health(port, loser, host="127.0.0.1")
+            assert health is not None
+            try:
+                async with aiohttp.ClientSession() as session, session.get(
+                        f"http://127.0.0.1:{port}/healthz") as reply:
+                    assert reply.status == 200 and json.loads(await reply.text()) == {"leader": False}
+            finally:
+                await health.cleanup()
+                for t in tries:
+                    t.cancel()
+
+    run(main, 60)
