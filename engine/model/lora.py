@@ -394,7 +394,6 @@ class LoraRegistry:
             raise LoraNotFound(f"no LoRA adapter named {name!r} is loaded")
         return entry
 
-
     def check_invariants(self, requests_per_slot: Mapping[int, int]) -> None:
         """Each slot is free, live (one loaded name's weights) or retired (earlier weights of a loaded name that
         requests still run with), and requests are bound to live or retired slots only; `requests_per_slot` counts
