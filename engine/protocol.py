@@ -444,6 +444,10 @@ class OperatorMetric:
     EVALUATIONS = "kvmesh_operator_evaluations"
     LAST_EVALUATION = "kvmesh_operator_last_evaluation_timestamp_seconds"
     EVALUATION_INTERVAL = "kvmesh_operator_evaluation_interval_seconds"
+    # leader election (operator/leader.py; only with --leader-elect, no labels): gauge, 1 while this process holds the
+    # lease; counter, the times it took the lease
+    LEADER = "kvmesh_operator_leader"
+    LEADER_TRANSITIONS = "kvmesh_operator_leader_transitions"
 
 
 # rate_limited: a tenant's own limits (router/limits.py), apart from errors and from sheds of an overloaded pool

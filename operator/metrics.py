@@ -125,20 +125,16 @@ class OperatorMetrics:
                     self.lora_actions.remove(*key, action, outcome)
 
 
-LEADER = "kvmesh_operator_leader"
-LEADER_TRANSITIONS = "kvmesh_operator_leader_transitions"
-
-
 class LeaderMetrics:
     """The leader election's series (operator/leader.py), only in an operator run with --leader-elect: whether
     this replica leads, and how often it took the lease (summed over replicas: the lease's first holder, then
     every failover and handover)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.leader = Gauge(LEADER, "1 while this operator process holds the leader lease, else 0.",
+        self.leader = Gauge(OperatorMetric.LEADER, "1 while this operator process holds the leader lease, else 0.",
                             registry=registry)
-        self.transitions = Counter(LEADER_TRANSITIONS, "Times this operator process took the leader lease.",
-                                   registry=registry)
+        self.transitions = Counter(OperatorMetric.LEADER_TRANSITIONS,
+                                   "Times this operator process took the leader lease.", registry=registry)
 
     def acquired(self) -> None:
         self.leader.set(1)

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.operator.leader import (
     EXIT_LOST,
     LEASE_VERBS,
@@ -37,7 +38,7 @@ from kvmesh.operator.leader import (
     released,
     serve_health,
 )
-from kvmesh.operator.metrics import LEADER, LEADER_TRANSITIONS, LeaderMetrics
+from kvmesh.operator.metrics import LeaderMetrics
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
 
@@ -338,8 +339,10 @@ def test_two_electors_one_leader_and_the_standby_answers_its_health_probe(tmp_pa
             await asyncio.sleep(0.5)  # several more rounds: the standby still waits
             assert not pending.pop().done() and api.holder() == winner.me
             assert (winner.leading, loser.leading) == (True, False)
-            assert [r.get_sample_value(LEADER) for r in registries] == [float(e is winner) for e in electors]
-            assert registries[electors.index(winner)].get_sample_value(f"{LEADER_TRANSITIONS}_total") == 1
+            leading = [r.get_sample_value(OperatorMetric.LEADER) for r in registries]
+            assert leading == [float(e is winner) for e in electors]
+            took = registries[electors.index(winner)].get_sample_value(f"{OperatorMetric.LEADER_TRANSITIONS}_total")
+            assert took == 1
 
             port = free_port()
             health = await serve_health(port, loser, host="127.0.0.1")
