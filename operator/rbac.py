@@ -1,6 +1,7 @@
 """Every Kubernetes API verb and resource the operator and the router use: the one list.
 
-The operator's ClusterRole and each pool's router Role are built from it (desired.py, the Helm chart), the
+The operator's ClusterRole, its Role for leader election and each pool's router Role are built from it
+(desired.py, the Helm chart), the
 emulator tests record the requests the operator makes and fail on any outside it, and the chart's RBAC is
 checked against it. Kubernetes refuses to let a subject grant permissions it does not hold itself, so the
 operator's list includes the router's (it creates the routers' Roles).
@@ -50,6 +51,11 @@ OPERATOR: tuple[Permission, ...] = (
     Permission("inference.networking.k8s.io", "inferencepools", OWN, "Gateway API Inference Extension interop"),
     *ROUTER,
 )
+
+
+# Leader election (operator/leader.py), in the operator's own namespace only: the chart's Role, not the ClusterRole.
+LEADER_ELECTION = Permission("coordination.k8s.io", "leases", ("get", "create", "update"),
+                             "the operator replicas' leader election on one Lease (operator/leader.py)")
 
 
 def allows(permissions: tuple[Permission, ...], group: str, resource: str, verb: str) -> bool:

@@ -18,7 +18,6 @@ from helm_python import _native
 
 from kvmesh import __version__
 from kvmesh.operator import crd, desired, rbac
-from kvmesh.operator.leader import LEASE_API_VERSION, LEASE_VERBS
 
 from .promql import CHART, DASHBOARDS, ROOT
 
@@ -160,8 +159,7 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
             f"{name}: operator/rbac.py changed; paste into templates/operator-rbac.yaml:\n{rules_block(rbac.OPERATOR)}")
         (lease_role,) = by_kind(docs, "Role")
         assert lease_role["metadata"]["namespace"] == "kvmesh"
-        assert lease_role["rules"] == [{"apiGroups": [LEASE_API_VERSION.split("/")[0]], "resources": ["leases"],
-                                        "verbs": list(LEASE_VERBS)}]
+        assert lease_role["rules"] == [rbac.LEADER_ELECTION.rule()]
         roles = {"ClusterRole": role["metadata"]["name"], "Role": lease_role["metadata"]["name"]}
         bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
         (account,) = by_kind(docs, "ServiceAccount")

@@ -26,7 +26,6 @@ from prometheus_client import CollectorRegistry
 from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.operator.leader import (
     EXIT_LOST,
-    LEASE_VERBS,
     RELEASED_LEASE_SECONDS,
     Action,
     Elector,
@@ -39,6 +38,7 @@ from kvmesh.operator.leader import (
     serve_health,
 )
 from kvmesh.operator.metrics import LeaderMetrics
+from kvmesh.operator.rbac import LEADER_ELECTION
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
 
@@ -298,7 +298,7 @@ def test_one_replica_reconciles_and_a_graceful_stop_hands_over_at_once(tmp_path:
             await api.k8s.patch(f"{POOLS}/chat", json={"spec": {"router": {"replicas": 3}}})
             await eventually(lambda: api.pool()["status"]["observedGeneration"] == 2, 30)
             assert b.process.returncode is None
-            assert api.lease_verbs() == set(LEASE_VERBS)  # what the chart's Role grants, all of it used
+            assert api.lease_verbs() == set(LEADER_ELECTION.verbs)  # what the chart's Role grants, all of it used
 
     run(main)
 
