@@ -394,3 +394,14 @@ def test_a_gateway_reaches_the_engines_only_when_named() -> None:
 
 def test_network_policies_can_be_turned_off() -> None:
     assert by_kind(manifests(render({"networkPolicy": {"enabled": False}})), "NetworkPolicy") == []
+
+
+def test_a_standby_operator_gets_a_disruption_budget_of_one() -> None:
+    """A node drain evicts one operator replica at a time, so the other can take the lease; one replica has no
+    budget (it would block every drain)."""
+    assert not by_kind(manifests(RENDERINGS["default"]), "PodDisruptionBudget")
+    docs = manifests(RENDERINGS["two operators"])
+    (budget,) = by_kind(docs, "PodDisruptionBudget")
+    (deployment,) = by_kind(docs, "Deployment")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
