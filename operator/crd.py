@@ -37,7 +37,7 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.engine.typed_fields import check_types
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import MAX_HOLD_SECONDS, RouterConfig
 
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
@@ -81,6 +81,11 @@ MAX_LORA_ADAPTERS = 32
 # names the spec declared that engines may still serve, and refusals (engine pod life x action) not to try again.
 MAX_MANAGED_ADAPTERS = 4 * MAX_LORA_ADAPTERS
 MAX_ADAPTER_REFUSALS = 256
+# scaling.scaleToZero: an idle pool's engines go to 0 after at least a minute (shorter would stop a pool between the
+# requests of a slow client); a request that finds none is held by the router up to the activation timeout.
+MIN_IDLE_SECONDS = 60
+DEFAULT_ACTIVATION_TIMEOUT_SECONDS = 300
+MAX_ACTIVATION_TIMEOUT_SECONDS = int(MAX_HOLD_SECONDS)  # the router's own bound on its hold
 
 
 def _package_version() -> str:
@@ -263,12 +268,17 @@ RULES: tuple[Rule, ...] = (
          f"model.loraAdapters: more adapters than engine.maxLoras (default {DEFAULT_MAX_LORAS}; every loaded adapter "
          "takes one of its slots)",
          lambda s: len(s["model"]["loraAdapters"]) <= s["engine"].get("maxLoras", DEFAULT_MAX_LORAS)),
-    Rule((), "self.mode == 'aggregated' ? self.replicas.both.min >= 1 : "
-             "(self.replicas.prefill.min >= 1 && self.replicas.decode.min >= 1)",
+    Rule((), "has(self.scaling.scaleToZero) || (self.mode == 'aggregated' ? self.replicas.both.min >= 1 : "
+             "(self.replicas.prefill.min >= 1 && self.replicas.decode.min >= 1))",
          "the pool's mode needs at least one pod of each of its roles: replicas.both.min (aggregated), or "
-         "replicas.prefill.min and replicas.decode.min (disaggregated)",
-         lambda s: s["replicas"]["both"]["min"] >= 1 if s["mode"] == "aggregated"
-         else s["replicas"]["prefill"]["min"] >= 1 and s["replicas"]["decode"]["min"] >= 1),
+         "replicas.prefill.min and replicas.decode.min (disaggregated); a min of 0 needs scaling.scaleToZero",
+         lambda s: "scaleToZero" in s["scaling"] or (
+             s["replicas"]["both"]["min"] >= 1 if s["mode"] == "aggregated"
+             else s["replicas"]["prefill"]["min"] >= 1 and s["replicas"]["decode"]["min"] >= 1)),
+    Rule(("scaling",), "!has(self.scaleToZero) || self.mode == 'operator'",
+         "scaling.scaleToZero needs scaling.mode operator: an HPA never scales a Deployment to 0, and only the "
+         "operator sees the requests the routers hold",
+         lambda s: "scaleToZero" not in s or s["mode"] == "operator"),
 )
 
 
@@ -383,6 +393,16 @@ def spec_schema() -> dict[str, Any]:
         "warmupGraceSeconds": _num("with warm-up on, a new engine pod stays unready (its /health says warming) until "
                                    "its warm-up ends or this many seconds pass; 0: it serves at once, warmed later",
                                    0, 600, default=60),
+        "scaleToZero": _obj({
+            "idleSeconds": _int("with no request in the pool for this long, every engine role goes to 0 replicas",
+                                MIN_IDLE_SECONDS),
+            "activationTimeoutSeconds": _int("how long a router holds a request while the pool starts from zero "
+                                             "(pod start plus model load), then answers 503 with Retry-After", 1,
+                                             MAX_ACTIVATION_TIMEOUT_SECONDS,
+                                             default=DEFAULT_ACTIVATION_TIMEOUT_SECONDS),
+        }, ("idleSeconds",), description="scale every engine role to 0 when the pool is idle, and back to "
+                                         "max(min, 1) on the first request, which the routers hold meanwhile "
+                                         "(routers never scale to 0); allows replicas.*.min 0"),
         "slo": _obj({"ttftSeconds": _num("time-to-first-token objective: the router sheds by priority past it", 0,
                                          exclusive_min=True),
                      "itlSeconds": _num("inter-token latency objective: decode pods (or pods that do both) are "
@@ -641,6 +661,7 @@ SHARED_ROUTER_SETTINGS = {"host": "nothing (the operator's)", "port": "router.po
                           **{k: v for k, v in SHARED_ENGINE_SETTINGS.items() if k in ("block_size", "hash_algo",
                                                                                      "hash_root", "model")}}
 _PORT = _int("a TCP port", 1, 65535)
+HOLD_SETTING = "hold_without_pods_seconds"  # the router's, which scaling.scaleToZero sets
 
 
 def setting_names(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -694,6 +715,8 @@ def _check_settings(full: Mapping[str, Any], own_images: Mapping[str, bool]) -> 
     router = setting_names(full["router"].get("settings") or {})
     _refuse_shared("router", router, SHARED_ROUTER_SETTINGS,
                    "the router's container, probes and Service, and the engines, must agree with it")
+    if "scaleToZero" in full["scaling"] and HOLD_SETTING in router:
+        raise SpecError(f"router.settings: {HOLD_SETTING} is set by scaling.scaleToZero.activationTimeoutSeconds")
     if "ext_proc_port" in router:
         _check(router["ext_proc_port"], _PORT, "router.settings.ext_proc_port")
         if router["ext_proc_port"] == full["router"]["port"]:
@@ -769,13 +792,18 @@ def parse_pool(body: Mapping[str, Any], defaults: PoolDefaults = PoolDefaults())
 
 
 def load_pool_file(path: str) -> Pool:
-    """The one InferencePool a YAML file holds."""
+    """The one InferencePool a YAML file holds, as `kvmesh up -f` runs it (the operator reads pools from the API).
+    Scale to zero is refused there: a local pool has no router scrape to wake it and keeps its engines running."""
     with open(path) as f:
         docs = [d for d in yaml.safe_load_all(f) if d]
     pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(pools) != 1:
         raise SpecError(f"{path}: expected one {KIND}, found {len(pools)}")
-    return parse_pool(pools[0])
+    pool = parse_pool(pools[0])
+    if "scaleToZero" in pool.spec["scaling"]:
+        raise SpecError(f"{path}: scaling.scaleToZero works in a cluster only; `kvmesh up` keeps each role's engines "
+                        "running (drop the field, with replicas.*.min at least 1)")
+    return pool
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from kvmesh.operator.crd import (
     CACHE_DIR_ENV,
     DATABASE_URL_ENV,
     ENGINE_SETTINGS,
+    HOLD_SETTING,
     KIND,
     Pool,
     setting_names,
@@ -178,6 +179,8 @@ def router_settings(pool: Pool) -> dict[str, Any]:
         out["weights"] = dict(spec["weights"])
     if "ttftSeconds" in scaling["slo"]:
         out["ttft_slo_seconds"] = scaling["slo"]["ttftSeconds"]
+    if "scaleToZero" in scaling:  # a request that finds no engine waits while the pool starts from zero
+        out[HOLD_SETTING] = scaling["scaleToZero"]["activationTimeoutSeconds"]
     if "databaseUrl" in pool.spec["store"]:
         out["database_url"] = pool.spec["store"]["databaseUrl"]
     if "apiKeys" in spec:

@@ -37,6 +37,10 @@ SHUTDOWN_SETTLE_SECONDS = 5.0
 # Bodies up to this size are tokenized on the event loop (well under a millisecond); larger ones on a worker
 # thread, so a long prompt does not stall other requests' streams.
 INLINE_TOKENIZE_BYTES = 8192
+# Requests one router holds at once while no pod is ready (hold_without_pods_seconds): each is an open connection
+# and its body in memory, so a burst against a pool starting from zero stays bounded.
+MAX_HELD_REQUESTS = 1000
+MAX_HOLD_SECONDS = 3600.0  # the longest hold (scaling.scaleToZero.activationTimeoutSeconds' bound)
 MAX_REQUEST_BODY_BYTES = 32 << 20  # a completion's body the router holds in memory at most, on either edge
 EXT_PROC_CERT_FILE, EXT_PROC_KEY_FILE = "tls.crt", "tls.key"  # in ext_proc_cert_dir: a kubernetes.io/tls Secret's keys
 
@@ -73,6 +77,10 @@ class RouterConfig:
     shed_overload_probability: float = 0.9  # shed when the best pod's KV forecast says it runs out this likely
     priority_headroom: float = 0.5  # each priority level tolerates this much more overload before it is shed
     request_timeout_seconds: float = 600.0
+    # a request that finds no pod ready (none at all, not all busy) waits up to this long for one (a pool starting
+    # from zero: the operator sets it for scaling.scaleToZero); 0: 503 at once
+    hold_without_pods_seconds: float = 0.0
+    max_held_requests: int = MAX_HELD_REQUESTS  # held at once at most; past it 503 at once
     # connections the router keeps open to one pod at most; past it a request waits for one (router/proxy.py)
     max_connections_per_pod: int = MAX_CONNECTIONS_PER_POD
     api_keys_file: str | None = None
@@ -149,7 +157,10 @@ class RouterConfig:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
         if self.batch_max_enqueued_requests < 1:
             raise ValueError(f"batch_max_enqueued_requests must be at least 1, not {self.batch_max_enqueued_requests}")
-        for name in ("responses_ttl_seconds", "responses_memory_items"):
+        if not 0 <= self.hold_without_pods_seconds <= MAX_HOLD_SECONDS:
+            raise ValueError(f"hold_without_pods_seconds must be in [0, {MAX_HOLD_SECONDS}], not "
+                             f"{self.hold_without_pods_seconds}")
+        for name in ("responses_ttl_seconds", "responses_memory_items", "max_held_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
 

@@ -156,6 +156,10 @@ SCHEMA_BAD = [
     ("router.apiKeys", {"secretName": "keys", "key": ".."}, "key"),
     ("router.apiKeys", {"key": "keys.yaml"}, "secretName"),  # required
     ("engine.env", [{"name": "1BAD NAME", "value": "x"}], "name"),
+    ("scaling.scaleToZero", {"idleSeconds": 30}, "idleSeconds"),  # at least a minute
+    ("scaling.scaleToZero", {"idleSeconds": 300, "activationTimeoutSeconds": 7200}, "activationTimeoutSeconds"),
+    ("scaling.scaleToZero", {"activationTimeoutSeconds": 60}, "idleSeconds"),  # required
+    ("scaling.scaleToZero", {"idleSeconds": 120.5}, "idleSeconds"),  # an integer
 ]
 
 
@@ -176,6 +180,7 @@ RULE_BAD = [
     ("scaling.podStartupSeconds", 120.5, "horizonSeconds must be at least"),
     ("store", {"databaseUrl": "sqlite://", "databaseUrlSecret": {"name": "s", "key": "k"}}, "not both"),
     ("replicas.both", {"min": 0, "max": 2}, "at least one pod"),
+    ("scaling", {"mode": "hpa", "scaleToZero": {"idleSeconds": 600}}, "scaleToZero needs scaling.mode operator"),
     ("engine.env", [{"name": "KVMESH_CACHE_DIR", "value": "/x"}], "the operator sets"),
     ("router.env", [{"name": "HOME", "value": "/root"}], "the operator sets"),
     ("router.env", [{"name": "OTEL_SERVICE_NAME", "value": "r",
@@ -232,3 +237,39 @@ def test_a_pool_object_of_another_shape_is_a_spec_error_naming_the_field(edit: d
             "spec": {"model": {"source": "bundled"}}, **edit}
     with pytest.raises(SpecError, match=r"metadata|spec"):
         parse_pool(body)
+
+
+def test_scale_to_zero_allows_a_minimum_of_zero_in_cel_and_in_python_alike() -> None:
+    """min 0 is refused without scaling.scaleToZero (above) and is the point with it, in either mode; max stays at
+    least 1, and the operator writes the activation timeout (default 300 s) into the routers' hold."""
+    aggregated = _set(_set(example("aggregated.yaml")["spec"], "replicas.both", {"min": 0, "max": 2}),
+                      "scaling.scaleToZero", {"idleSeconds": 600})
+    full = complete_spec(aggregated)
+    assert full["scaling"]["scaleToZero"] == {"idleSeconds": 600, "activationTimeoutSeconds": 300}
+    assert cel_errors(full) == []
+    disaggregated = _set(_set(example("disaggregated.yaml")["spec"], "replicas.prefill", {"min": 0, "max": 2}),
+                         "scaling.scaleToZero", {"idleSeconds": 60, "activationTimeoutSeconds": 3600})
+    disaggregated = _set(disaggregated, "replicas.decode", {"min": 0, "max": 2})
+    assert cel_errors(complete_spec(disaggregated)) == []
+    no_max = _set(aggregated, "replicas.both", {"min": 0, "max": 0})
+    assert list(VALIDATOR.iter_errors(no_max))
+    with pytest.raises(SpecError, match="max"):
+        complete_spec(no_max)
+
+
+def test_router_settings_cannot_set_the_hold_that_scale_to_zero_sets() -> None:
+    spec = _set(example("aggregated.yaml")["spec"], "scaling.scaleToZero", {"idleSeconds": 600})
+    with pytest.raises(SpecError, match=r"hold_without_pods_seconds is set by scaling\.scaleToZero"):
+        complete_spec(_set(spec, "router.settings", {"hold_without_pods_seconds": 5}))
+    plain = _set(example("aggregated.yaml")["spec"], "router.settings", {"hold_without_pods_seconds": 5})
+    assert complete_spec(plain)["router"]["settings"] == {"hold_without_pods_seconds": 5}  # a router's own choice
+
+
+def test_a_pool_file_with_scale_to_zero_is_refused_locally(tmp_path: Path) -> None:
+    """`kvmesh up -f` keeps its engines running: the field is refused with a message saying so."""
+    body = example("aggregated.yaml")
+    body["spec"] = _set(body["spec"], "scaling.scaleToZero", {"idleSeconds": 600})
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(SpecError, match="scaleToZero works in a cluster only"):
+        load_pool_file(str(path))
