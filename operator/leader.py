@@ -140,7 +140,10 @@ def decide(lease: LeaseRecord | None, seen: Seen | None, me: str, leading: bool,
     if seen is None or seen.record != lease:
         seen = Seen(lease, now)
     if lease.holder == me:
-        return Step(Action.RENEW, replace(lease, lease_seconds=lease_seconds, renewed=wall), seen)
+        # Not leading yet: this candidate's own write took the lease but its answer never came (a timeout), so it
+        # takes the lease up now; a RENEW would keep it from leading while renewing the lease away from the others.
+        return Step(Action.RENEW if leading else Action.ACQUIRE,
+                    replace(lease, lease_seconds=lease_seconds, renewed=wall), seen)
     if leading:
         return Step(Action.LOST, None, seen)
     if lease.holder and now < seen.since + lease.lease_seconds:
@@ -182,10 +185,13 @@ class LeaseApi:
 
     def __init__(self, configuration: Configuration, namespace: str, name: str, timeout_seconds: float) -> None:
         from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
 
         configuration = copy.deepcopy(configuration)
         configuration.retries = False
         self.api = client.ApiClient(configuration)
+        # ApiException: the client's wrapping of a TLS failure (status 0), not an answer
+        self.failures: tuple[type[Exception], ...] = (urllib3.exceptions.HTTPError, OSError, ApiException)
         self.namespace, self.name, self.timeout = namespace, name, timeout_seconds
         self.collection = f"/apis/{LEASE_API_VERSION}/namespaces/{namespace}/leases"
 
@@ -197,7 +203,7 @@ class LeaseApi:
         try:
             response = self.api.call_api(*request, _request_timeout=self.timeout)
             data = response.read()
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
+        except self.failures as exc:
             raise LeaseError(f"{method} {path}: {exc}") from exc
         if response.status == HTTPStatus.CONFLICT:
             raise LeaseConflict(f"lease {self.namespace}/{self.name} changed since it was read")
@@ -231,7 +237,10 @@ class LeadershipLost(Exception):
 
 
 class Elector:
-    """One candidate: `acquire` returns once it holds the lease, `hold` renews it until it is lost (raises)."""
+    """One candidate: `acquire` returns once it holds the lease, `hold` renews it until it is lost (raises).
+
+    A write counts from when it was sent, not answered: the API server stores it in between, and a standby
+    counts the lease's duration from when it sees it, so a slow answer must not lengthen the leader's term."""
 
     def __init__(self, api: LeaseApi, me: str, timing: Timing, metrics: LeaderMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -239,16 +248,24 @@ class Elector:
         self.leading = False
         self.seen: Seen | None = None
         self.mine: LeaseRecord | None = None  # the lease as this candidate last wrote it
+        self.renewed_at = 0.0  # when (this candidate's clock) the last write that counted was sent
 
     async def _round(self) -> Action:
-        """Read, decide, write; a write that fails or conflicts leaves the lease to the next round."""
+        """Read, decide, write; a write that fails or conflicts leaves the lease to the next round, and so does
+        one answered a renew deadline or more after it was sent (a standby may have taken the lease by then)."""
         lease = await asyncio.to_thread(self.api.read)
         step = decide(lease, self.seen, self.me, self.leading, self.clock(), micro_time(), self.timing.lease_seconds)
         self.seen = step.seen
         if step.write is None:
             return step.action
+        sent = self.clock()
         written = await asyncio.to_thread(self.api.write, step.write)
-        self.seen, self.mine = Seen(written, self.clock()), written
+        answered = self.clock()
+        self.seen, self.mine = Seen(written, answered), written
+        if answered - sent >= self.timing.renew_deadline_seconds:
+            raise LeaseError(f"the write was answered {answered - sent:.1f} s after it was sent, past the renew "
+                             f"deadline")
+        self.renewed_at = sent
         if step.action == Action.ACQUIRE and not self.leading:
             self.leading = True
             self.metrics.acquired()
@@ -266,10 +283,9 @@ class Elector:
             await asyncio.sleep(self.timing.retry_seconds)
 
     async def hold(self) -> NoReturn:
-        renewed = self.clock()
         while True:
             await asyncio.sleep(self.timing.retry_seconds)
-            left = renewed + self.timing.renew_deadline_seconds - self.clock()
+            left = self.renewed_at + self.timing.renew_deadline_seconds - self.clock()
             try:
                 action = await asyncio.wait_for(self._round(), max(left, 0.001))
             except (TimeoutError, LeaseError) as exc:
@@ -279,20 +295,24 @@ class Elector:
                 self._stopped()
                 holder = self.seen.record.holder if self.seen else "another candidate"
                 raise LeadershipLost(f"lease {self.api.namespace}/{self.api.name} is held by {holder}")
-            if action in (Action.RENEW, Action.ACQUIRE):  # ACQUIRE: the lease was deleted, and made anew
-                renewed = self.clock()
-            elif self.clock() - renewed >= self.timing.renew_deadline_seconds:
+            if self.clock() - self.renewed_at >= self.timing.renew_deadline_seconds:  # no write counted since
                 self._stopped()
                 raise LeadershipLost(f"lease {self.api.namespace}/{self.api.name} not renewed for "
                                      f"{self.timing.renew_deadline_seconds:g} s")
 
     async def release(self) -> None:
-        """Give the lease up (one try: on failure the standby waits for it to expire)."""
+        """Give the lease up (on failure the standby waits for it to expire)."""
         if not self.leading or self.mine is None:
             return
         self._stopped()
         try:
-            await asyncio.to_thread(self.api.write, released(self.mine, micro_time()))
+            try:
+                await asyncio.to_thread(self.api.write, released(self.mine, micro_time()))
+            except LeaseConflict:  # a renewal cancelled on its way still landed: release the lease it wrote
+                current = await asyncio.to_thread(self.api.read)
+                if current is None or current.holder != self.me:
+                    return
+                await asyncio.to_thread(self.api.write, released(current, micro_time()))
             log.info("%s released lease %s/%s", self.me, self.api.namespace, self.api.name)
         except LeaseError as exc:
             log.warning("lease %s/%s not released: %s", self.api.namespace, self.api.name, exc)
@@ -360,6 +380,7 @@ async def run_elected(election: Election, configuration: Configuration,
             candidate.cancel()
             return
         stop.cancel()
+        candidate.result()  # acquire retries the API's failures; any other error stops here, never runs kopf
         operator = asyncio.create_task(operate(stopping))
         holder = asyncio.create_task(elector.hold())
         await asyncio.wait({operator, holder}, return_when=asyncio.FIRST_COMPLETED)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +24,27 @@ import aiohttp
 import kmock
 import pytest
 import yaml
+from kubernetes.client import Configuration
 from prometheus_client import CollectorRegistry
 
 from kvmesh.engine.protocol import OperatorMetric
+from kvmesh.operator import leader
 from kvmesh.operator.leader import (
     EXIT_LOST,
     RELEASED_LEASE_SECONDS,
     Action,
+    Election,
     Elector,
+    LeadershipLost,
     LeaseApi,
+    LeaseConflict,
+    LeaseError,
     LeaseRecord,
     Seen,
     Timing,
     decide,
     released,
+    run_elected,
     serve_health,
 )
 from kvmesh.operator.metrics import LeaderMetrics
@@ -99,6 +109,14 @@ def test_the_own_lease_is_renewed_keeping_its_acquire_time_and_transitions() -> 
     assert step.write == LeaseRecord(ME, 20, 4, T0, T1, "7")
 
 
+def test_its_own_lease_found_while_standing_by_is_taken_up() -> None:
+    """This candidate's create or take landed but its answer was lost (a timeout): the lease names it. It must lead
+    now; renewing it as a standby would keep every candidate, itself included, from leading."""
+    step = decide(held(ME, transitions=4), None, ME, False, 100.0, T1, 15)
+    assert step.action == Action.ACQUIRE
+    assert step.write == LeaseRecord(ME, 15, 4, T0, T1, "7")  # the transition was counted by the write that landed
+
+
 def test_a_leader_that_sees_another_holder_lost_it() -> None:
     """Even where the other's lease would look expired: someone wrote over this leader's lease, so it stops."""
     seen = Seen(held(), 0.0)
@@ -127,6 +145,162 @@ def test_durations_that_let_two_leaders_overlap_are_refused(timing: Timing) -> N
     with pytest.raises(ValueError):
         timing.check()
     Timing().check()  # client-go's defaults pass
+
+
+# ---- one candidate against a lease in memory, on its own clock -----------------------------------------------------
+
+
+class Clock:
+    """A monotonic clock the test moves: the API's slowness, with no waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class MemoryLeaseApi(LeaseApi):
+    """One Lease with the API server's rules (a create of an existing lease or a PUT of a changed one: 409). Each
+    write's answer takes `write_seconds` of the clock; `lost_answers` writes are stored and then time out; while
+    `reads_fail`, each read times out after a second."""
+
+    def __init__(self, clock: Clock) -> None:  # no client: nothing leaves the process
+        self.namespace, self.name, self.clock = NS, "kvmesh-operator", clock
+        self.stored: LeaseRecord | None = None
+        self.versions = itertools.count(1)
+        self.write_seconds, self.lost_answers, self.reads_fail = 0.0, 0, False
+
+    def read(self) -> LeaseRecord | None:
+        if self.reads_fail:
+            self.clock.now += 1.0
+            raise LeaseError("GET: read timed out")
+        return self.stored
+
+    def write(self, record: LeaseRecord) -> LeaseRecord:
+        if record.resource_version != (self.stored.resource_version if self.stored else ""):
+            raise LeaseConflict("changed since it was read")
+        self.stored = replace(record, resource_version=str(next(self.versions)))
+        self.clock.now += self.write_seconds
+        if self.lost_answers:
+            self.lost_answers -= 1
+            raise LeaseError("PUT: read timed out")
+        return self.stored
+
+
+FAST_RETRY = Timing(15, 10.0, 0.001)  # client-go's lease and renew deadline; a retry that costs the test no time
+
+
+def memory_elector() -> tuple[Elector, MemoryLeaseApi, CollectorRegistry]:
+    clock, registry = Clock(), CollectorRegistry()
+    api = MemoryLeaseApi(clock)
+    return Elector(api, ME, FAST_RETRY, LeaderMetrics(registry), clock=clock), api, registry
+
+
+def test_an_acquire_whose_answer_was_lost_leads_at_the_next_round() -> None:
+    elector, api, registry = memory_elector()
+    api.lost_answers = 1
+
+    async def main() -> None:
+        with pytest.raises(LeaseError):
+            await elector._round()
+        assert api.stored is not None and api.stored.holder == ME and not elector.leading
+        assert await elector._round() == Action.ACQUIRE
+
+    asyncio.run(main())
+    assert elector.leading and registry.get_sample_value(OperatorMetric.LEADER) == 1
+    assert api.stored is not None and api.stored.transitions == 0  # created once: no transition
+
+
+def test_a_lease_written_past_the_renew_deadline_does_not_start_the_leader() -> None:
+    """The API server stored the lease as soon as the write arrived; a standby that saw it then may take it a lease
+    duration later, before this candidate's term, counted from the slow answer, would end."""
+    elector, api, registry = memory_elector()
+    api.write_seconds = 10.0
+
+    async def main() -> None:
+        with pytest.raises(LeaseError, match="past the renew deadline"):
+            await elector._round()
+        assert not elector.leading and registry.get_sample_value(OperatorMetric.LEADER) == 0
+        api.write_seconds = 0.0
+        assert await elector._round() == Action.ACQUIRE  # its own lease, taken up at once
+
+    asyncio.run(main())
+    assert elector.leading
+
+
+def test_the_renew_deadline_counts_from_when_the_last_write_was_sent() -> None:
+    """Acquired with a write sent at 0 s and answered at 6 s, then no renewal gets through: the leader stops at
+    10 s (sent + renew deadline), not 16 s (answered + renew deadline), which a standby's 15 s lease overtakes."""
+    elector, api, _ = memory_elector()
+    api.write_seconds = 6.0
+
+    async def main() -> None:
+        assert await elector._round() == Action.ACQUIRE
+        api.reads_fail = True
+        with pytest.raises(LeadershipLost, match="not renewed"):
+            await elector.hold()
+
+    asyncio.run(main())
+    assert api.clock.now == 10.0 and not elector.leading
+
+
+def test_release_after_a_renewal_that_landed_late_still_frees_the_lease() -> None:
+    """SIGTERM cancels a renewal on its way; its write lands, so the lease moved past the one this leader last
+    saw written. The release's conditional PUT gets 409: it reads the lease, still its own, and releases that."""
+    elector, api, _ = memory_elector()
+
+    async def main() -> None:
+        assert await elector._round() == Action.ACQUIRE
+        assert api.stored is not None
+        api.write(replace(api.stored, renewed=T1))  # the cancelled renewal, landed
+        await elector.release()
+
+    asyncio.run(main())
+    assert api.stored is not None and api.stored.holder == "" and not elector.leading
+
+
+def test_a_candidate_failing_outside_the_lease_api_never_starts_kopf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error acquire does not retry ends the candidate; the operator must not start as if it had the lease."""
+
+    class BrokenLeaseApi(MemoryLeaseApi):
+        def __init__(self, *_: Any) -> None:
+            super().__init__(Clock())
+
+        def read(self) -> LeaseRecord | None:
+            raise RuntimeError("not a LeaseError")
+
+    monkeypatch.setattr(leader, "LeaseApi", BrokenLeaseApi)
+    started: list[bool] = []
+
+    async def operate(_: asyncio.Event) -> None:
+        started.append(True)
+
+    with pytest.raises(RuntimeError, match="not a LeaseError"):
+        asyncio.run(run_elected(Election(NS, me=ME, timing=FAST_RETRY), Configuration(), operate,
+                                LeaderMetrics(CollectorRegistry()), None))
+    assert started == []
+
+
+@pytest.fixture()
+def plain_http_url() -> Iterator[str]:
+    """An HTTP server that a TLS client cannot shake hands with."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_tls_failure_is_a_lease_error_that_the_election_retries(plain_http_url: str) -> None:
+    """The client wraps a TLS failure in its ApiException (status 0): it must fail one round, not the candidate."""
+    configuration = Configuration(host=plain_http_url)
+    configuration.verify_ssl = False
+    with pytest.raises(LeaseError):
+        LeaseApi(configuration, NS, "kvmesh-operator", 5.0).read()
 
 
 # ---- against the emulator ------------------------------------------------------------------------------------------
