@@ -24,6 +24,11 @@ measured prefill throughput, decode pods for KV capacity and for the generated t
 with their step within the pool's inter-token latency objective (`decode_speed`, from the step cost each
 engine fits over its own decode steps, engine/step_cost.py); the same holds for pods that do both.
 
+Scale to zero (`ScalingPolicy.scale_to_zero_idle_seconds`) is decided for the whole pool after the roles':
+a pool idle that long (no request running, waiting, arriving or held by a router) goes to 0 pods; a pool at 0
+goes back to max(min, 1) per role as soon as a router holds a request for want of an engine; otherwise no role
+goes below max(min, 1) (`with_scale_to_zero`).
+
 No I/O and no clock: the caller (the kopf timer, `kvmesh up`, the cluster simulator) passes the time and the
 recent recommendations, and keeps the ones `decide` returns.
 """
@@ -83,6 +88,8 @@ class PoolObservation:
     output_tokens: float = 0.0  # generated tokens per request, mean
     prefill_tokens_per_second: float = 0.0  # one pod's measured prefill speed; 0: take the pods' own
     decode_context_tokens: float = 0.0  # KV tokens a decoding request attends to, mean over its output tokens
+    held_requests: int = 0  # requests the routers hold for lack of a ready engine (summed over router pods)
+    idle_seconds: float = 0.0  # how long no request has run, waited or arrived in the pool (nor been held)
 
     def role_pods(self, role: str) -> list[PodObservation]:
         return [p for p in self.pods if p.role == role]
@@ -102,6 +109,8 @@ class ScalingPolicy:
     startup_seconds: float | None = None  # how long a new pod takes to serve; None: the horizon
     itl_seconds: float | None = None  # the inter-token latency objective decode pods are sized for; None: none
     max_batch: int | None = None  # sequences an engine batches in a step (its max_num_seqs); None: no cap
+    # scale every role to 0 after this long idle, and back up when a router holds a request; None: never to 0
+    scale_to_zero_idle_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= OVERLOAD_USAGE:
@@ -114,6 +123,8 @@ class ScalingPolicy:
             raise ValueError(f"itl_seconds must be positive, got {self.itl_seconds}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.scale_to_zero_idle_seconds is not None and not self.scale_to_zero_idle_seconds > 0:
+            raise ValueError(f"scale_to_zero_idle_seconds must be positive, got {self.scale_to_zero_idle_seconds}")
         if self.startup_seconds is not None and not 0 <= self.startup_seconds <= self.horizon_seconds:
             raise ValueError(f"startup_seconds must be in [0, horizon_seconds], got {self.startup_seconds}")
         for role, low in self.min_replicas.items():
@@ -132,6 +143,14 @@ class ScalingPolicy:
     @property
     def roles(self) -> tuple[str, ...]:
         return tuple(r for r in SCALED_ROLES if r in self.max_replicas)
+
+    def serving_floor(self, role: str) -> int:
+        """The fewest pods a role keeps while the pool serves: its min, and with scale to zero at least one (min 0
+        is then only for an idle pool)."""
+        low = self.min_replicas.get(role, 0)
+        if self.scale_to_zero_idle_seconds is None:
+            return low
+        return min(max(low, 1), self.max_replicas.get(role, 1))
 
 
 @dataclass(frozen=True)
@@ -185,6 +204,9 @@ REASONS: tuple[str, ...] = (
     "HoldNoMetrics",  # no pod of the role answered: keep what there is
     "BoundedByMin",
     "BoundedByMax",
+    "ScaleFromZero",  # every role was at 0 and a router holds a request: each to max(min, 1) at once
+    "ScaleToZero",  # no request in the pool for scale_to_zero_idle_seconds and none held: every role to 0
+    "HoldAtZero",  # every role is at 0 and no request is held
 )
 
 
@@ -494,7 +516,26 @@ def decide(obs: PoolObservation, policy: ScalingPolicy, history: Sequence[Recomm
         mine = [r for r in history if r.role == role]
         before = [r for r in mine if r.at < start][-1:]  # the newest one before the window: proof it is covered
         new_history += [*before, *(r for r in mine if r.at >= start), recommendation]
+    if policy.scale_to_zero_idle_seconds is not None:
+        roles = with_scale_to_zero(obs, policy, roles, policy.scale_to_zero_idle_seconds)
     return Decision(obs.now, roles, tuple(new_history))
+
+
+def with_scale_to_zero(obs: PoolObservation, policy: ScalingPolicy, roles: Mapping[str, RoleDecision],
+                       idle_after: float) -> dict[str, RoleDecision]:
+    """The roles' decisions under scale to zero, for the whole pool at once (a pool with a role at 0 serves
+    nothing): from 0, a request a router holds starts every role at max(min, 1) now (no stabilization: it waits
+    for the pods); an idle pool (nothing running, waiting, arriving or held for `idle_after` seconds) goes to 0; a pool
+    at 0 with nothing held stays there; otherwise each role keeps at least max(min, 1) pods."""
+    at_zero = all(obs.replicas.get(role, 0) == 0 for role in roles)
+    if at_zero and obs.held_requests > 0:
+        return {role: replace(d, replicas=policy.serving_floor(role), reason="ScaleFromZero")
+                for role, d in roles.items()}
+    if at_zero or (obs.held_requests == 0 and obs.idle_seconds >= idle_after):
+        return {role: replace(d, replicas=0, reason="HoldAtZero" if at_zero else "ScaleToZero")
+                for role, d in roles.items()}
+    return {role: d if d.replicas >= policy.serving_floor(role) else
+            replace(d, replicas=policy.serving_floor(role), reason="BoundedByMin") for role, d in roles.items()}
 
 
 def scale_in_order(pods: Mapping[str, tuple[float, int]]) -> dict[str, int]:

@@ -474,3 +474,47 @@ def test_a_scale_up_window_takes_the_lowest_recommendation_in_it() -> None:
 def test_scale_in_removes_the_coldest_cache_first() -> None:
     costs = scale_in_order({"hot": (900.0, 0), "cold": (5.0, 3), "idle": (5.0, 0)})
     assert sorted(costs, key=costs.__getitem__) == ["idle", "cold", "hot"]  # ties: fewer streams to drain first
+
+
+ZERO_POLICY = ScalingPolicy(min_replicas={"prefill": 0, "decode": 2}, max_replicas={"prefill": 4, "decode": 6},
+                            horizon_seconds=60, scale_down_stabilization_seconds=300,
+                            scale_to_zero_idle_seconds=120)
+# (replicas now, pods answering, held by routers, idle seconds) -> (replicas decided, reason of every role)
+ZERO_TABLE = [
+    ({"prefill": 0, "decode": 0}, False, 3, 0.0, {"prefill": 1, "decode": 2}, "ScaleFromZero"),
+    ({"prefill": 0, "decode": 0}, False, 1, 1e6, {"prefill": 1, "decode": 2}, "ScaleFromZero"),  # held beats idle
+    ({"prefill": 0, "decode": 0}, False, 0, 1e6, {"prefill": 0, "decode": 0}, "HoldAtZero"),
+    ({"prefill": 0, "decode": 0}, False, 0, 0.0, {"prefill": 0, "decode": 0}, "HoldAtZero"),
+    ({"prefill": 1, "decode": 2}, True, 0, 120.0, {"prefill": 0, "decode": 0}, "ScaleToZero"),
+    ({"prefill": 1, "decode": 2}, False, 0, 600.0, {"prefill": 0, "decode": 0}, "ScaleToZero"),
+    ({"prefill": 1, "decode": 2}, True, 2, 600.0, {"prefill": 1, "decode": 2}, None),  # held: not idle
+    ({"prefill": 1, "decode": 2}, True, 0, 119.0, {"prefill": 1, "decode": 2}, None),  # not idle long enough
+    ({"prefill": 1, "decode": 2}, False, 4, 0.0, {"prefill": 1, "decode": 2}, None),  # starting: wait for them
+]
+
+
+@pytest.mark.parametrize(("replicas", "answering", "held", "idle", "decided", "reason"), ZERO_TABLE)
+def test_scale_to_zero_decision_table(replicas: dict[str, int], answering: bool, held: int, idle: float,
+                                      decided: dict[str, int], reason: str | None) -> None:
+    """From zero a held request starts every role at max(min, 1) at once; an idle pool with nothing held goes to
+    zero; a pool at zero with nothing held stays there; otherwise no role goes under max(min, 1)."""
+    pods = [*quiet(replicas["prefill"], "prefill"), *quiet(replicas["decode"], "decode")] if answering else []
+    history = [Recommendation(t, role, 0, 0) for t in (-600.0, -300.0) for role in ("prefill", "decode")]
+    decision = decide(PoolObservation(0, pods, replicas, held_requests=held, idle_seconds=idle), ZERO_POLICY,
+                      history)
+    assert decision.replicas == decided
+    if reason is not None:
+        assert {d.reason for d in decision.roles.values()} == {reason}
+
+
+def test_with_scale_to_zero_a_serving_pool_keeps_a_pod_of_every_role_even_at_min_zero() -> None:
+    """min 0 is only for an idle pool: a role left at 0 while the pool serves (a decode pod busy, the prefill
+    role at 0) comes back to one pod, where a plain min 0 would leave it at 0 (no pod of it to measure)."""
+    policy = replace(ZERO_POLICY, min_replicas={"prefill": 0, "decode": 0})
+    busy = [pod("decode-0", 0.5, 0.5, 0.55, 0.6, role="decode", running=3)]
+    kept = decide(PoolObservation(0, busy, {"prefill": 0, "decode": 1}, idle_seconds=0), policy)
+    assert kept.replicas == {"prefill": 1, "decode": 1}
+    assert kept.roles["prefill"].reason == "BoundedByMin"
+    without = replace(policy, scale_to_zero_idle_seconds=None)
+    assert decide(PoolObservation(0, busy, {"prefill": 0, "decode": 1}), without).replicas == {
+        "prefill": 0, "decode": 1}
