@@ -72,19 +72,38 @@ def router_url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             yield url
 
 
-def run_pod_command(args: list[str], url: str) -> subprocess.CompletedProcess[str]:
-    """The pod's command, with its Service address swapped for the local router's."""
+# Runs the command given and prints its peak resident set (KiB, Linux's ru_maxrss) last on stderr: its only child.
+PEAK_RSS = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(code)")
+BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity with a binary suffix (the chart writes these) in bytes."""
+    return int(quantity[:-2]) * BINARY_SUFFIXES[quantity[-2:]]
+
+
+def run_pod_command(args: list[str], url: str) -> tuple[subprocess.CompletedProcess[str], int]:
+    """The pod's command, with its Service address swapped for the local router's; and its peak resident bytes."""
     local = [f"--url={url}" if a.startswith("--url=") else "--wait=60" if a.startswith("--wait=") else a
              for a in args]
-    return subprocess.run([sys.executable, "-m", "kvmesh.cli", *local], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "kvmesh.cli", *local],
+                          capture_output=True, text=True, timeout=120)
+    stderr, _, peak_kib = done.stderr.rstrip("\n").rpartition("\n")
+    done.stderr = stderr
+    return done, int(peak_kib) * 1024
 
 
 def test_the_test_pods_command_passes_on_an_answering_pool(router_url: str) -> None:
     pod = hook_pod(DISAGGREGATED)
     assert pod is not None
-    done = run_pod_command(chat_args(pod), router_url)
+    done, peak_bytes = run_pod_command(chat_args(pod), router_url)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and "completion tokens" in done.stderr
+    # All of it resident counts against the container's limit (file pages too, until reclaimed under it)
+    (container,) = pod["spec"]["containers"]
+    limit = quantity_bytes(container["resources"]["limits"]["memory"])
+    assert peak_bytes < limit * 0.8, f"peak {peak_bytes / 2**20:.0f} MiB, limit {limit / 2**20:.0f} MiB"
 
 
 def test_the_test_pods_command_fails_when_nothing_answers() -> None:
