@@ -361,7 +361,12 @@ class Engine:
         if inplace and adapter.name in self.loras.loaded:
             return self._update_lora(adapter)
         entry = self.loras.add(adapter)
-        self.runner.model.lora.write(entry.slot, adapter)
+        try:
+            self.runner.model.lora.write(entry.slot, adapter)
+        except BaseException:  # out of memory allocating the slots, say: the name must not point at a half slot
+            self.loras.remove(entry.name)
+            self.runner.model.lora.clear(entry.slot)
+            raise
         self.state = dataclasses.replace(self.state, loras_loaded=len(self.loras.loaded))  # scraped at once
         log.info("LoRA adapter %r loaded from %s (rank %d, slot %d)", entry.name, entry.path, entry.rank, entry.slot)
         return entry
@@ -380,7 +385,16 @@ class Engine:
         update = self.loras.update(adapter, in_use)
         entry, old = update.new, update.old
         if not update.revived:
-            self.runner.model.lora.write(entry.slot, adapter)
+            try:
+                self.runner.model.lora.write(entry.slot, adapter)
+            except BaseException:
+                self.runner.model.lora.clear(entry.slot)
+                if entry.slot != old.slot:  # the earlier weights are intact in their slot: serve them on
+                    self.loras.revert(update)
+                else:  # they were being overwritten: the name has no whole weights left
+                    self.loras.remove(entry.name)
+                    self.state = dataclasses.replace(self.state, loras_loaded=len(self.loras.loaded))
+                raise
         if entry.slot != old.slot and not in_use:
             self.runner.model.lora.clear(old.slot)
         log.info("LoRA adapter %r updated in place from %s (rank %d, slot %d%s; its earlier weights in slot %d %s)",

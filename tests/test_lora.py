@@ -444,6 +444,44 @@ def test_the_registry_revives_only_the_same_name_and_weights_and_keeps_one_slot_
         registry.check_invariants({1: 1, 2: 1})
 
 
+def test_weights_that_cannot_be_written_leave_the_adapters_as_they_were(
+    tiny_dir: Path, adapters: dict[str, Path], references, qv_v2: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slot write that fails (out of memory allocating the slots, on a GPU) must not leave a name pointing at a
+    half-written slot: a new name is not loaded, an update into a spare slot keeps serving the earlier weights,
+    and an update that was overwriting the name's own slot unloads it (its weights are no longer whole)."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=64, max_loras=2, lora_modules={"qv": str(adapters["qv"])})
+    before = engine.loras.loaded["qv"]
+    lora = engine.runner.model.lora
+    written = lora.write
+
+    def out_of_memory(slot: int, adapter: LoraAdapter) -> None:
+        written(slot, adapter)  # partly, then the allocator gives up
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(lora, "write", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.add_lora(engine.read_lora("all", str(adapters["all"])))
+    assert engine.loras.names() == ["qv"] and engine.loras.free_slots() == [1 - before.slot]
+    with pytest.raises(torch.OutOfMemoryError):  # into the spare slot: qv serves its earlier weights on
+        engine.add_lora(engine.read_lora("qv", str(qv_v2)), inplace=True)
+    assert engine.loras.loaded["qv"] == before and engine.loras.retired == {}
+    assert lora.slots[1 - before.slot].rank == 0
+    engine.check_lora_invariants()
+    ids = prompt(36, 20)
+    assert run(engine, [("qv", ids)])[0].tokens == hf_greedy(references["qv"], ids, 6)[0]
+    monkeypatch.setattr(lora, "write", written)
+    engine.add_lora(engine.read_lora("all", str(adapters["all"])))  # no spare slot left: into qv's own
+    monkeypatch.setattr(lora, "write", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.add_lora(engine.read_lora("qv", str(qv_v2)), inplace=True)
+    assert engine.loras.names() == ["all"] and engine.state.loras_loaded == 1
+    engine.check_lora_invariants()
+    monkeypatch.setattr(lora, "write", written)
+    engine.add_lora(engine.read_lora("qv", str(qv_v2)))
+    assert run(engine, [("qv", ids)])[0].tokens == hf_greedy(merged(tiny_dir, qv_v2), ids, 6)[0]
+
+
 def test_a_request_for_an_adapter_unloaded_before_it_was_queued_ends_with_an_error(lora_engine: Engine) -> None:
     """The HTTP edge checks the name, then submits: an unload can fall in between."""
     request = Request("orphan", prompt(31, 5), SamplingParams(max_tokens=2), extra=BlockExtra(lora="gone"))

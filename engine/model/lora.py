@@ -378,6 +378,13 @@ class LoraRegistry:
             self.retired[old.slot] = old
         return LoraUpdate(entry, old, revived=held is not None)
 
+    def revert(self, update: LoraUpdate) -> None:
+        """Undo `update` whose weights could not be written into a slot of their own (the slot is free again): the
+        name serves its earlier weights, which stay where they were."""
+        assert not update.revived and update.new.slot != update.old.slot, "only a write into a new slot can fail"
+        self.loaded[update.new.name] = update.old
+        self.retired.pop(update.old.slot, None)
+
     def repath(self, name: str, path: str) -> LoadedLora:
         """The same weights read from another directory: the name's card shows the new one."""
         entry = replace(self.loaded[name], path=path)
