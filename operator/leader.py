@@ -36,8 +36,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import urllib3
 
-from kvmesh.operator.rbac import LEADER_ELECTION
-
 if TYPE_CHECKING:
     from aiohttp import web
     from kubernetes.client import Configuration
@@ -46,7 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvmesh.operator.leader")
 
-LEASE_API_VERSION = f"{LEADER_ELECTION.group}/v1"  # all it asks of leases: LEADER_ELECTION's verbs
+# operator/rbac.py's LEADER_ELECTION lists what it asks of leases (a test holds the group the same); not imported
+# here, which would load the CRD module into every `kvmesh` command (the CLI reads the defaults below)
+LEASE_API_VERSION = "coordination.k8s.io/v1"
 DEFAULT_LEASE_NAME = "kvmesh-operator"
 # client-go's defaults: a standby takes over at most 15 s after the leader's last renewal; a leader that could
 # not renew for 10 s stops, well before anyone else may take the lease.

@@ -31,6 +31,7 @@ from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.operator import leader
 from kvmesh.operator.leader import (
     EXIT_LOST,
+    LEASE_API_VERSION,
     RELEASED_LEASE_SECONDS,
     Action,
     Election,
@@ -130,6 +131,10 @@ def test_a_released_lease_is_taken_at_once() -> None:
     step = decide(free, None, OTHER, False, 100.0, T1, 15)  # seen this instant for the first time
     assert step.action == Action.ACQUIRE and step.write is not None
     assert (step.write.holder, step.write.transitions) == (OTHER, 3)
+
+
+def test_the_lease_api_is_the_one_the_operators_role_grants() -> None:
+    assert LEASE_API_VERSION.split("/")[0] == LEADER_ELECTION.group and LEADER_ELECTION.resource == "leases"
 
 
 def test_the_lease_body_round_trips() -> None:
