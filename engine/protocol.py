@@ -428,6 +428,17 @@ class RouterMetric:
     BATCHES_RUNNING = "kvmesh_router_batches_running"  # gauge: batches this replica holds the lease of
     # counter; label operation (router/responses_api.STORE_OPERATIONS): stored-response reads and writes that failed
     RESPONSE_STORE_ERRORS = "kvmesh_router_response_store_errors"
+    # gauge: requests held while no pod is ready (hold_without_pods_seconds: a pool starting from zero); the operator
+    # sums it over router pods to scale a pool up from zero
+    REQUESTS_WAITING_FOR_PODS = "kvmesh_router_requests_waiting_for_pods"
+
+
+class GatewayMetric:
+    """`kvmesh gateway`'s own metrics (router/gateway_app.py; label values in router/gateway.py)."""
+
+    # counter; labels model (a name in the gateway's model table, else "unknown"), outcome (GATEWAY_OUTCOMES)
+    REQUESTS = "kvmesh_gateway_requests"
+    UPSTREAMS = "kvmesh_gateway_upstreams"  # gauge; label state (UPSTREAM_STATES): the pools' routers
 
 
 class OperatorMetric:

@@ -21,6 +21,7 @@ from kvmesh.engine.protocol import (
     DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_MAX_NUM_SEQS,
     Metric,
+    RouterMetric,
     VllmMetric,
     read_decode_step_cost,
     read_engine_metrics,
@@ -84,6 +85,12 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
                                  **values)
     return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),
                       m.block_size or DEFAULT_BLOCK_SIZE, m.kv_format or m.cache_dtype or DEFAULT_KV_CACHE_DTYPE)
+
+
+def parse_router_held(text: str) -> int:
+    """Requests one router pod holds for want of a ready engine, from its /metrics text (0 when it exports none:
+    a router older than the gauge holds nothing)."""
+    return int(read_engine_metrics(text).values.get(RouterMetric.REQUESTS_WAITING_FOR_PODS, 0))
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,9 @@ def scaling_policy(pool: Pool) -> ScalingPolicy:
                          scale_up_stabilization_seconds=s["scaleUpStabilizationSeconds"],
                          scale_down_stabilization_seconds=s["scaleDownStabilizationSeconds"],
                          startup_seconds=s["podStartupSeconds"], itl_seconds=s["slo"].get("itlSeconds"),
-                         max_batch=int(engine_settings(pool).get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)))
+                         max_batch=int(engine_settings(pool).get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),
+                         scale_to_zero_idle_seconds=(s["scaleToZero"]["idleSeconds"] if "scaleToZero" in s
+                                                     else None))
 
 
 @dataclass
@@ -189,14 +198,18 @@ class Scaler:
     traffic: TrafficEstimator = field(default_factory=TrafficEstimator)
     history: tuple[Recommendation, ...] = ()
 
-    def observe(self, now: float, metrics: list[PodMetrics], replicas: Mapping[str, int]) -> Decision:
+    def observe(self, now: float, metrics: list[PodMetrics], replicas: Mapping[str, int], held_requests: int = 0,
+                idle_seconds: float = 0.0) -> Decision:
+        """The next decision; `held_requests` (summed over the routers) and `idle_seconds` (memory.IdleClock) feed
+        scale to zero."""
         traffic = self.traffic.update(now, [(m.observation.name, m.counters) for m in metrics],
                                       self.pool.spec["engine"]["blockSize"])
         observation = PoolObservation(
             now=now, pods=[m.observation for m in metrics], replicas=replicas, arrival_rate=traffic.arrival_rate,
             arrival_rate_slope=traffic.arrival_rate_slope, blocks_per_request=traffic.blocks_per_request,
             request_seconds=traffic.request_seconds, uncached_prompt_tokens=traffic.uncached_prompt_tokens,
-            output_tokens=traffic.output_tokens, decode_context_tokens=traffic.decode_context_tokens)
+            output_tokens=traffic.output_tokens, decode_context_tokens=traffic.decode_context_tokens,
+            held_requests=held_requests, idle_seconds=idle_seconds)
         decision = decide(observation, scaling_policy(self.pool), self.history)
         self.history = decision.history
         return decision

@@ -6,9 +6,10 @@ Degraded/InvalidSpec and waits for the next change; an API call that still fails
 sets Degraded/ApiError and kopf retries the handler with exponential backoff. Neither raises out of a handler
 uncaught, so the operator never crash-loops.
 
-Scaling: a timer per pool scrapes its engine pods' /metrics, estimates the pool's traffic, asks
-`scaling.decide`, and (unless HPAs own the replicas) patches each Deployment's replicas, marks the pods worth
-least for deletion first, and posts an Event with the reason. Kubernetes calls go through the official client
+Scaling: a timer per pool scrapes its engine pods' /metrics (and, for a pool that scales to zero, its router
+pods': the requests they hold for want of an engine), estimates the pool's traffic, asks `scaling.decide`, and
+(unless HPAs own the replicas) patches each Deployment's replicas, marks the pods worth least for deletion
+first, and posts an Event with the reason. Kubernetes calls go through the official client
 in kopf's handler threads; kopf itself watches the pools.
 
 Only what needs kopf or the Kubernetes API lives here; the pieces `kvmesh up -f` shares (the operator's metrics,
@@ -38,7 +39,7 @@ from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
-from kvmesh.operator.forecast import PodMetrics, parse_pod
+from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
 from kvmesh.operator.leader import Election, run_elected
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
@@ -220,6 +221,20 @@ def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodM
     return scraped
 
 
+def held_requests(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> int:
+    """The requests the pool's router pods hold for want of a ready engine, summed over those that answer their
+    /metrics (scale to zero's wake-up: a pool at 0 has no engine to count a request)."""
+    alive = {p["metadata"]["name"]: pod_url(p, port) + "/metrics" for p in pods
+             if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")}
+    total = 0
+    for name, text in scrape_all(alive, scrape).items():
+        if isinstance(text, Exception):
+            log.debug("scrape of router %s failed: %s", name, text)
+        else:
+            total += parse_router_held(text)
+    return total
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
              scrape: Scraper = http_scrape, metrics: OperatorMetrics | None = None,
              warm: Warmer = http_warm, open_gates: GateOpener = http_open_gates) -> OperatorMetrics:
@@ -335,7 +350,11 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}
-    decision = state.scaler_for(pool).observe(now, scraped, replicas)
+    held = 0
+    if "scaleToZero" in pool.spec["scaling"]:  # a pool at 0 learns of its first request from the routers holding it
+        routers = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=router")
+        held = held_requests(routers, pool.spec["router"]["port"], scrape)
+    decision = state.scaler_for(pool).observe(now, scraped, replicas, held, state.idle.update(now, scraped, held))
     hit_rates = pod_hit_rates(state, now, scraped)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         message = decision.describe(role, replicas)

@@ -46,6 +46,27 @@ def current_replicas(pool: Pool, status: Mapping[str, Any]) -> dict[str, int]:
 
 
 @dataclass
+class IdleClock:
+    """How long the pool has had no request, for scale to zero: any request running or waiting in an engine, held
+    by a router, or begun or ended between two ticks (an engine's counters moved) restarts it. An engine seen for
+    the first time says nothing either way (its counters have no earlier value); the clock starts at the first
+    tick, so a restarted operator waits a whole idle time before it stops a pool."""
+
+    since: float | None = None  # the last tick that saw a request
+    counters: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (finished, prompt tokens)
+
+    def update(self, now: float, metrics: list[PodMetrics], held_requests: int) -> float:
+        """The seconds idle as of `now`."""
+        seen = {m.observation.name: (m.counters.finished, m.counters.prompt_tokens) for m in metrics}
+        busy = held_requests > 0 or any(m.observation.running or m.observation.waiting for m in metrics) or any(
+            name in self.counters and self.counters[name] != counters for name, counters in seen.items())
+        self.counters = seen
+        if self.since is None or busy:
+            self.since = now
+        return now - self.since
+
+
+@dataclass
 class PoolMemory:
     """What the scaler remembers of one pool between ticks."""
 
@@ -56,6 +77,7 @@ class PoolMemory:
     # The one view of the pool's conditions that both handlers update and write whole: a merge patch replaces
     # the list, so two handlers writing their own stale copies would undo each other's conditions.
     conditions: list[dict[str, Any]] | None = None
+    idle: IdleClock = field(default_factory=IdleClock)  # scale to zero's
 
     def condition(self, status: Mapping[str, Any], kind: str, value: bool, reason: str, message: str,
                   generation: int) -> list[dict[str, Any]]:

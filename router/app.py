@@ -141,8 +141,59 @@ HTTP_DRAIN_SECONDS = SHUTDOWN_DRAIN_SECONDS - SHUTDOWN_SETTLE_SECONDS
 assert HTTP_DRAIN_SECONDS >= 0, "the minimum wait is part of the drain bound"
 
 
+# A request held until its pool started from zero and then timed out: retry soon, the pool is still starting (the
+# retry is held again, for the whole hold).
+STARTING_RETRY_AFTER_SECONDS = 5
+
+
+class PodWait:
+    """Requests held while no pod can serve at all (none ready: a pool starting from zero, not one whose pods are
+    all busy, which is shedding), for up to `seconds` each and at most `limit` at once. One watcher task, alive
+    only while a request is held, looks at the pod set every scrape interval (pods become ready by their scrapes)
+    and sets the current `asyncio.Event` when a serving pod is ready; every held request waits on that event with
+    its own timeout, so holding costs no loop per request."""
+
+    def __init__(self, pods: PodSet, seconds: float, limit: int, interval: float) -> None:
+        self.pods, self.seconds, self.limit, self.interval = pods, seconds, limit, interval
+        self.held = 0  # kvmesh_router_requests_waiting_for_pods
+        self._ready = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+
+    def ready(self) -> bool:
+        """Whether a pod that serves whole requests is up with a usable configuration and not draining."""
+        return any(p.healthy and p.refused is None and not p.draining and p.kv_config is not None
+                   and p.kv_config.role in SERVING_ROLES for p in self.pods.pods.values())
+
+    def should_hold(self) -> bool:
+        """Whether a request arriving now waits: holding is on, no pod is ready, and there is room."""
+        return self.seconds > 0 and self.held < self.limit and not self.ready()
+
+    async def wait(self) -> bool:
+        """Hold one request until a pod is ready (True) or `seconds` pass (False). Cancelling it (the client left)
+        drops it from the count."""
+        self.held += 1
+        try:
+            if self._watcher is None or self._watcher.done():
+                self._watcher = asyncio.create_task(self._watch(), name="pod wait")
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.seconds)
+            except TimeoutError:
+                return self.ready()
+            return True
+        finally:
+            self.held -= 1
+
+    async def _watch(self) -> None:
+        while self.held:
+            if self.ready():
+                self._ready.set()  # wakes every request held now; later ones find the pod ready or wait anew
+                self._ready = asyncio.Event()
+            await asyncio.sleep(self.interval)
+
+
 class RouterMetrics:
-    def __init__(self, pods: PodSet, index: PrefixIndex, tenants: Iterable[str] = (DEFAULT_TENANT,)) -> None:
+    def __init__(self, pods: PodSet, index: PrefixIndex, tenants: Iterable[str] = (DEFAULT_TENANT,),
+                 held: Callable[[], int] = lambda: 0) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(RouterMetric.REQUESTS, "Requests by outcome, route and source.",
                                 ["outcome", "route", "source"], registry=r)
@@ -178,6 +229,9 @@ class RouterMetrics:
         # the series every request counts in, made here and kept: looking a child up costs more than its count
         self._decided = {reason: self.decisions.labels(reason) for reason in REASONS}
         r.register(_EventLag(pods, index))
+        waiting = Gauge(RouterMetric.REQUESTS_WAITING_FOR_PODS, "Requests held while no pod is ready (a pool "
+                        "starting from zero).", registry=r)
+        waiting.set_function(held)
         pod_states = Gauge(RouterMetric.PODS, "Pods by state.", ["state"], registry=r)
         for state in POD_STATES:
             pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
@@ -414,6 +468,7 @@ class Router:
     limit_sync: LimitSync | None = None  # tenants' limits split with the other replicas by demand (the same database)
     responses: ResponseStore = field(  # the Responses API's stored responses (the same database, or memory)
         default_factory=lambda: MemoryResponses(RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS))
+    pod_wait: PodWait | None = None  # requests held while no pod is ready; None: none are (503 at once)
 
     def tenants(self) -> Iterable[str]:
         """The tenants that have a key now (the one default tenant with auth off)."""
@@ -698,7 +753,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     _warn_unkeyed(table, tenants)
     limits = Limiter(table, config.rate_limit_replicas, batch_share=config.batch_rate_share)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
-    metrics = RouterMetrics(pods, index, tenants)
+    pod_wait = PodWait(pods, config.hold_without_pods_seconds, config.max_held_requests,
+                       config.scrape_interval_seconds)
+    metrics = RouterMetrics(pods, index, tenants, lambda: pod_wait.held)
     if keys_file is not None:
         keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
@@ -707,7 +764,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
                   limit_sync=LimitSync(DemandTable(config.database_url), limits, new_id("router-"))
                   if config.database_url and config.rate_limit_sync else None,
                   responses=open_store(config.database_url, config.responses_ttl_seconds,
-                                       config.responses_memory_items))
+                                       config.responses_memory_items), pod_wait=pod_wait)
 
 
 def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
@@ -1060,6 +1117,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         """An admitted request's answer, forwarded to a pod (the client watched, when it is one that may leave)."""
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:
+            if router.pod_wait is not None and router.pod_wait.should_hold():
+                refused = await hold(router.pod_wait, trace, http)
+                if refused is not None:
+                    return _with_limits(refused, trace)
             work = asyncio.ensure_future(forward(headers, path, raw, trace, bool(body.stream)))
             if http is None:  # the batch runner's: cancelled when its batch stops, which aborts the upstream call
                 try:
@@ -1134,6 +1195,26 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             raise RouteError(404, f"The model `{trace.info.lora}` is no longer served by any pod it was sent to",
                              code=MODEL_NOT_FOUND)
         return None
+
+    async def hold(wait: PodWait, trace: Trace, http: HttpRequest | None) -> Response | None:
+        """Hold a request while no pod is ready (the client watched, when it may leave): None once one is, to be
+        decided as usual; a 503 when none became ready in time, a 499 when the client left meanwhile."""
+        waiting = asyncio.ensure_future(wait.wait())
+        gone = asyncio.ensure_future(_wait_disconnected(http)) if http is not None else None
+        try:
+            await asyncio.wait([waiting] if gone is None else [waiting, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # the request itself cancelled, or the client gone: no longer held
+            waiting.cancel()
+            if gone is not None:
+                gone.cancel()
+        if not waiting.done() or waiting.cancelled():
+            return client_gone(trace)
+        if waiting.result():
+            return None
+        router.no_pod(trace)
+        return JSONResponse(error_body(f"the pool is starting from zero and no engine was ready within "
+                                       f"{wait.seconds:g} s; retry later", "server_error", code="no_pod"),
+                            status_code=503, headers={"Retry-After": str(STARTING_RETRY_AFTER_SECONDS)})
 
     def no_pod(trace: Trace, message: str) -> JSONResponse:
         """503 with Retry-After when every pod refused or failed: counted and logged as no_pod."""
@@ -1366,8 +1447,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         healthy = [p.name for p in router.pods.snapshot() if p.healthy and not p.draining]
-        status = "draining" if drain.draining else "ok" if healthy else "no_pods"
-        return JSONResponse({"status": status, "pods": healthy}, status_code=200 if status == "ok" else 503)
+        # a router that holds requests while no pod is ready stays ready itself: it is how a pool at zero hears of
+        # its first request (its Service must keep sending them)
+        holds = router.pod_wait is not None and router.pod_wait.seconds > 0
+        status = "draining" if drain.draining else "ok" if healthy else "waiting_for_pods" if holds else "no_pods"
+        return JSONResponse({"status": status, "pods": healthy},
+                            status_code=200 if status in ("ok", "waiting_for_pods") else 503)
 
     @app.get(POOL_STATUS_PATH)
     async def pool() -> JSONResponse:
