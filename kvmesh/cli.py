@@ -1,4 +1,5 @@
-"""The one `kvmesh` command: `serve` (an engine), `router`, `up` (a local pool), `chat`, `status`, `bench`."""
+"""The one `kvmesh` command: `serve` (an engine), `router`, `gateway` (one endpoint for many pools), `up` (a local
+pool), `chat`, `status`, `bench`."""
 
 from __future__ import annotations
 
@@ -130,6 +131,51 @@ def _router(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_router(router, log_level=args.log_level)  # drains both edges at SIGTERM or SIGINT, then returns
+    return 0
+
+
+def _gateway_parser(sub: argparse._SubParsersAction) -> None:
+    from kvmesh.router.gateway import API_KEY_ENV, DEFAULT_MAX_FAILURES, DEFAULT_PORT, DEFAULT_REFRESH_SECONDS
+
+    p = sub.add_parser("gateway", help="run a gateway: one OpenAI endpoint for every pool's router, by model name",
+                       epilog=f"${API_KEY_ENV}: an API key shown to routers that ask one for /v1/models")
+    found = p.add_mutually_exclusive_group(required=True)
+    found.add_argument("--router", dest="routers", action="append", default=[],
+                       help="a pool router's base URL (repeatable)")
+    found.add_argument("--kubernetes", action="store_true",
+                       help="the routers of the InferencePools in --namespace (default: every namespace)")
+    p.add_argument("--namespace", help="with --kubernetes: list the pools of this namespace only")
+    p.add_argument("--kubeconfig", help="with --kubernetes: a kubeconfig file (default: the pod's service account)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--refresh-seconds", type=float, default=DEFAULT_REFRESH_SECONDS,
+                   help=f"how often the routers are found and their /v1/models read (default "
+                        f"{DEFAULT_REFRESH_SECONDS:g})")
+    p.add_argument("--max-failures", type=int, default=DEFAULT_MAX_FAILURES,
+                   help=f"a router that missed this many refreshes in a row leaves the model table (default "
+                        f"{DEFAULT_MAX_FAILURES})")
+    p.add_argument("--log-level", default="info")
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from kvmesh.operator.crd import GROUP, PLURAL, VERSION
+    from kvmesh.router.discovery import kube_configuration
+    from kvmesh.router.gateway_app import Discover, Gateway, PoolDiscovery, api_key_from_env, run_gateway
+    from kvmesh.router.gateway_app import static_routers as static
+
+    if args.refresh_seconds <= 0 or args.max_failures < 1:
+        print("kvmesh gateway: --refresh-seconds must be positive and --max-failures at least 1", file=sys.stderr)
+        return 2
+    discover: Discover = static(args.routers)
+    if args.kubernetes:
+        try:
+            discover = PoolDiscovery(kube_configuration(args.kubeconfig), (GROUP, VERSION, PLURAL), args.namespace)
+        except ValueError as exc:  # no kubeconfig and not in a cluster
+            print(f"kvmesh gateway: {exc}", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_gateway(Gateway(discover, args.refresh_seconds, args.max_failures, api_key_from_env()), args.host,
+                args.port, args.log_level)
     return 0
 
 
@@ -445,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _router_parser(sub)
+    _gateway_parser(sub)
     _up_parser(sub)
     _operator_parser(sub)
     _chat_parser(sub)
@@ -454,8 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_sim_engine(sub)
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "router": _router, "up": _up, "operator": _operator, "chat": _chat, "status": _status,
-                "bench": _bench, "sim-engine": _sim_engine}
+    handlers = {"serve": _serve, "router": _router, "gateway": _gateway, "up": _up, "operator": _operator,
+                "chat": _chat, "status": _status, "bench": _bench, "sim-engine": _sim_engine}
     return handlers[args.command](args)
 
 

@@ -1,0 +1,174 @@
+"""`kvmesh gateway`'s pure core: which pools' routers serve which model, and which one takes a request.
+
+Each InferencePool has its own router, serving one base model and its LoRA adapters, which it lists at
+`/v1/models`. The gateway reads every router's list each refresh and keeps, per router, the last list it answered
+and how many refreshes in a row it has missed since. The model table is a pure function of those two, so it is
+tested without HTTP and two gateway replicas that read the same lists route alike. A router that missed
+`max_failures` refreshes in a row leaves the table (its models with it, unless another router serves them); its
+next answer brings it back. The HTTP edge is router/gateway_app.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvmesh.router.batches import client_json
+from kvmesh.router.lora import ServedModels, union_cards
+
+LISTED, FAILING, DOWN = "listed", "failing", "down"
+# kvmesh_gateway_upstreams{state}: answering; missed its last refresh(es) but still routed to; out of the table
+# (never answered yet, or missed max_failures refreshes in a row)
+UPSTREAM_STATES: tuple[str, ...] = (LISTED, FAILING, DOWN)
+# kvmesh_gateway_requests_total{outcome}: a router answered 2xx and the whole answer was relayed; a router answered
+# an error status (relayed as it was); the gateway refused the body (400, 413); no router serves the model (404);
+# no router of the model could be reached (502); a router's answer broke off; the client left first
+GATEWAY_OUTCOMES: tuple[str, ...] = ("ok", "refused", "bad_request", "unknown_model", "unreachable", "broken",
+                                     "client_gone")
+UNKNOWN_MODEL = "unknown"  # the `model` label of a request for a name not in the table: no series per client string
+DEFAULT_MAX_FAILURES = 3
+DEFAULT_PORT = 8090
+DEFAULT_REFRESH_SECONDS = 5.0
+API_KEY_ENV = "KVMESH_GATEWAY_API_KEY"  # a key the gateway shows routers that ask one for /v1/models
+NAMES_IN_ERROR = 5  # known models a 404 names, at most
+MODEL_IN_ERROR_CHARS = 100  # of the client's own model name, echoed in that 404
+# Headers never passed on: those of one connection (RFC 9110 7.6.1; plus any the Connection header names)
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailer", "transfer-encoding", "upgrade"})
+REQUEST_OWN = frozenset({"host", "content-length"})  # what the gateway's client writes for the body it sends
+
+
+@dataclass(frozen=True)
+class ModelTable:
+    """Model name -> the routers serving it, in the routers' stable order; what `/v1/models` answers; each
+    router's state."""
+
+    routers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    cards: tuple[dict[str, Any], ...] = ()
+    states: Mapping[str, str] = field(default_factory=dict)
+
+    def serves(self, model: str) -> bool:
+        return model in self.routers
+
+    def label(self, model: str | None) -> str:
+        """The metrics' `model` label: the name when the table has it, else UNKNOWN_MODEL."""
+        return model if model is not None and model in self.routers else UNKNOWN_MODEL
+
+    def listed(self) -> tuple[str, ...]:
+        """The routers in the table (answering, or missed fewer than max_failures refreshes)."""
+        return tuple(url for url, state in self.states.items() if state != DOWN)
+
+    def pick(self, model: str, inflight: Mapping[str, int], exclude: Collection[str] = ()) -> str | None:
+        """The router of `model` with the fewest requests in flight through this gateway, not in `exclude`; ties
+        to the earlier in the stable order. None when none is left."""
+        candidates = [url for url in self.routers.get(model, ()) if url not in exclude]
+        return min(candidates, key=lambda url: inflight.get(url, 0), default=None)
+
+    def unknown(self, model: str) -> str:
+        """The 404 message for a model no router serves, naming a few that are."""
+        names = sorted(self.routers)
+        shown = model if len(model) <= MODEL_IN_ERROR_CHARS else model[:MODEL_IN_ERROR_CHARS] + "..."
+        if not names:
+            return f"The model `{shown}` does not exist: no pool's router answers this gateway now"
+        more = f" and {len(names) - NAMES_IN_ERROR} more (GET /v1/models)" if len(names) > NAMES_IN_ERROR else ""
+        return f"The model `{shown}` does not exist; this gateway serves {', '.join(names[:NAMES_IN_ERROR])}{more}"
+
+
+@dataclass(frozen=True)
+class Polls:
+    """What the gateway knows of its routers: their stable order, each one's last `/v1/models` (absent: it has not
+    answered yet) and the refreshes it missed in a row since."""
+
+    order: tuple[str, ...] = ()
+    listings: Mapping[str, ServedModels] = field(default_factory=dict)
+    failures: Mapping[str, int] = field(default_factory=dict)
+
+    def with_routers(self, urls: Iterable[str]) -> Polls:
+        """The routers discovery found now, in its order (each once): those gone are forgotten, new ones start
+        unlisted, the others keep what they had."""
+        order = tuple(dict.fromkeys(urls))
+        return Polls(order, {u: s for u, s in self.listings.items() if u in order},
+                     {u: n for u, n in self.failures.items() if u in order})
+
+    def answered(self, url: str, served: ServedModels) -> Polls:
+        return replace(self, listings={**self.listings, url: served}, failures={**self.failures, url: 0})
+
+    def missed(self, url: str) -> Polls:
+        return replace(self, failures={**self.failures, url: self.failures.get(url, 0) + 1})
+
+    def table(self, max_failures: int = DEFAULT_MAX_FAILURES) -> ModelTable:
+        return model_table(self.order, self.listings, self.failures, max_failures)
+
+
+def upstream_state(listing: ServedModels | None, failures: int, max_failures: int) -> str:
+    if listing is None or failures >= max_failures:
+        return DOWN
+    return FAILING if failures else LISTED
+
+
+def model_table(order: Sequence[str], listings: Mapping[str, ServedModels], failures: Mapping[str, int],
+                max_failures: int = DEFAULT_MAX_FAILURES) -> ModelTable:
+    """The table of the routers in `order` from their last lists and missed refreshes: a router is in it while it
+    has a list and has missed fewer than `max_failures` refreshes in a row."""
+    states = {url: upstream_state(listings.get(url), failures.get(url, 0), max_failures) for url in order}
+    live = [url for url in order if states[url] != DOWN]
+    routers: dict[str, list[str]] = {}
+    for url in live:
+        for name in sorted(listings[url].names):
+            routers.setdefault(name, []).append(url)
+    return ModelTable({name: tuple(urls) for name, urls in routers.items()},
+                      tuple(union_cards(listings[url] for url in live)), states)
+
+
+def pool_routers(pools: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The router address of every InferencePool (as the API lists them) whose status has one, in (namespace,
+    name) order, each once. Not only Ready pools: Ready is False while a role is below its desired replicas (a
+    scale-up), when the pool still serves; the refresh itself learns what a router serves (nothing, with no
+    healthy engine)."""
+    found = []
+    for pool in pools:
+        address = (pool.get("status") or {}).get("routerAddress")
+        meta = pool.get("metadata") or {}
+        if isinstance(address, str) and address:
+            found.append((str(meta.get("namespace", "")), str(meta.get("name", "")), address.rstrip("/")))
+    return list(dict.fromkeys(address for *_, address in sorted(found)))
+
+
+def relayed_headers(headers: Iterable[tuple[str, str]], own: Collection[str] = ()) -> list[tuple[str, str]]:
+    """Headers as the gateway passes them on (a client's to a router: Authorization, x-kvmesh-*, traceparent and
+    the rest; a router's answer back), names lowercased, less those of one connection and the `own` ones its
+    client or server writes itself."""
+    pairs = [(name.lower(), value) for name, value in headers]
+    named = {n.strip().lower() for name, value in pairs if name == "connection" for n in value.split(",")}
+    dropped = HOP_BY_HOP | named | set(own)
+    return [(name, value) for name, value in pairs if name not in dropped]
+
+
+class BodyError(ValueError):
+    """A model request's body the gateway cannot route (400), with the field at fault when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def requested_model(payload: bytes) -> str:
+    """The `model` a request body names (BodyError when the body is no JSON object or names none): all the gateway
+    reads of it; the router behind checks the rest."""
+    try:
+        body = client_json(payload)
+    except ValueError as exc:
+        raise BodyError(str(exc)) from None
+    if not isinstance(body, dict):
+        raise BodyError("the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BodyError("`model` is required, a string naming one of the models at GET /v1/models"
+                        if model is None else f"`model` must be a string, not {type(model).__name__}", "model")
+    return model
+
+
+def outcome_of(status: int) -> str:
+    """How a request a router answered counts (its answer relayed whole): ok for 2xx, refused otherwise."""
+    return "ok" if 200 <= status < 300 else "refused"

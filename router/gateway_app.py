@@ -1,0 +1,365 @@
+"""`kvmesh gateway`: one OpenAI endpoint in front of every pool's router, routing each request by its `model`.
+
+The gateway finds the routers (a static list, or every InferencePool's `status.routerAddress` through the
+Kubernetes API), reads each one's `/v1/models` every refresh, and forwards a model request to a router serving
+its model (router/gateway.py picks), streaming the answer back as it comes, status and headers included. It reads
+nothing of a body but its `model`: the router behind validates, authenticates, routes to a pod and relays, as it
+does for a client that calls it directly.
+
+Plain ASGI throughout: the routes are few and the hot one wants no framework. Upstream calls use httpx rather than
+the router's own client (router/proxy.py), which reads no reply headers, and the router's answer headers
+(x-kvmesh-pod, x-ratelimit-*, Retry-After) are part of what a client gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from kubernetes import client as kube_client
+from kubernetes.client import Configuration
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.types import Receive, Scope, Send
+
+from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
+from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric
+from kvmesh.router.app import RouteError, read_body
+from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
+from kvmesh.router.config import MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS
+from kvmesh.router.discovery import REQUEST_SECONDS
+from kvmesh.router.gateway import (
+    API_KEY_ENV,
+    DEFAULT_MAX_FAILURES,
+    DEFAULT_REFRESH_SECONDS,
+    DOWN,
+    REQUEST_OWN,
+    UPSTREAM_STATES,
+    BodyError,
+    ModelTable,
+    Polls,
+    outcome_of,
+    pool_routers,
+    relayed_headers,
+    requested_model,
+)
+from kvmesh.router.lora import ServedModels
+from kvmesh.router.proxy import CONNECT_TIMEOUT_SECONDS
+
+log = logging.getLogger("kvmesh.gateway")
+
+MODEL_PATHS = (COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH)
+MODELS_TIMEOUT_SECONDS = 5.0  # a router's /v1/models answer, at most: past it the refresh counts it missed
+# The longest the gateway waits for more of a router's answer: past the router's own bound on a pod's silence
+# (request-timeout-seconds, 600 by default), so the router's error arrives rather than the gateway's
+READ_TIMEOUT_SECONDS = 660.0
+KEEPALIVE_CONNECTIONS = 256  # idle connections kept for reuse, over all routers; open ones are not bounded
+# Failures before a byte of the request left: another router of the model may take it (nothing was sent twice)
+CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+NOT_ROUTED = ("The gateway routes only model requests (POST /v1/completions, /v1/chat/completions, /v1/responses) "
+              "and lists models at GET /v1/models; the Batch API, files, stored responses (GET /v1/responses/{id}) "
+              "and /tokenize are served by each pool's router at its own address")
+
+Discover = Callable[[], Awaitable[list[str]]]
+
+
+def static_routers(urls: Iterable[str]) -> Discover:
+    """Discovery of a fixed list of routers (`--router`)."""
+    fixed = [url.rstrip("/") for url in urls]
+
+    async def discover() -> list[str]:
+        return fixed
+
+    return discover
+
+
+@dataclass
+class PoolDiscovery:
+    """The routers of the InferencePools in `namespace` (every namespace: None), listed through the Kubernetes API
+    at each refresh. `pools` is the kind's (group, version, plural): operator/crd.py's, passed in by the caller,
+    since imports run operator -> router and never back (docs/architecture.md). The official client is
+    synchronous: each list runs in a thread."""
+
+    configuration: Configuration
+    pools: tuple[str, str, str]
+    namespace: str | None = None
+
+    async def __call__(self) -> list[str]:
+        return await asyncio.to_thread(self._list)
+
+    def _list(self) -> list[str]:
+        group, version, plural = self.pools
+        with kube_client.ApiClient(self.configuration) as api_client:
+            api = kube_client.CustomObjectsApi(api_client)
+            if self.namespace:
+                listed = api.list_namespaced_custom_object(group, version, self.namespace, plural,
+                                                           _request_timeout=REQUEST_SECONDS)
+            else:
+                listed = api.list_cluster_custom_object(group, version, plural, _request_timeout=REQUEST_SECONDS)
+        return pool_routers(listed.get("items") or [])
+
+
+class GatewayMetrics:
+    def __init__(self, table: Callable[[], ModelTable]) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(GatewayMetric.REQUESTS, "Model requests by model (a name the pools' routers list, "
+                                "else unknown) and outcome.", ["model", "outcome"], registry=r)
+        upstreams = Gauge(GatewayMetric.UPSTREAMS, "The pools' routers by state.", ["state"], registry=r)
+        for state in UPSTREAM_STATES:
+            upstreams.labels(state).set_function(lambda s=state: _count(table().states.values(), s))
+
+
+def _count(states: Iterable[str], state: str) -> int:
+    return sum(1 for s in states if s == state)
+
+
+@dataclass
+class Gateway:
+    """The gateway's state: how it finds routers, what they last listed, and the requests in flight to each."""
+
+    discover: Discover
+    refresh_seconds: float = DEFAULT_REFRESH_SECONDS
+    max_failures: int = DEFAULT_MAX_FAILURES
+    api_key: str | None = None  # shown to the routers when reading their /v1/models
+    polls: Polls = field(default_factory=Polls)
+    table: ModelTable = field(default_factory=ModelTable)
+    inflight: dict[str, int] = field(default_factory=dict)
+    client: httpx.AsyncClient | None = None  # opened in the app's lifespan, inside the loop that serves
+    metrics: GatewayMetrics = field(init=False)
+    _missed: dict[str, str] = field(default_factory=dict)  # why each router's last refresh missed, for the log
+
+    def __post_init__(self) -> None:
+        self.metrics = GatewayMetrics(lambda: self.table)
+
+    def count(self, model: str | None, outcome: str) -> None:
+        self.metrics.requests.labels(self.table.label(model), outcome).inc()
+
+    async def refresh(self) -> None:
+        """Discover the routers (keeping the last ones when discovery fails) and read every one's /v1/models at
+        once; the new table replaces the old in one step."""
+        try:
+            urls = await self.discover()
+        except Exception as exc:  # an API server away must leave the gateway routing to the routers it knows
+            log.warning("router discovery failed (%s); keeping the %d routers known", exc, len(self.polls.order))
+            urls = list(self.polls.order)
+        polls = self.polls.with_routers(urls)
+        listed = await asyncio.gather(*(self._models_of(url) for url in polls.order))
+        for url, served in zip(polls.order, listed, strict=True):
+            polls = polls.answered(url, served) if served is not None else polls.missed(url)
+        table = polls.table(self.max_failures)
+        for url, state in table.states.items():
+            before = self.table.states.get(url)
+            if state == DOWN and before != DOWN:
+                log.warning("router %s is out of the model table: %s", url, self._missed.get(url, "no answer"))
+            elif state != DOWN and before in (DOWN, None):
+                log.info("router %s serves %s", url, ", ".join(sorted(polls.listings[url].names)) or "no model now")
+        self.polls, self.table = polls, table
+        self._missed = {url: why for url, why in self._missed.items() if url in polls.order}
+
+    async def _models_of(self, url: str) -> ServedModels | None:
+        """A router's /v1/models, or None when it did not answer one."""
+        assert self.client is not None
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            reply = await self.client.get(url + MODELS_PATH, headers=headers, timeout=MODELS_TIMEOUT_SECONDS)
+            if reply.status_code != 200:
+                self._missed[url] = f"{MODELS_PATH} answered {reply.status_code}"
+                return None
+            return ServedModels.of(reply.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            self._missed[url] = f"no {MODELS_PATH}: {exc or type(exc).__name__}"
+            return None
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_seconds)
+            await self.refresh()
+
+    async def open(self) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(READ_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS),
+            trust_env=False)  # the routers' addresses are the cluster's: no proxy from the environment
+        for name in ("accept", "accept-encoding", "user-agent"):  # httpx's defaults: a router gets the client's own
+            del self.client.headers[name]
+        await self.refresh()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+
+async def send_json(send: Send, status: int, body: Mapping[str, Any], headers: Iterable[tuple[str, str]] = ()) -> None:
+    content = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+        *((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers)]})
+    await send({"type": "http.response.body", "body": content})
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has gone (the body was read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class GatewayApp:
+    """The gateway's ASGI app: model requests forwarded, /v1/models, /health, /metrics; anything else 404."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._refreshing: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method, gw = scope["path"], scope["method"], self.gateway
+        if path in MODEL_PATHS:
+            if method == "POST":
+                await self._model_request(scope, receive, send)
+            else:
+                await send_json(send, 405, error_body("Method Not Allowed"), [("allow", "POST")])
+        elif path in (MODELS_PATH, "/health", "/metrics") and method not in ("GET", "HEAD"):
+            await send_json(send, 405, error_body("Method Not Allowed"), [("allow", "GET, HEAD")])
+        elif path == MODELS_PATH:
+            await send_json(send, 200, {"object": "list", "data": list(gw.table.cards)})
+        elif path == "/health":
+            listed = gw.table.listed()
+            await send_json(send, 200 if listed else 503, {"status": "ok" if listed else "no_routers",
+                                                           "routers": list(listed)})
+        elif path == "/metrics":
+            content = generate_latest(gw.metrics.registry)
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/plain; version=0.0.4"), (b"content-length", str(len(content)).encode())]})
+            await send({"type": "http.response.body", "body": content})
+        else:
+            await send_json(send, 404, error_body(NOT_ROUTED, code="not_found"))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.gateway.open()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                self._refreshing = asyncio.create_task(self.gateway.refresh_forever())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._refreshing is not None:
+                    self._refreshing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._refreshing
+                await self.gateway.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _model_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Read and check the body, then forward it while watching the client: one that leaves cancels the
+        forwarding, which closes the router's connection (the router then aborts its pod's request)."""
+        gw = self.gateway
+        try:
+            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
+            if payload is None:  # the client left before its request was whole: nobody to answer
+                gw.count(None, "client_gone")
+                return
+            model = requested_model(payload)
+        except RouteError as exc:  # over the size bound
+            gw.count(None, "bad_request")
+            await send_json(send, exc.status, error_body(exc.message))
+            return
+        except BodyError as exc:
+            gw.count(None, "bad_request")
+            await send_json(send, 400, error_body(str(exc), param=exc.param))
+            return
+        if not gw.table.serves(model):
+            gw.count(model, "unknown_model")
+            await send_json(send, 404, error_body(gw.table.unknown(model), param="model", code=MODEL_NOT_FOUND))
+            return
+        work = asyncio.ensure_future(self._forward(scope, send, payload, model))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+            gone.cancel()
+        try:
+            outcome = await work
+        except asyncio.CancelledError:
+            if not gone.done() or gone.cancelled():  # not the client: this request itself was cancelled
+                raise
+            outcome = "client_gone"
+        gw.count(model, outcome)
+
+    async def _forward(self, scope: Scope, send: Send, payload: bytes, model: str) -> str:
+        """Send the request to the routers of `model`, least busy first, until one takes the connection; relay its
+        answer. The outcome (GATEWAY_OUTCOMES)."""
+        gw = self.gateway
+        assert gw.client is not None
+        headers = relayed_headers(((n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"]),
+                                  REQUEST_OWN)
+        query = scope.get("query_string", b"").decode("latin-1")
+        target = scope["path"] + (f"?{query}" if query else "")
+        tried: set[str] = set()
+        while (router := gw.table.pick(model, gw.inflight, tried)) is not None:
+            tried.add(router)
+            gw.inflight[router] = gw.inflight.get(router, 0) + 1
+            try:
+                request = gw.client.build_request("POST", router + target, content=payload, headers=headers)
+                try:
+                    reply = await gw.client.send(request, stream=True)
+                except CONNECT_FAILURES as exc:
+                    log.warning("router %s of %s: cannot connect (%s); trying another", router, model, exc)
+                    continue
+                except httpx.HTTPError as exc:  # sent, then failed: another router might serve it twice
+                    await send_json(send, 502, error_body(f"the router serving `{model}` failed before answering: "
+                                                          f"{exc or type(exc).__name__}", "server_error"))
+                    return "unreachable"
+                try:
+                    return await self._relay(reply, send)
+                finally:
+                    await reply.aclose()  # before its end: the connection is dropped, which tells the router
+            finally:
+                gw.inflight[router] -= 1
+        await send_json(send, 502, error_body(f"no router serving `{model}` could be reached ({len(tried)} tried)",
+                                              "server_error"))
+        return "unreachable"
+
+    @staticmethod
+    async def _relay(reply: httpx.Response, send: Send) -> str:
+        """The router's answer as it arrives (its bytes as sent: an SSE stream chunk by chunk). An answer that
+        breaks off is cut here too (the connection closes unfinished), so the client sees it was not whole."""
+        await send({"type": "http.response.start", "status": reply.status_code, "headers": [
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in relayed_headers(
+                (n.decode("latin-1"), v.decode("latin-1")) for n, v in reply.headers.raw)]})
+        try:
+            async for chunk in reply.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            log.warning("a router's answer broke off: %s", exc or type(exc).__name__)
+            return "broken"
+        await send({"type": "http.response.body", "body": b""})
+        return outcome_of(reply.status_code)
+
+
+def api_key_from_env() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def run_gateway(gateway: Gateway, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until a signal; requests open then get SHUTDOWN_DRAIN_SECONDS to finish, as a router's do."""
+    uvicorn.run(GatewayApp(gateway), host=host, port=port, log_level=log_level, lifespan="on",
+                server_header=False, date_header=False,  # the router's own pass through
+                timeout_graceful_shutdown=int(SHUTDOWN_DRAIN_SECONDS))

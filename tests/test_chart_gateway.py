@@ -1,0 +1,125 @@
+"""The chart's `kvmesh gateway` (gateway.enabled): valid locked-down manifests, RBAC that lists exactly the
+InferencePools operator/crd.py names, arguments the real `kvmesh gateway` accepts, and NetworkPolicies that let
+clients reach the gateway and the gateway reach the routers, however narrowly networkPolicy.clients is set."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+
+from kvmesh.operator import crd
+
+from .test_chart import CHART, KUBERNETES, PODS, PORTS, by_kind, manifests, reachable, render
+
+GATEWAY = 8090
+APPS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}
+
+
+def gateway_objects(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    docs = manifests(render({"gateway": {"enabled": True, **(values or {})}}))
+    return [d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "gateway"]
+
+
+def test_no_gateway_unless_enabled() -> None:
+    docs = manifests(render())
+    assert not [d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "gateway"]
+
+
+def test_the_gateway_s_manifests_are_valid_kubernetes_and_lint_clean() -> None:
+    objects = gateway_objects()
+    assert {d["kind"] for d in objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
+                                            "Service", "NetworkPolicy"}
+    for doc in objects + gateway_objects({"namespace": "team-a", "clients": [APPS]}):
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    report = helm_python.lint(CHART, {"gateway": {"enabled": True}}, kube_version=f"v{KUBERNETES}")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_rbac_lists_the_pools_and_nothing_else() -> None:
+    (role,) = by_kind(gateway_objects(), "ClusterRole")
+    assert role["rules"] == [{"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "verbs": ["list"]}]
+    (binding,) = by_kind(gateway_objects(), "ClusterRoleBinding")
+    (account,) = by_kind(gateway_objects(), "ServiceAccount")
+    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    namespaced = gateway_objects({"namespace": "team-a"})
+    assert not by_kind(namespaced, "ClusterRoleBinding")
+    (binding,) = by_kind(namespaced, "RoleBinding")
+    assert binding["metadata"]["namespace"] == "team-a" and binding["roleRef"]["kind"] == "ClusterRole"
+
+
+def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = by_kind(objects, "Deployment")
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+@pytest.mark.parametrize("values", [{}, {"namespace": "team-a", "refreshSeconds": 2.5, "port": 9000}])
+def test_the_command_is_one_kvmesh_gateway_accepts(values: dict[str, Any]) -> None:
+    """The chart's arguments given to the real `kvmesh gateway`, with a kubeconfig that does not exist: it parses
+    them all, then stops at reading the cluster's settings (exit 2 with its own message, not argparse's)."""
+    args = container(gateway_objects(values))["args"]
+    assert args[:2] == ["gateway", "--kubernetes"]
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", *args, "--kubeconfig", "/nonexistent/kubeconfig"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("kvmesh gateway: kubernetes discovery"), out.stderr
+    if values:
+        assert "--namespace=team-a" in args and "--refresh-seconds=2.5" in args and "--port=9000" in args
+
+
+def test_the_pod_is_locked_down_and_probed() -> None:
+    objects = gateway_objects()
+    (deployment,) = by_kind(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    gateway = container(objects)
+    sc = gateway["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/metrics"  # alive with no pool yet
+    (service,) = by_kind(objects, "Service")
+    assert service["spec"]["ports"][0]["port"] == GATEWAY
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.fixture
+def gateway_pod() -> Iterator[None]:
+    """A kvmesh gateway pod among test_chart's pods, as a source and a target."""
+    PODS["kvgateway"] = ("kvmesh", {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/instance": "kvmesh",
+                                    "app.kubernetes.io/component": "gateway"})
+    PORTS["kvgateway"] = GATEWAY
+    try:
+        yield
+    finally:
+        del PODS["kvgateway"], PORTS["kvgateway"]
+
+
+@pytest.mark.usefixtures("gateway_pod")
+def test_clients_reach_the_gateway_and_the_gateway_reaches_the_routers() -> None:
+    for values, callers in (
+        ({"gateway": {"enabled": True}}, {s for s in PODS if s != "kvgateway"}),
+        ({"gateway": {"enabled": True, "clients": [APPS]}}, {"client", "prometheus"}),
+        # routers narrowed to named clients: the gateway still reaches them
+        ({"gateway": {"enabled": True, "clients": [APPS]}, "networkPolicy": {"clients": [APPS]}},
+         {"client", "prometheus"}),
+    ):
+        pairs = reachable(by_kind(manifests(render(values)), "NetworkPolicy"))
+        assert {s for s, t in pairs if t == "kvgateway"} == callers
+        assert ("kvgateway", "router") in pairs
+        assert not {("kvgateway", e) for e in ("prefill", "decode", "both", "operator")} & pairs
+    narrowed = reachable(by_kind(manifests(render({"gateway": {"enabled": True},
+                                                   "networkPolicy": {"clients": [APPS]}})), "NetworkPolicy"))
+    assert {s for s, t in narrowed if t == "router"} == {"client", "operator", "prometheus", "kvgateway"}
+
+
+def test_the_schema_rejects_bad_gateway_values() -> None:
+    for bad in ({"port": 70000}, {"refreshSeconds": 0}, {"unknown": 1}, {"namespace": "Not_A_Namespace"}):
+        with pytest.raises(helm_python.HelmValuesError):
+            render({"gateway": {"enabled": True, **bad}})

@@ -1,0 +1,511 @@
+"""`kvmesh gateway`: the model table and its choices (pure), the edge against a stub router (headers, query, streams,
+errors), then end to end: two real routers, each in front of a tiny engine serving its own model name (one set of
+processes for the module), and Kubernetes discovery against kmock's emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import string
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+import openai
+import pytest
+import uvicorn
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from kvmesh.cli import main
+from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric, RouterMetric
+from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvmesh.processes import free_port, spawn, stop, wait_healthy
+from kvmesh.router.app import Router, build_router
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.discovery import kube_configuration
+from kvmesh.router.gateway import (
+    DOWN,
+    FAILING,
+    LISTED,
+    NAMES_IN_ERROR,
+    REQUEST_OWN,
+    UNKNOWN_MODEL,
+    BodyError,
+    Polls,
+    model_table,
+    pool_routers,
+    relayed_headers,
+    requested_model,
+)
+from kvmesh.router.gateway_app import Gateway, GatewayApp, PoolDiscovery, static_routers
+from kvmesh.router.lora import ServedModels
+
+from .engines import serve_router
+
+
+def served(*names: str, adapters: dict[str, str] | None = None) -> ServedModels:
+    cards = [{"id": n, "object": "model"} for n in names]
+    cards += [{"id": a, "object": "model", "parent": base} for a, base in (adapters or {}).items()]
+    return ServedModels.of({"object": "list", "data": cards})
+
+
+# ---- the model table ---------------------------------------------------------------------------------------------
+
+
+def test_each_model_maps_to_the_routers_that_list_it_in_their_order() -> None:
+    listings = {"http://a": served("llama", adapters={"sql": "llama"}), "http://b": served("qwen"),
+                "http://c": served("llama")}
+    table = model_table(["http://c", "http://a", "http://b"], listings, {})
+    assert table.routers == {"llama": ("http://c", "http://a"), "sql": ("http://a",), "qwen": ("http://b",)}
+    assert [c["id"] for c in table.cards] == ["llama", "qwen", "sql"]  # once each: base models, then adapters
+    assert table.cards[2]["parent"] == "llama"
+    assert table.states == {"http://a": LISTED, "http://b": LISTED, "http://c": LISTED}
+
+
+def test_the_least_busy_router_of_a_model_is_picked_ties_to_the_first() -> None:
+    table = model_table(["http://a", "http://b", "http://c"],
+                        {u: served("m") for u in ("http://a", "http://b", "http://c")}, {})
+    assert table.pick("m", {}) == "http://a"
+    assert table.pick("m", {"http://a": 2, "http://b": 1, "http://c": 1}) == "http://b"
+    assert table.pick("m", {"http://a": 2, "http://b": 1, "http://c": 1}, exclude={"http://b"}) == "http://c"
+    assert table.pick("m", {}, exclude={"http://a", "http://b", "http://c"}) is None
+    assert table.pick("other", {}) is None
+
+
+def test_a_router_that_stops_answering_drops_out_after_max_failures_and_comes_back() -> None:
+    polls = Polls().with_routers(["http://a", "http://b"])
+    polls = polls.answered("http://a", served("alpha", "shared")).answered("http://b", served("beta", "shared"))
+    for _ in range(2):
+        polls = polls.missed("http://b")
+        table = polls.table(max_failures=3)
+        assert table.states["http://b"] == FAILING and table.serves("beta")  # still routed to meanwhile
+    polls = polls.missed("http://b")
+    table = polls.table(max_failures=3)
+    assert table.states == {"http://a": LISTED, "http://b": DOWN}
+    assert not table.serves("beta")
+    assert table.routers["shared"] == ("http://a",)  # another router still serves it
+    assert table.listed() == ("http://a",)
+    polls = polls.answered("http://b", served("beta"))
+    assert polls.table(3).routers["beta"] == ("http://b",)
+
+
+def test_the_table_is_a_function_of_the_listings_and_failure_counts() -> None:
+    a = Polls().with_routers(["http://a", "http://b"]).answered("http://a", served("x")).missed("http://b")
+    b = Polls().with_routers(["http://a", "http://b"]).missed("http://b").answered("http://a", served("x"))
+    assert a.table(2) == b.table(2)
+
+
+def test_a_router_never_listed_is_down_and_one_discovery_lost_is_forgotten() -> None:
+    polls = Polls().with_routers(["http://a", "http://b"]).answered("http://a", served("x"))
+    assert polls.table().states["http://b"] == DOWN
+    polls = polls.missed("http://b").with_routers(["http://b"])
+    assert polls.order == ("http://b",) and "http://a" not in polls.listings and polls.failures == {"http://b": 1}
+    assert not polls.table().serves("x")
+
+
+def test_an_unknown_model_is_named_with_a_few_known_ones() -> None:
+    names = [f"model-{i}" for i in range(NAMES_IN_ERROR + 3)]
+    table = model_table(["http://a"], {"http://a": served(*names)}, {})
+    message = table.unknown("nope")
+    assert "`nope`" in message and ", ".join(sorted(names)[:NAMES_IN_ERROR]) in message and "and 3 more" in message
+    assert "x" * 200 not in table.unknown("x" * 5000)  # a client's long name is cut
+    assert "no pool's router" in model_table([], {}, {}).unknown("m")
+    assert table.label("model-1") == "model-1" and table.label("nope") == UNKNOWN_MODEL
+    assert table.label(None) == UNKNOWN_MODEL
+
+
+def test_pool_routers_are_every_pool_with_an_address_in_namespace_and_name_order() -> None:
+    def pool(namespace: str, name: str, address: str | None) -> dict[str, Any]:
+        return {"metadata": {"namespace": namespace, "name": name},
+                "status": {"routerAddress": address} if address is not None else {}}
+
+    pools = [pool("b", "x", "http://x.b.svc:8080/"), pool("a", "z", "http://z.a.svc:8080"), pool("a", "y", None),
+             pool("a", "w", ""), {"metadata": {"namespace": "c", "name": "v"}},
+             pool("c", "dup", "http://z.a.svc:8080")]
+    assert pool_routers(pools) == ["http://z.a.svc:8080", "http://x.b.svc:8080"]
+
+
+def test_headers_pass_on_less_those_of_one_connection() -> None:
+    headers = [("Authorization", "Bearer k"), ("x-kvmesh-priority", "2"), ("traceparent", "00-ab-cd-01"),
+               ("Connection", "keep-alive, X-Private"), ("x-private", "1"), ("Keep-Alive", "timeout=5"),
+               ("TE", "trailers"), ("Transfer-Encoding", "chunked"), ("Upgrade", "h2c"), ("Host", "gw"),
+               ("Content-Length", "12"), ("content-type", "application/json")]
+    assert relayed_headers(headers, REQUEST_OWN) == [
+        ("authorization", "Bearer k"), ("x-kvmesh-priority", "2"), ("traceparent", "00-ab-cd-01"),
+        ("content-type", "application/json")]
+    assert ("content-length", "12") in relayed_headers(headers)  # an answer keeps its length
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    (b"{not json", None, "malformed JSON"),
+    (b"[1, 2]", None, "JSON object"),
+    (b"{}", "model", "required"),
+    (b'{"model": 7}', "model", "not int"),
+    (b'{"model": null}', "model", "required"),
+])
+def test_a_body_without_a_model_name_is_refused_naming_the_field(body: bytes, param: str | None, says: str) -> None:
+    with pytest.raises(BodyError) as caught:
+        requested_model(body)
+    assert caught.value.param == param and says in str(caught.value)
+
+
+def test_the_model_is_read_from_the_body() -> None:
+    assert requested_model(b'{"model": "m", "prompt": "x"}') == "m"
+
+
+# ---- the edge against a stub router ------------------------------------------------------------------------------
+
+
+@contextmanager
+def serve_asgi(app: Any, healthy: bool = True) -> Iterator[str]:
+    """`app` on a free loopback port in a daemon thread; its URL once it answers /health (200 with `healthy`)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           server_header=False, date_header=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if healthy:
+            wait_healthy(url, timeout=30)
+        else:
+            eventually(lambda: _answers(url))
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def eventually(check: Callable[[], Any], seconds: float = 60.0) -> Any:
+    """Poll `check` until it is true (the bound only ends a failing test on a loaded machine)."""
+    deadline = time.monotonic() + seconds
+    while not (result := check()):
+        assert time.monotonic() < deadline, "condition never reached"
+        time.sleep(0.05)
+    return result
+
+
+def stub_router(model: str, seen: list[dict[str, Any]], release: threading.Event) -> Starlette:
+    """A router's shape: /v1/models lists `model`; a completion echoes what it received, or streams three events,
+    the second once `release` is set."""
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def complete(request: Request) -> Any:
+        body = await request.json()
+        seen.append({"headers": dict(request.headers), "query": request.url.query, "body": body})
+        if body.get("stream"):
+            async def events() -> AsyncIterator[str]:
+                yield f"data: {json.dumps({'i': 0})}\n\n"
+                # the rest only once the client has the first event (or, failing that, after a while)
+                seen[-1]["released"] = await asyncio.to_thread(release.wait, 30)
+                for i in (1, 2):
+                    yield f"data: {json.dumps({'i': i})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream", headers={"x-kvmesh-pod": "stub-0"})
+        return JSONResponse({"model": body["model"], "echo": body}, status_code=body.get("status", 200),
+                            headers={"x-kvmesh-pod": "stub-0", "x-ratelimit-remaining-requests": "9"})
+
+    return Starlette(routes=[Route(MODELS_PATH, models), Route("/health", health),
+                             Route("/v1/completions", complete, methods=["POST"]),
+                             Route("/v1/chat/completions", complete, methods=["POST"]),
+                             Route("/v1/responses", complete, methods=["POST"])])
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[tuple[str, list[dict[str, Any]], threading.Event]]:
+    seen: list[dict[str, Any]] = []
+    release = threading.Event()
+    with serve_asgi(stub_router("stub-model", seen, release)) as url:
+        yield url, seen, release
+
+
+def test_a_request_reaches_the_router_with_its_headers_query_and_body(
+        stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
+    url, seen, release = stub
+    with serve_asgi(GatewayApp(Gateway(static_routers([url]), refresh_seconds=3600))) as gateway:
+        body = b'{"model": "stub-model", "prompt": "hi",   "max_tokens": 1.0}'
+        reply = httpx.post(gateway + "/v1/chat/completions?api-version=1", content=body, timeout=30, headers={
+            "authorization": "Bearer sk-1", "x-kvmesh-priority": "1", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16
+            + "-01", "content-type": "application/json", "connection": "keep-alive, x-secret", "x-secret": "no"})
+        assert reply.status_code == 200
+        assert reply.json()["echo"] == {"model": "stub-model", "prompt": "hi", "max_tokens": 1.0}
+        assert reply.headers["x-kvmesh-pod"] == "stub-0" and reply.headers["x-ratelimit-remaining-requests"] == "9"
+        received = seen[-1]
+        assert received["query"] == "api-version=1"
+        assert received["headers"]["authorization"] == "Bearer sk-1"
+        assert received["headers"]["x-kvmesh-priority"] == "1"
+        assert received["headers"]["traceparent"].startswith("00-aaaa")
+        assert "x-secret" not in received["headers"]
+        assert received["headers"]["host"] == url.removeprefix("http://")
+
+        refused = httpx.post(gateway + "/v1/completions", json={"model": "stub-model", "status": 429}, timeout=30)
+        assert refused.status_code == 429 and refused.json()["echo"]["status"] == 429  # relayed as it was
+
+        with httpx.stream("POST", gateway + "/v1/responses", json={"model": "stub-model", "stream": True},
+                          timeout=30) as streamed:
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+            lines = streamed.iter_lines()
+            assert next(lines) == 'data: {"i": 0}'  # relayed before the router sent more
+            release.set()
+            rest = [line for line in lines if line]
+        assert rest == ['data: {"i": 1}', 'data: {"i": 2}', "data: [DONE]"] and seen[-1]["released"]
+        metrics = scrape(gateway)
+        assert metrics[(f"{GatewayMetric.REQUESTS}_total", (("model", "stub-model"), ("outcome", "ok")))] == 2
+        assert metrics[(f"{GatewayMetric.REQUESTS}_total", (("model", "stub-model"), ("outcome", "refused")))] == 1
+
+
+def test_only_model_requests_are_routed(stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
+    url, _, _ = stub
+    with serve_asgi(GatewayApp(Gateway(static_routers([url]), refresh_seconds=3600))) as gateway:
+        for method, path in (("GET", "/v1/responses/resp_1"), ("POST", "/v1/files"), ("GET", "/v1/batches"),
+                             ("POST", "/tokenize"), ("GET", "/")):
+            reply = httpx.request(method, gateway + path, timeout=30)
+            assert reply.status_code == 404, path
+            message = reply.json()["error"]["message"]
+            assert "Batch API" in message and "/tokenize" in message and "each pool's router" in message
+        assert httpx.get(gateway + "/v1/completions", timeout=30).status_code == 405
+        assert httpx.post(gateway + MODELS_PATH, timeout=30).status_code == 405
+
+
+def test_a_router_that_cannot_be_reached_is_a_502_after_trying_each(
+        stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
+    url, seen, _ = stub
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    gateway = Gateway(static_routers([dead, url]), refresh_seconds=3600)
+
+    async def main() -> None:
+        await gateway.open()
+        try:  # the dead router listed once, before it died: first in order, so tried first
+            gateway.polls = gateway.polls.answered(dead, served("stub-model"))
+            gateway.table = gateway.polls.table()
+            assert gateway.table.routers["stub-model"] == (dead, url)
+            app = httpx.AsyncClient(transport=httpx.ASGITransport(GatewayApp(gateway)), base_url="http://gw")
+            before = len(seen)
+            reply = await app.post("/v1/completions", json={"model": "stub-model"})
+            assert reply.status_code == 200 and len(seen) == before + 1  # the other router took it
+            gateway.table = gateway.polls.with_routers([dead]).table()
+            reply = await app.post("/v1/completions", json={"model": "stub-model"})
+            assert reply.status_code == 502 and "could be reached" in reply.json()["error"]["message"]
+            assert gateway.inflight == {dead: 0, url: 0}
+        finally:
+            await gateway.close()
+
+    asyncio.run(main())
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+# ---- end to end: two pools, each a router in front of a tiny engine ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[str, Router]]]:
+    """Model name -> (router URL, Router): engine processes serving `alpha` and `beta`, each behind its router."""
+    logs = tmp_path_factory.mktemp("gateway")
+    engines = {}
+    try:
+        for name in ("alpha", "beta"):
+            url = f"http://127.0.0.1:{free_port()}"
+            engines[name] = (url, spawn(["serve", "--model", str(tiny_dir), "--served-model-name", name, "--port",
+                                         url.rsplit(":", 1)[1], "--dtype", "float32", "--threads", "1",
+                                         "--kv-cache-memory-mib", "16", "--log-level", "warning"], logs / name))
+        for name, (url, proc) in engines.items():
+            wait_healthy(url, proc, log=logs / name)
+        routers = {name: build_router(RouterConfig(pods=[url], scrape_interval_seconds=0.1), tiny_dir)
+                   for name, (url, _) in engines.items()}
+        with serve_router(routers["alpha"]) as alpha, serve_router(routers["beta"]) as beta:
+            yield {"alpha": (alpha, routers["alpha"]), "beta": (beta, routers["beta"])}
+    finally:
+        stop(proc for _, proc in engines.values())
+
+
+@pytest.fixture(scope="module")
+def gateway(pools: dict[str, tuple[str, Router]]) -> Iterator[str]:
+    with serve_asgi(GatewayApp(Gateway(static_routers([pools["alpha"][0], pools["beta"][0]]),
+                                       refresh_seconds=0.2))) as url:
+        yield url
+
+
+def router_requests(router: Router, outcome: str = "ok") -> float:
+    return router.metrics.registry.get_sample_value(f"{RouterMetric.REQUESTS}_total", {
+        "outcome": outcome, "route": "aggregated", "source": "client"}) or 0.0
+
+
+@pytest.mark.slow
+def test_each_model_reaches_its_own_pool(gateway: str, pools: dict[str, tuple[str, Router]]) -> None:
+    for name in ("alpha", "beta"):
+        mine, other = pools[name][1], pools["beta" if name == "alpha" else "alpha"][1]
+        before_mine, before_other = router_requests(mine), router_requests(other)
+        reply = httpx.post(gateway + "/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 2},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == name and reply.headers["x-kvmesh-pod"]  # the router's own header
+        assert router_requests(mine) == before_mine + 1 and router_requests(other) == before_other
+
+
+@pytest.mark.slow
+def test_models_are_the_union_and_health_is_ok(gateway: str) -> None:
+    assert [c["id"] for c in httpx.get(gateway + MODELS_PATH, timeout=30).json()["data"]] == ["alpha", "beta"]
+    health = httpx.get(gateway + "/health", timeout=30)
+    assert health.status_code == 200 and len(health.json()["routers"]) == 2
+
+
+@pytest.mark.slow
+def test_the_openai_client_works_through_the_gateway(gateway: str) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    assert sorted(m.id for m in client.models.list().data) == ["alpha", "beta"]
+    for model in ("alpha", "beta"):
+        whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert whole.model == model
+        chunks = list(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert {c.model for c in chunks} == {model}
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.choices[0].message.content
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gamma", prompt="x", max_tokens=1)
+    error = missing.value.body
+    assert isinstance(error, dict) and error["code"] == "model_not_found" and "alpha, beta" in error["message"]
+    with pytest.raises(openai.BadRequestError):  # the router behind checks the rest of the body
+        client.completions.create(model="alpha", prompt="x", max_tokens=1, temperature=9)
+
+
+@pytest.mark.slow
+def test_a_bad_body_is_a_400_naming_the_field(gateway: str) -> None:
+    reply = httpx.post(gateway + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
+    reply = httpx.post(gateway + "/v1/chat/completions", content=b"{oops", timeout=30)
+    assert reply.status_code == 400 and "malformed JSON" in reply.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_random_model_names_make_no_series_of_their_own(gateway: str) -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        name = "".join(rng.choices(string.ascii_letters, k=12))
+        assert httpx.post(gateway + "/v1/completions", json={"model": name, "prompt": "x"}, timeout=30).status_code \
+            == 404
+    metrics = scrape(gateway)
+    models = {dict(labels)["model"] for name, labels in metrics if name == f"{GatewayMetric.REQUESTS}_total"}
+    assert models <= {"alpha", "beta", UNKNOWN_MODEL}
+    assert metrics[(f"{GatewayMetric.REQUESTS}_total", (("model", UNKNOWN_MODEL), ("outcome", "unknown_model")))] \
+        >= 20
+    assert metrics[(GatewayMetric.UPSTREAMS, (("state", LISTED),))] == 2
+
+
+@pytest.mark.slow
+def test_a_client_leaving_a_stream_closes_it_upstream(gateway: str, pools: dict[str, tuple[str, Router]]) -> None:
+    router = pools["alpha"][1]
+    before = router_requests(router, "client_gone")
+    body = {"model": "alpha", "prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", gateway + "/v1/completions", json=body, timeout=60) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first chunk: leave
+    eventually(lambda: router_requests(router, "client_gone") == before + 1)
+
+
+@pytest.mark.slow
+def test_a_router_that_dies_drops_out_and_its_model_then_404s(
+        tiny_dir: Path, pools: dict[str, tuple[str, Router]]) -> None:
+    beta_engine = next(iter(pools["beta"][1].pods.pods.values())).url
+    second = build_router(RouterConfig(pods=[beta_engine], scrape_interval_seconds=0.1), tiny_dir)
+    gateway = Gateway(static_routers([pools["alpha"][0]]), refresh_seconds=0.1, max_failures=2)
+    with serve_asgi(GatewayApp(gateway)) as url:
+        with serve_router(second) as beta:
+            gateway.discover = static_routers([pools["alpha"][0], beta])
+            eventually(lambda: gateway.table.serves("beta"))
+            assert httpx.post(url + "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 1},
+                              timeout=60).status_code == 200
+        eventually(lambda: not gateway.table.serves("beta"))  # that router stopped; the gateway goes on
+        assert gateway.table.states[beta] == DOWN
+        reply = httpx.post(url + "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 1},
+                           timeout=60)
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+        assert httpx.post(url + "/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 1},
+                          timeout=60).status_code == 200
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        assert scrape(url)[(GatewayMetric.UPSTREAMS, (("state", DOWN),))] == 1
+
+
+# ---- Kubernetes discovery ----------------------------------------------------------------------------------------
+
+
+def pool_object(namespace: str, name: str, address: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+                            "spec": {"model": {"source": "bundled"}}}
+    if address is not None:
+        # not Ready (a role below its desired replicas, as in a scale-up), yet serving
+        body["status"] = {"routerAddress": address, "conditions": [{"type": "Ready", "status": "False"}]}
+    return body
+
+
+@pytest.mark.slow
+def test_pools_with_a_router_address_are_found_through_the_api(
+        tmp_path: Path, pools: dict[str, tuple[str, Router]]) -> None:
+    alpha, dead = pools["alpha"][0], f"http://127.0.0.1:{free_port()}"
+
+    async def main() -> None:
+        async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
+            k8s.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = {"kind": KIND, "namespaced": True, "subresources": [],
+                                                           "verbs": ["get", "list", "create"]}
+            for namespace, name, address in (("team-a", "chat", alpha), ("team-b", "code", dead),
+                                             ("team-a", "new", None)):
+                await k8s.post(f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
+                               json=pool_object(namespace, name, address))
+            kubeconfig = tmp_path / "kubeconfig"
+            kubeconfig.write_text(yaml.safe_dump({
+                "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+                "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
+                "users": [{"name": "test", "user": {"token": "t"}}],
+                "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}]}))
+            configuration = kube_configuration(str(kubeconfig))
+            kind = (GROUP, VERSION, PLURAL)
+            assert await PoolDiscovery(configuration, kind)() == [alpha, dead]
+            assert await PoolDiscovery(configuration, kind, "team-a")() == [alpha]
+            gateway = Gateway(PoolDiscovery(configuration, kind), refresh_seconds=3600)
+            await gateway.open()
+            try:  # the pool whose router answers is in the table (Ready or not); the other's answers nothing
+                assert gateway.table.routers == {"alpha": (alpha,)}
+                assert gateway.table.states[dead] == DOWN
+            finally:
+                await gateway.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_cli_refuses_no_discovery_and_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["gateway"])
+    assert main(["gateway", "--router", "http://127.0.0.1:1", "--refresh-seconds", "0"]) == 2
+    assert "--refresh-seconds" in capsys.readouterr().err
