@@ -24,6 +24,7 @@ RESTARTED = OPERATOR.replace("kvmesh-operator-0", "kvmesh-operator-1")  # a new 
 # The operator's heartbeat (time() is 0 at the first sample): evaluated every minute, its stamp equal to the time
 LAST, INTERVAL = OperatorMetric.LAST_EVALUATION, OperatorMetric.EVALUATION_INTERVAL
 EVALUATIONS = OperatorMetric.EVALUATIONS + "_total"
+DESIRED = OperatorMetric.DESIRED_REPLICAS
 POOL_PODS = (f'up{{pod="r0", role="router", {POOL}}}', "1x40")  # the pool exists: its router is a target
 ROUTER = f'pod="r0", role="router", {POOL}'
 SHED, REQUESTS = RouterMetric.SHED + "_total", RouterMetric.REQUESTS + "_total"
@@ -254,6 +255,23 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
     "no decode engine up": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"), (f'up{{pod="e1", role="prefill", {POOL}}}', "1x10")],
         "5m",
+        [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE},
+               "Pool ml/chat has no decode engine up",
+               "No decode engine answers: the pool cannot serve requests."),
+         alert("KvmeshEngineDown", {"severity": "warning", "pod": "e0", "role": "decode", **WHERE},
+               "Engine ml/e0 (decode) of pool chat is down",
+               "Prometheus cannot scrape it; the routers send its requests to the other pods.")]),
+    # scaling.scaleToZero: the operator wanted no decode pod until minute 5; the new one loads its model until
+    # minute 12 (no /metrics meanwhile). A cold start, not an outage: silent for 15 minutes after the zero ...
+    "a pool starting from zero": (
+        [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "0x5 1x20"),
+         (f'up{{pod="e0", role="decode", {POOL}}}', "_x5 0x20")],
+        "12m", []),
+    # ... and an outage once the role has been wanted for 15 minutes with still no engine answering
+    "a pool that started from zero and never served": (
+        [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "0x5 1x30"),
+         (f'up{{pod="e0", role="decode", {POOL}}}', "_x5 0x30")],
+        "24m",
         [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE},
                "Pool ml/chat has no decode engine up",
                "No decode engine answers: the pool cannot serve requests."),
