@@ -469,6 +469,9 @@ class Router:
     responses: ResponseStore = field(  # the Responses API's stored responses (the same database, or memory)
         default_factory=lambda: MemoryResponses(RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS))
     pod_wait: PodWait | None = None  # requests held while no pod is ready; None: none are (503 at once)
+    # the models the pool served when a pod last was healthy: a pool at zero (holding requests) still lists them, so a
+    # gateway in front keeps sending their requests here, where the first one wakes the pool
+    served_before: list[dict[str, Any]] = field(default_factory=list)
 
     def tenants(self) -> Iterable[str]:
         """The tenants that have a key now (the one default tenant with auth off)."""
@@ -659,9 +662,15 @@ class Router:
 
     def models(self) -> dict[str, Any]:
         """`/v1/models` of the pool: what its healthy pods serve, base models and then adapters (with their parent),
-        each once, as both edges answer it."""
-        return {"object": "list", "data": union_cards(
-            p.models() for p in self.pods.pods.values() if p.healthy and p.refused is None and p.kv_config)}
+        each once, as both edges answer it; while the pool starts from zero (requests are held), what it served
+        last."""
+        cards = union_cards(
+            p.models() for p in self.pods.pods.values() if p.healthy and p.refused is None and p.kv_config)
+        if cards:
+            self.served_before = cards
+        elif self.pod_wait is not None:
+            cards = self.served_before
+        return {"object": "list", "data": cards}
 
     def refuse(self, trace: Trace, decision: Decision) -> RouteError | None:
         """The 429 for a request the overloaded pool sheds at its priority (counted and logged), as both edges

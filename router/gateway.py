@@ -92,6 +92,10 @@ class Polls:
                      {u: n for u, n in self.failures.items() if u in order})
 
     def answered(self, url: str, served: ServedModels) -> Polls:
+        """A router's new list; an empty one after models keeps them (its pool has no engine now: at zero, a
+        request there wakes it; with engines down, the router's 503 says more than a 404 for a model it serves)."""
+        if not served.names and self.listings.get(url) is not None:
+            served = self.listings[url]
         return replace(self, listings={**self.listings, url: served}, failures={**self.failures, url: 0})
 
     def missed(self, url: str) -> Polls:

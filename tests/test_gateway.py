@@ -100,6 +100,14 @@ def test_a_router_that_stops_answering_drops_out_after_max_failures_and_comes_ba
     assert polls.table(3).routers["beta"] == ("http://b",)
 
 
+def test_a_router_that_lists_nothing_after_models_keeps_them() -> None:
+    """Its pool scaled to zero (or lost its engines) and the router still answers: its models stay routed there,
+    where a request wakes the pool, rather than 404 at the gateway. A router that never listed any has none."""
+    polls = Polls().with_routers(["http://a", "http://b"]).answered("http://a", served("alpha"))
+    polls = polls.answered("http://a", served()).answered("http://b", served())
+    assert polls.table().serves("alpha") and polls.table().pick("alpha", {}) == "http://a"
+
+
 def test_the_table_is_a_function_of_the_listings_and_failure_counts() -> None:
     a = Polls().with_routers(["http://a", "http://b"]).answered("http://a", served("x")).missed("http://b")
     b = Polls().with_routers(["http://a", "http://b"]).missed("http://b").answered("http://a", served("x"))

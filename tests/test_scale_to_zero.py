@@ -85,6 +85,11 @@ def test_a_request_is_held_while_no_engine_is_ready_and_served_once_one_is(tiny_
             assert reply.status_code == 200, reply.text
             assert reply.headers["x-kvmesh-pod"] == engine
             assert held(url) == 0
+            served = httpx.get(url + "/v1/models").json()["data"]
+            assert served and all(m["id"] for m in served)
+            write_json_atomically(pods_file, {"pods": []})  # back at zero: a gateway must still route its model here
+            wait_for(lambda: httpx.get(url + "/health").json()["status"] == "waiting_for_pods", "the pool at zero")
+            assert httpx.get(url + "/v1/models").json()["data"] == served
 
 
 @pytest.mark.slow
