@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
@@ -146,6 +147,23 @@ class WarmupGate:
         log.info("warm-up gate open (%s) after %.1f s: /health answers 200", reason, self._clock() - self._start)
 
 
+class HeldStream(StreamingResponse):
+    """A stream whose handler took something before its body starts (pinned KV blocks, a pulled prefix):
+    `on_end` gives it back when the response ends, however it ends. A generator's own `finally` is not enough:
+    Starlette never starts the body when the client leaves while the response is starting, and a generator
+    never started never runs its `finally`, so what it held would stay held for good."""
+
+    def __init__(self, content: AsyncIterator[Any], on_end: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
 class EngineHolder:
     """The engine, or why there is none yet: the server answers /health 503 while the model loads, and while
     its warm-up gate holds it."""
@@ -214,6 +232,7 @@ class _Job:
         self.requests: list[Request] = []
         self.prompt_of: list[int] = []  # which prompt each request answers (n choices share one)
         self.open: set[int] = set()
+        self.submitted = False
         self._checked = time.monotonic()
 
     def add(self, request: Request, prompt_index: int) -> None:
@@ -224,8 +243,16 @@ class _Job:
         self.open.add(index)
 
     def submit(self) -> None:
+        self.submitted = True
         for request in self.requests:
             self.engine.submit(request)
+
+    def close(self) -> None:
+        """The response ended: a job never submitted (its client left before the stream began) gives back the
+        peer's blocks pulled for it, which the engine frees only for a request it runs."""
+        if not self.submitted:
+            for key in [r.import_key for r in self.requests if r.import_key is not None]:
+                self.engine.call(lambda k=key: self.engine.release(k))
 
     def abort(self) -> None:
         for i in self.open:
@@ -466,6 +493,9 @@ class _Completions:
             log.warning("KV %s for %s failed, recomputing: %s", kind, first.request_id, exc)
             e.call(lambda: e.release(key))
             return
+        except BaseException:  # cancelled mid-pull (the client left): the blocks reserved for it are nobody's
+            e.call(lambda: e.release(key))
+            raise
         first.import_key = key
         first.peer_tokens = len(pulled.hashes) * bs
 
@@ -763,7 +793,7 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             lines = handler.stream(job)
             if call is not None:  # its span is built when the stream ends
                 lines = call.relay(lines, handler.id, handler.model, job.requests, job.prompt_of)
-            return StreamingResponse(lines, media_type="text/event-stream")
+            return HeldStream(lines, job.close, media_type="text/event-stream")
         try:
             return JSONResponse(await handler.complete(job))
         except ConnectionAbortedError:
@@ -886,25 +916,26 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
                 raise
         hashes = body.block_hashes[: len(ids)]
         frame = e.config.transfer_frame_blocks
+        start, sent, outcome = time.perf_counter(), 0, "failed"
 
         async def frames() -> AsyncIterator[bytes]:
-            start, sent, outcome = time.perf_counter(), 0, "failed"
-            try:
-                for i in range(0, len(ids), frame):
-                    data = await asyncio.to_thread(e.read_frame, ids[i : i + frame], hashes[i : i + frame])
-                    sent += len(data)
-                    yield data
-                outcome = "ok"
-                if body.handle is not None:
-                    e.call(lambda: e.drop_handle(body.handle))
-            finally:
-                e.call(lambda: e.release(key))
-                e.metrics.transfers.labels("serve", outcome).inc()
-                e.metrics.transfer_bytes.labels("sent").inc(sent)
-                e.metrics.transfer_seconds.labels("serve").observe(time.perf_counter() - start)
+            nonlocal sent, outcome
+            for i in range(0, len(ids), frame):
+                data = await asyncio.to_thread(e.read_frame, ids[i : i + frame], hashes[i : i + frame])
+                sent += len(data)
+                yield data
+            outcome = "ok"
+            if body.handle is not None:
+                e.call(lambda: e.drop_handle(body.handle))
 
-        return StreamingResponse(frames(), media_type="application/octet-stream",
-                                 headers={"x-kvmesh-blocks": str(len(ids))})
+        def ended() -> None:  # however the response ended, its body started or not
+            e.call(lambda: e.release(key))
+            e.metrics.transfers.labels("serve", outcome).inc()
+            e.metrics.transfer_bytes.labels("sent").inc(sent)
+            e.metrics.transfer_seconds.labels("serve").observe(time.perf_counter() - start)
+
+        return HeldStream(frames(), ended, media_type="application/octet-stream",
+                          headers={"x-kvmesh-blocks": str(len(ids))})
 
     @app.get(KV_HOT_PATH)
     async def kv_hot(limit: int = Query(HOT_CHAINS_DEFAULT, ge=1, le=HOT_CHAINS_MAX)) -> dict[str, Any]:
@@ -933,10 +964,12 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         e = holder.get()
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
-        unsubscribe = e.events.subscribe(lambda: loop.call_soon_threadsafe(wake.set))
 
         async def lines() -> AsyncIterator[str]:
             last, boot = after, boot_id
+            # subscribed here, not before the response: a body never started (the client left as it began)
+            # never runs its `finally`, and would leave its listener called on every step for good
+            unsubscribe = e.events.subscribe(lambda: loop.call_soon_threadsafe(wake.set))
             try:
                 while True:
                     wake.clear()
