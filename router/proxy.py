@@ -346,14 +346,18 @@ class Upstream:
         while not connection.head:
             await connection.wait()
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self, now: float, asked: _Pod) -> None:
         """Close every pod's connections idle past IDLE_SECONDS: a pod that left the pool (or vanished without
-        closing its end) keeps no socket open for long. (A pod's entry stays: a few bytes per address seen.)"""
+        closing its end) keeps no socket open for long. A pod with no connection left, and not `asked` now, is
+        forgotten: pods come and go at new addresses for as long as the router runs, and a later request to
+        one simply starts afresh."""
         self._swept = now
-        for pod in self._pods.values():
+        for base, pod in list(self._pods.items()):
             for connection in [c for c in pod.idle if now - c.idle_since >= IDLE_SECONDS]:
                 pod.idle.remove(connection)
                 connection.abort()
+            if pod is not asked and not pod.idle and not pod.open():
+                del self._pods[base]
 
     async def _connection(self, pod: _Pod, fresh: bool = False) -> tuple[_Connection, bool]:
         """An idle connection to `pod` that is still open and fresh (unless `fresh`), or a new one; and whether
@@ -361,7 +365,7 @@ class Upstream:
         idle one, or room for a new one), waiting at most CONNECT_TIMEOUT_SECONDS."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._swept >= IDLE_SECONDS:
-            self._sweep(loop.time())
+            self._sweep(loop.time(), pod)
         deadline = loop.time() + CONNECT_TIMEOUT_SECONDS
         while True:
             while pod.idle and not fresh:

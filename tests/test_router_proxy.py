@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -266,6 +266,34 @@ async def test_idle_connections_of_a_pod_no_longer_asked_are_closed() -> None:
         await reply.read()
         reply.close()
         await asyncio.wait_for(gone.closed.wait(), 5)
+        await upstream.close()
+
+
+@pytest.mark.asyncio
+async def test_a_pod_gone_from_the_pool_is_forgotten_once_its_connections_are_closed() -> None:
+    """Pods come and go at new addresses for weeks: the upstream's table of pods must not keep every address it
+    ever sent to. Once a pod's idle connection is swept and closed, a later sweep forgets the pod."""
+    async with AsyncExitStack() as stack:
+        other = await stack.enter_async_context(pod(echo))
+        gone = [await stack.enter_async_context(pod(echo)) for _ in range(5)]  # each asked once, then not again
+        upstream = Upstream(5.0)
+        for server in gone:
+            await ask(upstream, server.url, {})
+        loop, original = asyncio.get_running_loop(), asyncio.get_running_loop().time
+        for sweep in (1, 2):  # the first sweep closes their idle connections, the next forgets the pods
+            later = original() + sweep * (IDLE_SECONDS + 1)
+            loop.time = lambda later=later: later  # type: ignore[method-assign]  # time passes (no sleep)
+            try:
+                reply = await upstream.post(other.url + "/v1/completions", {}, {})  # its sweep runs first
+            finally:
+                loop.time = original  # type: ignore[method-assign]
+            await reply.read()
+            reply.close()
+            for server in gone:
+                await asyncio.wait_for(server.closed.wait(), 5)
+            await asyncio.sleep(0.05)  # our ends of the closed connections are seen too
+        assert list(upstream._pods) == [other.url]  # only the pod still asked
+        assert await ask(upstream, gone[0].url, {"back": 1}) == {"back": 1}  # a pod asked again starts afresh
         await upstream.close()
 
 
