@@ -294,7 +294,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("message")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint's base URL")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the endpoint to become healthy")
+    p.add_argument("--wait", type=float, default=600.0,
+                   help="seconds to wait for the endpoint to become healthy and answer (a 503 is asked again)")
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -317,6 +318,10 @@ def _chat(args: argparse.Namespace) -> int:
         body = {"messages": [{"role": "user", "content": args.message}], "max_tokens": args.max_tokens,
                 "temperature": 0}
         reply = client.post("/v1/chat/completions", json=body)
+        # another router replica may not see an engine yet (or its pool is starting from zero): ask again
+        while reply.status_code == 503 and time.monotonic() < deadline:
+            time.sleep(1.0)
+            reply = client.post("/v1/chat/completions", json=body)
         if reply.status_code != 200:
             print(f"kvmesh chat: HTTP {reply.status_code}: {reply.text}", file=sys.stderr)
             return 1
@@ -496,7 +501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _operator_parser(sub)
     _chat_parser(sub)
     _status_parser(sub)
-    _bench_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if next((a for a in argv if not a.startswith("-")), None) == "bench":
+        _bench_parser(sub)
+    else:  # the benchmarks' parsers load their modules (torch among them: a second and 150 MiB), for them only
+        sub.add_parser("bench", help="benchmarks (`kvmesh bench --help` lists them)")
     from kvmesh.bench.sim_engine import add_parser as add_sim_engine
 
     add_sim_engine(sub)

@@ -4,9 +4,12 @@ run here, so the pod itself cannot: the Kubernetes side is checked as rendered o
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +117,44 @@ def test_the_test_pods_command_fails_when_nothing_answers() -> None:
                            *[("--url=http://127.0.0.1:9" if a.startswith("--url=") else a) for a in args]],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "did not become healthy" in done.stderr
+
+
+class FlakyRouter(BaseHTTPRequestHandler):
+    """Healthy at once, then 503 for the first two questions: another router replica that sees no engine yet."""
+
+    refusals = 2
+
+    def do_GET(self) -> None:
+        self._answer(200, {"status": "ok"})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        if FlakyRouter.refusals:
+            FlakyRouter.refusals -= 1
+            self._answer(503, {"error": {"message": "no pod can take this request now"}})
+        else:
+            self._answer(200, {"choices": [{"message": {"content": "ready"}}], "usage": {
+                "prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}})
+
+    def _answer(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_the_test_pods_command_asks_again_while_the_router_answers_503() -> None:
+    """Several router replicas: /health may reach one that sees an engine and the question one that does not yet."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FlakyRouter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done, _ = run_pod_command(chat_args(hook_pod(DISAGGREGATED) or {}), f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ready" and FlakyRouter.refusals == 0
