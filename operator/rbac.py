@@ -1,10 +1,9 @@
-"""Every Kubernetes API verb and resource the operator and the router use: the one list.
+"""Every Kubernetes API verb and resource the operator, the router and the gateway use: the one list.
 
-The operator's ClusterRole, its Role for leader election and each pool's router Role are built from it
-(desired.py, the Helm chart), the
-emulator tests record the requests the operator makes and fail on any outside it, and the chart's RBAC is
-checked against it. Kubernetes refuses to let a subject grant permissions it does not hold itself, so the
-operator's list includes the router's (it creates the routers' Roles).
+The operator's ClusterRole, its Role for leader election, each pool's router Role and the gateway's ClusterRole
+are built from it (desired.py, the Helm chart), the emulator tests record the requests the operator makes and
+fail on any outside it, and the chart's RBAC is checked against it. Kubernetes refuses to let a subject grant
+permissions it does not hold itself, so the operator's list includes the router's (it creates the routers' Roles).
 """
 
 from __future__ import annotations
@@ -56,6 +55,13 @@ OPERATOR: tuple[Permission, ...] = (
 # Leader election (operator/leader.py), in the operator's own namespace only: the chart's Role, not the ClusterRole.
 LEADER_ELECTION = Permission("coordination.k8s.io", "leases", ("get", "create", "update"),
                              "the operator replicas' leader election on one Lease (operator/leader.py)")
+
+
+# `kvmesh gateway` (router/gateway_app.py): the pools' router addresses, listed at every refresh (the chart's
+# gateway ClusterRole, bound cluster-wide or in gateway.namespace).
+GATEWAY: tuple[Permission, ...] = (
+    Permission(GROUP, PLURAL, ("list",), "the gateway finds every pool's router in its status"),
+)
 
 
 def allows(permissions: tuple[Permission, ...], group: str, resource: str, verb: str) -> bool:

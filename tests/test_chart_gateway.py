@@ -13,7 +13,7 @@ import helm_python
 import kubernetes_validate
 import pytest
 
-from kvmesh.operator import crd
+from kvmesh.operator import rbac
 
 from .test_chart import CHART, KUBERNETES, PODS, PORTS, by_kind, manifests, reachable, render
 
@@ -43,7 +43,7 @@ def test_the_gateway_s_manifests_are_valid_kubernetes_and_lint_clean() -> None:
 
 def test_rbac_lists_the_pools_and_nothing_else() -> None:
     (role,) = by_kind(gateway_objects(), "ClusterRole")
-    assert role["rules"] == [{"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "verbs": ["list"]}]
+    assert role["rules"] == [p.rule() for p in rbac.GATEWAY]
     (binding,) = by_kind(gateway_objects(), "ClusterRoleBinding")
     (account,) = by_kind(gateway_objects(), "ServiceAccount")
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
