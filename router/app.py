@@ -721,6 +721,16 @@ class Router:
             alike = [p for p in alike if info.hashes_for(p) is hashes]
         return plan_pull(decision.pod, info, alike, view.matches, config.block_bytes, self.picker, self.pull)
 
+    def served_otherwise(self, name: str, lora: str | None) -> set[str]:
+        """The pods that serve adapter `lora` with other weights than pod `name` (a new `path` reaching the pods one
+        by one): the prefill pod's blocks are hashed with its weights, so a decode pod with others would find none,
+        recompute the prompt and continue a first token of one version with the rest from another."""
+        if lora is None:
+            return set()
+        served = {p.name: p.adapter_fingerprints for p in self.pods.snapshot()}
+        mine = served.get(name, {}).get(lora)
+        return {other for other, fingerprints in served.items() if lora in fingerprints and fingerprints[lora] != mine}
+
     def stored_otherwise(self, name: str) -> set[str]:
         """The pods that store KV blocks otherwise than pod `name` (another kv_cache_dtype or block size in
         bytes): blocks move as raw bytes, so a pull or handoff between them would be refused. A rolling change
@@ -1324,7 +1334,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if stream:
             decode_body[RETURN_TOKEN_IDS_FIELD] = True
             decode_body["stream_options"] = with_usage(raw)
-        unlike = router.stored_otherwise(prefill_pod.name)  # could not take the prefill pod's KV
+        # could not take the prefill pod's KV: stored in another format, or computed with other adapter weights
+        unlike = router.stored_otherwise(prefill_pod.name) | router.served_otherwise(prefill_pod.name, trace.info.lora)
         tried: set[str] = set(unlike)
         opened = await open_upstream(trace, decode_body, path, headers, tried)
         tried -= unlike  # a pod of any format may continue the stream later (it recomputes the prompt)

@@ -378,3 +378,15 @@ def test_a_pod_that_unloaded_the_adapter_since_its_list_was_read_is_skipped_for_
         assert httpx.post(other + UNLOAD_LORA_PATH, json={"lora_name": "sql"}, timeout=60).status_code == 200
         gone = httpx.post(url + "/v1/completions", json=body, timeout=60)  # no pod serves it any more
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
+
+
+def test_a_decode_pod_must_serve_the_adapter_with_the_prefill_pods_weights(router: Router) -> None:
+    """While new weights under a name reach the pods one by one, a prefill pod's KV goes only to a decode pod with
+    the same weights: one with others would find none of its blocks, recompute, and continue the first token of
+    one version with the rest of another. Pods not serving the adapter and base-model requests are not affected."""
+    set_pods(router, {POD_A: ("sql",), POD_B: ("sql",), POD_C: ()}, {}, {POD_A: NEW, POD_B: OLD})
+    assert router.served_otherwise(POD_A, "sql") == {POD_B}
+    assert router.served_otherwise(POD_B, "sql") == {POD_A}
+    assert router.served_otherwise(POD_A, None) == set()
+    set_pods(router, {POD_A: ("sql",), POD_B: ("sql",), POD_C: ()}, {}, {POD_A: NEW, POD_B: NEW})
+    assert router.served_otherwise(POD_A, "sql") == set()
