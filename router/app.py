@@ -42,6 +42,7 @@ from kvmesh.engine.openai_types import (
     chat_ids,
     error_body,
     http_error_handler,
+    read_json,
     validation_problems,
 )
 from kvmesh.engine.protocol import (
@@ -91,7 +92,6 @@ from kvmesh.router.batches import (
     COMPLETIONS_PATH,
     REQUEST_SOURCES,
     RESPONSES_PATH,
-    client_json,
     new_id,
 )
 from kvmesh.router.config import (
@@ -547,14 +547,14 @@ class Router:
         model = ChatRequest if chat else CompletionRequest
 
         def parse() -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
-            raw = client_json(payload)
+            raw = read_json(payload)
             return raw, model.model_validate(raw)
 
         try:
             raw, body = parse() if len(payload) <= INLINE_TOKENIZE_BYTES else await asyncio.to_thread(parse)
         except ValidationError as exc:
             raise RouteError(400, validation_problems(exc)) from None
-        except ValueError as exc:  # client_json's
+        except ValueError as exc:  # read_json's
             raise RouteError(400, str(exc)) from None
         priority = request_priority(headers.get(PRIORITY_HEADER))
         dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]

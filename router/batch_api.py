@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.datastructures import UploadFile
 
-from kvmesh.engine.openai_types import error_body
+from kvmesh.engine.openai_types import error_body, read_json
 from kvmesh.engine.protocol import RouterMetric
 from kvmesh.router.auth import tenant_hash, unauthorized_body
 from kvmesh.router.batch_store import BatchStore
@@ -28,7 +28,6 @@ from kvmesh.router.batches import (
     UPLOAD_PURPOSE,
     BatchInputError,
     check_metadata,
-    client_json,
     expiry_seconds,
     whole_number,
     window_seconds,
@@ -187,7 +186,7 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
                 return _error(413, f"a batch's creation body is at most {CREATE_BODY_BYTES >> 10} KiB")
             chunks.append(chunk)
         try:
-            body = client_json(b"".join(chunks))
+            body = read_json(b"".join(chunks))
         except ValueError as exc:
             return _error(400, str(exc))
         if not isinstance(body, dict):

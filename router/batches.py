@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic_core import from_json
+from kvmesh.engine.openai_types import read_json
 
 CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 BATCH_ENDPOINTS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH)
@@ -80,17 +80,6 @@ def enqueued_limit_error(enqueued: int, adding: int, limit: int) -> BatchInputEr
 def new_id(prefix: str) -> str:
     """An id as OpenAI's look (`file-...`, `batch_...`): random, so ids reveal nothing of other tenants' counts."""
     return f"{prefix}{secrets.token_hex(12)}"
-
-
-def client_json(payload: bytes | str) -> Any:
-    """A client's JSON body, parsed by pydantic's parser rather than the json module: its nesting bound (200 levels)
-    holds wherever it runs, where json's recursion limit depends on the caller's stack, so a body a little less
-    deep than that limit could parse in one place and fail to serialize again on its way to a pod (a 500). Twice as
-    fast, too. ValueError ("malformed JSON: ...") for a body that is not UTF-8 JSON or nests past the bound."""
-    try:
-        return from_json(payload)
-    except ValueError as exc:
-        raise ValueError(f"malformed JSON: {exc}") from None
 
 
 def whole_number(text: str) -> int | None:
@@ -231,7 +220,7 @@ def _refused(problems: list[LineProblem]) -> CheckedInput:
 
 def _check_line(raw_line: str, number: int, endpoint: str, seen: set[str]) -> LineProblem | tuple[str, dict[str, Any]]:
     try:  # as the router parses a request's body (its nesting bound too), which this line's becomes
-        entry = client_json(raw_line)
+        entry = read_json(raw_line)
     except ValueError as exc:
         return LineProblem("invalid_json_line", f"line {number}: {exc}", number)
     if not isinstance(entry, dict):

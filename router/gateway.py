@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvmesh.router.batches import client_json
+from kvmesh.engine.openai_types import read_json
 from kvmesh.router.lora import ServedModels, union_cards
 
 LISTED, FAILING, DOWN = "listed", "failing", "down"
@@ -161,7 +161,7 @@ def requested_model(payload: bytes) -> str:
     """The `model` a request body names (BodyError when the body is no JSON object or names none): all the gateway
     reads of it; the router behind checks the rest."""
     try:
-        body = client_json(payload)
+        body = read_json(payload)
     except ValueError as exc:
         raise BodyError(str(exc)) from None
     if not isinstance(body, dict):

@@ -23,9 +23,9 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvmesh.engine.openai_types import error_body
+from kvmesh.engine.openai_types import error_body, read_json
 from kvmesh.router.auth import tenant_hash, unauthorized_body
-from kvmesh.router.batches import RESPONSES_PATH, client_json, new_id, whole_number
+from kvmesh.router.batches import RESPONSES_PATH, new_id, whole_number
 from kvmesh.router.config import MAX_REQUEST_BODY_BYTES
 from kvmesh.router.responses import (
     RESPONSE_ID_PREFIX,
@@ -216,7 +216,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         if payload is None:
             return _error(413, f"the request body exceeds {MAX_REQUEST_BODY_BYTES >> 20} MiB")
         try:
-            body = client_json(payload)  # a bounded nesting depth: json.loads hit the recursion limit (a 500)
+            body = read_json(payload)  # a bounded nesting depth: json.loads hit the recursion limit (a 500)
         except ValueError as exc:
             return _error(400, str(exc))
         turn = await responses.turn(tenant, body)
