@@ -112,6 +112,7 @@ class PoolDefaults:
     image: str = DEFAULT_IMAGE
     engine_port: int = DEFAULT_ENGINE_PORT
     router_port: int = DEFAULT_ROUTER_PORT
+    local: bool = False  # `kvmesh up -f`: no image is pulled, its programs are this code whatever image it names
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PoolDefaults:
@@ -729,8 +730,8 @@ def complete_spec(spec: Any, defaults: PoolDefaults = PoolDefaults()) -> dict[st
     checks, the cross-field rules and the checks of engine and router settings."""
     full = defaulted_spec(spec)
     engine_image = full["engine"].get("image", defaults.image)
-    own_images = {"engine": engine_image == defaults.image,
-                  "router": full["router"].get("image", engine_image) == defaults.image}
+    own_images = {"engine": defaults.local or engine_image == defaults.image,
+                  "router": defaults.local or full["router"].get("image", engine_image) == defaults.image}
     full["engine"] = {"image": defaults.image, "port": defaults.engine_port, **full["engine"]}
     full["router"] = {"port": defaults.router_port, **full["router"]}
     for rule in RULES:
@@ -799,7 +800,7 @@ def load_pool_file(path: str) -> Pool:
     pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(pools) != 1:
         raise SpecError(f"{path}: expected one {KIND}, found {len(pools)}")
-    pool = parse_pool(pools[0])
+    pool = parse_pool(pools[0], PoolDefaults(local=True))
     if "scaleToZero" in pool.spec["scaling"]:
         raise SpecError(f"{path}: scaling.scaleToZero works in a cluster only; `kvmesh up` keeps each role's engines "
                         "running (drop the field, with replicas.*.min at least 1)")

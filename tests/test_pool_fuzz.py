@@ -21,11 +21,13 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -41,6 +43,7 @@ from kvmesh.operator.crd import (
     Pool,
     SpecError,
     defaulted_spec,
+    load_pool_file,
     parse_pool,
     spec_schema,
 )
@@ -407,3 +410,16 @@ def test_a_setting_unknown_here_passes_to_an_image_of_its_own() -> None:
     body["spec"]["router"]["image"] = DEFAULT_IMAGE
     with pytest.raises(SpecError, match=r"router\.settings: unknown setting 'picker_plugin'"):
         parse_pool(body)
+
+
+def test_a_local_pool_runs_this_code_whatever_image_it_names(tmp_path: Path) -> None:
+    """`kvmesh up -f` pulls no image: its engines are this code, so a name they do not know is refused even when the
+    file names another image (the engines would refuse it at start)."""
+    body = example("aggregated.yaml")
+    body["spec"]["engine"]["image"] = "registry.internal/kvmesh:next"
+    body["spec"]["engine"]["settings"] = {"max-num-seq": 8}
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert parse_pool(body).spec["engine"]["settings"] == {"max-num-seq": 8}  # a cluster leaves it to that image
+    with pytest.raises(SpecError, match="did you mean 'max_num_seqs'"):
+        load_pool_file(str(path))
