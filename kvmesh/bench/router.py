@@ -6,8 +6,9 @@
   prompt, some prefix of this prompt, partly on the host tier, and thousands of other blocks; a few pods have
   provisional entries), and `picker.pick` over 64 pod snapshots. The pod holding the longest prefix must win.
 - Proxy overhead: one real engine process (a tiny random Llama, so the model's own time is small and steady) and
-  a `kvmesh router` process in front of it; sequential non-streaming completions (max_tokens=1) sent directly and
-  through the router, interleaved, so drift on the machine affects both alike.
+  a `kvmesh router` process in front of it, and a `kvmesh gateway` in front of the router; sequential
+  non-streaming completions (max_tokens=1) sent directly, through the router, and through the gateway and the
+  router, interleaved, so drift on the machine affects all alike.
 - Throughput: requests per second through the router against a stub upstream that answers at once, beside the
   same load sent to the stub directly (the bound of this client and this machine).
 """
@@ -494,7 +495,7 @@ PROXY_PROMPT = ("You are a helpful assistant. Answer briefly and precisely. The 
 
 @dataclass
 class ProxyResult:
-    requests: int  # pairs measured (one direct, one through the router)
+    requests: int  # rounds measured (one direct, one through the router, one through the gateway and the router)
     seconds: float
     prompt_tokens: int
     direct: dict[str, float]
@@ -502,6 +503,8 @@ class ProxyResult:
     p50_difference_ms: float
     paired_difference: dict[str, float]  # router minus direct, pair by pair
     router_decision_mean_ms: float | None  # from the router's own kvmesh_router_decision_seconds
+    gateway: dict[str, float]  # through `kvmesh gateway` in front of the router
+    gateway_paired_difference: dict[str, float]  # gateway minus router, round by round: the gateway's own hop
 
 
 def _decision_mean_ms(metrics: str) -> float | None:
@@ -514,10 +517,20 @@ def _decision_mean_ms(metrics: str) -> float | None:
     return total / count * 1e3 if total is not None and count else None
 
 
+def start_gateway(procs: Processes, router: str, timeout: float) -> str:
+    port = free_port()
+    proc, log = procs.kvmesh("gateway", ["gateway", "--router", router, "--port", str(port), "--refresh-seconds",
+                                         "0.5", "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, timeout, log)  # healthy once the router's models are in its table
+    return url
+
+
 def proxy_overhead(requests: int = 200, warmup: int = 20, time_limit: float = 300.0,
                    startup_timeout: float = 180.0) -> ProxyResult:
-    """One engine process with a tiny model and a router process in front; `requests` interleaved pairs of
-    direct and routed completions, stopping early at `time_limit` seconds."""
+    """One engine process with a tiny model, a router process in front, and `kvmesh gateway` in front of that;
+    `requests` interleaved rounds of a completion sent directly, through the router, and through the gateway and
+    the router, stopping early at `time_limit` seconds."""
     import httpx
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-router-") as tmp, Processes(Path(tmp)) as procs:
@@ -531,12 +544,15 @@ def proxy_overhead(requests: int = 200, warmup: int = 20, time_limit: float = 30
         _progress("proxy: starting the engine and the router ...")
         wait_healthy(engine_url, proc, startup_timeout, log)
         router_url = start_router(procs, engine_url, model_dir, startup_timeout)
-        body = {"prompt": PROXY_PROMPT, "max_tokens": 1, "temperature": 0}
-        samples: dict[str, list[int]] = {"direct": [], "router": []}
+        gateway_url = start_gateway(procs, router_url, startup_timeout)
+        model = httpx.get(router_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROXY_PROMPT, "max_tokens": 1, "temperature": 0}
+        samples: dict[str, list[int]] = {"direct": [], "router": [], "gateway": []}
         prompt_tokens = 0
         with httpx.Client(base_url=engine_url, timeout=30) as direct, \
-                httpx.Client(base_url=router_url, timeout=30) as routed:
-            clients = {"direct": direct, "router": routed}
+                httpx.Client(base_url=router_url, timeout=30) as routed, \
+                httpx.Client(base_url=gateway_url, timeout=30) as gateway:
+            clients = {"direct": direct, "router": routed, "gateway": gateway}
 
             def send(which: str) -> int:
                 start = time.perf_counter_ns()
@@ -544,28 +560,30 @@ def proxy_overhead(requests: int = 200, warmup: int = 20, time_limit: float = 30
                 elapsed = time.perf_counter_ns() - start
                 if reply.status_code != 200:
                     raise RuntimeError(f"{which}: HTTP {reply.status_code}: {reply.text[:200]}")
-                if which == "router" and reply.headers.get("x-kvmesh-pod") != engine_url:
+                if which != "direct" and reply.headers.get("x-kvmesh-pod") != engine_url:
                     raise RuntimeError(f"the router answered from {reply.headers.get('x-kvmesh-pod')!r}")
                 nonlocal prompt_tokens
                 prompt_tokens = reply.json()["usage"]["prompt_tokens"]
                 return elapsed
 
-            _progress(f"proxy: {warmup} warm-up pairs, then {requests} measured pairs (A/B interleaved) ...")
+            _progress(f"proxy: {warmup} warm-up rounds, then {requests} measured rounds (direct, router, gateway "
+                      f"interleaved) ...")
             for _ in range(warmup):
-                send("direct")
-                send("router")
+                for which in clients:
+                    send(which)
             start = time.monotonic()
             with gc_paused():
                 for i in range(requests):
                     if time.monotonic() - start > time_limit:
-                        _progress(f"proxy: time limit reached after {i} pairs")
+                        _progress(f"proxy: time limit reached after {i} rounds")
                         break
-                    samples["direct"].append(send("direct"))
-                    samples["router"].append(send("router"))
+                    for which, kept in samples.items():
+                        kept.append(send(which))
             seconds = time.monotonic() - start
             decision = _decision_mean_ms(routed.get("/metrics").text)
     direct_s, router_s = summary_ms(samples["direct"]), summary_ms(samples["router"])
     paired = [r - d for d, r in zip(samples["direct"], samples["router"], strict=True)]
+    hop = [g - r for r, g in zip(samples["router"], samples["gateway"], strict=True)]
     return ProxyResult(
         requests=len(samples["direct"]),
         seconds=seconds,
@@ -575,6 +593,8 @@ def proxy_overhead(requests: int = 200, warmup: int = 20, time_limit: float = 30
         p50_difference_ms=router_s["p50_ms"] - direct_s["p50_ms"],
         paired_difference={"p50_ms": percentile(paired, 0.5) / 1e6, "mean_ms": sum(paired) / len(paired) / 1e6},
         router_decision_mean_ms=decision,
+        gateway=summary_ms(samples["gateway"]),
+        gateway_paired_difference={"p50_ms": percentile(hop, 0.5) / 1e6, "mean_ms": sum(hop) / len(hop) / 1e6},
     )
 
 
@@ -773,7 +793,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=8000, help="prompt length for decision latency")
     p.add_argument("--decisions", type=int, default=500, help="timed decisions (default 500)")
     p.add_argument("--other-blocks", type=int, default=4000, help="blocks of other prompts per pod (default 4000)")
-    p.add_argument("--requests", type=int, default=200, help="direct/routed request pairs for proxy overhead")
+    p.add_argument("--requests", type=int, default=200,
+                   help="rounds (direct, through the router, through the gateway) for proxy overhead")
     p.add_argument("--proxy-time-limit", type=float, default=300.0, help="stop the proxy pairs after this many s")
     p.add_argument("--no-proxy", action="store_true", help="skip the proxy overhead (no engine process)")
     p.add_argument("--rps-seconds", type=float, default=10.0, help="throughput run length; 0 skips it")
@@ -813,12 +834,14 @@ def print_decisions(r: DecisionResult) -> None:
 
 def print_proxy(r: ProxyResult) -> None:
     ok = r.p50_difference_ms < TARGET_PROXY_P50_MS
-    print(f"Proxy overhead: {r.requests} pairs of non-streaming completions (max_tokens=1, {r.prompt_tokens}-token "
-          f"prompt), direct and through the router, interleaved; one engine (tiny random Llama, 1 thread)")
+    print(f"Proxy overhead: {r.requests} rounds of non-streaming completions (max_tokens=1, {r.prompt_tokens}-token "
+          f"prompt), direct, through the router and through the gateway and the router, interleaved; one engine "
+          f"(tiny random Llama, 1 thread)")
     print()
     print("| path | p50 (ms) | p90 (ms) | p99 (ms) |")
     print("|---|---:|---:|---:|")
-    for label, s in (("engine directly", r.direct), ("through the router", r.router)):
+    for label, s in (("engine directly", r.direct), ("through the router", r.router),
+                     ("through kvmesh gateway and the router", r.gateway)):
         print(f"| {label} | {s['p50_ms']:.2f} | {s['p90_ms']:.2f} | {s['p99_ms']:.2f} |")
     print()
     decision = "" if r.router_decision_mean_ms is None else (
@@ -826,6 +849,8 @@ def print_proxy(r: ProxyResult) -> None:
     print(f"router p50 - direct p50: {r.p50_difference_ms:.2f} ms (target < {TARGET_PROXY_P50_MS:g} ms: "
           f"{'met' if ok else 'not met'}); median of paired differences {r.paired_difference['p50_ms']:.2f} ms"
           f"{decision}")
+    print(f"the gateway's hop (gateway minus router, round by round): median "
+          f"{r.gateway_paired_difference['p50_ms']:.2f} ms, mean {r.gateway_paired_difference['mean_ms']:.2f} ms")
 
 
 def print_throughput(r: ThroughputResult) -> None:
