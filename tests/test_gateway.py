@@ -20,7 +20,6 @@ import kmock
 import openai
 import pytest
 import uvicorn
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -52,6 +51,7 @@ from kvmesh.router.gateway_app import Gateway, GatewayApp, PoolDiscovery, static
 from kvmesh.router.lora import ServedModels
 
 from .engines import serve_router
+from .test_operator import write_kubeconfig
 
 
 def served(*names: str, adapters: dict[str, str] | None = None) -> ServedModels:
@@ -491,12 +491,7 @@ def test_pools_with_a_router_address_are_found_through_the_api(
                                              ("team-a", "new", None)):
                 await k8s.post(f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
                                json=pool_object(namespace, name, address))
-            kubeconfig = tmp_path / "kubeconfig"
-            kubeconfig.write_text(yaml.safe_dump({
-                "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-                "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
-                "users": [{"name": "test", "user": {"token": "t"}}],
-                "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}]}))
+            kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(server.url), namespace=None)
             configuration = kube_configuration(str(kubeconfig))
             kind = (GROUP, VERSION, PLURAL)
             assert await PoolDiscovery(configuration, kind)() == [alpha, dead]

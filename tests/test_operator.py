@@ -193,21 +193,32 @@ def pool_body(name: str = "chat", **spec: Any) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": NS}, "spec": full}
 
 
+def serve_operator_resources(k8s: kmock.KubernetesEmulator) -> None:
+    """The kinds the operator reads and writes, as the emulator serves them."""
+    for key, (kind, subresources) in RESOURCES.items():
+        k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
+                              "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]}
+    # Discovered only: kopf looks for it at startup, and with scanning off it never lists it.
+    k8s.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch"]}
+
+
+def write_kubeconfig(path: Path, server: str, namespace: str | None = NS) -> Path:
+    """A kubeconfig for the emulator at `server` (a token it does not check), in `namespace` by default."""
+    context = {"cluster": "emulator", "user": "test", **({"namespace": namespace} if namespace else {})}
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": server.rstrip("/")}}],
+        "users": [{"name": "test", "user": {"token": "t"}}],
+        "contexts": [{"name": "emulator", "context": context}]}))
+    return path
+
+
 @contextlib.asynccontextmanager
 async def operator(tmp_path: Path, tick: float = 0.2, warm: Warmer | None = None,
                    open_gates: GateOpener | None = None) -> AsyncIterator[Env]:
     async with Cluster() as k8s, kmock.Server(k8s) as server:
-        for key, (kind, subresources) in RESOURCES.items():
-            k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
-                                  "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]}
-        # Discovered only: kopf looks for it at startup, and with scanning off it never lists it.
-        k8s.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch"]}
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-            "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
-            "users": [{"name": "test", "user": {"token": "t"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
+        serve_operator_resources(k8s)
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(server.url))
         clock, gate = [1000.0], TickGate()
 
         def read_clock() -> float:

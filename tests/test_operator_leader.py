@@ -23,7 +23,6 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
-import yaml
 from kubernetes.client import Configuration
 from prometheus_client import CollectorRegistry
 
@@ -53,7 +52,16 @@ from kvmesh.operator.rbac import LEADER_ELECTION
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
 
-from .test_operator import NS, POOLS, RESOURCES, Cluster, _versions, eventually, pool_body
+from .test_operator import (
+    NS,
+    POOLS,
+    Cluster,
+    _versions,
+    eventually,
+    pool_body,
+    serve_operator_resources,
+    write_kubeconfig,
+)
 
 ME, OTHER = "operator-a_1", "operator-b_2"
 T0, T1 = "2026-01-01T00:00:00.000000Z", "2026-01-01T00:00:09.000000Z"
@@ -386,18 +394,9 @@ class Api:
 @contextlib.asynccontextmanager
 async def cluster(tmp_path: Path) -> AsyncIterator[Api]:
     async with LeaseCluster() as k8s, kmock.Server(k8s) as server:
-        for key, (kind, subresources) in RESOURCES.items():
-            k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
-                                  "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]}
+        serve_operator_resources(k8s)
         k8s.resources[LEASES] = {"kind": "Lease", "namespaced": True, "verbs": ["get", "create", "update"]}
-        k8s.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch"]}
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-            "clusters": [{"name": "emulator", "cluster": {"server": str(server.url).rstrip("/")}}],
-            "users": [{"name": "test", "user": {"token": "t"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
-        yield Api(k8s, kubeconfig)
+        yield Api(k8s, write_kubeconfig(tmp_path / "kubeconfig", str(server.url)))
 
 
 @dataclass

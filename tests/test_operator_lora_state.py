@@ -19,7 +19,6 @@ import httpx
 import kmock
 import kopf
 import pytest
-import yaml
 
 from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.operator.crd import MAX_ADAPTER_REFUSALS, MAX_MANAGED_ADAPTERS, PLURAL
@@ -44,7 +43,19 @@ from kvmesh.router.discovery import kube_configuration
 from .conftest import make_engine
 from .engines import serve_engine
 from .test_lora import ATTN_QV, write_adapter
-from .test_operator import NS, POOLS, RESOURCES, Cluster, Env, conditions, eventually, pod_body, pool_body, run
+from .test_operator import (
+    NS,
+    POOLS,
+    Cluster,
+    Env,
+    conditions,
+    eventually,
+    pod_body,
+    pool_body,
+    run,
+    serve_operator_resources,
+    write_kubeconfig,
+)
 from .test_operator_lora import served_by
 
 # ---- the memory in status (pure) -------------------------------------------------------------------------------
@@ -273,10 +284,7 @@ def test_an_engine_whose_call_outlasts_the_tick_is_not_called_again_until_it_end
 @contextlib.asynccontextmanager
 async def cluster() -> AsyncIterator[tuple[Cluster, str]]:
     async with Cluster() as k8s, kmock.Server(k8s) as server:
-        for key, (kind, subresources) in RESOURCES.items():
-            k8s.resources[key] = {"kind": kind, "namespaced": True, "subresources": subresources,
-                                  "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]}
-        k8s.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch"]}
+        serve_operator_resources(k8s)
         yield k8s, str(server.url).rstrip("/")
 
 
@@ -284,12 +292,7 @@ async def cluster() -> AsyncIterator[tuple[Cluster, str]]:
 async def operator_run(k8s: Cluster, server: str, tmp_path: Path) -> AsyncIterator[Env]:
     """One operator process's life: a new kopf run with its own memo and metrics, and a clock running 10x the
     test's (so each pool's intervalSeconds passes quickly)."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
-        "users": [{"name": "test", "user": {"token": "t"}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": NS}}]}))
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", server)
     clock = [1000.0]
     registry = kopf.OperatorRegistry()
     metrics = register(registry, OperatorConfig(namespaces=(NS,), tick_seconds=0.2, clock=lambda: clock[0]),
