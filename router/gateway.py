@@ -10,11 +10,12 @@ next answer brings it back. The HTTP edge is router/gateway_app.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvmesh.engine.openai_types import read_json
+from kvmesh.engine.openai_types import error_body, read_json
 from kvmesh.router.lora import ServedModels, union_cards
 
 LISTED, FAILING, DOWN = "listed", "failing", "down"
@@ -37,6 +38,11 @@ MODEL_IN_ERROR_CHARS = 100  # of the client's own model name, echoed in that 404
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "transfer-encoding", "upgrade"})
 REQUEST_OWN = frozenset({"host", "content-length"})  # what the gateway's client writes for the body it sends
+EVENT_STREAM = "text/event-stream"
+# The end of an SSE answer that broke off, as the router ends a stream no pod could continue: an error event, [DONE]
+BROKEN_STREAM_EVENTS = ("data: " + json.dumps(error_body(
+    "the router serving this stream broke off its answer; what came is incomplete", "server_error"))
+    + "\n\ndata: [DONE]\n\n").encode()
 
 
 @dataclass(frozen=True)
@@ -176,3 +182,13 @@ def requested_model(payload: bytes) -> str:
 def outcome_of(status: int) -> str:
     """How a request a router answered counts (its answer relayed whole): ok for 2xx, refused otherwise."""
     return "ok" if 200 <= status < 300 else "refused"
+
+
+def broken_stream_ending(content_type: str, tail: bytes) -> bytes | None:
+    """The bytes that end an answer that broke off after `tail` (its last bytes relayed, two at least when there
+    are): for an SSE stream cut at a line's end, its last event finished, then BROKEN_STREAM_EVENTS, so a client
+    (the openai SDK among them) reads an error rather than a dropped connection. None for any other answer, or a
+    stream cut mid-line (no ending makes that event whole): the gateway cuts it."""
+    if not content_type.lower().startswith(EVENT_STREAM) or (tail and not tail.endswith(b"\n")):
+        return None
+    return (b"" if tail in (b"", b"\n\n") else b"\n") + BROKEN_STREAM_EVENTS

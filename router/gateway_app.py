@@ -33,7 +33,7 @@ from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
 from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric
 from kvmesh.router.app import RouteError, read_body
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
-from kvmesh.router.config import MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS
+from kvmesh.router.config import MAX_HOLD_SECONDS, MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS
 from kvmesh.router.discovery import REQUEST_SECONDS
 from kvmesh.router.gateway import (
     API_KEY_ENV,
@@ -45,6 +45,7 @@ from kvmesh.router.gateway import (
     BodyError,
     ModelTable,
     Polls,
+    broken_stream_ending,
     outcome_of,
     pool_routers,
     relayed_headers,
@@ -57,9 +58,10 @@ log = logging.getLogger("kvmesh.gateway")
 
 MODEL_PATHS = (COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH)
 MODELS_TIMEOUT_SECONDS = 5.0  # a router's /v1/models answer, at most: past it the refresh counts it missed
-# The longest the gateway waits for more of a router's answer: past the router's own bound on a pod's silence
-# (request-timeout-seconds, 600 by default), so the router's error arrives rather than the gateway's
-READ_TIMEOUT_SECONDS = 660.0
+# The longest the gateway waits for more of a router's answer: past the longest a router holds a request while its
+# pool starts from zero (activationTimeoutSeconds) plus the router's own bound on a pod's silence
+# (request-timeout-seconds, 600 by default), so the router's answer or error arrives rather than the gateway's 502
+READ_TIMEOUT_SECONDS = MAX_HOLD_SECONDS + 660.0
 KEEPALIVE_CONNECTIONS = 256  # idle connections kept for reuse, over all routers; open ones are not bounded
 # Failures before a byte of the request left: another router of the model may take it (nothing was sent twice)
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -173,14 +175,19 @@ class Gateway:
                 self._missed[url] = f"{MODELS_PATH} answered {reply.status_code}"
                 return None
             return ServedModels.of(reply.json())
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:  # InvalidURL: a pool's address is no URL
             self._missed[url] = f"no {MODELS_PATH}: {exc or type(exc).__name__}"
             return None
 
     async def refresh_forever(self) -> None:
+        """Refresh until cancelled; a refresh that fails is logged and the next one comes (an escaped error ended
+        the task, and the gateway routed on a table that never changed again)."""
         while True:
             await asyncio.sleep(self.refresh_seconds)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("refreshing the model table failed; keeping the last one")
 
     async def open(self) -> None:
         self.client = httpx.AsyncClient(
@@ -333,22 +340,31 @@ class GatewayApp:
                     await reply.aclose()  # before its end: the connection is dropped, which tells the router
             finally:
                 gw.inflight[router] -= 1
+                if not gw.inflight[router]:  # routers come and go: only those with requests open are kept
+                    del gw.inflight[router]
         await send_json(send, 502, error_body(f"no router serving `{model}` could be reached ({len(tried)} tried)",
                                               "server_error"))
         return "unreachable"
 
     @staticmethod
     async def _relay(reply: httpx.Response, send: Send) -> str:
-        """The router's answer as it arrives (its bytes as sent: an SSE stream chunk by chunk). An answer that
-        breaks off is cut here too (the connection closes unfinished), so the client sees it was not whole."""
+        """The router's answer as it arrives (its bytes as sent: an SSE stream chunk by chunk). An SSE stream that
+        breaks off at a line's end ends with an error event and [DONE], as the router ends one no pod could
+        continue; any other answer that breaks off is cut here too (the connection closes unfinished), so the client
+        sees it was not whole."""
         await send({"type": "http.response.start", "status": reply.status_code, "headers": [
             (name.encode("latin-1"), value.encode("latin-1")) for name, value in relayed_headers(
                 (n.decode("latin-1"), v.decode("latin-1")) for n, v in reply.headers.raw)]})
+        tail = b""  # the last two bytes relayed: where the stream stood when it broke
         try:
             async for chunk in reply.aiter_raw():
+                tail = (tail + chunk)[-2:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             log.warning("a router's answer broke off: %s", exc or type(exc).__name__)
+            ending = broken_stream_ending(reply.headers.get("content-type", ""), tail)
+            if ending is not None:
+                await send({"type": "http.response.body", "body": ending})
             return "broken"
         await send({"type": "http.response.body", "body": b""})
         return outcome_of(reply.status_code)

@@ -31,7 +31,7 @@ from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric, RouterMetric
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
 from kvmesh.router.app import Router, build_router
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import MAX_HOLD_SECONDS, RouterConfig
 from kvmesh.router.discovery import kube_configuration
 from kvmesh.router.gateway import (
     DOWN,
@@ -42,6 +42,7 @@ from kvmesh.router.gateway import (
     UNKNOWN_MODEL,
     BodyError,
     Polls,
+    broken_stream_ending,
     model_table,
     pool_routers,
     relayed_headers,
@@ -172,6 +173,17 @@ def test_the_model_is_read_from_the_body() -> None:
     assert requested_model(b'{"model": "m", "prompt": "x"}') == "m"
 
 
+def test_a_stream_broken_at_a_line_end_ends_with_an_error_event_and_done() -> None:
+    for tail, opening in ((b"", b""), (b"\n\n", b""), (b"}\n", b"\n"), (b"\r\n", b"\n")):
+        ending = broken_stream_ending("text/event-stream; charset=utf-8", tail)
+        assert ending is not None and ending.startswith(opening + b"data: {")
+        events = (tail + ending).split(b"\n\n")
+        assert json.loads(events[-3].strip().removeprefix(b"data: "))["error"]["type"] == "server_error"
+        assert events[-2:] == [b"data: [DONE]", b""]
+    assert broken_stream_ending("text/event-stream", b'{"') is None  # mid-line: no ending makes that event whole
+    assert broken_stream_ending("application/json", b"\n\n") is None  # a JSON answer cut short stays cut
+
+
 # ---- the edge against a stub router ------------------------------------------------------------------------------
 
 
@@ -233,6 +245,13 @@ def stub_router(model: str, seen: list[dict[str, Any]], release: threading.Event
                 for i in (1, 2):
                     yield f"data: {json.dumps({'i': i})}\n\n"
                 yield "data: [DONE]\n\n"
+
+            async def broken() -> AsyncIterator[str]:  # the router dies mid-answer: its connection closes unfinished
+                yield 'data: {"i": 0}\n\n' if body["stream"] == "broken" else 'data: {"i": 0}\n\ndata: {"i'
+                raise RuntimeError("the router broke off")
+
+            if body["stream"] in ("broken", "broken-mid-line"):
+                return StreamingResponse(broken(), media_type="text/event-stream")
             return StreamingResponse(events(), media_type="text/event-stream", headers={"x-kvmesh-pod": "stub-0"})
         return JSONResponse({"model": body["model"], "echo": body}, status_code=body.get("status", 200),
                             headers={"x-kvmesh-pod": "stub-0", "x-ratelimit-remaining-requests": "9"})
@@ -286,6 +305,75 @@ def test_a_request_reaches_the_router_with_its_headers_query_and_body(
         assert metrics[(f"{GatewayMetric.REQUESTS}_total", (("model", "stub-model"), ("outcome", "refused")))] == 1
 
 
+def test_a_router_stream_that_breaks_off_ends_with_an_error_event_or_is_cut_mid_line(
+        stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
+    """As the router ends a stream no pod could continue: the openai SDK raises the error (rather than a dropped
+    connection); a stream cut mid-event cannot be ended whole, so the client's connection is cut."""
+    url, _, _ = stub
+    with serve_asgi(GatewayApp(Gateway(static_routers([url]), refresh_seconds=3600))) as gateway:
+        with httpx.stream("POST", gateway + "/v1/completions", json={"model": "stub-model", "stream": "broken"},
+                          timeout=30) as streamed:
+            events = [line for line in streamed.iter_lines() if line]
+        assert events[0] == 'data: {"i": 0}' and events[-1] == "data: [DONE]"
+        assert "broke off" in json.loads(events[1].removeprefix("data: "))["error"]["message"]
+        with pytest.raises(httpx.RemoteProtocolError), httpx.stream(
+                "POST", gateway + "/v1/completions", json={"model": "stub-model", "stream": "broken-mid-line"},
+                timeout=30) as streamed:
+            list(streamed.iter_lines())
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIError, match="broke off"):
+            list(client.completions.create(model="stub-model", prompt="x", stream=True,
+                                           extra_body={"stream": "broken"}))
+        metrics = scrape(gateway)
+        assert metrics[(f"{GatewayMetric.REQUESTS}_total", (("model", "stub-model"), ("outcome", "broken")))] == 3
+
+
+def test_a_router_address_that_is_no_url_is_down_and_the_refresh_goes_on(
+        stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
+    """One pool's malformed status.routerAddress failed the gateway's start (and ended its refresh task for good,
+    leaving the table as it was): it is a router that does not answer."""
+    url, _, _ = stub
+    gateway = Gateway(static_routers(["http://[::1", url]), refresh_seconds=0.01)
+    refreshes = []
+
+    async def failing_once() -> None:
+        refreshes.append(1)
+        if len(refreshes) == 1:
+            raise RuntimeError("an unexpected failure")
+
+    async def main() -> None:
+        await gateway.open()
+        try:
+            assert gateway.table.states == {"http://[::1": DOWN, url: LISTED}
+            assert gateway.table.routers == {"stub-model": (url,)}
+            gateway.refresh = failing_once  # type: ignore[method-assign]
+            forever = asyncio.ensure_future(gateway.refresh_forever())
+            while len(refreshes) < 2:
+                assert not forever.done(), forever.exception()
+                await asyncio.sleep(0.01)
+            forever.cancel()
+        finally:
+            await gateway.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_gateway_waits_for_a_router_that_holds_a_request_while_its_pool_starts() -> None:
+    """A router holds a request up to activationTimeoutSeconds (at most MAX_HOLD_SECONDS) and then waits up to
+    its request timeout for the pod: the gateway's 502 came at 660 s, while the router still held it."""
+    gateway = Gateway(static_routers([]))
+
+    async def main() -> None:
+        await gateway.open()
+        try:
+            assert gateway.client is not None
+            assert gateway.client.timeout.read >= MAX_HOLD_SECONDS + RouterConfig().request_timeout_seconds
+        finally:
+            await gateway.close()
+
+    asyncio.run(main())
+
+
 def test_only_model_requests_are_routed(stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
     url, _, _ = stub
     with serve_asgi(GatewayApp(Gateway(static_routers([url]), refresh_seconds=3600))) as gateway:
@@ -318,7 +406,7 @@ def test_a_router_that_cannot_be_reached_is_a_502_after_trying_each(
             gateway.table = gateway.polls.with_routers([dead]).table()
             reply = await app.post("/v1/completions", json={"model": "stub-model"})
             assert reply.status_code == 502 and "could be reached" in reply.json()["error"]["message"]
-            assert gateway.inflight == {dead: 0, url: 0}
+            assert gateway.inflight == {}  # released, and no entry kept per router ever tried
         finally:
             await gateway.close()
 
