@@ -183,6 +183,13 @@ class PodWait:
         finally:
             self.held -= 1
 
+    def timed_out(self) -> RouteError:
+        """The answer to a request held the whole hold with no pod ready, on both edges: 503, retry in a while (the
+        retry is held again while the pool goes on starting)."""
+        return RouteError(503, f"the pool is starting from zero and no engine was ready within {self.seconds:g} s; "
+                               "retry later", code="no_pod", kind="server_error",
+                          headers={"retry-after": str(STARTING_RETRY_AFTER_SECONDS)})
+
     async def _watch(self) -> None:
         while self.held:
             if self.ready():
@@ -1231,9 +1238,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if waiting.result():
             return None
         router.no_pod(trace)
-        return JSONResponse(error_body(f"the pool is starting from zero and no engine was ready within "
-                                       f"{wait.seconds:g} s; retry later", "server_error", code="no_pod"),
-                            status_code=503, headers={"Retry-After": str(STARTING_RETRY_AFTER_SECONDS)})
+        return error_response(wait.timed_out())
 
     def no_pod(trace: Trace, message: str) -> JSONResponse:
         """503 with Retry-After when every pod refused or failed: counted and logged as no_pod."""

@@ -32,7 +32,9 @@ Response bodies are echoed back as streamed responses only when the gateway decl
 them; otherwise (another mode, or no protocol_config: an Envoy before 1.34) they are let through unchanged.
 Refusals are ImmediateResponses with OpenAI-style error bodies: 400 (not a valid request), 401, 404 (unknown
 path, or a model or adapter no pod serves: `model_not_found`), 405, 413 (body over MAX_BODY_BYTES), 429 (shed by
-priority), 503 (no pod fits).
+priority), 503 (no pod fits, or, while the pool starts from zero, none became ready within the hold). A request
+that finds no pod ready at all is held first, as on the HTTP edge (`hold_without_pods_seconds`), so a pool at zero
+behind a Gateway starts on its first request.
 
 The port serves TLS unless told otherwise: gateways dial an endpoint picker with TLS and, by the extension's
 convention, without verifying its certificate, so a self-signed one made at start will do; a mounted pair
@@ -411,7 +413,8 @@ class Exchange:
     # ---- the decision -------------------------------------------------------------------------------------------
 
     async def _choose(self, body: bytes) -> Choice:
-        """Admit and decide as the HTTP edge does, and book the request on the chosen pod."""
+        """Admit, hold while no pod is ready and decide as the HTTP edge does, and book the request on the chosen
+        pod."""
         router = self.router
         try:
             admitted = await router.admit(body, self.headers, COMPLETION_PATHS[self.path])
@@ -419,11 +422,30 @@ class Exchange:
             raise Refused(exc) from None
         admitted.trace.route = GATEWAY_ROUTE
         try:
+            await self._hold(admitted.trace)
             return self._book(admitted, body)
-        except BaseException:  # not booked (refused, or a bug): the tenant's slot back now; a booked request's
-            if admitted.trace.lease is not None:  # comes back at its stream's end (finish)
+        except BaseException:  # not booked (refused, held in vain, the stream gone, or a bug): the tenant's slot
+            if admitted.trace.lease is not None:  # back now; a booked request's comes back at its stream's end
                 admitted.trace.lease.close()
             raise
+
+    async def _hold(self, trace: Trace) -> None:
+        """While no pod is ready at all (a pool at zero, or starting), wait for one as the HTTP edge does, in the
+        gauge the operator scales the pool up from zero on; Refused 503 when none was ready in time. A gateway that
+        gives up (its client left, or its message timeout passed) cancels the stream, which ends the wait and drops
+        it from the gauge at once."""
+        wait = self.router.pod_wait
+        if wait is None or not wait.should_hold():
+            return
+        try:
+            ready = await wait.wait()
+        except asyncio.CancelledError:
+            self.router.metrics.count_request("client_gone", trace.route, trace.source)
+            self.router.record(trace, "client_gone", 499, None)
+            raise
+        if not ready:
+            self.router.no_pod(trace)  # counted and logged as on the HTTP edge
+            raise Refused(wait.timed_out(), outcome=None)
 
     def _book(self, admitted: Admitted, body: bytes) -> Choice:
         """Decide an admitted request, shed it or book it on the chosen pod."""
@@ -565,10 +587,11 @@ READY_SERVICES = ("", READINESS, pb.DESCRIPTOR.services_by_name["ExternalProcess
 
 class PickerHealth(health.aio.HealthServicer):
     """The gRPC project's health servicer, told whether the picker can pick: `liveness` SERVING while the process
-    runs; "", `readiness` and the ext_proc service SERVING while some pod is healthy and not draining (the HTTP
-    /health's rule) and the picker is not shutting down, NOT_SERVING otherwise. The servicer answers from the
-    statuses it was last told, so each Check is told first, and Watch streams every `interval` seconds (the scrape
-    interval: pod health changes only when a scrape reads it), or at once when shutdown begins."""
+    runs; "", `readiness` and the ext_proc service SERVING while some pod is healthy and not draining, or requests
+    are held while none is (the HTTP /health's rule), and the picker is not shutting down, NOT_SERVING otherwise.
+    The servicer answers from the statuses it was last told, so each Check is told first, and Watch streams every
+    `interval` seconds (the scrape interval: pod health changes only when a scrape reads it), or at once when
+    shutdown begins."""
 
     def __init__(self, router: Router, streams: Streams) -> None:
         super().__init__()
@@ -578,7 +601,11 @@ class PickerHealth(health.aio.HealthServicer):
     def ready(self) -> bool:
         if self.streams.draining:  # shutting down: the gateway is to send new requests to another replica
             return False
-        return any(p.healthy and not p.draining for p in self.router.pods.snapshot())
+        # as the HTTP /health: a picker that holds requests while no pod is ready serves, since a pool at zero hears
+        # of its first request only through it
+        wait = self.router.pod_wait
+        return (wait is not None and wait.seconds > 0) or any(p.healthy and not p.draining
+                                                               for p in self.router.pods.snapshot())
 
     async def refresh(self) -> None:
         status = SERVING if self.ready() else NOT_SERVING

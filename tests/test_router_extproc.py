@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import ipaddress
@@ -38,7 +39,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvmesh import cli
 from kvmesh.engine.openai_types import CompletionRequest
-from kvmesh.engine.protocol import KVConfig, KVEvent, KVEventBatch
+from kvmesh.engine.protocol import KVConfig, KVEvent, KVEventBatch, RouterMetric
 from kvmesh.engine.tracing import ROUTER_SERVICE, setup_tracing
 from kvmesh.processes import free_port
 from kvmesh.router.app import Router, build_router, create_router_app
@@ -498,6 +499,104 @@ async def test_a_health_watch_is_told_when_the_picker_can_no_longer_pick_and_aga
     router.pods.pods[POD_B].healthy = True
     assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
     watch.cancel()
+
+
+# ---- scale from zero: a request held while no pod is ready ----------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def holding_picker(bundled_dir: Path, hold_seconds: float
+                         ) -> AsyncIterator[tuple[Router, pb_grpc.ExternalProcessorStub, grpc.aio.Channel]]:
+    """A picker whose router holds requests up to `hold_seconds` while no pod is ready, over a pool at zero: both
+    pods known but not healthy (no engine has started)."""
+    router = build_router(RouterConfig(pods=[POD_A, POD_B], stale_after_seconds=3600.0, scrape_interval_seconds=0.05,
+                                       hold_without_pods_seconds=hold_seconds), bundled_dir)
+    for pod in router.pods.pods.values():
+        pod.kv_config = KVConfig(model=MODEL, block_size=16, hash_algo=router.config.hash_algo,
+                                 hash_root=router.config.hash_root, tokenizer_fingerprint=router.tokenizer.fingerprint,
+                                 num_device_blocks=1000, boot_id="b")
+        pod.metrics = {"num_blocks": 1000.0, "block_size": 16.0}
+        pod.scraped_at = time.monotonic()
+    port = free_port()
+    server = await start_ext_proc(router, "127.0.0.1", port, tls=False)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield router, pb_grpc.ExternalProcessorStub(channel), channel
+    finally:
+        await server.stop()
+
+
+def held(router: Router) -> float:
+    """kvmesh_router_requests_waiting_for_pods, the gauge the operator starts a pool at zero on."""
+    value = router.metrics.registry.get_sample_value(RouterMetric.REQUESTS_WAITING_FOR_PODS)
+    assert value is not None
+    return value
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for what the server does a moment later (a stream read, a cancellation seen); no timing asserted."""
+    for _ in range(3000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+async def held_stream(router: Router, stub: pb_grpc.ExternalProcessorStub, seed: int) -> grpc.aio.StreamStreamCall:
+    """A completion sent whole through a stream as Envoy does, once the router holds it."""
+    call = stub.Process()
+    await call.write(request_headers())
+    for message in body_chunks(json.dumps(completion(seed)).encode()):
+        await call.write(message)
+    await until(lambda: held(router) == 1)
+    return call
+
+
+@pytest.mark.asyncio
+async def test_a_request_to_a_pool_at_zero_is_held_and_decided_once_a_pod_is_ready(bundled_dir: Path) -> None:
+    async with holding_picker(bundled_dir, 600.0) as (router, stub, channel):
+        _, check = health_checker(channel)
+        assert await check("readiness") == SERVING  # held requests are served: the Gateway must send them here
+        call = await held_stream(router, stub, 40)
+        reply = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.3)  # several looks at the pods: none is ready, so nothing is answered
+        assert not reply.done() and held(router) == 1
+        router.pods.pods[POD_B].healthy = True  # the pool's first engine is up
+        first = await asyncio.wait_for(reply, 30)
+        assert chosen(first) == endpoint_of(POD_B) and held(router) == 0
+        assert (await call.read()).WhichOneof("response") == "request_body"
+        assert router.pods.pods[POD_B].inflight == 1
+        for message in response_phases(b'{"usage": {"prompt_tokens": 96}}'):
+            await call.write(message)
+        await call.done_writing()
+        while await call.read() != grpc.aio.EOF:
+            pass
+    assert counted(router, "ok") == 1 and counted(router, "no_pod") == 0 and router.pods.pods[POD_B].inflight == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_held_in_vain_gets_the_starting_503_with_retry_after(bundled_dir: Path) -> None:
+    async with holding_picker(bundled_dir, 0.2) as (router, stub, _):
+        replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(completion(41)).encode())])
+    status, error, headers = refusal(replies[0])
+    assert len(replies) == 1 and status == 503
+    assert error["error"]["code"] == "no_pod" and "starting from zero" in error["error"]["message"]
+    assert headers["retry-after"] == "5"  # later than a busy pool's 1 s: the pool is still starting
+    assert counted(router, "no_pod") == 1 and held(router) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_held_stream_the_gateway_cancels_leaves_the_gauge_at_once(bundled_dir: Path) -> None:
+    """The client left, or the Gateway's message timeout passed: either cancels the stream, and the request no
+    longer counts towards starting the pool."""
+    async with holding_picker(bundled_dir, 600.0) as (router, stub, _):
+        call = await held_stream(router, stub, 42)
+        call.cancel()
+        await until(lambda: held(router) == 0)
+        await until(lambda: counted(router, "client_gone") == 1)
+        router.pods.pods[POD_A].healthy = True  # a pod that starts later is given nothing for it
+        await asyncio.sleep(0.2)
+    assert all(p.inflight == 0 for p in router.pods.pods.values()) and counted(router, "no_pod") == 0
 
 
 # ---- what may pass, and who may send it ------------------------------------------------------------------------
