@@ -486,7 +486,10 @@ def gateway_pool(pool: Pool) -> dict[str, Any]:
 
 
 def initial_replicas(pool: Pool) -> dict[str, int]:
-    return {role: pool.bounds(role)[0] for role in pool.roles}
+    """Each role's minimum; a pool that scales to zero starts serving (one pod a role) and idles down, so its router
+    sees a pod and lists its models (a router that never did lists none, and a gateway would not route to it)."""
+    floor = 1 if "scaleToZero" in pool.spec["scaling"] else 0
+    return {role: max(pool.bounds(role)[0], min(floor, pool.bounds(role)[1])) for role in pool.roles}
 
 
 def desired_objects(pool: Pool, replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:

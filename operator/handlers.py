@@ -221,18 +221,20 @@ def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodM
     return scraped
 
 
-def held_requests(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> int:
+def held_requests(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> tuple[int, bool]:
     """The requests the pool's router pods hold for want of a ready engine, summed over those that answer their
-    /metrics (scale to zero's wake-up: a pool at 0 has no engine to count a request)."""
-    alive = {p["metadata"]["name"]: pod_url(p, port) + "/metrics" for p in pods
+    /metrics (scale to zero's wake-up: a pool at 0 has no engine to count a request); and whether a Ready router
+    did not answer."""
+    alive = {p["metadata"]["name"]: p for p in pods
              if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")}
-    total = 0
-    for name, text in scrape_all(alive, scrape).items():
+    total, unseen = 0, False
+    for name, text in scrape_all({n: pod_url(p, port) + "/metrics" for n, p in alive.items()}, scrape).items():
         if isinstance(text, Exception):
             log.debug("scrape of router %s failed: %s", name, text)
+            unseen = unseen or pod_ready(alive[name])
         else:
             total += parse_router_held(text)
-    return total
+    return total, unseen
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
@@ -350,11 +352,14 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}
-    held = 0
+    held, unseen = 0, False
     if "scaleToZero" in pool.spec["scaling"]:  # a pool at 0 learns of its first request from the routers holding it
         routers = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=router")
-        held = held_requests(routers, pool.spec["router"]["port"], scrape)
-    decision = state.scaler_for(pool).observe(now, scraped, replicas, held, state.idle.update(now, scraped, held))
+        held, unseen = held_requests(routers, pool.spec["router"]["port"], scrape)
+        answered = {m.observation.name for m in scraped}
+        unseen = unseen or any(pod_ready(p) and p["metadata"]["name"] not in answered for p in pods)
+    idle = state.idle.update(now, scraped, held, unseen)
+    decision = state.scaler_for(pool).observe(now, scraped, replicas, held, idle)
     hit_rates = pod_hit_rates(state, now, scraped)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         message = decision.describe(role, replicas)

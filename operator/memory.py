@@ -55,11 +55,13 @@ class IdleClock:
     since: float | None = None  # the last tick that saw a request
     counters: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (finished, prompt tokens)
 
-    def update(self, now: float, metrics: list[PodMetrics], held_requests: int) -> float:
-        """The seconds idle as of `now`."""
+    def update(self, now: float, metrics: list[PodMetrics], held_requests: int, unseen: bool = False) -> float:
+        """The seconds idle as of `now`. `unseen`: a ready engine or a router did not answer its scrape this tick,
+        which says nothing of idleness, so it counts as busy (a pool the operator cannot see for the idle time,
+        behind a new NetworkPolicy or under a load that times its /metrics out, must not be stopped)."""
         seen = {m.observation.name: (m.counters.finished, m.counters.prompt_tokens) for m in metrics}
-        busy = held_requests > 0 or any(m.observation.running or m.observation.waiting for m in metrics) or any(
-            name in self.counters and self.counters[name] != counters for name, counters in seen.items())
+        busy = (unseen or held_requests > 0 or any(m.observation.running or m.observation.waiting for m in metrics)
+                or any(name in self.counters and self.counters[name] != counters for name, counters in seen.items()))
         self.counters = seen
         if self.since is None or busy:
             self.since = now

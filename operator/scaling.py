@@ -26,8 +26,9 @@ engine fits over its own decode steps, engine/step_cost.py); the same holds for 
 
 Scale to zero (`ScalingPolicy.scale_to_zero_idle_seconds`) is decided for the whole pool after the roles':
 a pool idle that long (no request running, waiting, arriving or held by a router) goes to 0 pods; a pool at 0
-goes back to max(min, 1) per role as soon as a router holds a request for want of an engine; otherwise no role
-goes below max(min, 1) (`with_scale_to_zero`).
+goes back, as soon as a router holds a request for want of an engine, to enough pods per role to batch every
+held request (`wake_replicas`: at least max(min, 1)); otherwise no role goes below max(min, 1)
+(`with_scale_to_zero`).
 
 No I/O and no clock: the caller (the kopf timer, `kvmesh up`, the cluster simulator) passes the time and the
 recent recommendations, and keeps the ones `decide` returns.
@@ -524,18 +525,26 @@ def decide(obs: PoolObservation, policy: ScalingPolicy, history: Sequence[Recomm
 def with_scale_to_zero(obs: PoolObservation, policy: ScalingPolicy, roles: Mapping[str, RoleDecision],
                        idle_after: float) -> dict[str, RoleDecision]:
     """The roles' decisions under scale to zero, for the whole pool at once (a pool with a role at 0 serves
-    nothing): from 0, a request a router holds starts every role at max(min, 1) now (no stabilization: it waits
-    for the pods); an idle pool (nothing running, waiting, arriving or held for `idle_after` seconds) goes to 0; a pool
-    at 0 with nothing held stays there; otherwise each role keeps at least max(min, 1) pods."""
+    nothing): from 0, requests a router holds start every role now with pods enough to batch them (no
+    stabilization: they wait for the pods); an idle pool (nothing running, waiting, arriving or held for
+    `idle_after` seconds) goes to 0; a pool at 0 with nothing held stays there; otherwise each role keeps at least
+    max(min, 1) pods."""
     at_zero = all(obs.replicas.get(role, 0) == 0 for role in roles)
     if at_zero and obs.held_requests > 0:
-        return {role: replace(d, replicas=policy.serving_floor(role), reason="ScaleFromZero")
+        return {role: replace(d, replicas=wake_replicas(obs.held_requests, policy, role), reason="ScaleFromZero")
                 for role, d in roles.items()}
     if at_zero or (obs.held_requests == 0 and obs.idle_seconds >= idle_after):
         return {role: replace(d, replicas=0, reason="HoldAtZero" if at_zero else "ScaleToZero")
                 for role, d in roles.items()}
     return {role: d if d.replicas >= policy.serving_floor(role) else
             replace(d, replicas=policy.serving_floor(role), reason="BoundedByMin") for role, d in roles.items()}
+
+
+def wake_replicas(held: int, policy: ScalingPolicy, role: str) -> int:
+    """Pods a role starts from zero with: enough to batch every held request at once (the router releases them
+    together when the first pod is ready), at least max(min, 1), at most max."""
+    batch = policy.max_batch or held
+    return min(max(policy.serving_floor(role), math.ceil(held / batch)), policy.max_replicas.get(role, 1))
 
 
 def scale_in_order(pods: Mapping[str, tuple[float, int]]) -> dict[str, int]:

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, RouterMetric, VllmMetric
 from kvmesh.operator.crd import parse_pool
-from kvmesh.operator.desired import COMPONENT_LABEL, router_settings
+from kvmesh.operator.desired import COMPONENT_LABEL, initial_replicas, router_settings
 from kvmesh.operator.forecast import Counters, PodMetrics, parse_router_held
 from kvmesh.operator.memory import IdleClock
 from kvmesh.operator.scaling import PodObservation
@@ -143,6 +143,15 @@ def test_the_idle_clock_restarts_on_any_request() -> None:
     assert clock.update(180, [engine_metrics("a", finished=2), engine_metrics("b", finished=7)], 0) == 30
     assert clock.update(210, [], 1) == 0  # a router holds one (no engine left to count it)
     assert clock.update(240, [], 0) == 30
+    assert clock.update(270, [engine_metrics("a", finished=2)], 0, unseen=True) == 0  # a ready pod did not answer
+    assert clock.update(300, [engine_metrics("a", finished=2)], 0) == 30
+
+
+def test_a_pool_that_scales_to_zero_starts_with_a_pod_of_each_role() -> None:
+    """Its router must see a pod once to list the pool's models (a gateway routes by them); it idles down after."""
+    spec = {"model": {"source": "bundled"}, "replicas": {"both": {"min": 0, "max": 3}},
+            "scaling": {"scaleToZero": {"idleSeconds": 60}}}
+    assert initial_replicas(parse_pool({"metadata": {"name": "p"}, "spec": spec})) == {"both": 1}
 
 
 def test_the_operator_reads_the_routers_gauge_and_writes_the_hold_into_their_settings() -> None:
@@ -188,7 +197,8 @@ def test_the_operator_scales_a_pool_up_from_zero_on_a_held_request_and_back_once
                         "scaling": {"intervalSeconds": 1, "scaleToZero": {"idleSeconds": 60}}}
                 await env.k8s.post(POOLS, json=pool_body(**spec))
                 deployment = await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
-                assert deployment["spec"]["replicas"] == 0  # min 0: the pool starts at zero
+                # min 0 still starts serving (its router must see a pod to list its models), then idles down
+                assert deployment["spec"]["replicas"] == 1
                 await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=pod("chat-router-0", "router"))
 
                 async def clock() -> None:  # the operator's clock runs 10x faster than the test's
@@ -197,6 +207,7 @@ def test_the_operator_scales_a_pool_up_from_zero_on_a_held_request_and_back_once
                         env.clock[0] += 0.5
 
                 ticking = asyncio.create_task(clock())
+                await eventually(lambda: env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 0)
                 await eventually(lambda: "HoldAtZero" in str(env.pool().get("status", {}).get("lastDecision")))
                 client = Client(url)
                 await eventually(lambda: env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 1)

@@ -507,6 +507,18 @@ def test_scale_to_zero_decision_table(replicas: dict[str, int], answering: bool,
         assert {d.reason for d in decision.roles.values()} == {reason}
 
 
+def test_a_wake_from_zero_starts_pods_enough_to_batch_every_held_request() -> None:
+    """The router releases every held request when the first pod is ready: one pod a role for a burst of hundreds
+    would batch a few and shed the rest after they waited a cold start."""
+    policy = replace(ZERO_POLICY, max_batch=8)
+    history = [Recommendation(t, role, 0, 0) for t in (-600.0, -300.0) for role in ("prefill", "decode")]
+    zero = {"prefill": 0, "decode": 0}
+    for held, wanted in ((1, {"prefill": 1, "decode": 2}), (20, {"prefill": 3, "decode": 3}),
+                         (1000, {"prefill": 4, "decode": 6})):
+        decision = decide(PoolObservation(0, [], zero, held_requests=held, idle_seconds=0), policy, history)
+        assert decision.replicas == wanted and {d.reason for d in decision.roles.values()} == {"ScaleFromZero"}
+
+
 def test_with_scale_to_zero_a_serving_pool_keeps_a_pod_of_every_role_even_at_min_zero() -> None:
     """min 0 is only for an idle pool: a role left at 0 while the pool serves (a decode pod busy, the prefill
     role at 0) comes back to one pod, where a plain min 0 would leave it at 0 (no pod of it to measure)."""
