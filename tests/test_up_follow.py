@@ -156,10 +156,10 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
         write_pool(pool_file, {}, text=renamed.replace("name: follow}", "name: renamed}"))
         wait_for(lambda: logged("must share (router.yaml pool), which no rolling restart can change; none of this "
                                 "edit is applied"), "the edit needing a new kvmesh up to be reported", proc, log)
-        # a setting no engine would start with: refused before any engine is replaced
+        # a setting no engine would start with: refused with the pool file, before any engine is replaced
         write_pool(pool_file, {"sql": sql}, low=1, high=1, engine=", settings: {kv_cache_blockz: 9}")
-        wait_for(lambda: logged("changed settings no new process would start with: the engine's: unknown engine "
-                                "setting 'kv_cache_blockz'"), "the unknown setting to be reported", proc, log)
+        wait_for(lambda: logged("cannot be used: engine.settings: unknown setting 'kv_cache_blockz' (did you mean "
+                                "'kv_cache_blocks'?)"), "the unknown setting to be reported", proc, log)
         assert not logged("rolling engine-0")
         reply = httpx.post(url + "/v1/completions", json={"model": "sql", "prompt": [1, 2, 3], "max_tokens": 2},
                            timeout=60)
