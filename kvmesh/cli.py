@@ -138,7 +138,8 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.router.gateway import API_KEY_ENV, DEFAULT_MAX_FAILURES, DEFAULT_PORT, DEFAULT_REFRESH_SECONDS
 
     p = sub.add_parser("gateway", help="run a gateway: one OpenAI endpoint for every pool's router, by model name",
-                       epilog=f"${API_KEY_ENV}: an API key shown to routers that ask one for /v1/models")
+                       epilog=f"${API_KEY_ENV}: an API key shown to routers that ask one for /v1/models, unless "
+                              "--api-key-file is given")
     found = p.add_mutually_exclusive_group(required=True)
     found.add_argument("--router", dest="routers", action="append", default=[],
                        help="a pool router's base URL (repeatable)")
@@ -154,13 +155,16 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-failures", type=int, default=DEFAULT_MAX_FAILURES,
                    help=f"a router that missed this many refreshes in a row leaves the model table (default "
                         f"{DEFAULT_MAX_FAILURES})")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="a file holding the API key shown to routers that ask one for /v1/models, re-read at every "
+                        "refresh (a rotated Secret is used without a restart); missing or empty: no key")
     p.add_argument("--log-level", default="info")
 
 
 def _gateway(args: argparse.Namespace) -> int:
     from kvmesh.operator.crd import GROUP, PLURAL, VERSION
     from kvmesh.router.discovery import kube_configuration
-    from kvmesh.router.gateway_app import Discover, Gateway, PoolDiscovery, api_key_from_env, run_gateway
+    from kvmesh.router.gateway_app import ApiKeyFile, Discover, Gateway, PoolDiscovery, api_key_from_env, run_gateway
     from kvmesh.router.gateway_app import static_routers as static
 
     if args.refresh_seconds <= 0 or args.max_failures < 1:
@@ -174,7 +178,8 @@ def _gateway(args: argparse.Namespace) -> int:
             print(f"kvmesh gateway: {exc}", file=sys.stderr)
             return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_gateway(Gateway(discover, args.refresh_seconds, args.max_failures, api_key_from_env()), args.host,
+    key_file = ApiKeyFile(args.api_key_file) if args.api_key_file else None
+    run_gateway(Gateway(discover, args.refresh_seconds, args.max_failures, api_key_from_env(), key_file), args.host,
                 args.port, args.log_level)
     return 0
 

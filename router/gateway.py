@@ -32,6 +32,7 @@ DEFAULT_MAX_FAILURES = 3
 DEFAULT_PORT = 8090
 DEFAULT_REFRESH_SECONDS = 5.0
 API_KEY_ENV = "KVMESH_GATEWAY_API_KEY"  # a key the gateway shows routers that ask one for /v1/models
+API_KEY_MAX_CHARS = 4096  # of an --api-key-file read at each refresh: more is no API key (a wrong path, say)
 NAMES_IN_ERROR = 5  # known models a 404 names, at most
 MODEL_IN_ERROR_CHARS = 100  # of the client's own model name, echoed in that 404
 # Headers never passed on: those of one connection (RFC 9110 7.6.1; plus any the Connection header names)
@@ -143,6 +144,16 @@ def pool_routers(pools: Iterable[Mapping[str, Any]]) -> list[str]:
         if isinstance(address, str) and address:
             found.append((str(meta.get("namespace", "")), str(meta.get("name", "")), address.rstrip("/")))
     return list(dict.fromkeys(address for *_, address in sorted(found)))
+
+
+def key_in_file(text: str | None) -> str | None:
+    """The API key an `--api-key-file` holds, from its text (None: the file could not be read): the text less the
+    whitespace around it (a Secret written with `echo` ends in a newline). None when that is empty, longer than
+    API_KEY_MAX_CHARS, or not one printable ASCII word, which no `Authorization: Bearer` header could carry."""
+    key = (text or "").strip()
+    if not key or len(key) > API_KEY_MAX_CHARS or not key.isascii() or not key.isprintable() or " " in key:
+        return None
+    return key
 
 
 def relayed_headers(headers: Iterable[tuple[str, str]], own: Collection[str] = ()) -> list[tuple[str, str]]:

@@ -37,6 +37,7 @@ from kvmesh.router.config import MAX_HOLD_SECONDS, MAX_REQUEST_BODY_BYTES, SHUTD
 from kvmesh.router.discovery import REQUEST_SECONDS
 from kvmesh.router.gateway import (
     API_KEY_ENV,
+    API_KEY_MAX_CHARS,
     DEFAULT_MAX_FAILURES,
     DEFAULT_REFRESH_SECONDS,
     DOWN,
@@ -46,6 +47,7 @@ from kvmesh.router.gateway import (
     ModelTable,
     Polls,
     broken_stream_ending,
+    key_in_file,
     outcome_of,
     pool_routers,
     relayed_headers,
@@ -108,6 +110,36 @@ class PoolDiscovery:
         return pool_routers(listed.get("items") or [])
 
 
+@dataclass
+class ApiKeyFile:
+    """`--api-key-file`: the key shown to routers that ask one for /v1/models, re-read at every refresh, so a
+    rotated Secret mounted as a volume (the kubelet swaps its files in place) is used from the next refresh without
+    a restart. A file missing, unreadable, empty or holding no single key means polls without a key. What the file
+    gives is logged when it changes, not at every refresh."""
+
+    path: str
+    _last: tuple[str | None, str] | None = field(default=None, init=False)  # the key and the problem last logged
+
+    def read(self) -> str | None:
+        """The key now (blocking: the refresh calls it off the event loop)."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text: str | None = f.read(API_KEY_MAX_CHARS + 1)
+            problem = "is empty or holds no single API key"
+        except (OSError, UnicodeDecodeError) as exc:
+            text, problem = None, f"cannot be read ({exc})"
+        key = key_in_file(text)
+        now = (key, "" if key else problem)
+        if now != self._last:
+            if key is None:
+                log.warning("API key file %s %s: routers' /v1/models are read without a key", self.path, problem)
+            else:
+                log.info("API key file %s: %s key shown to the routers from this refresh", self.path,
+                         "a new" if self._last is not None and self._last[0] else "its")
+            self._last = now
+        return key
+
+
 class GatewayMetrics:
     def __init__(self, table: Callable[[], ModelTable]) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -129,7 +161,8 @@ class Gateway:
     discover: Discover
     refresh_seconds: float = DEFAULT_REFRESH_SECONDS
     max_failures: int = DEFAULT_MAX_FAILURES
-    api_key: str | None = None  # shown to the routers when reading their /v1/models
+    api_key: str | None = None  # shown to the routers when reading their /v1/models ($KVMESH_GATEWAY_API_KEY)
+    api_key_file: ApiKeyFile | None = None  # when set, the key instead: the file's, read at every refresh
     polls: Polls = field(default_factory=Polls)
     table: ModelTable = field(default_factory=ModelTable)
     inflight: dict[str, int] = field(default_factory=dict)
@@ -152,7 +185,8 @@ class Gateway:
             log.warning("router discovery failed (%s); keeping the %d routers known", exc, len(self.polls.order))
             urls = list(self.polls.order)
         polls = self.polls.with_routers(urls)
-        listed = await asyncio.gather(*(self._models_of(url) for url in polls.order))
+        key = await asyncio.to_thread(self.api_key_file.read) if self.api_key_file is not None else self.api_key
+        listed = await asyncio.gather(*(self._models_of(url, key) for url in polls.order))
         for url, served in zip(polls.order, listed, strict=True):
             polls = polls.answered(url, served) if served is not None else polls.missed(url)
         table = polls.table(self.max_failures)
@@ -165,14 +199,16 @@ class Gateway:
         self.polls, self.table = polls, table
         self._missed = {url: why for url, why in self._missed.items() if url in polls.order}
 
-    async def _models_of(self, url: str) -> ServedModels | None:
+    async def _models_of(self, url: str, api_key: str | None) -> ServedModels | None:
         """A router's /v1/models, or None when it did not answer one."""
         assert self.client is not None
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         try:
             reply = await self.client.get(url + MODELS_PATH, headers=headers, timeout=MODELS_TIMEOUT_SECONDS)
             if reply.status_code != 200:
-                self._missed[url] = f"{MODELS_PATH} answered {reply.status_code}"
+                self._missed[url] = f"{MODELS_PATH} answered {reply.status_code}" + (
+                    " (it asks an API key: the gateway showed none or one its keys file lacks)"
+                    if reply.status_code == 401 else "")
                 return None
             return ServedModels.of(reply.json())
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:  # InvalidURL: a pool's address is no URL

@@ -59,7 +59,8 @@ def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return only
 
 
-@pytest.mark.parametrize("values", [{}, {"namespace": "team-a", "refreshSeconds": 2.5, "port": 9000}])
+@pytest.mark.parametrize("values", [{}, {"namespace": "team-a", "refreshSeconds": 2.5, "port": 9000,
+                                         "apiKeySecret": {"name": "gateway-key", "key": "token"}}])
 def test_the_command_is_one_kvmesh_gateway_accepts(values: dict[str, Any]) -> None:
     """The chart's arguments given to the real `kvmesh gateway`, with a kubeconfig that does not exist: it parses
     them all, then stops at reading the cluster's settings (exit 2 with its own message, not argparse's)."""
@@ -70,6 +71,26 @@ def test_the_command_is_one_kvmesh_gateway_accepts(values: dict[str, Any]) -> No
     assert out.returncode == 2 and out.stderr.startswith("kvmesh gateway: kubernetes discovery"), out.stderr
     if values:
         assert "--namespace=team-a" in args and "--refresh-seconds=2.5" in args and "--port=9000" in args
+        assert "--api-key-file=/etc/kvmesh/gateway-key/token" in args
+
+
+def test_the_api_key_secret_is_a_read_only_volume_the_flag_points_into() -> None:
+    """A volume of the Secret's one key (not an env var, not a subPath: the kubelet updates it in place when the
+    Secret is rotated, and the gateway re-reads the file), mounted read-only where --api-key-file points."""
+    assert not [a for a in container(gateway_objects())["args"] if a.startswith("--api-key-file")]
+    objects = gateway_objects({"apiKeySecret": {"name": "gateway-key", "key": "token"}})
+    for doc in objects:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    (deployment,) = by_kind(objects, "Deployment")
+    gateway = container(objects)
+    (flag,) = [a.split("=", 1)[1] for a in gateway["args"] if a.startswith("--api-key-file=")]
+    (mount,) = [m for m in gateway["volumeMounts"] if flag.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "gateway-key"
+    (item,) = volume["secret"]["items"]
+    assert item["key"] == "token" and flag == f"{mount['mountPath']}/{item['path']}"
+    assert "env" not in gateway  # the key is in no environment variable of the pod
 
 
 def test_the_pod_is_locked_down_and_probed() -> None:
@@ -120,6 +141,9 @@ def test_clients_reach_the_gateway_and_the_gateway_reaches_the_routers() -> None
 
 
 def test_the_schema_rejects_bad_gateway_values() -> None:
-    for bad in ({"port": 70000}, {"refreshSeconds": 0}, {"unknown": 1}, {"namespace": "Not_A_Namespace"}):
+    for bad in ({"port": 70000}, {"refreshSeconds": 0}, {"unknown": 1}, {"namespace": "Not_A_Namespace"},
+                {"apiKeySecret": {"name": "Gateway_Key"}}, {"apiKeySecret": {"name": "k", "key": "a/b"}},
+                {"apiKeySecret": {"name": "k", "key": ".."}}, {"apiKeySecret": {"name": "k", "secretName": "k"}},
+                {"apiKeySecret": "gateway-key"}):
         with pytest.raises(helm_python.HelmValuesError):
             render({"gateway": {"enabled": True, **bad}})

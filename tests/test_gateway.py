@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import string
 import threading
@@ -34,6 +35,7 @@ from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import MAX_HOLD_SECONDS, RouterConfig
 from kvmesh.router.discovery import kube_configuration
 from kvmesh.router.gateway import (
+    API_KEY_MAX_CHARS,
     DOWN,
     FAILING,
     LISTED,
@@ -43,16 +45,19 @@ from kvmesh.router.gateway import (
     BodyError,
     Polls,
     broken_stream_ending,
+    key_in_file,
     model_table,
     pool_routers,
     relayed_headers,
     requested_model,
 )
-from kvmesh.router.gateway_app import Gateway, GatewayApp, PoolDiscovery, static_routers
+from kvmesh.router.gateway_app import ApiKeyFile, Gateway, GatewayApp, PoolDiscovery, static_routers
 from kvmesh.router.lora import ServedModels
 
-from .engines import serve_router
+from .conftest import make_engine
+from .engines import serve_engine, serve_router
 from .test_operator import write_kubeconfig
+from .test_router_auth import write_keys
 
 
 def served(*names: str, adapters: dict[str, str] | None = None) -> ServedModels:
@@ -182,6 +187,40 @@ def test_a_stream_broken_at_a_line_end_ends_with_an_error_event_and_done() -> No
         assert events[-2:] == [b"data: [DONE]", b""]
     assert broken_stream_ending("text/event-stream", b'{"') is None  # mid-line: no ending makes that event whole
     assert broken_stream_ending("application/json", b"\n\n") is None  # a JSON answer cut short stays cut
+
+
+def test_a_key_file_holds_one_word_less_the_whitespace_around_it() -> None:
+    assert key_in_file("sk-gateway\n") == key_in_file("  sk-gateway\r\n") == "sk-gateway"  # `echo` into a Secret
+    assert key_in_file("k" * API_KEY_MAX_CHARS) == "k" * API_KEY_MAX_CHARS
+    for no_key in (None, "", " \n", "sk one", "sk\none", "sk\x00", "clé", "k" * (API_KEY_MAX_CHARS + 1)):
+        assert key_in_file(no_key) is None, no_key  # unreadable, empty, or no header could carry it
+
+
+def test_the_key_file_is_read_each_time_and_logged_once_per_change(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "api-key"
+    key_file = ApiKeyFile(str(path))
+    caplog.set_level(logging.INFO, "kvmesh.gateway")
+
+    def said() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        return lines
+
+    assert key_file.read() is None and key_file.read() is None
+    (missing,) = said()
+    assert "cannot be read" in missing and "without a key" in missing
+    path.write_text("sk-1\n")
+    assert key_file.read() == key_file.read() == "sk-1"
+    (taken,) = said()
+    assert "sk-1" not in taken  # the key never reaches the log
+    path.write_text("sk-2")
+    assert key_file.read() == "sk-2"
+    assert ["a new key" in line for line in said()] == [True]
+    path.write_text("\n")
+    assert key_file.read() is None and key_file.read() is None
+    (emptied,) = said()
+    assert "is empty" in emptied
 
 
 # ---- the edge against a stub router ------------------------------------------------------------------------------
@@ -552,6 +591,86 @@ def test_a_router_that_dies_drops_out_and_its_model_then_404s(
                           timeout=60).status_code == 200
         assert httpx.get(url + "/health", timeout=30).status_code == 200
         assert scrape(url)[(GatewayMetric.UPSTREAMS, (("state", DOWN),))] == 1
+
+
+# ---- routers that ask an API key ---------------------------------------------------------------------------------
+
+GATEWAY_KEY, CLIENT_KEY = "sk-gateway-1", "sk-client"
+
+
+@pytest.fixture(scope="module")
+def keyed_engine(tiny_dir: Path) -> Iterator[str]:
+    """An engine serving `keyed` (in-process), for routers with an API keys file."""
+    with serve_engine(make_engine(tiny_dir, served_model_name="keyed", kv_cache_blocks=128)) as url:
+        yield url
+
+
+@pytest.fixture
+def keyed_router(tiny_dir: Path, keyed_engine: str, tmp_path: Path) -> Iterator[tuple[str, Router, Path]]:
+    """A router whose keys file has the gateway as a tenant of its own beside a client, the gateway's limits at one
+    request a minute (its key is for listing models, which no limit counts): URL, Router, keys file."""
+    keys = tmp_path / "keys.yaml"
+    write_keys(keys, {GATEWAY_KEY: "gateway", CLIENT_KEY: "apps"})
+    router = build_router(RouterConfig(pods=[keyed_engine], scrape_interval_seconds=0.1, api_keys_file=str(keys),
+                                       tenants={"gateway": {"requests_per_minute": 1}}), tiny_dir)
+    with serve_router(router) as url:
+        yield url, router, keys
+
+
+@pytest.mark.slow
+def test_a_rotated_key_file_is_used_at_the_next_refresh_and_a_wrong_key_keeps_the_pool_out(
+        keyed_router: tuple[str, Router, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The router's keys and the gateway's key file rotate as two Secrets would; the same Gateway, never restarted,
+    lists the pool again at its first refresh after its file has the new key."""
+    url, router, keys = keyed_router
+    key_file = tmp_path / "gateway-key"
+    key_file.write_text(GATEWAY_KEY + "\n")
+    gateway = Gateway(static_routers([url]), refresh_seconds=3600, max_failures=2, api_key_file=ApiKeyFile(
+        str(key_file)))
+
+    async def main() -> None:
+        await gateway.open()  # its first refresh
+        try:
+            assert gateway.table.routers == {"keyed": (url,)} and gateway.table.states[url] == LISTED
+            write_keys(keys, {"sk-gateway-2": "gateway", CLIENT_KEY: "apps"})  # the old key revoked
+            await asyncio.to_thread(router.reload_keys)
+            await gateway.refresh()
+            assert gateway.table.states[url] == FAILING
+            key_file.write_text("sk-gateway-2")  # the gateway's Secret rotated too
+            await gateway.refresh()  # its second listing within the minute: the tenant's limit counts none
+            assert gateway.table.routers == {"keyed": (url,)} and gateway.table.states[url] == LISTED
+            key_file.write_text("sk-wrong")
+            for _ in range(2):
+                await gateway.refresh()
+            assert gateway.table.states[url] == DOWN and not gateway.table.serves("keyed")
+            assert f"router {url} is out of the model table: {MODELS_PATH} answered 401 (it asks an API key" \
+                in caplog.text
+            key_file.unlink()  # no file: polls without a key, which this router refuses too
+            await gateway.refresh()
+            assert gateway.table.states[url] == DOWN
+        finally:
+            await gateway.close()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+@pytest.mark.slow
+def test_a_keyed_pool_is_listed_and_the_client_s_own_key_reaches_its_router(
+        keyed_router: tuple[str, Router, Path], tmp_path: Path) -> None:
+    url, router, _ = keyed_router
+    key_file = tmp_path / "gateway-key"
+    key_file.write_text(GATEWAY_KEY)
+    with serve_asgi(GatewayApp(Gateway(static_routers([url]), refresh_seconds=3600,
+                                       api_key_file=ApiKeyFile(str(key_file))))) as gateway:
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key=CLIENT_KEY, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["keyed"]
+        done = client.completions.create(model="keyed", prompt="hello", max_tokens=2)
+        assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 2
+        assert router.metrics.registry.get_sample_value(f"{RouterMetric.REQUESTS}_total", {
+            "outcome": "ok", "route": "aggregated", "source": "client"}) == 1
+        stranger = openai.OpenAI(base_url=gateway + "/v1", api_key="sk-unknown", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):  # the router's 401, relayed: not the gateway's key used
+            stranger.completions.create(model="keyed", prompt="hello", max_tokens=2)
 
 
 # ---- Kubernetes discovery ----------------------------------------------------------------------------------------
