@@ -4,7 +4,8 @@ SIGTERM (gracefully: the router drains first, then the engines; `stop_pool`). A 
 pool serves is restarted on its port after a back-off, as the kubelet restarts a crashed container (`CrashBackOff`),
 while the router serves on from the other engines; one that dies before the pool is first ready stops it (with the
 tail of its log): a bad flag or model would only crash again. From a pool file, the operator's scaler runs too and
-its decisions are carried out: engines start (warmed from a peer), or the coldest drain and stop, the router follows
+its decisions are carried out: engines start (warmed from a peer), or the coldest drain and stop (all of them in a
+pool that scales to zero and idles, which starts again on a request its router holds), the router follows
 its pods file, the engines' LoRA adapters are kept equal to the spec's, and the operator's metrics are served on a
 loopback port. The file is followed as the operator follows the CRD: an edit is read, checked as a pool, and applied
 (replicas, the scaler's settings, adapters at once; engine settings by replacing the engines one at a time, router
@@ -43,9 +44,13 @@ from kvmesh.processes import (
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS
 
 if TYPE_CHECKING:  # the operator loads only for a pool file
-    from kvmesh.operator.local import LocalPod
+    from kvmesh.operator.local import LocalPod, RouterView
 
 HEALTH_TIMEOUT_SECONDS = 600.0
+# Test-only: how many seconds pass on the local operator's clock per real second, so a test sees a pool idle for
+# scaling.scaleToZero.idleSeconds (at least 60) in a few seconds. Everything the operator times runs that much
+# faster (its interval, the idle clock, the stabilization windows); unset: 1, real time.
+CLOCK_RATE_ENV = "KVMESH_UP_CLOCK_RATE"
 LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
 LOCAL_DATABASE = "pool.db"  # in the pool's work folder: the router's SQLite database when the pool names none
 
@@ -67,12 +72,14 @@ class PoolPlan:
 
 def plan_from_file(path: str | Path) -> PoolPlan:
     """A local pool from an InferencePool file, read through operator/crd.py (the cluster's defaults and checks):
-    each role's minimum replicas, the model, and the engine and router settings the operator would write."""
+    each role's replicas as the operator creates them (its minimum; one for a pool that scales to zero, which idles
+    down from there), the model, and the engine and router settings the operator would write."""
     from kvmesh.operator.crd import BUNDLED
+    from kvmesh.operator.desired import initial_replicas
     from kvmesh.operator.local import local_engine_settings, local_router_settings
 
     pool = read_pool_file(path)
-    roles = [role for role in pool.roles for _ in range(pool.bounds(role)[0])]
+    roles = [role for role, n in initial_replicas(pool).items() for _ in range(n)]
     source = pool.spec["model"]["source"]
     return PoolPlan(
         name=pool.name,
@@ -613,12 +620,35 @@ def observe_engines(engines: Sequence[Engine], scrape: Callable[[str], str] | No
             for e in engines if isinstance(text := texts[e.child.name], str)]
 
 
+def observe_router(engines: LocalEngines, pods: Sequence[LocalPod],
+                   scrape: Callable[[str], str] | None = None) -> RouterView:
+    """What a pool that scales to zero reads of its router, as the cluster operator reads its router pods: the
+    requests it holds for want of a serving engine (the first request to a pool at zero), and whether the pool
+    went unseen this tick: the router, serving (not starting, nor crashed), or a serving engine (one the router
+    routes to) did not answer its /metrics, so a request may be running unseen."""
+    from kvmesh.operator.engines import http_scrape, scrape_all
+    from kvmesh.operator.forecast import parse_router_held
+    from kvmesh.operator.local import RouterView
+
+    answered = {p.name for p in pods}
+    unseen = any(e.child.name not in answered for e in engines.serving())
+    router, held = engines.router, 0
+    if router is not None and not router.waiting and not engines.router_starting:
+        text = scrape_all({router.name: router.url + "/metrics"}, scrape or http_scrape)[router.name]
+        if isinstance(text, str):
+            held = parse_router_held(text)
+        else:
+            unseen = True
+    return RouterView(held, unseen)
+
+
 class _ScalingWatch:
     """The operator's tick over the local engines, every `scaling.intervalSeconds`: engines that began serving
     are warmed from a peer, each decision is printed and carried out within the pool's replica bounds (engines
-    started, or drained and stopped), the serving engines' LoRA adapters are synced with the spec's, and all is
-    recorded in the operator's metrics, which a loopback port serves (the targets file lists it) until `close`.
-    Before each tick, an edit of the pool file is followed (`follow_file`)."""
+    started, or drained and stopped; with `scaling.scaleToZero`, every engine once the pool is idle, and started
+    again when the router holds a request: `observe_router`), the serving engines' LoRA adapters are synced with
+    the spec's, and all is recorded in the operator's metrics, which a loopback port serves (the targets file
+    lists it) until `close`. Before each tick, an edit of the pool file is followed (`follow_file`)."""
 
     def __init__(self, plan: PoolPlan, engines: LocalEngines) -> None:
         from kvmesh.operator.local import LocalOperator
@@ -626,13 +656,18 @@ class _ScalingWatch:
         self.pool = plan.pool
         self.engines = engines
         self.operator = LocalOperator(plan.pool)
+        self.clock_rate = float(os.environ.get(CLOCK_RATE_ENV) or 1.0)
         self.interval = plan.pool.spec["scaling"]["intervalSeconds"]
-        self.next = time.monotonic()
+        self.next = self.now()
         self.file = PoolFile(plan.file) if plan.file else None
         self.adapters_said = ""  # the adapters' last reported state: a new one is printed once
         port = free_port()
         self.server, _ = start_http_server(port, addr="127.0.0.1", registry=self.operator.metrics.registry)
         engines.operator_url = f"http://127.0.0.1:{port}"
+
+    def now(self) -> float:
+        """The operator's clock (`CLOCK_RATE_ENV`)."""
+        return time.monotonic() * self.clock_rate
 
     def close(self) -> None:
         self.server.shutdown()
@@ -698,7 +733,7 @@ class _ScalingWatch:
         plan.pool, plan.engine, plan.router = pool, local_engine_settings(pool), local_router_settings(pool)
         self.operator.follow(pool)
         self.interval = pool.spec["scaling"]["intervalSeconds"]
-        self.next = time.monotonic()
+        self.next = self.now()
         engine, router = self._sections(pool)
         _write_engine_files(self.engines.workdir, engine, pool)
         _write_router_file(self.engines.workdir, router)
@@ -709,12 +744,13 @@ class _ScalingWatch:
         self.follow_file()
         if any(e.state == STARTING and e.child.name not in (self.operator.memory.serving or ())
                for e in self.engines.surges()):
-            for line in self.operator.warm_new(time.monotonic(), observe_engines(self.engines.observable())):
+            for line in self.operator.warm_new(self.now(), observe_engines(self.engines.observable())):
                 _say(f"warm-up: {line}")  # a rolled-in engine, warmed (or let serve) once it answers
-        if time.monotonic() < self.next:
+        if self.now() < self.next:
             return
-        self.next = time.monotonic() + self.interval
+        self.next = self.now() + self.interval
         pods = observe_engines(self.engines.observable())
+        router = observe_router(self.engines, pods) if "scaleToZero" in self.pool.spec["scaling"] else None
         before = self.engines.replicas()
 
         def carry_out(tick: Tick) -> None:
@@ -727,7 +763,7 @@ class _ScalingWatch:
                 _say(f"warm-up: {line}")
 
         try:
-            self.operator.tick(time.monotonic(), pods, before, carry_out)
+            self.operator.tick(self.now(), pods, before, carry_out, router)
         except Exception as exc:  # as the cluster operator's timer: the tick fails (counted), the pool keeps serving
             _say(f"scaler: this tick failed ({exc!r}); the next one tries again")
             return

@@ -793,18 +793,13 @@ def parse_pool(body: Mapping[str, Any], defaults: PoolDefaults = PoolDefaults())
 
 
 def load_pool_file(path: str) -> Pool:
-    """The one InferencePool a YAML file holds, as `kvmesh up -f` runs it (the operator reads pools from the API).
-    Scale to zero is refused there: a local pool has no router scrape to wake it and keeps its engines running."""
+    """The one InferencePool a YAML file holds, as `kvmesh up -f` runs it (the operator reads pools from the API)."""
     with open(path) as f:
         docs = [d for d in yaml.safe_load_all(f) if d]
     pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(pools) != 1:
         raise SpecError(f"{path}: expected one {KIND}, found {len(pools)}")
-    pool = parse_pool(pools[0], PoolDefaults(local=True))
-    if "scaleToZero" in pool.spec["scaling"]:
-        raise SpecError(f"{path}: scaling.scaleToZero works in a cluster only; `kvmesh up` keeps each role's engines "
-                        "running (drop the field, with replicas.*.min at least 1)")
-    return pool
+    return parse_pool(pools[0], PoolDefaults(local=True))
 
 
 if __name__ == "__main__":

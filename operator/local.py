@@ -1,7 +1,8 @@
 """The operator's decisions on one machine: `kvmesh up -f pool.yaml` reads the pool through operator/crd.py (the
 same defaults and checks as the cluster), writes the same engine and router settings, and runs the operator's
 scaling tick over its local engines: the same scaler, the same warm-ups of new engines from the peer whose cache
-serves the most hits, the same LoRA adapter sync (operator/lora.py), and the same /metrics registry. `kvmesh up`
+serves the most hits, the same LoRA adapter sync (operator/lora.py), the same scale to zero (an idle clock, and the
+requests its router holds, which wake a pool at zero: `RouterView`), and the same /metrics registry. `kvmesh up`
 carries the decisions out, so scaling works without Kubernetes. It follows edits of the pool file as the operator
 follows the CRD (`follow`): replica bounds, the scaler's settings and adapters change under running engines; an
 edit of what the engines or the router read at start (`needs_restart`, from `start_inputs`: which file each field
@@ -38,8 +39,8 @@ from kvmesh.operator.warmup import (
     plan_tick_warmups,
 )
 
-__all__ = ["LocalOperator", "LocalPod", "Restarts", "describe", "ignored_locally", "local_engine_settings",
-           "local_router_settings", "needs_restart", "restarts", "start_inputs"]
+__all__ = ["LocalOperator", "LocalPod", "Restarts", "RouterView", "describe", "ignored_locally",
+           "local_engine_settings", "local_router_settings", "needs_restart", "restarts", "start_inputs"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
 CLUSTER_ONLY_ENGINE = ("host", "port")
@@ -189,6 +190,17 @@ class LocalPod:
 
 
 @dataclass(frozen=True)
+class RouterView:
+    """What scale to zero reads besides the engines (the cluster operator reads it from its router pods): the
+    requests the router holds for want of a serving engine (its kvmesh_router_requests_waiting_for_pods), and
+    whether the router or an engine that serves did not answer its scrape this tick, which leaves the pool's
+    idleness unknown."""
+
+    held: int = 0
+    unseen: bool = False
+
+
+@dataclass(frozen=True)
 class Tick:
     decision: Decision
     warmups: WarmupPlan  # the engines that began serving since the last tick: whom to warm from whom, whom to open
@@ -221,19 +233,25 @@ class LocalOperator:
         return self.warmup.gated
 
     def tick(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int],
-             carry_out: Callable[[Tick], None]) -> Tick:
+             carry_out: Callable[[Tick], None], router: RouterView | None = None) -> Tick:
         """One scaling evaluation of the pool: `decide`, then `carry_out` the tick (`kvmesh up` starts and drains
         engines, records, warms), counted in the operator's heartbeat as the cluster's timer counts a tick, which
         also applies what it decided: an error if either part raises (the exception goes on)."""
         with self.metrics.evaluation(self.pool):
-            tick = self.decide(now, pods, replicas)
+            tick = self.decide(now, pods, replicas, router)
             carry_out(tick)
             return tick
 
-    def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int]) -> Tick:
-        """Observe the engines and plan: the replicas per role, the warm-ups, the cost of deleting each engine."""
+    def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int],
+               router: RouterView | None = None) -> Tick:
+        """Observe the engines (and, for a pool that scales to zero, its router: `router`) and plan: the replicas
+        per role, the warm-ups, the cost of deleting each engine. The idle clock runs as the cluster operator's
+        does: a request held, running, waiting or counted since the last tick restarts it, and so does a tick at
+        which the router or a serving engine did not answer (`RouterView.unseen`)."""
         scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
-        decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas)
+        view = router or RouterView()
+        idle = self.memory.idle.update(now, scraped, view.held, view.unseen)
+        decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas, view.held, idle)
         hit_rates = pod_hit_rates(self.memory, now, scraped)
         places = {p.name: PodPlace(p.url, p.ready) for p in pods}
         warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)

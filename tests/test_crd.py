@@ -263,13 +263,3 @@ def test_router_settings_cannot_set_the_hold_that_scale_to_zero_sets() -> None:
         complete_spec(_set(spec, "router.settings", {"hold_without_pods_seconds": 5}))
     plain = _set(example("aggregated.yaml")["spec"], "router.settings", {"hold_without_pods_seconds": 5})
     assert complete_spec(plain)["router"]["settings"] == {"hold_without_pods_seconds": 5}  # a router's own choice
-
-
-def test_a_pool_file_with_scale_to_zero_is_refused_locally(tmp_path: Path) -> None:
-    """`kvmesh up -f` keeps its engines running: the field is refused with a message saying so."""
-    body = example("aggregated.yaml")
-    body["spec"] = _set(body["spec"], "scaling.scaleToZero", {"idleSeconds": 600})
-    path = tmp_path / "pool.yaml"
-    path.write_text(yaml.safe_dump(body))
-    with pytest.raises(SpecError, match="scaleToZero works in a cluster only"):
-        load_pool_file(str(path))
