@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, check_body_read_timeout
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ROOT,
@@ -75,6 +76,8 @@ class EngineConfig:
     # > 0: after the model loads, /health says "warming" (503) until the first warm-up (POST /v1/kv/warm) ends,
     # POST /v1/admin/ready, or this many seconds, so a new pod joins Services and routers warm (issue 5)
     warmup_grace_seconds: float = 0.0
+    # a request's whole body must arrive within this long, or it is answered 408 and closed (engine/body_deadline.py)
+    body_read_timeout_seconds: float = DEFAULT_BODY_READ_TIMEOUT_SECONDS
     # LoRA adapters served at start, name -> PEFT directory (more load at run time: POST /v1/load_lora_adapter)
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # adapters of a larger rank are refused
@@ -115,6 +118,7 @@ class EngineConfig:
             check_endpoint(self.otlp_traces_endpoint)
         if self.warmup_grace_seconds < 0:
             raise ValueError(f"warmup_grace_seconds must be >= 0, got {self.warmup_grace_seconds}")
+        check_body_read_timeout(self.body_read_timeout_seconds)
         if self.kv_host_memory_mib < 0 or self.kv_disk_mib < 0 or self.kv_tier_chunk_blocks < 1:
             raise ValueError("kv_host_memory_mib and kv_disk_mib must be >= 0, kv_tier_chunk_blocks >= 1")
         from kvmesh.engine.kv.tiers import PROFILES  # torch-heavy: only when validating

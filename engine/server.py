@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
 from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
@@ -86,6 +87,8 @@ log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI; chat gets the rest of the context
 DISCONNECT_CHECK_SECONDS = 0.5
+CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+COMPLETION_ROUTES = (CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH)
 
 
 class ApiError(Exception):
@@ -764,6 +767,17 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
 
     app = FastAPI(title="kvmesh engine", lifespan=lifespan)
 
+    def body_read_timeout() -> float:
+        """The loaded engine's setting (every route answers 503 before it loads, a body read in time or not)."""
+        return holder.engine.config.body_read_timeout_seconds if holder.engine else DEFAULT_BODY_READ_TIMEOUT_SECONDS
+
+    def body_timed_out(scope: Scope) -> None:
+        """A completion whose body never came in time ended in error (kvmesh_requests_total, as any that fails)."""
+        if holder.engine is not None and scope["path"] in COMPLETION_ROUTES:
+            holder.engine.metrics.requests.labels("error").inc()
+
+    app.add_middleware(BodyDeadline, seconds=body_read_timeout, timed_out=body_timed_out)
+
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
@@ -802,11 +816,11 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             if call is not None:
                 call.finish(handler.id, handler.model, job.requests, job.prompt_of)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_COMPLETIONS_PATH)
     async def chat_completions(body: ChatRequest, http: HttpRequest) -> Response:
         return await _serve(body, http, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         return await _serve(body, http, chat=False)
 

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from kvmesh.engine.body_deadline import BODY_TIMEOUT_CODE, BODY_TIMEOUT_STATUS, CONNECTION_CLOSE, body_timeout_message
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
@@ -990,21 +991,27 @@ def header_map(scope: Scope) -> dict[str, str]:
     return {name.decode("latin-1"): value.decode("latin-1") for name, value in reversed(scope["headers"])}
 
 
-async def read_body(receive: Receive, limit: int) -> bytes | None:
+async def read_body(receive: Receive, limit: int, seconds: float) -> bytes | None:
     """A request's whole body; None when the client left before sending all of it; RouteError 413 past `limit`
-    bytes (counted as they come: a chunked body says no length)."""
+    bytes (counted as they come: a chunked body says no length), 408 (closing the connection) when it has not all
+    come within `seconds` (engine/body_deadline.py)."""
     chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise RouteError(413, f"the request body exceeds {limit >> 20} MiB")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    try:
+        async with asyncio.timeout(seconds):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise RouteError(413, f"the request body exceeds {limit >> 20} MiB")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise RouteError(BODY_TIMEOUT_STATUS, body_timeout_message(seconds), code=BODY_TIMEOUT_CODE,
+                         headers=CONNECTION_CLOSE) from None
 
 
 def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
@@ -1100,11 +1107,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
         """A completion POST, as plain ASGI (RouterApp). The key is checked before a byte of the body is read,
-        and the body is bounded, so a stranger cannot make the router hold an unbounded body."""
+        and the body is bounded in size and in time, so a stranger cannot make the router hold an unbounded body,
+        nor a connection for longer than body_read_timeout_seconds before its body is whole."""
         headers = header_map(scope)
         try:
             tenant = router.authenticate(headers)
-            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
+            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES, router.config.body_read_timeout_seconds)
         except RouteError as exc:
             router.metrics.count_request(refusal_outcome(exc), "aggregated", CLIENT_SOURCE)
             await error_response(exc)(scope, receive, send)

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, check_body_read_timeout
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 from kvmesh.engine.tracing import check_endpoint
 from kvmesh.engine.typed_fields import check_types
@@ -77,6 +78,8 @@ class RouterConfig:
     shed_overload_probability: float = 0.9  # shed when the best pod's KV forecast says it runs out this likely
     priority_headroom: float = 0.5  # each priority level tolerates this much more overload before it is shed
     request_timeout_seconds: float = 600.0
+    # a completion's whole body must arrive within this long, or it is answered 408 and closed (slowloris)
+    body_read_timeout_seconds: float = DEFAULT_BODY_READ_TIMEOUT_SECONDS
     # a request that finds no pod ready (none at all, not all busy) waits up to this long for one (a pool starting
     # from zero: the operator sets it for scaling.scaleToZero); 0: 503 at once
     hold_without_pods_seconds: float = 0.0
@@ -153,6 +156,7 @@ class RouterConfig:
         Limiter(parse_tenants(self.tenants), self.rate_limit_replicas, batch_share=self.batch_rate_share)
         self.batch_settings()
         Upstream(self.request_timeout_seconds, self.max_connections_per_pod)  # a bad bound: an error at start
+        check_body_read_timeout(self.body_read_timeout_seconds)
         if self.batch_max_file_bytes < 1:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
         if self.batch_max_enqueued_requests < 1:

@@ -29,6 +29,7 @@ from kubernetes.client import Configuration
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.types import Receive, Scope, Send
 
+from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
 from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric
 from kvmesh.router.app import RouteError, read_body
@@ -167,6 +168,7 @@ class Gateway:
     table: ModelTable = field(default_factory=ModelTable)
     inflight: dict[str, int] = field(default_factory=dict)
     client: httpx.AsyncClient | None = None  # opened in the app's lifespan, inside the loop that serves
+    body_read_timeout_seconds: float = DEFAULT_BODY_READ_TIMEOUT_SECONDS  # a body not whole by then: 408, closed
     metrics: GatewayMetrics = field(init=False)
     _missed: dict[str, str] = field(default_factory=dict)  # why each router's last refresh missed, for the log
 
@@ -313,14 +315,14 @@ class GatewayApp:
         forwarding, which closes the router's connection (the router then aborts its pod's request)."""
         gw = self.gateway
         try:
-            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
+            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES, gw.body_read_timeout_seconds)
             if payload is None:  # the client left before its request was whole: nobody to answer
                 gw.count(None, "client_gone")
                 return
             model = requested_model(payload)
-        except RouteError as exc:  # over the size bound
+        except RouteError as exc:  # over the size bound, or not all come in time (408, and the connection closed)
             gw.count(None, "bad_request")
-            await send_json(send, exc.status, error_body(exc.message))
+            await send_json(send, exc.status, error_body(exc.message, code=exc.code), exc.headers.items())
             return
         except BodyError as exc:
             gw.count(None, "bad_request")

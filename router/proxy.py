@@ -252,6 +252,7 @@ class _Pod:
         self.idle: list[_Connection] = []
         self.connected = 0  # open connections (from connection_made to connection_lost)
         self.opening = 0  # connections being opened
+        self.posting = 0  # requests between finding this pod and having their connection (the sweep keeps it)
         self._change: asyncio.Future[None] | None = None  # set when a connection goes idle or closes
 
     def open(self) -> int:
@@ -289,9 +290,10 @@ class Upstream:
         """POST `body` as JSON; the reply once its status and headers are in. Within `traced` (a request's span,
         when tracing is on), the call is a child span whose context goes to the pod in `traceparent`."""
         span = traced.upstream(url, body) if traced is not None else None
-        connection = None
+        connection, pod = None, None
         try:
             pod, path = self._pod_of(url)
+            pod.posting += 1
             payload = json.dumps(body).encode()
             sent = dict(headers) if span is None else span.headers(headers)
             lines = [f"POST {path} HTTP/1.1\r\nhost: {pod.authority}\r\ncontent-type: application/json\r\n"
@@ -325,6 +327,9 @@ class Upstream:
             if span is not None:
                 span.failed("cancelled")
             raise
+        finally:  # from here its connection, open, counts in pod.connected until its reply is closed
+            if pod is not None:
+                pod.posting -= 1
         return UpstreamReply(connection, span)
 
     def _pod_of(self, url: str) -> tuple[_Pod, str]:
@@ -346,17 +351,19 @@ class Upstream:
         while not connection.head:
             await connection.wait()
 
-    def _sweep(self, now: float, asked: _Pod) -> None:
+    def _sweep(self, now: float) -> None:
         """Close every pod's connections idle past IDLE_SECONDS: a pod that left the pool (or vanished without
-        closing its end) keeps no socket open for long. A pod with no connection left, and not `asked` now, is
-        forgotten: pods come and go at new addresses for as long as the router runs, and a later request to
-        one simply starts afresh."""
+        closing its end) keeps no socket open for long. A pod with no connection left and no request on its way
+        to one is forgotten: pods come and go at new addresses for as long as the router runs, and a later
+        request to one simply starts afresh. One that a request still holds (waiting for a connection to come
+        free, or about to resend on a new one after its last was lost) stays: the connections that request opens
+        must count against the same max_connections_per_pod as those of requests after it."""
         self._swept = now
         for base, pod in list(self._pods.items()):
             for connection in [c for c in pod.idle if now - c.idle_since >= IDLE_SECONDS]:
                 pod.idle.remove(connection)
                 connection.abort()
-            if pod is not asked and not pod.idle and not pod.open():
+            if not pod.idle and not pod.open() and not pod.posting:
                 del self._pods[base]
 
     async def _connection(self, pod: _Pod, fresh: bool = False) -> tuple[_Connection, bool]:
@@ -365,7 +372,7 @@ class Upstream:
         idle one, or room for a new one), waiting at most CONNECT_TIMEOUT_SECONDS."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._swept >= IDLE_SECONDS:
-            self._sweep(loop.time(), pod)
+            self._sweep(loop.time())
         deadline = loop.time() + CONNECT_TIMEOUT_SECONDS
         while True:
             while pod.idle and not fresh:

@@ -15,7 +15,7 @@ import pytest
 
 from kvmesh.processes import free_port
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.proxy import IDLE_SECONDS, READ_AHEAD_BYTES, Upstream, UpstreamError
+from kvmesh.router.proxy import IDLE_SECONDS, READ_AHEAD_BYTES, Upstream, UpstreamError, _Pod
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
 
@@ -337,3 +337,52 @@ async def test_connections_to_a_pod_are_bounded_and_a_request_past_the_bound_wai
         await upstream.close()
     with pytest.raises(ValueError, match="max_connections_per_pod must be a whole number of at least 1, not 0"):
         RouterConfig(pods=["http://127.0.0.1:1"], max_connections_per_pod=0).validate()
+
+
+@pytest.mark.asyncio
+async def test_a_pod_a_request_waits_for_is_not_forgotten_so_its_connection_bound_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request waiting for a connection to a pod at max_connections_per_pod is woken when the pod's last
+    connection is lost; if another request's idle sweep runs before it resumes, the pod must not be forgotten:
+    the waiting request then opens its connection on the pod the next requests find, and they share the bound
+    (a forgotten pod's connections were counted apart, and the pod got one connection per table)."""
+    drop, release, waiting = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def dropped_first(body: bytes, writer: asyncio.StreamWriter) -> None:
+        if json.loads(body).get("drop"):
+            await drop.wait()
+            writer.close()  # the connection is lost, no reply
+            return
+        await release.wait()
+        writer.write(whole(body))
+
+    async with pod(dropped_first) as server, pod(echo) as other:
+        upstream = Upstream(30.0, max_connections_per_pod=1)
+        loop, original, real_wait = asyncio.get_running_loop(), asyncio.get_running_loop().time, _Pod.wait_change
+
+        async def woken_then_another_sweeps(self: _Pod, timeout: float) -> None:
+            first = not waiting.is_set()
+            waiting.set()
+            await real_wait(self, timeout)
+            if first:  # before this request resumes, another one (to another pod) sweeps, idle time past
+                later = original() + IDLE_SECONDS + 1
+                loop.time = lambda: later  # type: ignore[method-assign]
+                try:
+                    assert await ask(upstream, other.url, {"other": 1}) == {"other": 1}
+                finally:
+                    loop.time = original  # type: ignore[method-assign]
+
+        monkeypatch.setattr(_Pod, "wait_change", woken_then_another_sweeps)
+        lost = asyncio.ensure_future(ask(upstream, server.url, {"drop": 1}))
+        await held_requests(server, 1)
+        second = asyncio.ensure_future(ask(upstream, server.url, {"n": 2}))
+        await asyncio.wait_for(waiting.wait(), 5)  # at the bound: waits for the only connection
+        drop.set()
+        with pytest.raises(UpstreamError):
+            await lost
+        await held_requests(server, 2)  # the second request is at the pod, on a new connection
+        third = asyncio.ensure_future(ask(upstream, server.url, {"n": 3}))
+        release.set()
+        assert await asyncio.gather(second, third) == [{"n": 2}, {"n": 3}]
+        assert server.connections == 2  # the lost one and one more, which the third request reused
+        await upstream.close()

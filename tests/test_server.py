@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -223,13 +225,59 @@ def test_a_failure_inside_the_engine_fails_its_request_not_the_server(
 
 
 def _aborts(engine: Engine) -> float:
+    return _finished(engine, "abort")
+
+
+def _finished(engine: Engine, reason: str) -> float:
+    """kvmesh_requests_total{finish_reason=reason}, as the engine's /metrics shows it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(engine.metrics.render().decode()):
         for s in family.samples:
-            if s.name == "kvmesh_requests_total" and s.labels["finish_reason"] == "abort":
+            if s.name == "kvmesh_requests_total" and s.labels["finish_reason"] == reason:
                 return s.value
-    raise AssertionError("no abort counter")
+    raise AssertionError(f"no {reason} counter")
+
+
+def slow_client(url: str, path: str, sent: bytes = b"") -> tuple[int, dict[str, str], dict]:
+    """A slowloris client: POST `path` with headers that promise a 1000-byte body, send `sent` of it, then
+    nothing. The answer (status, headers, JSON body), read until the server closes the connection; a server
+    that never does fails the read (socket timeout)."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n"
+                     b"\r\n%s" % (path.encode(), parts.netloc.encode(), sent))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(
+        served: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends its headers and then nothing holds the engine's connection only until
+    body_read_timeout_seconds: a 408 in OpenAI's shape, counted as a request ended in error, and the connection
+    closed. An answer's stream is not bounded by it, and other requests are served throughout."""
+    url, engine = served
+    monkeypatch.setattr(engine.config, "body_read_timeout_seconds", 0.3)
+    errors = _finished(engine, "error")
+    status, headers, body = slow_client(url, "/v1/completions")
+    assert status == 408 and headers["connection"] == "close"
+    assert body["error"]["code"] == "body_timeout" and body["error"]["type"] == "invalid_request_error"
+    assert "the request body did not arrive within 0.3 s" in body["error"]["message"]
+    assert _finished(engine, "error") == errors + 1
+    status, _, body = slow_client(url, "/v1/load_lora_adapter", b'{"lora_name"')  # another route: bounded too
+    assert status == 408 and _finished(engine, "error") == errors + 1  # not a completion: counted in no series
+    real_run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 60, "ignore_eos": True,
+                                                             "stream": True}, timeout=30) as reply:
+        chunks = [line for line in reply.iter_lines() if line.startswith("data: {")]
+    assert reply.status_code == 200 and len(chunks) == 60  # 0.6 s or more of stream, past the deadline, whole
+    wait_idle(engine)
 
 
 def test_disconnect_during_a_non_streaming_request_aborts_it(served: tuple[str, Engine],
