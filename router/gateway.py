@@ -23,7 +23,7 @@ LISTED, FAILING, DOWN = "listed", "failing", "down"
 # (never answered yet, or missed max_failures refreshes in a row)
 UPSTREAM_STATES: tuple[str, ...] = (LISTED, FAILING, DOWN)
 # kvmesh_gateway_requests_total{outcome}: a router answered 2xx and the whole answer was relayed; a router answered
-# an error status (relayed as it was); the gateway refused the body (400, 413); no router serves the model (404);
+# an error status (relayed as it was); the gateway refused the body (400, 408, 413); no router serves the model (404);
 # no router of the model could be reached (502); a router's answer broke off; the client left first
 GATEWAY_OUTCOMES: tuple[str, ...] = ("ok", "refused", "bad_request", "unknown_model", "unreachable", "broken",
                                      "client_gone")
