@@ -15,7 +15,7 @@ import sys
 ALLOWED = {"kvmesh.engine", "kvmesh.engine.protocol", "kvmesh.engine.openai_types", "kvmesh.engine.constraint",
            "kvmesh.engine.model", "kvmesh.engine.model.tokenizer", "kvmesh.engine.model.token_cache",
            "kvmesh.engine.model.tool_prompt", "kvmesh.engine.tracing", "kvmesh.engine.typed_fields",
-           "kvmesh.engine.config"}
+           "kvmesh.engine.config", "kvmesh.engine.body_deadline"}
 
 
 def test_the_router_and_the_operator_load_no_torch_and_only_the_engine_s_contract_modules() -> None:
