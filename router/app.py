@@ -149,16 +149,16 @@ STARTING_RETRY_AFTER_SECONDS = 5
 
 class PodWait:
     """Requests held while no pod can serve at all (none ready: a pool starting from zero, not one whose pods are
-    all busy, which is shedding), for up to `seconds` each and at most `limit` at once. One watcher task, alive
-    only while a request is held, looks at the pod set every scrape interval (pods become ready by their scrapes)
-    and sets the current `asyncio.Event` when a serving pod is ready; every held request waits on that event with
-    its own timeout, so holding costs no loop per request."""
+    all busy, which is shedding), for up to `seconds` each and at most `limit` at once. Pods become ready by their
+    scrapes: after each, while a request is held, the pod set is looked at and the current `asyncio.Event` set
+    when a serving pod is ready; every held request waits on that event with its own timeout, so holding costs no
+    loop at all."""
 
-    def __init__(self, pods: PodSet, seconds: float, limit: int, interval: float) -> None:
-        self.pods, self.seconds, self.limit, self.interval = pods, seconds, limit, interval
+    def __init__(self, pods: PodSet, seconds: float, limit: int) -> None:
+        self.pods, self.seconds, self.limit = pods, seconds, limit
         self.held = 0  # kvmesh_router_requests_waiting_for_pods
         self._ready = asyncio.Event()
-        self._watcher: asyncio.Task[None] | None = None
+        pods.scrape_listeners.append(self._pod_scraped)
 
     def ready(self) -> bool:
         """Whether a pod that serves whole requests is up with a usable configuration and not draining."""
@@ -174,8 +174,6 @@ class PodWait:
         drops it from the count."""
         self.held += 1
         try:
-            if self._watcher is None or self._watcher.done():
-                self._watcher = asyncio.create_task(self._watch(), name="pod wait")
             try:
                 await asyncio.wait_for(self._ready.wait(), self.seconds)
             except TimeoutError:
@@ -191,12 +189,10 @@ class PodWait:
                                "retry later", code="no_pod", kind="server_error",
                           headers={"retry-after": str(STARTING_RETRY_AFTER_SECONDS)})
 
-    async def _watch(self) -> None:
-        while self.held:
-            if self.ready():
-                self._ready.set()  # wakes every request held now; later ones find the pod ready or wait anew
-                self._ready = asyncio.Event()
-            await asyncio.sleep(self.interval)
+    def _pod_scraped(self) -> None:
+        if self.held and self.ready():
+            self._ready.set()  # wakes every request held now; later ones find the pod ready or wait anew
+            self._ready = asyncio.Event()
 
 
 class RouterMetrics:
@@ -780,8 +776,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     _warn_unkeyed(table, tenants)
     limits = Limiter(table, config.rate_limit_replicas, batch_share=config.batch_rate_share)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
-    pod_wait = PodWait(pods, config.hold_without_pods_seconds, config.max_held_requests,
-                       config.scrape_interval_seconds)
+    pod_wait = PodWait(pods, config.hold_without_pods_seconds, config.max_held_requests)
     metrics = RouterMetrics(pods, index, tenants, lambda: pod_wait.held)
     if keys_file is not None:
         keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)

@@ -143,6 +143,8 @@ class PodSet:
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Task[None]]] = {}
         self._started = False
+        # called after every scrape of a pod, which is when it can become ready (router/app.py PodWait)
+        self.scrape_listeners: list[Callable[[], None]] = []
         for url in urls:
             self.add(url)
 
@@ -331,7 +333,13 @@ class PodSet:
                     log.warning("pod %s unreachable: %s", pod.url, exc)
                 pod.healthy = pod.warming = False
                 pod.kv_config = pod.served = None  # read again when it comes back: it may be another boot
+            self.scraped()
             await asyncio.sleep(self.scrape_interval)
+
+    def scraped(self) -> None:
+        """A pod was just scraped (it may have become ready or gone): tell the listeners."""
+        for listener in self.scrape_listeners:
+            listener()
 
     async def _read_models(self, pod: Pod) -> None:
         """The pod's model list (its KV config is read by then); a pod without the endpoint (404) serves the model

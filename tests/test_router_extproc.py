@@ -559,9 +559,11 @@ async def test_a_request_to_a_pool_at_zero_is_held_and_decided_once_a_pod_is_rea
         assert await check("readiness") == SERVING  # held requests are served: the Gateway must send them here
         call = await held_stream(router, stub, 40)
         reply = asyncio.ensure_future(call.read())
-        await asyncio.sleep(0.3)  # several looks at the pods: none is ready, so nothing is answered
+        router.pods.scraped()  # a scrape that found no pod ready: nothing is answered
+        await asyncio.sleep(0.3)
         assert not reply.done() and held(router) == 1
-        router.pods.pods[POD_B].healthy = True  # the pool's first engine is up
+        router.pods.pods[POD_B].healthy = True  # the pool's first engine is up, as its scrape finds it
+        router.pods.scraped()
         first = await asyncio.wait_for(reply, 30)
         assert chosen(first) == endpoint_of(POD_B) and held(router) == 0
         assert (await call.read()).WhichOneof("response") == "request_body"
