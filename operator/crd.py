@@ -96,8 +96,8 @@ def _package_version() -> str:
 
 
 DEFAULT_IMAGE = f"ghcr.io/kvmesh/kvmesh:{_package_version()}"
-DEFAULT_ENGINE_PORT = 8000
-DEFAULT_ROUTER_PORT = 8080
+DEFAULT_ENGINE_PORT = EngineConfig.port
+DEFAULT_ROUTER_PORT = RouterConfig.port
 # The operator's own Deployment (the chart) names the image and ports its pools default to in these variables.
 IMAGE_ENV, ENGINE_PORT_ENV, ROUTER_PORT_ENV = "KVMESH_IMAGE", "KVMESH_ENGINE_PORT", "KVMESH_ROUTER_PORT"
 

@@ -36,6 +36,7 @@ from kvmesh.operator.crd import (
     setting_names,
 )
 from kvmesh.operator.lora import declared_adapters
+from kvmesh.operator.scaling import serving_floor
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 
@@ -488,8 +489,7 @@ def gateway_pool(pool: Pool) -> dict[str, Any]:
 def initial_replicas(pool: Pool) -> dict[str, int]:
     """Each role's minimum; a pool that scales to zero starts serving (one pod a role) and idles down, so its router
     sees a pod and lists its models (a router that never did lists none, and a gateway would not route to it)."""
-    floor = 1 if "scaleToZero" in pool.spec["scaling"] else 0
-    return {role: max(pool.bounds(role)[0], min(floor, pool.bounds(role)[1])) for role in pool.roles}
+    return {role: serving_floor(*pool.bounds(role), "scaleToZero" in pool.spec["scaling"]) for role in pool.roles}
 
 
 def desired_objects(pool: Pool, replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:

@@ -206,10 +206,15 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [])
 
 
+def addressable(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods with an address that are not being deleted: those the operator may call."""
+    return [p for p in pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
+
+
 def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodMetrics]:
     """Scrape the /metrics of every engine pod with an address, Ready or not (a new pod answers them before its
     warm-up gate lets it be Ready), all at once (`scrape_all`); a pod that does not answer is left out."""
-    ready = [p for p in pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
+    ready = addressable(pods)
     texts = scrape_all({p["metadata"]["name"]: pod_url(p, port) + "/metrics" for p in ready}, scrape)
     scraped: list[PodMetrics] = []
     for pod in ready:
@@ -225,8 +230,7 @@ def held_requests(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> tup
     """The requests the pool's router pods hold for want of a ready engine, summed over those that answer their
     /metrics (scale to zero's wake-up: a pool at 0 has no engine to count a request); and whether a Ready router
     did not answer."""
-    alive = {p["metadata"]["name"]: p for p in pods
-             if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")}
+    alive = {p["metadata"]["name"]: p for p in addressable(pods)}
     total, unseen = 0, False
     for name, text in scrape_all({n: pod_url(p, port) + "/metrics" for n, p in alive.items()}, scrape).items():
         if isinstance(text, Exception):
@@ -448,7 +452,7 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
 
     # Alive: pods with an engine that may serve adapters (a pod not yet given an address has started none, and
     # will read the current list at start); Ready ones are synced, the others keep what they refused.
-    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP")]
+    alive = addressable(pods)
     ready = [engine(p) for p in alive if pod_ready(p) and mounts_every_claim(p)]
     tick = adapter_tick(desired.engine_adapters(pool), ready, adapters, alive={engine(p).life for p in alive})
     operator_metrics.record_adapters(pool, tick.syncs)

@@ -96,6 +96,12 @@ class PoolObservation:
         return [p for p in self.pods if p.role == role]
 
 
+def serving_floor(low: int, high: int, scales_to_zero: bool) -> int:
+    """The fewest pods a role keeps while its pool serves, and starts with: its min, and with scale to zero at
+    least one (min 0 is then only for an idle pool)."""
+    return min(max(low, 1), high) if scales_to_zero else low
+
+
 @dataclass(frozen=True)
 class ScalingPolicy:
     """The pool's `spec.scaling` and `spec.replicas`, as numbers (operator/crd.py parses the spec into this)."""
@@ -146,12 +152,9 @@ class ScalingPolicy:
         return tuple(r for r in SCALED_ROLES if r in self.max_replicas)
 
     def serving_floor(self, role: str) -> int:
-        """The fewest pods a role keeps while the pool serves: its min, and with scale to zero at least one (min 0
-        is then only for an idle pool)."""
-        low = self.min_replicas.get(role, 0)
-        if self.scale_to_zero_idle_seconds is None:
-            return low
-        return min(max(low, 1), self.max_replicas.get(role, 1))
+        """The fewest pods a role keeps while the pool serves (`serving_floor`)."""
+        return serving_floor(self.min_replicas.get(role, 0), self.max_replicas.get(role, 1),
+                             self.scale_to_zero_idle_seconds is not None)
 
 
 @dataclass(frozen=True)
@@ -518,21 +521,23 @@ def decide(obs: PoolObservation, policy: ScalingPolicy, history: Sequence[Recomm
         before = [r for r in mine if r.at < start][-1:]  # the newest one before the window: proof it is covered
         new_history += [*before, *(r for r in mine if r.at >= start), recommendation]
     if policy.scale_to_zero_idle_seconds is not None:
-        roles = with_scale_to_zero(obs, policy, roles, policy.scale_to_zero_idle_seconds)
+        roles = with_scale_to_zero(obs, policy, roles)
     return Decision(obs.now, roles, tuple(new_history))
 
 
-def with_scale_to_zero(obs: PoolObservation, policy: ScalingPolicy, roles: Mapping[str, RoleDecision],
-                       idle_after: float) -> dict[str, RoleDecision]:
+def with_scale_to_zero(obs: PoolObservation, policy: ScalingPolicy,
+                       roles: Mapping[str, RoleDecision]) -> dict[str, RoleDecision]:
     """The roles' decisions under scale to zero, for the whole pool at once (a pool with a role at 0 serves
     nothing): from 0, requests a router holds start every role now with pods enough to batch them (no
-    stabilization: they wait for the pods); an idle pool (nothing running, waiting, arriving or held for
-    `idle_after` seconds) goes to 0; a pool at 0 with nothing held stays there; otherwise each role keeps at least
-    max(min, 1) pods."""
+    stabilization: they wait for the pods); an idle pool (nothing running, waiting, arriving or held for the
+    policy's `scale_to_zero_idle_seconds`) goes to 0; a pool at 0 with nothing held stays there; otherwise each
+    role keeps at least max(min, 1) pods."""
     at_zero = all(obs.replicas.get(role, 0) == 0 for role in roles)
     if at_zero and obs.held_requests > 0:
         return {role: replace(d, replicas=wake_replicas(obs.held_requests, policy, role), reason="ScaleFromZero")
                 for role, d in roles.items()}
+    idle_after = policy.scale_to_zero_idle_seconds
+    assert idle_after is not None, "a pool that scales to zero has an idle time"
     if at_zero or (obs.held_requests == 0 and obs.idle_seconds >= idle_after):
         return {role: replace(d, replicas=0, reason="HoldAtZero" if at_zero else "ScaleToZero")
                 for role, d in roles.items()}

@@ -166,8 +166,8 @@ class PodWait:
                    and p.kv_config.role in SERVING_ROLES for p in self.pods.pods.values())
 
     def should_hold(self) -> bool:
-        """Whether a request arriving now waits: holding is on, no pod is ready, and there is room."""
-        return self.seconds > 0 and self.held < self.limit and not self.ready()
+        """Whether a request arriving now waits: no pod is ready, and there is room."""
+        return self.held < self.limit and not self.ready()
 
     async def wait(self) -> bool:
         """Hold one request until a pod is ready (True) or `seconds` pass (False). Cancelling it (the client left)
@@ -472,7 +472,7 @@ class Router:
     limit_sync: LimitSync | None = None  # tenants' limits split with the other replicas by demand (the same database)
     responses: ResponseStore = field(  # the Responses API's stored responses (the same database, or memory)
         default_factory=lambda: MemoryResponses(RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS))
-    pod_wait: PodWait | None = None  # requests held while no pod is ready; None: none are (503 at once)
+    pod_wait: PodWait | None = None  # requests held while no pod is ready (hold_without_pods_seconds); None: none are
     # the models the pool served when a pod last was healthy: a pool at zero (holding requests) still lists them, so a
     # gateway in front keeps sending their requests here, where the first one wakes the pool
     served_before: list[dict[str, Any]] = field(default_factory=list)
@@ -776,8 +776,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     _warn_unkeyed(table, tenants)
     limits = Limiter(table, config.rate_limit_replicas, batch_share=config.batch_rate_share)
     tracing = setup_tracing(ROUTER_SERVICE, config.otlp_traces_endpoint)
-    pod_wait = PodWait(pods, config.hold_without_pods_seconds, config.max_held_requests)
-    metrics = RouterMetrics(pods, index, tenants, lambda: pod_wait.held)
+    pod_wait = (PodWait(pods, config.hold_without_pods_seconds, config.max_held_requests)
+                if config.hold_without_pods_seconds > 0 else None)
+    metrics = RouterMetrics(pods, index, tenants, lambda: pod_wait.held if pod_wait is not None else 0)
     if keys_file is not None:
         keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)
     return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
@@ -871,9 +872,10 @@ def _with_limits(response: Response, trace: Trace) -> Response:
     return response
 
 
-async def _wait_disconnected(http: HttpRequest) -> None:
-    """Return once the client has gone away: the body is read, so the next ASGI message is the disconnect."""
-    while (await http.receive())["type"] != "http.disconnect":
+async def wait_disconnected(receive: Receive) -> None:
+    """Return once the client has gone away: the body is read, so the next ASGI message is the disconnect (both
+    edges that relay answers: the router's and the gateway's)."""
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -1159,7 +1161,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                     raise
             if body.stream:  # a stream notices a gone client itself: its relay is cancelled
                 return _with_limits(await work, trace)
-            gone = asyncio.ensure_future(_wait_disconnected(http))
+            gone = asyncio.ensure_future(wait_disconnected(http.receive))
             # the client leaving cancels the work, which closes the upstream call: the engine aborts the request
             # and frees its blocks (a callback, not asyncio.wait: this runs for every request)
             gone.add_done_callback(lambda _: work.cancel())
@@ -1229,7 +1231,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         """Hold a request while no pod is ready (the client watched, when it may leave): None once one is, to be
         decided as usual; a 503 when none became ready in time, a 499 when the client left meanwhile."""
         waiting = asyncio.ensure_future(wait.wait())
-        gone = asyncio.ensure_future(_wait_disconnected(http)) if http is not None else None
+        gone = asyncio.ensure_future(wait_disconnected(http.receive)) if http is not None else None
         try:
             await asyncio.wait([waiting] if gone is None else [waiting, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:  # the request itself cancelled, or the client gone: no longer held
@@ -1477,7 +1479,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         healthy = [p.name for p in router.pods.snapshot() if p.healthy and not p.draining]
         # a router that holds requests while no pod is ready stays ready itself: it is how a pool at zero hears of
         # its first request (its Service must keep sending them)
-        holds = router.pod_wait is not None and router.pod_wait.seconds > 0
+        holds = router.pod_wait is not None
         status = "draining" if drain.draining else "ok" if healthy else "waiting_for_pods" if holds else "no_pods"
         return JSONResponse({"status": status, "pods": healthy},
                             status_code=200 if status in ("ok", "waiting_for_pods") else 503)

@@ -603,9 +603,8 @@ class PickerHealth(health.aio.HealthServicer):
             return False
         # as the HTTP /health: a picker that holds requests while no pod is ready serves, since a pool at zero hears
         # of its first request only through it
-        wait = self.router.pod_wait
-        return (wait is not None and wait.seconds > 0) or any(p.healthy and not p.draining
-                                                               for p in self.router.pods.snapshot())
+        return self.router.pod_wait is not None or any(p.healthy and not p.draining
+                                                       for p in self.router.pods.snapshot())
 
     async def refresh(self) -> None:
         status = SERVING if self.ready() else NOT_SERVING

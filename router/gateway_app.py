@@ -32,9 +32,9 @@ from starlette.types import Receive, Scope, Send
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
 from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric
-from kvmesh.router.app import RouteError, read_body
+from kvmesh.router.app import RouteError, read_body, wait_disconnected
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
-from kvmesh.router.config import MAX_HOLD_SECONDS, MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS
+from kvmesh.router.config import MAX_HOLD_SECONDS, MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 from kvmesh.router.discovery import REQUEST_SECONDS
 from kvmesh.router.gateway import (
     API_KEY_ENV,
@@ -63,8 +63,9 @@ MODEL_PATHS = (COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH)
 MODELS_TIMEOUT_SECONDS = 5.0  # a router's /v1/models answer, at most: past it the refresh counts it missed
 # The longest the gateway waits for more of a router's answer: past the longest a router holds a request while its
 # pool starts from zero (activationTimeoutSeconds) plus the router's own bound on a pod's silence
-# (request-timeout-seconds, 600 by default), so the router's answer or error arrives rather than the gateway's 502
-READ_TIMEOUT_SECONDS = MAX_HOLD_SECONDS + 660.0
+# (request-timeout-seconds), and a minute for the router to answer, so its answer or error arrives rather than the
+# gateway's 502
+READ_TIMEOUT_SECONDS = MAX_HOLD_SECONDS + RouterConfig.request_timeout_seconds + 60.0
 KEEPALIVE_CONNECTIONS = 256  # idle connections kept for reuse, over all routers; open ones are not bounded
 # Failures before a byte of the request left: another router of the model may take it (nothing was sent twice)
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -249,12 +250,6 @@ async def send_json(send: Send, status: int, body: Mapping[str, Any], headers: I
     await send({"type": "http.response.body", "body": content})
 
 
-async def _disconnected(receive: Receive) -> None:
-    """Return once the client has gone (the body was read: the next message is the disconnect)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 class GatewayApp:
     """The gateway's ASGI app: model requests forwarded, /v1/models, /health, /metrics; anything else 404."""
 
@@ -333,7 +328,7 @@ class GatewayApp:
             await send_json(send, 404, error_body(gw.table.unknown(model), param="model", code=MODEL_NOT_FOUND))
             return
         work = asyncio.ensure_future(self._forward(scope, send, payload, model))
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(wait_disconnected(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -14,10 +14,11 @@ import kubernetes_validate
 import pytest
 
 from kvmesh.operator import rbac
+from kvmesh.router.gateway import DEFAULT_PORT
 
 from .test_chart import CHART, KUBERNETES, PODS, PORTS, by_kind, manifests, reachable, render
 
-GATEWAY = 8090
+GATEWAY = DEFAULT_PORT  # the chart must give the port the gateway listens on by default
 APPS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from kvmesh.operator.crd import (
     API_VERSION,
+    DEFAULT_ACTIVATION_TIMEOUT_SECONDS,
     KIND,
     RULES,
     SpecError,
@@ -245,7 +246,8 @@ def test_scale_to_zero_allows_a_minimum_of_zero_in_cel_and_in_python_alike() -> 
     aggregated = _set(_set(example("aggregated.yaml")["spec"], "replicas.both", {"min": 0, "max": 2}),
                       "scaling.scaleToZero", {"idleSeconds": 600})
     full = complete_spec(aggregated)
-    assert full["scaling"]["scaleToZero"] == {"idleSeconds": 600, "activationTimeoutSeconds": 300}
+    assert full["scaling"]["scaleToZero"] == {"idleSeconds": 600,
+                                              "activationTimeoutSeconds": DEFAULT_ACTIVATION_TIMEOUT_SECONDS}
     assert cel_errors(full) == []
     disaggregated = _set(_set(example("disaggregated.yaml")["spec"], "replicas.prefill", {"min": 0, "max": 2}),
                          "scaling.scaleToZero", {"idleSeconds": 60, "activationTimeoutSeconds": 3600})

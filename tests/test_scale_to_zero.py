@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, RouterMetric, VllmMetric
-from kvmesh.operator.crd import parse_pool
+from kvmesh.operator.crd import DEFAULT_ACTIVATION_TIMEOUT_SECONDS, HOLD_SETTING, parse_pool
 from kvmesh.operator.desired import COMPONENT_LABEL, initial_replicas, router_settings
 from kvmesh.operator.forecast import Counters, PodMetrics, parse_router_held
 from kvmesh.operator.memory import IdleClock
@@ -125,7 +125,7 @@ def test_past_max_held_requests_a_request_is_refused_at_once(tiny_dir: Path, tmp
 def test_without_a_hold_a_request_is_never_held(tiny_dir: Path, tmp_path: Path) -> None:
     """The default (0 s): no request waits, as before scale to zero (503 at once, the router unready)."""
     router = build_router(RouterConfig(pods_file=str(tmp_path / "pods.json")), tiny_dir)
-    assert router.pod_wait is not None and not router.pod_wait.should_hold()
+    assert router.pod_wait is None
 
 
 def engine_metrics(name: str, running: int = 0, finished: float = 0.0) -> PodMetrics:
@@ -158,8 +158,8 @@ def test_the_operator_reads_the_routers_gauge_and_writes_the_hold_into_their_set
     assert parse_router_held(f"{RouterMetric.REQUESTS_WAITING_FOR_PODS} 3.0\n") == 3
     assert parse_router_held(f"{RouterMetric.REQUESTS} 3.0\n") == 0  # an older router: nothing held
     body = pool_body(replicas={"both": {"min": 0, "max": 2}}, scaling={"scaleToZero": {"idleSeconds": 120}})
-    assert router_settings(parse_pool(body))["hold_without_pods_seconds"] == 300
-    assert "hold_without_pods_seconds" not in router_settings(parse_pool(pool_body()))
+    assert router_settings(parse_pool(body))[HOLD_SETTING] == DEFAULT_ACTIVATION_TIMEOUT_SECONDS
+    assert HOLD_SETTING not in router_settings(parse_pool(pool_body()))
 
 
 def idle_engine_metrics() -> str:

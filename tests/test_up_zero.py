@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvmesh.engine.protocol import RouterMetric
+from kvmesh.operator.crd import HOLD_SETTING
 from kvmesh.operator.local import LocalOperator, LocalPod, RouterView
 from kvmesh.processes import free_port, launch
 from kvmesh.up import CLOCK_RATE_ENV, Child, LocalEngines, PoolPlan, observe_router, plan_from_file
@@ -43,7 +44,7 @@ def test_a_pool_file_that_scales_to_zero_starts_one_engine_and_a_router_that_hol
     (tmp_path / "pool.yaml").write_text(POOL)
     plan = plan_from_file(tmp_path / "pool.yaml")
     assert plan.engines == 1
-    assert plan.router["hold_without_pods_seconds"] == 120
+    assert plan.router[HOLD_SETTING] == 120
 
 
 def router_metrics(held: int) -> str:
