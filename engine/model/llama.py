@@ -1,4 +1,8 @@
-"""The Llama architecture (Llama, SmolLM, Qwen2-style) over a flat batch of tokens and the paged KV cache.
+"""The Llama architecture (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a flat batch of tokens and the paged KV cache.
+
+The families differ only in details a flag covers: Qwen2's q/k/v biases, Qwen3's RMSNorm over each q and k head
+before RoPE (q_norm, k_norm), an o_proj bias where attention_bias says so. Mistral's sliding window is served by
+capping the context to it (loader.py), so attention here is always over the whole context.
 
 Weights arrive under Hugging Face names and are fused on load (q, k, v into one projection; gate and up into
 one), so a layer is four matrix products, each in the form linear.py picks. The model sees tokens, positions
@@ -51,6 +55,7 @@ class Layer:
 
     attn_norm: torch.Tensor
     qkv: Linear
+    qk_norm: torch.Tensor | None  # Qwen3: [q heads + kv heads, head_dim], q_norm's weight per q head, k_norm's per k
     o: Linear
     mlp_norm: torch.Tensor
     gate_up: Linear
@@ -106,12 +111,18 @@ class Llama:
             if c.attention_bias:
                 bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in ("q", "k", "v")])
             qkv = torch.cat([weights[a + f"{n}_proj.weight"] for n in ("q", "k", "v")])
+            qk_norm = None
+            if c.qk_norm:
+                qk_norm = torch.cat([weights[a + "q_norm.weight"].expand(c.num_heads, c.head_dim),
+                                     weights[a + "k_norm.weight"].expand(c.num_kv_heads, c.head_dim)])
+                qk_norm = qk_norm.to(device, torch.float32)
             gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
             self.layers.append(
                 Layer(
                     attn_norm=weights[p + "input_layernorm.weight"].to(device, self.stream_dtype),
                     qkv=make_linear(qkv, bias, quantization, device),
-                    o=make_linear(weights[a + "o_proj.weight"], None, quantization, device),
+                    qk_norm=qk_norm,
+                    o=make_linear(weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"), quantization, device),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"].to(device, self.stream_dtype),
                     gate_up=make_linear(gate_up, None, quantization, device),
                     down=make_linear(weights[p + "mlp.down_proj.weight"], None, quantization, device),
@@ -170,6 +181,8 @@ class Llama:
             qkv = self._project(w.qkv, x, i, "qkv", lora)
             # q and k rotated in one pass: their columns are adjacent, so they are one run of heads
             qk = qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+            if w.qk_norm is not None:  # in fp32, then rounded to the serving dtype (transformers: before the weight)
+                qk = (F.rms_norm(qk.float(), (c.head_dim,), None, c.rms_norm_eps) * w.qk_norm).to(qkv.dtype)
             q, k = self._rope(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv_layers[i], meta, self.scale, self.attention_dtype)

@@ -1,4 +1,5 @@
-"""Find, convert and load Llama-architecture models (Llama, SmolLM, Qwen2) from Hugging Face directories and GGUF.
+"""Find, convert and load Llama-architecture models (Llama, SmolLM, Mistral, Qwen2, Qwen3) from Hugging Face
+directories and GGUF.
 
 The engine always runs from a Hugging Face style directory. A GGUF file (the bundled SmolLM2 by default) is
 converted once into such a directory under the cache, so the rest of the engine, and transformers, read one format.
@@ -11,6 +12,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -36,7 +38,9 @@ BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # Part of every converted directory's name: bump it when the conversion's output changes, so old caches are redone.
 _CONVERTER_VERSION = 1
-_SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# GGUF's general.architecture values converted, and the HF class each becomes (llama.cpp writes Mistral as "llama").
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # A served name drops the quantization suffix of a GGUF file name ("SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-...").
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 # Tokens that chat templates use to end a turn; generation should stop on them even where GGUF's eos says otherwise.
@@ -67,6 +71,8 @@ _GGUF_LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -79,6 +85,8 @@ _GGUF_GLOBAL_TENSORS = {
 }
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+
+log = logging.getLogger("kvmesh.engine.loader")
 
 
 @dataclass(frozen=True)
@@ -96,10 +104,11 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
-    max_position_embeddings: int
+    max_position_embeddings: int  # the served context: capped to a narrower sliding window (load_config)
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head (weights q_norm, k_norm) before RoPE
 
 
 def bundled_gguf_path() -> Path:
@@ -214,7 +223,8 @@ def _hf_tensor_name(gguf_name: str) -> str:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_TENSORS[parts[2]]}"
     if gguf_name == "rope_freqs.weight":
         raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported; use the HF directory")
-    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}: kvmesh converts Llama and Qwen2 models only")
+    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}: kvmesh converts {', '.join(_GGUF_ARCHITECTURES)} "
+                     f"models only")
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -276,7 +286,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
 
     Decisions, so the result behaves like the original Hugging Face model rather than like llama.cpp:
     - quantized tensors are dequantized and every tensor stored as float32;
-    - llama's q/k rows are put back into HF's rotary layout (see `_unpermute_rope_rows`);
+    - llama's q/k rows are put back into HF's rotary layout (see `_unpermute_rope_rows`); llama.cpp permutes them
+      for the llama architecture only (Mistral included, which it writes as llama), so qwen2's and qwen3's are HF's;
     - the tokenizer adds BOS only if the GGUF says tokenizer.ggml.add_bos_token (SmolLM2's does not, matching
       its HF tokenizer, which adds none);
     - eos_token_ids are GGUF's eos/eot/eom ids plus the chat template's end-of-turn token (<|im_end|> for
@@ -284,8 +295,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     """
     reader = GGUFReader(gguf_path)
     arch = str(_field(reader, "general.architecture"))
-    if arch not in _SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_SUPPORTED_MODEL_TYPES)}")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
@@ -330,7 +341,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
 
     context = int(_field(reader, f"{arch}.context_length", 2048))
     config = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [_GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "kvmesh_model_name": _served_name(gguf_path),
         "vocab_size": len(tokens),
@@ -406,11 +417,49 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def load_config(model_dir: Path) -> ModelConfig:
-    """Read config.json (and generation_config.json's eos ids) of a Llama or Qwen2 model directory.
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The attention window of the layers that slide, or None where every layer sees the whole context.
 
-    attention_bias is true for Qwen2 (q/k/v biases) or where config.json says so; Llama's attention_bias also puts
-    a bias on o_proj, which load_weights then returns too.
+    transformers 5 lists each layer's kind (layer_types); older configs say it per family: Mistral slides wherever
+    sliding_window is set, Qwen2/Qwen3 only with use_sliding_window (their configs often carry a sliding_window
+    they do not use).
+    """
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    else:
+        slides = model_type == "mistral" or bool(cfg.get("use_sliding_window"))
+    window = cfg.get("sliding_window") if slides else None
+    return int(window) if window else None
+
+
+def _served_context(cfg: dict, model_type: str, where: Path) -> int:
+    """The longest context served: max_position_embeddings, capped to the sliding window where one is narrower.
+
+    Up to its window a sliding-window layer attends to every earlier token, exactly as full attention does, so
+    capping the context serves such a model exactly without a window in the attention kernels and the prefix
+    cache (see docs/engine.md "Models").
+    """
+    context = int(cfg.get("max_position_embeddings", 2048))
+    window = _sliding_window(cfg, model_type)
+    if window is not None and window < context:
+        log.warning("%s: %s attends within a sliding window of %d tokens; serving at most %d tokens of context "
+                    "(max_position_embeddings is %d)", where, model_type, window, window, context)
+        return window
+    return context
+
+
+def _tied(cfg: dict) -> bool:
+    """Whether lm_head is the embedding; a config without the key is untied, the default of all four families."""
+    return bool(cfg.get("tie_word_embeddings", False))
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    """Read config.json (and generation_config.json's eos ids) of a Llama, Mistral, Qwen2 or Qwen3 directory.
+
+    attention_bias is true for Qwen2 (q/k/v biases) or where config.json says so (Llama's and Qwen3's then put a
+    bias on o_proj too, which load_weights returns and the model adds). qk_norm is Qwen3's. A sliding window
+    narrower than the model's context caps the context (`_served_context`).
     """
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
@@ -445,10 +494,11 @@ def load_config(model_dir: Path) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=_served_context(cfg, model_type, path),
+        tie_word_embeddings=_tied(cfg),
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        qk_norm=model_type == "qwen3",
     )
 
 
@@ -469,7 +519,7 @@ def load_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     so the stored copy is never used); with untied ones it must be present.
     """
     model_dir = Path(model_dir)
-    tied = load_config(model_dir).tie_word_embeddings
+    tied = _tied(_read_json(model_dir / "config.json"))  # not load_config, so its warnings are logged once a load
     weights: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
