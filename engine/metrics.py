@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvmesh.engine.forecast import Forecast
@@ -54,6 +54,27 @@ _STEP_COST_HELP = {
     M.DECODE_STEP_PER_KV_TOKEN: "Fitted decode step cost: seconds per KV token the batch attends to.",
 }
 RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
+_LOADING_HELP = "1 while the engine loads its model (every route but /metrics answers 503), 0 once loaded."
+
+
+def _process_registry(loading: bool) -> CollectorRegistry:
+    """A registry with the engine's load state and the process's own metrics (CPU, resident memory, open files:
+    a load that still reads weights grows its memory), which /metrics shows from the start."""
+    registry = CollectorRegistry(auto_describe=True)
+    Gauge(M.ENGINE_LOADING, _LOADING_HELP, registry=registry).set(int(loading))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+class LoadingMetrics:
+    """/metrics while the model loads: kvmesh_engine_loading 1 and the process's metrics, so that Prometheus sees
+    a starting engine (its target up) rather than a down one, and its readers leave it out (serving_metrics)."""
+
+    def __init__(self) -> None:
+        self.registry = _process_registry(loading=True)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 @dataclass(frozen=True)
@@ -147,7 +168,7 @@ class EngineMetrics:
 
     def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
                  kv_format: str = "", num_speculative_tokens: int = 0) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = _process_registry(loading=False)  # the same series as while loading, now at 0
         r = self.registry
         lm = [MODEL_LABEL]
         self._m = model

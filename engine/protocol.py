@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,7 @@ HOST_TIER_DIR = "/dev/shm"  # the host KV tier's file by default; a pod mounts a
 # POST: the operator has nothing to warm this new pod with: open its warm-up gate now (issue 5)
 READY_PATH = "/v1/admin/ready"
 HEALTH_WARMING = "warming"  # /health's status (503) while a new pod waits for its warm-up
+HEALTH_LOADING = "loading"  # /health's status (503) while the engine loads its model (kvmesh_engine_loading 1)
 # LoRA adapters at run time, as vLLM: POST {"lora_name", "lora_path"} / {"lora_name"}
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
@@ -403,6 +405,9 @@ class Metric:
     KV_BLOCK_REUSE_GAP = "kvmesh_kv_block_reuse_gap_seconds"  # histogram, sampled: idle until reused; label tier
     WARMUP_GATE_OPENED = "kvmesh_warmup_gate_opened"  # counter; label reason (GATE_REASONS): how /health opened
     LORA_ADAPTERS_LOADED = "kvmesh_lora_adapters_loaded"  # gauge: LoRA adapters loaded now
+    # gauge, no label: 1 while the engine loads its model (its /metrics then holds this and the process's metrics
+    # only, every other route answers 503), 0 once loaded: a starting engine, not one serving nothing
+    ENGINE_LOADING = "kvmesh_engine_loading"
 
 
 class RouterMetric:
@@ -472,7 +477,7 @@ KEYS_RELOAD_OUTCOMES: tuple[str, ...] = ("loaded", "refused")  # a changed API k
 GATEWAY_ROUTE = "gateway"  # requests a Gateway sent through the router's ext_proc endpoint picker
 ROUTES: tuple[str, ...] = ("aggregated", "disaggregated", "retry", "migrated", GATEWAY_ROUTE)
 PRIORITY_CLASSES: tuple[str, ...] = ("low", "normal", "high")
-POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "warming", "draining", "refused")
+POD_STATES: tuple[str, ...] = ("healthy", "unhealthy", "loading", "warming", "draining", "refused")
 KV_BLOCK_STATES: tuple[str, ...] = ("used", "evictable", "free")
 TRANSFER_KINDS: tuple[str, ...] = ("serve", "pull", "handoff", "warm")
 TRANSFER_OUTCOMES: tuple[str, ...] = ("ok", "failed")
@@ -535,6 +540,23 @@ def read_decode_step_cost(values: dict[str, float]) -> DecodeStepCost | None:
         return None
     cost = DecodeStepCost(*(values[n] for n in names))
     return cost if cost.per_sequence > 0 or cost.per_kv_token > 0 else None
+
+
+class EngineLoading(Exception):
+    """An engine answered /metrics while it loads its model: it is starting, not serving with no load."""
+
+
+_LOADING_SAMPLE = re.compile(rf"^{Metric.ENGINE_LOADING}(?:\{{[^}}]*\}})?[ \t]+(\S+)", re.MULTILINE)
+
+
+def serving_metrics(text: str) -> str:
+    """An engine's /metrics text, or EngineLoading while its model loads (kvmesh_engine_loading 1): its readers
+    (the router's scraper, the operator) leave a loading engine out, as one that does not answer, rather than
+    count it as a pod with nothing running. A line search, not a parse: readers call it on every scrape."""
+    found = _LOADING_SAMPLE.search(text)
+    if found is not None and float(found[1]) > 0:
+        raise EngineLoading("the engine is loading its model")
+    return text
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
+from kvmesh.engine.metrics import LoadingMetrics
 from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
 from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
@@ -51,6 +52,7 @@ from kvmesh.engine.protocol import (
     DETOKENIZE_PATH,
     DRAIN_PATH,
     GATE_REASONS,
+    HEALTH_LOADING,
     HEALTH_WARMING,
     HOT_CHAINS_DEFAULT,
     HOT_CHAINS_MAX,
@@ -168,13 +170,14 @@ class HeldStream(StreamingResponse):
 
 
 class EngineHolder:
-    """The engine, or why there is none yet: the server answers /health 503 while the model loads, and while
-    its warm-up gate holds it."""
+    """The engine, or why there is none yet: the server answers /health 503 while the model loads (and /metrics
+    says it loads: `loading_metrics`), and while its warm-up gate holds it."""
 
     def __init__(self, engine: Engine | None = None, loader: Callable[[], Engine] | None = None) -> None:
         self.engine: Engine | None = None
         self.gate: WarmupGate | None = None
         self.error: str | None = None
+        self.loading_metrics = LoadingMetrics()
         self._loader = loader
         if engine is not None:
             self._loaded(engine)
@@ -184,7 +187,9 @@ class EngineHolder:
         self.gate.start_grace()
         self.engine = engine
 
-    def load_in_background(self) -> None:
+    def load_in_background(self) -> threading.Thread:
+        """Load on a thread (returned: a test may wait for it) while the server answers."""
+
         def run() -> None:
             try:
                 engine = self._loader()  # type: ignore[misc]
@@ -193,7 +198,9 @@ class EngineHolder:
             except Exception as exc:  # shown by /health; the process stays up for the operator to see it
                 self.error = f"{type(exc).__name__}: {exc}"
 
-        threading.Thread(target=run, name="kvmesh-load", daemon=True).start()
+        loading = threading.Thread(target=run, name="kvmesh-load", daemon=True)
+        loading.start()
+        return loading
 
     def get(self) -> Engine:
         if self.engine is None:
@@ -879,7 +886,7 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
     @app.get("/health")
     async def health() -> JSONResponse:
         if holder.engine is None:
-            return JSONResponse({"status": "error" if holder.error else "loading", "error": holder.error},
+            return JSONResponse({"status": "error" if holder.error else HEALTH_LOADING, "error": holder.error},
                                 status_code=503)
         if holder.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -904,8 +911,11 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        e = holder.get()
-        return Response(e.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        """Also while the model loads (kvmesh_engine_loading 1): the pod is starting, not down. A failed load
+        answers 503, as every route: that engine will not serve."""
+        loading = holder.engine is None and holder.error is None
+        text = holder.loading_metrics.render() if loading else holder.get().metrics.render()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get(KV_CONFIG_PATH)
     async def kv_config() -> dict[str, Any]:

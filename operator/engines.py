@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, READY_PATH
+from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, READY_PATH, serving_metrics
 from kvmesh.operator.warmup import ServingPod, Warmup, WarmupUnanswered, warm_body
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
@@ -28,7 +28,7 @@ Scraper = Callable[[str], str]  # URL -> Prometheus text
 def http_scrape(url: str) -> str:
     response = httpx.get(url, timeout=SCRAPE_TIMEOUT_SECONDS)
     response.raise_for_status()
-    return response.text
+    return serving_metrics(response.text)  # a loading engine is a pod that does not answer yet
 
 
 def scrape_all(urls: Mapping[str, str], scrape: Scraper = http_scrape,

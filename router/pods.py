@@ -23,6 +23,7 @@ from typing import Protocol
 import httpx
 
 from kvmesh.engine.protocol import (
+    HEALTH_LOADING,
     HEALTH_WARMING,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
@@ -34,6 +35,7 @@ from kvmesh.engine.protocol import (
     Metric,
     VllmMetric,
     read_engine_metrics,
+    serving_metrics,
 )
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.index import PrefixIndex
@@ -58,6 +60,7 @@ class Pod:
     healthy: bool = False
     draining: bool = False
     terminating: bool = False  # discovery says the pod is going away: drain it whatever /health says
+    loading: bool = False  # an engine loading its model (/health 503 "loading"): starting, not routed to yet
     warming: bool = False  # a new pod waiting for its warm-up (/health 503 "warming"): up, not routed to yet
     kv_config: KVConfig | None = None
     refused: str | None = None  # why the pod's configuration is not usable, if it is not
@@ -100,8 +103,10 @@ _PICKER_READS = {  # exposed name -> the PodState field it feeds
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], LoraLoad]:
-    """The load numbers the picker reads and the adapters running, from an engine's Prometheus text."""
-    m = read_engine_metrics(text)
+    """The load numbers the picker reads and the adapters running, from an engine's Prometheus text. EngineLoading
+    for an engine loading its model (restarted since its /health answered 200): the scraper takes it as gone, never
+    as a pod with nothing running."""
+    m = read_engine_metrics(serving_metrics(text))
     out = {field: m.values[name] for name, field in _PICKER_READS.items() if name in m.values}
     if "p90" in m.forecast_usage:
         out["forecast_usage_p90"] = m.forecast_usage["p90"]
@@ -313,6 +318,7 @@ class PodSet:
                 health = await self._client.get(pod.url + "/health")
                 status = health.json().get("status") if health.status_code == 503 else None
                 pod.draining = pod.terminating or status == "draining"
+                pod.loading = status == HEALTH_LOADING
                 if (status == HEALTH_WARMING) != pod.warming:
                     pod.warming = not pod.warming
                     log.info("pod %s %s", pod.url, "is warming up: not routing to it until /health says ok"
@@ -331,7 +337,7 @@ class PodSet:
             except Exception as exc:  # a pod's bad answer must not end its scraper
                 if pod.healthy:
                     log.warning("pod %s unreachable: %s", pod.url, exc)
-                pod.healthy = pod.warming = False
+                pod.healthy = pod.warming = pod.loading = False
                 pod.kv_config = pod.served = None  # read again when it comes back: it may be another boot
             self.scraped()
             await asyncio.sleep(self.scrape_interval)

@@ -20,13 +20,16 @@ POOL_STATUS_PATH = "/kvmesh/pool"
 
 def pod_state(pod: Pod) -> str:
     """One word for a pod (engine/protocol.POD_STATES, the router's pods gauge's states): refused (its configuration
-    does not match the router's), draining, warming (up, waiting for its warm-up), else healthy or unhealthy."""
+    does not match the router's), draining, warming (up, waiting for its warm-up), loading (starting: its model
+    loads), else healthy or unhealthy."""
     if pod.refused:
         return "refused"
     if pod.draining:
         return "draining"
     if pod.warming:
         return "warming"
+    if pod.loading:
+        return "loading"
     return "healthy" if pod.healthy else "unhealthy"
 
 

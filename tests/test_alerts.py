@@ -13,7 +13,7 @@ import pytest
 import yaml
 from helm_python import _native
 
-from kvmesh.engine.protocol import OperatorMetric, RouterMetric
+from kvmesh.engine.protocol import Metric, OperatorMetric, RouterMetric
 
 from .promql import CHART, RULES, promtool
 
@@ -32,6 +32,12 @@ SHEDDING = {"alertname": "KvmeshRouterShedding", "labels": {"severity": "warning
             "summary": "Pool ml/chat: over 5 % of clients' requests refused with 429",
             "description": "The routers shed 10% of clients' requests (batches' deferred requests not counted): the "
                            "pool is too small for its load."}
+LOADING = Metric.ENGINE_LOADING
+DOWN = ("Engine ml/e0 (decode) of pool chat is down",
+        "Prometheus cannot scrape it: it crashed, failed to load its model or cannot be reached (an engine still "
+        "loading answers). The routers send its requests to the other pods.")
+NO_DECODE = ("Pool ml/chat has no decode engine up", "No decode engine answers: the pool cannot serve requests.")
+E0 = {"severity": "warning", "pod": "e0", "role": "decode", **WHERE}
 STALLED = ("Pool ml/chat: the operator stopped evaluating it",
            "The operator last evaluated the pool 5m 0s ago, over three of its scaling periods: nothing scales it, "
            "warms its new engines or syncs its adapters. Check that the operator's pod runs (not crash-looping), "
@@ -246,41 +252,59 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
          (f'up{{pod="e1", role="decode", {POOL}}}', "1x10"),
          (f'up{{pod="r0", role="router", {POOL}}}', "0x10")],  # a router is no engine
         "5m",
-        [alert("KvmeshEngineDown", {"severity": "warning", "pod": "e0", "role": "decode", **WHERE},
-               "Engine ml/e0 (decode) of pool chat is down",
-               "Prometheus cannot scrape it; the routers send its requests to the other pods.")]),
+        [alert("KvmeshEngineDown", E0, *DOWN)]),
     "every engine up": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "1x10"), (f'up{{pod="e1", role="prefill", {POOL}}}', "1x10")],
         "5m", []),
     "no decode engine up": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"), (f'up{{pod="e1", role="prefill", {POOL}}}', "1x10")],
         "5m",
-        [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE},
-               "Pool ml/chat has no decode engine up",
-               "No decode engine answers: the pool cannot serve requests."),
-         alert("KvmeshEngineDown", {"severity": "warning", "pod": "e0", "role": "decode", **WHERE},
-               "Engine ml/e0 (decode) of pool chat is down",
-               "Prometheus cannot scrape it; the routers send its requests to the other pods.")]),
-    # scaling.scaleToZero: the operator wanted no decode pod until minute 5; the new one loads its model until
-    # minute 12 (no /metrics meanwhile). A cold start, not an outage: silent for 15 minutes after the zero ...
+        [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE}, *NO_DECODE),
+         alert("KvmeshEngineDown", E0, *DOWN)]),
+    # A rollout's new pod loads a big model for 12 minutes: its target answers (kvmesh_engine_loading 1) from the
+    # first scrape, so it is starting, not down, and 12 minutes is not yet too long
+    "a slow model load": (
+        [(f'up{{pod="e0", role="decode", {POOL}}}', "1x20"),
+         (f'{LOADING}{{pod="e0", role="decode", {POOL}}}', "1x12 0x8")],
+        "12m", []),
+    # ... one still loading after 20 minutes is stuck: a warning, its target still up
+    "a load stuck for 25 minutes": (
+        [(f'up{{pod="e0", role="decode", {POOL}}}', "1x30"),
+         (f'{LOADING}{{pod="e0", role="decode", {POOL}}}', "1x30"),
+         (f'up{{pod="e1", role="decode", {POOL}}}', "1x30"),
+         (f'{LOADING}{{pod="e1", role="decode", {POOL}}}', "0x30")],
+        "25m",
+        [alert("KvmeshEngineLoadingTooLong", E0,
+               "Engine ml/e0 (decode) of pool chat has been loading its model for 20 minutes",
+               "It answers /metrics but not /health, so it is not Ready and takes no requests. Its log and "
+               "process_resident_memory_bytes show whether the load still moves; check the model's volume or "
+               "download and the node's memory.")]),
+    # ... and one that loaded, then died (its target down, its gauge gone with it) is down
+    "an engine that loaded and then died": (
+        [(f'up{{pod="e0", role="decode", {POOL}}}', "1x10 0x10"),
+         (f'{LOADING}{{pod="e0", role="decode", {POOL}}}', "1x5 0x4"),
+         (f'up{{pod="e1", role="decode", {POOL}}}', "1x20")],
+        "15m",
+        [alert("KvmeshEngineDown", E0, *DOWN)]),
+    # scaling.scaleToZero: the operator wanted no decode pod until minute 5; the new pod's target is down until its
+    # engine listens at minute 12 (its image pulled on a new node), then it loads its model. A cold start, not an
+    # outage: silent for 15 minutes after the zero ...
     "a pool starting from zero": (
         [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "0x5 1x20"),
-         (f'up{{pod="e0", role="decode", {POOL}}}', "_x5 0x20")],
+         (f'up{{pod="e0", role="decode", {POOL}}}', "_x5 0x7 1x13"),
+         (f'{LOADING}{{pod="e0", role="decode", {POOL}}}', "_x12 1x13")],
         "12m", []),
     # ... and an outage once the role has been wanted for 15 minutes with still no engine answering
     "a pool that started from zero and never served": (
         [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "0x5 1x30"),
          (f'up{{pod="e0", role="decode", {POOL}}}', "_x5 0x30")],
         "24m",
-        [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE},
-               "Pool ml/chat has no decode engine up",
-               "No decode engine answers: the pool cannot serve requests."),
-         alert("KvmeshEngineDown", {"severity": "warning", "pod": "e0", "role": "decode", **WHERE},
-               "Engine ml/e0 (decode) of pool chat is down",
-               "Prometheus cannot scrape it; the routers send its requests to the other pods.")]),
+        [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE}, *NO_DECODE),
+         alert("KvmeshEngineDown", E0, *DOWN)]),
 }
 
-ALERTS = [rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+ALERTS = [rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+          if "alert" in rule]  # not the recording rules the alerts read
 
 
 def promtool_test(series: list[tuple[str, str]], at: str, firing: list[dict[str, Any]], tmp_path: Path) -> str:
@@ -307,6 +331,7 @@ def test_the_rule_file_is_valid() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
+                                     "KvmeshEngineLoadingTooLong",
                                      "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached",
                                      "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused", "KvmeshBatchStalled",
                                      "KvmeshResponseStoreFailing",

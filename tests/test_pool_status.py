@@ -43,7 +43,7 @@ def test_each_pod_shows_its_state_load_forecast_and_the_blocks_the_index_holds_b
     assert table[0].split()[:3] == ["POD", "STATE", "ROLE"]
     row = table[1].split()
     assert row[0] == "10.0.0.1:8000" and row[1] == "healthy" and "42%" in row and "10/3/0" in row
-    assert table[4] == "3 pods, 1 healthy; 10 distinct blocks indexed"
+    assert table[4] == "3 pods, 1 healthy, 1 starting; 10 distinct blocks indexed"  # B warms up
     assert table[5] == f"{C}: hash xxh3_64/1 differs from the router's"  # why a refused pod is not routed to
 
 
@@ -51,4 +51,5 @@ def test_pod_state_order_refused_then_draining_then_warming() -> None:
     assert pod_state(Pod(A, healthy=True, draining=True, refused="x")) == "refused"
     assert pod_state(Pod(A, healthy=True, draining=True, warming=True)) == "draining"
     assert pod_state(Pod(A, warming=True)) == "warming"
+    assert pod_state(Pod(A, loading=True)) == "loading"
     assert pod_state(Pod(A)) == "unhealthy"

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
+import uvicorn
 
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.protocol import FORECAST_LEVELS, VllmMetric, read_engine_metrics
+from kvmesh.engine.protocol import FORECAST_LEVELS, EngineLoading, Metric, VllmMetric, read_engine_metrics
 from kvmesh.engine.server import EngineHolder, create_app
+from kvmesh.operator.engines import http_scrape
 from kvmesh.operator.forecast import parse_pod
-from kvmesh.router.pods import parse_metrics
+from kvmesh.processes import free_port
+from kvmesh.router.index import PrefixIndex
+from kvmesh.router.pods import PodSet, parse_metrics
+from kvmesh.router.pool_status import pod_state
 
 from .conftest import make_engine
 from .engines import serve_engine, wait_idle
@@ -338,3 +345,90 @@ def test_a_broken_gauge_is_read_as_absent_not_as_a_number() -> None:
     assert read.values == {VllmMetric.WAITING: 3.0} and read.forecast_usage == {}
     pod = parse_pod("p", "both", text)
     assert (pod.observation.running, pod.observation.waiting, pod.observation.usage) == (0, 3, 0.0)
+
+
+def test_a_loading_engine_says_so_on_metrics_and_serves_nothing_else(tiny_dir: Path) -> None:
+    """While its model loads, /metrics answers 200 with kvmesh_engine_loading 1 and the process's metrics
+    (Prometheus sees a starting pod, not a down one) and every other route 503; the router sees a loading pod, not
+    a candidate, and its and the operator's scrapes leave it out rather than read a serving pod with nothing
+    running. Loaded, the gauge reads 0 and the pod serves."""
+    release = threading.Event()
+    engine = make_engine(tiny_dir, kv_cache_blocks=32)
+
+    def held_load() -> Engine:
+        release.wait()
+        return engine
+
+    holder = EngineHolder(loader=held_load)
+    loading = holder.load_in_background()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(holder), host="127.0.0.1", port=port, log_level="warning"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        metrics = _answered(url + "/metrics")
+        assert metrics.status_code == 200
+        assert read_engine_metrics(metrics.text).values[Metric.ENGINE_LOADING] == 1
+        assert "process_resident_memory_bytes" in metrics.text
+        health = httpx.get(url + "/health")
+        assert (health.status_code, health.json()["status"]) == (503, "loading")
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (503, "not_ready")
+        with pytest.raises(EngineLoading):
+            parse_metrics(metrics.text)
+        with pytest.raises(EngineLoading):
+            http_scrape(url + "/metrics")
+
+        async def routed() -> None:
+            pods = PodSet([url], engine.kv_config, PrefixIndex(), scrape_interval=0.05, stale_after=5.0)
+            await pods.start()
+            try:
+                await _eventually(lambda: pods.pods[url].loading)
+                assert pod_state(pods.pods[url]) == "loading" and not pods.snapshot()[0].healthy
+                release.set()
+                await asyncio.to_thread(loading.join)
+                await _eventually(lambda: pods.snapshot()[0].healthy)
+                assert pod_state(pods.pods[url]) == "healthy"
+            finally:
+                await pods.stop()
+
+        asyncio.run(asyncio.wait_for(routed(), 60))
+        text = http_scrape(url + "/metrics")
+        assert read_engine_metrics(text).values[Metric.ENGINE_LOADING] == 0
+        assert "process_resident_memory_bytes" in text and parse_metrics(text)[0]["running"] == 0
+    finally:
+        release.set()
+        loading.join(timeout=60)  # the engine started, however the test went: stopped here
+        server.should_exit = True
+        serving.join(timeout=10)
+        engine.stop()
+
+
+def test_a_failed_load_answers_metrics_503() -> None:
+    """An engine whose load failed will not serve: its target is down (KvmeshEngineDown), not loading for ever."""
+    from fastapi.testclient import TestClient
+
+    def broken_load() -> Engine:
+        raise OSError("no such model")
+
+    holder = EngineHolder(loader=broken_load)
+    holder.load_in_background().join()
+    with TestClient(create_app(holder)) as http:
+        assert http.get("/metrics").status_code == 503
+        assert http.get("/health").json() == {"status": "error", "error": "OSError: no such model"}
+
+
+def _answered(url: str) -> httpx.Response:
+    """GET `url` once the server listens (it starts in a thread)."""
+    for _ in range(300):
+        try:
+            return httpx.get(url)
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")
+
+
+async def _eventually(check: Callable[[], bool]) -> None:
+    while not check():
+        await asyncio.sleep(0.02)
