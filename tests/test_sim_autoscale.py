@@ -1,13 +1,23 @@
-"""Scaling in the cluster simulator: start-up delay, replica-seconds, draining, the HPA rule, and the operator's
-own decision wired to simulated engines' forecasts."""
+"""Scaling in the cluster simulator: start-up delay, replica-seconds, draining, the HPA rule, the operator's own
+decision wired to simulated engines' forecasts, and scale to zero (the router's hold, cold starts, failures)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
-from kvmesh.bench.autoscale import PredictivePolicy, ReactivePolicy, Row, StaticPolicy, compare, versus
+from kvmesh.bench.autoscale import (
+    BLOCK_SIZE,
+    ROLE,
+    PredictivePolicy,
+    ReactivePolicy,
+    Row,
+    StaticPolicy,
+    compare,
+    versus,
+)
+from kvmesh.bench.autoscale_zero import ZeroSetup, deal, replay_pool, wakes
 from kvmesh.bench.policies import RoundRobinPolicy, RouterPolicy
 from kvmesh.bench.routing import picker_from_flags
 from kvmesh.bench.sim import (
@@ -172,3 +182,61 @@ def test_kvmesh_is_compared_with_a_reactive_run_that_spent_at_least_as_much() ->
     # and against the HPA rule at the same target: 80 % fewer violations for 1.11x its replica-seconds
     assert versus(ours, r("hpa 80%", 50, 90.0)) == pytest.approx((0.8, 100 / 90))
     assert versus(ours, r("hpa 80%", 0, 90.0))[0] is None  # the rule had none: no reduction to claim
+
+
+# ---- scale to zero: the router's hold, cold starts, and the operator's own decision ----------------------------
+
+ZERO = ZeroSetup(idle_seconds=60.0, cold_start_seconds=30.0)
+
+
+def sparse(times: list[float]) -> list:  # type: ignore[type-arg]
+    return build_requests([TraceRequest(t, 300, 5) for t in times], block_size=BLOCK_SIZE)
+
+
+def test_an_idle_pool_goes_to_zero_and_spends_fewer_replica_seconds_than_one_kept_at_one() -> None:
+    trace = sparse([0.0, 1.0, 2.0, 600.0])
+    kept = replay_pool(trace, ZERO, scale_to_zero=False, until=700.0)
+    zero = replay_pool(trace, ZERO, scale_to_zero=True, until=700.0)
+    assert min(n for _, n in kept.replicas_over_time) == 1
+    assert 0 in [n for _, n in zero.replicas_over_time] and wakes(zero) == 1
+    # at 0 from the first tick 60 s idle (about 75 s) until the request at 600 s wakes it
+    assert zero.replica_seconds < kept.replica_seconds - 400
+    assert len(zero.requests) == 4 and not zero.failed
+
+
+def test_a_request_at_zero_is_held_through_the_cold_start_and_its_ttft_includes_it() -> None:
+    zero = replay_pool(sparse([0.0, 600.0]), ZERO, scale_to_zero=True, until=700.0)
+    late = zero.requests[-1]
+    assert zero.held() == [late]
+    # the operator sees it at its next tick (within 15 s), then the instance takes its 30 s to serve
+    assert ZERO.cold_start_seconds <= late.held_seconds <= ZERO.cold_start_seconds + 15.0 + 1e-6
+    assert late.ttft >= late.held_seconds and late.ttft < late.held_seconds + 1.0
+    assert zero.requests[0].held_seconds == 0.0
+
+
+def test_past_the_held_cap_or_the_hold_a_request_fails_as_the_routers_503() -> None:
+    burst = sparse([0.0, *(600.0 + i * 0.01 for i in range(5))])
+    capped = replay_pool(burst, replace(ZERO, max_held=3), scale_to_zero=True, until=700.0)
+    assert len(capped.failed) == 2 and len(capped.requests) == 4  # the first, and the three held
+    assert all(r.held_seconds == 0.0 and r.failed_at == r.arrival for r in capped.failed)  # refused at once
+    short = replay_pool(burst, replace(ZERO, hold_seconds=20.0), scale_to_zero=True, until=700.0)
+    assert len(short.failed) == 5 and all(r.held_seconds == pytest.approx(20.0) for r in short.failed)
+
+
+def test_a_wake_is_sized_by_the_held_requests_over_max_num_seqs_as_the_operator_does() -> None:
+    setup = replace(ZERO, max_num_seqs=4)
+    # the ten arrive between two ticks (every 15 s from the first arrival): the tick at 615 s sees them all held
+    zero = replay_pool(sparse([0.0, *(601.0 + i * 0.01 for i in range(10))]), setup, scale_to_zero=True,
+                       until=700.0)
+    counts = [n for _, n in zero.replicas_over_time]
+    woken = next(n for n in counts[counts.index(0):] if n)  # the first decision after the pool reached 0
+    assert woken == scaling.wake_replicas(10, setup.policy(True), ROLE) == 3  # ceil(10 / 4)
+    assert len(zero.requests) == 11 and not zero.failed
+
+
+def test_pools_are_dealt_by_zipf_popularity_deterministically() -> None:
+    trace = sparse([float(t) for t in range(2000)])
+    pools = deal(trace, 8, 1.5)
+    sizes = [len(p) for p in pools]
+    assert sum(sizes) == 2000 and sizes[0] > 3 * sizes[-1] and pools == deal(trace, 8, 1.5)
+    assert all(p == sorted(p, key=lambda r: r.arrival) for p in pools)

@@ -47,10 +47,28 @@ def test_bench_autoscale_on_a_small_azure_trace(tmp_path: Path) -> None:
     assert all(r["replica_seconds"] > 0 for r in rows)
 
 
+def test_bench_autoscale_scale_to_zero_on_a_small_azure_trace(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "a.csv"  # 40 requests, a 10-minute gap, 40 more
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:{15 + i // 40 * 10:02d}:{i % 40:02d}.0000000,{300 + 7 * i},{20 + i % 30}\n" for i in range(80)))
+    out = tmp_path / "z.json"
+    code = main(["bench", "autoscale", "--scale-to-zero", "--trace", str(trace), "--pools", "2",
+                 "--idle-seconds", "60", "--cold-start-seconds", "30", "--json", str(out)])
+    assert code == 0
+    body = json.loads(out.read_text())
+    kept, zero = body["rows"]
+    assert (kept["variant"], zero["variant"]) == ("min 1 instance", "scale to zero")
+    assert zero["replica_seconds"] < kept["replica_seconds"] and zero["held"] > 0 and zero["wakes"] >= 1
+    assert kept["held"] == 0 and zero["served"] + zero["failed"] == kept["served"] == 80
+    assert "| scale to zero |" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [
     ["bench", "cluster", "--trace", "/no/such/trace.jsonl"],
     ["bench", "cluster", "--weight", "prefix_weight=lots"],
     ["bench", "autoscale", "--hpa-targets", "2"],
+    ["bench", "autoscale", "--scale-to-zero", "--idle-seconds", "10"],
     ["bench", "disagg", "--instances", "1"],
 ])
 def test_bad_input_is_a_message_not_a_crash(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

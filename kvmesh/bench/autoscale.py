@@ -45,8 +45,9 @@ from kvmesh.bench.sim import (
     build_requests,
 )
 from kvmesh.bench.traces import AZURE_CONV_TRACE, load_azure
-from kvmesh.operator import scaling
-from kvmesh.operator.forecast import TrafficEstimator, rate_trend
+from kvmesh.operator import forecast, scaling
+from kvmesh.operator.forecast import PodMetrics, TrafficEstimator, rate_trend
+from kvmesh.operator.memory import IdleClock
 
 ROLE = "both"
 PERIOD_SECONDS = 15.0  # the HPA's sync period; the operator's timer uses the same here
@@ -105,7 +106,8 @@ class ReactivePolicy:
 
 @dataclass
 class PredictivePolicy:
-    """The operator's decision (operator/scaling.py) over the simulated pool, as its timer makes it."""
+    """The operator's decision (operator/scaling.py) over the simulated pool, as its timer makes it; with scale to
+    zero in the policy, fed the router's held requests and the operator's own idle clock (operator/memory.py)."""
 
     policy: scaling.ScalingPolicy
     name: str = "kvmesh (forecast)"
@@ -115,6 +117,7 @@ class PredictivePolicy:
     _rates: deque[tuple[float, float]] = field(default_factory=deque)
     _per_request: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     _context: float = 0.0  # KV tokens a decoding request attends to, mean
+    _idle: IdleClock = field(default_factory=IdleClock)
 
     @property
     def forecast_horizon_seconds(self) -> float:
@@ -144,8 +147,12 @@ class PredictivePolicy:
             dict(i.forecast.usage_quantiles) if i.forecast else {},
             i.forecast.overload_probability if i.forecast else 0.0, i.running, i.waiting,
             i.prefill_tokens_per_second, i.decode_step_seconds, i.decode_step_cost) for i in obs.instances if i.ready]
+        counters = {i.name: forecast.Counters(finished=i.finished, prompt_tokens=i.prompt_tokens)
+                    for i in obs.instances}
+        idle = self._idle.update(obs.now, [PodMetrics(p, counters[p.name], BLOCK_SIZE) for p in pods], obs.held)
         return scaling.PoolObservation(obs.now, pods, {ROLE: obs.replicas}, rate, slope, blocks, seconds, uncached,
-                                       output, decode_context_tokens=self._context)
+                                       output, decode_context_tokens=self._context, held_requests=obs.held,
+                                       idle_seconds=idle)
 
 
 @dataclass(frozen=True)
@@ -195,7 +202,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("autoscale", help="static, reactive (HPA) and kvmesh's predictive scaling, simulated")
     p.add_argument("--trace", default=str(AZURE_CONV_TRACE), help="an Azure LLM inference trace (CSV)")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
-    p.add_argument("--speedup", type=float, default=16.0, help="divide the trace's arrival times by this")
+    p.add_argument("--speedup", type=float,
+                   help="divide the trace's arrival times by this (default 16; 1 with --scale-to-zero)")
     p.add_argument("--initial", type=int, default=16, help="instances at the start (what the first minutes need)")
     p.add_argument("--hpa-targets", type=TARGETS, default="0.8,0.7,0.6",
                    help="KV usage targets of the reactive runs (0.8 is the rule; lower ones spend more)")
@@ -209,6 +217,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                         "run it beside the policy without one")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write the instances over time here (PNG)")
+    from kvmesh.bench import autoscale_zero  # it builds on this module's instance and policy
+
+    autoscale_zero.add_arguments(p)
 
 
 def compare(ours: Row, reactive: list[Row]) -> tuple[Row | None, float]:
@@ -231,6 +242,11 @@ def versus(ours: Row, rule: Row) -> tuple[float | None, float]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.scale_to_zero:
+        from kvmesh.bench import autoscale_zero
+
+        return autoscale_zero.run(args, 1.0 if args.speedup is None else args.speedup)
+    args.speedup = 16.0 if args.speedup is None else args.speedup
     try:
         if args.initial < 1:
             raise ValueError("--initial must be at least 1")

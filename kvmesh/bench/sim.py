@@ -11,7 +11,9 @@ first, as in vLLM without chunked prefill, so a long prompt stalls the decodes b
 of its whole batch until the next request finishes or a new one arrives. Roles follow the pods': `both`
 serves whole requests, `prefill` hands the KV to a `decode` instance (or, with no decode pool, ends the request
 at its first token: the routing study simulates Mooncake's prefill pool only). Instances can be added (ready
-after a start-up delay) and drained while the trace runs; a scaling policy is asked on a period.
+after a start-up delay) and drained while the trace runs, down to none; a scaling policy is asked on a period. While
+no instance is ready the router holds requests, as the real one does for a pool starting from zero, and sends
+them on when one is (past its hold or its cap of held requests, a request fails: the router's 503).
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class ClusterSpec:
     block_size: int = MOONCAKE_BLOCK_TOKENS
     latency: LatencyModel = LatencyModel()
     startup_seconds: float = 60.0  # an added instance serves after this long (simulated seconds, whatever the speed-up)
+    # The router's hold while no instance is ready (hold_without_pods_seconds, max_held_requests): past either, the
+    # request fails (the router's 503). The defaults hold until one is ready, however long, as a pool never at 0 needs.
+    hold_seconds: float = math.inf
+    max_held: int | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.pools) - set(ROLES)
@@ -78,6 +84,8 @@ class ClusterSpec:
             raise ValueError("the cluster needs at least one instance that prefills (role both or prefill)")
         if self.cache_tokens < self.block_size:
             raise ValueError("an instance's cache must hold at least one block")
+        if not self.hold_seconds > 0 or (self.max_held is not None and self.max_held < 1):
+            raise ValueError("the router's hold must be positive and hold at least one request")
 
     @property
     def num_blocks(self) -> int:
@@ -139,6 +147,8 @@ class SimRequest:
     first_token_at: float = math.nan
     last_token_at: float = math.nan
     finished_at: float = math.nan
+    held_seconds: float = 0.0  # in the router while no instance was ready (part of its TTFT)
+    failed_at: float = math.nan  # answered 503 by the router: held past its hold, or past its cap of held requests
 
     @property
     def ttft(self) -> float:
@@ -206,6 +216,7 @@ class Instance:
         self.op_start = self.op_end = 0.0
         self._step = 0.0  # seconds per step of the current decode run; 0 = not decoding
         self._planned_steps = 0
+        self.finished = self.finished_prompt_tokens = 0  # the engine's request and prompt-token counters
         self.lengths = OutputLengthModel()  # what the engine learns of output lengths, for its forecast
         self.step_cost = DecodeStepFit()  # what the engine learns of its decode step's cost (engine/step_cost.py)
         self._version = 0  # bumps when the planned end of the current operation changes
@@ -422,6 +433,8 @@ class Instance:
         self.kv.free(request.rid)
         self._publish()
         self.lengths.observe(workload_class("chat", request.prompt_tokens), request.generated)
+        self.finished += 1
+        self.finished_prompt_tokens += request.prompt_tokens
         self.cluster.on_finish(request)
 
     def hand_over(self, key: str) -> None:
@@ -477,6 +490,8 @@ class InstanceObservation:
     decode_step_seconds: float
     forecast: Forecast | None = None
     decode_step_cost: DecodeStepCost | None = None  # the engine's fit (kvmesh_decode_step_*_seconds)
+    finished: int = 0  # the engine's counters since it started: requests finished, and their prompt tokens
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -492,8 +507,9 @@ class Counters:
 
 @dataclass(frozen=True)
 class Observation:
-    """What a scaling policy sees each period: every instance, the arrivals since the last period (the router's
-    count) and the engines' counters over it."""
+    """What a scaling policy sees each period: every instance, the arrivals since the last period (requests sent to
+    an instance, as the engines count them: a held one arrives when the router releases it), the engines' counters
+    over it, and the requests the router holds now."""
 
     now: float
     period_seconds: float
@@ -501,6 +517,7 @@ class Observation:
     arrivals: int
     arrival_prompt_tokens: int
     counters: Counters
+    held: int = 0  # requests the router holds now for want of a ready instance (its waiting_for_pods gauge)
 
     @property
     def replicas(self) -> int:
@@ -538,6 +555,11 @@ class SimResult:
     duration: float  # first arrival to last finish
     preemptions: int
     replicas_over_time: list[tuple[float, int]] = field(default_factory=list)
+    failed: list[SimRequest] = field(default_factory=list)  # answered 503 by the router; not in `requests`
+
+    def held(self) -> list[SimRequest]:
+        """The requests the router held (served or failed), by arrival."""
+        return sorted((r for r in (*self.requests, *self.failed) if r.held_seconds > 0), key=lambda r: r.arrival)
 
     def ttfts(self) -> np.ndarray:
         return np.array([r.ttft for r in self.requests])
@@ -596,6 +618,9 @@ class Cluster:
         self._names = itertools.count()
         self._gaps: list[tuple[float, int]] = []
         self.finished: list[SimRequest] = []
+        self.failed: list[SimRequest] = []
+        self.held: list[SimRequest] = []  # by arrival; each has its hold's start in `_held_since`
+        self._held_since: dict[str, float] = {}
         self.preemptions = 0
         self.replica_seconds = 0.0
         self._last_count_at = 0.0
@@ -611,8 +636,10 @@ class Cluster:
     def at(self, when: float, fn: Callable[[], object]) -> None:
         heapq.heappush(self._heap, (when, next(self._tick), fn))
 
-    def run(self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None) -> SimResult:
-        """Replay `requests` (sorted by arrival) to the last finish."""
+    def run(self, requests: Sequence[SimRequest], progress: Callable[[int], None] | None = None,
+            until: float = 0.0) -> SimResult:
+        """Replay `requests` (sorted by arrival) to the last finish, and at least to `until` (pools compared over one
+        window pay their instances for all of it, a pool whose own traffic ends early too)."""
         decodes = any(self.spec.pools.get(role) for role in ("both", "decode"))
         for r in requests:  # a request that cannot fit alone would wait forever
             tokens = r.prompt_tokens + (r.output_tokens if decodes else 0)
@@ -623,8 +650,6 @@ class Cluster:
         start = requests[0].arrival if requests else 0.0
 
         def arrive(request: SimRequest) -> None:
-            self._arrivals += 1
-            self._arrival_tokens += request.prompt_tokens
             self.route(request)
             if progress is not None:
                 progress(1)
@@ -638,20 +663,22 @@ class Cluster:
         if self.scaler is not None:
             self.at(start + self.scaler.period_seconds, self._scale)
         remaining = len(requests)
-        while self._heap and len(self.finished) < remaining:
+        while self._heap and (len(self.finished) + len(self.failed) < remaining or self._heap[0][0] <= until):
             when, _, fn = heapq.heappop(self._heap)
             self._count_replicas(when)
             self.now = when
             fn()
-        if len(self.finished) < remaining:
-            raise AssertionError(f"{remaining - len(self.finished)} requests never finished (a stuck instance)")
+        if len(self.finished) + len(self.failed) < remaining:
+            raise AssertionError(f"{remaining - len(self.finished) - len(self.failed)} requests never finished "
+                                 "(a stuck instance)")
         for inst in self.instances.values():
             self.busy[inst.name] = inst.busy_seconds
         end = max((r.finished_at for r in self.finished), default=start)
+        end = max([end, *(r.failed_at for r in self.failed)])
         name = self.scaler.name if self.scaler is not None else self.policy.name
         return SimResult(name, sorted(self.finished, key=lambda r: r.arrival), dict(self.busy),
                          np.array(self._gaps, dtype=float).reshape(-1, 2), self.replica_seconds, end - start,
-                         self.preemptions, self.replicas_over_time)
+                         self.preemptions, self.replicas_over_time, self.failed)
 
     def _count_replicas(self, until: float) -> None:
         self.replica_seconds += (until - self._last_count_at) * sum(
@@ -666,14 +693,45 @@ class Cluster:
     def route(self, request: SimRequest) -> None:
         roles = ("both", "prefill")
         candidates = self.candidates(roles)
-        if not candidates:  # everything is starting: wait for the first to be ready
-            soonest = min((i for i in self.instances.values() if i.role in roles and not i.draining),
-                          key=lambda i: i.ready_at)
-            self.at(soonest.ready_at, lambda: self.route(request))
+        if not candidates:  # starting, or at zero: the router holds it (router/app.py's PodWait)
+            self.hold(request)
             return
+        self._arrivals += 1  # as the engines' counters see it: a held request arrives when it is released
+        self._arrival_tokens += request.prompt_tokens
         choice = self.policy.choose(request, candidates, self)
         request.pull = choice.pull
         choice.instance.enqueue(request)
+
+    def hold(self, request: SimRequest) -> None:
+        """Hold `request` until an instance is ready (`release`), for at most the spec's hold; past the hold, or
+        with the cap of held requests reached, it fails as the router's 503."""
+        cap = self.spec.max_held
+        if cap is not None and len(self.held) >= cap:
+            self.fail(request)
+            return
+        self.held.append(request)
+        self._held_since[request.rid] = self.now
+        if math.isfinite(self.spec.hold_seconds):
+            self.at(self.now + self.spec.hold_seconds, lambda: self._hold_expired(request))
+
+    def _hold_expired(self, request: SimRequest) -> None:
+        if request.rid in self._held_since:
+            self.held.remove(request)
+            request.held_seconds += self.now - self._held_since.pop(request.rid)
+            self.fail(request)
+
+    def release(self) -> None:
+        """An instance became ready: every held request goes on, in arrival order, routed as usual."""
+        if not self.held or not self.candidates(("both", "prefill")):
+            return
+        released, self.held = self.held, []
+        for request in released:
+            request.held_seconds += self.now - self._held_since.pop(request.rid)
+            self.route(request)
+
+    def fail(self, request: SimRequest) -> None:
+        request.failed_at = self.now
+        self.failed.append(request)
 
     def hand_off(self, request: SimRequest, source: Instance) -> None:
         """A prefilled request moves to a decode instance (DistServe, Mooncake): the policy chooses it, its KV
@@ -714,7 +772,7 @@ class Cluster:
         ready = self.now + self.spec.startup_seconds if ready_at is None else ready_at
         inst = self.instances[name] = Instance(name, role, self, ready)
         if ready > self.now:
-            self.at(ready, lambda: None)  # nothing to do but let time pass; routing reads `ready`
+            self.at(ready, self.release)  # routing reads `ready`; the router's held requests go on
         return inst
 
     def drain(self, inst: Instance) -> None:
@@ -738,21 +796,22 @@ class Cluster:
                 i.name, i.role, i.ready, i.kv.pool.num_blocks, i.kv.stats().usage, len(i.queue),
                 len(i.running) + (i.prefilling is not None), i.pending_prefill_tokens(),
                 i.latency.prefill_tokens_per_second, i.latency.step_seconds(max(len(i.running), 1)),
-                i.forecast(horizon) if horizon and i.ready else None, i.step_cost.cost())
+                i.forecast(horizon) if horizon and i.ready else None, i.step_cost.cost(), i.finished,
+                i.finished_prompt_tokens)
             for i in self.scaled()
         )
         done = self.finished[self._observed_finished:]
         self._observed_finished = len(self.finished)
-        counters = Counters(len(done), sum(r.finished_at - r.arrival for r in done),
+        counters = Counters(len(done), sum(r.finished_at - r.arrival - r.held_seconds for r in done),  # the engines'
                             sum(r.prompt_tokens for r in done), sum(r.generated for r in done),
                             sum(r.cached_tokens for r in done))
-        obs = Observation(self.now, period, observed, self._arrivals, self._arrival_tokens, counters)
+        obs = Observation(self.now, period, observed, self._arrivals, self._arrival_tokens, counters, len(self.held))
         self._arrivals = self._arrival_tokens = 0
         return obs
 
     def _scale(self) -> None:
         assert self.scaler is not None
-        desired = max(1, self.scaler.desired(self.observe()))
+        desired = max(0, self.scaler.desired(self.observe()))  # 0: a pool scaled to zero (requests are held)
         current = self.scaled()
         for _ in range(desired - len(current)):
             self.add(self.scaled_role)
