@@ -2,16 +2,17 @@
 
 uvicorn bounds only how long a kept-alive connection may idle between requests. A client that sends a request's
 headers and then trickles its body, or never sends it, would hold a connection, a task and the bytes buffered so
-far for as long as it liked (slowloris). Each edge reads the whole body within `body_read_timeout_seconds` of
-asking for it, or answers 408 with an OpenAI-style error and closes the connection. The answer's own body, a
-stream included, is not bounded by it.
+far for as long as it liked (slowloris). Each edge wraps its whole app in BodyDeadline: a body not whole within
+`body_read_timeout_seconds` of the app asking for it is answered 408 with an OpenAI-style error and the connection
+closes. The answer's own body, a stream included, is not bounded by it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,6 +23,7 @@ BODY_TIMEOUT_STATUS = 408
 BODY_TIMEOUT_CODE = "body_timeout"
 CONNECTION_CLOSE = {"connection": "close"}  # uvicorn closes the connection once such an answer is sent
 BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # read by no route: never waited for
+DISCONNECTED: Message = {"type": "http.disconnect"}  # what the app reads once its body is refused
 
 
 def body_timeout_message(seconds: float) -> str:
@@ -35,19 +37,27 @@ def check_body_read_timeout(seconds: float) -> None:
         raise ValueError(f"body_read_timeout_seconds must be above 0, not {seconds!r}")
 
 
-async def send_body_timeout(send: Send, seconds: float) -> None:
-    """The 408 answer, as plain ASGI: an OpenAI-style error, and the connection closed after it."""
-    content = json.dumps(error_body(body_timeout_message(seconds), code=BODY_TIMEOUT_CODE)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
-               *((name.encode(), value.encode()) for name, value in CONNECTION_CLOSE.items())]
-    await send({"type": "http.response.start", "status": BODY_TIMEOUT_STATUS, "headers": headers})
+async def send_json(send: Send, status: int, body: Mapping[str, Any], headers: Iterable[tuple[str, str]] = ()) -> None:
+    """A whole JSON answer, as plain ASGI (the edges' answers that skip a framework)."""
+    content = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+        *((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers)]})
     await send({"type": "http.response.body", "body": content})
 
 
+async def send_body_timeout(send: Send, seconds: float) -> None:
+    """The 408 answer: an OpenAI-style error, and the connection closed after it."""
+    await send_json(send, BODY_TIMEOUT_STATUS, error_body(body_timeout_message(seconds), code=BODY_TIMEOUT_CODE),
+                    CONNECTION_CLOSE.items())
+
+
 class BodyDeadline:
-    """ASGI middleware: a request's body is received whole within `seconds()` before the app sees the request;
-    otherwise `timed_out(scope)` counts it and the client gets the 408. The app then reads the messages as they
-    came (a disconnect among them), and later ones (a disconnect while it answers) from the server."""
+    """ASGI middleware: a request's body must be whole within `seconds()` of the app first asking for it;
+    otherwise `timed_out(scope)` counts it, the client gets the 408, and the app reads a disconnect, as from a
+    client that left (what it answers then is dropped: the 408 was the answer). Nothing is buffered here: each
+    route reads the body as it comes, after its own checks (a key before a byte is read) and within its own size
+    bound, so a stranger cannot make an edge hold a body of any size."""
 
     def __init__(self, app: ASGIApp, seconds: Callable[[], float], timed_out: Callable[[Scope], None]) -> None:
         self.app, self.seconds, self.timed_out = app, seconds, timed_out
@@ -57,21 +67,39 @@ class BodyDeadline:
             await self.app(scope, receive, send)
             return
         seconds = self.seconds()
-        messages: list[Message] = []
-        try:
-            async with asyncio.timeout(seconds):
-                while True:
+        deadline: float | None = None  # set when the app first asks for the body
+        whole = answered = refused = False
+
+        async def bounded_receive() -> Message:
+            nonlocal deadline, whole, refused
+            if whole:  # the body came: later messages (a disconnect while the app answers) are the server's
+                return await receive()
+            if refused:
+                return dict(DISCONNECTED)
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + seconds
+            try:
+                async with asyncio.timeout_at(deadline):
                     message = await receive()
-                    messages.append(message)
-                    if message["type"] != "http.request" or not message.get("more_body", False):
-                        break
-        except TimeoutError:
-            self.timed_out(scope)
-            await send_body_timeout(send, seconds)
-            return
-        received = iter(messages)
+            except TimeoutError:
+                if not answered:  # an app that answered before reading its body keeps its answer
+                    refused = True
+                    self.timed_out(scope)
+                    await send_body_timeout(send, seconds)
+                return dict(DISCONNECTED)
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
 
-        async def replay() -> Message:
-            return next(received, None) or await receive()
+        async def answer(message: Message) -> None:
+            nonlocal answered
+            if refused:
+                return
+            answered = True
+            await send(message)
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, bounded_receive, answer)
+        except Exception:
+            if not refused:
+                raise
+            # the app failed on the disconnect it read (a framework's ClientDisconnect): the 408 was its answer

@@ -48,6 +48,7 @@ HEALTH_LOADING = "loading"  # /health's status (503) while the engine loads its 
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 TOKENIZE_PATH, DETOKENIZE_PATH = "/tokenize", "/detokenize"  # vLLM's: a prompt's ids, and ids back to text
+CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"  # OpenAI's, on engine and router
 MODELS_PATH = "/v1/models"  # the base model and each loaded adapter (with its parent): what the router serves by
 LORA_FINGERPRINT_FIELD = "kvmesh_fingerprint"  # an adapter card's: its weights, as its blocks are hashed (BlockExtra)
 DEFAULT_MAX_LORAS = 8  # adapters an engine holds at once: the slots it allocates at the first load

@@ -49,6 +49,8 @@ from kvmesh.engine.openai_types import (
 )
 from kvmesh.engine.protocol import (
     CACHE_SOURCES,
+    CHAT_COMPLETIONS_PATH,
+    COMPLETIONS_PATH,
     DETOKENIZE_PATH,
     DRAIN_PATH,
     GATE_REASONS,
@@ -89,7 +91,6 @@ log = logging.getLogger("kvmesh.engine.server")
 EVENTS_HEARTBEAT_SECONDS = 10.0
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI; chat gets the rest of the context
 DISCONNECT_CHECK_SECONDS = 0.5
-CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 COMPLETION_ROUTES = (CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH)
 
 

@@ -135,6 +135,7 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:
+    from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS
     from kvmesh.router.gateway import API_KEY_ENV, DEFAULT_MAX_FAILURES, DEFAULT_PORT, DEFAULT_REFRESH_SECONDS
 
     p = sub.add_parser("gateway", help="run a gateway: one OpenAI endpoint for every pool's router, by model name",
@@ -158,10 +159,14 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", metavar="PATH",
                    help="a file holding the API key shown to routers that ask one for /v1/models, re-read at every "
                         "refresh (a rotated Secret is used without a restart); missing or empty: no key")
+    p.add_argument("--body-read-timeout-seconds", type=float, default=DEFAULT_BODY_READ_TIMEOUT_SECONDS,
+                   help=f"a request's whole body must arrive within this long, or it is answered 408 and its "
+                        f"connection closed (default {DEFAULT_BODY_READ_TIMEOUT_SECONDS:g}, as the router's)")
     p.add_argument("--log-level", default="info")
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    from kvmesh.engine.body_deadline import check_body_read_timeout
     from kvmesh.operator.crd import GROUP, PLURAL, VERSION
     from kvmesh.router.discovery import kube_configuration
     from kvmesh.router.gateway_app import ApiKeyFile, Discover, Gateway, PoolDiscovery, api_key_from_env, run_gateway
@@ -169,6 +174,11 @@ def _gateway(args: argparse.Namespace) -> int:
 
     if args.refresh_seconds <= 0 or args.max_failures < 1:
         print("kvmesh gateway: --refresh-seconds must be positive and --max-failures at least 1", file=sys.stderr)
+        return 2
+    try:
+        check_body_read_timeout(args.body_read_timeout_seconds)
+    except ValueError as exc:
+        print(f"kvmesh gateway: {exc}", file=sys.stderr)
         return 2
     discover: Discover = static(args.routers)
     if args.kubernetes:
@@ -179,8 +189,9 @@ def _gateway(args: argparse.Namespace) -> int:
             return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     key_file = ApiKeyFile(args.api_key_file) if args.api_key_file else None
-    run_gateway(Gateway(discover, args.refresh_seconds, args.max_failures, api_key_from_env(), key_file), args.host,
-                args.port, args.log_level)
+    gateway = Gateway(discover, args.refresh_seconds, args.max_failures, api_key_from_env(), key_file,
+                      body_read_timeout_seconds=args.body_read_timeout_seconds)
+    run_gateway(gateway, args.host, args.port, args.log_level)
     return 0
 
 

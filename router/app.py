@@ -32,9 +32,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvmesh.engine.body_deadline import BODY_TIMEOUT_CODE, BODY_TIMEOUT_STATUS, CONNECTION_CLOSE, body_timeout_message
+from kvmesh.engine.body_deadline import BodyDeadline
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
@@ -73,6 +73,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
+from kvmesh.router.asgi import RouteError, read_body, stream_error_ending, wait_disconnected
 from kvmesh.router.auth import (
     CACHE_SALT_SECRET_ENV,
     DEFAULT_TENANT,
@@ -278,14 +279,6 @@ class _EventLag:
 
 def _count_pods(pods: PodSet, state: str) -> int:
     return sum(1 for pod in pods.pods.values() if pod_state(pod) == state)
-
-
-class RouteError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.kind = status, message, code, kind
-        self.headers = dict(headers or {})  # sent with the error (a rate limit's Retry-After and x-ratelimit-*)
 
 
 @dataclass
@@ -872,13 +865,6 @@ def _with_limits(response: Response, trace: Trace) -> Response:
     return response
 
 
-async def wait_disconnected(receive: Receive) -> None:
-    """Return once the client has gone away: the body is read, so the next ASGI message is the disconnect (both
-    edges that relay answers: the router's and the gateway's)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> AsyncIterator[str]:
     """A finished one-token answer as a stream: one chunk, the usage if asked, [DONE]."""
     chat = whole["object"] == "chat.completion"
@@ -970,11 +956,16 @@ class RouterApp(FastAPI):
     FastAPI's middleware, routing and request machinery were about a third of the CPU of each routed request
     (`kvmesh bench router`, docs/benchmarks.md). They go straight to `completions`, a plain ASGI handler; every
     other request (the Batch API, /tokenize, /v1/models, /health, /metrics, another method on a completion path)
-    is FastAPI's."""
+    is FastAPI's. Every request goes through `edge` first: the body-read deadline (engine/body_deadline.py), so no
+    route, completion or other, holds a connection for a body that does not come."""
 
     completions: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
+    edge: ASGIApp | None = None  # BodyDeadline around `dispatch`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await (self.edge or self.dispatch)(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.completions is not None and scope["type"] == "http" and scope["method"] == "POST"
                 and scope["path"] in COMPLETION_PATHS):
             await self.completions(scope, receive, send)
@@ -986,29 +977,6 @@ def header_map(scope: Scope) -> dict[str, str]:
     """A request's headers by name (ASGI servers give names lowercased); of a repeated header, the first, as
     Starlette's `Headers.get` reads it."""
     return {name.decode("latin-1"): value.decode("latin-1") for name, value in reversed(scope["headers"])}
-
-
-async def read_body(receive: Receive, limit: int, seconds: float) -> bytes | None:
-    """A request's whole body; None when the client left before sending all of it; RouteError 413 past `limit`
-    bytes (counted as they come: a chunked body says no length), 408 (closing the connection) when it has not all
-    come within `seconds` (engine/body_deadline.py)."""
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(seconds):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise RouteError(413, f"the request body exceeds {limit >> 20} MiB")
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return b"".join(chunks)
-    except TimeoutError:
-        raise RouteError(BODY_TIMEOUT_STATUS, body_timeout_message(seconds), code=BODY_TIMEOUT_CODE,
-                         headers=CONNECTION_CLOSE) from None
 
 
 def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
@@ -1104,17 +1072,18 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
         """A completion POST, as plain ASGI (RouterApp). The key is checked before a byte of the body is read,
-        and the body is bounded in size and in time, so a stranger cannot make the router hold an unbounded body,
-        nor a connection for longer than body_read_timeout_seconds before its body is whole."""
+        and the body is bounded in size (and in time, by RouterApp's edge), so a stranger cannot make the router
+        hold an unbounded body, nor a connection for longer than body_read_timeout_seconds before its body is
+        whole."""
         headers = header_map(scope)
         try:
             tenant = router.authenticate(headers)
-            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES, router.config.body_read_timeout_seconds)
+            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
         except RouteError as exc:
             router.metrics.count_request(refusal_outcome(exc), "aggregated", CLIENT_SOURCE)
             await error_response(exc)(scope, receive, send)
             return
-        if payload is None:  # the client left before its request was whole: nobody to answer
+        if payload is None:  # the client left before its request was whole (or was answered 408): nobody to answer
             return
         path = scope["path"]
         response = await serve(payload, headers, path, COMPLETION_PATHS[path], tenant, http=HttpRequest(scope,
@@ -1122,6 +1091,13 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         await response(scope, receive, send)
 
     app.completions = completions
+
+    def body_timed_out(scope: Scope) -> None:
+        """A completion whose body never came in time was refused (outcome=error); other routes count no series."""
+        if scope["path"] in COMPLETION_PATHS:
+            router.metrics.count_request("error", "aggregated", CLIENT_SOURCE)
+
+    app.edge = BodyDeadline(app.dispatch, lambda: router.config.body_read_timeout_seconds, body_timed_out)
 
     async def serve(payload: bytes, headers: Mapping[str, str], path: str, chat: bool, tenant: str | None = None,
                     http: HttpRequest | None = None, batch: bool = False) -> Response:
@@ -1444,9 +1420,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 state.strip_role = state.role_sent
             if not state.done:
                 outcome = "error"
-                failure = error_body("the pod serving this stream failed and no other pod could continue it",
-                                     "server_error")
-                yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n"
+                yield stream_error_ending("the pod serving this stream failed and no other pod could continue it")
         except (asyncio.CancelledError, GeneratorExit):  # the client left (the stream was stopped or closed early)
             outcome = "client_gone"
             raise

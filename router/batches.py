@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.openai_types import read_json
+from kvmesh.engine.protocol import CHAT_COMPLETIONS_PATH as CHAT_PATH
+from kvmesh.engine.protocol import COMPLETIONS_PATH
 
-CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+RESPONSES_PATH = "/v1/responses"
 BATCH_ENDPOINTS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH)
 FILE_PURPOSES: tuple[str, ...] = ("batch", "batch_output")  # what clients upload, what batches write
 UPLOAD_PURPOSE, OUTPUT_PURPOSE = FILE_PURPOSES

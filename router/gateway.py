@@ -10,12 +10,12 @@ next answer brings it back. The HTTP edge is router/gateway_app.py.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvmesh.engine.openai_types import error_body, read_json
+from kvmesh.engine.openai_types import read_json
+from kvmesh.router.asgi import stream_error_ending
 from kvmesh.router.lora import ServedModels, union_cards
 
 LISTED, FAILING, DOWN = "listed", "failing", "down"
@@ -40,10 +40,9 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-a
                         "te", "trailer", "transfer-encoding", "upgrade"})
 REQUEST_OWN = frozenset({"host", "content-length"})  # what the gateway's client writes for the body it sends
 EVENT_STREAM = "text/event-stream"
-# The end of an SSE answer that broke off, as the router ends a stream no pod could continue: an error event, [DONE]
-BROKEN_STREAM_EVENTS = ("data: " + json.dumps(error_body(
-    "the router serving this stream broke off its answer; what came is incomplete", "server_error"))
-    + "\n\ndata: [DONE]\n\n").encode()
+# The end of an SSE answer that broke off, as the router ends a stream no pod could continue
+BROKEN_STREAM_EVENTS = stream_error_ending(
+    "the router serving this stream broke off its answer; what came is incomplete").encode()
 
 
 @dataclass(frozen=True)

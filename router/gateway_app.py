@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import uvicorn
@@ -29,10 +27,10 @@ from kubernetes.client import Configuration
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS
+from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline, send_json
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
 from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric
-from kvmesh.router.app import RouteError, read_body, wait_disconnected
+from kvmesh.router.asgi import RouteError, read_body, wait_disconnected
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
 from kvmesh.router.config import MAX_HOLD_SECONDS, MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 from kvmesh.router.discovery import REQUEST_SECONDS
@@ -242,22 +240,21 @@ class Gateway:
             await self.client.aclose()
 
 
-async def send_json(send: Send, status: int, body: Mapping[str, Any], headers: Iterable[tuple[str, str]] = ()) -> None:
-    content = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
-        *((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers)]})
-    await send({"type": "http.response.body", "body": content})
-
-
 class GatewayApp:
-    """The gateway's ASGI app: model requests forwarded, /v1/models, /health, /metrics; anything else 404."""
+    """The gateway's ASGI app: model requests forwarded, /v1/models, /health, /metrics; anything else 404. Every
+    request goes through the body-read deadline first (engine/body_deadline.py): a body not whole in time is a 408,
+    counted as bad_request."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self._refreshing: asyncio.Task[None] | None = None
+        self._edge = BodyDeadline(self._dispatch, lambda: gateway.body_read_timeout_seconds,
+                                  lambda _: gateway.count(None, "bad_request"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._edge(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
@@ -310,12 +307,12 @@ class GatewayApp:
         forwarding, which closes the router's connection (the router then aborts its pod's request)."""
         gw = self.gateway
         try:
-            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES, gw.body_read_timeout_seconds)
+            payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
             if payload is None:  # the client left before its request was whole: nobody to answer
                 gw.count(None, "client_gone")
                 return
             model = requested_model(payload)
-        except RouteError as exc:  # over the size bound, or not all come in time (408, and the connection closed)
+        except RouteError as exc:  # over the size bound
             gw.count(None, "bad_request")
             await send_json(send, exc.status, error_body(exc.message, code=exc.code), exc.headers.items())
             return
