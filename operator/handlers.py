@@ -19,9 +19,7 @@ its memory of a pool, its HTTP calls to engines) live in kopf-free modules, so a
 from __future__ import annotations
 
 import asyncio
-import copy
 import datetime
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,17 +27,16 @@ from http import HTTPStatus
 from typing import Any
 
 import kopf
-from kubernetes import client
 from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
-from urllib3.util.retry import Retry
 
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
+from kvmesh.operator.kube import PLURALS, Kube
 from kvmesh.operator.leader import Election, run_elected
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
 from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
@@ -56,82 +53,6 @@ BACKOFF_MAX_SECONDS = 120.0
 # How often kopf checks whether a deleted pool's scaling timer has stopped, so that it can remove its finalizer
 # (the `configure` handler says why this is not kopf's 60 s).
 TIMER_STOP_POLL_SECONDS = 1.0
-PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Role": "roles",
-           "RoleBinding": "rolebindings", "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
-           "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods"}
-
-
-# ---- the API edge ------------------------------------------------------------------------------------------------
-
-
-# One retry policy for every call the operator makes through the kubernetes client (kopf's own watch and
-# patch calls have theirs): a dropped kept-alive connection, a refused connect, a timeout, and the answers an
-# API server gives while it is busy or restarting (429 and 5xx) are tried again a few times with backoff before
-# the call fails (a reconcile then marks the pool Degraded; a scaling tick is skipped). Every method the operator
-# uses is safe to repeat, though a first attempt may have taken effect before its answer was lost: a POST is only
-# `Kube.apply`'s create, whose repeat answers 409 and is merge-patched with the same fields (no object here is
-# created by generateName); each PATCH is a merge patch of absolute values (the same twice is the same once); a
-# repeated DELETE answers 404, which `Kube.delete` takes as done.
-API_RETRY = Retry(total=3, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504),
-                  allowed_methods=frozenset({"GET", "POST", "PATCH", "DELETE"}),
-                  raise_on_status=False)  # the last answer comes back, as an ApiException with its status
-API_TIMEOUT_SECONDS = 10
-
-
-class Kube:
-    """The operator's few API calls, by apiVersion and plural, through the official client's transport."""
-
-    def __init__(self, configuration: Configuration) -> None:
-        configuration = copy.deepcopy(configuration)  # the caller's (kopf's login reads it) stays as it was
-        configuration.retries = API_RETRY
-        self.api = client.ApiClient(configuration)
-
-    @staticmethod
-    def path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:
-        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-        return f"{base}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
-
-    def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
-              content_type: str = "application/json") -> Any:
-        """One request; the answer's JSON, or ApiException for any status outside 2xx."""
-        request = self.api.param_serialize(method, path, query_params=query or [], body=body,
-                                           header_params={"Accept": "application/json", "Content-Type": content_type},
-                                           auth_settings=["BearerToken"])
-        response = self.api.call_api(*request, _request_timeout=API_TIMEOUT_SECONDS)
-        data = response.read()
-        if not 200 <= response.status < 300:
-            raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
-        return json.loads(data) if data else {}
-
-    def apply(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> str:
-        """Create `obj`; if it exists, merge-patch `patch` onto it. Returns "created" or "patched"."""
-        meta = obj["metadata"]
-        collection = self.path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"])
-        try:
-            self._call("POST", collection, dict(obj))
-            return "created"
-        except ApiException as exc:
-            if exc.status != HTTPStatus.CONFLICT:
-                raise
-        self.patch(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"], dict(patch))
-        return "patched"
-
-    def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:
-        """Delete one object; its dependents go with it (background propagation). Gone already is done."""
-        try:
-            self._call("DELETE", self.path(api_version, plural, namespace, name),
-                       {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
-        except ApiException as exc:
-            if exc.status != HTTPStatus.NOT_FOUND:
-                raise
-
-    def patch(self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
-        self._call("PATCH", self.path(api_version, plural, namespace, name), dict(body),
-                   content_type="application/merge-patch+json")
-
-    def list(self, api_version: str, plural: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        answer = self._call("GET", self.path(api_version, plural, namespace), query=[("labelSelector", label_selector)])
-        return list(answer.get("items") or [])
 
 
 # Kinds a pool owns only under some specs (a role's Deployment and budget, HPAs, the Gateway pool): what the

@@ -19,10 +19,8 @@ The Kubernetes client and aiohttp load only when the edge runs: `kvmesh operator
 from __future__ import annotations
 
 import asyncio
-import copy
 import datetime
 import enum
-import json
 import logging
 import os
 import signal
@@ -181,40 +179,30 @@ class LeaseConflict(LeaseError):
 
 
 class LeaseApi:
-    """GET, POST and PUT of one Lease, each tried once: the election's retry period is the retry."""
+    """GET, POST and PUT of one Lease through operator/kube.py's `Kube` (loaded here, with the Kubernetes client:
+    the edge alone needs it), each tried once: the election's retry period is the retry."""
 
     def __init__(self, configuration: Configuration, namespace: str, name: str, timeout_seconds: float) -> None:
-        from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
+        from kvmesh.operator.kube import Kube
 
-        configuration = copy.deepcopy(configuration)
-        configuration.retries = False
-        self.api = client.ApiClient(configuration)
-        # ApiException: the client's wrapping of a TLS failure (status 0), not an answer
-        self.failures: tuple[type[Exception], ...] = (urllib3.exceptions.HTTPError, OSError, ApiException)
-        self.namespace, self.name, self.timeout = namespace, name, timeout_seconds
-        self.collection = f"/apis/{LEASE_API_VERSION}/namespaces/{namespace}/leases"
+        self.kube = Kube(configuration, retries=False, timeout_seconds=timeout_seconds)
+        self.namespace, self.name = namespace, name
+        self.collection = Kube.path(LEASE_API_VERSION, "leases", namespace)
 
     def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any] | None:
-        """The answer's JSON; None for 404."""
-        request = self.api.param_serialize(method, path, body=body, auth_settings=["BearerToken"],
-                                           header_params={"Accept": "application/json",
-                                                          "Content-Type": "application/json"})
+        """The answer's JSON; None for 404. Kube's failures are LeaseErrors (409: LeaseConflict)."""
+        from kubernetes.client.exceptions import ApiException
+
         try:
-            response = self.api.call_api(*request, _request_timeout=self.timeout)
-            data = response.read()
-        except self.failures as exc:
+            return self.kube.call(method, path, body)
+        except ApiException as exc:  # an answer outside 2xx, or the client's wrapping of a TLS failure (status 0)
+            if exc.status == HTTPStatus.NOT_FOUND:
+                return None
+            if exc.status == HTTPStatus.CONFLICT:
+                raise LeaseConflict(f"lease {self.namespace}/{self.name} changed since it was read") from exc
+            raise LeaseError(f"{method} {path}: {exc.status} {str(exc.body or exc.reason)[:200]}") from exc
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:  # no answer, or one that is not JSON
             raise LeaseError(f"{method} {path}: {exc}") from exc
-        if response.status == HTTPStatus.CONFLICT:
-            raise LeaseConflict(f"lease {self.namespace}/{self.name} changed since it was read")
-        if response.status == HTTPStatus.NOT_FOUND:
-            return None
-        if not 200 <= response.status < 300:
-            raise LeaseError(f"{method} {path}: {response.status} {data.decode(errors='replace')[:200]}")
-        try:
-            return dict(json.loads(data))
-        except ValueError as exc:
-            raise LeaseError(f"{method} {path}: an answer that is not JSON") from exc
 
     def read(self) -> LeaseRecord | None:
         lease = self._call("GET", f"{self.collection}/{self.name}")

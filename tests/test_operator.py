@@ -31,7 +31,8 @@ import yaml
 from kvmesh.engine.protocol import EVALUATION_OUTCOMES, POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvmesh.operator.handlers import API_RETRY, DELETION_COST_ANNOTATION, OperatorConfig, register
+from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, register
+from kvmesh.operator.kube import API_RETRY
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.warmup import GateOpener, Warmer
 from kvmesh.processes import free_port

@@ -1,0 +1,97 @@
+"""The operator's thin wrapper of the official Kubernetes client: one request by apiVersion, plural and name, its
+answer's JSON or an ApiException, and the create-then-patch, delete and list the reconciler builds on.
+
+Kopf-free, so that the leader election (operator/leader.py) makes its Lease calls through the same request and
+error handling before kopf is loaded (a standby never loads it). Each user picks its own retries: the reconciler
+and the scaling timer `API_RETRY`, the election none (its retry period is its retry).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client import Configuration
+from kubernetes.client.exceptions import ApiException
+from urllib3.util.retry import Retry
+
+PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Role": "roles",
+           "RoleBinding": "rolebindings", "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
+           "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods"}
+
+# The reconciler's and the timer's retry policy (kopf's own watch and patch calls have theirs): a dropped
+# kept-alive connection, a refused connect, a timeout, and the answers an API server gives while it is busy or
+# restarting (429 and 5xx) are tried again a few times with backoff before the call fails (a reconcile then marks
+# the pool Degraded; a scaling tick is skipped). Every method the operator uses is safe to repeat, though a first
+# attempt may have taken effect before its answer was lost: a POST is only `Kube.apply`'s create, whose repeat
+# answers 409 and is merge-patched with the same fields (no object here is created by generateName); each PATCH is
+# a merge patch of absolute values (the same twice is the same once); a repeated DELETE answers 404, which
+# `Kube.delete` takes as done.
+API_RETRY = Retry(total=3, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504),
+                  allowed_methods=frozenset({"GET", "POST", "PATCH", "DELETE"}),
+                  raise_on_status=False)  # the last answer comes back, as an ApiException with its status
+API_TIMEOUT_SECONDS = 10.0
+
+
+class Kube:
+    """API calls by apiVersion and plural, through the official client's transport. A call raises ApiException
+    for an answer outside 2xx (and for a TLS failure: status 0), urllib3's errors or OSError for no answer, and
+    ValueError for an answer that is not JSON."""
+
+    def __init__(self, configuration: Configuration, retries: Retry | bool = API_RETRY,
+                 timeout_seconds: float = API_TIMEOUT_SECONDS) -> None:
+        configuration = copy.deepcopy(configuration)  # the caller's (kopf's login reads it) stays as it was
+        configuration.retries = retries
+        self.api = client.ApiClient(configuration)
+        self.timeout = timeout_seconds
+
+    @staticmethod
+    def path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:
+        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        return f"{base}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+
+    def call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+             content_type: str = "application/json") -> dict[str, Any]:
+        """One request; the answer's JSON object ({} for an empty answer)."""
+        request = self.api.param_serialize(method, path, query_params=query or [], body=body,
+                                           header_params={"Accept": "application/json", "Content-Type": content_type},
+                                           auth_settings=["BearerToken"])
+        response = self.api.call_api(*request, _request_timeout=self.timeout)
+        data = response.read()
+        if not 200 <= response.status < 300:
+            raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
+        return dict(json.loads(data)) if data else {}
+
+    def apply(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> str:
+        """Create `obj`; if it exists, merge-patch `patch` onto it. Returns "created" or "patched"."""
+        meta = obj["metadata"]
+        collection = self.path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"])
+        try:
+            self.call("POST", collection, dict(obj))
+            return "created"
+        except ApiException as exc:
+            if exc.status != HTTPStatus.CONFLICT:
+                raise
+        self.patch(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"], dict(patch))
+        return "patched"
+
+    def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:
+        """Delete one object; its dependents go with it (background propagation). Gone already is done."""
+        try:
+            self.call("DELETE", self.path(api_version, plural, namespace, name),
+                      {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+        except ApiException as exc:
+            if exc.status != HTTPStatus.NOT_FOUND:
+                raise
+
+    def patch(self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        self.call("PATCH", self.path(api_version, plural, namespace, name), dict(body),
+                  content_type="application/merge-patch+json")
+
+    def list(self, api_version: str, plural: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        answer = self.call("GET", self.path(api_version, plural, namespace), query=[("labelSelector", label_selector)])
+        return list(answer.get("items") or [])
