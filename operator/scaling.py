@@ -275,13 +275,15 @@ def little_calibrated(obs: PoolObservation, held: float) -> PoolObservation:
     which the requests in flight arrived (the trend's rate half a request's time ago) x blocks per request x
     seconds held. The logged figure is a request's peak blocks over its end-to-end time, queueing included; a
     request holds fewer on average (its output grows, it holds nothing while queued), so the logged product
-    overstates the arrivals' demand. Pods that hold nothing yet leave the logged figure in place."""
+    overstates the arrivals' demand. Pods that hold nothing yet leave the logged figure in place, and the
+    calibration only lowers it: with the rate near zero while a few requests are still in flight, the quotient
+    reads each as holding thousands of blocks (a pool of one small request was asked 10 pods)."""
     if held <= 0 or obs.request_seconds <= 0 or obs.blocks_per_request <= 0:
         return obs
     arrived_at = projected_rate(obs, -obs.request_seconds / 2)
     if arrived_at <= 0:
         return obs
-    return replace(obs, blocks_per_request=held / (arrived_at * obs.request_seconds))
+    return replace(obs, blocks_per_request=min(obs.blocks_per_request, held / (arrived_at * obs.request_seconds)))
 
 
 def prefill_speed(pods: Sequence[PodObservation], obs: PoolObservation) -> float:

@@ -530,3 +530,17 @@ def test_with_scale_to_zero_a_serving_pool_keeps_a_pod_of_every_role_even_at_min
     without = replace(policy, scale_to_zero_idle_seconds=None)
     assert decide(PoolObservation(0, busy, {"prefill": 0, "decode": 1}), without).replicas == {
         "prefill": 0, "decode": 1}
+
+
+def test_a_near_zero_rate_does_not_inflate_what_a_request_holds() -> None:
+    """Three small requests in flight while the logged rate has fallen to 0 with a slight downward trend: the
+    rate "half a request ago" is a few thousandths per second, and dividing the blocks held by it read each
+    request as thousands of blocks (the cluster simulator saw 10 of 64 pods asked for). Little's law may only
+    lower the log's per-request figure (a request holds fewer blocks on average than at its peak), never raise
+    it past it, so one lightly used pod stays one."""
+    pods = [pod("both-0", 0.033, 0.0, 0.0, 0.0, running=1, waiting=2)]
+    obs = PoolObservation(0, pods, {"both": 1}, arrival_rate=0.0, arrival_rate_slope=-0.00085,
+                          blocks_per_request=11, request_seconds=6.24)
+    assert little_calibrated(obs, 33).blocks_per_request == pytest.approx(11)
+    wide = replace(POLICY, max_replicas={"both": 64})
+    assert decide(obs, wide).replicas == {"both": 1}
