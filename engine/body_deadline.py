@@ -3,14 +3,16 @@
 uvicorn bounds only how long a kept-alive connection may idle between requests. A client that sends a request's
 headers and then trickles its body, or never sends it, would hold a connection, a task and the bytes buffered so
 far for as long as it liked (slowloris). Each edge wraps its whole app in BodyDeadline: a body not whole within
-`body_read_timeout_seconds` of the app asking for it is answered 408 with an OpenAI-style error and the connection
-closes. The answer's own body, a stream included, is not bounded by it.
+`body_read_timeout_seconds` of the app asking for it, plus one second for every MIN_BODY_BYTES_PER_SECOND received
+(a large upload on a fair link is not cut; a trickle is), is answered 408 with an OpenAI-style error and the
+connection closes. The answer's own body, a stream included, is not bounded by it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,17 +20,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmesh.engine.openai_types import error_body
 
+log = logging.getLogger("kvmesh.body_deadline")
+
 DEFAULT_BODY_READ_TIMEOUT_SECONDS = 30.0  # the engine's and the router's (and the gateway's) default
 BODY_TIMEOUT_STATUS = 408
 BODY_TIMEOUT_CODE = "body_timeout"
 CONNECTION_CLOSE = {"connection": "close"}  # uvicorn closes the connection once such an answer is sent
 BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # read by no route: never waited for
 DISCONNECTED: Message = {"type": "http.disconnect"}  # what the app reads once its body is refused
+# Each byte received extends the deadline by 1 / this many seconds: a body sent at least this fast is never cut (a
+# 100 MiB batch file needs ~27 min at it), a slowloris that trickles bytes gains next to nothing.
+MIN_BODY_BYTES_PER_SECOND = 64 * 1024
+BODY_REFUSED = "kvmesh.body_refused"  # set in the scope once the 408 went out: the app's disconnect is not a client's
 
 
 def body_timeout_message(seconds: float) -> str:
-    return (f"the request body did not arrive within {seconds:g} s (body_read_timeout_seconds); send the whole body "
-            "with its headers")
+    return (f"the request body did not arrive within {seconds:g} s (body_read_timeout_seconds, plus 1 s per "
+            f"{MIN_BODY_BYTES_PER_SECOND // 1024} KiB received); send the whole body with its headers")
 
 
 def check_body_read_timeout(seconds: float) -> None:
@@ -53,9 +61,11 @@ async def send_body_timeout(send: Send, seconds: float) -> None:
 
 
 class BodyDeadline:
-    """ASGI middleware: a request's body must be whole within `seconds()` of the app first asking for it;
-    otherwise `timed_out(scope)` counts it, the client gets the 408, and the app reads a disconnect, as from a
-    client that left (what it answers then is dropped: the 408 was the answer). Nothing is buffered here: each
+    """ASGI middleware: a request's body must be whole within `seconds()` of the app first asking for it (plus
+    its bytes' allowance at MIN_BODY_BYTES_PER_SECOND); otherwise `timed_out(scope)` counts it, the client gets the
+    408, `scope[BODY_REFUSED]` is set and the app reads a disconnect, as from a client that left (what it answers
+    then is dropped: the 408 was the answer). An app that answered before reading its body reads the rest
+    unbounded (its answer, a stream perhaps, is not cut). Nothing is buffered here: each
     route reads the body as it comes, after its own checks (a key before a byte is read) and within its own size
     bound, so a stranger cannot make an edge hold a body of any size."""
 
@@ -72,7 +82,7 @@ class BodyDeadline:
 
         async def bounded_receive() -> Message:
             nonlocal deadline, whole, refused
-            if whole:  # the body came: later messages (a disconnect while the app answers) are the server's
+            if whole or answered:  # the body came, or the app answered: later messages are the server's
                 return await receive()
             if refused:
                 return dict(DISCONNECTED)
@@ -82,12 +92,15 @@ class BodyDeadline:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
-                if not answered:  # an app that answered before reading its body keeps its answer
-                    refused = True
-                    self.timed_out(scope)
-                    await send_body_timeout(send, seconds)
+                if answered:  # the app answered while it waited: its answer stands, the rest is unbounded
+                    return await receive()
+                refused = True
+                scope[BODY_REFUSED] = True
+                self.timed_out(scope)
+                await send_body_timeout(send, seconds)
                 return dict(DISCONNECTED)
             whole = message["type"] != "http.request" or not message.get("more_body", False)
+            deadline += len(message.get("body", b"")) / MIN_BODY_BYTES_PER_SECOND
             return message
 
         async def answer(message: Message) -> None:
@@ -103,3 +116,4 @@ class BodyDeadline:
             if not refused:
                 raise
             # the app failed on the disconnect it read (a framework's ClientDisconnect): the 408 was its answer
+            log.debug("after a 408 for %s, the app ended with an error", scope["path"], exc_info=True)

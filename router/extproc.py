@@ -80,7 +80,6 @@ from kvmesh.router.app import (
     COMPLETION_PATHS,
     Admitted,
     Booking,
-    RouteError,
     Router,
     Trace,
     View,
@@ -88,6 +87,7 @@ from kvmesh.router.app import (
     wants_usage,
     with_usage,
 )
+from kvmesh.router.asgi import RouteError
 from kvmesh.router.batches import CLIENT_SOURCE
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,

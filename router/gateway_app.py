@@ -27,7 +27,7 @@ from kubernetes.client import Configuration
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline, send_json
+from kvmesh.engine.body_deadline import BODY_REFUSED, DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline, send_json
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
 from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric
 from kvmesh.router.asgi import RouteError, read_body, wait_disconnected
@@ -308,8 +308,9 @@ class GatewayApp:
         gw = self.gateway
         try:
             payload = await read_body(receive, MAX_REQUEST_BODY_BYTES)
-            if payload is None:  # the client left before its request was whole: nobody to answer
-                gw.count(None, "client_gone")
+            if payload is None:  # the client left before its request was whole, or was answered 408 (counted then)
+                if not scope.get(BODY_REFUSED):
+                    gw.count(None, "client_gone")
                 return
             model = requested_model(payload)
         except RouteError as exc:  # over the size bound

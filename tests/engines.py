@@ -3,13 +3,16 @@ pools the end-to-end tests run against, started and stopped one way."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
@@ -165,3 +168,21 @@ def wait_idle(engine: Engine, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"engine not idle: work={engine.scheduler.has_work()} used={engine.kv.stats().used}")
         time.sleep(0.025)
+
+
+def slow_client(url: str, path: str, sent: bytes = b"", content_type: str = "application/json",
+                ) -> tuple[int, dict[str, str], dict]:
+    """A slowloris client: POST `path` with headers that promise a 1000-byte body of `content_type`, send `sent`
+    of it, then nothing. The answer (status, headers, JSON body), read until the server closes the connection; a
+    server that never does fails the read (socket timeout)."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: %s\r\ncontent-length: 1000\r\n\r\n%s"
+                     % (path.encode(), parts.netloc.encode(), content_type.encode(), sent))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, json.loads(body)

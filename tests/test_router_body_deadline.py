@@ -5,17 +5,19 @@ request waits on it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
+from kvmesh.engine.body_deadline import MIN_BODY_BYTES_PER_SECOND, BodyDeadline
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.protocol import TOKENIZE_PATH
@@ -24,7 +26,7 @@ from kvmesh.router.batches import RESPONSES_PATH
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.gateway_app import Gateway, GatewayApp, static_routers
 
-from .engines import serve_router, wait_idle
+from .engines import serve_router, slow_client, wait_idle
 from .test_gateway import serve_asgi
 from .test_router_disconnect import wait_nothing_in_flight
 from .test_server import served
@@ -51,24 +53,6 @@ def routed(served: tuple[str, Engine], tiny_dir: Path, tmp_path: Path) -> Iterat
     router = build_router(config, tiny_dir)
     with serve_router(router) as url:
         yield Routed(served[1], router, url)
-
-
-def slow_client(url: str, path: str, sent: bytes = b"", content_type: str = "application/json",
-                ) -> tuple[int, dict[str, str], dict]:
-    """A slowloris client: POST `path` with headers that promise a 1000-byte body of `content_type`, send `sent`
-    of it, then nothing. The answer (status, headers, JSON body), read until the server closes the connection; a
-    server that never does fails the read (socket timeout)."""
-    parts = urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
-        sock.sendall(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: %s\r\ncontent-length: 1000\r\n\r\n%s"
-                     % (path.encode(), parts.netloc.encode(), content_type.encode(), sent))
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
-    return int(status_line.split()[1]), headers, json.loads(body)
 
 
 def assert_body_timeout(answer: tuple[int, dict[str, str], dict]) -> None:
@@ -130,6 +114,7 @@ def test_the_gateway_answers_a_slow_body_408_and_closes_the_connection(routed: R
         assert_body_timeout(slow_client(url, "/v1/chat/completions", b'{"model": "'))
         metrics = httpx.get(url + "/metrics").text
         assert 'kvmesh_gateway_requests_total{model="unknown",outcome="bad_request"} 1.0' in metrics
+        assert 'outcome="client_gone"' not in metrics  # the 408 is the one outcome, not a client that left too
         ok = httpx.post(url + "/v1/completions", json={"model": routed.engine.model_name, "prompt": "fine",
                                                        "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
@@ -143,3 +128,51 @@ def test_a_deadline_of_no_time_is_refused_at_start(seconds: float) -> None:
         RouterConfig(pods=["http://127.0.0.1:1"], body_read_timeout_seconds=seconds).validate()
     with pytest.raises(ValueError, match="body_read_timeout_seconds must be above 0"):
         EngineConfig(body_read_timeout_seconds=seconds).validate()
+
+
+def drive(seconds: float, chunks: list[bytes], gap_seconds: float) -> tuple[int, bytes]:
+    """BodyDeadline around an app that reads the whole body and answers 200 with its length, driven as uvicorn
+    would drive it (ASGI messages) by a client that sends `chunks` `gap_seconds` apart: the status and body."""
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(size).encode()})
+
+    async def run() -> tuple[int, bytes]:
+        pending = list(chunks)
+        answer: dict[str, Any] = {}
+
+        async def receive() -> Message:
+            if not pending:
+                await asyncio.Event().wait()  # a client that sends nothing more
+            await asyncio.sleep(gap_seconds)
+            chunk = pending.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+
+        async def send(message: Message) -> None:
+            answer.setdefault("status", message.get("status"))
+            answer["body"] = message.get("body", b"")
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/files", "headers": []}
+        await BodyDeadline(app, lambda: seconds, lambda _: None)(scope, receive, send)
+        return answer["status"], answer["body"]
+
+    return asyncio.run(run())
+
+
+def test_a_large_body_sent_at_a_fair_rate_is_not_cut_and_a_trickle_is() -> None:
+    """The deadline grows by a second per MIN_BODY_BYTES_PER_SECOND received: a 100 MiB batch file on a link of a
+    few MiB/s takes longer than 30 s and must still arrive, while a client that trickles a few bytes at a time
+    gains next to nothing. Here a 0.2 s deadline and eight 64 KiB chunks 0.1 s apart (0.8 s in all, 8 s earned)
+    are read whole; 10-byte chunks at the same pace are a 408."""
+    fair = [b"x" * MIN_BODY_BYTES_PER_SECOND] * 8
+    assert drive(0.2, fair, 0.1) == (200, str(8 * MIN_BODY_BYTES_PER_SECOND).encode())
+    status, body = drive(0.2, [b"y" * 10] * 8, 0.1)
+    assert status == 408 and json.loads(body)["error"]["code"] == "body_timeout"

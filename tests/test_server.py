@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -27,7 +25,7 @@ from kvmesh.router.pods import PodSet, parse_metrics
 from kvmesh.router.pool_status import pod_state
 
 from .conftest import make_engine
-from .engines import serve_engine, wait_idle
+from .engines import serve_engine, slow_client, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -244,23 +242,6 @@ def _finished(engine: Engine, reason: str) -> float:
             if s.name == "kvmesh_requests_total" and s.labels["finish_reason"] == reason:
                 return s.value
     raise AssertionError(f"no {reason} counter")
-
-
-def slow_client(url: str, path: str, sent: bytes = b"") -> tuple[int, dict[str, str], dict]:
-    """A slowloris client: POST `path` with headers that promise a 1000-byte body, send `sent` of it, then
-    nothing. The answer (status, headers, JSON body), read until the server closes the connection; a server
-    that never does fails the read (socket timeout)."""
-    parts = urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
-        sock.sendall(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n"
-                     b"\r\n%s" % (path.encode(), parts.netloc.encode(), sent))
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
-    return int(status_line.split()[1]), headers, json.loads(body)
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(
