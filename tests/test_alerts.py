@@ -261,12 +261,27 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         "5m",
         [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE}, *NO_DECODE),
          alert("KvmeshEngineDown", E0, *DOWN)]),
-    # A rollout's new pod loads a big model for 12 minutes: its target answers (kvmesh_engine_loading 1) from the
-    # first scrape, so it is starting, not down, and 12 minutes is not yet too long
+    # The role's only engine loads a big model for 12 minutes: its target answers (kvmesh_engine_loading 1) from
+    # the first scrape, so it is starting, neither down nor the role without engines, and 12 minutes is not yet
+    # too long for a load or for a role to serve nothing
     "a slow model load": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "1x20"),
          (f'{LOADING}{{pod="e0", role="decode", {POOL}}}', "1x12 0x8")],
         "12m", []),
+    # ... but every engine of the role still loading after 15 minutes is an outage: up, yet nothing serves
+    "every engine of a role loading for 16 minutes": (
+        [(f'up{{pod="e0", role="decode", {POOL}}}', "1x20"),
+         (f'{LOADING}{{pod="e0", role="decode", {POOL}}}', "1x20"),
+         (f'up{{pod="e1", role="decode", {POOL}}}', "1x20"),
+         (f'{LOADING}{{pod="e1", role="decode", {POOL}}}', "1x20"),
+         (f'up{{pod="e2", role="prefill", {POOL}}}', "1x20"),
+         (f'{LOADING}{{pod="e2", role="prefill", {POOL}}}', "0x20")],
+        "16m",
+        [alert("KvmeshPoolNotServing", {"severity": "critical", "role": "decode", **WHERE},
+               "Pool ml/chat: every decode engine has been loading its model for 15 minutes",
+               "No decode engine has loaded, so none is Ready: the pool cannot serve requests (its routers hold or "
+               "refuse them). The engines' logs say where their loads are; check the model's volume or download "
+               "and the nodes' memory.")]),
     # ... one still loading after 20 minutes is stuck: a warning, its target still up
     "a load stuck for 25 minutes": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "1x30"),
@@ -332,7 +347,7 @@ def test_the_rule_file_is_valid() -> None:
     assert sorted(ALERTS) == sorted(["KvmeshKVForecastAbove95Percent", "KvmeshPrefixHitRatioDropped",
                                      "KvmeshRouterShedding", "KvmeshKVEventLag", "KvmeshEngineDown",
                                      "KvmeshEngineLoadingTooLong",
-                                     "KvmeshPoolHasNoEngines", "KvmeshWarmupNotReached",
+                                     "KvmeshPoolHasNoEngines", "KvmeshPoolNotServing", "KvmeshWarmupNotReached",
                                      "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused", "KvmeshBatchStalled",
                                      "KvmeshResponseStoreFailing",
                                      "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing"])
