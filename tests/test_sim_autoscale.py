@@ -213,6 +213,10 @@ def test_a_request_at_zero_is_held_through_the_cold_start_and_its_ttft_includes_
     assert late.ttft >= late.held_seconds and late.ttft < late.held_seconds + 1.0
     assert zero.requests[0].held_seconds == 0.0
 
+    instant = replace(ZERO, cold_start_seconds=0.0)  # an instance ready as soon as it is asked for
+    woken = replay_pool(sparse([0.0, 600.0]), instant, scale_to_zero=True, until=700.0)
+    assert not woken.failed and woken.requests[-1].held_seconds <= 15.0 + 1e-6  # the next tick, not the hold
+
 
 def test_past_the_held_cap_or_the_hold_a_request_fails_as_the_routers_503() -> None:
     burst = sparse([0.0, *(600.0 + i * 0.01 for i in range(5))])

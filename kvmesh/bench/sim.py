@@ -771,8 +771,9 @@ class Cluster:
         name = f"{role}-{next(self._names)}"
         ready = self.now + self.spec.startup_seconds if ready_at is None else ready_at
         inst = self.instances[name] = Instance(name, role, self, ready)
-        if ready > self.now:
-            self.at(ready, self.release)  # routing reads `ready`; the router's held requests go on
+        # routing reads `ready`; the router's held requests go on then (at once for a cold start of 0: a request
+        # held while no instance was ready must not wait for its hold to expire)
+        self.at(max(ready, self.now), self.release)
         return inst
 
     def drain(self, inst: Instance) -> None:
