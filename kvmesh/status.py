@@ -9,12 +9,11 @@ import sys
 import time
 from typing import Any
 
-from kvmesh.engine.protocol import TIERS
+from kvmesh.engine.protocol import STARTING_POD_STATES, TIERS
 from kvmesh.router.pool_status import POOL_STATUS_PATH
 
 _COLUMNS = ("POD", "STATE", "ROLE", "RUN", "WAIT", "SENT", "KV", "P90", "P(OVER)", f"INDEXED {'/'.join(TIERS)}", "LAG",
             "AGE")
-_STARTING = ("loading", "warming")  # pods on their way to serving (loading their model, waiting for a warm-up)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +51,7 @@ def render(doc: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     serving = sum(1 for pod in doc["pods"] if pod["state"] == "healthy")
-    starting = sum(1 for pod in doc["pods"] if pod["state"] in _STARTING)
+    starting = sum(1 for pod in doc["pods"] if pod["state"] in STARTING_POD_STATES)
     lines.append(f"{len(doc['pods'])} pods, {serving} healthy" + (f", {starting} starting" if starting else "")
                  + f"; {doc['index']['blocks']} distinct blocks indexed")
     lines += [f"{pod['name']}: {pod['reason']}" for pod in doc["pods"] if pod["reason"]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvmesh.engine.protocol import TIERS
+from kvmesh.engine.protocol import HEALTH_LOADING, HEALTH_WARMING, TIERS
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.picker import PodState
 from kvmesh.router.pods import Pod
@@ -27,9 +27,9 @@ def pod_state(pod: Pod) -> str:
     if pod.draining:
         return "draining"
     if pod.warming:
-        return "warming"
+        return HEALTH_WARMING
     if pod.loading:
-        return "loading"
+        return HEALTH_LOADING
     return "healthy" if pod.healthy else "unhealthy"
 
 
