@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -117,13 +118,35 @@ class LoadedModel:
     dtype: torch.dtype
 
 
+# Whom load_model tells how far it is (the server's load-progress gauge): set in the loading thread's context by
+# whoever loads, since the loader callables between them (kvmesh serve's `lambda: Engine(config)`) take no arguments.
+LOAD_PROGRESS: ContextVar[loader.ProgressCallback] = ContextVar("kvmesh_load_progress", default=loader.no_progress)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
-    model_dir = loader.resolve_model_dir(config.model)
+    """Read the model, telling LOAD_PROGRESS the share (0..1) of its weights read so far.
+
+    A GGUF converted at this start is read twice, converted and then loaded: each pass is half of the share. One
+    series that only rises to 1 whatever the stages lets an operator read a flat one as a stuck load; a stage
+    label would split a pod's load into series that each stop, and converting happens only at a first start.
+    """
+    report = LOAD_PROGRESS.get()
+    converted = False
+
+    def converting(fraction: float) -> None:
+        nonlocal converted
+        converted = True
+        report(fraction / 2)
+
+    def loading(fraction: float) -> None:
+        report((1 + fraction) / 2 if converted else fraction)
+
+    model_dir = loader.resolve_model_dir(config.model, on_progress=converting)
     model_config = loader.load_config(model_dir)
     device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
                           "cpu" if config.device == "auto" else config.device)
     dtype = pick_dtype(config.dtype, device)
-    weights = loader.load_weights(model_dir, dtype)
+    weights = loader.load_weights(model_dir, dtype, loading)
     model = Llama(model_config, weights, device, config.quantization, config.max_loras, config.max_lora_rank,
                   pick_attention_dtype(dtype, device))
     name = config.served_model_name or model_config.name

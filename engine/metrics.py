@@ -55,23 +55,32 @@ _STEP_COST_HELP = {
 }
 RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 _LOADING_HELP = "1 while the engine loads its model (every route but /metrics answers 503), 0 once loaded."
+_LOAD_PROGRESS_HELP = ("Share of the model's weights read so far (a GGUF converted at this start: converting is the "
+                       "first half), 1 once loaded: a flat one while loading is a stuck load.")
 
 
-def _process_registry(loading: bool) -> CollectorRegistry:
-    """A registry with the engine's load state and the process's own metrics (CPU, resident memory, open files:
-    a load that still reads weights grows its memory), which /metrics shows from the start."""
+def _process_registry(loading: bool) -> tuple[CollectorRegistry, Gauge]:
+    """A registry with the engine's load state, its load progress (returned, at 0 while loading, else 1) and the
+    process's own metrics (CPU, resident memory, open files), which /metrics shows from the start."""
     registry = CollectorRegistry(auto_describe=True)
     Gauge(M.ENGINE_LOADING, _LOADING_HELP, registry=registry).set(int(loading))
+    progress = Gauge(M.ENGINE_LOAD_PROGRESS, _LOAD_PROGRESS_HELP, registry=registry)
+    progress.set(int(not loading))
     ProcessCollector(registry=registry)
-    return registry
+    return registry, progress
 
 
 class LoadingMetrics:
-    """/metrics while the model loads: kvmesh_engine_loading 1 and the process's metrics, so that Prometheus sees
-    a starting engine (its target up) rather than a down one, and its readers leave it out (serving_metrics)."""
+    """/metrics while the model loads: kvmesh_engine_loading 1, the load's progress and the process's metrics, so
+    that Prometheus sees a starting engine (its target up) rather than a down one, and its readers leave it out
+    (serving_metrics)."""
 
     def __init__(self) -> None:
-        self.registry = _process_registry(loading=True)
+        self.registry, self._progress = _process_registry(loading=True)
+
+    def progress(self, ratio: float) -> None:
+        """The load's progress callback (engine.LOAD_PROGRESS), called on the loading thread."""
+        self._progress.set(ratio)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -168,7 +177,7 @@ class EngineMetrics:
 
     def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
                  kv_format: str = "", num_speculative_tokens: int = 0) -> None:
-        self.registry = _process_registry(loading=False)  # the same series as while loading, now at 0
+        self.registry, _ = _process_registry(loading=False)  # the same series as while loading, now loaded
         r = self.registry
         lm = [MODEL_LABEL]
         self._m = model

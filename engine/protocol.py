@@ -409,6 +409,9 @@ class Metric:
     # gauge, no label: 1 while the engine loads its model (its /metrics then holds this and the process's metrics
     # only, every other route answers 503), 0 once loaded: a starting engine, not one serving nothing
     ENGINE_LOADING = "kvmesh_engine_loading"
+    # gauge, no label: the share (0..1) of the model's weights read so far while it loads (a GGUF converted at
+    # this start: converting is the first half, loading the second), 1 once loaded: a flat one is a stuck load
+    ENGINE_LOAD_PROGRESS = "kvmesh_engine_load_progress_ratio"
 
 
 class RouterMetric:

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline
-from kvmesh.engine.engine import Engine
+from kvmesh.engine.engine import LOAD_PROGRESS, Engine
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
 from kvmesh.engine.metrics import LoadingMetrics
 from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
@@ -172,7 +172,7 @@ class HeldStream(StreamingResponse):
 
 class EngineHolder:
     """The engine, or why there is none yet: the server answers /health 503 while the model loads (and /metrics
-    says it loads: `loading_metrics`), and while its warm-up gate holds it."""
+    says it loads, and how far: `loading_metrics`), and while its warm-up gate holds it."""
 
     def __init__(self, engine: Engine | None = None, loader: Callable[[], Engine] | None = None) -> None:
         self.engine: Engine | None = None
@@ -193,6 +193,7 @@ class EngineHolder:
 
         def run() -> None:
             try:
+                LOAD_PROGRESS.set(self.loading_metrics.progress)  # this thread's context: its load reports here
                 engine = self._loader()  # type: ignore[misc]
                 engine.start()
                 self._loaded(engine)

@@ -291,9 +291,9 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         "25m",
         [alert("KvmeshEngineLoadingTooLong", E0,
                "Engine ml/e0 (decode) of pool chat has been loading its model for 20 minutes",
-               "It answers /metrics but not /health, so it is not Ready and takes no requests. Its log and "
-               "process_resident_memory_bytes show whether the load still moves; check the model's volume or "
-               "download and the node's memory.")]),
+               "It answers /metrics but not /health, so it is not Ready and takes no requests. Its "
+               "kvmesh_engine_load_progress_ratio (the share of its weights read) shows whether the load still "
+               "moves, its log where it is; check the model's volume or download and the node's memory.")]),
     # ... and one that loaded, then died (its target down, its gauge gone with it) is down
     "an engine that loaded and then died": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "1x10 0x10"),

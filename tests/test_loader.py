@@ -19,6 +19,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LOAD_PROGRESS, load_model
 from kvmesh.engine.model import loader
 from kvmesh.engine.model.loader import (
     BUNDLED_MODEL_NAME,
@@ -348,6 +350,32 @@ def test_pre_tokenizers_follow_llama_cpp(pre: str, pieces: list[str]) -> None:
 def test_unsupported_pre_tokenizer() -> None:
     with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'tekken'"):
         loader._pre_tokenizer("tekken")
+
+
+def test_a_load_reports_the_share_of_weights_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_model tells LOAD_PROGRESS after each tensor how far it is, rising to exactly 1.0: at a GGUF's first
+    start converting is the first half (one report a tensor, the last at 0.5) and loading the second; a later start
+    finds the conversion and only loads."""
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "Tiny-llama-F32.gguf"
+    _write_tiny_gguf(path, "llama")
+    tensors = len(gguf.GGUFReader(path).tensors)  # untied: the load reads every converted tensor too
+    config = EngineConfig(model=str(path), dtype="float32")
+
+    def reported() -> list[float]:
+        seen: list[float] = []
+        token = LOAD_PROGRESS.set(seen.append)
+        try:
+            load_model(config)
+        finally:
+            LOAD_PROGRESS.reset(token)
+        return seen
+
+    first, second = reported(), reported()
+    for seen in (first, second):
+        assert seen == sorted(set(seen)) and seen[0] > 0 and seen[-1] == 1.0, seen
+    assert len(first) == 2 * tensors and first[tensors - 1] == 0.5
+    assert len(second) == tensors
 
 
 def test_convert_gguf_writes_a_complete_directory(tmp_path: Path) -> None:

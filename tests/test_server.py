@@ -14,7 +14,7 @@ import openai
 import pytest
 import uvicorn
 
-from kvmesh.engine.engine import Engine
+from kvmesh.engine.engine import LOAD_PROGRESS, Engine
 from kvmesh.engine.protocol import FORECAST_LEVELS, EngineLoading, Metric, VllmMetric, read_engine_metrics
 from kvmesh.engine.server import EngineHolder, create_app
 from kvmesh.operator.engines import http_scrape
@@ -384,6 +384,46 @@ def test_a_loading_engine_says_so_on_metrics_and_serves_nothing_else(tiny_dir: P
         server.should_exit = True
         serving.join(timeout=10)
         engine.stop()
+
+
+def test_metrics_show_how_far_a_load_is(tiny_dir: Path) -> None:
+    """While the model loads, /metrics shows the share of its weights read so far, from the real load of the tiny
+    model (held after its first report that passes a half); once loaded, 1."""
+    from fastapi.testclient import TestClient
+
+    held, release = threading.Event(), threading.Event()
+    held_at: list[float] = []
+
+    def held_load() -> Engine:
+        report = LOAD_PROGRESS.get()  # the holder's gauge
+
+        def hold(ratio: float) -> None:
+            report(ratio)
+            if ratio >= 0.5 and not held_at:
+                held_at.append(ratio)
+                held.set()
+                release.wait()
+
+        LOAD_PROGRESS.set(hold)
+        return make_engine(tiny_dir, kv_cache_blocks=32)
+
+    holder = EngineHolder(loader=held_load)
+    loading = holder.load_in_background()
+    try:
+        with TestClient(create_app(holder)) as http:
+            held.wait()
+            values = read_engine_metrics(http.get("/metrics").text).values
+            assert values[Metric.ENGINE_LOADING] == 1 and 0 < values[Metric.ENGINE_LOAD_PROGRESS] < 1
+            assert values[Metric.ENGINE_LOAD_PROGRESS] == held_at[0]
+            release.set()
+            loading.join()
+            values = read_engine_metrics(http.get("/metrics").text).values
+            assert (values[Metric.ENGINE_LOADING], values[Metric.ENGINE_LOAD_PROGRESS]) == (0, 1)
+    finally:
+        release.set()
+        loading.join(timeout=60)
+        if holder.engine is not None:
+            holder.engine.stop()
 
 
 def test_a_failed_load_answers_metrics_503() -> None:

@@ -13,12 +13,13 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,14 @@ _TOKEN_TYPE_USER_DEFINED = 4
 
 log = logging.getLogger("kvmesh.engine.loader")
 
+# Told, after each tensor of a pass over the weights (a conversion, a load), the share of the pass's parameters done
+# (0..1, ending at 1.0): plain, so the model code knows nothing of who watches (the server's load-progress gauge).
+ProgressCallback = Callable[[float], None]
+
+
+def no_progress(_: float) -> None:
+    """A pass no one watches."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -130,14 +139,15 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvmesh"
 
 
-def resolve_model_dir(model: str | None, progress: bool = True) -> Path:
+def resolve_model_dir(model: str | None, progress: bool = True, on_progress: ProgressCallback = no_progress) -> Path:
     """Turn the user's model argument into a Hugging Face style directory, converting a GGUF file once.
 
     None means the bundled SmolLM2. A converted directory is named after the file's content hash, so a changed
-    file is converted again while later starts with the same file find the directory and skip conversion.
+    file is converted again while later starts with the same file find the directory and skip conversion
+    (`on_progress` then hears nothing).
     """
     if model is None:
-        return _converted_dir(bundled_gguf_path(), progress)
+        return _converted_dir(bundled_gguf_path(), progress, on_progress)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -147,7 +157,7 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> Path:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file; give a .gguf file or a model directory")
-        return _converted_dir(path, progress)
+        return _converted_dir(path, progress, on_progress)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json; is it a Hugging Face model directory?")
     return path
@@ -176,7 +186,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _converted_dir(gguf_path: Path, progress: bool) -> Path:
+def _converted_dir(gguf_path: Path, progress: bool, on_progress: ProgressCallback) -> Path:
     """Convert into a temporary sibling and rename it into place, so no half-written directory is ever visible."""
     models_dir = cache_root() / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -188,7 +198,7 @@ def _converted_dir(gguf_path: Path, progress: bool) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
         try:
-            convert_gguf(gguf_path, tmp, progress)
+            convert_gguf(gguf_path, tmp, progress, on_progress)
             for path in tmp.iterdir():  # mkdtemp and safetensors create owner-only files; the cache may be shared
                 path.chmod(0o644)
             tmp.chmod(0o755)
@@ -281,8 +291,12 @@ def _eos_ids(reader: GGUFReader, tokens: list[str], template: str | None) -> lis
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True,
+                 on_progress: ProgressCallback = no_progress) -> None:
     """Write a Hugging Face style directory (config, float32 weights, tokenizer, chat template) from a GGUF file.
+
+    `progress` shows a bar on stderr; `on_progress` hears the share of the parameters converted after each tensor
+    (writing the converted file at the end adds none).
 
     Decisions, so the result behaves like the original Hugging Face model rather than like llama.cpp:
     - quantized tensors are dequantized and every tensor stored as float32;
@@ -315,6 +329,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
+    total, done = sum(int(t.n_elements) for t in reader.tensors), 0
     for t in tqdm(
         reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress, file=sys.stderr
     ):
@@ -326,6 +341,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute_rope_rows(weight, kv_heads)
         tensors[name] = np.ascontiguousarray(weight)
+        done += int(t.n_elements)
+        on_progress(done / total)
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
@@ -512,22 +529,30 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(model_dir: Path, dtype: torch.dtype, on_progress: ProgressCallback = no_progress
+                 ) -> dict[str, torch.Tensor]:
     """All weights under their HF names, floating ones cast to dtype.
 
     With tied embeddings lm_head.weight is left out even if the checkpoint stores it (HF ties it to the embedding,
-    so the stored copy is never used); with untied ones it must be present.
+    so the stored copy is never used); with untied ones it must be present. `on_progress` hears the share of the
+    parameters read after each tensor: every file's header is read first, so the share is of the whole checkpoint.
     """
     model_dir = Path(model_dir)
     tied = _tied(_read_json(model_dir / "config.json"))  # not load_config, so its warnings are logged once a load
     weights: dict[str, torch.Tensor] = {}
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                    continue
-                tensor = f.get_tensor(name)
-                weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    with contextlib.ExitStack() as files:
+        wanted = [
+            (f, name)
+            for f in (files.enter_context(safe_open(str(path), framework="pt")) for path in _weight_files(model_dir))
+            for name in f.keys()  # noqa: SIM118 (a safe_open handle is not iterable)
+            if not (name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"))
+        ]
+        total, done = sum(math.prod(f.get_slice(name).get_shape()) for f, name in wanted), 0
+        for f, name in wanted:
+            tensor = f.get_tensor(name)
+            weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            done += tensor.numel()
+            on_progress(done / total)
     if not tied and "lm_head.weight" not in weights:
         raise ValueError(f"{model_dir}: untied embeddings but no lm_head.weight in the checkpoint")
     return weights
