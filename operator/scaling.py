@@ -275,15 +275,16 @@ def little_calibrated(obs: PoolObservation, held: float) -> PoolObservation:
     which the requests in flight arrived (the trend's rate half a request's time ago) x blocks per request x
     seconds held. The logged figure is a request's peak blocks over its end-to-end time, queueing included; a
     request holds fewer on average (its output grows, it holds nothing while queued), so the logged product
-    overstates the arrivals' demand. Pods that hold nothing yet leave the logged figure in place, and the
-    calibration only lowers it: with the rate near zero while a few requests are still in flight, the quotient
-    reads each as holding thousands of blocks (a pool of one small request was asked 10 pods)."""
+    overstates the arrivals' demand. Pods that hold nothing yet leave the logged figure in place. The figure sizes
+    the arrivals only: the requests queued now are counted at the logged size (`demand_now`), since with the rate
+    near zero while a few requests are still in flight the quotient reads each as holding thousands of blocks (a
+    pool of three small requests was asked 9 pods)."""
     if held <= 0 or obs.request_seconds <= 0 or obs.blocks_per_request <= 0:
         return obs
     arrived_at = projected_rate(obs, -obs.request_seconds / 2)
     if arrived_at <= 0:
         return obs
-    return replace(obs, blocks_per_request=min(obs.blocks_per_request, held / (arrived_at * obs.request_seconds)))
+    return replace(obs, blocks_per_request=held / (arrived_at * obs.request_seconds))
 
 
 def prefill_speed(pods: Sequence[PodObservation], obs: PoolObservation) -> float:
@@ -460,10 +461,11 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
         per_pod = sum(p.num_blocks for p in pods) / len(pods)
         new: Arrivals | None = None  # the pool's arrivals: held by the KV roles only
         held = NO_HOLDING_CORRECTION  # and only they hold a request longer in a busier pod
+        now = demand_now(pods, obs, role)  # queued requests at the logged size: see little_calibrated
         if role in KV_ROLES:
-            obs = little_calibrated(obs, demand_now(pods, obs, role))
+            obs = little_calibrated(obs, now)
             new, held = arrivals(obs, policy.horizon_seconds, policy.trend_seconds), holding(pods, obs)
-        demand = SizedDemand(held, demand_now(pods, obs, role), obs.arrival_rate, role_demand(pods, new, q),
+        demand = SizedDemand(held, now, obs.arrival_rate, role_demand(pods, new, q),
                              new.rate if new else obs.arrival_rate)
         capacity = max(current, 1) * per_pod
         predicted = demand(current) / capacity
