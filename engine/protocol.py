@@ -406,8 +406,8 @@ class Metric:
     KV_BLOCK_REUSE_GAP = "kvmesh_kv_block_reuse_gap_seconds"  # histogram, sampled: idle until reused; label tier
     WARMUP_GATE_OPENED = "kvmesh_warmup_gate_opened"  # counter; label reason (GATE_REASONS): how /health opened
     LORA_ADAPTERS_LOADED = "kvmesh_lora_adapters_loaded"  # gauge: LoRA adapters loaded now
-    # gauge, no label: 1 while the engine loads its model (its /metrics then holds this and the process's metrics
-    # only, every other route answers 503), 0 once loaded: a starting engine, not one serving nothing
+    # gauge, no label: 1 while the engine loads its model (its /metrics then holds this, ENGINE_LOAD_PROGRESS and
+    # the process's metrics only, every other route answers 503), 0 once loaded: a starting engine, not a dead one
     ENGINE_LOADING = "kvmesh_engine_loading"
     # gauge, no label: the share (0..1) of the model's weights read so far while it loads (a GGUF converted at
     # this start: converting is the first half, loading the second), 1 once loaded: a flat one is a stuck load
