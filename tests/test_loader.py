@@ -175,15 +175,21 @@ _HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # qwen3's per-head norms
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
-def _write_tiny_gguf(path: Path, arch: str) -> torch.nn.Module:
-    """A GGUF laid out as llama.cpp writes one, from a random tiny HF model that is returned as the reference."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
-    model = _tiny_hf_model(arch, len(tokens))
+GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+GGUF_TOKENS = GGUF_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]  # byte-level BPE
+
+
+def write_gguf(path: Path, model: torch.nn.Module, arch: str) -> torch.nn.Module:
+    """`model` (a random tiny HF model over GGUF_TOKENS) as llama.cpp's converter writes it: llama's q/k rows
+    permuted (no other family's), qwen3's per-head norms as attn_q_norm / attn_k_norm, qwen2 with linear RoPE
+    scaling 2. Returns `model`, the reference."""
     cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -191,16 +197,18 @@ def _write_tiny_gguf(path: Path, arch: str) -> torch.nn.Module:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "qwen2":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(2.0)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    writer.add_tokenizer_pre("smollm" if arch == "llama" else "qwen2")
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (len(GGUF_TOKENS) - len(GGUF_SPECIALS)))
     writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(0)
@@ -229,6 +237,11 @@ def _write_tiny_gguf(path: Path, arch: str) -> torch.nn.Module:
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def _write_tiny_gguf(path: Path, arch: str) -> torch.nn.Module:
+    """A GGUF laid out as llama.cpp writes one, from a random tiny HF model that is returned as the reference."""
+    return write_gguf(path, _tiny_hf_model(arch, len(GGUF_TOKENS)), arch)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import pre_tokenizers
 
 from kvmesh.engine.model.loader import load_config, load_weights, resolve_model_dir
 from kvmesh.engine.model.lora import TARGET_MODULES, module_shapes
@@ -25,7 +24,7 @@ from kvmesh.engine.runner import StepInput
 
 from .conftest import TOKENIZER_FILES, make_engine
 from .test_engine import generate, prompt
-from .test_loader import _HF_TO_GGUF, CHATML
+from .test_loader import GGUF_TOKENS, write_gguf
 from .test_lora import hf_greedy, run
 
 ATOL = 1e-4  # fp32 logits against transformers (as tests/test_model.py)
@@ -191,57 +190,10 @@ def test_lora_on_qwen3_matches_the_merged_model(models, tmp_path: Path) -> None:
     assert with_lora.tokens != base.tokens
 
 
-def _write_qwen3_gguf(path: Path) -> torch.nn.Module:
-    """A Qwen3 GGUF as llama.cpp's converter writes one (q/k rows in HF's order: it permutes only llama's; the
-    per-head norms as attn_q_norm / attn_k_norm) from a random tiny model, which is returned as the reference."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
-    model = _hf_model("qwen3", len(tokens))
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
-    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
-    layer_names = {**_HF_TO_GGUF, "self_attn.q_norm.weight": "attn_q_norm.weight",
-                   "self_attn.k_norm.weight": "attn_k_norm.weight"}
-    global_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":  # tied
-            continue
-        data = tensor.numpy().astype(np.float32)
-        if name in global_names:
-            writer.add_tensor(global_names[name], data)
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        writer.add_tensor(f"blk.{layer}.{layer_names[rest]}", data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return model
-
-
 def test_qwen3_gguf_converts_and_serves_like_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "Tiny-qwen3-F32.gguf"
-    reference = _write_qwen3_gguf(path)
+    reference = write_gguf(path, _hf_model("qwen3", len(GGUF_TOKENS)), "qwen3")
     model_dir = resolve_model_dir(str(path), progress=False)
     config = load_config(model_dir)
     assert config.qk_norm and config.tie_word_embeddings and not config.attention_bias
