@@ -44,7 +44,8 @@ from kvmesh.processes import (
 from kvmesh.router.config import SHUTDOWN_DRAIN_SECONDS
 
 if TYPE_CHECKING:  # the operator loads only for a pool file
-    from kvmesh.operator.local import LocalPod, RouterView
+    from kvmesh.operator.local import LocalPod
+    from kvmesh.operator.memory import RouterView
 
 HEALTH_TIMEOUT_SECONDS = 600.0
 # Test-only: how many seconds pass on the local operator's clock per real second, so a test sees a pool idle for
@@ -628,7 +629,7 @@ def observe_router(engines: LocalEngines, pods: Sequence[LocalPod],
     routes to) did not answer its /metrics, so a request may be running unseen."""
     from kvmesh.operator.engines import http_scrape, scrape_all
     from kvmesh.operator.forecast import parse_router_held
-    from kvmesh.operator.local import RouterView
+    from kvmesh.operator.memory import RouterView
 
     answered = {p.name for p in pods}
     unseen = any(e.child.name not in answered for e in engines.serving())

@@ -22,7 +22,7 @@ import asyncio
 import datetime
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -39,7 +39,7 @@ from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
 from kvmesh.operator.kube import PLURALS, Kube
 from kvmesh.operator.leader import Election, run_elected
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
-from kvmesh.operator.memory import PoolMemory, current_replicas, now_timestamp, pod_hit_rates
+from kvmesh.operator.memory import PoolMemory, RouterView, current_replicas, now_timestamp, pod_hit_rates
 from kvmesh.operator.metrics import LeaderMetrics, OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
 from kvmesh.operator.scaling import Decision
@@ -147,7 +147,7 @@ def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodM
     return scraped
 
 
-def held_requests(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> tuple[int, bool]:
+def observe_routers(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> RouterView:
     """The requests the pool's router pods hold for want of a ready engine, summed over those that answer their
     /metrics (scale to zero's wake-up: a pool at 0 has no engine to count a request); and whether a Ready router
     did not answer."""
@@ -159,7 +159,7 @@ def held_requests(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> tup
             unseen = unseen or pod_ready(alive[name])
         else:
             total += parse_router_held(text)
-    return total, unseen
+    return RouterView(total, unseen)
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
@@ -277,14 +277,16 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}
-    held, unseen = 0, False
+    routers = RouterView()
     if "scaleToZero" in pool.spec["scaling"]:  # a pool at 0 learns of its first request from the routers holding it
-        routers = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=router")
-        held, unseen = held_requests(routers, pool.spec["router"]["port"], scrape)
+        router_pods = kube.list("v1", "pods", pool.namespace,
+                                f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=router")
+        routers = observe_routers(router_pods, pool.spec["router"]["port"], scrape)
         answered = {m.observation.name for m in scraped}
-        unseen = unseen or any(pod_ready(p) and p["metadata"]["name"] not in answered for p in pods)
-    idle = state.idle.update(now, scraped, held, unseen)
-    decision = state.scaler_for(pool).observe(now, scraped, replicas, held, idle)
+        if any(pod_ready(p) and p["metadata"]["name"] not in answered for p in pods):
+            routers = replace(routers, unseen=True)
+    idle = state.idle.update(now, scraped, routers)
+    decision = state.scaler_for(pool).observe(now, scraped, replicas, routers.held, idle)
     hit_rates = pod_hit_rates(state, now, scraped)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         message = decision.describe(role, replicas)

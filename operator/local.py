@@ -25,7 +25,7 @@ from kvmesh.operator.desired import API_KEYS_DIR, engine_adapters, engine_settin
 from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.forecast import parse_pod
 from kvmesh.operator.lora import AdapterMemory, AdapterTick, EnginePod, Life, adapter_tick
-from kvmesh.operator.memory import PoolMemory, pod_hit_rates
+from kvmesh.operator.memory import PoolMemory, RouterView, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
 from kvmesh.operator.scaling import Decision
@@ -39,7 +39,7 @@ from kvmesh.operator.warmup import (
     plan_tick_warmups,
 )
 
-__all__ = ["LocalOperator", "LocalPod", "Restarts", "RouterView", "describe", "ignored_locally",
+__all__ = ["LocalOperator", "LocalPod", "Restarts", "describe", "ignored_locally",
            "local_engine_settings", "local_router_settings", "needs_restart", "restarts", "start_inputs"]
 
 # Settings the cluster's files carry that a local pool sets otherwise (addresses, discovery).
@@ -190,17 +190,6 @@ class LocalPod:
 
 
 @dataclass(frozen=True)
-class RouterView:
-    """What scale to zero reads besides the engines (the cluster operator reads it from its router pods): the
-    requests the router holds for want of a serving engine (its kvmesh_router_requests_waiting_for_pods), and
-    whether the router or an engine that serves did not answer its scrape this tick, which leaves the pool's
-    idleness unknown."""
-
-    held: int = 0
-    unseen: bool = False
-
-
-@dataclass(frozen=True)
 class Tick:
     decision: Decision
     warmups: WarmupPlan  # the engines that began serving since the last tick: whom to warm from whom, whom to open
@@ -250,7 +239,7 @@ class LocalOperator:
         which the router or a serving engine did not answer (`RouterView.unseen`)."""
         scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
         view = router or RouterView()
-        idle = self.memory.idle.update(now, scraped, view.held, view.unseen)
+        idle = self.memory.idle.update(now, scraped, view)
         decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas, view.held, idle)
         hit_rates = pod_hit_rates(self.memory, now, scraped)
         places = {p.name: PodPlace(p.url, p.ready) for p in pods}

@@ -45,6 +45,17 @@ def current_replicas(pool: Pool, status: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True)
+class RouterView:
+    """What scale to zero reads besides the engines, from the pool's router pods (or `kvmesh up`'s router): the
+    requests they hold for want of a serving engine (kvmesh_router_requests_waiting_for_pods, summed), and whether
+    a Ready router or a serving engine did not answer its scrape this tick, which leaves the pool's idleness
+    unknown."""
+
+    held: int = 0
+    unseen: bool = False
+
+
 @dataclass
 class IdleClock:
     """How long the pool has had no request, for scale to zero: any request running or waiting in an engine, held
@@ -55,12 +66,13 @@ class IdleClock:
     since: float | None = None  # the last tick that saw a request
     counters: dict[str, tuple[float, float]] = field(default_factory=dict)  # pod -> (finished, prompt tokens)
 
-    def update(self, now: float, metrics: list[PodMetrics], held_requests: int, unseen: bool = False) -> float:
-        """The seconds idle as of `now`. `unseen`: a ready engine or a router did not answer its scrape this tick,
-        which says nothing of idleness, so it counts as busy (a pool the operator cannot see for the idle time,
-        behind a new NetworkPolicy or under a load that times its /metrics out, must not be stopped)."""
+    def update(self, now: float, metrics: list[PodMetrics], routers: RouterView = RouterView()) -> float:
+        """The seconds idle as of `now`. `routers.unseen`: a ready engine or a router did not answer its scrape this
+        tick, which says nothing of idleness, so it counts as busy (a pool the operator cannot see for the idle
+        time, behind a new NetworkPolicy or under a load that times its /metrics out, must not be stopped)."""
         seen = {m.observation.name: (m.counters.finished, m.counters.prompt_tokens) for m in metrics}
-        busy = (unseen or held_requests > 0 or any(m.observation.running or m.observation.waiting for m in metrics)
+        busy = (routers.unseen or routers.held > 0
+                or any(m.observation.running or m.observation.waiting for m in metrics)
                 or any(name in self.counters and self.counters[name] != counters for name, counters in seen.items()))
         self.counters = seen
         if self.since is None or busy:

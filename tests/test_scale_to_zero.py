@@ -20,7 +20,7 @@ from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL, RouterMetric, VllmMet
 from kvmesh.operator.crd import DEFAULT_ACTIVATION_TIMEOUT_SECONDS, HOLD_SETTING, parse_pool
 from kvmesh.operator.desired import COMPONENT_LABEL, initial_replicas, router_settings
 from kvmesh.operator.forecast import Counters, PodMetrics, parse_router_held
-from kvmesh.operator.memory import IdleClock
+from kvmesh.operator.memory import IdleClock, RouterView
 from kvmesh.operator.scaling import PodObservation
 from kvmesh.processes import free_port, write_json_atomically
 from kvmesh.router.app import build_router
@@ -134,17 +134,18 @@ def engine_metrics(name: str, running: int = 0, finished: float = 0.0) -> PodMet
 
 def test_the_idle_clock_restarts_on_any_request() -> None:
     clock = IdleClock()
-    assert clock.update(0, [engine_metrics("a")], 0) == 0  # the first tick starts it
-    assert clock.update(30, [engine_metrics("a")], 0) == 30
-    assert clock.update(60, [engine_metrics("a", finished=1)], 0) == 0  # one began and ended between ticks
-    assert clock.update(90, [engine_metrics("a", finished=1)], 0) == 30
-    assert clock.update(120, [engine_metrics("a", running=1, finished=1)], 0) == 0  # one runs
-    assert clock.update(150, [engine_metrics("a", finished=2), engine_metrics("b", finished=7)], 0) == 0
-    assert clock.update(180, [engine_metrics("a", finished=2), engine_metrics("b", finished=7)], 0) == 30
-    assert clock.update(210, [], 1) == 0  # a router holds one (no engine left to count it)
-    assert clock.update(240, [], 0) == 30
-    assert clock.update(270, [engine_metrics("a", finished=2)], 0, unseen=True) == 0  # a ready pod did not answer
-    assert clock.update(300, [engine_metrics("a", finished=2)], 0) == 30
+    assert clock.update(0, [engine_metrics("a")]) == 0  # the first tick starts it
+    assert clock.update(30, [engine_metrics("a")]) == 30
+    assert clock.update(60, [engine_metrics("a", finished=1)]) == 0  # one began and ended between ticks
+    assert clock.update(90, [engine_metrics("a", finished=1)]) == 30
+    assert clock.update(120, [engine_metrics("a", running=1, finished=1)]) == 0  # one runs
+    assert clock.update(150, [engine_metrics("a", finished=2), engine_metrics("b", finished=7)]) == 0
+    assert clock.update(180, [engine_metrics("a", finished=2), engine_metrics("b", finished=7)]) == 30
+    assert clock.update(210, [], RouterView(held=1)) == 0  # a router holds one (no engine left to count it)
+    assert clock.update(240, []) == 30
+    unseen = RouterView(unseen=True)  # a ready pod did not answer its scrape
+    assert clock.update(270, [engine_metrics("a", finished=2)], unseen) == 0
+    assert clock.update(300, [engine_metrics("a", finished=2)]) == 30
 
 
 def test_a_pool_that_scales_to_zero_starts_with_a_pod_of_each_role() -> None:

@@ -17,7 +17,8 @@ import pytest
 
 from kvmesh.engine.protocol import RouterMetric
 from kvmesh.operator.crd import HOLD_SETTING
-from kvmesh.operator.local import LocalOperator, LocalPod, RouterView
+from kvmesh.operator.local import LocalOperator, LocalPod
+from kvmesh.operator.memory import RouterView
 from kvmesh.processes import free_port, launch
 from kvmesh.up import CLOCK_RATE_ENV, Child, LocalEngines, PoolPlan, observe_router, plan_from_file
 

@@ -47,7 +47,7 @@ from kvmesh.bench.sim import (
 from kvmesh.bench.traces import AZURE_CONV_TRACE, load_azure
 from kvmesh.operator import forecast, scaling
 from kvmesh.operator.forecast import PodMetrics, TrafficEstimator, rate_trend
-from kvmesh.operator.memory import IdleClock
+from kvmesh.operator.memory import IdleClock, RouterView
 
 ROLE = "both"
 PERIOD_SECONDS = 15.0  # the HPA's sync period; the operator's timer uses the same here
@@ -149,7 +149,8 @@ class PredictivePolicy:
             i.prefill_tokens_per_second, i.decode_step_seconds, i.decode_step_cost) for i in obs.instances if i.ready]
         counters = {i.name: forecast.Counters(finished=i.finished, prompt_tokens=i.prompt_tokens)
                     for i in obs.instances}
-        idle = self._idle.update(obs.now, [PodMetrics(p, counters[p.name], BLOCK_SIZE) for p in pods], obs.held)
+        scraped = [PodMetrics(p, counters[p.name], BLOCK_SIZE) for p in pods]
+        idle = self._idle.update(obs.now, scraped, RouterView(obs.held))
         return scaling.PoolObservation(obs.now, pods, {ROLE: obs.replicas}, rate, slope, blocks, seconds, uncached,
                                        output, decode_context_tokens=self._context, held_requests=obs.held,
                                        idle_seconds=idle)
