@@ -35,6 +35,8 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
     "qwen3": ("Qwen3", {"hidden_size": 128, "head_dim": 64, "tie_word_embeddings": True, "rope_theta": 1e6}),
     "qwen3-bias": ("Qwen3", {"hidden_size": 64, "head_dim": 16, "tie_word_embeddings": False,
                              "attention_bias": True}),
+    # llama with attention_bias: biases on q, k, v and o (the o_proj bias was once dropped)
+    "llama-bias": ("Llama", {"hidden_size": 64, "tie_word_embeddings": False, "attention_bias": True}),
     "mistral": ("Mistral", {"hidden_size": 64, "tie_word_embeddings": False, "sliding_window": 4096}),
     "mistral-window": ("Mistral", {"hidden_size": 64, "tie_word_embeddings": False, "sliding_window": WINDOW}),
 }
