@@ -448,6 +448,9 @@ class GatewayMetric:
     # counter; labels model (a name in the gateway's model table, else "unknown"), outcome (GATEWAY_OUTCOMES)
     REQUESTS = "kvmesh_gateway_requests"
     UPSTREAMS = "kvmesh_gateway_upstreams"  # gauge; label state (UPSTREAM_STATES): the pools' routers
+    # counter; labels model (as REQUESTS'), router (its URL: the pools' routers are few): requests sent to a router
+    # (not those it refused the connection to), whose rates by router show the weighted split of a model
+    UPSTREAM_REQUESTS = "kvmesh_gateway_upstream_requests"
 
 
 class OperatorMetric:

@@ -136,7 +136,14 @@ def _router(args: argparse.Namespace) -> int:
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS
-    from kvmesh.router.gateway import API_KEY_ENV, DEFAULT_MAX_FAILURES, DEFAULT_PORT, DEFAULT_REFRESH_SECONDS
+    from kvmesh.router.gateway import (
+        API_KEY_ENV,
+        DEFAULT_MAX_FAILURES,
+        DEFAULT_PORT,
+        DEFAULT_REFRESH_SECONDS,
+        DEFAULT_WEIGHT,
+        MAX_WEIGHT,
+    )
 
     p = sub.add_parser("gateway", help="run a gateway: one OpenAI endpoint for every pool's router, by model name",
                        epilog=f"${API_KEY_ENV}: an API key shown to routers that ask one for /v1/models, unless "
@@ -146,6 +153,9 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
                        help="a pool router's base URL (repeatable)")
     found.add_argument("--kubernetes", action="store_true",
                        help="the routers of the InferencePools in --namespace (default: every namespace)")
+    p.add_argument("--router-weight", dest="router_weights", action="append", default=[], metavar="URL=WEIGHT",
+                   help=f"with --router: that router's share of the requests for a model several routers list, "
+                        f"0 to {MAX_WEIGHT} (default {DEFAULT_WEIGHT}; 0 drains it); repeatable")
     p.add_argument("--namespace", help="with --kubernetes: list the pools of this namespace only")
     p.add_argument("--kubeconfig", help="with --kubernetes: a kubeconfig file (default: the pod's service account)")
     p.add_argument("--host", default="127.0.0.1")
@@ -180,7 +190,15 @@ def _gateway(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvmesh gateway: {exc}", file=sys.stderr)
         return 2
-    discover: Discover = static(args.routers)
+    if args.kubernetes and args.router_weights:
+        print("kvmesh gateway: --router-weight is for --router; with --kubernetes each pool's spec.gateway.weight "
+              "is its weight", file=sys.stderr)
+        return 2
+    try:
+        discover: Discover = static(args.routers, args.router_weights)
+    except ValueError as exc:
+        print(f"kvmesh gateway: {exc}", file=sys.stderr)
+        return 2
     if args.kubernetes:
         try:
             discover = PoolDiscovery(kube_configuration(args.kubeconfig), (GROUP, VERSION, PLURAL), args.namespace)

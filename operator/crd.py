@@ -38,6 +38,7 @@ from kvmesh.engine.protocol import (
 from kvmesh.engine.typed_fields import check_types
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
 from kvmesh.router.config import MAX_HOLD_SECONDS, RouterConfig
+from kvmesh.router.gateway import DEFAULT_WEIGHT, MAX_WEIGHT
 
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
@@ -431,6 +432,11 @@ def spec_schema() -> dict[str, Any]:
         "store": store,
         "scaling": scaling,
         "gatewayInferencePool": gateway,
+        "gateway": _obj({"weight": _int(
+            "this pool's share of the requests `kvmesh gateway` sends for a model other pools list too: its weight "
+            "over the sum of theirs (a canary at 5 then 25 %); 0 drains it while another pool's weight is above 0 "
+            "(when every one is 0 they share equally)", 0, MAX_WEIGHT, default=DEFAULT_WEIGHT)},
+            description="how `kvmesh gateway` routes to this pool", default={}),
     }, ("model",), description="the desired pool")
     return _with_rules(spec)
 

@@ -2,10 +2,12 @@
 
 Each InferencePool has its own router, serving one base model and its LoRA adapters, which it lists at
 `/v1/models`. The gateway reads every router's list each refresh and keeps, per router, the last list it answered
-and how many refreshes in a row it has missed since. The model table is a pure function of those two, so it is
-tested without HTTP and two gateway replicas that read the same lists route alike. A router that missed
-`max_failures` refreshes in a row leaves the table (its models with it, unless another router serves them); its
-next answer brings it back. The HTTP edge is router/gateway_app.py.
+and how many refreshes in a row it has missed since. The model table is a pure function of those two and the
+routers' weights, so it is tested without HTTP and two gateway replicas that read the same lists route alike. A
+router that missed `max_failures` refreshes in a row leaves the table (its models with it, unless another router
+serves them); its next answer brings it back. Each router has a weight (its pool's `spec.gateway.weight`, or
+`--router-weight`), and the routers listing a model split its requests by weight (`smooth_pick`), so a canary
+pool can take 5 % of a model's traffic, then 25 %, then all of it. The HTTP edge is router/gateway_app.py.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ UNKNOWN_MODEL = "unknown"  # the `model` label of a request for a name not in th
 DEFAULT_MAX_FAILURES = 3
 DEFAULT_PORT = 8090
 DEFAULT_REFRESH_SECONDS = 5.0
+# A router's share of a model's requests is its weight over the sum of the weights of the routers listing it; 0
+# drains it (no new request while a router with a weight above 0 lists the model). The CRD's bounds and default.
+DEFAULT_WEIGHT = 100
+MAX_WEIGHT = 1000
 API_KEY_ENV = "KVMESH_GATEWAY_API_KEY"  # a key the gateway shows routers that ask one for /v1/models
 API_KEY_MAX_CHARS = 4096  # of an --api-key-file read at each refresh: more is no API key (a wrong path, say)
 NAMES_IN_ERROR = 5  # known models a 404 names, at most
@@ -40,6 +46,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-a
                         "te", "trailer", "transfer-encoding", "upgrade"})
 REQUEST_OWN = frozenset({"host", "content-length"})  # what the gateway's client writes for the body it sends
 EVENT_STREAM = "text/event-stream"
+Pick = tuple[str | None, dict[str, int]]  # the router chosen (None: none left) and the model's turns after it
 # The end of an SSE answer that broke off, as the router ends a stream no pod could continue
 BROKEN_STREAM_EVENTS = stream_error_ending(
     "the router serving this stream broke off its answer; what came is incomplete").encode()
@@ -53,6 +60,7 @@ class ModelTable:
     routers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     cards: tuple[dict[str, Any], ...] = ()
     states: Mapping[str, str] = field(default_factory=dict)
+    weights: Mapping[str, int] = field(default_factory=dict)  # of the routers in the table; absent: DEFAULT_WEIGHT
 
     def serves(self, model: str) -> bool:
         return model in self.routers
@@ -65,11 +73,10 @@ class ModelTable:
         """The routers in the table (answering, or missed fewer than max_failures refreshes)."""
         return tuple(url for url, state in self.states.items() if state != DOWN)
 
-    def pick(self, model: str, inflight: Mapping[str, int], exclude: Collection[str] = ()) -> str | None:
-        """The router of `model` with the fewest requests in flight through this gateway, not in `exclude`; ties
-        to the earlier in the stable order. None when none is left."""
-        candidates = [url for url in self.routers.get(model, ()) if url not in exclude]
-        return min(candidates, key=lambda url: inflight.get(url, 0), default=None)
+    def pick(self, model: str, turns: Mapping[str, int], exclude: Collection[str] = ()) -> Pick:
+        """The router of `model` to take its next request, not one in `exclude` (it refused the connection), and
+        the model's turns after it (`smooth_pick`); None when none is left."""
+        return smooth_pick(split_weights(self.routers.get(model, ()), self.weights), turns, exclude)
 
     def unknown(self, model: str) -> str:
         """The 404 message for a model no router serves, naming a few that are."""
@@ -89,13 +96,14 @@ class Polls:
     order: tuple[str, ...] = ()
     listings: Mapping[str, ServedModels] = field(default_factory=dict)
     failures: Mapping[str, int] = field(default_factory=dict)
+    weights: Mapping[str, int] = field(default_factory=dict)
 
-    def with_routers(self, urls: Iterable[str]) -> Polls:
-        """The routers discovery found now, in its order (each once): those gone are forgotten, new ones start
-        unlisted, the others keep what they had."""
-        order = tuple(dict.fromkeys(urls))
+    def with_routers(self, routers: Mapping[str, int]) -> Polls:
+        """The routers discovery found now (URL -> weight), in its order: those gone are forgotten, new ones start
+        unlisted, the others keep what they had and take their weight now."""
+        order = tuple(routers)
         return Polls(order, {u: s for u, s in self.listings.items() if u in order},
-                     {u: n for u, n in self.failures.items() if u in order})
+                     {u: n for u, n in self.failures.items() if u in order}, dict(routers))
 
     def answered(self, url: str, served: ServedModels) -> Polls:
         """A router's new list; an empty one after models keeps them (its pool has no engine now: at zero, a
@@ -108,7 +116,7 @@ class Polls:
         return replace(self, failures={**self.failures, url: self.failures.get(url, 0) + 1})
 
     def table(self, max_failures: int = DEFAULT_MAX_FAILURES) -> ModelTable:
-        return model_table(self.order, self.listings, self.failures, max_failures)
+        return model_table(self.order, self.listings, self.failures, max_failures, self.weights)
 
 
 def upstream_state(listing: ServedModels | None, failures: int, max_failures: int) -> str:
@@ -118,9 +126,10 @@ def upstream_state(listing: ServedModels | None, failures: int, max_failures: in
 
 
 def model_table(order: Sequence[str], listings: Mapping[str, ServedModels], failures: Mapping[str, int],
-                max_failures: int = DEFAULT_MAX_FAILURES) -> ModelTable:
-    """The table of the routers in `order` from their last lists and missed refreshes: a router is in it while it
-    has a list and has missed fewer than `max_failures` refreshes in a row."""
+                max_failures: int = DEFAULT_MAX_FAILURES, weights: Mapping[str, int] | None = None) -> ModelTable:
+    """The table of the routers in `order` from their last lists, missed refreshes and weights (absent:
+    DEFAULT_WEIGHT): a router is in it while it has a list and has missed fewer than `max_failures` refreshes in a
+    row."""
     states = {url: upstream_state(listings.get(url), failures.get(url, 0), max_failures) for url in order}
     live = [url for url in order if states[url] != DOWN]
     routers: dict[str, list[str]] = {}
@@ -128,21 +137,83 @@ def model_table(order: Sequence[str], listings: Mapping[str, ServedModels], fail
         for name in sorted(listings[url].names):
             routers.setdefault(name, []).append(url)
     return ModelTable({name: tuple(urls) for name, urls in routers.items()},
-                      tuple(union_cards(listings[url] for url in live)), states)
+                      tuple(union_cards(listings[url] for url in live)), states,
+                      {url: (weights or {}).get(url, DEFAULT_WEIGHT) for url in live})
 
 
-def pool_routers(pools: Iterable[Mapping[str, Any]]) -> list[str]:
+def split_weights(routers: Sequence[str], weights: Mapping[str, int]) -> dict[str, int]:
+    """The weights a model's routers split its requests by, in their order: those above 0 (a router at 0 drains
+    while another takes requests); when every one is at 0, equal ones, since a model some pool serves is never
+    refused for its weights."""
+    own = {url: weights.get(url, DEFAULT_WEIGHT) for url in routers}
+    return {url: w for url, w in own.items() if w > 0} or dict.fromkeys(own, 1)
+
+
+def smooth_pick(weights: Mapping[str, int], turns: Mapping[str, int], exclude: Collection[str] = ()) -> Pick:
+    """Smooth weighted round-robin (nginx's): each pick raises every open router's turn by its weight, takes the
+    highest (ties to the earlier in order) and lowers it by the open weights' sum. So any run of picks gives each
+    router its weight's share to within one request, interleaved (9:1 is 9 picks of one, then 1 of the other, in
+    every 10), at any load and with nothing random: the split an operator sets is the split the metrics show.
+    Equal weights make it round-robin, in place of the gateway's earlier least-requests-in-flight choice, which
+    sent every request of a light load to the first router (so equal weights, a 50 % canary, split nothing) and
+    counted only this gateway replica's own requests; each pool's router still balances its pods by their load.
+    The routers in `exclude` (they refused the connection: the request goes to
+    another) are passed over and keep their turn. Returns the router (None when none is open) and the new turns,
+    those of routers no longer in `weights` dropped."""
+    open_weights = {url: w for url, w in weights.items() if url not in exclude}
+    raised = {url: turns.get(url, 0) + open_weights.get(url, 0) for url in weights}
+    if not open_weights:
+        return None, raised
+    chosen = max(open_weights, key=raised.__getitem__)
+    raised[chosen] -= sum(open_weights.values())
+    return chosen, raised
+
+
+def router_weights(urls: Sequence[str], given: Iterable[str]) -> dict[str, int]:
+    """`--router URL` (each once, in order) -> its weight: DEFAULT_WEIGHT unless a `--router-weight URL=WEIGHT`
+    names it. ValueError, saying what is wrong, for a malformed one, a weight out of 0..MAX_WEIGHT, a URL no
+    `--router` gives, or one given twice."""
+    routers = dict.fromkeys((url.rstrip("/") for url in urls), DEFAULT_WEIGHT)
+    named: set[str] = set()
+    for item in given:
+        url, _, text = item.rpartition("=")
+        url = url.rstrip("/")
+        if not url or not text.isdecimal() or int(text) > MAX_WEIGHT:
+            raise ValueError(f"--router-weight {item!r}: expected URL=WEIGHT, WEIGHT an integer from 0 to "
+                             f"{MAX_WEIGHT} (default {DEFAULT_WEIGHT})")
+        if url not in routers:
+            raise ValueError(f"--router-weight {item!r}: {url} is not one of the --router URLs")
+        if url in named:
+            raise ValueError(f"--router-weight: {url} is given twice")
+        named.add(url)
+        routers[url] = int(text)
+    return routers
+
+
+def pool_weight(pool: Mapping[str, Any]) -> int:
+    """A pool's `spec.gateway.weight`; DEFAULT_WEIGHT when it has none (the API server fills the default in, but
+    an object the CRD never checked may lack it) or one out of 0..MAX_WEIGHT."""
+    weight = ((pool.get("spec") or {}).get("gateway") or {}).get("weight")
+    valid = isinstance(weight, int) and not isinstance(weight, bool) and 0 <= weight <= MAX_WEIGHT
+    return weight if valid else DEFAULT_WEIGHT
+
+
+def pool_routers(pools: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """The router address of every InferencePool (as the API lists them) whose status has one, in (namespace,
-    name) order, each once. Not only Ready pools: Ready is False while a role is below its desired replicas (a
-    scale-up), when the pool still serves; the refresh itself learns what a router serves (nothing, with no
-    healthy engine)."""
+    name) order, each once (the first pool's weight), with its pool's weight. Not only Ready pools: Ready is False
+    while a role is below its desired replicas (a scale-up), when the pool still serves; the refresh itself learns
+    what a router serves (nothing, with no healthy engine)."""
     found = []
     for pool in pools:
         address = (pool.get("status") or {}).get("routerAddress")
         meta = pool.get("metadata") or {}
         if isinstance(address, str) and address:
-            found.append((str(meta.get("namespace", "")), str(meta.get("name", "")), address.rstrip("/")))
-    return list(dict.fromkeys(address for *_, address in sorted(found)))
+            found.append((str(meta.get("namespace", "")), str(meta.get("name", "")), address.rstrip("/"),
+                          pool_weight(pool)))
+    routers: dict[str, int] = {}
+    for *_, address, weight in sorted(found):
+        routers.setdefault(address, weight)
+    return routers
 
 
 def key_in_file(text: str | None) -> str | None:

@@ -2,9 +2,9 @@
 
 The gateway finds the routers (a static list, or every InferencePool's `status.routerAddress` through the
 Kubernetes API), reads each one's `/v1/models` every refresh, and forwards a model request to a router serving
-its model (router/gateway.py picks), streaming the answer back as it comes, status and headers included. It reads
-nothing of a body but its `model`: the router behind validates, authenticates, routes to a pod and relays, as it
-does for a client that calls it directly.
+its model (router/gateway.py picks, splitting a model's requests among its routers by their weights), streaming
+the answer back as it comes, status and headers included. It reads nothing of a body but its `model`: the router
+behind validates, authenticates, routes to a pod and relays, as it does for a client that calls it directly.
 
 Plain ASGI throughout: the routes are few and the hot one wants no framework. Upstream calls use httpx rather than
 the router's own client (router/proxy.py), which reads no reply headers, and the router's answer headers
@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -51,6 +51,7 @@ from kvmesh.router.gateway import (
     pool_routers,
     relayed_headers,
     requested_model,
+    router_weights,
 )
 from kvmesh.router.lora import ServedModels
 from kvmesh.router.proxy import CONNECT_TIMEOUT_SECONDS
@@ -71,14 +72,15 @@ NOT_ROUTED = ("The gateway routes only model requests (POST /v1/completions, /v1
               "and lists models at GET /v1/models; the Batch API, files, stored responses (GET /v1/responses/{id}) "
               "and /tokenize are served by each pool's router at its own address")
 
-Discover = Callable[[], Awaitable[list[str]]]
+Discover = Callable[[], Awaitable[dict[str, int]]]  # the routers found: URL -> weight, in a stable order
 
 
-def static_routers(urls: Iterable[str]) -> Discover:
-    """Discovery of a fixed list of routers (`--router`)."""
-    fixed = [url.rstrip("/") for url in urls]
+def static_routers(urls: Sequence[str], weights: Sequence[str] = ()) -> Discover:
+    """Discovery of a fixed list of routers (`--router`), weighted by `--router-weight URL=WEIGHT` (ValueError
+    for a bad one)."""
+    fixed = router_weights(urls, weights)
 
-    async def discover() -> list[str]:
+    async def discover() -> dict[str, int]:
         return fixed
 
     return discover
@@ -86,8 +88,9 @@ def static_routers(urls: Iterable[str]) -> Discover:
 
 @dataclass
 class PoolDiscovery:
-    """The routers of the InferencePools in `namespace` (every namespace: None), listed through the Kubernetes API
-    at each refresh. `pools` is the kind's (group, version, plural): operator/crd.py's, passed in by the caller,
+    """The routers of the InferencePools in `namespace` (every namespace: None) with their pools'
+    `spec.gateway.weight`, listed through the Kubernetes API at each refresh (a patched weight counts from the
+    next). `pools` is the kind's (group, version, plural): operator/crd.py's, passed in by the caller,
     since imports run operator -> router and never back (docs/architecture.md). The official client is
     synchronous: each list runs in a thread."""
 
@@ -95,10 +98,10 @@ class PoolDiscovery:
     pools: tuple[str, str, str]
     namespace: str | None = None
 
-    async def __call__(self) -> list[str]:
+    async def __call__(self) -> dict[str, int]:
         return await asyncio.to_thread(self._list)
 
-    def _list(self) -> list[str]:
+    def _list(self) -> dict[str, int]:
         group, version, plural = self.pools
         with kube_client.ApiClient(self.configuration) as api_client:
             api = kube_client.CustomObjectsApi(api_client)
@@ -145,6 +148,10 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(GatewayMetric.REQUESTS, "Model requests by model (a name the pools' routers list, "
                                 "else unknown) and outcome.", ["model", "outcome"], registry=r)
+        self.upstream_requests = Counter(
+            GatewayMetric.UPSTREAM_REQUESTS, "Model requests sent to each pool's router (counted when its answer "
+            "begins, or fails once sent), by model and router URL: the weighted split.", ["model", "router"],
+            registry=r)
         upstreams = Gauge(GatewayMetric.UPSTREAMS, "The pools' routers by state.", ["state"], registry=r)
         for state in UPSTREAM_STATES:
             upstreams.labels(state).set_function(lambda s=state: _count(table().states.values(), s))
@@ -156,7 +163,8 @@ def _count(states: Iterable[str], state: str) -> int:
 
 @dataclass
 class Gateway:
-    """The gateway's state: how it finds routers, what they last listed, and the requests in flight to each."""
+    """The gateway's state: how it finds routers, what they last listed, and each model's turns among its routers
+    (`smooth_pick`'s)."""
 
     discover: Discover
     refresh_seconds: float = DEFAULT_REFRESH_SECONDS
@@ -165,7 +173,7 @@ class Gateway:
     api_key_file: ApiKeyFile | None = None  # when set, the key instead: the file's, read at every refresh
     polls: Polls = field(default_factory=Polls)
     table: ModelTable = field(default_factory=ModelTable)
-    inflight: dict[str, int] = field(default_factory=dict)
+    turns: dict[str, dict[str, int]] = field(default_factory=dict)  # model -> router -> turn
     client: httpx.AsyncClient | None = None  # opened in the app's lifespan, inside the loop that serves
     body_read_timeout_seconds: float = DEFAULT_BODY_READ_TIMEOUT_SECONDS  # a body not whole by then: 408, closed
     metrics: GatewayMetrics = field(init=False)
@@ -177,15 +185,24 @@ class Gateway:
     def count(self, model: str | None, outcome: str) -> None:
         self.metrics.requests.labels(self.table.label(model), outcome).inc()
 
+    def choose(self, model: str, exclude: Collection[str]) -> str | None:
+        """The router of `model` to try next, not one in `exclude`; its turn is taken."""
+        router, self.turns[model] = self.table.pick(model, self.turns.get(model, {}), exclude)
+        return router
+
+    def took(self, model: str, router: str) -> None:
+        """A request `router` took (not one it refused the connection to), for the split's metric."""
+        self.metrics.upstream_requests.labels(self.table.label(model), router).inc()
+
     async def refresh(self) -> None:
         """Discover the routers (keeping the last ones when discovery fails) and read every one's /v1/models at
         once; the new table replaces the old in one step."""
         try:
-            urls = await self.discover()
+            found = await self.discover()
         except Exception as exc:  # an API server away must leave the gateway routing to the routers it knows
             log.warning("router discovery failed (%s); keeping the %d routers known", exc, len(self.polls.order))
-            urls = list(self.polls.order)
-        polls = self.polls.with_routers(urls)
+            found = dict(self.polls.weights)
+        polls = self.polls.with_routers(found)
         key = await asyncio.to_thread(self.api_key_file.read) if self.api_key_file is not None else self.api_key
         listed = await asyncio.gather(*(self._models_of(url, key) for url in polls.order))
         for url, served in zip(polls.order, listed, strict=True):
@@ -197,7 +214,10 @@ class Gateway:
                 log.warning("router %s is out of the model table: %s", url, self._missed.get(url, "no answer"))
             elif state != DOWN and before in (DOWN, None):
                 log.info("router %s serves %s", url, ", ".join(sorted(polls.listings[url].names)) or "no model now")
+            if url in self.polls.weights and self.polls.weights[url] != polls.weights[url]:
+                log.info("router %s: weight %d, was %d", url, polls.weights[url], self.polls.weights[url])
         self.polls, self.table = polls, table
+        self.turns = {model: turns for model, turns in self.turns.items() if table.serves(model)}
         self._missed = {url: why for url, why in self._missed.items() if url in polls.order}
 
     async def _models_of(self, url: str, api_key: str | None) -> ServedModels | None:
@@ -342,8 +362,8 @@ class GatewayApp:
         gw.count(model, outcome)
 
     async def _forward(self, scope: Scope, send: Send, payload: bytes, model: str) -> str:
-        """Send the request to the routers of `model`, least busy first, until one takes the connection; relay its
-        answer. The outcome (GATEWAY_OUTCOMES)."""
+        """Send the request to the routers of `model`, in the order their weights give, until one takes the
+        connection; relay its answer. The outcome (GATEWAY_OUTCOMES)."""
         gw = self.gateway
         assert gw.client is not None
         headers = relayed_headers(((n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"]),
@@ -351,28 +371,24 @@ class GatewayApp:
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
         tried: set[str] = set()
-        while (router := gw.table.pick(model, gw.inflight, tried)) is not None:
+        while (router := gw.choose(model, tried)) is not None:
             tried.add(router)
-            gw.inflight[router] = gw.inflight.get(router, 0) + 1
+            request = gw.client.build_request("POST", router + target, content=payload, headers=headers)
             try:
-                request = gw.client.build_request("POST", router + target, content=payload, headers=headers)
-                try:
-                    reply = await gw.client.send(request, stream=True)
-                except CONNECT_FAILURES as exc:
-                    log.warning("router %s of %s: cannot connect (%s); trying another", router, model, exc)
-                    continue
-                except httpx.HTTPError as exc:  # sent, then failed: another router might serve it twice
-                    await send_json(send, 502, error_body(f"the router serving `{model}` failed before answering: "
-                                                          f"{exc or type(exc).__name__}", "server_error"))
-                    return "unreachable"
-                try:
-                    return await self._relay(reply, send)
-                finally:
-                    await reply.aclose()  # before its end: the connection is dropped, which tells the router
+                reply = await gw.client.send(request, stream=True)
+            except CONNECT_FAILURES as exc:
+                log.warning("router %s of %s: cannot connect (%s); trying another", router, model, exc)
+                continue
+            except httpx.HTTPError as exc:  # sent, then failed: another router might serve it twice
+                gw.took(model, router)
+                await send_json(send, 502, error_body(f"the router serving `{model}` failed before answering: "
+                                                      f"{exc or type(exc).__name__}", "server_error"))
+                return "unreachable"
+            gw.took(model, router)
+            try:
+                return await self._relay(reply, send)
             finally:
-                gw.inflight[router] -= 1
-                if not gw.inflight[router]:  # routers come and go: only those with requests open are kept
-                    del gw.inflight[router]
+                await reply.aclose()  # before its end: the connection is dropped, which tells the router
         await send_json(send, 502, error_body(f"no router serving `{model}` could be reached ({len(tried)} tried)",
                                               "server_error"))
         return "unreachable"

@@ -28,6 +28,7 @@ from kvmesh.operator.crd import (
     render_crd,
     spec_schema,
 )
+from kvmesh.router.gateway import DEFAULT_WEIGHT, MAX_WEIGHT
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "crds" / "inferencepools.kvmesh.io.yaml"
@@ -128,6 +129,7 @@ def test_defaults_are_filled_in_as_the_api_server_would() -> None:
     assert spec["scaling"]["overloadProbability"] == 0.1 and spec["scaling"]["mode"] == "operator"
     assert spec["engine"]["blockSize"] == 16 and spec["router"]["replicas"] == 2
     assert spec["gatewayInferencePool"] == {"enabled": False}
+    assert spec["gateway"] == {"weight": DEFAULT_WEIGHT}
 
 
 def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
@@ -161,6 +163,11 @@ SCHEMA_BAD = [
     ("scaling.scaleToZero", {"idleSeconds": 300, "activationTimeoutSeconds": 7200}, "activationTimeoutSeconds"),
     ("scaling.scaleToZero", {"activationTimeoutSeconds": 60}, "idleSeconds"),  # required
     ("scaling.scaleToZero", {"idleSeconds": 120.5}, "idleSeconds"),  # an integer
+    ("gateway.weight", MAX_WEIGHT + 1, "weight"),
+    ("gateway.weight", -1, "weight"),
+    ("gateway.weight", 2.5, "weight"),  # an integer
+    ("gateway.weight", "5", "weight"),
+    ("gateway.wieght", 5, "wieght"),
 ]
 
 
@@ -216,6 +223,13 @@ def test_engine_settings_cannot_set_what_the_router_and_services_share_with_the_
         complete_spec(_set(spec, "engine.settings", {"block_size": 32, "hash_root": 7}))
     with pytest.raises(SpecError, match=r"model is set by model\.source"):
         complete_spec(_set(spec, "engine.settings", {"model": "/models/other"}))
+
+
+@pytest.mark.parametrize("weight", [0, 1, MAX_WEIGHT])
+def test_a_gateway_weight_from_0_drained_to_the_maximum_is_valid(weight: int) -> None:
+    spec = _set(example("aggregated.yaml")["spec"], "gateway.weight", weight)
+    assert not list(VALIDATOR.iter_errors(spec))
+    assert complete_spec(spec)["gateway"] == {"weight": weight}
 
 
 def test_pool_objects_need_a_short_dns_name_and_the_right_kind() -> None:

@@ -11,6 +11,7 @@ import random
 import string
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,7 @@ from kvmesh.router.config import MAX_HOLD_SECONDS, RouterConfig
 from kvmesh.router.discovery import kube_configuration
 from kvmesh.router.gateway import (
     API_KEY_MAX_CHARS,
+    DEFAULT_WEIGHT,
     DOWN,
     FAILING,
     LISTED,
@@ -43,6 +45,7 @@ from kvmesh.router.gateway import (
     REQUEST_OWN,
     UNKNOWN_MODEL,
     BodyError,
+    ModelTable,
     Polls,
     broken_stream_ending,
     key_in_file,
@@ -50,6 +53,8 @@ from kvmesh.router.gateway import (
     pool_routers,
     relayed_headers,
     requested_model,
+    router_weights,
+    smooth_pick,
 )
 from kvmesh.router.gateway_app import ApiKeyFile, Gateway, GatewayApp, PoolDiscovery, static_routers
 from kvmesh.router.lora import ServedModels
@@ -66,6 +71,11 @@ def served(*names: str, adapters: dict[str, str] | None = None) -> ServedModels:
     return ServedModels.of({"object": "list", "data": cards})
 
 
+def unweighted(*urls: str) -> dict[str, int]:
+    """Routers as discovery gives them, each at the default weight."""
+    return dict.fromkeys(urls, DEFAULT_WEIGHT)
+
+
 # ---- the model table ---------------------------------------------------------------------------------------------
 
 
@@ -79,18 +89,66 @@ def test_each_model_maps_to_the_routers_that_list_it_in_their_order() -> None:
     assert table.states == {"http://a": LISTED, "http://b": LISTED, "http://c": LISTED}
 
 
-def test_the_least_busy_router_of_a_model_is_picked_ties_to_the_first() -> None:
+def picks(table: ModelTable, model: str, n: int) -> list[str | None]:
+    """`n` requests' routers for `model`, each pick taking its turn as the gateway does."""
+    turns: dict[str, int] = {}
+    chosen = []
+    for _ in range(n):
+        router, turns = table.pick(model, turns)
+        chosen.append(router)
+    return chosen
+
+
+def weighted_table(weights: dict[str, int], model: str = "m") -> ModelTable:
+    return model_table(list(weights), {url: served(model) for url in weights}, {}, weights=weights)
+
+
+def test_a_model_s_requests_split_by_weight_exactly_and_interleaved() -> None:
+    """Smooth weighted round-robin: 9:1 is 900:100 of 1000 requests, one light request after another, and every
+    run of 10 has the canary once (not 100 in a row)."""
+    chosen = picks(weighted_table({"http://stable": 9, "http://canary": 1}), "m", 1000)
+    assert Counter(chosen) == {"http://stable": 900, "http://canary": 100}
+    assert all(chosen[i:i + 10].count("http://canary") == 1 for i in range(0, 1000, 10))
+    five = Counter(picks(weighted_table({"http://stable": 95, "http://canary": 5}), "m", 1000))
+    assert five == {"http://stable": 950, "http://canary": 50}
+    three = Counter(picks(weighted_table({"http://a": 500, "http://b": 300, "http://c": 200}), "m", 100))
+    assert three == {"http://a": 50, "http://b": 30, "http://c": 20}
+
+
+def test_equal_weights_take_turns_starting_with_the_first() -> None:
     table = model_table(["http://a", "http://b", "http://c"],
                         {u: served("m") for u in ("http://a", "http://b", "http://c")}, {})
-    assert table.pick("m", {}) == "http://a"
-    assert table.pick("m", {"http://a": 2, "http://b": 1, "http://c": 1}) == "http://b"
-    assert table.pick("m", {"http://a": 2, "http://b": 1, "http://c": 1}, exclude={"http://b"}) == "http://c"
-    assert table.pick("m", {}, exclude={"http://a", "http://b", "http://c"}) is None
-    assert table.pick("other", {}) is None
+    assert picks(table, "m", 6) == ["http://a", "http://b", "http://c"] * 2
+    assert table.pick("other", {}) == (None, {})
+
+
+def test_a_router_at_weight_zero_drains_unless_every_router_of_the_model_is_at_zero() -> None:
+    """Weight 0 takes no request while another router of the model has weight; when all are 0 they share equally
+    (a served model never 404s or 502s for its weights)."""
+    table = model_table(["http://a", "http://b", "http://c"],
+                        {"http://a": served("m", "solo"), "http://b": served("m"), "http://c": served("m")}, {},
+                        weights={"http://a": 0, "http://b": 100, "http://c": 0})
+    assert set(picks(table, "m", 50)) == {"http://b"}
+    assert picks(table, "solo", 3) == ["http://a"] * 3  # its only router is at 0: it still serves
+    drained = weighted_table({"http://a": 0, "http://b": 0})
+    assert picks(drained, "m", 4) == ["http://a", "http://b"] * 2
+
+
+def test_a_router_that_refused_the_connection_is_passed_over_and_keeps_its_turn() -> None:
+    weights = {"http://a": 3, "http://b": 1}
+    router, turns = smooth_pick(weights, {})
+    assert router == "http://a"
+    router, turns = smooth_pick(weights, turns, exclude={"http://a"})  # the next one refused by a: b takes it
+    assert router == "http://b"
+    assert smooth_pick(weights, turns, exclude={"http://a", "http://b"})[0] is None  # none left: a 502
+    table = weighted_table(weights)
+    assert table.pick("m", {}, exclude={"http://a"})[0] == "http://b"
+    # a router gone from the table leaves the turns; the others keep the split
+    assert set(smooth_pick({"http://b": 1}, {"http://a": -2, "http://b": 2})[1]) == {"http://b"}
 
 
 def test_a_router_that_stops_answering_drops_out_after_max_failures_and_comes_back() -> None:
-    polls = Polls().with_routers(["http://a", "http://b"])
+    polls = Polls().with_routers(unweighted("http://a", "http://b"))
     polls = polls.answered("http://a", served("alpha", "shared")).answered("http://b", served("beta", "shared"))
     for _ in range(2):
         polls = polls.missed("http://b")
@@ -109,23 +167,24 @@ def test_a_router_that_stops_answering_drops_out_after_max_failures_and_comes_ba
 def test_a_router_that_lists_nothing_after_models_keeps_them() -> None:
     """Its pool scaled to zero (or lost its engines) and the router still answers: its models stay routed there,
     where a request wakes the pool, rather than 404 at the gateway. A router that never listed any has none."""
-    polls = Polls().with_routers(["http://a", "http://b"]).answered("http://a", served("alpha"))
+    polls = Polls().with_routers(unweighted("http://a", "http://b")).answered("http://a", served("alpha"))
     polls = polls.answered("http://a", served()).answered("http://b", served())
-    assert polls.table().serves("alpha") and polls.table().pick("alpha", {}) == "http://a"
+    assert polls.table().serves("alpha") and polls.table().pick("alpha", {})[0] == "http://a"
 
 
 def test_the_table_is_a_function_of_the_listings_and_failure_counts() -> None:
-    a = Polls().with_routers(["http://a", "http://b"]).answered("http://a", served("x")).missed("http://b")
-    b = Polls().with_routers(["http://a", "http://b"]).missed("http://b").answered("http://a", served("x"))
+    a = Polls().with_routers(unweighted("http://a", "http://b")).answered("http://a", served("x")).missed("http://b")
+    b = Polls().with_routers(unweighted("http://a", "http://b")).missed("http://b").answered("http://a", served("x"))
     assert a.table(2) == b.table(2)
 
 
 def test_a_router_never_listed_is_down_and_one_discovery_lost_is_forgotten() -> None:
-    polls = Polls().with_routers(["http://a", "http://b"]).answered("http://a", served("x"))
+    polls = Polls().with_routers(unweighted("http://a", "http://b")).answered("http://a", served("x"))
     assert polls.table().states["http://b"] == DOWN
-    polls = polls.missed("http://b").with_routers(["http://b"])
+    polls = polls.missed("http://b").with_routers({"http://b": 7})
     assert polls.order == ("http://b",) and "http://a" not in polls.listings and polls.failures == {"http://b": 1}
     assert not polls.table().serves("x")
+    assert polls.answered("http://b", served("x")).table().weights == {"http://b": 7}  # the weight found now
 
 
 def test_an_unknown_model_is_named_with_a_few_known_ones() -> None:
@@ -139,15 +198,32 @@ def test_an_unknown_model_is_named_with_a_few_known_ones() -> None:
     assert table.label(None) == UNKNOWN_MODEL
 
 
-def test_pool_routers_are_every_pool_with_an_address_in_namespace_and_name_order() -> None:
-    def pool(namespace: str, name: str, address: str | None) -> dict[str, Any]:
+def test_pool_routers_are_every_pool_with_an_address_in_namespace_and_name_order_with_its_weight() -> None:
+    def pool(namespace: str, name: str, address: str | None, weight: Any = None) -> dict[str, Any]:
         return {"metadata": {"namespace": namespace, "name": name},
+                "spec": {"gateway": {"weight": weight}} if weight is not None else {},
                 "status": {"routerAddress": address} if address is not None else {}}
 
-    pools = [pool("b", "x", "http://x.b.svc:8080/"), pool("a", "z", "http://z.a.svc:8080"), pool("a", "y", None),
+    pools = [pool("b", "x", "http://x.b.svc:8080/", 5), pool("a", "z", "http://z.a.svc:8080"), pool("a", "y", None),
              pool("a", "w", ""), {"metadata": {"namespace": "c", "name": "v"}},
-             pool("c", "dup", "http://z.a.svc:8080")]
-    assert pool_routers(pools) == ["http://z.a.svc:8080", "http://x.b.svc:8080"]
+             pool("c", "dup", "http://z.a.svc:8080", 0)]
+    assert list(pool_routers(pools).items()) == [("http://z.a.svc:8080", DEFAULT_WEIGHT), ("http://x.b.svc:8080", 5)]
+    # a weight the CRD would refuse (an object it never checked): the default, not a crash or a 0
+    for bad in (-1, 1001, "5", True, 2.5):
+        assert pool_routers([pool("a", "z", "http://z", bad)]) == {"http://z": DEFAULT_WEIGHT}
+    assert pool_routers([pool("a", "z", "http://z", 0)]) == {"http://z": 0}
+
+
+def test_router_weights_name_a_listed_router_and_a_weight_from_0_to_the_maximum() -> None:
+    assert router_weights(["http://a/", "http://b"], ["http://a=5", "http://b/=0"]) == {"http://a": 5, "http://b": 0}
+    assert router_weights(["http://a", "http://b"], []) == unweighted("http://a", "http://b")
+    for bad in ("http://a", "http://a=", "http://a=-1", "http://a=1001", "http://a=2.5", "http://a= 5", "=5"):
+        with pytest.raises(ValueError, match="expected URL=WEIGHT, WEIGHT an integer from 0 to 1000"):
+            router_weights(["http://a"], [bad])
+    with pytest.raises(ValueError, match="http://c is not one of the --router URLs"):
+        router_weights(["http://a"], ["http://c=5"])
+    with pytest.raises(ValueError, match="http://a is given twice"):
+        router_weights(["http://a"], ["http://a=1", "http://a/=2"])
 
 
 def test_headers_pass_on_less_those_of_one_connection() -> None:
@@ -442,10 +518,12 @@ def test_a_router_that_cannot_be_reached_is_a_502_after_trying_each(
             before = len(seen)
             reply = await app.post("/v1/completions", json={"model": "stub-model"})
             assert reply.status_code == 200 and len(seen) == before + 1  # the other router took it
-            gateway.table = gateway.polls.with_routers([dead]).table()
+            gateway.table = gateway.polls.with_routers(unweighted(dead)).table()
             reply = await app.post("/v1/completions", json={"model": "stub-model"})
             assert reply.status_code == 502 and "could be reached" in reply.json()["error"]["message"]
-            assert gateway.inflight == {}  # released, and no entry kept per router ever tried
+            taken = gateway.metrics.registry.get_sample_value
+            assert taken(f"{GatewayMetric.UPSTREAM_REQUESTS}_total", {"model": "stub-model", "router": url}) == 1
+            assert taken(f"{GatewayMetric.UPSTREAM_REQUESTS}_total", {"model": "stub-model", "router": dead}) is None
         finally:
             await gateway.close()
 
@@ -571,6 +649,39 @@ def test_a_client_leaving_a_stream_closes_it_upstream(gateway: str, pools: dict[
 
 
 @pytest.mark.slow
+def test_a_canary_pool_takes_its_weight_s_share_and_none_once_drained(
+        tiny_dir: Path, pools: dict[str, tuple[str, Router]]) -> None:
+    """Two real routers listing `beta` (a second one in front of beta's engine: a canary pool serving the same
+    model), weighted 3:1 through the real gateway: 8 requests one after another are 6 and 2, counted by each router
+    and by the gateway's per-router metric; at weight 0 the canary takes none."""
+    stable_url, stable = pools["beta"]
+    engine = next(iter(stable.pods.pods.values())).url
+    canary = build_router(RouterConfig(pods=[engine], scrape_interval_seconds=0.1), tiny_dir)
+    with serve_router(canary) as canary_url:
+        gateway = Gateway(static_routers([stable_url, canary_url], [f"{stable_url}=300", f"{canary_url}=100"]),
+                          refresh_seconds=0.1)
+        with serve_asgi(GatewayApp(gateway)) as url:
+
+            def send(n: int) -> tuple[float, float]:
+                """n requests for `beta`; what each router counted of them."""
+                before = router_requests(stable), router_requests(canary)
+                for _ in range(n):
+                    reply = httpx.post(url + "/v1/completions", json={"model": "beta", "prompt": "x",
+                                                                      "max_tokens": 1}, timeout=60)
+                    assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == engine, reply.text
+                return router_requests(stable) - before[0], router_requests(canary) - before[1]
+
+            eventually(lambda: gateway.table.routers.get("beta") == (stable_url, canary_url))
+            assert send(8) == (6, 2)
+            taken = {dict(labels)["router"]: value for (name, labels), value in scrape(url).items()
+                     if name == f"{GatewayMetric.UPSTREAM_REQUESTS}_total" and dict(labels)["model"] == "beta"}
+            assert taken == {stable_url: 6, canary_url: 2}
+            gateway.discover = static_routers([stable_url, canary_url], [f"{canary_url}=0"])  # rolled back
+            eventually(lambda: gateway.table.weights.get(canary_url) == 0)
+            assert send(4) == (4, 0)
+
+
+@pytest.mark.slow
 def test_a_router_that_dies_drops_out_and_its_model_then_404s(
         tiny_dir: Path, pools: dict[str, tuple[str, Router]]) -> None:
     beta_engine = next(iter(pools["beta"][1].pods.pods.values())).url
@@ -676,9 +787,11 @@ def test_a_keyed_pool_is_listed_and_the_client_s_own_key_reaches_its_router(
 # ---- Kubernetes discovery ----------------------------------------------------------------------------------------
 
 
-def pool_object(namespace: str, name: str, address: str | None) -> dict[str, Any]:
+def pool_object(namespace: str, name: str, address: str | None, weight: int | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
                             "spec": {"model": {"source": "bundled"}}}
+    if weight is not None:
+        body["spec"]["gateway"] = {"weight": weight}
     if address is not None:
         # not Ready (a role below its desired replicas, as in a scale-up), yet serving
         body["status"] = {"routerAddress": address, "conditions": [{"type": "Ready", "status": "False"}]}
@@ -694,15 +807,16 @@ def test_pools_with_a_router_address_are_found_through_the_api(
         async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
             k8s.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = {"kind": KIND, "namespaced": True, "subresources": [],
                                                            "verbs": ["get", "list", "create"]}
-            for namespace, name, address in (("team-a", "chat", alpha), ("team-b", "code", dead),
-                                             ("team-a", "new", None)):
+            for namespace, name, address, weight in (("team-a", "chat", alpha, None), ("team-b", "code", dead, 5),
+                                                     ("team-a", "new", None, None)):
                 await k8s.post(f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
-                               json=pool_object(namespace, name, address))
+                               json=pool_object(namespace, name, address, weight))
             kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(server.url), namespace=None)
             configuration = kube_configuration(str(kubeconfig))
             kind = (GROUP, VERSION, PLURAL)
-            assert await PoolDiscovery(configuration, kind)() == [alpha, dead]
-            assert await PoolDiscovery(configuration, kind, "team-a")() == [alpha]
+            # each with its pool's spec.gateway.weight (none written, as the emulator fills no CRD default: 100)
+            assert await PoolDiscovery(configuration, kind)() == {alpha: DEFAULT_WEIGHT, dead: 5}
+            assert await PoolDiscovery(configuration, kind, "team-a")() == {alpha: DEFAULT_WEIGHT}
             gateway = Gateway(PoolDiscovery(configuration, kind), refresh_seconds=3600)
             await gateway.open()
             try:  # the pool whose router answers is in the table (Ready or not); the other's answers nothing
@@ -719,3 +833,15 @@ def test_the_cli_refuses_no_discovery_and_bad_settings(capsys: pytest.CaptureFix
         main(["gateway"])
     assert main(["gateway", "--router", "http://127.0.0.1:1", "--refresh-seconds", "0"]) == 2
     assert "--refresh-seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--router", "http://127.0.0.1:1", "--router-weight", "http://127.0.0.1:1=1001"], "from 0 to 1000"),
+    (["--router", "http://127.0.0.1:1", "--router-weight", "http://127.0.0.1:1"], "expected URL=WEIGHT"),
+    (["--router", "http://127.0.0.1:1", "--router-weight", "http://127.0.0.1:2=5"], "not one of the --router URLs"),
+    (["--kubernetes", "--router-weight", "http://127.0.0.1:1=5"], "spec.gateway.weight"),
+])
+def test_the_cli_refuses_a_bad_router_weight(flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gateway", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmesh gateway: ") and says in err
