@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
@@ -182,5 +183,5 @@ def test_bench_serve_against_a_simulated_cluster(tmp_path: Path) -> None:
         # at best 15 of 18 requests find their 160-token system prompt; the router may spread a group at first
         assert 0 < report["cached_tokens"] <= 15 * 160
     finally:
-        up.terminate()
+        up.send_signal(signal.SIGINT)  # Ctrl-C: no SIGTERM settle time (the router's 5 s for Kubernetes)
         up.wait(timeout=60)
