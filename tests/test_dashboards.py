@@ -38,7 +38,8 @@ RECORDED = {rule["record"] for group in yaml.safe_load(RULES.read_text())["group
             if "record" in rule}
 # Series of the release's own components, not of a pool (`kvmesh gateway`, the operator's leader election): no
 # pool label, and a namespace that is the release's, which the namespace picker (the pools' namespaces) may lack.
-RELEASE_WIDE = {f"{GatewayMetric.REQUESTS}_total", GatewayMetric.UPSTREAMS, OperatorMetric.LEADER,
+RELEASE_WIDE = {f"{GatewayMetric.REQUESTS}_total", f"{GatewayMetric.UPSTREAM_REQUESTS}_total", GatewayMetric.UPSTREAMS,
+                OperatorMetric.LEADER,
                 f"{OperatorMetric.LEADER_TRANSITIONS}_total"}
 
 # The panels the issue asks for, by dashboard: a renamed or dropped panel fails here.
