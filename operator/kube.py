@@ -64,7 +64,12 @@ class Kube:
         data = response.read()
         if not 200 <= response.status < 300:
             raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
-        return dict(json.loads(data)) if data else {}
+        if not data:
+            return {}
+        answer = json.loads(data)
+        if not isinstance(answer, dict):
+            raise ValueError(f"{method} {path}: an answer that is not a JSON object")
+        return answer
 
     def apply(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> str:
         """Create `obj`; if it exists, merge-patch `patch` onto it. Returns "created" or "patched"."""

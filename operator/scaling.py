@@ -461,11 +461,11 @@ def decide_role(role: str, obs: PoolObservation, policy: ScalingPolicy,
         per_pod = sum(p.num_blocks for p in pods) / len(pods)
         new: Arrivals | None = None  # the pool's arrivals: held by the KV roles only
         held = NO_HOLDING_CORRECTION  # and only they hold a request longer in a busier pod
-        now = demand_now(pods, obs, role)  # queued requests at the logged size: see little_calibrated
+        held_now = demand_now(pods, obs, role)  # queued requests at the logged size: see little_calibrated
         if role in KV_ROLES:
-            obs = little_calibrated(obs, now)
+            obs = little_calibrated(obs, held_now)
             new, held = arrivals(obs, policy.horizon_seconds, policy.trend_seconds), holding(pods, obs)
-        demand = SizedDemand(held, now, obs.arrival_rate, role_demand(pods, new, q),
+        demand = SizedDemand(held, held_now, obs.arrival_rate, role_demand(pods, new, q),
                              new.rate if new else obs.arrival_rate)
         capacity = max(current, 1) * per_pod
         predicted = demand(current) / capacity

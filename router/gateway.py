@@ -75,8 +75,14 @@ class ModelTable:
 
     def pick(self, model: str, turns: Mapping[str, int], exclude: Collection[str] = ()) -> Pick:
         """The router of `model` to take its next request, not one in `exclude` (it refused the connection), and
-        the model's turns after it (`smooth_pick`); None when none is left."""
-        return smooth_pick(split_weights(self.routers.get(model, ()), self.weights), turns, exclude)
+        the model's turns after it (`smooth_pick`). When every router with a weight refused, a drained one (weight
+        0) that lists the model takes it rather than the client getting a 502: a rollback's old pool at 0 serves
+        while the crashed canary at 100 is still in the table. None when none is left."""
+        routers = self.routers.get(model, ())
+        chosen, after = smooth_pick(split_weights(routers, self.weights), turns, exclude)
+        if chosen is None:
+            chosen = next((url for url in routers if url not in exclude), None)
+        return chosen, after
 
     def unknown(self, model: str) -> str:
         """The 404 message for a model no router serves, naming a few that are."""
@@ -193,7 +199,9 @@ def router_weights(urls: Sequence[str], given: Iterable[str]) -> dict[str, int]:
 def pool_weight(pool: Mapping[str, Any]) -> int:
     """A pool's `spec.gateway.weight`; DEFAULT_WEIGHT when it has none (the API server fills the default in, but
     an object the CRD never checked may lack it) or one out of 0..MAX_WEIGHT."""
-    weight = ((pool.get("spec") or {}).get("gateway") or {}).get("weight")
+    spec = pool.get("spec")
+    gateway = spec.get("gateway") if isinstance(spec, Mapping) else None
+    weight = gateway.get("weight") if isinstance(gateway, Mapping) else None
     valid = isinstance(weight, int) and not isinstance(weight, bool) and 0 <= weight <= MAX_WEIGHT
     return weight if valid else DEFAULT_WEIGHT
 

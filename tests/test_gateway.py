@@ -143,6 +143,10 @@ def test_a_router_that_refused_the_connection_is_passed_over_and_keeps_its_turn(
     assert smooth_pick(weights, turns, exclude={"http://a", "http://b"})[0] is None  # none left: a 502
     table = weighted_table(weights)
     assert table.pick("m", {}, exclude={"http://a"})[0] == "http://b"
+    # the weighted ones all refused: a drained one (a rollback's old pool at 0) takes it, not a 502
+    rollback = weighted_table({"http://canary": 100, "http://old": 0})
+    assert rollback.pick("m", {}, exclude={"http://canary"})[0] == "http://old"
+    assert rollback.pick("m", {}, exclude={"http://canary", "http://old"})[0] is None
     # a router gone from the table leaves the turns; the others keep the split
     assert set(smooth_pick({"http://b": 1}, {"http://a": -2, "http://b": 2})[1]) == {"http://b"}
 
@@ -212,6 +216,9 @@ def test_pool_routers_are_every_pool_with_an_address_in_namespace_and_name_order
     for bad in (-1, 1001, "5", True, 2.5):
         assert pool_routers([pool("a", "z", "http://z", bad)]) == {"http://z": DEFAULT_WEIGHT}
     assert pool_routers([pool("a", "z", "http://z", 0)]) == {"http://z": 0}
+    for spec in ("weight", ["x"], {"gateway": "heavy"}, {"gateway": [5]}):  # not the shape the CRD gives
+        odd = {"metadata": {"namespace": "a", "name": "z"}, "spec": spec, "status": {"routerAddress": "http://z"}}
+        assert pool_routers([odd]) == {"http://z": DEFAULT_WEIGHT}
 
 
 def test_router_weights_name_a_listed_router_and_a_weight_from_0_to_the_maximum() -> None:

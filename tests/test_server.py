@@ -411,7 +411,7 @@ def test_metrics_show_how_far_a_load_is(tiny_dir: Path) -> None:
     loading = holder.load_in_background()
     try:
         with TestClient(create_app(holder)) as http:
-            held.wait()
+            assert held.wait(120), holder.error  # a load that failed before half: its error, not a hang
             values = read_engine_metrics(http.get("/metrics").text).values
             assert values[Metric.ENGINE_LOADING] == 1 and 0 < values[Metric.ENGINE_LOAD_PROGRESS] < 1
             assert values[Metric.ENGINE_LOAD_PROGRESS] == held_at[0]
