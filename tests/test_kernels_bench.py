@@ -52,11 +52,12 @@ def check_report(report: dict) -> None:
 
 @pytest.mark.slow
 def test_bench_runs_from_the_source_tree_without_kvmesh(tmp_path: Path) -> None:
-    """`python engine/kernels/bench.py`, with every import of kvmesh made to fail, from another directory."""
+    """`python engine/kernels/bench.py`, with every import of kvmesh made to fail, from another directory; its
+    throughput runs in the dtype asked for."""
     out = tmp_path / "kernels.json"
     blocked = (
         "import runpy, sys; sys.modules['kvmesh'] = None; "
-        f"sys.argv = ['bench.py', '--json', {str(out)!r}]; "
+        f"sys.argv = ['bench.py', '--dtype', 'float16', '--json', {str(out)!r}]; "
         f"runpy.run_path({str(KERNELS / 'bench.py')!r}, run_name='__main__')"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
@@ -64,16 +65,28 @@ def test_bench_runs_from_the_source_tree_without_kvmesh(tmp_path: Path) -> None:
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "not a performance number" in done.stderr
-    check_report(json.loads(out.read_text()))
-
-
-@pytest.mark.slow
-def test_kvmesh_bench_kernels_runs_the_same_code(tmp_path: Path) -> None:
-    out = tmp_path / "kernels.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "kernels", "--dtype", "float16", "--json",
-                           str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     check_report(report)
     assert report["dtype"] == "float16"
+
+
+def options(help_text: str) -> list[str]:
+    """The options section of an argparse --help, less its own -h line: what a user can pass."""
+    section = help_text.split("options:", 1)[1]
+    return [line for line in section.splitlines() if line.strip() and "-h, --help" not in line
+            and "show this help message" not in line]
+
+
+def test_kvmesh_bench_kernels_takes_the_same_options_as_the_script() -> None:
+    """`kvmesh bench kernels` is the script's parser and run (the run itself is the test above, one copy of ~30 s
+    under the interpreter): the same options with the same choices, and a dtype outside them refused the same."""
+    env = {**os.environ, "COLUMNS": "200"}
+    cli = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "kernels", "--help"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    script = subprocess.run([sys.executable, str(KERNELS / "bench.py"), "--help"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert cli.returncode == script.returncode == 0, cli.stderr + script.stderr
+    assert options(cli.stdout) == options(script.stdout) and any("--dtype" in line for line in options(cli.stdout))
+    bad = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "kernels", "--dtype", "int4"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr
