@@ -554,7 +554,13 @@ class EngineLoading(Exception):
     """An engine answered /metrics while it loads its model: it is starting, not serving with no load."""
 
 
-_LOADING_SAMPLE = re.compile(rf"^{Metric.ENGINE_LOADING}(?:\{{[^}}]*\}})?[ \t]+(\S+)", re.MULTILINE)
+def _sample(name: str) -> re.Pattern[str]:
+    """The value of an unlabelled (or singly exposed) series in a /metrics text, found by a line search."""
+    return re.compile(rf"^{name}(?:\{{[^}}]*\}})?[ \t]+(\S+)", re.MULTILINE)
+
+
+_LOADING_SAMPLE = _sample(Metric.ENGINE_LOADING)
+_LOAD_PROGRESS_SAMPLE = _sample(Metric.ENGINE_LOAD_PROGRESS)
 
 
 def serving_metrics(text: str) -> str:
@@ -565,6 +571,13 @@ def serving_metrics(text: str) -> str:
     if found is not None and float(found[1]) > 0:
         raise EngineLoading("the engine is loading its model")
     return text
+
+
+def load_progress(text: str) -> float | None:
+    """How far a loading engine's load is (kvmesh_engine_load_progress_ratio, 0..1) from its /metrics text; None
+    when it does not say (an engine of an earlier version)."""
+    found = _LOAD_PROGRESS_SAMPLE.search(text)
+    return float(found[1]) if found is not None else None
 
 
 @dataclass(frozen=True)

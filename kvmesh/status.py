@@ -66,7 +66,8 @@ def _row(pod: dict[str, Any]) -> tuple[str, ...]:
     age = pod["metrics_age_seconds"]
     lag = pod["event_lag_batches"]
     return (pod["name"].removeprefix("http://").removeprefix("https://"),
-            pod["state"] + (" (stale)" if pod["stale"] and pod["state"] == "healthy" else ""),
+            pod["state"] + (" (stale)" if pod["stale"] and pod["state"] == "healthy" else "")
+            + (f" {percent(progress)}" if (progress := pod.get("load_progress")) is not None else ""),
             pod["role"], str(pod["running"]), str(pod["waiting"]), str(pod["inflight"]),
             percent(pod["kv_usage"]), percent(pod["forecast_usage_p90"]), f"{pod['overload_probability']:.2f}",
             "/".join(str(blocks[t]) for t in TIERS),

@@ -34,6 +34,7 @@ from kvmesh.engine.protocol import (
     KVEventBatch,
     Metric,
     VllmMetric,
+    load_progress,
     read_engine_metrics,
     serving_metrics,
 )
@@ -61,6 +62,7 @@ class Pod:
     draining: bool = False
     terminating: bool = False  # discovery says the pod is going away: drain it whatever /health says
     loading: bool = False  # an engine loading its model (/health 503 "loading"): starting, not routed to yet
+    load_progress: float | None = None  # while loading: the share of its weights read (None: it does not say)
     warming: bool = False  # a new pod waiting for its warm-up (/health 503 "warming"): up, not routed to yet
     kv_config: KVConfig | None = None
     refused: str | None = None  # why the pod's configuration is not usable, if it is not
@@ -319,6 +321,9 @@ class PodSet:
                 status = health.json().get("status") if health.status_code == 503 else None
                 pod.draining = pod.terminating or status == "draining"
                 pod.loading = status == HEALTH_LOADING
+                # how far its load is, for the pool status (its /metrics answers while it loads)
+                pod.load_progress = (load_progress((await self._client.get(pod.url + "/metrics")).text)
+                                     if pod.loading else None)
                 if (status == HEALTH_WARMING) != pod.warming:
                     pod.warming = not pod.warming
                     log.info("pod %s %s", pod.url, "is warming up: not routing to it until /health says ok"
@@ -338,6 +343,7 @@ class PodSet:
                 if pod.healthy:
                     log.warning("pod %s unreachable: %s", pod.url, exc)
                 pod.healthy = pod.warming = pod.loading = False
+                pod.load_progress = None
                 pod.kv_config = pod.served = None  # read again when it comes back: it may be another boot
             self.scraped()
             await asyncio.sleep(self.scrape_interval)

@@ -45,6 +45,7 @@ def pool_status(pods: Mapping[str, Pod], states: Sequence[PodState], index: Pref
         rows.append({
             "name": name,
             "state": pod_state(pod),
+            "load_progress": pod.load_progress,  # while loading: the share of its weights read
             "reason": pod.refused,
             "role": s.role,
             "model": s.model,

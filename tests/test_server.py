@@ -22,7 +22,8 @@ from kvmesh.operator.forecast import parse_pod
 from kvmesh.processes import free_port
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.pods import PodSet, parse_metrics
-from kvmesh.router.pool_status import pod_state
+from kvmesh.router.pool_status import pod_state, pool_status
+from kvmesh.status import render
 
 from .conftest import make_engine
 from .engines import serve_engine, slow_client, wait_idle
@@ -332,11 +333,12 @@ def test_a_loading_engine_says_so_on_metrics_and_serves_nothing_else(tiny_dir: P
     """While its model loads, /metrics answers 200 with kvmesh_engine_loading 1 and the process's metrics
     (Prometheus sees a starting pod, not a down one) and every other route 503; the router sees a loading pod, not
     a candidate, and its and the operator's scrapes leave it out rather than read a serving pod with nothing
-    running. Loaded, the gauge reads 0 and the pod serves."""
+    running; `kvmesh status` shows how far its load is. Loaded, the gauge reads 0 and the pod serves."""
     release = threading.Event()
     engine = make_engine(tiny_dir, kv_cache_blocks=32)
 
     def held_load() -> Engine:
+        LOAD_PROGRESS.get()(0.25)  # a quarter of its weights read
         release.wait()
         return engine
 
@@ -367,10 +369,14 @@ def test_a_loading_engine_says_so_on_metrics_and_serves_nothing_else(tiny_dir: P
             try:
                 await _eventually(lambda: pods.pods[url].loading)
                 assert pod_state(pods.pods[url]) == "loading" and not pods.snapshot()[0].healthy
+                assert pods.pods[url].load_progress == 0.25
+                doc = pool_status(pods.pods, pods.snapshot(), pods.index, time.monotonic())
+                assert doc["pods"][0]["load_progress"] == 0.25
+                assert "loading 25%" in render(doc) and "1 starting" in render(doc)
                 release.set()
                 await asyncio.to_thread(loading.join)
                 await _eventually(lambda: pods.snapshot()[0].healthy)
-                assert pod_state(pods.pods[url]) == "healthy"
+                assert pod_state(pods.pods[url]) == "healthy" and pods.pods[url].load_progress is None
             finally:
                 await pods.stop()
 
