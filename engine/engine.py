@@ -54,7 +54,9 @@ from kvmesh.engine.structured import Masks, StructuredError, StructuredOutputs
 
 log = logging.getLogger("kvmesh.engine")
 T = TypeVar("T")
-PIN_PREFIXES = ("handle:", "send:", "import:", "promote:")  # block holders that are not requests
+TRANSIENT_PINS = ("handle:", "send:")  # holders for another pod: a handoff's handle, a fetch being sent
+PIN_PREFIXES = (*TRANSIENT_PINS, "import:", "promote:")  # block holders that are not requests
+BLOCKED_POLL_SECONDS = 0.05  # how often a step with nothing it can schedule looks again (blocks held by pins)
 EMA = 0.2  # weight of the newest sample in the moving averages
 
 
@@ -222,6 +224,10 @@ class Engine:
         self.handles: dict[str, float] = {}  # handoff handle -> monotonic expiry; blocks held as "handle:<id>"
         self._stored: list[KVEvent] = []  # device blocks registered this step: written through to the host tier
         self._staged: dict[str, Request] = {}  # waiting out of the queue while their prefix is promoted
+        # keys of loads for a peer's fetch still copying into their blocks: True once released by the sender,
+        # whose blocks are freed only when the copy lands (freed earlier, another request could get them and the
+        # copy's hashes would be registered over that request's KV)
+        self._sending: dict[str, bool] = {}
         self._promotion_keys: dict[str, str] = {}  # request -> holder of its promoted prefix until it runs
         self._swapped: set[str] = set()  # preempted requests whose blocks come back from the host tier
         self._tier_tokens: dict[str, dict[str, int]] = {}  # request -> prompt tokens promoted, by tier
@@ -317,7 +323,12 @@ class Engine:
                 self._publish_state()
                 continue
             try:
-                self.step()
+                out = self.step()
+                if not (out.scheduled or out.preempted or out.unservable):
+                    # queued requests wait for blocks held outside any request (a handle expires, a fetch ends):
+                    # poll for that instead of spinning; a new request or command wakes the loop at once
+                    self._wake.wait(timeout=BLOCKED_POLL_SECONDS)
+                    self._wake.clear()
             except Exception:  # a bug in one step must not kill the server: fail what was running
                 log.exception("engine step failed")
                 for request in list(self.scheduler.running):
@@ -358,9 +369,14 @@ class Engine:
         parent = hashes[have - 1] if have else None
         self.tiers.promote(Promotion(None, key, ids, rest[: len(where)], parent, {},
                                      on_done=lambda ok: loaded.set_result(ids if ok else [])), where)
+        self._sending[key] = False
         return loaded
 
     def release(self, key: str) -> None:
+        """Give back the blocks held under `key` (a fetch whose load is still copying: once it lands)."""
+        if key in self._sending:
+            self._sending[key] = True
+            return
         self.kv.free(key)
 
     # ---- LoRA adapters (model/lora.py; docs/engine.md "LoRA adapters") ------------------------------------------
@@ -560,6 +576,8 @@ class Engine:
             self.kv.register_filled(p.block_ids, p.hashes, p.parent)
         if p.on_done is not None:  # loaded for a peer's fetch: the sender releases the blocks when sent
             p.on_done(p.ok)
+            if self._sending.pop(p.key, False):  # the sender gave up (timed out, its peer left) while it loaded
+                self.kv.free(p.key)
             return
         request = self._staged.pop(p.request_id or "", None)
         if request is None or not p.ok:  # aborted meanwhile (the blocks stay cached), or the copy failed
@@ -1018,8 +1036,16 @@ class Engine:
             (self.decode_step_s or 0.05) / (self.tokens_per_decode_step or 1.0),
             self.prefill_tps or 1000.0,
             self.lengths,
+            pinned_blocks=self._pinned_share(),
         )
         self.state = dataclasses.replace(self.state, forecast=self.forecast)
+
+    def _pinned_share(self) -> float:
+        """Blocks that handles and peers' fetches hold, a block shared with k holders counted 1/k (the requests
+        sharing it count the rest). Imports and promotions are not: they hold a queued request's prefix, which
+        that request's load counts."""
+        return sum(1 / b.ref_count for key, seq in self.kv.seqs.items() if key.startswith(TRANSIENT_PINS)
+                   for b in seq.blocks)
 
     # ---- synchronous use (tests, benchmarks) ---------------------------------------------------------------
 

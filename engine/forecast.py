@@ -187,6 +187,7 @@ def forecast_usage(
     n_samples: int = 256,
     seed: int = 0,
     grid_points: int = 32,
+    pinned_blocks: float = 0.0,
 ) -> Forecast:
     """Forecast device KV usage over the next `horizon_seconds` from the requests the engine holds.
 
@@ -199,14 +200,18 @@ def forecast_usage(
     spanning [0, horizon]. The look-ahead window is the horizon: `overload_probability` is the share of futures
     whose usage passes OVERLOAD_USAGE at some grid point of it, and `seconds_to_exhaustion` is the median over
     futures of the first time demand reaches `total_blocks` (interpolated between grid points), math.inf when
-    fewer than half the futures get there within the horizon. Deterministic for a given seed.
+    fewer than half the futures get there within the horizon. `pinned_blocks` are held outside any request (a
+    handoff's handle, a peer's fetch) for the whole window: counted in every future, as the usage gauge counts
+    them. Deterministic for a given seed.
     """
     if total_blocks <= 0 or block_size <= 0 or n_samples <= 0 or grid_points <= 0:
         raise ValueError("total_blocks, block_size, n_samples and grid_points must be positive")
     if decode_step_seconds <= 0 or prefill_tokens_per_second <= 0 or horizon_seconds < 0:
         raise ValueError("step time and prefill rate must be positive, the horizon non-negative")
     if not requests:
-        return Forecast(horizon_seconds, dict.fromkeys(FORECAST_LEVELS, 0.0), 0.0, math.inf)
+        usage = pinned_blocks / total_blocks
+        return Forecast(horizon_seconds, dict.fromkeys(FORECAST_LEVELS, usage), float(usage > OVERLOAD_USAGE),
+                        0.0 if pinned_blocks >= total_blocks else math.inf)
 
     horizon_steps = max(1, math.floor(horizon_seconds / decode_step_seconds + 1e-9))
     beyond = min(horizon_steps + 1, _MAX_TOKENS // 2)  # any step past the window: later is the same to us
@@ -244,6 +249,7 @@ def forecast_usage(
     for g, step in enumerate(grid):
         np.greater(end, step, out=alive)
         np.dot(alive, blocks[g], out=held[g])
+    held += pinned_blocks
     usage = held / total_blocks  # (grid, samples)
 
     at_horizon = usage[-1]

@@ -170,10 +170,13 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
                 victim = self.running[-1]  # the least important; never one scheduled earlier this step
-                if victim is request and len(self.running) == 1 and not out.scheduled:
+                if (victim is request and len(self.running) == 1 and not out.scheduled
+                        and self.kv.blocks_for(request.num_computed_tokens + n) > self.kv.pool.num_blocks):
                     self.running.remove(request)
                     out.unservable.append(request)
                     break
+                # alone and still short, it would fit the whole pool: blocks held outside any request (a handoff's
+                # handle, a fetch, an import) are short, so it waits for them in the queue like any preempted one
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -195,7 +198,11 @@ class Scheduler:
             hit = self.kv.find_prefix(request.request_id, request.token_ids, request.extra)
             n = min(request.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate(request.request_id, hit.num_tokens + n, hit):
-                break
+                if self.running:
+                    break  # it waits for blocks the running requests free; none behind it overtakes
+                # nothing runs, so no request will free a block: what holds them is outside any request (handles,
+                # fetches, imports), and an import is given back only when its request, maybe behind this one, runs
+                continue
             self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()

@@ -695,8 +695,15 @@ async def _import_blocks(e: Engine, client: httpx.AsyncClient, source: str, want
     ids = await asyncio.wrap_future(e.call(lambda: e.reserve_import(key, len(pulled.hashes))))
     if ids is None:
         raise TransferError("no room in this pod's KV cache for the pulled blocks")
-    # the reserved blocks belong to nobody else until registered: fill them off the engine thread
-    await asyncio.to_thread(e.write_blocks, ids, pulled.data)
+    # the reserved blocks belong to nobody else until registered: fill them off the engine thread. A caller
+    # cancelled meanwhile releases them only once the write is done (released earlier, they could go to another
+    # request while this write still lands in them)
+    writing = asyncio.ensure_future(asyncio.to_thread(e.write_blocks, ids, pulled.data))
+    try:
+        await asyncio.shield(writing)
+    except asyncio.CancelledError:
+        await asyncio.wait([writing])
+        raise
     parent = wanted[have - 1] if have else None
     await asyncio.wrap_future(e.call(lambda: e.finish_import(ids, pulled.hashes, parent)))
     return pulled

@@ -117,6 +117,64 @@ def test_a_request_larger_than_the_pool_fails_alone(tiny_dir: Path) -> None:
     assert big.final.error and "does not fit" in big.final.error
 
 
+def submit(engine: Engine, tokens: list[int], **params: object) -> Result:
+    p = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **params})  # type: ignore[arg-type]
+    result = Result(Request(f"req-{next(_ids)}", list(tokens), p))
+    result.request.on_output = result.outputs.append
+    engine.submit(result.request)
+    return result
+
+
+def handoff(engine: Engine, tokens: list[int]) -> str:
+    """A prefill for another pod, run to its end: its blocks stay pinned under the handle it returns."""
+    result = submit(engine, tokens, max_tokens=1)
+    result.request.handoff_ttl = 30.0
+    engine.run_until_idle()
+    assert result.final.kv_transfer is not None
+    return result.final.kv_transfer["handle"]
+
+
+def test_a_lone_request_short_of_blocks_a_handle_holds_waits_for_them_instead_of_being_cut(tiny_dir: Path) -> None:
+    """A handle pins half the pool; the one running request then needs more than the rest. It fits the whole pool,
+    so it waits in the queue (not ended with 'length' and a 'does not fit' error) and, once the handle goes,
+    runs to its end with the tokens a free engine gives."""
+    (expected,) = generate(make_engine(tiny_dir), [prompt(2, 20)], max_tokens=60)
+    engine = make_engine(tiny_dir, kv_cache_blocks=8)
+    handle = handoff(engine, prompt(1, 60))  # 4 of the 8 blocks
+    result = submit(engine, prompt(2, 20), max_tokens=60)  # 80 tokens: 5 blocks
+    for _ in range(200):
+        engine.step()
+    assert not result.outputs or result.final.finish_reason is None  # still going, not cut
+    assert engine.scheduler.waiting == [result.request] and not engine.scheduler.running
+    engine.drop_handle(handle)
+    engine.run_until_idle()
+    assert result.final.error is None and result.final.finish_reason == "length"
+    assert result.tokens == expected.tokens
+    engine.kv.check_invariants()
+
+
+def test_a_queue_head_short_of_blocks_an_import_holds_lets_the_import_s_request_run_first(tiny_dir: Path) -> None:
+    """Blocks pulled from a peer for request X are held until X runs. When they leave too little for the
+    request ahead of X and nothing is running (so nothing will free a block), X is admitted past it: otherwise
+    neither ever runs."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=8)
+    pulled = prompt(1, 100)
+    chain = engine.kv.prefix_hashes("probe", pulled)
+    engine.kv.seqs.pop("probe")
+    ids = engine.reserve_import("import:x", len(chain[:6]))  # 6 of 8 blocks: what a pull reserves
+    assert ids is not None
+    engine.finish_import(ids, chain[:6], None)
+    ahead = submit(engine, prompt(2, 40), max_tokens=4)
+    ahead.request.priority = 5  # ahead of X in the queue
+    behind = submit(engine, pulled, max_tokens=4)
+    behind.request.import_key = "import:x"
+    engine.run_until_idle(max_steps=2_000)
+    assert behind.final.finish_reason == "length" and behind.final.cached_tokens == 96
+    assert ahead.final.finish_reason == "length" and len(ahead.tokens) == 4
+    engine.kv.check_invariants()
+    assert engine.kv.stats().used == 0
+
+
 def test_chunked_prefill_gives_the_same_output(tiny_dir: Path) -> None:
     long_prompt = prompt(3, 300)
     (whole,) = generate(make_engine(tiny_dir), [long_prompt], logprobs=True)
@@ -343,3 +401,13 @@ def test_a_requests_token_slice_is_that_of_its_whole_token_list() -> None:
     whole = request.token_ids
     for start, stop in itertools.combinations_with_replacement(range(len(whole) + 1), 2):
         assert request.token_slice(start, stop) == whole[start:stop]
+
+
+def test_the_forecast_counts_the_blocks_a_handle_pins(tiny_dir: Path) -> None:
+    """A disaggregated prefill pod's KV is mostly handles waiting for their decode pods: the forecast the router
+    and the operator read counts them (it read 0 while the usage gauge read 50 %)."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=8, forecast_interval_seconds=0.0)
+    handoff(engine, prompt(1, 60))  # 4 of the 8 blocks
+    engine._maybe_forecast()
+    assert engine.forecast is not None
+    assert engine.forecast.usage_quantiles["p50"] == 0.5

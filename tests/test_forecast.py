@@ -43,6 +43,17 @@ def test_no_requests_is_an_empty_forecast() -> None:
     assert f.seconds_to_exhaustion == math.inf
 
 
+def test_blocks_pinned_outside_requests_count_in_every_future() -> None:
+    """A prefill pod full of handoff handles is full: its forecast says so, as its usage gauge does."""
+    alone = run([], OutputLengthModel(), pinned_blocks=87.5)
+    assert alone.usage_quantiles == dict.fromkeys(FORECAST_LEVELS, 0.875)
+    assert alone.overload_probability == 0.0 and alone.seconds_to_exhaustion == math.inf
+    full = run([], OutputLengthModel(), pinned_blocks=100)
+    assert full.overload_probability == 1.0 and full.seconds_to_exhaustion == 0.0
+    with_request = run([RequestLoad(100, 10, 1000, CLASS)], known_lengths(50), pinned_blocks=30)
+    assert with_request.usage_quantiles == dict.fromkeys(FORECAST_LEVELS, (8 + 30) / 100)
+
+
 def test_lone_request_with_known_length_is_exact() -> None:
     # 100 tokens held, 10 of 50 generated: after 20 steps it holds 120 tokens = 8 blocks of 16.
     f = run([RequestLoad(100, 10, 1000, CLASS)], known_lengths(50))

@@ -297,6 +297,36 @@ def test_a_peer_fetch_is_served_from_the_host_tier(tiny_dir: Path, tmp_path: Pat
     engine.close()
 
 
+def test_a_fetch_released_while_its_load_copies_keeps_its_blocks_until_the_copy_lands(tiny_dir: Path,
+                                                                                       tmp_path: Path) -> None:
+    """The sender gives up (its peer left, the transfer timed out) while host blocks are still copying into device
+    blocks for it: those blocks must not go to another request before the copy lands, or the copy's hashes would
+    name that request's KV and every later hit on the prefix would decode from the wrong keys and values."""
+    engine = tiered(tiny_dir, tmp_path, disk_blocks=0, kv_cache_blocks=16)
+    tokens = prompt(12, 100)
+    cold, _ = run(engine, tokens)
+    hashes = chain(engine, tokens)
+    engine.kv.pool.clear()  # the host tier alone holds the prefix
+    key, _ = engine.pin_for_send(hashes, None)
+    assert engine.promote_for_send(key, hashes, 0) is not None
+    loading = set(engine.kv.block_ids(key))
+    engine.release(key)  # at once, as kv_fetch does when it is cancelled
+    other = Request(f"t-{next(_ids)}", prompt(7, 90), SamplingParams(max_tokens=3, temperature=0.0,
+                                                                     ignore_eos=True))
+    engine.submit(other)
+    engine.step()  # the other request is admitted while the copy may still run
+    assert not loading & set(engine.kv.block_ids(other.request_id))
+    engine.run_until_idle()
+    engine.tiers.drain()
+    engine.step()
+    engine.kv.check_invariants()
+    again, final = run(engine, tokens)
+    assert final.cached_tokens > 0  # served from the blocks the copy filled ...
+    assert again[:len(cold)] == cold  # ... and they hold this prefix's KV
+    assert engine.kv.stats().used == 0
+    engine.close()
+
+
 def test_residency_is_observed_for_the_sampled_blocks_of_every_tier(tiny_dir: Path, tmp_path: Path) -> None:
     from kvmesh.engine.protocol import RESIDENCY_SAMPLE
 
