@@ -110,7 +110,7 @@ from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
 from kvmesh.router.pool_status import POOL_STATUS_PATH, pod_state, pool_status
-from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply
+from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.responses_api import STORE_OPERATIONS, Responses, response_routes
 from kvmesh.router.responses_store import (
@@ -353,13 +353,16 @@ class Relay:
     role_sent: bool = False
     prefill_usage: dict[str, Any] | None = None  # after a prefill hop: the prompt side of the usage comes from it
     client_usage: bool = True  # the client asked for the usage chunk (the router always does, for its log)
-    finished: bool = False  # a choice carried a finish_reason
+    choices: int = 1  # the answer's choices (n, times the prompts of a list): it is whole once each has finished
+    finished_choices: set[int] = field(default_factory=set)  # indexes of the choices that carried a finish_reason
+    failed: bool = False  # the pod ended the stream with an error event
     done: bool = False  # [DONE] arrived
     started: bool = False  # the relay began (one that never did is counted by its RelayResponse)
 
     def on_chunk(self, chunk: dict[str, Any], trace: Trace) -> dict[str, Any]:
         """Record what a chunk delivers and make it look like one stream: first id, no second role."""
         if "error" in chunk:
+            self.failed = True
             return chunk
         trace.chunks += 1
         if trace.first_chunk_at is None:
@@ -379,10 +382,15 @@ class Relay:
             else:
                 self.sent_text += choice.get("text") or ""
             if choice.get("finish_reason"):
-                self.finished = True
+                self.finished_choices.add(choice.get("index", 0))
         if chunk.get("usage") and self.prefill_usage:
             chunk["usage"] = merge_usage(self.prefill_usage, chunk["usage"])
         return chunk
+
+    @property
+    def finished(self) -> bool:
+        """Every choice finished: the answer is whole, whatever of the stream's tail was lost."""
+        return len(self.finished_choices) >= self.choices
 
     def resume_ids(self) -> list[int]:
         return list(self.upstream.get(RESUME_OUTPUT_IDS_FIELD) or []) + self.sent_ids
@@ -754,6 +762,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     index = PrefixIndex()
     pods = PodSet.from_config(config, expected, index)
     upstream = Upstream(config.request_timeout_seconds, config.max_connections_per_pod)
+    pods.lost_listeners.append(lambda url, why: _abort_pod(upstream, url, why))
     table = parse_tenants(config.tenants)
     keys_file = KeysFile(config.api_keys_file) if config.api_keys_file else None  # re-read when it changes
     keys = keys_file.keys if keys_file is not None else ApiKeys({})
@@ -781,6 +790,12 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
                   if config.database_url and config.rate_limit_sync else None,
                   responses=open_store(config.database_url, config.responses_ttl_seconds,
                                        config.responses_memory_items), pod_wait=pod_wait)
+
+
+def _abort_pod(upstream: Upstream, url: str, why: str) -> None:
+    broken = upstream.abort_pod(url, why)
+    if broken:
+        logging.getLogger("kvmesh.router").warning("%s: broke its %d open connections (%s)", url, broken, why)
 
 
 def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
@@ -829,6 +844,11 @@ def error_response(error: RouteError) -> JSONResponse:
                         headers=error.headers)
 
 
+class PodTimeout(Exception):
+    """A pod took a request that does not stream and sent no answer within the read timeout: not retried, since
+    the pod may still be generating it (a long answer), and another pod would run it again."""
+
+
 def refusal_outcome(error: RouteError) -> str:
     """How kvmesh_router_requests_total counts a request refused before an engine answered it."""
     if error.code == RATE_LIMIT_CODE:
@@ -850,6 +870,16 @@ def with_usage(raw: dict[str, Any]) -> dict[str, Any]:
 def _calls_tools(raw: Mapping[str, Any]) -> bool:
     """Whether the answer may be tool calls (tools given, and tool_choice not "none")."""
     return bool(raw.get("tools")) and raw.get("tool_choice") != "none"
+
+
+def _pod_error(message: str) -> bytes:
+    """The body of a 502 for a pod's answer that cannot be passed on."""
+    return json.dumps(error_body(message, "server_error")).encode()
+
+
+def _choices(raw: dict[str, Any]) -> int:
+    """How many choices the answer has: n for each prompt."""
+    return raw.get("n", 1) * (len(raw["prompt"]) if _several_prompts(raw) else 1)
 
 
 def _several_prompts(raw: dict[str, Any]) -> bool:
@@ -1135,8 +1165,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 except asyncio.CancelledError:
                     client_gone(trace)
                     raise
-            if body.stream:  # a stream notices a gone client itself: its relay is cancelled
-                return _with_limits(await work, trace)
+            # watched until the answer begins (a stream's relay then notices a gone client itself: it is cancelled)
             gone = asyncio.ensure_future(wait_disconnected(http.receive))
             # the client leaving cancels the work, which closes the upstream call: the engine aborts the request
             # and frees its blocks (a callback, not asyncio.wait: this runs for every request)
@@ -1181,6 +1210,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             booking = router.commit(trace, pod, decision)
             try:
                 booking.reply = reply = await router.upstream.post(pod.url + path, body, headers, trace.span)
+            except UpstreamTimeout as exc:
+                booking.close()
+                if not body.get("stream"):  # it may be generating still: sent elsewhere, it would run twice or more
+                    raise PodTimeout(f"the pod {pod.name} sent no answer within "
+                                     f"{router.config.request_timeout_seconds:g} s") from exc
+                continue  # a stream's headers come at once: this pod is stuck
             except UpstreamError:
                 booking.close()
                 continue
@@ -1242,9 +1277,15 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
         if prefill_pods and single and (trace.info.prompt_tokens - first.predicted_cached_tokens
                                         >= router.config.prefill_hop_min_tokens):
-            split = await disaggregate(path, raw, trace, stream, headers)
+            try:
+                split = await disaggregate(path, raw, trace, stream, headers)
+            except PodTimeout as exc:
+                return timed_out(trace, exc)
             if split is not None:
                 return split
+            # served whole after all: decided again, as pods may have left or filled during the hop
+            view = router.view(trace.info)
+            first = router.decide(trace.info, tried, view=view)
         migratable = stream and single
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
         if stream:  # the request log and metrics need the usage even when the client did not ask for it
@@ -1253,7 +1294,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if pull is not None:  # cheaper to fetch the longer prefix a peer holds than to compute it
             upstream[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
             router.metrics.pulls.inc()
-        opened = await open_upstream(trace, upstream, path, headers, tried, first)
+        try:
+            opened = await open_upstream(trace, upstream, path, headers, tried, first)
+        except PodTimeout as exc:
+            return timed_out(trace, exc)
         if opened is None:
             return no_pod(trace, "no pod can take this request now; retry later")
         booking, reply, decision = opened
@@ -1263,19 +1307,32 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if stream and reply.status == 200:
             stream_state = Relay(booking, upstream, path, headers, tried,
                                  strip_ids=not raw.get(RETURN_TOKEN_IDS_FIELD), migratable=migratable,
-                                 client_usage=wants_usage(raw))
+                                 client_usage=wants_usage(raw), choices=_choices(raw))
             return RelayResponse(relay(trace, stream_state), stream_state, decided, lambda: ended(trace, "client_gone"))
+        status, content, answer = await whole_answer(booking, reply)
+        outcome = "ok" if answer is not None else "error"
+        router.metrics.count_request(outcome, trace.route, trace.source)
+        router.record(trace, outcome, status, _count_cached(answer) if answer is not None else None)
+        return Response(content, status_code=status, media_type="application/json", headers=decided)
+
+    async def whole_answer(booking: Booking, reply: UpstreamReply) -> tuple[int, bytes, dict[str, Any] | None]:
+        """A pod's answer read whole, as the client gets it: (status, body, the body of a 200 parsed). One the pod
+        broke off, or a 200 that is no JSON object, is a 502 with a message (an error's own body passes on)."""
         with booking:
             try:
                 content = await reply.read()
             except UpstreamError as exc:  # the pod broke off mid-answer: a 502, counted and logged like any error
-                content, reply.status = json.dumps(error_body(f"the pod {booking.pod.name} broke off its answer: "
-                                                              f"{exc}", "server_error")).encode(), 502
-        outcome = "ok" if reply.status == 200 else "error"
-        router.metrics.count_request(outcome, trace.route, trace.source)
-        usage = _count_cached(json.loads(content)) if reply.status == 200 else None
-        router.record(trace, outcome, reply.status, usage)
-        return Response(content, status_code=reply.status, media_type="application/json", headers=decided)
+                return 502, _pod_error(f"the pod {booking.pod.name} broke off its answer: {exc}"), None
+        if reply.status != 200:
+            return reply.status, content, None
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            return 502, _pod_error(f"the pod {booking.pod.name} answered with a body that is not a JSON object: "
+                                   f"{content[:120].decode(errors='replace')!r}"), None
+        return 200, content, answer
 
     async def disaggregate(
         path: str, raw: dict[str, Any], trace: Trace, stream: bool, headers: dict[str, str]
@@ -1289,14 +1346,23 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             return None
         prefill, reply, decision = opened
         with prefill:  # the prefill pod's part ends with its answer (the KV it keeps is the decode pod's to pull)
-            content = await reply.read()
+            try:
+                content = await reply.read()
+            except UpstreamError:  # broke off mid-answer
+                return None
         prefill_pod = prefill.pod
         if reply.status != 200:
             return None
-        first = json.loads(content)
-        choice = first["choices"][0]
-        ids = choice.pop("token_ids")
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        try:
+            first = json.loads(content)
+            choice = first["choices"][0]
+            ids = choice.pop("token_ids")
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+        except (ValueError, LookupError, TypeError):  # not an answer this router can continue
+            logging.getLogger("kvmesh.router").warning(
+                "the prefill pod %s sent an answer that is not a completion; serving the request whole",
+                prefill_pod.name)
+            return None
         ticket = first.pop(KV_TRANSFER_FIELD, None)  # none when the request ended as it arrived (a constraint)
         trace.route = "disaggregated"
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
@@ -1346,12 +1412,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 opening["choices"][0]["token_ids"] = [token]
             return RelayResponse(relay(trace, state, "data: " + json.dumps(opening) + "\n\n"), state, decided,
                                  lambda: ended(trace, "client_gone"))
-        with booking:
-            rest = json.loads(await reply.read())
-        if reply.status != 200:
+        status, content, rest = await whole_answer(booking, reply)
+        if rest is None:
             router.metrics.count_request("error", trace.route, trace.source)
-            router.record(trace, "error", reply.status, None)
-            return JSONResponse(rest, status_code=reply.status, headers=decided)
+            router.record(trace, "error", status, None)
+            return Response(content, status_code=status, media_type="application/json", headers=decided)
         merged = rest["choices"][0]
         if "message" in merged:
             merged["message"]["content"] = text + (merged["message"]["content"] or "")
@@ -1364,6 +1429,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         router.metrics.count_request("ok", trace.route, trace.source)
         router.record(trace, "ok", 200, rest["usage"])
         return JSONResponse(rest, headers=decided)
+
+    def timed_out(trace: Trace, exc: PodTimeout) -> JSONResponse:
+        """504 for a request a pod took and did not answer in time: counted and logged as an error."""
+        router.metrics.count_request("error", trace.route, trace.source)
+        router.record(trace, "error", 504, None)
+        return JSONResponse(error_body(str(exc), "server_error", code="upstream_timeout"), status_code=504)
 
     def client_gone(trace: Trace) -> Response:
         ended(trace, "client_gone")
@@ -1391,7 +1462,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                     try:
                         async for line in booking.reply.lines():
                             if line.startswith("data: {"):
-                                chunk = state.on_chunk(json.loads(line[6:]), trace)
+                                try:
+                                    parsed = json.loads(line[6:])
+                                except ValueError:
+                                    raise UpstreamError(f"a malformed event from the pod: {line[:80]!r}") from None
+                                chunk = state.on_chunk(parsed, trace)
                                 if chunk.get("usage"):
                                     usage = _count_cached(chunk)
                                     if not state.client_usage:
@@ -1421,6 +1496,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             if not state.done:
                 outcome = "error"
                 yield stream_error_ending("the pod serving this stream failed and no other pod could continue it")
+            elif state.failed:  # the pod's own error event, passed on as it came
+                outcome = "error"
         except (asyncio.CancelledError, GeneratorExit):  # the client left (the stream was stopped or closed early)
             outcome = "client_gone"
             raise

@@ -46,6 +46,10 @@ from kvmesh.router.picker import PodState
 log = logging.getLogger("kvmesh.router.pods")
 RECONNECT_SECONDS = 0.5
 EVENT_READ_TIMEOUT_SECONDS = 30.0
+# A pod whose health checks failed this long is lost: requests still reading from it give up on it (a stream moves
+# to another pod) rather than wait out request_timeout_seconds. Two of httpx's 5 s timeouts: a pod too busy to
+# answer one check in time keeps its requests.
+LOST_AFTER_SECONDS = 10.0
 
 
 def served_models(served: ServedModels | None, config: KVConfig | None) -> ServedModels:
@@ -71,6 +75,7 @@ class Pod:
     served: ServedModels | None = None  # its /v1/models; None until read (it then serves its KV config's model)
     served_at: float = 0.0
     scraped_at: float = 0.0
+    unreachable_since: float | None = None  # its scrapes have failed since then (None: the last one answered)
     inflight: int = 0
     # its last snapshot and what it was made from (PodSet.snapshot): rebuilt only when one of those changed
     snapped: tuple[StateInputs, PodState] | None = field(default=None, repr=False, compare=False)
@@ -152,6 +157,10 @@ class PodSet:
         self._started = False
         # called after every scrape of a pod, which is when it can become ready (router/app.py PodWait)
         self.scrape_listeners: list[Callable[[], None]] = []
+        # called with a pod's URL and why while it stays unreachable past LOST_AFTER_SECONDS: what is still being
+        # read from it will not come (router/app.py breaks its connections, so streams move on). Not when it leaves
+        # the pool: a draining pod leaves the endpoints (its /health answers 503) while its streams finish
+        self.lost_listeners: list[Callable[[str, str], None]] = []
         for url in urls:
             self.add(url)
 
@@ -337,6 +346,7 @@ class PodSet:
                     pod.metrics, pod.lora = await asyncio.to_thread(parse_metrics, text)  # ms of parsing: off the loop
                     pod.scraped_at = time.monotonic()
                 pod.healthy = health.status_code == 200
+                pod.unreachable_since = None
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a pod's bad answer must not end its scraper
@@ -345,8 +355,16 @@ class PodSet:
                 pod.healthy = pod.warming = pod.loading = False
                 pod.load_progress = None
                 pod.kv_config = pod.served = None  # read again when it comes back: it may be another boot
+                if pod.unreachable_since is None:
+                    pod.unreachable_since = time.monotonic()
+                elif time.monotonic() - pod.unreachable_since >= LOST_AFTER_SECONDS:  # at each scrape from then on
+                    self._lost(pod, f"the pod has not answered its health checks for {LOST_AFTER_SECONDS:g} s")
             self.scraped()
             await asyncio.sleep(self.scrape_interval)
+
+    def _lost(self, pod: Pod, why: str) -> None:
+        for listener in self.lost_listeners:
+            listener(pod.url, why)
 
     def scraped(self) -> None:
         """A pod was just scraped (it may have become ready or gone): tell the listeners."""

@@ -41,6 +41,10 @@ class UpstreamError(Exception):
     """The pod could not be reached, or the connection broke before the reply was whole."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """Nothing more of the reply came within the read timeout (the pod may still be working on the request)."""
+
+
 class _Connection(asyncio.Protocol):
     """One connection to a pod and the reply being read on it (one at a time)."""
 
@@ -73,7 +77,8 @@ class _Connection(asyncio.Protocol):
         timeout."""
         if self.error is None and not self.complete:
             self.waiter = self.loop.create_future()
-            timer = self.loop.call_later(self.read_timeout, self.fail, f"no reply within {self.read_timeout:g} s")
+            timer = self.loop.call_later(self.read_timeout, self.fail, f"no reply within {self.read_timeout:g} s",
+                                         UpstreamTimeout)
             try:
                 await self.waiter
             finally:
@@ -90,10 +95,10 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         return data
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str, error: type[UpstreamError] = UpstreamError) -> None:
         """The reply cannot be read whole: its reader gets an UpstreamError, and the connection is dropped."""
         if self.error is None and not self.complete:
-            self.error = UpstreamError(why)
+            self.error = error(why)
         self.abort()
         self._wake()
 
@@ -111,6 +116,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
         self.pod.connected += 1
+        self.pod.live.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self in self.pod.idle:  # bytes with no request asked: the connection is out of step, never reused
@@ -128,6 +134,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.pod.connected -= 1
+        self.pod.live.discard(self)
         self.pod.changed()
         if self in self.pod.idle:
             self.pod.idle.remove(self)
@@ -250,6 +257,7 @@ class _Pod:
         self.authority = (f"[{self.host}]" if ":" in self.host else self.host) + ("" if default_port
                                                                                     else f":{self.port}")
         self.idle: list[_Connection] = []
+        self.live: set[_Connection] = set()  # its open connections, idle or in use
         self.connected = 0  # open connections (from connection_made to connection_lost)
         self.opening = 0  # connections being opened
         self.posting = 0  # requests between finding this pod and having their connection (the sweep keeps it)
@@ -307,8 +315,8 @@ class Upstream:
             connection, reused = await self._connection(pod)
             try:
                 await self._send(connection, request)
-            except UpstreamError:
-                if not reused or connection.received:
+            except UpstreamError as exc:
+                if not reused or connection.received or isinstance(exc, UpstreamTimeout):
                     raise
                 # a kept-alive connection the pod closed as the request went out: it never read it, so once
                 # more on a new connection (the pod's first byte had not come: nothing was answered twice)
@@ -334,13 +342,11 @@ class Upstream:
 
     def _pod_of(self, url: str) -> tuple[_Pod, str]:
         """The pod of `url` and the path to ask it for."""
-        scheme, _, rest = url.partition("://")
-        authority, slash, path = rest.partition("/")
-        base = f"{scheme}://{authority}"
+        base, path = _split(url)
         pod = self._pods.get(base)
         if pod is None:
             pod = self._pods[base] = _Pod(base)
-        return pod, slash + path if slash else "/"
+        return pod, path
 
     @staticmethod
     async def _send(connection: _Connection, request: bytes) -> None:
@@ -404,8 +410,27 @@ class Upstream:
             pod.changed()  # a failed open leaves room for another
         return connection, False
 
+    def abort_pod(self, url: str, why: str) -> int:
+        """Break every connection to the pod of `url`: the replies being read from it fail with `why` (a relayed
+        stream moves to another pod) instead of waiting out the read timeout on a pod that went silent. How many
+        were open."""
+        pod = self._pods.get(_split(url)[0])
+        if pod is None:
+            return 0
+        connections = list(pod.live)
+        for connection in connections:
+            connection.fail(why)
+        return len(connections)
+
     async def close(self) -> None:
         """Close the idle connections (those in use close with their replies)."""
         for pod in self._pods.values():
             while pod.idle:
                 pod.idle.pop().abort()
+
+
+def _split(url: str) -> tuple[str, str]:
+    """(scheme://authority, path) of `url`: where its pod is, and what to ask it for."""
+    scheme, _, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://{authority}", slash + path if slash else "/"

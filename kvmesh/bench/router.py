@@ -603,10 +603,10 @@ def proxy_overhead(requests: int = 200, warmup: int = 20, time_limit: float = 30
 _REASONS = {200: b"OK", 404: b"Not Found"}
 
 
-def _stub_routes(fingerprint: str) -> dict[bytes, tuple[int, bytes, bytes]]:
+def _stub_routes(fingerprint: str, role: str = "both") -> dict[bytes, tuple[int, bytes, bytes]]:
     config = KVConfig(model="stub", block_size=DEFAULT_BLOCK_SIZE, hash_algo=HashAlgo.XXH3.value,
                       hash_root=DEFAULT_HASH_ROOT, tokenizer_fingerprint=fingerprint, num_device_blocks=100000,
-                      boot_id="stub")
+                      boot_id="stub", role=role)
     completion = {
         "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
         "choices": [{"index": 0, "text": " Paris", "logprobs": None, "finish_reason": "length"}],
