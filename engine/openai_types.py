@@ -289,6 +289,17 @@ class _Common(BaseModel):
 
     _text = field_validator("*", mode="before")(_text_fields)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """null for an optional field means its default, as OpenAI and vLLM read it: the official client sends null
+        for an argument given as None (`temperature=None`), and many wrappers serialize unset fields so."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
     @field_validator("guided_whitespace_pattern")
     @classmethod
     def _no_whitespace_pattern(cls, value: str | None) -> None:

@@ -330,6 +330,7 @@ class _Completions:
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.model = body.model if body.model in engine.loras.loaded else engine.model_name  # an adapter's name
+        self.streamed_text: dict[int, int] = {}  # per streamed choice, the length of its tokens' text so far
         # the output constraint: a structured output's, or a tool_choice's (validation allows one or the other)
         self.constraint = body.constraint or (tool_constraint(body.tool_mode, body.tool_dicts, body.named_tool,
                                                               body.parallel_tool_calls)
@@ -530,12 +531,15 @@ class _Completions:
                 choice["logprobs"] = {"content": _chat_logprobs(self.engine, out)}
             return choice
         choice = {"index": index, "text": out.new_text, "finish_reason": out.finish_reason, "logprobs": None}
-        if out.logprobs is not None:
-            choice["logprobs"] = self._completion_logprobs([out])
+        if out.logprobs is not None:  # text_offset goes on from the choice's earlier chunks, as unstreamed
+            choice["logprobs"], self.streamed_text[index] = self._completion_logprobs(
+                [out], self.streamed_text.get(index, 0))
         return choice
 
-    def _completion_logprobs(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    def _completion_logprobs(self, outs: list[RequestOutput], offset: int = 0) -> tuple[dict[str, Any], int]:
+        """Completions' logprobs object for `outs`' tokens, their text_offset counted from `offset`; and the offset
+        after them (where a stream's next chunk goes on)."""
+        tokens, lps, tops, offsets = [], [], [], []
         for o in outs:
             for k, t in enumerate(o.new_token_ids):
                 text = _logprob_token(self.engine, t)
@@ -545,7 +549,7 @@ class _Completions:
                 tops.append({_logprob_token(self.engine, tid): lp for tid, lp in top})
                 offsets.append(offset)
                 offset += len(text)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body = {
@@ -656,7 +660,7 @@ class _Completions:
             else:
                 choice = {"index": index, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
                 if any(o.logprobs for o in outs):
-                    choice["logprobs"] = self._completion_logprobs(outs)
+                    choice["logprobs"], _ = self._completion_logprobs(outs)
             if self.body.return_token_ids:
                 choice["token_ids"] = [t for o in outs for t in o.new_token_ids]
             choices.append(choice)
@@ -781,7 +785,9 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         if on_exit is not None:
             await asyncio.to_thread(on_exit)
 
-    app = FastAPI(title="kvmesh engine", lifespan=lifespan)
+    # a JSON body without a Content-Type header (requests.post(url, data=json.dumps(body))) is read as JSON, as
+    # OpenAI and the router read it: FastAPI refuses it by default, with a message about the body's shape
+    app = FastAPI(title="kvmesh engine", lifespan=lifespan, strict_content_type=False)
 
     def body_read_timeout() -> float:
         """The loaded engine's setting (every route answers 503 before it loads, a body read in time or not)."""

@@ -459,3 +459,35 @@ def _answered(url: str) -> httpx.Response:
 async def _eventually(check: Callable[[], bool]) -> None:
     while not check():
         await asyncio.sleep(0.02)
+
+
+def test_null_for_an_optional_field_means_its_default(client: openai.OpenAI) -> None:
+    """The official client sends null for an argument given as None (`temperature=None`), as do wrappers that
+    serialize unset fields: OpenAI and vLLM read it as the default; it was a 400."""
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=None, top_p=None, n=None, presence_penalty=None,
+                                          frequency_penalty=None, logprobs=None, parallel_tool_calls=None,
+                                          stream=None)
+    assert len(chat.choices) == 1 and chat.usage.completion_tokens <= 3
+    text = client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=None, n=None, temperature=None)
+    assert len(text.choices) == 1
+
+
+def test_a_json_body_without_a_content_type_is_read_as_json(served: tuple[str, Engine]) -> None:
+    """requests.post(url, data=json.dumps(body)) sends no Content-Type: read as JSON, as the router reads it."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    reply = httpx.post(served[0] + "/v1/completions", content=body, headers={"content-type": ""}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_a_streamed_completion_s_text_offsets_go_on_from_chunk_to_chunk(served: tuple[str, Engine]) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    whole = httpx.post(served[0] + "/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    offsets = []
+    with httpx.stream("POST", served[0] + "/v1/completions", json={**body, "stream": True}, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                offsets += json.loads(line[6:])["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == whole["text_offset"] and len(set(offsets)) > 1

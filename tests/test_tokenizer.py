@@ -223,3 +223,17 @@ def test_a_half_character_at_the_end_is_flushed(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.step([i]) for i in ids) == ""
     assert detok.flush() == tok.decode(ids) and "\ufffd" in detok.text
+
+
+def test_the_developer_role_is_the_system_prompt_for_a_template_that_does_not_name_it(tok: Tokenizer,
+                                                                                        model_dir: Path,
+                                                                                        tmp_path: Path) -> None:
+    """OpenAI's newer name for the system prompt: SmolLM2's template knows only `system`, and rendered `developer`
+    as an unknown turn after its own default system prompt."""
+    asked = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    as_system = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(asked) == tok.apply_chat_template(as_system)
+    knows = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+             "{# developer turns are kept #}")
+    own = Tokenizer.from_dir(_copy_tokenizer_files(model_dir, tmp_path / "own", knows))
+    assert own.apply_chat_template(asked, add_generation_prompt=False) == "<developer>Answer in French.<user>Hi"

@@ -93,7 +93,9 @@ def _content_text(index: int, content: object) -> str:
     return "\n".join(texts)
 
 
-def _normalize_messages(messages: object) -> list[dict]:
+def _normalize_messages(messages: object, developer_role: bool) -> list[dict]:
+    """The messages as a template reads them: content as text, and OpenAI's `developer` role (its newer name for
+    the system prompt) as `system` for a template that does not name it (`developer_role` False)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     normalized = []
@@ -106,7 +108,8 @@ def _normalize_messages(messages: object) -> list[dict]:
         if "content" not in message:
             raise ValueError(f"messages[{i}] needs 'content'")
         calls_only = role == "assistant" and message["content"] is None and message.get("tool_calls")
-        normalized.append({**message, "content": "" if calls_only else _content_text(i, message["content"])})
+        normalized.append({**message, "role": "system" if role == "developer" and not developer_role else role,
+                           "content": "" if calls_only else _content_text(i, message["content"])})
     return normalized
 
 
@@ -211,7 +214,7 @@ class Tokenizer:
                             tools: list[dict] | None = None) -> str:
         """Render messages into the prompt text; malformed messages or a template's own refusal raise ValueError.
         `tools` (OpenAI's tool dicts) is passed to the template as HF's apply_chat_template does."""
-        normalized = _normalize_messages(messages)
+        normalized = _normalize_messages(messages, "developer" in (self._chat_template or ""))
         try:
             return self._compiled_template.render(
                 messages=normalized,
