@@ -230,6 +230,9 @@ def _role_replicas(role: str) -> dict[str, Any]:
 # ---- cross-field rules: one CEL expression and its Python twin ----------------------------------------------
 
 
+HPA_MAX_WINDOW_SECONDS = 3600  # Kubernetes refuses a HorizontalPodAutoscaler stabilization window past this
+
+
 @dataclass(frozen=True)
 class Rule:
     """A CEL rule the API server checks (x-kubernetes-validations at `path`), and the same rule in Python."""
@@ -277,6 +280,10 @@ RULES: tuple[Rule, ...] = (
          lambda s: "scaleToZero" in s["scaling"] or (
              s["replicas"]["both"]["min"] >= 1 if s["mode"] == "aggregated"
              else s["replicas"]["prefill"]["min"] >= 1 and s["replicas"]["decode"]["min"] >= 1)),
+    Rule(("scaling",), f"self.mode == 'operator' || self.scaleDownStabilizationSeconds <= {HPA_MAX_WINDOW_SECONDS}",
+         f"scaling.scaleDownStabilizationSeconds: at most {HPA_MAX_WINDOW_SECONDS} with scaling.mode hpa (a "
+         "HorizontalPodAutoscaler's stabilization window is capped there); longer needs mode operator",
+         lambda s: s["mode"] == "operator" or s["scaleDownStabilizationSeconds"] <= HPA_MAX_WINDOW_SECONDS),
     Rule(("scaling",), "!has(self.scaleToZero) || self.mode == 'operator'",
          "scaling.scaleToZero needs scaling.mode operator: an HPA never scales a Deployment to 0, and only the "
          "operator sees the requests the routers hold",

@@ -12,6 +12,7 @@ names the pool as its controlling owner so that Kubernetes' garbage collector re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import (
@@ -33,6 +35,7 @@ from kvmesh.operator.crd import (
     HOLD_SETTING,
     KIND,
     Pool,
+    SpecError,
     setting_names,
 )
 from kvmesh.operator.lora import declared_adapters
@@ -208,6 +211,23 @@ def ext_proc_tls(pool: Pool) -> bool:
 def config_files(pool: Pool) -> dict[str, str]:
     return {"engine.yaml": yaml.safe_dump({"engine": engine_settings(pool)}, sort_keys=True),
             "router.yaml": yaml.safe_dump({"router": router_settings(pool)}, sort_keys=True)}
+
+
+# Settings that name files in a volume of the pod (a Secret's certificate): there, not on the operator's disk
+POD_FILE_SETTINGS = ("ext_proc_cert_dir",)
+
+
+def check_program_files(pool: Pool) -> None:
+    """The engines' and the router's files checked as their programs check them at start (the values, not only
+    the names and types the spec's checks cover: an eviction policy that does not exist, a port two settings
+    share), so a pool that would crash-loop every new pod is refused as InvalidSpec instead. SpecError."""
+    for program, config, settings in (("engine", EngineConfig, engine_settings(pool)),
+                                      ("router", RouterConfig, router_settings(pool))):
+        known = {f.name for f in dataclasses.fields(config)}
+        try:
+            config(**{k: v for k, v in settings.items() if k in known and k not in POD_FILE_SETTINGS}).validate()
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"{program}.settings: {exc}") from None
 
 
 def config_hash(pool: Pool, engine: bool) -> str:

@@ -36,7 +36,7 @@ from kvmesh.operator import desired
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
-from kvmesh.operator.kube import PLURALS, Kube
+from kvmesh.operator.kube import PLURALS, Kube, NameTaken
 from kvmesh.operator.leader import Election, run_elected
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
 from kvmesh.operator.memory import PoolMemory, RouterView, current_replicas, now_timestamp, pod_hit_rates
@@ -82,7 +82,12 @@ def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> list[str]:
 
 
 class ApplyFailed(Exception):
-    """A pool's objects could not all be applied; the message names the step and the API's answer."""
+    """A pool's objects could not all be applied; the message names the step and the API's answer, `reason` the
+    Degraded condition's: NameConflict (an object of that name is another's) or ApiError."""
+
+    def __init__(self, message: str, reason: str = "ApiError") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> str:
@@ -97,7 +102,8 @@ def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> str:
         deleted = prune(kube, pool, objects)
     except Exception as exc:  # an API answer, or no answer at all (the retries spent on a dead connection)
         reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
-        raise ApplyFailed(f"{step} failed: {reason}") from exc
+        raise ApplyFailed(f"{step} failed: {reason}",
+                          "NameConflict" if isinstance(exc, NameTaken) else "ApiError") from exc
     return f"{done['created']} created, {done['patched']} patched, {len(deleted)} deleted"
 
 
@@ -203,6 +209,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         state: PoolMemory = memo.setdefault("kvmesh", PoolMemory())
         try:
             pool = parse_pool(body, config.pool_defaults)
+            desired.check_program_files(pool)
         except SpecError as exc:
             state.condition(status, "Degraded", True, "InvalidSpec", str(exc), generation)
             patch.status["conditions"] = state.condition(status, "Progressing", False, "InvalidSpec",
@@ -214,8 +221,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         try:
             summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
         except ApplyFailed as exc:
-            patch.status["conditions"] = state.condition(status, "Degraded", True, "ApiError", str(exc), generation)
-            kopf.event(body, type="Warning", reason="ApiError", message=str(exc))
+            patch.status["conditions"] = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
+            kopf.event(body, type="Warning", reason=exc.reason, message=str(exc))
             raise kopf.TemporaryError(str(exc), delay=backoff_seconds(retry)) from exc
         state.condition(status, "Degraded", False, "Reconciled", "objects applied", generation)
         shared = desired.router_state(pool)

@@ -37,6 +37,33 @@ API_RETRY = Retry(total=3, backoff_factor=0.5, status_forcelist=(429, 500, 502, 
 API_TIMEOUT_SECONDS = 10.0
 
 
+class NameTaken(Exception):
+    """An object the operator would create exists and belongs to someone else."""
+
+
+def _controller(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((r for r in refs if r.get("controller")), None)
+
+
+def same_owner(wanted: Mapping[str, Any], existing: Mapping[str, Any]) -> bool:
+    """Whether the operator may patch `existing` into `wanted`: it has `wanted`'s controller (the same pool, by
+    uid), or no controller but `wanted`'s labels (a leftover of a deleted pool of the same name, which garbage
+    collection has not removed yet). A merge patch replaces ownerReferences whole, so patching anything else would
+    take it over, and a later delete of the pool would delete it."""
+    ours, theirs = _controller(wanted), _controller(existing)
+    if theirs is not None:
+        return ours is not None and theirs.get("uid") == ours.get("uid")
+    labels = (existing.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in ((wanted.get("metadata") or {}).get("labels") or {}).items())
+
+
+def owned_by(obj: Mapping[str, Any]) -> str:
+    controller = _controller(obj)
+    return (f"its controller is {controller.get('kind')} {controller.get('name')}" if controller is not None
+            else "it has no controller and not the pool's labels")
+
+
 class Kube:
     """API calls by apiVersion and plural, through the official client's transport. A call raises ApiException
     for an answer outside 2xx (and for a TLS failure: status 0), urllib3's errors or OSError for no answer, and
@@ -72,16 +99,21 @@ class Kube:
         return answer
 
     def apply(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> str:
-        """Create `obj`; if it exists, merge-patch `patch` onto it. Returns "created" or "patched"."""
+        """Create `obj`; if it exists and is `obj`'s owner's (see `same_owner`), merge-patch `patch` onto it.
+        Returns "created" or "patched"; NameTaken when the name is another's."""
         meta = obj["metadata"]
-        collection = self.path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"])
+        plural = PLURALS[obj["kind"]]
         try:
-            self.call("POST", collection, dict(obj))
+            self.call("POST", self.path(obj["apiVersion"], plural, meta["namespace"]), dict(obj))
             return "created"
         except ApiException as exc:
             if exc.status != HTTPStatus.CONFLICT:
                 raise
-        self.patch(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"], dict(patch))
+        existing = self.call("GET", self.path(obj["apiVersion"], plural, meta["namespace"], meta["name"]))
+        if not same_owner(obj, existing):
+            raise NameTaken(f"{obj['kind']} {meta['name']} exists and is not this pool's ({owned_by(existing)}): "
+                            "it is left as it is; delete or rename it, or give the pool another name")
+        self.patch(obj["apiVersion"], plural, meta["namespace"], meta["name"], dict(patch))
         return "patched"
 
     def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:

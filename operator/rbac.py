@@ -25,8 +25,10 @@ class Permission:
         return {"apiGroups": [self.group], "resources": [self.resource], "verbs": list(self.verbs)}
 
 
-APPLY = ("create", "patch")  # objects every pool owns: applied by create-then-patch, removed by the GC with it
-OWN = ("list", "create", "patch", "delete")  # objects some specs ask for: also listed, and pruned when not wanted
+# objects every pool owns: applied by create-then-patch (read first when the name exists, to patch only the pool's
+# own: operator/kube.py same_owner), removed by the GC with it
+APPLY = ("create", "get", "patch")
+OWN = ("list", "create", "get", "patch", "delete")  # objects some specs ask for: also listed, pruned when not wanted
 
 ROUTER: tuple[Permission, ...] = (
     Permission("discovery.k8s.io", "endpointslices", ("list", "watch"),

@@ -189,6 +189,7 @@ RULE_BAD = [
     ("store", {"databaseUrl": "sqlite://", "databaseUrlSecret": {"name": "s", "key": "k"}}, "not both"),
     ("replicas.both", {"min": 0, "max": 2}, "at least one pod"),
     ("scaling", {"mode": "hpa", "scaleToZero": {"idleSeconds": 600}}, "scaleToZero needs scaling.mode operator"),
+    ("scaling", {"mode": "hpa", "scaleDownStabilizationSeconds": 3601}, "at most 3600 with scaling.mode hpa"),
     ("engine.env", [{"name": "KVMESH_CACHE_DIR", "value": "/x"}], "the operator sets"),
     ("router.env", [{"name": "HOME", "value": "/root"}], "the operator sets"),
     ("router.env", [{"name": "OTEL_SERVICE_NAME", "value": "r",

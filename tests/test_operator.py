@@ -671,3 +671,31 @@ def test_every_permission_in_rbac_py_is_used(tmp_path: Path) -> None:
         run(main)
     finally:
         server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_object_of_the_same_name_that_is_not_the_pool_s_is_left_alone(tmp_path: Path) -> None:
+    """A ConfigMap named as the pool's would be, owned by someone else: the operator does not patch it (a merge
+    patch would replace its owner references with the pool's, and the pool's deletion would then delete it). The
+    pool is Degraded/NameConflict until the name is free, then reconciles."""
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            theirs = {"apiVersion": "v1", "kind": "ConfigMap", "data": {"theirs": "yes"},
+                      "metadata": {"name": "chat-config", "namespace": NS, "ownerReferences": [
+                          {"apiVersion": "apps/v1", "kind": "Deployment", "name": "someone-else", "uid": "u-1",
+                           "controller": True}]}}
+            await env.k8s.post(f"/api/v1/namespaces/{NS}/configmaps", json=theirs)
+            await env.k8s.post(POOLS, json=pool_body())
+            degraded = await eventually(lambda: conditions(env)["Degraded"])
+            assert degraded["reason"] == "NameConflict" and "Deployment someone-else" in degraded["message"]
+            left = env.get("v1/configmaps", "chat-config")
+            assert left is not None and left["data"] == {"theirs": "yes"}
+            assert left["metadata"]["ownerReferences"][0]["name"] == "someone-else"
+            await eventually(lambda: env.events("NameConflict"))
+            await env.k8s.delete(f"/api/v1/namespaces/{NS}/configmaps/chat-config")
+            await eventually(lambda: conditions(env)["Degraded"]["status"] == "False", seconds=60)
+            mine = env.get("v1/configmaps", "chat-config")
+            assert mine is not None and mine["metadata"]["ownerReferences"][0]["kind"] == KIND
+
+    run(main)

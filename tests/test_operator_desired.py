@@ -17,10 +17,11 @@ from kvmesh import cli
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import rbac
-from kvmesh.operator.crd import ENGINE_SETTINGS, Pool, load_pool_file, parse_pool
+from kvmesh.operator.crd import ENGINE_SETTINGS, Pool, SpecError, load_pool_file, parse_pool
 from kvmesh.operator.desired import (
     CONFIG_HASH_ANNOTATION,
     HOST_TIER_FILL,
+    check_program_files,
     desired_objects,
     engine_settings,
     patch_body,
@@ -41,6 +42,20 @@ def pool(path: Path = AGGREGATED, **spec: Any) -> Pool:
     doc["spec"].update(spec)
     doc["metadata"]["uid"] = "uid-1"
     return parse_pool(doc)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"engine": {"settings": {"eviction_policy": "bogus"}}}, "engine.settings: "),
+    ({"engine": {"settings": {"kv_host_memory_mib": -5}}}, "engine.settings: "),
+    ({"engine": {"settings": {"queue_policy": "nope"}}}, "engine.settings: "),
+    ({"router": {"port": GATEWAY_EXT_PROC_PORT}, "gatewayInferencePool": {"enabled": True}}, "router.settings: "),
+])
+def test_settings_the_programs_would_refuse_at_start_are_an_invalid_spec(spec: dict[str, Any], message: str) -> None:
+    """Values (not only names and types) checked as the engine and the router check their files at start: a pool
+    the operator applied with these would crash-loop every new pod while its status read Reconciled."""
+    with pytest.raises(SpecError, match=message):
+        check_program_files(pool(**spec))
+    check_program_files(pool())  # the example itself is fine
 
 
 def test_router_replicas_share_their_state_only_through_a_database() -> None:
