@@ -82,7 +82,7 @@ def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(po
                 text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
             if len(ids) >= 10 and procs[serving].poll() is None:
                 procs[serving].kill()  # the serving pod dies mid-stream
-    assert procs[serving].poll() is not None, "the pod was not killed during the stream"
+    assert killed(procs[serving]), "the pod was not killed during the stream"
     assert ids == expected_ids
     assert text == expected_text
     assert len({c["id"] for c in events}) == 1
@@ -124,7 +124,7 @@ def response_events(url: str, body: dict, procs: dict[str, subprocess.Popen], ki
                 events.append(json.loads(line[6:]))
                 if sum(e["type"] == "response.output_text.delta" for e in events) == 10:
                     procs[serving].kill()
-    assert procs[serving].poll() is not None, "the pod was not killed during the stream"
+    assert killed(procs[serving]), f"the pod was not killed during the stream: {events[-3:]}"
     return events
 
 
@@ -153,6 +153,15 @@ def test_a_responses_stream_no_pod_can_go_on_with_ends_failed(pool: Pool) -> Non
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]["code"] == "server_error"
     assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
     wait_nothing_in_flight(router)
+
+
+def killed(proc: subprocess.Popen) -> bool:
+    """Whether `proc` was killed (or died): waited for, since its sockets close before it can be reaped, so the
+    stream can end and this run before poll() sees the exit (a busy machine widens that window)."""
+    try:
+        return proc.wait(timeout=10) is not None
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def migrations_of(router: str) -> float:
