@@ -281,6 +281,12 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     scraped = observe(pods, pool.spec["engine"]["port"], scrape)
     operator_scales = pool.spec["scaling"]["mode"] == "operator"
     replicas = current_replicas(pool, status)
+    missing = sorted(role for role in (*pool.roles, "router") if role not in deployments)
+    if missing:  # deleted by hand (or a lost race with the GC): nothing else would bring it back until an edit
+        summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
+        message = f"the Deployments of {', '.join(missing)} were gone: objects applied again ({summary})"
+        kopf.event(body, type="Warning", reason="Repaired", message=message)
+        log.warning("pool %s/%s: %s", pool.namespace, pool.name, message)
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}

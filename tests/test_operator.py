@@ -699,3 +699,30 @@ def test_an_object_of_the_same_name_that_is_not_the_pool_s_is_left_alone(tmp_pat
             assert mine is not None and mine["metadata"]["ownerReferences"][0]["kind"] == KIND
 
     run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_deployment_deleted_by_hand_is_applied_again_at_the_next_tick(tmp_path: Path) -> None:
+    """The operator is level-triggered for what matters most: an engine Deployment deleted by hand comes back at the
+    pool's next evaluation, not at the next edit of the spec, with a Warning Event saying so."""
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await env.k8s.post(POOLS, json=pool_body(scaling={"intervalSeconds": 1}))
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
+            await env.k8s.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/chat-both")
+            assert env.get("apps/v1/deployments", "chat-both") is None
+
+            async def clock() -> None:  # the operator's clock runs 10x faster than the test's
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            back = await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
+            ticking.cancel()
+            assert back["metadata"]["ownerReferences"][0]["kind"] == KIND
+            (event,) = env.events("Repaired")
+            assert "both" in event["message"]
+
+    run(main)
