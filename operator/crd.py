@@ -64,7 +64,11 @@ SECRET_KEY = r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # a Secret's data key: a plain f
 API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds the keys file, by default
 # AdaptersLoaded only for pools with adapters; RouterStateShared: desired.router_state
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "RouterStateShared")
-QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # Kubernetes resource quantities (as the API's own)
+# A Kubernetes resource quantity, as the API server parses one (not negative): a number, then a binary suffix
+# (Ki .. Ei), a decimal one (n u m k M G T P E) or an exponent. The looser pattern controller-gen writes let
+# 1.2.3 or 4GiGi through, which the API server then refused for the Deployment, failing the reconcile.
+QUANTITY = (r"^[+]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+            r"(([KMGTPE]i)|[numkMGTPE]|([eE][-+]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # a Secret's or ConfigMap's name
 CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"  # a Secret's or ConfigMap's data key, as Kubernetes accepts it in a key selector

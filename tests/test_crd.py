@@ -148,6 +148,8 @@ SCHEMA_BAD = [
     ("engine.blockSize", 24, "blockSize"),
     ("engine.port", 70000, "port"),
     ("engine.resources.requests.cpu", "two", "cpu"),
+    ("engine.resources.requests.memory", "4GiGi", "memory"),  # the API server would refuse the Deployment
+    ("engine.resources.limits.cpu", "1.2.3", "cpu"),
     ("router.replicas", 0, "replicas"),
     ("scaling.overloadProbability", 0.9, "overloadProbability"),
     ("scaling.mode", "keda", "mode"),
