@@ -873,7 +873,8 @@ class Engine:
         else:
             r.text += r.detokenizer.step([token])
         sendable = len(r.text)
-        stops = p.stop if r.num_generated > p.min_tokens else []  # no stop string ends an output before min_tokens
+        # no stop string ends an output before min_tokens were generated; at the min_tokens-th one it may (vLLM's)
+        stops = p.stop if r.num_generated >= p.min_tokens else []
         hits = [at for stop in stops if (at := r.text.find(stop, max(0, len(r.emitted_text) - len(stop) + 1))) >= 0]
         if hits:
             r.text = r.text[: min(hits)]

@@ -310,6 +310,9 @@ def test_min_tokens_holds_off_stop_strings(tiny_engine: Engine) -> None:
     assert len(early.tokens) < 12
     (held,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop], min_tokens=12)
     assert held.tokens == free.tokens and held.final.finish_reason == "length"
+    # the token that completes the stop string is the min_tokens-th: it may end the output, as in vLLM
+    (at_min,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop], min_tokens=len(early.tokens))
+    assert at_min.tokens == early.tokens and at_min.final.finish_reason == "stop"
 
 
 def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
