@@ -263,6 +263,10 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    # vLLM's, not done here: refused unless off, rather than ignored (a client relying on them would not know)
+    repetition_penalty: float = 1.0
+    chat_template_kwargs: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -299,6 +303,20 @@ class _Common(BaseModel):
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError("is not supported (1.0, off, only): use presence_penalty or frequency_penalty")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("is not supported: the chat template is rendered with its own defaults")
+        return value
 
     @field_validator("guided_whitespace_pattern")
     @classmethod

@@ -9,6 +9,7 @@ stays forbidden whatever its penalty or bias.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # vLLM's: drop tokens less likely than this share of the most likely one (0: off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -71,6 +73,8 @@ class SamplingParams:
             raise InvalidParam("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParam("top_p", f"top_p must be above 0 and at most 1, got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParam("min_p", f"min_p must be between 0 and 1, got {self.min_p}")
         if self.top_k < -1:
             raise InvalidParam("top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
@@ -115,7 +119,9 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    if min_p > 0.0:  # after temperature, as vLLM: p_i < min_p * p_max, i.e. logit_i < max + log(min_p)
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -227,7 +233,7 @@ def sample(
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if p.greedy:
             continue
-        scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+        scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = torch.softmax(scaled, dim=-1)
         generator = torch.Generator().manual_seed(token_seed(p.seed or 0, index))
         # drawn on the CPU whatever the device, so every pod, CPU or GPU, continues the same stream

@@ -380,6 +380,7 @@ class _Completions:
             temperature=b.temperature,
             top_p=b.top_p,
             top_k=b.top_k,
+            min_p=b.min_p,
             seed=b.seed,
             stop=b.stops,
             stop_token_ids=b.stop_token_ids or [],

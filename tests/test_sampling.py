@@ -49,6 +49,9 @@ def test_top_k_and_top_p_exclude_the_tail() -> None:
     assert set(draw(SamplingParams(temperature=1.0, top_k=2, seed=1), 300)) == {0, 1}
     # softmax of LOGITS: 0.55, 0.20, 0.12, 0.07, 0.03 -> top_p 0.7 keeps the first two
     assert set(draw(SamplingParams(temperature=1.0, top_p=0.7, seed=2), 300)) == {0, 1}
+    # min_p 0.3: tokens under 0.3 x 0.55 = 0.165 are out (the first two stay); after temperature, as in vLLM
+    assert set(draw(SamplingParams(temperature=1.0, min_p=0.3, seed=4), 300)) == {0, 1}
+    assert set(draw(SamplingParams(temperature=2.0, min_p=0.3, seed=4), 300)) == {0, 1, 2, 3}
 
 
 def test_the_stream_depends_only_on_seed_and_position() -> None:
@@ -82,6 +85,7 @@ def test_logprobs_are_the_models_own() -> None:
         (SamplingParams(top_logprobs=21), "top_logprobs"),
         (SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
         (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+        (SamplingParams(min_p=1.5), "min_p"),
     ],
 )
 def test_validation_names_the_parameter(params: SamplingParams, fragment: str) -> None:

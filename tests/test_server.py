@@ -491,3 +491,17 @@ def test_a_streamed_completion_s_text_offsets_go_on_from_chunk_to_chunk(served: 
             if line.startswith("data: {"):
                 offsets += json.loads(line[6:])["choices"][0]["logprobs"]["text_offset"]
     assert offsets == whole["text_offset"] and len(set(offsets)) > 1
+
+
+@pytest.mark.parametrize(("extra", "param"), [({"repetition_penalty": 1.2}, "repetition_penalty"),
+                                              ({"chat_template_kwargs": {"enable_thinking": False}},
+                                               "chat_template_kwargs")])
+def test_vllm_options_not_done_here_are_refused_not_ignored(served: tuple[str, Engine], extra: dict,
+                                                            param: str) -> None:
+    """A client relying on them would otherwise get an answer made without them and never know; their off values
+    (repetition_penalty 1.0, no kwargs) and min_p, which is done, are taken."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    refused = httpx.post(served[0] + "/v1/chat/completions", json={**body, **extra}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    taken = {**body, "repetition_penalty": 1.0, "chat_template_kwargs": {}, "min_p": 0.1}
+    assert httpx.post(served[0] + "/v1/chat/completions", json=taken, timeout=30).status_code == 200
