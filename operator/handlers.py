@@ -33,6 +33,7 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
+from kvmesh.operator.conditions import pool_conditions
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
@@ -105,6 +106,12 @@ def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> str:
         raise ApplyFailed(f"{step} failed: {reason}",
                           "NameConflict" if isinstance(exc, NameTaken) else "ApiError") from exc
     return f"{done['created']} created, {done['patched']} patched, {len(deleted)} deleted"
+
+
+def reconciled(status: Mapping[str, Any], generation: int) -> bool:
+    """Whether the pool's objects were applied for `generation`: observed, and not Degraded."""
+    return status.get("observedGeneration") == generation and not any(
+        c.get("type") == "Degraded" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
 def backoff_seconds(retry: int) -> float:
@@ -282,7 +289,9 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     operator_scales = pool.spec["scaling"]["mode"] == "operator"
     replicas = current_replicas(pool, status)
     missing = sorted(role for role in (*pool.roles, "router") if role not in deployments)
-    if missing:  # deleted by hand (or a lost race with the GC): nothing else would bring it back until an edit
+    if missing and reconciled(status, generation):
+        # deleted by hand (or a lost race with the GC): nothing else would bring it back until an edit. Not while
+        # a reconcile of this generation has yet to succeed: that one is applying them (or kopf retries it)
         summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
         message = f"the Deployments of {', '.join(missing)} were gone: objects applied again ({summary})"
         kopf.event(body, type="Warning", reason="Repaired", message=message)
@@ -323,15 +332,15 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
             patch.status["adapters"] = adapters.to_status()
     ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
              for role in pool.roles}
-    router_ready = int(((deployments.get("router") or {}).get("status") or {}).get("readyReplicas") or 0)
-    all_ready = all(ready[r] >= replicas[r] for r in pool.roles) and router_ready >= 1
     kv = [d for r, d in decision.roles.items() if r in ("both", "decode")]
     usage = [m.observation.usage for m in scraped if m.observation.role in ("both", "decode")]
     summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in pool.roles)
-    conditions = state.condition(status, "Ready", all_ready, "PodsReady" if all_ready else "PodsNotReady",
-                                 f"{summary}, router {router_ready}", generation)
-    if all_ready:
-        conditions = state.condition(status, "Progressing", False, "Stable", summary, generation)
+    found = pool_conditions(pool.roles, replicas, deployments)
+    for c in found:
+        conditions = state.condition(status, c.kind, c.value, c.reason, c.message, generation)
+    if not any(c.kind == "Degraded" for c in found) and any(
+            c.get("type") == "Degraded" and c.get("reason") == "RolloutStuck" for c in conditions):
+        conditions = state.condition(status, "Degraded", False, "Reconciled", "the rollout went on", generation)
     patch.status["conditions"] = conditions
     patch.status["replicas"] = {r: {"desired": replicas[r], "ready": ready[r]} for r in pool.roles}
     patch.status["ready"] = summary

@@ -709,7 +709,7 @@ def test_a_deployment_deleted_by_hand_is_applied_again_at_the_next_tick(tmp_path
     async def main() -> None:
         async with operator(tmp_path) as env:
             await env.k8s.post(POOLS, json=pool_body(scaling={"intervalSeconds": 1}))
-            await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
+            await eventually(lambda: env.pool().get("status", {}).get("observedGeneration") == 1)
             await env.k8s.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/chat-both")
             assert env.get("apps/v1/deployments", "chat-both") is None
 
@@ -720,9 +720,9 @@ def test_a_deployment_deleted_by_hand_is_applied_again_at_the_next_tick(tmp_path
 
             ticking = asyncio.create_task(clock())
             back = await eventually(lambda: env.get("apps/v1/deployments", "chat-both"))
-            ticking.cancel()
             assert back["metadata"]["ownerReferences"][0]["kind"] == KIND
-            (event,) = env.events("Repaired")
+            (event,) = await eventually(lambda: env.events("Repaired"))  # posted once the objects are applied
+            ticking.cancel()
             assert "both" in event["message"]
 
     run(main)

@@ -1,0 +1,68 @@
+"""The pool's Ready, Progressing and rollout health, as a pure function of its Deployments and the replicas decided.
+
+Ready means the pool serves: every role that should run has a ready engine, and a router is ready. A scale-up
+waiting for its new pods is still Ready (reason Scaling); only a role with no ready pod, or no router, is not.
+Progressing is True while a Deployment rolls out a new template or waits for pods, read from the Deployment's own
+status (updatedReplicas, observedGeneration), so a rollout whose new pods never become ready is not reported
+Stable because the old ones still serve. A Deployment past its progressDeadlineSeconds is a stuck rollout: the
+pool is Degraded/RolloutStuck, naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+STUCK_REASON = "ProgressDeadlineExceeded"  # a Deployment's Progressing condition once its deadline passed
+
+
+@dataclass(frozen=True)
+class Condition:
+    kind: str
+    value: bool
+    reason: str
+    message: str
+
+
+def _status(deployment: Mapping[str, Any]) -> Mapping[str, Any]:
+    return deployment.get("status") or {}
+
+
+def rolling(deployment: Mapping[str, Any]) -> bool:
+    """Whether the Deployment has not yet brought all its pods to its current template (or not yet seen it)."""
+    wanted = int((deployment.get("spec") or {}).get("replicas") or 0)
+    status = _status(deployment)
+    seen = int(status.get("observedGeneration") or 0) >= int((deployment.get("metadata") or {}).get("generation")
+                                                               or 0)
+    return not seen or int(status.get("updatedReplicas") or 0) < wanted
+
+
+def stuck(deployment: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Progressing" and c.get("status") == "False" and c.get("reason") == STUCK_REASON
+               for c in _status(deployment).get("conditions") or [])
+
+
+def pool_conditions(roles: tuple[str, ...], replicas: Mapping[str, int],
+                    deployments: Mapping[str, Mapping[str, Any]]) -> list[Condition]:
+    """Ready and Progressing, and Degraded when a rollout is stuck (None of it otherwise: the reconcile owns
+    Degraded). `deployments` by role, the router's under "router"; `replicas` the engines' decided counts."""
+    ready = {role: int(_status(deployments.get(role) or {}).get("readyReplicas") or 0) for role in (*roles, "router")}
+    summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in roles) + f", router {ready['router']}"
+    serving = all(ready[r] >= 1 for r in roles if replicas[r] > 0) and ready["router"] >= 1
+    all_ready = serving and all(ready[r] >= replicas[r] for r in roles)
+    reason = "PodsReady" if all_ready else "Scaling" if serving else "PodsNotReady"
+    out = [Condition("Ready", serving, reason, summary)]
+    moving = sorted(r for r, d in deployments.items() if rolling(d))
+    if moving:
+        out.append(Condition("Progressing", True, "RollingOut", f"rolling out {', '.join(moving)}; {summary}"))
+    elif not all_ready:
+        out.append(Condition("Progressing", True, "WaitingForPods", summary))
+    else:
+        out.append(Condition("Progressing", False, "Stable", summary))
+    stalled = sorted(r for r, d in deployments.items() if stuck(d))
+    if stalled:
+        out.append(Condition("Degraded", True, "RolloutStuck",
+                             f"the rollout of {', '.join(stalled)} made no progress within its deadline (new pods "
+                             "not becoming ready: see their events and logs); the old pods serve meanwhile"))
+    return out
