@@ -563,6 +563,12 @@ def validation_problems(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
 
 
+def validation_param(exc: ValidationError) -> str | None:
+    """The request field a body's first validation error is in (OpenAI's `param`), None for the body as a whole."""
+    loc = exc.errors()[0]["loc"] if exc.errors() else ()
+    return str(loc[0]) if loc else None
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""

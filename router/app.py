@@ -44,6 +44,7 @@ from kvmesh.engine.openai_types import (
     error_body,
     http_error_handler,
     read_json,
+    validation_param,
     validation_problems,
 )
 from kvmesh.engine.protocol import (
@@ -558,7 +559,7 @@ class Router:
         try:
             raw, body = parse() if len(payload) <= INLINE_TOKENIZE_BYTES else await asyncio.to_thread(parse)
         except ValidationError as exc:
-            raise RouteError(400, validation_problems(exc)) from None
+            raise RouteError(400, validation_problems(exc), param=validation_param(exc)) from None
         except ValueError as exc:  # read_json's
             raise RouteError(400, str(exc)) from None
         priority = request_priority(headers.get(PRIORITY_HEADER))
@@ -840,7 +841,7 @@ def request_priority(header: str | None) -> int:
 
 def error_response(error: RouteError) -> JSONResponse:
     """A refusal as the HTTP edge answers it: an OpenAI-style error body, with the error's headers."""
-    return JSONResponse(error_body(error.message, error.kind, code=error.code), status_code=error.status,
+    return JSONResponse(error_body(error.message, error.kind, error.param, error.code), status_code=error.status,
                         headers=error.headers)
 
 

@@ -15,9 +15,9 @@ class RouteError(Exception):
     """A request refused before an engine answered it: its status, OpenAI-style message, code and type."""
 
     def __init__(self, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.kind = status, message, code, kind
+        self.status, self.message, self.code, self.kind, self.param = status, message, code, kind, param
         self.headers = dict(headers or {})  # sent with the error (a rate limit's Retry-After and x-ratelimit-*)
 
 

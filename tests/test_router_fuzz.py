@@ -473,6 +473,14 @@ def test_a_body_nested_past_the_parsers_bound_is_a_400(pool: Pool, path: str, de
     settled(pool)
 
 
+@pytest.mark.parametrize(("path", "field", "value"), [(CHAT_PATH, "temperature", 5), (COMPLETIONS_PATH, "n", 0)])
+def test_a_field_the_router_refuses_is_named_in_param_as_the_engine_names_it(pool: Pool, path: str, field: str,
+                                                                            value: int) -> None:
+    body = {**(CHAT if path == CHAT_PATH else COMPLETION), field: value}
+    reply = post_json(pool, path, body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+
+
 @pytest.mark.parametrize("priority", [str(2**31), str(-2**31 - 1), str(2**63), "9" * 4000])
 def test_a_priority_outside_the_request_log_s_column_is_a_400_and_the_log_loses_nothing(pool: Pool,
                                                                                    priority: str) -> None:
