@@ -32,6 +32,7 @@ from kvmesh.engine.typed_fields import check_types
 
 MIB = 1 << 20
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")  # see engine/attention.py
+QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "prefix")  # see engine/scheduler.py
 
 
 @dataclass
@@ -121,13 +122,12 @@ class EngineConfig:
         check_body_read_timeout(self.body_read_timeout_seconds)
         if self.kv_host_memory_mib < 0 or self.kv_disk_mib < 0 or self.kv_tier_chunk_blocks < 1:
             raise ValueError("kv_host_memory_mib and kv_disk_mib must be >= 0, kv_tier_chunk_blocks >= 1")
-        from kvmesh.engine.kv.tiers import PROFILES  # torch-heavy: only when validating
+        from kvmesh.engine.kv.costs import PROFILES
 
         if self.kv_tier_cost_profile not in PROFILES:
             raise ValueError(f"kv_tier_cost_profile must be one of {', '.join(PROFILES)}, "
                              f"got {self.kv_tier_cost_profile!r}")
         from kvmesh.engine.kv.policy import POLICIES
-        from kvmesh.engine.scheduler import QUEUE_POLICIES
 
         if self.eviction_policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")

@@ -26,8 +26,9 @@ from kvmesh.engine.config import MIB, EngineConfig
 from kvmesh.engine.events import EventLog
 from kvmesh.engine.forecast import Forecast, OutputLengthModel, RequestLoad, forecast_usage
 from kvmesh.engine.kv.blocks import HotChain, KVCacheManager
+from kvmesh.engine.kv.costs import PROFILES
 from kvmesh.engine.kv.policy import make_policy
-from kvmesh.engine.kv.tiers import LOWER_TIERS, PROFILES, KVTiers, Promotion, TierSettings
+from kvmesh.engine.kv.tiers import LOWER_TIERS, KVTiers, Promotion, TierSettings
 from kvmesh.engine.kv.transfer import Layout, encode_frame
 from kvmesh.engine.kvcache import KVLayout
 from kvmesh.engine.metrics import EngineMetrics, EngineState

@@ -32,12 +32,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from kvmesh.engine.config import QUEUE_POLICIES
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import OpeningCounter
 from kvmesh.engine.protocol import eviction_class
 from kvmesh.engine.request import Request, Status
 
-QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "prefix")
 # The `prefix` policy reorders only this many requests at the head of the queue (which holds the highest
 # priorities and the oldest, so the overdue): every step looks up each one's cached prefix, and a queue of
 # thousands would make that lookup the step's cost; the rest wait in FCFS order behind them.

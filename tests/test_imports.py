@@ -7,20 +7,28 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 # what the router and operator may load from the engine (docs/architecture.md): contracts, request bodies, the
 # output constraints' check, the tokenizer with its cache and its way of showing tools in a prompt, and the one
 # tracing setup (OpenTelemetry only, so both programs export their spans the same way), the settings' type check, and
-# the engines' settings file (the operator checks engine.settings against the fields the engine starts with)
+# the engines' settings file (the operator checks engine.settings against the fields the engine starts with, and
+# the whole file as the engine validates it: the names of its policies and cost profiles)
 ALLOWED = {"kvmesh.engine", "kvmesh.engine.protocol", "kvmesh.engine.openai_types", "kvmesh.engine.constraint",
            "kvmesh.engine.model", "kvmesh.engine.model.tokenizer", "kvmesh.engine.model.token_cache",
            "kvmesh.engine.model.tool_prompt", "kvmesh.engine.tracing", "kvmesh.engine.typed_fields",
-           "kvmesh.engine.config", "kvmesh.engine.body_deadline"}
+           "kvmesh.engine.config", "kvmesh.engine.body_deadline", "kvmesh.engine.kv", "kvmesh.engine.kv.costs",
+           "kvmesh.engine.kv.policy", "kvmesh.engine.spec"}
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "disaggregated.yaml"
 
 
 def test_the_router_and_the_operator_load_no_torch_and_only_the_engine_s_contract_modules() -> None:
+    """Also once the operator has checked a pool's files as the engine and the router check them at start."""
     program = ("import json, sys\n"
                "import kvmesh.router.app, kvmesh.router.extproc, kvmesh.operator.handlers, kvmesh.operator.local\n"
+               "from kvmesh.operator.crd import load_pool_file\n"
+               "from kvmesh.operator.desired import check_program_files\n"
+               f"check_program_files(load_pool_file({str(EXAMPLE)!r}))\n"
                "print(json.dumps(sorted(sys.modules)))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", program], check=True, capture_output=True,
                                        text=True).stdout)

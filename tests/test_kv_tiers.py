@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.kv.tiers import PROFILES, CostProfile, Costs, plan_load
+from kvmesh.engine.kv.costs import PROFILES, CostProfile
+from kvmesh.engine.kv.tiers import Costs, plan_load
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvmesh.engine.engine import Engine
-from kvmesh.engine.kv.tiers import CostProfile
+from kvmesh.engine.kv.costs import CostProfile
 
 from .conftest import make_engine
 from .test_kv_tiers import metric, prompt, run, tiered

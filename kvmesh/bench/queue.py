@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 from kvmesh.bench.machine import machine_info
 from kvmesh.bench.stats import percentile
+from kvmesh.engine.config import QUEUE_POLICIES
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling import SamplingParams
-from kvmesh.engine.scheduler import QUEUE_POLICIES, Scheduler
+from kvmesh.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
