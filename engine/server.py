@@ -7,6 +7,7 @@ asyncio queue per request. Nothing here computes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -707,7 +708,9 @@ async def _import_blocks(e: Engine, client: httpx.AsyncClient, source: str, want
     try:
         await asyncio.shield(writing)
     except asyncio.CancelledError:
-        await asyncio.wait([writing])
+        while not writing.done():  # a second cancel must not cut this wait short either
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([writing])
         raise
     parent = wanted[have - 1] if have else None
     await asyncio.wrap_future(e.call(lambda: e.finish_import(ids, pulled.hashes, parent)))

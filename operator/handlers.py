@@ -109,9 +109,11 @@ def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> str:
 
 
 def reconciled(status: Mapping[str, Any], generation: int) -> bool:
-    """Whether the pool's objects were applied for `generation`: observed, and not Degraded."""
+    """Whether the pool's objects were applied for `generation`: observed, and not Degraded by the reconcile (a
+    stuck rollout is the tick's own finding: its objects were applied)."""
     return status.get("observedGeneration") == generation and not any(
-        c.get("type") == "Degraded" and c.get("status") == "True" for c in status.get("conditions") or [])
+        c.get("type") == "Degraded" and c.get("status") == "True" and c.get("reason") != "RolloutStuck"
+        for c in status.get("conditions") or [])
 
 
 def backoff_seconds(retry: int) -> float:
@@ -292,8 +294,11 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     if missing and reconciled(status, generation):
         # deleted by hand (or a lost race with the GC): nothing else would bring it back until an edit. Not while
         # a reconcile of this generation has yet to succeed: that one is applying them (or kopf retries it)
-        summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
-        message = f"the Deployments of {', '.join(missing)} were gone: objects applied again ({summary})"
+        try:
+            summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
+            message = f"the Deployments of {', '.join(missing)} were gone: objects applied again ({summary})"
+        except ApplyFailed as exc:  # the tick goes on (scaling, status); the next one tries again
+            message = f"the Deployments of {', '.join(missing)} are gone and could not be applied again: {exc}"
         kopf.event(body, type="Warning", reason="Repaired", message=message)
         log.warning("pool %s/%s: %s", pool.namespace, pool.name, message)
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are

@@ -48,9 +48,9 @@ def _controller(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 def same_owner(wanted: Mapping[str, Any], existing: Mapping[str, Any]) -> bool:
     """Whether the operator may patch `existing` into `wanted`: it has `wanted`'s controller (the same pool, by
-    uid), or no controller but `wanted`'s labels (a leftover of a deleted pool of the same name, which garbage
-    collection has not removed yet). A merge patch replaces ownerReferences whole, so patching anything else would
-    take it over, and a later delete of the pool would delete it."""
+    uid), or no controller but `wanted`'s labels (orphaned by a pool of the same name deleted with
+    --cascade=orphan). A merge patch replaces ownerReferences whole, so patching anything else would take it over,
+    and a later delete of the pool would delete it."""
     ours, theirs = _controller(wanted), _controller(existing)
     if theirs is not None:
         return ours is not None and theirs.get("uid") == ours.get("uid")

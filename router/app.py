@@ -1342,7 +1342,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         a decode pod that pulls the KV and continues. None when the prefill hop failed: serve it whole."""
         prefill_body = {**raw, "stream": False, RETURN_TOKEN_IDS_FIELD: True, KV_TRANSFER_FIELD: {"mode": "prefill"}}
         prefill_body.pop("stream_options", None)
-        opened = await open_upstream(trace, prefill_body, path, headers, set(), roles=("prefill",))
+        try:
+            opened = await open_upstream(trace, prefill_body, path, headers, set(), roles=("prefill",))
+        except PodTimeout:  # a prefill hop that failed like any other: served whole
+            return None
         if opened is None:
             return None
         prefill, reply, decision = opened

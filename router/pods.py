@@ -46,10 +46,11 @@ from kvmesh.router.picker import PodState
 log = logging.getLogger("kvmesh.router.pods")
 RECONNECT_SECONDS = 0.5
 EVENT_READ_TIMEOUT_SECONDS = 30.0
-# A pod whose health checks failed this long is lost: requests still reading from it give up on it (a stream moves
-# to another pod) rather than wait out request_timeout_seconds. Two of httpx's 5 s timeouts: a pod too busy to
-# answer one check in time keeps its requests.
-LOST_AFTER_SECONDS = 10.0
+HEALTH_TIMEOUT_SECONDS = 5.0  # a health check's whole time (the scrape client's reads wait longer, for event streams)
+# A pod whose health checks failed this long (no answer: a refused or timed-out connection) is lost: requests still
+# reading from it give up on it (a stream moves to another pod) rather than wait out request_timeout_seconds. Two
+# health timeouts: a pod too busy to answer one check in time keeps its requests.
+LOST_AFTER_SECONDS = 2 * HEALTH_TIMEOUT_SECONDS
 
 
 def served_models(served: ServedModels | None, config: KVConfig | None) -> ServedModels:
@@ -326,7 +327,7 @@ class PodSet:
     async def _scrape_loop(self, pod: Pod) -> None:
         while True:
             try:
-                health = await self._client.get(pod.url + "/health")
+                health = await self._client.get(pod.url + "/health", timeout=HEALTH_TIMEOUT_SECONDS)
                 status = health.json().get("status") if health.status_code == 503 else None
                 pod.draining = pod.terminating or status == "draining"
                 pod.loading = status == HEALTH_LOADING
@@ -355,7 +356,9 @@ class PodSet:
                 pod.healthy = pod.warming = pod.loading = False
                 pod.load_progress = None
                 pod.kv_config = pod.served = None  # read again when it comes back: it may be another boot
-                if pod.unreachable_since is None:
+                if not isinstance(exc, httpx.TransportError):  # it answered, with something unusable
+                    pod.unreachable_since = None
+                elif pod.unreachable_since is None:
                     pod.unreachable_since = time.monotonic()
                 elif time.monotonic() - pod.unreachable_since >= LOST_AFTER_SECONDS:  # at each scrape from then on
                     self._lost(pod, f"the pod has not answered its health checks for {LOST_AFTER_SECONDS:g} s")

@@ -206,7 +206,7 @@ class UpstreamReply:
                 pending += connection.take()
                 *complete, pending = pending.split(b"\n")
                 for line in complete:
-                    yield line.rstrip(b"\r").decode()
+                    yield _text(line.rstrip(b"\r"))
                 continue  # more may have come while the lines were taken
             if connection.complete:
                 break
@@ -215,7 +215,7 @@ class UpstreamReply:
             except UpstreamError as exc:
                 raise self._broken(exc) from exc
         if pending:
-            yield pending.decode()
+            yield _text(pending)
 
     def _reading(self) -> _Connection:
         if self._connection is None:
@@ -427,6 +427,14 @@ class Upstream:
         for pod in self._pods.values():
             while pod.idle:
                 pod.idle.pop().abort()
+
+
+def _text(line: bytes) -> str:
+    """A reply's line as text; one that is not UTF-8 is a broken reply (a stream migrates), like a malformed one."""
+    try:
+        return line.decode()
+    except UnicodeDecodeError as exc:
+        raise UpstreamError(f"a line that is not UTF-8 in the reply: {exc}") from None
 
 
 def _split(url: str) -> tuple[str, str]:

@@ -16,8 +16,8 @@ UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversat
 ROLES = ("user", "system", "developer", "assistant")
 RESPONSE_ID_PREFIX = "resp_"
 # the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
-SAMPLING_EXTENSIONS = ("top_k", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-                       "logit_bias")
+SAMPLING_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty",
+                       "frequency_penalty", "logit_bias", "repetition_penalty", "chat_template_kwargs")
 
 
 class ResponsesError(ValueError):

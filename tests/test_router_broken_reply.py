@@ -359,3 +359,31 @@ def test_a_stream_whose_pod_goes_silent_and_stops_answering_health_checks_moves_
     assert texts == [" a", " b"] and lines[-1] == "data: [DONE]"
     spare = {a.url: b, b.url: a}[hung[0].url]
     assert spare.bodies[0]["resume_output_ids"] == [7]
+
+
+def test_a_prefill_hop_past_the_read_timeout_is_served_whole_not_a_504(tiny_dir: Path) -> None:
+    async def stalls(body: dict, writer: asyncio.StreamWriter) -> bool:
+        await asyncio.sleep(3600)
+        return False
+
+    with (stub_pod(tiny_dir, answer=stalls, role="prefill") as prefill,
+          stub_pod(tiny_dir, role="decode") as decode,
+          routed(tiny_dir, [prefill.url, decode.url], prefill_hop_min_tokens=32, request_timeout_seconds=0.5) as (
+              url, _)):
+        reply = httpx.post(url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 5}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert KV_TRANSFER_FIELD not in decode.bodies[0]
+
+
+def test_an_event_line_that_is_not_utf8_ends_the_stream_with_an_error_counted_as_one(tiny_dir: Path) -> None:
+    async def garbles(body: dict, writer: asyncio.StreamWriter) -> bool:
+        bad = b"data: {\"x\": \"\xff\xfe\"}\n\n"
+        writer.write(SSE_HEAD + sse(text_chunk(0, " a")) + b"%x\r\n%s\r\n" % (len(bad), bad))
+        await writer.drain()
+        return True
+
+    with stub_pod(tiny_dir, answer=garbles) as pod, routed(tiny_dir, [pod.url]) as (url, router):
+        lines = stream_lines(url, {"prompt": "Hi", "max_tokens": 5, "n": 2, "stream": True})
+        assert "error" in json.loads(lines[-2].removeprefix("data: ")) and lines[-1] == "data: [DONE]"
+        time.sleep(0.1)
+        assert outcomes(router) == {("error", "aggregated", "client"): 1}
