@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -57,7 +58,6 @@ log = logging.getLogger("kvmesh.engine")
 T = TypeVar("T")
 TRANSIENT_PINS = ("handle:", "send:")  # holders for another pod: a handoff's handle, a fetch being sent
 PIN_PREFIXES = (*TRANSIENT_PINS, "import:", "promote:")  # block holders that are not requests
-BLOCKED_POLL_SECONDS = 0.05  # how often a step with nothing it can schedule looks again (blocks held by pins)
 EMA = 0.2  # weight of the newest sample in the moving averages
 
 
@@ -326,9 +326,9 @@ class Engine:
             try:
                 out = self.step()
                 if not (out.scheduled or out.preempted or out.unservable):
-                    # queued requests wait for blocks held outside any request (a handle expires, a fetch ends):
-                    # poll for that instead of spinning; a new request or command wakes the loop at once
-                    self._wake.wait(timeout=BLOCKED_POLL_SECONDS)
+                    # queued requests wait for blocks held outside any request: a release comes as a command,
+                    # which wakes the loop, and a handle expires at its time; until then nothing can change
+                    self._wake.wait(timeout=self._until_next_expiry())
                     self._wake.clear()
             except Exception:  # a bug in one step must not kill the server: fail what was running
                 log.exception("engine step failed")
@@ -507,6 +507,11 @@ class Engine:
         """Fill reserved blocks with a peer's KV: one copy for all of them."""
         self.runner.kv_cache.index_copy_(0, torch.tensor(block_ids, device=self.runner.device),
                                          data.to(self.runner.device))
+
+    def _until_next_expiry(self) -> float:
+        """Seconds until the next handle expires, at most a forecast interval (the forecast goes on meanwhile)."""
+        soonest = min(self.handles.values(), default=math.inf) - time.monotonic()
+        return max(0.0, min(soonest, self.config.forecast_interval_seconds))
 
     def _expire_handles(self) -> None:
         now = time.monotonic()

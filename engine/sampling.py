@@ -119,7 +119,8 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+def _filter_tail(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The unlikely tokens a row's min_p, top_k and top_p leave out, at -inf."""
     if min_p > 0.0:  # after temperature, as vLLM: p_i < min_p * p_max, i.e. logit_i < max + log(min_p)
         logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
@@ -233,7 +234,7 @@ def sample(
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if p.greedy:
             continue
-        scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
+        scaled = _filter_tail(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = torch.softmax(scaled, dim=-1)
         generator = torch.Generator().manual_seed(token_seed(p.seed or 0, index))
         # drawn on the CPU whatever the device, so every pod, CPU or GPU, continues the same stream

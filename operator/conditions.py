@@ -29,6 +29,11 @@ def _status(deployment: Mapping[str, Any]) -> Mapping[str, Any]:
     return deployment.get("status") or {}
 
 
+def ready_replicas(deployments: Mapping[str, Mapping[str, Any]], roles: tuple[str, ...]) -> dict[str, int]:
+    """Each role's ready pods, as its Deployment reports them (0 for one not there)."""
+    return {role: int(_status(deployments.get(role) or {}).get("readyReplicas") or 0) for role in roles}
+
+
 def rolling(deployment: Mapping[str, Any]) -> bool:
     """Whether the Deployment has not yet brought all its pods to its current template (or not yet seen it)."""
     wanted = int((deployment.get("spec") or {}).get("replicas") or 0)
@@ -47,7 +52,7 @@ def pool_conditions(roles: tuple[str, ...], replicas: Mapping[str, int],
                     deployments: Mapping[str, Mapping[str, Any]]) -> list[Condition]:
     """Ready and Progressing, and Degraded when a rollout is stuck (None of it otherwise: the reconcile owns
     Degraded). `deployments` by role, the router's under "router"; `replicas` the engines' decided counts."""
-    ready = {role: int(_status(deployments.get(role) or {}).get("readyReplicas") or 0) for role in (*roles, "router")}
+    ready = ready_replicas(deployments, (*roles, "router"))
     summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in roles) + f", router {ready['router']}"
     serving = all(ready[r] >= 1 for r in roles if replicas[r] > 0) and ready["router"] >= 1
     all_ready = serving and all(ready[r] >= replicas[r] for r in roles)

@@ -33,7 +33,7 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
-from kvmesh.operator.conditions import pool_conditions
+from kvmesh.operator.conditions import pool_conditions, ready_replicas
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
@@ -335,8 +335,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
             state.condition(status, "AdaptersLoaded", loaded.ok, loaded.reason, loaded.message, generation)
         if adapters.managed or adapters.refused or status.get("adapters"):
             patch.status["adapters"] = adapters.to_status()
-    ready = {role: int(((deployments.get(role) or {}).get("status") or {}).get("readyReplicas") or 0)
-             for role in pool.roles}
+    ready = ready_replicas(deployments, pool.roles)
     kv = [d for r, d in decision.roles.items() if r in ("both", "decode")]
     usage = [m.observation.usage for m in scraped if m.observation.role in ("both", "decode")]
     summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in pool.roles)
