@@ -48,7 +48,7 @@ from kvmesh.engine.openai_types import MODEL_NOT_FOUND
 from kvmesh.engine.protocol import HOST_TIER_DIR, HashAlgo, KVConfig, KVEvent
 from kvmesh.engine.request import Request, RequestOutput, Status
 from kvmesh.engine.runner import ModelRunner, StepInput
-from kvmesh.engine.sampling import SampleResult, sample
+from kvmesh.engine.sampling import SampleResult, prompt_vocabulary, sample, token_logprobs
 from kvmesh.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from kvmesh.engine.spec import SpecConfig, TokenHistory, Verdict, accept, propose
 from kvmesh.engine.step_cost import DecodeStepFit
@@ -554,8 +554,8 @@ class Engine:
 
     def _promote(self, request: Request) -> bool:
         """Start loading `request`'s prefix from the lower tiers; False when nothing is worth loading."""
-        if self.tiers is None or not self.kv.enable_prefix_cache:
-            return False
+        if self.tiers is None or not self.kv.enable_prefix_cache or request.cache_limit is not None:
+            return False  # (a request reading its prompt's logprobs computes every position anyway)
         rid = request.request_id
         hit = self.kv.find_prefix(rid, request.token_ids, request.extra)
         chain = self.kv.prefix_hashes(rid, request.token_ids, request.extra)
@@ -650,7 +650,7 @@ class Engine:
                     self._finish(request, "stop")  # as the first pod ended it, without a step for an EOS
                     continue
                 request.expected_cached_tokens = self.kv.find_prefix(request.request_id, request.token_ids,
-                                                                     request.extra).num_tokens
+                                                                     request.extra).capped(request.cache_limit).num_tokens
                 self._enqueue(request)
             except Exception:  # a bug queuing one request must end it with an error, not leave its client waiting
                 log.exception("could not queue request %s", request.request_id)
@@ -736,30 +736,34 @@ class Engine:
         return drafts
 
     def _run(self, out: SchedulerOutput) -> None:
-        inputs = []
+        inputs, prompt_rows = [], []
         for s in out.scheduled:
             r = s.request
             start = r.num_computed_tokens
             known = s.num_new_tokens - len(s.draft_ids)
+            # positions whose logits give prompt logprobs (echo): all of the chunk's from the first, the last included
+            reads = r.prompt_logprob_positions(start, start + known)
+            prompt_rows.append(reads)
             inputs.append(
                 StepInput(
                     self.kv.block_ids(r.request_id),
                     start,
                     r.token_slice(start, start + known) + list(s.draft_ids),
-                    wants_logits=start + known == r.num_tokens,
+                    wants_logits=start + known == r.num_tokens or bool(reads),
                     lora_slot=r.lora_slot,
-                    num_logits=1 + len(s.draft_ids),
-                    # greedy over logits the sampler changes: exact ones (model/head.py approximates away from the top)
-                    exact_logits=r.params.greedy and (r.guide is not None or r.params.adjusts_logits
-                                                      or r.num_generated < r.params.min_tokens),
+                    num_logits=start + known - reads.start if reads else 1 + len(s.draft_ids),
+                    # greedy over logits the sampler changes, and prompt logprobs: exact ones (model/head.py
+                    # approximates away from the top)
+                    exact_logits=bool(reads) or (r.params.greedy and (
+                        r.guide is not None or r.params.adjusts_logits or r.num_generated < r.params.min_tokens)),
                 )
             )
         result = self.runner.run(inputs)
-        sampling = [s for s, i in zip(out.scheduled, inputs, strict=True) if i.wants_logits]
-        rows = sum(1 + len(s.draft_ids) for s in sampling)
+        rows = sum(i.num_logits for i in inputs if i.wants_logits)
         if result.logits.shape[0] != rows:
             raise RuntimeError(f"{type(self.runner).__name__} returned {result.logits.shape[0]} logits rows for "
-                               f"{rows} positions that sample (StepInput.num_logits rows per sequence)")
+                               f"{rows} positions that want them (StepInput.num_logits rows per sequence)")
+        sampling, logits, prompt_only = self._split_logits(out, inputs, prompt_rows, result.logits)
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens - len(s.draft_ids) > 1)
         generated_before = sum(s.request.num_generated for s in sampling)
         if prefill_tokens:
@@ -773,22 +777,27 @@ class Engine:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens - len(s.draft_ids)
             self._commit(r)
+        for r in prompt_only:  # max_tokens 0 (echo): the prompt's logprobs were the answer
+            self._finish(r, "length")
         if not sampling:
             return
         # one row per position that wants logits: a request with k drafts has k + 1, each sampled as if the drafts
         # before it were already output (its output index, min_tokens and penalties see them)
-        guides, params, indices, generated = [], [], [], []
+        guides, params, indices, generated, prompts = [], [], [], [], []
         for s in sampling:
             r = s.request
-            penalized = bool(r.params.presence_penalty or r.params.frequency_penalty)
+            penalized = bool(r.params.presence_penalty or r.params.frequency_penalty or r.params.penalizes_repeats)
+            if r.params.penalizes_repeats and r.prompt_vocabulary is None:
+                r.prompt_vocabulary = prompt_vocabulary(r.prompt_ids)
             for i in range(len(s.draft_ids) + 1):
                 guides.append(r.guide)
                 params.append(r.params)
                 indices.append(r.num_generated + i)
                 # the tokens penalties count (copied only for a request that has penalties and drafts before)
                 generated.append(r.output_ids + list(s.draft_ids[:i]) if i and penalized else r.output_ids)
+                prompts.append(r.prompt_vocabulary)
         masks = self.structured.masks(guides)  # None, at no cost, when nothing is constrained
-        samples = sample(result.logits, params, indices, self.tokenizer.eos_token_ids, generated, masks)
+        samples = sample(logits, params, indices, self.tokenizer.eos_token_ids, generated, masks, prompts)
         now = time.monotonic()
         row = 0
         for s in sampling:
@@ -807,6 +816,35 @@ class Engine:
         if not prefill_tokens:
             made = sum(s.request.num_generated for s in sampling) - generated_before
             self.tokens_per_decode_step = _ema(self.tokens_per_decode_step, made / len(sampling))
+
+    def _split_logits(self, out: SchedulerOutput, inputs: list[StepInput], prompt_rows: list[range],
+                      logits: torch.Tensor) -> tuple[list[ScheduledRequest], torch.Tensor, list[Request]]:
+        """Read the prompt logprobs rows of a step's logits into their requests; return the scheduled requests that
+        sample, their rows (the logits themselves when no request read its prompt), and the requests whose prompt
+        ended with max_tokens 0 (nothing to sample)."""
+        sampling, kept, prompt_only = [], [], []
+        row = 0
+        for s, i, reads in zip(out.scheduled, inputs, prompt_rows, strict=True):
+            if not i.wants_logits:
+                continue
+            r, own = s.request, logits[row : row + i.num_logits]
+            row += i.num_logits
+            if reads:
+                record = r.prompt_logprobs
+                assert record is not None and reads.start == record.positions_done, "prompt rows read in order"
+                lps, tops = token_logprobs(own[: len(reads)], r.prompt_ids[reads.start + 1 : reads.stop + 1],
+                                           r.params.prompt_logprobs or 0)
+                record.logprobs += lps
+                record.top_logprobs += tops
+            if i.num_computed + len(i.token_ids) - len(s.draft_ids) == r.num_tokens:
+                if r.params.max_tokens == 0:
+                    prompt_only.append(r)
+                    continue
+                sampling.append(s)
+                kept.append(own[own.shape[0] - 1 - len(s.draft_ids):])
+        if not any(prompt_rows):
+            return sampling, logits, prompt_only
+        return sampling, torch.cat(kept) if kept else logits[:0], prompt_only
 
     def _commit(self, r: Request) -> None:
         """Register the blocks a request's computed tokens filled in the prefix cache (building its token list only
@@ -969,6 +1007,9 @@ class Engine:
         )
 
     def _emit(self, r: Request, output: RequestOutput) -> None:
+        record = r.prompt_logprobs
+        if record is not None and not record.sent and record.positions_done == len(r.prompt_ids) - 1:
+            output.prompt_logprobs, record.sent = record, True  # with the first output after the whole prompt
         if r.on_output is not None:
             try:
                 r.on_output(output)

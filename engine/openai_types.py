@@ -33,6 +33,10 @@ MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties: -2 to 2
 MAX_LOGIT_BIAS = 100.0  # logit_bias values: -100 to 100
+MAX_REPETITION_PENALTY = 10.0  # vLLM takes any positive value; past this every seen token is all but forbidden
+# what the chat template is given by the engine itself: chat_template_kwargs may not replace them
+TEMPLATE_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                    "pad_token", "unk_token"})
 MAX_N = 16  # choices per prompt
 # The sequences one request may start: a completion's prompts times `n`, each one engine request and one choice of
 # the answer. OpenAI caps a request's choices at 128 (its bound on `n`); a list of prompts shares that bound, so one
@@ -253,6 +257,13 @@ _GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
                  "guided_grammar": "grammar"}  # vLLM's older top-level fields, which many clients still send
 
 
+def _own_template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs may add variables but not replace those the engine gives the template."""
+    if taken := sorted(TEMPLATE_OWN_VARIABLES & set(value or {})):
+        raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields give the template those")
+    return value
+
+
 class _Common(BaseModel):
     """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI-compatible servers do."""
 
@@ -264,9 +275,8 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    # vLLM's, not done here: refused unless off, rather than ignored (a client relying on them would not know)
-    repetition_penalty: float = 1.0
-    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's (and HF's): logits of tokens already in the prompt or the output divided by it (multiplied when negative)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -303,20 +313,6 @@ class _Common(BaseModel):
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, value: float) -> float:
-        if value != 1.0:
-            raise ValueError("is not supported (1.0, off, only): use presence_penalty or frequency_penalty")
-        return value
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _no_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value:
-            raise ValueError("is not supported: the chat template is rendered with its own defaults")
-        return value
 
     @field_validator("guided_whitespace_pattern")
     @classmethod
@@ -386,9 +382,16 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: the prompt (and its logprobs) only
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, and with logprobs its tokens' (lm-eval's loglikelihood)
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _nothing_to_do(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo, for the prompt alone)")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -502,6 +505,15 @@ class ChatRequest(_Common):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, a date, a system default)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_own_template_variables)
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        """What the engine prefills and the router hashes, from one place (`chat_ids` with this request's tools and
+        template variables); ValueError when the template refuses the messages."""
+        return chat_ids(tokenizer, self.messages, self.tools, template_kwargs=self.chat_template_kwargs)
 
     @field_validator("tools")
     @classmethod
@@ -586,12 +598,12 @@ def _tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]]:
 
 
 def chat_ids(tokenizer: Any, messages: list[ChatMessage], tools: list[ToolDef] | None,
-             add_generation_prompt: bool = True) -> list[int]:
+             add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids of chat messages with their tools, shown as the chat template can (a `Tokenizer`): what the
     engine prefills, the router hashes and /tokenize counts, from one place; ValueError when the template refuses
     the messages."""
     return tokenizer.encode_chat([m.for_template() for m in messages], _tool_dicts(tools) or None,
-                                 add_generation_prompt=add_generation_prompt)
+                                 add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
 
 
 class TokenizeRequest(BaseModel):
@@ -605,6 +617,9 @@ class TokenizeRequest(BaseModel):
     tools: list[ToolDef] | None = None
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as a chat completion does
     add_special_tokens: bool = True  # prompt: the tokenizer's BOS (messages: the template places its own)
+    chat_template_kwargs: dict[str, Any] | None = None  # messages: as a chat completion's
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_own_template_variables)
 
     @field_validator("prompt", "messages", "tools", mode="before")
     @classmethod
@@ -623,7 +638,7 @@ class TokenizeRequest(BaseModel):
         """The ids (a `Tokenizer`'s encode or encode_chat); ValueError when the template refuses the messages."""
         if self.messages is None:
             return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
-        return chat_ids(tokenizer, self.messages, self.tools, self.add_generation_prompt)
+        return chat_ids(tokenizer, self.messages, self.tools, self.add_generation_prompt, self.chat_template_kwargs)
 
 
 class DetokenizeRequest(BaseModel):

@@ -37,6 +37,21 @@ class RequestOutput:
     peer_tokens: int = 0  # of cached_tokens, those pulled from another pod
     cached_by_tier: dict[str, int] = field(default_factory=dict)  # of cached_tokens, promoted from host/disk
     kv_transfer: dict[str, Any] | None = None  # a prefill's handoff: handle, expires_at, num_blocks
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output of a request that asked for them
+
+
+@dataclass
+class PromptLogprobs:
+    """The logprob of each prompt token after the first, with its top alternatives, filled chunk by chunk as the
+    prompt is computed (the logits at position p give token p + 1's); handed out with the first output."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    sent: bool = False
+
+    @property
+    def positions_done(self) -> int:
+        return len(self.logprobs)
 
 
 @dataclass
@@ -53,6 +68,8 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     guide: Guide | None = None  # structured outputs: the matcher, already fed output_ids (engine/structured.py)
+    prompt_vocabulary: Any = None  # the prompt's distinct ids (a tensor), once repetition_penalty needs them
+    prompt_logprobs: PromptLogprobs | None = None  # made when the params ask for them
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens supplied by the cache at first admission
@@ -71,6 +88,22 @@ class Request:
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
     text: str = ""  # all text decoded so far
     emitted_text: str = ""  # the part already sent (text minus what may still turn out to be a stop string)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs()
+
+    @property
+    def cache_limit(self) -> int | None:
+        """Tokens of its prefix the cache may supply: for a request that asks for its prompt's logprobs, only the
+        positions whose logits were already read (a cached position computes none); None: any."""
+        return None if self.prompt_logprobs is None else self.prompt_logprobs.positions_done
+
+    def prompt_logprob_positions(self, start: int, stop: int) -> range:
+        """Of the positions [start, stop) a step computes, those whose logits give prompt logprobs not yet read."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, self.prompt_logprobs.positions_done), min(stop, len(self.prompt_ids) - 1))
 
     @property
     def token_ids(self) -> list[int]:

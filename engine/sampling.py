@@ -3,8 +3,8 @@
 Seeded sampling derives a fresh random stream from (seed, output index) for every token, so any pod that
 knows the seed and how many tokens were already generated continues the stream exactly (DESIGN.md contract 0).
 Penalties count the tokens generated so far, which a pod continuing a request receives (`resume_output_ids`),
-so they continue exactly too. Structured outputs' masks (engine/structured.py) apply first: a forbidden token
-stays forbidden whatever its penalty or bias.
+so they continue exactly too (repetition_penalty counts the prompt's as well, which that pod has). Structured
+outputs' masks (engine/structured.py) apply first: a forbidden token stays forbidden whatever its penalty or bias.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ import numpy as np
 import torch
 import xxhash
 
-from kvmesh.engine.openai_types import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
+from kvmesh.engine.openai_types import (
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_SEQUENCES,
+    MAX_TOP_LOGPROBS,
+)
 from kvmesh.engine.structured import Masks
 
 GREEDY_TEMPERATURE = 1e-5
@@ -48,8 +54,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (echo); None: off
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated at least once
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
+    repetition_penalty: float = 1.0  # vLLM's: divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
@@ -64,8 +72,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidParam naming the first parameter outside its range."""
-        if self.max_tokens < 1:
-            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1 (0 only for the prompt's logprobs), "
+                                             f"got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
                                              f"got {self.min_tokens}")
@@ -81,6 +90,9 @@ class SamplingParams:
             raise InvalidParam("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise InvalidParam("stop", "stop sequences must not be empty")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParam("logprobs", f"prompt logprobs take 0 to {MAX_TOP_LOGPROBS} alternatives, "
+                                           f"got {self.prompt_logprobs}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
                                                f"got {self.top_logprobs}")
@@ -92,6 +104,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise InvalidParam(name, f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
+        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidParam("repetition_penalty", f"repetition_penalty must be above 0 and at most "
+                                                     f"{MAX_REPETITION_PENALTY:g}, got {self.repetition_penalty}")
         bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
         if bad:
             raise InvalidParam("logit_bias", f"logit_bias names token ids outside the vocabulary "
@@ -102,7 +117,11 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.penalizes_repeats)
+
+    @property
+    def penalizes_repeats(self) -> bool:
+        return self.repetition_penalty != 1.0
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -136,9 +155,22 @@ def _filter_tail(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -
     return logits
 
 
-def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int]) -> None:
-    """Penalties (OpenAI's: presence once per token generated, frequency once per time) and logit_bias, in place
-    on one row."""
+def prompt_vocabulary(prompt_ids: Sequence[int]) -> torch.Tensor:
+    """The distinct token ids of a prompt: what repetition_penalty counts beside the output (a request keeps it,
+    so a long prompt is not read again every step)."""
+    return torch.unique(torch.tensor(prompt_ids, dtype=torch.long))
+
+
+def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int], prompt: torch.Tensor | None) -> None:
+    """Penalties, in place on one row: vLLM's repetition penalty over the tokens of the prompt (`prompt`, its
+    distinct ids) and the output, then OpenAI's presence (once per token generated) and frequency (once per time),
+    then logit_bias."""
+    if p.penalizes_repeats:
+        seen = torch.tensor(list(generated), dtype=torch.long, device=logits.device)
+        if prompt is not None:
+            seen = torch.cat([prompt.to(logits.device), seen])
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if generated and (p.presence_penalty or p.frequency_penalty):
         counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1])
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
@@ -195,6 +227,28 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True)).squeeze(1)
 
 
+LOGPROB_SLICE_ROWS = 256  # prompt rows turned into logprobs at a time: a log_softmax copy of 50 MB at 49k tokens
+
+
+@torch.inference_mode()
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
+                   top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Row i's log-probability of token_ids[i] under the model's distribution, and its `top` most likely tokens
+    with theirs: a prompt's logprobs (echo), read from its positions' logits a slice at a time."""
+    chosen: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for begin in range(0, len(token_ids), LOGPROB_SLICE_ROWS):
+        rows = torch.log_softmax(logits[begin : begin + LOGPROB_SLICE_ROWS].float(), dim=-1)
+        ids = torch.tensor(token_ids[begin : begin + LOGPROB_SLICE_ROWS], dtype=torch.long, device=rows.device)
+        chosen += rows.gather(1, ids[:, None]).squeeze(1).tolist()
+        if top:
+            values, best = torch.topk(rows, top, dim=-1)
+            tops += [list(zip(i, v, strict=True)) for i, v in zip(best.tolist(), values.tolist(), strict=True)]
+        else:
+            tops += [[] for _ in range(rows.shape[0])]
+    return chosen, tops
+
+
 @torch.inference_mode()
 def sample(
     logits: torch.Tensor,
@@ -203,10 +257,12 @@ def sample(
     stop_ids: frozenset[int] = frozenset(),
     generated: Sequence[Sequence[int]] | None = None,
     masks: Masks | None = None,
+    prompts: Sequence[torch.Tensor | None] | None = None,
 ) -> SampleResult:
     """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i], after
-    its structured-output mask (`masks`), its penalties over `generated[i]` (the tokens it generated so far) and its
-    logit_bias. Rows still under their `min_tokens` cannot pick `stop_ids` or their own stop_token_ids, unless their
+    its structured-output mask (`masks`), its penalties over `generated[i]` (the tokens it generated so far) and
+    `prompts[i]` (its prompt's distinct ids, for repetition_penalty), and its logit_bias. Rows still under their
+    `min_tokens` cannot pick `stop_ids` or their own stop_token_ids, unless their
     constraint allows nothing else (the constraint wins: a token it forbids would fail the request). Logprobs are
     the model's own."""
     if not logits.shape[0] == len(params) == len(output_indices):
@@ -220,7 +276,8 @@ def sample(
     for row, p in enumerate(params):
         if p.adjusts_logits:
             logits = raw.clone() if logits is raw else logits
-            _adjust(logits[row], p, generated[row] if generated is not None else ())
+            _adjust(logits[row], p, generated[row] if generated is not None else (),
+                    prompts[row] if prompts is not None else None)
     constrained = set(masks.rows) if masks is not None else set()
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if index < p.min_tokens:

@@ -134,7 +134,8 @@ class Scheduler:
 
         def key(r: Request) -> tuple[int, bool, int, float]:
             overdue = now - r.arrival_time >= self.max_queue_delay
-            cached = 0 if overdue else self.kv.find_prefix(r.request_id, r.token_ids, r.extra).num_tokens
+            cached = 0 if overdue else self.kv.find_prefix(r.request_id, r.token_ids, r.extra).capped(
+                r.cache_limit).num_tokens
             return (-r.priority, not overdue, -cached, r.arrival_time)
 
         head, rest = self.waiting[:PREFIX_WINDOW], self.waiting[PREFIX_WINDOW:]
@@ -195,7 +196,7 @@ class Scheduler:
                 self.waiting.remove(request)
                 out.unservable.append(request)
                 continue
-            hit = self.kv.find_prefix(request.request_id, request.token_ids, request.extra)
+            hit = self.kv.find_prefix(request.request_id, request.token_ids, request.extra).capped(request.cache_limit)
             n = min(request.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate(request.request_id, hit.num_tokens + n, hit):
                 if self.running:

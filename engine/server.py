@@ -44,7 +44,6 @@ from kvmesh.engine.openai_types import (
     TokenizeRequest,
     WarmRequest,
     WarmResponse,
-    chat_ids,
     error_body,
     http_error_handler,
 )
@@ -297,6 +296,15 @@ def _check_model(engine: Engine, model: str | None) -> None:
                        code=MODEL_NOT_FOUND)
 
 
+_Entry = tuple[int, float | None, list[tuple[int, float]] | None]  # a token, its logprob, its top alternatives
+
+
+def _token_entries(outs: list[RequestOutput]) -> list[_Entry]:
+    """The generated tokens of `outs` with their logprobs (None when not asked) and alternatives."""
+    return [(t, o.logprobs[k] if o.logprobs else None, o.top_logprobs[k] if o.top_logprobs else [])
+            for o in outs for k, t in enumerate(o.new_token_ids)]
+
+
 def _logprob_token(engine: Engine, token: int) -> str:
     return engine.tokenizer.decode([token], skip_special_tokens=False)
 
@@ -332,6 +340,7 @@ class _Completions:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.model = body.model if body.model in engine.loras.loaded else engine.model_name  # an adapter's name
         self.streamed_text: dict[int, int] = {}  # per streamed choice, the length of its tokens' text so far
+        self.echoed: list[tuple[str, list[int]]] = []  # with echo, per choice: the prompt's text and ids
         # the output constraint: a structured output's, or a tool_choice's (validation allows one or the other)
         self.constraint = body.constraint or (tool_constraint(body.tool_mode, body.tool_dicts, body.named_tool,
                                                               body.parallel_tool_calls)
@@ -343,7 +352,7 @@ class _Completions:
         tok = self.engine.tokenizer
         if isinstance(self.body, ChatRequest):
             try:
-                return [chat_ids(tok, self.body.messages, self.body.tools)]
+                return [self.body.prompt_ids(tok)]
             except ValueError as exc:
                 raise ApiError(400, f"messages: {exc}", param="messages") from None
         prompt = self.body.prompt
@@ -376,6 +385,7 @@ class _Completions:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         else:
             logprobs, top = b.logprobs is not None, b.logprobs or 0
+        echoed = isinstance(b, CompletionRequest) and b.echo and b.logprobs is not None
         params = SamplingParams(
             max_tokens=asked if asked is not None else room,
             temperature=b.temperature,
@@ -389,8 +399,10 @@ class _Completions:
             min_tokens=b.min_tokens,
             logprobs=logprobs,
             top_logprobs=top,
+            prompt_logprobs=top if echoed else None,
             presence_penalty=b.presence_penalty,
             frequency_penalty=b.frequency_penalty,
+            repetition_penalty=b.repetition_penalty,
             logit_bias=b.logit_bias_ids(),
         )
         try:
@@ -407,8 +419,11 @@ class _Completions:
             raise ApiError(400, "a kv_transfer prefill is one non-streamed choice", param="kv_transfer")
         if transfer is not None and transfer.mode == "decode" and transfer.first_token >= e.vocab_size:
             raise ApiError(400, "kv_transfer.first_token is outside the vocabulary", param="kv_transfer")
-        if isinstance(b, CompletionRequest) and (b.echo or b.suffix):
-            raise ApiError(400, "echo and suffix are not supported", param="echo")
+        if isinstance(b, CompletionRequest) and b.suffix:
+            raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
+        if isinstance(b, CompletionRequest) and b.echo and (b.resume_output_ids or transfer is not None):
+            raise ApiError(400, "echo is for a request from its start, on one pod: not with resume_output_ids "
+                                "or kv_transfer", param="echo")
         if e.draining:
             raise ApiError(503, "the engine is draining and takes no new requests", code="draining")
         try:
@@ -450,7 +465,7 @@ class _Completions:
                     params.seed = b.seed + i
                 if transfer is not None and transfer.mode == "prefill":
                     params.max_tokens = 1
-                if len(resume) >= params.max_tokens:
+                if resume and len(resume) >= params.max_tokens:
                     raise ApiError(400, "resume_output_ids already reaches max_tokens", param="resume_output_ids")
                 guide = await asyncio.to_thread(self.guide, resume) if self.constraint is not None else None
                 job.add(
@@ -470,6 +485,9 @@ class _Completions:
                 )
         if self.constraint is not None:
             e.metrics.structured_requests.labels(self.constraint.kind).inc()
+        if isinstance(b, CompletionRequest) and b.echo:
+            self.echoed = [(self._prompt_text(p, r.prompt_ids), r.prompt_ids)
+                           for r, p in zip(job.requests, job.prompt_of, strict=True)]
         return job
 
     def guide(self, resume: list[int]) -> Guide:
@@ -532,25 +550,48 @@ class _Completions:
             if out.logprobs is not None:
                 choice["logprobs"] = {"content": _chat_logprobs(self.engine, out)}
             return choice
-        choice = {"index": index, "text": out.new_text, "finish_reason": out.finish_reason, "logprobs": None}
-        if out.logprobs is not None:  # text_offset goes on from the choice's earlier chunks, as unstreamed
+        echo = first and isinstance(self.body, CompletionRequest) and self.body.echo
+        text = self._echoed_text(index) + out.new_text if echo else out.new_text
+        choice = {"index": index, "text": text, "finish_reason": out.finish_reason, "logprobs": None}
+        entries = [*self._echoed_entries(index, out), *_token_entries([out])] if echo else _token_entries([out])
+        if out.logprobs is not None or (echo and out.prompt_logprobs is not None):
+            # text_offset goes on from the choice's earlier chunks, as unstreamed
             choice["logprobs"], self.streamed_text[index] = self._completion_logprobs(
-                [out], self.streamed_text.get(index, 0))
+                entries, self.streamed_text.get(index, 0))
         return choice
 
-    def _completion_logprobs(self, outs: list[RequestOutput], offset: int = 0) -> tuple[dict[str, Any], int]:
-        """Completions' logprobs object for `outs`' tokens, their text_offset counted from `offset`; and the offset
-        after them (where a stream's next chunk goes on)."""
+    def _echoed_text(self, index: int) -> str:
+        return self.echoed[index][0]
+
+    def _prompt_text(self, prompt_index: int, ids: list[int]) -> str:
+        """The prompt text a choice echoes: as the client sent it, or its token ids decoded."""
+        prompt = self.body.prompt  # type: ignore[union-attr]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt[0], str):
+            return prompt[prompt_index]  # type: ignore[return-value]
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _echoed_entries(self, index: int, out: RequestOutput) -> list[_Entry]:
+        """The prompt's tokens for an echoed choice's logprobs: the first has none (nothing comes before it)."""
+        record = out.prompt_logprobs
+        if record is None:
+            return []
+        ids = self.echoed[index][1]
+        return [(ids[0], None, None),
+                *zip(ids[1:], record.logprobs, record.top_logprobs, strict=True)]  # type: ignore[list-item]
+
+    def _completion_logprobs(self, entries: list[_Entry], offset: int = 0) -> tuple[dict[str, Any], int]:
+        """Completions' logprobs object for `entries` (token, its logprob, its top alternatives), their text_offset
+        counted from `offset`; and the offset after them (where a stream's next chunk goes on)."""
         tokens, lps, tops, offsets = [], [], [], []
-        for o in outs:
-            for k, t in enumerate(o.new_token_ids):
-                text = _logprob_token(self.engine, t)
-                tokens.append(text)
-                lps.append(o.logprobs[k] if o.logprobs else None)
-                top = o.top_logprobs[k] if o.top_logprobs else []
-                tops.append({_logprob_token(self.engine, tid): lp for tid, lp in top})
-                offsets.append(offset)
-                offset += len(text)
+        for token, logprob, top in entries:
+            text = _logprob_token(self.engine, token)
+            tokens.append(text)
+            lps.append(logprob)
+            tops.append(None if top is None else {_logprob_token(self.engine, tid): lp for tid, lp in top})
+            offsets.append(offset)
+            offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
@@ -660,9 +701,12 @@ class _Completions:
                 if final.logprobs is not None or any(o.logprobs for o in outs):
                     choice["logprobs"] = {"content": [x for o in outs for x in _chat_logprobs(self.engine, o)]}
             else:
-                choice = {"index": index, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
-                if any(o.logprobs for o in outs):
-                    choice["logprobs"], _ = self._completion_logprobs(outs)
+                echo = isinstance(self.body, CompletionRequest) and self.body.echo
+                choice = {"index": index, "text": self._echoed_text(index) + text if echo else text,
+                          "finish_reason": final.finish_reason, "logprobs": None}
+                echoed = [e for o in outs for e in self._echoed_entries(index, o)] if echo else []
+                if echoed or any(o.logprobs for o in outs):
+                    choice["logprobs"], _ = self._completion_logprobs(echoed + _token_entries(outs))
             if self.body.return_token_ids:
                 choice["token_ids"] = [t for o in outs for t in o.new_token_ids]
             choices.append(choice)

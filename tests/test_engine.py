@@ -370,6 +370,7 @@ def test_greedy_rows_whose_logits_the_sampler_changes_ask_the_model_for_exact_lo
 
     monkeypatch.setattr(tiny_engine.runner, "run", spy)
     cases = [({}, [False] * 3), ({"logit_bias": {500: 1.0}}, [True] * 3), ({"presence_penalty": 0.5}, [True] * 3),
+             ({"repetition_penalty": 1.2}, [True] * 3),
              ({"min_tokens": 2}, [True, True, False]), ({"temperature": 1.0, "seed": 1, "logit_bias": {500: 1.0}},
                                                         [False] * 3)]
     for params, expected in cases:
@@ -395,6 +396,79 @@ def test_penalties_change_the_answer_and_continue_exactly_after_a_resume(tiny_en
     tiny_engine.submit(resumed)
     tiny_engine.run_until_idle()
     assert whole.tokens[:4] + [t for o in outputs for t in o.new_token_ids] == whole.tokens
+
+
+def test_repetition_penalty_decodes_as_transformers_does_and_continues_exactly_after_a_resume(
+        tiny_engine: Engine, tiny_dir: Path) -> None:
+    """vLLM's repetition_penalty is HF's: logits of every token in the prompt or the output so far divided by it
+    when positive, multiplied when negative. Greedy decoding under it matches transformers' own processor step for
+    step, differs from plain greedy, and a pod resuming the request (the prompt and the output so far) goes on
+    exactly."""
+    from transformers import LlamaForCausalLM, RepetitionPenaltyLogitsProcessor
+
+    ids = prompt(10, 8)  # plain greedy repeats a token here
+    penalized = {"max_tokens": 12, "repetition_penalty": 1.8}
+    [whole] = generate(tiny_engine, [ids], **penalized)
+    [plain] = generate(tiny_engine, [ids], max_tokens=12)
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    penalty, sequence = RepetitionPenaltyLogitsProcessor(1.8), torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(12):
+            scores = penalty(sequence, model(sequence).logits[:, -1].float())
+            sequence = torch.cat([sequence, scores.argmax(-1, keepdim=True)], dim=1)
+    assert whole.tokens == sequence[0, len(ids):].tolist() != plain.tokens
+    outputs: list[RequestOutput] = []
+    resumed = Request("resumed-repeats", list(ids), SamplingParams(temperature=0.0, ignore_eos=True, **penalized),
+                      on_output=outputs.append, output_ids=whole.tokens[:5])  # type: ignore[arg-type]
+    tiny_engine.submit(resumed)
+    tiny_engine.run_until_idle()
+    assert whole.tokens[:5] + [t for o in outputs for t in o.new_token_ids] == whole.tokens
+
+
+def test_prompt_logprobs_are_the_models_over_chunks_a_cached_prefix_and_a_preemption(tiny_dir: Path) -> None:
+    """echo's prompt logprobs: token i's log-probability given the tokens before it, as transformers computes them,
+    whatever way the prompt is computed: in chunks of a few tokens, behind a prefix another request cached (the cached
+    positions are computed again: they have no logits), or preempted midway; max_tokens 0 answers with them alone."""
+    from transformers import LlamaForCausalLM
+
+    ids = prompt(12, 70)
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    engine = make_engine(tiny_dir, max_num_batched_tokens=24, kv_cache_blocks=64)
+    generate(engine, [ids[:48]], max_tokens=1)  # caches the first three blocks
+    [echoed] = generate(engine, [ids], max_tokens=3, logprobs=True, prompt_logprobs=2)
+    [alone] = generate(engine, [ids], max_tokens=0, prompt_logprobs=0)
+    [plain] = generate(engine, [ids], max_tokens=3)
+    record = echoed.outputs[0].prompt_logprobs
+    assert record is not None and echoed.outputs[0].new_token_ids  # with the first token
+    assert record.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+    top = torch.topk(reference[:-1], 2, dim=-1)
+    assert [[t for t, _ in row] for row in record.top_logprobs] == top.indices.tolist()
+    assert echoed.tokens == plain.tokens and echoed.final.cached_tokens == 0 < plain.final.cached_tokens
+    assert alone.tokens == [] and alone.final.finish_reason == "length" and alone.final.completion_tokens == 0
+    assert alone.final.prompt_logprobs is not None
+    assert alone.final.prompt_logprobs.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+    long_ids = prompt(12, 100)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([long_ids])).logits[0].float(), dim=-1)
+    tight = make_engine(tiny_dir, max_num_batched_tokens=16, kv_cache_blocks=8)
+    preempted = Result(Request("preempted", long_ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                                                      prompt_logprobs=0)))
+    preempted.request.on_output = preempted.outputs.append
+    tight.submit(preempted.request)
+    for _ in range(3):  # a few chunks in, a more important request takes its blocks
+        tight.step()
+    tight.submit(Request("rival", prompt(13, 40), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                         priority=1))
+    tight.run_until_idle()
+    record = preempted.outputs[0].prompt_logprobs
+    assert preempted.request.num_preemptions == 1 and record is not None
+    assert record.logprobs == pytest.approx(
+        reference[:-1].gather(1, torch.tensor(long_ids[1:])[:, None]).squeeze(1).tolist(), abs=1e-4)
+    tight.kv.check_invariants()
 
 
 def test_a_requests_token_slice_is_that_of_its_whole_token_list() -> None:

@@ -8,7 +8,15 @@ from collections import Counter
 import pytest
 import torch
 
-from kvmesh.engine.sampling import BLOCK_WIDTH, SamplingParams, first_argmax, sample, token_seed
+from kvmesh.engine.sampling import (
+    BLOCK_WIDTH,
+    SamplingParams,
+    _adjust,
+    first_argmax,
+    prompt_vocabulary,
+    sample,
+    token_seed,
+)
 from kvmesh.engine.structured import Masks
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
@@ -86,6 +94,8 @@ def test_logprobs_are_the_models_own() -> None:
         (SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
         (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
         (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=11.0), "repetition_penalty"),
     ],
 )
 def test_validation_names_the_parameter(params: SamplingParams, fragment: str) -> None:
@@ -100,6 +110,22 @@ def test_frequency_counts_every_repeat_and_presence_only_the_first() -> None:
     assert sample(LOGITS, [SamplingParams(**greedy, frequency_penalty=0.3)], [5], generated=[repeated]).token_ids == [1]
     assert sample(LOGITS, [SamplingParams(**greedy, frequency_penalty=-2.0)], [2], generated=[[3, 3]]).token_ids == [3]
     assert sample(LOGITS, [SamplingParams(**greedy, frequency_penalty=2.0)], [0], generated=[[]]).token_ids == [0]
+
+
+def test_repetition_penalty_shrinks_the_logits_of_prompt_and_output_tokens_toward_zero_from_both_sides() -> None:
+    """Positive logits are divided by it and negative ones multiplied, so a seen token always loses ground (a
+    plain division would raise a negative one); a token seen in the prompt and the output is penalized once."""
+    logits = torch.tensor([[2.0, 1.9, 0.5, -0.1, -1.0]])
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=True)
+    prompt = prompt_vocabulary([0, 3, 0])
+    result = sample(logits, [greedy], [1], generated=[[0]], prompts=[prompt])
+    assert result.token_ids == [1]  # 2.0 / 2 = 1.0 < 1.9
+    assert result.logprobs == [pytest.approx(torch.log_softmax(logits[0], -1)[1].item())]  # the model's own
+    adjusted = logits.clone()[0]
+    _adjust(adjusted, greedy, [0, 4], prompt)
+    assert adjusted.tolist() == pytest.approx([1.0, 1.9, 0.5, -0.2, -2.0])
+    reward = SamplingParams(temperature=0.0, repetition_penalty=0.5)  # below 1 favours repeats
+    assert sample(torch.tensor([[1.0, 1.9]]), [reward], [0], prompts=[prompt_vocabulary([0])]).token_ids == [0]
 
 
 def test_logit_bias_forces_and_bans_and_logprobs_stay_the_models() -> None:

@@ -493,15 +493,62 @@ def test_a_streamed_completion_s_text_offsets_go_on_from_chunk_to_chunk(served: 
     assert offsets == whole["text_offset"] and len(set(offsets)) > 1
 
 
-@pytest.mark.parametrize(("extra", "param"), [({"repetition_penalty": 1.2}, "repetition_penalty"),
-                                              ({"chat_template_kwargs": {"enable_thinking": False}},
+@pytest.mark.parametrize(("extra", "param"), [({"repetition_penalty": 0}, "repetition_penalty"),
+                                              ({"repetition_penalty": 10.5}, "repetition_penalty"),
+                                              ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                                              ({"chat_template_kwargs": {"add_generation_prompt": False}},
                                                "chat_template_kwargs")])
-def test_vllm_options_not_done_here_are_refused_not_ignored(served: tuple[str, Engine], extra: dict,
-                                                            param: str) -> None:
-    """A client relying on them would otherwise get an answer made without them and never know; their off values
-    (repetition_penalty 1.0, no kwargs) and min_p, which is done, are taken."""
+def test_vllm_s_repetition_penalty_and_template_variables_are_taken_within_their_bounds(
+        served: tuple[str, Engine], extra: dict, param: str) -> None:
+    """Out of range, or a template variable the request's own fields give (the messages), is a 400 naming the
+    field; within range both are taken (the tokenizer and engine tests show what they do)."""
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     refused = httpx.post(served[0] + "/v1/chat/completions", json={**body, **extra}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == param
-    taken = {**body, "repetition_penalty": 1.0, "chat_template_kwargs": {}, "min_p": 0.1}
+    taken = {**body, "repetition_penalty": 1.3, "chat_template_kwargs": {"enable_thinking": False}, "min_p": 0.1}
     assert httpx.post(served[0] + "/v1/chat/completions", json=taken, timeout=30).status_code == 200
+
+
+def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_asks(client: openai.OpenAI, served: tuple[str, Engine]) -> None:
+    """lm-eval's loglikelihood requests: token-id prompts, several at once, `echo` with `logprobs: 1` and
+    max_tokens 1 (or 0 in older harnesses). The choice's text starts with the prompt; its logprobs cover the prompt
+    tokens (the first has none) and then the generated ones, with text offsets running on; the prompt's logprobs
+    are the model's, the same whether or not a token is generated and whether or not the answer streams."""
+    model, tok = served[1].model_name, served[1].tokenizer
+    context, continuation = tok.encode("The capital of France is"), tok.encode(" Paris")
+    asked = client.completions.create(model=model, prompt=[context + continuation, context], max_tokens=1, echo=True,
+                                      logprobs=1, temperature=0)
+    first, second = sorted(asked.choices, key=lambda c: c.index)
+    lp = first.logprobs
+    assert first.text.startswith(tok.decode(context + continuation))
+    assert len(lp.tokens) == len(context) + len(continuation) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top) == 1 and x <= max(top.values()) + 1e-6
+               for x, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert second.logprobs.token_logprobs[: len(context)] == pytest.approx(lp.token_logprobs[: len(context)],
+                                                                            abs=1e-4)
+    only = httpx.post(served[0] + "/v1/completions", timeout=30, json={
+        "model": model, "prompt": context + continuation, "max_tokens": 0, "echo": True, "logprobs": 0}).json()
+    [choice] = only["choices"]
+    assert choice["text"] == tok.decode(context + continuation) and choice["finish_reason"] == "length"
+    assert only["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(lp.token_logprobs[:-1], abs=1e-4)
+    chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, echo=True,
+                                            logprobs=0, temperature=0, stream=True))
+    whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, echo=True, logprobs=0,
+                                      temperature=0)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [x for c in chunks for x in c.choices[0].logprobs.text_offset] == whole.choices[0].logprobs.text_offset
+    plain = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, echo=True, temperature=0)
+    assert plain.choices[0].text == whole.choices[0].text and plain.choices[0].logprobs is None
+    wait_idle(served[1])
+
+
+@pytest.mark.parametrize(("body", "param"), [({"max_tokens": 0}, "max_tokens"), ({"suffix": "end"}, "suffix"),
+                                             ({"echo": True, "resume_output_ids": [5]}, "echo")])
+def test_what_echo_and_max_tokens_0_do_not_cover_is_refused(served: tuple[str, Engine], body: dict,
+                                                            param: str) -> None:
+    reply = httpx.post(served[0] + "/v1/completions", json={"prompt": "Hi", **body}, timeout=30)
+    assert reply.status_code == 400 and param in json.dumps(reply.json()["error"])

@@ -582,7 +582,7 @@ def test_a_runner_returning_too_few_logits_rows_is_a_clear_error() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     engine = sim_engine(spec, OneRowRunner)
     submit(engine, [repeating_sim_prompt(engine.runner)], max_tokens=20, logit_bias={})  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match=r"OneRowRunner returned 1 logits rows for \d+ positions that sample"):
+    with pytest.raises(RuntimeError, match=r"OneRowRunner returned 1 logits rows for \d+ positions that want them"):
         engine.run_until_idle()
     with pytest.raises(ValueError, match="2 logits rows, 1 sampling params"):
         sample(torch.zeros(2, 8), [SamplingParams()], [0])

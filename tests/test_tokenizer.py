@@ -237,3 +237,24 @@ def test_the_developer_role_is_the_system_prompt_for_a_template_that_does_not_na
              "{# developer turns are kept #}")
     own = Tokenizer.from_dir(_copy_tokenizer_files(model_dir, tmp_path / "own", knows))
     assert own.apply_chat_template(asked, add_generation_prompt=False) == "<developer>Answer in French.<user>Hi"
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking): more variables for the template, rendered as HF's
+    apply_chat_template(**kwargs) renders them; the request's own variables cannot be replaced by them, and a chat
+    request's prompt ids (what the engine prefills and the router hashes) carry them."""
+    from kvmesh.engine.openai_types import ChatRequest
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}")
+    path = _copy_tokenizer_files(model_dir, tmp_path / "thinking", template)
+    own, hf = Tokenizer.from_dir(path), AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = own.apply_chat_template(messages, template_kwargs={"enable_thinking": False})
+    assert rendered == hf.apply_chat_template(messages, tokenize=False, enable_thinking=False) == "<user>Hi<no_think>"
+    assert own.apply_chat_template(messages) == "<user>Hi"
+    assert own.apply_chat_template(messages, template_kwargs={"messages": []}) == "<user>Hi"
+    request = ChatRequest(messages=messages, chat_template_kwargs={"enable_thinking": False})
+    assert own.decode(request.prompt_ids(own)) == "<user>Hi<no_think>"
+    with pytest.raises(ValueError, match="messages cannot be set here"):
+        ChatRequest(messages=messages, chat_template_kwargs={"messages": []})

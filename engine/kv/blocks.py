@@ -257,6 +257,14 @@ class PrefixHit:
     blocks: list[Block]
     num_tokens: int
 
+    def capped(self, max_tokens: int | None) -> PrefixHit:
+        """The hit cut to whole blocks within `max_tokens` (None: as it is)."""
+        if max_tokens is None or self.num_tokens <= max_tokens:
+            return self
+        block_size = self.num_tokens // len(self.blocks)
+        kept = self.blocks[: max_tokens // block_size]
+        return PrefixHit(kept, len(kept) * block_size)
+
 
 class KVCacheManager:
     """Block tables per request on top of a BlockPool, with chained prefix hashing (DESIGN.md contract 1)."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from jinja2 import Template, TemplateError, meta
 from jinja2.ext import loopcontrols
@@ -211,27 +212,26 @@ class Tokenizer:
             return False  # a template that does not parse fails when rendered, with its own message
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         """Render messages into the prompt text; malformed messages or a template's own refusal raise ValueError.
-        `tools` (OpenAI's tool dicts) is passed to the template as HF's apply_chat_template does."""
+        `tools` (OpenAI's tool dicts) is passed to the template as HF's apply_chat_template does, and
+        `template_kwargs` as more variables (a template ignores those it does not read)."""
         normalized = _normalize_messages(messages, "developer" in (self._chat_template or ""))
         try:
-            return self._compiled_template.render(
-                messages=normalized,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                **{k: v for k, v in self._special_tokens.items() if v is not None},
-            )
+            own = {"messages": normalized, "add_generation_prompt": add_generation_prompt, "tools": tools,
+                   **{k: v for k, v in self._special_tokens.items() if v is not None}}
+            return self._compiled_template.render({**(template_kwargs or {}), **own})
         except TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the rendered chat, with `tools` (OpenAI's tool dicts) shown the way this template can
         (model/tool_prompt.py); the template already holds its special tokens, so none are added again."""
         rendered = prompt_messages(messages, tools, self.template_uses_tools)
         text = self.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                        tools=tools if self.template_uses_tools else None)
+                                        tools=tools if self.template_uses_tools else None,
+                                        template_kwargs=template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
     @cached_property
