@@ -48,6 +48,31 @@ def alert(name: str, labels: dict[str, str], summary: str, description: str) -> 
     return {"alertname": name, "labels": labels, "summary": summary, "description": description}
 
 
+HEARTBEAT = [(f"{LAST}{{{OPERATOR}}}", "0+60x40"), (f"{INTERVAL}{{{OPERATOR}}}", "60x40")]  # evaluated every minute
+NO_ROUTERS = alert("KvmeshPoolHasNoRouters", {"severity": "critical", **WHERE}, "Pool ml/chat has no router up",
+                   "No router of the pool answers: no request reaches its engines (clients get connection errors, a "
+                   "Gateway with FailClose refuses them). `kubectl -n ml get pods -l "
+                   "kvmesh.io/pool=chat,kvmesh.io/role=router` and their logs and Events say why (crashing, Pending, "
+                   "a NetworkPolicy).")
+
+
+def router_down(pod: str) -> dict[str, Any]:
+    return alert("KvmeshRouterDown", {"severity": "warning", "pod": pod, "role": "router", **WHERE},
+                 f"Router ml/{pod} of pool chat is down",
+                 "Prometheus cannot scrape it: it crashed, cannot start or cannot be reached (a NetworkPolicy, the "
+                 "node). The pool's other routers, if any is up, take its requests.")
+
+
+def engines_unavailable(role: str, wanted: int) -> dict[str, Any]:
+    return alert("KvmeshPoolEnginesUnavailable", {"severity": "critical", "role": role, **WHERE},
+                 f"Pool ml/chat: no {role} engine has run for 10 minutes",
+                 f"The operator wants at least {wanted} {role} engine(s) and none answers /metrics: the pool cannot "
+                 "serve requests. Pods that are not scrape targets are Pending: `kubectl -n ml describe pods -l "
+                 f"kvmesh.io/pool=chat,kvmesh.io/role={role}` says why (no node with the requested GPUs or memory, "
+                 "taints, a quota). No target for any pool means Prometheus does not scrape the pools (the "
+                 "PodMonitor's labels, monitoring.labels).")
+
+
 # Each case: input series (1 minute apart), when to look, and what must be firing then (nothing: silent).
 CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
     "forecast above 95 %": (
@@ -250,9 +275,9 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
     "one engine down": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "0x10"),
          (f'up{{pod="e1", role="decode", {POOL}}}', "1x10"),
-         (f'up{{pod="r0", role="router", {POOL}}}', "0x10")],  # a router is no engine
+         (f'up{{pod="r0", role="router", {POOL}}}', "0x10")],  # a router is no engine: the router alerts only
         "5m",
-        [alert("KvmeshEngineDown", E0, *DOWN)]),
+        [alert("KvmeshEngineDown", E0, *DOWN), router_down("r0"), NO_ROUTERS]),
     "every engine up": (
         [(f'up{{pod="e0", role="decode", {POOL}}}', "1x10"), (f'up{{pod="e1", role="prefill", {POOL}}}', "1x10")],
         "5m", []),
@@ -316,6 +341,64 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         "24m",
         [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE}, *NO_DECODE),
          alert("KvmeshEngineDown", E0, *DOWN)]),
+    # Routers: the pool's only door. Both replicas down for 30 minutes while the engines and the operator are fine
+    "every router down": (
+        [(f'up{{pod="r0", role="router", {POOL}}}', "0x40"), (f'up{{pod="r1", role="router", {POOL}}}', "0x40"),
+         (f'up{{pod="e0", role="both", {POOL}}}', "1x40"), (f'{LOADING}{{pod="e0", role="both", {POOL}}}', "0x40"),
+         (f'{DESIRED}{{role="both", {OPERATOR}}}', "1x40"), *HEARTBEAT],
+        "30m",
+        [NO_ROUTERS, router_down("r0"), router_down("r1")]),
+    "one router of two down": (
+        [(f'up{{pod="r0", role="router", {POOL}}}', "0x40"), (f'up{{pod="r1", role="router", {POOL}}}', "1x40"),
+         (f'up{{pod="e0", role="both", {POOL}}}', "1x40"), *HEARTBEAT],
+        "30m",
+        [router_down("r0")]),
+    "the only router restarting": (
+        # down at 6m and 7m (a restart), up again from 8m: shorter than the 2 minutes either alert waits
+        [(f'up{{pod="r0", role="router", {POOL}}}', "1x5 0x1 1x30"), (f'up{{pod="e0", role="both", {POOL}}}', "1x40"),
+         *HEARTBEAT],
+        "8m", []),
+    "routers that cannot be scheduled": (
+        # the router Deployment's pods are Pending: no address, so no target and no `up` at all; the operator
+        # evaluates the pool (its heartbeat), whose engine is up
+        [(f'up{{pod="e0", role="both", {POOL}}}', "1x40"), (f'{DESIRED}{{role="both", {OPERATOR}}}', "1x40"),
+         *HEARTBEAT],
+        "5m",
+        [NO_ROUTERS]),
+    # Engines the operator wants whose pods cannot be scheduled (no GPU node, a quota): no target, no `up` to sum,
+    # so KvmeshPoolHasNoEngines cannot see them. Silent for 10 minutes (a node being added) ...
+    "engines Pending for 9 minutes": (
+        [(f'{DESIRED}{{role="both", {OPERATOR}}}', "2x40"), POOL_PODS, *HEARTBEAT],
+        "9m", []),
+    # ... then an outage
+    "engines Pending for 12 minutes": (
+        [(f'{DESIRED}{{role="both", {OPERATOR}}}', "2x40"), POOL_PODS, *HEARTBEAT],
+        "12m",
+        [engines_unavailable("both", 2)]),
+    "engines Pending until a node came at 8m": (
+        [(f'{DESIRED}{{role="both", {OPERATOR}}}', "2x40"), POOL_PODS, *HEARTBEAT,
+         (f'up{{pod="e0", role="both", {POOL}}}', "_x7 1x30"),
+         (f'{LOADING}{{pod="e0", role="both", {POOL}}}', "_x7 1x5 0x20")],
+        "15m", []),
+    "every engine of a role down for 12 minutes": (
+        # targets that do not answer: KvmeshPoolHasNoEngines after 1 minute, this one beside it after 10
+        [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "1x40"), (f'up{{pod="e0", role="decode", {POOL}}}', "0x40"),
+         POOL_PODS, *HEARTBEAT],
+        "12m",
+        [alert("KvmeshPoolHasNoEngines", {"severity": "critical", "role": "decode", **WHERE}, *NO_DECODE),
+         alert("KvmeshEngineDown", E0, *DOWN), engines_unavailable("decode", 1)]),
+    "a role scaled to zero": (
+        [(f'{DESIRED}{{role="both", {OPERATOR}}}', "0x40"), POOL_PODS, *HEARTBEAT],
+        "30m", []),
+    # scaling.scaleToZero: wanted again from 5m, its pods Pending: a cold start for 15 minutes, then 10 more ...
+    "a pool starting from zero, Pending for 20 minutes": (
+        [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "0x5 1x40"), POOL_PODS, *HEARTBEAT],
+        "25m", []),
+    # ... and an outage after that
+    "a pool starting from zero, Pending for 30 minutes": (
+        [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "0x5 1x40"), POOL_PODS, *HEARTBEAT],
+        "35m",
+        [engines_unavailable("decode", 1)]),
 }
 
 ALERTS = [rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
@@ -325,6 +408,8 @@ ALERTS = [rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"]
 def promtool_test(series: list[tuple[str, str]], at: str, firing: list[dict[str, Any]], tmp_path: Path) -> str:
     """Run `promtool test rules`: every alert of the file is checked at `at`; those not in `firing` must be
     silent. Returns promtool's output; raises with it when a check fails."""
+    unknown = {a["alertname"] for a in firing} - set(ALERTS)
+    assert not unknown, f"expected to fire but not in the rule file: {sorted(unknown)}"
     checks = []
     for name in ALERTS:
         expected = [{"exp_labels": a["labels"],
@@ -350,7 +435,8 @@ def test_the_rule_file_is_valid() -> None:
                                      "KvmeshPoolHasNoEngines", "KvmeshPoolNotServing", "KvmeshWarmupNotReached",
                                      "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused", "KvmeshBatchStalled",
                                      "KvmeshResponseStoreFailing",
-                                     "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing"])
+                                     "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing",
+                                     "KvmeshPoolEnginesUnavailable", "KvmeshRouterDown", "KvmeshPoolHasNoRouters"])
 
 
 def test_every_alert_is_seen_firing() -> None:

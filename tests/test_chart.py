@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import helm_python
@@ -17,7 +19,9 @@ import yaml
 from helm_python import _native
 
 from kvmesh import __version__
+from kvmesh.engine.protocol import ROLE_LABEL
 from kvmesh.operator import crd, desired, rbac
+from kvmesh.router.config import GATEWAY_EXT_PROC_PORT
 
 from .promql import CHART, DASHBOARDS, ROOT
 
@@ -32,10 +36,10 @@ DISAGGREGATED = {"pool": {"enabled": True, "name": "chat", "spec": {
 
 
 def render(values: dict[str, Any] | None = None, api_versions: tuple[str, ...] = (),
-           namespace: str = "kvmesh") -> dict[str, str]:
+           namespace: str = "kvmesh", name: str = "kvmesh") -> dict[str, str]:
     """Template path -> rendered text. helm-python's Chart.render() has no api_versions option (what a cluster
     offers, for `.Capabilities.APIVersions.Has`), so the options go to its native call, which takes them."""
-    options = {"name": "kvmesh", "namespace": namespace, "api_versions": list(api_versions)}
+    options = {"name": name, "namespace": namespace, "api_versions": list(api_versions)}
     with helm_python.Chart.load(CHART) as chart:
         return json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values or {}),
                                               json.dumps(options)))
@@ -253,12 +257,11 @@ def test_pools_run_the_charts_image_and_ports_not_the_public_registrys() -> None
     assert {c["image"] for c in containers.values()} == {"registry.internal/ml/kvmesh:7.7.7"}
     ports = {name: c["ports"][0]["containerPort"] for name, c in containers.items()}
     assert ports == {desired.engine_name(pool, "both"): 9100, desired.router_name(pool): 9180}
-    admitted = {p["port"] for policy in by_kind(docs, "NetworkPolicy") for rule in policy["spec"].get("ingress") or []
-                for p in rule.get("ports") or []}
-    assert {9100, 9180} <= admitted
-    (monitor,) = by_kind(docs, "PodMonitor")
-    assert any(r.get("regex") == "9100|9180" for e in monitor["spec"]["podMetricsEndpoints"]
-               for r in e.get("relabelings") or [])
+    # the policies admit the pods' serving ports (tests/test_chart_monitoring.py: and the PodMonitor scrapes them)
+    with pool_pods_in_the_harness(docs) as pods:
+        assert {port for _, ports in pods.values() for port in ports.values()} == {9100, 9180}
+        assert allowed(by_kind(docs, "NetworkPolicy"), "router", "pool-both", 9100)
+        assert allowed(by_kind(docs, "NetworkPolicy"), "prometheus", "pool-router", 9180)
 
 
 def test_a_pool_that_names_its_image_and_ports_keeps_them() -> None:
@@ -293,6 +296,63 @@ def test_notes_say_how_to_reach_the_router() -> None:
     assert "svc/<pool>-router" in RENDERINGS["default"]["kvmesh/templates/NOTES.txt"]
 
 
+def test_notes_give_the_port_the_pool_s_router_listens_on() -> None:
+    """A pool.spec.router.port is the router's port (the operator gives its container and Service that one): the
+    notes print it, as the `helm test` pod asks it, not ports.router."""
+    rendered = render({"pool": {"enabled": True, "name": "chat", "spec": {"model": {"source": "bundled"},
+                                                                          "router": {"port": 9999}}}})
+    notes = rendered["kvmesh/templates/NOTES.txt"]
+    assert "port-forward svc/chat-router 9999:9999" in notes and "curl http://127.0.0.1:9999/v1/models" in notes
+    assert "http://chat-router.kvmesh.svc:9999/v1" in notes and "8080" not in notes
+    (pod,) = by_kind(manifests(rendered), "Pod")
+    assert "--url=http://chat-router.kvmesh.svc:9999" in pod["spec"]["containers"][0]["args"]
+    (pool_body,) = by_kind(manifests(rendered), crd.KIND)
+    router = desired.router_deployment(crd.parse_pool(pool_body, operator_defaults(manifests(rendered))))
+    assert router["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == 9999
+
+
+# The longest release name Helm takes (53), names that begin alike (blue-green releases), and a fullname that is
+# the release name itself (it contains the chart's name)
+LONG_NAMES = ("a" * 53, "inference-platform-production-eu-west-1-kvmesh-blue2",
+              "inference-platform-production-eu-west-1-kvmesh-green", "llm-serving-platform-production-eu-west-1-aa1")
+
+
+def test_dashboards_of_a_long_release_name_get_distinct_valid_names() -> None:
+    """Each dashboard's ConfigMap keeps its `-dashboard-<file>` suffix under the 63-character limit: cut at 63,
+    a long fullname left the four names equal (one ConfigMap, applied four times); two long release names that
+    begin alike keep theirs apart too (their ConfigMaps may share dashboards.namespace)."""
+    short = {cm["metadata"]["name"] for cm in by_kind(manifests(RENDERINGS["default"]), "ConfigMap")}
+    assert short == {f"kvmesh-dashboard-{p.stem}" for p in DASHBOARDS}  # short names are left as they were
+    seen: set[str] = set()
+    for release in LONG_NAMES:
+        maps = by_kind(manifests(render(name=release)), "ConfigMap")
+        names = {cm["metadata"]["name"] for cm in maps}
+        assert len(names) == len(DASHBOARDS) == len(maps), names
+        for cm in maps:
+            kubernetes_validate.validate(cm, KUBERNETES, strict=True)
+            name = cm["metadata"]["name"]
+            assert len(name) <= 63 and name[0].isalnum() and name[-1].isalnum(), name
+            (data_key,) = cm["data"]
+            assert name.endswith(f"-dashboard-{data_key.removesuffix('.json')}"), name
+        assert not names & seen
+        seen |= names
+
+
+def test_the_documented_helm_template_renders_the_monitoring_objects_and_no_test_pod() -> None:
+    """docs/operations.md's install without Helm's release machinery: `helm template` sees no cluster, so without
+    --api-versions it leaves out the PodMonitor, ServiceMonitor and PrometheusRule, and without --skip-tests it
+    emits the `helm test` pod, which kubectl would start at once."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (command,) = [line for line in text.replace("\\\n", " ").splitlines() if line.startswith("helm template ")]
+    args = command.split()
+    assert args[args.index("--api-versions") + 1] == MONITORING_API and "--skip-tests" in args
+    rendered = render({"pool": {"enabled": True}}, api_versions=(MONITORING_API,))
+    docs = manifests(rendered)
+    assert {d["kind"] for d in docs} >= PROMETHEUS_OPERATOR_KINDS
+    hooks = [d for d in docs if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "test"]
+    assert [d["kind"] for d in hooks] == ["Pod"]  # what --skip-tests leaves out
+
+
 # ---- NetworkPolicies: who may reach whom ------------------------------------------------------------------------
 
 ROUTER, ENGINE, OPERATOR_METRICS = 8080, 8000, 9090
@@ -310,6 +370,13 @@ PODS = {  # name -> (namespace, labels)
 }
 ENGINES = ("prefill", "decode", "both")
 PORTS = {"router": ROUTER, "prefill": ENGINE, "decode": ENGINE, "both": ENGINE, "operator": OPERATOR_METRICS}
+# The ports each pod names: a NetworkPolicy port given by name admits the selected pod's container port of that name
+# (the operator's names, operator/desired.py: `http`, and a router's ext_proc port; the chart's operator's)
+NAMED_PORTS: dict[str, dict[str, int]] = {
+    "router": {"http": ROUTER, desired.EXT_PROC_PORT_NAME: GATEWAY_EXT_PROC_PORT},
+    **{engine: {"http": ENGINE} for engine in ENGINES},
+    "operator": {"metrics": OPERATOR_METRICS, "health": 8081},
+}
 
 
 def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
@@ -345,9 +412,10 @@ def allowed(policies: list[dict[str, Any]], source: str, target: str, port: int)
             in_ns = src_ns == policy_ns
         return in_ns and selects(peer.get("podSelector"), src_labels)
 
+    named = NAMED_PORTS.get(target, {})
     for policy in selecting:
         for rule in policy["spec"].get("ingress") or []:
-            ports_ok = not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
+            ports_ok = not rule.get("ports") or any(port in (p["port"], named.get(p["port"])) for p in rule["ports"])
             peers_ok = not rule.get("from") or any(peer_matches(p, dst_ns) for p in rule["from"])
             if ports_ok and peers_ok:
                 return True
@@ -390,6 +458,62 @@ def test_a_gateway_reaches_the_engines_only_when_named() -> None:
             assert {t for s, t in reachable(policies) if s == "gateway"} == {"router", *engines}
     finally:
         del PODS["gateway"]
+
+
+@contextmanager
+def pool_pods_in_the_harness(docs: list[dict[str, Any]]) -> Iterator[dict[str, tuple[dict[str, str], dict[str, int]]]]:
+    """The pods the operator makes for the rendering's InferencePool (its own reading of it, with the defaults the
+    rendered operator gives it), as the harness's targets `pool-<role>` with their labels and named container
+    ports; yields them by role."""
+    (body,) = by_kind(docs, crd.KIND)
+    pool = crd.parse_pool(body, operator_defaults(docs))
+    pods = {}
+    for deployment in by_kind(desired.desired_objects(pool), "Deployment"):
+        template = deployment["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        labels = template["metadata"]["labels"]
+        pods[labels[ROLE_LABEL]] = (labels, {p["name"]: p["containerPort"] for p in container["ports"]})
+    for role, (labels, ports) in pods.items():
+        PODS[f"pool-{role}"] = (body["metadata"]["namespace"], labels)
+        NAMED_PORTS[f"pool-{role}"] = ports
+    try:
+        yield pods
+    finally:
+        for role in pods:
+            del PODS[f"pool-{role}"], NAMED_PORTS[f"pool-{role}"]
+
+
+# A pool on ports of its own, behind a Gateway (gatewayInferencePool) whose endpoint picker is on its own port too
+OWN_PORTS = {"pool": {"enabled": True, "name": "chat", "spec": {
+    "model": {"source": "bundled"}, "engine": {"port": 7000},
+    "router": {"port": 7080, "settings": {"ext_proc_port": 9100}}, "gatewayInferencePool": {"enabled": True},
+}}}
+GATEWAY_PROXY = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}},
+                 "podSelector": {"matchLabels": {"app": "envoy"}}}
+
+
+def test_a_pool_on_ports_of_its_own_gets_its_traffic() -> None:
+    """The policies name the pods' ports (`http`, the router's ext_proc port) instead of numbering them: a pool
+    whose spec moves its ports (engine.port, router.port, router.settings.ext_proc_port) still takes its clients,
+    routers, peers, operator, Prometheus and Gateway. Numbered, they let nothing in on 7000, 7080 or 9100, and the
+    Gateway's FailClose then refused every request."""
+    PODS["envoy"] = ("gateway", {"app": "envoy"})
+    try:
+        docs = manifests(render({**OWN_PORTS, "networkPolicy": {"gateway": [GATEWAY_PROXY]}}))
+        policies = by_kind(docs, "NetworkPolicy")
+        with pool_pods_in_the_harness(docs) as pods:
+            assert pods["router"][1] == {"http": 7080, desired.EXT_PROC_PORT_NAME: 9100}
+            assert pods["both"][1] == {"http": 7000}
+            for source in ("client", "operator", "prometheus", "envoy"):
+                assert allowed(policies, source, "pool-router", 7080), source
+            for source in ("router", "pool-router", "pool-both", "operator", "prometheus", "envoy"):
+                assert allowed(policies, source, "pool-both", 7000), source
+            assert allowed(policies, "envoy", "pool-router", 9100)  # the Gateway asks its endpoint picker
+            assert not allowed(policies, "client", "pool-router", 9100)  # only the Gateway's proxies
+            assert not allowed(policies, "client", "pool-both", 7000)
+            assert not allowed(policies, "router", "pool-both", 8000)  # nothing else opens
+    finally:
+        del PODS["envoy"]
 
 
 def test_network_policies_can_be_turned_off() -> None:

@@ -4,11 +4,22 @@ reach, for the operator and, with gateway.enabled, `kvmesh gateway`; every pod i
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
-from .test_chart import MONITORING_API, PODS, allowed, by_kind, manifests, render, selects
+from .test_chart import (
+    MONITORING_API,
+    OWN_PORTS,
+    PODS,
+    allowed,
+    by_kind,
+    manifests,
+    pool_pods_in_the_harness,
+    render,
+    selects,
+)
 from .test_chart_gateway import APPS, GATEWAY
 
 GATEWAY_MONITOR = "kvmesh-gateway"
@@ -90,3 +101,53 @@ def test_the_pool_pod_monitor_leaves_the_gateway_to_its_own_monitor() -> None:
     for labels in gateway_pods:
         assert not selects(pod_monitor["spec"]["selector"], labels)
         assert "kvmesh.io/pool" not in labels
+
+
+def pod_monitor_scrapes(monitor: dict[str, Any], namespace: str, labels: dict[str, str],
+                        ports: dict[str, int]) -> list[int]:
+    """The container ports (by name) of one pod that a PodMonitor makes scrape targets, as the Prometheus Operator
+    resolves it: the pod's namespace and labels against its selectors, then each endpoint's `port` (a container
+    port's name) or `portNumber`, and its keep and drop relabelings over the pod's meta labels."""
+    spec = monitor["spec"]
+    namespaces = spec.get("namespaceSelector") or {}
+    if not namespaces.get("any") and namespace not in (namespaces.get("matchNames")
+                                                       or [monitor["metadata"]["namespace"]]):
+        return []
+    if not selects(spec["selector"], labels):
+        return []
+    found = []
+    for endpoint in spec["podMetricsEndpoints"]:
+        for name, number in ports.items():
+            if endpoint.get("port", name) != name or endpoint.get("portNumber", number) != number:
+                continue
+            meta = {"__meta_kubernetes_pod_container_port_name": name,
+                    "__meta_kubernetes_pod_container_port_number": str(number),
+                    **{"__meta_kubernetes_pod_label_" + re.sub(r"\W", "_", k): v for k, v in labels.items()}}
+            kept = True
+            for rule in endpoint.get("relabelings") or []:
+                if rule.get("action") in ("keep", "drop"):
+                    value = rule.get("separator", ";").join(meta.get(s, "") for s in rule["sourceLabels"])
+                    matched = re.fullmatch(rule.get("regex", "(.*)"), value) is not None
+                    kept = kept and matched == (rule["action"] == "keep")
+            if kept:
+                found.append(number)
+    return found
+
+
+@pytest.mark.parametrize("values", [{"pool": {"enabled": True}}, OWN_PORTS], ids=["default ports", "own ports"])
+def test_the_pod_monitor_scrapes_each_pool_pod_once_on_its_serving_port(values: dict[str, Any]) -> None:
+    """Engines and routers are scraped on their serving port (metrics share it), which the operator names `http`
+    whatever number the pool gives it: a pool on its own ports (engine.port, router.port) is scraped too, and a
+    router's ext_proc port (gRPC) is not. Numbered (ports.engine|ports.router), such a pool had no target at all,
+    so the dashboards, the alerts and KvmeshPoolHasNoEngines knew nothing of it."""
+    docs = monitoring(values)
+    (monitor,) = by_kind(docs, "PodMonitor")
+    with pool_pods_in_the_harness(docs) as pods:
+        assert pods
+        for role, (labels, ports) in pods.items():
+            for namespace in ("kvmesh", "team-a"):  # every namespace: the operator watches them all
+                assert pod_monitor_scrapes(monitor, namespace, labels, ports) == [ports["http"]], (role, ports)
+    confined = by_kind(monitoring({**values, "operator": {"watchNamespaces": ["team-a"]}}), "PodMonitor")[0]
+    labels, ports = pods["router"]
+    assert pod_monitor_scrapes(confined, "team-a", labels, ports) == [ports["http"]]
+    assert pod_monitor_scrapes(confined, "team-b", labels, ports) == []

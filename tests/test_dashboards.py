@@ -30,6 +30,7 @@ from .promql import (
     metric_names,
     panels,
     promtool,
+    variable_queries,
 )
 
 PROMETHEUS_OWN = {"up"}  # series Prometheus writes for every target
@@ -140,3 +141,18 @@ def test_every_metric_a_dashboard_or_alert_reads_is_exported(expositions: dict[s
 @pytest.mark.parametrize("component", ["engine", "router", "operator", "gateway"])
 def test_promtool_finds_nothing_but_vllm_colons(expositions: dict[str, str], component: str) -> None:
     assert check_metrics(expositions[component]) == []
+
+
+def test_the_pickers_list_pools_from_a_series_every_router_has_from_its_start(expositions: dict[str, str]) -> None:
+    """The namespace and pool pickers read a series each router exports with a sample from its start, and no engine
+    does: a pool scaled to zero engines (scaling.scaleToZero) keeps its routers, so it can still be picked. Read from
+    an engine series (kvmesh_kv_blocks), the pickers lost the pool while it had no engine."""
+    sampled = {line.split("{")[0].split()[0] for line in expositions["router"].splitlines()
+               if line and not line.startswith("#")}
+    engine = exported_names(expositions["engine"])
+    for path in DASHBOARDS:
+        queries = variable_queries(path)
+        assert {q.where.rsplit(" ", 1)[1] for q in queries} == {"namespace", "pool"}
+        for q in queries:
+            names = metric_names(q.concrete)
+            assert names and names <= sampled and not names & engine, (q.where, names)
