@@ -128,7 +128,8 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     bad.write_bytes(b"GGUF but not really")
     with pytest.raises(ValueError):
         resolve_model_dir(str(bad))
-    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
+    # no directory, half-written or not (the lock and the hash's stamp are files)
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == []
 
 
 def _tiny_hf_model(arch: str, vocab_size: int) -> torch.nn.Module:
@@ -405,3 +406,61 @@ def test_convert_gguf_writes_a_complete_directory(tmp_path: Path) -> None:
     }
     tokenizer_config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     assert tokenizer_config["chat_template"] == CHATML and tokenizer_config["add_bos_token"] is False
+
+
+def test_a_gguf_is_hashed_once_while_unchanged_and_again_once_changed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start names the converted directory by the file's content hash; hashing a large GGUF takes a minute, so
+    the hash is kept beside the cache with the file's size, modification time and inode, and read back while they
+    are unchanged. A rewritten file is hashed (and converted) again."""
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "Tiny-llama-F32.gguf"
+    _write_tiny_gguf(path, "llama")
+    first = resolve_model_dir(str(path), progress=False)
+    opened: list[Path] = []
+    real_open = Path.open
+
+    def watched(self: Path, *args: object, **kwargs: object) -> object:
+        opened.append(self)
+        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "open", watched)
+    assert resolve_model_dir(str(path), progress=False) == first
+    assert path not in opened  # not read again
+    monkeypatch.undo()
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # a weight of the last tensor changes
+    path.write_bytes(bytes(data))
+    second = resolve_model_dir(str(path), progress=False)
+    assert second != first and second.is_dir()
+
+
+def test_a_start_waiting_for_another_s_conversion_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Two starts at once convert once: the second waits on the lock, and says what it waits for instead of
+    sitting silent while the first shows its bar; then it finds the directory the first made."""
+    import fcntl
+    import threading
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "Tiny-llama-F32.gguf"
+    _write_tiny_gguf(path, "llama")
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    name = f"Tiny-llama-{loader._content_hash(path, models, progress=False)}"
+    found: list[Path] = []
+    with (models / f".{name}.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process is converting
+        waiter = threading.Thread(target=lambda: found.append(resolve_model_dir(str(path), progress=True)))
+        waiter.start()
+        for _ in range(200):
+            if "waiting for another process converting Tiny-llama-F32.gguf" in capsys.readouterr().err:
+                break
+            threading.Event().wait(0.05)
+        else:
+            raise AssertionError("the waiting start said nothing")
+        assert waiter.is_alive() and not found
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(timeout=60)
+    assert found == [models / name]

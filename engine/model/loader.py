@@ -167,19 +167,51 @@ def _served_name(gguf_path: Path) -> str:
     return _QUANT_SUFFIX.sub("", gguf_path.stem) or gguf_path.stem
 
 
-def _content_hash(path: Path) -> str:
+HASH_BAR_MIN_BYTES = 256 * 1024 * 1024  # hashing a smaller file takes under a second: no bar
+
+
+def _content_hash(path: Path, stamps: Path, progress: bool) -> str:
+    """The file's content hash (with the converter's version), read back from its stamp in `stamps` while the file's
+    size, modification time and inode are those hashed: a 15 GB GGUF takes about a minute to hash, at every start
+    otherwise. A bar shows hashing a large file."""
+    stat = path.stat()
+    seen = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino,
+            "converter": _CONVERTER_VERSION}
+    stamp = stamps / f".hash-{hashlib.sha256(seen['path'].encode()).hexdigest()[:16]}.json"
+    try:
+        known = json.loads(stamp.read_text())
+        if {k: known.get(k) for k in seen} == seen and isinstance(known.get("hash"), str):
+            return known["hash"]
+    except (OSError, ValueError):
+        pass  # none yet, or unreadable: hash again
     digest = hashlib.sha256(f"kvmesh-converter-{_CONVERTER_VERSION}".encode())
-    with path.open("rb") as f:
+    with path.open("rb") as f, tqdm(total=stat.st_size, desc=f"hashing {path.name}", unit="B", unit_scale=True,
+                                    disable=not progress or stat.st_size < HASH_BAR_MIN_BYTES,
+                                    file=sys.stderr) as bar:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
-    return digest.hexdigest()[:12]
+            bar.update(len(chunk))
+    content = digest.hexdigest()[:12]
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next start a hash
+        written = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+        written.write_text(json.dumps({**seen, "hash": content}))
+        written.replace(stamp)
+    return content
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """A file lock, so concurrent starts wait for one conversion instead of each doing it."""
+def _exclusive(lock_path: Path, what: str, progress: bool) -> Iterator[None]:
+    """A file lock, so concurrent starts wait for one conversion instead of each doing it; a start that waits says
+    so (the other process shows the bar)."""
     with lock_path.open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            message = f"waiting for another process converting {what} (lock {lock_path})"
+            if progress:
+                print(message, file=sys.stderr, flush=True)
+            log.info(message)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -190,10 +222,10 @@ def _converted_dir(gguf_path: Path, progress: bool, on_progress: ProgressCallbac
     """Convert into a temporary sibling and rename it into place, so no half-written directory is ever visible."""
     models_dir = cache_root() / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
-    target = models_dir / f"{_served_name(gguf_path)}-{_content_hash(gguf_path)}"
+    target = models_dir / f"{_served_name(gguf_path)}-{_content_hash(gguf_path, models_dir, progress)}"
     if target.is_dir():
         return target
-    with _exclusive(models_dir / f".{target.name}.lock"):
+    with _exclusive(models_dir / f".{target.name}.lock", gguf_path.name, progress):
         if target.is_dir():
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
