@@ -40,7 +40,6 @@ from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
-    chat_ids,
     error_body,
     http_error_handler,
     read_json,
@@ -311,12 +310,19 @@ class Booking:
     """One request's hold on a pod: the pod's in-flight count, taken when the request is committed to it, and the
     pod's reply once it comes. `close` gives both back exactly once, whichever way the request ends (answered,
     refused, the pod failing, the client leaving, the stream moving on to another pod), so the picker never counts
-    a request that is over; `with booking:` closes it when the block ends."""
+    a request that is over; `with booking:` closes it when the block ends. Until the pod's next report it also
+    counts in what that report lacks (`Pod.unseen`): the request and its `prefill_tokens` uncached prompt tokens.
+    `withdraw`, for a try the pod refused or failed before taking, also takes back the provisional index entries
+    `provisional` names (the pod, its hashes and their expiry), which no computed block will ever confirm."""
 
-    def __init__(self, pod: Pod) -> None:
+    def __init__(self, pod: Pod, prefill_tokens: int = 0,
+                 provisional: tuple[PrefixIndex, tuple[int, ...], float] | None = None) -> None:
         self.pod = pod
         self.reply: UpstreamReply | None = None
         self.closed = False
+        self.prefill_tokens = prefill_tokens
+        self.provisional = provisional
+        self.epoch = pod.unseen.sent(prefill_tokens)
         pod.inflight += 1
 
     def close(self) -> None:
@@ -326,6 +332,16 @@ class Booking:
         if self.reply is not None:
             self.reply.close()
         self.pod.inflight -= 1
+        self.pod.unseen.ended(self.epoch, self.prefill_tokens)
+
+    def withdraw(self) -> None:
+        """The pod did not take the request (refused, failed before its first byte): close, and drop the
+        provisional entries its commit recorded."""
+        self.close()
+        if self.provisional is not None:
+            index, hashes, expires = self.provisional
+            index.drop_provisional(self.pod.name, hashes, expires)
+            self.provisional = None
 
     def __enter__(self) -> Booking:
         return self
@@ -523,7 +539,7 @@ class Router:
     def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(body, ChatRequest):
             try:  # as the engine builds it: the same prompt, the same block hashes
-                return chat_ids(self.tokenizer, body.messages, body.tools)
+                return body.prompt_ids(self.tokenizer)
             except ValueError as exc:
                 raise RouteError(400, f"messages: {exc}") from None
         prompt = body.prompt
@@ -701,15 +717,20 @@ class Router:
     def commit(self, trace: Trace, pod: Pod, decision: Decision) -> Booking:
         """Send the request to `pod`, as far as the router's state goes: the trace, provisional index entries for
         its prompt (back-to-back requests find the prefix before the pod's events arrive) and the in-flight count,
-        held by the booking returned, which the caller closes when the request ends."""
+        held by the booking returned, which the caller closes when the request ends (or withdraws, when the pod
+        does not take it: the provisional entries go too)."""
         trace.pods.append(pod.name)
         trace.predicted = decision.predicted_cached_tokens
         if trace.span is not None:
             trace.span.decided(pod.name, decision)
         hashes = trace.info.hashes_for(decision.pod) if decision.pod is not None else None
+        provisional = None
         if hashes is not None:  # the blocks the pod will cache, as it hashes them
-            self.index.add_provisional(pod.name, hashes, time.monotonic(), self.config.provisional_ttl_seconds)
-        return Booking(pod)
+            expires = self.index.add_provisional(pod.name, hashes, time.monotonic(),
+                                                 self.config.provisional_ttl_seconds)
+            provisional = (self.index, hashes, expires)
+        uncached = max(0, trace.info.prompt_tokens - decision.predicted_cached_tokens)
+        return Booking(pod, uncached, provisional)
 
     def plan_pull(self, decision: Decision, info: RequestInfo, view: View) -> PullPlan | None:
         """Whether the chosen pod should fetch a longer prefix from a peer before computing the rest."""
@@ -784,8 +805,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     metrics = RouterMetrics(pods, index, tenants, lambda: pod_wait.held if pod_wait is not None else 0)
     if keys_file is not None:
         keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)
-    return Router(config, tokenizer, pods, index, PickerConfig(**config.weights), metrics, upstream, keys, log, shed,
-                  secret or config.pool, pull, tracing, limits=limits, keys_file=keys_file,
+    picker = PickerConfig.from_weights(config.weights)
+    return Router(config, tokenizer, pods, index, picker, metrics, upstream, keys, log, shed, secret or config.pool,
+                  pull, tracing, limits=limits, keys_file=keys_file,
                   batches=BatchStore(config.database_url) if config.database_url else None,
                   limit_sync=LimitSync(DemandTable(config.database_url), limits, new_id("router-"))
                   if config.database_url and config.rate_limit_sync else None,
@@ -1212,25 +1234,26 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             try:
                 booking.reply = reply = await router.upstream.post(pod.url + path, body, headers, trace.span)
             except UpstreamTimeout as exc:
-                booking.close()
                 if not body.get("stream"):  # it may be generating still: sent elsewhere, it would run twice or more
+                    booking.close()
                     raise PodTimeout(f"the pod {pod.name} sent no answer within "
                                      f"{router.config.request_timeout_seconds:g} s") from exc
+                booking.withdraw()
                 continue  # a stream's headers come at once: this pod is stuck
             except UpstreamError:
-                booking.close()
+                booking.withdraw()  # it never took the request: its provisional entries would steer others to it
                 continue
             except BaseException:  # cancelled (the client left)
                 booking.close()
                 raise
             if reply.status in RETRYABLE or (require_ok and reply.status != 200):
-                booking.close()
+                booking.withdraw()
                 continue
             if reply.status == 404 and trace.info.lora is not None and pod.served is not None:
                 # the adapter was unloaded there since its list was read: another pod may still serve it
                 pod.served = pod.served.without(trace.info.lora)
                 unloaded = True
-                booking.close()
+                booking.withdraw()
                 continue
             router.metrics.count_decision(decision.reason)
             return booking, reply, decision

@@ -20,6 +20,7 @@ from kvmesh.engine.typed_fields import check_types
 from kvmesh.router.batch_runner import BatchSettings
 from kvmesh.router.batches import BATCH_PRIORITY, MAX_ENQUEUED_REQUESTS, MAX_FILE_BYTES
 from kvmesh.router.limits import BATCH_RATE_SHARE, Limiter, parse_tenants
+from kvmesh.router.picker import PickerConfig
 from kvmesh.router.proxy import MAX_CONNECTIONS_PER_POD, Upstream
 from kvmesh.router.responses_store import RESPONSES_MEMORY_ITEMS, RESPONSES_TTL_SECONDS
 
@@ -98,7 +99,8 @@ class RouterConfig:
     # the fraction of each of a tenant's limits its Batch API requests get, in buckets of their own: a batch never
     # spends the limits of the tenant's interactive requests (router/limits.py)
     batch_rate_share: float = BATCH_RATE_SHARE
-    weights: dict[str, float] = field(default_factory=dict)  # picker weights by name (see picker.PickerConfig)
+    # picker weights and thresholds by name (picker.PickerConfig's fields; tier_weights a mapping of tier to weight)
+    weights: dict[str, Any] = field(default_factory=dict)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (engine/tracing.py); None: the OTEL_* env
     # the Batch API (router/batch_runner.py; needs database_url): requests of a batch in flight from one replica,
     # requests per input file, an input file's size, and the priority batch requests are sent at (shed first)
@@ -152,6 +154,7 @@ class RouterConfig:
                 raise ValueError(f"ext_proc_cert_dir {self.ext_proc_cert_dir!r} has no {' and no '.join(missing)}: "
                                  f"it must hold {' and '.join(files)} (e.g. a kubernetes.io/tls Secret, mounted)")
             read_certificate_pair(self.ext_proc_cert_dir)
+        PickerConfig.from_weights(self.weights)  # an unknown key or a bad value: named here, not a crash at start
         # bad limits: an error at start, not later
         Limiter(parse_tenants(self.tenants), self.rate_limit_replicas, batch_share=self.batch_rate_share)
         self.batch_settings()

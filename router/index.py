@@ -124,10 +124,10 @@ class PrefixIndex:
                 self._store(bit, held, tier, hashes)
         self._streams[pod] = (snapshot.boot_id, snapshot.seq)
 
-    def add_provisional(self, pod: str, block_hashes: Sequence[int], now: float, ttl: float) -> None:
+    def add_provisional(self, pod: str, block_hashes: Sequence[int], now: float, ttl: float) -> float:
         """Record the router's own decision to send these blocks to `pod`, trusted until `now + ttl` or until
         the pod's events confirm (stored) or contradict (removed) it: back-to-back requests then find the
-        prefix before its events arrive."""
+        prefix before its events arrive. Returns the expiry, which names this decision to `drop_provisional`."""
         self._expire(now)
         expires = now + ttl
         bit = 1 << self._bit(pod)
@@ -135,6 +135,16 @@ class PrefixIndex:
             self._provisional.setdefault(h, {})[pod] = expires
             self._provisional_pods[h] = self._provisional_pods.get(h, 0) | bit
         heapq.heappush(self._expiry, (expires, next(self._tick), pod, tuple(block_hashes)))
+        return expires
+
+    def drop_provisional(self, pod: str, block_hashes: Iterable[int], expires: float) -> None:
+        """Withdraw the decision `add_provisional` recorded with expiry `expires`: the pod refused the request
+        or failed before taking it, so it will not compute these blocks, and leaving them would credit it with
+        a prefix it lacks (steering more traffic to a pod that refuses). Entries a later decision renewed stay
+        (that request may be computing them); confirmed blocks are not touched."""
+        if pod not in self._bits:
+            return
+        self._unprovision(pod, [h for h in block_hashes if self._provisional.get(h, {}).get(pod) == expires])
 
     def remove_pod(self, pod: str) -> None:
         """Forget a pod that left the pool; its bit is free for the next one."""

@@ -10,6 +10,15 @@ The scores aim at the pod that answers soonest. The TTFT estimate already credit
 this request; the prefix score adds stickiness on top (keeping a prefix's traffic together keeps the pool's
 hit ratio up), so a pod holding the whole prefix keeps its traffic until its estimated TTFT is about 1.5
 times another pod's (prefix weight 1 against TTFT weight 3: 1 + 3 x (t_best / t) = 3 at t = 1.5 t_best).
+The TTFT estimate is a cost in seconds, as Dynamo's KV router counts one in blocks: the prefill queued ahead and
+this request's uncached tokens at the pod's prefill speed, plus its decode contention (on a pod running
+requests, one measured decode step, shared with theirs).
+
+A long prefix every request shares (a system prompt) makes the TTFT of a pod without it look hopeless next to a
+holder's, whatever the holders' queues: the balance guard bounds that. A holder whose load passes
+`balance_factor` x the least loaded candidate's + `balance_slack` competes as if it held nothing (consistent
+hashing with bounded loads, measured against the least loaded pod as AIBrix's imbalance rule does), so traffic
+spreads to a pod without the prefix, which then holds it too, once the holders queue up, and never before.
 
 LoRA adapters: only pods that serve the requested name (base model or adapter) are candidates, and a request
 for an adapter prefers pods already running it (the Gateway API Inference Extension's LoRA affinity), with a
@@ -20,11 +29,16 @@ load leave close.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
+from kvmesh.engine.protocol import TIERS
 from kvmesh.router.index import PrefixMatch
 
 _TTFT_FLOOR_SECONDS = 0.01  # TTFTs closer than this are the same to a client: 2 ms is not "twice" 1 ms
@@ -50,6 +64,11 @@ class PodState:
     running: int = 0
     waiting: int = 0
     inflight: int = 0  # requests this router has outstanding there
+    # of those, the ones sent since the pod's last /metrics read began (its running and waiting lack them yet),
+    # and their uncached prompt tokens (its pending_prefill_tokens lacks them yet)
+    unseen_requests: int = 0
+    unseen_prefill_tokens: int = 0
+    ended_requests: int = 0  # this router's requests that ended since the report counted them (it overstates)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc
     forecast_usage_p90: float = 0.0  # kvmesh_kv_forecast_usage_ratio{level="p90"}
     overload_probability: float = 0.0
@@ -61,8 +80,22 @@ class PodState:
 
     @property
     def load(self) -> int:
-        """Outstanding requests: what the pod reports plus what this router sent and has not seen finish."""
-        return self.running + self.waiting + self.inflight
+        """Outstanding requests: what the pod reports, corrected by what this router knows happened since (its
+        requests sent, and those ended), each request counted once: one the report saw is in running or waiting,
+        not again in inflight; at least this router's own in-flight count, should the report lag behind it."""
+        reported = max(0, self.running + self.waiting - self.ended_requests)
+        return max(reported + self.unseen_requests, self.inflight)
+
+    @property
+    def busy(self) -> bool:
+        """Whether the pod is running requests, as far as the report and this router's own requests since tell."""
+        return self.running > self.ended_requests or self.unseen_requests > 0
+
+    @property
+    def pending_prefill(self) -> int:
+        """Prompt tokens queued for prefill: the pod's report plus what this router sent since (a burst between
+        two scrapes would otherwise see the same queue at every pick)."""
+        return self.pending_prefill_tokens + self.unseen_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -104,12 +137,85 @@ class PickerConfig:
     kv_penalty_threshold: float = 0.8  # PreServe: route away from pods predicted above 80 %
     saturation_usage: float = 0.98  # a pod at or above this KV usage (current or p90 forecast) is saturated...
     max_waiting: int = 64  # ...as is one with this many waiting requests
-    balance_factor: float = 2.0  # a pod whose load exceeds factor x the other candidates' mean load
+    balance_factor: float = 2.0  # a pod whose load exceeds factor x the least loaded candidate's load
     balance_slack: int = 4  # (+ slack) is not chosen for its prefix
     default_prefill_tokens_per_second: float = 2000.0  # for a pod that has not measured it yet
 
+    def __post_init__(self) -> None:
+        # the tiers given override the defaults, the others keep theirs: {host: 0.5} must not make device hits
+        # worth nothing
+        object.__setattr__(self, "tier_weights", {**_default_tier_weights(), **self.tier_weights})
+
     def weight(self, scorer: str) -> float:
         return float(getattr(self, f"{scorer}_weight"))
+
+    @classmethod
+    def from_weights(cls, weights: Mapping[str, Any]) -> PickerConfig:
+        """The config a router's `weights` section asks for, checked: ValueError naming an unknown key (with the
+        nearest valid one), an unknown tier, or a value of the wrong kind or range, so a typo stops the router at
+        its config check rather than as it builds the picker, or silently."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key in weights:
+            if key not in fields:
+                raise ValueError(f"unknown picker weight {key!r}{_did_you_mean(key, fields)}; valid keys: "
+                                 f"{', '.join(sorted(fields))}")
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for key, value in weights.items():
+            if key == "tier_weights":
+                values[key] = _tier_weights(value)
+            else:
+                values[key] = _number(f"weights.{key}", value, hints[key] is int)
+        config = cls(**values)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """ValueError for a value outside its meaningful range."""
+        for name in ("prefix_weight", "kv_weight", "load_weight", "ttft_weight", "lora_weight", "balance_slack"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"weights.{name} must be at least 0, not {getattr(self, name)}")
+        for name in ("kv_penalty_threshold", "saturation_usage"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"weights.{name} must be in [0, 1], not {getattr(self, name)}")
+        if self.max_waiting < 1:
+            raise ValueError(f"weights.max_waiting must be at least 1, not {self.max_waiting}")
+        if self.balance_factor < 1:
+            raise ValueError(f"weights.balance_factor must be at least 1 (the least loaded pod is never over "
+                             f"the bound), not {self.balance_factor}")
+        if self.default_prefill_tokens_per_second <= 0:
+            raise ValueError(f"weights.default_prefill_tokens_per_second must be above 0, not "
+                             f"{self.default_prefill_tokens_per_second}")
+
+
+def _did_you_mean(key: str, known: Mapping[str, object]) -> str:
+    """' (did you mean 'x'?)' for the nearest known name, '' when none is near."""
+    near = f"{key}_weight" if f"{key}_weight" in known else next(iter(difflib.get_close_matches(key, known, 1)), None)
+    return f" (did you mean {near!r}?)" if near else ""
+
+
+def _number(what: str, value: Any, whole: bool) -> float | int:
+    """`value` as the number a field wants (a YAML 1 is a fine 1.0; true is no number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int)):
+        raise ValueError(f"{what} must be {'a whole number' if whole else 'a number'}, not {value!r}")
+    return int(value) if whole else float(value)
+
+
+def _tier_weights(value: Any) -> dict[str, float]:
+    """A `tier_weights` mapping, checked: known tiers, numbers from 0 to 1 (a hit is worth at most a computed
+    block's saving)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"weights.tier_weights must be a mapping of tier to weight ({', '.join(TIERS)}), "
+                         f"not {value!r}")
+    out = {}
+    for tier, weight in value.items():
+        if tier not in TIERS:
+            hint = _did_you_mean(str(tier), dict.fromkeys(TIERS))
+            raise ValueError(f"weights.tier_weights: unknown tier {tier!r}{hint}; tiers: {', '.join(TIERS)}")
+        out[tier] = _number(f"weights.tier_weights.{tier}", weight, whole=False)
+        if not 0 <= out[tier] <= 1:
+            raise ValueError(f"weights.tier_weights.{tier} must be in [0, 1], not {weight}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -148,10 +254,16 @@ def predicted_cached_tokens(pod: PodState, request: RequestInfo, match: PrefixMa
 
 
 def estimate_ttft(pod: PodState, request: RequestInfo, cached_tokens: int, config: PickerConfig) -> float:
-    """Seconds to the first token on `pod`: the prefill queued before this request, then its own uncached part,
-    both at the pod's measured prefill speed (DistServe's and Mooncake's TTFT model)."""
+    """Seconds to the first token on `pod`: the prefill queued before this request (the pod's report and what
+    this router sent since), then its own uncached part, both at the pod's measured prefill speed (DistServe's
+    and Mooncake's TTFT model); plus, on a pod running requests, their decode contention: the prefill shares a
+    step with their decoding, one measured decode step (which grows with the batch). One step, not one per
+    running request: a batching engine decodes them together, and a step per request would rate a holder of a
+    long shared prefix, running a few, below a pod that must compute the prefix. Longer queues are the load
+    scorer's and the balance guard's (Dynamo's KV router adds the pod's decode load to its prefill cost alike)."""
     speed = pod.prefill_tokens_per_second or config.default_prefill_tokens_per_second
-    return (pod.pending_prefill_tokens + max(0, request.prompt_tokens - cached_tokens)) / speed
+    prefill = (pod.pending_prefill + max(0, request.prompt_tokens - cached_tokens)) / speed
+    return prefill + (pod.decode_step_seconds if pod.busy else 0.0)
 
 
 def _kv_pressure(pod: PodState) -> float:
@@ -262,19 +374,20 @@ REASONS: tuple[str, ...] = ("no-candidates", "only-candidate", "balance", "tie",
 # ---- the picker ----------------------------------------------------------------------------------------------
 
 
+def balance_bound(pods: list[PodState], config: PickerConfig) -> float:
+    """The most load a pod may carry and still be chosen for its prefix: factor x the least loaded candidate's
+    load + slack. Against the least loaded, not a mean: when the holders of a shared prefix are most of the pool,
+    a mean rises with them and is never passed, and the pods without it would idle for good."""
+    return config.balance_factor * min(p.load for p in pods) + config.balance_slack
+
+
 def overloaded_holders(pods: list[PodState], config: PickerConfig) -> set[str]:
-    """The balance guard: pods whose load exceeds factor x the mean of the other candidates' (+ slack). They
-    compete as if they held no prefix, so a popular prefix cannot pile all traffic onto one pod. (The mean of
-    the others, not of all: with two pods, the mean of all could never be exceeded by a factor of two.)"""
+    """The balance guard: pods loaded past `balance_bound`. They compete as if they held no prefix, so a popular
+    prefix spreads to another pod once its holders queue up, and stays on them while they do not."""
     if len(pods) < 2:
         return set()
-    loads = {p.name: p.load for p in pods}
-    total = sum(loads.values())
-    others = len(pods) - 1
-    return {
-        name for name, load in loads.items()
-        if load > config.balance_factor * (total - load) / others + config.balance_slack
-    }
+    bound = balance_bound(pods, config)
+    return {p.name for p in pods if p.load > bound}
 
 
 def _score(pods: list[PodState], ctx: Context) -> tuple[dict[str, float], dict[str, list[float]]]:

@@ -58,6 +58,65 @@ def served_models(served: ServedModels | None, config: KVConfig | None) -> Serve
     return served if served is not None else ServedModels.base_only(config.model if config else "")
 
 
+class Unseen:
+    """Where the pod's last report (/metrics) and this router's own requests disagree. Sent: requests the report
+    cannot have counted yet, and their uncached prompt tokens; each counts from when it is sent until it ends or a
+    read of /metrics that began after it was sent comes back (then the pod's running, waiting and queued-prefill
+    numbers hold it). Ended: requests the report counted that have ended since; each counts until a read that
+    began after its end comes back. So the picker counts each request once, a burst between two scrapes sees its
+    own queue grow, and a pod whose requests just ended does not look busy for another scrape interval.
+
+    Both are kept per scrape epoch (the reads begun before), so a read drops exactly what it saw; what happens
+    while a read is under way counts here until the next one, one scrape interval at most."""
+
+    def __init__(self) -> None:
+        self.epoch = 0  # reads begun
+        self.requests = 0
+        self.tokens = 0
+        self.ended_requests = 0
+        self._by_epoch: dict[int, list[int]] = {}  # epoch sent in -> [requests, tokens] still open
+        self._ended_by_epoch: dict[int, int] = {}  # epoch ended in -> requests a report counted, ended since
+
+    def sent(self, tokens: int) -> int:
+        """A request sent now with `tokens` uncached prompt tokens; the epoch to give back to `ended`."""
+        entry = self._by_epoch.setdefault(self.epoch, [0, 0])
+        entry[0] += 1
+        entry[1] += tokens
+        self.requests += 1
+        self.tokens += tokens
+        return self.epoch
+
+    def ended(self, epoch: int, tokens: int) -> None:
+        """A request sent in `epoch` ended: if no read has counted it, it no longer counts here; if one has, the
+        report overstates the pod's requests by it until the next read."""
+        entry = self._by_epoch.get(epoch)
+        if entry is None:
+            self._ended_by_epoch[self.epoch] = self._ended_by_epoch.get(self.epoch, 0) + 1
+            self.ended_requests += 1
+            return
+        entry[0] -= 1
+        entry[1] -= tokens
+        self.requests -= 1
+        self.tokens -= tokens
+        if not entry[0]:
+            del self._by_epoch[epoch]
+
+    def reading(self) -> int:
+        """A read of /metrics begins: what was sent before now, it will count."""
+        self.epoch += 1
+        return self.epoch
+
+    def read(self, epoch: int) -> None:
+        """The read begun at `epoch` came back: the requests sent before it began are in its numbers, and those
+        that ended before it began are not."""
+        for seen in [e for e in self._by_epoch if e < epoch]:
+            requests, tokens = self._by_epoch.pop(seen)
+            self.requests -= requests
+            self.tokens -= tokens
+        for seen in [e for e in self._ended_by_epoch if e < epoch]:
+            self.ended_requests -= self._ended_by_epoch.pop(seen)
+
+
 @dataclass
 class Pod:
     """What the router knows of one engine; mutated only by its own tasks and the request path's counters."""
@@ -78,6 +137,7 @@ class Pod:
     scraped_at: float = 0.0
     unreachable_since: float | None = None  # its scrapes have failed since then (None: the last one answered)
     inflight: int = 0
+    unseen: Unseen = field(default_factory=Unseen, repr=False, compare=False)  # of inflight, what /metrics lacks
     # its last snapshot and what it was made from (PodSet.snapshot): rebuilt only when one of those changed
     snapped: tuple[StateInputs, PodState] | None = field(default=None, repr=False, compare=False)
 
@@ -90,11 +150,13 @@ class Pod:
 
 
 # Everything a pod's PodState is made from besides its name, in this order: its KV config, its /v1/models, its
-# adapters' load, up with a usable configuration, draining, stale, the router's requests in flight to it, and a copy
-# of its numbers (the dict may change in place). PodSet.snapshot compares them to rebuild a state only when one
-# changed, and `_state` reads nothing else, so no input can be left out of the comparison. (A plain tuple: a
-# NamedTuple costs 0.2 us more to make, per pod and request.)
-StateInputs = tuple[KVConfig | None, ServedModels | None, LoraLoad, bool, bool, bool, int,
+# adapters' load, up with a usable configuration, draining, stale, the router's requests in flight to it (all of
+# them, those its last report lacks, their uncached tokens, and those it counts that ended since), and a copy of its
+# numbers (the dict may change
+# in place). PodSet.snapshot compares them to rebuild a state only when one changed, and `_state` reads nothing
+# else, so no input can be left out of the comparison. (A plain tuple: a NamedTuple costs 0.2 us more to make, per
+# pod and request.)
+StateInputs = tuple[KVConfig | None, ServedModels | None, LoraLoad, bool, bool, bool, tuple[int, int, int, int],
                     tuple[tuple[str, float], ...]]
 
 
@@ -261,7 +323,8 @@ class PodSet:
         states = []
         for pod in self.pods.values():
             inputs: StateInputs = (pod.kv_config, pod.served, pod.lora, pod.healthy and pod.refused is None,
-                                   pod.draining, now - pod.scraped_at > self.stale_after, pod.inflight,
+                                   pod.draining, now - pod.scraped_at > self.stale_after,
+                                   (pod.inflight, pod.unseen.requests, pod.unseen.tokens, pod.unseen.ended_requests),
                                    tuple(pod.metrics.items()))
             if pod.snapped is None or pod.snapped[0] != inputs:
                 pod.snapped = (inputs, self._state(pod.name, inputs))
@@ -269,7 +332,7 @@ class PodSet:
         return states
 
     def _state(self, name: str, inputs: StateInputs) -> PodState:
-        config, served, lora, healthy, draining, stale, inflight, metrics = inputs
+        config, served, lora, healthy, draining, stale, (inflight, unseen, unseen_tokens, ended), metrics = inputs
         m = dict(metrics)
         return PodState(
             name=name,
@@ -287,6 +350,9 @@ class PodSet:
             running=int(m.get("running", 0)),
             waiting=int(m.get("waiting", 0)),
             inflight=inflight,
+            unseen_requests=unseen,
+            unseen_prefill_tokens=unseen_tokens,
+            ended_requests=ended,
             kv_usage=m.get("kv_usage", 0.0),
             forecast_usage_p90=m.get("forecast_usage_p90", 0.0),
             overload_probability=m.get("overload_probability", 0.0),
@@ -343,8 +409,10 @@ class PodSet:
                         await self._read_config(pod)
                     if pod.served is None or time.monotonic() - pod.served_at >= MODELS_REFRESH_SECONDS:
                         await self._read_models(pod)
+                    epoch = pod.unseen.reading()
                     text = (await self._client.get(pod.url + "/metrics")).text
                     pod.metrics, pod.lora = await asyncio.to_thread(parse_metrics, text)  # ms of parsing: off the loop
+                    pod.unseen.read(epoch)
                     pod.scraped_at = time.monotonic()
                 pod.healthy = health.status_code == 200
                 pod.unreachable_since = None

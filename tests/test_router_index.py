@@ -146,6 +146,27 @@ def test_a_renewed_provisional_entry_outlives_the_first_decision() -> None:
     assert blocks(index, now=8.0) == {"a": 3}
 
 
+def test_a_refused_decision_is_withdrawn_and_only_it() -> None:
+    """A pod that refused the request (429, 503, no connection) will not compute its blocks: its commit's entries
+    go at once, not after the TTL, so they do not steer the next requests to it. Entries a later decision renewed
+    (that request may be computing them), other pods' entries and confirmed blocks stay."""
+    index = PrefixIndex()
+    assert feed(index, "a", stored(PROMPT[:2]))
+    refused = index.add_provisional("a", PROMPT[:6], now=0.0, ttl=5.0)
+    index.add_provisional("b", PROMPT[:6], now=0.0, ttl=5.0)
+    assert blocks(index, now=1.0) == {"a": 6, "b": 6}
+    index.drop_provisional("a", PROMPT[:6], refused)
+    assert blocks(index, now=1.0) == {"a": 2, "b": 6}  # a's confirmed blocks stay
+    assert index.match(PROMPT, now=1.0)["a"].provisional == 0
+
+    first = index.add_provisional("a", PROMPT[:4], now=2.0, ttl=5.0)
+    index.add_provisional("a", PROMPT[:3], now=3.0, ttl=5.0)  # a later request renews three of them
+    index.drop_provisional("a", PROMPT[:4], first)
+    assert blocks(index, now=3.5)["a"] == 3
+    index.drop_provisional("c", PROMPT, 0.0)  # a pod the index never knew: nothing to do
+    assert blocks(index, now=8.5) == {"a": 2}  # the rest expire as before
+
+
 def test_provisional_entries_are_confirmed_or_dropped_by_events() -> None:
     index = PrefixIndex()
     index.add_provisional("a", PROMPT[:4], now=0.0, ttl=5.0)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvmesh.engine.protocol import block_hashes
+from kvmesh.engine.protocol import KVEvent, KVEventBatch, block_hashes
 from kvmesh.router.index import PrefixMatch
 from kvmesh.router.picker import (
     REASONS,
@@ -252,7 +252,11 @@ def test_a_pods_snapshot_follows_every_change_the_picker_reads() -> None:
     pod.metrics["waiting"] = 2.0  # in place
     assert pods.snapshot(now)[0].waiting == 2
     pod.inflight += 1
+    pod.unseen.sent(100)  # as a Booking does: a request the pod's last report cannot have counted
     assert pods.snapshot(now)[0].inflight == 1 and pods.snapshot(now)[0].load == 6
+    assert pods.snapshot(now)[0].unseen_prefill_tokens == 100
+    pod.unseen.read(pod.unseen.reading())  # a read begun after it came back: running and waiting hold it now
+    assert pods.snapshot(now)[0].load == 5 and pods.snapshot(now)[0].unseen_prefill_tokens == 0
     pod.draining = True
     assert pods.snapshot(now)[0].draining
     pod.healthy = False
@@ -267,3 +271,172 @@ def test_a_pods_snapshot_follows_every_change_the_picker_reads() -> None:
     assert (pods.snapshot(now)[0].adapters_running, pods.snapshot(now)[0].max_loras) == (1, 4)
     assert pods.snapshot(now)[1] is other  # the other pod changed in nothing
     assert pods.snapshot(now + 11.0)[0].stale and not pods.snapshot(now)[0].stale
+
+
+# ---- a shared system prompt, load counting, weights ----------------------------------------------------------
+
+SYSTEM = list(range(5000, 5000 + 2048))  # a 2,048-token system prompt every request starts with
+
+
+def system_request(k: int) -> RequestInfo:
+    """A request of the system prompt and 64 tokens of its own (k picks them)."""
+    ids = SYSTEM + [100 + (k * 64 + i) % 30000 for i in range(64)]
+    return RequestInfo(MODEL, len(ids), tuple(block_hashes(ids)))
+
+
+def test_a_lightly_loaded_holder_of_a_shared_prompt_keeps_it_and_a_loaded_one_spreads_it() -> None:
+    """Holders of a long shared prompt win while they are not loaded (that is what prefix routing is for), and a
+    pod without it gets requests once they are loaded past balance_factor x the least loaded pod + slack, even
+    when the holders are most of the pool (the old bound, the mean of the other candidates, rose with them)."""
+    from kvmesh.router.index import PrefixIndex
+
+    index = PrefixIndex()
+    request = system_request(0)
+    for seq, holder in enumerate(("a", "b"), start=1):
+        index.apply(holder, KVEventBatch(holder, seq, (KVEvent("stored", request.block_hashes[:128]),)))
+    matches = index.match(request.block_hashes, ["a", "b", "c"])
+    light = [pod("a", running=4), pod("b", running=4), pod("c")]  # 4 = 2 x 0 + 4: at the bound, not past it
+    decision = pick(request, light, matches)
+    assert decision.pod is not None and decision.pod.name in ("a", "b")
+    assert decision.predicted_cached_tokens == 2048
+    loaded = [pod("a", running=5), pod("b", running=5), pod("c")]
+    decision = pick(request, loaded, matches)
+    assert decision.pod is not None and decision.pod.name == "c"
+    assert decision.reason == "balance"
+    # the bound moves with the least loaded pod: busy everywhere, the holders keep their prefix
+    busy = [pod("a", running=14), pod("b", running=14), pod("c", running=5)]
+    decision = pick(request, busy, matches)
+    assert decision.pod is not None and decision.pod.name in ("a", "b")
+
+
+def test_a_shared_system_prompt_reaches_every_pod_once_its_holders_are_loaded() -> None:
+    """The reviewer's case, deterministic: the real index and picker, 4 and 8 pods, one of them holding the
+    system prompt at first, requests that each run for the next 8 x pods arrivals (8 per pod). Every pod serves,
+    the first requests go to the holder, and no pod's load passes the balance bound by more than the request it
+    takes."""
+    from kvmesh.router.index import PrefixIndex
+
+    for size in (4, 8):
+        names = [f"p{i}" for i in range(size)]
+        index = PrefixIndex()
+        seq = dict.fromkeys(names, 0)
+        first = system_request(-1)
+        index.apply("p0", KVEventBatch("p0", 1, (KVEvent("stored", first.block_hashes),)))
+        seq["p0"] = 1
+        running: list[tuple[int, str]] = []  # (ends at arrival, pod)
+        served: dict[str, int] = dict.fromkeys(names, 0)
+        order = []
+        for k in range(60 * size):
+            running = [(end, name) for end, name in running if end > k]
+            loads = {name: sum(1 for _, n in running if n == name) for name in names}
+            request = system_request(k)
+            pods = [pod(name, running=loads[name]) for name in names]
+            decision = pick(request, pods, index.match(request.block_hashes, names))
+            assert decision.pod is not None
+            chosen = decision.pod.name
+            bound = 2.0 * min(loads.values()) + 4
+            assert loads[chosen] <= max(bound, min(loads.values())), (k, loads, chosen)
+            served[chosen] += 1
+            order.append(chosen)
+            running.append((k + 8 * size, chosen))
+            seq[chosen] += 1
+            index.apply(chosen, KVEventBatch(chosen, seq[chosen], (KVEvent("stored", request.block_hashes),)))
+        assert order[:5] == ["p0"] * 5  # the holder, until past the bound
+        assert all(served[name] > 0 for name in names), served
+        assert max(served.values()) < 3 * min(served.values()), served
+
+
+def test_each_request_counts_once_in_a_pods_load() -> None:
+    """After a scrape the router's request is in the pod's running count and in the router's in-flight count:
+    once, not twice. What it sent since the scrape began is added; its own count is the floor."""
+    assert pod("a", running=1, inflight=1).load == 1
+    assert pod("a", running=3, waiting=1, inflight=2).load == 4
+    assert pod("a", running=3, waiting=1, inflight=3, unseen_requests=1).load == 5  # one the report lacks
+    assert pod("a", running=0, inflight=2).load == 2  # a report behind the router's own count
+    assert pod("a", running=3, waiting=1, ended_requests=2).load == 2  # two of them ended since the report
+    # two pods each running the same requests, one of them this router's: equal load, equal choice
+    decision = choose([pod("a", running=4, inflight=4), pod("b", running=4)])
+    assert decision.reason == "tie"
+
+
+def test_a_burst_between_two_scrapes_sees_its_own_prefill_queue() -> None:
+    """Every pick of a burst reads the same scrape; the uncached tokens the router sent since then count in the
+    pod's queue, so equal idle pods take turns instead of the first one taking the burst."""
+    pods = [pod("a"), pod("b")]
+    first = choose(pods)
+    assert first.pod is not None
+    chosen = first.pod.name
+    sent = [replace(p, inflight=1, unseen_requests=1, unseen_prefill_tokens=PROMPT_TOKENS) if p.name == chosen else p
+            for p in pods]
+    second = choose(sent)
+    assert second.pod is not None and second.pod.name != chosen
+    assert estimate_ttft(sent[0 if chosen == "a" else 1], REQUEST, 0, PickerConfig()) == pytest.approx(8.0)
+
+
+def test_decode_contention_counts_in_the_ttft_estimate() -> None:
+    """A pod running requests shares a step with their decoding: one measured decode step (it grows with the
+    batch), whatever their number; none on an idle pod, or on one whose requests this router saw end since its
+    report."""
+    config = PickerConfig()
+    assert estimate_ttft(pod("a", running=10, decode_step_seconds=0.05), REQUEST, 0, config) == pytest.approx(4.05)
+    assert estimate_ttft(pod("a", running=1, decode_step_seconds=0.05), REQUEST, 0, config) == pytest.approx(4.05)
+    assert estimate_ttft(pod("a", decode_step_seconds=0.05), REQUEST, 0, config) == pytest.approx(4.0)
+    assert estimate_ttft(pod("a", unseen_requests=1, inflight=1, decode_step_seconds=0.05), REQUEST, 0,
+                         config) == pytest.approx(4.05)
+    ended = pod("a", running=1, ended_requests=1, decode_step_seconds=0.05)
+    assert estimate_ttft(ended, REQUEST, 0, config) == pytest.approx(4.0) and ended.load == 0
+    # with load left out, the step decides between a pod decoding and an idle one (8,000 tokens at 2,000/s: 4 s)
+    slow = PickerConfig(load_weight=0.0)
+    decision = choose([pod("a", running=1, decode_step_seconds=2.0), pod("b", decode_step_seconds=2.0)], config=slow)
+    assert decision.pod is not None and decision.pod.name == "b" and decision.reason == "ttft"
+    ended = replace(ended, decode_step_seconds=2.0)
+    decision = choose([ended, pod("b", decode_step_seconds=2.0)], config=slow)
+    assert decision.reason == "tie"
+
+
+def test_partial_tier_weights_keep_the_defaults_of_the_tiers_not_named() -> None:
+    config = PickerConfig(tier_weights={"host": 0.5})
+    assert config.tier_weights == {"device": 1.0, "host": 0.5, "disk": 0.5}
+    decision = choose([pod("a"), pod("b")], {"a": held(500)}, config=config)
+    assert decision.pod is not None and decision.pod.name == "a" and decision.reason == "prefix"
+    assert decision.scores["a"] - decision.scores["b"] > 1.0  # the device hit is worth its prefix weight
+    assert PickerConfig.from_weights({"tier_weights": {"disk": 0}}).tier_weights["device"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ({"prefix": 2.0}, "unknown picker weight 'prefix' (did you mean 'prefix_weight'?); valid keys: "),
+        ({"ttft_wieght": 2.0}, "did you mean 'ttft_weight'?"),
+        ({"nonsense": 1}, "valid keys: balance_factor, balance_slack, "),
+        ({"tier_weights": {"gpu": 1.0}}, "unknown tier 'gpu'; tiers: device, host, disk"),
+        ({"tier_weights": {"hots": 1.0}}, "unknown tier 'hots' (did you mean 'host'?)"),
+        ({"tier_weights": 0.5}, "weights.tier_weights must be a mapping"),
+        ({"tier_weights": {"host": 2.0}}, "weights.tier_weights.host must be in [0, 1]"),
+        ({"prefix_weight": "high"}, "weights.prefix_weight must be a number, not 'high'"),
+        ({"prefix_weight": True}, "weights.prefix_weight must be a number"),
+        ({"max_waiting": 2.5}, "weights.max_waiting must be a whole number"),
+        ({"load_weight": -1}, "weights.load_weight must be at least 0"),
+        ({"balance_factor": 0.5}, "weights.balance_factor must be at least 1"),
+        ({"saturation_usage": 1.5}, "weights.saturation_usage must be in [0, 1]"),
+        ({"default_prefill_tokens_per_second": 0}, "must be above 0"),
+    ],
+)
+def test_bad_weights_are_refused_by_the_router_config_with_what_to_fix(
+    weights: dict[str, object], message: str
+) -> None:
+    from kvmesh.router.config import RouterConfig
+
+    with pytest.raises(ValueError) as refused:
+        RouterConfig(pods=["http://127.0.0.1:1"], weights=weights).validate()  # type: ignore[arg-type]
+    assert message in str(refused.value)
+
+
+def test_good_weights_pass_the_router_config_and_build_the_picker() -> None:
+    from kvmesh.router.config import RouterConfig
+
+    weights = {"prefix_weight": 2, "ttft_weight": 3.5, "max_waiting": 32, "tier_weights": {"host": 0.6}}
+    RouterConfig(pods=["http://127.0.0.1:1"], weights=weights).validate()  # type: ignore[arg-type]
+    config = PickerConfig.from_weights(weights)
+    assert (config.prefix_weight, config.ttft_weight, config.max_waiting) == (2.0, 3.5, 32)
+    assert config.tier_weights == {"device": 1.0, "host": 0.6, "disk": 0.5}
