@@ -1299,7 +1299,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if shed is not None:
             return error_response(shed)
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
-        if prefill_pods and single and (trace.info.prompt_tokens - first.predicted_cached_tokens
+        # an echo reads its prompt (and its prompt's logprobs) on the pod that computes it: whole, on one pod
+        if prefill_pods and single and not raw.get("echo") and (trace.info.prompt_tokens - first.predicted_cached_tokens
                                         >= router.config.prefill_hop_min_tokens):
             try:
                 split = await disaggregate(path, raw, trace, stream, headers)
@@ -1512,6 +1513,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 router.metrics.migrations.inc()
                 trace.route = "migrated"
                 body = {**state.upstream, RESUME_OUTPUT_IDS_FIELD: state.resume_ids()}
+                if body[RESUME_OUTPUT_IDS_FIELD]:
+                    body["echo"] = False  # the client has the prompt: its first chunk echoed it
                 opened = await open_upstream(trace, body, state.path, state.headers, state.tried, require_ok=True)
                 if opened is None:
                     break

@@ -374,7 +374,7 @@ class Exchange:
         pod = next((p for p in router.pods.pods.values() if endpoint_of(p.url) == served), None)
         if pod is None or choice.booking is None or choice.trace is None:
             return  # not an inference request, or a pod the router no longer knows: nothing of it to move
-        choice.booking.close()
+        choice.booking.withdraw()  # the chosen pod's provisional prefix too: it never took the request
         choice.booking = Booking(pod)
         choice.trace.pods.append(pod.name)
         router.metrics.retries.inc()

@@ -117,6 +117,21 @@ def test_a_tool_call_is_answered_whole_by_one_pod(pool: dict[str, str], router: 
     wait_nothing_in_flight(router)
 
 
+def test_an_echo_is_answered_whole_by_one_pod(pool: dict[str, str], router: Router) -> None:
+    """An echo with logprobs (an evaluation harness scoring a prompt) reads the prompt's logprobs on the pod that
+    computes the prompt: the router sends it whole to a decode pod, never split (the engine refuses echo with a
+    KV handoff), and the answer is the one that pod gives alone."""
+    body = {"prompt": tokens(41, 90), "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    reply = httpx.post(pool["router"] + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvmesh-pod"] == pool["decode"]
+    alone = httpx.post(pool["decode"] + "/v1/completions", json=body, timeout=60).json()
+    got, expected = reply.json()["choices"][0], alone["choices"][0]
+    assert got["text"] == expected["text"] and len(got["logprobs"]["tokens"]) == 91
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-4)
+    wait_nothing_in_flight(router)
+
+
 def test_an_overloaded_pool_sheds_a_request_that_would_be_split(pool: dict[str, str], router: Router) -> None:
     """Shedding (and so fair sharing) is decided before the prefill hop: a long uncached prompt is refused with
     429 like any other when no pod can meet the TTFT objective; it used to go to the prefill pod regardless."""

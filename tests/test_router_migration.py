@@ -49,16 +49,18 @@ def both_alive(pool: Pool, tiny_dir: Path, tmp_path: Path) -> None:
     raise AssertionError("the router did not see both pods again")
 
 
-@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("kind", ["completion", "chat", "echo"])
 @pytest.mark.usefixtures("both_alive")
-def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(pool: Pool, chat: bool) -> None:
+def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(pool: Pool, kind: str) -> None:
+    """Also an echo: the pod that goes on does not echo the prompt a second time."""
     url, procs, router = pool
     alive = [u for u, p in procs.items() if p.poll() is None]
+    chat = kind == "chat"
     if chat:
         body = {"messages": [{"role": "user", "content": "Tell me a story"}]}
         path = "/v1/chat/completions"
     else:
-        body = {"prompt": "Once upon a time"}
+        body = {"prompt": "Once upon a time", "echo": kind == "echo"}
         path = "/v1/completions"
     # long enough that the serving pod is still generating when it is killed
     body |= {"max_tokens": 300, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
