@@ -45,7 +45,7 @@ from kvmesh.engine.model.lora import (
 )
 from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND
-from kvmesh.engine.protocol import HOST_TIER_DIR, HashAlgo, KVConfig, KVEvent
+from kvmesh.engine.protocol import HOST_TIER_DIR, HashAlgo, KVConfig, KVEvent, sendable_length
 from kvmesh.engine.request import Request, RequestOutput, Status
 from kvmesh.engine.runner import ModelRunner, StepInput
 from kvmesh.engine.sampling import SampleResult, prompt_vocabulary, sample, token_logprobs
@@ -643,9 +643,9 @@ class Engine:
                 request.extra = dataclasses.replace(request.extra, lora_fingerprint=adapter.fingerprint)
             try:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
-                if request.output_ids:
+                if request.output_ids:  # the client has their text, but for a tail a stop string may still take
                     request.text = request.detokenizer.step(request.output_ids)
-                    request.emitted_text = request.text
+                    request.emitted_text = request.text[: sendable_length(request.text, 0, request.params.stop)]
                 if request.guide is not None and request.guide.finished:  # resumed after its complete output
                     self._finish(request, "stop")  # as the first pod ended it, without a step for an EOS
                     continue
@@ -934,7 +934,7 @@ class Engine:
                 r.text += r.detokenizer.flush()  # a half character no later token will complete
                 sendable = len(r.text)
             else:
-                sendable = _safe_prefix_length(r.text, len(r.emitted_text), p.stop)
+                sendable = sendable_length(r.text, len(r.emitted_text), p.stop)
         delta = r.text[len(r.emitted_text) : sendable]
         r.emitted_text += delta
         if finish is None:
@@ -1132,14 +1132,3 @@ def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
 
 def _one(value):
     return None if value is None else [value]
-
-
-def _safe_prefix_length(text: str, start: int, stops: list[str]) -> int:
-    """How much of `text` can be sent: hold back a tail that could still grow into a stop string."""
-    keep = len(text)
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text) - start), 0, -1):
-            if text.endswith(stop[:k]):
-                keep = min(keep, len(text) - k)
-                break
-    return keep

@@ -257,6 +257,11 @@ _GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
                  "guided_grammar": "grammar"}  # vLLM's older top-level fields, which many clients still send
 
 
+def stop_strings(value: str | list[str] | None) -> list[str]:
+    """A request's `stop` as a list (OpenAI takes one string or several)."""
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 def _own_template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs may add variables but not replace those the engine gives the template."""
     if taken := sorted(TEMPLATE_OWN_VARIABLES & set(value or {})):
@@ -325,7 +330,7 @@ class _Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
+        stops = stop_strings(value)
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(s == "" for s in stops):

@@ -33,6 +33,22 @@ RESUME_OUTPUT_IDS_FIELD = "resume_output_ids"
 # mid-stream knows exactly which tokens the client has and resumes with resume_output_ids
 RETURN_TOKEN_IDS_FIELD = "return_token_ids"
 
+
+
+def sendable_length(text: str, start: int, stops: Sequence[str]) -> int:
+    """How much of an output's `text` a pod sends: all but a tail (after `start`, what was sent already) that could
+    still grow into a stop string. A pod resuming after `resume_output_ids` takes the client to have their text up
+    to here (from 0), so it sends a held-back tail itself, or drops it when the stop string completes; a router
+    that sends a first token's text (a disaggregated request) sends the same much."""
+    keep = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text) - start), 0, -1):
+            if text.endswith(stop[:k]):
+                keep = min(keep, len(text) - k)
+                break
+    return keep
+
+
 POOL_LABEL = "kvmesh.io/pool"
 ROLE_LABEL = "kvmesh.io/role"
 Role = Literal["prefill", "decode", "both", "router"]

@@ -43,6 +43,7 @@ from kvmesh.engine.openai_types import (
     error_body,
     http_error_handler,
     read_json,
+    stop_strings,
     validation_param,
     validation_problems,
 )
@@ -70,6 +71,7 @@ from kvmesh.engine.protocol import (
     RouterMetric,
     block_hashes,
     parse_priority,
+    sendable_length,
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
@@ -363,7 +365,6 @@ class Relay:
     strip_ids: bool  # the client did not ask for token ids: the router asked for them, so it removes them
     migratable: bool
     sent_ids: list[int] = field(default_factory=list)  # output tokens the client has, in this request
-    sent_text: str = ""
     stream_id: str | None = None
     chat: bool = False
     strip_role: bool = False  # the client already has the assistant role (a prefill hop or another pod sent it)
@@ -392,12 +393,9 @@ class Relay:
             self.sent_ids.extend(ids)
             delta = choice.get("delta")
             if delta is not None:
-                self.sent_text += delta.get("content") or ""
                 if self.strip_role:
                     delta.pop("role", None)
                 self.role_sent = self.role_sent or "role" in delta
-            else:
-                self.sent_text += choice.get("text") or ""
             if choice.get("finish_reason"):
                 self.finished_choices.add(choice.get("index", 0))
         if chunk.get("usage") and self.prefill_usage:
@@ -412,14 +410,7 @@ class Relay:
     def resume_ids(self) -> list[int]:
         return list(self.upstream.get(RESUME_OUTPUT_IDS_FIELD) or []) + self.sent_ids
 
-    def held_back_text(self, tokenizer: Tokenizer) -> str:
-        """Text of tokens the client has but whose text the lost pod still held back (a possible stop string,
-        half a character): the next pod starts after them, so the router sends it."""
-        full = tokenizer.decode(self.sent_ids).rstrip("\ufffd")
-        return full[len(self.sent_text):] if full.startswith(self.sent_text) else ""
-
     def text_chunk(self, text: str) -> dict[str, Any]:
-        self.sent_text += text
         choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
         if self.chat:
             choice["delta"] = {"content": text}
@@ -1100,6 +1091,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         await router.upstream.close()
         if router.log is not None:
             router.log.close()
+            router.log.log.close()  # the router made the RequestLog: its engine goes too (SQLite checkpoints the WAL)
         if router.batches is not None:
             router.batches.close()
         responses.close()
@@ -1386,6 +1378,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             choice = first["choices"][0]
             ids = choice.pop("token_ids")
             text = choice["message"]["content"] if "message" in choice else choice["text"]
+            # the decode pod sends a tail of it that may yet grow into a stop string, or drops it (contract 0)
+            opening_text = text[: sendable_length(text, 0, stop_strings(raw.get("stop")))]
         except (ValueError, LookupError, TypeError):  # not an answer this router can continue
             logging.getLogger("kvmesh.router").warning(
                 "the prefill pod %s sent an answer that is not a completion; serving the request whole",
@@ -1433,7 +1427,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             state = Relay(booking, resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
                           sent_ids=[token], stream_id=first["id"], strip_role=True, role_sent=True,
                           prefill_usage=first["usage"], chat="message" in choice, client_usage=wants_usage(raw))
-            opening = state.text_chunk(text)
+            opening = state.text_chunk(opening_text)
             if state.chat:
                 opening["choices"][0]["delta"]["role"] = "assistant"
             if client_ids:
@@ -1447,9 +1441,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             return Response(content, status_code=status, media_type="application/json", headers=decided)
         merged = rest["choices"][0]
         if "message" in merged:
-            merged["message"]["content"] = text + (merged["message"]["content"] or "")
+            merged["message"]["content"] = opening_text + (merged["message"]["content"] or "")
         else:
-            merged["text"] = text + merged["text"]
+            merged["text"] = opening_text + merged["text"]
         if client_ids:
             merged["token_ids"] = [token, *merged.get("token_ids", [])]
         rest["usage"] = merge_usage(first["usage"], rest["usage"])
@@ -1519,9 +1513,6 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 if opened is None:
                     break
                 state.booking, _, _ = opened
-                missing = state.held_back_text(router.tokenizer)
-                if missing:
-                    yield "data: " + json.dumps(state.text_chunk(missing)) + "\n\n"
                 state.strip_role = state.role_sent
             if not state.done:
                 outcome = "error"

@@ -471,6 +471,32 @@ def test_prompt_logprobs_are_the_models_over_chunks_a_cached_prefix_and_a_preemp
     tight.kv.check_invariants()
 
 
+@pytest.mark.parametrize("completes", [False, True])
+def test_a_resumed_request_sends_or_drops_the_tail_a_stop_string_may_take(tiny_engine: Engine,
+                                                                         completes: bool) -> None:
+    """A pod holds back the tail of its text that may grow into a stop string; the client of a stream that moves to
+    another pod (resume_output_ids) has the text up to there. The pod going on sends that tail when the stop string
+    does not come, and drops it when it does: the client reads what one pod alone would have sent."""
+    ids = prompt(21, 12)
+    [free] = generate(tiny_engine, [ids], max_tokens=10)
+    decode = tiny_engine.tokenizer.decode
+    before, after = decode(free.tokens[:6]), decode(free.tokens[:7])
+    assert after.startswith(before) and len(after) > len(before) and "\ufffd" not in after  # whole characters
+    stop = before[-2:] + (after[len(before)] if completes else "\x00")  # begins in token 6's text
+    assert decode(free.tokens).find(stop) == (len(before) - 2 if completes else -1)
+    params = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}
+    [alone] = generate(tiny_engine, [ids], **params)
+    client = before[: len(before) - 2]  # what the first pod had sent after 6 tokens
+    outputs: list[RequestOutput] = []
+    tiny_engine.submit(Request("resumed-stop", list(ids), SamplingParams(**params), on_output=outputs.append,
+                               output_ids=free.tokens[:6]))  # type: ignore[arg-type]
+    tiny_engine.run_until_idle()
+    whole = "".join(o.new_text for o in alone.outputs)
+    assert client + "".join(o.new_text for o in outputs) == whole
+    assert whole == (client if completes else decode(free.tokens))
+    assert outputs[-1].finish_reason == alone.final.finish_reason == ("stop" if completes else "length")
+
+
 def test_a_requests_token_slice_is_that_of_its_whole_token_list() -> None:
     """A step reads the tokens it computes by slice (one for a decode) without joining prompt and output."""
     request = Request("r", [1, 2, 3, 4], SamplingParams())
