@@ -5,7 +5,8 @@ waiting for its new pods is still Ready (reason Scaling); only a role with no re
 Progressing is True while a Deployment rolls out a new template or waits for pods, read from the Deployment's own
 status (updatedReplicas, observedGeneration), so a rollout whose new pods never become ready is not reported
 Stable because the old ones still serve. A Deployment past its progressDeadlineSeconds is a stuck rollout: the
-pool is Degraded/RolloutStuck, naming it.
+pool is Degraded/RolloutStuck, naming it. After a change of mode, while the previous mode's roles are kept serving
+until the new ones can (desired.retained_roles), the pool is Ready and Progressing with reason SwitchingMode.
 """
 
 from __future__ import annotations
@@ -48,18 +49,30 @@ def stuck(deployment: Mapping[str, Any]) -> bool:
                for c in _status(deployment).get("conditions") or [])
 
 
+def switching(roles: tuple[str, ...], kept: tuple[str, ...]) -> str:
+    """What a change of mode waits for, in the words of the Progressing condition and the SwitchingMode Event."""
+    return (f"switching mode: the previous {' and '.join(kept)} pods serve until {' and '.join(roles)} "
+            f"{'each have' if len(roles) > 1 else 'has'} a ready pod, then they are deleted")
+
+
 def pool_conditions(roles: tuple[str, ...], replicas: Mapping[str, int],
-                    deployments: Mapping[str, Mapping[str, Any]]) -> list[Condition]:
+                    deployments: Mapping[str, Mapping[str, Any]], kept: tuple[str, ...] = ()) -> list[Condition]:
     """Ready and Progressing, and Degraded when a rollout is stuck (None of it otherwise: the reconcile owns
-    Degraded). `deployments` by role, the router's under "router"; `replicas` the engines' decided counts."""
-    ready = ready_replicas(deployments, (*roles, "router"))
-    summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in roles) + f", router {ready['router']}"
-    serving = all(ready[r] >= 1 for r in roles if replicas[r] > 0) and ready["router"] >= 1
+    Degraded). `deployments` by role, the router's under "router"; `replicas` the engines' decided counts; `kept`
+    the previous mode's roles still serving after a change of mode (desired.retained_roles: some has a ready pod)."""
+    ready = ready_replicas(deployments, (*roles, *kept, "router"))
+    summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in roles) + "".join(
+        f", previous {r} {ready[r]}" for r in kept) + f", router {ready['router']}"
+    own = all(ready[r] >= 1 for r in roles if replicas[r] > 0)
+    serving = (own or bool(kept)) and ready["router"] >= 1
     all_ready = serving and all(ready[r] >= replicas[r] for r in roles)
-    reason = "PodsReady" if all_ready else "Scaling" if serving else "PodsNotReady"
+    reason = ("PodsNotReady" if not serving else "SwitchingMode" if kept else "PodsReady" if all_ready
+              else "Scaling")
     out = [Condition("Ready", serving, reason, summary)]
     moving = sorted(r for r, d in deployments.items() if rolling(d))
-    if moving:
+    if kept:
+        out.append(Condition("Progressing", True, "SwitchingMode", f"{switching(roles, kept)}; {summary}"))
+    elif moving:
         out.append(Condition("Progressing", True, "RollingOut", f"rolling out {', '.join(moving)}; {summary}"))
     elif not all_ready:
         out.append(Condition("Progressing", True, "WaitingForPods", summary))

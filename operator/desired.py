@@ -24,6 +24,7 @@ import yaml
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
+from kvmesh.operator.conditions import ready_replicas
 from kvmesh.operator.crd import (
     ADAPTERS_DIR,
     API_KEYS_FILE,
@@ -39,13 +40,14 @@ from kvmesh.operator.crd import (
     setting_names,
 )
 from kvmesh.operator.lora import declared_adapters
-from kvmesh.operator.scaling import serving_floor
+from kvmesh.operator.scaling import SCALED_ROLES, serving_floor
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, RouterConfig
 
 COMPONENT_LABEL = "app.kubernetes.io/component"  # engine or router: what the engines' Service selects on
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"  # on pod templates: a changed configuration rolls the pods
 LORA_MODULES = "lora_modules"  # the engine setting of the pool's adapters, which the operator keeps loaded live
+GRACE_SETTING = "warmup_grace_seconds"  # the engine setting of the warm-up gate's grace (`warmup_grace_seconds`)
 CONFIG_DIR = "/etc/kvmesh"
 MODELS_DIR = "/models"
 CACHE_DIR = "/var/cache/kvmesh"  # where a .gguf model is converted at start (the image's own cache is read-only)
@@ -209,7 +211,10 @@ def ext_proc_tls(pool: Pool) -> bool:
 
 
 def config_files(pool: Pool) -> dict[str, str]:
-    return {"engine.yaml": yaml.safe_dump({"engine": engine_settings(pool)}, sort_keys=True),
+    """The ConfigMap's files. The engines' file also holds the warm-up grace (`warmup_grace_seconds`): only pods
+    starting read it, so it is left out of the pods' hash (`config_hash` hashes `engine_settings`)."""
+    engine = {**engine_settings(pool), GRACE_SETTING: warmup_grace_seconds(pool)}
+    return {"engine.yaml": yaml.safe_dump({"engine": engine}, sort_keys=True),
             "router.yaml": yaml.safe_dump({"router": router_settings(pool)}, sort_keys=True)}
 
 
@@ -330,9 +335,10 @@ def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool
 
 def warmup_grace_seconds(pool: Pool) -> float:
     """How long a new engine pod stays unready waiting for its warm-up (0: no gate): the spec's grace while
-    warm-up is on. The engines get it as a flag, not in the ConfigMap's file: a local pool (`kvmesh up -f`)
-    reads the same settings, and its first engines have no peer to be warmed from; it gives the grace only to
-    the engines its scaler adds (and warms them)."""
+    warm-up is on. In the ConfigMap's file (`config_files`), not in `engine_settings`: a local pool (`kvmesh up
+    -f`) reads those, and its first engines have no peer to be warmed from; it gives the grace only to the
+    engines its scaler adds (and warms them). Not in the pod template either: an engine reads it only as it
+    starts, so a changed grace must not roll the running engines; the pods started later read the new file."""
     scaling = pool.spec["scaling"]
     return float(scaling["warmupGraceSeconds"]) if scaling["warmupPrefixes"] > 0 else 0.0
 
@@ -353,8 +359,7 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
     container = {
         "name": "engine",
         "image": spec["image"],
-        "command": ["kvmesh", "serve", "--config", f"{CONFIG_DIR}/engine.yaml",
-                    "--warmup-grace-seconds", f"{warmup_grace_seconds(pool):g}", "--role", role],
+        "command": ["kvmesh", "serve", "--config", f"{CONFIG_DIR}/engine.yaml", "--role", role],
         "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
         "env": _env(pool) + _pool_env(pool, "engine"),
         "resources": copy.deepcopy(spec["resources"]),
@@ -528,6 +533,44 @@ def desired_objects(pool: Pool, replicas: Mapping[str, int] | None = None) -> li
     if pool.spec["gatewayInferencePool"]["enabled"]:
         objects.append(gateway_pool(pool))
     return objects
+
+
+# ---- a change of mode: make before break -------------------------------------------------------------------------
+
+# The kinds of a role's own objects, all named after the role's Deployment: what a previous mode's role keeps
+ROLE_KINDS = ("Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+
+
+def previous_roles(pool: Pool, deployments: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+    """The engine roles with a Deployment that the pool's mode does not run (`deployments` by role): left by a
+    change of mode."""
+    return tuple(r for r in SCALED_ROLES if r not in pool.roles and r in deployments)
+
+
+def mode_serves(pool: Pool, deployments: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether every engine role of the pool's mode can serve: its Deployment has a ready pod, or is held at 0
+    replicas (a pool scaled to zero wakes through its routers, as any pool at 0)."""
+    ready = ready_replicas(deployments, pool.roles)
+    return all(r in deployments and (ready[r] >= 1 or (deployments[r].get("spec") or {}).get("replicas", 1) == 0)
+               for r in pool.roles)
+
+
+def retained_roles(pool: Pool, deployments: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+    """The previous mode's roles whose objects are kept after a change of mode, so the pool never stops serving
+    while the new roles' pods load the model: all of them while the new roles cannot serve yet and one of them
+    has a ready pod; none once the new roles serve, or when the old ones serve nobody either. A pure function of
+    the spec and the Deployments' observed status, evaluated at each reconcile and scaling tick, so the switch
+    completes without a further edit, and a restarted operator carries it on from what it sees."""
+    previous = previous_roles(pool, deployments)
+    if mode_serves(pool, deployments) or not any(ready_replicas(deployments, previous).values()):
+        return ()
+    return previous
+
+
+def retained_objects(pool: Pool, roles: tuple[str, ...]) -> set[tuple[str, str]]:
+    """(kind, name) of the retained roles' objects (`retained_roles`): their Deployment and what goes with it (its
+    budget, its HPA in `scaling.mode: hpa`), left as they were."""
+    return {(kind, engine_name(pool, role)) for role in roles for kind in ROLE_KINDS}
 
 
 def patch_body(pool: Pool, obj: dict[str, Any]) -> dict[str, Any]:

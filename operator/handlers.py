@@ -33,7 +33,7 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
-from kvmesh.operator.conditions import pool_conditions, ready_replicas
+from kvmesh.operator.conditions import pool_conditions, ready_replicas, switching
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
@@ -62,24 +62,46 @@ PRUNED = (("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"),
           ("autoscaling/v2", "HorizontalPodAutoscaler"), (desired.GATEWAY_API_VERSION, "InferencePool"))
 
 
-def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> list[str]:
-    """Delete the pool's objects of the PRUNED kinds that `objects` leaves out; their "Kind/name"s."""
-    keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
+def owned(kube: Kube, pool: Pool, api_version: str, kind: str) -> list[dict[str, Any]]:
+    """The pool's objects of one kind (its label, and the pool as an owner); none when the API is not installed
+    (the Gateway extension)."""
+    try:
+        items = kube.list(api_version, PLURALS[kind], pool.namespace, f"{POOL_LABEL}={pool.name}")
+    except ApiException as exc:
+        if exc.status == HTTPStatus.NOT_FOUND:
+            return []
+        raise
+    return [i for i in items if any(ref.get("uid") == pool.uid for ref in i["metadata"].get("ownerReferences") or [])]
+
+
+def by_role(deployments: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Deployments keyed by their role label (the router's under "router")."""
+    return {d["metadata"]["labels"].get(ROLE_LABEL): d for d in deployments}
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What a prune did: the objects deleted ("Kind/name"), and the previous mode's roles it kept serving."""
+
+    deleted: list[str]
+    kept: tuple[str, ...]
+
+
+def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Pruned:
+    """Delete the pool's objects of the PRUNED kinds that `objects` leaves out, except a previous mode's roles
+    while the new ones cannot serve yet (`desired.retained_roles`, from the Deployments' status: make before
+    break)."""
+    deployments = owned(kube, pool, "apps/v1", "Deployment")
+    kept = desired.retained_roles(pool, by_role(deployments))
+    keep = {(o["kind"], o["metadata"]["name"]) for o in objects} | desired.retained_objects(pool, kept)
     deleted: list[str] = []
     for api_version, kind in PRUNED:
-        try:
-            items = kube.list(api_version, PLURALS[kind], pool.namespace, f"{POOL_LABEL}={pool.name}")
-        except ApiException as exc:
-            if exc.status == HTTPStatus.NOT_FOUND:  # the API is not installed (the Gateway extension): none to prune
-                continue
-            raise
-        for item in items:
+        for item in deployments if kind == "Deployment" else owned(kube, pool, api_version, kind):
             name = item["metadata"]["name"]
-            owners = item["metadata"].get("ownerReferences") or []
-            if (kind, name) not in keep and any(ref.get("uid") == pool.uid for ref in owners):
+            if (kind, name) not in keep:
                 kube.delete(api_version, PLURALS[kind], pool.namespace, name)
                 deleted.append(f"{kind}/{name}")
-    return deleted
+    return Pruned(deleted, kept)
 
 
 class ApplyFailed(Exception):
@@ -91,8 +113,16 @@ class ApplyFailed(Exception):
         self.reason = reason
 
 
-def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> str:
-    """Apply `objects` (create-then-patch), then prune what the spec no longer asks for; a one-line summary."""
+@dataclass(frozen=True)
+class Applied:
+    """What `apply_pool` did, for the reconcile's Event and conditions."""
+
+    summary: str  # one line: created, patched, deleted
+    kept: tuple[str, ...]  # the previous mode's roles kept serving (`prune`)
+
+
+def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Applied:
+    """Apply `objects` (create-then-patch), then prune what the spec no longer asks for."""
     done = {"created": 0, "patched": 0}
     step = "pruning objects the spec no longer asks for"
     try:
@@ -100,12 +130,14 @@ def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> str:
             step = f"applying {obj['kind']} {obj['metadata']['name']}"
             done[kube.apply(obj, desired.patch_body(pool, obj))] += 1
         step = "pruning objects the spec no longer asks for"
-        deleted = prune(kube, pool, objects)
+        pruned = prune(kube, pool, objects)
     except Exception as exc:  # an API answer, or no answer at all (the retries spent on a dead connection)
         reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
         raise ApplyFailed(f"{step} failed: {reason}",
                           "NameConflict" if isinstance(exc, NameTaken) else "ApiError") from exc
-    return f"{done['created']} created, {done['patched']} patched, {len(deleted)} deleted"
+    kept = f", {' and '.join(pruned.kept)} kept until the new mode serves" if pruned.kept else ""
+    return Applied(f"{done['created']} created, {done['patched']} patched, {len(pruned.deleted)} deleted{kept}",
+                   pruned.kept)
 
 
 def reconciled(status: Mapping[str, Any], generation: int) -> bool:
@@ -228,7 +260,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             return  # nothing to retry until the spec changes, which runs this handler again
         replicas = current_replicas(pool, status)
         try:
-            summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
+            applied = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
         except ApplyFailed as exc:
             patch.status["conditions"] = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
             kopf.event(body, type="Warning", reason=exc.reason, message=str(exc))
@@ -238,7 +270,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         state.condition(status, "RouterStateShared", shared.shared, shared.reason, shared.message, generation)
         if not shared.shared:
             kopf.event(body, type="Warning", reason=shared.reason, message=shared.message)
-        conditions = state.condition(status, "Progressing", True, "Applied", summary, generation)
+        if applied.kept:  # the scaling tick deletes them once the new roles serve
+            message = switching(pool.roles, applied.kept)
+            conditions = state.condition(status, "Progressing", True, "SwitchingMode", message, generation)
+            kopf.event(body, type="Normal", reason="SwitchingMode", message=message)
+        else:
+            conditions = state.condition(status, "Progressing", True, "Applied", applied.summary, generation)
         if not any(c["type"] == "Ready" for c in conditions):
             conditions = state.condition(status, "Ready", False, "Starting", "waiting for pods", generation)
         patch.status["conditions"] = conditions
@@ -246,7 +283,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         patch.status["routerAddress"] = desired.router_address(pool)
         patch.status["replicas"] = {r: {"desired": n, "ready": (status.get("replicas") or {}).get(r, {}).get(
             "ready", 0)} for r, n in replicas.items()}
-        kopf.event(body, type="Normal", reason="Reconciled", message=f"objects: {summary}")
+        kopf.event(body, type="Normal", reason="Reconciled", message=f"objects: {applied.summary}")
 
     # A failed tick (an API or scrape error) is logged and the next tick tries again: no backoff to wait out.
     # Each evaluation is counted by outcome, the operator's heartbeat; a spec that does not parse (one the API
@@ -284,8 +321,8 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters),
     report."""
     generation = int(body.metadata.get("generation") or 0)
-    deployments = {d["metadata"]["labels"].get(ROLE_LABEL): d for d in kube.list(
-        "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")}
+    deployments = finish_switch(kube, pool, body, by_role(kube.list(
+        "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")))
     pods = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=engine")
     scraped = observe(pods, pool.spec["engine"]["port"], scrape)
     operator_scales = pool.spec["scaling"]["mode"] == "operator"
@@ -295,7 +332,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         # deleted by hand (or a lost race with the GC): nothing else would bring it back until an edit. Not while
         # a reconcile of this generation has yet to succeed: that one is applying them (or kopf retries it)
         try:
-            summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
+            summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas)).summary
             message = f"the Deployments of {', '.join(missing)} were gone: objects applied again ({summary})"
         except ApplyFailed as exc:  # the tick goes on (scaling, status); the next one tries again
             message = f"the Deployments of {', '.join(missing)} are gone and could not be applied again: {exc}"
@@ -339,7 +376,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     kv = [d for r, d in decision.roles.items() if r in ("both", "decode")]
     usage = [m.observation.usage for m in scraped if m.observation.role in ("both", "decode")]
     summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in pool.roles)
-    found = pool_conditions(pool.roles, replicas, deployments)
+    found = pool_conditions(pool.roles, replicas, deployments, desired.retained_roles(pool, deployments))
     for c in found:
         conditions = state.condition(status, c.kind, c.value, c.reason, c.message, generation)
     if not any(c.kind == "Degraded" for c in found) and any(
@@ -355,6 +392,31 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     patch.status["lastDecision"] = {"time": now_timestamp(), "reason": "; ".join(
         f"{r}: {d.reason}" for r, d in decision.roles.items()), "replicas": dict(decision.replicas)}
     return decision
+
+
+def finish_switch(kube: Kube, pool: Pool, body: kopf.Body,
+                  deployments: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """After a change of mode, delete the previous mode's roles once they are no longer retained (the new roles
+    serve, or the old ones serve nobody), with a ModeSwitched Event: at the scaling tick, so no further edit is
+    needed. The Deployments left, by role. A failed deletion is logged, and the next tick tries again."""
+    previous = desired.previous_roles(pool, deployments)
+    if not previous or desired.retained_roles(pool, deployments):
+        return deployments
+    if int(body.metadata.get("generation") or 0) != pool.generation:
+        # the spec moved on since this tick read it (kopf runs timers beside the reconcile, and `body` is live):
+        # what it ran may be what the new spec asks for, and the reconcile of that spec prunes by it
+        return deployments
+    try:
+        pruned = prune(kube, pool, desired.desired_objects(pool))
+    except Exception as exc:  # an API answer, or none (the retries spent): the tick goes on, as with a repair
+        log.warning("pool %s/%s: deleting the previous mode's %s failed: %s", pool.namespace, pool.name,
+                    " and ".join(previous), exc)
+        return deployments
+    if pruned.deleted:
+        message = f"now {pool.mode}: the previous {' and '.join(previous)} deleted ({', '.join(pruned.deleted)})"
+        kopf.event(body, type="Normal", reason="ModeSwitched", message=message)
+        log.info("pool %s/%s %s", pool.namespace, pool.name, message)
+    return {r: d for r, d in deployments.items() if r not in previous}
 
 
 def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dict[str, Any]],

@@ -335,6 +335,23 @@ def test_with_warm_up_on_engines_stay_unready_until_warmed_and_are_never_restart
     assert "warmup_grace_seconds" not in local_engine_settings(pool())
 
 
+def test_a_changed_warm_up_grace_reaches_new_engines_through_the_config_map_and_rolls_none() -> None:
+    """An engine reads its grace only as it starts: a changed grace (or warm-up turned off) is in the file new pods
+    read, and not in the engines' pod template, whose change would restart every engine and empty its cache."""
+    def engines(p: Pool) -> tuple[dict[str, Any], float]:
+        objects = desired_objects(p)
+        engine_file = yaml.safe_load(by_kind(objects, "ConfigMap")["chat-config"]["data"]["engine.yaml"])
+        return by_kind(objects, "Deployment")["chat-both"]["spec"]["template"], engine_file["engine"][
+            "warmup_grace_seconds"]
+
+    scaling = yaml.safe_load(AGGREGATED.read_text())["spec"]["scaling"]
+    template, grace = engines(pool())
+    assert grace == 60
+    for changed, expected in ((pool(scaling={**scaling, "warmupGraceSeconds": 15}), 15),
+                              (pool(scaling={**scaling, "warmupPrefixes": 0}), 0)):
+        assert engines(changed) == (template, expected)
+
+
 def test_the_router_discovers_the_engines_through_their_service_and_may_read_endpointslices() -> None:
     """EndpointSlices inherit their Service's labels: the router's selector must match the engines' Service and
     not the router's own."""
