@@ -15,6 +15,7 @@ from kvmesh.engine.protocol import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, KV_
 
 if TYPE_CHECKING:
     from kvmesh.operator.leader import Election
+    from kvmesh.up import PoolPlan
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -219,8 +220,12 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engines", type=int, help="number of engines (default 2)")
     p.add_argument("--model", help="HF directory or .gguf (default: the bundled model)")
     p.add_argument("--port", type=int, default=8080, help="the router's port (default 8080)")
-    p.add_argument("--ready-file", help="write the endpoint here once every process is healthy")
+    p.add_argument("--ready-file",
+                   help="write the endpoint here once every process is healthy (removed when the pool stops)")
     p.add_argument("--targets-file", help="write Prometheus file_sd targets for every process here (JSON)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the work folder (the processes' logs, the router's SQLite database) after a clean stop; "
+                        "it is always kept when the pool fails")
     from kvmesh.bench.sim_engine import PROFILES
 
     p.add_argument("--sim", nargs="?", const="cpu-smollm", choices=sorted(PROFILES),
@@ -228,26 +233,52 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from kvmesh.up import PoolPlan, plan_from_file, run_pool
+    """Everything a user can get wrong is checked here, before a model is converted or a process started: one line
+    and exit status 2."""
+    from kvmesh.up import PoolPlan, plan_from_file, run_pool, startup_problem
 
+    def refuse(problem: str) -> int:
+        print(f"kvmesh up: {problem}", file=sys.stderr)
+        return 2
+
+    if not 1 <= args.port <= 65535:
+        return refuse(f"--port {args.port}: a port is a number from 1 to 65535")
     try:
         plan = plan_from_file(args.file) if args.file else PoolPlan()
     except (OSError, ValueError) as exc:
-        print(f"kvmesh up: {exc}", file=sys.stderr)
-        return 2
+        return refuse(str(exc))
     if args.engines is not None:
-        if args.engines < 1:
-            print("kvmesh up: --engines must be at least 1", file=sys.stderr)
-            return 2
+        if problem := _engines_problem(plan, args.engines, args.file):
+            return refuse(problem)
         plan.engines = args.engines
     if args.model:
         plan.model = args.model
     if args.sim:
         if plan.model:
-            print("kvmesh up: simulated engines use the bundled tokenizer; give no model with --sim", file=sys.stderr)
-            return 2
+            return refuse("simulated engines use the bundled tokenizer; give no model with --sim")
         plan.sim = args.sim
-    return run_pool(plan, args.port, args.ready_file, args.targets_file)
+    if problem := startup_problem(plan, args.port, args.ready_file, args.targets_file):
+        return refuse(problem)
+    return run_pool(plan, args.port, args.ready_file, args.targets_file, keep_logs=args.keep_logs)
+
+
+def _engines_problem(plan: PoolPlan, engines: int, file: str | None) -> str | None:
+    """Why `--engines` cannot set this pool's engines, or None. A disaggregated pool's engines are its roles'
+    replicas (prefill and decode), which one number cannot say; a pool file's number must lie within its replicas,
+    or its scaler would at once scale the pool back inside them."""
+    if engines < 1:
+        return "--engines must be at least 1"
+    pool = plan.pool
+    if pool is None:
+        return None
+    if pool.mode == "disaggregated":
+        return (f"--engines does not apply to a disaggregated pool ({file} runs prefill and decode engines): edit "
+                f"spec.replicas in the file instead")
+    low, high = pool.bounds("both")
+    if not max(low, 1) <= engines <= high:
+        return (f"--engines {engines} is outside {file}'s replicas ({low}..{high}): give a number within them, or "
+                f"edit spec.replicas")
+    return None
 
 
 def _operator_parser(sub: argparse._SubParsersAction) -> None:
@@ -326,44 +357,84 @@ def _operator(args: argparse.Namespace) -> int:
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="send one chat message to an OpenAI-compatible endpoint and print the answer")
     p.add_argument("message")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint's base URL")
+    p.add_argument("--url", default="http://127.0.0.1:8080",
+                   help="the endpoint's base URL, with or without /v1 (default: kvmesh up's router; an engine "
+                        "of its own listens on :8000)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds to wait for the endpoint to become healthy and answer (a 503 is asked again)")
 
 
+CHAT_QUIET_SECONDS = 3.0  # `kvmesh chat` waits this long for /health before it says what it waits for
+
+
+def _chat_base_url(url: str) -> str | None:
+    """The server's base URL from what the user gave: the OpenAI base URL (`.../v1`, what `kvmesh up` prints and
+    clients are configured with) as well as the server's; None without an http(s) scheme, which no retry fixes."""
+    if not url.startswith(("http://", "https://")):
+        return None
+    return url.rstrip("/").removesuffix("/v1")
+
+
 def _chat(args: argparse.Namespace) -> int:
+    """Wait for the endpoint (a pool may still be starting: connection refused and 503 are asked again, and said
+    after a few seconds), ask once, print the answer. What no wait fixes fails at once: no scheme, a server that
+    has no /health (404: not a kvmesh endpoint, or a wrong path); what breaks during the question is one line."""
     import time
 
     import httpx
 
-    deadline = time.monotonic() + args.wait
-    with httpx.Client(base_url=args.url, timeout=300) as client:
+    def fail(problem: str, code: int = 1) -> int:
+        print(f"kvmesh chat: {problem}", file=sys.stderr)
+        return code
+
+    base = _chat_base_url(args.url)
+    if base is None:
+        return fail(f"--url {args.url}: give the scheme too, e.g. http://{args.url}", 2)
+    started = time.monotonic()
+    deadline, said = started + args.wait, False
+    with httpx.Client(base_url=base, timeout=300) as client:
         while True:
             try:
-                if client.get("/health").status_code == 200:
-                    break
+                status = client.get("/health", timeout=10).status_code
+            except httpx.UnsupportedProtocol as exc:
+                return fail(f"--url {args.url}: {exc}", 2)
             except httpx.TransportError:
-                pass
+                status = None
+            if status == 200:
+                break
+            if status == 404:
+                return fail(f"{base}/health answered 404: is {args.url} a kvmesh router or engine?")
             if time.monotonic() > deadline:
-                print(f"kvmesh chat: {args.url} did not become healthy in {args.wait:.0f} s", file=sys.stderr)
-                return 1
+                return fail(f"{base} did not become healthy in {args.wait:.0f} s")
+            if not said and time.monotonic() - started >= CHAT_QUIET_SECONDS:
+                why = "it does not answer" if status is None else f"/health answers {status}"
+                print(f"kvmesh chat: waiting for {base} to become healthy ({why}; up to {args.wait:.0f} s) ...",
+                      file=sys.stderr, flush=True)
+                said = True
             time.sleep(0.5)
         body = {"messages": [{"role": "user", "content": args.message}], "max_tokens": args.max_tokens,
                 "temperature": 0}
-        reply = client.post("/v1/chat/completions", json=body)
-        # another router replica may not see an engine yet (or its pool is starting from zero): ask again
-        while reply.status_code == 503 and time.monotonic() < deadline:
-            time.sleep(1.0)
+        try:
             reply = client.post("/v1/chat/completions", json=body)
+            # another router replica may not see an engine yet (or its pool is starting from zero): ask again
+            while reply.status_code == 503 and time.monotonic() < deadline:
+                time.sleep(1.0)
+                reply = client.post("/v1/chat/completions", json=body)
+        except httpx.TransportError as exc:  # the connection broke, or no answer within the timeout
+            return fail(f"{base} did not answer the question: {exc or type(exc).__name__}")
         if reply.status_code != 200:
-            print(f"kvmesh chat: HTTP {reply.status_code}: {reply.text}", file=sys.stderr)
-            return 1
-        answer = reply.json()
-        print(answer["choices"][0]["message"]["content"])
-        usage = answer["usage"]
-        print(f"[{usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} completion tokens, "
-              f"{usage['prompt_tokens_details']['cached_tokens']} cached]", file=sys.stderr)
+            return fail(f"HTTP {reply.status_code}: {reply.text}")
+        try:
+            answer = reply.json()
+            content = answer["choices"][0]["message"]["content"]
+            usage = answer["usage"]
+            counts = (f"[{usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} completion tokens, "
+                      f"{(usage.get('prompt_tokens_details') or {}).get('cached_tokens', 0)} cached]")
+        except (ValueError, LookupError, TypeError):
+            return fail(f"the answer is not a chat completion: {reply.text[:200]!r}")
+        print(content)
+        print(counts, file=sys.stderr)
     return 0
 
 

@@ -60,15 +60,22 @@ def tail(log: Path, lines: int = 20) -> str:
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 120.0,
                  log: Path | None = None) -> None:
     """Return once `url`/health answers 200. Raise RuntimeError if `proc` exits first, TimeoutError after
-    `timeout` s; either with the tail of `log`, when given, so the failure says why."""
+    `timeout` s; either with the tail of `log`, when given, so the failure says why. A 200 counts only while `proc`
+    still runs: a child that failed to bind its port (another server holds it) is not the one answering."""
     import httpx  # here: `kvmesh --help` imports the benchmarks, which import this module
+
+    def exited() -> RuntimeError:
+        assert proc is not None
+        return RuntimeError(f"{url} exited with {proc.returncode}{_tail_of(log)}")
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}{_tail_of(log)}")
+            raise exited()
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if proc is not None and proc.poll() is not None:
+                    raise exited()
                 return
         except httpx.TransportError:
             pass
@@ -104,10 +111,15 @@ def wait_or_kill(procs: Iterable[subprocess.Popen[bytes]], timeout: float) -> No
 
 def write_atomically(path: Path, text: str) -> None:
     """Replace `path` with `text` in one step (a new file renamed over it), so a process reading the file (a
-    router's pods file, Prometheus' targets file, an engine starting from its config) never reads half of it."""
+    router's pods file, Prometheus' targets file, an engine starting from its config, a script waiting for a ready
+    file) never reads half of it. The temporary file is removed if the write fails (a full disk)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomically(path: Path, data: object) -> None:

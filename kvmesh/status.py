@@ -7,16 +7,21 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.engine.protocol import STARTING_POD_STATES, TIERS
 from kvmesh.router.pool_status import POOL_STATUS_PATH
+
+if TYPE_CHECKING:
+    import httpx
 
 _COLUMNS = ("POD", "STATE", "ROLE", "RUN", "WAIT", "SENT", "KV", "P90", "P(OVER)", f"INDEXED {'/'.join(TIERS)}", "LAG",
             "AGE")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the router's view once (1 if it cannot be had), or every `--watch` seconds until Ctrl-C: then a poll
+    that fails (the router restarting, a pool still starting) is said and the next one tried, as `watch` would."""
     import httpx
 
     if args.watch is not None and args.watch <= 0:
@@ -25,23 +30,37 @@ def run(args: argparse.Namespace) -> int:
     with httpx.Client(base_url=args.url, timeout=10) as client:
         try:
             while True:
-                try:
-                    reply = client.get(POOL_STATUS_PATH)
-                except httpx.TransportError as exc:
-                    print(f"kvmesh status: {args.url} did not answer: {exc}", file=sys.stderr)
-                    return 1
-                if reply.status_code != 200:
-                    print(f"kvmesh status: {args.url}{POOL_STATUS_PATH} answered HTTP {reply.status_code} (is it a "
-                          f"kvmesh router?): {reply.text[:200]}", file=sys.stderr)
-                    return 1
-                doc = reply.json()
-                print(json.dumps(doc, indent=2) if args.json else render(doc), flush=True)
+                doc, problem = _poll(client, args.url)
+                if doc is not None:
+                    print(json.dumps(doc, indent=2) if args.json else render(doc), flush=True)
+                else:
+                    print(f"kvmesh status: {problem}", file=sys.stderr, flush=True)
                 if args.watch is None:
-                    return 0
+                    return 0 if doc is not None else 1
                 time.sleep(args.watch)
                 print()
         except KeyboardInterrupt:
             return 0
+
+
+def _poll(client: httpx.Client, url: str) -> tuple[dict[str, Any] | None, str]:
+    """The router's pool document, or None and why not (no answer, not a 200, not JSON)."""
+    import httpx
+
+    try:
+        reply = client.get(POOL_STATUS_PATH)
+    except httpx.TransportError as exc:
+        return None, f"{url} did not answer: {exc or type(exc).__name__}"
+    if reply.status_code != 200:
+        return None, (f"{url}{POOL_STATUS_PATH} answered HTTP {reply.status_code} (is it a kvmesh router?): "
+                      f"{reply.text[:200]}")
+    try:
+        doc = reply.json()
+    except ValueError:
+        return None, f"{url}{POOL_STATUS_PATH} answered something that is not JSON: {reply.text[:200]!r}"
+    if not isinstance(doc, dict):
+        return None, f"{url}{POOL_STATUS_PATH} answered JSON that is no pool document: {reply.text[:200]!r}"
+    return doc, ""
 
 
 def render(doc: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ running on its last good spec (`PoolFile`)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,12 +32,11 @@ import yaml
 from prometheus_client import start_http_server
 
 from kvmesh.engine.model.loader import resolve_model_dir
-from kvmesh.engine.protocol import DRAIN_PATH
+from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR
 from kvmesh.processes import (
     free_port,
     spawn,
     tail,
-    wait_healthy,
     wait_or_kill,
     write_atomically,
     write_json_atomically,
@@ -54,6 +54,18 @@ HEALTH_TIMEOUT_SECONDS = 600.0
 CLOCK_RATE_ENV = "KVMESH_UP_CLOCK_RATE"
 LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
 LOCAL_DATABASE = "pool.db"  # in the pool's work folder: the router's SQLite database when the pool names none
+INTERRUPTED = 130  # the exit status of a Ctrl-C before the pool started: 128 + SIGINT, as a shell reports it
+# An engine's KV tier files (`LocalEngines.tier_paths`): the disk tier's folder (the engine's own default folder;
+# not the work folder, which is often in a memory-backed /tmp); the host tier's is HOST_TIER_DIR, shared memory.
+DISK_TIER_DIR = Path.home() / ".cache" / "kvmesh"
+# Liveness (`LocalEngines._check_liveness`), as the kubelet's probe (every 10 s, 3 failures): a serving engine's
+# /health is asked every LIVENESS_PERIOD_SECONDS (within LIVENESS_PROBE_TIMEOUT_SECONDS); one that has answered
+# before and then not for LIVENESS_SECONDS (a hung process: stopped, deadlocked, swapping to death) is killed and
+# restarted by the crash back-off. Any HTTP answer counts (a draining or warming engine answers 503: it is alive).
+LIVENESS_PERIOD_SECONDS = 2.0
+LIVENESS_PROBE_TIMEOUT_SECONDS = 1.0
+LIVENESS_SECONDS = 30.0
+LIVENESS_ENV = "KVMESH_UP_LIVENESS_SECONDS"  # test-only: LIVENESS_SECONDS instead, so a hung engine goes in seconds
 
 
 @dataclass
@@ -229,14 +241,29 @@ def _spawn(name: str, args: list[str], port: int, workdir: Path) -> Child:
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
-    """Wait until every child answers /health 200; the first child found dead instead, if one died. Raises
-    TimeoutError after `timeout` s in all."""
+    """Wait until every child answers /health 200; the first child found dead instead, if one died. All are
+    watched at once: a router that exits at start (a model without a tokenizer) is seen while the engines still
+    load, not once they are up. A 200 counts only from a child still running after it (whatever answers on the
+    port of one that died is not it). Raises TimeoutError after `timeout` s in all."""
     deadline = time.monotonic() + timeout
-    for child in children:
-        try:
-            wait_healthy(child.url, child.process, max(0.0, deadline - time.monotonic()))
-        except RuntimeError:  # it exited before answering
-            return child
+    waiting = list(children)
+    with httpx.Client(timeout=2.0) as client:
+        while waiting:
+            for child in list(waiting):
+                if child.process.poll() is not None:
+                    return child
+                try:
+                    healthy = client.get(child.url + "/health").status_code == 200
+                except httpx.TransportError:
+                    healthy = False
+                if healthy:
+                    if child.process.poll() is not None:
+                        return child
+                    waiting.remove(child)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(child.name for child in waiting)
+                raise TimeoutError(f"{names} did not answer /health within {timeout:.0f} s")
+            time.sleep(0.1)
     return None
 
 
@@ -266,6 +293,8 @@ class Engine:
     deadline: float = 0.0  # draining: stop it by then anyway; stopping: SIGKILL by then
     generation: int = 0  # the engine files' version it started from (`LocalEngines.generation`)
     replaces: str | None = None  # rolled in for this engine (a surge: not counted in the replicas until it is routed)
+    answered: float | None = None  # when /health last answered (liveness); None: not since it (re)started
+    probed: float = 0.0  # when /health was last asked (liveness)
 
 
 class LocalEngines:
@@ -295,17 +324,46 @@ class LocalEngines:
         self.router_changes: set[str] = set()  # the settings the router restarts for, once the engines are rolled
         self.router_starting = False  # a restarted router not answering /health yet
         self.old_routers: list[tuple[Child, float]] = []  # restarted ones finishing their streams, SIGKILL by then
+        self.liveness_seconds = float(os.environ.get(LIVENESS_ENV) or LIVENESS_SECONDS)
+        self.ready = False  # the pool served: a stop before that keeps the logs (why did it not start?)
 
     def start(self, role: str, initial: bool = False) -> Engine:
         port = free_port()
+        name = f"engine-{self._started}"
         flags = ["--role", role] if self.plan.roles else []
         args = self.engine_args if initial else self.scaled_args
-        child = _spawn(f"engine-{self._started}", [*args, "--port", str(port), *flags, "--log-level", "warning"],
+        child = _spawn(name, [*args, "--port", str(port), *flags, *self._tier_flags(name), "--log-level", "warning"],
                        port, self.workdir)
         self._started += 1
         engine = Engine(child, role, generation=self.generation)
         self.engines.append(engine)
         return engine
+
+    def tier_paths(self, name: str) -> tuple[Path, Path]:
+        """Engine `name`'s host and disk KV tier files: named by this pool run (its work folder's unique name) and
+        the engine, not by its port as an engine names them by default, so a crashed engine restarted with the same
+        command line finds its tiers again, no other run's engine ever opens them, and `remove_tier_files` finds
+        them all when the pool stops."""
+        prefix = f"{self.workdir.name}-{name}"
+        return Path(HOST_TIER_DIR) / f"{prefix}-host.kv", DISK_TIER_DIR / f"{prefix}-disk.kv"
+
+    def _tier_flags(self, name: str) -> list[str]:
+        """The `kvmesh serve` flags naming engine `name`'s tier files (`tier_paths`); none for simulated engines
+        (no tiers), nor for a path the pool's engine settings name themselves."""
+        if self.plan.sim:
+            return []
+        host, disk = self.tier_paths(name)
+        settings = self.plan.engine
+        return ([] if settings.get("kv_host_path") else ["--kv-host-path", str(host)]) + (
+            [] if settings.get("kv_disk_path") else ["--kv-disk-path", str(disk)])
+
+    def remove_tier_files(self, name: str | None = None) -> None:
+        """Delete engine `name`'s tier files (every engine's of this run if None), once it has exited: a cache
+        nobody will open again, which would otherwise fill /dev/shm and ~/.cache run after run."""
+        pattern = f"{self.workdir.name}-{name or '*'}-*.kv"
+        for folder in (Path(HOST_TIER_DIR), DISK_TIER_DIR):
+            for path in folder.glob(pattern):
+                path.unlink(missing_ok=True)
 
     def start_router(self, args: list[str], port: int) -> None:
         self.router_args = args
@@ -396,7 +454,7 @@ class LocalEngines:
         changed = self._restart_crashed(now)
         for engine in list(self.engines):
             if engine.state == STARTING and _answers(client, "GET", engine.child.url + "/health"):
-                engine.state, changed = SERVING, True
+                engine.state, changed, engine.answered = SERVING, True, now
                 restarts = engine.child.backoff.restarts
                 _say(f"{engine.child.name} serving{f' (restarts: {restarts})' if restarts else ''}")
             elif engine.state == DRAINING:
@@ -406,9 +464,11 @@ class LocalEngines:
             elif engine.state == STOPPING:
                 if engine.child.process.poll() is not None:
                     self.engines.remove(engine)
+                    self.remove_tier_files(engine.child.name)  # it left the pool: its caches go with it
                     print(f"kvmesh up: {engine.child.name} stopped", file=sys.stderr, flush=True)
                 elif now > engine.deadline:
                     engine.child.process.kill()
+        self._check_liveness(client, now)
         if changed:
             self.publish()
         self._roll(client)
@@ -420,6 +480,25 @@ class LocalEngines:
                 _say(f"the previous router exited ({code}){': its open requests are done' if code == 0 else ''}")
             elif now > old[1]:
                 old[0].process.kill()
+
+    def _check_liveness(self, client: httpx.Client, now: float) -> None:
+        """Kill a hung engine, so that the crash back-off restarts it: a serving one whose /health answered once
+        and then not for `liveness_seconds` (the kubelet's liveness probe; an engine still starting is not asked,
+        as a pod's startup probe holds its liveness probe back). Asked every LIVENESS_PERIOD_SECONDS, not at every
+        turn of the loop."""
+        for engine in self.engines:
+            if engine.state != SERVING or engine.child.process.poll() is not None:
+                continue
+            if now - engine.probed >= LIVENESS_PERIOD_SECONDS:
+                engine.probed = now
+                if _alive(client, engine.child.url):
+                    engine.answered = now
+            if engine.answered is not None and now - engine.answered > self.liveness_seconds:
+                _say(f"{engine.child.name} has not answered /health for {now - engine.answered:.0f} s (hung?): "
+                     f"killing it, to be restarted")
+                engine.child.process.kill()
+                engine.child.process.wait()
+                engine.answered = None
 
     def _restart_crashed(self, now: float) -> bool:
         """Children that died unasked (not stopping, nor a roll's surge: `_roll` ends the roll for that) leave the
@@ -442,7 +521,7 @@ class LocalEngines:
             elif engine.state == CRASHED and now >= (engine.child.backoff.due or now):
                 engine.child.respawn(now)
                 # it reads the engine files as they are now: a roll under way has nothing left to replace in it
-                engine.state, engine.generation = STARTING, self.generation
+                engine.state, engine.generation, engine.answered = STARTING, self.generation, None
         self._restart_crashed_router(now)
         return changed
 
@@ -562,20 +641,22 @@ def _routed(client: httpx.Client, router_url: str) -> list[str]:
     return body.get("pods", []) if isinstance(body, dict) else []
 
 
-def _wait_routed(client: httpx.Client, engines: LocalEngines, count: int, timeout: float) -> Child | None:
-    """Until the router routes to `count` engines (its /health lists them): "ready" means the whole pool serves,
-    not only the first engine the router happened to scrape. The child that died meanwhile, if one did;
-    TimeoutError past `timeout`."""
+def _wait_routed(client: httpx.Client, engines: LocalEngines, timeout: float) -> Child | None:
+    """Until the router routes to every engine of the pool (its /health lists them by URL): "ready" means the whole
+    pool serves, not only the first engine the router happened to scrape, and that it is this pool's router that
+    answers (the engines' ports are this pool's own, so another server on the router's port lists none of them).
+    The child that died meanwhile, if one did; TimeoutError past `timeout`."""
     assert engines.router is not None
     deadline = time.monotonic() + timeout
-    while len(_routed(client, engines.router.url)) < count:
+    wanted = {e.child.url for e in engines.engines}
+    while not wanted <= set(_routed(client, engines.router.url)):
         dead = engines.unexpected_exit()
         if dead is not None:
             return dead
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the router did not see all {count} engines healthy within {timeout:.0f} s")
+            raise TimeoutError(f"the router did not see all {len(wanted)} engines healthy within {timeout:.0f} s")
         time.sleep(0.1)
-    return None
+    return engines.unexpected_exit()
 
 
 def _wait_port_free(port: int, process: subprocess.Popen[bytes], timeout: float) -> None:
@@ -591,13 +672,30 @@ def _wait_port_free(port: int, process: subprocess.Popen[bytes], timeout: float)
 
 
 def _bindable(port: int) -> bool:
-    with socket.socket() as s:
+    return _bind_problem(port) is None
+
+
+def _bind_problem(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server could not listen on `host`:`port` now (the OS's words: in use, not an address of this machine,
+    a privileged port), or None. With SO_REUSEADDR as uvicorn binds: a port whose old connections linger in
+    TIME_WAIT is free, one with a listener is not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+            s.bind((host, port))
+            return None
+        except OSError as exc:
+            return exc.strerror or str(exc)
+
+
+def _alive(client: httpx.Client, url: str) -> bool:
+    """Whether `url`/health answers at all, within LIVENESS_PROBE_TIMEOUT_SECONDS."""
+    try:
+        client.get(url + "/health", timeout=LIVENESS_PROBE_TIMEOUT_SECONDS)
+        return True
+    except httpx.TransportError:
+        return False
 
 
 def _answers(client: httpx.Client, method: str, url: str) -> dict[str, Any] | None:
@@ -810,9 +908,11 @@ def _write_engine_files(workdir: Path, settings: Mapping[str, Any], pool: Any) -
 
 def _router_section(workdir: Path, pool: str, settings: Mapping[str, Any], pods_file: Path) -> dict[str, Any]:
     """The router's file: its pool's settings, with a database of its own (the request log, the Batch API's files
-    and batches) unless the pool names one, and the pods file `kvmesh up` keeps."""
+    and batches) unless the pool names one, and the pods file `kvmesh up` keeps. The tenants' limit sync is off:
+    it splits the limits between router replicas through the database, and a local pool has one router, which
+    would only write its demand to SQLite every few seconds, idle or not."""
     database = {"database_url": f"sqlite:///{workdir / LOCAL_DATABASE}"}
-    return {"pool": pool, **database, **settings, "pods_file": str(pods_file)}
+    return {"pool": pool, **database, **settings, "rate_limit_sync": False, "pods_file": str(pods_file)}
 
 
 def _write_router_file(workdir: Path, section: Mapping[str, Any]) -> Path:
@@ -924,10 +1024,45 @@ def prometheus_targets(pool: str, members: list[tuple[Child, str]],
     return targets
 
 
+def startup_problem(plan: PoolPlan, router_port: int, ready_file: str | None = None,
+                    targets_file: str | None = None) -> str | None:
+    """Why the pool could not start or say that it did, checked before anything starts (a model converted, a
+    process spawned), or None. The router's port must be free: a router that cannot bind it crash-loops, while
+    whatever holds the port answers the health checks as if it were this pool's. The ready and targets files must
+    be writable where they are named: found out only once the pool is up, the pool would stop again."""
+    if not 1 <= router_port <= 65535:
+        return f"--port {router_port}: a port is a number from 1 to 65535"
+    host = str(plan.router.get("host") or "127.0.0.1")
+    if (problem := _bind_problem(router_port, host)) is not None:
+        return (f"the router's port {router_port} on {host} cannot be used ({problem}): another kvmesh up or server "
+                f"holds it? Stop it or give another --port")
+    for flag, name in (("--ready-file", ready_file), ("--targets-file", targets_file)):
+        if name and (problem := _unwritable(Path(name))) is not None:
+            return f"{flag} {name}: {problem}"
+    return None
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why a file could not be written (atomically: a new file beside it, renamed over it) at `path`, or None."""
+    folder = path.parent
+    if path.is_dir():
+        return "is a folder"
+    if not folder.is_dir():
+        return f"there is no folder {folder}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return None
+
+
+def _endpoint(router_port: int) -> str:
+    return f"http://127.0.0.1:{router_port}/v1"
+
+
 def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
-             targets_file: str | None = None) -> int:
+             targets_file: str | None = None, keep_logs: bool = False) -> int:
     """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a failed start (1); then stop it
-    gracefully (`stop_pool`), or at once on a second Ctrl-C (STOPPED_AT_ONCE)."""
+    gracefully (`stop_pool`), or at once on a second Ctrl-C (STOPPED_AT_ONCE). A model that cannot be read is 2,
+    a Ctrl-C while it is prepared INTERRUPTED. What the run leaves is removed as it ends (`_clean_up`)."""
     stopped_by: list[int] = []  # the signal that stopped the pool, if one did
 
     def interrupt(signum: int, frame: object) -> None:
@@ -936,23 +1071,66 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    print(f"kvmesh up: preparing model {plan.model or 'SmolLM2-135M-Instruct (bundled)'} ...", file=sys.stderr)
-    model_dir = resolve_model_dir(plan.model)
+    if ready_file:  # a stale one (a run killed before it could remove it) would say "ready" before this pool is
+        Path(ready_file).unlink(missing_ok=True)
+    try:
+        print(f"kvmesh up: preparing model {plan.model or 'SmolLM2-135M-Instruct (bundled)'} ...", file=sys.stderr)
+        model_dir = resolve_model_dir(plan.model)  # a GGUF's conversion (its temporary files clean up after it)
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return INTERRUPTED
+    except (OSError, ValueError) as exc:  # no such file, no config.json, not a .gguf
+        _say(str(exc))
+        return 2
+    except Exception as exc:  # a GGUF the converter cannot read: the user's file, not a kvmesh crash
+        _say(f"cannot read the model {plan.model}: {exc!r}")
+        return 2
     threads = max(1, (os.cpu_count() or 2) // plan.engines)
     workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{plan.name}-"))
-    defaults = {} if plan.sim else {"threads": threads, "kv_cache_memory_mib": 256}  # sims: their profile's budget
-    engine_args = ["sim-engine", "--profile", plan.sim] if plan.sim else ["serve", "--model", str(model_dir)]
-    # engines the scaler adds (and a roll's) wait for their warm-up as the operator's pods do
-    initial_file, scaled_file = _write_engine_files(workdir, {**defaults, **plan.engine}, plan.pool)
-    initial = [*engine_args, "--config", str(initial_file)]
-    scaled = [*engine_args, "--config", str(scaled_file)] if scaled_file else None
-    engines = LocalEngines(plan, initial, workdir, targets_file, scaled, defaults)
+    engines: LocalEngines | None = None
+    code, graceful = 1, False
     try:
-        code = _supervise(plan, engines, model_dir, router_port, ready_file)
-    finally:  # also when supervising failed unexpectedly
-        with httpx.Client(timeout=2.0) as client:
-            graceful = stop_pool(engines, client, stopped_by[0] if stopped_by else signal.SIGINT)
+        try:
+            defaults = {} if plan.sim else {"threads": threads, "kv_cache_memory_mib": 256}  # sims: their profile's
+            engine_args = ["sim-engine", "--profile", plan.sim] if plan.sim else ["serve", "--model", str(model_dir)]
+            # engines the scaler adds (and a roll's) wait for their warm-up as the operator's pods do
+            initial_file, scaled_file = _write_engine_files(workdir, {**defaults, **plan.engine}, plan.pool)
+            initial = [*engine_args, "--config", str(initial_file)]
+            scaled = [*engine_args, "--config", str(scaled_file)] if scaled_file else None
+            engines = LocalEngines(plan, initial, workdir, targets_file, scaled, defaults)
+        except KeyboardInterrupt:  # nothing started yet
+            _say("interrupted")
+            code = INTERRUPTED
+            return code
+        try:
+            code = _supervise(plan, engines, model_dir, router_port, ready_file)
+        finally:  # also when supervising failed unexpectedly
+            with httpx.Client(timeout=2.0) as client:
+                graceful = stop_pool(engines, client, stopped_by[0] if stopped_by else signal.SIGINT)
+    finally:
+        failed = code not in (0, INTERRUPTED) or (engines is not None and not engines.ready)
+        _clean_up(workdir, engines, ready_file, _endpoint(router_port), keep=keep_logs or failed)
     return code if graceful else STOPPED_AT_ONCE
+
+
+def _clean_up(workdir: Path, engines: LocalEngines | None, ready_file: str | None, endpoint: str, keep: bool) -> None:
+    """After the pool stopped: its ready file goes (a script must not find a stopped pool "ready"; only if it still
+    names this pool's endpoint: another run may have written it since), and its engines' KV tier files (caches no
+    later run opens: each names its own). The work folder (logs, configuration, the router's SQLite database) goes
+    too after a clean stop, unless `keep` (`--keep-logs`, or the pool failed or was stopped before it served: its
+    logs say why); then its path is printed."""
+    if ready_file:
+        try:
+            if Path(ready_file).read_text() == endpoint:
+                Path(ready_file).unlink()
+        except OSError:
+            pass
+    if engines is not None:
+        engines.remove_tier_files()
+    if keep:
+        _say(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_port: int,
@@ -977,7 +1155,7 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
             _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")
             return 1
         with httpx.Client(timeout=2.0) as client:
-            dead = _wait_routed(client, engines, plan.engines, HEALTH_TIMEOUT_SECONDS)
+            dead = _wait_routed(client, engines, HEALTH_TIMEOUT_SECONDS)
             if dead is not None:
                 _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")
                 return 1
@@ -986,10 +1164,11 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
                 watch.tick()  # the first decision: the operator's series exist once its target is listed
                 print(f"kvmesh up: operator metrics at {engines.operator_url}/metrics", file=sys.stderr)
             engines.publish()  # the targets file, before the ready file: whoever waits on it finds the targets too
-            endpoint = f"http://127.0.0.1:{router_port}/v1"
+            endpoint = _endpoint(router_port)
             print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
+            engines.ready = True
             if ready_file:
-                Path(ready_file).write_text(endpoint)
+                write_atomically(Path(ready_file), endpoint)
             while True:  # a crash from here on is restarted (`progress`), not the end of the pool
                 engines.progress(client)
                 if watch is not None:
@@ -1000,6 +1179,9 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
         return 0
     except TimeoutError as exc:
         print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file it keeps cannot be written (its folder removed, a full disk): said, not a crash
+        _say(f"cannot write {exc.filename or 'a file'}: {exc.strerror or exc}; stopping the pool")
         return 1
     finally:
         if watch is not None:

@@ -1,8 +1,9 @@
 """`kvmesh up` survives a crashed child as a Deployment does: an engine or the router that exits unasked is
 restarted on its port after a back-off (1 s doubling to 60 s, started over after 10 minutes of running:
 kvmesh/up.py `CrashBackOff`) while the router serves on from the other engines; the restarted engine finds its
-host KV tier (the file in /dev/shm named by its port). A child stopped on purpose (drained, scaled in, rolled
-out) is never restarted, and a child that dies before the pool is first ready stops `kvmesh up`. The policy and
+host KV tier (the file in /dev/shm that `kvmesh up` names by its run and the engine, removed when the pool
+stops). A child stopped on purpose (drained, scaled in, rolled out) is never restarted, and a child that dies
+before the pool is first ready stops `kvmesh up`. The policy and
 the state machine are tested first, on records of engines whose processes are only polled; then a real pool of two
 tiny engines is killed into (one pool for the module)."""
 
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -196,6 +197,11 @@ class Pool:
         (child,) = [c for c in psutil.Process(self.proc.pid).children() if port in c.cmdline()]
         child.kill()
 
+    def tier_files(self) -> list[Path]:
+        """The KV tier files of this run's engines (`LocalEngines.tier_paths`: named by the run's work folder)."""
+        (workdir,) = re.findall(r"\(logs in (\S+)\)", self.log.read_text())
+        return [p for folder in (Path(HOST_TIER_DIR), up.DISK_TIER_DIR) for p in folder.glob(f"{Path(workdir).name}-*")]
+
     def routed(self) -> list[str]:
         try:
             return httpx.get(self.url + "/health", timeout=5).json()["pods"]
@@ -211,17 +217,18 @@ def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     port = free_port()
     proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "-f", str(pool_file), "--port", str(port),
                    "--ready-file", str(ready), "--targets-file", str(targets)], log)
-    engines: dict[str, str] = {}
+    started: Pool | None = None
     try:
         wait_for(ready.exists, "the pool to be ready", proc, log, timeout=300)
-        engines = engine_urls(targets)
-        yield Pool(proc, log, f"http://127.0.0.1:{port}", engines)
+        started = Pool(proc, log, f"http://127.0.0.1:{port}", engine_urls(targets))
+        yield started
         stop_up(proc, log)
     finally:
         if proc.poll() is None:
             proc.kill()
-        for url in engines.values():  # the host tiers outlive their engines by design: not this test's
-            Path(HOST_TIER_DIR, f"kvmesh-kv-host-{url.rsplit(':', 1)[1]}.kv").unlink(missing_ok=True)
+            proc.wait()
+        for path in started.tier_files() if started is not None else []:  # a failed test's: `kvmesh up` was killed
+            path.unlink(missing_ok=True)
 
 
 def answered(url: str, prompt: list[int], attempts: int = 5) -> bool:
@@ -246,6 +253,7 @@ def test_a_killed_engine_comes_back_on_its_port_with_its_host_tier_while_the_rou
     wait_for(lambda: len(httpx.get(victim + KV_BLOCKS_PATH, timeout=5).json()["blocks"].get("host", [])) > 0,
              "the host tier's write-through", pool.proc, pool.log)
     hosted = len(httpx.get(victim + KV_BLOCKS_PATH, timeout=5).json()["blocks"]["host"])
+    assert sorted(p.name.split("-", 3)[-1] for p in pool.tier_files()) == ["engine-0-host.kv", "engine-1-host.kv"]
 
     pool.kill(victim)
     for k in range(8):  # the router serves on from engine-0 while engine-1 is down
@@ -295,6 +303,7 @@ def test_ctrl_c_stops_the_pool_with_an_engine_waiting_in_its_back_off(pool: Pool
                    "restart 2 in 2 s")
     pool.proc.send_signal(signal.SIGINT)
     assert pool.proc.wait(timeout=120) == 0, pool.log.read_text()[-3000:]
+    assert pool.tier_files() == []  # the host tiers are caches of this run's engines: gone with them
     for url in [pool.url, *pool.engines.values()]:  # every child is gone, the one in back-off not restarted after
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=2)
@@ -303,16 +312,21 @@ def test_ctrl_c_stops_the_pool_with_an_engine_waiting_in_its_back_off(pool: Pool
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_child_that_dies_before_the_pool_is_ready_stops_kvmesh_up(tmp_path: Path) -> None:
-    """A port someone holds: the router could only crash again, so `kvmesh up` says why and exits 1."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port, log = taken.getsockname()[1], tmp_path / "up.log"
-        proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--sim", "--engines", "1", "--port", str(port)], log)
-        try:
-            assert proc.wait(timeout=180) == 1
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
+    """A model folder without a tokenizer: the router exits at start (while the engines still load), and could only
+    crash again, so `kvmesh up` says why, exits 1 and keeps its work folder (the logs say why). (A port someone
+    holds is refused before anything starts: tests/test_local_cli.py.)"""
+    model, log, ready = tmp_path / "model", tmp_path / "up.log", tmp_path / "ready"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--engines", "1", "--model", str(model), "--port",
+                   str(free_port()), "--ready-file", str(ready)], log)
+    try:
+        assert proc.wait(timeout=180) == 1, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
     said = log.read_text()
-    assert "kvmesh up: router exited with 3:" in said and "address already in use" in said
+    assert "kvmesh up: router exited with 2:" in said and "has no tokenizer.json" in said, said[-3000:]
+    (kept,) = re.findall(r"kvmesh up: logs kept in (\S+)", said)
+    assert (Path(kept) / "router.log").exists() and not ready.exists()
+    shutil.rmtree(kept)

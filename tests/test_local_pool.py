@@ -1,0 +1,97 @@
+"""A local pool from start to stop, as a user runs it (one pool of simulated engines for the module, so the suite
+stays fast): `kvmesh chat` takes the endpoint `kvmesh up` prints, a second `kvmesh up` on the same port is refused
+at once, a hung engine is killed and restarted (liveness), and a Ctrl-C leaves nothing behind: no ready file, no
+work folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvmesh.cli import main
+from kvmesh.processes import free_port, launch
+from kvmesh.up import LIVENESS_ENV
+
+from .test_up_scaling import engine_urls, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@dataclass
+class Pool:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int
+    ready: Path
+    targets: Path
+
+    def said(self) -> str:
+        return self.log.read_text()
+
+    def workdir(self) -> Path:
+        (folder,) = re.findall(r"\(logs in (\S+)\)", self.said())
+        return Path(folder)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    folder = tmp_path_factory.mktemp("local-pool")
+    ready, targets, log, port = folder / "ready", folder / "targets.json", folder / "up.log", free_port()
+    os.environ[LIVENESS_ENV] = "3"  # a hung engine goes after 3 s, not 30
+    try:
+        proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--sim", "--engines", "1", "--port", str(port),
+                       "--ready-file", str(ready), "--targets-file", str(targets)], log)
+    finally:
+        del os.environ[LIVENESS_ENV]
+    try:
+        wait_for(ready.exists, "the pool to be ready", proc, log, timeout=180)
+        yield Pool(proc, log, port, ready, targets)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_chat_takes_the_endpoint_kvmesh_up_wrote(pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
+    endpoint = pool.ready.read_text()
+    assert endpoint == f"http://127.0.0.1:{pool.port}/v1"
+    assert main(["chat", "--url", endpoint, "--max-tokens", "4", "--wait", "60", "hello"]) == 0
+    assert "completion tokens" in capsys.readouterr().err
+
+
+def test_a_second_kvmesh_up_on_the_same_port_is_refused_at_once(pool: Pool, capsys: pytest.CaptureFixture[str],
+                                                                tmp_path: Path) -> None:
+    """It used to say "ready" (its health checks reached this pool's router) while its own router crash-looped."""
+    ready = tmp_path / "ready"
+    assert main(["up", "--sim", "--port", str(pool.port), "--ready-file", str(ready)]) == 2
+    assert f"the router's port {pool.port} on 127.0.0.1 cannot be used" in capsys.readouterr().err
+    assert not ready.exists() and pool.ready.exists()
+
+
+def test_a_hung_engine_is_killed_and_restarted(pool: Pool) -> None:
+    (url,) = engine_urls(pool.targets).values()
+    port = url.rsplit(":", 1)[1]
+    (engine,) = [c for c in psutil.Process(pool.proc.pid).children() if port in c.cmdline()]
+    engine.send_signal(signal.SIGSTOP)  # alive, silent: exits never
+    wait_for(lambda: "engine-0 has not answered /health for" in pool.said(), "the liveness kill", pool.proc, pool.log)
+    wait_for(lambda: "engine-0 serving (restarts: 1)" in pool.said(), "the restarted engine", pool.proc, pool.log)
+    assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+
+
+def test_ctrl_c_leaves_no_ready_file_and_no_work_folder(pool: Pool) -> None:
+    """The module's last use of the pool: it stops it."""
+    workdir = pool.workdir()
+    assert workdir.is_dir() and (workdir / "router.log").exists()
+    pool.proc.send_signal(signal.SIGINT)
+    assert pool.proc.wait(timeout=120) == 0, pool.said()[-3000:]
+    assert not pool.ready.exists() and not workdir.exists(), pool.said()[-3000:]
+    assert "logs kept in" not in pool.said()
