@@ -39,6 +39,7 @@ from kvmesh.engine.typed_fields import check_types
 from kvmesh.router.auth import CACHE_SALT_SECRET_ENV
 from kvmesh.router.config import MAX_HOLD_SECONDS, RouterConfig
 from kvmesh.router.gateway import DEFAULT_WEIGHT, MAX_WEIGHT
+from kvmesh.router.picker import PickerConfig
 
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
@@ -70,6 +71,8 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "Router
 QUANTITY = (r"^[+]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
             r"(([KMGTPE]i)|[numkMGTPE]|([eE][-+]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+MAX_TOLERATIONS = 32
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # a Secret's or ConfigMap's name
 CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"  # a Secret's or ConfigMap's data key, as Kubernetes accepts it in a key selector
 INT64 = 1 << 63  # the API server reads every integer into 64 bits, and refuses one that does not fit
@@ -105,6 +108,7 @@ DEFAULT_ENGINE_PORT = EngineConfig.port
 DEFAULT_ROUTER_PORT = RouterConfig.port
 # The operator's own Deployment (the chart) names the image and ports its pools default to in these variables.
 IMAGE_ENV, ENGINE_PORT_ENV, ROUTER_PORT_ENV = "KVMESH_IMAGE", "KVMESH_ENGINE_PORT", "KVMESH_ROUTER_PORT"
+PULL_SECRETS_ENV = "KVMESH_IMAGE_PULL_SECRETS"  # the chart's imagePullSecrets (names, comma-separated)
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class PoolDefaults:
     engine_port: int = DEFAULT_ENGINE_PORT
     router_port: int = DEFAULT_ROUTER_PORT
     local: bool = False  # `kvmesh up -f`: no image is pulled, its programs are this code whatever image it names
+    image_pull_secrets: tuple[str, ...] = ()  # for the operator's image: the Secrets the chart pulls it with
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PoolDefaults:
@@ -130,8 +135,11 @@ class PoolDefaults:
             if text and not (text.isdigit() and 1 <= int(text) <= 65535):
                 raise ValueError(f"{name}={text!r} is not a TCP port (1 to 65535)")
             ports[name] = int(text) if text else default
-        return cls(image=env.get(IMAGE_ENV, "").strip() or DEFAULT_IMAGE, engine_port=ports[ENGINE_PORT_ENV],
-                   router_port=ports[ROUTER_PORT_ENV])
+        secrets = tuple(name.strip() for name in env.get(PULL_SECRETS_ENV, "").split(",") if name.strip())
+        if bad := [name for name in secrets if not _matches(DNS_SUBDOMAIN, name)]:
+            raise ValueError(f"{PULL_SECRETS_ENV}: {', '.join(map(repr, bad))} is not a Secret's name")
+        return cls(image=env.get(IMAGE_ENV, "").strip() or DEFAULT_IMAGE, image_pull_secrets=secrets,
+                   engine_port=ports[ENGINE_PORT_ENV], router_port=ports[ROUTER_PORT_ENV])
 
 # ---- schema building blocks -----------------------------------------------------------------------------------
 
@@ -225,6 +233,34 @@ def _value_from() -> dict[str, Any]:
                    "resourceFieldRef", minProperties=1, maxProperties=1)
 
 
+def _scheduling(program: str) -> dict[str, Any]:
+    """Where the program's pods may run, as a pod spec says it: GPU nodes are tainted and labelled, and a platform
+    keeps routers off them. The fields Kubernetes checks deeply (affinity, topology spread) are taken as they are
+    and checked by the API server when the operator applies the Deployment (a refusal: Degraded)."""
+    toleration = _obj({
+        "key": _str("the taint's key (empty with operator Exists: every taint)", maxLength=316),
+        "operator": _enum("Equal (the key and value match) or Exists (the key matches)", ("Equal", "Exists")),
+        "value": _str("the taint's value (with operator Equal)", maxLength=63),
+        "effect": _enum("the taint's effect it tolerates (empty: every effect)", TAINT_EFFECTS),
+        "tolerationSeconds": _int("with effect NoExecute: how long the pod stays after the taint appears", 0),
+    }, description="a toleration, as a pod spec gives one")
+    return _obj({
+        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 63},
+                         "maxProperties": 64, "description": "node labels the pods' node must have"},
+        "tolerations": {"type": "array", "maxItems": MAX_TOLERATIONS, "default": [], "items": toleration,
+                        "description": "taints the pods tolerate (nvidia.com/gpu on GPU nodes, for instance)"},
+        "affinity": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                     "description": "node and pod (anti-)affinity, as a pod spec gives it"},
+        "topologySpreadConstraints": {"type": "array", "maxItems": 16, "items": {
+            "type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            "description": "how the pods spread over zones or nodes, as a pod spec gives them"},
+        "priorityClassName": _str("the pods' PriorityClass", pattern=DNS_SUBDOMAIN, maxLength=253),
+        "runtimeClassName": _str("the pods' RuntimeClass (nvidia, on clusters that name the GPU runtime so)",
+                                 pattern=DNS_SUBDOMAIN, maxLength=253),
+    }, description=f"where the {program} pods run (the pod spec's fields of the same names); a local pool "
+                   "(`kvmesh up -f`) ignores them", default={})
+
+
 def _role_replicas(role: str) -> dict[str, Any]:
     return _obj({"min": _int(f"fewest {role} pods", 0, 1000, default=1),
                  "max": _int(f"most {role} pods", 1, 1000, default=4)},
@@ -259,6 +295,21 @@ RULES: tuple[Rule, ...] = (
     *(Rule((program, "env"), "self.all(e, !(has(e.value) && has(e.valueFrom)))",
            f"{program}.env: give a variable a value or valueFrom, not both",
            lambda s: all(not ("value" in e and "valueFrom" in e) for e in s)) for program in ("engine", "router")),
+    *(Rule((program, "scheduling", "tolerations"),
+           "self.all(t, (has(t.key) && t.key != '') || (has(t.operator) && t.operator == 'Exists'))",
+           f"{program}.scheduling.tolerations: a toleration without a key needs operator Exists",
+           lambda s: all(t.get("key") or t.get("operator") == "Exists" for t in s))
+      for program in ("engine", "router")),
+    *(Rule((program, "scheduling", "tolerations"),
+           "self.all(t, !(has(t.operator) && t.operator == 'Exists' && has(t.value) && t.value != ''))",
+           f"{program}.scheduling.tolerations: operator Exists takes no value",
+           lambda s: all(not (t.get("operator") == "Exists" and t.get("value")) for t in s))
+      for program in ("engine", "router")),
+    *(Rule((program, "scheduling", "tolerations"),
+           "self.all(t, !has(t.tolerationSeconds) || (has(t.effect) && t.effect == 'NoExecute'))",
+           f"{program}.scheduling.tolerations: tolerationSeconds needs effect NoExecute",
+           lambda s: all("tolerationSeconds" not in t or t.get("effect") == "NoExecute" for t in s))
+      for program in ("engine", "router")),
     Rule(("store",), "!(has(self.databaseUrl) && has(self.databaseUrlSecret))",
          "store: give databaseUrl or databaseUrlSecret, not both",
          lambda s: not ("databaseUrl" in s and "databaseUrlSecret" in s)),
@@ -336,6 +387,12 @@ def spec_schema() -> dict[str, Any]:
         "image": _str(f"the kvmesh image (default: the operator's own, {IMAGE_ENV} in its Deployment: the chart's "
                       f"image)", minLength=1),
         "imagePullPolicy": _enum("when to pull the image", PULL_POLICIES, "IfNotPresent"),
+        "imagePullSecrets": {
+            "type": "array", "maxItems": 16, "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+            "description": f"Secrets in the pool's namespace the engine and router pods pull their images with "
+                           f"(default, for the operator's own image: the chart's imagePullSecrets, {PULL_SECRETS_ENV} "
+                           f"in its Deployment)",
+            "items": _obj({"name": _str("the Secret's name", pattern=DNS_SUBDOMAIN, maxLength=253)}, ("name",))},
         "port": _int(f"the engines' HTTP port (default: the chart's ports.engine, {DEFAULT_ENGINE_PORT} without "
                      f"it)", 1, 65535),
         "blockSize": _enum("tokens per KV block (engines and router must agree)", BLOCK_SIZES, DEFAULT_BLOCK_SIZE),
@@ -354,14 +411,17 @@ def spec_schema() -> dict[str, Any]:
         "settings": _settings("engine", "kvmesh serve"),
         "env": _env("engine"),
         "resources": _resources("each engine container's resources", {"cpu": "2", "memory": "4Gi"}),
+        "scheduling": _scheduling("engine"),
     }, description="the engine pods", default={})
     router = _obj({
         "replicas": _int("router pods", 1, 64, default=2),
         "image": _str("the router's image (default: the engine's)", minLength=1),
         "port": _int(f"the router's HTTP port (default: the chart's ports.router, {DEFAULT_ROUTER_PORT} without "
                      f"it)", 1, 65535),
-        "weights": {"type": "object", "description": "picker weights by scorer name",
-                    "additionalProperties": {"type": "number", "minimum": 0}},
+        "weights": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                    "description": "the picker's weights and bounds by name (docs/router.md: prefix_weight, "
+                                   "kv_weight, ..., tier_weights: {device, host, disk}), checked as the router "
+                                   "checks them"},
         "apiKeys": _obj({
             "secretName": _str("a Secret holding the router's API keys file ({keys: [{tenant, key_sha256}]}), "
                                "mounted read-only and re-read when it changes (keys rotate without a restart)",
@@ -376,6 +436,7 @@ def spec_schema() -> dict[str, Any]:
         "settings": _settings("router", "kvmesh router"),
         "env": _env("router"),
         "resources": _resources("each router container's resources", {"cpu": "500m", "memory": "1Gi"}),
+        "scheduling": _scheduling("router"),
     }, description="the router in front of the engines", default={})
     store = _obj({
         "databaseUrl": _str("the routers' database (the request log, the Batch API, stored responses, the split of "
@@ -740,6 +801,10 @@ def _check_settings(full: Mapping[str, Any], own_images: Mapping[str, bool]) -> 
         if router["ext_proc_port"] == full["router"]["port"]:
             raise SpecError(f"router.settings.ext_proc_port: {router['ext_proc_port']} is router.port already")
     _check_types("router", RouterConfig, router, own_images["router"])
+    try:
+        PickerConfig.from_weights(full["router"].get("weights") or {})
+    except ValueError as exc:
+        raise SpecError(f"router.{exc}" if str(exc).startswith("weights.") else f"router.weights: {exc}") from None
 
 
 def complete_spec(spec: Any, defaults: PoolDefaults = PoolDefaults()) -> dict[str, Any]:
@@ -749,7 +814,9 @@ def complete_spec(spec: Any, defaults: PoolDefaults = PoolDefaults()) -> dict[st
     engine_image = full["engine"].get("image", defaults.image)
     own_images = {"engine": defaults.local or engine_image == defaults.image,
                   "router": defaults.local or full["router"].get("image", engine_image) == defaults.image}
-    full["engine"] = {"image": defaults.image, "port": defaults.engine_port, **full["engine"]}
+    pull_secrets = [{"name": name} for name in defaults.image_pull_secrets] if engine_image == defaults.image else []
+    full["engine"] = {"image": defaults.image, "port": defaults.engine_port, "imagePullSecrets": pull_secrets,
+                      **full["engine"]}
     full["router"] = {"port": defaults.router_port, **full["router"]}
     for rule in RULES:
         target: Any = full

@@ -315,13 +315,22 @@ def _pool_env(pool: Pool, program: str) -> list[dict[str, Any]]:
     return copy.deepcopy(pool.spec[program].get("env") or [])
 
 
+def _placement(pool: Pool, program: str) -> dict[str, Any]:
+    """The pod spec's fields of where the program's pods run and what they pull with: `scheduling` as the spec gives
+    it, and the pool's image pull Secrets (engines and routers run the same image by default)."""
+    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in pool.spec[program]["scheduling"].items() if v}
+    if secrets := pool.spec["engine"]["imagePullSecrets"]:
+        out["imagePullSecrets"] = copy.deepcopy(secrets)
+    return out
+
+
 def _pod_template(pool: Pool, role: str, container: dict[str, Any], engine: bool,
                   service_account: str | None = None) -> dict[str, Any]:
     volumes, mounts = _volumes(pool, engine)
     container = {**container, "volumeMounts": mounts, "securityContext": CONTAINER_SECURITY,
                  "imagePullPolicy": pool.spec["engine"]["imagePullPolicy"]}
     spec: dict[str, Any] = {"securityContext": POD_SECURITY, "containers": [container], "volumes": volumes,
-                            "enableServiceLinks": False}
+                            "enableServiceLinks": False, **_placement(pool, "engine" if engine else "router")}
     if service_account:
         spec["serviceAccountName"] = service_account
     else:

@@ -264,6 +264,20 @@ def test_pools_run_the_charts_image_and_ports_not_the_public_registrys() -> None
         assert allowed(by_kind(docs, "NetworkPolicy"), "prometheus", "pool-router", 9180)
 
 
+def test_pools_running_the_charts_image_pull_it_with_the_charts_pull_secrets() -> None:
+    """A private registry: the chart's imagePullSecrets reached the operator's pod alone, and every pool's engines
+    and routers sat in ImagePullBackOff. The operator now gives them to the pools that run its own image."""
+    values = {"imagePullSecrets": [{"name": "regcred"}, {"name": "mirror-cred"}], "pool": {"enabled": True}}
+    docs = manifests(render(values, api_versions=(MONITORING_API,)))
+    defaults = operator_defaults(docs)
+    assert defaults.image_pull_secrets == ("regcred", "mirror-cred")
+    (pool_body,) = by_kind(docs, crd.KIND)
+    for deployment in by_kind(desired.desired_objects(crd.parse_pool(pool_body, defaults)), "Deployment"):
+        assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"},
+                                                                            {"name": "mirror-cred"}]
+    assert operator_defaults(manifests(RENDERINGS["default"])).image_pull_secrets == ()
+
+
 def test_a_pool_that_names_its_image_and_ports_keeps_them() -> None:
     spec = {"model": {"source": "bundled"}, "engine": {"image": "example.org/kvmesh:dev", "port": 7000},
             "router": {"port": 7080}}

@@ -156,7 +156,10 @@ SCHEMA_BAD = [
     ("scaling.slo.ttftSeconds", 0, "ttftSeconds"),
     ("replicas.both.min", -1, "min"),
     ("engine.kvCacheMiB", 5, "kvCacheMiB"),  # a misspelt field is refused, not ignored
-    ("router.weights.prefix_weight", "high", "prefix_weight"),
+    ("engine.scheduling.tolerations", [{"key": "gpu", "effect": "NoRun"}], "effect"),
+    ("router.scheduling.priorityClassName", "Not_A_Name", "priorityClassName"),
+    ("engine.scheduling.nodeSelector", {"gpu": 1}, "gpu"),
+    ("engine.imagePullSecrets", [{"secret": "regcred"}], "name"),
     ("router.apiKeys", {"secretName": "keys", "key": "../etc/passwd"}, "key"),  # a file name, not a path
     ("router.apiKeys", {"secretName": "keys", "key": ".."}, "key"),
     ("router.apiKeys", {"key": "keys.yaml"}, "secretName"),  # required
@@ -196,6 +199,10 @@ RULE_BAD = [
     ("router.env", [{"name": "HOME", "value": "/root"}], "the operator sets"),
     ("router.env", [{"name": "OTEL_SERVICE_NAME", "value": "r",
                      "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}], "not both"),
+    ("engine.scheduling.tolerations", [{"value": "x", "effect": "NoSchedule"}], "without a key needs operator Exists"),
+    ("router.scheduling.tolerations", [{"key": "gpu", "operator": "Exists", "value": "yes"}], "Exists takes no value"),
+    ("engine.scheduling.tolerations", [{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 30}],
+     "tolerationSeconds needs effect NoExecute"),
 ]
 
 
@@ -282,3 +289,19 @@ def test_router_settings_cannot_set_the_hold_that_scale_to_zero_sets() -> None:
         complete_spec(_set(spec, "router.settings", {"hold_without_pods_seconds": 5}))
     plain = _set(example("aggregated.yaml")["spec"], "router.settings", {"hold_without_pods_seconds": 5})
     assert complete_spec(plain)["router"]["settings"] == {"hold_without_pods_seconds": 5}  # a router's own choice
+
+
+@pytest.mark.parametrize(("weights", "message"), [
+    ({"prefix": 2.0}, "unknown picker weight 'prefix' \\(did you mean 'prefix_weight'\\?\\)"),
+    ({"prefix_weight": "high"}, "prefix_weight must be a number"),
+    ({"tier_weights": {"ssd": 0.5}}, "unknown tier 'ssd'"),
+    ({"tier_weights": {"host": 1.5}}, "tier_weights.host must be in"),
+])
+def test_router_weights_are_checked_as_the_router_checks_them(weights: dict[str, Any], message: str) -> None:
+    """The schema keeps `router.weights` open (tier_weights is a mapping among numbers, which a structural schema
+    cannot say); the operator and `kvmesh up -f` refuse what the router would refuse at start (it crash-looped)."""
+    with pytest.raises(SpecError, match=message):
+        complete_spec(_set(example("aggregated.yaml")["spec"], "router.weights", weights))
+    taken = complete_spec(_set(example("aggregated.yaml")["spec"], "router.weights",
+                               {"prefix_weight": 2, "tier_weights": {"host": 0.5}}))
+    assert taken["router"]["weights"] == {"prefix_weight": 2, "tier_weights": {"host": 0.5}}

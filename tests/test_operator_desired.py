@@ -17,7 +17,7 @@ from kvmesh import cli
 from kvmesh.engine.config import EngineConfig, load_config
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import rbac
-from kvmesh.operator.crd import ENGINE_SETTINGS, Pool, SpecError, load_pool_file, parse_pool
+from kvmesh.operator.crd import ENGINE_SETTINGS, Pool, PoolDefaults, SpecError, load_pool_file, parse_pool
 from kvmesh.operator.desired import (
     CONFIG_HASH_ANNOTATION,
     HOST_TIER_FILL,
@@ -446,3 +446,38 @@ def test_traffic_is_estimated_from_counter_deltas_and_restarts_are_skipped() -> 
     assert t.decode_context_tokens == 300 + 100 / 2  # a decoding request attends to its prompt and half its output
     restarted = est.update(20, [("a", Counters(finished=1, in_flight=1))], 16)
     assert restarted == t  # counters fell: the interval is skipped, the last estimate stands
+
+
+def test_scheduling_and_pull_secrets_reach_each_programs_pods_and_are_valid_pod_specs() -> None:
+    """GPU nodes are tainted and labelled, and a platform keeps routers off them: engine.scheduling and
+    router.scheduling are the pod spec's own fields for each program's pods; the pool's pull Secrets go to both
+    (they run one image by default), and a pool that names its own image does not get the operator's."""
+    gpu = {"nodeSelector": {"nvidia.com/gpu.product": "H100"},
+           "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+           "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+               "weight": 50, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                 "labelSelector": {"matchLabels": {"kvmesh.io/pool": "docs"}}}}]}},
+           "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                          "whenUnsatisfiable": "ScheduleAnyway"}],
+           "priorityClassName": "inference-high", "runtimeClassName": "nvidia"}
+    doc = yaml.safe_load(DISAGGREGATED.read_text())
+    doc["metadata"]["uid"] = "uid-1"
+    doc["spec"]["engine"] = {**doc["spec"].get("engine", {}), "scheduling": gpu,
+                             "imagePullSecrets": [{"name": "regcred"}]}
+    doc["spec"]["router"] = {**doc["spec"].get("router", {}), "scheduling": {"nodeSelector": {"pool": "cpu"}}}
+    deployments = by_kind(desired_objects(parse_pool(doc)), "Deployment")
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        kubernetes_validate.validate(deployment, "1.30", strict=True)
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+        if name.endswith("-router"):
+            assert pod["nodeSelector"] == {"pool": "cpu"} and "tolerations" not in pod and "affinity" not in pod
+        else:
+            assert {k: pod[k] for k in gpu} == gpu
+    defaults = PoolDefaults(image_pull_secrets=("operator-cred",))
+    own = by_kind(desired_objects(parse_pool(yaml.safe_load(AGGREGATED.read_text()), defaults)), "Deployment")
+    assert all(d["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "operator-cred"}] for d in own.values())
+    doc = yaml.safe_load(AGGREGATED.read_text())
+    doc["spec"]["engine"] = {**doc["spec"].get("engine", {}), "image": "example.org/kvmesh:dev"}
+    other = by_kind(desired_objects(parse_pool(doc, defaults)), "Deployment")
+    assert all("imagePullSecrets" not in d["spec"]["template"]["spec"] for d in other.values())

@@ -34,3 +34,12 @@ app.kubernetes.io/component: operator
 {{- define "kvmesh.hasPrometheusOperator" -}}
 {{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
 {{- end -}}
+
+{{/* The names of imagePullSecrets, comma-separated: the operator gives them to the pools that run its image. */}}
+{{- define "kvmesh.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range .Values.imagePullSecrets -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end -}}
