@@ -737,6 +737,7 @@ SHARED_ENGINE_SETTINGS = {**{ENGINE_SETTINGS[field]: f"engine.{field}" for field
 # router's container port, probes and Service name its port, and it must find and agree with the engines.
 SHARED_ROUTER_SETTINGS = {"host": "nothing (the operator's)", "port": "router.port", "pool": "metadata.name",
                           "discovery": "nothing (the operator's)", "namespace": "metadata.namespace",
+                          "weights": "router.weights (checked there; here it replaced them whole, unchecked)",
                           **{k: v for k, v in SHARED_ENGINE_SETTINGS.items() if k in ("block_size", "hash_algo",
                                                                                      "hash_root", "model")}}
 _PORT = _int("a TCP port", 1, 65535)
