@@ -607,7 +607,8 @@ class Engine:
     def _preemption_mode(self, request: Request) -> str:
         """Swap if loading the preempted request's blocks back from the host tier (where write-through has
         put them) will beat recomputing them, by the same costs as promotion; else recompute."""
-        if self.tiers is None or "host" not in self.tiers.tiers or not self.kv.enable_prefix_cache:
+        if self.tiers is None or "host" not in self.tiers.tiers or not self.kv.enable_prefix_cache \
+                or request.cache_limit is not None:  # one reading its prompt's logprobs is never loaded back
             return "recompute"
         chain = self.kv.prefix_hashes(request.request_id, request.token_ids, request.extra)
         if self.tiers.plan(chain)[1] == 0:
@@ -931,7 +932,8 @@ class Engine:
         if finish is None:
             if r.num_generated >= p.max_tokens or r.num_tokens >= self.max_model_len:
                 finish = "length"
-                r.text += r.detokenizer.flush()  # a half character no later token will complete
+                if r.handoff_ttl is None:  # a prefill for another pod leaves a half character to the pod going on
+                    r.text += r.detokenizer.flush()  # a half character no later token will complete
                 sendable = len(r.text)
             else:
                 sendable = sendable_length(r.text, len(r.emitted_text), p.stop)

@@ -36,7 +36,7 @@ MAX_LOGIT_BIAS = 100.0  # logit_bias values: -100 to 100
 MAX_REPETITION_PENALTY = 10.0  # vLLM takes any positive value; past this every seen token is all but forbidden
 # what the chat template is given by the engine itself: chat_template_kwargs may not replace them
 TEMPLATE_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                                    "pad_token", "unk_token"})
+                                    "pad_token", "unk_token", "raise_exception", "strftime_now"})
 MAX_N = 16  # choices per prompt
 # The sequences one request may start: a completion's prompts times `n`, each one engine request and one choice of
 # the answer. OpenAI caps a request's choices at 128 (its bound on `n`); a list of prompts shares that bound, so one

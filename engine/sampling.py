@@ -72,9 +72,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidParam naming the first parameter outside its range."""
-        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
-            raise InvalidParam("max_tokens", f"max_tokens must be at least 1 (0 only for the prompt's logprobs), "
-                                             f"got {self.max_tokens}")
+        if self.max_tokens < 0:  # 0: the prompt alone (echo), which the API allows only with echo
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
                                              f"got {self.min_tokens}")
@@ -162,9 +161,12 @@ def prompt_vocabulary(prompt_ids: Sequence[int]) -> torch.Tensor:
 
 
 def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int], prompt: torch.Tensor | None) -> None:
-    """Penalties, in place on one row: vLLM's repetition penalty over the tokens of the prompt (`prompt`, its
-    distinct ids) and the output, then OpenAI's presence (once per token generated) and frequency (once per time),
-    then logit_bias."""
+    """logit_bias and the penalties, in place on one row, in vLLM's order: the bias, then vLLM's repetition penalty
+    over the tokens of the prompt (`prompt`, its distinct ids) and the output, then OpenAI's presence (once per
+    token generated) and frequency (once per time)."""
+    if p.logit_bias:  # first, as vLLM's sampler applies it before the penalties (the repetition one scales it)
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
     if p.penalizes_repeats:
         seen = torch.tensor(list(generated), dtype=torch.long, device=logits.device)
         if prompt is not None:
@@ -174,9 +176,6 @@ def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int], p
     if generated and (p.presence_penalty or p.frequency_penalty):
         counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1])
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), device=logits.device)
-        logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
 
 
 def _apply_masks(logits: torch.Tensor, masks: Masks) -> None:

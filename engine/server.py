@@ -589,7 +589,10 @@ class _Completions:
             text = _logprob_token(self.engine, token)
             tokens.append(text)
             lps.append(logprob)
-            tops.append(None if top is None else {_logprob_token(self.engine, tid): lp for tid, lp in top})
+            # the token itself among its alternatives, as OpenAI's and vLLM's legacy completions give them (up to
+            # k + 1 entries: lm-eval reads max(top_logprobs) against the token's own)
+            tops.append(None if top is None or logprob is None else
+                        {**{_logprob_token(self.engine, tid): lp for tid, lp in top}, text: logprob})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset

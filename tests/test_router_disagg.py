@@ -146,6 +146,20 @@ def test_a_stop_string_that_begins_in_the_prefill_pod_s_token_ends_the_split_ans
     wait_nothing_in_flight(router)
 
 
+def test_a_first_token_that_is_half_a_character_is_sent_once(pool: dict[str, str], router: Router) -> None:
+    """Token 142 is the byte 0xC3, the first half of a two-byte character: the prefill pod, whose output ends at its
+    forced single token, leaves it to the decode pod (which holds it back until the character completes, or sends
+    the replacement character when it cannot) instead of flushing a replacement character the decode pod then
+    sends again."""
+    body = {"prompt": tokens(44, 90), "max_tokens": 3, "temperature": 0, "logit_bias": {"142": 100},
+            "cache_salt": "half-character"}
+    alone = httpx.post(pool["decode"] + "/v1/completions", json={**body, "cache_salt": "alone"}, timeout=60).json()
+    reply = httpx.post(pool["router"] + "/v1/completions", json=body, timeout=60)
+    assert reply.headers["x-kvmesh-pod"] == f"{pool['prefill']},{pool['decode']}"
+    assert reply.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+    wait_nothing_in_flight(router)
+
+
 def test_an_echo_is_answered_whole_by_one_pod(pool: dict[str, str], router: Router) -> None:
     """An echo with logprobs (an evaluation harness scoring a prompt) reads the prompt's logprobs on the pod that
     computes the prompt: the router sends it whole to a decode pod, never split (the engine refuses echo with a

@@ -128,6 +128,13 @@ def test_repetition_penalty_shrinks_the_logits_of_prompt_and_output_tokens_towar
     assert sample(torch.tensor([[1.0, 1.9]]), [reward], [0], prompts=[prompt_vocabulary([0])]).token_ids == [0]
 
 
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_vllm() -> None:
+    """vLLM's sampler adds the bias, then applies the penalties: a biased token seen in the prompt has its biased
+    logit scaled ((-1 + 2) / 3 = 0.33 beats 0), not its raw one ((-1 x 3) + 2 = -1 loses)."""
+    params = SamplingParams(temperature=0.0, repetition_penalty=3.0, logit_bias={0: 2.0})
+    assert sample(torch.tensor([[-1.0, 0.0]]), [params], [0], prompts=[prompt_vocabulary([0])]).token_ids == [0]
+
+
 def test_logit_bias_forces_and_bans_and_logprobs_stay_the_models() -> None:
     forced = sample(LOGITS, [SamplingParams(temperature=0.0, logit_bias={4: 100.0}, logprobs=True)], [0])
     assert forced.token_ids == [4]

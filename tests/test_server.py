@@ -524,8 +524,9 @@ def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_asks(client: openai.OpenA
     assert len(lp.tokens) == len(context) + len(continuation) + 1
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
-    assert all(len(top) == 1 and x <= max(top.values()) + 1e-6
-               for x, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    # each token among its alternatives (vLLM's and OpenAI's shape: the top 1 plus the token, one entry when equal)
+    assert all(top[token] == x and 1 <= len(top) <= 2 and x <= max(top.values())
+               for token, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert second.logprobs.token_logprobs[: len(context)] == pytest.approx(lp.token_logprobs[: len(context)],
                                                                             abs=1e-4)
@@ -541,8 +542,13 @@ def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_asks(client: openai.OpenA
                                       temperature=0)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert [x for c in chunks for x in c.choices[0].logprobs.text_offset] == whole.choices[0].logprobs.text_offset
+    assert all(top == {token: x} for token, x, top in zip(whole.choices[0].logprobs.tokens[1:],
+                                                          whole.choices[0].logprobs.token_logprobs[1:],
+                                                          whole.choices[0].logprobs.top_logprobs[1:], strict=True))
     plain = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, echo=True, temperature=0)
     assert plain.choices[0].text == whole.choices[0].text and plain.choices[0].logprobs is None
+    prompt_only = client.completions.create(model=model, prompt="Once upon a time", max_tokens=0, echo=True)
+    assert prompt_only.choices[0].text == "Once upon a time" and prompt_only.usage.completion_tokens == 0
     wait_idle(served[1])
 
 

@@ -258,3 +258,20 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(mod
     assert own.decode(request.prompt_ids(own)) == "<user>Hi<no_think>"
     with pytest.raises(ValueError, match="messages cannot be set here"):
         ChatRequest(messages=messages, chat_template_kwargs={"messages": []})
+
+
+def test_template_variables_of_a_kind_the_template_cannot_use_are_a_value_error(model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """A number where a Llama 3 style template loops over `custom_tools` raised TypeError (a 500 on engine and
+    router); it is the request's error, as a template's own refusal is. The environment's functions cannot be
+    replaced by a request's variables."""
+    from kvmesh.engine.openai_types import ChatRequest
+
+    template = "{% for t in custom_tools %}{{ t }}{% endfor %}{{ strftime_now('%Y') }}{{ messages[0]['content'] }}"
+    own = Tokenizer.from_dir(_copy_tokenizer_files(model_dir, tmp_path / "tools", template))
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="TypeError"):
+        own.apply_chat_template(messages, template_kwargs={"custom_tools": 5})
+    assert own.apply_chat_template(messages, template_kwargs={"custom_tools": ["a"]}).startswith("a")
+    with pytest.raises(ValueError, match="strftime_now cannot be set here"):
+        ChatRequest(messages=messages, chat_template_kwargs={"strftime_now": "today"})

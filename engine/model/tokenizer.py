@@ -223,6 +223,9 @@ class Tokenizer:
             return self._compiled_template.render({**(template_kwargs or {}), **own})
         except TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
+        except (TypeError, AttributeError, KeyError, IndexError) as e:  # a variable of a kind the template cannot use
+            raise ValueError(f"the chat template failed on these messages or variables: {type(e).__name__}: {e}") \
+                from e
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
