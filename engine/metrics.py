@@ -279,6 +279,9 @@ class EngineMetrics:
         for c in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens,
                   self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
             c.labels(model)
+        # the model's histograms too, so that their buckets exist (at 0) before the first request ends
+        for h in (self.ttft, self.itl, self.e2e, self.request_generation_tokens):
+            h.labels(model)
         r.register(_StateCollector(state, model, cache_dtype, kv_format))
 
     def render(self) -> bytes:

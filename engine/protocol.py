@@ -340,7 +340,10 @@ class KVBlocksSnapshot:
 # ---------------------------------------------------------------------------------------------------------
 
 
-MODEL_LABEL = "model_name"  # the label every engine series carries (vLLM's): the model it serves
+# vLLM's label for the model an engine serves. Every vllm: series carries it except cache_config_info and
+# lora_requests_info, and so do the single-valued kvmesh_ gauges of engine/metrics.py's _StateCollector (its
+# gauge()); no other kvmesh_ series does (labelled families, counters, histograms, kvmesh_engine_loading)
+MODEL_LABEL = "model_name"
 
 
 class VllmMetric:
