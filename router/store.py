@@ -1,7 +1,7 @@
-"""The request log (DESIGN.md contract 6): one row per request, numbers only, never prompt text.
+"""The request log (docs/contracts.md, contract 6): one row per request, numbers only, never prompt text.
 
 Every router replica of a pool writes to the same database: a SQLite file on one machine, PostgreSQL by URL in
-Kubernetes. The operator's forecast and `kvmesh bench` read it back through this module, so the schema has one
+Kubernetes. Whatever reads it back (an analysis, the tests) reads it through this module, so the schema has one
 home. The router's edge writes through `AsyncRequestLog`, which never blocks the event loop and never lets a
 database failure reach a client.
 """
