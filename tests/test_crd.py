@@ -302,7 +302,7 @@ def test_router_weights_are_checked_as_the_router_checks_them(weights: dict[str,
     cannot say); the operator and `kvmesh up -f` refuse what the router would refuse at start (it crash-looped)."""
     with pytest.raises(SpecError, match=message):
         complete_spec(_set(example("aggregated.yaml")["spec"], "router.weights", weights))
-    with pytest.raises(SpecError, match="router.settings: weights is set by router.weights"):
+    with pytest.raises(SpecError, match=r"router\.settings: weights is set by router\.weights"):
         complete_spec(_set(example("aggregated.yaml")["spec"], "router.settings", {"weights": weights}))
     taken = complete_spec(_set(example("aggregated.yaml")["spec"], "router.weights",
                                {"prefix_weight": 2, "tier_weights": {"host": 0.5}}))
