@@ -3,7 +3,8 @@
 Only the engine knows the requests it holds, so it forecasts for itself: it samples each request's remaining
 output from the output lengths its workload class has shown, replays the next few seconds of decode steps in
 blocks, and exports usage levels at the horizon, the chance of passing OVERLOAD_USAGE, and the time left until
-the pool is exhausted. The router and the operator read these numbers and re-derive nothing.
+the pool is exhausted; it also computes levels of the peak within the horizon (`Forecast.peak_quantiles`).
+The router and the operator read these numbers and re-derive nothing.
 
 Numpy only, no model code: it runs in the metrics loop every few hundred milliseconds.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,12 +42,18 @@ class RequestLoad:
 
 @dataclass(frozen=True)
 class Forecast:
-    """Usage levels at the horizon, and two risks within it; usage may exceed 1 (demand beyond capacity)."""
+    """Usage levels at the horizon, levels of the peak within it, and two risks within it; usage may exceed 1
+    (demand beyond capacity)."""
 
     horizon_seconds: float
     usage_quantiles: dict[str, float]
     overload_probability: float
     seconds_to_exhaustion: float
+    # Levels of each sampled future's highest usage within the horizon. Not a substitute for `usage_quantiles`:
+    # the operator adds the pool's arrivals held at the horizon to the pods' usage at the horizon, and adding
+    # them to the peak (which is mostly now, before the requests held now end) counted a steady pool twice (1.5x
+    # the replica-seconds in the Azure study); the peak is a floor of the window's demand beside it.
+    peak_quantiles: dict[str, float] = field(default_factory=dict)
 
 
 def _exponential_prior(mean_tokens: float, n: int) -> np.ndarray:
@@ -192,17 +199,18 @@ def forecast_usage(
     """Forecast device KV usage over the next `horizon_seconds` from the requests the engine holds.
 
     Time advances in decode steps (horizon_seconds / decode_step_seconds, at least one); the engine passes the time
-    per output token of a decoding request (its step time over the tokens a step outputs per request, more than
-    one with speculative decoding), so a request's growth of one token per step holds. Pending prefill is
-    computed first, in the order of `requests`, at `prefill_tokens_per_second`; a request starts decoding when
-    its prompt is done and then grows one token per step until its sampled remaining output is spent, when it
-    releases all its blocks. Each of `n_samples` futures is evaluated at up to `grid_points` + 1 step indices
-    spanning [0, horizon]. The look-ahead window is the horizon: `overload_probability` is the share of futures
-    whose usage passes OVERLOAD_USAGE at some grid point of it, and `seconds_to_exhaustion` is the median over
-    futures of the first time demand reaches `total_blocks` (interpolated between grid points), math.inf when
-    fewer than half the futures get there within the horizon. `pinned_blocks` are held outside any request (a
-    handoff's handle, a peer's fetch) for the whole window: counted in every future, as the usage gauge counts
-    them. Deterministic for a given seed.
+    per output token of a decoding request (its step time over the tokens a step outputs per request, more than one
+    with speculative decoding), so a request's growth of one token per step holds. Pending prefill is computed
+    first, in the order of `requests`, at `prefill_tokens_per_second`; a request starts decoding when its prompt is
+    done and then grows one token per step until its sampled remaining output is spent, when it releases all its
+    blocks. Each of `n_samples` futures is evaluated at up to `grid_points` + 1 step indices spanning [0, horizon];
+    `usage_quantiles` are quantiles over futures of their usage at the horizon, `peak_quantiles` of each one's peak
+    over the points (which the horizon's value misses when requests grow and end inside the window). The look-ahead
+    window is the horizon: `overload_probability` is the share of futures whose usage passes OVERLOAD_USAGE at some
+    grid point of it, and `seconds_to_exhaustion` is the median over futures of the first time demand reaches
+    `total_blocks` (interpolated between grid points), math.inf when fewer than half the futures get there within
+    the horizon. `pinned_blocks` are held outside any request (a handoff's handle, a peer's fetch) for the whole
+    window: counted in every future, as the usage gauge counts them. Deterministic for a given seed.
     """
     if total_blocks <= 0 or block_size <= 0 or n_samples <= 0 or grid_points <= 0:
         raise ValueError("total_blocks, block_size, n_samples and grid_points must be positive")
@@ -211,7 +219,7 @@ def forecast_usage(
     if not requests:
         usage = pinned_blocks / total_blocks
         return Forecast(horizon_seconds, dict.fromkeys(FORECAST_LEVELS, usage), float(usage > OVERLOAD_USAGE),
-                        0.0 if pinned_blocks >= total_blocks else math.inf)
+                        0.0 if pinned_blocks >= total_blocks else math.inf, dict.fromkeys(FORECAST_LEVELS, usage))
 
     horizon_steps = max(1, math.floor(horizon_seconds / decode_step_seconds + 1e-9))
     beyond = min(horizon_steps + 1, _MAX_TOKENS // 2)  # any step past the window: later is the same to us
@@ -252,10 +260,12 @@ def forecast_usage(
     held += pinned_blocks
     usage = held / total_blocks  # (grid, samples)
 
-    at_horizon = usage[-1]
-    levels = np.quantile(at_horizon, [_LEVEL_Q[level] for level in FORECAST_LEVELS])
-    quantiles = {level: float(v) for level, v in zip(FORECAST_LEVELS, levels, strict=True)}
+    qs = [_LEVEL_Q[level] for level in FORECAST_LEVELS]
+    quantiles = {level: float(v) for level, v in zip(FORECAST_LEVELS, np.quantile(usage[-1], qs), strict=True)}
+    # Each future's peak within the window: requests that grow and finish inside it peak in its middle, and the
+    # horizon's value sees them gone (0 where 130 %).
+    peaks = {level: float(v) for level, v in zip(FORECAST_LEVELS, np.quantile(usage.max(axis=0), qs), strict=True)}
     overload = float((usage > OVERLOAD_USAGE).any(axis=0).mean())
     crossing = np.sort(_first_crossing(held, grid, float(total_blocks)))
     exhaustion = float(crossing[(n_samples - 1) // 2]) * decode_step_seconds
-    return Forecast(horizon_seconds, quantiles, overload, exhaustion)
+    return Forecast(horizon_seconds, quantiles, overload, exhaustion, peaks)

@@ -63,8 +63,9 @@ DATABASE_URL_ENV = "KVMESH_DATABASE_URL"  # the router's request-log URL, from s
 OPERATOR_ENV = ("HOME", CACHE_DIR_ENV, DATABASE_URL_ENV, CACHE_SALT_SECRET_ENV)
 SECRET_KEY = r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # a Secret's data key: a plain file name, never . or .. or a path
 API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds the keys file, by default
-# AdaptersLoaded only for pools with adapters; RouterStateShared: desired.router_state
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "RouterStateShared")
+# AdaptersLoaded only for pools with adapters; RouterStateShared: desired.router_state; MetricsAvailable: once a pod
+# did not answer a scrape (handlers)
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "RouterStateShared", "MetricsAvailable")
 # A Kubernetes resource quantity, as the API server parses one (not negative): a number, then a binary suffix
 # (Ki .. Ei), a decimal one (n u m k M G T P E) or an exponent. The looser pattern controller-gen writes let
 # 1.2.3 or 4GiGi through, which the API server then refused for the Deployment, failing the reconcile.

@@ -3,7 +3,10 @@
 Each engine exports its own KV forecast; the operator re-derives none of it. What no pod knows is the pool's
 traffic: the operator estimates the arrival rate, its trend, and the mean request (blocks held, time held,
 uncached prompt and output tokens) from the engines' counters between two scrapes. Arrivals are counted by
-conservation: requests finished plus the growth of those running or waiting.
+conservation, pod by pod: requests ended (every finish reason: an aborted request arrived too) plus the growth
+of those running or waiting, over the pods seen at both scrapes, plus everything a pod counted that was not
+seen before (a scale-up's pod, a restarted one). A pod that left takes its last interval with it. In a
+disaggregated pool every request passes a prefill pod and a decode pod: it is counted once, on the KV roles.
 
 Pure: `parse_pod` reads one exposition text, `TrafficEstimator` turns successive pool totals into rates, and
 `Scaler` feeds both to `scaling.decide` tick after tick (for the operator's timer and for `kvmesh up`).
@@ -12,6 +15,7 @@ Pure: `parse_pod` reads one exposition text, `TrafficEstimator` turns successive
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +43,7 @@ _GAUGES = {
     Metric.DECODE_STEP_SECONDS: "decode_step_seconds",
 }
 _COUNTERS = {  # name as exposed -> Counters field
-    f"{VllmMetric.E2E}_count": "finished",
+    f"{VllmMetric.E2E}_count": "timed",
     f"{VllmMetric.E2E}_sum": "finished_seconds",
     f"{VllmMetric.PROMPT_TOKENS}_total": "prompt_tokens",
     f"{VllmMetric.GENERATION_TOKENS}_total": "output_tokens",
@@ -47,9 +51,25 @@ _COUNTERS = {  # name as exposed -> Counters field
 }
 
 
+# Requests ended, by finish reason (stop, length, abort, error): labelled, so not among read_engine_metrics' values.
+_REQUESTS_SAMPLE = re.compile(rf"^{Metric.REQUESTS}_total(?:{{[^}}]*}})?[ \t]+(\S+)", re.MULTILINE)
+
+
+def requests_ended(text: str) -> float | None:
+    """Requests an engine ended, summed over every finish reason (kvmesh_requests_total); None when it exports
+    none. vllm:e2e_request_latency_seconds counts only those that stopped or hit their length: an aborted or
+    failed request (a client that gave up under overload) arrived all the same, and must not vanish from the
+    arrival count."""
+    found = [float(v) for v in _REQUESTS_SAMPLE.findall(text)]
+    found = [v for v in found if math.isfinite(v)]
+    return sum(found) if found else None
+
+
 @dataclass(frozen=True)
 class Counters:
-    """A pod's (or the pool's) cumulative counters and its requests in flight."""
+    """A pod's (or the pool's) cumulative counters and its requests in flight. `finished` counts every request
+    that ended (any finish reason), `timed` those whose end-to-end time is in `finished_seconds` (stop, length);
+    `timed` 0 with `finished_seconds` set means both count the same requests."""
 
     finished: float = 0.0
     finished_seconds: float = 0.0
@@ -57,13 +77,28 @@ class Counters:
     output_tokens: float = 0.0
     cached_tokens: float = 0.0
     in_flight: float = 0.0
+    timed: float = 0.0
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
 
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(*(a - b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
+
     def astuple(self) -> tuple[float, ...]:
         return (self.finished, self.finished_seconds, self.prompt_tokens, self.output_tokens, self.cached_tokens,
-                self.in_flight)
+                self.in_flight, self.timed)
+
+    def fell_below(self, earlier: Counters) -> bool:
+        """Whether a cumulative counter fell since `earlier`: the engine restarted (in flight is a gauge)."""
+        now, then = self.astuple(), earlier.astuple()
+        return any(a < b for i, (a, b) in enumerate(zip(now, then, strict=True)) if i != 5)
+
+    @property
+    def seconds_per_request(self) -> float:
+        """Mean end-to-end seconds of the requests timed; 0: none."""
+        timed = self.timed or self.finished
+        return self.finished_seconds / timed if timed > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +114,8 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
     m = read_engine_metrics(text)
     values = {field: m.values[exposed] for exposed, field in _GAUGES.items() if exposed in m.values}
     counters = {field: m.values[exposed] for exposed, field in _COUNTERS.items() if exposed in m.values}
+    ended = requests_ended(text)  # an engine older than the counter: the timed ones are all it says
+    counters["finished"] = ended if ended is not None else counters.get("timed", 0.0)
     running, waiting = int(values.pop("running", 0)), int(values.pop("waiting", 0))
     observation = PodObservation(name=name, role=role, num_blocks=m.num_blocks or 0, forecast=m.forecast_usage,
                                  running=running, waiting=waiting, decode_step_cost=read_decode_step_cost(m.values),
@@ -106,40 +143,68 @@ class Traffic:
     decode_context_tokens: float = 0.0  # a decoding request's KV tokens, mean over its outputs: prompt + output / 2
 
 
+KV_ROLE_NAMES = ("decode", "both")  # the roles a request ends on exactly once (scaling.KV_ROLES)
+FORGET_AFTER_UPDATES = 40  # a pod unseen for this many scrapes is forgotten (it left)
+
+
 @dataclass
 class TrafficEstimator:
-    """Rates from successive pool totals. A pod that restarts (its counters fall) or leaves makes a total fall:
-    that interval is skipped rather than read as negative traffic. The trend is `rate_trend` over the last
+    """Rates from successive scrapes of the pool's pods, counted pod by pod. A pod seen at the last scrape adds
+    what its counters grew by; one not seen then (a scale-up's pod, or a pod that restarted: its counters fell)
+    adds all it counted, since all of it arrived after it started; one seen earlier but not at the last scrape
+    (a missed scrape) adds what grew since it was last seen. A pod that left is dropped with its last interval.
+    Skipping every interval in which the set of pods changed, as an earlier version did, froze the rate through
+    a scale-up, which always adds a pod. Arrivals are counted on the KV roles (decode, both) only: a
+    disaggregated pool's request also ends on a prefill pod (max_tokens 1), and counting both doubled the rate;
+    the uncached prompt is read where prompts are computed (the prefill pods, when there are any), the rest of
+    the request (output, time held, blocks) where the KV is held. The trend is `rate_trend` over the last
     `trend_points` rates."""
 
     trend_points: int = 6
-    _last: tuple[float, frozenset[str], Counters] | None = None
+    _last: float | None = None  # the time of the last scrape
+    _known: dict[str, tuple[int, Counters]] = field(default_factory=dict)  # pod -> (update seen, counters)
+    _updates: int = 0
     _rates: deque[tuple[float, float]] = field(default_factory=deque)
     _traffic: Traffic = field(default_factory=Traffic)
 
-    def update(self, now: float, pods: Iterable[tuple[str, Counters]], block_size: int) -> Traffic:
-        pods = list(pods)
-        names = frozenset(name for name, _ in pods)
-        total = sum((c for _, c in pods), Counters())
-        last, self._last = self._last, (now, names, total)
-        if last is None or last[1] != names or now <= last[0]:
+    def update(self, now: float, pods: Iterable[tuple[str, Counters]], block_size: int,
+               roles: Mapping[str, str] | None = None) -> Traffic:
+        """The traffic as of `now` from each answering pod's counters; `roles` (pod -> role, default both) says
+        which pods count arrivals (`KV_ROLE_NAMES`) and which compute prompts (prefill)."""
+        last, known = self._last, self._known
+        if last is not None and now <= last:  # no time passed: nothing to read (the counters wait for the next)
             return self._traffic
-        dt = now - last[0]
-        d = Counters(*(a - b for a, b in zip(total.astuple(), last[2].astuple(), strict=True)))
-        if min(d.finished, d.prompt_tokens, d.output_tokens, d.cached_tokens) < 0:
+        pods, roles = list(pods), roles or {}
+        self._updates += 1
+        grew: dict[str, Counters] = {}
+        for name, counters in pods:
+            before = known.get(name)
+            grew[name] = counters if before is None or counters.fell_below(before[1]) else counters - before[1]
+            known[name] = (self._updates, counters)
+        for name in [n for n, (seen, _) in known.items() if seen < self._updates - FORGET_AFTER_UPDATES]:
+            del known[name]
+        self._last = now
+        if last is None:  # the first scrape: counters with no earlier value say nothing of a rate
             return self._traffic
-        arrived = max(0.0, d.finished + d.in_flight)
-        rate = arrived / dt
+        dt = now - last
+        kv = [d for name, d in grew.items() if roles.get(name, "both") in KV_ROLE_NAMES] or list(grew.values())
+        prefill = [d for name, d in grew.items() if roles.get(name, "both") == "prefill"]
+        d = sum(kv, Counters())
+        rate = max(0.0, d.finished + d.in_flight) / dt
         self._rates.append((now, rate))
         while len(self._rates) > self.trend_points:
             self._rates.popleft()
         previous = self._traffic
         if d.finished > 0:
             prompt, output = d.prompt_tokens / d.finished, d.output_tokens / d.finished
+            computed = sum(prefill, Counters())
+            if computed.finished <= 0:
+                computed = d
+            uncached = max(0.0, (computed.prompt_tokens - computed.cached_tokens) / computed.finished)
             per_request = Traffic(blocks_per_request=math.ceil((prompt + output) / block_size),
-                                  request_seconds=d.finished_seconds / d.finished,
-                                  uncached_prompt_tokens=max(0.0, prompt - d.cached_tokens / d.finished),
-                                  output_tokens=output, decode_context_tokens=prompt + output / 2)
+                                  request_seconds=d.seconds_per_request or previous.request_seconds,
+                                  uncached_prompt_tokens=uncached, output_tokens=output,
+                                  decode_context_tokens=prompt + output / 2)
         else:
             per_request = previous
         self._traffic = Traffic(rate, rate_trend(list(self._rates)), per_request.blocks_per_request,
@@ -199,17 +264,18 @@ class Scaler:
     history: tuple[Recommendation, ...] = ()
 
     def observe(self, now: float, metrics: list[PodMetrics], replicas: Mapping[str, int], held_requests: int = 0,
-                idle_seconds: float = 0.0) -> Decision:
+                idle_seconds: float = 0.0, unobserved: Mapping[str, int] | None = None) -> Decision:
         """The next decision; `held_requests` (summed over the routers) and `idle_seconds` (memory.IdleClock) feed
-        scale to zero."""
+        scale to zero; `unobserved`: per role, Ready pods that did not answer (no scale-down for their role)."""
         traffic = self.traffic.update(now, [(m.observation.name, m.counters) for m in metrics],
-                                      self.pool.spec["engine"]["blockSize"])
+                                      self.pool.spec["engine"]["blockSize"],
+                                      {m.observation.name: m.observation.role for m in metrics})
         observation = PoolObservation(
             now=now, pods=[m.observation for m in metrics], replicas=replicas, arrival_rate=traffic.arrival_rate,
             arrival_rate_slope=traffic.arrival_rate_slope, blocks_per_request=traffic.blocks_per_request,
             request_seconds=traffic.request_seconds, uncached_prompt_tokens=traffic.uncached_prompt_tokens,
             output_tokens=traffic.output_tokens, decode_context_tokens=traffic.decode_context_tokens,
-            held_requests=held_requests, idle_seconds=idle_seconds)
+            held_requests=held_requests, idle_seconds=idle_seconds, unobserved=dict(unobserved or {}))
         decision = decide(observation, scaling_policy(self.pool), self.history)
         self.history = decision.history
         return decision

@@ -19,8 +19,8 @@ its memory of a pool, its HTTP calls to engines) live in kopf-free modules, so a
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
@@ -161,7 +161,11 @@ class OperatorConfig:
     health_port: int | None = None  # serve kopf's liveness probe at /healthz here
     election: Election | None = None  # reconcile only while holding this Lease; None: always (one replica)
     pool_defaults: PoolDefaults = field(default_factory=PoolDefaults.from_env)  # the image and ports pools default to
-    clock: Callable[[], float] = field(default=lambda: datetime.datetime.now(datetime.UTC).timestamp())
+    # The scaling clock: the timer's gate, the stabilization history, the traffic estimate and the idle clock all
+    # measure intervals, which a wall clock's NTP step would break (a step back stopped evaluations until the
+    # clock caught up, a step forward emptied the scale-down window at once). None of these times is persisted:
+    # status holds wall-clock stamps only (now_timestamp), and a restarted operator starts its history afresh.
+    clock: Callable[[], float] = time.monotonic
 
 
 def pod_url(pod: Mapping[str, Any], port: int) -> str:
@@ -179,9 +183,36 @@ def addressable(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [p for p in pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
 
 
+def unanswered(pods: list[dict[str, Any]], scraped: list[PodMetrics]) -> dict[str, list[str]]:
+    """Per role, the Ready engine pods that did not answer their scrape (sorted names): pods that serve but whose
+    load the scaler cannot see, so that it must not shrink their role (a starting pod, not Ready, has no load)."""
+    answered = {m.observation.name for m in scraped}
+    missing: dict[str, list[str]] = {}
+    for pod in addressable(pods):
+        if pod_ready(pod) and pod["metadata"]["name"] not in answered:
+            missing.setdefault(pod["metadata"]["labels"].get(ROLE_LABEL, "both"), []).append(pod["metadata"]["name"])
+    return {role: sorted(names) for role, names in missing.items()}
+
+
+def deployed_replicas(replicas: Mapping[str, int], deployments: Mapping[str, Mapping[str, Any]],
+                      bounds: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+    """Each role's replicas as its Deployment's spec has them now (within the role's bounds), else `replicas`
+    (the last decided, from status): the pods that exist or start. A `kubectl scale` of a Deployment is then
+    what the decision starts from and is patched back when it differs from the decision; read from status it
+    stayed, since the decision equalled the number recorded and nothing was patched."""
+    out = dict(replicas)
+    for role in replicas:
+        spec = (deployments.get(role) or {}).get("spec") or {}
+        if isinstance(spec.get("replicas"), int):
+            low, high = bounds[role]
+            out[role] = min(max(spec["replicas"], low), high)
+    return out
+
+
 def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodMetrics]:
     """Scrape the /metrics of every engine pod with an address, Ready or not (a new pod answers them before its
-    warm-up gate lets it be Ready), all at once (`scrape_all`); a pod that does not answer is left out."""
+    warm-up gate lets it be Ready), all at once (`scrape_all`); a pod that does not answer is left out (the
+    Ready ones among them are named by `unanswered`)."""
     ready = addressable(pods)
     texts = scrape_all({p["metadata"]["name"]: pod_url(p, port) + "/metrics" for p in ready}, scrape)
     scraped: list[PodMetrics] = []
@@ -341,6 +372,9 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}
+    else:  # what exists, so that a Deployment scaled by hand is scaled back to the decision
+        replicas = deployed_replicas(replicas, deployments, {role: pool.bounds(role) for role in pool.roles})
+    missing_metrics = unanswered(pods, scraped)
     routers = RouterView()
     if "scaleToZero" in pool.spec["scaling"]:  # a pool at 0 learns of its first request from the routers holding it
         router_pods = kube.list("v1", "pods", pool.namespace,
@@ -350,14 +384,13 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         if any(pod_ready(p) and p["metadata"]["name"] not in answered for p in pods):
             routers = replace(routers, unseen=True)
     idle = state.idle.update(now, scraped, routers)
-    decision = state.scaler_for(pool).observe(now, scraped, replicas, routers.held, idle)
+    decision = state.scaler_for(pool).observe(now, scraped, replicas, routers.held, idle,
+                                              {role: len(names) for role, names in missing_metrics.items()})
     hit_rates = pod_hit_rates(state, now, scraped)
     for role, n in decision.changed(replicas).items() if operator_scales else ():
         message = decision.describe(role, replicas)
         if n < replicas[role]:
-            for name, cost in deletion_costs(role, scraped, hit_rates).items():
-                kube.patch("v1", "pods", pool.namespace, name,
-                           {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(cost)}}})
+            write_deletion_costs(kube, pool, role, pods, scraped, hit_rates)
         kube.patch("apps/v1", "deployments", pool.namespace, desired.engine_name(pool, role), {"spec": {"replicas": n}})
         kopf.event(body, type="Normal", reason="Scaled", message=message)
         log.info("pool %s/%s %s", pool.namespace, pool.name, message)
@@ -379,6 +412,14 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     found = pool_conditions(pool.roles, replicas, deployments, desired.retained_roles(pool, deployments))
     for c in found:
         conditions = state.condition(status, c.kind, c.value, c.reason, c.message, generation)
+    if missing_metrics:  # the HPA's ScalingActive/FailedGetPodsMetric: say why a role is not scaled down
+        names = "; ".join(f"{role}: {', '.join(n)}" for role, n in sorted(missing_metrics.items()))
+        conditions = state.condition(status, "MetricsAvailable", False, "PodsNotAnswering",
+                                     f"Ready pods did not answer /metrics, so their roles are not scaled down: "
+                                     f"{names}", generation)
+    elif any(c.get("type") == "MetricsAvailable" for c in state.conditions or []):
+        conditions = state.condition(status, "MetricsAvailable", True, "PodsAnswering",
+                                     "every Ready engine pod answered /metrics", generation)
     if not any(c.kind == "Degraded" for c in found) and any(
             c.get("type") == "Degraded" and c.get("reason") == "RolloutStuck" for c in conditions):
         conditions = state.condition(status, "Degraded", False, "Reconciled", "the rollout went on", generation)
@@ -392,6 +433,22 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     patch.status["lastDecision"] = {"time": now_timestamp(), "reason": "; ".join(
         f"{r}: {d.reason}" for r, d in decision.roles.items()), "replicas": dict(decision.replicas)}
     return decision
+
+
+def write_deletion_costs(kube: Kube, pool: Pool, role: str, pods: list[dict[str, Any]], scraped: list[PodMetrics],
+                         hit_rates: Mapping[str, float]) -> None:
+    """Before a role shrinks, write the pod-deletion cost on every pod of the role (`scale_in.deletion_costs`):
+    one left without (not scraped this tick) would keep a cost from an earlier scale-in, or read as 0 and tie
+    with the coldest pod. A pod gone since the listing is skipped."""
+    names = [p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")
+             and p["metadata"]["labels"].get(ROLE_LABEL, "both") == role]
+    for name, cost in deletion_costs(role, scraped, hit_rates, names).items():
+        try:
+            kube.patch("v1", "pods", pool.namespace, name,
+                       {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(cost)}}})
+        except ApiException as exc:
+            if exc.status != HTTPStatus.NOT_FOUND:
+                raise
 
 
 def finish_switch(kube: Kube, pool: Pool, body: kopf.Body,

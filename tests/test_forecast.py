@@ -70,9 +70,21 @@ def test_finished_requests_free_their_blocks() -> None:
     now = (math.ceil(100 / 16) * 2) / 100
     f = run([ends, lives], model)
     assert f.usage_quantiles["p99"] == 8 / 100 < now
+    assert f.peak_quantiles["p99"] == now  # the window's peak is now, before the first ends
     # At the step it finishes, a request holds nothing; one step earlier it holds everything.
     assert run([ends], model, horizon_seconds=0.5).usage_quantiles["p50"] == 0.0
     assert run([ends], model, horizon_seconds=0.45).usage_quantiles["p50"] == math.ceil(109 / 16) / 100
+
+
+def test_the_peak_within_the_horizon_is_forecast_beside_the_horizons_value() -> None:
+    """Requests that grow to fill the cache and finish within the window: the horizon's value sees none of it, the
+    peak levels see it full (the reviewer's case: 0 at the horizon where each pod would need 130 %)."""
+    grow = [RequestLoad(100, 0, 1000, CLASS) for _ in range(10)]  # 50 tokens each, gone at step 50 of 60
+    f = run(grow, known_lengths(50), total_blocks=100, horizon_seconds=3.0)
+    assert f.usage_quantiles["p50"] == 0.0
+    assert f.peak_quantiles["p50"] == pytest.approx(10 * math.ceil(149 / 16) / 100)  # full at step 49
+    assert f.overload_probability == 1.0
+    assert run([], OutputLengthModel(), pinned_blocks=30).peak_quantiles == dict.fromkeys(FORECAST_LEVELS, 0.3)
 
 
 def test_pending_prefill_arrives_first_then_decoding_starts() -> None:

@@ -180,7 +180,7 @@ def test_the_trend_is_followed_until_the_pods_asked_for_now_serve() -> None:
     9 pods)."""
     pods = [pod(f"p{i}", 0.0, 0.0, 0.0, 0.0) for i in range(4)]
     obs = PoolObservation(0, pods, {"both": 4}, arrival_rate=10.0, arrival_rate_slope=0.1, blocks_per_request=40,
-                          request_seconds=10)
+                          request_seconds=10, blocks_per_request_cv2=0.0)  # requests of one size: a plain Poisson
     bounds = {"min_replicas": {"both": 1}, "max_replicas": {"both": 16}, "horizon_seconds": 90}
     ready_in_60 = ScalingPolicy(**bounds, startup_seconds=60)  # type: ignore[arg-type]
     assert arrivals(obs, 90, ready_in_60.trend_seconds).rate == pytest.approx(16.0)

@@ -93,15 +93,15 @@ def test_the_hpa_rule_with_its_tolerance_and_scale_down_window() -> None:
 
 
 def test_the_predictive_policy_is_the_operators_decision_on_the_pools_traffic() -> None:
-    ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+    ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}), exact_arrivals=True)
     quiet = ours.pool_observation(observation([0.1, 0.1], arrivals=30))
     assert quiet.arrival_rate == pytest.approx(2.0) and quiet.replicas == {"both": 2}
     # 20 requests/s, each holding ceil(1,200 / 128) = 10 blocks for 10 s (from the counters): 2,000 blocks more
     finished = Counters(finished=10, finished_seconds=100.0, prompt_tokens=10_000, output_tokens=2_000)
-    busy = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+    busy = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}), exact_arrivals=True)
     seen = busy.pool_observation(observation([0.5, 0.5], arrivals=300, counters=finished))
     assert (seen.blocks_per_request, seen.request_seconds, seen.output_tokens) == (10, 10.0, 200.0)
-    busy = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+    busy = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}), exact_arrivals=True)
     assert busy.desired(observation([0.5, 0.5], arrivals=300, counters=finished)) > 2
 
 
@@ -109,7 +109,7 @@ def test_the_simulated_operator_reads_the_rate_trend_as_the_operator_does() -> N
     """The same trend as operator/forecast.py: a steady ramp keeps its slope, a burst that turned (30, 45, then
     38 requests/s) projects none (a plain least-squares fit would read +0.27 requests/s per second)."""
     def slope(rates: list[int]) -> float:
-        ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+        ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}), exact_arrivals=True)
         seen = [ours.pool_observation(observation([0.1], now=15.0 * i, arrivals=15 * r)) for i, r in enumerate(rates)]
         return seen[-1].arrival_rate_slope
 
@@ -156,7 +156,7 @@ def test_the_simulated_engines_fit_their_step_cost_and_the_operator_sizes_for_th
     assert cost is not None
     for batch in (1, 10, 40):
         assert cost.seconds(batch, batch * 300) == pytest.approx(latency.step_seconds(batch), rel=0.01)
-    ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}, itl_seconds=0.03))
+    ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}, itl_seconds=0.03), exact_arrivals=True)
     obs = ours.pool_observation(seen[-1])
     assert obs.pods[0].decode_step_cost == cost and obs.decode_context_tokens > 200
     # within 30 ms a pod batches 41 sequences (10 ms + 40 x 0.5 ms): 41 / 0.03 tokens/s

@@ -9,8 +9,9 @@ for, whatever the trace's speed-up):
   80 %), with its 10 % tolerance and 5-minute scale-down stabilization;
 - kvmesh: the operator's own pure decision (operator/scaling.py: the engines' KV forecasts plus the pool's
   arrivals), fed what the operator reads in production: each engine's forecast (engine/forecast.py, computed
-  by the simulated instance over its own requests) and the traffic over the last period (counted exactly here,
-  where the operator estimates it from the engines' counters).
+  by the simulated instance over its own requests) and the traffic as the operator's own estimator
+  (operator/forecast.py `TrafficEstimator`) reads it from the ready instances' counters, scrape after scrape
+  (`exact_arrivals` counts them exactly instead: the simulator's oracle, to measure what the estimate costs).
 
 The target is read against the HPA rule at the same utilization target (fewer violations, replica-seconds
 ratio), and at equal cost: the reactive rule also runs with lower targets (which spend more), and kvmesh is
@@ -113,7 +114,11 @@ class PredictivePolicy:
     name: str = "kvmesh (forecast)"
     period_seconds: float = PERIOD_SECONDS
     trend_points: int = TrafficEstimator.trend_points  # as the operator reads the trend
+    exact_arrivals: bool = False  # the simulator's exact counts instead of the operator's estimator (an oracle)
     _history: tuple[scaling.Recommendation, ...] = ()
+    _traffic: TrafficEstimator = field(default_factory=TrafficEstimator)
+    _seen_finished: dict[str, int] = field(default_factory=dict)  # per instance, its finished counter last seen
+    _apportioned: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # seconds, output, cached
     _rates: deque[tuple[float, float]] = field(default_factory=deque)
     _per_request: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     _context: float = 0.0  # KV tokens a decoding request attends to, mean
@@ -128,8 +133,36 @@ class PredictivePolicy:
         self._history = decision.history
         return decision.replicas[ROLE]
 
+    def instance_counters(self, obs: Observation) -> list[tuple[str, forecast.Counters]]:
+        """Each ready instance's cumulative counters as its /metrics would show them. The simulator keeps per
+        instance its finished requests and their prompt tokens, and per period the pool's sums of their seconds,
+        output and cached tokens: those are apportioned to the instances by the requests each finished in the
+        period, so that the estimator's per-request means are the period's own."""
+        ready = [i for i in obs.instances if i.ready]
+        grown = {i.name: max(0, i.finished - self._seen_finished.get(i.name, 0)) for i in ready}
+        total, c = sum(grown.values()), obs.counters
+        out: list[tuple[str, forecast.Counters]] = []
+        for i in ready:
+            share = grown[i.name] / total if total else 0.0
+            seconds, output, cached = self._apportioned.get(i.name, (0.0, 0.0, 0.0))
+            seconds, output, cached = (seconds + share * c.finished_seconds, output + share * c.output_tokens,
+                                       cached + share * c.cached_tokens)
+            self._apportioned[i.name], self._seen_finished[i.name] = (seconds, output, cached), i.finished
+            out.append((i.name, forecast.Counters(finished=i.finished, finished_seconds=seconds,
+                                                  prompt_tokens=i.prompt_tokens, output_tokens=output,
+                                                  cached_tokens=cached, in_flight=i.running + i.waiting,
+                                                  timed=i.finished)))
+        return out
+
     def pool_observation(self, obs: Observation) -> scaling.PoolObservation:
         """What the operator builds from the engines' metrics and counters (operator/handlers.py's tick)."""
+        if not self.exact_arrivals:
+            traffic = self._traffic.update(obs.now, self.instance_counters(obs), BLOCK_SIZE,
+                                           {i.name: i.role for i in obs.instances})
+            return self._observation(obs, traffic.arrival_rate, traffic.arrival_rate_slope,
+                                     (traffic.blocks_per_request, traffic.request_seconds,
+                                      traffic.uncached_prompt_tokens, traffic.output_tokens),
+                                     traffic.decode_context_tokens)
         rate = obs.arrivals / obs.period_seconds
         self._rates.append((obs.now, rate))
         while len(self._rates) > self.trend_points:
@@ -141,18 +174,23 @@ class PredictivePolicy:
                                  c.finished_seconds / c.finished, (c.prompt_tokens - c.cached_tokens) / c.finished,
                                  c.output_tokens / c.finished)
             self._context = (c.prompt_tokens + c.output_tokens / 2) / c.finished  # as TrafficEstimator reads it
-        blocks, seconds, uncached, output = self._per_request
+        return self._observation(obs, rate, slope, self._per_request, self._context)
+
+    def _observation(self, obs: Observation, rate: float, slope: float,
+                     per_request: tuple[float, float, float, float], context: float) -> scaling.PoolObservation:
+        blocks, seconds, uncached, output = per_request
         pods = [scaling.PodObservation(
             i.name, i.role, i.num_blocks, i.kv_usage,
             dict(i.forecast.usage_quantiles) if i.forecast else {},
             i.forecast.overload_probability if i.forecast else 0.0, i.running, i.waiting,
-            i.prefill_tokens_per_second, i.decode_step_seconds, i.decode_step_cost) for i in obs.instances if i.ready]
+            i.prefill_tokens_per_second, i.decode_step_seconds, i.decode_step_cost,
+            dict(i.forecast.peak_quantiles) if i.forecast else {}) for i in obs.instances if i.ready]
         counters = {i.name: forecast.Counters(finished=i.finished, prompt_tokens=i.prompt_tokens)
                     for i in obs.instances}
         scraped = [PodMetrics(p, counters[p.name], BLOCK_SIZE) for p in pods]
         idle = self._idle.update(obs.now, scraped, RouterView(obs.held))
         return scaling.PoolObservation(obs.now, pods, {ROLE: obs.replicas}, rate, slope, blocks, seconds, uncached,
-                                       output, decode_context_tokens=self._context, held_requests=obs.held,
+                                       output, decode_context_tokens=context, held_requests=obs.held,
                                        idle_seconds=idle)
 
 
@@ -216,6 +254,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--itl-objective", action="store_true",
                    help="also give kvmesh's policy the ITL SLO as its objective (spec.scaling.slo.itlSeconds) and "
                         "run it beside the policy without one")
+    p.add_argument("--exact-arrivals", action="store_true",
+                   help="feed kvmesh's policy the simulator's exact arrival counts instead of the operator's "
+                        "estimate from the engines' counters (an oracle: what the estimate costs)")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write the instances over time here (PNG)")
     from kvmesh.bench import autoscale_zero  # it builds on this module's instance and policy
@@ -267,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
                                                                         horizon_seconds=args.horizon,
                                                                         startup_seconds=STARTUP_SECONDS,
                                                                         itl_seconds=itl),
+                                                  exact_arrivals=args.exact_arrivals,
                                                   name=f"kvmesh (forecast, target {t:.0%}"
                                                        + (f", ITL objective {itl:g} s)" if itl else ")")),
                        args.initial, bar.update)
