@@ -159,6 +159,11 @@ class _StateCollector:
         for level in FORECAST_LEVELS:
             usage.add_metric([level], f.usage_quantiles.get(level, 0.0) if f else 0.0)
         yield usage
+        peak = GaugeMetricFamily(M.FORECAST_PEAK, "Forecast peak device KV usage within the horizon.",
+                                 labels=["level"])
+        for level in FORECAST_LEVELS:
+            peak.add_metric([level], f.peak_quantiles.get(level, 0.0) if f else 0.0)
+        yield peak
         yield gauge(M.FORECAST_OVERLOAD, "Probability that usage passes 95 % within the horizon.",
                     f.overload_probability if f else 0.0)
         yield gauge(M.FORECAST_EXHAUSTION, "Expected seconds until the device KV pool is exhausted.",

@@ -402,6 +402,7 @@ class Metric:
     REQUESTS = "kvmesh_requests"  # counter; label finish_reason
     DRAINING = "kvmesh_draining"  # gauge 0/1
     FORECAST_USAGE = "kvmesh_kv_forecast_usage_ratio"  # gauge; label level (p50, p90, p99)
+    FORECAST_PEAK = "kvmesh_kv_forecast_peak_usage_ratio"  # gauge; label level: the peak within the horizon
     FORECAST_OVERLOAD = "kvmesh_kv_forecast_overload_probability"  # gauge
     FORECAST_EXHAUSTION = "kvmesh_kv_forecast_exhaustion_seconds"  # gauge
     FORECAST_HORIZON = "kvmesh_kv_forecast_horizon_seconds"  # gauge
@@ -615,6 +616,7 @@ class ScrapedMetrics:
     # vllm:lora_requests_info's labels, of its newest series (vLLM keeps one per label set it has shown, valued
     # with the time it was set); None when the engine exports none
     lora_info: dict[str, str] | None = None
+    forecast_peak: dict[str, float] = field(default_factory=dict)  # the peak within the horizon, by level
 
 
 def read_engine_metrics(text: str) -> ScrapedMetrics:
@@ -623,6 +625,7 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
     cannot stop its readers' arithmetic (the operator's scaling of the whole pool)."""
     values: dict[str, float] = {}
     forecast: dict[str, float] = {}
+    peak: dict[str, float] = {}
     num_blocks = block_size = None
     cache_dtype = kv_format = None
     lora: tuple[float, dict[str, str]] | None = None
@@ -630,9 +633,9 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
         for sample in family.samples:
             if not math.isfinite(sample.value):
                 continue
-            if sample.name == Metric.FORECAST_USAGE:
+            if sample.name in (Metric.FORECAST_USAGE, Metric.FORECAST_PEAK):
                 if sample.labels.get("level") in FORECAST_LEVELS:
-                    forecast[sample.labels["level"]] = sample.value
+                    (forecast if sample.name == Metric.FORECAST_USAGE else peak)[sample.labels["level"]] = sample.value
             elif sample.name == VllmMetric.CACHE_CONFIG:
                 num_blocks = int(float(sample.labels.get("num_gpu_blocks", 0)))
                 block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
@@ -644,4 +647,4 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
             elif set(sample.labels) <= {MODEL_LABEL}:
                 values[sample.name] = sample.value
     return ScrapedMetrics(values, forecast, num_blocks, block_size, cache_dtype, kv_format,
-                          lora[1] if lora is not None else None)
+                          lora[1] if lora is not None else None, peak)

@@ -118,6 +118,7 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
     counters["finished"] = ended if ended is not None else counters.get("timed", 0.0)
     running, waiting = int(values.pop("running", 0)), int(values.pop("waiting", 0))
     observation = PodObservation(name=name, role=role, num_blocks=m.num_blocks or 0, forecast=m.forecast_usage,
+                                 peak=m.forecast_peak,
                                  running=running, waiting=waiting, decode_step_cost=read_decode_step_cost(m.values),
                                  **values)
     return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),

@@ -38,3 +38,18 @@ def test_every_vllm_series_but_the_info_ones_carries_the_model_label() -> None:
                 assert MODEL_LABEL not in sample.labels, sample
             else:
                 assert sample.labels.get(MODEL_LABEL) == "tiny", sample
+
+
+def test_the_forecast_s_peak_within_the_horizon_reaches_the_operator() -> None:
+    """The engine exports the peak of its own requests' usage within the horizon beside the usage at the horizon;
+    the operator's reading of a pod takes it as the pod's peak (a floor of the window's demand), so requests that
+    grow and end inside the horizon are not invisible to the sizing."""
+    from kvmesh.engine.forecast import Forecast
+    from kvmesh.operator.forecast import parse_pod
+
+    forecast = Forecast(10.0, {"p50": 0.3, "p90": 0.4, "p99": 0.5}, 0.0, float("inf"),
+                        {"p50": 0.6, "p90": 0.8, "p99": 0.9})
+    text = EngineMetrics("m", lambda: EngineState(forecast=forecast)).render().decode()
+    assert 'kvmesh_kv_forecast_peak_usage_ratio{level="p90"} 0.8' in text
+    pod = parse_pod("p0", "both", text).observation
+    assert pod.peak == {"p50": 0.6, "p90": 0.8, "p99": 0.9} and pod.forecast["p90"] == 0.4
