@@ -1,10 +1,12 @@
 """`kvmesh status` (its options: cli.py): a router's view of its pool as a table (router/pool_status.py makes the
-document), once or every few seconds, or the document itself as JSON."""
+document), once or every few seconds, or the document itself as JSON. A router with API keys asks one for it:
+`$KVMESH_API_KEY`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -15,6 +17,7 @@ from kvmesh.router.pool_status import POOL_STATUS_PATH
 if TYPE_CHECKING:
     import httpx
 
+API_KEY_ENV = "KVMESH_API_KEY"  # a key of the router's, for a router with API keys (its pool document asks one)
 _COLUMNS = ("POD", "STATE", "ROLE", "RUN", "WAIT", "SENT", "KV", "P90", "P(OVER)", f"INDEXED {'/'.join(TIERS)}", "LAG",
             "AGE")
 
@@ -27,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         print("kvmesh status: --watch takes a number of seconds above 0", file=sys.stderr)
         return 2
-    with httpx.Client(base_url=args.url, timeout=10) as client:
+    key = os.environ.get(API_KEY_ENV)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=args.url, timeout=10, headers=headers) as client:
         try:
             while True:
                 doc, problem = _poll(client, args.url)
@@ -51,6 +56,9 @@ def _poll(client: httpx.Client, url: str) -> tuple[dict[str, Any] | None, str]:
         reply = client.get(POOL_STATUS_PATH)
     except httpx.TransportError as exc:
         return None, f"{url} did not answer: {exc or type(exc).__name__}"
+    if reply.status_code == 401:
+        return None, (f"{url}{POOL_STATUS_PATH} answered HTTP 401: this router has API keys; set ${API_KEY_ENV} to "
+                      "one of them")
     if reply.status_code != 200:
         return None, (f"{url}{POOL_STATUS_PATH} answered HTTP {reply.status_code} (is it a kvmesh router?): "
                       f"{reply.text[:200]}")

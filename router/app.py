@@ -299,6 +299,7 @@ class Trace:
     lease: Lease | None = None  # the request's hold on its tenant's limits, closed when it ends (each edge's)
     span: RequestSpan | None = None  # tracing on: the request's span (router/tracing.py)
     source: str = CLIENT_SOURCE  # REQUEST_SOURCES: a client's request, or the batch runner's
+    charged_prompt_tokens: int = 0  # every prompt's tokens, charged at admission (info.prompt_tokens: the first's)
 
 
 def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
@@ -496,10 +497,10 @@ class Router:
             trace.span.end(outcome, status, trace.route, trace.pods, usage)
         if trace.lease is not None:  # the tenant's concurrency slot back; its output tokens (or streamed chunks)
             # the tokens spent beyond those charged at admission: the output (or the chunks relayed of a stream cut
-            # before its usage), and the prompts after the first of a several-prompt completion
+            # before its usage), and any prompt tokens the engine counted beyond the router's
             usage = usage or {}
             trace.lease.close(usage.get("completion_tokens", trace.chunks)
-                              + max(usage.get("prompt_tokens", 0) - trace.info.prompt_tokens, 0))
+                              + max(usage.get("prompt_tokens", 0) - trace.charged_prompt_tokens, 0))
         if self.log is None:
             return
         usage = usage or {}
@@ -569,7 +570,7 @@ class Router:
             raise RouteError(400, validation_problems(exc), param=validation_param(exc)) from None
         except ValueError as exc:  # read_json's
             raise RouteError(400, str(exc)) from None
-        priority = request_priority(headers.get(PRIORITY_HEADER))
+        priority = min(request_priority(headers.get(PRIORITY_HEADER)), self.priority_ceiling(tenant))
         dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]
         retyped = _as_validated(raw, body)
         body.kv_transfer = body.resume_output_ids = None
@@ -577,12 +578,13 @@ class Router:
             raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, self.salt_secret)
         start = time.perf_counter()
         if len(payload) <= INLINE_TOKENIZE_BYTES:
-            info = self.request_info(body, priority)
+            info, prompt_tokens = self.measure(body, priority)
         else:
-            info = await asyncio.to_thread(self.request_info, body, priority)
+            info, prompt_tokens = await asyncio.to_thread(self.measure, body, priority)
         self.metrics.decision.observe(time.perf_counter() - start)
-        workload = workload_class("chat" if chat else "completion", info.prompt_tokens, headers.get(WORKLOAD_HEADER))
-        lease = limiter.take(tenant, info.prompt_tokens)
+        asked = headers.get(WORKLOAD_HEADER) if self.trusts_workload(tenant) else None
+        workload = workload_class("chat" if chat else "completion", info.prompt_tokens, asked)
+        lease = limiter.take(tenant, prompt_tokens)
         if isinstance(lease, Refusal):
             raise self.rate_limited(tenant, lease)
         try:
@@ -591,8 +593,28 @@ class Router:
             lease.close()
             raise
         return Admitted(raw, body, Trace(info, tenant, workload, lease=lease, span=span,
-                                         source=BATCH_SOURCE if batch else CLIENT_SOURCE),
+                                         source=BATCH_SOURCE if batch else CLIENT_SOURCE,
+                                         charged_prompt_tokens=prompt_tokens),
                         rewritten=bool(dropped) or retyped or self.keys.enabled)
+
+    def priority_ceiling(self, tenant: str) -> int:
+        """The highest priority `tenant`'s requests get (`max_priority` of its `tenants:` entry): a client's
+        x-kvmesh-priority above it is lowered to it, never refused (the header is a wish, as OpenAI's service_tier
+        is; a client sharing code between tenants keeps working, and the request log shows the priority served).
+        Unset: 0 with API keys (no tenant may jump the others' queue unless the operator says so), none without
+        (every client is the one tenant `default`, as before: there is nobody to protect from whom)."""
+        ceiling = self.limits.table.of(tenant).max_priority
+        if ceiling is None:
+            return 0 if self.keys.enabled else MAX_PRIORITY
+        return ceiling
+
+    def trusts_workload(self, tenant: str) -> bool:
+        """Whether `tenant`'s x-kvmesh-workload is taken as its requests' class (`trust_workload_header`): the class
+        steers the engines' eviction (reuse learnt per class) and forecasts, so a tenant naming a class its requests
+        are not could have its blocks kept longer or skew the others' statistics. Unset: trusted only without API
+        keys, as the priority; otherwise the class is derived from the request (protocol.workload_class)."""
+        trusted = self.limits.table.of(tenant).trust_workload_header
+        return not self.keys.enabled if trusted is None else trusted
 
     def reload_keys(self) -> None:
         """Take a changed keys file (blocking: the app's background task runs it off the event loop)."""
@@ -607,11 +629,36 @@ class Router:
             raise RouteError(401, message, code=code, kind=kind)
         return tenant
 
+    def admit_call(self, tenant: str, tokens: int | None, request: bool = True) -> Lease:
+        """A call of the router's own APIs (/tokenize, the Files and Batches API) under the tenant's interactive
+        limits: one request (unless `request` is False), a concurrency slot until the lease is closed, and `tokens`
+        (None: the call spends none); RouteError 429 over a limit, as a completion's. The caller closes the lease,
+        with what it spent."""
+        lease = self.limits.take(tenant, tokens, request)
+        if isinstance(lease, Refusal):
+            raise self.rate_limited(tenant, lease)
+        return lease
+
     def rate_limited(self, tenant: str, refusal: Refusal) -> RouteError:
         """The 429 of a request over its tenant's limits (router/limits.py), counted by tenant pseudonym and reason."""
         self.metrics.rate_limited.labels(tenant_hash(tenant), refusal.reason).inc()
         return RouteError(429, refusal.message, code=RATE_LIMIT_CODE, kind="rate_limit_error",
                           headers=refusal.headers)
+
+    def measure(self, body: ChatRequest | CompletionRequest, priority: int) -> tuple[RequestInfo, int]:
+        """The request's routing information (by its first prompt) and its prompt tokens, every prompt of a
+        several-prompt completion counted: admission charges them all, so a list of prompts cannot pass a
+        tokens-per-minute limit that each would pass alone. Each is tokenized rather than estimated from the first:
+        a short first prompt would hide long ones, and the body bound keeps the work that of one long prompt."""
+        info = self.request_info(body, priority)
+        return info, info.prompt_tokens + self._other_prompts_tokens(body)
+
+    def _other_prompts_tokens(self, body: ChatRequest | CompletionRequest) -> int:
+        """The tokens of a completion's prompts after the first (0 for one prompt or a chat)."""
+        prompt = body.prompt if isinstance(body, CompletionRequest) else None
+        if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], str | list):
+            return 0
+        return sum(len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompt[1:])
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens), with the
@@ -850,6 +897,12 @@ def request_priority(header: str | None) -> int:
         return parse_priority(header)
     except ValueError:
         raise RouteError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}") from None
+
+
+def forwarded_headers(trace: Trace) -> dict[str, str]:
+    """The kvmesh headers a request carries to its engine, on either edge: its priority and workload class as
+    admission settled them (router/extproc.py overwrites the client's with these too)."""
+    return {PRIORITY_HEADER: str(trace.info.priority), WORKLOAD_HEADER: trace.workload}
 
 
 def error_response(error: RouteError) -> JSONResponse:
@@ -1106,8 +1159,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
 
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
-                                    router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests))
-    app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models))
+                                    router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests,
+                                    router.admit_call, router.config.file_quota(),
+                                    router.config.batch_max_concurrent_uploads))
+    app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models,
+                                       router.admit_call))
 
     async def send_chat(tenant: str, body: dict[str, Any], http: HttpRequest) -> Response:
         """A Responses API request's chat request through this router's own path, its client watched."""
@@ -1157,15 +1213,14 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             return error_response(exc)
         response: Response | None = None
         try:
-            response = await respond(admitted, headers, path, http)
+            response = await respond(admitted, path, http)
             return response
         finally:  # the tenant's slot back, however the request ended (a bug's 500 too): every request but a relayed
             # stream ends here; a stream's relay gives the slot back when it ends (RelayResponse)
             if not isinstance(response, RelayResponse) and admitted.trace.lease is not None:
                 admitted.trace.lease.close()
 
-    async def respond(admitted: Admitted, headers: Mapping[str, str], path: str,
-                      http: HttpRequest | None) -> Response:
+    async def respond(admitted: Admitted, path: str, http: HttpRequest | None) -> Response:
         """An admitted request's answer, forwarded to a pod (the client watched, when it is one that may leave)."""
         raw, body, trace = admitted.raw, admitted.body, admitted.trace
         try:
@@ -1173,7 +1228,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                 refused = await hold(router.pod_wait, trace, http)
                 if refused is not None:
                     return _with_limits(refused, trace)
-            work = asyncio.ensure_future(forward(headers, path, raw, trace, bool(body.stream)))
+            work = asyncio.ensure_future(forward(path, raw, trace, bool(body.stream)))
             if http is None:  # the batch runner's: cancelled when its batch stops, which aborts the upstream call
                 try:
                     return _with_limits(await work, trace)
@@ -1278,10 +1333,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         return JSONResponse(error_body(message, "server_error", code="no_pod"), status_code=503,
                             headers={"Retry-After": "1"})
 
-    async def forward(client_headers: Mapping[str, str], path: str, raw: dict[str, Any], trace: Trace,
+    async def forward(path: str, raw: dict[str, Any], trace: Trace,
                       stream: bool) -> Response:
         tried: set[str] = set()
-        headers = {k: v for k, v in client_headers.items() if k.lower() in (WORKLOAD_HEADER, PRIORITY_HEADER)}
+        # the priority and class admission settled (clamped to the tenant's ceiling, derived unless trusted), never
+        # the client's own headers: the engines order their queues by them
+        headers = forwarded_headers(trace)
         view = router.view(trace.info)
         # one pod answers a tool call whole: it parses the calls out of all the text it generated, which a split
         # or a migrated stream would give to two pods in parts
@@ -1557,8 +1614,13 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                             status_code=200 if status in ("ok", "waiting_for_pods") else 503)
 
     @app.get(POOL_STATUS_PATH)
-    async def pool() -> JSONResponse:
-        """Every pod as this replica sees it (`kvmesh status` prints it): open like /metrics, no key asked."""
+    async def pool(http: HttpRequest) -> JSONResponse:
+        """Every pod as this replica sees it (`kvmesh status` prints it). It names the engines' addresses and their
+        live load, so with API keys it asks one, as /v1/models does ($KVMESH_API_KEY for `kvmesh status`)."""
+        try:
+            router.authenticate(http.headers)
+        except RouteError as exc:
+            return error_response(exc)
         return JSONResponse(pool_status(router.pods.pods, router.pods.snapshot(), router.index, time.monotonic()))
 
     @app.get("/metrics")

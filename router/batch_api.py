@@ -19,19 +19,23 @@ from starlette.datastructures import UploadFile
 
 from kvmesh.engine.openai_types import error_body, read_json
 from kvmesh.engine.protocol import RouterMetric
+from kvmesh.router.asgi import RouteError
 from kvmesh.router.auth import tenant_hash, unauthorized_body
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import (
     BATCH_ENDPOINTS,
     BATCH_REQUEST_OUTCOMES,
     FINAL_STATUSES,
+    MAX_CONCURRENT_UPLOADS,
     UPLOAD_PURPOSE,
     BatchInputError,
+    FileQuota,
     check_metadata,
     expiry_seconds,
     whole_number,
     window_seconds,
 )
+from kvmesh.router.limits import Lease
 
 MAX_PAGE = 100  # OpenAI's bound on a page of batches
 MAX_FILES_PAGE = 10_000  # and on a page of files (also its default)
@@ -71,29 +75,58 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 
 def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], str | None],
-                 max_file_bytes: int, max_enqueued_requests: int) -> APIRouter:
+                 max_file_bytes: int, max_enqueued_requests: int,
+                 admit: Callable[[str, int | None, bool], Lease] | None = None, quota: FileQuota | None = None,
+                 max_uploads: int = MAX_CONCURRENT_UPLOADS) -> APIRouter:
     """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused); a tenant's
-    batches enqueue at most `max_enqueued_requests` (batch_max_enqueued_requests)."""
+    batches enqueue at most `max_enqueued_requests` (batch_max_enqueued_requests). `admit(tenant, None, request)`
+    takes a concurrency slot of the tenant's limits for each call, and one of its requests for each call that
+    writes or reads content (an upload, a download, creating, cancelling, deleting): Router.admit_call, RouteError
+    429 over them. The Files and Batches API is the tenant's traffic like any other, an upload its heaviest; reading
+    a batch's or a file's object, or a list, which clients poll (as OpenAI's docs show), takes no request, so
+    polling a batch never spends the tenant's quota. The tenant's stored files are held within `quota`, and this
+    replica reads at most `max_uploads` uploads at once."""
     api = APIRouter()
+    uploading = 0  # uploads being read and stored now (one event loop: a plain count)
 
-    def admitted(http: HttpRequest) -> tuple[BatchStore, str] | Response:
-        """The store and the caller's tenant pseudonym, or the answer to a call that cannot go on (401 without a
-        valid key, 501 without a database)."""
+    def admitted(http: HttpRequest, request: bool = True) -> tuple[BatchStore, str, Lease | None] | Response:
+        """The store, the caller's tenant pseudonym and its hold on the tenant's limits (closed by the caller when
+        the call ends), or the answer to a call that cannot go on (401 without a valid key, 501 without a
+        database, 429 over the tenant's limits)."""
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
-        return _error(501, NO_STORE, code="batches_disabled") if store is None else (store, tenant_hash(tenant))
-
-    async def call(http: HttpRequest, work: Callable[[BatchStore, str], Any]) -> Response:
-        """Authenticate, then run `work(store, tenant pseudonym)` in a thread: a Response, or JSON to answer."""
-        caller = admitted(http)
-        if isinstance(caller, Response):
-            return caller
+        if store is None:
+            return _error(501, NO_STORE, code="batches_disabled")
         try:
-            result = await asyncio.to_thread(work, *caller)
+            lease = admit(tenant, None, request) if admit is not None else None
+        except RouteError as exc:
+            return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
+                                headers=exc.headers)
+        return store, tenant_hash(tenant), lease
+
+    async def call(http: HttpRequest, work: Callable[[BatchStore, str], Any],
+                   caller: tuple[BatchStore, str, Lease | None] | None = None, request: bool = True) -> Response:
+        """Authenticate and admit (unless `caller` was; `request`: taking one of the tenant's requests), then run
+        `work(store, tenant pseudonym)` in a thread: a Response, or JSON to answer. The lease is closed when the
+        work is done."""
+        if caller is None:
+            got = admitted(http, request)
+            if isinstance(got, Response):
+                return got
+            caller = got
+        s, tenant, lease = caller
+        try:
+            result = await asyncio.to_thread(work, s, tenant)
         except BatchInputError as exc:
             return _error(exc.status, str(exc), exc.param, exc.code)
-        return result if isinstance(result, Response) else JSONResponse(result)
+        finally:
+            if lease is not None:
+                lease.close()
+        response = result if isinstance(result, Response) else JSONResponse(result)
+        if lease is not None:
+            response.headers.update(lease.headers)
+        return response
 
     def found(value: Any, kind: str, item_id: str, param: str | None = None) -> Any:
         return value if value is not None else _error(404, f"No {kind} found with id '{item_id}'.", param,
@@ -112,51 +145,68 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
 
     @api.post("/v1/files")
     async def upload(http: HttpRequest) -> Response:
+        nonlocal uploading
         if isinstance(caller := admitted(http), Response):  # before reading a byte of the body
             return caller
+        lease = caller[2]
+        if uploading >= max_uploads:  # each holds up to max_file_bytes on disk and a piece of it in memory
+            if lease is not None:
+                lease.close()
+            return JSONResponse(error_body(f"this router replica is reading {uploading} uploads already, its most "
+                                           f"(batch_max_concurrent_uploads); retry in a moment", "rate_limit_error",
+                                           code="too_many_uploads"), status_code=429, headers={"retry-after": "1"})
+        uploading += 1
+        try:
+            return await _upload(http, caller)
+        finally:
+            uploading -= 1
+            if lease is not None:
+                lease.close()  # once more does nothing: `call` closes it after storing
+
+    async def _upload(http: HttpRequest, caller: tuple[BatchStore, str, Lease | None]) -> Response:
         size = whole_number(http.headers.get("content-length", ""))
         if size is None:  # the bound holds before the body is read, so its size must be said
             return _error(411, "an upload needs a Content-Length header")
         if size > max_file_bytes + MULTIPART_OVERHEAD_BYTES:
             return _error(413, f"the file is over this pool's limit of {max_file_bytes} bytes", "file")
-        try:
+        try:  # the file part is spooled to a temporary file past 1 MiB (starlette), never held whole in memory
             form = await http.form(max_files=1, max_fields=8)
         except Exception as exc:  # not multipart, or a malformed one: the client's mistake
             return _error(400, f"upload a file as multipart/form-data with fields `file` and `purpose`: {exc}")
         try:
-            return await _uploaded(http, form)
+            return await _uploaded(http, form, caller)
         finally:
             await form.close()
 
-    async def _uploaded(http: HttpRequest, form: Any) -> Response:
+    async def _uploaded(http: HttpRequest, form: Any, caller: tuple[BatchStore, str, Lease | None]) -> Response:
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):
             return _error(400, "the form has no file field `file`", "file")
         if purpose != UPLOAD_PURPOSE:
             return _error(400, f"purpose must be '{UPLOAD_PURPOSE}': this server keeps files for batches",
                           "purpose")
-        content = await upload.read(max_file_bytes + 1)
-        if len(content) > max_file_bytes:
+        if upload.size is None or upload.size > max_file_bytes:
             return _error(413, f"the file is over this pool's limit of {max_file_bytes} bytes", "file")
-        name = upload.filename or "upload.jsonl"
+        name, size, spooled = upload.filename or "upload.jsonl", upload.size, upload.file
         fields = {key.removeprefix("expires_after[").removesuffix("]"): value for key, value in form.items()
                   if key.startswith("expires_after[")}
 
         def add(s: BatchStore, tenant: str) -> Any:
             ttl = expiry_seconds(fields or None, "expires_after")
-            return s.add_file(tenant, UPLOAD_PURPOSE, name, content, ttl)
+            spooled.seek(0)
+            return s.add_file(tenant, UPLOAD_PURPOSE, name, spooled, ttl, quota, size)
 
-        return await call(http, add)
+        return await call(http, add, caller)
 
     @api.get("/v1/files")
     async def list_files(http: HttpRequest) -> Response:
         purpose = http.query_params.get("purpose")
         return await call(http, lambda s, tenant: s.files(tenant, purpose, *page(http, MAX_FILES_PAGE,
-                                                                                  MAX_FILES_PAGE)))
+                                                                                  MAX_FILES_PAGE)), request=False)
 
     @api.get("/v1/files/{file_id}")
     async def get_file(http: HttpRequest, file_id: str) -> Response:
-        return await call(http, lambda s, tenant: found(s.file(tenant, file_id), "file", file_id))
+        return await call(http, lambda s, tenant: found(s.file(tenant, file_id), "file", file_id), request=False)
 
     @api.get("/v1/files/{file_id}/content")
     async def file_content(http: HttpRequest, file_id: str) -> Response:
@@ -179,18 +229,12 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
     async def create(http: HttpRequest) -> Response:
         if isinstance(caller := admitted(http), Response):  # before reading a byte of the body
             return caller
-        chunks, size = [], 0
-        async for chunk in http.stream():  # bounded as it comes: a chunked body says no length
-            size += len(chunk)
-            if size > CREATE_BODY_BYTES:
-                return _error(413, f"a batch's creation body is at most {CREATE_BODY_BYTES >> 10} KiB")
-            chunks.append(chunk)
         try:
-            body = read_json(b"".join(chunks))
-        except ValueError as exc:
-            return _error(400, str(exc))
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            body = await _creation_body(http)
+        except BatchInputError as exc:
+            if caller[2] is not None:
+                caller[2].close()
+            return _error(exc.status, str(exc), exc.param, exc.code)
 
         def create_batch(s: BatchStore, tenant: str) -> Any:
             endpoint, file_id = body.get("endpoint"), body.get("input_file_id")
@@ -209,21 +253,39 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
             return s.create_batch(tenant, endpoint, file_id, window, seconds, metadata, output_ttl,
                                   max_enqueued_requests)
 
-        return await call(http, create_batch)
+        return await call(http, create_batch, caller)
 
     @api.get("/v1/batches")
     async def list_batches(http: HttpRequest) -> Response:
-        return await call(http, lambda s, tenant: s.batches(tenant, *page(http, MAX_PAGE, 20)))
+        return await call(http, lambda s, tenant: s.batches(tenant, *page(http, MAX_PAGE, 20)), request=False)
 
     @api.get("/v1/batches/{batch_id}")
     async def get_batch(http: HttpRequest, batch_id: str) -> Response:
-        return await call(http, lambda s, tenant: found(s.batch(tenant, batch_id), "batch", batch_id))
+        return await call(http, lambda s, tenant: found(s.batch(tenant, batch_id), "batch", batch_id),
+                          request=False)
 
     @api.post("/v1/batches/{batch_id}/cancel")
     async def cancel(http: HttpRequest, batch_id: str) -> Response:
         return await call(http, lambda s, tenant: found(s.cancel(tenant, batch_id), "batch", batch_id))
 
     return api
+
+
+async def _creation_body(http: HttpRequest) -> dict[str, Any]:
+    """POST /v1/batches' body, bounded as it comes (a chunked body says no length); BatchInputError 413, 400."""
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > CREATE_BODY_BYTES:
+            raise BatchInputError(f"a batch's creation body is at most {CREATE_BODY_BYTES >> 10} KiB", status=413)
+        chunks.append(chunk)
+    try:
+        body = read_json(b"".join(chunks))
+    except ValueError as exc:
+        raise BatchInputError(str(exc)) from None
+    if not isinstance(body, dict):
+        raise BatchInputError("the body must be a JSON object")
+    return body
 
 
 def tenants_by_pseudonym(tenants: Callable[[], Iterable[str]]) -> Callable[[str], str | None]:

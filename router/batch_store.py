@@ -9,12 +9,13 @@ only with the same tenant's key and deleted on request. Synchronous: the router 
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import (
     BigInteger,
@@ -40,6 +41,7 @@ from kvmesh.router.batches import (
     FINAL_STATUSES,
     OUTPUT_PURPOSE,
     BatchInputError,
+    FileQuota,
     LineProblem,
     LineResult,
     enqueued_limit_error,
@@ -217,14 +219,56 @@ class BatchStore:
 
     # -- files
 
-    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes, ttl: int | None) -> dict[str, Any]:
+    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes | BinaryIO, ttl: int | None,
+                 quota: FileQuota | None = None, size: int | None = None) -> dict[str, Any]:
+        """Store a file: `content` its bytes, or a binary file of `size` bytes read from its start (an upload
+        spooled to disk). Within `quota` of the tenant's stored files (BatchInputError 400 past it, nothing stored),
+        checked in the transaction that adds the file, after the row is written: SQLite's writers take turns, so
+        concurrent uploads never pass it together there (on PostgreSQL two at the same instant may, by one file
+        each). On SQLite the content goes into the row a piece at a time (incremental blob I/O), so an upload is
+        never held whole in memory; elsewhere it is read once, whole, for the insert."""
+        source = io.BytesIO(content) if isinstance(content, bytes) else content
+        size = len(content) if isinstance(content, bytes) else size
+        assert size is not None, "a file object needs its size"
         now = int(time.time())
-        row = FileRow(id=new_id("file-"), tenant=tenant, purpose=purpose, filename=filename[:255],
-                      bytes=len(content), lines=request_lines(content), created_at=now,
-                      expires_at=None if ttl is None else now + ttl, content=content)
+        row = FileRow(id=new_id("file-"), tenant=tenant, purpose=purpose, filename=filename[:255], bytes=size,
+                      lines=0, created_at=now, expires_at=None if ttl is None else now + ttl, content=b"")
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
             session.add(row)
+            session.flush()  # the write lock first (SQLite), then the tenant's usage, this file included
+            if quota is not None:
+                files, stored = session.execute(select(func.count(), func.coalesce(func.sum(FileRow.bytes), 0))
+                                                .where(*_visible(tenant), FileRow.id != row.id)).one()
+                quota.check(int(files), int(stored), size)
+            if self.engine.dialect.name == "sqlite":
+                row.lines = self._write_pieces(session, row.seq, source, size)
+            else:
+                whole = source.read()
+                row.lines = request_lines(whole)
+                session.execute(update(FileRow).where(FileRow.seq == row.seq).values(content=whole)
+                                .execution_options(synchronize_session=False))
         return _file_json(row)
+
+    @staticmethod
+    def _write_pieces(session: Session, seq: int, source: BinaryIO, size: int) -> int:
+        """Write `size` bytes of `source` into the SQLite row `seq`'s content, PIECE_BYTES at a time, in the
+        session's transaction; the content's lines (request_lines)."""
+        session.execute(update(FileRow).where(FileRow.seq == seq).values(content=func.zeroblob(size))
+                        .execution_options(synchronize_session=False))
+        raw: Any = session.connection().connection.dbapi_connection  # the sqlite3 module's connection
+
+        def pieces() -> Iterator[bytes]:
+            with raw.blobopen(FILES_TABLE, "content", seq) as blob:
+                left = size
+                while left > 0:
+                    piece = source.read(min(PIECE_BYTES, left))
+                    if not piece:
+                        raise ValueError(f"the upload ended {left} bytes short of its {size}")
+                    blob.write(piece)
+                    left -= len(piece)
+                    yield piece
+
+        return request_lines(pieces())
 
     def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
         with Session(self.engine) as session:

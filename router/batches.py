@@ -33,6 +33,12 @@ BATCH_REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "failed", "retried")
 MAX_ENQUEUED_REQUESTS = 200_000
 ENQUEUED_STATUSES: tuple[str, ...] = ("validating", "in_progress")
 MAX_FILE_BYTES = 100 * 2**20  # an input file's default bound (OpenAI's is 200 MB; this one lives in a database)
+# What one tenant may keep in the pool's database at most (its uploads and its batches' output and error files,
+# unexpired): an upload past either is a 400 until files are deleted or expire. A batch's output files are written
+# whatever the quota (a finished batch never fails on it) but count against the tenant's next upload.
+MAX_STORED_FILES = 1000
+MAX_STORED_BYTES = 10 * 2**30  # a hundred input files at the default bound
+MAX_CONCURRENT_UPLOADS = 4  # uploads one replica reads at once, over all tenants: each is up to MAX_FILE_BYTES
 # who sent a request the router serves (label `source` of kvmesh_router_requests_total and kvmesh_router_shed_total): a
 # client, or this router's own batch runner, whose 429s are deferrals it retries and no client sees
 CLIENT_SOURCE, BATCH_SOURCE = REQUEST_SOURCES = ("client", "batch")
@@ -56,6 +62,23 @@ class BatchInputError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
+
+
+@dataclass(frozen=True)
+class FileQuota:
+    """What one tenant may store at most (batch_max_stored_files, batch_max_stored_bytes)."""
+
+    files: int = MAX_STORED_FILES
+    bytes: int = MAX_STORED_BYTES
+
+    def check(self, files: int, stored: int, adding: int) -> None:
+        """BatchInputError 400 when a tenant holding `files` files of `stored` bytes may not add one of `adding`."""
+        if files + 1 > self.files or stored + adding > self.bytes:
+            raise BatchInputError(
+                f"File storage limit reached: this tenant stores {files} files of {stored} bytes and this upload "
+                f"has {adding}; the limits are {self.files} files and {self.bytes} bytes (batch_max_stored_files, "
+                "batch_max_stored_bytes). Delete files (DELETE /v1/files/{id}) or wait for them to expire.",
+                "file", 400, "file_storage_limit_reached")
 
 
 def request_lines(content: bytes | Iterable[bytes]) -> int:

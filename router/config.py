@@ -18,7 +18,15 @@ from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_L
 from kvmesh.engine.tracing import check_endpoint
 from kvmesh.engine.typed_fields import check_types
 from kvmesh.router.batch_runner import BatchSettings
-from kvmesh.router.batches import BATCH_PRIORITY, MAX_ENQUEUED_REQUESTS, MAX_FILE_BYTES
+from kvmesh.router.batches import (
+    BATCH_PRIORITY,
+    MAX_CONCURRENT_UPLOADS,
+    MAX_ENQUEUED_REQUESTS,
+    MAX_FILE_BYTES,
+    MAX_STORED_BYTES,
+    MAX_STORED_FILES,
+    FileQuota,
+)
 from kvmesh.router.limits import BATCH_RATE_SHARE, Limiter, parse_tenants
 from kvmesh.router.picker import PickerConfig
 from kvmesh.router.proxy import MAX_CONNECTIONS_PER_POD, Upstream
@@ -109,6 +117,11 @@ class RouterConfig:
     batch_max_file_bytes: int = MAX_FILE_BYTES
     # requests a tenant's validating and in-progress batches hold at most: POST /v1/batches past it is a 429
     batch_max_enqueued_requests: int = MAX_ENQUEUED_REQUESTS
+    # files (uploads, and batches' output and error files) and their bytes one tenant stores at most: an upload past
+    # either is a 400; and uploads this replica reads at once, over all tenants (past it a 429, Retry-After 1 s)
+    batch_max_stored_files: int = MAX_STORED_FILES
+    batch_max_stored_bytes: int = MAX_STORED_BYTES
+    batch_max_concurrent_uploads: int = MAX_CONCURRENT_UPLOADS
     batch_priority: int = BATCH_PRIORITY
     batch_order: str = BatchSettings.order  # prefix: requests sharing a prompt prefix sent together; file: as written
     # the Responses API's stored responses (router/responses_store.py): kept this long in the pool's database, or,
@@ -162,14 +175,19 @@ class RouterConfig:
         check_body_read_timeout(self.body_read_timeout_seconds)
         if self.batch_max_file_bytes < 1:
             raise ValueError(f"batch_max_file_bytes must be at least 1, not {self.batch_max_file_bytes}")
-        if self.batch_max_enqueued_requests < 1:
-            raise ValueError(f"batch_max_enqueued_requests must be at least 1, not {self.batch_max_enqueued_requests}")
+        for name in ("batch_max_enqueued_requests", "batch_max_stored_files", "batch_max_stored_bytes",
+                     "batch_max_concurrent_uploads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if not 0 <= self.hold_without_pods_seconds <= MAX_HOLD_SECONDS:
             raise ValueError(f"hold_without_pods_seconds must be in [0, {MAX_HOLD_SECONDS}], not "
                              f"{self.hold_without_pods_seconds}")
         for name in ("responses_ttl_seconds", "responses_memory_items", "max_held_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+
+    def file_quota(self) -> FileQuota:
+        return FileQuota(self.batch_max_stored_files, self.batch_max_stored_bytes)
 
     def batch_settings(self) -> BatchSettings:
         return BatchSettings(concurrency=self.batch_concurrency, max_requests=self.batch_max_requests,

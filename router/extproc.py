@@ -83,6 +83,7 @@ from kvmesh.router.app import (
     Router,
     Trace,
     View,
+    forwarded_headers,
     refusal_outcome,
     wants_usage,
     with_usage,
@@ -344,6 +345,8 @@ class Exchange:
         assert self.choice is not None
         extra = {"content-length": str(len(self.choice.body))} if self.choice.rewritten else {}
         trace = self.choice.trace
+        if trace is not None:  # the gateway forwards the client's headers: its priority and class are overwritten
+            extra.update(forwarded_headers(trace))  # with admission's (the tenant's ceiling, a derived class)
         if trace is not None and trace.span is not None:  # the engine's span a child of the picker's, as over HTTP
             Tracing.inject(extra, trace.span.context)
         return _choice_mutation(self.choice.destination, extra)

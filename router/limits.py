@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from kvmesh.engine.protocol import LIMIT_REASONS
+from kvmesh.engine.protocol import LIMIT_REASONS, MAX_PRIORITY, MIN_PRIORITY
 from kvmesh.router.auth import DEFAULT_TENANT
 
 MIN_PER_MINUTE = 1.0  # the least a replica's share of a rate may be: one request (or token) a minute
@@ -32,12 +32,20 @@ RATE_LIMIT_HEADERS = ("x-ratelimit-limit-{}", "x-ratelimit-remaining-{}", "x-rat
 @dataclass(frozen=True)
 class TenantLimits:
     """One tenant's limits, or one replica's part of them; None is unlimited. `weight` is its share of a saturated
-    pool (router/shed.py). Configured limits are checked by `parse_tenants`; a part may hold no concurrent request."""
+    pool (router/shed.py). Configured limits are checked by `parse_tenants`; a part may hold no concurrent request.
+
+    `max_priority` is the highest `x-kvmesh-priority` the tenant's requests get (a higher one is lowered to it: the
+    header is the client's own word, and the engines' queues and the router's shedding obey it), and
+    `trust_workload_header` whether its `x-kvmesh-workload` is taken (else the class is derived from the request);
+    None for either: the router's default (`Router.priority_ceiling`, `Router.trusts_workload`), which trusts the
+    client only when the router has no API keys (every client is then one tenant: nobody to protect from whom)."""
 
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     max_concurrent_requests: int | None = None
     weight: float = 1.0
+    max_priority: int | None = None
+    trust_workload_header: bool | None = None
 
     def share(self, fraction: float) -> TenantLimits:
         """This fraction of the limits: what one replica enforces when the replicas split them evenly. A rate is never
@@ -126,7 +134,18 @@ def parse_tenants(raw: Any, where: str = "tenants") -> LimitTable:
 
 
 def _checked(entry: Mapping[str, Any]) -> TenantLimits:
-    """One tenant's configured limits; ValueError naming the field that is wrong."""
+    """One tenant's configured limits; ValueError naming the field that is wrong. `max_priority: null` lifts the
+    ceiling (MAX_PRIORITY); left out, the router's default applies."""
+    entry = dict(entry)
+    if "max_priority" in entry:
+        ceiling = entry["max_priority"]
+        if ceiling is None:
+            entry["max_priority"] = MAX_PRIORITY
+        elif isinstance(ceiling, bool) or not isinstance(ceiling, int) or not MIN_PRIORITY <= ceiling <= MAX_PRIORITY:
+            raise ValueError(f"max_priority must be a whole number from {MIN_PRIORITY} to {MAX_PRIORITY} or null (no "
+                             f"ceiling), not {ceiling!r}")
+    if "trust_workload_header" in entry and not isinstance(entry["trust_workload_header"], bool):
+        raise ValueError(f"trust_workload_header must be true or false, not {entry['trust_workload_header']!r}")
     for name, nullable in (("requests_per_minute", True), ("tokens_per_minute", True), ("weight", False)):
         value = entry.get(name)
         if name not in entry or (value is None and nullable):
@@ -285,15 +304,18 @@ class Limiter:
         self.demand[tenant] = self.demand.get(tenant, 0.0) + 1.0
         return self._refusal(tenant, 1)
 
-    def take(self, tenant: str, prompt_tokens: int) -> Lease | Refusal:
-        """Admit a tokenized request: one request, its prompt tokens and a concurrency slot, or nothing."""
-        refusal = self._refusal(tenant, prompt_tokens)
+    def take(self, tenant: str, prompt_tokens: int | None, request: bool = True) -> Lease | Refusal:
+        """Admit a tokenized request: one request, its prompt tokens and a concurrency slot, or nothing.
+        `prompt_tokens` None: a call that spends no tokens (the Files and Batches API's), judged on the request
+        and concurrency limits only, so a tenant in token debt can still read its batches; `request` False: a call
+        that takes no request either, only a concurrency slot (polling a batch's status)."""
+        refusal = self._refusal(tenant, prompt_tokens, request)
         if refusal is not None:
             return refusal
         buckets, now = self._of(tenant), self.clock()  # the buckets hold what `_refusal` found (time only adds)
-        if buckets.requests is not None:
+        if buckets.requests is not None and request:
             buckets.requests.charge(1, now)
-        if buckets.tokens is not None:
+        if buckets.tokens is not None and prompt_tokens is not None:
             buckets.tokens.charge(prompt_tokens, now)
         self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
         return Lease(self, tenant, self.headers(tenant))
@@ -308,7 +330,7 @@ class Limiter:
         if tokens is not None and output_tokens > 0:
             tokens.charge(output_tokens, self.clock())
 
-    def _refusal(self, tenant: str, tokens_needed: int) -> Refusal | None:
+    def _refusal(self, tenant: str, tokens_needed: int | None, request: bool = True) -> Refusal | None:
         limits, buckets, now = self.limits(tenant), self._of(tenant), self.clock()
         concurrent = limits.max_concurrent_requests
         if concurrent is not None and (inflight := self.inflight.get(tenant, 0)) >= concurrent:
@@ -317,11 +339,11 @@ class Limiter:
             return self._refuse(tenant, "concurrency", 1.0, f"Too many concurrent requests: limit {concurrent}"
                                                             f"{part}, in flight {inflight}")
         over: list[tuple[str, float, str]] = []  # (reason, wait, what) for each limit the request is over
-        if buckets.requests is not None and buckets.requests.available(now) < 1:
+        if request and buckets.requests is not None and buckets.requests.available(now) < 1:
             over.append(("requests", buckets.requests.wait_seconds(1, now), "Rate limit reached for requests per "
                          f"minute (RPM): limit {_number(buckets.requests.per_minute)}"))
         tokens = buckets.tokens
-        if tokens is not None:
+        if tokens is not None and tokens_needed is not None:
             whole = self.table.of(tenant).tokens_per_minute
             assert whole is not None
             if tokens_needed > whole:  # no wait helps: judged against the tenant's whole limit, not this replica's

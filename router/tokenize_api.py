@@ -1,5 +1,7 @@
 """vLLM's `/tokenize` and `/detokenize` on the router: answered with the router's own tokenizer (the engines', as the
-router checks their fingerprints), so counting a prompt's tokens costs no engine any work."""
+router checks their fingerprints), so counting a prompt's tokens costs no engine any work. The router's work is a
+tenant's like a completion's: admitted under its limits (a request, a concurrency slot while it runs, the tokens
+counted charged), and bounded to a few times the model's context."""
 
 from __future__ import annotations
 
@@ -21,8 +23,19 @@ from kvmesh.engine.openai_types import (
     validation_problems,
 )
 from kvmesh.engine.protocol import DETOKENIZE_PATH, TOKENIZE_PATH
+from kvmesh.router.asgi import RouteError
 from kvmesh.router.auth import unauthorized_body
 from kvmesh.router.config import INLINE_TOKENIZE_BYTES, MAX_REQUEST_BODY_BYTES
+from kvmesh.router.limits import Lease
+
+# What one call may make the router count, so that a huge prompt costs no more than a prompt the pool could serve
+# (an 18 MiB one took 68 s of CPU and answered 10.8 M ids): at most this many times the model's max_model_len tokens
+# (a prompt somewhat over it is still worth counting: how far over), and a body of at most this many bytes for each
+# of those (text runs about 4 bytes a token; JSON escapes and chat messages add some), known before it is read.
+TOKENIZE_MAX_MODEL_LENS = 4
+TOKENIZE_BYTES_PER_TOKEN = 6
+FALLBACK_MAX_MODEL_LEN = 32768  # before any pod has said its max_model_len
+CONTEXT_LENGTH_CODE = "context_length_exceeded"  # OpenAI's code for a prompt past the model's context
 
 
 def unknown_model(model: str, served: set[str]) -> str:
@@ -31,22 +44,38 @@ def unknown_model(model: str, served: set[str]) -> str:
 
 
 def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str | None],
-                    models: Callable[[], dict[str, Any]]) -> APIRouter:
+                    models: Callable[[], dict[str, Any]],
+                    admit: Callable[[str, int | None], Lease] | None = None) -> APIRouter:
     """`tenant_for(authorization header)`: the tenant of a valid key (None: 401); `models()`: the pool's
-    `/v1/models` answer, for the model check and `max_model_len`."""
+    `/v1/models` answer, for the model check and `max_model_len`; `admit(tenant, tokens)`: the tenant's limits
+    (Router.admit_call: RouteError 429 over them), taken before the body is read, so a tenant over its limits
+    costs no tokenizing."""
     api = APIRouter()
+
+    def max_model_len(model: str | None) -> int | None:
+        cards = models()["data"]
+        card = next((c for c in cards if c["id"] == model), None) if model else None
+        card = card or next((c for c in cards if c.get("parent") is None), None)
+        return None if card is None else card.get("max_model_len")
+
+    def body_bound() -> int:
+        """The most bytes a body may have: TOKENIZE_BYTES_PER_TOKEN for each of the tokens counted at most, under
+        the router's bound on any body. Known before the body (and its model) is read, so the longest context the
+        pool serves sets it."""
+        lengths = [card.get("max_model_len") for card in models()["data"]]
+        longest = max((n for n in lengths if isinstance(n, int)), default=FALLBACK_MAX_MODEL_LEN)
+        return min(TOKENIZE_BYTES_PER_TOKEN * TOKENIZE_MAX_MODEL_LENS * longest, MAX_REQUEST_BODY_BYTES)
 
     async def parse(http: HttpRequest, kind: type[BaseModel]) -> tuple[Any, bool] | JSONResponse:
         """The body as `kind` and whether it is large (worked on in a thread, as admission does), or the
-        JSONResponse that refuses the call (401 before a byte is read, 413 past the body bound, 400, 404)."""
-        if tenant_for(http.headers.get("authorization")) is None:
-            return JSONResponse(unauthorized_body(), status_code=401)
-        chunks, size = [], 0
+        JSONResponse that refuses the call (400 past the body bound, 400, 404)."""
+        chunks, size, bound = [], 0, body_bound()
         async for chunk in http.stream():
             size += len(chunk)
-            if size > MAX_REQUEST_BODY_BYTES:
-                return JSONResponse(error_body(f"the request body exceeds {MAX_REQUEST_BODY_BYTES >> 20} MiB"),
-                                    status_code=413)
+            if size > bound:
+                return too_long(f"the request body exceeds {bound} bytes, the most this pool counts: "
+                                f"{TOKENIZE_BYTES_PER_TOKEN} bytes for each of {TOKENIZE_MAX_MODEL_LENS} times its "
+                                "longest max_model_len in tokens; a prompt this long could never be served")
             chunks.append(chunk)
         payload, large = b"".join(chunks), size > INLINE_TOKENIZE_BYTES
         try:
@@ -60,31 +89,47 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
             return JSONResponse(error_body(unknown_model(body.model, served), code=MODEL_NOT_FOUND), status_code=404)
         return body, large
 
-    def max_model_len(model: str | None) -> int | None:
-        cards = models()["data"]
-        card = next((c for c in cards if c["id"] == model), None) if model else None
-        card = card or next((c for c in cards if c.get("parent") is None), None)
-        return None if card is None else card.get("max_model_len")
-
-    async def answer(http: HttpRequest, kind: type[BaseModel], work: Callable[[Any], dict[str, Any]],
+    async def answer(http: HttpRequest, kind: type[BaseModel], work: Callable[[Any], tuple[dict[str, Any], int]],
                      param: str) -> Any:
-        """Parse and check the call, then `work(body)` (in a thread for a large body, as admission tokenizes: the
-        event loop routes meanwhile); its ValueError is the client's 400 on `param`."""
-        parsed = await parse(http, kind)
-        if isinstance(parsed, JSONResponse):
-            return parsed
-        body, large = parsed
+        """Authenticate and take the tenant's limits (one request, one token, a concurrency slot while the call
+        runs), parse and check the call, then `work(body)` (in a thread for a large body, as admission tokenizes:
+        the event loop routes meanwhile), whose second value, the tokens counted, is charged to the tenant as a
+        completion's prompt is; its ValueError is the client's 400 on `param`."""
+        tenant = tenant_for(http.headers.get("authorization"))
+        if tenant is None:
+            return JSONResponse(unauthorized_body(), status_code=401)
         try:
-            return await asyncio.to_thread(work, body) if large else work(body)
-        except ValueError as exc:
-            return JSONResponse(error_body(str(exc), param=param), status_code=400)
+            lease = admit(tenant, 1) if admit is not None else None
+        except RouteError as exc:
+            return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
+                                headers=exc.headers)
+        spent = 0
+        try:
+            parsed = await parse(http, kind)
+            if isinstance(parsed, JSONResponse):
+                return parsed
+            body, large = parsed
+            try:
+                result, spent = await asyncio.to_thread(work, body) if large else work(body)
+            except ValueError as exc:
+                return JSONResponse(error_body(str(exc), param=param), status_code=400)
+            if spent > (most := TOKENIZE_MAX_MODEL_LENS * (max_model_len(body.model) or FALLBACK_MAX_MODEL_LEN)):
+                return too_long(f"the prompt has {spent} tokens; this pool counts at most {most} "
+                                f"({TOKENIZE_MAX_MODEL_LENS} times its max_model_len): it could never be served")
+            return JSONResponse(result, headers=lease.headers if lease is not None else None)
+        finally:
+            if lease is not None:
+                lease.close(max(spent - 1, 0))  # the one token taken at admission, and the rest counted
 
-    def count(body: TokenizeRequest) -> dict[str, Any]:
+    def count(body: TokenizeRequest) -> tuple[dict[str, Any], int]:
         try:
             ids = body.token_ids(tokenizer)
         except ValueError as exc:  # the chat template refused the messages: said as the engine says it
             raise ValueError(f"messages: {exc}") from None
-        return {"count": len(ids), "max_model_len": max_model_len(body.model), "tokens": ids}
+        return {"count": len(ids), "max_model_len": max_model_len(body.model), "tokens": ids}, len(ids)
+
+    def text(body: DetokenizeRequest) -> tuple[dict[str, Any], int]:
+        return {"prompt": body.text(tokenizer)}, len(body.tokens)
 
     @api.post(TOKENIZE_PATH)
     async def tokenize(http: HttpRequest) -> Any:
@@ -92,6 +137,11 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
 
     @api.post(DETOKENIZE_PATH)
     async def detokenize(http: HttpRequest) -> Any:
-        return await answer(http, DetokenizeRequest, lambda body: {"prompt": body.text(tokenizer)}, "tokens")
+        return await answer(http, DetokenizeRequest, text, "tokens")
 
     return api
+
+
+def too_long(message: str) -> JSONResponse:
+    """The 400 of a call past what /tokenize counts, as OpenAI says a prompt past the context: its code."""
+    return JSONResponse(error_body(message, code=CONTEXT_LENGTH_CODE), status_code=400)

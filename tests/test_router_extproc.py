@@ -356,6 +356,25 @@ async def test_an_overloaded_pool_sheds_by_priority_with_429(picker) -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_engine_gets_the_priority_and_class_admission_settled_not_the_clients(picker) -> None:
+    """The gateway forwards the client's headers to the engine, whose queue orders by x-kvmesh-priority: the picker
+    overwrites it with the priority lowered to the tenant's ceiling, and the workload class with the one derived
+    (a tenant not trusted to name it), on the HTTP edge's rule."""
+    router, stub, _ = picker
+    router.keys = ApiKeys({hash_key("sk-a"): "acme"})
+    router.limits = Limiter(parse_tenants({"acme": {"max_priority": 1}}))
+    asking = request_headers(authorization="Bearer sk-a", **{"x-kvmesh-priority": "2147483647",
+                                                              "x-kvmesh-workload": "chat-long"})
+    replies = await full_duplex(stub, [asking, *body_chunks(json.dumps(completion(31)).encode())])
+    mutation = {h.header.key: h.header.raw_value.decode()
+                for h in replies[0].request_headers.response.header_mutation.set_headers}
+    assert (mutation["x-kvmesh-priority"], mutation["x-kvmesh-workload"]) == ("1", "completion-short")
+    assert all(h.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+               for h in replies[0].request_headers.response.header_mutation.set_headers
+               if h.header.key.startswith("x-kvmesh-"))
+
+
+@pytest.mark.asyncio
 async def test_the_models_list_is_answered_by_the_picker_in_any_body_mode(picker) -> None:
     """No one pod has the pool's list (each lists only its own LoRA adapters): the picker answers it."""
     _, stub, _ = picker
