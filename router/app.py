@@ -302,6 +302,30 @@ class Trace:
     charged_prompt_tokens: int = 0  # every prompt's tokens, charged at admission (info.prompt_tokens: the first's)
 
 
+def text_offset_after(logprobs: Any) -> int | None:
+    """Where the text of the token after a completion's `logprobs` starts (its last text_offset plus its last
+    token's length); None for chat's logprobs or none at all."""
+    if not isinstance(logprobs, dict) or not logprobs.get("text_offset") or not logprobs.get("tokens"):
+        return None
+    return int(logprobs["text_offset"][-1]) + len(logprobs["tokens"][-1])
+
+
+def merge_logprobs(first: Any, rest: Any) -> Any:
+    """A split request's logprobs: the prefill pod's first token, then the decode pod's (whose text_offset starts
+    at 0 with its own tokens: moved on after the first's). Chat's `content` lists are joined."""
+    if not first:
+        return rest
+    if not rest:
+        return first
+    if "content" in first:
+        return {**rest, "content": [*(first.get("content") or []), *(rest.get("content") or [])]}
+    shift = text_offset_after(first) or 0
+    return {"tokens": [*first["tokens"], *rest["tokens"]],
+            "token_logprobs": [*first["token_logprobs"], *rest["token_logprobs"]],
+            "top_logprobs": [*first["top_logprobs"], *rest["top_logprobs"]],
+            "text_offset": [*first["text_offset"], *(o + shift for o in rest["text_offset"])]}
+
+
 def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
     """A disaggregated request's usage: prompt and cached tokens from the prefill pod (what it did not compute),
     completion tokens from the decode pod (which counts the prefill's first token as generated)."""
@@ -366,6 +390,11 @@ class Relay:
     strip_ids: bool  # the client did not ask for token ids: the router asked for them, so it removes them
     migratable: bool
     sent_ids: list[int] = field(default_factory=list)  # output tokens the client has, in this request
+    # a completion's logprobs.text_offset counts from the stream's start: a pod that goes on (a decode pod after the
+    # prefill's first token, another after a migration) counts from its own first token, so the relay adds the
+    # offset the client's text had reached (`text_offset_next`, from the chunks relayed) when that pod took over
+    text_offset_base: int = 0
+    text_offset_next: int = 0
     stream_id: str | None = None
     chat: bool = False
     strip_role: bool = False  # the client already has the assistant role (a prefill hop or another pod sent it)
@@ -399,6 +428,10 @@ class Relay:
                 self.role_sent = self.role_sent or "role" in delta
             if choice.get("finish_reason"):
                 self.finished_choices.add(choice.get("index", 0))
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict) and logprobs.get("text_offset"):
+                logprobs["text_offset"] = [o + self.text_offset_base for o in logprobs["text_offset"]]
+                self.text_offset_next = text_offset_after(logprobs) or self.text_offset_next
         if chunk.get("usage") and self.prefill_usage:
             chunk["usage"] = merge_usage(self.prefill_usage, chunk["usage"])
         return chunk
@@ -949,6 +982,12 @@ def _choices(raw: dict[str, Any]) -> int:
     return raw.get("n", 1) * (len(raw["prompt"]) if _several_prompts(raw) else 1)
 
 
+def echoes(raw: Mapping[str, Any]) -> bool:
+    """A completion with echo reads its prompt (and its prompt's logprobs) on the pod that computes the prompt: it
+    is served whole on one pod, with no prefill hop and no pulled prefix (the engine refuses echo with either)."""
+    return bool(raw.get("echo"))
+
+
 def _several_prompts(raw: dict[str, Any]) -> bool:
     """A completion body with a list of prompts (texts or token lists): one choice per prompt."""
     prompt = raw.get("prompt")
@@ -1348,8 +1387,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if shed is not None:
             return error_response(shed)
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
-        # an echo reads its prompt (and its prompt's logprobs) on the pod that computes it: whole, on one pod
-        if prefill_pods and single and not raw.get("echo") and (trace.info.prompt_tokens - first.predicted_cached_tokens
+        if prefill_pods and single and not echoes(raw) and (trace.info.prompt_tokens - first.predicted_cached_tokens
                                         >= router.config.prefill_hop_min_tokens):
             try:
                 split = await disaggregate(path, raw, trace, stream, headers)
@@ -1364,7 +1402,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         upstream = {**raw, RETURN_TOKEN_IDS_FIELD: True} if migratable else dict(raw)
         if stream:  # the request log and metrics need the usage even when the client did not ask for it
             upstream["stream_options"] = with_usage(raw)
-        pull = router.plan_pull(first, trace.info, view)
+        pull = None if echoes(raw) else router.plan_pull(first, trace.info, view)
         if pull is not None:  # cheaper to fetch the longer prefix a peer holds than to compute it
             upstream[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
             router.metrics.pulls.inc()
@@ -1481,10 +1519,13 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                    "x-kvmesh-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
         if stream and reply.status == 200:
             resumable = {**raw, RETURN_TOKEN_IDS_FIELD: True, "stream_options": with_usage(raw)}
+            shift = text_offset_after(choice.get("logprobs")) or 0
             state = Relay(booking, resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
                           sent_ids=[token], stream_id=first["id"], strip_role=True, role_sent=True,
-                          prefill_usage=first["usage"], chat="message" in choice, client_usage=wants_usage(raw))
+                          prefill_usage=first["usage"], chat="message" in choice, client_usage=wants_usage(raw),
+                          text_offset_base=shift, text_offset_next=shift)
             opening = state.text_chunk(opening_text)
+            opening["choices"][0]["logprobs"] = choice.get("logprobs")  # the first token's, from the prefill pod
             if state.chat:
                 opening["choices"][0]["delta"]["role"] = "assistant"
             if client_ids:
@@ -1503,6 +1544,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             merged["text"] = opening_text + merged["text"]
         if client_ids:
             merged["token_ids"] = [token, *merged.get("token_ids", [])]
+        merged["logprobs"] = merge_logprobs(choice.get("logprobs"), merged.get("logprobs"))
         rest["usage"] = merge_usage(first["usage"], rest["usage"])
         rest["id"] = first["id"]
         router.metrics.count_request("ok", trace.route, trace.source)
@@ -1571,6 +1613,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                     break
                 state.booking, _, _ = opened
                 state.strip_role = state.role_sent
+                state.text_offset_base = state.text_offset_next
             if not state.done:
                 outcome = "error"
                 yield stream_error_ending("the pod serving this stream failed and no other pod could continue it")

@@ -83,6 +83,7 @@ from kvmesh.router.app import (
     Router,
     Trace,
     View,
+    echoes,
     forwarded_headers,
     refusal_outcome,
     wants_usage,
@@ -468,7 +469,7 @@ class Exchange:
             raise Refused(shed, outcome=None)
         # Everything that can fail comes before commit: once the pod's in-flight count is taken, finish() gives
         # it back only for a choice this returns.
-        pull = router.plan_pull(decision, trace.info, view)
+        pull = None if echoes(raw) else router.plan_pull(decision, trace.info, view)
         if pull is not None:  # as on the HTTP edge: fetching the longer prefix a peer holds beats computing it
             raw[KV_TRANSFER_FIELD] = {"mode": "pull", "source": pull.source.url, "tokens": pull.tokens}
         # the request log needs a stream's usage: ask for it, and take it out of the answer the client did not ask

@@ -160,6 +160,41 @@ def test_a_first_token_that_is_half_a_character_is_sent_once(pool: dict[str, str
     wait_nothing_in_flight(router)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_split_answer_s_logprobs_begin_with_the_prefill_pod_s_token(pool: dict[str, str], router: Router,
+                                                                      chat: bool) -> None:
+    """The first token comes from the prefill pod: its logprobs lead the answer's, streamed or not, and a
+    completion's text offsets run on from it, as one pod's answer has them."""
+    if chat:
+        body = {"messages": [{"role": "user", "content": "A long tale of a fox. " * 12}], "logprobs": True,
+                "top_logprobs": 1}
+        path = "/v1/chat/completions"
+    else:
+        body = {"prompt": tokens(45, 90), "logprobs": 1}
+        path = "/v1/completions"
+    body |= {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(pool["decode"] + path, json={**body, "cache_salt": "alone"}, timeout=60).json()
+    expected = alone["choices"][0]["logprobs"]
+    split = httpx.post(pool["router"] + path, json={**body, "cache_salt": "split"}, timeout=60)
+    assert split.headers["x-kvmesh-pod"] == f"{pool['prefill']},{pool['decode']}"
+    with httpx.stream("POST", pool["router"] + path, timeout=60,
+                      json={**body, "cache_salt": "streamed", "stream": True}) as reply:
+        assert reply.headers["x-kvmesh-pod"].startswith(pool["prefill"])
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")]
+    for got in (split.json()["choices"][0]["logprobs"],
+                {"content": [x for lp in streamed for x in lp["content"]]} if chat else
+                {k: [x for lp in streamed for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}):
+        if chat:
+            assert [x["token"] for x in got["content"]] == [x["token"] for x in expected["content"]]
+            assert [x["logprob"] for x in got["content"]] == pytest.approx(
+                [x["logprob"] for x in expected["content"]], abs=1e-4)
+        else:
+            assert got["tokens"] == expected["tokens"] and got["text_offset"] == expected["text_offset"]
+            assert got["token_logprobs"] == pytest.approx(expected["token_logprobs"], abs=1e-4)
+    wait_nothing_in_flight(router)
+
+
 def test_an_echo_is_answered_whole_by_one_pod(pool: dict[str, str], router: Router) -> None:
     """An echo with logprobs (an evaluation harness scoring a prompt) reads the prompt's logprobs on the pod that
     computes the prompt: the router sends it whole to a decode pod, never split (the engine refuses echo with a

@@ -257,6 +257,18 @@ def test_the_chosen_pod_pulls_a_longer_prefix_from_its_peer(engines: list[str], 
         assert reply.headers["x-kvmesh-pod"] == chosen
         assert reply.json()["usage"]["prompt_tokens_details"]["kvmesh_cached_by_source"]["peer"] >= 256
         assert "kvmesh_router_pulls_total 1.0" in httpx.get(url + "/metrics").text
+        # an echo reads its prompt's logprobs where it computes the prompt: no pull (the engine refuses one: a 400)
+        scored = tokens(78, 300)
+        info = r.request_info(CompletionRequest.model_validate({"prompt": [*scored, 3]}), 0)
+        chosen = r.decide(info, set()).pod.name  # type: ignore[union-attr]
+        holder = next(e for e in engines if e != chosen)
+        complete(holder, scored)
+        deadline = time.monotonic() + 15
+        while holder not in r.index.match(info.block_hashes, [holder]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        echo = complete(url, [*scored, 3], echo=True, logprobs=1, max_tokens=1)
+        assert len(echo.json()["choices"][0]["logprobs"]["token_logprobs"]) == len(scored) + 2
+        assert "kvmesh_router_pulls_total 1.0" in httpx.get(url + "/metrics").text
 
 
 def test_a_removed_event_changes_the_next_choice(router: tuple[str, Router], engines: list[str]) -> None:

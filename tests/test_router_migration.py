@@ -60,7 +60,7 @@ def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(po
         body = {"messages": [{"role": "user", "content": "Tell me a story"}]}
         path = "/v1/chat/completions"
     else:
-        body = {"prompt": "Once upon a time", "echo": kind == "echo"}
+        body = {"prompt": "Once upon a time", "echo": kind == "echo", "logprobs": 1 if kind == "echo" else None}
         path = "/v1/completions"
     # long enough that the serving pod is still generating when it is killed
     body |= {"max_tokens": 300, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -71,6 +71,7 @@ def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(po
     ids: list[int] = []
     text = ""
     events = []
+    offsets: list[int] = []
     with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as reply:
         serving = reply.headers["x-kvmesh-pod"]
         for line in reply.iter_lines():
@@ -82,11 +83,14 @@ def test_a_pod_killed_mid_stream_is_replaced_without_a_repeated_or_lost_token(po
             for choice in chunk["choices"]:
                 ids += choice.get("token_ids", [])
                 text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                offsets += (choice.get("logprobs") or {}).get("text_offset") or []
             if len(ids) >= 10 and procs[serving].poll() is None:
                 procs[serving].kill()  # the serving pod dies mid-stream
     assert killed(procs[serving]), "the pod was not killed during the stream"
     assert ids == expected_ids
     assert text == expected_text
+    if kind == "echo":  # the pod that went on counted its offsets from its own first token: the router moves them on
+        assert offsets == reference["choices"][0]["logprobs"]["text_offset"]
     assert len({c["id"] for c in events}) == 1
     assert migrations_of(url) == migrations + 1
     wait_nothing_in_flight(router)  # neither the dead pod nor the one that went on still counts the stream
