@@ -859,7 +859,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     table = parse_tenants(config.tenants)
     keys_file = KeysFile(config.api_keys_file) if config.api_keys_file else None  # re-read when it changes
     keys = keys_file.keys if keys_file is not None else ApiKeys({})
-    log = AsyncRequestLog(RequestLog(config.database_url)) if config.database_url else None
+    retention = config.request_log_retention_days * 86400 or None  # 0: kept for good
+    log = AsyncRequestLog(RequestLog(config.database_url), retention_seconds=retention) if config.database_url \
+        else None
     shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
     secret = config.cache_salt_secret or os.environ.get(CACHE_SALT_SECRET_ENV) or ""
     if keys.enabled and not secret:

@@ -98,6 +98,7 @@ class RouterConfig:
     api_keys_file: str | None = None
     cache_salt_secret: str | None = None  # keys the tenants' cache salts; every replica needs the same (a Secret)
     database_url: str | None = None  # the request log (SQLite locally, PostgreSQL in Kubernetes)
+    request_log_retention_days: float = 30.0  # rows of the request log older than this are deleted (0: kept)
     # per-tenant limits and weights by tenant name, `default` for tenants without an entry (router/limits.py)
     tenants: dict[str, Any] = field(default_factory=dict)
     rate_limit_replicas: int = 1  # each replica enforces the tenants' limits divided by this (1: each the whole)
@@ -167,6 +168,9 @@ class RouterConfig:
                 raise ValueError(f"ext_proc_cert_dir {self.ext_proc_cert_dir!r} has no {' and no '.join(missing)}: "
                                  f"it must hold {' and '.join(files)} (e.g. a kubernetes.io/tls Secret, mounted)")
             read_certificate_pair(self.ext_proc_cert_dir)
+        if not (isinstance(self.request_log_retention_days, int | float) and self.request_log_retention_days >= 0):
+            raise ValueError(f"request_log_retention_days must be a number of days, at least 0 (0: keep every row), "
+                             f"not {self.request_log_retention_days!r}")
         PickerConfig.from_weights(self.weights)  # an unknown key or a bad value: named here, not a crash at start
         # bad limits: an error at start, not later
         Limiter(parse_tenants(self.tenants), self.rate_limit_replicas, batch_share=self.batch_rate_share)

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -28,6 +28,7 @@ from sqlalchemy import (
     String,
     case,
     create_engine,
+    delete,
     event,
     func,
     insert,
@@ -60,6 +61,8 @@ MAX_LEN: dict[str, int] = {
     "model": 256,
 }
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+PRUNE_CHUNK_ROWS = 10_000  # rows a pruning transaction deletes at most
+PRUNE_EVERY_SECONDS = 3600.0  # how often a router trims the log to its retention
 CONNECT_TIMEOUT_SECONDS = 10
 LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connect_timeout
 
@@ -256,6 +259,18 @@ class RequestLog:
         with Session(self.engine) as session, session.begin():
             session.execute(insert(RequestRow), [asdict(r) for r in records])
 
+    def prune(self, before: datetime, chunk: int = PRUNE_CHUNK_ROWS) -> int:
+        """Delete the rows older than `before`, `chunk` at a time (each its own transaction: a long log is trimmed
+        without one long lock on the table); returns how many went."""
+        removed = 0
+        while True:
+            with Session(self.engine) as session, session.begin():
+                oldest = select(RequestRow.id).where(RequestRow.ts < _utc(before)).limit(chunk)
+                count = session.execute(delete(RequestRow).where(RequestRow.id.in_(oldest))).rowcount or 0
+            removed += count
+            if count < chunk:
+                return removed
+
     def _where(self, since: datetime | None, pool: str | None) -> list[ColumnElement[bool]]:
         clauses: list[ColumnElement[bool]] = []
         if since is not None:
@@ -347,11 +362,16 @@ class AsyncRequestLog:
     """
 
     def __init__(
-        self, log: RequestLog, batch_size: int = 100, interval: float = 1.0, max_pending: int = 100_000
+        self, log: RequestLog, batch_size: int = 100, interval: float = 1.0, max_pending: int = 100_000,
+        retention_seconds: float | None = None, prune_every: float = PRUNE_EVERY_SECONDS,
     ) -> None:
         if batch_size < 1 or interval <= 0 or max_pending < batch_size:
             raise ValueError("need batch_size >= 1, interval > 0 and max_pending >= batch_size")
         self.log = log
+        self.retention_seconds = retention_seconds  # rows older than this are deleted, every `prune_every` s
+        self.prune_every = prune_every
+        self.pruned = 0  # rows deleted for the retention
+        self._pruned_at = -math.inf
         self.batch_size = batch_size
         self.interval = interval
         self.max_pending = max_pending
@@ -424,6 +444,7 @@ class AsyncRequestLog:
                 if self._closed and not self._buffer:
                     return
                 batch = self._take()
+            self._maybe_prune()
             if not batch:
                 continue
             ok = self._write(batch)
@@ -435,6 +456,18 @@ class AsyncRequestLog:
                     self.errors += 1
                     self.dropped += len(batch)
                 self._cond.notify_all()
+
+    def _maybe_prune(self) -> None:
+        """Trim the log to its retention, from the writer's thread, at most every `prune_every` seconds (every
+        replica does; deleting what another already deleted costs a query). A failure is logged, never raised."""
+        now = time.monotonic()
+        if self.retention_seconds is None or now - self._pruned_at < self.prune_every:
+            return
+        self._pruned_at = now
+        try:
+            self.pruned += self.log.prune(_now() - timedelta(seconds=self.retention_seconds))
+        except Exception:
+            log.exception("request log pruning failed; it is tried again in %.0f s", self.prune_every)
 
     def _write(self, batch: list[RequestRecord]) -> bool:
         try:

@@ -301,3 +301,29 @@ def test_in_memory_sqlite_is_shared_across_threads() -> None:
     buffered.close()
     assert buffered.errors == 0 and len(log.recent()) == 3
     log.close()
+
+
+def test_the_log_keeps_its_retention_and_no_more(store: RequestLog) -> None:
+    """Without pruning the log grows by every request for good (about 280 bytes each on PostgreSQL): rows older
+    than the retention are deleted, a chunk at a time, by the writer's thread; younger ones stay."""
+    now = datetime.now(UTC)
+    store.write([rec(ts=now - timedelta(days=40), output_tokens=1), rec(ts=now - timedelta(days=31), output_tokens=2),
+                 rec(ts=now - timedelta(days=2), output_tokens=3)])
+    assert store.prune(now - timedelta(days=35), chunk=1) == 1
+    assert sorted(r.output_tokens for r in store.recent()) == [2, 3]
+    buffered = AsyncRequestLog(store, interval=0.05, retention_seconds=30 * 86400, prune_every=0.0)
+    buffered.submit(rec(ts=now, output_tokens=4))
+    for _ in range(100):
+        if buffered.pruned:
+            break
+        threading.Event().wait(0.05)
+    buffered.close()
+    assert buffered.pruned == 1
+    assert sorted(r.output_tokens for r in store.recent()) == [3, 4]
+    idle = AsyncRequestLog(store)
+    assert idle.retention_seconds is None  # the default keeps every row (a router's config sets 30 days)
+    idle.close()
+    from kvmesh.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="request_log_retention_days"):
+        RouterConfig(pods=["http://127.0.0.1:1"], request_log_retention_days=-1).validate()
