@@ -236,8 +236,8 @@ def _value_from() -> dict[str, Any]:
 
 def _scheduling(program: str) -> dict[str, Any]:
     """Where the program's pods may run, as a pod spec says it: GPU nodes are tainted and labelled, and a platform
-    keeps routers off them. The fields Kubernetes checks deeply (affinity, topology spread) are taken as they are
-    and checked by the API server when the operator applies the Deployment (a refusal: Degraded)."""
+    keeps routers off them. Each field with the pod spec's own schema (the parts a pool needs), so a mistake is the
+    API server's refusal of the pool, not a Deployment it refuses later."""
     toleration = _obj({
         "key": _str("the taint's key (empty with operator Exists: every taint)", maxLength=316),
         "operator": _enum("Equal (the key and value match) or Exists (the key matches)", ("Equal", "Exists")),
@@ -245,16 +245,56 @@ def _scheduling(program: str) -> dict[str, Any]:
         "effect": _enum("the taint's effect it tolerates (empty: every effect)", TAINT_EFFECTS),
         "tolerationSeconds": _int("with effect NoExecute: how long the pod stays after the taint appears", 0),
     }, description="a toleration, as a pod spec gives one")
+    labels = {"type": "object", "additionalProperties": {"type": "string", "maxLength": 63}, "maxProperties": 64}
+    expressions = {"type": "array", "maxItems": 16, "items": _obj({
+        "key": _str("a label key", minLength=1, maxLength=316),
+        "operator": _enum("how the values match", ("In", "NotIn", "Exists", "DoesNotExist")),
+        "values": {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 63}},
+    }, ("key", "operator"))}
+    selector = _obj({"matchLabels": labels, "matchExpressions": expressions}, description="a label selector")
+    node_expressions = {**expressions, "items": _obj({
+        "key": _str("a node label key (or field, in matchFields)", minLength=1, maxLength=316),
+        "operator": _enum("how the values match", ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt")),
+        "values": {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 63}},
+    }, ("key", "operator"))}
+    node_term = _obj({"matchExpressions": node_expressions, "matchFields": node_expressions})
+    pod_term = _obj({"labelSelector": selector, "namespaceSelector": selector,
+                     "namespaces": {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 63}},
+                     "topologyKey": _str("the node label whose value groups nodes (kubernetes.io/hostname, a zone)",
+                                         minLength=1, maxLength=316)}, ("topologyKey",))
+    weight = _int("the preference's weight", 1, 100)
+    pod_affinity = _obj({
+        "requiredDuringSchedulingIgnoredDuringExecution": {"type": "array", "maxItems": 16, "items": pod_term},
+        "preferredDuringSchedulingIgnoredDuringExecution": {"type": "array", "maxItems": 16, "items": _obj(
+            {"weight": weight, "podAffinityTerm": pod_term}, ("weight", "podAffinityTerm"))}})
+    affinity = _obj({
+        "nodeAffinity": _obj({
+            "requiredDuringSchedulingIgnoredDuringExecution": _obj(
+                {"nodeSelectorTerms": {"type": "array", "minItems": 1, "maxItems": 16, "items": node_term}},
+                ("nodeSelectorTerms",)),
+            "preferredDuringSchedulingIgnoredDuringExecution": {"type": "array", "maxItems": 16, "items": _obj(
+                {"weight": weight, "preference": node_term}, ("weight", "preference"))}}),
+        "podAffinity": pod_affinity,
+        "podAntiAffinity": pod_affinity,
+    }, description="node affinity, and pod affinity and anti-affinity, as a pod spec gives them")
+    spread = _obj({
+        "maxSkew": _int("how unevenly the pods may spread", 1),
+        "topologyKey": _str("the node label whose values are the domains (a zone, a hostname)", minLength=1,
+                            maxLength=316),
+        "whenUnsatisfiable": _enum("what a pod that would exceed maxSkew does", ("DoNotSchedule", "ScheduleAnyway")),
+        "labelSelector": selector,
+        "minDomains": _int("domains counted at least (with DoNotSchedule)", 1),
+        "nodeAffinityPolicy": _enum("whether nodeAffinity and nodeSelector limit the domains", ("Honor", "Ignore")),
+        "nodeTaintsPolicy": _enum("whether taints limit the domains", ("Honor", "Ignore")),
+    }, ("maxSkew", "topologyKey", "whenUnsatisfiable"), description="a topology spread constraint")
     return _obj({
-        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 63},
-                         "maxProperties": 64, "description": "node labels the pods' node must have"},
+        "nodeSelector": {**labels, "description": "node labels the pods' node must have"},
         "tolerations": {"type": "array", "maxItems": MAX_TOLERATIONS, "default": [], "items": toleration,
                         "description": "taints the pods tolerate (nvidia.com/gpu on GPU nodes, for instance)"},
-        "affinity": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-                     "description": "node and pod (anti-)affinity, as a pod spec gives it"},
-        "topologySpreadConstraints": {"type": "array", "maxItems": 16, "items": {
-            "type": "object", "x-kubernetes-preserve-unknown-fields": True},
-            "description": "how the pods spread over zones or nodes, as a pod spec gives them"},
+        "affinity": affinity,
+        "topologySpreadConstraints": {"type": "array", "maxItems": 16, "items": spread,
+                                      "description": "how the pods spread over zones or nodes, as a pod spec gives "
+                                                     "them"},
         "priorityClassName": _str("the pods' PriorityClass", pattern=DNS_SUBDOMAIN, maxLength=253),
         "runtimeClassName": _str("the pods' RuntimeClass (nvidia, on clusters that name the GPU runtime so)",
                                  pattern=DNS_SUBDOMAIN, maxLength=253),

@@ -60,8 +60,9 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
 SCHEMA = spec_schema()
 INT64 = 2**63
 BASE = parse_pool(example("aggregated.yaml"))  # a running pool that a fuzzed one is an edit of (kvmesh up -f)
-# The operator's refusals the API server cannot make: the settings keep unknown fields, so CEL cannot read them.
-OPERATOR_ONLY = re.compile(r"^(engine|router)\.settings\b")
+# The operator's refusals the API server cannot make: the settings and the picker's weights keep unknown fields, so
+# CEL cannot read them.
+OPERATOR_ONLY = re.compile(r"^((engine|router)\.settings|router\.weights)\b")
 # A message names the field it is about: a spec path, or the object's own fields.
 NAMES_A_FIELD = re.compile(r"\b(spec|metadata|apiVersion|" + "|".join(SCHEMA["properties"]) + r")\b")
 

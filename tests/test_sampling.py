@@ -86,7 +86,7 @@ def test_logprobs_are_the_models_own() -> None:
 @pytest.mark.parametrize(
     ("params", "fragment"),
     [
-        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(max_tokens=-1), "max_tokens"),  # 0 is the prompt alone (echo)
         (SamplingParams(temperature=2.5), "temperature"),
         (SamplingParams(top_p=0.0), "top_p"),
         (SamplingParams(stop=["a", "b", "c", "d", "e"]), "stop"),
