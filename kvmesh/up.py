@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -850,6 +851,9 @@ class _ScalingWatch:
         self.next = self.now() + self.interval
         pods = observe_engines(self.engines.observable())
         router = observe_router(self.engines, pods) if "scaleToZero" in self.pool.spec["scaling"] else None
+        answered = {p.name for p in pods}  # a serving engine that did not answer holds its role's size
+        unanswered = Counter(e.role for e in self.engines.observable()
+                             if e.state == SERVING and e.child.name not in answered)
         before = self.engines.replicas()
 
         def carry_out(tick: Tick) -> None:
@@ -862,7 +866,7 @@ class _ScalingWatch:
                 _say(f"warm-up: {line}")
 
         try:
-            self.operator.tick(self.now(), pods, before, carry_out, router)
+            self.operator.tick(self.now(), pods, before, carry_out, router, unanswered)
         except Exception as exc:  # as the cluster operator's timer: the tick fails (counted), the pool keeps serving
             _say(f"scaler: this tick failed ({exc!r}); the next one tries again")
             return

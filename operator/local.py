@@ -222,25 +222,27 @@ class LocalOperator:
         return self.warmup.gated
 
     def tick(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int],
-             carry_out: Callable[[Tick], None], router: RouterView | None = None) -> Tick:
+             carry_out: Callable[[Tick], None], router: RouterView | None = None,
+             unanswered: Mapping[str, int] | None = None) -> Tick:
         """One scaling evaluation of the pool: `decide`, then `carry_out` the tick (`kvmesh up` starts and drains
         engines, records, warms), counted in the operator's heartbeat as the cluster's timer counts a tick, which
         also applies what it decided: an error if either part raises (the exception goes on)."""
         with self.metrics.evaluation(self.pool):
-            tick = self.decide(now, pods, replicas, router)
+            tick = self.decide(now, pods, replicas, router, unanswered)
             carry_out(tick)
             return tick
 
     def decide(self, now: float, pods: list[LocalPod], replicas: Mapping[str, int],
-               router: RouterView | None = None) -> Tick:
+               router: RouterView | None = None, unanswered: Mapping[str, int] | None = None) -> Tick:
         """Observe the engines (and, for a pool that scales to zero, its router: `router`) and plan: the replicas
         per role, the warm-ups, the cost of deleting each engine. The idle clock runs as the cluster operator's
         does: a request held, running, waiting or counted since the last tick restarts it, and so does a tick at
-        which the router or a serving engine did not answer (`RouterView.unseen`)."""
+        which the router or a serving engine did not answer (`RouterView.unseen`). `unanswered`: per role, serving
+        engines whose /metrics did not answer this tick: their role is not scaled down, as in the cluster."""
         scraped = [parse_pod(p.name, p.role, p.metrics) for p in pods]
         view = router or RouterView()
         idle = self.memory.idle.update(now, scraped, view)
-        decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas, view.held, idle)
+        decision = self.memory.scaler_for(self.pool).observe(now, scraped, replicas, view.held, idle, unanswered)
         hit_rates = pod_hit_rates(self.memory, now, scraped)
         places = {p.name: PodPlace(p.url, p.ready) for p in pods}
         warmups = plan_tick_warmups(self.memory, scraped, places, hit_rates, self.warmup)

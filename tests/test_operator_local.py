@@ -107,3 +107,20 @@ def test_an_edited_spec_keeps_what_the_scaler_learnt_of_the_traffic(tmp_path: Pa
     assert (scaler.pool, scaler.traffic, scaler.history) == (edited, learnt.traffic, learnt.history)
     assert operator.memory.scaler_for(edited) is scaler  # rebuilt once per edit, not at every tick
     assert operator.decide(10.0, hot, {"both": 2}).decision.replicas == {"both": 2}  # the new bound
+
+
+def test_a_local_pool_holds_a_role_whose_serving_engines_did_not_answer() -> None:
+    """As the cluster's timer: engines that serve but whose /metrics did not answer this tick (`kvmesh up` counts
+    them) are not taken for idle, so their role is not scaled down meanwhile; without them it would be."""
+    pool = load_pool_file(str(EXAMPLES / "aggregated.yaml"))
+
+    def pods(n: int) -> list[LocalPod]:
+        return [LocalPod(f"engine-{i}", "both", f"http://127.0.0.1:{9000 + i}", engine_text(0.05, 0.05, 0.0), True)
+                for i in range(n)]
+
+    held, blind = LocalOperator(pool), LocalOperator(pool)
+    for operator in (held, blind):
+        operator.decide(0.0, pods(3), {"both": 3})
+    assert blind.decide(1000.0, pods(1), {"both": 3}).decision.replicas["both"] < 3
+    kept = held.decide(1000.0, pods(1), {"both": 3}, unanswered={"both": 2}).decision
+    assert kept.replicas == {"both": 3} and kept.roles["both"].reason == "HoldMissingMetrics"
