@@ -737,7 +737,7 @@ class Engine:
         return drafts
 
     def _run(self, out: SchedulerOutput) -> None:
-        inputs, prompt_rows = [], []
+        inputs, prompt_rows, samples = [], [], []
         for s in out.scheduled:
             r = s.request
             start = r.num_computed_tokens
@@ -745,12 +745,13 @@ class Engine:
             # positions whose logits give prompt logprobs (echo): all of the chunk's from the first, the last included
             reads = r.prompt_logprob_positions(start, start + known)
             prompt_rows.append(reads)
+            samples.append(start + known == r.num_tokens)  # the step reaches the request's last token
             inputs.append(
                 StepInput(
                     self.kv.block_ids(r.request_id),
                     start,
                     r.token_slice(start, start + known) + list(s.draft_ids),
-                    wants_logits=start + known == r.num_tokens or bool(reads),
+                    wants_logits=samples[-1] or bool(reads),
                     lora_slot=r.lora_slot,
                     num_logits=start + known - reads.start if reads else 1 + len(s.draft_ids),
                     # greedy over logits the sampler changes, and prompt logprobs: exact ones (model/head.py
@@ -764,7 +765,7 @@ class Engine:
         if result.logits.shape[0] != rows:
             raise RuntimeError(f"{type(self.runner).__name__} returned {result.logits.shape[0]} logits rows for "
                                f"{rows} positions that want them (StepInput.num_logits rows per sequence)")
-        sampling, logits, prompt_only = self._split_logits(out, inputs, prompt_rows, result.logits)
+        sampling, logits, prompt_only = self._split_logits(out, inputs, prompt_rows, samples, result.logits)
         prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens - len(s.draft_ids) > 1)
         generated_before = sum(s.request.num_generated for s in sampling)
         if prefill_tokens:
@@ -819,13 +820,14 @@ class Engine:
             self.tokens_per_decode_step = _ema(self.tokens_per_decode_step, made / len(sampling))
 
     def _split_logits(self, out: SchedulerOutput, inputs: list[StepInput], prompt_rows: list[range],
-                      logits: torch.Tensor) -> tuple[list[ScheduledRequest], torch.Tensor, list[Request]]:
+                      samples: list[bool], logits: torch.Tensor
+                      ) -> tuple[list[ScheduledRequest], torch.Tensor, list[Request]]:
         """Read the prompt logprobs rows of a step's logits into their requests; return the scheduled requests that
         sample, their rows (the logits themselves when no request read its prompt), and the requests whose prompt
         ended with max_tokens 0 (nothing to sample)."""
         sampling, kept, prompt_only = [], [], []
         row = 0
-        for s, i, reads in zip(out.scheduled, inputs, prompt_rows, strict=True):
+        for s, i, reads, last in zip(out.scheduled, inputs, prompt_rows, samples, strict=True):
             if not i.wants_logits:
                 continue
             r, own = s.request, logits[row : row + i.num_logits]
@@ -837,7 +839,7 @@ class Engine:
                                            r.params.prompt_logprobs or 0)
                 record.logprobs += lps
                 record.top_logprobs += tops
-            if i.num_computed + len(i.token_ids) - len(s.draft_ids) == r.num_tokens:
+            if last:
                 if r.params.max_tokens == 0:
                     prompt_only.append(r)
                     continue

@@ -6,11 +6,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.engine.protocol import BlockExtra
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.structured import Guide
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(Enum):
@@ -68,7 +71,7 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     guide: Guide | None = None  # structured outputs: the matcher, already fed output_ids (engine/structured.py)
-    prompt_vocabulary: Any = None  # the prompt's distinct ids (a tensor), once repetition_penalty needs them
+    prompt_vocabulary: torch.Tensor | None = None  # the prompt's distinct ids, once repetition_penalty needs them
     prompt_logprobs: PromptLogprobs | None = None  # made when the params ask for them
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
