@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline
 from kvmesh.engine.engine import LOAD_PROGRESS, Engine
+from kvmesh.engine.internal_token import InternalToken, RequireToken
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
 from kvmesh.engine.metrics import LoadingMetrics
 from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
@@ -824,10 +825,14 @@ async def warm(e: Engine, client: httpx.AsyncClient, body: WarmRequest) -> WarmR
     return out
 
 
-def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[], None] | None = None) -> FastAPI:
+def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[], None] | None = None,
+               token: InternalToken | None = None) -> FastAPI:
     """`on_exit` runs when the server stops, signal or not: uvicorn re-raises a SIGTERM once it has stopped, so
-    nothing after `uvicorn.run` runs in a pod (`kvmesh serve` closes the engine and flushes its spans here)."""
-    peers = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0))  # KV transfers from other pods
+    nothing after `uvicorn.run` runs in a pod (`kvmesh serve` closes the engine and flushes its spans here).
+    `token`: the pool's internal token (engine/internal_token.py), by default from the environment; asked of every
+    caller and sent to peers."""
+    token = token if token is not None else InternalToken.from_env()
+    peers = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0), auth=token)  # KV transfers from other pods
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -850,6 +855,8 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             holder.engine.metrics.requests.labels("error").inc()
 
     app.add_middleware(BodyDeadline, seconds=body_read_timeout, timed_out=body_timed_out)
+    if token.enabled:  # added last: the outermost, so a caller without the token costs no body read
+        app.add_middleware(RequireToken, token=token)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import BodyDeadline
+from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
@@ -133,7 +134,8 @@ if TYPE_CHECKING:
 COMPLETION_PATHS = {COMPLETIONS_PATH: False, CHAT_PATH: True}  # the routes that take completions -> chat
 OVERLOADED_CODE = "overloaded"  # the error code of a 429 the overloaded pool sheds (router/shed.py)
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-RETRYABLE = (429, 503)
+# refusals another pod may not give: busy, draining, or (401) holding another internal token while a new one spreads
+RETRYABLE = (401, 429, 503)
 SERVING_ROLES = ("both", "decode")  # pods that answer a whole request; prefill pods only take the prefill hop
 # Request fields only the router sets (a prefix pull, a resumed stream): a client's would make an engine fetch KV
 # from any address it names, or skip tokens. Admission drops them; the router adds its own after deciding.
@@ -519,6 +521,9 @@ class Router:
     # the models the pool served when a pod last was healthy: a pool at zero (holding requests) still lists them, so a
     # gateway in front keeps sending their requests here, where the first one wakes the pool
     served_before: list[dict[str, Any]] = field(default_factory=list)
+    # the pool's internal token: sent by the proxy and the scrapes, and set by the ext_proc picker on what a Gateway
+    # forwards to an engine (none: engines ask for none)
+    internal_token: InternalToken = field(default_factory=lambda: InternalToken(None))
 
     def tenants(self) -> Iterable[str]:
         """The tenants that have a key now (the one default tenant with auth off)."""
@@ -853,8 +858,9 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
         boot_id="",
     )
     index = PrefixIndex()
-    pods = PodSet.from_config(config, expected, index)
-    upstream = Upstream(config.request_timeout_seconds, config.max_connections_per_pod)
+    token = InternalToken.from_env()  # the pool's internal token: engines refuse requests without it
+    pods = PodSet.from_config(config, expected, index, token)
+    upstream = Upstream(config.request_timeout_seconds, config.max_connections_per_pod, token)
     pods.lost_listeners.append(lambda url, why: _abort_pod(upstream, url, why))
     table = parse_tenants(config.tenants)
     keys_file = KeysFile(config.api_keys_file) if config.api_keys_file else None  # re-read when it changes
@@ -885,7 +891,7 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
                   limit_sync=LimitSync(DemandTable(config.database_url), limits, new_id("router-"))
                   if config.database_url and config.rate_limit_sync else None,
                   responses=open_store(config.database_url, config.responses_ttl_seconds,
-                                       config.responses_memory_items), pod_wait=pod_wait)
+                                       config.responses_memory_items), pod_wait=pod_wait, internal_token=token)
 
 
 def _abort_pod(upstream: Upstream, url: str, why: str) -> None:

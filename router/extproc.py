@@ -345,6 +345,7 @@ class Exchange:
     def _mutation(self) -> pb.CommonResponse:
         assert self.choice is not None
         extra = {"content-length": str(len(self.choice.body))} if self.choice.rewritten else {}
+        extra.update(self.router.internal_token.headers())  # the engine serves only its pool
         trace = self.choice.trace
         if trace is not None:  # the gateway forwards the client's headers: its priority and class are overwritten
             extra.update(forwarded_headers(trace))  # with admission's (the tenant's ceiling, a derived class)

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import httpx
 
+from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.protocol import (
     HEALTH_LOADING,
     HEALTH_WARMING,
@@ -203,7 +204,9 @@ class PodSet:
         scrape_interval: float,
         stale_after: float,
         discovery: Discovery | None = None,
+        token: InternalToken | None = None,
     ) -> None:
+        """`token`: the pool's internal token, sent with every scrape and event stream."""
         self.pods: dict[str, Pod] = {}
         self.expected = expected
         self.index = index
@@ -215,7 +218,8 @@ class PodSet:
         # under twice the pods would starve scrapes); each pod uses at most three at once by construction (its
         # scrapes, one after another; its event stream; a resync). Requests go through router/proxy.py, bounded.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=EVENT_READ_TIMEOUT_SECONDS),
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                                         auth=token)
         self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Task[None]]] = {}
         self._started = False
         # called after every scrape of a pod, which is when it can become ready (router/app.py PodWait)
@@ -228,7 +232,8 @@ class PodSet:
             self.add(url)
 
     @classmethod
-    def from_config(cls, config: RouterConfig, expected: KVConfig, index: PrefixIndex) -> PodSet:
+    def from_config(cls, config: RouterConfig, expected: KVConfig, index: PrefixIndex,
+                    token: InternalToken | None = None) -> PodSet:
         """The pod set `config` asks for: its static list, a pods file's, or the pool's pods as Kubernetes
         reports them."""
         discovery: Discovery | None = None
@@ -241,7 +246,8 @@ class PodSet:
             from kvmesh.router.discovery import EndpointSliceWatcher
 
             discovery = EndpointSliceWatcher.from_config(config)
-        return cls(config.pods, expected, index, config.scrape_interval_seconds, config.stale_after_seconds, discovery)
+        return cls(config.pods, expected, index, config.scrape_interval_seconds, config.stale_after_seconds, discovery,
+                   token)
 
     async def start(self) -> None:
         self._started = True

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvmesh.engine.internal_token import InternalToken
 from kvmesh.router.tracing import RequestSpan, UpstreamSpan
 
 CONNECT_TIMEOUT_SECONDS = 10.0
@@ -283,7 +284,9 @@ class _Pod:
 class Upstream:
     """Keep-alive connections to every pod, opened on first use inside the event loop that serves requests."""
 
-    def __init__(self, read_timeout_seconds: float, max_connections_per_pod: int = MAX_CONNECTIONS_PER_POD) -> None:
+    def __init__(self, read_timeout_seconds: float, max_connections_per_pod: int = MAX_CONNECTIONS_PER_POD,
+                 token: InternalToken | None = None) -> None:
+        """`token`: the pool's internal token, sent with every request (engines refuse requests without it)."""
         if (isinstance(max_connections_per_pod, bool) or not isinstance(max_connections_per_pod, int)
                 or max_connections_per_pod < 1):
             raise ValueError(f"max_connections_per_pod must be a whole number of at least 1, not "
@@ -292,6 +295,7 @@ class Upstream:
         self._pods: dict[str, _Pod] = {}  # by base URL (scheme, host and port)
         self._tls: ssl.SSLContext | None = None
         self._swept = 0.0  # when idle connections were last swept
+        self._token = token
 
     async def post(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str],
                    traced: RequestSpan | None = None) -> UpstreamReply:
@@ -304,6 +308,8 @@ class Upstream:
             pod.posting += 1
             payload = json.dumps(body).encode()
             sent = dict(headers) if span is None else span.headers(headers)
+            if self._token is not None:
+                sent.update(self._token.headers())
             lines = [f"POST {path} HTTP/1.1\r\nhost: {pod.authority}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(payload)}\r\n"]
             for name, value in sent.items():

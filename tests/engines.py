@@ -18,6 +18,7 @@ import httpx
 import uvicorn
 
 from kvmesh.engine.engine import Engine
+from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.server import EngineHolder, create_app
 from kvmesh.engine.tracing import OFF, Tracing
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
@@ -70,14 +71,15 @@ def serve_router(router: Router) -> Iterator[str]:
 
 
 @contextmanager
-def serve_engine(engine: Engine, healthy: bool = True, tracing: Tracing = OFF) -> Iterator[str]:
-    """`engine` (started here) behind the engine's own HTTP app (traced with `tracing`), in a daemon thread of this
-    process; yields its URL once healthy (with `healthy` False: once it answers at all, e.g. while its warm-up gate
-    holds it), and stops both at the end. For in-process engines such as simulated ones."""
+def serve_engine(engine: Engine, healthy: bool = True, tracing: Tracing = OFF,
+                 token: InternalToken | None = None) -> Iterator[str]:
+    """`engine` (started here) behind the engine's own HTTP app (traced with `tracing`, asking for `token`), in a
+    daemon thread of this process; yields its URL once healthy (with `healthy` False: once it answers at all, e.g.
+    while its warm-up gate holds it), and stops both at the end. For in-process engines such as simulated ones."""
     engine.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineHolder(engine), tracing), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    app = create_app(EngineHolder(engine), tracing, token=token if token is not None else InternalToken(None))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -18,7 +18,7 @@ ALLOWED = {"kvmesh.engine", "kvmesh.engine.protocol", "kvmesh.engine.openai_type
            "kvmesh.engine.model", "kvmesh.engine.model.tokenizer", "kvmesh.engine.model.token_cache",
            "kvmesh.engine.model.tool_prompt", "kvmesh.engine.tracing", "kvmesh.engine.typed_fields",
            "kvmesh.engine.config", "kvmesh.engine.body_deadline", "kvmesh.engine.kv", "kvmesh.engine.kv.costs",
-           "kvmesh.engine.kv.policy", "kvmesh.engine.spec"}
+           "kvmesh.engine.kv.policy", "kvmesh.engine.spec", "kvmesh.engine.internal_token"}
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "disaggregated.yaml"
 
 
