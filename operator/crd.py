@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from kvmesh.engine.config import EngineConfig, parse_lora_modules
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV
 from kvmesh.engine.protocol import (
     CACHE_DIR_ENV,
     DEFAULT_BLOCK_SIZE,
@@ -60,7 +61,7 @@ ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"  # what the API server accepts as an 
 MAX_ENV_VARS = 64
 DATABASE_URL_ENV = "KVMESH_DATABASE_URL"  # the router's request-log URL, from store.databaseUrlSecret
 # variables the operator sets itself: a pool's own env cannot override them
-OPERATOR_ENV = ("HOME", CACHE_DIR_ENV, DATABASE_URL_ENV, CACHE_SALT_SECRET_ENV)
+OPERATOR_ENV = ("HOME", CACHE_DIR_ENV, DATABASE_URL_ENV, CACHE_SALT_SECRET_ENV, INTERNAL_TOKEN_FILE_ENV)
 SECRET_KEY = r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # a Secret's data key: a plain file name, never . or .. or a path
 API_KEYS_FILE = "keys.yaml"  # the key of spec.router.apiKeys' Secret that holds the keys file, by default
 # AdaptersLoaded only for pools with adapters; RouterStateShared: desired.router_state; MetricsAvailable: once a pod

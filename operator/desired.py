@@ -4,13 +4,16 @@ One Deployment per engine role (one for an aggregated pool), a headless Service 
 router discovers them through its EndpointSlices), the router's Deployment and Service, a ConfigMap holding the
 `engine` and `router` files that `kvmesh serve --config` and `kvmesh router --config` read (DESIGN.md contract
 0), a PodDisruptionBudget per Deployment, the router's ServiceAccount, Role and RoleBinding, and, as asked,
-HorizontalPodAutoscalers and a Gateway API Inference Extension InferencePool. Every pod runs as non-root on a
+HorizontalPodAutoscalers and a Gateway API Inference Extension InferencePool. The pool's internal-token Secret
+(`internal_token_secret`) is built here too, from a token the caller gives (handlers.py creates it once, when it
+is missing, and never rewrites it); every engine and router pod mounts it. Every pod runs as non-root on a
 read-only root filesystem with probes and resource requests, carries the contract-0 labels, and every object
 names the pool as its controlling owner so that Kubernetes' garbage collector removes it with the pool.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import hashlib
@@ -22,6 +25,7 @@ from typing import Any
 import yaml
 
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, INTERNAL_TOKEN_HEADER, INTERNAL_TOKEN_KEY
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.conditions import ready_replicas
@@ -63,6 +67,11 @@ GATEWAY_API_VERSION = "inference.networking.k8s.io/v1"
 EXT_PROC_CERT_DIR = f"{CONFIG_DIR}/ext-proc-tls"  # where the router reads the picker's mounted certificate
 EXT_PROC_PORT_NAME = "grpc-ext-proc"  # the router's endpoint-picker port (the grpc- prefix tells meshes it is gRPC)
 API_KEYS_DIR = f"{CONFIG_DIR}/api-keys"  # where the router reads spec.router.apiKeys' Secret (updated in place)
+# Where every engine and router pod mounts the pool's internal-token Secret (its `token` key only, updated in place
+# by the kubelet), and so the file INTERNAL_TOKEN_FILE_ENV names: engine/internal_token.py
+INTERNAL_TOKEN_DIR = f"{CONFIG_DIR}/internal-token"
+INTERNAL_TOKEN_PATH = f"{INTERNAL_TOKEN_DIR}/{INTERNAL_TOKEN_KEY}"
+INTERNAL_TOKEN_MODE = 0o440  # root's and the pod's fsGroup's (the image's user) to read, no one's to write
 
 
 
@@ -83,6 +92,11 @@ def engines_service_name(pool: Pool) -> str:
 
 def config_name(pool: Pool) -> str:
     return f"{pool.name}-config"
+
+
+def internal_token_name(pool: Pool) -> str:
+    """The pool's internal-token Secret (a pool's name has at most 40 characters: this fits a DNS label)."""
+    return f"{pool.name}-internal-token"
 
 
 def router_address(pool: Pool) -> str:
@@ -135,6 +149,27 @@ def owner_reference(pool: Pool) -> dict[str, Any]:
 def _meta(pool: Pool, name: str, object_labels: dict[str, str]) -> dict[str, Any]:
     return {"name": name, "namespace": pool.namespace, "labels": object_labels,
             "ownerReferences": [owner_reference(pool)]}
+
+
+def internal_token_secret(pool: Pool, token: str) -> dict[str, Any]:
+    """The pool's internal-token Secret holding `token` under INTERNAL_TOKEN_KEY: created once by the operator
+    when missing, never patched (a new token only by deleting the Secret: docs/operator.md), owned by the pool."""
+    encoded = base64.b64encode(token.encode()).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(pool, internal_token_name(pool), {POOL_LABEL: pool.name}),
+            "data": {INTERNAL_TOKEN_KEY: encoded}}
+
+
+def secret_token(secret: Mapping[str, Any]) -> str | None:
+    """The token a pool's internal-token Secret holds (as the API server returns it: base64 in `data`), or None
+    when its key is missing or not base64 of text."""
+    encoded = (secret.get("data") or {}).get(INTERNAL_TOKEN_KEY)
+    if not isinstance(encoded, str):
+        return None
+    try:
+        return base64.b64decode(encoded, validate=True).decode().strip()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 # ---- configuration files ---------------------------------------------------------------------------------------------
@@ -257,11 +292,15 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
                       "capabilities": {"drop": ["ALL"]}}
 
 # preStop: ask the engine to drain (contract 0) and wait until its running and queued requests are done, so a
-# scale-in or a rollout cuts no stream; the router stops sending on the 503 /health or the terminating slice.
-DRAIN_SCRIPT = """import json, time, urllib.request as u
+# scale-in or a rollout cuts no stream; the router stops sending on the 503 /health or the terminating slice. An
+# exec hook, not an httpGet one: the drain needs the pool's internal token, read from the mounted file (each try:
+# a rotation may replace it meanwhile), which an httpGet hook cannot send.
+DRAIN_SCRIPT = """import json, os, time, urllib.request as u
 end = time.time() + {seconds}
 while time.time() < end:
-    r = json.load(u.urlopen(u.Request("http://127.0.0.1:{port}{path}", method="POST"), timeout=5))
+    f = os.environ.get("{env}")
+    h = {{"{header}": open(f).read().strip()}} if f else {{}}
+    r = json.load(u.urlopen(u.Request("http://127.0.0.1:{port}{path}", method="POST", headers=h), timeout=5))
     if r["running"] + r["waiting"] == 0:
         break
     time.sleep(1)
@@ -272,10 +311,15 @@ def _volumes(pool: Pool, engine: bool) -> tuple[list[dict[str, Any]], list[dict[
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_name(pool)}},
         {"name": "tmp", "emptyDir": {}},
+        # a volume, not an env var or subPath: the kubelet updates it in place when the Secret is made anew
+        {"name": "internal-token", "secret": {"secretName": internal_token_name(pool),
+                                              "items": [{"key": INTERNAL_TOKEN_KEY, "path": INTERNAL_TOKEN_KEY}],
+                                              "defaultMode": INTERNAL_TOKEN_MODE}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "internal-token", "mountPath": INTERNAL_TOKEN_DIR, "readOnly": True},
     ]
     if _converts(pool):
         volumes.append({"name": "cache", "emptyDir": {}})
@@ -303,7 +347,7 @@ def _converts(pool: Pool) -> bool:
 
 
 def _env(pool: Pool) -> list[dict[str, Any]]:
-    env = [{"name": "HOME", "value": "/tmp"}]
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": INTERNAL_TOKEN_FILE_ENV, "value": INTERNAL_TOKEN_PATH}]
     if _converts(pool):
         env.append({"name": CACHE_DIR_ENV, "value": CACHE_DIR})
     return env
@@ -373,7 +417,8 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
         "env": _env(pool) + _pool_env(pool, "engine"),
         "resources": copy.deepcopy(spec["resources"]),
         "lifecycle": {"preStop": {"exec": {"command": [
-            "python", "-c", DRAIN_SCRIPT.format(seconds=DRAIN_SECONDS, port=spec["port"], path=DRAIN_PATH)]}}},
+            "python", "-c", DRAIN_SCRIPT.format(seconds=DRAIN_SECONDS, port=spec["port"], path=DRAIN_PATH,
+                                                env=INTERNAL_TOKEN_FILE_ENV, header=INTERNAL_TOKEN_HEADER)]}}},
         **_probes(),
     }
     return {

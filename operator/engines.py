@@ -2,18 +2,23 @@
 a pod's warm-up gate. Each pod's failure is returned, never raised: a pod that does not answer must not stop
 the tick for the others.
 
+Every call but the scrape (/metrics is open) carries the pool's internal token (engine/internal_token.py) when
+given one as `auth`: the cluster operator's `PoolToken`, read from the pool's Secret, or `kvmesh up`'s
+`InternalToken`, read from its work folder.
+
 Kopf-free: the cluster operator (operator/handlers.py) and the local one inside `kvmesh up -f`
 (operator/local.py) make the same calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import httpx
 
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_HEADER
 from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, READY_PATH, serving_metrics
 from kvmesh.operator.warmup import ServingPod, Warmup, WarmupUnanswered, warm_body
 
@@ -23,6 +28,27 @@ WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick wai
 SCRAPE_WORKERS = 16  # pods scraped at once
 
 Scraper = Callable[[str], str]  # URL -> Prometheus text
+
+
+class PoolToken(httpx.Auth):
+    """A pool's internal token as the cluster operator holds it (read from the pool's Secret through the API, not
+    from a file): adds the header to every request of a call made with `auth=PoolToken(token)`."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers[INTERNAL_TOKEN_HEADER] = self.token
+        yield request
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolToken) and other.token == self.token
+
+    def __hash__(self) -> int:
+        return hash(self.token)
+
+    def __repr__(self) -> str:  # never the token itself: it may reach a log line
+        return "PoolToken(...)"
 
 
 def http_scrape(url: str) -> str:
@@ -53,10 +79,12 @@ def scrape_all(urls: Mapping[str, str], scrape: Scraper = http_scrape,
     return texts
 
 
-def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception | None]:
-    """Read the source pod's hottest chains once, then ask every target to pull them from it, in parallel."""
+def http_warm(plan: Warmup, limit: int, auth: httpx.Auth | None = None) -> dict[str, dict[str, Any] | Exception | None]:
+    """Read the source pod's hottest chains once, then ask every target to pull them from it, in parallel (`auth`:
+    the pool's internal token, sent with each call; the targets send their own to the source as they pull)."""
     try:
-        hot = httpx.get(plan.source.url + KV_HOT_PATH, params={"limit": limit}, timeout=SCRAPE_TIMEOUT_SECONDS)
+        hot = httpx.get(plan.source.url + KV_HOT_PATH, params={"limit": limit}, timeout=SCRAPE_TIMEOUT_SECONDS,
+                        auth=auth)
         hot.raise_for_status()
         request = warm_body(plan.source.url, hot.json(), limit)
     except (httpx.HTTPError, ValueError) as exc:
@@ -66,7 +94,7 @@ def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception 
 
     def one(target: ServingPod) -> dict[str, Any] | Exception:
         try:
-            reply = httpx.post(target.url + KV_WARM_PATH, json=request, timeout=WARM_TIMEOUT_SECONDS)
+            reply = httpx.post(target.url + KV_WARM_PATH, json=request, timeout=WARM_TIMEOUT_SECONDS, auth=auth)
             reply.raise_for_status()
             return reply.json()
         except httpx.ReadTimeout:  # it has the request: its copy goes on, and its gate opens when it ends
@@ -78,12 +106,13 @@ def http_warm(plan: Warmup, limit: int) -> dict[str, dict[str, Any] | Exception 
         return dict(zip((t.name for t in plan.targets), pool.map(one, plan.targets), strict=True))
 
 
-def http_open_gates(pods: Sequence[ServingPod]) -> dict[str, Exception | None]:
-    """POST /v1/admin/ready to each pod, in parallel: it has nothing to be warmed with, so it serves now."""
+def http_open_gates(pods: Sequence[ServingPod], auth: httpx.Auth | None = None) -> dict[str, Exception | None]:
+    """POST /v1/admin/ready to each pod (with the pool's token, `auth`), in parallel: it has nothing to be warmed
+    with, so it serves now."""
 
     def one(pod: ServingPod) -> Exception | None:
         try:
-            httpx.post(pod.url + READY_PATH, timeout=SCRAPE_TIMEOUT_SECONDS).raise_for_status()
+            httpx.post(pod.url + READY_PATH, timeout=SCRAPE_TIMEOUT_SECONDS, auth=auth).raise_for_status()
             return None
         except httpx.HTTPError as exc:
             return exc

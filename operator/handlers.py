@@ -1,7 +1,8 @@
 """The kopf operator: read a pool, call the pure functions (crd, desired, forecast, scaling), apply, report.
 
-Reconciling (create, update, resume): parse the pool, compute its objects, apply each by create-then-patch
-(an object that exists answers 409 to the create and is merge-patched), and write status. A bad spec sets
+Reconciling (create, update, resume): parse the pool, make sure its internal-token Secret exists (created once with
+a fresh token, never rewritten: `pool_token`), compute its objects, apply each by create-then-patch (an object that
+exists answers 409 to the create and is merge-patched), and write status. A bad spec sets
 Degraded/InvalidSpec and waits for the next change; an API call that still fails after `API_RETRY`'s few tries
 sets Degraded/ApiError and kopf retries the handler with exponential backoff. Neither raises out of a handler
 uncaught, so the operator never crash-loops.
@@ -9,7 +10,9 @@ uncaught, so the operator never crash-loops.
 Scaling: a timer per pool scrapes its engine pods' /metrics (and, for a pool that scales to zero, its router
 pods': the requests they hold for want of an engine), estimates the pool's traffic, asks `scaling.decide`, and
 (unless HPAs own the replicas) patches each Deployment's replicas, marks the pods worth least for deletion
-first, and posts an Event with the reason. Kubernetes calls go through the official client
+first, and posts an Event with the reason. Its calls to engines (warm-ups, warm-up gates, LoRA adapters; not the
+scrapes: /metrics is open) carry the pool's internal token, read from the Secret at each evaluation (which also
+makes the Secret again if it was deleted: a rotation). Kubernetes calls go through the official client
 in kopf's handler threads; kopf itself watches the pools.
 
 Only what needs kopf or the Kubernetes API lives here; the pieces `kvmesh up -f` shares (the operator's metrics,
@@ -19,6 +22,7 @@ its memory of a pool, its HTTP calls to engines) live in kopf-free modules, so a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,15 +35,16 @@ from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 
+from kvmesh.engine.internal_token import MIN_TOKEN_CHARS, new_token
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.conditions import pool_conditions, ready_replicas, switching
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
-from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
+from kvmesh.operator.engines import PoolToken, Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
-from kvmesh.operator.kube import PLURALS, Kube, NameTaken
+from kvmesh.operator.kube import PLURALS, Kube, NameTaken, owned_by, same_owner
 from kvmesh.operator.leader import Election, run_elected
-from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick
+from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick, http_act, http_served
 from kvmesh.operator.memory import PoolMemory, RouterView, current_replicas, now_timestamp, pod_hit_rates
 from kvmesh.operator.metrics import LeaderMetrics, OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
@@ -106,11 +111,46 @@ def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Pruned:
 
 class ApplyFailed(Exception):
     """A pool's objects could not all be applied; the message names the step and the API's answer, `reason` the
-    Degraded condition's: NameConflict (an object of that name is another's) or ApiError."""
+    Degraded condition's: NameConflict (an object of that name is another's), InvalidSecret (the pool's
+    internal-token Secret holds no usable token) or ApiError."""
 
     def __init__(self, message: str, reason: str = "ApiError") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def pool_token(kube: Kube, pool: Pool) -> str:
+    """The pool's internal token, from its Secret (desired.internal_token_secret), which is created with a fresh
+    token when there is none and never rewritten. ApplyFailed when the API fails, when a Secret of that name is
+    another's (NameConflict: it is not used, nor changed), or when the pool's own holds no usable token
+    (InvalidSecret: deleting it makes a new one)."""
+    name = desired.internal_token_name(pool)
+    wanted = desired.internal_token_secret(pool, new_token())
+    try:
+        secret = kube.create_or_read(wanted)
+    except Exception as exc:  # an API answer, or no answer at all
+        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+        raise ApplyFailed(f"reading or creating Secret {name} failed: {reason}") from exc
+    if not same_owner(wanted, secret):
+        raise ApplyFailed(f"Secret {name} exists and is not this pool's ({owned_by(secret)}): it is left as it is; "
+                          "delete or rename it, or give the pool another name", "NameConflict")
+    token = desired.secret_token(secret)
+    if token is None or len(token) < MIN_TOKEN_CHARS:
+        raise ApplyFailed(f"Secret {name} holds no internal token of at least {MIN_TOKEN_CHARS} characters under "
+                          f"the key `token`; delete it and the operator makes a new one", "InvalidSecret")
+    return token
+
+
+def current_token(kube: Kube, pool: Pool, memo: kopf.Memo) -> PoolToken | None:
+    """The token the evaluation's engine calls send: the Secret's, read now (and made again if it was deleted), or
+    the last one read when that fails (logged: the calls may meet 401s until it is read again); None when none was
+    ever read (the calls go without, and engines answer 401, which the tick survives)."""
+    try:
+        memo["kvmesh-token"] = PoolToken(pool_token(kube, pool))
+    except ApplyFailed as exc:
+        log.warning("pool %s/%s: %s", pool.namespace, pool.name, exc)
+    token: PoolToken | None = memo.get("kvmesh-token")
+    return token
 
 
 @dataclass(frozen=True)
@@ -242,8 +282,9 @@ def observe_routers(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> R
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
              scrape: Scraper = http_scrape, metrics: OperatorMetrics | None = None,
-             warm: Warmer = http_warm, open_gates: GateOpener = http_open_gates) -> OperatorMetrics:
-    """Add the operator's handlers to `registry`; `configuration` says how to reach the API server."""
+             warm: Warmer | None = None, open_gates: GateOpener | None = None) -> OperatorMetrics:
+    """Add the operator's handlers to `registry`; `configuration` says how to reach the API server. `warm` and
+    `open_gates` (tests): instead of the HTTP calls with each pool's token (`http_warm`, `http_open_gates`)."""
     kube = Kube(configuration)
     metrics = metrics or OperatorMetrics()
 
@@ -290,7 +331,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
             return  # nothing to retry until the spec changes, which runs this handler again
         replicas = current_replicas(pool, status)
-        try:
+        try:  # the Secret before the pods that mount it
+            memo["kvmesh-token"] = PoolToken(pool_token(kube, pool))
             applied = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
         except ApplyFailed as exc:
             patch.status["conditions"] = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
@@ -336,7 +378,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         with metrics.evaluation(pool):
             if "kvmesh-lora" not in memo:  # a restarted operator carries on from what the pool's status kept
                 memo["kvmesh-lora"] = AdapterMemory.from_status(status)
-            tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates, memo["kvmesh-lora"])
+            auth = current_token(kube, pool, memo)
+            tick(kube, pool, body, status, patch, state, now, scrape, metrics,
+                 warm or functools.partial(http_warm, auth=auth),
+                 open_gates or functools.partial(http_open_gates, auth=auth), memo["kvmesh-lora"], auth)
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
@@ -348,9 +393,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
 
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
          now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer = http_warm,
-         open_gates: GateOpener = http_open_gates, adapters: AdapterMemory | None = None) -> Decision:
-    """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters),
-    report."""
+         open_gates: GateOpener = http_open_gates, adapters: AdapterMemory | None = None,
+         auth: PoolToken | None = None) -> Decision:
+    """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters with the
+    pool's token `auth`), report."""
     generation = int(body.metadata.get("generation") or 0)
     deployments = finish_switch(kube, pool, body, by_role(kube.list(
         "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")))
@@ -401,7 +447,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     # after scaling: a scale-up decided now must not wait behind the copies of the last one's pods
     warm_new_pods(pool, body, state, pods, scraped, hit_rates, warm, open_gates)
     if adapters is not None:
-        if (loaded := sync_adapters(pool, body, pods, adapters, operator_metrics)) is not None:
+        if (loaded := sync_adapters(pool, body, pods, adapters, operator_metrics, auth)) is not None:
             state.condition(status, "AdaptersLoaded", loaded.ok, loaded.reason, loaded.message, generation)
         if adapters.managed or adapters.refused or status.get("adapters"):
             patch.status["adapters"] = adapters.to_status()
@@ -500,7 +546,7 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
 
 
 def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapters: AdapterMemory,
-                  operator_metrics: OperatorMetrics) -> AdapterStatus | None:
+                  operator_metrics: OperatorMetrics, auth: PoolToken | None = None) -> AdapterStatus | None:
     """Load and unload LoRA adapters in the Ready engine pods so they serve what the spec declares
     (operator/lora.py `adapter_tick`); count the actions, post a Warning Event for each refusal (once: it is not
     retried, also after a restart, which finds the refusals in status.adapters), and log every action and a tick
@@ -522,7 +568,8 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     # will read the current list at start); Ready ones are synced, the others keep what they refused.
     alive = addressable(pods)
     ready = [engine(p) for p in alive if pod_ready(p) and mounts_every_claim(p)]
-    tick = adapter_tick(desired.engine_adapters(pool), ready, adapters, alive={engine(p).life for p in alive})
+    tick = adapter_tick(desired.engine_adapters(pool), ready, adapters, alive={engine(p).life for p in alive},
+                        read=functools.partial(http_served, auth=auth), act=functools.partial(http_act, auth=auth))
     operator_metrics.record_adapters(pool, tick.syncs)
     for pod, result in tick.results():
         message = f"{pod.name}: {result.message}"

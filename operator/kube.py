@@ -21,14 +21,16 @@ from urllib3.util.retry import Retry
 
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Role": "roles",
            "RoleBinding": "rolebindings", "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
-           "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods"}
+           "HorizontalPodAutoscaler": "horizontalpodautoscalers", "InferencePool": "inferencepools", "Pod": "pods",
+           "Secret": "secrets"}
 
 # The reconciler's and the timer's retry policy (kopf's own watch and patch calls have theirs): a dropped
 # kept-alive connection, a refused connect, a timeout, and the answers an API server gives while it is busy or
 # restarting (429 and 5xx) are tried again a few times with backoff before the call fails (a reconcile then marks
 # the pool Degraded; a scaling tick is skipped). Every method the operator uses is safe to repeat, though a first
-# attempt may have taken effect before its answer was lost: a POST is only `Kube.apply`'s create, whose repeat
-# answers 409 and is merge-patched with the same fields (no object here is created by generateName); each PATCH is
+# attempt may have taken effect before its answer was lost: a POST is `Kube.apply`'s create, whose repeat
+# answers 409 and is merge-patched with the same fields (no object here is created by generateName), or
+# `Kube.create_or_read`'s, whose repeat answers 409 and reads what the first one stored; each PATCH is
 # a merge patch of absolute values (the same twice is the same once); a repeated DELETE answers 404, which
 # `Kube.delete` takes as done.
 API_RETRY = Retry(total=3, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504),
@@ -115,6 +117,27 @@ class Kube:
                             "it is left as it is; delete or rename it, or give the pool another name")
         self.patch(obj["apiVersion"], plural, meta["namespace"], meta["name"], dict(patch))
         return "patched"
+
+    def create_or_read(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """The object of `obj`'s name as stored: created from `obj` if there is none (read first, since it usually
+        exists), else as it is, never patched (a Secret holding what only its first creation may choose). A
+        create that answers 409 (made meanwhile, or a retried create whose first try took effect) reads it."""
+        meta = obj["metadata"]
+        plural = PLURALS[obj["kind"]]
+        try:
+            return self.get(obj["apiVersion"], plural, meta["namespace"], meta["name"])
+        except ApiException as exc:
+            if exc.status != HTTPStatus.NOT_FOUND:
+                raise
+        try:
+            return self.call("POST", self.path(obj["apiVersion"], plural, meta["namespace"]), dict(obj))
+        except ApiException as exc:
+            if exc.status != HTTPStatus.CONFLICT:
+                raise
+        return self.get(obj["apiVersion"], plural, meta["namespace"], meta["name"])
+
+    def get(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any]:
+        return self.call("GET", self.path(api_version, plural, namespace, name))
 
     def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:
         """Delete one object; its dependents go with it (background propagation). Gone already is done."""

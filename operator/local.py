@@ -16,15 +16,18 @@ that `kvmesh up` rewrites; everything else in the two files is what the operator
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+import httpx
 
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.desired import API_KEYS_DIR, engine_adapters, engine_settings, router_settings
 from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.forecast import parse_pod
-from kvmesh.operator.lora import AdapterMemory, AdapterTick, EnginePod, Life, adapter_tick
+from kvmesh.operator.lora import AdapterMemory, AdapterTick, EnginePod, Life, adapter_tick, http_act, http_served
 from kvmesh.operator.memory import PoolMemory, RouterView, pod_hit_rates
 from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
@@ -199,15 +202,19 @@ class Tick:
 class LocalOperator:
     """The operator's scaling tick for one local pool, less the Kubernetes calls: `tick` decides (`decide` observes
     and plans) and has `kvmesh up` carry it out: scale, `record` the outcome under the operator's own metric names
-    and labels, and warm (`warm_up`)."""
+    and labels, and warm (`warm_up`). Its calls to the engines carry the pool's internal token, `auth` (`kvmesh up`'s
+    `InternalToken` over the token file of its work folder); `warm` and `open_gates` (tests) replace those calls."""
 
-    def __init__(self, pool: Pool, warm: Warmer = http_warm, open_gates: GateOpener = http_open_gates) -> None:
+    def __init__(self, pool: Pool, warm: Warmer | None = None, open_gates: GateOpener | None = None,
+                 auth: httpx.Auth | None = None) -> None:
         self.pool = pool
+        self.auth = auth
         self.metrics = OperatorMetrics()
         self.memory = PoolMemory()  # what the timer keeps between ticks: the scaler, hits, serving pods
         self.warmup = WarmupSettings.of(pool)
         self.adapters = AdapterMemory()  # in memory only: a restarted `kvmesh up` starts new engines too
-        self._warm, self._open_gates = warm, open_gates
+        self._warm = warm or functools.partial(http_warm, auth=auth)
+        self._open_gates = open_gates or functools.partial(http_open_gates, auth=auth)
 
     def follow(self, pool: Pool) -> None:
         """Carry on under an edited spec (one `restarts` refuses nothing of): the scaler keeps what it learnt of the
@@ -272,7 +279,8 @@ class LocalOperator:
         (operator/lora.py `adapter_tick`, with a budget of its own per tick: LOCAL_ADAPTER_BUDGET_SECONDS), and
         count the actions in the operator's metrics."""
         tick = adapter_tick(engine_adapters(self.pool), serving, self.adapters, alive,
-                            budget=LOCAL_ADAPTER_BUDGET_SECONDS)
+                            budget=LOCAL_ADAPTER_BUDGET_SECONDS, read=functools.partial(http_served, auth=self.auth),
+                            act=functools.partial(http_act, auth=self.auth))
         self.metrics.record_adapters(self.pool, tick.syncs)
         return tick
 

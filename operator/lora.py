@@ -129,12 +129,14 @@ class ActionResult:
 
 def outcome_of(action: AdapterAction, status: int | None, message: str) -> ActionResult:
     """Classify an engine's answer (`status` None: no answer). Unloading a name it no longer holds is done; 409
-    (every slot taken, an unload's adapter still has requests, or an update's has them and no slot is spare), a
-    5xx or no answer is retried at the next tick; any other 4xx is the spec's problem, refused for good."""
+    (every slot taken, an unload's adapter still has requests, or an update's has them and no slot is spare), 401
+    (the pool's internal token not yet the same on both sides: a rotation under way), a 5xx or no answer is
+    retried at the next tick; any other 4xx is the spec's problem, refused for good."""
     if status is not None and (HTTPStatus.OK <= status < HTTPStatus.MULTIPLE_CHOICES or
                                (action.kind == UNLOAD and status == HTTPStatus.NOT_FOUND)):
         return ActionResult(action, OK, action.describe())
-    if status is None or status == HTTPStatus.CONFLICT or status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+    if status is None or status in (HTTPStatus.CONFLICT, HTTPStatus.UNAUTHORIZED) or \
+            status >= HTTPStatus.INTERNAL_SERVER_ERROR:
         return ActionResult(action, RETRY, f"{action.describe()}: {message} (retried next tick)")
     return ActionResult(action, REFUSED, f"{action.describe()} was refused ({status}): {message}; it is not "
                                          f"retried until spec.model.loraAdapters changes it")
@@ -300,19 +302,22 @@ Caller = Callable[[str, AdapterAction, float], tuple[int | None, str]]  # URL, a
 Clock = Callable[[], float]
 
 
-def http_served(url: str, timeout: float = MODELS_TIMEOUT_SECONDS) -> dict[str, str]:
-    reply = httpx.get(url + MODELS_PATH, timeout=timeout)
+def http_served(url: str, timeout: float = MODELS_TIMEOUT_SECONDS, auth: httpx.Auth | None = None) -> dict[str, str]:
+    """The adapters the engine at `url` serves (`auth`: the pool's internal token, operator/engines.py)."""
+    reply = httpx.get(url + MODELS_PATH, timeout=timeout, auth=auth)
     reply.raise_for_status()
     return served_adapters(reply.json())
 
 
-def http_act(url: str, action: AdapterAction, timeout: float = ACTION_TIMEOUT_SECONDS) -> tuple[int | None, str]:
-    """POST the action; the status and the engine's error message (None and the reason when no answer came)."""
+def http_act(url: str, action: AdapterAction, timeout: float = ACTION_TIMEOUT_SECONDS,
+             auth: httpx.Auth | None = None) -> tuple[int | None, str]:
+    """POST the action (with the pool's internal token, `auth`); the status and the engine's error message (None
+    and the reason when no answer came)."""
     path, body = (LOAD_LORA_PATH, {"lora_name": action.name, "lora_path": action.path,
                                    "load_inplace": action.inplace}) if action.kind == LOAD \
         else (UNLOAD_LORA_PATH, {"lora_name": action.name})
     try:
-        reply = httpx.post(url + path, json=body, timeout=timeout)
+        reply = httpx.post(url + path, json=body, timeout=timeout, auth=auth)
     except httpx.HTTPError as exc:
         return None, f"no answer: {exc!r}"
     try:

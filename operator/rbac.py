@@ -43,6 +43,8 @@ OPERATOR: tuple[Permission, ...] = (
     Permission("", "configmaps", APPLY, "the engine and router configuration files"),
     Permission("", "services", APPLY, "the engines' headless Service and the router's Service"),
     Permission("", "serviceaccounts", APPLY, "the router's identity"),
+    Permission("", "secrets", ("create", "get"),
+               "each pool's internal token: created once when missing, read to call its engines, never rewritten"),
     Permission("", "pods", ("list", "patch"), "scraping engine forecasts; pod-deletion-cost for cache-aware scale-in"),
     Permission("apps", "deployments", OWN, "engines per role and the router; replicas"),
     Permission("policy", "poddisruptionbudgets", OWN, "voluntary disruptions take one pod at a time"),

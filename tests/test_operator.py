@@ -10,6 +10,7 @@ verbs and resources that operator/rbac.py lists; one test checks that it uses ev
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import itertools
@@ -28,13 +29,15 @@ import kopf
 import pytest
 import yaml
 
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_HEADER, INTERNAL_TOKEN_KEY
 from kvmesh.engine.protocol import EVALUATION_OUTCOMES, POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvmesh.operator.engines import PoolToken, http_open_gates, http_warm
 from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, register
 from kvmesh.operator.kube import API_RETRY
 from kvmesh.operator.metrics import OperatorMetrics
-from kvmesh.operator.warmup import GateOpener, Warmer
+from kvmesh.operator.warmup import GateOpener, ServingPod, Warmer, Warmup
 from kvmesh.processes import free_port
 from kvmesh.router.discovery import kube_configuration
 
@@ -46,6 +49,7 @@ RESOURCES = {
     "v1/configmaps": ("ConfigMap", []),
     "v1/services": ("Service", []),
     "v1/serviceaccounts": ("ServiceAccount", []),
+    "v1/secrets": ("Secret", []),
     "v1/pods": ("Pod", []),
     "apps/v1/deployments": ("Deployment", ["status", "scale"]),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", []),
@@ -270,7 +274,7 @@ def test_a_pool_is_reconciled_patched_and_deleted(tmp_path: Path) -> None:
                 "ConfigMap": {"chat-config"}, "ServiceAccount": {"chat-router"}, "Role": {"chat-router"},
                 "RoleBinding": {"chat-router"}, "Service": {"chat-engines", "chat-router"},
                 "Deployment": {"chat-both", "chat-router"}, "PodDisruptionBudget": {"chat-both", "chat-router"},
-                "InferencePool": {"chat"}}
+                "InferencePool": {"chat"}, "Secret": {"chat-internal-token"}}
             for obj in owned:
                 (ref,) = obj["metadata"]["ownerReferences"]
                 assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (KIND, "chat", uid, True)
@@ -726,3 +730,142 @@ def test_a_deployment_deleted_by_hand_is_applied_again_at_the_next_tick(tmp_path
             assert "both" in event["message"]
 
     run(main)
+
+
+class FakeEngine:
+    """An engine pod on 127.0.0.x as the operator's calls see it: its /metrics, a /v1/models listing no adapter,
+    and 200 to everything posted (an adapter load, a warm-up gate); every request is recorded with the internal
+    token it carried."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.requests: list[tuple[str, str, str | None]] = []  # method, path, token header
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self, body: bytes, content_type: str = "application/json") -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                owner.requests.append(("GET", self.path.split("?")[0], self.headers.get(INTERNAL_TOKEN_HEADER)))
+                if self.path == "/metrics":
+                    self.answer(metrics_text(0.1, (0.1, 0.1, 0.1), 0.0).encode(), "text/plain; version=0.0.4")
+                elif self.path.startswith("/v1/kv/hot"):
+                    self.answer(b'{"chains": [{"hashes": [1, 2]}]}')
+                else:
+                    self.answer(b'{"object": "list", "data": [{"id": "base", "object": "model"}]}')
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                owner.requests.append(("POST", self.path, self.headers.get(INTERNAL_TOKEN_HEADER)))
+                self.answer(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def calls(self, since: int = 0) -> list[tuple[str, str, str | None]]:
+        """The requests after the first `since`, less the scrapes (/metrics asks for no token)."""
+        return [r for r in self.requests[since:] if r[1] != "/metrics"]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def secret_token(env: Env) -> str | None:
+    secret = env.get("v1/secrets", "chat-internal-token")
+    return None if secret is None else base64.b64decode(secret["data"][INTERNAL_TOKEN_KEY]).decode()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_each_pool_has_an_internal_token_its_pods_mount_and_its_engine_calls_send(tmp_path: Path) -> None:
+    """The pool's Secret is created once, owned by the pool (the GC removes it with the pool), and not rewritten by
+    a later reconcile; every engine and router pod mounts it; the operator's calls to the engines (here the LoRA
+    sync: /v1/models, /v1/load_lora_adapter) carry its token. Deleted (a rotation), it is made again with a new
+    token at the next evaluation, which the calls send from then on."""
+    port = free_port()
+    engine = FakeEngine("127.0.0.2", port)
+    ready_pod = pod_body("chat-both-0", "127.0.0.2")
+    ready_pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    spec = {"engine": {"port": port, "maxLoras": 2, "maxLoraRank": 8}, "replicas": {"both": {"min": 1, "max": 1}},
+            "scaling": {"intervalSeconds": 1},
+            "model": {"source": "bundled", "loraAdapters": [{"name": "sql", "path": "/adapters/sql"}]}}
+
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await env.k8s.post(POOLS, json=pool_body(**spec))
+            await eventually(lambda: env.pool().get("status", {}).get("observedGeneration") == 1)
+            secret = env.get("v1/secrets", "chat-internal-token")
+            assert secret is not None and secret["type"] == "Opaque"
+            (owner,) = secret["metadata"]["ownerReferences"]
+            assert (owner["kind"], owner["uid"], owner["controller"]) == (KIND, env.pool()["metadata"]["uid"], True)
+            token = secret_token(env)
+            assert token and len(token) >= 32
+            for name in ("chat-both", "chat-router"):
+                pod = env.get("apps/v1/deployments", name)["spec"]["template"]["spec"]  # type: ignore[index]
+                (volume,) = [v for v in pod["volumes"]
+                             if v.get("secret", {}).get("secretName") == "chat-internal-token"]
+                (container,) = pod["containers"]
+                (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+                assert mount["readOnly"]
+                wanted = {"name": "KVMESH_INTERNAL_TOKEN_FILE", "value": f"{mount['mountPath']}/token"}
+                assert wanted in container["env"]
+
+            # a second reconcile (a spec change) leaves the Secret as it was
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"engine": {"maxNumSeqs": 16}}})
+            await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
+            again = env.get("v1/secrets", "chat-internal-token")
+            assert again is not None and again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+            assert secret_token(env) == token
+
+            await env.k8s.post(f"/api/v1/namespaces/{NS}/pods", json=ready_pod)
+
+            async def clock() -> None:
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            await eventually(lambda: {("GET", "/v1/models"), ("POST", "/v1/load_lora_adapter")}
+                             <= {r[:2] for r in engine.calls()})
+            assert {r[2] for r in engine.calls()} == {token}
+
+            # rotation: the Secret deleted, the next evaluation makes a new one and sends its token
+            await env.k8s.delete(f"/api/v1/namespaces/{NS}/secrets/chat-internal-token")
+            rotated = await eventually(lambda: secret_token(env) not in (None, token) and secret_token(env))
+            seen = len(engine.requests)
+            await eventually(lambda: any(r[2] == rotated for r in engine.calls(seen)))
+            ticking.cancel()
+            assert env.get("v1/secrets", "chat-internal-token")["metadata"]["ownerReferences"][0]["kind"] == KIND  # type: ignore[index]
+
+    try:
+        run(main)
+    finally:
+        engine.close()
+
+
+def test_the_warm_up_calls_send_the_pools_token_and_never_log_it() -> None:
+    """http_warm (the source's hot listing, the target's warm) and http_open_gates carry the token given as `auth`;
+    without one they send none (a pool whose engines ask for none)."""
+    engine = FakeEngine("127.0.0.1", free_port())
+    try:
+        url = f"http://127.0.0.1:{engine.server.server_address[1]}"
+        source, target = ServingPod("a", "both", url), ServingPod("b", "both", url)
+        token = PoolToken("s" * 43)
+        assert "s" * 43 not in repr(token) and token == PoolToken("s" * 43)
+        assert http_warm(Warmup("both", source, (target,)), 4, auth=token) == {"b": {}}
+        assert http_open_gates([target], auth=token) == {"b": None}
+        assert engine.calls() == [("GET", "/v1/kv/hot", token.token), ("POST", "/v1/kv/warm", token.token),
+                                  ("POST", "/v1/admin/ready", token.token)]
+        seen = len(engine.requests)
+        http_open_gates([target])
+        assert engine.calls(seen) == [("POST", "/v1/admin/ready", None)]
+    finally:
+        engine.close()

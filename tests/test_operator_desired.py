@@ -5,7 +5,13 @@ operator/rbac.py; and the engines' metrics as the operator reads them (operator/
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +21,30 @@ import yaml
 
 from kvmesh import cli
 from kvmesh.engine.config import EngineConfig, load_config
+from kvmesh.engine.internal_token import (
+    INTERNAL_TOKEN_FILE_ENV,
+    INTERNAL_TOKEN_HEADER,
+    INTERNAL_TOKEN_KEY,
+    InternalToken,
+    new_token,
+    write_token_file,
+)
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import ENGINE_SETTINGS, Pool, PoolDefaults, SpecError, load_pool_file, parse_pool
 from kvmesh.operator.desired import (
     CONFIG_HASH_ANNOTATION,
     HOST_TIER_FILL,
+    INTERNAL_TOKEN_DIR,
     check_program_files,
     desired_objects,
     engine_settings,
+    internal_token_name,
+    internal_token_secret,
+    owner_reference,
     patch_body,
     router_state,
+    secret_token,
 )
 from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod, scaling_policy
 from kvmesh.operator.local import local_engine_settings
@@ -181,13 +200,14 @@ def test_a_tls_secret_is_what_the_router_serves_the_gateway_with() -> None:
     objects = desired_objects(parse_pool(doc))
     settings = yaml.safe_load(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])["router"]
     template = by_kind(objects, "Deployment")["docs-router"]["spec"]["template"]["spec"]
-    (volume,) = [v for v in template["volumes"] if v.get("secret")]
+    (volume,) = [v for v in template["volumes"] if v.get("secret") and v["name"] != "internal-token"]
     (mount,) = [m for m in template["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
     assert volume["secret"] == {"secretName": "picker-tls"} and mount["readOnly"]
     assert settings["ext_proc_cert_dir"] == mount["mountPath"]
     kubernetes_validate.validate(by_kind(objects, "Deployment")["docs-router"], "1.30", strict=True)
     engines = by_kind(objects, "Deployment")["docs-decode"]["spec"]["template"]["spec"]
-    assert not [v for v in engines["volumes"] if v.get("secret")], "only the router reads the certificate"
+    assert not [v for v in engines["volumes"] if v.get("secret") and v["name"] != "internal-token"], \
+        "only the router reads the certificate"
 
 
 def test_an_api_keys_secret_is_mounted_where_the_router_reads_its_keys_and_salt() -> None:
@@ -200,7 +220,7 @@ def test_an_api_keys_secret_is_mounted_where_the_router_reads_its_keys_and_salt(
     settings = yaml.safe_load(by_kind(objects, "ConfigMap")["docs-config"]["data"]["router.yaml"])["router"]
     router = by_kind(objects, "Deployment")["docs-router"]
     template = router["spec"]["template"]["spec"]
-    (volume,) = [v for v in template["volumes"] if v.get("secret")]
+    (volume,) = [v for v in template["volumes"] if v.get("secret") and v["name"] != "internal-token"]
     (mount,) = [m for m in template["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
     assert volume["secret"] == {"secretName": "pool-keys", "items": [{"key": "keys.yaml", "path": "keys.yaml"}]}
     assert mount["readOnly"] and "subPath" not in mount  # a subPath mount is never updated
@@ -209,7 +229,8 @@ def test_an_api_keys_secret_is_mounted_where_the_router_reads_its_keys_and_salt(
     assert salt["valueFrom"]["secretKeyRef"] == {"name": "pool-keys", "key": "salt"}
     kubernetes_validate.validate(router, "1.30", strict=True)
     engines = by_kind(objects, "Deployment")["docs-decode"]["spec"]["template"]["spec"]
-    assert not [v for v in engines["volumes"] if v.get("secret")], "only the router reads the keys"
+    assert not [v for v in engines["volumes"] if v.get("secret") and v["name"] != "internal-token"], \
+        "only the router reads the keys"
     assert all(e["name"] != "KVMESH_CACHE_SALT_SECRET" for e in engines["containers"][0]["env"])
 
     doc["spec"]["router"]["apiKeys"] = {"secretName": "pool-keys", "key": "tenants.yaml"}
@@ -289,6 +310,74 @@ def test_pods_are_non_root_read_only_probed_resourced_and_drain_before_stopping(
     # The router gets the ServiceAccount whose Role lets it read EndpointSlices; engines get no API token.
     router = by_kind(desired_objects(pool()), "Deployment")["chat-router"]["spec"]["template"]["spec"]
     assert router["serviceAccountName"] == "chat-router" and engine["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("path", [AGGREGATED, DISAGGREGATED], ids=["aggregated", "disaggregated"])
+def test_every_engine_and_router_pod_mounts_the_pools_internal_token(path: Path) -> None:
+    """The pool's Secret, its `token` key only, read-only, where KVMESH_INTERNAL_TOKEN_FILE points: in every
+    Deployment's pods (engines and router), none of which may change it. The Secret itself is the pool's, holds
+    the token it was made with, and is not among the objects applied (and so patched) at every reconcile."""
+    p = parse_pool({**yaml.safe_load(path.read_text()), "metadata": {"name": "docs", "namespace": "ns", "uid": "u-1"}})
+    objects = desired_objects(p)
+    deployments = by_kind(objects, "Deployment")
+    assert set(deployments) == {*(f"docs-{r}" for r in p.roles), "docs-router"}
+    for d in deployments.values():
+        spec = d["spec"]["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "internal-token"]
+        assert volume["secret"]["secretName"] == internal_token_name(p) == "docs-internal-token"
+        assert volume["secret"]["items"] == [{"key": INTERNAL_TOKEN_KEY, "path": INTERNAL_TOKEN_KEY}]
+        (container,) = spec["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "internal-token"]
+        assert mount == {"name": "internal-token", "mountPath": INTERNAL_TOKEN_DIR, "readOnly": True}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[INTERNAL_TOKEN_FILE_ENV] == f"{INTERNAL_TOKEN_DIR}/{INTERNAL_TOKEN_KEY}"
+        kubernetes_validate.validate(d, "1.30", strict=True)
+    assert "Secret" not in {o["kind"] for o in objects}
+    token = new_token()
+    secret = internal_token_secret(p, token)
+    kubernetes_validate.validate(secret, "1.30", strict=True)
+    assert secret["metadata"]["name"] == "docs-internal-token" and secret["metadata"]["namespace"] == "ns"
+    assert secret["metadata"]["ownerReferences"] == [owner_reference(p)]
+    assert base64.b64decode(secret["data"][INTERNAL_TOKEN_KEY]).decode() == token == secret_token(secret)
+    assert secret_token({"data": {}}) is None and secret_token({"data": {INTERNAL_TOKEN_KEY: "not base64!"}}) is None
+    # the longest pool name still makes a valid Secret name
+    long = parse_pool({**yaml.safe_load(path.read_text()), "metadata": {"name": "p" * 40, "namespace": "ns"}})
+    assert len(internal_token_name(long)) <= 63
+
+
+def test_the_engines_drain_hook_sends_the_pools_internal_token(tmp_path: Path) -> None:
+    """preStop is an exec hook (an httpGet hook cannot read the mounted token): the script, run as the kubelet
+    runs it with the container's environment, drains the engine with the token the file holds now."""
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append((self.path, self.headers.get(INTERNAL_TOKEN_HEADER)))
+            body = json.dumps({"running": 0, "waiting": 0}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        p = pool(engine={"port": server.server_address[1]})
+        (container,) = by_kind(desired_objects(p), "Deployment")["chat-both"]["spec"]["template"]["spec"]["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "python"
+        token_file = tmp_path / "token"
+        write_token_file(token_file, "t" * 32)
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        subprocess.run([sys.executable, *command[1:]], check=True, timeout=30,
+                       env={**env, INTERNAL_TOKEN_FILE_ENV: str(token_file)})
+        assert seen == [(DRAIN_PATH, InternalToken(token_file).value())]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_configuration_files_are_read_by_the_real_engine_and_router(tmp_path: Path) -> None:

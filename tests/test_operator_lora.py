@@ -20,6 +20,7 @@ import pytest
 from kvmesh.engine.protocol import LORA_FINGERPRINT_FIELD, OperatorMetric
 from kvmesh.operator.crd import Pool, parse_pool
 from kvmesh.operator.desired import CONFIG_HASH_ANNOTATION, config_map, desired_objects, engine_adapters
+from kvmesh.operator.engines import PoolToken
 from kvmesh.operator.lora import (
     LOAD,
     OK,
@@ -30,6 +31,8 @@ from kvmesh.operator.lora import (
     AdapterMemory,
     EnginePod,
     adapter_tick,
+    http_act,
+    http_served,
     outcome_of,
     plan_adapters,
     served_adapters,
@@ -37,11 +40,12 @@ from kvmesh.operator.lora import (
     sync_pool,
 )
 from kvmesh.operator.metrics import OperatorMetrics
+from kvmesh.processes import free_port
 
 from .conftest import make_engine
 from .engines import serve_engine
 from .test_lora import ATTN_QV, write_adapter
-from .test_operator import NS, POOLS, conditions, eventually, operator, pod_body, pool_body, run
+from .test_operator import NS, POOLS, FakeEngine, conditions, eventually, operator, pod_body, pool_body, run
 
 # ---- the plan --------------------------------------------------------------------------------------------------------
 
@@ -326,8 +330,6 @@ def test_the_apply_step_loads_unloads_retries_a_full_engine_and_records_a_refusa
 @pytest.mark.slow
 def test_an_engine_that_does_not_answer_is_pending_and_others_are_still_synced(engine_url: str,
                                                                                weights: dict[str, str]) -> None:
-    from kvmesh.processes import free_port
-
     pods = [EnginePod("gone", "both", f"http://127.0.0.1:{free_port()}"), EnginePod("up", "both", engine_url)]
     memory = AdapterMemory()
     memory.refused[("old-pod", "", 0)] = {AdapterAction(LOAD, "x", "/x")}
@@ -407,3 +409,21 @@ def test_the_operators_timer_syncs_a_changed_list_into_a_ready_pod_without_rolli
             ticking.cancel()
 
     run(main)
+
+
+def test_the_adapter_calls_send_the_pools_token_and_a_401_is_retried_not_refused() -> None:
+    """/v1/models and the load and unload calls carry the token given as `auth`. A 401 (the pool's token not yet the
+    same everywhere: a rotation under way) is tried again at the next tick, never remembered as the spec's refusal."""
+    engine = FakeEngine("127.0.0.1", free_port())
+    try:
+        url = f"http://127.0.0.1:{engine.server.server_address[1]}"
+        token = PoolToken("k" * 43)
+        assert http_served(url, auth=token) == {}
+        assert http_act(url, AdapterAction(LOAD, "sql", "/a/sql"), auth=token)[0] == 200
+        assert http_act(url, AdapterAction(UNLOAD, "sql"), auth=token)[0] == 200
+        assert engine.calls() == [("GET", "/v1/models", token.token), ("POST", "/v1/load_lora_adapter", token.token),
+                                  ("POST", "/v1/unload_lora_adapter", token.token)]
+    finally:
+        engine.close()
+    assert outcome_of(AdapterAction(LOAD, "sql", "/a/sql"), 401, "no token").outcome == RETRY
+    assert outcome_of(AdapterAction(LOAD, "sql", "/a/sql"), 403, "forbidden").outcome == REFUSED
