@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -25,22 +25,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], log: Path, *, new_session: bool = False) -> subprocess.Popen[bytes]:
+def launch(argv: list[str], log: Path, *, new_session: bool = False,
+           env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start `argv` with stdout and stderr appended to `log` (appended, so a restarted child keeps its
-    predecessor's output) and PYTHONUNBUFFERED=1, so the log is current when a failure shows its tail.
+    predecessor's output) and PYTHONUNBUFFERED=1, so the log is current when a failure shows its tail; `env`: more
+    variables, over this process's own (`kvmesh up`'s children get the pool's internal-token file).
 
     `new_session`: the child gets its own session, so a Ctrl-C at the terminal reaches only this process, which
     then stops its children in order; since the terminal no longer reaches them, on Linux they also get SIGTERM
     when this process dies, even by SIGKILL, and are never orphaned."""
     with log.open("ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=new_session,
+                                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+                                start_new_session=new_session,
                                 preexec_fn=_die_with_parent if new_session else None)
 
 
-def spawn(args: list[str], log: Path, *, new_session: bool = False) -> subprocess.Popen[bytes]:
+def spawn(args: list[str], log: Path, *, new_session: bool = False,
+          env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`python -m kvmesh.cli *args` (`kvmesh serve ...`, `kvmesh router ...`) with this interpreter, by `launch`."""
-    return launch([sys.executable, "-m", "kvmesh.cli", *args], log, new_session=new_session)
+    return launch([sys.executable, "-m", "kvmesh.cli", *args], log, new_session=new_session, env=env)
 
 
 def _die_with_parent() -> None:

@@ -10,7 +10,12 @@ its pods file, the engines' LoRA adapters are kept equal to the spec's, and the 
 loopback port. The file is followed as the operator follows the CRD: an edit is read, checked as a pool, and applied
 (replicas, the scaler's settings, adapters at once; engine settings by replacing the engines one at a time, router
 settings by restarting the router on its port, as the operator's rollout does), or reported and ignored, the pool
-running on its last good spec (`PoolFile`)."""
+running on its last good spec (`PoolFile`).
+
+The pool has an internal token (engine/internal_token.py), as a cluster pool has its Secret: a fresh one in the
+work folder (`INTERNAL_TOKEN_FILE`, readable by its owner only), named to every engine and the router by
+KVMESH_INTERNAL_TOKEN_FILE, so its engines answer only the pool (the router, each other, and `kvmesh up` itself:
+its drains, warm-ups and adapter calls send it); /health and /metrics stay open."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import httpx
 import yaml
 from prometheus_client import start_http_server
 
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, InternalToken, new_token, write_token_file
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR
 from kvmesh.processes import (
@@ -55,6 +61,7 @@ HEALTH_TIMEOUT_SECONDS = 600.0
 CLOCK_RATE_ENV = "KVMESH_UP_CLOCK_RATE"
 LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
 LOCAL_DATABASE = "pool.db"  # in the pool's work folder: the router's SQLite database when the pool names none
+INTERNAL_TOKEN_FILE = "internal-token"  # in the pool's work folder: the pool's internal token (0600)
 INTERRUPTED = 130  # the exit status of a Ctrl-C before the pool started: 128 + SIGINT, as a shell reports it
 # An engine's KV tier files (`LocalEngines.tier_paths`): the disk tier's folder (the engine's own default folder;
 # not the work folder, which is often in a memory-backed /tmp); the host tier's is HOST_TIER_DIR, shared memory.
@@ -199,6 +206,7 @@ class Child:
     log: Path
     args: list[str] = field(default_factory=list)  # `kvmesh ...` arguments, the port included
     backoff: CrashBackOff = field(default_factory=lambda: CrashBackOff(time.monotonic()))
+    env: dict[str, str] = field(default_factory=dict)  # the variables it starts with (the pool's token file)
 
     def tail(self, lines: int = 20) -> str:
         return tail(self.log, lines)
@@ -219,7 +227,7 @@ class Child:
     def respawn(self, now: float) -> None:
         """Start the same command line again (its port, so its URL and a host KV tier named by the port are the
         same), once its back-off is over."""
-        self.process = spawn(self.args, self.log, new_session=True)
+        self.process = spawn(self.args, self.log, new_session=True, env=self.env)
         self.backoff.restarted(now)
         _say(f"{self.name} restarting (restart {self.backoff.restarts}) on {self.url}")
 
@@ -234,11 +242,12 @@ def _exit_status(code: int | None) -> str:
     return str(code)
 
 
-def _spawn(name: str, args: list[str], port: int, workdir: Path) -> Child:
+def _spawn(name: str, args: list[str], port: int, workdir: Path, env: Mapping[str, str] | None = None) -> Child:
     """In its own session (Ctrl-C reaches only `kvmesh up`, which stops the pool in order), and stopped with
-    `kvmesh up` even if that is killed."""
+    `kvmesh up` even if that is killed; `env`: more variables (`LocalEngines.child_env`)."""
     log = workdir / f"{name}.log"
-    return Child(name, f"http://127.0.0.1:{port}", spawn(args, log, new_session=True), log, args)
+    env = dict(env or {})
+    return Child(name, f"http://127.0.0.1:{port}", spawn(args, log, new_session=True, env=env), log, args, env=env)
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
@@ -303,11 +312,15 @@ class LocalEngines:
     Prometheus targets file, if any) kept equal to the engines that serve. Engines the scaler adds start from
     `scaled_args` (the initial ones have no peer to be warmed from, so they may differ). When the engine files
     change (`roll`), the engines started before are replaced one at a time, and the router restarts after them. A
-    child that exits unasked is restarted on its port after its back-off (`_restart_crashed`)."""
+    child that exits unasked is restarted on its port after its back-off (`_restart_crashed`). With `token_file`,
+    every child starts with the pool's internal token (`child_env`), and `token` sends it."""
 
     def __init__(self, plan: PoolPlan, engine_args: list[str], workdir: Path, targets_file: str | None,
-                 scaled_args: list[str] | None = None, engine_defaults: Mapping[str, Any] | None = None) -> None:
+                 scaled_args: list[str] | None = None, engine_defaults: Mapping[str, Any] | None = None,
+                 token_file: Path | None = None) -> None:
         self.plan = plan
+        self.child_env = {INTERNAL_TOKEN_FILE_ENV: str(token_file)} if token_file is not None else {}
+        self.token = InternalToken(token_file)  # as httpx's auth: the calls of `kvmesh up` to its engines
         self.engine_args = engine_args
         self.scaled_args = scaled_args or engine_args
         self.engine_defaults = dict(engine_defaults or {})  # under the pool's settings in the engine files
@@ -334,7 +347,7 @@ class LocalEngines:
         flags = ["--role", role] if self.plan.roles else []
         args = self.engine_args if initial else self.scaled_args
         child = _spawn(name, [*args, "--port", str(port), *flags, *self._tier_flags(name), "--log-level", "warning"],
-                       port, self.workdir)
+                       port, self.workdir, self.child_env)
         self._started += 1
         engine = Engine(child, role, generation=self.generation)
         self.engines.append(engine)
@@ -368,7 +381,7 @@ class LocalEngines:
 
     def start_router(self, args: list[str], port: int) -> None:
         self.router_args = args
-        self.router = _spawn("router", args, port, self.workdir)
+        self.router = _spawn("router", args, port, self.workdir, self.child_env)
 
     def replicas(self) -> dict[str, int]:
         """Engines per role that count towards its replicas: starting, serving or crashed (it comes back), less a
@@ -609,7 +622,7 @@ class LocalEngines:
         old.process.send_signal(signal.SIGINT)  # as at a Ctrl-C: no settle time, nobody has to learn of a 503
         self.old_routers.append((old, time.monotonic() + ROUTER_STOP_SECONDS))
         _wait_port_free(port, old.process, ROUTER_STOP_SECONDS)
-        self.router = _spawn("router", self.router_args, port, self.workdir)
+        self.router = _spawn("router", self.router_args, port, self.workdir, self.child_env)
         self.router_starting = True
 
     def publish(self) -> None:
@@ -755,7 +768,7 @@ class _ScalingWatch:
 
         self.pool = plan.pool
         self.engines = engines
-        self.operator = LocalOperator(plan.pool)
+        self.operator = LocalOperator(plan.pool, auth=engines.token)
         self.clock_rate = float(os.environ.get(CLOCK_RATE_ENV) or 1.0)
         self.interval = plan.pool.spec["scaling"]["intervalSeconds"]
         self.next = self.now()
@@ -1101,7 +1114,9 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
             initial_file, scaled_file = _write_engine_files(workdir, {**defaults, **plan.engine}, plan.pool)
             initial = [*engine_args, "--config", str(initial_file)]
             scaled = [*engine_args, "--config", str(scaled_file)] if scaled_file else None
-            engines = LocalEngines(plan, initial, workdir, targets_file, scaled, defaults)
+            token_file = workdir / INTERNAL_TOKEN_FILE  # this run's own: a later run makes another
+            write_token_file(token_file, new_token())
+            engines = LocalEngines(plan, initial, workdir, targets_file, scaled, defaults, token_file)
         except KeyboardInterrupt:  # nothing started yet
             _say("interrupted")
             code = INTERRUPTED
@@ -1109,7 +1124,7 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         try:
             code = _supervise(plan, engines, model_dir, router_port, ready_file)
         finally:  # also when supervising failed unexpectedly
-            with httpx.Client(timeout=2.0) as client:
+            with httpx.Client(timeout=2.0, auth=engines.token) as client:
                 graceful = stop_pool(engines, client, stopped_by[0] if stopped_by else signal.SIGINT)
     finally:
         failed = code not in (0, INTERRUPTED) or (engines is not None and not engines.ready)
@@ -1158,7 +1173,7 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
         if dead is not None:
             _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")
             return 1
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, auth=engines.token) as client:  # drains send the pool's token
             dead = _wait_routed(client, engines, HEALTH_TIMEOUT_SECONDS)
             if dead is not None:
                 _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")

@@ -1,7 +1,8 @@
 """A local pool from start to stop, as a user runs it (one pool of simulated engines for the module, so the suite
 stays fast): `kvmesh chat` takes the endpoint `kvmesh up` prints, a second `kvmesh up` on the same port is refused
-at once, a hung engine is killed and restarted (liveness), and a Ctrl-C leaves nothing behind: no ready file, no
-work folder."""
+at once, a hung engine is killed and restarted (liveness), its engines (the restarted one too) answer only callers
+holding the pool's internal token while the router serves on, and a Ctrl-C leaves nothing behind: no ready file,
+no work folder."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from kvmesh.cli import main
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_HEADER
 from kvmesh.processes import free_port, launch
-from kvmesh.up import LIVENESS_ENV
+from kvmesh.up import INTERNAL_TOKEN_FILE, LIVENESS_ENV
 
 from .test_up_scaling import engine_urls, wait_for
 
@@ -85,6 +88,27 @@ def test_a_hung_engine_is_killed_and_restarted(pool: Pool) -> None:
     wait_for(lambda: "engine-0 has not answered /health for" in pool.said(), "the liveness kill", pool.proc, pool.log)
     wait_for(lambda: "engine-0 serving (restarts: 1)" in pool.said(), "the restarted engine", pool.proc, pool.log)
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_engines_answer_only_the_pool_and_the_router_serves_on(pool: Pool) -> None:
+    """After the restart above (a restarted engine gets the token as its first start did): a request to the engine
+    without the pool's token is refused (401), its /health and /metrics stay open, and the router, which sends
+    the token, serves. The token is this run's, in its work folder, readable by its owner only."""
+    (url,) = engine_urls(pool.targets).values()
+    token_file = pool.workdir() / INTERNAL_TOKEN_FILE
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_text().strip()
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+    assert httpx.post(url + "/v1/completions", json=body, headers={INTERNAL_TOKEN_HEADER: "x" * 43},
+                      timeout=30).status_code == 401
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+    assert httpx.post(url + "/v1/completions", json=body, headers={INTERNAL_TOKEN_HEADER: token},
+                      timeout=30).status_code == 200
+    router = f"http://127.0.0.1:{pool.port}"
+    wait_for(lambda: httpx.post(router + "/v1/completions", json=body, timeout=30).status_code == 200,
+             "the router to answer", pool.proc, pool.log)
 
 
 def test_ctrl_c_leaves_no_ready_file_and_no_work_folder(pool: Pool) -> None:

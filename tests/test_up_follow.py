@@ -26,7 +26,7 @@ from kvmesh.up import PoolFile
 from .engines import stop_up
 from .test_lora import write_adapter
 from .test_operator_lora_state import hanging_engine
-from .test_up_scaling import engine_urls, operator_url, sample, wait_for
+from .test_up_scaling import engine_urls, operator_url, pool_headers, sample, wait_for
 
 
 def pool(**spec: object) -> object:
@@ -125,8 +125,8 @@ def write_pool(path: Path, adapters: dict[str, Path], low: int = 1, high: int = 
     os.replace(partial, path)
 
 
-def served(url: str) -> dict[str, str]:
-    return served_adapters(httpx.get(url + MODELS_PATH, timeout=10).json())
+def served(url: str, log: Path) -> dict[str, str]:
+    return served_adapters(httpx.get(url + MODELS_PATH, headers=pool_headers(log), timeout=10).json())
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
     try:
         wait_for(ready.exists, "the pool to be ready", proc, log)
         first = engine_urls(targets)["engine-0"]
-        assert served(first) == {"sql": str(sql)}
+        assert served(first, log) == {"sql": str(sql)}
 
         # a broken edit: said, and nothing changes
         write_pool(pool_file, {}, text="spec: [unclosed\n")
@@ -171,7 +171,7 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
         wait_for(lambda: logged("changed: following it (replicas both 2..2; adapters poet, bad)"),
                  "the edit followed", proc, log)
         wait_for(lambda: len(engine_urls(targets)) == 2, "a second engine for the new minimum", proc, log)
-        wait_for(lambda: all(served(u) == {"poet": str(poet)} for u in engine_urls(targets).values()),
+        wait_for(lambda: all(served(u, log) == {"poet": str(poet)} for u in engine_urls(targets).values()),
                  "both engines to serve only the new adapter", proc, log)
         assert logged("adapters: engine-0: unload LoRA adapter 'sql'")
         assert logged("adapters: engine-0: load LoRA adapter 'poet'")
@@ -194,11 +194,14 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
         # the sync) take both slots (maxLoras 2) in `poet`'s place, so each engine answers its load 409 and the
         # sync retries it at every tick; all the while `bad` stays held.
         def crowd_out_poet(engine: str) -> bool:
-            if served(engine).keys() != {"by-hand-1", "by-hand-2"}:  # a tick may reload `poet` in between: again
-                httpx.post(engine + LOAD_LORA_PATH, json={"lora_name": "by-hand-1", "lora_path": str(x)}, timeout=10)
-                httpx.post(engine + UNLOAD_LORA_PATH, json={"lora_name": "poet"}, timeout=10)
-                httpx.post(engine + LOAD_LORA_PATH, json={"lora_name": "by-hand-2", "lora_path": str(y)}, timeout=10)
-            return served(engine).keys() == {"by-hand-1", "by-hand-2"}
+            token = pool_headers(log)  # the pool's engines answer only its members
+            if served(engine, log).keys() != {"by-hand-1", "by-hand-2"}:  # a tick may reload `poet` in between
+                httpx.post(engine + LOAD_LORA_PATH, json={"lora_name": "by-hand-1", "lora_path": str(x)},
+                           headers=token, timeout=10)
+                httpx.post(engine + UNLOAD_LORA_PATH, json={"lora_name": "poet"}, headers=token, timeout=10)
+                httpx.post(engine + LOAD_LORA_PATH, json={"lora_name": "by-hand-2", "lora_path": str(y)},
+                           headers=token, timeout=10)
+            return served(engine, log).keys() == {"by-hand-1", "by-hand-2"}
 
         wait_for(lambda: all([crowd_out_poet(u) for u in engine_urls(targets).values()]),
                  "adapters loaded by hand to take both slots of each engine", proc, log)
@@ -208,7 +211,7 @@ def test_kvmesh_up_follows_edits_of_its_pool_file(tmp_path: Path) -> None:
         assert actions("load", "refused") == 2
         for engine in ("engine-0", "engine-1"):
             assert log.read_text().count(f"adapters: {engine}: load LoRA adapter 'bad'") == 1
-        assert all(served(u).keys() == {"by-hand-1", "by-hand-2"} for u in engine_urls(targets).values())
+        assert all(served(u, log).keys() == {"by-hand-1", "by-hand-2"} for u in engine_urls(targets).values())
         assert proc.poll() is None
     finally:
         stop_up(proc, log)

@@ -39,7 +39,7 @@ from kvmesh.up import (
 
 from .engines import stop_up
 from .test_up_observe import EXAMPLES, engine
-from .test_up_scaling import engine_urls, sample, wait_for
+from .test_up_scaling import engine_urls, pool_headers, sample, wait_for
 
 
 def test_the_back_off_doubles_from_a_second_to_a_minute_and_starts_over_after_ten_minutes_of_running() -> None:
@@ -202,6 +202,10 @@ class Pool:
         (workdir,) = re.findall(r"\(logs in (\S+)\)", self.log.read_text())
         return [p for folder in (Path(HOST_TIER_DIR), up.DISK_TIER_DIR) for p in folder.glob(f"{Path(workdir).name}-*")]
 
+    def headers(self) -> dict[str, str]:
+        """The pool's internal token, for calls to its engines (`pool_headers`)."""
+        return pool_headers(self.log)
+
     def routed(self) -> list[str]:
         try:
             return httpx.get(self.url + "/health", timeout=5).json()["pods"]
@@ -248,11 +252,14 @@ def answered(url: str, prompt: list[int], attempts: int = 5) -> bool:
 def test_a_killed_engine_comes_back_on_its_port_with_its_host_tier_while_the_router_serves_on(pool: Pool) -> None:
     victim = pool.engines["engine-1"]
     prompt = list(range(100, 180))
-    reply = httpx.post(victim + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+    reply = httpx.post(victim + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=pool.headers(),
+                       timeout=60)
     assert reply.status_code == 200
-    wait_for(lambda: len(httpx.get(victim + KV_BLOCKS_PATH, timeout=5).json()["blocks"].get("host", [])) > 0,
+    token = pool.headers()
+    wait_for(lambda: len(httpx.get(victim + KV_BLOCKS_PATH, headers=token, timeout=5).json()["blocks"].get("host", []))
+             > 0,
              "the host tier's write-through", pool.proc, pool.log)
-    hosted = len(httpx.get(victim + KV_BLOCKS_PATH, timeout=5).json()["blocks"]["host"])
+    hosted = len(httpx.get(victim + KV_BLOCKS_PATH, headers=token, timeout=5).json()["blocks"]["host"])
     assert sorted(p.name.split("-", 3)[-1] for p in pool.tier_files()) == ["engine-0-host.kv", "engine-1-host.kv"]
 
     pool.kill(victim)

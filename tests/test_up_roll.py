@@ -37,7 +37,7 @@ from kvmesh.up import (
 
 from .engines import Load, stop_up
 from .test_up_observe import EXAMPLES, engine
-from .test_up_scaling import engine_urls, operator_url, sample, wait_for
+from .test_up_scaling import engine_urls, operator_url, pool_headers, sample, wait_for
 from .test_up_stop import events
 
 
@@ -187,8 +187,8 @@ def start(tmp_path: Path, engines: int, blocks: int, rate: int) -> tuple[object,
     return proc, f"http://127.0.0.1:{port}", pool_file, targets, log
 
 
-def blocks(engine: str) -> int:
-    return httpx.get(engine + "/v1/kv/config", timeout=10).json()["num_device_blocks"]
+def blocks(engine: str, log: Path) -> int:
+    return httpx.get(engine + "/v1/kv/config", headers=pool_headers(log), timeout=10).json()["num_device_blocks"]
 
 
 def answers(url: str) -> bool:
@@ -208,7 +208,7 @@ def test_an_engine_setting_edit_rolls_the_engines_one_at_a_time_under_load(tmp_p
     proc, url, pool_file, targets, log = start(tmp_path, engines=2, blocks=64, rate=60000)
     try:
         old = engine_urls(targets)
-        assert sorted(old) == ["engine-0", "engine-1"] and {blocks(u) for u in old.values()} == {64}
+        assert sorted(old) == ["engine-0", "engine-1"] and {blocks(u, log) for u in old.values()} == {64}
         load = Load(url, lambda worker, n: PROMPT)
         try:
             wait_for(lambda: load.sent >= 6, "requests before the edit", proc, log)  # type: ignore[arg-type]
@@ -229,7 +229,7 @@ def test_an_engine_setting_edit_rolls_the_engines_one_at_a_time_under_load(tmp_p
         assert any("warm-up:" in line and "engine-2" in line for line in out.splitlines()), out  # from a peer
         wait_for(lambda: sorted(engine_urls(targets)) == ["engine-2", "engine-3"], "the pods file to hold only the "
                  "new engines", proc, log)  # type: ignore[arg-type]
-        assert all(blocks(u) == 96 for u in engine_urls(targets).values())
+        assert all(blocks(u, log) == 96 for u in engine_urls(targets).values())
         wait_for(lambda: not any(answers(u) for u in old.values()), "the old engines to stop", proc, log)  # type: ignore
         pods = json.loads((tmp_path / "targets.json").read_text())
         assert len([t for t in pods if t["labels"].get("role") == "both"]) == 2  # the replica count kept
@@ -270,7 +270,7 @@ def test_a_router_setting_edit_restarts_the_router_on_its_port_after_the_engines
         assert "settings changed: router.yaml tenants" in out, out
         reply = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=60)
         assert reply.status_code == 200 and reply.headers["x-ratelimit-limit-requests"] == "12000"
-        assert [blocks(u) for u in engine_urls(targets).values()] == [96]
+        assert [blocks(u, log) for u in engine_urls(targets).values()] == [96]
         wait_for(lambda: "the previous router exited (0)" in log.read_text(), "the old router to exit", proc,
                  log)  # type: ignore[arg-type]
     finally:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_HEADER
 from kvmesh.engine.protocol import Metric, OperatorMetric
 from kvmesh.processes import free_port, launch
 
@@ -55,6 +56,15 @@ def engine_urls(targets: Path) -> dict[str, str]:
         return {}
     return {t["labels"]["pod"]: "http://" + t["targets"][0] for t in json.loads(targets.read_text())
             if t["labels"].get("role", "router") != "router"}
+
+
+def pool_headers(log: Path) -> dict[str, str]:
+    """The pool's internal token as a request header, read from the work folder `kvmesh up` names in its `log`:
+    what a test calling the pool's engines directly sends (they refuse other callers but /health and /metrics)."""
+    from kvmesh.up import INTERNAL_TOKEN_FILE
+
+    (workdir,) = re.findall(r"\(logs in (\S+)\)", log.read_text())
+    return {INTERNAL_TOKEN_HEADER: (Path(workdir) / INTERNAL_TOKEN_FILE).read_text().strip()}
 
 
 def operator_url(targets: Path) -> str:
