@@ -5,8 +5,12 @@ computed or reads the tiers' own bytes, so a stand-in cannot pass."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.kv.costs import PROFILES, CostProfile
-from kvmesh.engine.kv.tiers import Costs, plan_load
+from kvmesh.engine.kv.tiers import Costs, TierSpaceError, plan_load
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 
@@ -269,6 +273,63 @@ def test_bad_tier_settings_are_refused_with_a_clear_message() -> None:
         EngineConfig(kv_disk_mib=-1).validate()
     with pytest.raises(ValueError, match="kv_tier_chunk_blocks >= 1"):
         EngineConfig(kv_tier_chunk_blocks=0).validate()
+
+
+def test_a_tier_the_filesystem_has_no_room_for_is_refused_at_start(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier file larger than its filesystem's free space (a /dev/shm smaller than the host tier) used to start
+    fine, sparse, and kill the engine with SIGBUS at a later write; its space is now reserved at start. A small
+    filesystem needs root (or a user namespace: the next test, where the machine allows one) to mount, so here
+    os.posix_fallocate reports a full filesystem, as it does on one."""
+    def full_at(call: int):  # the filesystem is full from the `call`-th reservation on
+        calls: list[int] = []
+
+        def fallocate(fd: int, offset: int, length: int) -> None:
+            calls.append(length)
+            if len(calls) >= call:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fallocate
+
+    monkeypatch.setattr(os, "posix_fallocate", full_at(1))
+    with pytest.raises(TierSpaceError, match=r"^the host KV tier needs 1\.0 MiB at .*/host\.kv; only [\d.,]+ MiB free: "
+                                             r"lower --kv-host-memory-mib or give .* more room"):
+        tiered(tiny_dir, tmp_path, disk_blocks=0)
+    assert (tmp_path / "host.kv").stat().st_size == 0  # what it took is given back
+    monkeypatch.setattr(os, "posix_fallocate", full_at(2))  # room for the host tier, not for the disk tier
+    with pytest.raises(TierSpaceError, match=r"^the disk KV tier needs 1\.0 MiB at .*/disk\.kv; .*lower --kv-disk-mib"):
+        tiered(tiny_dir, tmp_path)
+    monkeypatch.undo()
+    tiered(tiny_dir, tmp_path).close()  # the failed starts left neither file locked
+
+
+def test_a_tier_larger_than_its_tmpfs_is_refused_at_start_not_by_sigbus(tmp_path: Path) -> None:
+    """The real thing where the machine lets an unprivileged user mount a tmpfs in a user namespace: a 4 MiB host
+    tier on a 1 MiB tmpfs, every slot then written (before the fix: SIGBUS)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.decode().strip()}")
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from kvmesh.engine.kv.tiers import SlotFile, TierSpaceError\n"
+        "try:\n"
+        "    tier = SlotFile(Path(sys.argv[1]) / 'host.kv', 512, 8192, 'test', 'host')\n"
+        "except TierSpaceError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n"
+        "tier.data[:] = 1\n"
+        "print('wrote every slot')\n"
+    )
+    mount_and_run = 'mount -t tmpfs -o size=1m tmpfs "$1" && exec "$2" -c "$3" "$1"'
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", mount_and_run, "sh", str(mnt), sys.executable, script],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr)
+    assert done.stdout.startswith("the host KV tier needs 4.0 MiB at "), done.stdout
+    assert "only 1.0 MiB free: lower --kv-host-memory-mib" in done.stdout
 
 
 def test_a_peer_fetch_is_served_from_the_host_tier(tiny_dir: Path, tmp_path: Path) -> None:

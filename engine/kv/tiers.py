@@ -22,6 +22,7 @@ thread only moves bytes of blocks and slots pinned for it, and writes their reco
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import json
 import logging
@@ -110,10 +111,29 @@ class StoredBlock:
     tokens: int
 
 
-class SlotFile:
-    """A tier's bytes: a file of fixed-size slots, mapped into memory, locked against a second engine."""
+class TierSpaceError(RuntimeError):
+    """A tier file that its filesystem has no room for: refused at start (mapped unreserved, it would crash the
+    process with SIGBUS at the first write into a page the filesystem cannot give)."""
 
-    def __init__(self, path: Path, num_slots: int, block_bytes: int, fingerprint: str) -> None:
+
+# what to change when a tier's file does not fit, by tier
+_ROOM_HINTS = {
+    "host": "lower --kv-host-memory-mib or give {dir} more room{shm}",
+    "disk": "lower --kv-disk-mib or free space on {dir}",
+}
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_NO_RESERVE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a filesystem that cannot reserve
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+class SlotFile:
+    """A tier's bytes: a file of fixed-size slots, mapped into memory, locked against a second engine. Its whole
+    size is reserved on the filesystem at start (`_reserve`)."""
+
+    def __init__(self, path: Path, num_slots: int, block_bytes: int, fingerprint: str, tier: str = "host") -> None:
         if num_slots < 1:
             raise ValueError(f"{path}: a tier needs room for at least one block")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,10 +156,12 @@ class SlotFile:
         self.fresh = existing != header or os.fstat(self._fd).st_size != size
         if self.fresh:
             if existing.startswith(MAGIC):
-                log.warning("KV tier file %s was written for another model, layout or size: starting it empty", path)
+                log.warning("KV tier file %s was written for another model, layout or size: starting it empty "
+                            "(a model's name, weights, block hashing and KV layout all count)", path)
             os.ftruncate(self._fd, 0)
             os.ftruncate(self._fd, size)  # zeroes: every record empty
             os.pwrite(self._fd, header, 0)
+        self._reserve(size, tier)
         self._map = mmap.mmap(self._fd, size)
         self.records = np.frombuffer(self._map, RECORD, num_slots, PAGE)
         self._bytes = np.frombuffer(self._map, np.uint8, num_slots * block_bytes, data_offset).reshape(
@@ -147,6 +169,35 @@ class SlotFile:
         )
         self.data = torch.from_numpy(self._bytes)  # [slots, block_bytes] uint8, shares the mapping
         self.dirty = False
+
+    def _reserve(self, size: int, tier: str) -> None:
+        """Allocate the file's whole size now. ftruncate makes a sparse file: mapped, its pages are allocated at
+        first write, and one the filesystem has no room for (a /dev/shm smaller than the host tier, a full disk)
+        kills the process with SIGBUS long after start. A filesystem that cannot reserve is only warned about."""
+        if not hasattr(os, "posix_fallocate"):  # not on macOS: nothing to reserve with
+            return
+        held = os.fstat(self._fd).st_blocks * 512
+        vfs = os.fstatvfs(self._fd)
+        free = vfs.f_bavail * vfs.f_frsize + held  # what this file may take: the filesystem's free space and its own
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as exc:
+            if exc.errno in _NO_RESERVE:
+                log.warning("KV %s tier file %s: the filesystem cannot reserve its %s MiB (%s); if it runs out of room "
+                            "the engine dies of SIGBUS", tier, self.path, _mib(size), exc.strerror)
+                return
+            if self.fresh:
+                os.ftruncate(self._fd, 0)  # give back what was allocated before the filesystem ran out
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+            if exc.errno not in _NO_ROOM:
+                raise
+            where = self.path.parent
+            hint = _ROOM_HINTS.get(tier, "make the tier smaller or give {dir} more room{shm}").format(
+                dir=where, shm=" (docker run --shm-size)" if str(where.resolve()).startswith("/dev/shm") else "")
+            raise TierSpaceError(f"the {tier} KV tier needs {_mib(size)} MiB at {self.path}; only {_mib(free)} MiB "
+                                 f"free: {hint}") from None
 
     def checksum(self, slot: int) -> int:
         return xxhash.xxh3_64_intdigest(self._bytes[slot])
@@ -518,7 +569,13 @@ class KVTiers:
                                    ("disk", settings.disk_blocks, settings.disk_path)):
             if blocks > 0:
                 assert path is not None, f"the {name} tier needs a path"
-                tier = TierIndex(name, SlotFile(path, blocks, self.block_bytes, fingerprint), emit)
+                try:
+                    store = SlotFile(path, blocks, self.block_bytes, fingerprint, name)
+                except BaseException:  # the tiers opened before it must not stay locked
+                    for opened in self.tiers.values():
+                        opened.store.close()
+                    raise
+                tier = TierIndex(name, store, emit)
                 if metrics is not None:
                     tier.on_residency = lambda kind, s, name=name: metrics.residency[kind].labels(name).observe(s)
                 self.tiers[name] = tier
