@@ -119,6 +119,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     model: Llama
     dtype: torch.dtype
+    weights_fingerprint: str = ""  # loader.weights_fingerprint; "" for a simulated model (kvmesh sim-engine)
 
 
 # Whom load_model tells how far it is (the server's load-progress gauge): set in the loading thread's context by
@@ -149,11 +150,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
                           "cpu" if config.device == "auto" else config.device)
     dtype = pick_dtype(config.dtype, device)
-    weights = loader.load_weights(model_dir, dtype, loading)
+    digests: dict[str, str] = {}
+    weights = loader.load_weights(model_dir, dtype, loading, digests)
     model = Llama(model_config, weights, device, config.quantization, config.max_loras, config.max_lora_rank,
                   pick_attention_dtype(dtype, device))
     name = config.served_model_name or model_config.name
-    return LoadedModel(name, model_config, Tokenizer.from_dir(model_dir), model, dtype)
+    return LoadedModel(name, model_config, Tokenizer.from_dir(model_dir), model, dtype,
+                       loader.weights_fingerprint(model_config, digests))
 
 
 class Engine:
@@ -206,6 +209,7 @@ class Engine:
             block_bytes=self.kv_layout.block_bytes(),
             kv_cache_dtype=config.kv_cache_dtype,
             kv_format=self.kv_layout.stored_format,
+            weights_fingerprint=loaded.weights_fingerprint,
         )
         self.requests: dict[str, Request] = {}
         self.draining = False
@@ -255,8 +259,9 @@ class Engine:
         if not settings.enabled:
             return None
         k = self.kv_config
-        # blocks written under another model, hashing or layout must not be read back as this one's
-        fingerprint = json.dumps([k.model, *k.hashing(), list(self.runner.kv_cache.shape[1:]),
+        # blocks written under another model (name or weights: new weights under the same name), hashing or layout
+        # must not be read back as this one's
+        fingerprint = json.dumps([k.model, k.weights_fingerprint, *k.hashing(), list(self.runner.kv_cache.shape[1:]),
                                   str(self.runner.kv_cache.dtype)])
         return KVTiers(settings, self.kv, self.runner.kv_cache, fingerprint, self.events.record, self._wake.set,
                        lambda: self.prefill_tps, self.metrics)
@@ -496,12 +501,13 @@ class Engine:
 
     @property
     def frame_layout(self) -> Layout:
-        """What a KV frame's blocks must look like to be written here (a peer in another format is refused)."""
-        return Layout.of(self.runner.kv_cache)
+        """What a KV frame's blocks must look like to be written here (a peer in another format, or whose blocks
+        other weights computed, is refused)."""
+        return Layout.of(self.runner.kv_cache, self.kv_config.weights_fingerprint)
 
     def read_frame(self, block_ids: list[int], hashes: list[int]) -> bytes:
         """A frame of pinned blocks for a peer (a cached full block never changes while pinned)."""
-        return encode_frame(self.runner.kv_cache, block_ids, hashes)
+        return encode_frame(self.runner.kv_cache, block_ids, hashes, self.kv_config.weights_fingerprint)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Fill reserved blocks with a peer's KV: one copy for all of them."""

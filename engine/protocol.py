@@ -239,20 +239,29 @@ class KVConfig:
     block_bytes: int = 0  # bytes of one block, all layers (what a transfer of it moves)
     kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # as configured: auto (the model's dtype) or int8
     kv_format: str = ""  # as stored (KVLayout.stored_format): int8, bfloat16, float16 or float32
+    # the base weights that compute this pod's KV (loader.weights_fingerprint: the loaded tensors and the
+    # architecture); "" from an engine that does not say (older ones). Block hashes do not cover it (the router
+    # hashes without knowing it): two pods with the same name and other weights cache the same hashes
+    weights_fingerprint: str = ""
 
     def hashing(self) -> tuple[int, str, int, str]:
         """What decides which token run a block hash names: block size, algorithm, root and tokenizer."""
         return (self.block_size, self.hash_algo, self.hash_root, self.tokenizer_fingerprint)
 
     def compatible_with(self, other: KVConfig) -> bool:
-        """Whether block hashes computed under `other` name the same token runs here. The model is not part of
-        it: the router keeps one index per pod and filters pods by the model they serve."""
+        """Whether block hashes computed under `other` name the same token runs here. The model (name or weights)
+        is not part of it: the router keeps one index per pod and filters pods by the model they serve, and pairs
+        for pulls and handoffs only pods whose blocks mean the same KV (`stores_like`)."""
         return self.hashing() == other.hashing()
 
     def stores_like(self, other: KVConfig) -> bool:
         """Whether a block moves between the two as raw bytes (pulls, handoffs): the same stored format and size
-        (two `auto` caches of a bf16 and an fp16 model have the same size, not the same bytes)."""
-        return (self.kv_format, self.block_bytes) == (other.kv_format, other.block_bytes)
+        (two `auto` caches of a bf16 and an fp16 model have the same size, not the same bytes), computed by the
+        same base weights (a pool midway through a weights change holds both, under one name and the same block
+        hashes; an engine that does not say, "", is like only those that do not either: a receiving engine
+        refuses blocks whose sender's weights differ from its own)."""
+        return ((self.kv_format, self.block_bytes, self.weights_fingerprint)
+                == (other.kv_format, other.block_bytes, other.weights_fingerprint))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -23,6 +23,7 @@ from kvmesh.processes import free_port, spawn, stop, wait_healthy
 
 from .conftest import make_engine
 from .test_kv_tiers import chain, metric, prompt, run, run_cold, tiered
+from .test_kv_weights import reweighted
 from .test_lora import write_adapter
 
 
@@ -99,6 +100,30 @@ def test_a_file_of_another_layout_starts_empty(
     assert any("another model, layout or size" in r.getMessage() for r in caplog.records)
     assert metric(second, "kvmesh_kv_tier_recovered_blocks_total", tier="host") == 0
     assert second.tiers is not None and second.tiers.counts()["host"][1] == 0
+    second.close()
+
+
+def test_a_restart_on_other_weights_under_the_same_name_starts_its_tiers_empty(
+    tiny_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pod whose weights changed but not its name (a new checkpoint in the same directory, or served under the
+    same --served-model-name) must not read the old weights' KV back from its host and disk tier files."""
+    other = reweighted(tiny_dir, tmp_path / "other")
+    tokens = prompt(23, 100)
+    first = tiered(tiny_dir, tmp_path, served_model_name="chat")
+    run(first, tokens)
+    run(first, tokens)  # on disk too
+    first.close()
+    with caplog.at_level(logging.WARNING, logger="kvmesh.engine.tiers"):
+        second = tiered(other, tmp_path, served_model_name="chat")
+    assert second.model_name == first.model_name and second.kv_config.hashing() == first.kv_config.hashing()
+    assert any("another model, layout or size" in r.getMessage() for r in caplog.records)
+    assert metric(second, "kvmesh_kv_tier_recovered_blocks_total", tier="host") == 0
+    assert metric(second, "kvmesh_kv_tier_recovered_blocks_total", tier="disk") == 0
+    expected, _ = run_cold(other, tokens)
+    out, final = run(second, tokens)
+    assert final.cached_by_tier == {"host": 0, "disk": 0}
+    assert out == expected
     second.close()
 
 

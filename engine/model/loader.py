@@ -8,6 +8,7 @@ converted once into such a directory under the cache, so the rest of the engine,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors import safe_open
@@ -561,13 +563,38 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype, on_progress: ProgressCallback = no_progress
-                 ) -> dict[str, torch.Tensor]:
+_WEIGHTS_FINGERPRINT_VERSION = 1  # bump when what the fingerprint covers changes
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A checkpoint tensor's identity: its stored dtype, shape and bytes (xxh3-128, about memory speed)."""
+    digest = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def weights_fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:
+    """What the KV a model computes depends on besides the tokens: the weights it loaded (`digests`, each tensor's
+    `tensor_digest` by name, as load_weights gathers them while it reads: no second pass over a large checkpoint)
+    and the architecture read from config.json (but the served name and the stop ids). Two checkpoints with the
+    same name and shape differ here, so a KV tier file, a peer's blocks or a router's pairing of pods never takes
+    one's KV for the other's; the same tensors sharded or saved otherwise do not."""
+    arch = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("name", "eos_token_ids")}
+    digest = hashlib.sha256(f"kvmesh-weights-{_WEIGHTS_FINGERPRINT_VERSION}\n".encode())
+    digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
+    for name in sorted(digests):
+        digest.update(f"\n{name}={digests[name]}".encode())
+    return digest.hexdigest()[:16]
+
+
+def load_weights(model_dir: Path, dtype: torch.dtype, on_progress: ProgressCallback = no_progress,
+                 digests: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """All weights under their HF names, floating ones cast to dtype.
 
     With tied embeddings lm_head.weight is left out even if the checkpoint stores it (HF ties it to the embedding,
     so the stored copy is never used); with untied ones it must be present. `on_progress` hears the share of the
     parameters read after each tensor: every file's header is read first, so the share is of the whole checkpoint.
+    `digests`, if given, gets each tensor's `tensor_digest` as read (before the cast), for `weights_fingerprint`.
     """
     model_dir = Path(model_dir)
     tied = _tied(_read_json(model_dir / "config.json"))  # not load_config, so its warnings are logged once a load
@@ -582,6 +609,8 @@ def load_weights(model_dir: Path, dtype: torch.dtype, on_progress: ProgressCallb
         total, done = sum(math.prod(f.get_slice(name).get_shape()) for f, name in wanted), 0
         for f, name in wanted:
             tensor = f.get_tensor(name)
+            if digests is not None:
+                digests[name] = tensor_digest(tensor)
             weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
             done += tensor.numel()
             on_progress(done / total)
