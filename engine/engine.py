@@ -159,6 +159,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
                        loader.weights_fingerprint(model_config, digests))
 
 
+def fit_context(max_model_len: int, kv_tokens: int) -> int:
+    """The context a request may take: at most what the KV cache holds. One sequence of a longer context could
+    never be served whole (it would end cut short at the cache's size, as if by `max_tokens`), so the engine
+    advertises what it can finish, in /v1/models and /tokenize, and refuses longer requests with a 400, where
+    vLLM refuses to start."""
+    if kv_tokens < max_model_len:
+        log.warning("the KV cache holds %d tokens, fewer than the model's context of %d: serving a context of %d "
+                    "tokens (raise kv_cache_memory_mib for more)", kv_tokens, max_model_len, kv_tokens)
+    return min(max_model_len, kv_tokens)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
@@ -174,6 +185,7 @@ class Engine:
         self.kv_layout = KVLayout(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, loaded.dtype,
                                   config.kv_cache_dtype)
         num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_memory_mib * MIB // self.kv_layout.block_bytes())
+        self.max_model_len = fit_context(self.max_model_len, num_blocks * config.block_size)
         self.events = EventLog(config.kv_events_buffer)
         self.kv = KVCacheManager(
             num_blocks,

@@ -111,8 +111,8 @@ def test_memory_pressure_preempts_and_still_matches(tiny_dir: Path) -> None:
 
 
 def test_a_request_larger_than_the_pool_fails_alone(tiny_dir: Path) -> None:
-    engine = make_engine(tiny_dir, kv_cache_blocks=4)
-    small, big = generate(engine, [prompt(1, 10), prompt(2, 62)], max_tokens=8)
+    engine = make_engine(tiny_dir, kv_cache_blocks=4)  # 64 tokens; the HTTP edge refuses the big one (400)
+    small, big = generate(engine, [prompt(1, 10), prompt(2, 70)], max_tokens=8)
     assert small.final.finish_reason == "length" and len(small.tokens) == 8
     assert big.final.error and "does not fit" in big.final.error
 
@@ -514,3 +514,14 @@ def test_the_forecast_counts_the_blocks_a_handle_pins(tiny_dir: Path) -> None:
     engine._maybe_forecast()
     assert engine.forecast is not None
     assert engine.forecast.usage_quantiles["p50"] == 0.5
+
+
+def test_the_context_served_is_at_most_what_the_kv_cache_holds(tiny_dir: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A context longer than the cache would be cut short at the cache's size with finish_reason 'length', as if
+    by max_tokens: the engine advertises (and checks requests against) what it can finish, and says so."""
+    with caplog.at_level("WARNING", logger="kvmesh.engine"):
+        engine = make_engine(tiny_dir, kv_cache_blocks=4, max_model_len=512)  # 4 blocks of 16: 64 tokens
+    assert engine.max_model_len == 64
+    assert "the KV cache holds 64 tokens, fewer than the model's context of 512" in caplog.text
+    assert make_engine(tiny_dir, kv_cache_blocks=64, max_model_len=512).max_model_len == 512
