@@ -319,6 +319,15 @@ class _Common(BaseModel):
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        """Options of a stream, refused without one, as OpenAI and vLLM refuse them (`stream` is validated
+        first: a field declared before this one; when it failed, that error is the one to read)."""
+        if value is not None and info.data.get("stream") is False:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
+
     @field_validator("guided_whitespace_pattern")
     @classmethod
     def _no_whitespace_pattern(cls, value: str | None) -> None:
@@ -573,6 +582,43 @@ class ChatRequest(_Common):
 
 
 MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model (here also an adapter) nobody serves
+
+
+BYTES_TOKEN_PREFIX = "bytes:"  # completions' name for a token that is part of a character: "bytes:\\xe2"
+
+
+def completion_token_name(text: str, raw: bytes) -> str:
+    """A token as completions' logprobs name it (in `tokens` and as a `top_logprobs` key), from its decoded `text`
+    and its own bytes `raw`: its text, or, for a token that is part of a character (its text is U+FFFD, not its
+    bytes), "bytes:" and its bytes escaped, as OpenAI's legacy API names it, so that two such tokens never share a
+    key and one alternative hides another."""
+    return text if raw == text.encode() else BYTES_TOKEN_PREFIX + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def completion_token_length(name: str) -> int:
+    """How far a token named so moves completions' text_offset: its text's characters (a "bytes:" token's bytes
+    decoded alone, U+FFFD for what is not a whole character, as the tokenizer decodes it)."""
+    if name.startswith(BYTES_TOKEN_PREFIX) and re.fullmatch(r"(\\x[0-9a-f]{2})+", escaped := name[6:]):
+        return len(bytes.fromhex(escaped.replace("\\x", "")).decode(errors="replace"))
+    return len(name)
+
+
+def finish_apart(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed chat choice as OpenAI sends its end: what it delivers (content, tool_calls, the role, logprobs,
+    token ids) in one chunk, then its finish_reason in a chunk of its own with an empty delta. The openai client's
+    stream helper closes a tool call (tool_calls.function.arguments.done) only on a chunk after the one that
+    delivered it, so a last call sent beside the finish_reason would never be closed. A choice that has not finished
+    is returned as it is; one that delivers nothing more is only the finishing chunk."""
+    reason = choice.get("finish_reason")
+    if reason is None:
+        return [choice]
+    delta = choice.get("delta") or {}
+    end: dict[str, Any] = {"index": choice.get("index", 0), "delta": {}, "logprobs": None, "finish_reason": reason}
+    if "token_ids" in choice:
+        end["token_ids"] = []
+    delivers = (any(key != "content" for key in delta) or bool(delta.get("content"))
+                or bool((choice.get("logprobs") or {}).get("content")) or bool(choice.get("token_ids")))
+    return [{**choice, "finish_reason": None}, end] if delivers else [end]
 
 
 def validation_problems(exc: ValidationError) -> str:

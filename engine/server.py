@@ -45,7 +45,10 @@ from kvmesh.engine.openai_types import (
     TokenizeRequest,
     WarmRequest,
     WarmResponse,
+    completion_token_length,
+    completion_token_name,
     error_body,
+    finish_apart,
     http_error_handler,
 )
 from kvmesh.engine.protocol import (
@@ -310,22 +313,30 @@ def _logprob_token(engine: Engine, token: int) -> str:
     return engine.tokenizer.decode([token], skip_special_tokens=False)
 
 
+def _chat_token(engine: Engine, token: int) -> tuple[str, list[int]]:
+    """A token as chat's logprobs give it: its text, and its own bytes (a token that is part of a character
+    decodes alone to U+FFFD, whose UTF-8 is not what it stands for: OpenAI's `bytes` are the token's)."""
+    text = _logprob_token(engine, token)
+    return text, list(engine.tokenizer.token_bytes(token, text))
+
+
+def _completion_token(engine: Engine, token: int) -> str:
+    """A token as completions' logprobs name it: openai_types.completion_token_name."""
+    text = _logprob_token(engine, token)
+    return completion_token_name(text, engine.tokenizer.token_bytes(token, text))
+
+
 def _chat_logprobs(engine: Engine, out: RequestOutput) -> list[dict[str, Any]]:
     items = []
     for k, token in enumerate(out.new_token_ids):
-        text = _logprob_token(engine, token)
+        text, raw = _chat_token(engine, token)
         top = (out.top_logprobs or [[]])[k] if out.top_logprobs else []
-        items.append(
-            {
-                "token": text,
-                "logprob": out.logprobs[k] if out.logprobs else None,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": (t := _logprob_token(engine, tid)), "logprob": lp, "bytes": list(t.encode())}
-                    for tid, lp in top
-                ],
-            }
-        )
+        alternatives = []
+        for tid, lp in top:
+            alt_text, alt_raw = _chat_token(engine, tid)
+            alternatives.append({"token": alt_text, "logprob": lp, "bytes": alt_raw})
+        items.append({"token": text, "logprob": out.logprobs[k] if out.logprobs else None, "bytes": raw,
+                      "top_logprobs": alternatives})
     return items
 
 
@@ -369,16 +380,18 @@ class _Completions:
         b = self.body
         e = self.engine
         room = e.max_model_len - prompt_len
+        field = "max_tokens"  # the field the client set (max_completion_tokens, OpenAI's newer name, wins)
         if isinstance(b, ChatRequest):
             asked = b.max_completion_tokens or b.max_tokens
+            field = "max_completion_tokens" if b.max_completion_tokens else field
         else:
             asked = DEFAULT_COMPLETION_TOKENS if b.max_tokens is None else b.max_tokens
         if asked is not None and asked > room:
             raise ApiError(
                 400,
-                f"max_tokens ({asked}) plus the prompt ({prompt_len} tokens) exceeds the context length "
+                f"{field} ({asked}) plus the prompt ({prompt_len} tokens) exceeds the context length "
                 f"({e.max_model_len})",
-                param="max_tokens",
+                param=field,
             )
         if isinstance(b, ChatRequest):
             logprobs, top = b.logprobs, b.top_logprobs or 0
@@ -587,15 +600,15 @@ class _Completions:
         counted from `offset`; and the offset after them (where a stream's next chunk goes on)."""
         tokens, lps, tops, offsets = [], [], [], []
         for token, logprob, top in entries:
-            text = _logprob_token(self.engine, token)
-            tokens.append(text)
+            name = _completion_token(self.engine, token)
+            tokens.append(name)
             lps.append(logprob)
             # the token itself among its alternatives, as OpenAI's and vLLM's legacy completions give them (up to
             # k + 1 entries: lm-eval reads max(top_logprobs) against the token's own)
             tops.append(None if top is None or logprob is None else
-                        {**{_logprob_token(self.engine, tid): lp for tid, lp in top}, text: logprob})
+                        {**{_completion_token(self.engine, tid): lp for tid, lp in top}, name: logprob})
             offsets.append(offset)
-            offset += len(text)
+            offset += completion_token_length(name)  # as the router counts it on (text_offset_after)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
@@ -635,7 +648,9 @@ class _Completions:
                     if not choice["delta"] and choice["finish_reason"] is None and choice["logprobs"] is None \
                             and "token_ids" not in choice:
                         continue  # auto holding back text that may open a call: nothing to send yet
-                yield self._chunk([choice])
+                # a chat choice's finish_reason in a chunk of its own, as OpenAI's: one write, so a relaying
+                # router never sees the delivered tokens without the end that follows them
+                yield "".join(self._chunk([c]) for c in (finish_apart(choice) if self.chat else [choice]))
                 started.add(index)
             if include_usage:
                 yield self._chunk([], _usage(finals, job))
@@ -904,17 +919,25 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         return await _serve(body, http, chat=False)
 
+    def model_cards() -> list[dict[str, Any]]:
+        e = holder.get()
+        return ([{"id": e.model_name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": e.model_name,
+                  "parent": None, "max_model_len": e.max_model_len}]
+                + [{"id": a.name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": a.path,
+                    "parent": e.model_name, "max_model_len": e.max_model_len, LORA_FINGERPRINT_FIELD: a.fingerprint}
+                   for a in list(e.loras.loaded.values())])
+
     @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
-        e = holder.get()
-        return {
-            "object": "list",
-            "data": [{"id": e.model_name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": e.model_name,
-                      "parent": None, "max_model_len": e.max_model_len}]
-            + [{"id": a.name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": a.path,
-                "parent": e.model_name, "max_model_len": e.max_model_len, LORA_FINGERPRINT_FIELD: a.fingerprint}
-               for a in list(e.loras.loaded.values())],
-        }
+        return {"object": "list", "data": model_cards()}
+
+    @app.get(MODELS_PATH + "/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve: one card of /v1/models (an adapter's name may hold "/"), 404 model_not_found."""
+        for card in model_cards():
+            if card["id"] == model:
+                return card
+        raise ApiError(404, f"The model '{model}' does not exist", param="model", code=MODEL_NOT_FOUND)
 
     @app.post(TOKENIZE_PATH)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

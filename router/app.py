@@ -41,7 +41,9 @@ from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
+    completion_token_length,
     error_body,
+    finish_apart,
     http_error_handler,
     read_json,
     stop_strings,
@@ -309,7 +311,7 @@ def text_offset_after(logprobs: Any) -> int | None:
     token's length); None for chat's logprobs or none at all."""
     if not isinstance(logprobs, dict) or not logprobs.get("text_offset") or not logprobs.get("tokens"):
         return None
-    return int(logprobs["text_offset"][-1]) + len(logprobs["tokens"][-1])
+    return int(logprobs["text_offset"][-1]) + completion_token_length(logprobs["tokens"][-1])
 
 
 def merge_logprobs(first: Any, rest: Any) -> Any:
@@ -770,6 +772,15 @@ class Router:
             cards = self.served_before
         return {"object": "list", "data": cards}
 
+    def model(self, model: str) -> dict[str, Any]:
+        """`/v1/models/{model}` (OpenAI's retrieve): its card of `models()`, as both edges answer it; RouteError 404
+        model_not_found for one the pool does not serve (or did not serve last, while it starts from zero)."""
+        cards = self.models()["data"]
+        for card in cards:
+            if card["id"] == model:
+                return card
+        raise RouteError(404, unknown_model(model, {c["id"] for c in cards}), code=MODEL_NOT_FOUND, param="model")
+
     def refuse(self, trace: Trace, decision: Decision) -> RouteError | None:
         """The 429 for a request the overloaded pool sheds at its priority (counted and logged), as both edges
         answer it (with Retry-After), or None."""
@@ -1010,7 +1021,8 @@ def _with_limits(response: Response, trace: Trace) -> Response:
 
 
 async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> AsyncIterator[str]:
-    """A finished one-token answer as a stream: one chunk, the usage if asked, [DONE]."""
+    """A finished one-token answer as a stream: one chunk (a chat's finish_reason then in one of its own, as the
+    engines send it), the usage if asked, [DONE]."""
     chat = whole["object"] == "chat.completion"
     choice = whole["choices"][0]
     if chat:
@@ -1018,7 +1030,8 @@ async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> As
         choice = {k: v for k, v in choice.items() if k != "message"} | {"delta": delta}
     base = {"id": whole["id"], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": whole["created"], "model": whole["model"]}
-    yield "data: " + json.dumps(base | {"choices": [choice]}) + "\n\n"
+    for part in finish_apart(choice) if chat else [choice]:  # a chat's finish_reason in a chunk of its own
+        yield "data: " + json.dumps(base | {"choices": [part]}) + "\n\n"
     if wants_usage(raw):
         yield "data: " + json.dumps(base | {"choices": [], "usage": whole["usage"]}) + "\n\n"
     yield "data: [DONE]\n\n"
@@ -1653,6 +1666,14 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         except RouteError as exc:
             return error_response(exc)
         return JSONResponse(router.models())
+
+    @app.get(MODELS_PATH + "/{model:path}")  # an adapter's name may hold "/"
+    async def model(model: str, http: HttpRequest) -> Response:
+        try:
+            router.authenticate(http.headers)
+            return JSONResponse(router.model(model))
+        except RouteError as exc:
+            return error_response(exc)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -12,8 +12,8 @@ sends (filter metadata `envoy.lb.subset_hint`, key `x-gateway-destination-endpoi
 those endpoints.
 
 Only what the router's HTTP edge serves to clients passes: POST /v1/completions and /v1/chat/completions, and
-GET /v1/models; anything else (an engine's /v1/admin or /v1/kv endpoints above all) is answered 404 here, and
-every stream's API key is checked, whether it is decided on its body or at its headers.
+GET /v1/models and /v1/models/{model}; anything else (an engine's /v1/admin or /v1/kv endpoints above all) is
+answered 404 here, and every stream's API key is checked, whether it is decided on its body or at its headers.
 
 Request body modes (Envoy's `request_body_mode`, which a stream's first message reports in `protocol_config`):
 - FULL_DUPLEX_STREAMED, the extension's convention (also assumed when the gateway does not say): Envoy streams
@@ -27,7 +27,8 @@ Request body modes (Envoy's `request_body_mode`, which a stream's first message 
   such a stream is answered 500 with a message saying which mode to configure.
 GET /v1/models is answered by the picker itself at its headers (an ImmediateResponse 200, in any mode): the
 models the pool's pods serve, base models and LoRA adapters, as the router's HTTP edge lists them; no one pod
-could answer it, since each lists only the adapters it has loaded.
+could answer it, since each lists only the adapters it has loaded. GET /v1/models/{model} (OpenAI's retrieve) is
+answered so too: that model's card of the list, or 404 `model_not_found`.
 Response bodies are echoed back as streamed responses only when the gateway declares FULL_DUPLEX_STREAMED for
 them; otherwise (another mode, or no protocol_config: an Envoy before 1.34) they are let through unchanged.
 Refusals are ImmediateResponses with OpenAI-style error bodies: 400 (not a valid request), 401, 404 (unknown
@@ -57,7 +58,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import grpc
 from cryptography import x509
@@ -110,6 +111,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # What the router's HTTP edge serves to clients, and so all a Gateway may send to an engine through the picker:
 # path -> method.
 CLIENT_ROUTES = {**dict.fromkeys(COMPLETION_PATHS, "POST"), MODELS_PATH: "GET"}
+MODEL_PATH_PREFIX = MODELS_PATH + "/"  # GET /v1/models/{model}: OpenAI's retrieve, a model id may hold "/"
 BODY_CHUNK_BYTES = 62_000  # per streamed body message: under the 64 KiB some gateways allow per chunk
 MAX_BODY_BYTES = MAX_REQUEST_BODY_BYTES  # a request body the picker holds in memory at most
 # The largest gRPC message either way: a BUFFERED body comes (and a rewritten one goes back) whole in one message.
@@ -296,16 +298,21 @@ class Exchange:
     def path(self) -> str:
         return self.headers.get(":path", "").split("?", 1)[0]
 
+    @property
+    def model_id(self) -> str:
+        """The model of a GET /v1/models/{model} (percent-decoded, as the HTTP edge reads it); "" for any other path."""
+        return unquote(self.path.removeprefix(MODEL_PATH_PREFIX)) if self.path.startswith(MODEL_PATH_PREFIX) else ""
+
     async def _request_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         self.headers = {h.key.lower(): h.raw_value.decode(errors="replace") if h.raw_value else h.value
                         for h in headers.headers.headers}
         if self.request_mode in NO_PICK_MODES:
             raise _mode_refusal(self.request_mode, "where the request leaves before its body is read")
-        method = CLIENT_ROUTES.get(self.path)
+        method = "GET" if self.model_id else CLIENT_ROUTES.get(self.path)
         if method is None:  # exact paths only: no engine endpoint (admin, KV) is reachable through the gateway
             raise Refused(RouteError(404, f"no such endpoint: {self.path}; this pool serves "
-                                          f"{', '.join(f'{m} {p}' for p, m in CLIENT_ROUTES.items())}",
-                                     code="not_found"))
+                                          f"{', '.join(f'{m} {p}' for p, m in CLIENT_ROUTES.items())}, "
+                                          f"GET {MODEL_PATH_PREFIX}{{model}}", code="not_found"))
         if self.headers.get(":method", "").upper() != method:
             raise Refused(RouteError(405, f"{self.path} takes {method}", code="method_not_allowed"))
         try:
@@ -314,6 +321,12 @@ class Exchange:
             raise Refused(exc) from None
         if self.path == MODELS_PATH:
             raise Answered(self.router.models())
+        if self.model_id:  # its card of the list, or 404 model_not_found; uncounted, as on the HTTP edge
+            try:
+                card = self.router.model(self.model_id)
+            except RouteError as exc:
+                raise Refused(exc, outcome=None) from None
+            raise Answered(card)
         if self.request_mode == ProcessingMode.NONE:
             raise _mode_refusal(self.request_mode, "so a completion cannot be read, checked or decided")
         if headers.end_of_stream:

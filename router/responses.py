@@ -7,6 +7,7 @@ token prefix and the prefix-aware choice sends it to the pod that holds it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,27 @@ RESPONSE_ID_PREFIX = "resp_"
 # the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
 SAMPLING_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty",
                        "frequency_penalty", "logit_bias", "repetition_penalty", "chat_template_kwargs")
+
+
+# The chat request's fields that carry a response request's field of another name: an error the chat path finds in
+# one names the field the client sent (`param` and the message alike).
+CHAT_TO_RESPONSE_FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+# a chat field as an error names it, with a message's index (which counts the instructions and earlier turns first,
+# not the client's input items: dropped)
+_CHAT_FIELD = re.compile(rf"\b({'|'.join(CHAT_TO_RESPONSE_FIELDS)})\b(?:\.\d+\b)?")
+
+
+def response_error(error: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI error object of the chat path (its `error` member) as a response request's client reads it: the
+    translated fields under the names the client sent (`max_output_tokens: 0` is refused naming max_output_tokens,
+    not max_tokens)."""
+    renamed = dict(error)
+    param = error.get("param")
+    if isinstance(param, str) and (found := _CHAT_FIELD.match(param)) is not None:
+        renamed["param"] = CHAT_TO_RESPONSE_FIELDS[found.group(1)] + param[found.end():]
+    if isinstance(error.get("message"), str):
+        renamed["message"] = _CHAT_FIELD.sub(lambda m: CHAT_TO_RESPONSE_FIELDS[m.group(1)], error["message"])
+    return renamed
 
 
 class ResponsesError(ValueError):

@@ -32,6 +32,7 @@ from kvmesh.router.responses import (
     ResponsesError,
     chat_request,
     input_items,
+    response_error,
     response_object,
     turn_messages,
 )
@@ -51,6 +52,20 @@ SendChat = Callable[[str, dict[str, Any], HttpRequest], Awaitable[Response]]
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=status)
+
+
+def _renamed_error(answer: Response) -> Response:
+    """The chat path's refusal of a response request, its error naming the fields the client sent
+    (responses.response_error); a body that is no OpenAI error passes as it came."""
+    try:
+        body = json.loads(bytes(answer.body))
+    except (ValueError, AttributeError):
+        return answer
+    if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+        return answer
+    headers = {name: value for name, value in answer.headers.items() if name not in ("content-length", "content-type")}
+    return JSONResponse({**body, "error": response_error(body["error"])}, status_code=answer.status_code,
+                        headers=headers)
 
 
 class StoreUnavailable(Exception):
@@ -161,7 +176,7 @@ class Responses:
         """The answer as one response object (an error from the chat path as it came)."""
         answer = await send(turn.chat)
         if answer.status_code != 200:
-            return answer
+            return _renamed_error(answer)
         completion = json.loads(bytes(answer.body))
         response = response_object(turn.response_id, turn.body, completion, turn.created_at)
         await self.save(turn, completion, response)
@@ -171,8 +186,8 @@ class Responses:
     async def streamed(self, turn: Turn, send: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
         """The answer as the Responses API's event stream over the relayed chat stream."""
         answer = await send({**turn.chat, "stream": True, "stream_options": {"include_usage": True}})
-        if not isinstance(answer, StreamingResponse):  # refused before a byte was sent: its error as it is
-            return answer
+        if not isinstance(answer, StreamingResponse):  # refused before a byte was sent: its error, as sent
+            return _renamed_error(answer)
         events = ResponseEvents(turn.response_id, turn.body, turn.created_at)
 
         async def saved(response: dict[str, Any]) -> None:

@@ -134,6 +134,31 @@ def test_streaming_through_the_router_with_openai(router: tuple[str, Router]) ->
         client.completions.create(model=model, prompt="x", max_tokens=1, temperature=9)
 
 
+def test_a_relayed_chat_stream_ends_with_its_own_finish_chunk(router: tuple[str, Router]) -> None:
+    """The engines send a chat choice's finish_reason in a chunk of its own, after its last tokens, as OpenAI
+    does: the relay passes both, the token ids the router asked for stripped unless the client asked, the usage
+    last; stream_options without a stream is refused at admission, as the engines refuse it."""
+    url, _ = router
+    body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    for ids in (True, False):
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "return_token_ids": ids},
+                          timeout=60) as reply:
+            chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+        *answer, usage = chunks
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+        finish = answer[-1]["choices"][0]
+        assert finish == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                          **({"token_ids": []} if ids else {})}
+        assert all(c["choices"][0]["finish_reason"] is None for c in answer[:-1])
+        if ids:
+            assert len([t for c in answer for t in c["choices"][0]["token_ids"]]) == 5
+        else:
+            assert not any("token_ids" in c["choices"][0] for c in answer)
+    refused = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+
+
 def test_completion_paths_are_listed_and_answer_other_methods_405(router: tuple[str, Router]) -> None:
     """Completion POSTs skip FastAPI (RouterApp), but the paths are still its routes: listed in the OpenAPI
     schema, and another method gets 405 rather than 404."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -13,7 +14,9 @@ from pydantic import TypeAdapter
 from sqlalchemy import create_engine, inspect
 from sqlalchemy import text as sql
 
+from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.auth import tenant_hash
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.responses import ResponsesError, chat_request, input_items, response_object, turn_messages
 from kvmesh.router.responses_api import Responses, items_page, response_routes
 from kvmesh.router.responses_store import (
@@ -444,3 +447,24 @@ def test_without_a_database_a_404_says_where_the_response_may_be() -> None:
     for reply in (missing, continued):
         assert reply.status_code == 404 and "spec.store" in reply.json()["error"]["message"]
     assert continued.json()["error"]["code"] == "previous_response_not_found"
+
+
+@pytest.mark.parametrize(("body", "param", "fragment"), [
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens: Input should be greater than or equal to 1"),
+    ({"input": []}, "input", "input: List should have at least 1 item"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "thing"}}}}, "text.format",
+     "text.format"),
+])
+def test_a_refusal_of_the_chat_path_names_the_response_field_the_client_sent(tiny_dir: Path, body: dict,
+                                                                             param: str, fragment: str) -> None:
+    """The translation sends max_output_tokens as max_tokens, input as messages, text.format as response_format:
+    the router's checks of the chat request named fields this client never sent."""
+    router = build_router(RouterConfig(pods=[]), tiny_dir)
+    with TestClient(create_router_app(router)) as http:
+        for stream in (False, True):
+            reply = http.post("/v1/responses", json={"model": "m", "input": "x", "stream": stream, **body})
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == param and fragment in error["message"], error
+            assert "max_tokens" not in error["message"] and "messages" not in error["message"]
+            assert "response_format" not in error["message"]

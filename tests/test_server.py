@@ -16,7 +16,8 @@ import uvicorn
 
 from kvmesh.engine.engine import LOAD_PROGRESS, Engine
 from kvmesh.engine.protocol import FORECAST_LEVELS, EngineLoading, Metric, VllmMetric, read_engine_metrics
-from kvmesh.engine.server import EngineHolder, create_app
+from kvmesh.engine.request import RequestOutput
+from kvmesh.engine.server import EngineHolder, _chat_logprobs, _Completions, create_app
 from kvmesh.operator.engines import http_scrape
 from kvmesh.operator.forecast import parse_pod
 from kvmesh.processes import free_port
@@ -58,6 +59,20 @@ def test_chat_and_completion_with_openai_client(client: openai.OpenAI, served: t
     wait_idle(served[1])
 
 
+def test_a_model_is_retrieved_by_its_id(client: openai.OpenAI, served: tuple[str, Engine]) -> None:
+    """OpenAI's GET /v1/models/{model}: its card of the list, or 404 model_not_found (an id may hold "/", as an
+    adapter's name may)."""
+    listed = client.models.list().data
+    assert client.models.retrieve(listed[0].id) == listed[0]
+    for unknown in ("nope", "org/nope"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve(unknown)
+        error = caught.value.body
+        assert error["code"] == "model_not_found" and error["param"] == "model" and unknown in error["message"]
+    reply = httpx.get(served[0] + "/v1/models/org/nope", timeout=30)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+
+
 def test_streaming_equals_non_streaming_and_reports_usage(client: openai.OpenAI, served: tuple[str, Engine]) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text",
                                                                                           "text": "Count to five"}]}]
@@ -94,6 +109,34 @@ def test_logprobs_and_n_choices(client: openai.OpenAI, served: tuple[str, Engine
     wait_idle(served[1])
 
 
+def test_logprobs_of_tokens_that_are_part_of_a_character(served: tuple[str, Engine]) -> None:
+    """A byte token (here the first byte of "€", forced by logit_bias, and of "é") decodes alone to U+FFFD: chat's
+    `bytes` are the token's own, and completions name it "bytes:\\xe2" as OpenAI's legacy API does, so two such
+    alternatives never share the key U+FFFD (one hid the other, or the token's own entry a better one)."""
+    url, engine = served
+    e2, c3 = (engine.tokenizer._tokenizer.token_to_id(piece) for piece in ("â", "Ã"))  # byte-level pieces
+    assert engine.tokenizer.decode([e2]) == engine.tokenizer.decode([c3]) == "\ufffd"
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 2,
+        "logit_bias": {str(e2): 100}}).json()["choices"][0]
+    (entry,) = chat["logprobs"]["content"]
+    assert entry["token"] == "\ufffd" and entry["bytes"] == [0xE2]
+    text = httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": "Hello", "max_tokens": 1, "logprobs": 2, "logit_bias": {str(e2): 100}}).json()
+    logprobs = text["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["bytes:\\xe2"] and logprobs["text_offset"] == [0]
+    assert logprobs["top_logprobs"][0]["bytes:\\xe2"] == logprobs["token_logprobs"][0]
+    # alternatives the tiny model never ranks on its own: given to the formatting directly
+    handler = _Completions.__new__(_Completions)
+    handler.engine = engine
+    out = RequestOutput("r", [e2], "\ufffd", logprobs=[-2.0], top_logprobs=[[(c3, -0.5), (e2, -2.0)]])
+    (item,) = _chat_logprobs(engine, out)
+    assert [(a["bytes"], a["logprob"]) for a in item["top_logprobs"]] == [([0xC3], -0.5), ([0xE2], -2.0)]
+    whole, _ = handler._completion_logprobs([(e2, -2.0, [(c3, -0.5), (e2, -2.0)])])
+    assert whole["top_logprobs"] == [{"bytes:\\xc3": -0.5, "bytes:\\xe2": -2.0}]
+    wait_idle(engine)
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
@@ -120,6 +163,31 @@ def test_chat_validation_errors_are_400s(served: tuple[str, Engine], body: dict,
     reply = httpx.post(served[0] + "/v1/chat/completions", json=body)
     assert reply.status_code == 400, reply.text
     assert fragment in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_context_length_error_names_the_field_the_client_set(served: tuple[str, Engine], field: str) -> None:
+    reply = httpx.post(served[0] + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], field: 100000})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field} (100000) plus the prompt")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_options_need_a_stream(served: tuple[str, Engine], path: str) -> None:
+    """As OpenAI and vLLM answer it: a 400 naming stream_options, not options silently ignored."""
+    body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    for stream in ({}, {"stream": False}):
+        reply = httpx.post(served[0] + path, json={**body, **stream, "max_tokens": 1,
+                                                   "stream_options": {"include_usage": True}})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "stream_options" and "stream: true" in error["message"]
+    assert httpx.post(served[0] + path, json={**body, "max_tokens": 1, "stream_options": None}).status_code == 200
+    streamed = httpx.post(served[0] + path, json={**body, "max_tokens": 1, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    assert streamed.status_code == 200 and '"usage"' in streamed.text
 
 
 def test_completion_errors(served: tuple[str, Engine]) -> None:

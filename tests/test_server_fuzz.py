@@ -288,8 +288,9 @@ def valid_edges(draw: st.DrawFn, chat: bool) -> dict[str, Any]:
         "stop": draw(st.one_of(st.none(), words, st.lists(words, max_size=4))),
         "stop_token_ids": draw(st.lists(st.integers(0, 49151), max_size=3)),
         "ignore_eos": draw(st.booleans()), "return_token_ids": draw(st.booleans()),
-        "stream_options": {"include_usage": draw(st.booleans())},
     }
+    if body["stream"]:  # refused without a stream, as OpenAI refuses it
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
     body["min_tokens"] = draw(st.integers(0, body["max_tokens"]))
     constraint = draw(st.sampled_from([{}, {"guided_choice": ["yes", "no"]}, {"guided_regex": "[0-9]{1,4}"},
                                        {"response_format": {"type": "json_object"}},

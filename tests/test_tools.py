@@ -16,10 +16,12 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.model.tool_prompt import HERMES_SYSTEM, prompt_messages
-from kvmesh.engine.openai_types import ChatRequest
+from kvmesh.engine.openai_types import ChatRequest, finish_apart
 from kvmesh.engine.request import RequestOutput
 from kvmesh.engine.server import _Completions
 from kvmesh.engine.tools import (
@@ -410,6 +412,54 @@ def test_server_streams_auto_content_then_calls() -> None:
     assert chunks[1]["delta"] == {}
     assert chunks[2]["finish_reason"] == "tool_calls"
     assert chunks[2]["delta"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+
+
+def _arguments_done(events: Iterator[object]) -> set[int]:
+    return {e.index for e in events if e.type == "tool_calls.function.arguments.done"}  # type: ignore[attr-defined]
+
+
+def test_the_openai_stream_helper_closes_every_streamed_call(url: str) -> None:
+    """The client's stream helper (ChatCompletionStreamState) closes a call on the chunk after the one that
+    delivered it: a last call sent beside finish_reason never got its arguments.done."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    # seeds 4 and 9 with parallel calls: the last call closes on the answer's last token
+    for choice, parallel, seed in ((NAMED, True, 5), ("required", False, 5), ("required", True, 4),
+                                   ("required", True, 9)):
+        with client.beta.chat.completions.stream(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                 parallel_tool_calls=parallel, max_tokens=120, seed=seed) as stream:
+            done = _arguments_done(iter(stream))
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls" and final.message.tool_calls
+        assert done == set(range(len(final.message.tool_calls)))
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120, "seed": 4, "stream": True,
+            "return_token_ids": True}) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    last = chunks[-1]["choices"][0]  # OpenAI's last chunk of a choice: nothing but its finish_reason
+    assert last == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls", "token_ids": []}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_the_openai_stream_helper_closes_auto_calls() -> None:
+    """auto sends its calls at the end: every one of them in the chunk before the finishing one."""
+    stream = ToolStream("auto", NAMES)
+    pieces = ["Sure. ", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>']
+    state = ChatCompletionStreamState(input_tools=TOOLS)
+    events = []
+    for i, piece in enumerate(pieces):
+        choice = {"index": 0, "delta": {"content": piece, **({"role": "assistant"} if i == 0 else {})},
+                  "finish_reason": None, "logprobs": None}
+        out = RequestOutput("r", [1], piece, finish_reason="stop" if i == len(pieces) - 1 else None)
+        _Completions._tool_delta(choice, stream, out)
+        for part in finish_apart(choice):
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [part]}
+            events += state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == "Sure. "
+    assert [c.function.name for c in final.message.tool_calls] == ["add", "get_weather"]
+    assert _arguments_done(iter(events)) == {0, 1}
 
 
 def test_named_tool_choice_across_a_prefill_decode_handoff(tiny_dir: Path, url: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -23,8 +24,17 @@ from kvmesh.engine.model.token_cache import DEFAULT_CAPACITY_TOKENS, TokenCache
 from kvmesh.engine.model.tool_prompt import prompt_messages
 
 _REPLACEMENT_CHAR = "\ufffd"
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens (Llama 2's)
 # Tokens an incremental detokenizer decodes again with each step: enough for a word boundary or a split character.
 _CONTEXT_TOKENS = 5
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode, which the ByteLevel decoder inverts): the character
+    that stands for each byte in a token's piece, here mapped back to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def _token_text(value: object) -> str | None:
@@ -193,6 +203,30 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _byte_level(self) -> dict[str, int] | None:
+        """The byte-level alphabet when tokenizer.json decodes through it (a ByteLevel decoder), else None."""
+        decoder = json.loads(self._tokenizer_json).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders") or []] + [decoder.get("type")]
+        return _byte_level_alphabet() if "ByteLevel" in kinds else None
+
+    def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
+        """The bytes one token stands for (`text`: its decode, if the caller has it): its text's UTF-8, or, for a
+        token that is part of a character (it decodes alone to U+FFFD), its own bytes, read from its piece: a
+        byte-fallback piece's (<0xE2>), or a byte-level piece's characters mapped back to their bytes."""
+        text = self.decode([token_id], skip_special_tokens=False) if text is None else text
+        if _REPLACEMENT_CHAR not in text:
+            return text.encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return text.encode()
+        if found := _BYTE_FALLBACK_PIECE.fullmatch(piece):
+            return bytes([int(found.group(1), 16)])
+        alphabet = self._byte_level
+        if alphabet is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return text.encode()
 
     @cached_property
     def _compiled_template(self) -> Template:
