@@ -46,6 +46,10 @@ class UpstreamTimeout(UpstreamError):
     """Nothing more of the reply came within the read timeout (the pod may still be working on the request)."""
 
 
+class _OutOfStep(Exception):
+    """Raised in the parser's callback (which stops it) when bytes come that answer no request."""
+
+
 class _Connection(asyncio.Protocol):
     """One connection to a pod and the reply being read on it (one at a time)."""
 
@@ -127,7 +131,10 @@ class _Connection(asyncio.Protocol):
         self.received = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except httptools.HttpParserUpgrade:
+            self.fail("the pod switched protocols")
+            return
+        except httptools.HttpParserError as exc:  # a callback's _OutOfStep among them
             self.fail(f"malformed reply: {exc}")
             return
         self._wake()
@@ -142,6 +149,10 @@ class _Connection(asyncio.Protocol):
         if self.head and not self.sized and not self.complete and exc is None:
             self.complete = True  # a body that runs to the connection's end has ended
         self.fail(str(exc) if exc else "the pod closed the connection")
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second reply to one request: out of step (a reply already read stays as it came)
+            raise _OutOfStep("a reply to no request")
 
     def on_header(self, name: bytes, _: bytes) -> None:
         if name.lower() in _BODY_HEADERS:
@@ -201,11 +212,16 @@ class UpstreamReply:
     async def lines(self) -> AsyncIterator[str]:
         """The body's lines without their line ends, as they arrive (no length limit on a line)."""
         connection = self._reading()
-        pending = b""
+        pending: list[bytes] = []  # the start of a line whose end has not come (searched once: a long line is linear)
         while True:
             if connection.chunks:
-                pending += connection.take()
-                *complete, pending = pending.split(b"\n")
+                data = connection.take()
+                if b"\n" not in data:
+                    pending.append(data)
+                    continue
+                *complete, tail = data.split(b"\n")
+                complete[0] = b"".join([*pending, complete[0]])
+                pending = [tail]
                 for line in complete:
                     yield _text(line.rstrip(b"\r"))
                 continue  # more may have come while the lines were taken
@@ -215,8 +231,8 @@ class UpstreamReply:
                 await connection.wait()
             except UpstreamError as exc:
                 raise self._broken(exc) from exc
-        if pending:
-            yield _text(pending)
+        if rest := b"".join(pending):
+            yield _text(rest)
 
     def _reading(self) -> _Connection:
         if self._connection is None:
@@ -361,6 +377,9 @@ class Upstream:
             raise connection.error or UpstreamError("the pod closed the connection")
         connection.transport.write(request)
         while not connection.head:
+            if connection.complete:  # ended with no status line of its own (wait() would not wait)
+                connection.abort()
+                raise UpstreamError("the pod's reply ended before its status line")
             await connection.wait()
 
     def _sweep(self, now: float) -> None:

@@ -386,3 +386,54 @@ async def test_a_pod_a_request_waits_for_is_not_forgotten_so_its_connection_boun
         assert await asyncio.gather(second, third) == [{"n": 2}, {"n": 3}]
         assert server.connections == 2  # the lost one and one more, which the third request reused
         await upstream.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("extra", [whole(b'{"bogus": true}', 503), b"HTTP/1.1 200 OK\r\ncontent-length: 30\r\n\r\n"],
+                         ids=["a whole second reply", "the head of one"])
+async def test_bytes_after_a_reply_that_answer_no_request_drop_the_connection(extra: bytes) -> None:
+    """A pod (or something between) that sends a reply nobody asked for, in the same write as the real one: the
+    request gets its own reply, and the connection is never reused. Reused, the extra reply became the next
+    request's (its status, or a half-read body that made the next request wait forever without yielding the event
+    loop: the whole router froze)."""
+    async def twice(body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(whole(body) + extra)
+
+    async with pod(twice) as server:
+        upstream = Upstream(2.0)
+        for i in range(3):
+            assert await asyncio.wait_for(ask(upstream, server.url, {"n": i}), 5) == {"n": i}
+        await upstream.close()
+    assert server.connections == 3
+
+
+@pytest.mark.asyncio
+async def test_a_pod_that_switches_protocols_is_an_upstream_error() -> None:
+    async def upgrade(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
+
+    async with pod(upgrade) as server:
+        upstream = Upstream(2.0)
+        with pytest.raises(UpstreamError, match="switched protocols"):
+            await upstream.post(server.url + "/v1/completions", {}, {})
+        await upstream.close()
+
+
+@pytest.mark.asyncio
+async def test_a_long_line_split_over_many_reads_is_one_line() -> None:
+    piece = b"x" * 4096
+
+    async def long_line(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in [b"data: ", *[piece] * 64, b"\n\ndata: [DONE]\n\n"]:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    async with pod(long_line) as server:
+        upstream = Upstream(5.0)
+        reply = await upstream.post(server.url + "/v1/completions", {}, {})
+        lines = [line async for line in reply.lines()]
+        reply.close()
+        await upstream.close()
+    assert lines == ["data: " + "x" * 4096 * 64, "", "data: [DONE]", ""]
