@@ -388,6 +388,19 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+# A pool's name prefixes the names of the objects it owns (NAME-engines, NAME-router, NAME-prefill and their pods,
+# NAME-internal-token), which must stay valid names: a Service's is a DNS label of at most 63 characters
+MAX_NAME_LENGTH = 40
+
+# Rules on the whole object (the openAPIV3Schema's root, where CEL may read metadata.name): `self` is the pool
+OBJECT_RULES: tuple[Rule, ...] = (
+    Rule((), f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+         f"metadata.name: at most {MAX_NAME_LENGTH} characters: it prefixes the names of the objects the pool owns "
+         "(NAME-engines, NAME-router, NAME-prefill, NAME-internal-token), which must stay valid Kubernetes names",
+         lambda o: len(str((o.get("metadata") or {}).get("name") or "")) <= MAX_NAME_LENGTH),
+)
+
+
 def _with_rules(schema: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
     rules = [{"rule": r.cel, "message": r.message} for r in RULES if r.path == path]
     if rules:
@@ -622,13 +635,14 @@ def crd_manifest() -> dict[str, Any]:
                 "storage": True,
                 "subresources": {"status": {}},
                 "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
-                "schema": {"openAPIV3Schema": _obj({
+                "schema": {"openAPIV3Schema": {**_obj({
                     "apiVersion": {"type": "string"},
                     "kind": {"type": "string"},
                     "metadata": {"type": "object"},
                     "spec": spec_schema(),
                     "status": status_schema(),
-                }, ("spec",), description="A pool of engines serving one model behind a KV-cache-aware router")},
+                }, ("spec",), description="A pool of engines serving one model behind a KV-cache-aware router"),
+                    "x-kubernetes-validations": [{"rule": r.cel, "message": r.message} for r in OBJECT_RULES]}},
             }],
         },
     }
@@ -889,11 +903,24 @@ class Pool:
     @property
     def roles(self) -> tuple[str, ...]:
         """The engine roles this pool runs."""
-        return ("both",) if self.mode == "aggregated" else ("prefill", "decode")
+        return mode_roles(self.mode)
 
     def bounds(self, role: str) -> tuple[int, int]:
         r = self.spec["replicas"][role]
         return int(r["min"]), int(r["max"])
+
+
+def mode_roles(mode: str) -> tuple[str, ...]:
+    """The engine roles a pool of `mode` runs."""
+    return ("both",) if mode == "aggregated" else ("prefill", "decode")
+
+
+def spec_roles(spec: Any) -> tuple[str, ...]:
+    """The engine roles a pool spec as stored asks for (its mode, defaulted as the CRD does), read leniently: a
+    spec that is not a mapping asks for none."""
+    if not isinstance(spec, Mapping):
+        return ()
+    return mode_roles(str(spec.get("mode") or "aggregated"))
 
 
 def parse_pool(body: Mapping[str, Any], defaults: PoolDefaults = PoolDefaults()) -> Pool:
@@ -909,9 +936,9 @@ def parse_pool(body: Mapping[str, Any], defaults: PoolDefaults = PoolDefaults())
         raise SpecError(f"metadata.labels must be a mapping and metadata.generation an integer, got "
                         f"{meta.get('labels')!r} and {meta.get('generation')!r}")
     name = meta.get("name")
-    if not isinstance(name, str) or not _matches(DNS_LABEL, name) or len(name) > 40:
-        raise SpecError(f"metadata.name must be a DNS label of at most 40 characters (it prefixes the pool's "
-                        f"objects), got {name!r}")
+    if not isinstance(name, str) or not _matches(DNS_LABEL, name) or len(name) > MAX_NAME_LENGTH:
+        raise SpecError(f"metadata.name must be a DNS label of at most {MAX_NAME_LENGTH} characters (it prefixes the "
+                        f"pool's objects), got {name!r}")
     if "spec" not in body:
         raise SpecError("spec is required")
     return Pool(name=name, namespace=meta.get("namespace") or "default", spec=complete_spec(body["spec"], defaults),

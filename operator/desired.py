@@ -627,9 +627,15 @@ def retained_objects(pool: Pool, roles: tuple[str, ...]) -> set[tuple[str, str]]
     return {(kind, engine_name(pool, role)) for role in roles for kind in ROLE_KINDS}
 
 
+# The fields the operator may stop applying but must never delete (`Kube.apply`'s `keep`): a Deployment's replicas,
+# left to its HPA in `scaling.mode: hpa` (deleting them would reset the Deployment to 1 replica)
+HANDED_OFF: tuple[tuple[str, ...], ...] = (("spec", "replicas"),)
+
+
 def patch_body(pool: Pool, obj: dict[str, Any]) -> dict[str, Any]:
     """What to patch onto an existing object: all of it, except engine replicas when HPAs own them (the
-    operator must not fight the user's autoscaler)."""
+    operator must not fight the user's autoscaler). `Kube.apply` deletes what the last patch had and this one
+    lacks (a field removed from the spec), except HANDED_OFF."""
     if pool.spec["scaling"]["mode"] == "hpa" and obj["kind"] == "Deployment" and \
             obj["metadata"]["labels"].get(ROLE_LABEL) != "router":
         obj = copy.deepcopy(obj)

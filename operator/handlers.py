@@ -2,7 +2,8 @@
 
 Reconciling (create, update, resume): parse the pool, make sure its internal-token Secret exists (created once with
 a fresh token, never rewritten: `pool_token`), compute its objects, apply each by create-then-patch (an object that
-exists answers 409 to the create and is merge-patched), and write status. A bad spec sets
+exists answers 409 to the create and is merge-patched three ways: what the operator applied last time, recorded on
+the object, and no longer asks for is deleted), and write status. A bad spec sets
 Degraded/InvalidSpec and waits for the next change; an API call that still fails after `API_RETRY`'s few tries
 sets Degraded/ApiError and kopf retries the handler with exponential backoff. Neither raises out of a handler
 uncaught, so the operator never crash-loops.
@@ -25,7 +26,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import Any
@@ -39,16 +40,24 @@ from kvmesh.engine.internal_token import MIN_TOKEN_CHARS, new_token
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.conditions import pool_conditions, ready_replicas, switching
-from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool
+from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool, spec_roles
 from kvmesh.operator.engines import PoolToken, Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
 from kvmesh.operator.kube import PLURALS, Kube, NameTaken, owned_by, same_owner
 from kvmesh.operator.leader import Election, run_elected
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick, http_act, http_served
-from kvmesh.operator.memory import PoolMemory, RouterView, current_replicas, now_timestamp, pod_hit_rates
+from kvmesh.operator.memory import (
+    PoolMemory,
+    RouterView,
+    current_replicas,
+    decided_replicas,
+    now_timestamp,
+    pod_hit_rates,
+    status_replicas,
+)
 from kvmesh.operator.metrics import LeaderMetrics, OperatorMetrics
 from kvmesh.operator.scale_in import deletion_costs
-from kvmesh.operator.scaling import Decision
+from kvmesh.operator.scaling import SCALED_ROLES, Decision
 from kvmesh.operator.warmup import GateOpener, PodPlace, Warmer, WarmupSettings, carry_out, plan_tick_warmups
 from kvmesh.router.discovery import endpoint_url
 
@@ -162,13 +171,14 @@ class Applied:
 
 
 def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Applied:
-    """Apply `objects` (create-then-patch), then prune what the spec no longer asks for."""
+    """Apply `objects` (create-then-patch, deleting the fields the spec no longer asks for: `Kube.apply`), then
+    prune the objects the spec no longer asks for."""
     done = {"created": 0, "patched": 0}
     step = "pruning objects the spec no longer asks for"
     try:
         for obj in objects:
             step = f"applying {obj['kind']} {obj['metadata']['name']}"
-            done[kube.apply(obj, desired.patch_body(pool, obj))] += 1
+            done[kube.apply(obj, desired.patch_body(pool, obj), keep=desired.HANDED_OFF)] += 1
         step = "pruning objects the spec no longer asks for"
         pruned = prune(kube, pool, objects)
     except Exception as exc:  # an API answer, or no answer at all (the retries spent on a dead connection)
@@ -178,6 +188,25 @@ def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Applied
     kept = f", {' and '.join(pruned.kept)} kept until the new mode serves" if pruned.kept else ""
     return Applied(f"{done['created']} created, {done['patched']} patched, {len(pruned.deleted)} deleted{kept}",
                    pruned.kept)
+
+
+def starting_replicas(kube: Kube, pool: Pool, status: Mapping[str, Any], added: Collection[str]) -> dict[str, int]:
+    """The replicas a reconcile applies per role: those last decided (`decided_replicas`: not for the roles in
+    `added`); for a role without one, what its Deployment has if it exists (a previous mode's, kept serving while a
+    switch away from it was pending, and switched back to: its pods must not be scaled in), else its minimum. The
+    pool's Deployments are listed only when some role has no decided count. ApplyFailed."""
+    decided = decided_replicas(pool, status, added)
+    unknown = [r for r in pool.roles if r not in decided]
+    if not unknown:
+        return desired.initial_replicas(pool) | decided
+    try:
+        deployments = by_role(kube.list("apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}"))
+    except Exception as exc:  # an API answer, or none (the retries spent)
+        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+        raise ApplyFailed(f"listing the pool's Deployments failed: {reason}") from exc
+    initial = desired.initial_replicas(pool)
+    return initial | deployed_replicas({r: initial[r] for r in unknown}, deployments,
+                                       {r: pool.bounds(r) for r in unknown}) | decided
 
 
 def reconciled(status: Mapping[str, Any], generation: int) -> bool:
@@ -317,7 +346,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
     def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, retry: int, memo: kopf.Memo,
-                  **_: Any) -> None:
+                  old: Any = None, **_: Any) -> None:
         generation = int(body.metadata.get("generation") or 0)
         state: PoolMemory = memo.setdefault("kvmesh", PoolMemory())
         try:
@@ -330,8 +359,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             patch.status["observedGeneration"] = generation
             kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
             return  # nothing to retry until the spec changes, which runs this handler again
-        replicas = current_replicas(pool, status)
+        # `old`: the spec kopf last handled (an update's); the roles this change adds were not run under it
+        added = [r for r in pool.roles if old is not None and r not in spec_roles((old or {}).get("spec"))]
         try:  # the Secret before the pods that mount it
+            replicas = starting_replicas(kube, pool, status, added)
             memo["kvmesh-token"] = PoolToken(pool_token(kube, pool))
             applied = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
         except ApplyFailed as exc:
@@ -354,8 +385,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         patch.status["conditions"] = conditions
         patch.status["observedGeneration"] = generation
         patch.status["routerAddress"] = desired.router_address(pool)
-        patch.status["replicas"] = {r: {"desired": n, "ready": (status.get("replicas") or {}).get(r, {}).get(
-            "ready", 0)} for r, n in replicas.items()}
+        patch.status["replicas"] = status_replicas(pool, {r: {"desired": n, "ready": 0 if r in added else (
+            (status.get("replicas") or {}).get(r) or {}).get("ready", 0)} for r, n in replicas.items()})
         kopf.event(body, type="Normal", reason="Reconciled", message=f"objects: {applied.summary}")
 
     # A failed tick (an API or scrape error) is logged and the next tick tries again: no backoff to wait out.
@@ -470,14 +501,16 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
             c.get("type") == "Degraded" and c.get("reason") == "RolloutStuck" for c in conditions):
         conditions = state.condition(status, "Degraded", False, "Reconciled", "the rollout went on", generation)
     patch.status["conditions"] = conditions
-    patch.status["replicas"] = {r: {"desired": replicas[r], "ready": ready[r]} for r in pool.roles}
+    patch.status["replicas"] = status_replicas(pool, {r: {"desired": replicas[r], "ready": ready[r]}
+                                                      for r in pool.roles})
     patch.status["ready"] = summary
     patch.status["kvUsage"] = {"observed": round(sum(usage) / len(usage), 4) if usage else 0.0,
                                "predicted": round(max((d.predicted_usage for d in kv), default=0.0), 4),
                                "overloadProbability": round(max((d.overload_probability for d in kv), default=0.0),
                                                             4)}
     patch.status["lastDecision"] = {"time": now_timestamp(), "reason": "; ".join(
-        f"{r}: {d.reason}" for r, d in decision.roles.items()), "replicas": dict(decision.replicas)}
+        f"{r}: {d.reason}" for r, d in decision.roles.items()), "replicas": {
+            r: None for r in SCALED_ROLES if r not in decision.replicas} | dict(decision.replicas)}
     return decision
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -31,12 +31,67 @@ PLURALS = {"ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "
 # attempt may have taken effect before its answer was lost: a POST is `Kube.apply`'s create, whose repeat
 # answers 409 and is merge-patched with the same fields (no object here is created by generateName), or
 # `Kube.create_or_read`'s, whose repeat answers 409 and reads what the first one stored; each PATCH is
-# a merge patch of absolute values (the same twice is the same once); a repeated DELETE answers 404, which
+# a merge patch of absolute values and nulls (the same twice is the same once); a repeated DELETE answers 404, which
 # `Kube.delete` takes as done.
 API_RETRY = Retry(total=3, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504),
                   allowed_methods=frozenset({"GET", "POST", "PATCH", "DELETE"}),
                   raise_on_status=False)  # the last answer comes back, as an ApiException with its status
 API_TIMEOUT_SECONDS = 10.0
+
+
+# What the operator last applied to an object, as compact JSON of the merge patch it sent (without this annotation):
+# the third side of `three_way_patch`, as kubectl's client-side apply keeps its last-applied-configuration
+LAST_APPLIED_ANNOTATION = "kvmesh.io/last-applied"
+
+Path = tuple[str, ...]  # a key's path in an object, e.g. ("spec", "replicas")
+
+
+def three_way_patch(last_applied: Mapping[str, Any] | None, patch: Mapping[str, Any],
+                    keep: Collection[Path] = ()) -> dict[str, Any]:
+    """The merge patch (RFC 7386) that makes an object hold `patch`'s fields and no longer those it was last
+    applied with and `patch` no longer has: `patch` plus a null (delete) for every key of `last_applied` absent from
+    `patch`, recursively through the maps both have (a list, or a map replaced by another value, is replaced whole
+    by a merge patch anyway). A key `last_applied` never had is never nulled: what the API server defaults, what
+    others set (their annotations, a scaler's fields). A path in `keep` is never nulled either: a field the
+    operator hands to another (a Deployment's replicas when HPAs own them). None for `last_applied` (an object
+    made before the operator recorded what it applied): `patch` as it is. A pure function; `patch` is not
+    changed."""
+    return _three_way(last_applied or {}, patch, frozenset(tuple(p) for p in keep), ())
+
+
+def _three_way(last: Mapping[str, Any], new: Mapping[str, Any], keep: frozenset[Path], path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in new.items()}
+    for key, old in last.items():
+        here = (*path, key)
+        if key not in new:
+            if here not in keep:
+                out[key] = None
+        elif isinstance(old, Mapping) and isinstance(new[key], Mapping):
+            out[key] = _three_way(old, new[key], keep, here)
+    return out
+
+
+def last_applied(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the operator last applied to `obj` (its LAST_APPLIED_ANNOTATION), or None when it has none, or one
+    that is not a JSON object (edited by hand): the object then gets a plain merge patch once."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    text = annotations.get(LAST_APPLIED_ANNOTATION) if isinstance(annotations, Mapping) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def recorded(obj: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """`obj` (a copy) with `patch` recorded in its LAST_APPLIED_ANNOTATION."""
+    out = copy.deepcopy(dict(obj))
+    meta = out.setdefault("metadata", {})
+    meta["annotations"] = {**(meta.get("annotations") or {}),
+                           LAST_APPLIED_ANNOTATION: json.dumps(patch, separators=(",", ":"), sort_keys=True)}
+    return out
 
 
 class NameTaken(Exception):
@@ -100,13 +155,15 @@ class Kube:
             raise ValueError(f"{method} {path}: an answer that is not a JSON object")
         return answer
 
-    def apply(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> str:
-        """Create `obj`; if it exists and is `obj`'s owner's (see `same_owner`), merge-patch `patch` onto it.
-        Returns "created" or "patched"; NameTaken when the name is another's."""
+    def apply(self, obj: Mapping[str, Any], patch: Mapping[str, Any], keep: Collection[Path] = ()) -> str:
+        """Create `obj`; if it exists and is `obj`'s owner's (see `same_owner`), merge-patch `patch` onto it, three
+        ways (`three_way_patch`): the fields the operator applied last time and `patch` no longer has are
+        deleted, but those of `keep`. Either way the object records `patch` in its LAST_APPLIED_ANNOTATION for the
+        next apply. Returns "created" or "patched"; NameTaken when the name is another's."""
         meta = obj["metadata"]
         plural = PLURALS[obj["kind"]]
         try:
-            self.call("POST", self.path(obj["apiVersion"], plural, meta["namespace"]), dict(obj))
+            self.call("POST", self.path(obj["apiVersion"], plural, meta["namespace"]), recorded(obj, patch))
             return "created"
         except ApiException as exc:
             if exc.status != HTTPStatus.CONFLICT:
@@ -115,7 +172,10 @@ class Kube:
         if not same_owner(obj, existing):
             raise NameTaken(f"{obj['kind']} {meta['name']} exists and is not this pool's ({owned_by(existing)}): "
                             "it is left as it is; delete or rename it, or give the pool another name")
-        self.patch(obj["apiVersion"], plural, meta["namespace"], meta["name"], dict(patch))
+        # the new record in the patch before the diff: the annotations map is then diffed key by key like any other
+        # (others' annotations stay), never nulled whole
+        body = three_way_patch(last_applied(existing), recorded(patch, patch), keep)
+        self.patch(obj["apiVersion"], plural, meta["namespace"], meta["name"], body)
         return "patched"
 
     def create_or_read(self, obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,13 +8,14 @@ local operator inside `kvmesh up -f` (operator/local.py) keeps one for its pool.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.operator import desired
 from kvmesh.operator.crd import Pool
 from kvmesh.operator.forecast import PodMetrics, Scaler
+from kvmesh.operator.scaling import SCALED_ROLES
 
 
 def now_timestamp() -> str:
@@ -34,15 +35,30 @@ def with_condition(conditions: list[dict[str, Any]] | None, kind: str, status: b
     return [old[k] for k in sorted(old)]
 
 
-def current_replicas(pool: Pool, status: Mapping[str, Any]) -> dict[str, int]:
-    """The replicas last decided per role (kept in status), else each role's minimum."""
+def decided_replicas(pool: Pool, status: Mapping[str, Any], added: Collection[str] = ()) -> dict[str, int]:
+    """The replicas last decided for the pool's roles that status keeps a count of (within each role's bounds).
+    Not for a role in `added`, one the change being applied adds back to the pool: a count status still holds for
+    it was decided before it was removed (the operator writes null for the roles a pool does not run, but a status
+    written before that, or by an operator before this one, may keep one), not for the pods it runs now."""
     decided = status.get("replicas") or {}
-    out = desired.initial_replicas(pool)
+    out: dict[str, int] = {}
     for role in pool.roles:
-        if isinstance(decided.get(role), Mapping) and isinstance(decided[role].get("desired"), int):
+        entry = decided.get(role) if isinstance(decided, Mapping) else None
+        if role not in added and isinstance(entry, Mapping) and isinstance(entry.get("desired"), int):
             low, high = pool.bounds(role)
-            out[role] = min(max(decided[role]["desired"], low), high)
+            out[role] = min(max(entry["desired"], low), high)
     return out
+
+
+def current_replicas(pool: Pool, status: Mapping[str, Any], added: Collection[str] = ()) -> dict[str, int]:
+    """The replicas last decided per role (kept in status: `decided_replicas`), else each role's minimum."""
+    return desired.initial_replicas(pool) | decided_replicas(pool, status, added)
+
+
+def status_replicas(pool: Pool, counts: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """status.replicas as a merge patch: `counts` per role of the pool, and null for every other engine role, so a
+    role a change of mode removed leaves status (kopf merge-patches status: a key left out would stay)."""
+    return {role: None for role in SCALED_ROLES if role not in pool.roles} | {r: dict(counts[r]) for r in pool.roles}
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,12 @@ class OperatorMetrics:
             self.interval.labels(*key).set(interval_seconds)
 
     def record(self, pool: Pool, decision: Decision, replicas: Mapping[str, int], before: Mapping[str, int]) -> None:
+        """A tick's decision per role. The series of a role the decision no longer has (the pool's mode changed)
+        are dropped: a `desired_replicas` left for it would read as engines wanted and none up (the chart's
+        KvmeshPoolEnginesUnavailable) until the operator restarts."""
         self.record_adapters(pool, ())  # the adapter series exist from the pool's first tick, with or without any
+        for key in [k for k in self._keys if k[:2] == (pool.namespace, pool.name) and k[2] not in decision.roles]:
+            self._drop_role(key)
         for role, d in decision.roles.items():
             key = (pool.namespace, pool.name, role)
             self._keys.add(key)
@@ -104,6 +109,14 @@ class OperatorMetrics:
                 self.lora_actions.labels(pool.namespace, pool.name, sync.pod.role, result.action.kind,
                                          result.outcome).inc()
 
+    def _drop_role(self, key: tuple[str, str, str]) -> None:
+        """Remove one pool role's decision series."""
+        self._keys.discard(key)
+        for gauge in (self.desired, self.predicted, self.overload):
+            gauge.remove(*key)
+        for direction in SCALING_DIRECTIONS:
+            self.decisions.remove(*key, direction)
+
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted pool's series."""
         if (namespace, name) in self._pools:
@@ -113,11 +126,7 @@ class OperatorMetrics:
             self.last_evaluation.remove(namespace, name)
             self.interval.remove(namespace, name)
         for key in [k for k in self._keys if k[:2] == (namespace, name)]:
-            self._keys.discard(key)
-            for gauge in (self.desired, self.predicted, self.overload):
-                gauge.remove(*key)
-            for direction in SCALING_DIRECTIONS:
-                self.decisions.remove(*key, direction)
+            self._drop_role(key)
         for key in [k for k in self._lora_keys if k[:2] == (namespace, name)]:
             self._lora_keys.discard(key)
             for action in LORA_ACTIONS:

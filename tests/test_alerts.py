@@ -380,6 +380,15 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
          (f'up{{pod="e0", role="both", {POOL}}}', "_x7 1x30"),
          (f'{LOADING}{{pod="e0", role="both", {POOL}}}', "_x7 1x5 0x20")],
         "15m", []),
+    # aggregated -> disaggregated at 20m: the operator drops both's series and both's pods go (their targets with
+    # them) as the new roles serve. Its 15-minute minimum outlives them, but the operator no longer wants the role
+    "a change of mode away from a role": (
+        [(f'{DESIRED}{{role="both", {OPERATOR}}}', "1x20 stale"),
+         (f'up{{pod="b0", role="both", {POOL}}}', "1x20 stale"),
+         *[(f'{DESIRED}{{role="{r}", {OPERATOR}}}', "_x10 1x40") for r in ("prefill", "decode")],
+         *[(f'up{{pod="{r[0]}0", role="{r}", {POOL}}}', "_x10 1x40") for r in ("prefill", "decode")],
+         POOL_PODS, *HEARTBEAT],
+        "31m", []),
     "every engine of a role down for 12 minutes": (
         # targets that do not answer: KvmeshPoolHasNoEngines after 1 minute, this one beside it after 10
         [(f'{DESIRED}{{role="decode", {OPERATOR}}}', "1x40"), (f'up{{pod="e0", role="decode", {POOL}}}', "0x40"),

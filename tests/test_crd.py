@@ -18,6 +18,8 @@ from kvmesh.operator.crd import (
     API_VERSION,
     DEFAULT_ACTIVATION_TIMEOUT_SECONDS,
     KIND,
+    MAX_NAME_LENGTH,
+    OBJECT_RULES,
     RULES,
     SpecError,
     complete_spec,
@@ -73,6 +75,16 @@ def cel_errors(spec: dict[str, Any]) -> list[str]:
         if not env.program(env.compile(rule.cel)).evaluate({"self": cel_value(target, schema)}):
             failed.append(rule.message)
     return failed
+
+
+def object_cel_errors(body: dict[str, Any]) -> list[str]:
+    """The messages of the CEL rules on the whole object (the schema's root) that fail on `body`, as the API
+    server evaluates them: `self` is the object, whose metadata.name CEL may read."""
+    env = celpy.Environment()
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["x-kubernetes-validations"] == [{"rule": r.cel, "message": r.message} for r in OBJECT_RULES]
+    return [rule["message"] for rule in schema["x-kubernetes-validations"]
+            if not env.program(env.compile(rule["rule"])).evaluate({"self": cel_value(body, schema)})]
 
 
 def example(name: str) -> dict[str, Any]:
@@ -251,6 +263,23 @@ def test_pool_objects_need_a_short_dns_name_and_the_right_kind() -> None:
         parse_pool({**body, "kind": "Deployment"})
     pool = parse_pool({**body, "metadata": {"name": "chat", "namespace": "ml", "generation": 3}})
     assert (pool.name, pool.namespace, pool.generation, pool.roles) == ("chat", "ml", 3, ("both",))
+
+
+@pytest.mark.parametrize("length", [1, MAX_NAME_LENGTH, MAX_NAME_LENGTH + 1, 63])
+def test_a_pool_name_longer_than_the_operator_takes_is_refused_by_the_api_server(length: int) -> None:
+    """kubectl apply of a pool named past 40 characters fails at once, with the rule's message, instead of being
+    stored and reported Degraded/InvalidSpec by the operator afterwards (parse_pool, the same limit)."""
+    body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "a" * length, "namespace": "ml"},
+            "spec": {"model": {"source": "bundled"}}}
+    errors = object_cel_errors(body)
+    assert [r.check(body) for r in OBJECT_RULES] == [length <= MAX_NAME_LENGTH]  # the Python twin agrees
+    if length <= MAX_NAME_LENGTH:
+        assert errors == []
+        assert parse_pool(body).name == "a" * length
+    else:
+        assert errors and "metadata.name: at most 40 characters" in errors[0]
+        with pytest.raises(SpecError, match="at most 40 characters"):
+            parse_pool(body)
 
 
 @pytest.mark.parametrize("edit", [{"metadata": ["chat"]}, {"metadata": "chat"}, {"spec": ["model"]},

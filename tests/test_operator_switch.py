@@ -14,9 +14,13 @@ from typing import Any
 
 import pytest
 
+from kvmesh.engine.protocol import OperatorMetric
 from kvmesh.operator.conditions import pool_conditions
-from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, parse_pool
+from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, parse_pool, spec_roles
 from kvmesh.operator.desired import retained_objects, retained_roles
+from kvmesh.operator.memory import current_replicas, decided_replicas, status_replicas
+from kvmesh.operator.metrics import OperatorMetrics
+from kvmesh.operator.scaling import Decision, RoleDecision
 
 from .test_operator import NS, POOLS, Env, conditions, eventually, operator, pool_body, run
 from .test_operator_lora_state import cluster, operator_run
@@ -72,6 +76,53 @@ def test_a_pool_switching_mode_is_ready_through_its_previous_pods() -> None:
         "both": deployment(2), "prefill": deployment(0), "decode": deployment(0), "router": deployment(0)},
         kept=("both",))}
     assert (no_router["Ready"].value, no_router["Ready"].reason) == (False, "PodsNotReady")
+
+
+def decision(**replicas: int) -> Decision:
+    return Decision(0.0, {r: RoleDecision(n, n, "HoldWithinTarget", 0.5, 0.01) for r, n in replicas.items()}, ())
+
+
+def test_the_operator_drops_the_series_of_the_roles_a_change_of_mode_removed() -> None:
+    """A `desired_replicas{role="both"}` left after the switch would read as both engines wanted and none up: the
+    chart's critical KvmeshPoolEnginesUnavailable (tests/test_alerts.py, "a change of mode away from a role")."""
+    metrics = OperatorMetrics()
+
+    def sample(name: str, role: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"pool_namespace": NS, "pool": "chat", "role": role, **labels})
+
+    metrics.record(parsed("aggregated"), decision(both=2), {"both": 2}, {"both": 1})
+    assert sample(OperatorMetric.DESIRED_REPLICAS, "both") == 2
+    assert sample(f"{OperatorMetric.SCALING_DECISIONS}_total", "both", direction="up") == 1
+    metrics.record(parsed("disaggregated"), decision(prefill=1, decode=1), {"prefill": 1, "decode": 1},
+                   {"prefill": 1, "decode": 1})
+    for name in (OperatorMetric.DESIRED_REPLICAS, OperatorMetric.PREDICTED_KV_USAGE,
+                 OperatorMetric.OVERLOAD_PROBABILITY):
+        assert sample(name, "both") is None
+        assert sample(name, "prefill") is not None and sample(name, "decode") is not None
+    assert sample(f"{OperatorMetric.SCALING_DECISIONS}_total", "both", direction="up") is None
+    metrics.record(parsed("aggregated"), decision(both=1), {"both": 1}, {"both": 1})  # and back
+    assert sample(OperatorMetric.DESIRED_REPLICAS, "both") == 1 and sample(OperatorMetric.DESIRED_REPLICAS,
+                                                                            "prefill") is None
+    metrics.forget(NS, "chat")
+    assert sample(OperatorMetric.DESIRED_REPLICAS, "both") is None
+
+
+def test_status_drops_removed_roles_and_a_role_added_back_is_not_read_from_an_older_status() -> None:
+    aggregated, disaggregated = parsed("aggregated"), parsed("disaggregated")
+    counts = {"prefill": {"desired": 2, "ready": 1}, "decode": {"desired": 1, "ready": 1}}
+    # a merge patch: null removes the role the pool no longer runs (kopf merge-patches status)
+    assert status_replicas(disaggregated, counts) == {"both": None, **counts}
+    assert status_replicas(aggregated, {"both": {"desired": 1, "ready": 0}}) == {
+        "prefill": None, "decode": None, "both": {"desired": 1, "ready": 0}}
+    # what an operator before this one left: the removed role's count, decided before the switch
+    stale = {"replicas": {"both": {"desired": 3, "ready": 3}, **counts}}
+    assert current_replicas(aggregated, stale) == {"both": 3}
+    assert current_replicas(aggregated, stale, added=("both",)) == {"both": 1}, "back to aggregated: its minimum"
+    assert decided_replicas(aggregated, stale, added=("both",)) == {}
+    assert current_replicas(disaggregated, stale, added=("both",)) == {"prefill": 2, "decode": 1}
+    assert current_replicas(aggregated, {"replicas": {"both": None}}) == {"both": 1}
+    assert spec_roles({"mode": "disaggregated"}) == ("prefill", "decode") and spec_roles({}) == ("both",)
+    assert spec_roles(None) == ()
 
 
 # ---- against the emulator ------------------------------------------------------------------------------------------
@@ -234,3 +285,64 @@ def test_an_operator_restarted_mid_switch_carries_it_on_from_what_it_observes(tm
                 await eventually(lambda: progressing(second) != "SwitchingMode")
 
     run(main, 140)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_switch_leaves_no_trace_of_the_removed_role_and_a_role_switched_back_to_starts_afresh(
+        tmp_path: Path) -> None:
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await serving_pool(env, scaling={"intervalSeconds": 1})
+            clock = asyncio.create_task(advance(env))
+            await ticks(env)
+            assert env.sample(OperatorMetric.DESIRED_REPLICAS, role="both") == 1
+            # the scaler had scaled `both` to 3 (as its tick writes it)
+            await env.k8s.patch(f"{POOLS}/chat/status", json={"status": {"replicas": {"both": {"desired": 3,
+                                                                                               "ready": 3}}}})
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"mode": "disaggregated"}})
+            await eventually(generation_applied(env, 2))
+            assert "both" not in env.pool()["status"]["replicas"], "the reconcile drops the role it switched from"
+            await set_ready(env, "chat-prefill", 1)
+            await set_ready(env, "chat-decode", 1)
+            await eventually(lambda: not exists(env, "apps/v1/deployments", "chat-both"))
+            await ticks(env)
+            status = env.pool()["status"]
+            assert set(status["replicas"]) == {"prefill", "decode"}
+            assert set(status["lastDecision"]["replicas"]) == {"prefill", "decode"}
+            assert env.sample(OperatorMetric.DESIRED_REPLICAS, role="both") is None
+            assert env.sample(OperatorMetric.DESIRED_REPLICAS, role="decode") == 1
+
+            # as an operator before this one left it: the removed role's count, decided before the switch
+            await env.k8s.patch(f"{POOLS}/chat/status", json={"status": {"replicas": {"both": {"desired": 3,
+                                                                                               "ready": 3}}}})
+            clock.cancel()  # no tick writes status meanwhile: the reconcile of the switch back reads that one
+            await asyncio.sleep(0.3)
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"mode": "aggregated"}})
+            await eventually(generation_applied(env, 3))
+            assert env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 1  # type: ignore[index]
+            assert env.pool()["status"]["replicas"] == {"both": {"desired": 1, "ready": 0}}
+
+    run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_switch_back_while_the_old_role_still_serves_keeps_its_pods(tmp_path: Path) -> None:
+    """Switched back before the new roles serve, the previous mode's Deployment is the pool's again: it keeps the
+    replicas it runs, though status no longer holds its count."""
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await serving_pool(env)
+            await env.k8s.patch(f"{DEPLOYMENTS}/chat-both", json={"spec": {"replicas": 3}})
+            await env.k8s.patch(f"{POOLS}/chat/status", json={"status": {"replicas": {"both": {"desired": 3,
+                                                                                               "ready": 1}}}})
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"mode": "disaggregated"}})
+            await eventually(generation_applied(env, 2))
+            assert "both" not in env.pool()["status"]["replicas"] and exists(env, "apps/v1/deployments", "chat-both")
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"mode": "aggregated"}})
+            await eventually(generation_applied(env, 3))
+            assert env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] == 3  # type: ignore[index]
+            assert env.pool()["status"]["replicas"]["both"]["desired"] == 3
+
+    run(main)
