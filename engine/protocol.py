@@ -466,6 +466,10 @@ class RouterMetric:
     BATCHES_RUNNING = "kvmesh_router_batches_running"  # gauge: batches this replica holds the lease of
     # counter; label operation (router/responses_api.STORE_OPERATIONS): stored-response reads and writes that failed
     RESPONSE_STORE_ERRORS = "kvmesh_router_response_store_errors"
+    # counter; label component (router/store.DATABASE_COMPONENTS): operations on the pool's database that failed
+    DATABASE_ERRORS = "kvmesh_router_database_errors"
+    # counter: request log records never written (failed writes, a full buffer while the database is slow or away)
+    REQUEST_LOG_DROPPED = "kvmesh_router_request_log_dropped"
     # gauge: requests held while no pod is ready (hold_without_pods_seconds: a pool starting from zero); the operator
     # sums it over router pods to scale a pool up from zero
     REQUESTS_WAITING_FOR_PODS = "kvmesh_router_requests_waiting_for_pods"

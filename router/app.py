@@ -126,7 +126,7 @@ from kvmesh.router.responses_store import (
     open_store,
 )
 from kvmesh.router.shed import ShedPolicy, fair_share, priority_label, should_shed
-from kvmesh.router.store import AsyncRequestLog, RequestLog, RequestRecord
+from kvmesh.router.store import DATABASE_COMPONENTS, AsyncRequestLog, RequestLog, RequestRecord
 from kvmesh.router.tokenize_api import tokenize_routes, unknown_model
 from kvmesh.router.tracing import RequestSpan, request_span
 
@@ -232,6 +232,12 @@ class RouterMetrics:
                                              "responses (the Responses API) that failed.", ["operation"], registry=r)
         for operation in STORE_OPERATIONS:
             self.response_store_errors.labels(operation)
+        self.database_errors = Counter(RouterMetric.DATABASE_ERRORS, "Operations on the pool's database that failed, "
+                                       "by what used it.", ["component"], registry=r)
+        for component in DATABASE_COMPONENTS:  # at 0 from the start: alerts see a first failure as an increase
+            self.database_errors.labels(component)
+        self.request_log_dropped = Counter(RouterMetric.REQUEST_LOG_DROPPED, "Request log records never written "
+                                           "(a failed write, or a full buffer).", registry=r)
         self.add_tenants(tenants)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
@@ -248,6 +254,10 @@ class RouterMetrics:
             pod_states.labels(state).set_function(lambda s=state: _count_pods(pods, s))
         self._ended = {(outcome, route, source): self.requests.labels(outcome, route, source)
                        for outcome in ROUTER_OUTCOMES for route in ROUTES for source in REQUEST_SOURCES}
+
+    def database_failed(self, component: str) -> Callable[[], None]:
+        """What `component` (DATABASE_COMPONENTS) calls at each failed operation on the pool's database."""
+        return self.database_errors.labels(component).inc
 
     def count_request(self, outcome: str, route: str, source: str) -> None:
         """One request ended (kvmesh_router_requests_total), by outcome (ROUTER_OUTCOMES), route (ROUTES) and
@@ -877,8 +887,6 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     keys_file = KeysFile(config.api_keys_file) if config.api_keys_file else None  # re-read when it changes
     keys = keys_file.keys if keys_file is not None else ApiKeys({})
     retention = config.request_log_retention_days * 86400 or None  # 0: kept for good
-    log = AsyncRequestLog(RequestLog(config.database_url), retention_seconds=retention) if config.database_url \
-        else None
     shed = ShedPolicy(config.ttft_slo_seconds, config.shed_overload_probability, config.priority_headroom)
     secret = config.cache_salt_secret or os.environ.get(CACHE_SALT_SECRET_ENV) or ""
     if keys.enabled and not secret:
@@ -893,13 +901,17 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
     pod_wait = (PodWait(pods, config.hold_without_pods_seconds, config.max_held_requests)
                 if config.hold_without_pods_seconds > 0 else None)
     metrics = RouterMetrics(pods, index, tenants, lambda: pod_wait.held if pod_wait is not None else 0)
+    log = AsyncRequestLog(RequestLog(config.database_url), retention_seconds=retention,
+                          on_error=metrics.database_failed("request_log"),
+                          on_dropped=metrics.request_log_dropped.inc) if config.database_url else None
     if keys_file is not None:
         keys_file.on_reload = lambda outcome, new: _keys_reloaded(metrics, table, outcome, new)
     picker = PickerConfig.from_weights(config.weights)
     return Router(config, tokenizer, pods, index, picker, metrics, upstream, keys, log, shed, secret or config.pool,
                   pull, tracing, limits=limits, keys_file=keys_file,
                   batches=BatchStore(config.database_url) if config.database_url else None,
-                  limit_sync=LimitSync(DemandTable(config.database_url), limits, new_id("router-"))
+                  limit_sync=LimitSync(DemandTable(config.database_url), limits, new_id("router-"),
+                                       metrics.database_failed("limit_sync"))
                   if config.database_url and config.rate_limit_sync else None,
                   responses=open_store(config.database_url, config.responses_ttl_seconds,
                                        config.responses_memory_items), pod_wait=pod_wait, internal_token=token)
@@ -1177,7 +1189,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         batch_task = None
         if router.batches is not None:
             runner = BatchRunner(router.batches, send_batch_request, tenants_by_pseudonym(router.tenants),
-                                 router.metrics.batches, router.config.batch_settings())
+                                 router.metrics.batches, router.config.batch_settings(),
+                                 database_failed=router.metrics.database_failed("batch_runner"))
             batch_task = asyncio.create_task(runner.serve_forever())
         await router.pods.start()
         if router.config.ext_proc_port is not None:  # imported here: grpc only for routers that serve a Gateway
@@ -1221,7 +1234,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
                                     router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests,
                                     router.admit_call, router.config.file_quota(),
-                                    router.config.batch_max_concurrent_uploads))
+                                    router.config.batch_max_concurrent_uploads,
+                                    router.metrics.database_failed("batch_api")))
     app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models,
                                        router.admit_call))
 

@@ -2,12 +2,15 @@
 
 Every call needs the tenant's API key (with auth on) and sees only that tenant's files and batches: another
 tenant's id is a 404, as an unknown one. The store calls run in a worker thread; nothing here runs a batch
-(router/batch_runner.py does, in every replica).
+(router/batch_runner.py does, in every replica). A call the pool's database cannot serve now is a 503
+`database_unavailable` with Retry-After, as the Responses API answers for its store, never a bare 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,11 +39,18 @@ from kvmesh.router.batches import (
     window_seconds,
 )
 from kvmesh.router.limits import Lease
+from kvmesh.router.store import database_unavailable
+
+log = logging.getLogger(__name__)
 
 MAX_PAGE = 100  # OpenAI's bound on a page of batches
 MAX_FILES_PAGE = 10_000  # and on a page of files (also its default)
 CREATE_BODY_BYTES = 64 * 1024  # POST /v1/batches: two ids, a window, an expiry and metadata (under 10 KiB)
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # a multipart body's boundaries and fields beside the file itself
+UNAVAILABLE_RETRY_AFTER_SECONDS = 5  # a call made while the pool's database is away: retried after this
+UNAVAILABLE = ("the Files and Batches API cannot reach the pool's database now (it is unavailable); your files and "
+               "batches are kept: retry later")
+LOG_EVERY_SECONDS = 60.0  # an outage fails every call: its traceback is logged once a minute, not once per call
 NO_STORE = ("the Batch API keeps files and batches in the pool's database, and this router has none: set "
             "database_url (a pool's spec.store.databaseUrl)")
 
@@ -77,7 +87,8 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], str | None],
                  max_file_bytes: int, max_enqueued_requests: int,
                  admit: Callable[[str, int | None, bool], Lease] | None = None, quota: FileQuota | None = None,
-                 max_uploads: int = MAX_CONCURRENT_UPLOADS) -> APIRouter:
+                 max_uploads: int = MAX_CONCURRENT_UPLOADS,
+                 database_failed: Callable[[], None] = lambda: None) -> APIRouter:
     """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused); a tenant's
     batches enqueue at most `max_enqueued_requests` (batch_max_enqueued_requests). `admit(tenant, None, request)`
     takes a concurrency slot of the tenant's limits for each call, and one of its requests for each call that
@@ -85,9 +96,12 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
     429 over them. The Files and Batches API is the tenant's traffic like any other, an upload its heaviest; reading
     a batch's or a file's object, or a list, which clients poll (as OpenAI's docs show), takes no request, so
     polling a batch never spends the tenant's quota. The tenant's stored files are held within `quota`, and this
-    replica reads at most `max_uploads` uploads at once."""
+    replica reads at most `max_uploads` uploads at once. A call the database cannot serve now (away, restarting, its
+    disk full) is a 503 `database_unavailable` with Retry-After, counted by `database_failed()`
+    (kvmesh_router_database_errors_total{component="batch_api"})."""
     api = APIRouter()
     uploading = 0  # uploads being read and stored now (one event loop: a plain count)
+    logged = [-LOG_EVERY_SECONDS]  # when a failure's traceback was last logged
 
     def admitted(http: HttpRequest, request: bool = True) -> tuple[BatchStore, str, Lease | None] | Response:
         """The store, the caller's tenant pseudonym and its hold on the tenant's limits (closed by the caller when
@@ -120,6 +134,16 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
             result = await asyncio.to_thread(work, s, tenant)
         except BatchInputError as exc:
             return _error(exc.status, str(exc), exc.param, exc.code)
+        except Exception as exc:
+            if not database_unavailable(exc):
+                raise
+            database_failed()
+            if time.monotonic() - logged[0] >= LOG_EVERY_SECONDS:
+                logged[0] = time.monotonic()
+                log.exception("the Files and Batches API: the pool's database failed; calls get 503 until it is "
+                              "back (logged at most once a minute; kvmesh_router_database_errors_total counts each)")
+            return JSONResponse(error_body(UNAVAILABLE, "server_error", code="database_unavailable"), status_code=503,
+                                headers={"retry-after": str(UNAVAILABLE_RETRY_AFTER_SECONDS)})
         finally:
             if lease is not None:
                 lease.close()

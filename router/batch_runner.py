@@ -8,8 +8,16 @@ tokens: waiting cannot help) is final. A server error is retried a few times; an
 batch's error file. Requests are sent in prefix order (router/batches.run_order), so each run of requests sharing
 a prompt prefix is served from the first one's cached blocks. Batches take turns: after TURN_SECONDS a replica
 hands its batch on when another waits (the requests in flight finish first), so one tenant's long batch never
-holds every replica while another's waits. Answers are written as they come, so a replica that
-dies loses at most a second of them and the replica that takes the batch over skips what was answered.
+holds every replica while another's waits. Answers are written as they come (every FLUSH_SECONDS), so a replica
+that dies loses at most a second of them and the replica that takes the batch over skips what was answered.
+
+While the pool's database is away the answers cannot be written: a run whose writes have failed for PAUSE_FLUSHES
+flush periods sends no new request (those in flight finish) until a write succeeds, and keeps the answers it could not
+write in memory, writing them once the database is back, also those of a run that ended meanwhile. An outage thus
+costs its time and no answer (a replica that dies during it loses the couple of seconds' answers before the pause).
+The lease is not given up for an outage: renewing it when the database is back tells whether another replica took
+the batch meanwhile (one the database was reachable from), and a replica that saw the outage waits CLAIM_GRACE_FLUSHES
+flush periods before claiming, so the replica running a batch writes its answers and renews first.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from kvmesh.router.batches import (
     run_order,
     unrun_line,
 )
+from kvmesh.router.store import database_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ YIELDED = "yielded"  # _run_lines' status when the batch's turn ended with reque
 GROUP_MIN_CHARS = 256
 MAX_WAIT_SECONDS = 10.0  # a refused request waits its Retry-After, but no longer than this, before it is sent again
 SERVER_ERROR_BACKOFF_SECONDS = 1.0
+PAUSE_FLUSHES = 2  # writes failing for this many flush periods: the run sends no new request until one succeeds
+CLAIM_GRACE_FLUSHES = 3  # a replica that saw the database fail waits this many flush periods before its next claim
+LOG_EVERY_SECONDS = 60.0  # a database failure's traceback is logged at most this often (each is counted)
 
 
 class Dispatch:
@@ -173,8 +185,12 @@ class BatchRunner:
     """One replica's batch worker: claim, check, run, write the files; `serve_forever` until cancelled."""
 
     def __init__(self, store: BatchStore, send: Send, tenant_of: Callable[[str], str | None],
-                 counters: BatchCounters, settings: BatchSettings | None = None, owner: str | None = None) -> None:
+                 counters: BatchCounters, settings: BatchSettings | None = None, owner: str | None = None,
+                 database_failed: Callable[[], None] = lambda: None) -> None:
         self.store = store
+        self.database_failed = database_failed  # each failed operation (kvmesh_router_database_errors_total)
+        self._outage = False  # the database failed since this replica last claimed: wait for its grace first
+        self._logged = -math.inf  # when a database failure's traceback was last logged
         self.send = send
         self.tenant_of = tenant_of  # tenant pseudonym -> the tenant's name, None once it has no API key
         self.counters = counters
@@ -188,12 +204,16 @@ class BatchRunner:
         while True:
             claimed = None
             try:
+                if self._outage:  # leases that ran out while the database was away: their holders renew first
+                    await asyncio.to_thread(self.store.ping)
+                    self._outage = False
+                    await asyncio.sleep(CLAIM_GRACE_FLUSHES * self.settings.flush_seconds)
                 if time.monotonic() - swept >= SWEEP_SECONDS:
                     swept = time.monotonic()
                     await asyncio.to_thread(self.store.delete_expired)
                 claimed = await asyncio.to_thread(self.store.claim, self.owner, self.settings.lease_seconds)
-            except Exception:  # the database away: batches wait for it, interactive traffic does not notice
-                log.exception("batch runner: could not read the batches")
+            except Exception as exc:  # the database away: batches wait for it, interactive traffic does not notice
+                self._database_fault(exc, "batch runner: could not read the batches")
             if claimed is None:
                 await asyncio.sleep(self.settings.poll_seconds)
                 continue
@@ -208,8 +228,8 @@ class BatchRunner:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():  # stopping: a fault on the way out does not hold it
                     raise asyncio.CancelledError from exc
-                if isinstance(exc, DBAPIError):  # the database away: a passing fault, tried again, not counted
-                    log.exception("batch runner: batch %s: the database failed", claimed.id)
+                if isinstance(exc, DBAPIError) or database_unavailable(exc):  # passing: tried again, not counted
+                    self._database_fault(exc, f"batch runner: batch {claimed.id}: the database failed")
                     await asyncio.sleep(self.settings.poll_seconds)
                     continue
                 crashes[claimed.id] = crashes.get(claimed.id, 0) + 1
@@ -223,6 +243,19 @@ class BatchRunner:
                 crashes.pop(claimed.id, None)
             finally:
                 self.counters.running(-1)
+
+    def _database_fault(self, exc: BaseException, message: str) -> None:
+        """A failed operation on the database: counted, remembered for the next claim's grace, and logged (with its
+        traceback at most once a minute: an outage fails every tick)."""
+        self.database_failed()
+        self._outage = True
+        now = time.monotonic()
+        if now - self._logged >= LOG_EVERY_SECONDS:
+            self._logged = now
+            log.error("%s (logged at most once a minute; kvmesh_router_database_errors_total counts each)", message,
+                      exc_info=exc)
+        else:
+            log.debug("%s: %s", message, exc)
 
     async def run(self, batch: ClaimedBatch) -> None:
         """Take a claimed batch as far as it goes: checked, run, and ended with its files."""
@@ -277,17 +310,21 @@ class BatchRunner:
         dispatch = Dispatch(prefix_groups(ordered, shared))
         stop = asyncio.Event()  # cancel what is in flight: the batch was cancelled, expired or lost
         turn_over = asyncio.Event()  # send nothing more: another batch's turn
+        paused = [False]  # send nothing new until a write succeeds: the database is away
         ended: list[str | None] = ["in_progress"]
-        done: list[LineResult] = []
-        changed = asyncio.Condition()  # a run's first request was answered: its followers may go
+        done: list[LineResult] = []  # answers not written yet
+        changed = asyncio.Condition()  # a run's first request was answered, or the pause ended: requests may go
 
         def halted() -> bool:
             return stop.is_set() or turn_over.is_set()
 
+        def may_take() -> bool:
+            return halted() or (not paused[0] and (dispatch.ready() or not dispatch.busy()))
+
         async def worker() -> None:
             while True:
                 async with changed:
-                    await changed.wait_for(lambda: dispatch.ready() or not dispatch.busy() or halted())
+                    await changed.wait_for(may_take)
                     line = None if halted() else dispatch.take()
                 if line is None:
                     return
@@ -316,10 +353,16 @@ class BatchRunner:
             async with changed:
                 changed.notify_all()
 
+        async def pause(on: bool) -> None:
+            paused[0] = on
+            async with changed:
+                changed.notify_all()
+
         async def keep_lease() -> None:
             """Every flush_seconds: write the answers, renew the lease, read the status. A database fault skips a
-            tick (the answers stay for the next); the run stops only once the lease may have passed to another
-            replica, not having been renewed for lease_seconds."""
+            tick (the answers stay for the next); once writes have failed for PAUSE_FLUSHES flush periods no new
+            request is sent until a tick succeeds. The lease is kept through an outage however long: the renewal
+            once the database is back says whether another replica took the batch meanwhile (then the run stops)."""
             turn_ends = time.monotonic() + self.settings.turn_seconds
             renewed = time.monotonic()
             while True:
@@ -330,13 +373,18 @@ class BatchRunner:
                                                      self.settings.lease_seconds)
                     waiting = (time.monotonic() >= turn_ends and not turn_over.is_set()
                                and await asyncio.to_thread(self.store.others_waiting, batch.id))
-                except Exception:
-                    log.exception("batch runner: batch %s: the database failed; trying again", batch.id)
-                    if time.monotonic() - renewed >= self.settings.lease_seconds:
-                        await halt(None)  # our lease has run out: another replica may run the batch now
-                        return
+                except Exception as exc:
+                    self._database_fault(exc, f"batch runner: batch {batch.id}: the database failed; "
+                                              f"{len(done)} answer(s) wait to be written")
+                    if not paused[0] and time.monotonic() - renewed >= PAUSE_FLUSHES * self.settings.flush_seconds:
+                        log.warning("batch runner: batch %s: nothing could be written for %.1f s; no new request is "
+                                    "sent until the database is back", batch.id, time.monotonic() - renewed)
+                        await pause(True)
                     continue
                 renewed = time.monotonic()
+                if paused[0]:
+                    log.warning("batch runner: batch %s: the database is back; sending again", batch.id)
+                    await pause(False)
                 if status is None or status == "cancelling" or time.time() >= batch.expires_at:
                     await halt(status if status in (None, "cancelling") else "expired")
                     return
@@ -356,11 +404,26 @@ class BatchRunner:
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await keeper
-            try:
-                await asyncio.shield(flush())
-            except Exception:  # the answers not written are sent again by whoever runs the batch next
-                log.exception("batch runner: batch %s: its last answers could not be written", batch.id)
+            await self._last_write(batch, flush, done)
         return YIELDED if ended[0] == "in_progress" and dispatch.left() else ended[0]
+
+    async def _last_write(self, batch: ClaimedBatch, flush: Callable[[], Awaitable[None]],
+                          done: list[LineResult]) -> None:
+        """Write a run's last answers, trying again every flush period while the database is away: they wait for it
+        in memory rather than be sent again. Only a replica stopping gives them up (whoever runs the batch next sends
+        them again)."""
+        while True:
+            try:
+                await asyncio.shield(flush())  # a lost lease drops them: the batch's new holder sends them
+                return
+            except Exception as exc:
+                self._database_fault(exc, f"batch runner: batch {batch.id}: its last {len(done)} answer(s) could "
+                                          "not be written; trying again")
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                log.warning("batch runner: batch %s: stopping with %d answer(s) not written", batch.id, len(done))
+                return
+            await asyncio.sleep(self.settings.flush_seconds)
 
     async def _attempt(self, batch: ClaimedBatch, line: BatchLine, tenant: str,
                        stop: asyncio.Event) -> LineResult | None:

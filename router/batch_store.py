@@ -217,6 +217,11 @@ class BatchStore:
     def close(self) -> None:
         self.engine.dispose()
 
+    def ping(self) -> None:
+        """A round trip to the database: raises while it is away (the batch runner's check before it claims again)."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
     # -- files
 
     def add_file(self, tenant: str, purpose: str, filename: str, content: bytes | BinaryIO, ttl: int | None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -42,6 +43,7 @@ SYNC_SECONDS = 2.0  # how often a replica reports its demand and reads the other
 STALE_SECONDS = 3 * SYNC_SECONDS  # a replica not heard from for this long is out of the split
 VIRTUAL_REQUESTS = 1.0  # added to each replica's demand per period: the split of a tenant nobody asks is even
 SMOOTHING = 0.5  # each report's demand: this much of the last interval's requests, the rest the previous report's
+LOG_EVERY_SECONDS = 60.0  # a failed sync's traceback is logged at most this often
 BATCH_SUFFIX = ":batch"  # a tenant's Batch API demand is reported under its pseudonym and this (never hex)
 
 
@@ -105,8 +107,11 @@ class LimitSync:
     """One replica's side: report its smoothed demand, take its shares. The limiter is touched on the event loop
     only (it is not thread-safe); the database in a thread."""
 
-    def __init__(self, table: DemandTable, limiter: Limiter, replica: str) -> None:
+    def __init__(self, table: DemandTable, limiter: Limiter, replica: str,
+                 database_failed: Callable[[], None] = lambda: None) -> None:
         self.table, self.limiter, self.replica = table, limiter, replica
+        self.database_failed = database_failed  # each failed sync (kvmesh_router_database_errors_total)
+        self._logged = -math.inf  # when a failure was last logged
         self.smoothed: dict[str, float] = {}  # by report key (`_keys`)
 
     def _keys(self, tenants: Iterable[str]) -> dict[str, tuple[Limiter, str]]:
@@ -141,4 +146,8 @@ class LimitSync:
                     return
                 await self.sync(tenants())
             except Exception:  # the database away: the shares in force stay
-                log.exception("tenant limits: could not share demand with the other replicas")
+                self.database_failed()
+                if time.monotonic() - self._logged >= LOG_EVERY_SECONDS:  # an outage fails every period
+                    self._logged = time.monotonic()
+                    log.exception("tenant limits: could not share demand with the other replicas (logged at most "
+                                  "once a minute; kvmesh_router_database_errors_total counts each)")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import math
+import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -37,7 +38,8 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import URL, Dialect, Engine, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, InternalError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.elements import ColumnElement
@@ -65,6 +67,19 @@ PRUNE_CHUNK_ROWS = 10_000  # rows a pruning transaction deletes at most
 PRUNE_EVERY_SECONDS = 3600.0  # how often a router trims the log to its retention
 CONNECT_TIMEOUT_SECONDS = 10
 LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connect_timeout
+# What uses the pool's database, the label of kvmesh_router_database_errors_total: the request log's writes and
+# pruning, the batch runner's claims, writes and renewals, the Files and Batches API's calls, the tenant limits' sync
+# (the Responses API's store counts in kvmesh_router_response_store_errors_total)
+DATABASE_COMPONENTS = ("request_log", "batch_runner", "batch_api", "limit_sync")
+# the driver's failures that mean the database cannot be used now (away, restarting, refusing connections, out of
+# connections, its disk full or read-only), not that the statement was wrong: the caller may try again later
+_UNAVAILABLE = (OperationalError, InterfaceError, InternalError, DisconnectionError, PoolTimeoutError,
+                sqlite3.OperationalError, sqlite3.InterfaceError)
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` is the database being unavailable (a passing condition: try again later) rather than a bug."""
+    return isinstance(exc, _UNAVAILABLE)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -358,12 +373,14 @@ class AsyncRequestLog:
     The FastAPI edge must never wait on the database, and a database outage must never fail a request: a
     failed batch is logged, counted in `errors`, and dropped (`dropped` counts its records), because a
     telemetry buffer that grows while the database is away would take the router down with it. The buffer is
-    bounded by `max_pending` for the same reason; flush() on shutdown.
+    bounded by `max_pending` for the same reason; flush() on shutdown. `on_error()` is called for each failed write
+    or pruning and `on_dropped(n)` for each `n` records dropped (the router's metrics), from any thread.
     """
 
     def __init__(
         self, log: RequestLog, batch_size: int = 100, interval: float = 1.0, max_pending: int = 100_000,
         retention_seconds: float | None = None, prune_every: float = PRUNE_EVERY_SECONDS,
+        on_error: Callable[[], None] = lambda: None, on_dropped: Callable[[int], None] = lambda n: None,
     ) -> None:
         if batch_size < 1 or interval <= 0 or max_pending < batch_size:
             raise ValueError("need batch_size >= 1, interval > 0 and max_pending >= batch_size")
@@ -375,6 +392,7 @@ class AsyncRequestLog:
         self.batch_size = batch_size
         self.interval = interval
         self.max_pending = max_pending
+        self.on_error, self.on_dropped = on_error, on_dropped
         self.errors = 0  # failed batch writes
         self.dropped = 0  # records lost to failed writes, a full buffer, or submission after close
         self.written = 0
@@ -398,10 +416,12 @@ class AsyncRequestLog:
         with self._cond:
             if self._closed:
                 self.dropped += 1
+                self.on_dropped(1)
                 return
             if len(self._buffer) >= self.max_pending:
                 self._buffer.popleft()
                 self.dropped += 1
+                self.on_dropped(1)
                 self._done += 1
             self._buffer.append(record)
             self._submitted += 1
@@ -456,6 +476,9 @@ class AsyncRequestLog:
                     self.errors += 1
                     self.dropped += len(batch)
                 self._cond.notify_all()
+            if not ok:
+                self.on_error()
+                self.on_dropped(len(batch))
 
     def _maybe_prune(self) -> None:
         """Trim the log to its retention, from the writer's thread, at most every `prune_every` seconds (every
@@ -467,6 +490,7 @@ class AsyncRequestLog:
         try:
             self.pruned += self.log.prune(_now() - timedelta(seconds=self.retention_seconds))
         except Exception:
+            self.on_error()
             log.exception("request log pruning failed; it is tried again in %.0f s", self.prune_every)
 
     def _write(self, batch: list[RequestRecord]) -> bool:
