@@ -269,6 +269,9 @@ def _check_line(raw_line: str, number: int, endpoint: str, seen: set[str]) -> Li
     if body.get("stream"):
         return LineProblem("invalid_request", f"line {number}: a batch's requests cannot stream", number,
                            "body.stream")
+    if body.get("stream_options") is not None:  # the engines refuse it without stream: true (as OpenAI does)
+        return LineProblem("invalid_request", f"line {number}: stream_options is only allowed with stream: true, and "
+                                              "a batch's requests cannot stream", number, "body.stream_options")
     return custom_id, body
 
 

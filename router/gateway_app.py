@@ -68,9 +68,10 @@ READ_TIMEOUT_SECONDS = MAX_HOLD_SECONDS + RouterConfig.request_timeout_seconds +
 KEEPALIVE_CONNECTIONS = 256  # idle connections kept for reuse, over all routers; open ones are not bounded
 # Failures before a byte of the request left: another router of the model may take it (nothing was sent twice)
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+MODEL_PATH_PREFIX = MODELS_PATH + "/"  # GET /v1/models/{model}: OpenAI's retrieve; a model id may hold "/"
 NOT_ROUTED = ("The gateway routes only model requests (POST /v1/completions, /v1/chat/completions, /v1/responses) "
-              "and lists models at GET /v1/models; the Batch API, files, stored responses (GET /v1/responses/{id}) "
-              "and /tokenize are served by each pool's router at its own address")
+              "and lists models at GET /v1/models and /v1/models/{model}; the Batch API, files, stored responses "
+              "(GET /v1/responses/{id}) and /tokenize are served by each pool's router at its own address")
 
 Discover = Callable[[], Awaitable[dict[str, int]]]  # the routers found: URL -> weight, in a stable order
 
@@ -261,7 +262,8 @@ class Gateway:
 
 
 class GatewayApp:
-    """The gateway's ASGI app: model requests forwarded, /v1/models, /health, /metrics; anything else 404. Every
+    """The gateway's ASGI app: model requests forwarded, /v1/models (and a model's card, /v1/models/{model}),
+    /health, /metrics; anything else 404. Every
     request goes through the body-read deadline first (engine/body_deadline.py): a body not whole in time is a 408,
     counted as bad_request."""
 
@@ -286,10 +288,18 @@ class GatewayApp:
                 await self._model_request(scope, receive, send)
             else:
                 await send_json(send, 405, error_body("Method Not Allowed"), [("allow", "POST")])
-        elif path in (MODELS_PATH, "/health", "/metrics") and method not in ("GET", "HEAD"):
+        elif (path in (MODELS_PATH, "/health", "/metrics") or path.startswith(MODEL_PATH_PREFIX)) \
+                and method not in ("GET", "HEAD"):
             await send_json(send, 405, error_body("Method Not Allowed"), [("allow", "GET, HEAD")])
         elif path == MODELS_PATH:
             await send_json(send, 200, {"object": "list", "data": list(gw.table.cards)})
+        elif path.startswith(MODEL_PATH_PREFIX):  # the path is percent-decoded already (ASGI): an id's "/" as sent
+            model = path.removeprefix(MODEL_PATH_PREFIX)
+            card = next((card for card in gw.table.cards if card.get("id") == model), None)
+            if card is None:
+                await send_json(send, 404, error_body(gw.table.unknown(model), param="model", code=MODEL_NOT_FOUND))
+            else:
+                await send_json(send, 200, card)
         elif path == "/health":
             listed = gw.table.listed()
             await send_json(send, 200 if listed else 503, {"status": "ok" if listed else "no_routers",

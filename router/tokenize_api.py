@@ -40,6 +40,8 @@ CONTEXT_LENGTH_CODE = "context_length_exceeded"  # OpenAI's code for a prompt pa
 
 def unknown_model(model: str, served: set[str]) -> str:
     """The 404 message for a model the pool does not serve (the completion routes and these say it alike)."""
+    if not served:  # no engine has said what it serves yet (the pool starting, every pod down)
+        return f"The model `{model}` does not exist; this pool serves no model yet (no engine has listed one)"
     return f"The model `{model}` does not exist; this pool serves {', '.join(sorted(served))}"
 
 

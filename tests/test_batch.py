@@ -84,12 +84,18 @@ def test_a_file_with_any_problem_is_refused_whole_with_each_problem_and_its_line
         json.dumps(line("e", "a string")),  # type: ignore[arg-type]
         json.dumps([1, 2]),
         json.dumps(line("", chat("s", "q"))),
+        json.dumps(line("f", chat("s", "q", stream_options={"include_usage": True}))),  # the engines' 400 at run time
+        json.dumps(line("g", chat("s", "q", stream=False, stream_options={"include_usage": True}))),
+        json.dumps(line("h", chat("s", "q", stream=False, stream_options=None))),  # null: as if absent, fine
     ])
     checked = check_input(text.encode(), CHAT_PATH, max_requests=10)
     assert checked.lines == []
     assert [(p.code, p.line) for p in checked.problems] == [
         ("duplicate_custom_id", 2), ("mismatched_endpoint", 3), ("invalid_method", 4), ("invalid_request", 5),
-        ("invalid_json_line", 6), ("invalid_request", 7), ("invalid_json_line", 8), ("invalid_custom_id", 9)]
+        ("invalid_json_line", 6), ("invalid_request", 7), ("invalid_json_line", 8), ("invalid_custom_id", 9),
+        ("invalid_request", 10), ("invalid_request", 11)]
+    assert [p.param for p in checked.problems[-2:]] == ["body.stream_options"] * 2
+    assert "stream_options is only allowed with stream: true" in checked.problems[-1].message
     many = check_input(b"\n".join([b"{not json"] * 150), CHAT_PATH, max_requests=10)
     assert len(many.problems) == 101 and many.problems[-1].code == "more_problems" and "50 more" in \
         many.problems[-1].message

@@ -509,6 +509,28 @@ def test_only_model_requests_are_routed(stub: tuple[str, list[dict[str, Any]], t
         assert httpx.post(gateway + MODELS_PATH, timeout=30).status_code == 405
 
 
+def test_a_models_card_is_read_by_its_id_even_one_holding_a_slash() -> None:
+    """OpenAI's `GET /v1/models/{model}` (client.models.retrieve) through the gateway: the card the routers list,
+    as /v1/models holds it; an id no router lists is a 404 model_not_found naming those that are."""
+    seen: list[dict[str, Any]] = []
+    with serve_asgi(stub_router("org/stub-model", seen, threading.Event())) as url, \
+            serve_asgi(GatewayApp(Gateway(static_routers([url]), refresh_seconds=3600))) as gateway:
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+        card = client.models.retrieve("org/stub-model")
+        assert card.id == "org/stub-model" and card.object == "model"
+        for path in ("org/stub-model", "org%2Fstub-model"):  # the "/" as it is or percent-encoded
+            reply = httpx.get(f"{gateway}{MODELS_PATH}/{path}", timeout=30)
+            assert reply.status_code == 200 and reply.json() == {"id": "org/stub-model", "object": "model"}
+        assert httpx.head(f"{gateway}{MODELS_PATH}/org/stub-model", timeout=30).status_code == 200
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("org/other")
+        error = missing.value.body
+        assert isinstance(error, dict) and error["code"] == "model_not_found" and error["param"] == "model"
+        assert "org/stub-model" in error["message"]
+        assert httpx.delete(f"{gateway}{MODELS_PATH}/org/stub-model", timeout=30).status_code == 405
+    assert seen == []  # answered from the routers' lists: no request reached a router
+
+
 def test_a_router_that_cannot_be_reached_is_a_502_after_trying_each(
         stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
     url, seen, _ = stub

@@ -15,6 +15,7 @@ from kvmesh.engine.engine import Engine
 from kvmesh.router.app import build_router
 from kvmesh.router.auth import hash_key
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.tokenize_api import unknown_model
 
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
@@ -85,3 +86,9 @@ def test_bad_calls_say_why(edges: dict[str, str], edge: str) -> None:
 
 def test_the_router_asks_for_the_key(edges: dict[str, str]) -> None:
     assert httpx.post(edges["router"] + "/tokenize", json={"prompt": "a"}).status_code == 401
+
+
+def test_an_unknown_model_names_the_served_ones_or_says_there_are_none_yet() -> None:
+    assert unknown_model("gpt-4", {"b", "a"}) == "The model `gpt-4` does not exist; this pool serves a, b"
+    nothing = unknown_model("gpt-4", set())  # a pool whose engines have not listed a model yet
+    assert nothing.endswith("this pool serves no model yet (no engine has listed one)")
