@@ -28,6 +28,24 @@ DESIRED = OperatorMetric.DESIRED_REPLICAS
 POOL_PODS = (f'up{{pod="r0", role="router", {POOL}}}', "1x40")  # the pool exists: its router is a target
 ROUTER = f'pod="r0", role="router", {POOL}'
 SHED, REQUESTS = RouterMetric.SHED + "_total", RouterMetric.REQUESTS + "_total"
+DATABASE_ERRORS = RouterMetric.DATABASE_ERRORS + "_total"
+
+
+def database_errors(**values: str) -> list[tuple[str, str]]:
+    """The routers' database error counters, one per component (each at 0 from the router's start: `0x40` unless
+    given)."""
+    return [(f'{DATABASE_ERRORS}{{component="{c}", {ROUTER}}}', values.get(c, "0x40"))
+            for c in ("request_log", "batch_runner", "batch_api", "limit_sync")]
+
+
+def database_failing(component: str, count: int) -> dict[str, Any]:
+    return alert("KvmeshDatabaseFailing", {"severity": "warning", "component": component, **WHERE},
+                 f"Pool ml/chat: the routers' {component} cannot use the pool's database",
+                 f"The routers' {component} has been failing operations on the pool's database (spec.store) for 5 "
+                 f"minutes, {count} in the last 2: request log rows are dropped, the Files and Batches API answers "
+                 "503, running batches pause, stored responses and the tenant limits' split wait; requests still "
+                 "flow. Check that a router pod reaches the database and that its disk has room, and the routers' "
+                 "logs (the driver's error once a minute per component).")
 SHEDDING = {"alertname": "KvmeshRouterShedding", "labels": {"severity": "warning", **WHERE},
             "summary": "Pool ml/chat: over 5 % of clients' requests refused with 429",
             "description": "The routers shed 10% of clients' requests (batches' deferred requests not counted): the "
@@ -187,6 +205,21 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [(f'kvmesh_router_response_store_errors_total{{operation="write", pod="r0", role="router", {POOL}}}',
           "0x5 1x40")],
         "40m", []),
+    # The pool's database away from 5m on an idle pool (no request to log, no Files API call): the batch runner
+    # fails its poll every second and the limit sync every 2 s, in both routers, for 10 minutes
+    "the pool's database away": (
+        [*database_errors(batch_runner="0x5 0+60x35", limit_sync="0x5 0+30x35"),
+         *[(s.replace('pod="r0"', 'pod="r1"'), v) for s, v in database_errors(batch_runner="0x5 0+60x35",
+                                                                                limit_sync="0x5 0+30x35")]],
+        "15m",
+        [database_failing("batch_runner", 240), database_failing("limit_sync", 120)]),
+    # A PostgreSQL failover: the database refused for a few seconds before 11m (3 polls, 1 sync failed). Its errors
+    # leave the 2-minute window after 2 minutes, short of the 5, so it never fires; at 16m a 10-minute window,
+    # still holding them, would have fired
+    "a database failover of a few seconds": (
+        database_errors(batch_runner="0x10 3x30", limit_sync="0x10 1x30"), "16m", []),
+    "a healthy pool's database": (
+        database_errors(), "30m", []),
     "a key rotation refused": (
         [(f'kvmesh_router_api_keys_reloads_total{{outcome="refused", pod="r0", role="router", {POOL}}}',
           "0x20 1x30"),
@@ -443,7 +476,7 @@ def test_the_rule_file_is_valid() -> None:
                                      "KvmeshEngineLoadingTooLong",
                                      "KvmeshPoolHasNoEngines", "KvmeshPoolNotServing", "KvmeshWarmupNotReached",
                                      "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused", "KvmeshBatchStalled",
-                                     "KvmeshResponseStoreFailing",
+                                     "KvmeshResponseStoreFailing", "KvmeshDatabaseFailing",
                                      "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing",
                                      "KvmeshPoolEnginesUnavailable", "KvmeshRouterDown", "KvmeshPoolHasNoRouters"])
 
