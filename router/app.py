@@ -78,7 +78,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
-from kvmesh.router.asgi import RouteError, read_body, stream_error_ending, wait_disconnected
+from kvmesh.router.asgi import RouteError, read_body, sse_data, stream_error_ending, wait_disconnected
 from kvmesh.router.auth import (
     CACHE_SALT_SECRET_ENV,
     DEFAULT_TENANT,
@@ -1617,9 +1617,10 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                     assert booking.reply is not None  # open_upstream's bookings come with their reply
                     try:
                         async for line in booking.reply.lines():
-                            if line.startswith("data: {"):
+                            data = sse_data(line)
+                            if data is not None and data.startswith("{"):
                                 try:
-                                    parsed = json.loads(line[6:])
+                                    parsed = json.loads(data)
                                 except ValueError:
                                     raise UpstreamError(f"a malformed event from the pod: {line[:80]!r}") from None
                                 chunk = state.on_chunk(parsed, trace)
@@ -1628,8 +1629,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                                     if not state.client_usage:
                                         continue
                                 line = "data: " + json.dumps(chunk)
-                            elif line == "data: [DONE]":
+                            elif data == "[DONE]":
                                 state.done = True
+                                line = "data: [DONE]"
                             yield line + "\n"
                     except UpstreamError:
                         pass

@@ -46,6 +46,15 @@ async def wait_disconnected(receive: Receive) -> None:
         pass
 
 
+def sse_data(line: str) -> str | None:
+    """The value of an SSE `data:` line (one space after the colon dropped, as the SSE spec says: `data:{...}` and
+    `data: {...}` are the same event), None for any other line. Engines send the space; other makes may not."""
+    if not line.startswith("data:"):
+        return None
+    value = line[5:]
+    return value[1:] if value.startswith(" ") else value
+
+
 def stream_error_ending(message: str) -> str:
     """The end of an SSE answer that cannot be finished: an error event, then [DONE], so a client (the openai SDK
     among them) reads an error rather than a dropped connection; the router's when no pod can continue a stream,

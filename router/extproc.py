@@ -90,7 +90,7 @@ from kvmesh.router.app import (
     wants_usage,
     with_usage,
 )
-from kvmesh.router.asgi import RouteError
+from kvmesh.router.asgi import RouteError, sse_data
 from kvmesh.router.batches import CLIENT_SOURCE
 from kvmesh.router.config import (
     EXT_PROC_CERT_FILE,
@@ -148,10 +148,11 @@ def in_subset(endpoint: str, subset: set[str]) -> bool:
 
 def usage_from_sse(line: str) -> dict[str, Any] | None:
     """The usage object of one `data: {...}` line of a streamed answer, if it carries one."""
-    if not line.startswith("data: {") or '"usage"' not in line:
+    data = sse_data(line)
+    if data is None or not data.startswith("{") or '"usage"' not in data:
         return None
     try:
-        usage = json.loads(line[6:]).get("usage")
+        usage = json.loads(data).get("usage")
     except (json.JSONDecodeError, AttributeError):
         return None
     return usage if isinstance(usage, dict) else None
@@ -409,7 +410,7 @@ class Exchange:
                 self.tail = lines.pop()
                 kept = []
                 for line in lines:
-                    trace.chunks += line.startswith("data: {")
+                    trace.chunks += (sse_data(line) or "").startswith("{")
                     usage = usage_from_sse(line)
                     self.usage = usage or self.usage
                     if not (usage and self.choice is not None and self.choice.hide_usage):

@@ -376,8 +376,10 @@ class GatewayApp:
         connection; relay its answer. The outcome (GATEWAY_OUTCOMES)."""
         gw = self.gateway
         assert gw.client is not None
-        headers = relayed_headers(((n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"]),
-                                  REQUEST_OWN)
+        # as bytes: httpx encodes str values as ASCII, and a client's UTF-8 header (x-user: café) is passed on as
+        # it came, as the router and Envoy do
+        headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in relayed_headers(
+            ((n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"]), REQUEST_OWN)]
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
         tried: set[str] = set()

@@ -427,6 +427,20 @@ def test_a_request_reaches_the_router_with_its_headers_query_and_body(
         assert metrics[(f"{GatewayMetric.REQUESTS}_total", (("model", "stub-model"), ("outcome", "refused")))] == 1
 
 
+def test_a_header_value_that_is_not_ascii_reaches_the_router_as_it_came(
+        stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
+    """A client's UTF-8 header (a user name, tracing baggage): passed on byte for byte, as the router and Envoy
+    do (it was a bare 500 with a traceback)."""
+    url, seen, _ = stub
+    with serve_asgi(GatewayApp(Gateway(static_routers([url]), refresh_seconds=3600))) as gateway:
+        reply = httpx.post(gateway + "/v1/completions", json={"model": "stub-model"}, timeout=30,
+                           headers=[(b"x-user", "café".encode()), (b"traceparent", b"00-\xff\xfe-01")])
+        assert reply.status_code == 200, reply.text
+        received = seen[-1]["headers"]
+        assert received["x-user"].encode("latin-1") == "café".encode()
+        assert received["traceparent"].encode("latin-1") == b"00-\xff\xfe-01"
+
+
 def test_a_router_stream_that_breaks_off_ends_with_an_error_event_or_is_cut_mid_line(
         stub: tuple[str, list[dict[str, Any]], threading.Event]) -> None:
     """As the router ends a stream no pod could continue: the openai SDK raises the error (rather than a dropped

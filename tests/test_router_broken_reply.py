@@ -394,3 +394,26 @@ def test_an_event_line_that_is_not_utf8_ends_the_stream_with_an_error_counted_as
         lines = stream_lines(url, {"prompt": "Hi", "max_tokens": 5, "n": 2, "stream": True})
         assert "error" in json.loads(lines[-2].removeprefix("data: ")) and lines[-1] == "data: [DONE]"
         counted(router, {("error", "aggregated", "client"): 1})
+
+
+def test_events_without_a_space_after_data_are_read_as_the_same_events(tiny_dir: Path) -> None:
+    """`data:{...}` is `data: {...}` to the SSE spec (a pod of another make, or a proxy that rewrites events). Read as
+    unknown lines, the answer looked unfinished and was run again on the other pod: the client got it twice, then
+    an error."""
+    def bare(event: dict | str) -> bytes:
+        data = f"data:{event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    async def no_space(body: dict, writer: asyncio.StreamWriter) -> bool:
+        writer.write(SSE_HEAD + bare(text_chunk(0, " Paris")) + bare(text_chunk(0, ".", "length")) + bare("[DONE]")
+                     + b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    with stub_pod(tiny_dir, answer=no_space) as a, stub_pod(tiny_dir, answer=no_space) as b, \
+            routed(tiny_dir, [a.url, b.url]) as (url, router):
+        lines = stream_lines(url, {"prompt": "Hi", "max_tokens": 2, "stream": True})
+        texts = [json.loads(line.removeprefix("data: "))["choices"][0]["text"] for line in lines[:-1]]
+        assert texts == [" Paris", "."] and lines[-1] == "data: [DONE]"
+        assert len(a.bodies) + len(b.bodies) == 1
+        counted(router, {("ok", "aggregated", "client"): 1})
