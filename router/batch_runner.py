@@ -16,8 +16,10 @@ flush periods sends no new request (those in flight finish) until a write succee
 write in memory, writing them once the database is back, also those of a run that ended meanwhile. An outage thus
 costs its time and no answer (a replica that dies during it loses the couple of seconds' answers before the pause).
 The lease is not given up for an outage: renewing it when the database is back tells whether another replica took
-the batch meanwhile (one the database was reachable from), and a replica that saw the outage waits CLAIM_GRACE_FLUSHES
-flush periods before claiming, so the replica running a batch writes its answers and renews first.
+the batch meanwhile (one the database was reachable from), and a replica that saw the outage waits a connection
+attempt's timeout plus CLAIM_GRACE_FLUSHES flush periods before claiming (claim_grace_seconds), so the replica
+running a batch, whose renewal may still be waiting on a connection begun during the outage, writes its answers and
+renews first.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from kvmesh.router.batches import (
     run_order,
     unrun_line,
 )
-from kvmesh.router.store import database_unavailable
+from kvmesh.router.store import CONNECT_TIMEOUT_SECONDS, database_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,12 @@ class BatchSettings:
     poll_seconds: float = POLL_SECONDS
     turn_seconds: float = TURN_SECONDS
     order: str = PREFIX_ORDER  # BATCH_ORDERS: prefix (shared prefixes sent together) or file
+    connect_seconds: float = CONNECT_TIMEOUT_SECONDS  # the longest a database connection attempt takes
+
+    def claim_grace_seconds(self) -> float:
+        """How long a replica that saw the database fail waits before its next claim: long enough for the holder's
+        renewal, begun during the outage, to give up its connection attempt and try again."""
+        return self.connect_seconds + CLAIM_GRACE_FLUSHES * self.flush_seconds
 
     def __post_init__(self) -> None:
         if self.order not in BATCH_ORDERS:
@@ -207,7 +215,7 @@ class BatchRunner:
                 if self._outage:  # leases that ran out while the database was away: their holders renew first
                     await asyncio.to_thread(self.store.ping)
                     self._outage = False
-                    await asyncio.sleep(CLAIM_GRACE_FLUSHES * self.settings.flush_seconds)
+                    await asyncio.sleep(self.settings.claim_grace_seconds())
                 if time.monotonic() - swept >= SWEEP_SECONDS:
                     swept = time.monotonic()
                     await asyncio.to_thread(self.store.delete_expired)

@@ -24,6 +24,7 @@ from kvmesh.router.batch_api import batch_routes
 from kvmesh.router.batch_runner import Answer, BatchRunner, BatchSettings
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import jsonl
+from kvmesh.router.store import CONNECT_TIMEOUT_SECONDS
 
 from .test_batch import TENANT, Counters, chat, line, new_batch, output_of, served
 
@@ -172,3 +173,10 @@ def test_the_files_and_batches_api_answers_503_with_retry_after_while_the_databa
         assert http.get(f"/v1/batches/{batch_id}").json()["id"] == batch_id
         assert http.post("/v1/files", **upload).status_code == 200
     assert store.batch(TENANT, batch_id) is not None
+
+
+def test_a_replica_that_saw_the_database_fail_waits_out_a_connection_attempt_before_claiming() -> None:
+    """The holder's renewal may have begun during the outage and be waiting on its connection (up to the connect
+    timeout): an idle replica claiming sooner took the batch over and sent its requests in flight again."""
+    settings = BatchSettings(flush_seconds=0.5)
+    assert settings.claim_grace_seconds() >= CONNECT_TIMEOUT_SECONDS + 2 * settings.flush_seconds
