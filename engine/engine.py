@@ -156,7 +156,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                   pick_attention_dtype(dtype, device))
     name = config.served_model_name or model_config.name
     return LoadedModel(name, model_config, Tokenizer.from_dir(model_dir), model, dtype,
-                       loader.weights_fingerprint(model_config, digests))
+                       loader.weights_fingerprint(model_config, digests, config.quantization))
 
 
 def fit_context(max_model_len: int, kv_tokens: int) -> int:

@@ -68,6 +68,16 @@ def test_the_fingerprint_follows_the_weights_not_the_name_or_the_files(tiny_dir:
     assert fingerprint(sharded) == fingerprint(tiny_dir)
 
 
+def test_int8_products_are_other_weights_to_the_kv(tiny_dir: Path) -> None:
+    """The same checkpoint served with int8 weights and activations computes other K and V: its blocks must not
+    pass for the unquantized engine's (a rolling change of spec.engine.quantization)."""
+    digests: dict[str, str] = {}
+    loader.load_weights(tiny_dir, torch.float32, digests=digests)
+    config = loader.load_config(tiny_dir)
+    assert loader.weights_fingerprint(config, digests, "int8") != loader.weights_fingerprint(config, digests)
+    assert loader.weights_fingerprint(config, digests, None) == fingerprint(tiny_dir)
+
+
 def test_the_kv_config_says_which_weights(tiny_dir: Path, other_dir: Path) -> None:
     a = make_engine(tiny_dir, served_model_name=NAME, kv_cache_blocks=8).kv_config
     b = make_engine(other_dir, served_model_name=NAME, kv_cache_blocks=8).kv_config

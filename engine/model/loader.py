@@ -563,7 +563,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-_WEIGHTS_FINGERPRINT_VERSION = 1  # bump when what the fingerprint covers changes
+_WEIGHTS_FINGERPRINT_VERSION = 2  # bump when what the fingerprint covers changes
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -573,13 +573,15 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def weights_fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:
+def weights_fingerprint(config: ModelConfig, digests: dict[str, str], quantization: str | None = None) -> str:
     """What the KV a model computes depends on besides the tokens: the weights it loaded (`digests`, each tensor's
-    `tensor_digest` by name, as load_weights gathers them while it reads: no second pass over a large checkpoint)
-    and the architecture read from config.json (but the served name and the stop ids). Two checkpoints with the
+    `tensor_digest` by name, as load_weights gathers them while it reads: no second pass over a large checkpoint),
+    the architecture read from config.json (but the served name and the stop ids) and how the weights are computed
+    with (`quantization`: int8 products give other K and V than the checkpoint's own). Two checkpoints with the
     same name and shape differ here, so a KV tier file, a peer's blocks or a router's pairing of pods never takes
     one's KV for the other's; the same tensors sharded or saved otherwise do not."""
     arch = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("name", "eos_token_ids")}
+    arch["quantization"] = quantization or "none"
     digest = hashlib.sha256(f"kvmesh-weights-{_WEIGHTS_FINGERPRINT_VERSION}\n".encode())
     digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
     for name in sorted(digests):
