@@ -111,6 +111,25 @@ def test_a_frame_from_other_weights_is_refused() -> None:
         asyncio.run(pull_old(cache))
 
 
+def test_a_frame_declaring_more_bytes_or_blocks_than_asked_is_refused_before_its_bytes_come() -> None:
+    """A frame's size is the peer's word: a header declaring a huge block (or more blocks than were asked for) is
+    refused at once, not after buffering whatever it declared."""
+    cache = torch.randn(2, 2, 2, 16, 2, 8)
+    layout = Layout.of(cache)
+    headers = {"huge": _header(blocks=[{"hash": 10, "nbytes": 1 << 40, "xxh3": 1}]),
+               "extra": _header(blocks=[{"hash": h, "nbytes": layout.block_bytes, "xxh3": 1} for h in (10, 20, 30)])}
+    for why, header in headers.items():
+        body = json.dumps(header).encode() + b"\n"  # and no bytes after it: only the header can refuse it
+        transport = httpx.MockTransport(lambda _, body=body: httpx.Response(200, content=body))
+
+        async def pull(transport: httpx.MockTransport = transport) -> None:
+            async with httpx.AsyncClient(transport=transport) as client:
+                await pull_blocks(client, "http://peer", [10, 20], layout)
+
+        with pytest.raises(TransferError, match="expected" if why == "huge" else "left to send"):
+            asyncio.run(pull())
+
+
 async def pull_old(cache: torch.Tensor) -> PulledBlocks:
     """A frame as an engine before weights fingerprints sent it (no `weights`), pulled by one that has them."""
     line, data = encode_frame(cache, [0, 1], [10, 20]).split(b"\n", 1)

@@ -164,13 +164,15 @@ async def _pull(
                     if newline < 0:
                         break
                     header = parse_header(buffer[:newline])
-                    _check_layout(header, layout)  # before waiting for the bytes: another layout sends them in vain
+                    # before waiting for the bytes: another layout sends them in vain, and a frame's size is the
+                    # peer's word (a bad one would have us buffer whatever it declared)
+                    _check_layout(header, layout, len(hashes) - len(got))
                     need = header.nbytes
                     if len(buffer) - newline - 1 < need:
                         break
                     data = bytes(buffer[newline + 1 : newline + 1 + need])
                     del buffer[: newline + 1 + need]
-                    _check(header, data, layout, hashes[len(got) : len(got) + len(header.blocks)])
+                    _check(header, data, hashes[len(got) : len(got) + len(header.blocks)])
                     got += [b.hash for b in header.blocks]
                     chunks.append(data)
             if buffer:
@@ -183,23 +185,27 @@ async def _pull(
     return PulledBlocks(got, data, len(raw), time.perf_counter() - start)
 
 
-def _check_layout(header: FrameHeader, layout: Layout) -> None:
+def _check_layout(header: FrameHeader, layout: Layout, left: int) -> None:
+    """A frame's header against our layout and the `left` blocks still asked for, before its bytes are read."""
     if header.shape != layout.shape or header.dtype != layout.dtype:
         raise TransferError(f"peer layout {list(header.shape)} {header.dtype} differs from ours "
                             f"{list(layout.shape)} {layout.dtype}")
     if header.weights != layout.weights:  # same name and shape, other weights (a rollout): its KV is not ours
         raise TransferError(f"peer's blocks were computed by other weights (fingerprint {header.weights or 'unknown'}"
                             f", ours {layout.weights or 'unknown'})")
+    if len(header.blocks) > left:
+        raise TransferError(f"the peer sent {len(header.blocks)} blocks in a frame; {left} were left to send")
+    for block in header.blocks:
+        if block.nbytes != layout.block_bytes:
+            raise TransferError(f"block {block.hash} has {block.nbytes} bytes, expected {layout.block_bytes}")
 
 
-def _check(header: FrameHeader, data: bytes, layout: Layout, expected: Sequence[int]) -> None:
-    _check_layout(header, layout)
+def _check(header: FrameHeader, data: bytes, expected: Sequence[int]) -> None:
+    """A frame's blocks, once read (their layout and sizes checked already): the ones asked for, in order, intact."""
     offset = 0
     for i, block in enumerate(header.blocks):
         if i >= len(expected) or block.hash != expected[i]:
             raise TransferError("the peer sent blocks out of order")
-        if block.nbytes != layout.block_bytes:
-            raise TransferError(f"block {block.hash} has {block.nbytes} bytes, expected {layout.block_bytes}")
         if xxhash.xxh3_64_intdigest(data[offset : offset + block.nbytes]) != block.xxh3:
             raise TransferError(f"block {block.hash} failed its checksum")
         offset += block.nbytes
