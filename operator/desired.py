@@ -294,15 +294,22 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
 # preStop: ask the engine to drain (contract 0) and wait until its running and queued requests are done, so a
 # scale-in or a rollout cuts no stream; the router stops sending on the 503 /health or the terminating slice. An
 # exec hook, not an httpGet one: the drain needs the pool's internal token, read from the mounted file (each try:
-# a rotation may replace it meanwhile), which an httpGet hook cannot send.
+# a rotation may replace it meanwhile), which an httpGet hook cannot send. A refused or failed try (a 401 while a
+# new token spreads, the file being replaced) is tried again each second; DRAIN_TRIES in a row end it (an engine that
+# no longer answers has nothing to drain).
+DRAIN_TRIES = 5
 DRAIN_SCRIPT = """import json, os, time, urllib.request as u
-end = time.time() + {seconds}
-while time.time() < end:
-    f = os.environ.get("{env}")
-    h = {{"{header}": open(f).read().strip()}} if f else {{}}
-    r = json.load(u.urlopen(u.Request("http://127.0.0.1:{port}{path}", method="POST", headers=h), timeout=5))
-    if r["running"] + r["waiting"] == 0:
-        break
+end, failed = time.time() + {seconds}, 0
+while time.time() < end and failed < {tries}:
+    try:
+        f = os.environ.get("{env}")
+        h = {{"{header}": open(f).read().strip()}} if f else {{}}
+        r = json.load(u.urlopen(u.Request("http://127.0.0.1:{port}{path}", method="POST", headers=h), timeout=5))
+        failed = 0
+        if r["running"] + r["waiting"] == 0:
+            break
+    except Exception:
+        failed += 1
     time.sleep(1)
 """
 
@@ -418,7 +425,8 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
         "resources": copy.deepcopy(spec["resources"]),
         "lifecycle": {"preStop": {"exec": {"command": [
             "python", "-c", DRAIN_SCRIPT.format(seconds=DRAIN_SECONDS, port=spec["port"], path=DRAIN_PATH,
-                                                env=INTERNAL_TOKEN_FILE_ENV, header=INTERNAL_TOKEN_HEADER)]}}},
+                                                env=INTERNAL_TOKEN_FILE_ENV, header=INTERNAL_TOKEN_HEADER,
+                                                tries=DRAIN_TRIES)]}}},
         **_probes(),
     }
     return {

@@ -410,9 +410,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             if "kvmesh-lora" not in memo:  # a restarted operator carries on from what the pool's status kept
                 memo["kvmesh-lora"] = AdapterMemory.from_status(status)
             auth = current_token(kube, pool, memo)
-            tick(kube, pool, body, status, patch, state, now, scrape, metrics,
-                 warm or functools.partial(http_warm, auth=auth),
-                 open_gates or functools.partial(http_open_gates, auth=auth), memo["kvmesh-lora"], auth)
+            tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates, memo["kvmesh-lora"],
+                 auth)
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
@@ -423,11 +422,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
 
 
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
-         now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer = http_warm,
-         open_gates: GateOpener = http_open_gates, adapters: AdapterMemory | None = None,
+         now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer | None = None,
+         open_gates: GateOpener | None = None, adapters: AdapterMemory | None = None,
          auth: PoolToken | None = None) -> Decision:
-    """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters with the
-    pool's token `auth`), report."""
+    """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters), report.
+    Every call to an engine sends the pool's token `auth`: `warm` and `open_gates` default to the HTTP calls with
+    it (a test passes its own)."""
+    warm = warm or functools.partial(http_warm, auth=auth)
+    open_gates = open_gates or functools.partial(http_open_gates, auth=auth)
     generation = int(body.metadata.get("generation") or 0)
     deployments = finish_switch(kube, pool, body, by_role(kube.list(
         "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")))

@@ -347,12 +347,18 @@ def test_every_engine_and_router_pod_mounts_the_pools_internal_token(path: Path)
 
 def test_the_engines_drain_hook_sends_the_pools_internal_token(tmp_path: Path) -> None:
     """preStop is an exec hook (an httpGet hook cannot read the mounted token): the script, run as the kubelet
-    runs it with the container's environment, drains the engine with the token the file holds now."""
+    runs it with the container's environment, drains the engine with the token the file holds now; a refusal (a
+    401 while a new token spreads) is tried again, not the end of the drain."""
     seen: list[tuple[str, str | None]] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             seen.append((self.path, self.headers.get(INTERNAL_TOKEN_HEADER)))
+            if len(seen) == 1:
+                self.send_response(401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             body = json.dumps({"running": 0, "waiting": 0}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -374,7 +380,7 @@ def test_the_engines_drain_hook_sends_the_pools_internal_token(tmp_path: Path) -
         env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         subprocess.run([sys.executable, *command[1:]], check=True, timeout=30,
                        env={**env, INTERNAL_TOKEN_FILE_ENV: str(token_file)})
-        assert seen == [(DRAIN_PATH, InternalToken(token_file).value())]
+        assert seen == [(DRAIN_PATH, InternalToken(token_file).value())] * 2
     finally:
         server.shutdown()
         server.server_close()
