@@ -66,6 +66,7 @@ UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 TOKENIZE_PATH, DETOKENIZE_PATH = "/tokenize", "/detokenize"  # vLLM's: a prompt's ids, and ids back to text
 CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"  # OpenAI's, on engine and router
 MODELS_PATH = "/v1/models"  # the base model and each loaded adapter (with its parent): what the router serves by
+MODEL_PATH_PREFIX = MODELS_PATH + "/"  # GET /v1/models/{model}: OpenAI's retrieve; a model id may hold "/"
 LORA_FINGERPRINT_FIELD = "kvmesh_fingerprint"  # an adapter card's: its weights, as its blocks are hashed (BlockExtra)
 DEFAULT_MAX_LORAS = 8  # adapters an engine holds at once: the slots it allocates at the first load
 DEFAULT_MAX_NUM_SEQS = 64  # sequences an engine batches in a step; the operator's ITL sizing caps a pod's batch by it

@@ -73,6 +73,7 @@ from kvmesh.engine.protocol import (
     LORA_NAME_PATTERN,
     MAX_PRIORITY,
     MIN_PRIORITY,
+    MODEL_PATH_PREFIX,
     MODELS_PATH,
     PRIORITY_HEADER,
     READY_PATH,
@@ -931,7 +932,7 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": model_cards()}
 
-    @app.get(MODELS_PATH + "/{model:path}")
+    @app.get(MODEL_PATH_PREFIX + "{model:path}")
     async def model(model: str) -> dict[str, Any]:
         """OpenAI's retrieve: one card of /v1/models (an adapter's name may hold "/"), 404 model_not_found."""
         for card in model_cards():

@@ -58,6 +58,7 @@ from kvmesh.engine.protocol import (
     LIMIT_REASONS,
     MAX_PRIORITY,
     MIN_PRIORITY,
+    MODEL_PATH_PREFIX,
     MODELS_PATH,
     POD_STATES,
     PRIORITY_CLASSES,
@@ -1683,7 +1684,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             return error_response(exc)
         return JSONResponse(router.models())
 
-    @app.get(MODELS_PATH + "/{model:path}")  # an adapter's name may hold "/"
+    @app.get(MODEL_PATH_PREFIX + "{model:path}")  # an adapter's name may hold "/"
     async def model(model: str, http: HttpRequest) -> Response:
         try:
             router.authenticate(http.headers)

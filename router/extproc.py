@@ -75,7 +75,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.engine.openai_types import error_body
-from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD, MODELS_PATH
+from kvmesh.engine.protocol import GATEWAY_ROUTE, KV_TRANSFER_FIELD, MODEL_PATH_PREFIX, MODELS_PATH
 from kvmesh.engine.tracing import Tracing
 from kvmesh.router.app import (
     COMPLETION_PATHS,
@@ -111,7 +111,6 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # What the router's HTTP edge serves to clients, and so all a Gateway may send to an engine through the picker:
 # path -> method.
 CLIENT_ROUTES = {**dict.fromkeys(COMPLETION_PATHS, "POST"), MODELS_PATH: "GET"}
-MODEL_PATH_PREFIX = MODELS_PATH + "/"  # GET /v1/models/{model}: OpenAI's retrieve, a model id may hold "/"
 BODY_CHUNK_BYTES = 62_000  # per streamed body message: under the 64 KiB some gateways allow per chunk
 MAX_BODY_BYTES = MAX_REQUEST_BODY_BYTES  # a request body the picker holds in memory at most
 # The largest gRPC message either way: a BUFFERED body comes (and a rewritten one goes back) whole in one message.

@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import BODY_REFUSED, DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline, send_json
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
-from kvmesh.engine.protocol import MODELS_PATH, GatewayMetric
+from kvmesh.engine.protocol import MODEL_PATH_PREFIX, MODELS_PATH, GatewayMetric
 from kvmesh.router.asgi import RouteError, read_body, wait_disconnected
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
 from kvmesh.router.config import MAX_HOLD_SECONDS, MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS, RouterConfig
@@ -68,7 +68,6 @@ READ_TIMEOUT_SECONDS = MAX_HOLD_SECONDS + RouterConfig.request_timeout_seconds +
 KEEPALIVE_CONNECTIONS = 256  # idle connections kept for reuse, over all routers; open ones are not bounded
 # Failures before a byte of the request left: another router of the model may take it (nothing was sent twice)
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-MODEL_PATH_PREFIX = MODELS_PATH + "/"  # GET /v1/models/{model}: OpenAI's retrieve; a model id may hold "/"
 NOT_ROUTED = ("The gateway routes only model requests (POST /v1/completions, /v1/chat/completions, /v1/responses) "
               "and lists models at GET /v1/models and /v1/models/{model}; the Batch API, files, stored responses "
               "(GET /v1/responses/{id}) and /tokenize are served by each pool's router at its own address")
