@@ -77,9 +77,13 @@ _UNAVAILABLE = (OperationalError, InterfaceError, InternalError, DisconnectionEr
                 sqlite3.OperationalError, sqlite3.InterfaceError)
 
 
+# SQLite reports a statement that names what the schema lacks as an OperationalError too: a bug, not an outage
+_SCHEMA_FAULTS = ("no such table", "no such column", "has no column named")
+
+
 def database_unavailable(exc: BaseException) -> bool:
     """Whether `exc` is the database being unavailable (a passing condition: try again later) rather than a bug."""
-    return isinstance(exc, _UNAVAILABLE)
+    return isinstance(exc, _UNAVAILABLE) and not any(fault in str(exc) for fault in _SCHEMA_FAULTS)
 
 
 class UTCDateTime(TypeDecorator[datetime]):

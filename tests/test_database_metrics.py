@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
 
 from kvmesh.engine.protocol import RouterMetric
 from kvmesh.router import limit_sync
@@ -21,7 +24,7 @@ from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.limit_sync import DemandTable, LimitSync
 from kvmesh.router.limits import Limiter, parse_tenants
-from kvmesh.router.store import DATABASE_COMPONENTS, AsyncRequestLog, RequestLog
+from kvmesh.router.store import DATABASE_COMPONENTS, AsyncRequestLog, RequestLog, database_unavailable
 
 from .test_batch_outage import Outage
 from .test_router_store import rec
@@ -100,3 +103,13 @@ def test_a_routers_metrics_count_database_failures_by_component(tmp_path: Path, 
     assert counted["batch_api"] == 1 and min(counted.values()) >= 1
     dropped = re.search(rf"^{DROPPED} (\S+)$", text, re.M)
     assert dropped is not None and float(dropped.group(1)) >= 1
+
+
+def test_a_statement_the_schema_cannot_run_is_a_bug_not_an_outage(tmp_path: Path) -> None:
+    """SQLite reports a missing table as an OperationalError, as it does a full disk: it must surface as the bug it
+    is (a 500 with its traceback), not as a 503 saying the database is away."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    with engine.connect() as connection, pytest.raises(OperationalError) as missing:
+        connection.execute(text("SELECT * FROM no_such_table_here"))
+    assert not database_unavailable(missing.value)
+    assert database_unavailable(OperationalError("SELECT 1", {}, sqlite3.OperationalError("database or disk is full")))
