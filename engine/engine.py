@@ -159,6 +159,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
                        loader.weights_fingerprint(model_config, digests, config.quantization))
 
 
+def _asked_logprobs(r: Request, samples: SampleResult, row: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """Row `row`'s logprob and alternatives if its request asked for them: a step computes them for every row once
+    one row wants them, and a request that did not ask must not get them (its answer's shape would depend on what
+    else shared its steps)."""
+    if not r.params.logprobs or samples.logprobs is None:
+        return None, None
+    return samples.logprobs[row], samples.top_logprobs[row] if samples.top_logprobs is not None else None
+
+
 def fit_context(max_model_len: int, kv_tokens: int) -> int:
     """The context a request may take: at most what the KV cache holds. One sequence of a longer context could
     never be served whole (it would end cut short at the cache's size, as if by `max_tokens`), so the engine
@@ -829,8 +838,7 @@ class Engine:
             if r.guide is not None and (failed := self._guide_failed(r, samples.token_ids[first], masks, first)):
                 self._finish(r, "error", error=f"structured output failed: {failed}")
                 continue
-            logprob = samples.logprobs[first] if samples.logprobs is not None else None
-            top = samples.top_logprobs[first] if samples.top_logprobs is not None else None
+            logprob, top = _asked_logprobs(r, samples, first)
             self._observe_output_step(r, now)
             self._append_token(r, samples.token_ids[first], logprob, top)
         if not prefill_tokens:
@@ -892,8 +900,7 @@ class Engine:
             if i:  # the token before this one was an accepted draft: its KV was computed this step
                 r.num_computed_tokens += 1
                 self._commit(r)
-            logprob = samples.logprobs[first + i] if samples.logprobs is not None else None
-            top = samples.top_logprobs[first + i] if samples.top_logprobs is not None else None
+            logprob, top = _asked_logprobs(r, samples, first + i)
             self._append_token(r, token, logprob, top)
             if r.status is Status.FINISHED:
                 return

@@ -525,3 +525,14 @@ def test_the_context_served_is_at_most_what_the_kv_cache_holds(tiny_dir: Path,
     assert engine.max_model_len == 64
     assert "the KV cache holds 64 tokens, fewer than the model's context of 512" in caplog.text
     assert make_engine(tiny_dir, kv_cache_blocks=64, max_model_len=512).max_model_len == 512
+
+
+def test_a_request_that_asked_no_logprobs_gets_none_from_a_step_it_shared_with_one_that_did(tiny_dir: Path) -> None:
+    """A step computes logprobs for every row once one row wants them: they must reach only the requests that
+    asked, or an answer's shape depends on what else was in its batch (OpenAI and vLLM answer logprobs null)."""
+    engine = make_engine(tiny_dir)
+    asked = submit(engine, prompt(1, 12), logprobs=True, top_logprobs=2)
+    plain = submit(engine, prompt(2, 12))
+    engine.run_until_idle()
+    assert all(o.logprobs for o in asked.outputs) and all(o.top_logprobs for o in asked.outputs)
+    assert not any(o.logprobs or o.top_logprobs for o in plain.outputs)
