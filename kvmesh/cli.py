@@ -251,11 +251,15 @@ def _up(args: argparse.Namespace) -> int:
         if problem := _engines_problem(plan, args.engines, args.file):
             return refuse(problem)
         plan.engines = args.engines
+    if args.sim:  # simulated engines load no weights: the bundled tokenizer indexes their prompts
+        if args.model:
+            return refuse("simulated engines use the bundled tokenizer; give no --model with --sim")
+        if plan.model:
+            return refuse(f"with --sim the pool file's model.source must be bundled (the simulated engines load no "
+                          f"weights); {args.file} names {plan.model}")
     if args.model:
         plan.model = args.model
     if args.sim:
-        if plan.model:
-            return refuse("simulated engines use the bundled tokenizer; give no model with --sim")
         plan.sim = args.sim
     if problem := startup_problem(plan, args.port, args.ready_file, args.targets_file):
         return refuse(problem)
@@ -368,9 +372,10 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 CHAT_QUIET_SECONDS = 3.0  # `kvmesh chat` waits this long for /health before it says what it waits for
 
 
-def _chat_base_url(url: str) -> str | None:
-    """The server's base URL from what the user gave: the OpenAI base URL (`.../v1`, what `kvmesh up` prints and
-    clients are configured with) as well as the server's; None without an http(s) scheme, which no retry fixes."""
+def _base_url(url: str) -> str | None:
+    """The server's base URL from what the user gave (`kvmesh chat`'s and `kvmesh status`'s --url): the OpenAI base
+    URL (`.../v1`, what `kvmesh up` prints and clients are configured with) as well as the server's; None without
+    an http(s) scheme, which no retry fixes."""
     if not url.startswith(("http://", "https://")):
         return None
     return url.rstrip("/").removesuffix("/v1")
@@ -388,7 +393,7 @@ def _chat(args: argparse.Namespace) -> int:
         print(f"kvmesh chat: {problem}", file=sys.stderr)
         return code
 
-    base = _chat_base_url(args.url)
+    base = _base_url(args.url)
     if base is None:
         return fail(f"--url {args.url}: give the scheme too, e.g. http://{args.url}", 2)
     started = time.monotonic()
@@ -440,7 +445,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _status_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="a router's pods: state, load, KV use and forecast, the cached blocks it indexes")
-    p.add_argument("--url", default="http://127.0.0.1:8080", help="the router's base URL (default: kvmesh up's)")
+    p.add_argument("--url", default="http://127.0.0.1:8080",
+                   help="the router's base URL, with or without /v1 (default: kvmesh up's)")
     p.add_argument("--json", action="store_true", help="print the router's document (GET /kvmesh/pool) as it is")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="print it again every SECONDS until Ctrl-C")
 
@@ -448,6 +454,11 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
 def _status(args: argparse.Namespace) -> int:
     from kvmesh.status import run
 
+    base = _base_url(args.url)
+    if base is None:
+        print(f"kvmesh status: --url {args.url}: give the scheme too, e.g. http://{args.url}", file=sys.stderr)
+        return 2
+    args.url = base
     return run(args)
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.engine.internal_token import TOKEN_REFUSED_CODE
 from kvmesh.engine.protocol import STARTING_POD_STATES, TIERS
 from kvmesh.router.pool_status import POOL_STATUS_PATH
 
@@ -57,6 +58,9 @@ def _poll(client: httpx.Client, url: str) -> tuple[dict[str, Any] | None, str]:
     except httpx.TransportError as exc:
         return None, f"{url} did not answer: {exc or type(exc).__name__}"
     if reply.status_code == 401:
+        if _error_code(reply) == TOKEN_REFUSED_CODE:  # an engine of a pool: it answers its pool's token only
+            return None, (f"{url} is a pool's engine, not a router (it answered HTTP 401 {TOKEN_REFUSED_CODE}): "
+                          "give --url the router's URL (kvmesh up's: http://127.0.0.1:8080)")
         return None, (f"{url}{POOL_STATUS_PATH} answered HTTP 401: this router has API keys; set ${API_KEY_ENV} to "
                       "one of them")
     if reply.status_code != 200:
@@ -69,6 +73,15 @@ def _poll(client: httpx.Client, url: str) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(doc, dict):
         return None, f"{url}{POOL_STATUS_PATH} answered JSON that is no pool document: {reply.text[:200]!r}"
     return doc, ""
+
+
+def _error_code(reply: httpx.Response) -> object:
+    """The `code` of an OpenAI-shaped error body (`{"error": {"code": ...}}`), or None."""
+    try:
+        error = reply.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def render(doc: dict[str, Any]) -> str:

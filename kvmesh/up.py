@@ -19,6 +19,7 @@ its drains, warm-ups and adapter calls send it); /health and /metrics stay open.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -362,10 +363,10 @@ class LocalEngines:
         return Path(HOST_TIER_DIR) / f"{prefix}-host.kv", DISK_TIER_DIR / f"{prefix}-disk.kv"
 
     def _tier_flags(self, name: str) -> list[str]:
-        """The `kvmesh serve` flags naming engine `name`'s tier files (`tier_paths`); none for simulated engines
-        (no tiers), nor for a path the pool's engine settings name themselves."""
-        if self.plan.sim:
-            return []
+        """The `kvmesh serve` (or `kvmesh sim-engine`) flags naming engine `name`'s tier files (`tier_paths`);
+        none for a path the pool's engine settings name themselves. Simulated engines get them too: a pool file's
+        `hostTierMiB` gives them a host tier, which would otherwise go to the port-named default file, left in
+        /dev/shm at every stop and opened by a later run's engine on the same port."""
         host, disk = self.tier_paths(name)
         settings = self.plan.engine
         return ([] if settings.get("kv_host_path") else ["--kv-host-path", str(host)]) + (
@@ -1091,7 +1092,14 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     if ready_file:  # a stale one (a run killed before it could remove it) would say "ready" before this pool is
         Path(ready_file).unlink(missing_ok=True)
     try:
-        print(f"kvmesh up: preparing model {plan.model or 'SmolLM2-135M-Instruct (bundled)'} ...", file=sys.stderr)
+        if plan.sim:  # no weights: the bundled tokenizer, served under the simulated model's name
+            from kvmesh.bench.sim_engine import PROFILES, served_name
+
+            name = served_name(PROFILES[plan.sim], plan.engine.get("served_model_name"))
+            print(f"kvmesh up: simulated engines ({plan.sim}) serve model {name} ...", file=sys.stderr)
+        else:
+            print(f"kvmesh up: preparing model {plan.model or 'SmolLM2-135M-Instruct (bundled)'} ...",
+                  file=sys.stderr)
         model_dir = resolve_model_dir(plan.model)  # a GGUF's conversion (its temporary files clean up after it)
     except KeyboardInterrupt:
         _say("interrupted")
@@ -1146,10 +1154,33 @@ def _clean_up(workdir: Path, engines: LocalEngines | None, ready_file: str | Non
             pass
     if engines is not None:
         engines.remove_tier_files()
+        _empty_targets(engines)
     if keep:
         _say(f"logs kept in {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _empty_targets(engines: LocalEngines) -> None:
+    """After the pool stopped: its targets file (`--targets-file`) becomes `[]`, only if it still names this
+    pool's router (another run may have written it since). Left as it was, it would list dead processes and
+    Prometheus would fire KvmeshEngineDown and friends. Emptied rather than removed: an empty list drops the
+    targets in every Prometheus version, while a removed file is not read at all, and whether its last targets
+    go then depends on the version (and on a file_sd path without a glob, which some log as an error); a file
+    read half-way through a removal keeps them."""
+    if not engines.targets_file or engines.router is None:
+        return
+    path, router = Path(engines.targets_file), engines.router.url.removeprefix("http://")
+    try:
+        groups = json.loads(path.read_text())
+        ours = any(router in group.get("targets", []) for group in groups)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return
+    if ours:
+        try:
+            write_json_atomically(path, [])
+        except OSError as exc:
+            _say(f"cannot empty the targets file {path}: {exc}")
 
 
 def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_port: int,

@@ -53,6 +53,15 @@ def signals() -> Iterator[None]:
 # kvmesh up: bad input, refused before anything starts
 # ------------------------------------------------------------------------------------------------------------------
 
+def test_up_sim_refuses_a_pool_files_model_that_is_not_bundled(capsys: pytest.CaptureFixture[str]) -> None:
+    """It used to say "give no model with --sim" to a user who gave no --model: the pool file names one."""
+    code, _, err = run_cli(capsys, "up", "--sim", "-f", str(EXAMPLES / "lora.yaml"))
+    assert code == 2 and err.startswith("kvmesh up: with --sim the pool file's model.source must be bundled (the "
+                                        "simulated engines load no weights)") and len(err.splitlines()) == 1, err
+    code, _, err = run_cli(capsys, "up", "--sim", "--model", "/models/m")
+    assert code == 2 and "give no --model with --sim" in err
+
+
 @pytest.mark.parametrize("port", ["0", "65536", "-1"])
 def test_up_refuses_a_port_out_of_range(capsys: pytest.CaptureFixture[str], port: str) -> None:
     code, _, err = run_cli(capsys, "up", "--sim", f"--port={port}")
@@ -175,7 +184,33 @@ def test_engines_get_kv_tier_files_of_their_own_run_which_go_when_the_pool_stops
     finally:
         for path in files:
             path.unlink(missing_ok=True)
-    assert "--kv-host-path" not in LocalEngines(PoolPlan(sim="cpu-smollm"), [], workdir, None)._tier_flags("engine-0")
+    # simulated engines too (a pool file's hostTierMiB gives them a host tier): not the port-named default file,
+    # which no stop removed and a later run's engine on the same port opened
+    sim_flags = LocalEngines(PoolPlan(sim="cpu-smollm"), [], workdir, None)._tier_flags("engine-0")
+    assert sim_flags == ["--kv-host-path", str(files[0]), "--kv-disk-path", str(files[1])]
+    from kvmesh.bench.sim_engine import ENGINE_FLAGS
+
+    assert {"kv_host_path", "kv_disk_path"} <= set(ENGINE_FLAGS)  # `kvmesh sim-engine` takes them
+
+
+def test_a_stopped_pool_empties_its_targets_file_unless_another_run_wrote_it(
+        sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    """Left as it was, it listed dead processes: Prometheus's KvmeshEngineDown fired for a pool stopped on purpose.
+    `[]` (not a removed file) drops the targets in every Prometheus version."""
+    targets, workdir = tmp_path / "targets.json", tmp_path / "work"
+    workdir.mkdir()
+    engines = LocalEngines(PoolPlan(engines=1), [], workdir, str(targets))
+    engines.router = Child("router", "http://127.0.0.1:8123", sleeper, tmp_path / "router.log")
+    engine = Engine(Child("engine-0", "http://127.0.0.1:8124", sleeper, tmp_path / "engine.log"), "both", SERVING)
+    engines.engines = [engine]
+    engines.publish()
+    assert "127.0.0.1:8123" in targets.read_text()
+    up._clean_up(workdir, engines, None, "http://127.0.0.1:8123/v1", keep=True)
+    assert json.loads(targets.read_text()) == []
+    other = [{"targets": ["127.0.0.1:9999"], "labels": {"pod": "router"}}]  # another run's, written since
+    targets.write_text(json.dumps(other))
+    up._clean_up(workdir, engines, None, "http://127.0.0.1:8123/v1", keep=True)
+    assert json.loads(targets.read_text()) == other
 
 
 def test_a_serving_engine_that_stops_answering_is_killed_and_restarted_by_the_back_off(
@@ -341,3 +376,26 @@ def test_status_watch_says_a_failed_poll_and_polls_again(
     assert "0 pods, 0 healthy; 0 distinct blocks indexed" in out
     code, _, err = run_cli(capsys, "status", "--url", f"http://127.0.0.1:{free_loopback_port()}")
     assert code == 1 and "did not answer" in err  # without --watch: one poll, its failure the exit status
+
+
+def test_status_says_an_engine_is_no_router_and_takes_the_v1_url_kvmesh_up_prints(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine of a pool answers 401 internal_token_required: it used to be told to set $KVMESH_API_KEY. And
+    http://127.0.0.1:PORT/v1 (what `kvmesh up` prints) used to answer 404."""
+    refused = json.dumps({"error": {"message": "this engine serves only its pool", "type": "authentication_error",
+                                    "code": "internal_token_required"}}).encode()
+    for url in serve(lambda method, path: (401, refused)):
+        code, _, err = run_cli(capsys, "status", "--url", url)
+    assert code == 1 and "is a pool's engine, not a router" in err and "--url the router's URL" in err, err
+    assert "KVMESH_API_KEY" not in err
+    keys = json.dumps({"error": {"message": "no key", "code": "invalid_api_key"}}).encode()
+    for url in serve(lambda method, path: (401, keys)):  # a router with API keys: still told to set one
+        code, _, err = run_cli(capsys, "status", "--url", url)
+    assert code == 1 and "set $KVMESH_API_KEY" in err
+    doc = json.dumps({"pods": [], "index": {"blocks": 0}}).encode()
+    for url in serve(lambda method, path: (200, doc) if path == "/kvmesh/pool" else (404, b"")):
+        for given in (url + "/v1", url + "/v1/", url + "/"):
+            code, out, err = run_cli(capsys, "status", "--url", given)
+            assert code == 0 and "0 pods, 0 healthy" in out, err
+    code, _, err = run_cli(capsys, "status", "--url", "127.0.0.1:8080")
+    assert code == 2 and "give the scheme too" in err

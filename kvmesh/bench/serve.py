@@ -216,10 +216,11 @@ def _message(text: str) -> str:
 async def run_load(url: str, requests: Sequence[BenchRequest], *, concurrency: int | None = None,
                    rate: float = math.inf, burstiness: float = 1.0, seed: int = 0, duration: float | None = None,
                    model: str | None = None, timeout: float = 600.0, progress: bool = True,
-                   extra: dict[str, Any] | None = None) -> tuple[list[RequestResult], float]:
+                   extra: dict[str, Any] | None = None, auth: Any = None) -> tuple[list[RequestResult], float]:
     """Send `requests` (at their own arrival times if they have them, else by the arrival process), at most
-    `concurrency` in flight, none started after `duration` s. Returns the results of those sent, in order, and the
-    run's wall time (first send to last answer)."""
+    `concurrency` in flight, none started after `duration` s, each with `auth` (an httpx.Auth: `pool_token`'s, for
+    an engine of a pool). Returns the results of those sent, in order, and the run's wall time (first send to last
+    answer)."""
     import httpx
     from tqdm import tqdm
 
@@ -242,7 +243,7 @@ async def run_load(url: str, requests: Sequence[BenchRequest], *, concurrency: i
                     results[i] = await send(client, url, requests[i], model, extra)
         bar.update()
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, auth=auth) as client:
         await asyncio.gather(*(one(i, client) for i in range(len(requests))))
     bar.close()
     return [r for r in results if r is not None], time.perf_counter() - start
@@ -414,7 +415,7 @@ def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
         requests = shared_prefix_requests(args.groups, per_group, system, question, args.output_tokens, args.seed,
                                           args.vocab_size)[:n]
         return requests, f"shared prefix: {args.groups} groups, {system} system + {question} question tokens"
-    max_len = args.max_model_len or _served_max_len(args.url)
+    max_len = args.max_model_len or _served_max_len(args.url, pool_token())
     requests, cut = trace_requests(args.trace, n, args.length_scale, args.trace_speedup, max_len, args.vocab_size)
     if not math.isinf(args.rate):
         requests = [dataclasses.replace(r, arrival=None) for r in requests]
@@ -434,12 +435,21 @@ def finite(value: Any) -> Any:
     return value
 
 
-def _served_max_len(url: str) -> int | None:
+def pool_token() -> Any:
+    """The internal token of the pool named by $KVMESH_INTERNAL_TOKEN_FILE (`<workdir>/internal-token` of a
+    `kvmesh up`, whose engines answer only their pool), as an httpx.Auth that sends it; without it, one that sends
+    nothing. Raises OSError or ValueError for a file that cannot be read or holds no token."""
+    from kvmesh.engine.internal_token import InternalToken
+
+    return InternalToken.from_env()
+
+
+def _served_max_len(url: str, auth: Any = None) -> int | None:
     """The context length the endpoint reports in /v1/models (kvmesh and vLLM do), if any."""
     import httpx
 
     try:
-        data = httpx.get(f"{base_url(url)}/v1/models", timeout=10).json()["data"]
+        data = httpx.get(f"{base_url(url)}/v1/models", timeout=10, auth=auth).json()["data"]
         return int(data[0]["max_model_len"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         return None
@@ -447,13 +457,20 @@ def _served_max_len(url: str) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        token = pool_token()
+    except (OSError, ValueError) as exc:
+        from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV
+
+        print(f"kvmesh bench serve: ${INTERNAL_TOKEN_FILE_ENV}: {exc}", file=sys.stderr)
+        return 2
+    try:
         requests, what = build_requests(args)
         slo = SLO(*(v / 1e3 if v is not None else None for v in (args.slo_ttft_ms, args.slo_tpot_ms,
                                                                    args.slo_e2e_ms)))
         print(f"kvmesh bench serve: {what}, against {args.url}", file=sys.stderr)
         results, seconds = asyncio.run(run_load(args.url, requests, concurrency=args.concurrency, rate=args.rate,
                                                 burstiness=args.burstiness, seed=args.seed, duration=args.duration,
-                                                model=args.model, timeout=args.timeout))
+                                                model=args.model, timeout=args.timeout, auth=token))
     except ValueError as exc:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
         return 2

@@ -84,6 +84,12 @@ PROFILES: dict[str, Profile] = {
 }
 
 
+def served_name(profile: Profile, configured: str | None = None) -> str:
+    """The model id a simulated engine of `profile` serves: the one configured (`served_model_name`, a pool
+    file's `model.name`), else `sim-<profile>` (`kvmesh up --sim` says which)."""
+    return configured or f"sim-{profile.name}"
+
+
 def sim_config(profile: Profile, config_file: str | None, flags: dict[str, object]) -> EngineConfig:
     """Engine settings from the file and flags; a KV budget left at the engine's default becomes the profile's
     (an H100 holds far more KV than a laptop engine's default)."""
@@ -99,7 +105,7 @@ def sim_config(profile: Profile, config_file: str | None, flags: dict[str, objec
 
 ENGINE_FLAGS = ("served_model_name", "host", "port", "block_size", "kv_cache_memory_mib", "kv_cache_blocks",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_cache", "eviction_policy",
-                "hash_algo", "role", "lora_modules", "max_loras", "max_lora_rank")
+                "hash_algo", "role", "lora_modules", "max_loras", "max_lora_rank", "kv_host_path", "kv_disk_path")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -114,6 +120,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int)
     p.add_argument("--kv-cache-memory-mib", type=int, help="simulated device KV budget (default: the profile's)")
     p.add_argument("--kv-cache-blocks", type=int, help="an exact number of KV blocks instead of a memory budget")
+    p.add_argument("--kv-host-path", help="the host tier's file (default /dev/shm/kvmesh-kv-host-<port>.kv)")
+    p.add_argument("--kv-disk-path", help="the disk tier's file (default ~/.cache/kvmesh/kv-disk-<port>.kv)")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)

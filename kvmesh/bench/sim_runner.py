@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.bench.sim_engine import LatencyModel, Profile
+from kvmesh.bench.sim_engine import LatencyModel, Profile, served_name
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine, LoadedModel
 from kvmesh.engine.model import loader
@@ -113,12 +113,12 @@ class SimEngine(Engine):
         return frame
 
 
-def simulated_model(profile: Profile, served_name: str | None = None) -> LoadedModel:
+def simulated_model(profile: Profile, configured_name: str | None = None) -> LoadedModel:
     """The bundled tokenizer (so a router over the bundled model indexes these pods) and the profile's shape."""
     model_dir = loader.resolve_model_dir(None, progress=False)
     tokenizer = Tokenizer.from_dir(model_dir)
     config = loader.ModelConfig(
-        name=served_name or f"sim-{profile.name}",
+        name=served_name(profile, configured_name),
         vocab_size=tokenizer.vocab_size,
         hidden_size=profile.num_kv_heads * profile.head_dim,
         intermediate_size=0,
