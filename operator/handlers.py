@@ -56,6 +56,8 @@ from kvmesh.operator.memory import (
     status_replicas,
 )
 from kvmesh.operator.metrics import LeaderMetrics, OperatorMetrics
+from kvmesh.operator.routers_first import REASON as ROUTERS_FIRST
+from kvmesh.operator.routers_first import held_message, legacy_engines, routers_first
 from kvmesh.operator.scale_in import deletion_costs
 from kvmesh.operator.scaling import SCALED_ROLES, Decision
 from kvmesh.operator.warmup import GateOpener, PodPlace, Warmer, WarmupSettings, carry_out, plan_tick_warmups
@@ -170,15 +172,23 @@ class Applied:
     kept: tuple[str, ...]  # the previous mode's roles kept serving (`prune`)
 
 
-def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Applied:
+def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]], held: Collection[str] = ()) -> Applied:
     """Apply `objects` (create-then-patch, deleting the fields the spec no longer asks for: `Kube.apply`), then
-    prune the objects the spec no longer asks for."""
+    prune the objects the spec no longer asks for. The Deployments named in `held` (`routers_first`: they carry
+    their live template) are patched without `spec.template`, which is neither changed nor recorded as applied:
+    the apply that later gives them the new template is three-way against a record without one, so it deletes
+    nothing of the template (a recorded live template would have it delete every field the API server
+    defaulted)."""
     done = {"created": 0, "patched": 0}
     step = "pruning objects the spec no longer asks for"
     try:
         for obj in objects:
             step = f"applying {obj['kind']} {obj['metadata']['name']}"
-            done[kube.apply(obj, desired.patch_body(pool, obj), keep=desired.HANDED_OFF)] += 1
+            body, keep = desired.patch_body(pool, obj), desired.HANDED_OFF
+            if obj["kind"] == "Deployment" and obj["metadata"]["name"] in held:
+                body = {**body, "spec": {k: v for k, v in body["spec"].items() if k != "template"}}
+                keep = (*keep, ("spec", "template"))
+            done[kube.apply(obj, body, keep=keep)] += 1
         step = "pruning objects the spec no longer asks for"
         pruned = prune(kube, pool, objects)
     except Exception as exc:  # an API answer, or no answer at all (the retries spent on a dead connection)
@@ -190,6 +200,15 @@ def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Applied
                    pruned.kept)
 
 
+def live_deployments(kube: Kube, pool: Pool) -> dict[str, dict[str, Any]]:
+    """The pool's Deployments by role, as they are now. ApplyFailed."""
+    try:
+        return by_role(kube.list("apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}"))
+    except Exception as exc:  # an API answer, or none (the retries spent)
+        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+        raise ApplyFailed(f"listing the pool's Deployments failed: {reason}") from exc
+
+
 def starting_replicas(kube: Kube, pool: Pool, status: Mapping[str, Any], added: Collection[str]) -> dict[str, int]:
     """The replicas a reconcile applies per role: those last decided (`decided_replicas`: not for the roles in
     `added`); for a role without one, what its Deployment has if it exists (a previous mode's, kept serving while a
@@ -199,11 +218,7 @@ def starting_replicas(kube: Kube, pool: Pool, status: Mapping[str, Any], added: 
     unknown = [r for r in pool.roles if r not in decided]
     if not unknown:
         return desired.initial_replicas(pool) | decided
-    try:
-        deployments = by_role(kube.list("apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}"))
-    except Exception as exc:  # an API answer, or none (the retries spent)
-        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
-        raise ApplyFailed(f"listing the pool's Deployments failed: {reason}") from exc
+    deployments = live_deployments(kube, pool)
     initial = desired.initial_replicas(pool)
     return initial | deployed_replicas({r: initial[r] for r in unknown}, deployments,
                                        {r: pool.bounds(r) for r in unknown}) | decided
@@ -364,7 +379,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         try:  # the Secret before the pods that mount it
             replicas = starting_replicas(kube, pool, status, added)
             memo["kvmesh-token"] = PoolToken(pool_token(kube, pool))
-            applied = apply_pool(kube, pool, desired.desired_objects(pool, replicas))
+            # an upgrade from before the internal token: the routers roll first (operator/routers_first.py)
+            rollout = routers_first(desired.desired_objects(pool, replicas), live_deployments(kube, pool))
+            applied = apply_pool(kube, pool, rollout.objects, rollout.held)
         except ApplyFailed as exc:
             patch.status["conditions"] = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
             kopf.event(body, type="Warning", reason=exc.reason, message=str(exc))
@@ -374,11 +391,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         state.condition(status, "RouterStateShared", shared.shared, shared.reason, shared.message, generation)
         if not shared.shared:
             kopf.event(body, type="Warning", reason=shared.reason, message=shared.message)
+        if rollout.held:  # the scaling tick applies their template once the routers are rolled out
+            message = held_message(rollout.held)
+            conditions = state.condition(status, "Progressing", True, ROUTERS_FIRST, message, generation)
+            kopf.event(body, type="Normal", reason=ROUTERS_FIRST, message=message)
         if applied.kept:  # the scaling tick deletes them once the new roles serve
             message = switching(pool.roles, applied.kept)
-            conditions = state.condition(status, "Progressing", True, "SwitchingMode", message, generation)
+            if not rollout.held:
+                conditions = state.condition(status, "Progressing", True, "SwitchingMode", message, generation)
             kopf.event(body, type="Normal", reason="SwitchingMode", message=message)
-        else:
+        elif not rollout.held:
             conditions = state.condition(status, "Progressing", True, "Applied", applied.summary, generation)
         if not any(c["type"] == "Ready" for c in conditions):
             conditions = state.condition(status, "Ready", False, "Starting", "waiting for pods", generation)
@@ -433,6 +455,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     generation = int(body.metadata.get("generation") or 0)
     deployments = finish_switch(kube, pool, body, by_role(kube.list(
         "apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}")))
+    held = release_engines(kube, pool, body, status, deployments)
     pods = kube.list("v1", "pods", pool.namespace, f"{POOL_LABEL}={pool.name},{desired.COMPONENT_LABEL}=engine")
     scraped = observe(pods, pool.spec["engine"]["port"], scrape)
     operator_scales = pool.spec["scaling"]["mode"] == "operator"
@@ -442,7 +465,8 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         # deleted by hand (or a lost race with the GC): nothing else would bring it back until an edit. Not while
         # a reconcile of this generation has yet to succeed: that one is applying them (or kopf retries it)
         try:
-            summary = apply_pool(kube, pool, desired.desired_objects(pool, replicas)).summary
+            rollout = routers_first(desired.desired_objects(pool, replicas), deployments)
+            summary = apply_pool(kube, pool, rollout.objects, rollout.held).summary
             message = f"the Deployments of {', '.join(missing)} were gone: objects applied again ({summary})"
         except ApplyFailed as exc:  # the tick goes on (scaling, status); the next one tries again
             message = f"the Deployments of {', '.join(missing)} are gone and could not be applied again: {exc}"
@@ -490,6 +514,8 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     summary = ", ".join(f"{r} {ready[r]}/{replicas[r]}" for r in pool.roles)
     found = pool_conditions(pool.roles, replicas, deployments, desired.retained_roles(pool, deployments))
     for c in found:
+        if c.kind == "Progressing" and held:  # what the rollout waits for: the routers
+            c = replace(c, value=True, reason=ROUTERS_FIRST, message=f"{held_message(held)}; {c.message}")
         conditions = state.condition(status, c.kind, c.value, c.reason, c.message, generation)
     if missing_metrics:  # the HPA's ScalingActive/FailedGetPodsMetric: say why a role is not scaled down
         names = "; ".join(f"{role}: {', '.join(n)}" for role, n in sorted(missing_metrics.items()))
@@ -555,6 +581,38 @@ def finish_switch(kube: Kube, pool: Pool, body: kopf.Body,
         kopf.event(body, type="Normal", reason="ModeSwitched", message=message)
         log.info("pool %s/%s %s", pool.namespace, pool.name, message)
     return {r: d for r, d in deployments.items() if r not in previous}
+
+
+def release_engines(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any],
+                    deployments: Mapping[str, dict[str, Any]]) -> tuple[str, ...]:
+    """Routers first (operator/routers_first.py), finished at the scaling tick as a change of mode is: the engine
+    Deployments whose template a reconcile kept (legacy: no internal token) get their new one once the router
+    Deployment has rolled out with the token, with a RoutersRolledOut Event, so no further edit is needed. The
+    engine Deployments still held (named; none once applied, or with none legacy). Only for the generation the
+    last reconcile applied (else that reconcile, or kopf's retry of it, applies them); a failed apply is logged,
+    and the next tick tries again."""
+    legacy = legacy_engines(deployments, pool.roles)
+    if not legacy:
+        return ()
+    # the replicas the Deployments run (the scaler's to change, later in the tick): only the template changes
+    replicas = deployed_replicas({role: desired.initial_replicas(pool)[role] for role in legacy}, deployments,
+                                 {role: pool.bounds(role) for role in legacy})
+    objects = [desired.engine_deployment(pool, role, replicas[role]) for role in legacy]
+    rollout = routers_first(objects, deployments)
+    generation = int(body.metadata.get("generation") or 0)
+    if rollout.held or generation != pool.generation or not reconciled(status, generation):
+        return rollout.held
+    names = ", ".join(o["metadata"]["name"] for o in objects)
+    try:
+        for obj in objects:
+            kube.apply(obj, desired.patch_body(pool, obj), keep=desired.HANDED_OFF)
+    except Exception as exc:  # an API answer, or none (the retries spent): the tick goes on
+        log.warning("pool %s/%s: applying the new template of %s failed: %s", pool.namespace, pool.name, names, exc)
+        return ()
+    message = f"the routers rolled out with the internal token: {names} now roll to the template with it"
+    kopf.event(body, type="Normal", reason="RoutersRolledOut", message=message)
+    log.info("pool %s/%s: %s", pool.namespace, pool.name, message)
+    return ()
 
 
 def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dict[str, Any]],

@@ -44,9 +44,11 @@ def decided_replicas(pool: Pool, status: Mapping[str, Any], added: Collection[st
     out: dict[str, int] = {}
     for role in pool.roles:
         entry = decided.get(role) if isinstance(decided, Mapping) else None
-        if role not in added and isinstance(entry, Mapping) and isinstance(entry.get("desired"), int):
+        count = entry.get("desired") if isinstance(entry, Mapping) else None
+        # not a bool (an int to Python: `max(True, 1)` is True, rendered as `replicas: true`), written by hand
+        if role not in added and isinstance(count, int) and not isinstance(count, bool):
             low, high = pool.bounds(role)
-            out[role] = min(max(entry["desired"], low), high)
+            out[role] = min(max(count, low), high)
     return out
 
 
