@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -213,15 +214,27 @@ def test_openai_client_raises_on_bad_request(client: openai.OpenAI, served: tupl
 def test_disconnect_mid_stream_frees_blocks(served: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     url, engine = served
     real_run = engine.runner.run
-    # the tiny model would finish 400 tokens before the client reads its first line: slow each step down
-    monkeypatch.setattr(engine.runner, "run", lambda seqs: (time.sleep(0.01), real_run(seqs))[1])
+    steps = itertools.count()
+    read = threading.Event()
+
+    def held(seqs: object) -> object:
+        """The tiny model would finish 400 tokens before a loaded machine's client reads its first line (a 10 ms
+        sleep a step was not enough under the whole suite): steps after the first two wait for the client."""
+        if next(steps) >= 2:
+            read.wait(30)
+        return real_run(seqs)
+
+    monkeypatch.setattr(engine.runner, "run", held)
     before = _aborts(engine)
     body = {"prompt": "Tell me a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body) as reply:
-        for line in reply.iter_lines():
-            if line.startswith("data:"):
-                break
-        assert engine.kv.stats().used > 0
+        try:
+            for line in reply.iter_lines():
+                if line.startswith("data:"):
+                    break
+            assert engine.kv.stats().used > 0
+        finally:
+            read.set()
     wait_idle(engine)
     assert engine.kv.stats().used == 0
     assert _aborts(engine) == before + 1
