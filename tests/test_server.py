@@ -218,8 +218,8 @@ def test_disconnect_mid_stream_frees_blocks(served: tuple[str, Engine], monkeypa
     read = threading.Event()
 
     def held(seqs: object) -> object:
-        """The tiny model would finish 400 tokens before a loaded machine's client reads its first line (a 10 ms
-        sleep a step was not enough under the whole suite): steps after the first two wait for the client."""
+        """The tiny model would finish 400 tokens before a loaded machine's client reads its first line: steps
+        after the first two wait for the client."""
         if next(steps) >= 2:
             read.wait(30)
         return real_run(seqs)
@@ -228,10 +228,11 @@ def test_disconnect_mid_stream_frees_blocks(served: tuple[str, Engine], monkeypa
     before = _aborts(engine)
     body = {"prompt": "Tell me a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body) as reply:
+        # the iterator is kept: a line iterator dropped after a `break` is collected at once, and closing it
+        # closes the connection, so the engine could abort the request before the check below
+        lines = reply.iter_lines()
         try:
-            for line in reply.iter_lines():
-                if line.startswith("data:"):
-                    break
+            assert next(line for line in lines if line.startswith("data:"))
             assert engine.kv.stats().used > 0
         finally:
             read.set()
