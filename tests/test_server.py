@@ -416,16 +416,18 @@ def test_a_loading_engine_says_so_on_metrics_and_serves_nothing_else(tiny_dir: P
     (Prometheus sees a starting pod, not a down one) and every other route 503; the router sees a loading pod, not
     a candidate, and its and the operator's scrapes leave it out rather than read a serving pod with nothing
     running; `kvmesh status` shows how far its load is. Loaded, the gauge reads 0 and the pod serves."""
-    release = threading.Event()
+    release, reported = threading.Event(), threading.Event()
     engine = make_engine(tiny_dir, kv_cache_blocks=32)
 
     def held_load() -> Engine:
         LOAD_PROGRESS.get()(0.25)  # a quarter of its weights read
+        reported.set()
         release.wait()
         return engine
 
     holder = EngineHolder(loader=held_load)
     loading = holder.load_in_background()
+    assert reported.wait(30)  # the loading thread may start after the first scrape on a loaded machine
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(holder), host="127.0.0.1", port=port, log_level="warning"))
     serving = threading.Thread(target=server.run, daemon=True)
