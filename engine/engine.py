@@ -215,7 +215,8 @@ class Engine:
         self._histories: dict[str, TokenHistory] = {}  # speculating requests' tokens, for the n-gram lookup
         self.metrics = EngineMetrics(self.model_name, lambda: self.state, config.kv_cache_dtype,
                                      self.kv_layout.stored_format,
-                                     self.spec.num_speculative_tokens if self.spec is not None else 0)
+                                     self.spec.num_speculative_tokens if self.spec is not None else 0,
+                                     loaded.weights_fingerprint)
         self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size,
                                             self.metrics.structured_mask_seconds, self.metrics.structured_masks)
         self.kv_config = KVConfig(

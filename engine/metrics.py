@@ -110,11 +110,13 @@ class EngineState:
 
 
 class _StateCollector:
-    def __init__(self, state: Callable[[], EngineState], model: str, cache_dtype: str, kv_format: str) -> None:
+    def __init__(self, state: Callable[[], EngineState], model: str, cache_dtype: str, kv_format: str,
+                 weights_fingerprint: str) -> None:
         self._state = state
         self._model = model
         self._cache_dtype = cache_dtype
         self._kv_format = kv_format
+        self._weights_fingerprint = weights_fingerprint
 
     def collect(self) -> Iterator[Metric]:
         s = self._state()
@@ -130,8 +132,10 @@ class _StateCollector:
         yield gauge(V.WAITING, "Requests waiting to be scheduled.", s.waiting)
         yield gauge(V.KV_USAGE, "Device KV blocks held by requests over all device blocks (0..1).", s.kv.usage)
         info = GaugeMetricFamily(V.CACHE_CONFIG, "KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "kv_format"])
-        info.add_metric([str(s.kv.block_size), str(s.kv.total), self._cache_dtype, self._kv_format], 1)
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "kv_format",
+                                         "weights_fingerprint"])
+        info.add_metric([str(s.kv.block_size), str(s.kv.total), self._cache_dtype, self._kv_format,
+                         self._weights_fingerprint], 1)
         yield info
         blocks = GaugeMetricFamily(M.KV_BLOCKS, "KV blocks by state and tier; states sum to the tier's total.",
                                    labels=["tier", "state"])
@@ -181,7 +185,7 @@ class EngineMetrics:
     """Event-driven metrics; `render()` gives the Prometheus text for /metrics."""
 
     def __init__(self, model: str, state: Callable[[], EngineState], cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
-                 kv_format: str = "", num_speculative_tokens: int = 0) -> None:
+                 kv_format: str = "", num_speculative_tokens: int = 0, weights_fingerprint: str = "") -> None:
         self.registry, _ = _process_registry(loading=False)  # the same series as while loading, now loaded
         r = self.registry
         lm = [MODEL_LABEL]
@@ -287,7 +291,7 @@ class EngineMetrics:
         # the model's histograms too, so that their buckets exist (at 0) before the first request ends
         for h in (self.ttft, self.itl, self.e2e, self.request_generation_tokens):
             h.labels(model)
-        r.register(_StateCollector(state, model, cache_dtype, kv_format))
+        r.register(_StateCollector(state, model, cache_dtype, kv_format, weights_fingerprint))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

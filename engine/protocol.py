@@ -631,6 +631,7 @@ class ScrapedMetrics:
     # with the time it was set); None when the engine exports none
     lora_info: dict[str, str] | None = None
     forecast_peak: dict[str, float] = field(default_factory=dict)  # the peak within the horizon, by level
+    weights_fingerprint: str | None = None  # the weights its KV is computed with (KVConfig.weights_fingerprint)
 
 
 def read_engine_metrics(text: str) -> ScrapedMetrics:
@@ -641,7 +642,7 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
     forecast: dict[str, float] = {}
     peak: dict[str, float] = {}
     num_blocks = block_size = None
-    cache_dtype = kv_format = None
+    cache_dtype = kv_format = weights = None
     lora: tuple[float, dict[str, str]] | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -655,10 +656,11 @@ def read_engine_metrics(text: str) -> ScrapedMetrics:
                 block_size = int(float(sample.labels.get("block_size", DEFAULT_BLOCK_SIZE)))
                 cache_dtype = sample.labels.get("cache_dtype")
                 kv_format = sample.labels.get("kv_format")
+                weights = sample.labels.get("weights_fingerprint")
             elif sample.name == VllmMetric.LORA_REQUESTS_INFO:
                 if lora is None or sample.value >= lora[0]:
                     lora = sample.value, dict(sample.labels)
             elif set(sample.labels) <= {MODEL_LABEL}:
                 values[sample.name] = sample.value
     return ScrapedMetrics(values, forecast, num_blocks, block_size, cache_dtype, kv_format,
-                          lora[1] if lora is not None else None, peak)
+                          lora[1] if lora is not None else None, peak, weights or None)

@@ -107,6 +107,7 @@ class PodMetrics:
     counters: Counters
     block_size: int
     kv_format: str = DEFAULT_KV_CACHE_DTYPE  # how it stores KV blocks: a warm-up copies only between pods alike
+    weights: str = ""  # the weights its KV is computed with (weights_fingerprint; "": its engine does not say)
 
 
 def parse_pod(name: str, role: str, text: str) -> PodMetrics:
@@ -122,7 +123,8 @@ def parse_pod(name: str, role: str, text: str) -> PodMetrics:
                                  running=running, waiting=waiting, decode_step_cost=read_decode_step_cost(m.values),
                                  **values)
     return PodMetrics(observation, Counters(**counters, in_flight=running + waiting),
-                      m.block_size or DEFAULT_BLOCK_SIZE, m.kv_format or m.cache_dtype or DEFAULT_KV_CACHE_DTYPE)
+                      m.block_size or DEFAULT_BLOCK_SIZE, m.kv_format or m.cache_dtype or DEFAULT_KV_CACHE_DTYPE,
+                      m.weights_fingerprint or "")
 
 
 def parse_router_held(text: str) -> int:

@@ -30,6 +30,12 @@ class ServingPod:
     hit_rate: float = 0.0  # cached prompt tokens per second it served lately: how warm its cache is
     ready: bool = True  # its Kubernetes Ready condition: False while loading, warming up or draining
     kv_format: str = DEFAULT_KV_CACHE_DTYPE  # its KV cache's format: blocks copy only between equal formats
+    weights: str = ""  # the weights its KV is computed with: an engine refuses blocks of other weights
+
+    @property
+    def stores_like(self) -> tuple[str, str, str]:
+        """Pods whose blocks can warm each other: one role, one KV format, one set of weights."""
+        return self.role, self.kv_format, self.weights
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,18 @@ class WarmupPlan:
 
 def plan_warmups(known: frozenset[str] | None, serving: Sequence[ServingPod], limit: int,
                  gated: bool = False) -> WarmupPlan:
-    """Per role and KV format, the new pods in `serving` (those not in `known`, the pods that served at the last
-    tick), warmed from the old pod of their format whose cache serves the most hits (ties: the first name). On
-    the operator's first tick (`known` None) only the pods not Ready yet are new: a restarted operator must not
-    re-warm a whole pool, yet must not leave a pod that was warming up to its grace. With the engines' gate on
-    (`gated`), new pods with nothing to copy (no old pod of their role and format: a pool's first pods, or the
-    first pods of a rolling change of kvCacheDtype; or `limit` 0, warm-up off) are opened at once."""
+    """Per role, KV format and weights (`ServingPod.stores_like`: during a rollout of new weights or a new format,
+    old pods' blocks are no use to new ones), the new pods in `serving` (those not in `known`, the pods that
+    served at the last tick), warmed from the old pod alike whose cache serves the most hits (ties: the first
+    name). On the operator's first tick (`known` None) only the pods not Ready yet are new: a restarted operator
+    must not re-warm a whole pool, yet must not leave a pod that was warming up to its grace. With the engines'
+    gate on (`gated`), new pods with nothing to copy (no old pod alike: a pool's first pods, or the first pods of a
+    rolling change of kvCacheDtype or of the model's weights; or `limit` 0, warm-up off) are opened at once."""
     warmups: list[Warmup] = []
     open_now: list[ServingPod] = []
-    for role, kv_format in sorted({(p.role, p.kv_format) for p in serving}):
-        pods = sorted((p for p in serving if (p.role, p.kv_format) == (role, kv_format)), key=lambda p: p.name)
+    for kind in sorted({p.stores_like for p in serving}):
+        role = kind[0]
+        pods = sorted((p for p in serving if p.stores_like == kind), key=lambda p: p.name)
         new = tuple(p for p in pods if (not p.ready if known is None else p.name not in known))
         old = [p for p in pods if p not in new]
         if new and old and limit > 0:
@@ -98,7 +106,7 @@ def plan_tick_warmups(memory: PoolMemory, scraped: Sequence[PodMetrics], places:
     (those with a place) with their hit rates and KV formats, planned against the pods that served at the last
     tick (`memory.serving`), which then remembers these. The caller carries the plan out (`carry_out`)."""
     serving = [ServingPod(name, m.observation.role, places[name].url, hit_rates.get(name, 0.0), places[name].ready,
-                          m.kv_format)
+                          m.kv_format, m.weights)
                for m in scraped if (name := m.observation.name) in places]
     plan = plan_warmups(memory.serving, serving, settings.limit, settings.gated)
     memory.serving = frozenset(p.name for p in serving)

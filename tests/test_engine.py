@@ -236,7 +236,8 @@ def test_metrics_conservation_and_hits_equal_cached_tokens(tiny_dir: Path) -> No
         assert sum(blocks.values()) == engine.kv.pool.num_blocks
     after = _samples(engine)
     assert after[hits_key] - before.get(hits_key, 0.0) == sum(r.final.cached_tokens for r in results) > 0
-    config_labels = (("block_size", "16"), ("cache_dtype", "auto"), ("kv_format", "float32"), ("num_gpu_blocks", "40"))
+    config_labels = (("block_size", "16"), ("cache_dtype", "auto"), ("kv_format", "float32"), ("num_gpu_blocks", "40"),
+                     ("weights_fingerprint", engine.kv_config.weights_fingerprint))
     assert after[("vllm:cache_config_info", config_labels)] == 1
 
 

@@ -18,6 +18,9 @@ from safetensors.torch import load_file, save_file
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.model import loader
 from kvmesh.engine.protocol import KVConfig
+from kvmesh.operator.forecast import parse_pod
+from kvmesh.operator.memory import PoolMemory
+from kvmesh.operator.warmup import PodPlace, WarmupSettings, plan_tick_warmups
 
 from .conftest import make_engine
 from .engines import serve_engine
@@ -125,6 +128,21 @@ def test_kv_config_endpoint_exports_the_fingerprint(pods: tuple[str, str, str, t
     a, _, b, engines = pods
     assert httpx.get(a + "/v1/kv/config").json()["weights_fingerprint"] == engines[0].kv_config.weights_fingerprint
     assert httpx.get(b + "/v1/kv/config").json()["weights_fingerprint"] == engines[2].kv_config.weights_fingerprint
+
+
+def test_the_operator_warms_a_new_pod_only_from_a_pod_of_its_weights(
+        pods: tuple[str, str, str, tuple[Engine, ...]]) -> None:
+    """Midway through a weights change: the operator reads each engine's weights from its /metrics and warms the
+    new pod of other weights from no old pod (the blocks would be refused: a wasted copy), and a new pod of the
+    old weights from the old pod."""
+    a, a2, b, _ = pods
+    scraped = [parse_pod(name, "both", httpx.get(url + "/metrics").text) for name, url in (("a", a), ("a2", a2),
+                                                                                          ("b", b))]
+    assert scraped[0].weights == scraped[1].weights != scraped[2].weights != ""
+    places = {"a": PodPlace(a, True), "a2": PodPlace(a2, False), "b": PodPlace(b, False)}
+    plan = plan_tick_warmups(PoolMemory(serving=frozenset({"a"})), scraped, places, {}, WarmupSettings(16, gated=True))
+    assert [(w.source.name, [t.name for t in w.targets]) for w in plan.warmups] == [("a", ["a2"])]
+    assert [p.name for p in plan.open_now] == ["b"]  # nothing of its weights to copy: it serves at once
 
 
 @pytest.mark.parametrize("mode", ["handoff", "pull"])
