@@ -44,8 +44,9 @@ def new_token() -> str:
 
 
 class InternalToken(httpx.Auth):
-    """The token of one process: read from its file, re-read when the file changes. As an `httpx.Auth`, it adds
-    the header to every request of a client made with `auth=token` (the current token, each request).
+    """The token of one process: read from its file, re-read when the file changes, or held in memory (`fixed`).
+    As an `httpx.Auth`, it adds the header to every request of a client made with `auth=token` (the current token,
+    each request).
 
     `path` None: the pool has no token (nothing is asked of callers, nothing is sent). A file that cannot be read or
     holds too short a token is an error at start (a pod that would refuse its own pool must not look healthy); a
@@ -64,14 +65,21 @@ class InternalToken(httpx.Auth):
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> InternalToken:
         return cls(environ.get(INTERNAL_TOKEN_FILE_ENV) or None)
 
+    @classmethod
+    def fixed(cls, token: str) -> InternalToken:
+        """A token held in memory: the cluster operator reads each pool's from its Secret through the API."""
+        held = cls(None)
+        held._token = token
+        return held
+
     @property
     def enabled(self) -> bool:
-        return self.path is not None
+        return self._token is not None
 
     def value(self) -> str | None:
-        """The current token, re-read at most once a `RECHECK_SECONDS` when the file's stamp moved."""
+        """The current token; one from a file is re-read at most once a `RECHECK_SECONDS` when its stamp moved."""
         if self.path is None:
-            return None
+            return self._token
         now = time.monotonic()
         if now - self._checked >= RECHECK_SECONDS:
             self._checked = now
@@ -98,6 +106,9 @@ class InternalToken(httpx.Auth):
         if token is None or path in OPEN_PATHS:
             return True
         return presented is not None and hmac.compare_digest(presented.encode(), token.encode())
+
+    def __repr__(self) -> str:  # never the token itself: it may reach a log line
+        return f"InternalToken({str(self.path) if self.path else 'fixed' if self._token else None})"
 
     def _read(self) -> str:
         assert self.path is not None

@@ -3,8 +3,8 @@ a pod's warm-up gate. Each pod's failure is returned, never raised: a pod that d
 the tick for the others.
 
 Every call but the scrape (/metrics is open) carries the pool's internal token (engine/internal_token.py) when
-given one as `auth`: the cluster operator's `PoolToken`, read from the pool's Secret, or `kvmesh up`'s
-`InternalToken`, read from its work folder.
+given one as `auth`: the cluster operator's, read from the pool's Secret (`InternalToken.fixed`), or `kvmesh up`'s,
+read from its work folder.
 
 Kopf-free: the cluster operator (operator/handlers.py) and the local one inside `kvmesh up -f`
 (operator/local.py) make the same calls.
@@ -12,13 +12,12 @@ Kopf-free: the cluster operator (operator/handlers.py) and the local one inside 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import httpx
 
-from kvmesh.engine.internal_token import INTERNAL_TOKEN_HEADER
 from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, READY_PATH, serving_metrics
 from kvmesh.operator.warmup import ServingPod, Warmup, WarmupUnanswered, warm_body
 
@@ -28,27 +27,6 @@ WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick wai
 SCRAPE_WORKERS = 16  # pods scraped at once
 
 Scraper = Callable[[str], str]  # URL -> Prometheus text
-
-
-class PoolToken(httpx.Auth):
-    """A pool's internal token as the cluster operator holds it (read from the pool's Secret through the API, not
-    from a file): adds the header to every request of a call made with `auth=PoolToken(token)`."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        request.headers[INTERNAL_TOKEN_HEADER] = self.token
-        yield request
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PoolToken) and other.token == self.token
-
-    def __hash__(self) -> int:
-        return hash(self.token)
-
-    def __repr__(self) -> str:  # never the token itself: it may reach a log line
-        return "PoolToken(...)"
 
 
 def http_scrape(url: str) -> str:

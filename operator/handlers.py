@@ -36,12 +36,12 @@ from kubernetes.client import Configuration
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 
-from kvmesh.engine.internal_token import MIN_TOKEN_CHARS, new_token
+from kvmesh.engine.internal_token import MIN_TOKEN_CHARS, InternalToken, new_token
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.conditions import pool_conditions, ready_replicas, switching
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool, spec_roles
-from kvmesh.operator.engines import PoolToken, Scraper, http_open_gates, http_scrape, http_warm, scrape_all
+from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
 from kvmesh.operator.kube import PLURALS, Kube, NameTaken, owned_by, same_owner
 from kvmesh.operator.leader import Election, run_elected
@@ -152,15 +152,15 @@ def pool_token(kube: Kube, pool: Pool) -> str:
     return token
 
 
-def current_token(kube: Kube, pool: Pool, memo: kopf.Memo) -> PoolToken | None:
+def current_token(kube: Kube, pool: Pool, memo: kopf.Memo) -> InternalToken | None:
     """The token the evaluation's engine calls send: the Secret's, read now (and made again if it was deleted), or
     the last one read when that fails (logged: the calls may meet 401s until it is read again); None when none was
     ever read (the calls go without, and engines answer 401, which the tick survives)."""
     try:
-        memo["kvmesh-token"] = PoolToken(pool_token(kube, pool))
+        memo["kvmesh-token"] = InternalToken.fixed(pool_token(kube, pool))
     except ApplyFailed as exc:
         log.warning("pool %s/%s: %s", pool.namespace, pool.name, exc)
-    token: PoolToken | None = memo.get("kvmesh-token")
+    token: InternalToken | None = memo.get("kvmesh-token")
     return token
 
 
@@ -378,7 +378,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         added = [r for r in pool.roles if old is not None and r not in spec_roles((old or {}).get("spec"))]
         try:  # the Secret before the pods that mount it
             replicas = starting_replicas(kube, pool, status, added)
-            memo["kvmesh-token"] = PoolToken(pool_token(kube, pool))
+            memo["kvmesh-token"] = InternalToken.fixed(pool_token(kube, pool))
             # an upgrade from before the internal token: the routers roll first (operator/routers_first.py)
             rollout = routers_first(desired.desired_objects(pool, replicas), live_deployments(kube, pool))
             applied = apply_pool(kube, pool, rollout.objects, rollout.held)
@@ -446,7 +446,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
 def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
          now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer | None = None,
          open_gates: GateOpener | None = None, adapters: AdapterMemory | None = None,
-         auth: PoolToken | None = None) -> Decision:
+         auth: InternalToken | None = None) -> Decision:
     """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters), report.
     Every call to an engine sends the pool's token `auth`: `warm` and `open_gates` default to the HTTP calls with
     it (a test passes its own)."""
@@ -639,7 +639,7 @@ def warm_new_pods(pool: Pool, body: kopf.Body, state: PoolMemory, pods: list[dic
 
 
 def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapters: AdapterMemory,
-                  operator_metrics: OperatorMetrics, auth: PoolToken | None = None) -> AdapterStatus | None:
+                  operator_metrics: OperatorMetrics, auth: InternalToken | None = None) -> AdapterStatus | None:
     """Load and unload LoRA adapters in the Ready engine pods so they serve what the spec declares
     (operator/lora.py `adapter_tick`); count the actions, post a Warning Event for each refusal (once: it is not
     retried, also after a restart, which finds the refusals in status.adapters), and log every action and a tick

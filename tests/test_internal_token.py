@@ -61,6 +61,14 @@ def test_a_missing_or_short_token_file_is_an_error_at_start(tmp_path: Path) -> N
     assert InternalToken(None).headers() == {} and InternalToken(None).admits("/v1/kv/fetch", None)
 
 
+def test_a_token_held_in_memory_is_sent_and_asked_as_one_from_a_file() -> None:
+    """The cluster operator holds each pool's token as read from its Secret: the same header, never in a repr."""
+    held = InternalToken.fixed("m" * 43)
+    assert held.enabled and held.headers() == {INTERNAL_TOKEN_HEADER: "m" * 43}
+    assert held.admits("/v1/kv/fetch", "m" * 43) and not held.admits("/v1/kv/fetch", "x" * 43)
+    assert "m" * 43 not in repr(held)
+
+
 @pytest.fixture(scope="module")
 def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Router, str]]:
     """A prefill and a decode engine in this process, both asking for one token, and a router given the token's

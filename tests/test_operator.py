@@ -29,11 +29,11 @@ import kopf
 import pytest
 import yaml
 
-from kvmesh.engine.internal_token import INTERNAL_TOKEN_HEADER, INTERNAL_TOKEN_KEY
+from kvmesh.engine.internal_token import INTERNAL_TOKEN_HEADER, INTERNAL_TOKEN_KEY, InternalToken
 from kvmesh.engine.protocol import EVALUATION_OUTCOMES, POOL_LABEL, ROLE_LABEL, Metric, OperatorMetric, VllmMetric
 from kvmesh.operator import rbac
 from kvmesh.operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from kvmesh.operator.engines import PoolToken, http_open_gates, http_warm
+from kvmesh.operator.engines import http_open_gates, http_warm
 from kvmesh.operator.handlers import DELETION_COST_ANNOTATION, OperatorConfig, register
 from kvmesh.operator.kube import API_RETRY
 from kvmesh.operator.metrics import OperatorMetrics
@@ -858,12 +858,12 @@ def test_the_warm_up_calls_send_the_pools_token_and_never_log_it() -> None:
     try:
         url = f"http://127.0.0.1:{engine.server.server_address[1]}"
         source, target = ServingPod("a", "both", url), ServingPod("b", "both", url)
-        token = PoolToken("s" * 43)
-        assert "s" * 43 not in repr(token) and token == PoolToken("s" * 43)
+        token = InternalToken.fixed("s" * 43)
+        assert "s" * 43 not in repr(token)
         assert http_warm(Warmup("both", source, (target,)), 4, auth=token) == {"b": {}}
         assert http_open_gates([target], auth=token) == {"b": None}
-        assert engine.calls() == [("GET", "/v1/kv/hot", token.token), ("POST", "/v1/kv/warm", token.token),
-                                  ("POST", "/v1/admin/ready", token.token)]
+        assert engine.calls() == [("GET", "/v1/kv/hot", "s" * 43), ("POST", "/v1/kv/warm", "s" * 43),
+                                  ("POST", "/v1/admin/ready", "s" * 43)]
         seen = len(engine.requests)
         http_open_gates([target])
         assert engine.calls(seen) == [("POST", "/v1/admin/ready", None)]

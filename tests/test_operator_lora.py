@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
+from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.protocol import LORA_FINGERPRINT_FIELD, OperatorMetric
 from kvmesh.operator.crd import Pool, parse_pool
 from kvmesh.operator.desired import CONFIG_HASH_ANNOTATION, config_map, desired_objects, engine_adapters
-from kvmesh.operator.engines import PoolToken
 from kvmesh.operator.lora import (
     LOAD,
     OK,
@@ -417,12 +417,12 @@ def test_the_adapter_calls_send_the_pools_token_and_a_401_is_retried_not_refused
     engine = FakeEngine("127.0.0.1", free_port())
     try:
         url = f"http://127.0.0.1:{engine.server.server_address[1]}"
-        token = PoolToken("k" * 43)
+        token = InternalToken.fixed("k" * 43)
         assert http_served(url, auth=token) == {}
         assert http_act(url, AdapterAction(LOAD, "sql", "/a/sql"), auth=token)[0] == 200
         assert http_act(url, AdapterAction(UNLOAD, "sql"), auth=token)[0] == 200
-        assert engine.calls() == [("GET", "/v1/models", token.token), ("POST", "/v1/load_lora_adapter", token.token),
-                                  ("POST", "/v1/unload_lora_adapter", token.token)]
+        assert engine.calls() == [("GET", "/v1/models", "k" * 43), ("POST", "/v1/load_lora_adapter", "k" * 43),
+                                  ("POST", "/v1/unload_lora_adapter", "k" * 43)]
     finally:
         engine.close()
     assert outcome_of(AdapterAction(LOAD, "sql", "/a/sql"), 401, "no token").outcome == RETRY
