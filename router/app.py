@@ -128,7 +128,13 @@ from kvmesh.router.responses_store import (
 )
 from kvmesh.router.shed import ShedPolicy, fair_share, priority_label, should_shed
 from kvmesh.router.store import DATABASE_COMPONENTS, AsyncRequestLog, RequestLog, RequestRecord
-from kvmesh.router.tokenize_api import tokenize_routes, unknown_model
+from kvmesh.router.tokenize_api import (
+    CONTEXT_LENGTH_CODE,
+    body_bound,
+    past_body_bound,
+    tokenize_routes,
+    unknown_model,
+)
 from kvmesh.router.tracing import RequestSpan, request_span
 
 if TYPE_CHECKING:
@@ -598,17 +604,39 @@ class Router:
         return ids
 
     async def admit(self, payload: bytes, headers: Mapping[str, str], chat: bool,
-                    tenant: str | None = None, batch: bool = False) -> Admitted:
+                    tenant: str | None = None, batch: bool = False, lease: Lease | None = None) -> Admitted:
         """Authenticate, validate, salt, tokenize and hash one request, the same whichever edge received it (this
-        HTTP app, or a Gateway's ext_proc stream): RouteError (401, 400) when it cannot be served. The key comes
-        first: checking a body (a JSON schema compiled into a grammar) costs, and is for clients who may send.
-        A request from inside the router comes with its `tenant`, whose key was checked already (a Responses API
-        request's, a batch's when the batch was created); a `batch` request takes the tenant's batch limits."""
+        HTTP app, or a Gateway's ext_proc stream): RouteError (401, 400, 429) when it cannot be served. The key
+        comes first, then the tenant's limits (a request and a concurrency slot, held from here on: parsing and
+        tokenizing a body costs, and is for clients who may send), then a bound on the body's size.
+        A request from inside the router comes with its `tenant`, whose key was checked already (a batch's when
+        the batch was created), or with the `lease` its tenant's limits were opened with already (a Responses API
+        request's, before its history was read); a `batch` request takes the tenant's batch limits."""
         arrived_ns = time.time_ns()
-        tenant = tenant if tenant is not None else self.authenticate(headers)
-        limiter = self.limits.batch if batch else self.limits
-        if (over := limiter.check(tenant)) is not None:  # before any work on the body
-            raise self.rate_limited(tenant, over)
+        if lease is None:
+            tenant = tenant if tenant is not None else self.authenticate(headers)
+            lease = self.open(tenant, batch)
+        try:
+            return await self._admitted(payload, headers, chat, lease, batch, arrived_ns)
+        except BaseException:  # refused (or cancelled) after opening: the slot back, the request stays charged
+            lease.close()
+            raise
+
+    def open(self, tenant: str, batch: bool = False) -> Lease:
+        """The tenant's limits opened for a request about to be read (Limiter.open): RouteError 429 over them."""
+        lease = (self.limits.batch if batch else self.limits).open(tenant)
+        if isinstance(lease, Refusal):
+            raise self.rate_limited(tenant, lease)
+        return lease
+
+    async def _admitted(self, payload: bytes, headers: Mapping[str, str], chat: bool, lease: Lease, batch: bool,
+                        arrived_ns: int) -> Admitted:
+        """`admit`'s work on the body once the tenant's limits are opened: RouteError 400 past the body bound (a
+        prompt no context could hold is never tokenized: an 18 MiB one took the router a minute of CPU), 400 for
+        a bad body, 429 for a prompt over the tenant's tokens per minute."""
+        tenant = lease.tenant
+        if len(payload) > (bound := body_bound(self.models()["data"])):
+            raise RouteError(400, past_body_bound(bound), code=CONTEXT_LENGTH_CODE, headers=lease.headers)
         model = ChatRequest if chat else CompletionRequest
 
         def parse() -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
@@ -635,14 +663,9 @@ class Router:
         self.metrics.decision.observe(time.perf_counter() - start)
         asked = headers.get(WORKLOAD_HEADER) if self.trusts_workload(tenant) else None
         workload = workload_class("chat" if chat else "completion", info.prompt_tokens, asked)
-        lease = limiter.take(tenant, prompt_tokens)
-        if isinstance(lease, Refusal):
-            raise self.rate_limited(tenant, lease)
-        try:
-            span = request_span(self.tracing, headers, arrived_ns, chat, info, tenant, workload)
-        except BaseException:
-            lease.close()
-            raise
+        if (over := lease.take_prompt(prompt_tokens)) is not None:
+            raise self.rate_limited(tenant, over)
+        span = request_span(self.tracing, headers, arrived_ns, chat, info, tenant, workload)
         return Admitted(raw, body, Trace(info, tenant, workload, lease=lease, span=span,
                                          source=BATCH_SOURCE if batch else CLIENT_SOURCE,
                                          charged_prompt_tokens=prompt_tokens),
@@ -1240,11 +1263,14 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models,
                                        router.admit_call))
 
-    async def send_chat(tenant: str, body: dict[str, Any], http: HttpRequest) -> Response:
-        """A Responses API request's chat request through this router's own path, its client watched."""
-        return await serve(json.dumps(body).encode(), header_map(http.scope), CHAT_PATH, True, tenant, http=http)
+    async def send_chat(lease: Lease, body: dict[str, Any], http: HttpRequest) -> Response:
+        """A Responses API request's chat request through this router's own path under the limits it opened
+        (`lease`), its client watched."""
+        return await serve(json.dumps(body).encode(), header_map(http.scope), CHAT_PATH, True, http=http,
+                           lease=lease)
 
-    app.include_router(response_routes(responses, lambda header: router.keys.tenant_for(header), send_chat))
+    app.include_router(response_routes(responses, lambda header: router.keys.tenant_for(header), send_chat,
+                                       router.open, router.admit_call))
 
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
         """A completion POST, as plain ASGI (RouterApp). The key is checked before a byte of the body is read,
@@ -1276,12 +1302,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     app.edge = BodyDeadline(app.dispatch, lambda: router.config.body_read_timeout_seconds, body_timed_out)
 
     async def serve(payload: bytes, headers: Mapping[str, str], path: str, chat: bool, tenant: str | None = None,
-                    http: HttpRequest | None = None, batch: bool = False) -> Response:
+                    http: HttpRequest | None = None, batch: bool = False, lease: Lease | None = None) -> Response:
         """One completion from a client of the HTTP edge (`http`: watched for a client that leaves), of the
-        Responses API (`tenant` already authenticated), or of the batch runner in this process (`batch`; `tenant`:
-        whose batch it is, authenticated when the batch was created)."""
+        Responses API (`lease`: its tenant's limits, opened already), or of the batch runner in this process
+        (`batch`; `tenant`: whose batch it is, authenticated when the batch was created)."""
         try:
-            admitted = await router.admit(payload, headers, chat, tenant, batch)
+            admitted = await router.admit(payload, headers, chat, tenant, batch, lease)
         except RouteError as exc:
             source = BATCH_SOURCE if batch else CLIENT_SOURCE
             router.metrics.count_request(refusal_outcome(exc), "aggregated", source)

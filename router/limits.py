@@ -2,7 +2,7 @@
 
 A bucket holds one minute's worth and refills continuously, so a tenant that spent its minute waits only for what
 its next request needs, never for a window to roll over (Envoy's and OpenAI's limits work this way). Prompt tokens
-are charged when a request is admitted (the router tokenizes it anyway); output tokens when its usage comes back,
+are charged once the router has tokenized an admitted request (it does anyway); output tokens when its usage comes back,
 so tokens per minute stay honest for long answers: that charge may take the bucket below zero, and the tenant's
 next requests wait until it has refilled. Each router replica enforces its own buckets, a share of each limit
 (`rate_limit_replicas`, or split by demand: router/limit_sync.py).
@@ -218,11 +218,20 @@ class Lease:
     """One admitted request's hold on its tenant's limits. `close` gives the concurrency slot back and charges the
     output tokens, exactly once, however the request ended: each edge closes it where a request's handling ends,
     in a `finally` (router/app.py `serve` and a stream's relay, router/extproc.py's stream), so no slot waits for
-    the garbage collector. `headers` are the x-ratelimit-* values at admission."""
+    the garbage collector. `headers` are the x-ratelimit-* values at admission (its prompt's tokens taken)."""
 
     def __init__(self, limiter: Limiter, tenant: str, headers: Mapping[str, str]) -> None:
         self.tenant, self.headers, self._limiter = tenant, MappingProxyType(dict(headers)), limiter
         self.closed = False
+
+    def take_prompt(self, prompt_tokens: int) -> Refusal | None:
+        """Charge the prompt tokens of a request `Limiter.open` admitted, once counted, or the refusal of a prompt
+        over the tenant's tokens per minute; the headers then say what the prompt left. A refused request keeps its
+        request (OpenAI counts refused requests against the limit too); its caller closes the lease."""
+        refusal = self._limiter.take_prompt(self.tenant, prompt_tokens)
+        if refusal is None:
+            self.headers = MappingProxyType(self._limiter.headers(self.tenant))
+        return refusal
 
     def close(self, spent_tokens: int = 0) -> None:
         """`spent_tokens`: those the request used beyond the prompt charged at admission (its output, and the other
@@ -239,8 +248,10 @@ class _Buckets:
 
 
 class Limiter:
-    """The tenants' buckets and in-flight counts on this router replica. `check` before any work (takes nothing),
-    `take` once the prompt is tokenized (all or nothing), `Lease.close` when the request ends.
+    """The tenants' buckets and in-flight counts on this router replica. A completion is admitted by `open` before
+    its body is parsed (one request and a concurrency slot, held while the router tokenizes it), its prompt tokens
+    taken by `Lease.take_prompt` once counted; the router's own calls by `take` (all or nothing); `Lease.close`
+    when the request ends.
 
     `batch` is the limiter of the tenants' Batch API requests: `batch_share` of each limit, in buckets, counts and
     demand of its own (its own `batch` is itself), so that a batch never holds back the tenant's interactive
@@ -304,21 +315,39 @@ class Limiter:
         self.demand[tenant] = self.demand.get(tenant, 0.0) + 1.0
         return self._refusal(tenant, 1)
 
+    def open(self, tenant: str) -> Lease | Refusal:
+        """Admit a request before its body is read (`check`): one request and a concurrency slot, held while its
+        prompt is parsed and tokenized, so a tenant's requests being tokenized count against its limits and cost
+        the router no more than its concurrency allows; the prompt tokens are taken once counted
+        (`Lease.take_prompt`)."""
+        refusal = self.check(tenant)
+        return refusal if refusal is not None else self._hold(tenant, True, None)
+
     def take(self, tenant: str, prompt_tokens: int | None, request: bool = True) -> Lease | Refusal:
-        """Admit a tokenized request: one request, its prompt tokens and a concurrency slot, or nothing.
+        """Admit a call of the router's own APIs: one request, its tokens and a concurrency slot, or nothing.
         `prompt_tokens` None: a call that spends no tokens (the Files and Batches API's), judged on the request
         and concurrency limits only, so a tenant in token debt can still read its batches; `request` False: a call
         that takes no request either, only a concurrency slot (polling a batch's status)."""
         refusal = self._refusal(tenant, prompt_tokens, request)
-        if refusal is not None:
-            return refusal
-        buckets, now = self._of(tenant), self.clock()  # the buckets hold what `_refusal` found (time only adds)
+        return refusal if refusal is not None else self._hold(tenant, request, prompt_tokens)
+
+    def _hold(self, tenant: str, request: bool, tokens: int | None) -> Lease:
+        """Charge what `_refusal` found available (time only adds to the buckets) and take a concurrency slot."""
+        buckets, now = self._of(tenant), self.clock()
         if buckets.requests is not None and request:
             buckets.requests.charge(1, now)
-        if buckets.tokens is not None and prompt_tokens is not None:
-            buckets.tokens.charge(prompt_tokens, now)
+        if buckets.tokens is not None and tokens is not None:
+            buckets.tokens.charge(tokens, now)
         self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
         return Lease(self, tenant, self.headers(tenant))
+
+    def take_prompt(self, tenant: str, prompt_tokens: int) -> Refusal | None:
+        """Charge an opened request's prompt tokens, or refuse it over the tokens limit (its slot and request are
+        the lease's already: neither is judged again)."""
+        refusal = self._refusal(tenant, prompt_tokens, request=False, slot=False)
+        if refusal is None and (tokens := self._of(tenant).tokens) is not None:
+            tokens.charge(prompt_tokens, self.clock())
+        return refusal
 
     def release(self, tenant: str, output_tokens: int) -> None:
         """A request of `tenant` ended, having spent `output_tokens` beyond its admitted prompt."""
@@ -330,10 +359,11 @@ class Limiter:
         if tokens is not None and output_tokens > 0:
             tokens.charge(output_tokens, self.clock())
 
-    def _refusal(self, tenant: str, tokens_needed: int | None, request: bool = True) -> Refusal | None:
+    def _refusal(self, tenant: str, tokens_needed: int | None, request: bool = True,
+                 slot: bool = True) -> Refusal | None:
         limits, buckets, now = self.limits(tenant), self._of(tenant), self.clock()
         concurrent = limits.max_concurrent_requests
-        if concurrent is not None and (inflight := self.inflight.get(tenant, 0)) >= concurrent:
+        if slot and concurrent is not None and (inflight := self.inflight.get(tenant, 0)) >= concurrent:
             whole = self.table.of(tenant).share(self.scale).max_concurrent_requests
             part = f" (this router replica's part of {whole})" if concurrent != whole else ""
             return self._refuse(tenant, "concurrency", 1.0, f"Too many concurrent requests: limit {concurrent}"

@@ -16,6 +16,14 @@ from kvmesh.router.batches import BatchInputError, check_metadata
 UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversation")
 ROLES = ("user", "system", "developer", "assistant")
 RESPONSE_ID_PREFIX = "resp_"
+# The longest id a request may name (`user`, an input item's `id` or `call_id`, tool_choice's function): a stored
+# response keeps these, and no token is charged for them. OpenAI documents no bound for these (64 characters for
+# safety_identifier, which replaces `user`); 256 holds any id a client makes.
+MAX_ID_CHARS = 256
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+TOOL_CHOICES = ("none", "auto", "required")
+TOOL_FIELDS = ("name", "description", "parameters", "strict")  # a function tool's, as the chat request has them
+SCHEMA_FIELDS = ("name", "schema", "strict", "description")  # text.format's of type json_schema
 # the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
 SAMPLING_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty",
                        "frequency_penalty", "logit_bias", "repetition_penalty", "chat_template_kwargs")
@@ -64,6 +72,20 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _check_id(value: Any, param: str) -> None:
+    """An id the request names, kept as sent: a string of at most MAX_ID_CHARS (or absent)."""
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
+        raise ResponsesError(f"{param} must be a string of at most {MAX_ID_CHARS} characters", param)
+
+
+def _check_item(item: Mapping[str, Any], param: str) -> None:
+    """The fields of an input item that a stored response keeps but its prompt does not hold: bounded."""
+    _check_id(item.get("id"), f"{param}.id")
+    _check_id(item.get("call_id"), f"{param}.call_id")
+    if item.get("status") is not None and item["status"] not in ITEM_STATUSES:
+        raise ResponsesError(f"status must be one of {', '.join(ITEM_STATUSES)}", f"{param}.status")
+
+
 def input_messages(items: Any) -> list[dict[str, Any]]:
     """A response request's `input` as chat messages. Function calls become the tool_calls of the assistant
     message they follow (one message, as the answer that made them is stored), so a client that sends a
@@ -77,6 +99,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         param = f"input[{i}]"
         if not isinstance(item, Mapping):
             raise ResponsesError("an input item must be an object", param)
+        _check_item(item, param)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -121,36 +144,51 @@ def chat_request(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()
     for flag in ("store", "stream"):
         if not isinstance(body.get(flag, False), bool):
             raise ResponsesError(f"{flag} must be true or false", flag)
-    if (response_format := _response_format(body.get("text"))) is not None:
+    _check_id(body.get("user"), "user")
+    if (response_format := _response_format(text_config(body.get("text")))) is not None:
         chat["response_format"] = response_format
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls"),
                          *((name, name) for name in SAMPLING_EXTENSIONS)):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
-    tools = []
-    if not isinstance(body.get("tools") or [], list):
-        raise ResponsesError("tools must be a list", "tools")
-    for i, tool in enumerate(body.get("tools") or []):
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            raise ResponsesError("only function tools are supported", f"tools[{i}].type")
-        tools.append({"type": "function", "function": {
-            key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}})
-    if tools:
-        chat["tools"] = tools
-        choice = body.get("tool_choice")
+    choice = tool_choice(body.get("tool_choice"))
+    if tools := function_tools(body.get("tools")):
+        chat["tools"] = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+                         for tool in tools]
         if isinstance(choice, Mapping):
-            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-                raise ResponsesError("tool_choice must be none, auto, required or a function by name",
-                                     "tool_choice")
             chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         elif choice is not None:
             chat["tool_choice"] = choice
     return chat
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
-    """A response request's `text.format` as the chat request's `response_format` (None: free text)."""
+def function_tools(tools: Any) -> list[dict[str, Any]]:
+    """A request's `tools`, each with the fields a function tool has (TOOL_FIELDS: what the prompt holds), as a
+    response echoes them."""
+    if not isinstance(tools or [], list):
+        raise ResponsesError("tools must be a list", "tools")
+    known = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise ResponsesError("only function tools are supported", f"tools[{i}].type")
+        known.append({"type": "function", **{key: tool[key] for key in TOOL_FIELDS if key in tool}})
+    return known
+
+
+def tool_choice(choice: Any) -> str | dict[str, str] | None:
+    """A request's `tool_choice` as a response echoes it: one of TOOL_CHOICES, a function by name, or None."""
+    if choice is None or choice in TOOL_CHOICES:
+        return choice
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("name"), str) \
+            and len(choice["name"]) <= MAX_ID_CHARS:
+        return {"type": "function", "name": choice["name"]}
+    raise ResponsesError(f"tool_choice must be {', '.join(TOOL_CHOICES)} or a function by name (at most "
+                         f"{MAX_ID_CHARS} characters)", "tool_choice")
+
+
+def text_config(text: Any) -> dict[str, Any] | None:
+    """A request's `text` as a response echoes it: its `format` with the fields of its type (None: not sent)."""
     if text is None:
         return None
     form = text.get("format") if isinstance(text, Mapping) else None
@@ -158,12 +196,20 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if text and kind not in ("text", "json_object", "json_schema"):
         raise ResponsesError("text.format must be an object whose type is text, json_object or json_schema",
                              "text.format")
-    if kind == "json_schema":
-        if not isinstance(form.get("schema"), Mapping):
-            raise ResponsesError("text.format.schema must be a JSON schema object", "text.format.schema")
-        return {"type": "json_schema", "json_schema": {
-            key: form[key] for key in ("name", "schema", "strict", "description") if key in form}}
-    return {"type": "json_object"} if kind == "json_object" else None
+    if kind != "json_schema":
+        return {"format": {"type": kind or "text"}}
+    if not isinstance(form.get("schema"), Mapping):
+        raise ResponsesError("text.format.schema must be a JSON schema object", "text.format.schema")
+    return {"format": {"type": kind, **{key: form[key] for key in SCHEMA_FIELDS if key in form}}}
+
+
+def _response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A response request's `text.format` (checked: `text_config`) as the chat request's `response_format` (None:
+    free text)."""
+    form = (text or {}).get("format", {})
+    if form.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
+    return {"type": "json_object"} if form.get("type") == "json_object" else None
 
 
 def message_id(response_id: str) -> str:
@@ -173,17 +219,19 @@ def message_id(response_id: str) -> str:
 
 def response_shell(response_id: str, body: Mapping[str, Any], created_at: int,
                    status: str = "in_progress") -> dict[str, Any]:
-    """A response object without output or usage: what a stream's first events carry."""
+    """A response object without output or usage: what a stream's first events carry. A request's fields are
+    echoed as `chat_request` checked them, with their known fields only: a stored response keeps no byte the
+    request was not charged for or bounded in."""
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "model": body.get("model"), "output": [], "instructions": body.get("instructions"),
         "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {},
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "max_output_tokens": body.get("max_output_tokens"), "tools": body.get("tools") or [],
-        "tool_choice": body.get("tool_choice", "auto"),
+        "max_output_tokens": body.get("max_output_tokens"), "tools": function_tools(body.get("tools")),
+        "tool_choice": tool_choice(body.get("tool_choice")) or "auto",
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "error": None,
         "incomplete_details": None, "store": body.get("store", True), "user": body.get("user"),
-        "text": body.get("text") or {"format": {"type": "text"}}, "usage": None,
+        "text": text_config(body.get("text")) or {"format": {"type": "text"}}, "usage": None,
     }
 
 
@@ -226,24 +274,31 @@ def response_object(response_id: str, body: Mapping[str, Any], completion: Mappi
 
 
 def input_items(body: Mapping[str, Any], response_id: str) -> list[dict[str, Any]]:
-    """A request's input as the items `GET /v1/responses/{id}/input_items` lists, in the shapes OpenAI's clients
-    read: each with an id and a status; user, system and developer messages with input_text parts, assistant ones
-    as output messages with output_text parts (a string input is one user message)."""
+    """A request's input (checked by `chat_request`) as the items `GET /v1/responses/{id}/input_items` lists, in
+    the shapes OpenAI's clients read: each with an id and a status; user, system and developer messages with
+    input_text parts, assistant ones as output messages with output_text parts (a string input is one user
+    message). Only the fields of each item's type are kept: what its prompt holds, and bounded ids."""
     raw = body.get("input")
     items = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) else list(raw or [])
-    listed = []
-    for i, item in enumerate(items):
-        entry = {"type": "message", **item, "status": item.get("status") or "completed",
-                 "id": item.get("id") or f"item_{response_id.removeprefix(RESPONSE_ID_PREFIX)}_{i}"}
-        if entry["type"] == "message":
-            content = entry.get("content", "")
-            part = "output_text" if entry.get("role") == "assistant" else "input_text"
-            if isinstance(content, str):
-                content = [{"type": part, "text": content}]
-            entry["content"] = [{**c, "annotations": c.get("annotations", [])} if part == "output_text" else c
-                                for c in content]
-        listed.append(entry)
-    return listed
+    return [_listed(item, f"item_{response_id.removeprefix(RESPONSE_ID_PREFIX)}_{i}") for i, item in
+            enumerate(items)]
+
+
+def _listed(item: Mapping[str, Any], default_id: str) -> dict[str, Any]:
+    """One input item as listed, `default_id` its id unless it came with one."""
+    kind = item.get("type", "message")
+    entry = {"type": kind, "id": item.get("id") or default_id, "status": item.get("status") or "completed"}
+    if kind == "function_call":
+        return {**entry, "call_id": item.get("call_id"), "name": item.get("name"),
+                "arguments": item.get("arguments", "")}
+    if kind == "function_call_output":
+        return {**entry, "call_id": item.get("call_id"), "output": str(item.get("output", ""))}
+    part = "output_text" if item.get("role") == "assistant" else "input_text"
+    content = item.get("content", "")
+    parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+    annotations = {"annotations": []} if part == "output_text" else {}
+    return {**entry, "role": item.get("role"),
+            "content": [{"type": c["type"], "text": str(c.get("text", "")), **annotations} for c in parts]}
 
 
 def turn_messages(body: Mapping[str, Any], completion: Mapping[str, Any]) -> list[dict[str, Any]]:

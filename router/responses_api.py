@@ -24,9 +24,11 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.engine.openai_types import error_body, read_json
+from kvmesh.router.asgi import RouteError
 from kvmesh.router.auth import tenant_hash, unauthorized_body
 from kvmesh.router.batches import RESPONSES_PATH, new_id, whole_number
 from kvmesh.router.config import MAX_REQUEST_BODY_BYTES
+from kvmesh.router.limits import Lease
 from kvmesh.router.responses import (
     RESPONSE_ID_PREFIX,
     ResponsesError,
@@ -45,13 +47,19 @@ STORE_THREADS = 4  # store calls at once per replica; more wait (a database away
 STORE_OPERATIONS = ("read", "write")  # the label of kvmesh_router_response_store_errors_total
 MAX_ITEMS_PAGE = 100  # OpenAI's bound on a page of input items
 DEFAULT_ITEMS_PAGE = 20
-# A chat request through the router's own path: (tenant, the chat body, the client's HTTP request, whose headers
-# it keeps: a priority, a trace context).
-SendChat = Callable[[str, dict[str, Any], HttpRequest], Awaitable[Response]]
+# A chat request through the router's own path: (its tenant's limits, opened already; the chat body; the client's
+# HTTP request, whose headers it keeps: a priority, a trace context).
+SendChat = Callable[[Lease, dict[str, Any], HttpRequest], Awaitable[Response]]
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=status)
+
+
+def _refused(exc: RouteError) -> JSONResponse:
+    """A refusal of the router's (a tenant over its limits: 429 with its headers) as the answer."""
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
+                        headers=exc.headers)
 
 
 def _renamed_error(answer: Response) -> Response:
@@ -202,21 +210,31 @@ class Responses:
         return turn if isinstance(turn, Response) else await self.whole(turn, send)
 
 
-def response_routes(responses: Responses, tenant_for: Callable[[str | None], str | None],
-                    send_chat: SendChat) -> APIRouter:
-    """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused)."""
+def response_routes(responses: Responses, tenant_for: Callable[[str | None], str | None], send_chat: SendChat,
+                    open_limits: Callable[[str], Lease], admit: Callable[[str, int | None], Lease]) -> APIRouter:
+    """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused). Every call
+    is under the tenant's limits before it reads the store (RouteError 429 over them): a creation opens them as a
+    completion does (`open_limits`, Router.open: a request and a concurrency slot, held through the history read
+    and handed to the chat path, which takes the prompt's tokens); a read or a delete takes a request and a slot
+    while it runs, and no tokens (`admit(tenant, None)`, Router.admit_call, as the Files API's calls)."""
     api, store = APIRouter(), responses.store
 
     async def on_store(http: HttpRequest, operation: str, call: Callable[[str, str], Any], response_id: str) -> Any:
         """`call(tenant pseudonym, response_id)` for the caller's tenant, or the Response that ends the request (401
-        without a valid key, 503 with the store away)."""
+        without a valid key, 429 over its limits, 503 with the store away)."""
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
         try:
+            lease = admit(tenant, None)
+        except RouteError as exc:
+            return _refused(exc)
+        try:
             return await responses.use(operation, call, tenant_hash(tenant), response_id)
         except StoreUnavailable:
             return _unavailable()
+        finally:
+            lease.close()
 
     async def stored(http: HttpRequest, response_id: str) -> StoredResponse | Response:
         found = await on_store(http, "read", store.get, response_id)
@@ -227,6 +245,26 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         tenant = tenant_for(http.headers.get("authorization"))
         if tenant is None:
             return JSONResponse(unauthorized_body(), status_code=401)
+        try:
+            lease = open_limits(tenant)
+        except RouteError as exc:
+            return _refused(exc)
+        sent = False
+
+        async def send(chat: dict[str, Any]) -> Response:
+            nonlocal sent
+            sent = True  # the chat path holds the lease from here, and closes it
+            return await send_chat(lease, chat, http)
+
+        try:
+            return await _created(http, tenant, send)
+        finally:
+            if not sent:
+                lease.close()
+
+    async def _created(http: HttpRequest, tenant: str, send: Callable[[dict[str, Any]], Awaitable[Response]]
+                       ) -> Response:
+        """`create` under the tenant's opened limits: the body read and checked, the history read, the answer."""
         payload = await _bounded_body(http)
         if payload is None:
             return _error(413, f"the request body exceeds {MAX_REQUEST_BODY_BYTES >> 20} MiB")
@@ -237,10 +275,6 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         turn = await responses.turn(tenant, body)
         if isinstance(turn, Response):
             return turn
-
-        async def send(chat: dict[str, Any]) -> Response:
-            return await send_chat(tenant, chat, http)
-
         return await (responses.streamed if body.get("stream") else responses.whole)(turn, send)
 
     @api.get(RESPONSES_PATH + "/{response_id}")

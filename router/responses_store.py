@@ -241,8 +241,10 @@ class _Held:
 
 
 class MemoryResponses:
-    """A replica's newest `capacity` responses in memory (no database): the oldest goes first, kept hidden while
-    others continue from it, so a conversation's messages are held once."""
+    """A replica's newest `capacity` responses in memory (no database). Past it, the oldest response of the tenant
+    holding the most goes first (the tenant that saved the last one among those tied), so a tenant filling the
+    store evicts its own responses, never another's while it holds more; one evicted is kept hidden while others
+    continue from it, so a conversation's messages are held once."""
 
     not_found_hint = (" This router keeps stored responses in its own memory (the pool has no database): behind "
                       "several router replicas, a response stored by another is not found here; give the pool a "
@@ -251,7 +253,8 @@ class MemoryResponses:
     def __init__(self, capacity: int, ttl: int) -> None:
         self.capacity, self.ttl = capacity, ttl
         self._held: dict[str, _Held] = {}
-        self._visible: OrderedDict[str, None] = OrderedDict()  # oldest first
+        self._visible: dict[str, OrderedDict[str, None]] = {}  # per tenant holding any, oldest first
+        self._count = 0  # visible responses, all tenants'
         self._lock = threading.Lock()
 
     def _find(self, tenant: str, response_id: str) -> _Held | None:
@@ -272,14 +275,20 @@ class MemoryResponses:
             else:
                 held = _Held(tenant, stored, [*earlier, *added], None, response_id, now + self.ttl)
             self._held[response_id] = held
-            self._visible[response_id] = None
-            while len(self._visible) > self.capacity:
-                self._hide(next(iter(self._visible)))
+            self._visible.setdefault(tenant, OrderedDict())[response_id] = None
+            self._count += 1
+            while self._count > self.capacity:
+                most = max(self._visible, key=lambda t: (len(self._visible[t]), t == tenant))
+                self._hide(next(iter(self._visible[most])))
 
     def _hide(self, response_id: str) -> None:
         """Hide a response; drop it, and the hidden ones above it it alone continued from, unless one continues
         from it."""
-        self._visible.pop(response_id, None)
+        tenant = self._held[response_id].tenant
+        del self._visible[tenant][response_id]
+        self._count -= 1
+        if not self._visible[tenant]:
+            del self._visible[tenant]
         held: _Held | None = self._held[response_id]
         held.hidden = True
         while held is not None and held.hidden and not held.children:

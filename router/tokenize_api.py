@@ -1,7 +1,8 @@
 """vLLM's `/tokenize` and `/detokenize` on the router: answered with the router's own tokenizer (the engines', as the
 router checks their fingerprints), so counting a prompt's tokens costs no engine any work. The router's work is a
 tenant's like a completion's: admitted under its limits (a request, a concurrency slot while it runs, the tokens
-counted charged), and bounded to a few times the model's context."""
+counted charged), and bounded to a few times the model's context (`body_bound`, which bounds a completion's body
+too)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,23 @@ FALLBACK_MAX_MODEL_LEN = 32768  # before any pod has said its max_model_len
 CONTEXT_LENGTH_CODE = "context_length_exceeded"  # OpenAI's code for a prompt past the model's context
 
 
+def body_bound(cards: list[dict[str, Any]]) -> int:
+    """The most bytes a body the router counts may have (a /tokenize call, a completion it admits):
+    TOKENIZE_BYTES_PER_TOKEN for each of the tokens counted at most, under the router's bound on any body. Known
+    before the body (and its model) is read, so the longest context the pool serves (`cards`, its model cards)
+    sets it."""
+    lengths = [card.get("max_model_len") for card in cards]
+    longest = max((n for n in lengths if isinstance(n, int)), default=FALLBACK_MAX_MODEL_LEN)
+    return min(TOKENIZE_BYTES_PER_TOKEN * TOKENIZE_MAX_MODEL_LENS * longest, MAX_REQUEST_BODY_BYTES)
+
+
+def past_body_bound(bound: int) -> str:
+    """The message of a body over `body_bound`: the bound and why (its code is CONTEXT_LENGTH_CODE)."""
+    return (f"the request body exceeds {bound} bytes, the most this pool counts: {TOKENIZE_BYTES_PER_TOKEN} bytes "
+            f"for each of {TOKENIZE_MAX_MODEL_LENS} times its longest max_model_len in tokens; a prompt this long "
+            "could never be served")
+
+
 def unknown_model(model: str, served: set[str]) -> str:
     """The 404 message for a model the pool does not serve (the completion routes and these say it alike)."""
     if not served:  # no engine has said what it serves yet (the pool starting, every pod down)
@@ -60,24 +78,14 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
         card = card or next((c for c in cards if c.get("parent") is None), None)
         return None if card is None else card.get("max_model_len")
 
-    def body_bound() -> int:
-        """The most bytes a body may have: TOKENIZE_BYTES_PER_TOKEN for each of the tokens counted at most, under
-        the router's bound on any body. Known before the body (and its model) is read, so the longest context the
-        pool serves sets it."""
-        lengths = [card.get("max_model_len") for card in models()["data"]]
-        longest = max((n for n in lengths if isinstance(n, int)), default=FALLBACK_MAX_MODEL_LEN)
-        return min(TOKENIZE_BYTES_PER_TOKEN * TOKENIZE_MAX_MODEL_LENS * longest, MAX_REQUEST_BODY_BYTES)
-
     async def parse(http: HttpRequest, kind: type[BaseModel]) -> tuple[Any, bool] | JSONResponse:
         """The body as `kind` and whether it is large (worked on in a thread, as admission does), or the
         JSONResponse that refuses the call (400 past the body bound, 400, 404)."""
-        chunks, size, bound = [], 0, body_bound()
+        chunks, size, bound = [], 0, body_bound(models()["data"])
         async for chunk in http.stream():
             size += len(chunk)
             if size > bound:
-                return too_long(f"the request body exceeds {bound} bytes, the most this pool counts: "
-                                f"{TOKENIZE_BYTES_PER_TOKEN} bytes for each of {TOKENIZE_MAX_MODEL_LENS} times its "
-                                "longest max_model_len in tokens; a prompt this long could never be served")
+                return too_long(past_body_bound(bound))
             chunks.append(chunk)
         payload, large = b"".join(chunks), size > INLINE_TOKENIZE_BYTES
         try:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -17,6 +18,7 @@ from sqlalchemy import text as sql
 from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.auth import tenant_hash
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.limits import Limiter
 from kvmesh.router.responses import ResponsesError, chat_request, input_items, response_object, turn_messages
 from kvmesh.router.responses_api import Responses, items_page, response_routes
 from kvmesh.router.responses_store import (
@@ -410,6 +412,12 @@ def test_database_store_scopes_by_tenant_and_forgets_expired(database_url: str,
     again.close()
 
 
+def unlimited_routes(store: ResponseStore, send: Any) -> APIRouter:
+    """The endpoints for tenant acme under no limits (a Limiter without a table: every call a lease)."""
+    limiter = Limiter()
+    return response_routes(Responses(store), lambda _: "acme", send, limiter.open, limiter.take)  # type: ignore[arg-type]
+
+
 def test_bodies_nested_too_deep_and_odd_digits_in_limit_are_400s_not_500s() -> None:
     """The same two inputs the Batch API refuses (deep JSON past json's recursion limit, a limit of digits int()
     takes or refuses: '²', '٣'), on the Responses API's own edge, which parsed them itself and answered 500."""
@@ -420,7 +428,7 @@ def test_bodies_nested_too_deep_and_odd_digits_in_limit_are_400s_not_500s() -> N
     async def never_sent(*_: object) -> None:
         raise AssertionError("a refused request sent a chat request")
 
-    app.include_router(response_routes(Responses(store), lambda _: "acme", never_sent))
+    app.include_router(unlimited_routes(store, never_sent))
     with TestClient(app, raise_server_exceptions=False) as http:
         for payload in (b"[" * 5000 + b"]" * 5000, b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[]", b"7"):
             reply = http.post("/v1/responses", content=payload, headers={"content-type": "application/json"})
@@ -440,7 +448,7 @@ def test_without_a_database_a_404_says_where_the_response_may_be() -> None:
     async def never_sent(*_: object) -> None:  # no chat request is made by these calls
         raise AssertionError("a read sent a chat request")
 
-    app.include_router(response_routes(Responses(MemoryResponses(10, 60)), lambda _: "acme", never_sent))
+    app.include_router(unlimited_routes(MemoryResponses(10, 60), never_sent))
     with TestClient(app) as http:
         missing = http.get("/v1/responses/resp_elsewhere")
         continued = http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_elsewhere"})
