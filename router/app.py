@@ -38,6 +38,7 @@ from kvmesh.engine.body_deadline import BodyDeadline
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
+    MAX_SEQUENCES_PER_REQUEST,
     MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
@@ -635,7 +636,10 @@ class Router:
         prompt no context could hold is never tokenized: an 18 MiB one took the router a minute of CPU), 400 for
         a bad body, 429 for a prompt over the tenant's tokens per minute."""
         tenant = lease.tenant
-        if len(payload) > (bound := body_bound(self.models()["data"])):
+        cards = self.models()["data"]
+        # a completion may list up to MAX_SEQUENCES_PER_REQUEST prompts (lm-eval sends its contexts in batches),
+        # each bounded once parsed, before any is tokenized
+        if len(payload) > (bound := body_bound(cards, 1 if chat else MAX_SEQUENCES_PER_REQUEST)):
             raise RouteError(400, past_body_bound(bound), code=CONTEXT_LENGTH_CODE, headers=lease.headers)
         model = ChatRequest if chat else CompletionRequest
 
@@ -649,6 +653,9 @@ class Router:
             raise RouteError(400, validation_problems(exc), param=validation_param(exc)) from None
         except ValueError as exc:  # read_json's
             raise RouteError(400, str(exc)) from None
+        if isinstance(body, CompletionRequest) and (long := _longest_text_prompt(body)) > (each := body_bound(cards)):
+            raise RouteError(400, past_body_bound(each, f"a prompt of {long} characters"), param="prompt",
+                             code=CONTEXT_LENGTH_CODE, headers=lease.headers)
         priority = min(request_priority(headers.get(PRIORITY_HEADER)), self.priority_ceiling(tenant))
         dropped = [name for name in ROUTER_ONLY_FIELDS if raw.pop(name, None) is not None]
         retyped = _as_validated(raw, body)
@@ -963,6 +970,12 @@ def _warn_unkeyed(table: LimitTable, tenants: set[str]) -> None:
         logging.getLogger("kvmesh.router").warning(
             "tenants %s have limits but no API key (tenants with keys: %s): their limits are unused until a key "
             "names them", strangers, ", ".join(sorted(tenants)))
+
+
+def _longest_text_prompt(body: CompletionRequest) -> int:
+    """The characters of a completion's longest text prompt (0 for token ids, which cost no tokenizing)."""
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    return max((len(p) for p in prompts if isinstance(p, str)), default=0)
 
 
 def _as_validated(raw: dict[str, Any], body: ChatRequest | CompletionRequest) -> bool:

@@ -39,19 +39,20 @@ FALLBACK_MAX_MODEL_LEN = 32768  # before any pod has said its max_model_len
 CONTEXT_LENGTH_CODE = "context_length_exceeded"  # OpenAI's code for a prompt past the model's context
 
 
-def body_bound(cards: list[dict[str, Any]]) -> int:
-    """The most bytes a body the router counts may have (a /tokenize call, a completion it admits):
-    TOKENIZE_BYTES_PER_TOKEN for each of the tokens counted at most, under the router's bound on any body. Known
-    before the body (and its model) is read, so the longest context the pool serves (`cards`, its model cards)
-    sets it."""
+def body_bound(cards: list[dict[str, Any]], prompts: int = 1) -> int:
+    """The most bytes a body the router counts may have (a /tokenize call, a completion it admits), for up to
+    `prompts` prompts in it (a legacy completion's list of them): TOKENIZE_BYTES_PER_TOKEN for each of the tokens
+    counted at most, under the router's bound on any body. Known before the body (and its model) is read, so the
+    longest context the pool serves (`cards`, its model cards) sets it."""
     lengths = [card.get("max_model_len") for card in cards]
     longest = max((n for n in lengths if isinstance(n, int)), default=FALLBACK_MAX_MODEL_LEN)
-    return min(TOKENIZE_BYTES_PER_TOKEN * TOKENIZE_MAX_MODEL_LENS * longest, MAX_REQUEST_BODY_BYTES)
+    return min(TOKENIZE_BYTES_PER_TOKEN * TOKENIZE_MAX_MODEL_LENS * longest * prompts, MAX_REQUEST_BODY_BYTES)
 
 
-def past_body_bound(bound: int) -> str:
-    """The message of a body over `body_bound`: the bound and why (its code is CONTEXT_LENGTH_CODE)."""
-    return (f"the request body exceeds {bound} bytes, the most this pool counts: {TOKENIZE_BYTES_PER_TOKEN} bytes "
+def past_body_bound(bound: int, what: str = "the request body") -> str:
+    """The message of a body (or one prompt in it) over `body_bound`: the bound and why (its code is
+    CONTEXT_LENGTH_CODE)."""
+    return (f"{what} exceeds {bound} bytes, the most this pool counts: {TOKENIZE_BYTES_PER_TOKEN} bytes "
             f"for each of {TOKENIZE_MAX_MODEL_LENS} times its longest max_model_len in tokens; a prompt this long "
             "could never be served")
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from kvmesh.engine.openai_types import MAX_SEQUENCES_PER_REQUEST
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.auth import hash_key
 from kvmesh.router.config import INLINE_TOKENIZE_BYTES, RouterConfig
@@ -84,8 +85,9 @@ def test_a_prompt_no_context_could_hold_is_refused_untokenized_and_counted(serve
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A 512 KiB prompt took the router a second of CPU (a 32 MiB one a minute) before it was refused as too large
     for the tenant's tokens per minute, which it never counted against the tenant's requests per minute. Now a
-    body past /tokenize's bound (6 bytes for each of 4 times the pool's longest max_model_len) is a 400 saying
-    the bound before it is parsed, and it counts as one of the tenant's requests, as OpenAI counts refusals."""
+    prompt past /tokenize's bound (6 bytes for each of 4 times the pool's longest max_model_len) is a 400 saying
+    the bound before it is tokenized (a body past it for every prompt a completion may list, before it is parsed),
+    and it counts as one of the tenant's requests, as OpenAI counts refusals."""
     url, router = served
     tokenized = counted(router, monkeypatch)
     bound = body_bound(router.models()["data"])
@@ -94,10 +96,25 @@ def test_a_prompt_no_context_could_hold_is_refused_untokenized_and_counted(serve
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["code"] == "context_length_exceeded" and f"exceeds {bound} bytes" in error["message"]
-    assert refused.headers["x-ratelimit-remaining-requests"] == "2"
+    assert error["param"] == "prompt" and refused.headers["x-ratelimit-remaining-requests"] == "2"
+    whole = body_bound(router.models()["data"], MAX_SEQUENCES_PER_REQUEST)
+    unparsed = complete(url, "acme", b'{"prompt": "x"}' + b" " * whole)
+    assert unparsed.status_code == 400 and f"exceeds {whole} bytes" in unparsed.json()["error"]["message"]
     assert tokenized == [] and router.limits.inflight == {}
     after = complete(url, "acme", {"prompt": "hello"})
-    assert after.status_code == 200 and after.headers["x-ratelimit-remaining-requests"] == "1"
+    assert after.status_code == 200 and after.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_batch_of_prompts_each_within_the_context_is_served_past_one_prompt_s_bound(
+        served: tuple[str, Router]) -> None:
+    """lm-eval sends its contexts in batches: a completion listing 8 prompts of about 300 tokens each (more bytes
+    together than one prompt's bound) is served, each prompt bounded on its own."""
+    url, router = served
+    prompts = ["hello " * 300] * 8
+    assert len(str(prompts)) > body_bound(router.models()["data"])
+    reply = complete(url, "globex", {"prompt": prompts})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 8
 
 
 def test_a_prompt_too_large_for_the_tokens_per_minute_counts_as_a_request(served: tuple[str, Router]) -> None:
