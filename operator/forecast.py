@@ -170,6 +170,11 @@ class TrafficEstimator:
     _rates: deque[tuple[float, float]] = field(default_factory=deque)
     _traffic: Traffic = field(default_factory=Traffic)
 
+    @property
+    def last_scrape(self) -> float | None:
+        """When counters were last read; None before the first scrape (which gives no rate yet)."""
+        return self._last
+
     def update(self, now: float, pods: Iterable[tuple[str, Counters]], block_size: int,
                roles: Mapping[str, str] | None = None) -> Traffic:
         """The traffic as of `now` from each answering pod's counters; `roles` (pod -> role, default both) says

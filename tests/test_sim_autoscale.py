@@ -105,6 +105,17 @@ def test_the_predictive_policy_is_the_operators_decision_on_the_pools_traffic() 
     assert busy.desired(observation([0.5, 0.5], arrivals=300, counters=finished)) > 2
 
 
+def test_the_operators_first_decision_reads_the_rate_since_the_pool_started() -> None:
+    """Through the operator's estimator, not the simulator's count: its timer runs from the pool's start, whose
+    scrape read every counter at 0, so the first decision has the rate since then (it had none, held the pool a
+    period longer than the oracle and cost 23 SLO violations on the 16x Azure replay)."""
+    ours = PredictivePolicy(scaling.ScalingPolicy({"both": 1}, {"both": 64}))
+    pods = tuple(InstanceObservation(f"p{i}", "both", True, 1000, 0.1, 0, 1, 0, 1e4, 0.02, finished=14)
+                 for i in range(2))
+    first = ours.pool_observation(Observation(15.0, 15.0, pods, 30, 0, Counters()))
+    assert first.arrival_rate == pytest.approx(2.0)  # 2 x (14 finished + 1 running) over 15 s
+
+
 def test_the_simulated_operator_reads_the_rate_trend_as_the_operator_does() -> None:
     """The same trend as operator/forecast.py: a steady ramp keeps its slope, a burst that turned (30, 45, then
     38 requests/s) projects none (a plain least-squares fit would read +0.27 requests/s per second)."""

@@ -155,10 +155,17 @@ class PredictivePolicy:
         return out
 
     def pool_observation(self, obs: Observation) -> scaling.PoolObservation:
-        """What the operator builds from the engines' metrics and counters (operator/handlers.py's tick)."""
+        """What the operator builds from the engines' metrics and counters (operator/handlers.py's tick). Its timer
+        runs from the pool's start, as kopf's does from the pool's creation: the scrape a period before the first
+        decision, at the replay's start, read every instance's counters at 0, so the first decision has a rate
+        (an operator restarted in mid-traffic has none at its first tick, and holds the pool as it is)."""
         if not self.exact_arrivals:
-            traffic = self._traffic.update(obs.now, self.instance_counters(obs), BLOCK_SIZE,
-                                           {i.name: i.role for i in obs.instances})
+            roles = {i.name: i.role for i in obs.instances}
+            if self._traffic.last_scrape is None:
+                self._traffic.update(obs.now - obs.period_seconds,
+                                     [(i.name, forecast.Counters()) for i in obs.instances if i.ready], BLOCK_SIZE,
+                                     roles)
+            traffic = self._traffic.update(obs.now, self.instance_counters(obs), BLOCK_SIZE, roles)
             return self._observation(obs, traffic.arrival_rate, traffic.arrival_rate_slope,
                                      (traffic.blocks_per_request, traffic.request_seconds,
                                       traffic.uncached_prompt_tokens, traffic.output_tokens),
