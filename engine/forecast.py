@@ -163,20 +163,36 @@ class OutputLengthModel:
         return np.minimum(remaining, cap, out=remaining)
 
 
-def _grid(horizon_steps: int, points: int) -> np.ndarray:
-    """Step indices 0..horizon_steps, at most `points` intervals: enough to see the path, far fewer than steps."""
-    return np.unique(np.rint(np.linspace(0, horizon_steps, min(horizon_steps, points) + 1)).astype(np.int64))
+def _points(horizon_steps: int, points: int, starts: np.ndarray) -> np.ndarray:
+    """The steps each future is evaluated at: `points` intervals over 0..horizon_steps plus up to `points` decode
+    starts within it.
+
+    A future's usage only falls when a request ends, so it peaks just before an end or at the horizon. The even
+    grid alone missed every request that prefills and ends between two of its points (10 s of 2 ms steps put 156
+    steps between points: a queue of short requests was never seen alive, and a full engine forecast no overload).
+    From its decode start on a request holds at least its whole prompt, and requests alive together are all alive
+    at the latest of their starts, so the starts show every request, and every group held at once, at least at
+    its prompt's size. Starts do not depend on the sampled futures, so one set of points serves them all; more
+    than `points` are thinned evenly by rank (a dense stretch of the queue keeps its share), which bounds the points
+    at twice the grid's. Still unseen: the tokens a request decodes (and the one prompt being prefilled computes)
+    after the last point before an end, at most the grid's spacing (1/32 of the window by default).
+    """
+    grid = np.rint(np.linspace(0, horizon_steps, min(horizon_steps, points) + 1)).astype(np.int64)
+    starts = np.unique(starts[(starts > 0) & (starts < horizon_steps)])
+    if len(starts) > points:
+        starts = starts[np.rint(np.linspace(0, len(starts) - 1, points)).astype(np.int64)]
+    return np.union1d(grid, starts)
 
 
-def _first_crossing(usage: np.ndarray, grid: np.ndarray, level: float) -> np.ndarray:
-    """Per sample, the step at which usage first reaches `level` (linear between grid points), inf if never."""
+def _first_crossing(usage: np.ndarray, points: np.ndarray, level: float) -> np.ndarray:
+    """Per sample, the step at which usage first reaches `level` (linear between points), inf if never."""
     hit = usage >= level
     crossed = hit.any(axis=0)
     j = np.argmax(hit, axis=0)
     prev = np.maximum(j - 1, 0)
     cols = np.arange(usage.shape[1])
     u0, u1 = usage[prev, cols], usage[j, cols]
-    k0, k1 = grid[prev].astype(np.float64), grid[j].astype(np.float64)
+    k0, k1 = points[prev].astype(np.float64), points[j].astype(np.float64)
     rise = np.where(u1 > u0, u1 - u0, 1.0)
     frac = np.clip((level - u0) / rise, 0.0, 1.0)
     steps = np.where(j == 0, 0.0, k0 + frac * (k1 - k0))
@@ -203,14 +219,15 @@ def forecast_usage(
     with speculative decoding), so a request's growth of one token per step holds. Pending prefill is computed
     first, in the order of `requests`, at `prefill_tokens_per_second`; a request starts decoding when its prompt is
     done and then grows one token per step until its sampled remaining output is spent, when it releases all its
-    blocks. Each of `n_samples` futures is evaluated at up to `grid_points` + 1 step indices spanning [0, horizon];
-    `usage_quantiles` are quantiles over futures of their usage at the horizon, `peak_quantiles` of each one's peak
-    over the points (which the horizon's value misses when requests grow and end inside the window). The look-ahead
-    window is the horizon: `overload_probability` is the share of futures whose usage passes OVERLOAD_USAGE at some
-    grid point of it, and `seconds_to_exhaustion` is the median over futures of the first time demand reaches
-    `total_blocks` (interpolated between grid points), math.inf when fewer than half the futures get there within
-    the horizon. `pinned_blocks` are held outside any request (a handoff's handle, a peer's fetch) for the whole
-    window: counted in every future, as the usage gauge counts them. Deterministic for a given seed.
+    blocks. Each of `n_samples` futures is evaluated at the same steps: `grid_points` + 1 spanning [0, horizon] and up
+    to `grid_points` requests' decode starts (`_points`); `usage_quantiles` are quantiles over futures of their usage
+    at the horizon, `peak_quantiles` of each one's peak over the points (which the horizon's value misses when
+    requests grow and end inside the window). The look-ahead window is the horizon: `overload_probability` is the
+    share of futures whose usage passes OVERLOAD_USAGE at some point of it, and `seconds_to_exhaustion` is the
+    median over futures of the first time demand reaches `total_blocks` (interpolated between points), math.inf
+    when fewer than half the futures get there within the horizon. `pinned_blocks` are held outside any request (a
+    handoff's handle, a peer's fetch) for the whole window: counted in every future, as the usage gauge counts
+    them. Deterministic for a given seed.
     """
     if total_blocks <= 0 or block_size <= 0 or n_samples <= 0 or grid_points <= 0:
         raise ValueError("total_blocks, block_size, n_samples and grid_points must be positive")
@@ -223,24 +240,24 @@ def forecast_usage(
 
     horizon_steps = max(1, math.floor(horizon_seconds / decode_step_seconds + 1e-9))
     beyond = min(horizon_steps + 1, _MAX_TOKENS // 2)  # any step past the window: later is the same to us
-    grid = _grid(horizon_steps, grid_points)
 
     context = np.array([r.context_tokens for r in requests], dtype=np.int64)
     pending = np.minimum(np.array([r.pending_prefill_tokens for r in requests], dtype=np.int64), context)
     generated = np.array([r.generated_tokens for r in requests], dtype=np.int64)
     max_tokens = np.array([r.max_tokens for r in requests], dtype=np.int64)
 
-    # Prefill, in order: tokens a request has computed by each grid step, and the step its decoding starts.
+    # Prefill, in order: the step each request's decoding starts, and the tokens it has computed by each point.
     prefill_per_step = prefill_tokens_per_second * decode_step_seconds
     done_by = np.cumsum(pending)
-    computed = np.clip(grid[:, None] * prefill_per_step - (done_by - pending), 0, pending).astype(np.int64)
     start = np.where(pending > 0, np.minimum(np.ceil(done_by / prefill_per_step), beyond), 0)
     start = start.astype(np.int64)
+    points = _points(horizon_steps, grid_points, start)
+    computed = np.clip(points[:, None] * prefill_per_step - (done_by - pending), 0, pending).astype(np.int64)
 
     # While a request lives, its size does not depend on the sampled future: only its end does.
-    decoded = np.maximum(grid[:, None] - start, 0)
+    decoded = np.maximum(points[:, None] - start, 0)
     tokens = context - pending + computed + decoded
-    blocks = (-(-tokens // block_size)).astype(np.float64)  # (grid, requests), while alive
+    blocks = (-(-tokens // block_size)).astype(np.float32)  # (points, requests), while alive
 
     rng = np.random.default_rng(seed)
     remaining = np.empty((n_samples, len(requests)), dtype=np.int32)
@@ -252,13 +269,15 @@ def forecast_usage(
     remaining += start.astype(np.int32)
     end = np.maximum(remaining, 1, out=remaining)  # first step without the request; it holds its blocks now
 
-    held = np.empty((len(grid), n_samples), dtype=np.float64)
-    alive = np.empty(end.shape, dtype=np.float64)  # reused: one (samples, requests) mask per grid point
-    for g, step in enumerate(grid):
+    # 32-bit sums of whole blocks are exact below 2**24 blocks and faster than 64-bit ones; with them and the steps
+    # as Python ints (a numpy int64 copied `end` to 64 bits at every point) this costs less than the grid alone did.
+    held = np.empty((len(points), n_samples), dtype=np.float32)
+    alive = np.empty(end.shape, dtype=np.float32)  # reused: one (samples, requests) mask per point
+    for p, step in enumerate(points.tolist()):
         np.greater(end, step, out=alive)
-        np.dot(alive, blocks[g], out=held[g])
-    held += pinned_blocks
-    usage = held / total_blocks  # (grid, samples)
+        np.dot(alive, blocks[p], out=held[p])
+    held = held.astype(np.float64) + pinned_blocks
+    usage = held / total_blocks  # (points, samples)
 
     qs = [_LEVEL_Q[level] for level in FORECAST_LEVELS]
     quantiles = {level: float(v) for level, v in zip(FORECAST_LEVELS, np.quantile(usage[-1], qs), strict=True)}
@@ -266,6 +285,6 @@ def forecast_usage(
     # horizon's value sees them gone (0 where 130 %).
     peaks = {level: float(v) for level, v in zip(FORECAST_LEVELS, np.quantile(usage.max(axis=0), qs), strict=True)}
     overload = float((usage > OVERLOAD_USAGE).any(axis=0).mean())
-    crossing = np.sort(_first_crossing(held, grid, float(total_blocks)))
+    crossing = np.sort(_first_crossing(held, points, float(total_blocks)))
     exhaustion = float(crossing[(n_samples - 1) // 2]) * decode_step_seconds
     return Forecast(horizon_seconds, quantiles, overload, exhaustion, peaks)
