@@ -246,7 +246,8 @@ class RouterMetrics:
             self.database_errors.labels(component)
         self.request_log_dropped = Counter(RouterMetric.REQUEST_LOG_DROPPED, "Request log records never written "
                                            "(a failed write, or a full buffer).", registry=r)
-        self.add_tenants(tenants)
+        self._tenant_series: set[str] = set()  # the pseudonyms with rate_limited series (`set_tenants` prunes them)
+        self.set_tenants(tenants)
         index_blocks = Gauge(RouterMetric.INDEX_BLOCKS, "Distinct block hashes in the prefix index.", registry=r)
         index_blocks.set_function(index.size)
         self.decisions = Counter(RouterMetric.DECISIONS, "Routing decisions by what decided them.", ["reason"],
@@ -276,12 +277,25 @@ class RouterMetrics:
         """One routing decision sent (kvmesh_router_decisions_total), by what decided it (REASONS)."""
         (self._decided.get(reason) or self.decisions.labels(reason)).inc()
 
-    def add_tenants(self, tenants: Iterable[str]) -> None:
+    def set_tenants(self, tenants: Iterable[str]) -> None:
         """Every tenant's 429 series at 0 from the start (also those a rotated keys file adds), by pseudonym, as
-        in the request log: tenant names may be secret."""
-        for tenant in tenants:
+        in the request log: tenant names may be secret. The series of a tenant no longer keyed go: a router whose
+        keys rotate for months must not export every tenant it ever had."""
+        live = {tenant_hash(tenant) for tenant in tenants}
+        for gone in self._tenant_series - live:
             for reason in LIMIT_REASONS:
-                self.rate_limited.labels(tenant_hash(tenant), reason)
+                self.rate_limited.remove(gone, reason)
+        for pseudonym in live - self._tenant_series:
+            for reason in LIMIT_REASONS:
+                self.rate_limited.labels(pseudonym, reason)
+        self._tenant_series = live
+
+    def count_rate_limited(self, tenant: str, reason: str) -> None:
+        """One 429 of `tenant`'s limits or fair share, by reason (LIMIT_REASONS); a tenant whose key went while its
+        requests were in flight gets its series back until the next keys reload removes it."""
+        pseudonym = tenant_hash(tenant)
+        self._tenant_series.add(pseudonym)
+        self.rate_limited.labels(pseudonym, reason).inc()
 
 
 class _EventLag:
@@ -697,10 +711,20 @@ class Router:
         trusted = self.limits.table.of(tenant).trust_workload_header
         return not self.keys.enabled if trusted is None else trusted
 
-    def reload_keys(self) -> None:
-        """Take a changed keys file (blocking: the app's background task runs it off the event loop)."""
+    def reload_keys(self) -> bool:
+        """Take a changed keys file (blocking: the app's background task runs it off the event loop); whether a new
+        version was taken (then `keys_changed`, on the event loop)."""
         if self.keys_file is not None and self.keys_file.reload_if_changed():
             self.keys = self.keys_file.keys
+            return True
+        return False
+
+    def keys_changed(self) -> None:
+        """A new keys file taken: its tenants' 429 series made, and the series, buckets and demand of the tenants
+        it no longer keys dropped (a router whose keys rotate for months must not keep every tenant it ever had).
+        On the event loop, as every request's use of the limiter (it is not thread-safe)."""
+        self.limits.retain(self.keys.tenants)
+        self.metrics.set_tenants(self.keys.tenants)
 
     def authenticate(self, headers: Mapping[str, str]) -> str:
         """The tenant of a request's API key (DEFAULT_TENANT with auth off); RouteError 401 without a valid one."""
@@ -722,7 +746,7 @@ class Router:
 
     def rate_limited(self, tenant: str, refusal: Refusal) -> RouteError:
         """The 429 of a request over its tenant's limits (router/limits.py), counted by tenant pseudonym and reason."""
-        self.metrics.rate_limited.labels(tenant_hash(tenant), refusal.reason).inc()
+        self.metrics.count_rate_limited(tenant, refusal.reason)
         return RouteError(429, refusal.message, code=RATE_LIMIT_CODE, kind="rate_limit_error",
                           headers=refusal.headers)
 
@@ -830,7 +854,7 @@ class Router:
         if refusal is None:
             return None
         if refusal.fair_share:
-            self.metrics.rate_limited.labels(tenant_hash(trace.tenant), FAIR_SHARE).inc()
+            self.metrics.count_rate_limited(trace.tenant, FAIR_SHARE)
         self.metrics.shed.labels(priority_label(trace.info.priority), trace.source).inc()
         self.metrics.count_request("shed", trace.route, trace.source)
         self.record(trace, "shed", 429, None)
@@ -955,12 +979,11 @@ def _abort_pod(upstream: Upstream, url: str, why: str) -> None:
 
 
 def _keys_reloaded(metrics: RouterMetrics, table: LimitTable, outcome: str, keys: ApiKeys | None) -> None:
-    """A new version of the keys file was taken (or refused): counted, its new tenants' series made."""
+    """A new version of the keys file was taken (or refused): counted, and its unkeyed limits said (off the event
+    loop: `Router.keys_changed` updates the tenants' series and buckets, on it)."""
     metrics.api_keys_reloads.labels(outcome).inc()
     if keys is not None:
-        tenants = set(keys.tenants)
-        metrics.add_tenants(tenants)
-        _warn_unkeyed(table, tenants)
+        _warn_unkeyed(table, set(keys.tenants))
 
 
 def _warn_unkeyed(table: LimitTable, tenants: set[str]) -> None:
@@ -1191,7 +1214,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     async def watch_keys() -> None:
         while True:
             await asyncio.sleep(KEYS_CHECK_SECONDS)
-            await asyncio.to_thread(router.reload_keys)
+            if await asyncio.to_thread(router.reload_keys):
+                router.keys_changed()
 
     responses = Responses(router.responses, lambda operation: router.metrics.response_store_errors.labels(
         operation).inc())

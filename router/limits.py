@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
@@ -270,6 +270,7 @@ class Limiter:
         self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
         self.demand: dict[str, float] = {}  # requests asked for per tenant since router/limit_sync.py last read it
         self._buckets: dict[str, _Buckets] = {}
+        self._kept: frozenset[str] | None = None  # the tenants `retain` last kept (None: never called, all kept)
         # what this replica enforces, per `tenants:` entry: worked out once, read on every request
         self._default = self.table.default.share(self.scale / replicas)
         self._here = {name: limits.share(self.scale / replicas) for name, limits in self.table.tenants.items()}
@@ -296,6 +297,17 @@ class Limiter:
                 if bucket is not None and rate is not None:
                     bucket.level = bucket.available(now) * rate / bucket.per_minute
                     bucket.per_minute = rate
+
+    def retain(self, tenants: Iterable[str]) -> None:
+        """Forget the buckets and demand of every tenant not in `tenants` (those with an API key after a keys
+        reload), in both lanes: a router whose keys rotate for months must not hold every tenant it ever served. A
+        tenant with requests in flight keeps its buckets until its last one ends (`release` charges them)."""
+        kept = frozenset(tenants)
+        for lane in (self, self.batch):
+            lane._kept = kept
+            lane.demand = {tenant: asked for tenant, asked in lane.demand.items() if tenant in kept}
+            lane._buckets = {tenant: buckets for tenant, buckets in lane._buckets.items()
+                             if tenant in kept or tenant in lane.inflight}
 
     def weight(self, tenant: str) -> float:
         return self.table.of(tenant).weight
@@ -352,12 +364,14 @@ class Limiter:
     def release(self, tenant: str, output_tokens: int) -> None:
         """A request of `tenant` ended, having spent `output_tokens` beyond its admitted prompt."""
         assert self.inflight.get(tenant, 0) > 0, f"tenant {tenant!r} has no request in flight to release"
-        self.inflight[tenant] -= 1
-        if not self.inflight[tenant]:
-            del self.inflight[tenant]
         tokens = self._of(tenant).tokens
         if tokens is not None and output_tokens > 0:
             tokens.charge(output_tokens, self.clock())
+        self.inflight[tenant] -= 1
+        if not self.inflight[tenant]:
+            del self.inflight[tenant]
+            if self._kept is not None and tenant not in self._kept:  # its key went while it was in flight
+                del self._buckets[tenant]
 
     def _refusal(self, tenant: str, tokens_needed: int | None, request: bool = True,
                  slot: bool = True) -> Refusal | None:
