@@ -41,6 +41,7 @@ from kvmesh.router.gateway import (
     DEFAULT_REFRESH_SECONDS,
     DOWN,
     REQUEST_OWN,
+    UNKNOWN_MODEL,
     UPSTREAM_STATES,
     BodyError,
     ModelTable,
@@ -155,6 +156,36 @@ class GatewayMetrics:
         upstreams = Gauge(GatewayMetric.UPSTREAMS, "The pools' routers by state.", ["state"], registry=r)
         for state in UPSTREAM_STATES:
             upstreams.labels(state).set_function(lambda s=state: _count(table().states.values(), s))
+        self._outcomes: set[tuple[str, str]] = set()  # the (model, outcome) series of `requests`
+        self._splits: set[tuple[str, str]] = set()  # the (model, router) series of `upstream_requests`
+
+    def count(self, model: str, outcome: str) -> None:
+        """One model request ended (`model`: a table's label)."""
+        self._outcomes.add((model, outcome))
+        self.requests.labels(model, outcome).inc()
+
+    def took(self, model: str, router: str) -> None:
+        """One model request `router` took (`model`: a table's label)."""
+        self._splits.add((model, router))
+        self.upstream_requests.labels(model, router).inc()
+
+    def prune(self, table: ModelTable) -> None:
+        """Remove the series of the models that left `table`, and of the routers that no longer serve a model: pools
+        and adapters come and go, and a gateway that runs for months must not export every one it ever served."""
+        for key in [key for key in self._outcomes if not _listed(table, key[0])]:
+            self.requests.remove(*key)
+            self._outcomes.remove(key)
+        for key in [key for key in self._splits if not _listed(table, *key)]:
+            self.upstream_requests.remove(*key)
+            self._splits.remove(key)
+
+
+def _listed(table: ModelTable, model: str, router: str | None = None) -> bool:
+    """Whether `table` serves the metrics' label `model` (UNKNOWN_MODEL: any model), through `router` if named (a
+    request counted unknown had its model leave the table on its way: the router still in the table keeps it)."""
+    if model == UNKNOWN_MODEL:
+        return router is None or router in table.states
+    return table.serves(model) and (router is None or router in table.routers[model])
 
 
 def _count(states: Iterable[str], state: str) -> int:
@@ -183,7 +214,7 @@ class Gateway:
         self.metrics = GatewayMetrics(lambda: self.table)
 
     def count(self, model: str | None, outcome: str) -> None:
-        self.metrics.requests.labels(self.table.label(model), outcome).inc()
+        self.metrics.count(self.table.label(model), outcome)
 
     def choose(self, model: str, exclude: Collection[str]) -> str | None:
         """The router of `model` to try next, not one in `exclude`; its turn is taken."""
@@ -192,7 +223,7 @@ class Gateway:
 
     def took(self, model: str, router: str) -> None:
         """A request `router` took (not one it refused the connection to), for the split's metric."""
-        self.metrics.upstream_requests.labels(self.table.label(model), router).inc()
+        self.metrics.took(self.table.label(model), router)
 
     async def refresh(self) -> None:
         """Discover the routers (keeping the last ones when discovery fails) and read every one's /v1/models at
@@ -218,6 +249,7 @@ class Gateway:
                 log.info("router %s: weight %d, was %d", url, polls.weights[url], self.polls.weights[url])
         self.polls, self.table = polls, table
         self.turns = {model: turns for model, turns in self.turns.items() if table.serves(model)}
+        self.metrics.prune(table)
         self._missed = {url: why for url, why in self._missed.items() if url in polls.order}
 
     async def _models_of(self, url: str, api_key: str | None) -> ServedModels | None:
