@@ -427,13 +427,19 @@ class LocalEngines:
         """Out of the pool: a crashed engine is not restarted, a starting one stops at once, a serving one drains
         first (`progress` stops it)."""
         if engine.state == CRASHED:
-            self.engines.remove(engine)
+            self._forget(engine)
             _say(f"{engine.child.name} ({engine.role}), crashed, is not restarted: it leaves the pool")
         elif engine.state == STARTING:
             self._stop(engine)
         else:
             engine.state, engine.deadline = DRAINING, time.monotonic() + DRAIN_TIMEOUT_SECONDS
             print(f"kvmesh up: draining {engine.child.name} ({engine.role})", file=sys.stderr, flush=True)
+
+    def _forget(self, engine: Engine) -> None:
+        """An engine whose process exited leaves the pool for good: its tier files go with it (a preallocated host
+        tier holds its size of RAM in /dev/shm until deleted, not only until the pool stops)."""
+        self.engines.remove(engine)
+        self.remove_tier_files(engine.child.name)
 
     def roll(self, engine_changes: Collection[str], router_changes: Collection[str],
              undo: Callable[[], None] | None = None) -> None:
@@ -478,8 +484,7 @@ class LocalEngines:
                     self._stop(engine)
             elif engine.state == STOPPING:
                 if engine.child.process.poll() is not None:
-                    self.engines.remove(engine)
-                    self.remove_tier_files(engine.child.name)  # it left the pool: its caches go with it
+                    self._forget(engine)
                     print(f"kvmesh up: {engine.child.name} stopped", file=sys.stderr, flush=True)
                 elif now > engine.deadline:
                     engine.child.process.kill()
@@ -559,7 +564,7 @@ class LocalEngines:
             return
         for surge in self.surges():
             if surge.child.process.poll() is not None:
-                self.engines.remove(surge)
+                self._forget(surge)
                 why = ", ".join(sorted(self.rolling))
                 self.rolling = set()
                 _say(f"{surge.child.name}, rolled in for {surge.replaces}, exited with {surge.child.process.returncode}"
