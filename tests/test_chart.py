@@ -62,7 +62,7 @@ RENDERINGS = {
     "default": render(),
     "default, Prometheus Operator": render(api_versions=(MONITORING_API,)),
     "disaggregated pool, Prometheus Operator": render(DISAGGREGATED, api_versions=(MONITORING_API,)),
-    "namespaced operator": render({"operator": {"watchNamespaces": ["team-a", "team-b"]},
+    "namespaced operator": render({"operator": {"watchNamespaces": ["team-a", "team-b", "kvmesh"]},
                                    "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"app": "x"}}}]},
                                    "pool": {"enabled": True}}),
     "two operators": render({"operator": {"replicas": 2}}),
@@ -153,31 +153,33 @@ def rules_block(permissions: tuple[rbac.Permission, ...]) -> str:
 
 
 def test_rbac_is_exactly_what_the_operator_uses() -> None:
-    """The ClusterRole is operator/rbac.py's list; one Role, in the release's namespace only, lets the operator
-    get, create and update Leases for its leader election (operator/leader.py)."""
+    """The operator's rules are operator/rbac.py's list: a ClusterRole bound cluster-wide, or with
+    operator.watchNamespaces a Role bound in each of those namespaces and nothing cluster-scoped. One more Role, in
+    the release's namespace only, lets the operator get, create and update Leases for its leader election
+    (operator/leader.py)."""
     expected = [p.rule() for p in rbac.OPERATOR]
+    leader_election = [rbac.LEADER_ELECTION.rule()]
     for name, rendered in RENDERINGS.items():
         docs = manifests(rendered)
-        (role,) = by_kind(docs, "ClusterRole")
-        assert role["rules"] == expected, (
-            f"{name}: operator/rbac.py changed; paste into templates/operator-rbac.yaml:\n{rules_block(rbac.OPERATOR)}")
-        (lease_role,) = by_kind(docs, "Role")
-        assert lease_role["metadata"]["namespace"] == "kvmesh"
-        assert lease_role["rules"] == [rbac.LEADER_ELECTION.rule()]
-        roles = {"ClusterRole": role["metadata"]["name"], "Role": lease_role["metadata"]["name"]}
+        watched = ["team-a", "team-b", "kvmesh"] if name == "namespaced operator" else []
+        roles = by_kind(docs, "ClusterRole") + by_kind(docs, "Role")
+        operator_roles = [r for r in roles if r["rules"] != leader_election]
+        assert [r["kind"] for r in operator_roles] == (["Role"] * len(watched) if watched else ["ClusterRole"])
+        assert [r["metadata"].get("namespace") for r in operator_roles] == (watched or [None])
+        for role in operator_roles:
+            assert role["rules"] == expected, (f"{name}: operator/rbac.py changed; paste into "
+                                               f"templates/operator-rbac.yaml:\n{rules_block(rbac.OPERATOR)}")
+        (lease_role,) = [r for r in roles if r["rules"] == leader_election]
+        assert lease_role["kind"] == "Role" and lease_role["metadata"]["namespace"] == "kvmesh"
         bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
+        assert len(bindings) == len(roles)
         (account,) = by_kind(docs, "ServiceAccount")
-        assert {b["roleRef"]["kind"] for b in bindings} == {"ClusterRole", "Role"}
         for binding in bindings:
-            assert binding["roleRef"]["name"] == roles[binding["roleRef"]["kind"]]
-            if binding["roleRef"]["kind"] == "Role":
-                assert binding["metadata"]["namespace"] == lease_role["metadata"]["namespace"]
+            (role,) = [r for r in roles if r["kind"] == binding["roleRef"]["kind"]
+                       and r["metadata"]["name"] == binding["roleRef"]["name"]
+                       and r["metadata"].get("namespace") == binding["metadata"].get("namespace")]
             assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
                                             "namespace": "kvmesh"}]
-    namespaced = manifests(RENDERINGS["namespaced operator"])
-    assert by_kind(namespaced, "ClusterRoleBinding") == []
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(namespaced, "RoleBinding")
-                  if b["roleRef"]["kind"] == "ClusterRole") == ["team-a", "team-b"]
 
 
 def test_operators_elect_a_leader_so_two_replicas_and_rolling_updates_are_safe() -> None:

@@ -49,9 +49,13 @@ def test_rbac_lists_the_pools_and_nothing_else() -> None:
     (account,) = by_kind(gateway_objects(), "ServiceAccount")
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
     namespaced = gateway_objects({"namespace": "team-a"})
-    assert not by_kind(namespaced, "ClusterRoleBinding")
+    assert not by_kind(namespaced, "ClusterRoleBinding") and not by_kind(namespaced, "ClusterRole")
+    (role,) = by_kind(namespaced, "Role")
+    assert role["rules"] == [p.rule() for p in rbac.GATEWAY] and role["metadata"]["namespace"] == "team-a"
     (binding,) = by_kind(namespaced, "RoleBinding")
-    assert binding["metadata"]["namespace"] == "team-a" and binding["roleRef"]["kind"] == "ClusterRole"
+    assert binding["metadata"]["namespace"] == "team-a"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
 
 
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:

@@ -147,7 +147,9 @@ def test_the_pod_monitor_scrapes_each_pool_pod_once_on_its_serving_port(values: 
         for role, (labels, ports) in pods.items():
             for namespace in ("kvmesh", "team-a"):  # every namespace: the operator watches them all
                 assert pod_monitor_scrapes(monitor, namespace, labels, ports) == [ports["http"]], (role, ports)
-    confined = by_kind(monitoring({**values, "operator": {"watchNamespaces": ["team-a"]}}), "PodMonitor")[0]
+    # (with the chart's pool the release's namespace must be watched too: tests/test_chart_release.py)
+    confined = by_kind(monitoring({**values, "operator": {"watchNamespaces": ["team-a", "kvmesh"]}}),
+                       "PodMonitor")[0]
     labels, ports = pods["router"]
     assert pod_monitor_scrapes(confined, "team-a", labels, ports) == [ports["http"]]
     assert pod_monitor_scrapes(confined, "team-b", labels, ports) == []

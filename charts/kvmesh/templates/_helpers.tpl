@@ -26,8 +26,33 @@ app.kubernetes.io/component: operator
 {{- printf "%s-operator" (include "kvmesh.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* Cluster-scoped objects (ClusterRoles, ClusterRoleBindings) and the operator's and gateway's Roles and
+RoleBindings in other namespaces: the name plus the release's namespace, so that releases of the same name in two
+namespaces do not take each other's objects. */}}
+{{- define "kvmesh.clusterScopedName" -}}
+{{- printf "%s-%s" .name .context.Release.Namespace -}}
+{{- end -}}
+
+{{/* The operator's, the gateway's and the test pod's image, and the default of every pool's engines and routers
+(KVMESH_IMAGE): repository@digest when image.digest is set (the tag is then ignored), else repository:tag. */}}
 {{- define "kvmesh.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Values the schema cannot check against each other: refused with a message before anything is applied. */}}
+{{- define "kvmesh.validate" -}}
+{{- if eq (int .Values.operator.metricsPort) (int .Values.operator.healthPort) -}}
+{{- fail (printf "operator.metricsPort and operator.healthPort are both %v: the operator cannot serve /metrics and /healthz on one port; give them different ports" .Values.operator.metricsPort) -}}
+{{- end -}}
+{{- with .Values.operator.watchNamespaces -}}
+{{- if and $.Values.pool.enabled (not (has $.Release.Namespace .)) -}}
+{{- fail (printf "pool.enabled creates the pool %s in the release's namespace %s, which operator.watchNamespaces (%s) leaves out: no operator would reconcile it. Add %s to operator.watchNamespaces, or create the pool in a watched namespace yourself (pool.enabled=false)" $.Values.pool.name $.Release.Namespace (join ", " .) $.Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Where the operator-managed Prometheus objects go: only where the Prometheus Operator's API exists. */}}
