@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -141,6 +141,7 @@ from kvmesh.router.tracing import RequestSpan, request_span
 if TYPE_CHECKING:
     from kvmesh.router.extproc import ExtProcServer
 
+T = TypeVar("T")
 COMPLETION_PATHS = {COMPLETIONS_PATH: False, CHAT_PATH: True}  # the routes that take completions -> chat
 OVERLOADED_CODE = "overloaded"  # the error code of a 429 the overloaded pool sheds (router/shed.py)
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -520,6 +521,34 @@ class Admitted:
     rewritten: bool  # raw differs from the client's body (a salt set, a router-only field dropped)
 
 
+@dataclass
+class BodyWork:
+    """An admitted request's parsing and tokenizing, done in a thread past INLINE_TOKENIZE_BYTES, under its tenant's
+    concurrency slot. A thread cannot be stopped: a request cancelled while one works on its body (a gateway's stream
+    gone, a batch stopped) gives its slot back when the thread is done, so aborting requests never has more of a
+    tenant's bodies worked on at once than its limit allows."""
+
+    lease: Lease
+    running: asyncio.Future[Any] | None = None  # the last thread's work
+
+    async def run(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` in a thread, which a cancelled caller leaves running."""
+        self.running = asyncio.ensure_future(asyncio.to_thread(call, *args))
+        return await asyncio.shield(self.running)
+
+    def close(self) -> None:
+        """The slot back now, or when the thread still working ends."""
+        if self.running is None or self.running.done():
+            self.lease.close()
+        else:
+            self.running.add_done_callback(self._ended)
+
+    def _ended(self, work: asyncio.Future[Any]) -> None:
+        if not work.cancelled():
+            work.exception()  # retrieved: its request is gone, nobody reads what it raised
+        self.lease.close()
+
+
 @dataclass(frozen=True)
 class View:
     """What the router knows of its pods at one moment, and how much of one request's prefix each holds."""
@@ -564,18 +593,18 @@ class Router:
         return self.keys.tenants
 
     def record(self, trace: Trace, outcome: str, status: int, usage: dict[str, Any] | None) -> None:
-        """One row of the request log (numbers only), when the pool has one; the end of the request's span."""
+        """The tenant's concurrency slot back, first: a bug below, or a pod's odd usage, must not keep it (a relayed
+        stream's and a gateway's request have no other close); the end of the request's span; one row of the
+        request log (numbers only), when the pool has one."""
+        usage = usage or {}
+        if trace.lease is not None:  # charged: the tokens spent beyond those at admission: the output (or the chunks
+            # relayed of a stream cut before its usage), and any prompt tokens the engine counted beyond the router's
+            trace.lease.close(usage_count(usage, "completion_tokens", trace.chunks)
+                              + max(usage_count(usage, "prompt_tokens") - trace.charged_prompt_tokens, 0))
         if trace.span is not None:
             trace.span.end(outcome, status, trace.route, trace.pods, usage)
-        if trace.lease is not None:  # the tenant's concurrency slot back; its output tokens (or streamed chunks)
-            # the tokens spent beyond those charged at admission: the output (or the chunks relayed of a stream cut
-            # before its usage), and any prompt tokens the engine counted beyond the router's
-            usage = usage or {}
-            trace.lease.close(usage.get("completion_tokens", trace.chunks)
-                              + max(usage.get("prompt_tokens", 0) - trace.charged_prompt_tokens, 0))
         if self.log is None:
             return
-        usage = usage or {}
         now = time.monotonic()
         itl = None
         if trace.first_chunk_at is not None and trace.chunks > 1:
@@ -588,10 +617,10 @@ class Router:
             outcome=outcome,
             status_code=status,
             priority=trace.info.priority,
-            prompt_tokens=usage.get("prompt_tokens", trace.info.prompt_tokens),
-            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            prompt_tokens=usage_count(usage, "prompt_tokens", trace.info.prompt_tokens),
+            cached_tokens=usage_count(usage.get("prompt_tokens_details") or {}, "cached_tokens"),
             predicted_cached_tokens=trace.predicted,
-            output_tokens=usage.get("completion_tokens", 0),
+            output_tokens=usage_count(usage, "completion_tokens"),
             ttft_seconds=None if trace.first_chunk_at is None else trace.first_chunk_at - trace.start,
             mean_itl_seconds=itl,
             e2e_seconds=now - trace.start,
@@ -631,10 +660,11 @@ class Router:
         if lease is None:
             tenant = tenant if tenant is not None else self.authenticate(headers)
             lease = self.open(tenant, batch)
+        work = BodyWork(lease)
         try:
-            return await self._admitted(payload, headers, chat, lease, batch, arrived_ns)
+            return await self._admitted(payload, headers, chat, work, batch, arrived_ns)
         except BaseException:  # refused (or cancelled) after opening: the slot back, the request stays charged
-            lease.close()
+            work.close()
             raise
 
     def open(self, tenant: str, batch: bool = False) -> Lease:
@@ -644,11 +674,12 @@ class Router:
             raise self.rate_limited(tenant, lease)
         return lease
 
-    async def _admitted(self, payload: bytes, headers: Mapping[str, str], chat: bool, lease: Lease, batch: bool,
+    async def _admitted(self, payload: bytes, headers: Mapping[str, str], chat: bool, work: BodyWork, batch: bool,
                         arrived_ns: int) -> Admitted:
-        """`admit`'s work on the body once the tenant's limits are opened: RouteError 400 past the body bound (a
-        prompt no context could hold is never tokenized: an 18 MiB one took the router a minute of CPU), 400 for
-        a bad body, 429 for a prompt over the tenant's tokens per minute."""
+        """`admit`'s work on the body once the tenant's limits are opened (`work.lease`): RouteError 400 past the
+        body bound (a prompt no context could hold is never tokenized: an 18 MiB one took the router a minute of
+        CPU), 400 for a bad body, 429 for a prompt over the tenant's tokens per minute."""
+        lease = work.lease
         tenant = lease.tenant
         cards = self.models()["data"]
         # a completion may list up to MAX_SEQUENCES_PER_REQUEST prompts (lm-eval sends its contexts in batches),
@@ -662,11 +693,12 @@ class Router:
             return raw, model.model_validate(raw)
 
         try:
-            raw, body = parse() if len(payload) <= INLINE_TOKENIZE_BYTES else await asyncio.to_thread(parse)
+            raw, body = parse() if len(payload) <= INLINE_TOKENIZE_BYTES else await work.run(parse)
         except ValidationError as exc:
-            raise RouteError(400, validation_problems(exc), param=validation_param(exc)) from None
+            raise RouteError(400, validation_problems(exc), param=validation_param(exc),
+                             headers=lease.headers) from None
         except ValueError as exc:  # read_json's
-            raise RouteError(400, str(exc)) from None
+            raise RouteError(400, str(exc), headers=lease.headers) from None
         if isinstance(body, CompletionRequest) and (long := _longest_text_prompt(body)) > (each := body_bound(cards)):
             raise RouteError(400, past_body_bound(each, f"a prompt of {long} characters"), param="prompt",
                              code=CONTEXT_LENGTH_CODE, headers=lease.headers)
@@ -680,7 +712,7 @@ class Router:
         if len(payload) <= INLINE_TOKENIZE_BYTES:
             info, prompt_tokens = self.measure(body, priority)
         else:
-            info, prompt_tokens = await asyncio.to_thread(self.measure, body, priority)
+            info, prompt_tokens = await work.run(self.measure, body, priority)
         self.metrics.decision.observe(time.perf_counter() - start)
         asked = headers.get(WORKLOAD_HEADER) if self.trusts_workload(tenant) else None
         workload = workload_class("chat" if chat else "completion", info.prompt_tokens, asked)
@@ -1083,6 +1115,13 @@ def _several_prompts(raw: dict[str, Any]) -> bool:
     """A completion body with a list of prompts (texts or token lists): one choice per prompt."""
     prompt = raw.get("prompt")
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+
+
+def usage_count(usage: Mapping[str, Any], name: str, default: int = 0) -> int:
+    """A token count of a pod's usage object, `default` when it has none: a pod of another make may send null (or
+    a negative number), which must not fail the request's end (its slot, its log row)."""
+    value = usage.get(name)
+    return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _with_limits(response: Response, trace: Trace) -> Response:
@@ -1662,7 +1701,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
         usage = body.get("usage") or {}
-        router.metrics.actual.inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        router.metrics.actual.inc(usage_count(usage.get("prompt_tokens_details") or {}, "cached_tokens"))
         return usage
 
     async def relay(trace: Trace, state: Relay, opening: str | None = None) -> AsyncGenerator[str, None]:

@@ -87,6 +87,7 @@ from kvmesh.router.app import (
     echoes,
     forwarded_headers,
     refusal_outcome,
+    usage_count,
     wants_usage,
     with_usage,
 )
@@ -340,6 +341,9 @@ class Exchange:
             raise Refused(RouteError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB"))
         self.body += chunk.body
         if self.request_mode == ProcessingMode.BUFFERED:  # the whole body, even when trailers follow
+            if self.choice is not None:  # decided once: a second decision would admit and book the request again
+                raise Refused(RouteError(500, "the gateway sent the request body in more than one message in "
+                                              "BUFFERED mode, which sends it whole in one", kind="server_error"))
             self.choice = await self._choose(bytes(self.body))
             common = self._mutation()
             if self.choice.rewritten:
@@ -536,7 +540,7 @@ class Exchange:
             with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, AttributeError):
                 self.usage = json.loads(self.answer).get("usage")
         if self.usage:
-            router.metrics.actual.inc((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+            router.metrics.actual.inc(usage_count(self.usage.get("prompt_tokens_details") or {}, "cached_tokens"))
         # A stream cut before the answer ended (the gateway showed its start) is a client gone; without response
         # phases the gateway ends the stream once the request is sent, and the request counts as ok.
         status = self.status or 200

@@ -257,7 +257,10 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
             return await send_chat(lease, chat, http)
 
         try:
-            return await _created(http, tenant, send)
+            answer = await _created(http, tenant, send)
+            if not sent:  # refused before the chat path (which sends them itself), still charged: the tenant's
+                answer.headers.update(lease.headers)  # x-ratelimit-*, as on every answer
+            return answer
         finally:
             if not sent:
                 lease.close()
