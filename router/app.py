@@ -596,7 +596,7 @@ class Router:
         """The tenant's concurrency slot back, first: a bug below, or a pod's odd usage, must not keep it (a relayed
         stream's and a gateway's request have no other close); the end of the request's span; one row of the
         request log (numbers only), when the pool has one."""
-        usage = usage or {}
+        usage = usage_object(usage)
         if trace.lease is not None:  # charged: the tokens spent beyond those at admission: the output (or the chunks
             # relayed of a stream cut before its usage), and any prompt tokens the engine counted beyond the router's
             trace.lease.close(usage_count(usage, "completion_tokens", trace.chunks)
@@ -1117,11 +1117,16 @@ def _several_prompts(raw: dict[str, Any]) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
 
 
-def usage_count(usage: Mapping[str, Any], name: str, default: int = 0) -> int:
-    """A token count of a pod's usage object, `default` when it has none: a pod of another make may send null (or
-    a negative number), which must not fail the request's end (its slot, its log row)."""
-    value = usage.get(name)
+def usage_count(usage: object, name: str, default: int = 0) -> int:
+    """A token count of a pod's usage object, `default` when it has none: a pod of another make may send null, a
+    negative number or no object at all, which must not fail the request's end (its slot, its log row)."""
+    value = usage.get(name) if isinstance(usage, Mapping) else None
     return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def usage_object(usage: object) -> dict[str, Any]:
+    """A pod's usage as a mapping the request's end can read: {} for null or anything that is no JSON object."""
+    return usage if isinstance(usage, dict) else {}
 
 
 def _with_limits(response: Response, trace: Trace) -> Response:
@@ -1700,8 +1705,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         return Response(status_code=499)
 
     def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
-        usage = body.get("usage") or {}
-        router.metrics.actual.inc(usage_count(usage.get("prompt_tokens_details") or {}, "cached_tokens"))
+        usage = usage_object(body.get("usage"))
+        router.metrics.actual.inc(usage_count(usage.get("prompt_tokens_details"), "cached_tokens"))
         return usage
 
     async def relay(trace: Trace, state: Relay, opening: str | None = None) -> AsyncGenerator[str, None]:

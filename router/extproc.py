@@ -88,6 +88,7 @@ from kvmesh.router.app import (
     forwarded_headers,
     refusal_outcome,
     usage_count,
+    usage_object,
     wants_usage,
     with_usage,
 )
@@ -539,8 +540,9 @@ class Exchange:
         if self.usage is None and self.answer:
             with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, AttributeError):
                 self.usage = json.loads(self.answer).get("usage")
+        self.usage = usage_object(self.usage) or None
         if self.usage:
-            router.metrics.actual.inc(usage_count(self.usage.get("prompt_tokens_details") or {}, "cached_tokens"))
+            router.metrics.actual.inc(usage_count(self.usage.get("prompt_tokens_details"), "cached_tokens"))
         # A stream cut before the answer ended (the gateway showed its start) is a client gone; without response
         # phases the gateway ends the stream once the request is sent, and the request counts as ok.
         status = self.status or 200

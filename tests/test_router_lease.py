@@ -40,6 +40,10 @@ TENANTS = {"acme": {"requests_per_minute": RPM, "max_concurrent_requests": 1}}
 AUTH = {"authorization": f"Bearer {KEYS['acme']}"}
 NULL_USAGE = {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None,
               "prompt_tokens_details": {"cached_tokens": None}}
+# usage a real engine never sends: nulls, no object at all, details of the wrong shape
+ODD_USAGES = pytest.mark.parametrize("usage", [NULL_USAGE, ["not", "an", "object"],
+                                               {"completion_tokens": 1, "prompt_tokens_details": [3]}],
+                                     ids=["nulls", "a-list", "details-a-list"])
 
 
 @pytest.fixture(scope="module")
@@ -181,12 +185,13 @@ def test_a_refusal_that_charges_a_request_says_the_tenants_limits(served: tuple[
 # ---- a pod's usage with nulls --------------------------------------------------------------------------------------
 
 
-def test_a_gateway_answer_whose_usage_has_nulls_gives_the_slot_back(served: tuple[str, Router]) -> None:
+@ODD_USAGES
+def test_a_gateway_answer_whose_usage_has_nulls_gives_the_slot_back(served: tuple[str, Router], usage: Any) -> None:
     """The stream's end charged `completion_tokens + ...` with null from a pod of another make: a TypeError before
     the slot came back, and nothing else closes a gateway request's lease."""
     _, router = served
     body = json.dumps({"prompt": [100, 101, 102], "max_tokens": 1}).encode()
-    answer = json.dumps({"id": "cmpl-x", "object": "text_completion", "choices": [], "usage": NULL_USAGE}).encode()
+    answer = json.dumps({"id": "cmpl-x", "object": "text_completion", "choices": [], "usage": usage}).encode()
 
     async def scenario() -> None:
         exchange = Exchange(router)
@@ -201,17 +206,21 @@ def test_a_gateway_answer_whose_usage_has_nulls_gives_the_slot_back(served: tupl
     assert all(pod.inflight == 0 for pod in router.pods.pods.values())
 
 
+@ODD_USAGES
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_pod_answering_usage_with_nulls_is_served_and_gives_the_slot_back(tiny_dir: Path, stream: bool) -> None:
+def test_a_pod_answering_usage_with_nulls_is_served_and_gives_the_slot_back(tiny_dir: Path, stream: bool,
+                                                                            usage: Any) -> None:
     """A relayed stream's end raised the TypeError: its slot was held until the router restarted (a whole answer
     was a 500)."""
+    odd = usage
+
     async def nulls(body: dict, writer: asyncio.StreamWriter) -> bool:
         usage = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub", "choices": [],
-                 "usage": NULL_USAGE}
+                 "usage": odd}
         if body.get("stream"):
             writer.write(SSE_HEAD + sse(text_chunk(0, " a", "length")) + sse(usage) + sse("[DONE]") + b"0\r\n\r\n")
         else:
-            writer.write(json_reply({**text_chunk(0, " a", "length"), "usage": NULL_USAGE}))
+            writer.write(json_reply({**text_chunk(0, " a", "length"), "usage": odd}))
         await writer.drain()
         return True
 
