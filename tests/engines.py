@@ -9,20 +9,26 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
+import yaml
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.server import EngineHolder, create_app
 from kvmesh.engine.tracing import OFF, Tracing
 from kvmesh.processes import free_port, spawn, stop, wait_healthy
-from kvmesh.router.app import Router, create_router_app
+from kvmesh.router.app import Router, build_router, create_router_app
+from kvmesh.router.auth import hash_key
+from kvmesh.router.config import RouterConfig
+
+from .conftest import make_engine
 
 
 def serve_tiny(tiny_dir: Path, url: str, log: Path, role: str | None = None) -> subprocess.Popen[bytes]:
@@ -51,6 +57,24 @@ def tiny_engines(
         yield procs
     finally:
         stop(procs.values())
+
+
+KEYED_POOL_CONTEXT = 512  # keyed_pool's engine's max_model_len
+
+
+@contextmanager
+def keyed_pool(tiny_dir: Path, where: Path, keys: Mapping[str, str], tenants: dict[str, Any]
+               ) -> Iterator[tuple[str, Router]]:
+    """A router asking for API keys (`keys`: tenant -> key, stored hashed in a file under `where`) with `tenants`'
+    limits, in front of one tiny engine (a KEYED_POOL_CONTEXT-token context), both in this process: a module's keyed
+    pool."""
+    path = where / "keys.yaml"
+    path.write_text(yaml.safe_dump({"keys": [{"tenant": t, "key_sha256": hash_key(k)} for t, k in keys.items()]}))
+    with serve_engine(make_engine(tiny_dir, kv_cache_blocks=64, max_model_len=KEYED_POOL_CONTEXT)) as engine:
+        router = build_router(RouterConfig(pods=[engine], scrape_interval_seconds=0.1, api_keys_file=str(path),
+                                           tenants=tenants), tiny_dir)
+        with serve_router(router) as url:
+            yield url, router
 
 
 @contextmanager

@@ -14,25 +14,21 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from kvmesh.engine.openai_types import MAX_SEQUENCES_PER_REQUEST
-from kvmesh.router.app import Router, build_router
-from kvmesh.router.auth import hash_key
-from kvmesh.router.config import INLINE_TOKENIZE_BYTES, RouterConfig
+from kvmesh.router.app import Router
+from kvmesh.router.config import INLINE_TOKENIZE_BYTES
 from kvmesh.router.limits import Limiter, parse_tenants
 from kvmesh.router.responses import MAX_ID_CHARS
 from kvmesh.router.responses_store import MemoryResponses, StoredResponse
 from kvmesh.router.tokenize_api import body_bound
 
-from .conftest import make_engine
-from .engines import serve_engine, serve_router
+from .engines import KEYED_POOL_CONTEXT, keyed_pool
 from .test_router_limits import Clock
 
 KEYS = {"acme": "sk-acme-abuse", "globex": "sk-globex-abuse"}
 # acme: one request at a time, 3 a minute, 100 tokens a minute; globex: unlimited
 TENANTS = {"acme": {"requests_per_minute": 3, "tokens_per_minute": 100, "max_concurrent_requests": 1}}
-MAX_MODEL_LEN = 512
 
 
 def auth(tenant: str) -> dict[str, str]:
@@ -41,13 +37,8 @@ def auth(tenant: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Router]]:
-    keys = tmp_path_factory.mktemp("abuse") / "keys.yaml"
-    keys.write_text(yaml.safe_dump({"keys": [{"tenant": t, "key_sha256": hash_key(k)} for t, k in KEYS.items()]}))
-    with serve_engine(make_engine(tiny_dir, kv_cache_blocks=64, max_model_len=MAX_MODEL_LEN)) as engine:
-        router = build_router(RouterConfig(pods=[engine], scrape_interval_seconds=0.1, api_keys_file=str(keys),
-                                           tenants=TENANTS), tiny_dir)
-        with serve_router(router) as url:
-            yield url, router
+    with keyed_pool(tiny_dir, tmp_path_factory.mktemp("abuse"), KEYS, TENANTS) as served:
+        yield served
 
 
 @pytest.fixture
@@ -91,7 +82,7 @@ def test_a_prompt_no_context_could_hold_is_refused_untokenized_and_counted(serve
     url, router = served
     tokenized = counted(router, monkeypatch)
     bound = body_bound(router.models()["data"])
-    assert bound == 6 * 4 * MAX_MODEL_LEN
+    assert bound == 6 * 4 * KEYED_POOL_CONTEXT
     refused = complete(url, "acme", {"prompt": "lorem ipsum " * (bound // 12 + 1)})
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]

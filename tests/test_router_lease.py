@@ -17,19 +17,16 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from kvmesh.router.app import Router, build_router
+from kvmesh.router.app import Router
 from kvmesh.router.asgi import RouteError
-from kvmesh.router.auth import hash_key
-from kvmesh.router.config import INLINE_TOKENIZE_BYTES, MAX_REQUEST_BODY_BYTES, RouterConfig
+from kvmesh.router.config import INLINE_TOKENIZE_BYTES, MAX_REQUEST_BODY_BYTES
 from kvmesh.router.extproc import Exchange, Refused
 from kvmesh.router.limits import Limiter, parse_tenants
 
-from .conftest import make_engine
-from .engines import serve_engine, serve_router
+from .engines import keyed_pool
 from .test_router_broken_reply import SSE_HEAD, json_reply, routed, sse, stub_pod, text_chunk
 from .test_router_extproc import request_headers, response_phases
 from .test_router_limits import Clock
@@ -48,13 +45,8 @@ ODD_USAGES = pytest.mark.parametrize("usage", [NULL_USAGE, ["not", "an", "object
 
 @pytest.fixture(scope="module")
 def pool(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Router]]:
-    keys = tmp_path_factory.mktemp("lease") / "keys.yaml"
-    keys.write_text(yaml.safe_dump({"keys": [{"tenant": t, "key_sha256": hash_key(k)} for t, k in KEYS.items()]}))
-    with serve_engine(make_engine(tiny_dir, kv_cache_blocks=64, max_model_len=512)) as engine:
-        router = build_router(RouterConfig(pods=[engine], scrape_interval_seconds=0.1, api_keys_file=str(keys),
-                                           tenants=TENANTS), tiny_dir)
-        with serve_router(router) as url:
-            yield url, router
+    with keyed_pool(tiny_dir, tmp_path_factory.mktemp("lease"), KEYS, TENANTS) as served:
+        yield served
 
 
 @pytest.fixture
