@@ -229,12 +229,24 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
             lease = admit(tenant, None)
         except RouteError as exc:
             return _refused(exc)
+        http.state.limits = lease.headers  # for the answer (`limited`)
         try:
             return await responses.use(operation, call, tenant_hash(tenant), response_id)
         except StoreUnavailable:
             return _unavailable()
         finally:
             lease.close()
+
+    def limited(route: Callable[[HttpRequest, str], Awaitable[Response]]
+                ) -> Callable[[HttpRequest, str], Awaitable[Response]]:
+        """A read's or a delete's answer with the tenant's x-ratelimit-* headers as its call took them, as every
+        answer under a tenant's limits carries them."""
+        @functools.wraps(route)
+        async def answered(http: HttpRequest, response_id: str) -> Response:
+            response = await route(http, response_id)
+            response.headers.update(getattr(http.state, "limits", {}))
+            return response
+        return answered
 
     async def stored(http: HttpRequest, response_id: str) -> StoredResponse | Response:
         found = await on_store(http, "read", store.get, response_id)
@@ -281,11 +293,13 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         return await (responses.streamed if body.get("stream") else responses.whole)(turn, send)
 
     @api.get(RESPONSES_PATH + "/{response_id}")
+    @limited
     async def retrieve(http: HttpRequest, response_id: str) -> Response:
         found = await stored(http, response_id)
         return found if isinstance(found, Response) else JSONResponse(found.response)
 
     @api.get(RESPONSES_PATH + "/{response_id}/input_items")
+    @limited
     async def list_input_items(http: HttpRequest, response_id: str) -> Response:
         found = await stored(http, response_id)
         if isinstance(found, Response):
@@ -303,6 +317,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
             return _error(400, str(exc), exc.param)
 
     @api.delete(RESPONSES_PATH + "/{response_id}")
+    @limited
     async def remove(http: HttpRequest, response_id: str) -> Response:
         deleted = await on_store(http, "write", store.delete, response_id)
         if isinstance(deleted, Response):

@@ -214,6 +214,7 @@ def test_reading_and_deleting_stored_responses_is_under_the_tenants_limits(serve
                httpx.get(f"{url}/v1/responses/{rid}/input_items", headers=auth("acme")),
                httpx.delete(f"{url}/v1/responses/{rid}", headers=auth("acme"))]
     assert [a.status_code for a in answers] == [200, 200, 429]
+    assert [a.headers.get("x-ratelimit-remaining-requests") for a in answers] == ["1", "0", "0"]
     assert answers[2].headers["retry-after"] == "20"
     read: list[str] = []
     monkeypatch.setattr(router.responses, "history", lambda *args: read.append(args[1]))
