@@ -264,10 +264,18 @@ def test_the_pool_name_is_as_long_as_the_crd_allows() -> None:
     {"operator": {"watchNamespaces": [""]}},
     {"dashboards": {"namespace": "Bad_NS"}},
     {"image": {"tag": 2}},
+    {"operator": {"resources": {"requests": {"cpu": "lots", "memory": "256Mi"}}}},  # rendered, refused at apply
+    {"gateway": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1 GiB"}}}},
+    {"operator": {"resources": {"requests": {"cpu": -1, "memory": "256Mi"}}}},
 ], ids=str)
 def test_the_schema_refuses(bad: dict[str, Any]) -> None:
     with pytest.raises(helm_python.HelmValuesError):
         render(bad)
+
+
+@pytest.mark.parametrize("cpu", ["500m", "2", 2, 0.5, "1.5", "2e3"])
+def test_resource_quantities_as_kubernetes_writes_them_are_taken(cpu: object) -> None:
+    render({"operator": {"resources": {"requests": {"cpu": cpu, "memory": "1.5Gi"}, "limits": {"memory": "2G"}}}})
 
 
 def test_one_port_for_metrics_and_health_is_refused() -> None:
