@@ -284,8 +284,9 @@ class RouterMetrics:
         keys rotate for months must not export every tenant it ever had."""
         live = {tenant_hash(tenant) for tenant in tenants}
         for gone in self._tenant_series - live:
-            for reason in LIMIT_REASONS:
-                self.rate_limited.remove(gone, reason)
+            for reason in LIMIT_REASONS:  # one counted back after its key went has only that reason's series
+                with contextlib.suppress(KeyError):  # (prometheus-client before 0.22 raises for a missing one)
+                    self.rate_limited.remove(gone, reason)
         for pseudonym in live - self._tenant_series:
             for reason in LIMIT_REASONS:
                 self.rate_limited.labels(pseudonym, reason)
@@ -1258,8 +1259,12 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     async def watch_keys() -> None:
         while True:
             await asyncio.sleep(KEYS_CHECK_SECONDS)
-            if await asyncio.to_thread(router.reload_keys):
-                router.keys_changed()
+            try:
+                if await asyncio.to_thread(router.reload_keys):
+                    router.keys_changed()
+            except Exception:  # a bug here must not end key rotation for the router's life
+                logging.getLogger("kvmesh.router").exception(
+                    "the API keys reload failed; the keys in force stay, and the file is read again")
 
     responses = Responses(router.responses, lambda operation: router.metrics.response_store_errors.labels(
         operation).inc())

@@ -270,7 +270,6 @@ class Limiter:
         self.inflight: dict[str, int] = {}  # admitted requests not yet ended, per tenant (fair sharing reads it)
         self.demand: dict[str, float] = {}  # requests asked for per tenant since router/limit_sync.py last read it
         self._buckets: dict[str, _Buckets] = {}
-        self._kept: frozenset[str] | None = None  # the tenants `retain` last kept (None: never called, all kept)
         # what this replica enforces, per `tenants:` entry: worked out once, read on every request
         self._default = self.table.default.share(self.scale / replicas)
         self._here = {name: limits.share(self.scale / replicas) for name, limits in self.table.tenants.items()}
@@ -301,10 +300,10 @@ class Limiter:
     def retain(self, tenants: Iterable[str]) -> None:
         """Forget the buckets and demand of every tenant not in `tenants` (those with an API key after a keys
         reload), in both lanes: a router whose keys rotate for months must not hold every tenant it ever served. A
-        tenant with requests in flight keeps its buckets until its last one ends (`release` charges them)."""
+        tenant with requests in flight keeps its buckets (its requests end under them, and a batch still in its turn
+        sends its next lines under them, not under fresh ones) until a later reload finds none in flight."""
         kept = frozenset(tenants)
         for lane in (self, self.batch):
-            lane._kept = kept
             lane.demand = {tenant: asked for tenant, asked in lane.demand.items() if tenant in kept}
             lane._buckets = {tenant: buckets for tenant, buckets in lane._buckets.items()
                              if tenant in kept or tenant in lane.inflight}
@@ -370,8 +369,6 @@ class Limiter:
         self.inflight[tenant] -= 1
         if not self.inflight[tenant]:
             del self.inflight[tenant]
-            if self._kept is not None and tenant not in self._kept:  # its key went while it was in flight
-                del self._buckets[tenant]
 
     def _refusal(self, tenant: str, tokens_needed: int | None, request: bool = True,
                  slot: bool = True) -> Refusal | None:

@@ -165,8 +165,8 @@ def test_a_stored_response_keeps_no_bytes_its_request_was_not_charged_for(served
                   tool_choice="auto")
     assert made.status_code == 200, made.text
     rid = made.json()["id"]
-    kept = httpx.get(f"{url}/v1/responses/{rid}", headers=auth("globex")).text
-    items = httpx.get(f"{url}/v1/responses/{rid}/input_items", headers=auth("globex")).json()["data"]
+    kept = httpx.get(f"{url}/v1/responses/{rid}", headers=auth("globex"), timeout=60).text
+    items = httpx.get(f"{url}/v1/responses/{rid}/input_items", headers=auth("globex"), timeout=60).json()["data"]
     assert pad not in kept and len(kept) < 4096
     assert items == [{"type": "message", "id": items[0]["id"], "status": "completed", "role": "user",
                       "content": [{"type": "input_text", "text": "hi"}]}]
@@ -210,9 +210,9 @@ def test_reading_and_deleting_stored_responses_is_under_the_tenants_limits(serve
                       json={"input": "hi", "max_output_tokens": 1})
     assert made.status_code == 200, made.text
     rid = made.json()["id"]
-    answers = [httpx.get(f"{url}/v1/responses/{rid}", headers=auth("acme")),
-               httpx.get(f"{url}/v1/responses/{rid}/input_items", headers=auth("acme")),
-               httpx.delete(f"{url}/v1/responses/{rid}", headers=auth("acme"))]
+    answers = [httpx.get(f"{url}/v1/responses/{rid}", headers=auth("acme"), timeout=60),
+               httpx.get(f"{url}/v1/responses/{rid}/input_items", headers=auth("acme"), timeout=60),
+               httpx.delete(f"{url}/v1/responses/{rid}", headers=auth("acme"), timeout=60)]
     assert [a.status_code for a in answers] == [200, 200, 429]
     assert [a.headers.get("x-ratelimit-remaining-requests") for a in answers] == ["1", "0", "0"]
     assert answers[2].headers["retry-after"] == "20"

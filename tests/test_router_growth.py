@@ -1,7 +1,8 @@
 """A router runs for months while its keys file rotates: what it holds per tenant (the 429 series, the limiter's
 buckets and demand, in both lanes) is that of the tenants the file names now, not of every tenant it ever had. A
-tenant whose key goes while its requests are in flight keeps its buckets until the last one ends. One router over
-the tiny model's tokenizer (no engine: nothing here is routed), rotated by hand, then by its app's key watcher."""
+tenant whose key goes while its requests are in flight keeps its buckets until a later reload finds none. One
+router over the tiny model's tokenizer (no engine: nothing here is routed), rotated by hand, then by its app's key
+watcher."""
 
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def test_a_keys_reload_drops_the_series_buckets_and_demand_of_the_tenants_it_no_
     limits = router.limits
     assert list(limits._buckets) == ["acme"] and limits.batch._buckets == {}  # acme's request needs its buckets
     assert limits.demand == {} and limits.batch.demand == {}
-    in_flight.close(spent_tokens=7)  # it ends cleanly, charging buckets nobody will read again, then dropped
-    assert limits._buckets == {} and limits.inflight == {}
+    in_flight.close(spent_tokens=7)  # it ends cleanly, charging its buckets (a batch in its turn goes on under them)
+    assert list(limits._buckets) == ["acme"] and limits.inflight == {}
+    rotate(router, {"sk-initech": "initech", "sk-hooli": "hooli"})  # the next reload finds it ended
+    assert limits._buckets == {}
 
 
 def test_many_rotations_leave_the_series_and_buckets_of_the_tenant_keyed_now(router: Router) -> None:
@@ -92,3 +95,27 @@ def test_the_app_s_key_watcher_drops_a_revoked_tenant(router: Router) -> None:
             assert time.monotonic() < deadline, "the revoked tenant's series stayed"
             time.sleep(0.1)
         assert "globex" not in router.limits._buckets
+
+
+def test_the_key_watcher_goes_on_after_a_reload_that_failed(router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One reload that raised (a bug, or prometheus-client before 0.22 refusing to remove a series it lacks) ended
+    the app's key watcher for the router's life: every later rotation was ignored. It logs and reads again."""
+    rotate(router, {"sk-acme": "acme", "sk-globex": "globex"})
+    reload, failed = router.reload_keys, []
+
+    def once_broken() -> bool:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a reload that failed")
+        return reload()
+
+    monkeypatch.setattr(router, "reload_keys", once_broken)
+    with serve_router(router) as url:
+        assert router.keys_file is not None
+        write_keys(Path(router.keys_file.path), {"sk-acme": "acme"})
+        gone = tenant_hash("globex")
+        deadline = time.monotonic() + 60  # the bound only ends a failing test
+        while gone in httpx.get(url + "/metrics", timeout=10).text:
+            assert time.monotonic() < deadline, "the watcher stopped after the failed reload"
+            time.sleep(0.1)
+    assert failed
