@@ -80,7 +80,7 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
-from kvmesh.router.asgi import RouteError, read_body, sse_data, stream_error_ending, wait_disconnected
+from kvmesh.router.asgi import RouteError, error_response, read_body, sse_data, stream_error_ending, wait_disconnected
 from kvmesh.router.auth import (
     CACHE_SALT_SECRET_ENV,
     DEFAULT_TENANT,
@@ -137,6 +137,7 @@ from kvmesh.router.tokenize_api import (
     unknown_model,
 )
 from kvmesh.router.tracing import RequestSpan, request_span
+from kvmesh.router.usage import cached_tokens, usage_count, usage_object
 
 if TYPE_CHECKING:
     from kvmesh.router.extproc import ExtProcServer
@@ -367,8 +368,9 @@ def merge_logprobs(first: Any, rest: Any) -> Any:
 def merge_usage(prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
     """A disaggregated request's usage: prompt and cached tokens from the prefill pod (what it did not compute),
     completion tokens from the decode pod (which counts the prefill's first token as generated)."""
-    completion = decode.get("completion_tokens", 0)
-    return {**prefill, "completion_tokens": completion, "total_tokens": prefill.get("prompt_tokens", 0) + completion}
+    completion = usage_count(decode, "completion_tokens")
+    total = usage_count(prefill, "prompt_tokens") + completion
+    return {**prefill, "completion_tokens": completion, "total_tokens": total}
 
 
 class Booking:
@@ -619,7 +621,7 @@ class Router:
             status_code=status,
             priority=trace.info.priority,
             prompt_tokens=usage_count(usage, "prompt_tokens", trace.info.prompt_tokens),
-            cached_tokens=usage_count(usage.get("prompt_tokens_details") or {}, "cached_tokens"),
+            cached_tokens=cached_tokens(usage),
             predicted_cached_tokens=trace.predicted,
             output_tokens=usage_count(usage, "completion_tokens"),
             ttft_seconds=None if trace.first_chunk_at is None else trace.first_chunk_at - trace.start,
@@ -1062,12 +1064,6 @@ def forwarded_headers(trace: Trace) -> dict[str, str]:
     return {PRIORITY_HEADER: str(trace.info.priority), WORKLOAD_HEADER: trace.workload}
 
 
-def error_response(error: RouteError) -> JSONResponse:
-    """A refusal as the HTTP edge answers it: an OpenAI-style error body, with the error's headers."""
-    return JSONResponse(error_body(error.message, error.kind, error.param, error.code), status_code=error.status,
-                        headers=error.headers)
-
-
 class PodTimeout(Exception):
     """A pod took a request that does not stream and sent no answer within the read timeout: not retried, since
     the pod may still be generating it (a long answer), and another pod would run it again."""
@@ -1116,18 +1112,6 @@ def _several_prompts(raw: dict[str, Any]) -> bool:
     """A completion body with a list of prompts (texts or token lists): one choice per prompt."""
     prompt = raw.get("prompt")
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
-
-
-def usage_count(usage: object, name: str, default: int = 0) -> int:
-    """A token count of a pod's usage object, `default` when it has none: a pod of another make may send null, a
-    negative number or no object at all, which must not fail the request's end (its slot, its log row)."""
-    value = usage.get(name) if isinstance(usage, Mapping) else None
-    return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def usage_object(usage: object) -> dict[str, Any]:
-    """A pod's usage as a mapping the request's end can read: {} for null or anything that is no JSON object."""
-    return usage if isinstance(usage, dict) else {}
 
 
 def _with_limits(response: Response, trace: Trace) -> Response:
@@ -1711,7 +1695,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     def _count_cached(body: dict[str, Any]) -> dict[str, Any]:
         usage = usage_object(body.get("usage"))
-        router.metrics.actual.inc(usage_count(usage.get("prompt_tokens_details"), "cached_tokens"))
+        router.metrics.actual.inc(cached_tokens(usage))
         return usage
 
     async def relay(trace: Trace, state: Relay, opening: str | None = None) -> AsyncGenerator[str, None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from starlette.responses import JSONResponse
 from starlette.types import Receive
 
 from kvmesh.engine.openai_types import error_body
@@ -19,6 +20,12 @@ class RouteError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.kind, self.param = status, message, code, kind, param
         self.headers = dict(headers or {})  # sent with the error (a rate limit's Retry-After and x-ratelimit-*)
+
+
+def error_response(error: RouteError) -> JSONResponse:
+    """A refusal as the HTTP edge answers it: an OpenAI-style error body, with the error's headers."""
+    return JSONResponse(error_body(error.message, error.kind, error.param, error.code), status_code=error.status,
+                        headers=error.headers)
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:

@@ -22,7 +22,7 @@ from starlette.datastructures import UploadFile
 
 from kvmesh.engine.openai_types import error_body, read_json
 from kvmesh.engine.protocol import RouterMetric
-from kvmesh.router.asgi import RouteError
+from kvmesh.router.asgi import RouteError, error_response
 from kvmesh.router.auth import tenant_hash, unauthorized_body
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import (
@@ -115,8 +115,7 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
         try:
             lease = admit(tenant, None, request) if admit is not None else None
         except RouteError as exc:
-            return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
-                                headers=exc.headers)
+            return error_response(exc)
         return store, tenant_hash(tenant), lease
 
     async def call(http: HttpRequest, work: Callable[[BatchStore, str], Any],

@@ -17,6 +17,7 @@ from typing import Any
 from kvmesh.engine.openai_types import read_json
 from kvmesh.engine.protocol import CHAT_COMPLETIONS_PATH as CHAT_PATH
 from kvmesh.engine.protocol import COMPLETIONS_PATH
+from kvmesh.router.usage import cached_tokens, usage_count, usage_object
 
 RESPONSES_PATH = "/v1/responses"
 BATCH_ENDPOINTS: tuple[str, ...] = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH)
@@ -326,14 +327,11 @@ class LineResult:
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt, cached, completion) tokens of a served request; zeros otherwise."""
-        usage = self.body.get("usage") if self.ok else None
-        if not isinstance(usage, dict):
-            return 0, 0, 0
+        usage = usage_object(self.body.get("usage") if self.ok else None)
         if "input_tokens" in usage:  # a response object's
-            cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
-            return int(usage["input_tokens"]), int(cached or 0), int(usage.get("output_tokens", 0))
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return int(usage.get("prompt_tokens", 0)), int(cached or 0), int(usage.get("completion_tokens", 0))
+            return (usage_count(usage, "input_tokens"), cached_tokens(usage, "input_tokens_details"),
+                    usage_count(usage, "output_tokens"))
+        return usage_count(usage, "prompt_tokens"), cached_tokens(usage), usage_count(usage, "completion_tokens")
 
     def output_line(self) -> dict[str, Any]:
         """The line of the output file (served) or the error file (not), in OpenAI's shape."""

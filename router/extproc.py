@@ -87,8 +87,6 @@ from kvmesh.router.app import (
     echoes,
     forwarded_headers,
     refusal_outcome,
-    usage_count,
-    usage_object,
     wants_usage,
     with_usage,
 )
@@ -102,6 +100,7 @@ from kvmesh.router.config import (
     read_certificate_pair,
 )
 from kvmesh.router.picker import Decision, RequestInfo
+from kvmesh.router.usage import cached_tokens, usage_object
 
 log = logging.getLogger("kvmesh.router.extproc")
 
@@ -542,7 +541,7 @@ class Exchange:
                 self.usage = json.loads(self.answer).get("usage")
         self.usage = usage_object(self.usage) or None
         if self.usage:
-            router.metrics.actual.inc(usage_count(self.usage.get("prompt_tokens_details"), "cached_tokens"))
+            router.metrics.actual.inc(cached_tokens(self.usage))
         # A stream cut before the answer ended (the gateway showed its start) is a client gone; without response
         # phases the gateway ends the stream once the request is sent, and the request counts as ok.
         status = self.status or 200

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvmesh.router.batches import BatchInputError, check_metadata
+from kvmesh.router.usage import cached_tokens, usage_count
 
 UNSUPPORTED_FIELDS = ("background", "reasoning", "include", "prompt", "conversation")
 ROLES = ("user", "system", "developer", "assistant")
@@ -262,12 +263,11 @@ def response_object(response_id: str, body: Mapping[str, Any], completion: Mappi
         response["incomplete_details"] = {"reason": "max_output_tokens"}
         for item in response["output"]:
             item["status"] = "incomplete"
-    usage = completion.get("usage") or {}
-    prompt = usage.get("prompt_tokens", 0)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    usage = completion.get("usage")
+    prompt, cached = usage_count(usage, "prompt_tokens"), cached_tokens(usage)
     response["usage"] = {
-        "input_tokens": prompt, "output_tokens": usage.get("completion_tokens", 0),
-        "total_tokens": usage.get("total_tokens", 0),
+        "input_tokens": prompt, "output_tokens": usage_count(usage, "completion_tokens"),
+        "total_tokens": usage_count(usage, "total_tokens"),
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached},
         "output_tokens_details": {"reasoning_tokens": 0}}
     return response

@@ -24,7 +24,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.engine.openai_types import error_body, read_json
-from kvmesh.router.asgi import RouteError
+from kvmesh.router.asgi import RouteError, error_response
 from kvmesh.router.auth import tenant_hash, unauthorized_body
 from kvmesh.router.batches import RESPONSES_PATH, new_id, whole_number
 from kvmesh.router.config import MAX_REQUEST_BODY_BYTES
@@ -54,12 +54,6 @@ SendChat = Callable[[Lease, dict[str, Any], HttpRequest], Awaitable[Response]]
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=status)
-
-
-def _refused(exc: RouteError) -> JSONResponse:
-    """A refusal of the router's (a tenant over its limits: 429 with its headers) as the answer."""
-    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
-                        headers=exc.headers)
 
 
 def _renamed_error(answer: Response) -> Response:
@@ -228,7 +222,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         try:
             lease = admit(tenant, None)
         except RouteError as exc:
-            return _refused(exc)
+            return error_response(exc)
         http.state.limits = lease.headers  # for the answer (`limited`)
         try:
             return await responses.use(operation, call, tenant_hash(tenant), response_id)
@@ -260,7 +254,7 @@ def response_routes(responses: Responses, tenant_for: Callable[[str | None], str
         try:
             lease = open_limits(tenant)
         except RouteError as exc:
-            return _refused(exc)
+            return error_response(exc)
         sent = False
 
         async def send(chat: dict[str, Any]) -> Response:

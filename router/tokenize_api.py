@@ -24,7 +24,7 @@ from kvmesh.engine.openai_types import (
     validation_problems,
 )
 from kvmesh.engine.protocol import DETOKENIZE_PATH, TOKENIZE_PATH
-from kvmesh.router.asgi import RouteError
+from kvmesh.router.asgi import RouteError, error_response
 from kvmesh.router.auth import unauthorized_body
 from kvmesh.router.config import INLINE_TOKENIZE_BYTES, MAX_REQUEST_BODY_BYTES
 from kvmesh.router.limits import Lease
@@ -112,8 +112,7 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
         try:
             lease = admit(tenant, 1) if admit is not None else None
         except RouteError as exc:
-            return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
-                                headers=exc.headers)
+            return error_response(exc)
         spent = 0
         try:
             parsed = await parse(http, kind)

@@ -20,6 +20,7 @@ from kvmesh.engine.protocol import KV_TRANSFER_FIELD, RESUME_OUTPUT_IDS_FIELD
 from kvmesh.engine.tracing import Tracing
 from kvmesh.router.auth import tenant_hash
 from kvmesh.router.picker import Decision, RequestInfo
+from kvmesh.router.usage import cached_tokens, usage_count
 
 FAILED_OUTCOMES = ("error", "no_pod")  # outcomes that mark the router's span as failed (not shed, not a gone client)
 
@@ -94,9 +95,9 @@ class RequestSpan:
         }
         if usage:
             attributes.update({
-                "gen_ai.usage.input_tokens": usage.get("prompt_tokens", 0),
-                "gen_ai.usage.output_tokens": usage.get("completion_tokens", 0),
-                "kvmesh.cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                "gen_ai.usage.input_tokens": usage_count(usage, "prompt_tokens"),
+                "gen_ai.usage.output_tokens": usage_count(usage, "completion_tokens"),
+                "kvmesh.cached_tokens": cached_tokens(usage),
             })
         self.span.set_attributes(attributes)
         if outcome in FAILED_OUTCOMES or status >= 500:
