@@ -70,7 +70,7 @@ GROUP_MIN_CHARS = 256
 MAX_WAIT_SECONDS = 10.0  # a refused request waits its Retry-After, but no longer than this, before it is sent again
 SERVER_ERROR_BACKOFF_SECONDS = 1.0
 PAUSE_FLUSHES = 2  # writes failing for this many flush periods: the run sends no new request until one succeeds
-CLAIM_GRACE_FLUSHES = 3  # a replica that saw the database fail waits this many flush periods before its next claim
+CLAIM_GRACE_FLUSHES = 3  # after the database failed, a claim waits a connection attempt and this many flush periods
 LOG_EVERY_SECONDS = 60.0  # a database failure's traceback is logged at most this often (each is counted)
 
 
@@ -145,12 +145,11 @@ class BatchSettings:
     poll_seconds: float = POLL_SECONDS
     turn_seconds: float = TURN_SECONDS
     order: str = PREFIX_ORDER  # BATCH_ORDERS: prefix (shared prefixes sent together) or file
-    connect_seconds: float = CONNECT_TIMEOUT_SECONDS  # the longest a database connection attempt takes
 
     def claim_grace_seconds(self) -> float:
         """How long a replica that saw the database fail waits before its next claim: long enough for the holder's
         renewal, begun during the outage, to give up its connection attempt and try again."""
-        return self.connect_seconds + CLAIM_GRACE_FLUSHES * self.flush_seconds
+        return CONNECT_TIMEOUT_SECONDS + CLAIM_GRACE_FLUSHES * self.flush_seconds
 
     def __post_init__(self) -> None:
         if self.order not in BATCH_ORDERS:
