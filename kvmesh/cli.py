@@ -376,9 +376,9 @@ def _base_url(url: str) -> str | None:
     """The server's base URL from what the user gave (`kvmesh chat`'s and `kvmesh status`'s --url): the OpenAI base
     URL (`.../v1`, what `kvmesh up` prints and clients are configured with) as well as the server's; None without
     an http(s) scheme, which no retry fixes."""
-    if not url.startswith(("http://", "https://")):
-        return None
-    return url.rstrip("/").removesuffix("/v1")
+    from kvmesh.bench.serve import base_url
+
+    return base_url(url) if url.startswith(("http://", "https://")) else None
 
 
 def _chat(args: argparse.Namespace) -> int:

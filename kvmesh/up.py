@@ -1031,6 +1031,12 @@ def _drain(client: httpx.Client, engines: list[Engine], deadline: float) -> None
         time.sleep(0.2)
 
 
+def scrape_target(url: str) -> str:
+    """A process's address as a Prometheus file_sd target (host:port), from its URL: one rule for writing the
+    targets file and for finding this pool's router in it."""
+    return url.removeprefix("http://")
+
+
 def prometheus_targets(pool: str, members: list[tuple[Child, str]],
                        operator_url: str | None = None) -> list[dict[str, object]]:
     """Prometheus file_sd targets for every (process, role) of the pool, labelled as the chart's PodMonitor labels
@@ -1038,11 +1044,11 @@ def prometheus_targets(pool: str, members: list[tuple[Child, str]],
     and the local operator's, labelled as the chart's ServiceMonitor labels the operator (namespace, pod: no pool
     or role, which its series carry themselves and a target label of the same name would rename)."""
     targets: list[dict[str, object]] = [
-        {"targets": [child.url.removeprefix("http://")],
+        {"targets": [scrape_target(child.url)],
          "labels": {"namespace": LOCAL_NAMESPACE, "pool": pool, "role": role, "pod": child.name}}
         for child, role in members]
     if operator_url is not None:
-        targets.append({"targets": [operator_url.removeprefix("http://")],
+        targets.append({"targets": [scrape_target(operator_url)],
                         "labels": {"namespace": LOCAL_NAMESPACE, "pod": "operator"}})
     return targets
 
@@ -1175,7 +1181,7 @@ def _empty_targets(engines: LocalEngines) -> None:
     read half-way through a removal keeps them."""
     if not engines.targets_file or engines.router is None:
         return
-    path, router = Path(engines.targets_file), engines.router.url.removeprefix("http://")
+    path, router = Path(engines.targets_file), scrape_target(engines.router.url)
     try:
         groups = json.loads(path.read_text())
         ours = any(router in group.get("targets", []) for group in groups)

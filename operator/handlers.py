@@ -209,16 +209,14 @@ def live_deployments(kube: Kube, pool: Pool) -> dict[str, dict[str, Any]]:
         raise ApplyFailed(f"listing the pool's Deployments failed: {reason}") from exc
 
 
-def starting_replicas(kube: Kube, pool: Pool, status: Mapping[str, Any], added: Collection[str]) -> dict[str, int]:
+def starting_replicas(pool: Pool, status: Mapping[str, Any], added: Collection[str],
+                      deployments: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
     """The replicas a reconcile applies per role: those last decided (`decided_replicas`: not for the roles in
-    `added`); for a role without one, what its Deployment has if it exists (a previous mode's, kept serving while a
-    switch away from it was pending, and switched back to: its pods must not be scaled in), else its minimum. The
-    pool's Deployments are listed only when some role has no decided count. ApplyFailed."""
+    `added`); for a role without one, what its Deployment (of the pool's live `deployments`) has if it exists (a
+    previous mode's, kept serving while a switch away from it was pending, and switched back to: its pods must not
+    be scaled in), else its minimum."""
     decided = decided_replicas(pool, status, added)
     unknown = [r for r in pool.roles if r not in decided]
-    if not unknown:
-        return desired.initial_replicas(pool) | decided
-    deployments = live_deployments(kube, pool)
     initial = desired.initial_replicas(pool)
     return initial | deployed_replicas({r: initial[r] for r in unknown}, deployments,
                                        {r: pool.bounds(r) for r in unknown}) | decided
@@ -377,10 +375,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         # `old`: the spec kopf last handled (an update's); the roles this change adds were not run under it
         added = [r for r in pool.roles if old is not None and r not in spec_roles((old or {}).get("spec"))]
         try:  # the Secret before the pods that mount it
-            replicas = starting_replicas(kube, pool, status, added)
+            live = live_deployments(kube, pool)
+            replicas = starting_replicas(pool, status, added, live)
             memo["kvmesh-token"] = InternalToken.fixed(pool_token(kube, pool))
             # an upgrade from before the internal token: the routers roll first (operator/routers_first.py)
-            rollout = routers_first(desired.desired_objects(pool, replicas), live_deployments(kube, pool))
+            rollout = routers_first(desired.desired_objects(pool, replicas), live)
             applied = apply_pool(kube, pool, rollout.objects, rollout.held)
         except ApplyFailed as exc:
             patch.status["conditions"] = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
@@ -595,7 +594,8 @@ def release_engines(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str
     if not legacy:
         return ()
     # the replicas the Deployments run (the scaler's to change, later in the tick): only the template changes
-    replicas = deployed_replicas({role: desired.initial_replicas(pool)[role] for role in legacy}, deployments,
+    initial = desired.initial_replicas(pool)
+    replicas = deployed_replicas({role: initial[role] for role in legacy}, deployments,
                                  {role: pool.bounds(role) for role in legacy})
     objects = [desired.engine_deployment(pool, role, replicas[role]) for role in legacy]
     rollout = routers_first(objects, deployments)

@@ -45,11 +45,8 @@ def has_token(deployment: Mapping[str, Any]) -> bool:
 def rolled_out(deployment: Mapping[str, Any]) -> bool:
     """Whether the Deployment's pods all run its current template and are available, with no old pod left: its
     controller has seen the template (observedGeneration), updatedReplicas and availableReplicas reach
-    spec.replicas, and status.replicas counts no pod beyond the updated ones. At 0 replicas: rolled (no pod to
-    wait for, and none of an old template to be refused)."""
+    spec.replicas, and status.replicas counts no pod beyond the updated ones."""
     wanted = int((deployment.get("spec") or {}).get("replicas") or 0)
-    if (deployment.get("spec") or {}).get("replicas") == 0:
-        return True
     status = deployment.get("status") or {}
     generation = int((deployment.get("metadata") or {}).get("generation") or 0)
     updated = int(status.get("updatedReplicas") or 0)
@@ -77,7 +74,7 @@ def routers_first(objects: list[dict[str, Any]], live: Mapping[str, Mapping[str,
     """`objects` as given, but while the routers are not ready (`routers_ready`), each engine Deployment among them
     whose live Deployment is legacy keeps the live `spec.template`. The objects are copied where changed."""
     wanted = {o["metadata"]["labels"].get(ROLE_LABEL) for o in objects if o["kind"] == "Deployment"}
-    legacy = set(legacy_engines(live, tuple(r for r in wanted if r and r != ROUTER)))
+    legacy = set(legacy_engines(live, tuple(r for r in wanted if r)))
     if not legacy or routers_ready(live):
         return Rollout(list(objects))
     out: list[dict[str, Any]] = []

@@ -182,6 +182,8 @@ def test_an_upgraded_pool_rolls_its_routers_before_its_engines(tmp_path: Path) -
             engine = env.get("apps/v1/deployments", "chat-both")
             assert engine is not None and engine["spec"]["template"] == old_template, "the engines wait"
             assert engine["spec"]["replicas"] == 2, "the rest is applied"
+            held = json.loads(engine["metadata"]["annotations"][LAST_APPLIED_ANNOTATION])
+            assert "template" not in held["spec"], "applied without its template (apply_pool): none recorded"
             router = env.get("apps/v1/deployments", "chat-router")
             assert router is not None and has_token(router), "the routers roll first"
             progressing = conditions(env)["Progressing"]
