@@ -334,7 +334,7 @@ class LeaseCluster(Cluster):
         if request.resource is None or request.resource.plural != "leases":
             return await super()._handle(request)
         if self.lease_outage:
-            return await self._render_error(Unavailable())
+            return await self._render_error(unavailable())
         if request.method != kmock.method.PUT:
             return await super()._handle(request)
         key = (request.resource, request.namespace, request.name)
@@ -343,18 +343,20 @@ class LeaseCluster(Cluster):
                 return await self._render_error(kmock.KubernetesObjectNotFoundError())
             stored = self.objects[key].raw["metadata"]["resourceVersion"]
             if request.data["metadata"].get("resourceVersion") != stored:
-                return await self._render_error(Conflict())
+                return await self._render_error(conflict())
             request.data["metadata"]["resourceVersion"] = str(next(_versions))
             self.objects[key].patch(request.data)  # every field of a Lease's spec is written: a replace
             return aiohttp.web.json_response(dict(self.objects[key].raw))
 
 
-class Conflict(kmock.KubernetesError):
-    status, reason, message = 409, "Conflict", "the object has been modified"
+def conflict() -> kmock.KubernetesError:
+    """The API server's 409. kmock's errors are attrs classes: a subclass's class attributes would lose to the
+    constructor's defaults (500), so the status goes in as an argument."""
+    return kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
 
 
-class Unavailable(kmock.KubernetesError):
-    status, reason, message = 503, "ServiceUnavailable", "the API server is unavailable"
+def unavailable() -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=503, reason="ServiceUnavailable", message="the API server is unavailable")
 
 
 @dataclass
@@ -533,5 +535,26 @@ def test_two_electors_one_leader_and_the_standby_answers_its_health_probe(tmp_pa
                 await health.cleanup()
                 for t in tries:
                     t.cancel()
+
+    run(main, 60)
+
+
+def test_over_http_a_release_after_a_renewal_that_landed_late_still_frees_the_lease(tmp_path: Path) -> None:
+    """The API server's 409 for a stale PUT reaches the release as a conflict, which it resolves by releasing the
+    lease as it now stands (with a 500 in its place the lease stayed held, and the standby waited it out)."""
+
+    async def main() -> None:
+        async with cluster(tmp_path) as api:
+            lease_api = LeaseApi(kube_configuration(str(api.kubeconfig)), NS, "kvmesh-operator", 5.0)
+            elector = Elector(lease_api, ME, Timing(60, 1.5, 0.1), LeaderMetrics(CollectorRegistry()))
+            assert await elector._round() == Action.ACQUIRE
+            stale = elector.mine
+            assert stale is not None
+            await asyncio.to_thread(lease_api.write, replace(stale, renewed=T1))  # the cancelled renewal, landed
+            with pytest.raises(LeaseConflict):
+                await asyncio.to_thread(lease_api.write, replace(stale, renewed=T1))
+            await elector.release()
+            lease = api.lease()
+            assert lease is not None and lease.holder == "" and lease.lease_seconds == RELEASED_LEASE_SECONDS
 
     run(main, 60)
