@@ -1,7 +1,7 @@
 """Engine configuration: defaults, the `engine` section of a YAML config file, and flag overrides.
 
 The operator mounts a ConfigMap holding the `engine` section of an InferencePool spec; `kvmesh serve --config
-FILE` reads it, and flags given on the command line win over the file (DESIGN.md contract 0).
+FILE` reads it, and flags given on the command line win over the file (docs/contracts.md, contract 0).
 """
 
 from __future__ import annotations

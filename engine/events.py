@@ -1,4 +1,4 @@
-"""The KV event log (DESIGN.md contract 2): numbered batches under a boot id, kept for resuming readers.
+"""The KV event log (docs/contracts.md, contract 2): numbered batches under a boot id, kept for resuming readers.
 
 The log also keeps the set of cached block hashes per tier, applied from the same events under the same
 lock, so the /v1/kv/blocks snapshot is exactly the state after batch `seq` and a reader can switch from the

@@ -1,4 +1,4 @@
-"""The engine's look-ahead of its own device KV usage (PreServe; DESIGN.md contract 3, "Forecast").
+"""The engine's look-ahead of its own device KV usage (PreServe; docs/contracts.md, contract 3, "Forecast").
 
 Only the engine knows the requests it holds, so it forecasts for itself: it samples each request's remaining
 output from the output lengths its workload class has shown, replays the next few seconds of decode steps in

@@ -1,4 +1,4 @@
-"""The engine's Prometheus metrics (DESIGN.md contract 3), in one registry per engine.
+"""The engine's Prometheus metrics (docs/contracts.md, contract 3), in one registry per engine.
 
 Counters and histograms are updated as things happen. Gauges of state (queue lengths, block states, the
 forecast) are read at scrape time from one immutable snapshot the engine publishes after each step, so a

@@ -1,4 +1,4 @@
-"""OpenAI API request bodies with their documented ranges, plus kvmesh's extensions (DESIGN.md contract 0).
+"""OpenAI API request bodies with their documented ranges, plus kvmesh's extensions (docs/contracts.md, contract 0).
 
 Torch-free, like protocol.py: the router parses the same bodies. Ranges are checked here so that a bad value
 is a 400 naming the parameter, never a 500 from deep inside the engine.
@@ -95,7 +95,7 @@ class StreamOptions(BaseModel):
 
 
 class KVTransfer(BaseModel):
-    """The `kv_transfer` request field (DESIGN.md contract 0):
+    """The `kv_transfer` request field (docs/contracts.md, contract 0):
     - prefill: compute the prompt, sample the first token, keep the KV under a handle for `ttl_seconds`;
     - decode: pull the prompt's blocks this pod lacks from `source` (under `handle`) and continue after
       `first_token`;

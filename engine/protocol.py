@@ -1,4 +1,4 @@
-"""The contracts between kvmesh's programs (DESIGN.md contracts 0 to 3).
+"""The contracts between kvmesh's programs (docs/contracts.md, contracts 0 to 3).
 
 The router and the operator import this module (and the torch-free tokenizer) from the engine and nothing
 else, so it must stay free of torch and of engine internals. Every fact here has this one home: request

@@ -1,7 +1,7 @@
 """Sampling parameters and the sampler.
 
 Seeded sampling derives a fresh random stream from (seed, output index) for every token, so any pod that
-knows the seed and how many tokens were already generated continues the stream exactly (DESIGN.md contract 0).
+knows the seed and how many tokens were already generated continues the stream exactly (docs/contracts.md, contract 0).
 Penalties count the tokens generated so far, which a pod continuing a request receives (`resume_output_ids`),
 so they continue exactly too (repetition_penalty counts the prompt's as well, which that pod has). Structured
 outputs' masks (engine/structured.py) apply first: a forbidden token stays forbidden whatever its penalty or bias.

@@ -1020,7 +1020,7 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
 
     @app.post(KV_FETCH_PATH)
     async def kv_fetch(body: FetchRequest) -> Response:
-        """Cached blocks by hash, in frames of many blocks, for a peer (DESIGN.md contract 4)."""
+        """Cached blocks by hash, in frames of many blocks, for a peer (docs/contracts.md, contract 4)."""
         e = holder.get()
         try:
             key, ids = await asyncio.wrap_future(e.call(lambda: e.pin_for_send(body.block_hashes, body.handle)))

@@ -1,4 +1,4 @@
-"""The InferencePool custom resource (DESIGN.md contract 5): its schema's one source, and the typed pool read from it.
+"""The InferencePool custom resource (docs/contracts.md, contract 5): the schema's one source, and the typed pool.
 
 `crd_manifest()` renders the CustomResourceDefinition checked in under crds/ (a test fails when that file is out
 of date). `parse_pool()` gives the operator and `kvmesh up -f pool.yaml` the same view of a pool object: the
@@ -451,7 +451,7 @@ def spec_schema() -> dict[str, Any]:
         "port": _int(f"the engines' HTTP port (default: the chart's ports.engine, {DEFAULT_ENGINE_PORT} without "
                      f"it)", 1, 65535),
         "blockSize": _enum("tokens per KV block (engines and router must agree)", BLOCK_SIZES, DEFAULT_BLOCK_SIZE),
-        "hashAlgo": _enum("block hash construction (DESIGN.md contract 1)", tuple(a.value for a in HashAlgo),
+        "hashAlgo": _enum("block hash construction (docs/contracts.md, contract 1)", tuple(a.value for a in HashAlgo),
                           HashAlgo.XXH3.value),
         "kvCacheMemoryMiB": _int("device KV cache budget per engine", 1),
         "maxNumSeqs": _int("sequences per batch", 1),

@@ -2,8 +2,8 @@
 
 One Deployment per engine role (one for an aggregated pool), a headless Service in front of the engines (the
 router discovers them through its EndpointSlices), the router's Deployment and Service, a ConfigMap holding the
-`engine` and `router` files that `kvmesh serve --config` and `kvmesh router --config` read (DESIGN.md contract
-0), a PodDisruptionBudget per Deployment, the router's ServiceAccount, Role and RoleBinding, and, as asked,
+`engine` and `router` files that `kvmesh serve --config` and `kvmesh router --config` read (docs/contracts.md,
+contract 0), a PodDisruptionBudget per Deployment, the router's ServiceAccount, Role and RoleBinding, and, as asked,
 HorizontalPodAutoscalers and a Gateway API Inference Extension InferencePool. The pool's internal-token Secret
 (`internal_token_secret`) is built here too, from a token the caller gives (handlers.py creates it once, when it
 is missing, and never rewrites it); every engine and router pod mounts it. Every pod runs as non-root on a

@@ -1,4 +1,4 @@
-"""What the scaler observes, read from the engines' /metrics (DESIGN.md contract 3).
+"""What the scaler observes, read from the engines' /metrics (docs/contracts.md, contract 3).
 
 Each engine exports its own KV forecast; the operator re-derives none of it. What no pod knows is the pool's
 traffic: the operator estimates the arrival rate, its trend, and the mean request (blocks held, time held,

@@ -2,7 +2,7 @@
 
 PreServe's rule (ICSE '26): scale on the KV usage *predicted* over a horizon at least as long as a pod takes to
 start, so that new capacity is ready before the cache runs out rather than after. Each engine forecasts its own
-requests (DESIGN.md contract 3); only the operator sees the whole pool's arrivals, so it adds them here:
+requests (docs/contracts.md, contract 3); only the operator sees the whole pool's arrivals, so it adds them here:
 
     demand(q) = sum over pods of usage_q x blocks  +  arrivals over the window (Poisson, at level q) x blocks/request
 

@@ -1,7 +1,7 @@
 """Router configuration: defaults, the `router` section of a YAML config file, and flag overrides.
 
 The operator mounts the `router` section of an InferencePool spec; `kvmesh router --config FILE` reads it and
-flags win over the file (DESIGN.md contract 0), as for the engine.
+flags win over the file (docs/contracts.md, contract 0), as for the engine.
 """
 
 from __future__ import annotations

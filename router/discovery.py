@@ -56,7 +56,7 @@ def desired_pods(slices: Iterable[V1EndpointSlice], port_name: str = PORT_NAME) 
     """Pod URL -> draining, for every endpoint a router keeps.
 
     Ready and not terminating: routed to. Terminating but still serving: kept, draining, so that running streams
-    finish while new requests go elsewhere (DESIGN.md contract 0). Anything else (not ready, or terminating and
+    finish while new requests go elsewhere (docs/contracts.md, contract 0). Anything else (not ready, or terminating and
     no longer serving) is left out. Unset conditions read as the API defines them: ready and serving true,
     terminating false. An endpoint in several slices (while Kubernetes moves it) is draining only if every copy
     says so. Only the first address of an endpoint is used: the API calls them fungible.

@@ -123,7 +123,7 @@ def promtool() -> str:
 
 def check_metrics(exposition: str) -> list[str]:
     """`promtool check metrics` findings, minus the colon complaints that vLLM's compatibility names must raise
-    (DESIGN.md contract 3 keeps their colons)."""
+    (docs/contracts.md, contract 3 keeps their colons)."""
     out = subprocess.run([promtool(), "check", "metrics"], input=exposition, capture_output=True, text=True)
     findings = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     return [f for f in findings if not (f.startswith("vllm:") and "should not contain ':'" in f)]

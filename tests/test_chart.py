@@ -312,6 +312,14 @@ def test_notes_say_how_to_reach_the_router() -> None:
     assert "svc/<pool>-router" in RENDERINGS["default"]["kvmesh/templates/NOTES.txt"]
 
 
+def test_notes_show_a_key_to_a_pool_with_api_keys() -> None:
+    """A keyed pool's router answers /v1/models with 401 to a request without a key: the notes' curl sends one."""
+    keyed = render({"pool": {"enabled": True, "name": "chat", "spec": {"model": {"source": "bundled"},
+                                                                       "router": {"apiKeys": {"secretName": "keys"}}}}})
+    (curl,) = [line for line in keyed["kvmesh/templates/NOTES.txt"].splitlines() if "curl" in line]
+    assert 'curl http://127.0.0.1:8080/v1/models -H "Authorization: Bearer $KEY"' in curl
+
+
 def test_notes_give_the_port_the_pool_s_router_listens_on() -> None:
     """A pool.spec.router.port is the router's port (the operator gives its container and Service that one): the
     notes print it, as the `helm test` pod asks it, not ports.router."""

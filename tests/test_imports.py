@@ -1,6 +1,6 @@
-"""The import rule of DESIGN.md: the router and the operator take from the engine only its torch-free contract
-modules, so a router or operator image needs no torch (a CPU wheel alone is hundreds of megabytes) and starts in
-a fraction of the engine's time."""
+"""The import rule of docs/architecture.md: the router and the operator take from the engine only its torch-free
+contract modules, so a router or operator image needs no torch (a CPU wheel alone is hundreds of megabytes) and
+starts in a fraction of the engine's time."""
 
 from __future__ import annotations
 

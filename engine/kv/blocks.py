@@ -267,7 +267,7 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    """Block tables per request on top of a BlockPool, with chained prefix hashing (DESIGN.md contract 1)."""
+    """Block tables per request on top of a BlockPool, with chained prefix hashing (docs/contracts.md, contract 1)."""
 
     def __init__(
         self,

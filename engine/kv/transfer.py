@@ -1,4 +1,4 @@
-"""Moving KV blocks between pods (DESIGN.md contract 4): the wire format, and the client that pulls blocks.
+"""Moving KV blocks between pods (docs/contracts.md, contract 4): the wire format, and the client that pulls blocks.
 
 A pod serves cached blocks by hash at `POST /v1/kv/fetch` as a stream of frames. Each frame is one JSON line
 (the block layout, the fingerprint of the base weights that computed the blocks, the blocks' hashes, and per

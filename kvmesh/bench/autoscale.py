@@ -1,4 +1,4 @@
-"""`kvmesh bench autoscale`: scaling policies on a replay of the Azure conversation trace (DESIGN.md's
+"""`kvmesh bench autoscale`: scaling policies on a replay of the Azure conversation trace (the project's
 autoscaling target: at least 60 % fewer SLO violations than scaling on the current KV utilization, for no
 more replica-seconds).
 

@@ -1,4 +1,4 @@
-"""`kvmesh bench cluster`: the routing study on the Mooncake conversation trace (DESIGN.md's routing targets).
+"""`kvmesh bench cluster`: the routing study on the Mooncake conversation trace (its targets: docs/benchmarks.md).
 
 Mooncake's setting (FAST '25, Fig. 5): 16 prefill instances with 3 M-token caches, the prefill speed set so that
 random routing's mean TTFT is about 20 s. Every policy replays the same trace through the same simulator; kvmesh's
@@ -108,7 +108,7 @@ def table(rows: Sequence[Row], ideal: float) -> str:
 
 
 def verdicts(rows: Sequence[Row]) -> dict[str, bool]:
-    """DESIGN.md's routing targets, checked on kvmesh's row against the baselines' rows of the same run."""
+    """The routing targets, checked on kvmesh's row against the baselines' rows of the same run."""
     by = {r.policy: r for r in rows}
     ours = rows[-1]
     return {

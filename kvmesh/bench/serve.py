@@ -301,7 +301,7 @@ class ServeReport:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    hit_ratio: float  # cached over prompt tokens, of completed requests (DESIGN.md contract 0)
+    hit_ratio: float  # cached over prompt tokens, of completed requests (docs/contracts.md, contract 0)
     goodput: float | None  # requests per second that met every SLO; None without SLOs
     slo_attainment: float | None  # share of sent requests that met every SLO
     ttft: Stats
