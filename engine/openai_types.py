@@ -400,6 +400,17 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False  # the prompt before the completion, and with logprobs its tokens' (lm-eval's loglikelihood)
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """best_of candidates ranked server-side are not computed here: only best_of equal to n (every candidate
+        returned) is the same request; anything else would answer other than asked."""
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of must equal n (ranking best_of candidates on the server is not supported: "
+                             "ask for n choices and rank them)")
+        return value
 
     @model_validator(mode="after")
     def _nothing_to_do(self) -> CompletionRequest:
@@ -521,8 +532,36 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool = True
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, a date, a system default)
     chat_template_kwargs: dict[str, Any] | None = None
+    # Fields that change what an answer holds, which this server does not do: refused with a 400 naming the field
+    # rather than ignored (an ignored one answers something else than what was asked)
+    functions: Any = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(_own_template_variables)
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("is OpenAI's deprecated function calling, not supported here: send tools and "
+                             "tool_choice")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError("only the text modality is supported")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("audio output is not supported")
+        return value
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         """What the engine prefills and the router hashes, from one place (`chat_ids` with this request's tools and
@@ -630,6 +669,11 @@ def validation_param(exc: ValidationError) -> str | None:
     """The request field a body's first validation error is in (OpenAI's `param`), None for the body as a whole."""
     loc = exc.errors()[0]["loc"] if exc.errors() else ()
     return str(loc[0]) if loc else None
+
+
+# OpenAI's code for a request past the model's context (or past a bound that stands for it). Clients look for it,
+# or for "maximum context length" in the message, to trim a conversation and try again.
+CONTEXT_LENGTH_CODE = "context_length_exceeded"
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -35,6 +35,7 @@ from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError
 from kvmesh.engine.metrics import LoadingMetrics
 from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
 from kvmesh.engine.openai_types import (
+    CONTEXT_LENGTH_CODE,
     MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
@@ -388,12 +389,9 @@ class _Completions:
         else:
             asked = DEFAULT_COMPLETION_TOKENS if b.max_tokens is None else b.max_tokens
         if asked is not None and asked > room:
-            raise ApiError(
-                400,
-                f"{field} ({asked}) plus the prompt ({prompt_len} tokens) exceeds the context length "
-                f"({e.max_model_len})",
-                param=field,
-            )
+            raise ApiError(400, f"This model's maximum context length is {e.max_model_len} tokens; the prompt "
+                                f"({prompt_len} tokens) plus {field} ({asked}) asks for {prompt_len + asked}",
+                           param=field, code=CONTEXT_LENGTH_CODE)
         if isinstance(b, ChatRequest):
             logprobs, top = b.logprobs, b.top_logprobs or 0
             if top and not logprobs:
@@ -461,12 +459,13 @@ class _Completions:
                 raise ApiError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}",
                                param="prompt")
             if len(prompt_ids) >= e.max_model_len:
-                raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context length is "
-                                    f"{e.max_model_len}, leaving no room to generate", param="prompt")
+                raise ApiError(400, f"This model's maximum context length is {e.max_model_len} tokens; the prompt "
+                                    f"has {len(prompt_ids)}, leaving no room to generate", param="prompt",
+                               code=CONTEXT_LENGTH_CODE)
             capacity = e.kv.pool.num_blocks * e.config.block_size
             if len(prompt_ids) >= capacity:
                 raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this engine's KV cache holds "
-                                    f"{capacity}", param="prompt")
+                                    f"{capacity}", param="prompt", code=CONTEXT_LENGTH_CODE)
             resume = list(b.resume_output_ids or [])
             if any(not 0 <= t < vocab for t in resume):
                 raise ApiError(400, "resume_output_ids holds ids outside the vocabulary", param="resume_output_ids")
@@ -630,7 +629,8 @@ class _Completions:
         started: set[int] = set()
         b = self.body
         mode = b.tool_mode if isinstance(b, ChatRequest) else None
-        tool_streams = {i: ToolStream(mode, b.tool_names, b.named_tool)  # type: ignore[union-attr]
+        tool_streams = {i: ToolStream(mode, b.tool_names, b.named_tool,  # type: ignore[union-attr]
+                                      b.parallel_tool_calls)  # type: ignore[union-attr]
                         for i in range(len(job.requests))} if mode else {}
         try:
             job.submit()
@@ -717,7 +717,8 @@ class _Completions:
                 }
                 if isinstance(self.body, ChatRequest) and (mode := self.body.tool_mode):
                     choice["message"], choice["finish_reason"] = tool_message(
-                        mode, text, self.body.tool_names, final.finish_reason, self.body.named_tool)
+                        mode, text, self.body.tool_names, final.finish_reason, self.body.named_tool,
+                        self.body.parallel_tool_calls)
                 if final.logprobs is not None or any(o.logprobs for o in outs):
                     choice["logprobs"] = {"content": [x for o in outs for x in _chat_logprobs(self.engine, o)]}
             else:

@@ -180,11 +180,14 @@ class ToolStream:
     stream fed in one piece (tool_message). Named: the text is the arguments, streamed as they come; required:
     each call is sent whole once its object closes; auto: content streams until text could start <tool_call>,
     is held from there, and at the end is either calls or flushed as content. Linear in the answer: the text is
-    kept as pieces, joined once at the end, and auto searches only the held tail for the marker."""
+    kept as pieces, joined once at the end, and auto searches only the held tail for the marker. Without
+    `parallel` (parallel_tool_calls: false) auto keeps the first call the model wrote; required's constraint
+    already allows one."""
 
-    def __init__(self, mode: str, names: set[str], name: str | None = None) -> None:
+    def __init__(self, mode: str, names: set[str], name: str | None = None, parallel: bool = True) -> None:
         assert mode in ("named", "required", "auto") and (mode == "named") == (name is not None), (mode, name)
         self.mode = mode
+        self.parallel = parallel
         self.names = names
         self.name = name or ""
         self.calls = 0  # tool calls sent so far
@@ -230,6 +233,8 @@ class ToolStream:
         text = "".join(self._pieces)
         if self.mode == "auto":
             calls = parse_hermes(text, self.names)
+            if not self.parallel:
+                calls = calls[:1]
             end = self._marker if calls else len(text)
             delta = ToolDelta(text[self._sent: end] if end > self._sent else "",
                               [c.delta(i) for i, c in enumerate(calls)])
@@ -257,11 +262,11 @@ def merge_tool_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def tool_message(mode: str, text: str, names: set[str], finish_reason: str | None,
-                 name: str | None = None) -> tuple[dict[str, Any], str | None]:
+                 name: str | None = None, parallel: bool = True) -> tuple[dict[str, Any], str | None]:
     """A whole (non-streamed) answer's message and finish_reason under a tool_choice: the text fed to a ToolStream
     in one piece, its deltas merged. Content beside calls (auto's text before the first block) is trimmed, and
     None when nothing is left, as OpenAI sends a message with calls and no text."""
-    stream = ToolStream(mode, names, name)
+    stream = ToolStream(mode, names, name, parallel)
     first = stream.feed(text)
     last, reason = stream.finish(finish_reason)
     content = first.content + last.content

@@ -38,6 +38,7 @@ from kvmesh.engine.body_deadline import BodyDeadline
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
+    CONTEXT_LENGTH_CODE,
     MAX_SEQUENCES_PER_REQUEST,
     MODEL_NOT_FOUND,
     ChatRequest,
@@ -130,7 +131,6 @@ from kvmesh.router.responses_store import (
 from kvmesh.router.shed import ShedPolicy, fair_share, priority_label, should_shed
 from kvmesh.router.store import DATABASE_COMPONENTS, AsyncRequestLog, RequestLog, RequestRecord
 from kvmesh.router.tokenize_api import (
-    CONTEXT_LENGTH_CODE,
     body_bound,
     past_body_bound,
     tokenize_routes,

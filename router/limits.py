@@ -26,6 +26,7 @@ from kvmesh.router.auth import DEFAULT_TENANT
 MIN_PER_MINUTE = 1.0  # the least a replica's share of a rate may be: one request (or token) a minute
 BATCH_RATE_SHARE = 0.5  # the fraction of each of a tenant's limits its Batch API requests get, beside its own
 DEFAULTS_ENTRY = DEFAULT_TENANT  # the `tenants:` entry whose limits apply to tenants without one of their own
+SHOULD_RETRY_HEADER = "x-should-retry"  # "false": OpenAI's SDKs do not retry the answer (they read it first)
 RATE_LIMIT_HEADERS = ("x-ratelimit-limit-{}", "x-ratelimit-remaining-{}", "x-ratelimit-reset-{}")
 
 
@@ -406,7 +407,8 @@ class Limiter:
     def _refuse(self, tenant: str, reason: str, wait: float, what: str) -> Refusal:
         assert reason in LIMIT_REASONS
         headers = dict(self.headers(tenant))
-        if math.isinf(wait):
+        if math.isinf(wait):  # OpenAI's clients retry a 429 unless told not to: each retry would cost a request
+            headers[SHOULD_RETRY_HEADER] = "false"
             return Refusal(reason, f"{what}.", headers)
         wait = max(wait, 0.001)
         headers["retry-after"] = str(math.ceil(wait))

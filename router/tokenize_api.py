@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
+    CONTEXT_LENGTH_CODE,
     MODEL_NOT_FOUND,
     DetokenizeRequest,
     TokenizeRequest,
@@ -36,7 +37,6 @@ from kvmesh.router.limits import Lease
 TOKENIZE_MAX_MODEL_LENS = 4
 TOKENIZE_BYTES_PER_TOKEN = 6
 FALLBACK_MAX_MODEL_LEN = 32768  # before any pod has said its max_model_len
-CONTEXT_LENGTH_CODE = "context_length_exceeded"  # OpenAI's code for a prompt past the model's context
 
 
 def body_bound(cards: list[dict[str, Any]], prompts: int = 1) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from kvmesh.engine.openai_types import MAX_SEQUENCES_PER_REQUEST
@@ -114,6 +115,11 @@ def test_a_prompt_too_large_for_the_tokens_per_minute_counts_as_a_request(served
     assert refused.status_code == 429 and "Request too large" in refused.json()["error"]["message"]
     assert refused.headers["x-ratelimit-remaining-requests"] == "2"
     assert router.limits.inflight == {}  # its slot came back
+    # OpenAI's client retries a 429 twice by default; told that no wait helps, it sends this one once
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEYS["acme"], max_retries=2)
+    with pytest.raises(openai.RateLimitError, match="Request too large") as caught:
+        client.completions.create(model=router.models()["data"][0]["id"], prompt=list(range(100, 250)), max_tokens=1)
+    assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "1"
 
 
 def test_a_request_being_tokenized_holds_its_tenants_concurrency_slot(served: tuple[str, Router],

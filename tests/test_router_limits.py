@@ -119,7 +119,7 @@ def test_tokens_per_minute_count_prompt_and_output_tokens() -> None:
     assert isinstance(limits.take("globex", 2), Refusal)  # a prompt of 2 needs 2
     too_large = limits.take("globex", 101)
     assert isinstance(too_large, Refusal) and "Request too large" in too_large.message
-    assert "retry-after" not in too_large.headers  # waiting cannot help
+    assert "retry-after" not in too_large.headers and too_large.headers["x-should-retry"] == "false"  # no wait helps
 
 
 def test_tenants_are_isolated_and_the_default_applies_to_the_rest() -> None:

@@ -158,6 +158,11 @@ def test_logprobs_of_tokens_that_are_part_of_a_character(served: tuple[str, Engi
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 1}}, "outside the vocabulary"),
         ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
             "name": "p", "schema": {"type": "thing"}}}}, "invalid json_schema: Invalid type: thing"),
+        # what would change the answer's kind is refused, not ignored
+        ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "send tools and tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "function_call": "auto"}, "deprecated function calling"),
+        ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "only the text modality"),
+        ({"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy"}}, "audio output"),
     ],
 )
 def test_chat_validation_errors_are_400s(served: tuple[str, Engine], body: dict, fragment: str) -> None:
@@ -172,7 +177,10 @@ def test_a_context_length_error_names_the_field_the_client_set(served: tuple[str
         "messages": [{"role": "user", "content": "x"}], field: 100000})
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    assert error["param"] == field and error["message"].startswith(f"{field} (100000) plus the prompt")
+    # OpenAI's code and the phrase client libraries look for to trim a conversation and try again
+    assert error["param"] == field and error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("This model's maximum context length is 512 tokens")
+    assert f"plus {field} (100000)" in error["message"]
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
@@ -198,11 +206,16 @@ def test_completion_errors(served: tuple[str, Engine]) -> None:
     assert httpx.post(url, json={"prompt": [1, 2, 10**7]}).json()["error"]["message"].startswith("prompt token ids")
     too_long = httpx.post(url, json={"prompt": [5] * 600})
     assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
     unknown = httpx.post(url, json={"prompt": "x", "model": "gpt-99"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     bad_priority = httpx.post(url, json={"prompt": "x"}, headers={"x-kvmesh-priority": "high"})
     assert bad_priority.status_code == 400
     assert httpx.post(url, json={"prompt": []}).status_code == 400
+    best_of = httpx.post(url, json={"prompt": "x", "best_of": 3, "max_tokens": 1})  # ranking candidates: not done
+    assert best_of.status_code == 400 and best_of.json()["error"]["param"] == "best_of"
+    same = httpx.post(url, json={"prompt": "x", "best_of": 2, "n": 2, "max_tokens": 1})  # every candidate returned
+    assert same.status_code == 200 and len(same.json()["choices"]) == 2
 
 
 def test_openai_client_raises_on_bad_request(client: openai.OpenAI, served: tuple[str, Engine]) -> None:

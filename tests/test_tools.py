@@ -13,12 +13,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+from kvmesh.engine import engine as engine_module
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.model.tool_prompt import HERMES_SYSTEM, prompt_messages
 from kvmesh.engine.openai_types import ChatRequest, finish_apart
@@ -460,6 +462,53 @@ def test_the_openai_stream_helper_closes_auto_calls() -> None:
     assert final.finish_reason == "tool_calls" and final.message.content == "Sure. "
     assert [c.function.name for c in final.message.tool_calls] == ["add", "get_weather"]
     assert _arguments_done(iter(events)) == {0, 1}
+
+
+TWO_CALLS = ('Checking.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>')
+SCRIPTED_SEED = 424242  # the rows sampled under this seed write TWO_CALLS
+
+
+@pytest.fixture()
+def two_calls_model(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model writes TWO_CALLS (as Qwen and Hermes models write parallel calls) for requests seeded
+    SCRIPTED_SEED: its sampler is steered to the script's tokens, then EOS; the server, parser and stream are
+    the real ones. A steered sampler, because no model small enough for CI writes Hermes calls."""
+    tok = Tokenizer.from_dir(tiny_dir)
+    script, eos = tok.encode(TWO_CALLS), min(tok.eos_token_ids)
+    real = engine_module.sample
+
+    def scripted(logits: torch.Tensor, params: list, indices: list[int], *args: object, **kwargs: object) -> object:
+        logits = logits.clone()
+        for row, (p, i) in enumerate(zip(params, indices, strict=True)):
+            if p.seed == SCRIPTED_SEED:
+                logits[row] = -1e9
+                logits[row, script[i] if i < len(script) else eos] = 1e9
+        return real(logits, params, indices, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "sample", scripted)
+
+
+@pytest.mark.usefixtures("two_calls_model")
+def test_auto_without_parallel_tool_calls_keeps_the_first_call(url: str) -> None:
+    """parallel_tool_calls false: one call, whole or streamed, as OpenAI answers (agents that act on one call a
+    step rely on it); the default keeps both."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ask(**kwargs: object) -> object:
+        return client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, seed=SCRIPTED_SEED,
+                                              max_tokens=200, **kwargs)
+
+    both = ask().choices[0]
+    assert [c.function.name for c in both.message.tool_calls] == ["add", "get_weather"]
+    one = ask(parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and one.message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in one.message.tool_calls] == [
+        ("add", {"a": 1, "b": 2})]
+    streamed = [call for chunk in ask(parallel_tool_calls=False, stream=True) for choice in chunk.choices
+                for call in choice.delta.tool_calls or []]
+    assert {call.index for call in streamed} == {0} and streamed[0].function.name == "add"
 
 
 def test_named_tool_choice_across_a_prefill_decode_handoff(tiny_dir: Path, url: str) -> None:
