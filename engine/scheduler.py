@@ -198,7 +198,12 @@ class Scheduler:
                 continue
             hit = self.kv.find_prefix(request.request_id, request.token_ids, request.extra).capped(request.cache_limit)
             n = min(request.num_tokens - hit.num_tokens, budget)
-            if not self.kv.allocate(request.request_id, hit.num_tokens + n, hit):
+            # Nothing running: a request takes a first chunk only if all it holds now fits. One that fits the pool
+            # but not what holders outside any request (imports, promotions) leave would take a chunk, evict the
+            # next one's cached blocks, preempt itself, and the next would do the same, turn about, forever; the
+            # holders' own requests, queued behind, would never run to give their blocks back.
+            alone_short = not self.running and not self.kv.can_allocate(request.request_id, request.num_tokens, hit)
+            if alone_short or not self.kv.allocate(request.request_id, hit.num_tokens + n, hit):
                 if self.running:
                     break  # it waits for blocks the running requests free; none behind it overtakes
                 # nothing runs, so no request will free a block: what holds them is outside any request (handles,

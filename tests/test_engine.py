@@ -175,6 +175,29 @@ def test_a_queue_head_short_of_blocks_an_import_holds_lets_the_import_s_request_
     assert engine.kv.stats().used == 0
 
 
+def test_two_queue_heads_short_of_blocks_an_import_holds_do_not_take_turns_forever(tiny_dir: Path) -> None:
+    """As above with two requests ahead of X and prompts longer than a step (chunked prefill): each fits the pool,
+    not what the import leaves. Admitted a chunk at a time, each evicted the other's cached blocks and preempted
+    itself, turn about, and X behind them never ran (no output from anyone after thousands of steps)."""
+    engine = make_engine(tiny_dir, kv_cache_blocks=10, max_num_batched_tokens=32)
+    pulled = prompt(1, 140)
+    chain = engine.kv.prefix_hashes("probe", pulled)
+    engine.kv.seqs.pop("probe")
+    ids = engine.reserve_import("import:x", 8)  # 8 of 10 blocks, held until X runs
+    assert ids is not None
+    engine.finish_import(ids, chain[:8], None)
+    ahead = [submit(engine, prompt(seed, 48), max_tokens=4) for seed in (2, 3)]
+    for result in ahead:
+        result.request.priority = 5
+    behind = submit(engine, pulled, max_tokens=4)
+    behind.request.import_key = "import:x"
+    engine.run_until_idle(max_steps=3_000)
+    assert behind.final.finish_reason == "length" and behind.final.cached_tokens == 128
+    assert all(r.final.finish_reason == "length" and len(r.tokens) == 4 for r in ahead)
+    engine.kv.check_invariants()
+    assert engine.kv.stats().used == 0
+
+
 def test_chunked_prefill_gives_the_same_output(tiny_dir: Path) -> None:
     long_prompt = prompt(3, 300)
     (whole,) = generate(make_engine(tiny_dir), [long_prompt], logprobs=True)
