@@ -1,14 +1,24 @@
 """A request's output constraint (JSON object, JSON schema, regex, choice, grammar) as an llguidance grammar, and
 its check. Torch-free: the router parses requests with the same models (engine/openai_types.py) and refuses a bad
 schema, regex or grammar as the engine does; the matchers and masks are engine/structured.py's.
+
+The check runs in a child process with a deadline (`python -m kvmesh.engine.constraint` serves them): llguidance
+decides whether intersected regexes can match anything in time exponential in their number, so a 1 KiB schema
+(an allOf of 25 string patterns) held a thread, and the router's event loop, for minutes. A check past the
+deadline is a 400 and its child is killed; a few children serve all checks, each check one at a time.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import queue
+import select
+import subprocess
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import llguidance
 from llguidance import LLMatcher
@@ -46,9 +56,10 @@ class Constraint:
 
 
 def check(constraint: Constraint) -> None:
-    """Raise ValueError with llguidance's message when the constraint is not a valid grammar. Needs no tokenizer,
-    so the router's request parsing refuses a bad schema or regex as the engine's does. Verdicts are remembered:
-    agents send the same schema with every request, and compiling a large one takes tens of milliseconds."""
+    """Raise ValueError with llguidance's message when the constraint is not a valid grammar (or could not be
+    checked within CHECK_SECONDS). Needs no tokenizer, so the router's request parsing refuses a bad schema or regex
+    as the engine's does. Verdicts are remembered: agents send the same schema with every request, and compiling a
+    large one takes tens of milliseconds."""
     spec_json = json.dumps(constraint.spec, sort_keys=True)
     check_once = _problem if len(spec_json) <= CACHED_SPEC_CHARS else _problem.__wrapped__
     problem = check_once(constraint.kind, spec_json)
@@ -57,10 +68,18 @@ def check(constraint: Constraint) -> None:
 
 
 CACHED_SPEC_CHARS = 16384  # larger specs are checked each time: the cache holds at most 1024 x 16 KiB
+CHECK_SECONDS = 2.0  # a grammar check's deadline (checks of real schemas take milliseconds to tens of them)
+CHECK_WORKERS = 2  # child processes checking at once; a check waits up to CHECK_QUEUE_SECONDS for one
+CHECK_QUEUE_SECONDS = 4 * CHECK_SECONDS
 
 
 @functools.lru_cache(maxsize=1024)
 def _problem(kind: str, spec_json: str) -> str | None:
+    return _CHECKERS.problem(kind, spec_json)
+
+
+def verdict(kind: str, spec_json: str) -> str | None:
+    """The check itself, as a child runs it: None, or what is wrong with the spec."""
     constraint = Constraint(kind, json.loads(spec_json), "check")
     try:
         grammar = constraint.grammar()
@@ -68,3 +87,86 @@ def _problem(kind: str, spec_json: str) -> str | None:
         return f"invalid {kind}: {exc}"
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     return f"invalid {kind}: {messages[0].strip()}" if is_error else None
+
+
+class _Child:
+    """One checking child: a request line (kind, spec) in, a verdict line out."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, bufsize=0)
+
+    def ask(self, kind: str, spec_json: str, seconds: float) -> str | None:
+        """The child's verdict; TimeoutError past `seconds`, OSError or EOFError when the child is gone."""
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(json.dumps([kind, spec_json]).encode() + b"\n")
+        if not select.select([stdout], [], [], seconds)[0]:
+            raise TimeoutError
+        line = _read_line(stdout)
+        if not line:
+            raise EOFError("the checking child exited")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def _read_line(stream: IO[bytes]) -> bytes:
+    """A whole line from an unbuffered pipe (the child writes each verdict with one write)."""
+    parts = []
+    while not parts or not parts[-1].endswith(b"\n"):
+        part = stream.read(65536)
+        if not part:
+            break
+        parts.append(part)
+    return b"".join(parts)
+
+
+class _Checkers:
+    """Up to CHECK_WORKERS children, started when first needed and kept; one that misses the deadline is killed."""
+
+    def __init__(self) -> None:
+        self._slots = threading.BoundedSemaphore(CHECK_WORKERS)
+        self._idle: queue.LifoQueue[_Child] = queue.LifoQueue()
+
+    def problem(self, kind: str, spec_json: str) -> str | None:
+        if not self._slots.acquire(timeout=CHECK_QUEUE_SECONDS):
+            return f"{kind} not checked: this server's constraint checks are all busy, try again"
+        try:
+            try:
+                child = self._idle.get_nowait()
+            except queue.Empty:
+                child = _Child()
+            try:
+                answer = child.ask(kind, spec_json, CHECK_SECONDS)
+            except TimeoutError:
+                child.kill()
+                return (f"invalid {kind}: too complex, not checked within {CHECK_SECONDS:g} s (intersected "
+                        "patterns, as in an allOf of several string patterns, take time exponential in their number)")
+            except (OSError, EOFError, ValueError):
+                child.kill()
+                return f"invalid {kind}: its check failed (the checking process ended)"
+            self._idle.put(child)
+            return answer
+        finally:
+            self._slots.release()
+
+
+_CHECKERS = _Checkers()
+
+
+def _serve_checks() -> None:
+    """A child's loop: one verdict line per request line, until its parent closes the pipe."""
+    for line in sys.stdin.buffer:
+        kind, spec_json = json.loads(line)
+        sys.stdout.buffer.write(json.dumps(verdict(kind, spec_json)).encode() + b"\n")
+        sys.stdout.buffer.flush()
+
+
+if __name__ == "__main__":
+    _serve_checks()

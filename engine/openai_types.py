@@ -255,6 +255,13 @@ class StructuredOutputsParams(BaseModel):
 
 _GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}  # vLLM's older top-level fields, which many clients still send
+# the body fields whose validation checks a grammar (engine/constraint.py), which may take up to CHECK_SECONDS
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED_KINDS, "tools")
+
+
+def checks_a_grammar(raw: Any) -> bool:
+    """Whether validating this parsed body checks a grammar: the router validates it off its event loop then."""
+    return isinstance(raw, dict) and any(raw.get(name) is not None for name in CONSTRAINT_FIELDS)
 
 
 def stop_strings(value: str | list[str] | None) -> list[str]:

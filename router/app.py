@@ -43,6 +43,7 @@ from kvmesh.engine.openai_types import (
     MODEL_NOT_FOUND,
     ChatRequest,
     CompletionRequest,
+    checks_a_grammar,
     completion_token_length,
     error_body,
     finish_apart,
@@ -690,13 +691,12 @@ class Router:
         if len(payload) > (bound := body_bound(cards, 1 if chat else MAX_SEQUENCES_PER_REQUEST)):
             raise RouteError(400, past_body_bound(bound), code=CONTEXT_LENGTH_CODE, headers=lease.headers)
         model = ChatRequest if chat else CompletionRequest
-
-        def parse() -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
-            raw = read_json(payload)
-            return raw, model.model_validate(raw)
-
+        inline = len(payload) <= INLINE_TOKENIZE_BYTES
         try:
-            raw, body = parse() if len(payload) <= INLINE_TOKENIZE_BYTES else await work.run(parse)
+            raw = read_json(payload) if inline else await work.run(read_json, payload)
+            # a grammar's check may take seconds (engine/constraint.py): never on the event loop
+            inline = inline and not checks_a_grammar(raw)
+            body = model.model_validate(raw) if inline else await work.run(model.model_validate, raw)
         except ValidationError as exc:
             raise RouteError(400, validation_problems(exc), param=validation_param(exc),
                              headers=lease.headers) from None

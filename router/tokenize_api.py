@@ -89,9 +89,8 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
                 return too_long(past_body_bound(bound))
             chunks.append(chunk)
         payload, large = b"".join(chunks), size > INLINE_TOKENIZE_BYTES
-        try:
-            body = await asyncio.to_thread(kind.model_validate_json, payload) if large else \
-                kind.model_validate_json(payload)
+        try:  # in a thread whatever its size: a tool's schema is a grammar to check, which may take seconds
+            body = await asyncio.to_thread(kind.model_validate_json, payload)
         except ValidationError as exc:
             return JSONResponse(error_body(validation_problems(exc)), status_code=400)
         cards = models()["data"]

@@ -7,7 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from kvmesh.engine.constraint import Constraint
+from kvmesh.engine.constraint import Constraint, check
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.openai_types import ChatRequest, CompletionRequest
 from kvmesh.engine.protocol import STRUCTURED_KINDS
@@ -29,7 +31,7 @@ from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
-from .engines import serve_checked, serve_engine
+from .engines import serve_checked, serve_engine, serve_router
 
 _ids = itertools.count()
 SCHEMA = {
@@ -309,6 +311,37 @@ def test_router_refuses_a_bad_regex_before_any_pod(tiny_dir: Path) -> None:
     assert two.status_code == 400 and "at most one" in two.json()["error"]["message"]
 
 
+# An allOf of string patterns: llguidance decides whether their intersection can match anything in time
+# exponential in their number (25 took 106 s; 30, hours). The body is about 1.3 KiB.
+def intersected(n: int) -> dict[str, object]:
+    return {"allOf": [{"type": "string", "pattern": f"^.*a.{{{i}}}$"} for i in range(n)]}
+
+
+def test_a_schema_too_complex_to_check_in_time_is_refused_and_checks_go_on() -> None:
+    """The check's child is killed at the deadline; the next check gets a fresh one."""
+    with pytest.raises(ValueError, match="too complex, not checked within"):
+        check(Constraint("json_schema", intersected(30), "response_format"))
+    check(Constraint("json_schema", SCHEMA, "response_format"))
+    with pytest.raises(ValueError, match="unclosed group"):
+        check(Constraint("regex", "(unclosed", "guided_regex"))
+
+
+def test_the_router_answers_others_while_a_schema_is_checked(tiny_dir: Path, url: str) -> None:
+    """A grammar is checked off the router's event loop: its /health answers while the schema above is checked
+    (on the loop, one such request held every client, health probes included, for as long as the check ran), and
+    the request is a 400 at the deadline."""
+    schema = intersected(31)  # not one whose verdict this process remembers
+    body = {"messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    with serve_router(build_router(RouterConfig(pods=[url]), tiny_dir)) as router, ThreadPoolExecutor(1) as pool:
+        checked = pool.submit(httpx.post, router + "/v1/chat/completions", json=body, timeout=120)
+        time.sleep(0.5)  # the request is being checked by now
+        assert httpx.get(router + "/health", timeout=120).status_code == 200
+        assert not checked.done()
+        reply = checked.result()
+    assert reply.status_code == 400 and "too complex" in reply.json()["error"]["message"]
+
+
 # ---- through the HTTP server --------------------------------------------------------------------------------
 
 
@@ -458,7 +491,7 @@ def test_constraint_verdicts_are_remembered_per_kind_and_spec_and_large_specs_ar
     """Agents send one schema with every request: its check is compiled once. A verdict belongs to its kind and
     spec (the same text is a valid regex and not a valid grammar), and a large spec is checked each time rather
     than held in memory."""
-    from kvmesh.engine.constraint import CACHED_SPEC_CHARS, _problem, check
+    from kvmesh.engine.constraint import CACHED_SPEC_CHARS, _problem
 
     _problem.cache_clear()
     for _ in range(3):
