@@ -34,6 +34,7 @@ from kvmesh.engine.internal_token import InternalToken, RequireToken
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
 from kvmesh.engine.metrics import LoadingMetrics
 from kvmesh.engine.model.lora import LoraConflict, LoraError, LoraNotFound
+from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.openai_types import (
     CONTEXT_LENGTH_CODE,
     MODEL_NOT_FOUND,
@@ -363,6 +364,8 @@ class _Completions:
     # ---- building requests --------------------------------------------------------------------------------
 
     def prompts(self) -> list[list[int]]:
+        """The prompts' ids (run in a thread of its own: the scope set here is this call's alone)."""
+        CACHE_SCOPE.set(self.body.cache_salt or "")  # one tenant's texts never tokenize faster for another
         tok = self.engine.tokenizer
         if isinstance(self.body, ChatRequest):
             try:

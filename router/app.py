@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import BodyDeadline
 from kvmesh.engine.internal_token import InternalToken
+from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
     CONTEXT_LENGTH_CODE,
@@ -711,6 +712,7 @@ class Router:
         body.kv_transfer = body.resume_output_ids = None
         if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
             raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, self.salt_secret)
+        CACHE_SCOPE.set(tenant)  # this request's task and the thread it tokenizes in: its tenant's pieces only
         start = time.perf_counter()
         if len(payload) <= INLINE_TOKENIZE_BYTES:
             info, prompt_tokens = self.measure(body, priority)

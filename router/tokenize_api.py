@@ -15,6 +15,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
     CONTEXT_LENGTH_CODE,
@@ -118,6 +119,7 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
             if isinstance(parsed, JSONResponse):
                 return parsed
             body, large = parsed
+            CACHE_SCOPE.set(tenant)  # one tenant's texts never tokenize faster for another
             try:
                 result, spent = await asyncio.to_thread(work, body) if large else work(body)
             except ValueError as exc:

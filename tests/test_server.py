@@ -171,6 +171,26 @@ def test_chat_validation_errors_are_400s(served: tuple[str, Engine], body: dict,
     assert fragment in reply.json()["error"]["message"]
 
 
+def test_the_engine_tokenizes_a_salted_prompt_from_its_salt_s_pieces_only(served: tuple[str, Engine]) -> None:
+    """As the prefix cache, the engine's piece cache is kept per cache_salt (the router's tenant): another salt's
+    text never tokenizes faster."""
+    url, engine = served
+    cache = engine.tokenizer.token_cache
+    assert cache is not None
+    prompt = "alpha beta gamma delta " * 100  # two pieces
+
+    def complete(salt: str) -> None:
+        reply = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "cache_salt": salt})
+        assert reply.status_code == 200, reply.text
+
+    complete("tenant-a")
+    hits = cache.hits
+    complete("tenant-b")
+    assert cache.hits == hits
+    complete("tenant-a")
+    assert cache.hits > hits
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_a_context_length_error_names_the_field_the_client_set(served: tuple[str, Engine], field: str) -> None:
     reply = httpx.post(served[0] + "/v1/chat/completions", json={

@@ -4,6 +4,7 @@ tokenizer for which cutting is not exact is never cut."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.engine.model.token_cache import TokenCache, pieces
+from kvmesh.engine.model.token_cache import CACHE_SCOPE, TokenCache, pieces
 from kvmesh.engine.model.tokenizer import Tokenizer
 
 ALPHABET = st.sampled_from([
@@ -63,6 +64,20 @@ def test_a_conversation_reuses_its_earlier_turns(tokenizer: Tokenizer) -> None:
 def test_add_special_tokens_matches_the_library(tokenizer: Tokenizer) -> None:
     text = "word " * 2000
     assert tokenizer.encode(text) == whole(tokenizer, text, add_special_tokens=True)
+
+
+def test_pieces_are_kept_per_scope(tokenizer: Tokenizer) -> None:
+    """A scope (a tenant) reuses its own pieces only; the ids are the same in every scope."""
+    cache = TokenCache(piece_chars=64)
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+
+    def encode(scope: str) -> list[int]:
+        return contextvars.copy_context().run(lambda: (CACHE_SCOPE.set(scope), cache.encode(text,
+                                                                                            tokenizer.encode_batch))[1])
+
+    first = encode("a")
+    assert cache.hits == 0 and encode("b") == first and cache.hits == 0
+    assert encode("a") == first and cache.hits == cache.misses // 2
 
 
 def test_the_cache_stays_within_its_bound(tokenizer: Tokenizer) -> None:

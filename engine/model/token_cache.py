@@ -12,6 +12,10 @@ library spreads over the cores.
 
 `TokenCache.exact` checks the rule on a probe text at start: a tokenizer it does not hold for (a normalizer, a
 SentencePiece-style prefix marker) gets whole-text encoding, never a different answer.
+
+Pieces are kept per scope (`CACHE_SCOPE`: the request's tenant in the router, its cache_salt in the engine), as
+the prefix cache is salted per tenant: a text another tenant sent came back several times faster, so any tenant
+could tell whether anyone had sent a given document or system prompt.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 
 _SAFE_CUT = re.compile(r"(?<=\S)(?= [^\W\d_])|(?<=\S\n)(?=\S)")
 DEFAULT_PIECE_CHARS = 2048  # about 500 tokens: small enough that a new turn re-tokenizes little
@@ -33,6 +38,9 @@ _PROBE = (
 )
 
 EncodeBatch = Callable[[list[str]], list[list[int]]]
+# whose pieces this tokenizing may reuse; set by the edge that knows the request (a context variable, so it follows
+# the request into the thread that tokenizes it). Unset: the one shared scope (no tenants).
+CACHE_SCOPE: ContextVar[str] = ContextVar("kvmesh_token_cache_scope", default="")
 
 
 def pieces(text: str, piece_chars: int) -> list[str]:
@@ -50,14 +58,15 @@ def pieces(text: str, piece_chars: int) -> list[str]:
 
 
 class TokenCache:
-    """Piece text -> token ids, least recently used out first, bounded by the tokens it holds; thread-safe."""
+    """(scope, piece text) -> token ids, least recently used out first, bounded by the tokens it holds;
+    thread-safe."""
 
     def __init__(self, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS, piece_chars: int = DEFAULT_PIECE_CHARS):
         if capacity_tokens < 0 or piece_chars < 1:
             raise ValueError("capacity_tokens must be >= 0 and piece_chars >= 1")
         self.capacity_tokens = capacity_tokens
         self.piece_chars = piece_chars
-        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -86,22 +95,24 @@ class TokenCache:
             self._tokens = 0
 
     def encode(self, text: str, encode_batch: EncodeBatch) -> list[int]:
-        """The ids of `text`: cached pieces from the cache, the rest encoded in one batch and remembered."""
+        """The ids of `text`: pieces this scope cached from the cache, the rest encoded in one batch and
+        remembered."""
         parts = pieces(text, self.piece_chars)
         if len(parts) == 1:
             return encode_batch(parts)[0]
+        scope = CACHE_SCOPE.get()
         found: list[Sequence[int] | None] = [None] * len(parts)
         with self._lock:
             for i, part in enumerate(parts):
-                ids = self._entries.get(part)
+                ids = self._entries.get((scope, part))
                 if ids is not None:
-                    self._entries.move_to_end(part)
+                    self._entries.move_to_end((scope, part))
                     found[i] = ids
         missing = [i for i, ids in enumerate(found) if ids is None]
         if missing:
             for i, ids in zip(missing, encode_batch([parts[i] for i in missing]), strict=True):
                 found[i] = ids
-            self._remember([(parts[i], found[i]) for i in missing])  # type: ignore[misc]
+            self._remember([((scope, parts[i]), found[i]) for i in missing])  # type: ignore[misc]
         with self._lock:
             self.hits += len(parts) - len(missing)
             self.misses += len(missing)
@@ -110,12 +121,12 @@ class TokenCache:
             out.extend(ids)  # type: ignore[arg-type]
         return out
 
-    def _remember(self, entries: list[tuple[str, Sequence[int]]]) -> None:
+    def _remember(self, entries: list[tuple[tuple[str, str], Sequence[int]]]) -> None:
         with self._lock:
-            for text, ids in entries:
-                if text in self._entries or len(ids) > self.capacity_tokens:
+            for key, ids in entries:
+                if key in self._entries or len(ids) > self.capacity_tokens:
                     continue
-                self._entries[text] = tuple(ids)
+                self._entries[key] = tuple(ids)
                 self._tokens += len(ids)
             while self._tokens > self.capacity_tokens:
                 _, dropped = self._entries.popitem(last=False)
