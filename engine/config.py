@@ -79,6 +79,8 @@ class EngineConfig:
     warmup_grace_seconds: float = 0.0
     # a request's whole body must arrive within this long, or it is answered 408 and closed (engine/body_deadline.py)
     body_read_timeout_seconds: float = DEFAULT_BODY_READ_TIMEOUT_SECONDS
+    # a step running longer than this is a stalled engine: /health and /livez say "stalled" (503); 0: never
+    stall_timeout_seconds: float = 60.0
     # LoRA adapters served at start, name -> PEFT directory (more load at run time: POST /v1/load_lora_adapter)
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # adapters of a larger rank are refused
@@ -120,6 +122,8 @@ class EngineConfig:
         if self.warmup_grace_seconds < 0:
             raise ValueError(f"warmup_grace_seconds must be >= 0, got {self.warmup_grace_seconds}")
         check_body_read_timeout(self.body_read_timeout_seconds)
+        if self.stall_timeout_seconds < 0:
+            raise ValueError(f"stall_timeout_seconds must be >= 0 (0: off), got {self.stall_timeout_seconds}")
         if self.kv_host_memory_mib < 0 or self.kv_disk_mib < 0 or self.kv_tier_chunk_blocks < 1:
             raise ValueError("kv_host_memory_mib and kv_disk_mib must be >= 0, kv_tier_chunk_blocks >= 1")
         from kvmesh.engine.kv.costs import PROFILES

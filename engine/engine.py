@@ -235,6 +235,7 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self.draining = False
+        self.step_started: float | None = None  # when the step now running began (monotonic); None between steps
         self.prefill_tps = 0.0
         self.decode_step_s = 0.0
         self.step_cost = DecodeStepFit()  # what a decode step costs by batch and KV read (engine/step_cost.py)
@@ -351,7 +352,11 @@ class Engine:
                 self._publish_state()
                 continue
             try:
-                out = self.step()
+                self.step_started = time.monotonic()
+                try:
+                    out = self.step()
+                finally:
+                    self.step_started = None
                 if not (out.scheduled or out.preempted or out.unservable):
                     # queued requests wait for blocks held outside any request: a release comes as a command,
                     # which wakes the loop, and a handle expires at its time; until then nothing can change
@@ -361,6 +366,14 @@ class Engine:
                 log.exception("engine step failed")
                 for request in list(self.scheduler.running):
                     self._finish(request, "error", error="internal error while computing this request")
+
+    def stalled_for(self) -> float | None:
+        """How long the step now running has run, once past stall_timeout_seconds (a device call that never
+        returns, a deadlock); None while steps progress. Read by /health and /livez from the server's thread."""
+        started, limit = self.step_started, self.config.stall_timeout_seconds
+        if started is None or limit <= 0 or (running := time.monotonic() - started) <= limit:
+            return None
+        return running
 
     def _run_commands(self) -> None:
         while self._commands:

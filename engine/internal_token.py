@@ -28,11 +28,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import send_json
 from kvmesh.engine.openai_types import error_body
+from kvmesh.engine.protocol import LIVENESS_PATH
 
 INTERNAL_TOKEN_HEADER = "x-kvmesh-internal-token"
 INTERNAL_TOKEN_FILE_ENV = "KVMESH_INTERNAL_TOKEN_FILE"
 INTERNAL_TOKEN_KEY = "token"  # the key of the token in the pool's Secret, and the file's name in its volume
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without the token: probes and scrapes
+OPEN_PATHS = frozenset({"/health", LIVENESS_PATH, "/metrics"})  # served without the token: probes and scrapes
 RECHECK_SECONDS = 1.0  # how often the file's modification time is looked at
 MIN_TOKEN_CHARS = 16
 TOKEN_REFUSED_CODE = "internal_token_required"

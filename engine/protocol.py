@@ -60,6 +60,10 @@ HOST_TIER_DIR = "/dev/shm"  # the host KV tier's file by default; a pod mounts a
 READY_PATH = "/v1/admin/ready"
 HEALTH_WARMING = "warming"  # /health's status (503) while a new pod waits for its warm-up
 HEALTH_LOADING = "loading"  # /health's status (503) while the engine loads its model (kvmesh_engine_loading 1)
+# /health's and /livez's status (503) when a step has run longer than the engine's stall_timeout_seconds (a hung
+# device call, a deadlock): routers move its streams elsewhere, and the liveness probe restarts the pod
+HEALTH_STALLED = "stalled"
+LIVENESS_PATH = "/livez"  # 200 while the process serves HTTP and its steps progress: loading, warming, draining too
 # LoRA adapters at run time, as vLLM: POST {"lora_name", "lora_path"} / {"lora_name"}
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"

@@ -61,6 +61,7 @@ from kvmesh.engine.protocol import (
     DRAIN_PATH,
     GATE_REASONS,
     HEALTH_LOADING,
+    HEALTH_STALLED,
     HEALTH_WARMING,
     HOT_CHAINS_DEFAULT,
     HOT_CHAINS_MAX,
@@ -70,6 +71,7 @@ from kvmesh.engine.protocol import (
     KV_HOT_PATH,
     KV_TRANSFER_FIELD,
     KV_WARM_PATH,
+    LIVENESS_PATH,
     LOAD_LORA_PATH,
     LORA_FINGERPRINT_FIELD,
     LORA_NAME_PATTERN,
@@ -984,11 +986,29 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             entry = await asyncio.wrap_future(e.call(lambda: e.remove_lora(body.lora_name)))
         return {"lora_name": entry.name, "message": f"LoRA adapter {entry.name!r} unloaded"}
 
+    def stalled() -> JSONResponse | None:
+        """The 503 of an engine whose step has run past its stall timeout (None: steps progress)."""
+        engine = holder.engine
+        seconds = engine.stalled_for() if engine is not None else None
+        if engine is None or seconds is None:
+            return None
+        log.error("engine stalled: its step has run for %.0f s", seconds)
+        return JSONResponse({"status": HEALTH_STALLED, "message": f"a step has run for {seconds:.0f} s "
+                             f"(stall_timeout_seconds {engine.config.stall_timeout_seconds:g})"}, status_code=503)
+
+    @app.get(LIVENESS_PATH)
+    async def livez() -> JSONResponse:
+        """The liveness probe's: 200 while this process answers and its steps progress, loading, warming and
+        draining included (none of those is fixed by a restart); 503 once stalled."""
+        return stalled() or JSONResponse({"status": "alive"})
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if holder.engine is None:
             return JSONResponse({"status": "error" if holder.error else HEALTH_LOADING, "error": holder.error},
                                 status_code=503)
+        if (stuck := stalled()) is not None:
+            return stuck
         if holder.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if holder.gate is not None and holder.gate.closed():

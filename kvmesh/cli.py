@@ -52,6 +52,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-tier-cost-profile", help="load-or-recompute costs: measured (default), gpu or cpu")
     p.add_argument("--warmup-grace-seconds", type=float,
                    help="stay unready (/health: warming) after loading until warmed or this long (default 0: off)")
+    p.add_argument("--stall-timeout-seconds", type=float,
+                   help="a step running longer is a stalled engine: /health and /livez answer 503 (default 60; 0: off)")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) to serve under these model names")
     p.add_argument("--max-lora-rank", type=int, help=f"the largest LoRA rank loaded (default {DEFAULT_MAX_LORA_RANK})")

@@ -40,7 +40,7 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, InternalToken, new_token, write_token_file
 from kvmesh.engine.model.loader import resolve_model_dir
-from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR
+from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, LIVENESS_PATH
 from kvmesh.processes import (
     free_port,
     spawn,
@@ -68,9 +68,9 @@ INTERRUPTED = 130  # the exit status of a Ctrl-C before the pool started: 128 + 
 # not the work folder, which is often in a memory-backed /tmp); the host tier's is HOST_TIER_DIR, shared memory.
 DISK_TIER_DIR = Path.home() / ".cache" / "kvmesh"
 # Liveness (`LocalEngines._check_liveness`), as the kubelet's probe (every 10 s, 3 failures): a serving engine's
-# /health is asked every LIVENESS_PERIOD_SECONDS (within LIVENESS_PROBE_TIMEOUT_SECONDS); one that has answered
-# before and then not for LIVENESS_SECONDS (a hung process: stopped, deadlocked, swapping to death) is killed and
-# restarted by the crash back-off. Any HTTP answer counts (a draining or warming engine answers 503: it is alive).
+# /livez is asked every LIVENESS_PERIOD_SECONDS (within LIVENESS_PROBE_TIMEOUT_SECONDS); one that has answered 200
+# before and then not for LIVENESS_SECONDS (a hung process: stopped, deadlocked, swapping to death, or a step
+# stalled: /livez 503) is killed and restarted by the crash back-off. A draining or warming engine answers 200.
 LIVENESS_PERIOD_SECONDS = 2.0
 LIVENESS_PROBE_TIMEOUT_SECONDS = 1.0
 LIVENESS_SECONDS = 30.0
@@ -514,7 +514,8 @@ class LocalEngines:
                 if _alive(client, engine.child.url):
                     engine.answered = now
             if engine.answered is not None and now - engine.answered > self.liveness_seconds:
-                _say(f"{engine.child.name} has not answered /health for {now - engine.answered:.0f} s (hung?): "
+                _say(f"{engine.child.name} has not been alive on {LIVENESS_PATH} for {now - engine.answered:.0f} s "
+                     f"(hung or stalled): "
                      f"killing it, to be restarted")
                 engine.child.process.kill()
                 engine.child.process.wait()
@@ -710,10 +711,10 @@ def _bind_problem(port: int, host: str = "127.0.0.1") -> str | None:
 
 
 def _alive(client: httpx.Client, url: str) -> bool:
-    """Whether `url`/health answers at all, within LIVENESS_PROBE_TIMEOUT_SECONDS."""
+    """Whether `url`'s liveness path answers 200 within LIVENESS_PROBE_TIMEOUT_SECONDS (it does while loading,
+    warming and draining; not once its steps have stalled)."""
     try:
-        client.get(url + "/health", timeout=LIVENESS_PROBE_TIMEOUT_SECONDS)
-        return True
+        return client.get(url + LIVENESS_PATH, timeout=LIVENESS_PROBE_TIMEOUT_SECONDS).status_code == 200
     except httpx.TransportError:
         return False
 

@@ -26,7 +26,7 @@ import yaml
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, INTERNAL_TOKEN_HEADER, INTERNAL_TOKEN_KEY
-from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, POOL_LABEL, ROLE_LABEL, Metric
+from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, LIVENESS_PATH, POOL_LABEL, ROLE_LABEL, Metric
 from kvmesh.operator import rbac
 from kvmesh.operator.conditions import ready_replicas
 from kvmesh.operator.crd import (
@@ -403,13 +403,16 @@ def warmup_grace_seconds(pool: Pool) -> float:
     return float(scaling["warmupGraceSeconds"]) if scaling["warmupPrefixes"] > 0 else 0.0
 
 
-def _probes(port: str = "http") -> dict[str, Any]:
-    """Ready while /health answers 200 (not while loading, warming up or draining); alive while the port
-    accepts, so a loading, warming or draining engine is never restarted; the startup probe gives a model
-    several minutes to load before liveness counts."""
+def _probes(port: str = "http", liveness_path: str | None = None) -> dict[str, Any]:
+    """Ready while /health answers 200 (not while loading, warming up or draining); the startup probe gives a
+    model several minutes to load before liveness counts. Alive while `liveness_path` answers 200 (an engine's
+    /livez: loading, warming and draining too, never restarted for those; not a stopped process, whose port still
+    accepts connections, nor one whose step has stalled), else while the port accepts."""
+    alive = ({"httpGet": {"path": liveness_path, "port": port}, "timeoutSeconds": 5} if liveness_path
+             else {"tcpSocket": {"port": port}})
     return {
         "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2, "failureThreshold": 2},
-        "livenessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**alive, "periodSeconds": 10, "failureThreshold": 3},
         "startupProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2, "failureThreshold": 300},
     }
 
@@ -427,7 +430,7 @@ def engine_deployment(pool: Pool, role: str, replicas: int) -> dict[str, Any]:
             "python", "-c", DRAIN_SCRIPT.format(seconds=DRAIN_SECONDS, port=spec["port"], path=DRAIN_PATH,
                                                 env=INTERNAL_TOKEN_FILE_ENV, header=INTERNAL_TOKEN_HEADER,
                                                 tries=DRAIN_TRIES)]}}},
-        **_probes(),
+        **_probes(liveness_path=LIVENESS_PATH),
     }
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",

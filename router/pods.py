@@ -25,6 +25,7 @@ import httpx
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.protocol import (
     HEALTH_LOADING,
+    HEALTH_STALLED,
     HEALTH_WARMING,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
@@ -47,7 +48,7 @@ from kvmesh.router.picker import PodState
 log = logging.getLogger("kvmesh.router.pods")
 RECONNECT_SECONDS = 0.5
 EVENT_READ_TIMEOUT_SECONDS = 30.0
-HEALTH_TIMEOUT_SECONDS = 5.0  # a health check's whole time (the scrape client's reads wait longer, for event streams)
+HEALTH_TIMEOUT_SECONDS = 5.0  # each read of a scrape: health, metrics, KV config, models (event streams wait longer)
 # A pod whose health checks failed this long (no answer: a refused or timed-out connection) is lost: requests still
 # reading from it give up on it (a stream moves to another pod) rather than wait out request_timeout_seconds. Two
 # health timeouts: a pod too busy to answer one check in time keeps its requests.
@@ -377,8 +378,13 @@ class PodSet:
             asyncio.create_task(self._event_loop(pod), name=f"events {pod.url}"),
         )
 
+    async def _scrape(self, pod: Pod, path: str) -> httpx.Response:
+        """One read of a scrape, within HEALTH_TIMEOUT_SECONDS (the client's own read timeout is the event
+        stream's: a pod frozen in mid-scrape kept its streams waiting 30 s more before they moved)."""
+        return await self._client.get(pod.url + path, timeout=HEALTH_TIMEOUT_SECONDS)
+
     async def _read_config(self, pod: Pod) -> None:
-        body = (await self._client.get(pod.url + KV_CONFIG_PATH)).json()
+        body = (await self._scrape(pod, KV_CONFIG_PATH)).json()
         known = {f.name for f in dataclasses.fields(KVConfig)}
         config = KVConfig(**{k: v for k, v in body.items() if k in known})  # a newer engine may say more
         boot_id, _ = self.index.resume_point(pod.name)
@@ -399,12 +405,16 @@ class PodSet:
     async def _scrape_loop(self, pod: Pod) -> None:
         while True:
             try:
-                health = await self._client.get(pod.url + "/health", timeout=HEALTH_TIMEOUT_SECONDS)
+                health = await self._scrape(pod, "/health")
                 status = health.json().get("status") if health.status_code == 503 else None
                 pod.draining = pod.terminating or status == "draining"
                 pod.loading = status == HEALTH_LOADING
+                if status == HEALTH_STALLED:  # its steps hang (a device call): what it runs moves elsewhere now
+                    if pod.healthy:
+                        log.warning("pod %s stalled: %s", pod.url, health.json().get("message", ""))
+                    self._lost(pod, "the engine has stalled (a step running past its stall timeout)")
                 # how far its load is, for the pool status (its /metrics answers while it loads)
-                pod.load_progress = (load_progress((await self._client.get(pod.url + "/metrics")).text)
+                pod.load_progress = (load_progress((await self._scrape(pod, "/metrics")).text)
                                      if pod.loading else None)
                 if (status == HEALTH_WARMING) != pod.warming:
                     pod.warming = not pod.warming
@@ -416,7 +426,7 @@ class PodSet:
                     if pod.served is None or time.monotonic() - pod.served_at >= MODELS_REFRESH_SECONDS:
                         await self._read_models(pod)
                     epoch = pod.unseen.reading()
-                    text = (await self._client.get(pod.url + "/metrics")).text
+                    text = (await self._scrape(pod, "/metrics")).text
                     pod.metrics, pod.lora = await asyncio.to_thread(parse_metrics, text)  # ms of parsing: off the loop
                     pod.unseen.read(epoch)
                     pod.scraped_at = time.monotonic()
@@ -452,7 +462,7 @@ class PodSet:
         """The pod's model list (its KV config is read by then); a pod without the endpoint (404) serves the model
         its KV config names."""
         assert pod.kv_config is not None
-        reply = await self._client.get(pod.url + MODELS_PATH)
+        reply = await self._scrape(pod, MODELS_PATH)
         if reply.status_code == 404:
             pod.served, pod.served_at = ServedModels.base_only(pod.kv_config.model), time.monotonic()
             return

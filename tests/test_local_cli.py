@@ -227,7 +227,7 @@ def test_a_serving_engine_that_stops_answering_is_killed_and_restarted_by_the_ba
         hung.answered, hung.probed = now - engines.liveness_seconds - 1, 0.0
         engines._check_liveness(client, now)
     assert sleeper.poll() is not None
-    assert "kvmesh up: engine-0 has not answered /health for " in capsys.readouterr().err
+    assert "kvmesh up: engine-0 has not been alive on /livez for " in capsys.readouterr().err
     engines._restart_crashed(now)
     assert hung.state == CRASHED and hung.child.waiting
 

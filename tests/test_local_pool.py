@@ -131,7 +131,7 @@ def test_a_hung_engine_is_killed_and_restarted(pool: Pool) -> None:
     port = url.rsplit(":", 1)[1]
     (engine,) = [c for c in psutil.Process(pool.proc.pid).children() if port in c.cmdline()]
     engine.send_signal(signal.SIGSTOP)  # alive, silent: exits never
-    wait_for(lambda: "engine-0 has not answered /health for" in pool.said(), "the liveness kill", pool.proc, pool.log)
+    wait_for(lambda: "engine-0 has not been alive on /livez" in pool.said(), "the liveness kill", pool.proc, pool.log)
     wait_for(lambda: "engine-0 serving (restarts: 1)" in pool.said(), "the restarted engine", pool.proc, pool.log)
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
 

@@ -284,7 +284,10 @@ def test_pods_are_non_root_read_only_probed_resourced_and_drain_before_stopping(
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-        assert "tcpSocket" in container["livenessProbe"]  # a draining or loading engine is not restarted
+        if container["name"] == "engine":  # /livez: 200 while loading, warming or draining; not a stopped process
+            assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+        else:
+            assert "tcpSocket" in container["livenessProbe"]
         assert container["resources"]["requests"]
         writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
         assert "/tmp" in writable
@@ -419,8 +422,8 @@ def test_with_warm_up_on_engines_stay_unready_until_warmed_and_are_never_restart
         (tmp_path / "engine.yaml").write_text(by_kind(objects, "ConfigMap")["chat-config"]["data"]["engine.yaml"])
         (container,) = by_kind(objects, "Deployment")["chat-both"]["spec"]["template"]["spec"]["containers"]
         assert container["readinessProbe"]["httpGet"]["path"] == "/health", "a warming pod is in no Service"
-        assert "httpGet" not in container["livenessProbe"] and "httpGet" not in container["startupProbe"], \
-            "a pod whose /health says warming must not be restarted"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/livez", "200 while warming: never restarted for it"
+        assert "httpGet" not in container["startupProbe"]
         return engine_flags(container, tmp_path / "engine.yaml")
 
     assert engine(pool()).warmup_grace_seconds == 60

@@ -55,6 +55,8 @@ def test_a_warming_pod_is_no_candidate_until_its_health_turns_ok(tiny_dir: Path,
                 assert pod.warming and not state.healthy and not state.draining
                 assert any("is warming up" in r.getMessage() for r in caplog.records)
                 assert not any("unreachable" in r.getMessage() for r in caplog.records), "warming is not down"
+                alive = await asyncio.to_thread(httpx.get, url + "/livez")  # the liveness probe's: not restarted
+                assert alive.status_code == 200 and alive.json() == {"status": "alive"}
 
                 await asyncio.to_thread(httpx.post, url + READY_PATH)  # the operator: nothing to copy
                 await eventually(lambda: pods.snapshot()[0].healthy)
