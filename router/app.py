@@ -1521,8 +1521,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if shed is not None:
             return error_response(shed)
         prefill_pods = any(p.role == "prefill" and p.healthy for p in view.pods)
-        if prefill_pods and single and not echoes(raw) and (trace.info.prompt_tokens - first.predicted_cached_tokens
-                                        >= router.config.prefill_hop_min_tokens):
+        # no pod to continue (none serving: a decode rollout, a crash loop): no prefill that would only pin its KV
+        if prefill_pods and first.pod is not None and single and not echoes(raw) and (
+                trace.info.prompt_tokens - first.predicted_cached_tokens >= router.config.prefill_hop_min_tokens):
             try:
                 split = await disaggregate(path, raw, trace, stream, headers)
             except PodTimeout as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +21,12 @@ from .test_router_disconnect import wait_nothing_in_flight
 
 pytestmark = pytest.mark.slow
 
+Served = tuple[dict[str, str], Router, dict[str, subprocess.Popen[bytes]]]
+
 
 @pytest.fixture(scope="module")
-def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Router]]:
-    """The URLs of the prefill pod, the decode pod and the router; and the Router."""
+def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The URLs of the prefill pod, the decode pod and the router; the Router; the engines' processes by URL."""
     with tiny_engines(tiny_dir, tmp_path_factory.mktemp("disagg"), ("prefill", "decode")) as procs:
         prefill, decode = procs
         router = build_router(RouterConfig(pods=list(procs), scrape_interval_seconds=0.1, prefill_hop_min_tokens=32),
@@ -32,16 +36,16 @@ def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 if len(httpx.get(url + "/health").json()["pods"]) == 2:
                     break
                 threading.Event().wait(0.1)
-            yield {"prefill": prefill, "decode": decode, "router": url}, router
+            yield {"prefill": prefill, "decode": decode, "router": url}, router, procs
 
 
 @pytest.fixture(scope="module")
-def pool(served: tuple[dict[str, str], Router]) -> dict[str, str]:
+def pool(served: Served) -> dict[str, str]:
     return served[0]
 
 
 @pytest.fixture(scope="module")
-def router(served: tuple[dict[str, str], Router]) -> Router:
+def router(served: Served) -> Router:
     return served[1]
 
 
@@ -222,4 +226,35 @@ def test_an_overloaded_pool_sheds_a_request_that_would_be_split(pool: dict[str, 
         router.shed = kept
     assert reply.status_code == 429 and reply.json()["error"]["code"] == "overloaded", reply.text
     assert "retry-after" in reply.headers
+    wait_nothing_in_flight(router)
+
+
+def prompt_tokens_computed(url: str) -> float:
+    (line,) = [x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("vllm:prompt_tokens_total")]
+    return float(line.split()[-1])
+
+
+def test_with_no_decode_pod_up_nothing_is_prefilled(served: Served) -> None:
+    """A decode rollout or crash loop: every request got its 503 only after the prefill pod had computed its
+    prompt and pinned its KV for the handoff's 30 s, until the pinned KV filled the pod and requests waited 30 s
+    for their 503. The router now skips the hop when no pod could continue."""
+    pool, router, procs = served
+    decode = procs[pool["decode"]]
+    before = prompt_tokens_computed(pool["prefill"])
+    decode.send_signal(signal.SIGSTOP)  # silent: the router's health checks find no answer
+    try:
+        for _ in range(300):
+            if not router.pods.pods[pool["decode"]].healthy:
+                break
+            threading.Event().wait(0.1)
+        reply = httpx.post(pool["router"] + "/v1/completions", json={"prompt": tokens(70, 90), "max_tokens": 4},
+                           timeout=60)
+    finally:
+        decode.send_signal(signal.SIGCONT)
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_pod", reply.text
+    assert prompt_tokens_computed(pool["prefill"]) == before
+    for _ in range(300):  # healthy again for the module's other tests
+        if router.pods.pods[pool["decode"]].healthy:
+            break
+        threading.Event().wait(0.1)
     wait_nothing_in_flight(router)
