@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, check_body_read_timeout
 from kvmesh.engine.protocol import (
     DEFAULT_BLOCK_SIZE,
@@ -28,7 +26,7 @@ from kvmesh.engine.protocol import (
     ROLES,
     HashAlgo,
 )
-from kvmesh.engine.typed_fields import check_types
+from kvmesh.engine.typed_fields import check_port, check_types, read_settings_file
 
 MIB = 1 << 20
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")  # see engine/attention.py
@@ -98,6 +96,13 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_mib must be at least 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        check_port(self.port)
+        if self.max_model_len is not None and self.max_model_len < 2:  # a prompt token and one to generate
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.forecast_interval_seconds <= 0:  # 0 ran the idle loop without pause: a whole core
+            raise ValueError(f"forecast_interval_seconds must be positive, got {self.forecast_interval_seconds}")
         if self.role not in ROLES or self.role == "router":
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -188,8 +193,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     (flags the user gave; None values mean "not given")."""
     values: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
+        data = read_settings_file(path) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping with an `engine` section")
         section = data.get("engine", data)

@@ -206,8 +206,9 @@ class EngineHolder:
                 engine = self._loader()  # type: ignore[misc]
                 engine.start()
                 self._loaded(engine)
-            except Exception as exc:  # shown by /health; the process stays up for the operator to see it
+            except Exception as exc:  # shown by /health and logged; the process stays up for the operator to see it
                 self.error = f"{type(exc).__name__}: {exc}"
+                log.error("the model could not be loaded: %s", self.error)
 
         loading = threading.Thread(target=run, name="kvmesh-load", daemon=True)
         loading.start()

@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 _NAMES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", dict: "a mapping",
           list: "a list", type(None): "null"}
@@ -28,6 +31,23 @@ def _fits(value: Any, kind: type) -> bool:
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, kind)
+
+
+def read_settings_file(path: str | Path) -> Any:
+    """A settings file's YAML (None when empty); ValueError naming the file and the place for text that is not
+    YAML, as for any other bad setting (a traceback before)."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not YAML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not text") from None
+
+
+def check_port(port: int, name: str = "port") -> None:
+    """ValueError unless `port` is a TCP port (an out-of-range one wrapped silently into another port)."""
+    if not 0 < port < 65536:
+        raise ValueError(f"{name} {port} is not a TCP port (1-65535)")
 
 
 def check_types(settings: Any, what: str) -> None:

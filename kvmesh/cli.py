@@ -12,10 +12,22 @@ from typing import TYPE_CHECKING
 
 from kvmesh import __version__
 from kvmesh.engine.protocol import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, KV_CACHE_DTYPES, QUANTIZATIONS
+from kvmesh.processes import LOG_LEVELS, bind_problem
 
 if TYPE_CHECKING:
     from kvmesh.operator.leader import Election
     from kvmesh.up import PoolPlan
+
+
+def _port(text: str) -> int:
+    """argparse's type for a TCP port (a number past 65535 wrapped silently into another port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return port
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +36,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--port", type=_port, help="port (default 8000)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="int8: int8 weights and activations (CPU)")
@@ -64,7 +76,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-traces-endpoint",
                    help="export OpenTelemetry traces over OTLP/HTTP here, e.g. http://collector:4318/v1/traces "
                         "(default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -82,6 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
         tracing = setup_tracing(ENGINE_SERVICE, config.otlp_traces_endpoint)
     except (OSError, ValueError) as exc:
         print(f"kvmesh serve: {exc}", file=sys.stderr)
+        return 2
+    # before the model loads in a thread of its own: a taken port stopped the process in the middle of torch's
+    # work there, which aborted it (SIGABRT) instead of saying why
+    if (problem := bind_problem(config.port, config.host)) is not None:
+        print(f"kvmesh serve: cannot listen on {config.host}:{config.port}: {problem}", file=sys.stderr)
         return 2
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -104,8 +121,8 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pod", dest="pods", action="append", default=[], help="an engine's base URL (repeatable)")
     p.add_argument("--model", help="HF directory or .gguf holding the pool's tokenizer (default: the bundled model)")
     p.add_argument("--host")
-    p.add_argument("--port", type=int, help="port (default 8080)")
-    p.add_argument("--ext-proc-port", type=int,
+    p.add_argument("--port", type=_port, help="port (default 8080)")
+    p.add_argument("--ext-proc-port", type=_port,
                    help="also serve Envoy ext_proc (gRPC) here, as a Gateway API Inference Extension endpoint picker")
     p.add_argument("--ext-proc-plaintext", dest="ext_proc_tls", action="store_false", default=None,
                    help="serve ext_proc without TLS (a gateway configured for h2c); default: TLS")
@@ -117,7 +134,7 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-traces-endpoint",
                    help="export OpenTelemetry traces over OTLP/HTTP here, e.g. http://collector:4318/v1/traces "
                         "(default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -162,7 +179,7 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", help="with --kubernetes: list the pools of this namespace only")
     p.add_argument("--kubeconfig", help="with --kubernetes: a kubeconfig file (default: the pod's service account)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--refresh-seconds", type=float, default=DEFAULT_REFRESH_SECONDS,
                    help=f"how often the routers are found and their /v1/models read (default "
                         f"{DEFAULT_REFRESH_SECONDS:g})")
@@ -175,7 +192,7 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--body-read-timeout-seconds", type=float, default=DEFAULT_BODY_READ_TIMEOUT_SECONDS,
                    help=f"a request's whole body must arrive within this long, or it is answered 408 and its "
                         f"connection closed (default {DEFAULT_BODY_READ_TIMEOUT_SECONDS:g}, as the router's)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -294,8 +311,8 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
                    help="watch pools in this namespace (repeatable; default: every namespace)")
     p.add_argument("--tick-seconds", type=float, default=5.0,
                    help="how often each pool's scaler wakes (its spec's intervalSeconds decides when it acts)")
-    p.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
-    p.add_argument("--health-port", type=int, help="serve a liveness probe at /healthz on this port")
+    p.add_argument("--metrics-port", type=_port, help="serve the operator's Prometheus metrics on this port")
+    p.add_argument("--health-port", type=_port, help="serve a liveness probe at /healthz on this port")
     p.add_argument("--render-crd", action="store_true", help="print the InferencePool CRD and exit")
     from kvmesh.operator.leader import DEFAULT_LEASE_NAME, Timing
 
@@ -312,14 +329,12 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
                    f"(default {timing.renew_deadline_seconds:g})")
     p.add_argument("--leader-elect-retry-period", type=float, default=timing.retry_seconds, metavar="SECONDS",
                    help=f"how often candidates try and leaders renew (default {timing.retry_seconds:g})")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
 def _election(args: argparse.Namespace) -> Election | None:
     """The --leader-elect flags as an Election; ValueError for durations that would let two leaders overlap."""
     import os
-
-    from kubernetes.config.config_exception import ConfigException
 
     from kvmesh.operator.leader import Election, Timing
     from kvmesh.router.discovery import default_namespace
@@ -331,10 +346,7 @@ def _election(args: argparse.Namespace) -> Election | None:
     timing.check()
     namespace = args.leader_elect_namespace or os.environ.get("POD_NAMESPACE")
     if not namespace:
-        try:
-            namespace = default_namespace(args.kubeconfig)
-        except ConfigException as exc:
-            raise ValueError(f"kubeconfig: {exc}") from exc
+        namespace = default_namespace(args.kubeconfig)  # ValueError for a kubeconfig that cannot be used
     return Election(namespace, args.leader_elect_lease_name, timing=timing)
 
 
@@ -347,6 +359,10 @@ def _operator(args: argparse.Namespace) -> int:
     if args.tick_seconds <= 0:
         print("kvmesh operator: --tick-seconds must be positive", file=sys.stderr)
         return 2
+    for flag, port in (("--metrics-port", args.metrics_port), ("--health-port", args.health_port)):
+        if port is not None and (problem := bind_problem(port, "0.0.0.0")) is not None:  # one line, not a traceback
+            print(f"kvmesh operator: {flag} {port}: {problem}", file=sys.stderr)
+            return 2
     from kvmesh.operator.handlers import OperatorConfig, run
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

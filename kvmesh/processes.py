@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # every server's --log-level: logging's and uvicorn's
 
 
 def free_port() -> int:
@@ -23,6 +24,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bind_problem(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server could not listen on `host`:`port` now (the OS's words: in use, not an address of this machine,
+    a privileged port), or None. With SO_REUSEADDR as uvicorn binds: a port whose old connections linger in
+    TIME_WAIT is free, one with a listener is not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return None
+        except OSError as exc:
+            return exc.strerror or str(exc)
 
 
 def launch(argv: list[str], log: Path, *, new_session: bool = False,

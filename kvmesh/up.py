@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, InternalToken,
 from kvmesh.engine.model.loader import resolve_model_dir
 from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, LIVENESS_PATH
 from kvmesh.processes import (
+    bind_problem,
     free_port,
     spawn,
     tail,
@@ -264,9 +264,13 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
                 if child.process.poll() is not None:
                     return child
                 try:
-                    healthy = client.get(child.url + "/health").status_code == 200
+                    health = client.get(child.url + "/health")
                 except httpx.TransportError:
                     healthy = False
+                else:
+                    if health.status_code == 503 and _status(health) == "error":  # its model failed to load
+                        return child
+                    healthy = health.status_code == 200
                 if healthy:
                     if child.process.poll() is not None:
                         return child
@@ -276,6 +280,22 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
                 raise TimeoutError(f"{names} did not answer /health within {timeout:.0f} s")
             time.sleep(0.1)
     return None
+
+
+def _status(reply: httpx.Response) -> str | None:
+    """A /health answer's status field (None when the body is not the engine's JSON)."""
+    try:
+        body = reply.json()
+    except ValueError:
+        return None
+    return body.get("status") if isinstance(body, dict) else None
+
+
+def _failure(child: Child) -> str:
+    """What a child that failed to start did, and the end of its log."""
+    code = child.process.poll()
+    how = f"exited with {_exit_status(code)}" if code is not None else "could not load its model"
+    return f"{child.name} {how}:\n{child.tail()}"
 
 
 STARTING, SERVING, DRAINING, STOPPING = "starting", "serving", "draining", "stopping"
@@ -693,21 +713,7 @@ def _wait_port_free(port: int, process: subprocess.Popen[bytes], timeout: float)
 
 
 def _bindable(port: int) -> bool:
-    return _bind_problem(port) is None
-
-
-def _bind_problem(port: int, host: str = "127.0.0.1") -> str | None:
-    """Why a server could not listen on `host`:`port` now (the OS's words: in use, not an address of this machine,
-    a privileged port), or None. With SO_REUSEADDR as uvicorn binds: a port whose old connections linger in
-    TIME_WAIT is free, one with a listener is not."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return None
-        except OSError as exc:
-            return exc.strerror or str(exc)
+    return bind_problem(port) is None
 
 
 def _alive(client: httpx.Client, url: str) -> bool:
@@ -1063,7 +1069,7 @@ def startup_problem(plan: PoolPlan, router_port: int, ready_file: str | None = N
     if not 1 <= router_port <= 65535:
         return f"--port {router_port}: a port is a number from 1 to 65535"
     host = str(plan.router.get("host") or "127.0.0.1")
-    if (problem := _bind_problem(router_port, host)) is not None:
+    if (problem := bind_problem(router_port, host)) is not None:
         return (f"the router's port {router_port} on {host} cannot be used ({problem}): another kvmesh up or server "
                 f"holds it? Stop it or give another --port")
     for flag, name in (("--ready-file", ready_file), ("--targets-file", targets_file)):
@@ -1214,12 +1220,12 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
         print(f"kvmesh up: starting {plan.engines} {kind}engines and a router (logs in {workdir}) ...", file=sys.stderr)
         dead = _wait_healthy(engines.children(), HEALTH_TIMEOUT_SECONDS)
         if dead is not None:
-            _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")
+            _say(_failure(dead))
             return 1
         with httpx.Client(timeout=2.0, auth=engines.token) as client:  # drains send the pool's token
             dead = _wait_routed(client, engines, HEALTH_TIMEOUT_SECONDS)
             if dead is not None:
-                _say(f"{dead.name} exited with {_exit_status(dead.process.returncode)}:\n{dead.tail()}")
+                _say(_failure(dead))
                 return 1
             if plan.pool is not None:
                 watch = _ScalingWatch(plan, engines)

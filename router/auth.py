@@ -29,7 +29,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _ENTRY_FIELDS = frozenset({"tenant", "key_sha256"})
 _HOW_TO_HASH = (
     "store the key's sha256 hex digest as key_sha256 instead, e.g. "
-    '`printf %s "$KEY" | sha256sum` or `kvmesh router hash-key`'
+    '`printf %s "$KEY" | sha256sum`'
 )
 
 

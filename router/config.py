@@ -11,12 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, check_body_read_timeout
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 from kvmesh.engine.tracing import check_endpoint
-from kvmesh.engine.typed_fields import check_types
+from kvmesh.engine.typed_fields import check_port, check_types, read_settings_file
 from kvmesh.router.batch_runner import BatchSettings
 from kvmesh.router.batches import (
     BATCH_PRIORITY,
@@ -151,6 +149,9 @@ class RouterConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"pod {url!r} is not an http(s) URL")
         HashAlgo(self.hash_algo)
+        check_port(self.port)
+        if self.scrape_interval_seconds <= 0:  # 0 scraped in a busy loop: a whole core, idle
+            raise ValueError(f"scrape_interval_seconds must be positive, got {self.scrape_interval_seconds}")
         if self.otlp_traces_endpoint:
             check_endpoint(self.otlp_traces_endpoint)
         if self.ext_proc_port is not None and not (0 < self.ext_proc_port < 65536 and self.ext_proc_port != self.port):
@@ -232,7 +233,7 @@ def load_router_config(path: str | Path | None, overrides: dict[str, Any] | None
             values[name] = value
 
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = read_settings_file(path) or {}
         section = data.get("router", data) if isinstance(data, dict) else None
         if not isinstance(section, dict):
             raise ValueError(f"{path}: expected a mapping with a `router` section")

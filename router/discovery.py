@@ -20,6 +20,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client, watch
 from kubernetes import config as kube_config
 from kubernetes.client import Configuration, V1EndpointSlice
@@ -84,23 +85,39 @@ def desired_pods(slices: Iterable[V1EndpointSlice], port_name: str = PORT_NAME) 
     return wanted
 
 
+# what reading a kubeconfig raises besides the client's ConfigException: a missing or unreadable file, text that is
+# not YAML, YAML that is not a kubeconfig
+_KUBECONFIG_ERRORS = (kube_config.ConfigException, OSError, yaml.YAMLError, TypeError, AttributeError, KeyError)
+
+
 def kube_configuration(kubeconfig: str | None) -> Configuration:
-    """Client settings from a kubeconfig file, or from the pod's service account when there is none."""
+    """Client settings from a kubeconfig file; with none, from the pod's service account, or outside a cluster from
+    $KUBECONFIG (or ~/.kube/config), as kubectl reads it. ValueError naming the file for one that cannot be used."""
     configuration = Configuration()
-    try:
-        if kubeconfig is None:
+    if kubeconfig is None:
+        try:
             kube_config.load_incluster_config(configuration)
-        else:
-            kube_config.load_kube_config(kubeconfig, client_configuration=configuration, persist_config=False)
-    except kube_config.ConfigException as exc:
-        raise ValueError(f"kubernetes discovery: {exc}") from exc
+            return configuration
+        except kube_config.ConfigException as exc:
+            if not Path(kube_config.KUBE_CONFIG_DEFAULT_LOCATION.split(":")[0]).expanduser().exists():
+                raise ValueError(f"kubernetes discovery: not in a cluster ({exc}) and no kubeconfig: pass "
+                                 "--kubeconfig FILE or set KUBECONFIG") from None
+    try:
+        kube_config.load_kube_config(kubeconfig, client_configuration=configuration, persist_config=False)
+    except _KUBECONFIG_ERRORS as exc:
+        where = kubeconfig or kube_config.KUBE_CONFIG_DEFAULT_LOCATION
+        raise ValueError(f"kubernetes discovery: kubeconfig {where} cannot be used: {' '.join(str(exc).split())}") \
+            from None
     return configuration
 
 
 def default_namespace(kubeconfig: str | None) -> str:
     """The kubeconfig's current namespace, or the router pod's own; `default` when neither says."""
     if kubeconfig is not None:
-        _, current = kube_config.list_kube_config_contexts(kubeconfig)
+        try:
+            _, current = kube_config.list_kube_config_contexts(kubeconfig)
+        except _KUBECONFIG_ERRORS as exc:
+            raise ValueError(f"kubeconfig {kubeconfig} cannot be used: {' '.join(str(exc).split())}") from None
         return str(current.get("context", {}).get("namespace") or "default")
     if SERVICE_ACCOUNT_NAMESPACE.exists():
         return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()

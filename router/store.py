@@ -38,7 +38,15 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import URL, Dialect, Engine, make_url
-from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, InternalError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    InternalError,
+    NoSuchModuleError,
+    OperationalError,
+)
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
@@ -192,9 +200,24 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
+DATABASE_URL_FORMS = "sqlite:///PATH or postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+
+
 def make_engine(url: str) -> Engine:
-    """SQLite gets WAL and a busy timeout so router processes on one machine can share a file."""
-    parsed = make_url(url)
+    """SQLite gets WAL and a busy timeout so router processes on one machine can share a file. ValueError, naming
+    the URL with its password hidden, for a URL that cannot be read or whose driver is not installed."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # the text is not echoed: it may hold a password
+        raise ValueError(f"the database URL cannot be read: it should look like {DATABASE_URL_FORMS}") from None
+    try:
+        return _make_engine(parsed)
+    except (NoSuchModuleError, ImportError) as exc:
+        raise ValueError(f"database URL {parsed.render_as_string(hide_password=True)}: no driver for "
+                         f"{parsed.drivername!r} here ({exc}); use {DATABASE_URL_FORMS}") from None
+
+
+def _make_engine(parsed: URL) -> Engine:
     if parsed.get_backend_name() != "sqlite":
         # pre_ping: connections through Kubernetes Services and poolers are cut while idle. A connect timeout: a
         # database that does not answer fails the call in seconds, not after the kernel's TCP retries (minutes).
@@ -222,16 +245,19 @@ def make_engine(url: str) -> Engine:
 def create_tables(engine: Engine, metadata: MetaData) -> None:
     """Create `metadata`'s tables where missing and add the columns and indexes a newer kvmesh declares to tables an
     older one made (a pool's database outlives upgrades; `create_all` never alters a table). Replicas starting together
-    race: the loser of a create or an ALTER carries on once what it wanted exists."""
+    race: the loser of a create or an ALTER carries on once what it wanted exists. ValueError, naming the database
+    (its password hidden), when it cannot be reached or opened: a process that starts without its database stops
+    with that one line (a pod restarts until the database is up)."""
     for attempt in range(2):
         try:
             metadata.create_all(engine)
             _add_missing_columns(engine, metadata)
             _add_missing_indexes(engine, metadata)
             return
-        except DBAPIError:
+        except DBAPIError as exc:
             if attempt:
-                raise
+                raise ValueError(f"database {engine.url.render_as_string(hide_password=True)} cannot be used: "
+                                 f"{str(exc.orig or exc).strip().splitlines()[0]}") from None
 
 
 def _add_missing_columns(engine: Engine, metadata: MetaData) -> None:

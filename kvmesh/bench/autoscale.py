@@ -291,6 +291,13 @@ def versus(ours: Row, rule: Row) -> tuple[float | None, float]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    try:  # before the run, for both studies: a bad path must not cost the results
+        plots.check_output_path(args.json, "--json")
+        if not args.scale_to_zero:  # (the scale-to-zero study draws no plot)
+            plots.check_output_path(args.plot, "--plot")
+    except ValueError as exc:
+        print(f"kvmesh bench autoscale: {exc}", file=sys.stderr)
+        return 2
     if args.scale_to_zero:
         from kvmesh.bench import autoscale_zero
 

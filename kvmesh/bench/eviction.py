@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from kvmesh.bench.args import positive_ints
 from kvmesh.bench.machine import machine_info
+from kvmesh.bench.plots import check_output_path
 from kvmesh.bench.traces import MOONCAKE_BLOCK_TOKENS, MOONCAKE_TRACE, TraceRequest, load_mooncake
 from kvmesh.engine.kv.blocks import KVCacheManager
 from kvmesh.engine.kv.policy import OpeningCounter, make_policy
@@ -85,6 +86,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Markdown table on stdout, progress on stderr, JSON with --json."""
     try:
+        check_output_path(args.json, "--json")  # before the run: a bad path must not cost its results
         sizes = args.sizes
         requests = load_mooncake(args.trace, limit=args.limit)
         results = [replay(requests, n, policy, progress=True) for n in sizes for policy in POLICY_NAMES]
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {n:,} | {lru.hit_ratio:.2%} | {reuse.hit_ratio:.2%} | {ratio:.3f} | "
               f"{lru.evictions:,} / {reuse.evictions:,} |")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "bench": "eviction",
             "trace": str(args.trace),

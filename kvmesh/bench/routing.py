@@ -174,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     try:
+        plots.check_output_path(args.json, "--json")  # before the run: a bad path must not cost its results
+        plots.check_output_path(args.plot, "--plot")
         if args.instances < 1:
             raise ValueError("--instances must be at least 1")
         picker = picker_from_flags(args.weight)

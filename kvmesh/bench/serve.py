@@ -456,6 +456,13 @@ def _served_max_len(url: str, auth: Any = None) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.bench.plots import check_output_path
+
+    try:  # before the run: a bad path must not cost its results
+        check_output_path(args.json, "--json")
+    except ValueError as exc:
+        print(f"kvmesh bench serve: {exc}", file=sys.stderr)
+        return 2
     try:
         token = pool_token()
     except (OSError, ValueError) as exc:

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvmesh.processes import LOG_LEVELS
+
 if TYPE_CHECKING:  # torch and the engine load on use: `kvmesh --help` builds this command's parser
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.runner import StepInput
@@ -138,7 +140,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-step-ms", type=float, help="override the profile's decode step time at batch 1")
     p.add_argument("--decode-ms-per-seq", type=float, help="override the decode time added per sequence")
     p.add_argument("--transfer-gbps", type=float, help="override the KV link bandwidth, GB/s")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
 
 
 def latency_from_args(profile: Profile, args: argparse.Namespace) -> LatencyModel:

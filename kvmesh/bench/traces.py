@@ -21,6 +21,7 @@ MOONCAKE_BLOCK_TOKENS = 512  # the Mooncake trace's hash_ids each cover this man
 TRACES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
 MOONCAKE_TRACE = TRACES_DIR / "mooncake_conversation_trace.jsonl"
 AZURE_CONV_TRACE = TRACES_DIR / "azure_llm_2023_conv.csv"
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")  # what load_azure reads of an Azure trace
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ def load_mooncake(
                 if parent_of.setdefault(h, parent) != parent:
                     raise ValueError(f"{path}:{number}: hash id {h} follows {parent}, elsewhere {parent_of[h]}")
             requests.append(request)
+    if not requests:
+        raise ValueError(f"trace {path} holds no requests")
     return requests
 
 
@@ -86,8 +89,15 @@ def load_azure(
     _check(path, speedup, limit)
     requests: list[TraceRequest] = []
     start: datetime | None = None
-    with path.open(newline="") as f:
-        for number, row in enumerate(csv.DictReader(f), 2):
+    with path.open(newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is no column
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        if not any(name.strip() for name in header):
+            raise ValueError(f"trace {path} holds no requests")
+        if missing := [name for name in AZURE_COLUMNS if name not in header]:
+            raise ValueError(f"trace {path}: its header needs the columns {', '.join(AZURE_COLUMNS)}; it has "
+                             f"{', '.join(map(repr, header))} (missing {', '.join(missing)})")
+        for number, row in enumerate(reader, 2):
             if limit is not None and len(requests) >= limit:
                 break
             try:
@@ -98,6 +108,8 @@ def load_azure(
                 raise ValueError(f"{path}:{number}: not an Azure trace row ({exc})") from None
             start = start or stamp
             requests.append(TraceRequest((stamp - start).total_seconds() / speedup, max(prompt, 1), output))
+    if not requests:
+        raise ValueError(f"trace {path} holds no requests")
     if any(b.arrival < a.arrival for a, b in itertools.pairwise(requests)):
         raise ValueError(f"{path}: timestamps are not in order")
     return requests
