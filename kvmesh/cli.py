@@ -145,6 +145,9 @@ def _router(args: argparse.Namespace) -> int:
     try:
         flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(RouterConfig)}
         config = load_router_config(args.config, flags)
+        for port in (config.port, config.ext_proc_port):  # taken: one line, not a traceback from the lifespan
+            if port is not None and (problem := bind_problem(port, config.host)) is not None:
+                raise ValueError(f"cannot listen on {config.host}:{port}: {problem}")
         router = build_router(config, resolve_model_dir(config.model))
     except (OSError, ValueError, TypeError) as exc:  # TypeError: an unknown picker weight
         print(f"kvmesh router: {exc}", file=sys.stderr)
@@ -390,13 +393,21 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 CHAT_QUIET_SECONDS = 3.0  # `kvmesh chat` waits this long for /health before it says what it waits for
 
 
-def _base_url(url: str) -> str | None:
+def _base_url(url: str) -> str:
     """The server's base URL from what the user gave (`kvmesh chat`'s and `kvmesh status`'s --url): the OpenAI base
-    URL (`.../v1`, what `kvmesh up` prints and clients are configured with) as well as the server's; None without
-    an http(s) scheme, which no retry fixes."""
+    URL (`.../v1`, what `kvmesh up` prints and clients are configured with) as well as the server's. ValueError,
+    saying what to fix, for a URL no retry makes work: no http(s) scheme, a port that is not a number."""
+    import httpx
+
     from kvmesh.bench.serve import base_url
 
-    return base_url(url) if url.startswith(("http://", "https://")) else None
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url {url}: give the scheme too, e.g. http://{url}")
+    try:
+        httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"--url {url}: {exc}") from None
+    return base_url(url)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -411,9 +422,10 @@ def _chat(args: argparse.Namespace) -> int:
         print(f"kvmesh chat: {problem}", file=sys.stderr)
         return code
 
-    base = _base_url(args.url)
-    if base is None:
-        return fail(f"--url {args.url}: give the scheme too, e.g. http://{args.url}", 2)
+    try:
+        base = _base_url(args.url)
+    except ValueError as exc:
+        return fail(str(exc), 2)
     started = time.monotonic()
     deadline, said = started + args.wait, False
     with httpx.Client(base_url=base, timeout=300) as client:
@@ -472,11 +484,11 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
 def _status(args: argparse.Namespace) -> int:
     from kvmesh.status import run
 
-    base = _base_url(args.url)
-    if base is None:
-        print(f"kvmesh status: --url {args.url}: give the scheme too, e.g. http://{args.url}", file=sys.stderr)
+    try:
+        args.url = _base_url(args.url)
+    except ValueError as exc:
+        print(f"kvmesh status: {exc}", file=sys.stderr)
         return 2
-    args.url = base
     return run(args)
 
 

@@ -108,3 +108,21 @@ def test_kvmesh_up_says_at_once_that_a_model_could_not_load(tiny_dir: Path, tmp_
     assert up.returncode == 1, up.stderr
     assert "engine-0 could not load its model:" in up.stderr
     assert "the model could not be loaded: FileNotFoundError" in up.stderr and "no *.safetensors" in up.stderr
+
+
+def test_a_router_port_that_is_taken_is_said_before_anything_starts(
+        tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ext_proc port's was a 40-line traceback from the app's lifespan."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refused(capsys, ["router", "--model", str(tiny_dir), "--pod", "http://127.0.0.1:1",
+                                "--ext-proc-port", str(port)])
+    assert line == f"kvmesh router: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.parametrize("program", ["chat", "status"])
+def test_a_url_with_a_port_that_is_no_number_is_named(capsys: pytest.CaptureFixture[str], program: str) -> None:
+    argv = [program, "--url", "http://127.0.0.1:80a0"] + (["hi"] if program == "chat" else [])
+    assert refused(capsys, argv) == f"kvmesh {program}: --url http://127.0.0.1:80a0: Invalid port: '80a0'"
