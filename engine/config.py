@@ -101,8 +101,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
-        if self.forecast_interval_seconds <= 0:  # 0 ran the idle loop without pause: a whole core
-            raise ValueError(f"forecast_interval_seconds must be positive, got {self.forecast_interval_seconds}")
+        if self.forecast_interval_seconds < 0:
+            raise ValueError(f"forecast_interval_seconds must be >= 0 (0: at every step), got "
+                             f"{self.forecast_interval_seconds}")
         if self.role not in ROLES or self.role == "router":
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

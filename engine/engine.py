@@ -59,6 +59,7 @@ T = TypeVar("T")
 TRANSIENT_PINS = ("handle:", "send:")  # holders for another pod: a handoff's handle, a fetch being sent
 PIN_PREFIXES = (*TRANSIENT_PINS, "import:", "promote:")  # block holders that are not requests
 EMA = 0.2  # weight of the newest sample in the moving averages
+MIN_IDLE_WAIT_SECONDS = 0.05  # the idle loop's shortest wait
 
 
 def _cpu_flags() -> set[str] | None:
@@ -343,7 +344,8 @@ class Engine:
         while not self._stop.is_set():
             self._run_commands()
             if not self._has_work():
-                self._wake.wait(timeout=self.config.forecast_interval_seconds)
+                # idle: wakes for a request, or to forecast (0, forecasting at every step, must not spin a core)
+                self._wake.wait(timeout=max(self.config.forecast_interval_seconds, MIN_IDLE_WAIT_SECONDS))
                 self._wake.clear()
                 self._run_commands()
                 self._expire_handles()
@@ -552,7 +554,7 @@ class Engine:
     def _until_next_expiry(self) -> float:
         """Seconds until the next handle expires, at most a forecast interval (the forecast goes on meanwhile)."""
         soonest = min(self.handles.values(), default=math.inf) - time.monotonic()
-        return max(0.0, min(soonest, self.config.forecast_interval_seconds))
+        return max(MIN_IDLE_WAIT_SECONDS, min(soonest, self.config.forecast_interval_seconds))
 
     def _expire_handles(self) -> None:
         now = time.monotonic()

@@ -260,9 +260,9 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
     waiting = list(children)
     with httpx.Client(timeout=2.0) as client:
         while waiting:
+            if exited := next((c for c in waiting if c.process.poll() is not None), None):
+                return exited  # before any health answer: an exit says more than another child's load error
             for child in list(waiting):
-                if child.process.poll() is not None:
-                    return child
                 try:
                     health = client.get(child.url + "/health")
                 except httpx.TransportError:

@@ -58,7 +58,7 @@ def test_a_log_level_or_port_that_cannot_be_is_refused_by_the_parser(
 
 @pytest.mark.parametrize(("setting", "said"), [
     ("port: 99999", "port 99999 is not a TCP port"), ("max_model_len: 1", "max_model_len must be at least 2"),
-    ("threads: 0", "threads must be at least 1"), ("forecast_interval_seconds: 0", "must be positive"),
+    ("threads: 0", "threads must be at least 1"), ("forecast_interval_seconds: -1", "must be >= 0"),
 ])
 def test_engine_settings_out_of_range_are_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], setting: str, said: str) -> None:
