@@ -125,6 +125,12 @@ class FetchRequest(BaseModel):
     handle: str | None = None
 
 
+class ReleaseRequest(BaseModel):
+    """POST /v1/kv/release: unpin a handoff's blocks now (no decode pod took it); an unknown handle is no error."""
+
+    handle: str = Field(min_length=1, max_length=200)
+
+
 class WarmRequest(BaseModel):
     """POST /v1/kv/warm: pull from `source` the blocks of these chains (hashes from the root) this pod lacks."""
 

@@ -83,6 +83,7 @@ KV_CONFIG_PATH = "/v1/kv/config"
 KV_EVENTS_PATH = "/v1/kv/events"
 KV_BLOCKS_PATH = "/v1/kv/blocks"
 KV_HOT_PATH = "/v1/kv/hot"  # GET ?limit=N: the hottest cached prefix chains (warm-up, issue 5)
+KV_RELEASE_PATH = "/v1/kv/release"  # POST {"handle"}: a handoff the router gave up on, unpinned before its TTL
 KV_WARM_PATH = "/v1/kv/warm"  # POST {"source", "chains"}: pull those chains' missing blocks from a peer
 HOT_CHAINS_DEFAULT = 16  # chains /v1/kv/hot lists and a pool warms a new pod with, unless told otherwise
 HOT_CHAINS_MAX = 1024

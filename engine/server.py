@@ -44,6 +44,7 @@ from kvmesh.engine.openai_types import (
     FetchRequest,
     HotChainBody,
     HotResponse,
+    ReleaseRequest,
     TokenizeRequest,
     WarmRequest,
     WarmResponse,
@@ -69,6 +70,7 @@ from kvmesh.engine.protocol import (
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
     KV_HOT_PATH,
+    KV_RELEASE_PATH,
     KV_TRANSFER_FIELD,
     KV_WARM_PATH,
     LIVENESS_PATH,
@@ -1082,6 +1084,14 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
 
         return HeldStream(frames(), ended, media_type="application/octet-stream",
                           headers={"x-kvmesh-blocks": str(len(ids))})
+
+    @app.post(KV_RELEASE_PATH)
+    async def kv_release(body: ReleaseRequest) -> dict[str, Any]:
+        """The router gave up on a handoff (no decode pod took it): its blocks are unpinned now, not at its TTL;
+        they stay cached."""
+        e = holder.get()
+        await asyncio.wrap_future(e.call(lambda: e.drop_handle(body.handle)))
+        return {"released": body.handle}
 
     @app.get(KV_HOT_PATH)
     async def kv_hot(limit: int = Query(HOT_CHAINS_DEFAULT, ge=1, le=HOT_CHAINS_MAX)) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from kvmesh.engine.protocol import (
     CACHE_SALT_FIELD,
     FAIR_SHARE,
     KEYS_RELOAD_OUTCOMES,
+    KV_RELEASE_PATH,
     KV_TRANSFER_FIELD,
     LIMIT_REASONS,
     MAX_PRIORITY,
@@ -1648,6 +1649,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             opened = await open_upstream(trace, {**recompute, RESUME_OUTPUT_IDS_FIELD: [token]}, path, headers,
                                          tried)
         if opened is None:
+            release_handoff(prefill_pod.url, ticket)
             return no_pod(trace, "no decode pod can take this request now; retry later")
         booking, reply, _ = opened
         decided = {"x-kvmesh-pod": f"{prefill_pod.name},{booking.pod.name}",
@@ -1669,6 +1671,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
                                  lambda: ended(trace, "client_gone"))
         status, content, rest = await whole_answer(booking, reply)
         if rest is None:
+            release_handoff(prefill_pod.url, ticket)
             router.metrics.count_request("error", trace.route, trace.source)
             router.record(trace, "error", status, None)
             return Response(content, status_code=status, media_type="application/json", headers=decided)
@@ -1685,6 +1688,26 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         router.metrics.count_request("ok", trace.route, trace.source)
         router.record(trace, "ok", 200, rest["usage"])
         return JSONResponse(rest, headers=decided)
+
+    releasing: set[asyncio.Task[None]] = set()  # the releases in flight (a task nobody holds may be collected)
+
+    def release_handoff(pod_url: str, ticket: dict[str, Any]) -> None:
+        """The decode step was given up: the prefill pod unpins the handoff's KV now, not at its TTL (30 s of
+        blocks held for nobody: under load they filled the pod, and its next requests waited for them)."""
+
+        async def release() -> None:
+            try:
+                reply = await router.upstream.post(pod_url + KV_RELEASE_PATH, {"handle": ticket["handle"]}, {})
+                try:
+                    await reply.read()
+                finally:
+                    reply.close()
+            except UpstreamError:  # the handle expires at its TTL anyway
+                pass
+
+        task = asyncio.create_task(release())
+        releasing.add(task)
+        task.add_done_callback(releasing.discard)
 
     def timed_out(trace: Trace, exc: PodTimeout) -> JSONResponse:
         """504 for a request a pod took and did not answer in time: counted and logged as an error."""

@@ -9,12 +9,14 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.proxy import UpstreamError
 
 from .engines import serve_router, tiny_engines
 from .test_router_disconnect import wait_nothing_in_flight
@@ -257,4 +259,35 @@ def test_with_no_decode_pod_up_nothing_is_prefilled(served: Served) -> None:
         if router.pods.pods[pool["decode"]].healthy:
             break
         threading.Event().wait(0.1)
+    wait_nothing_in_flight(router)
+
+
+def blocks_pinned(url: str) -> float:
+    (line,) = [x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("kvmesh_kv_blocks_pinned{")]
+    return float(line.split()[-1])
+
+
+def test_a_handoff_no_decode_pod_takes_is_released_at_once(served: Served,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode pod fails before its first byte (as a pod that breaks off a connection): no pod is left, and the
+    prefill pod's handle, pinned for 30 s before, is released with the 503. The router's posts of decode steps are
+    made to fail here: no real pod can be made to refuse only those."""
+    pool, router, _ = served
+    post = router.upstream.post
+
+    async def refusing_decode(url: str, body: Any, *args: Any, **kwargs: Any) -> Any:
+        if (body.get("kv_transfer") or {}).get("mode") == "decode":
+            raise UpstreamError("the decode pod broke off the connection")
+        return await post(url, body, *args, **kwargs)
+
+    monkeypatch.setattr(router.upstream, "post", refusing_decode)
+    reply = httpx.post(pool["router"] + "/v1/completions", json={"prompt": tokens(80, 90), "max_tokens": 4},
+                       timeout=60)
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_pod", reply.text
+    for _ in range(100):  # within 10 s, well before the handle's 30 s TTL
+        if blocks_pinned(pool["prefill"]) == 0:
+            break
+        threading.Event().wait(0.1)
+    assert blocks_pinned(pool["prefill"]) == 0
+    monkeypatch.undo()
     wait_nothing_in_flight(router)
