@@ -62,7 +62,10 @@ def check(constraint: Constraint) -> None:
     large one takes tens of milliseconds."""
     spec_json = json.dumps(constraint.spec, sort_keys=True)
     check_once = _problem if len(spec_json) <= CACHED_SPEC_CHARS else _problem.__wrapped__
-    problem = check_once(constraint.kind, spec_json)
+    try:
+        problem = check_once(constraint.kind, spec_json)
+    except NotChecked as exc:  # raised, so never remembered: the next request is checked
+        raise ValueError(str(exc)) from None
     if problem is not None:
         raise ValueError(problem)
 
@@ -71,6 +74,10 @@ CACHED_SPEC_CHARS = 16384  # larger specs are checked each time: the cache holds
 CHECK_SECONDS = 2.0  # a grammar check's deadline (checks of real schemas take milliseconds to tens of them)
 CHECK_WORKERS = 2  # child processes checking at once; a check waits up to CHECK_QUEUE_SECONDS for one
 CHECK_QUEUE_SECONDS = 4 * CHECK_SECONDS
+
+
+class NotChecked(Exception):
+    """No verdict this time (every checker busy, or the checking process failed): not one to remember."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -136,7 +143,7 @@ class _Checkers:
 
     def problem(self, kind: str, spec_json: str) -> str | None:
         if not self._slots.acquire(timeout=CHECK_QUEUE_SECONDS):
-            return f"{kind} not checked: this server's constraint checks are all busy, try again"
+            raise NotChecked(f"{kind} not checked: this server's constraint checks are all busy, try again")
         try:
             try:
                 child = self._idle.get_nowait()
@@ -150,7 +157,7 @@ class _Checkers:
                         "patterns, as in an allOf of several string patterns, take time exponential in their number)")
             except (OSError, EOFError, ValueError):
                 child.kill()
-                return f"invalid {kind}: its check failed (the checking process ended)"
+                raise NotChecked(f"{kind} not checked: the checking process ended, try again") from None
             self._idle.put(child)
             return answer
         finally:

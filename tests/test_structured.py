@@ -326,6 +326,23 @@ def test_a_schema_too_complex_to_check_in_time_is_refused_and_checks_go_on() -> 
         check(Constraint("regex", "(unclosed", "guided_regex"))
 
 
+def test_a_check_that_gave_no_verdict_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every checker busy (or its process gone) is a 400 for this request only: the next one is checked."""
+    from kvmesh.engine import constraint
+
+    schema = {"type": "object", "properties": {"busy": {"type": "integer"}}}
+    answer = constraint._CHECKERS.problem
+
+    def busy(kind: str, spec_json: str) -> str | None:
+        raise constraint.NotChecked(f"{kind} not checked: this server's constraint checks are all busy, try again")
+
+    monkeypatch.setattr(constraint._CHECKERS, "problem", busy)
+    with pytest.raises(ValueError, match="all busy"):
+        check(Constraint("json_schema", schema, "response_format"))
+    monkeypatch.setattr(constraint._CHECKERS, "problem", answer)
+    check(Constraint("json_schema", schema, "response_format"))
+
+
 def test_the_router_answers_others_while_a_schema_is_checked(tiny_dir: Path, url: str) -> None:
     """A grammar is checked off the router's event loop: its /health answers while the schema above is checked
     (on the loop, one such request held every client, health probes included, for as long as the check ran), and
