@@ -408,6 +408,18 @@ def test_convert_gguf_writes_a_complete_directory(tmp_path: Path) -> None:
     assert tokenizer_config["chat_template"] == CHATML and tokenizer_config["add_bos_token"] is False
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.01])
+def test_a_truncated_gguf_says_so(keep: float, tmp_path: Path) -> None:
+    """An interrupted download or copy: the message says what is wrong, not the gguf package's failed reshape."""
+    whole = tmp_path / "whole.gguf"
+    _write_tiny_gguf(whole, "llama")
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ValueError, match=r"cut\.gguf \([\d,]+ bytes\) is not a readable GGUF file: is it truncated"):
+        convert_gguf(cut, tmp_path / "out", progress=False)
+
+
 def test_a_gguf_is_hashed_once_while_unchanged_and_again_once_changed(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A start names the converted directory by the file's content hash; hashing a large GGUF takes a minute, so

@@ -243,6 +243,16 @@ def _converted_dir(gguf_path: Path, progress: bool, on_progress: ProgressCallbac
     return target
 
 
+def _open_gguf(gguf_path: Path) -> GGUFReader:
+    """Read a GGUF's header and tensor index; the gguf package's own errors (a failed reshape) don't say why."""
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        size = gguf_path.stat().st_size
+        raise ValueError(f"{gguf_path} ({size:,} bytes) is not a readable GGUF file: is it truncated (an interrupted "
+                         f"download or copy) or corrupt? ({type(e).__name__}: {e})") from e
+
+
 def _field(reader: GGUFReader, key: str, default: object = None) -> object:
     field = reader.get_field(key)
     return default if field is None else field.contents()
@@ -341,7 +351,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True,
     - eos_token_ids are GGUF's eos/eot/eom ids plus the chat template's end-of-turn token (<|im_end|> for
       SmolLM2, id 2), so generation stops at the end of an assistant turn.
     """
-    reader = GGUFReader(gguf_path)
+    reader = _open_gguf(gguf_path)
     arch = str(_field(reader, "general.architecture"))
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
