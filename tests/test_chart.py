@@ -5,6 +5,7 @@ kvmesh needs, monitoring objects only where the Prometheus Operator exists, and 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,8 +30,9 @@ KUBERNETES = "1.37.0"  # kubernetes-validate's newest schema: a current cluster
 MONITORING_API = "monitoring.coreos.com/v1"
 PROMETHEUS_OPERATOR_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule"}  # their CRDs are not here
 DISAGGREGATED = {"pool": {"enabled": True, "name": "chat", "spec": {
+    "model": {"source": "bundled"},
     "mode": "disaggregated",
-    "replicas": {"both": None, "prefill": {"min": 1, "max": 4}, "decode": {"min": 2, "max": 8}},
+    "replicas": {"prefill": {"min": 1, "max": 4}, "decode": {"min": 2, "max": 8}},
     "router": {"replicas": 2},
 }}}
 
@@ -81,7 +83,8 @@ def test_lint_finds_no_errors() -> None:
 
 def test_the_schema_rejects_bad_values() -> None:
     for bad in ({"ports": {"engine": 70000}}, {"operator": {"replicas": 4}}, {"unknown": 1},
-                {"securityContext": {"readOnlyRootFilesystem": False}}, {"pool": {"name": "Not_A_Name"}}):
+                {"securityContext": {"readOnlyRootFilesystem": False}}, {"pool": {"name": "Not_A_Name"}},
+                {"pool": {"enabled": True, "spec": {"mode": "disaggregated"}}}):  # a spec of your own names a model
         with pytest.raises(helm_python.HelmValuesError):
             render(bad)
 
@@ -141,8 +144,22 @@ def test_a_pool_only_when_asked() -> None:
     (pool,) = by_kind(manifests(RENDERINGS["disaggregated pool, Prometheus Operator"]), crd.KIND)
     parsed = crd.parse_pool(pool)
     assert pool["metadata"] == {**pool["metadata"], "name": "chat", "namespace": "kvmesh"}
-    assert pool["spec"]["mode"] == "disaggregated" and "both" not in pool["spec"]["replicas"]
+    assert pool["spec"] == DISAGGREGATED["pool"]["spec"]
     assert parsed is not None
+
+
+def test_a_pool_spec_of_your_own_is_rendered_as_it_is() -> None:
+    """Helm merges a release's maps into values.yaml's: while the bundled example lived there, a pool serving its
+    own model got the example's model name (clients had to ask for smollm2 to reach Llama) and a 1 GiB host tier."""
+    spec = {"model": {"source": "/models/Meta-Llama-3-8B-Instruct", "volumeClaim": "llama-weights"}}
+    (pool,) = by_kind(manifests(render({"pool": {"enabled": True, "spec": spec}})), crd.KIND)
+    assert pool["spec"] == spec
+    parsed = crd.parse_pool(pool)
+    assert parsed.spec["model"].get("name") in (None, "Meta-Llama-3-8B-Instruct")
+    assert not parsed.spec["engine"].get("hostTierMiB")
+    (bundled,) = by_kind(manifests(render({"pool": {"enabled": True}})), crd.KIND)
+    assert bundled["spec"]["model"] == {"source": "bundled", "name": "smollm2-135m-instruct"}
+    assert crd.parse_pool(bundled).spec["replicas"]["both"] == {"min": 1, "max": 4}
 
 
 def rules_block(permissions: tuple[rbac.Permission, ...]) -> str:
@@ -310,6 +327,30 @@ def test_notes_say_how_to_reach_the_router() -> None:
     assert "port-forward svc/chat-router 8080:8080" in notes
     assert "routerAddress" in notes
     assert "svc/<pool>-router" in RENDERINGS["default"]["kvmesh/templates/NOTES.txt"]
+
+
+def test_notes_name_only_the_monitoring_objects_installed() -> None:
+    """With the Prometheus Operator present but every monitor turned off, the notes had said all three were
+    installed: an operator then waited for alerts nothing would fire."""
+    off = {name: {"enabled": False} for name in ("podMonitor", "serviceMonitor", "prometheusRule")}
+    notes = render({"monitoring": off}, api_versions=(MONITORING_API,))["kvmesh/templates/NOTES.txt"]
+    assert "no PodMonitor, ServiceMonitor or PrometheusRule installed" in notes
+    only_rules = {**off, "prometheusRule": {"enabled": True}}
+    notes = render({"monitoring": only_rules}, api_versions=(MONITORING_API,))["kvmesh/templates/NOTES.txt"]
+    assert "installed a PrometheusRule (alerts)." in notes and "PodMonitor" not in notes
+
+
+def test_notes_give_the_gateway_s_address() -> None:
+    notes = render({"gateway": {"enabled": True}}, name="llm")["kvmesh/templates/NOTES.txt"]
+    assert "http://llm-kvmesh-gateway.kvmesh.svc:8090/v1" in notes
+    assert "gateway" not in RENDERINGS["default"]["kvmesh/templates/NOTES.txt"]
+
+
+@pytest.mark.parametrize("release", ["1st", "llm.prod", "LLM"])
+def test_a_release_name_no_service_can_carry_is_refused(release: str) -> None:
+    """Helm takes these names, but the Services named after them are refused by the API server mid-install."""
+    with pytest.raises(helm_python.HelmError, match=f"release name \"{re.escape(release)}\""):
+        render(name=release)
 
 
 def test_notes_show_a_key_to_a_pool_with_api_keys() -> None:

@@ -145,6 +145,33 @@ def test_clients_reach_the_gateway_and_the_gateway_reaches_the_routers() -> None
     assert {s for s, t in narrowed if t == "router"} == {"client", "operator", "prometheus", "kvgateway"}
 
 
+def test_replicas_spread_over_nodes_and_drain_one_at_a_time() -> None:
+    """The gateway is the one data-path endpoint the chart runs: its replicas could all land on one node, and a
+    drain evicted them together."""
+    one = gateway_objects()
+    assert "affinity" not in container_spec(one) and not by_kind(one, "PodDisruptionBudget")
+    three = gateway_objects({"replicas": 3})
+    (budget,) = by_kind(three, "PodDisruptionBudget")
+    (deployment,) = by_kind(three, "Deployment")
+    pods = deployment["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pods.items()
+    (term,) = container_spec(three)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= pods.items()
+    zones = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "topology.kubernetes.io/zone", "labelSelector": {"matchLabels": {"app": "x"}}}]}}
+    assert container_spec(gateway_objects({"replicas": 3, "affinity": zones}))["affinity"] == zones
+    for doc in three:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def container_spec(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gateway Deployment's pod spec."""
+    (deployment,) = by_kind(objects, "Deployment")
+    return deployment["spec"]["template"]["spec"]
+
+
 def test_the_schema_rejects_bad_gateway_values() -> None:
     for bad in ({"port": 70000}, {"refreshSeconds": 0}, {"unknown": 1}, {"namespace": "Not_A_Namespace"},
                 {"apiKeySecret": {"name": "Gateway_Key"}}, {"apiKeySecret": {"name": "k", "key": "a/b"}},

@@ -45,6 +45,9 @@ namespaces do not take each other's objects. */}}
 
 {{/* Values the schema cannot check against each other: refused with a message before anything is applied. */}}
 {{- define "kvmesh.validate" -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" .Release.Name) -}}
+{{- fail (printf "release name %q: the chart's Services are named after the release, and a Service name must start with a letter and hold only lowercase letters, digits and '-' (no dots); choose another release name" .Release.Name) -}}
+{{- end -}}
 {{- if eq (int .Values.operator.metricsPort) (int .Values.operator.healthPort) -}}
 {{- fail (printf "operator.metricsPort and operator.healthPort are both %v: the operator cannot serve /metrics and /healthz on one port; give them different ports" .Values.operator.metricsPort) -}}
 {{- end -}}
