@@ -11,8 +11,10 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -376,6 +378,11 @@ class Engine:
         if started is None or limit <= 0 or (running := time.monotonic() - started) <= limit:
             return None
         return running
+
+    def step_stack(self) -> str:
+        """Where the engine thread is now: logged once per stalled step, so the pod log says what it hangs in."""
+        frame = sys._current_frames().get(self._thread.ident) if self._thread and self._thread.ident else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(the engine thread is not running)"
 
     def _run_commands(self) -> None:
         while self._commands:

@@ -989,13 +989,17 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             entry = await asyncio.wrap_future(e.call(lambda: e.remove_lora(body.lora_name)))
         return {"lora_name": entry.name, "message": f"LoRA adapter {entry.name!r} unloaded"}
 
+    reported_stall: list[float | None] = [None]  # the start of the last stalled step logged: once per step
+
     def stalled() -> JSONResponse | None:
         """The 503 of an engine whose step has run past its stall timeout (None: steps progress)."""
         engine = holder.engine
         seconds = engine.stalled_for() if engine is not None else None
         if engine is None or seconds is None:
             return None
-        log.error("engine stalled: its step has run for %.0f s", seconds)
+        if reported_stall[0] != (step := engine.step_started):  # not at every probe: once, with where it hangs
+            reported_stall[0] = step
+            log.error("engine stalled: its step has run for %.0f s, in\n%s", seconds, engine.step_stack())
         return JSONResponse({"status": HEALTH_STALLED, "message": f"a step has run for {seconds:.0f} s "
                              f"(stall_timeout_seconds {engine.config.stall_timeout_seconds:g})"}, status_code=503)
 

@@ -61,7 +61,8 @@ def pool(tiny_dir: Path) -> Iterator[tuple[str, dict[str, Hang]]]:
         wait_nothing_in_flight(router)
 
 
-def test_a_stalled_pod_says_so_and_its_stream_goes_on_on_the_other(pool: tuple[str, dict[str, Hang]]) -> None:
+def test_a_stalled_pod_says_so_and_its_stream_goes_on_on_the_other(pool: tuple[str, dict[str, Hang]],
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     url, hangs = pool
     body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
@@ -81,6 +82,10 @@ def test_a_stalled_pod_says_so_and_its_stream_goes_on_on_the_other(pool: tuple[s
                 stalled = eventually(lambda: httpx.get(serving + "/health").json()["status"] == "stalled")
                 alive = httpx.get(serving + "/livez")  # the liveness probe's: the kubelet restarts the pod
                 assert stalled and alive.status_code == 503 and alive.json()["status"] == "stalled"
+                for _ in range(3):  # every probe is answered 503, but the log says it once, with where it hangs
+                    assert httpx.get(serving + "/livez").status_code == 503
+    (stall,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine stalled")]
+    assert "in held" in stall  # Hang's function, where the engine thread waits
     assert ids == expected["choices"][0]["token_ids"]
     assert migrations_of(url) == migrations + 1
     hangs[serving].released.set()  # the step returns: steps progress again
