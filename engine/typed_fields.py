@@ -8,6 +8,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -48,6 +49,18 @@ def check_port(port: int, name: str = "port") -> None:
     """ValueError unless `port` is a TCP port (an out-of-range one wrapped silently into another port)."""
     if not 0 < port < 65536:
         raise ValueError(f"{name} {port} is not a TCP port (1-65535)")
+
+
+def check_http_url(url: str, what: str) -> None:
+    """ValueError unless `url` is an http(s) URL with a host and a numeric port, if any: a pod's or a router's
+    base URL, which was otherwise taken and failed at every request."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises for a port that is not a number or out of range
+    except ValueError as exc:
+        raise ValueError(f"{what} {url!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} {url!r} is not an http(s) URL with a host, e.g. http://10.0.0.7:8080")
 
 
 def check_types(settings: Any, what: str) -> None:

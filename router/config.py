@@ -14,7 +14,7 @@ from typing import Any
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, check_body_read_timeout
 from kvmesh.engine.protocol import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ROOT, POOL_LABEL, ROLE_LABEL, HashAlgo
 from kvmesh.engine.tracing import check_endpoint
-from kvmesh.engine.typed_fields import check_port, check_types, read_settings_file
+from kvmesh.engine.typed_fields import check_http_url, check_port, check_types, read_settings_file
 from kvmesh.router.batch_runner import BatchSettings
 from kvmesh.router.batches import (
     BATCH_PRIORITY,
@@ -146,8 +146,7 @@ class RouterConfig:
         elif not self.pods:
             raise ValueError("the router needs at least one pod (--pod URL, or `pods:` or `pods_file:` in the config)")
         for url in self.pods:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"pod {url!r} is not an http(s) URL")
+            check_http_url(url, "pod")
         HashAlgo(self.hash_algo)
         check_port(self.port)
         if self.scrape_interval_seconds <= 0:  # 0 scraped in a busy loop: a whole core, idle

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvmesh.engine.openai_types import read_json
+from kvmesh.engine.typed_fields import check_http_url
 from kvmesh.router.asgi import stream_error_ending
 from kvmesh.router.lora import ServedModels, union_cards
 
@@ -179,6 +180,8 @@ def router_weights(urls: Sequence[str], given: Iterable[str]) -> dict[str, int]:
     """`--router URL` (each once, in order) -> its weight: DEFAULT_WEIGHT unless a `--router-weight URL=WEIGHT`
     names it. ValueError, saying what is wrong, for a malformed one, a weight out of 0..MAX_WEIGHT, a URL no
     `--router` gives, or one given twice."""
+    for url in urls:
+        check_http_url(url, "--router")
     routers = dict.fromkeys((url.rstrip("/") for url in urls), DEFAULT_WEIGHT)
     named: set[str] = set()
     for item in given:

@@ -126,3 +126,16 @@ def test_a_router_port_that_is_taken_is_said_before_anything_starts(
 def test_a_url_with_a_port_that_is_no_number_is_named(capsys: pytest.CaptureFixture[str], program: str) -> None:
     argv = [program, "--url", "http://127.0.0.1:80a0"] + (["hi"] if program == "chat" else [])
     assert refused(capsys, argv) == f"kvmesh {program}: --url http://127.0.0.1:80a0: Invalid port: '80a0'"
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["gateway", "--router", "notaurl"], "kvmesh gateway: --router 'notaurl' is not an http(s) URL with a host"),
+    (["gateway", "--router", "http://:8080"], "kvmesh gateway: --router 'http://:8080' is not an http(s) URL"),
+    (["gateway", "--router", "http://r:80a0"], "kvmesh gateway: --router 'http://r:80a0' is not a URL: "),
+    (["router", "--pod", "http://e:80a0"], "kvmesh router: pod 'http://e:80a0' is not a URL: "),
+])
+def test_a_router_or_pod_that_is_no_url_is_named(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                 said: str) -> None:
+    """The gateway took any --router and failed every request sent to it (502); a pod's port that is no number
+    failed at every scrape."""
+    assert refused(capsys, argv).startswith(said)

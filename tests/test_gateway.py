@@ -469,7 +469,11 @@ def test_a_router_address_that_is_no_url_is_down_and_the_refresh_goes_on(
     """One pool's malformed status.routerAddress failed the gateway's start (and ended its refresh task for good,
     leaving the table as it was): it is a router that does not answer."""
     url, _, _ = stub
-    gateway = Gateway(static_routers(["http://[::1", url]), refresh_seconds=0.01)
+
+    async def pools_listed() -> dict[str, int]:  # what PoolDiscovery reads from the pools' status (--router is
+        return {"http://[::1": DEFAULT_WEIGHT, url: DEFAULT_WEIGHT}  # refused at the command line instead)
+
+    gateway = Gateway(pools_listed, refresh_seconds=0.01)
     refreshes = []
 
     async def failing_once() -> None:
