@@ -62,7 +62,7 @@ FLUSH_SECONDS = 1.0  # answers are written, the lease renewed and the status rea
 POLL_SECONDS = 1.0  # how often an idle replica looks for a batch to run
 SWEEP_SECONDS = 60.0  # how often a replica removes expired files
 MAX_CRASHES = 3  # runs of one batch in a row that raise before the batch is failed
-CHECKED_KEPT = 4  # parsed input files a replica keeps, for batches that come back to it in turns
+CHECKED_KEPT = 4  # parsed input files a replica keeps, of batches paused between turns (another may take one on)
 TURN_SECONDS = 60.0  # a replica runs a batch this long, then hands it on if another batch waits (round robin)
 YIELDED = "yielded"  # _run_lines' status when the batch's turn ended with requests left
 # requests whose prompts open with this many characters alike (about 64 tokens) wait for the first of them
@@ -203,7 +203,7 @@ class BatchRunner:
         self.counters = counters
         self.settings = settings or BatchSettings()
         self.owner = owner or new_id("router-")
-        self._checked: dict[str, CheckedInput] = {}  # the input files of the batches run last, newest first
+        self._checked: dict[str, CheckedInput] = {}  # the input files of batches paused between turns, newest first
 
     async def serve_forever(self) -> None:
         swept = -math.inf
@@ -265,9 +265,12 @@ class BatchRunner:
             log.debug("%s: %s", message, exc)
 
     async def run(self, batch: ClaimedBatch) -> None:
-        """Take a claimed batch as far as it goes: checked, run, and ended with its files."""
+        """Take a claimed batch as far as it goes: checked, run, and ended with its files (or paused for its next
+        turn). Its parsed input (several times the file's size in objects) leaves `_checked` while it runs and goes
+        back only when its turn ends with requests left: however else the run ends (finished, failed, cancelled,
+        expired, lease lost, raised), the requests of an ended batch, maybe of a deleted file, are not kept."""
         store, owner = self.store, self.owner
-        checked = self._checked.get(batch.id)  # a batch taking turns is read and parsed once, not at each turn
+        checked = self._checked.pop(batch.id, None)  # a batch taking turns is read and parsed once, not at each turn
         if checked is None:
             # the bound on requests is checked once, when the batch is validated: a replica with a lower one that
             # takes the batch over runs what was accepted
@@ -277,8 +280,6 @@ class BatchRunner:
                 await self._fail(batch, [LineProblem("missing_file", f"the input file {batch.input_file_id} was "
                                                                      "deleted before the batch ran")])
                 return
-            if not checked.problems:
-                self._checked = {batch.id: checked, **dict(list(self._checked.items())[: CHECKED_KEPT - 1])}
         if batch.status == "validating":
             if checked.problems:
                 await self._fail(batch, checked.problems)
@@ -299,6 +300,7 @@ class BatchRunner:
             if status is None:
                 return  # the lease went to another replica: it carries on
             if status == YIELDED:  # another batch's turn: this one is taken up again after it
+                self._checked = {batch.id: checked, **dict(list(self._checked.items())[: CHECKED_KEPT - 1])}
                 await asyncio.to_thread(store.release, batch.id, owner)
                 return
         await self._finish(batch, checked.lines, status)
