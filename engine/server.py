@@ -664,7 +664,9 @@ class _Completions:
             if include_usage:
                 yield self._chunk([], _usage(finals, job))
             yield "data: [DONE]\n\n"
-        except (asyncio.CancelledError, ConnectionAbortedError, GeneratorExit):
+        except ConnectionAbortedError:  # the client left: the stream ends there, no error (it was an ASGI traceback)
+            job.abort()
+        except (asyncio.CancelledError, GeneratorExit):
             job.abort()
             raise
         finally:

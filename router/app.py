@@ -1642,12 +1642,18 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         # could not take the prefill pod's KV: stored in another format, or computed with other adapter weights
         unlike = router.stored_otherwise(prefill_pod.name) | router.served_otherwise(prefill_pod.name, trace.info.lora)
         tried: set[str] = set(unlike)
-        opened = await open_upstream(trace, decode_body, path, headers, tried)
-        tried -= unlike  # a pod of any format may continue the stream later (it recomputes the prompt)
-        if opened is None and unlike:  # none of its format left: one of another recomputes the prompt
-            recompute = {k: v for k, v in decode_body.items() if k != KV_TRANSFER_FIELD}
-            opened = await open_upstream(trace, {**recompute, RESUME_OUTPUT_IDS_FIELD: [token]}, path, headers,
-                                         tried)
+        # the prefill pod pins the KV until a decode pod pulls it, which an engine does before it answers: a hop
+        # given up before the decode pod's answer opens (the client gone, a timeout, an error) releases it now
+        try:
+            opened = await open_upstream(trace, decode_body, path, headers, tried)
+            tried -= unlike  # a pod of any format may continue the stream later (it recomputes the prompt)
+            if opened is None and unlike:  # none of its format left: one of another recomputes the prompt
+                recompute = {k: v for k, v in decode_body.items() if k != KV_TRANSFER_FIELD}
+                opened = await open_upstream(trace, {**recompute, RESUME_OUTPUT_IDS_FIELD: [token]}, path,
+                                             headers, tried)
+        except BaseException:
+            release_handoff(prefill_pod.url, ticket)
+            raise
         if opened is None:
             release_handoff(prefill_pod.url, ticket)
             return no_pod(trace, "no decode pod can take this request now; retry later")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import signal
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -285,6 +288,39 @@ def test_a_handoff_no_decode_pod_takes_is_released_at_once(served: Served,
                        timeout=60)
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_pod", reply.text
     for _ in range(100):  # within 10 s, well before the handle's 30 s TTL
+        if blocks_pinned(pool["prefill"]) == 0:
+            break
+        threading.Event().wait(0.1)
+    assert blocks_pinned(pool["prefill"]) == 0
+    monkeypatch.undo()
+    wait_nothing_in_flight(router)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_during_the_decode_hop_releases_the_handoff(served: Served, monkeypatch: pytest.MonkeyPatch,
+                                                                  stream: bool) -> None:
+    """The client leaves after the prefill pod answered, while the decode step is still opening (the decode pod
+    pulling the KV): the prefill pod's handle is released then; its blocks stayed pinned for nobody until the
+    handle's 30 s TTL. The router's post of the decode step is held here, as a slow pull holds it."""
+    pool, router, _ = served
+    post = router.upstream.post
+    reached = threading.Event()
+
+    async def held_decode(url: str, body: Any, *args: Any, **kwargs: Any) -> Any:
+        if (body.get("kv_transfer") or {}).get("mode") == "decode":
+            reached.set()
+            await asyncio.sleep(60)  # cancelled when the client leaves
+        return await post(url, body, *args, **kwargs)
+
+    monkeypatch.setattr(router.upstream, "post", held_decode)
+    payload = json.dumps({"prompt": tokens(90 + stream, 90), "max_tokens": 4, "stream": stream}).encode()
+    address = urlsplit(pool["router"])
+    with socket.create_connection((address.hostname, address.port), timeout=60) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        assert reached.wait(60)
+        assert blocks_pinned(pool["prefill"]) > 0  # the handoff's KV, pinned for the decode pod
+    for _ in range(100):  # the client has gone: within 10 s, well before the handle's 30 s TTL
         if blocks_pinned(pool["prefill"]) == 0:
             break
         threading.Event().wait(0.1)
