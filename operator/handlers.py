@@ -276,19 +276,38 @@ def unanswered(pods: list[dict[str, Any]], scraped: list[PodMetrics]) -> dict[st
     return {role: sorted(names) for role, names in missing.items()}
 
 
-def deployed_replicas(replicas: Mapping[str, int], deployments: Mapping[str, Mapping[str, Any]],
-                      bounds: Mapping[str, tuple[int, int]]) -> dict[str, int]:
-    """Each role's replicas as its Deployment's spec has them now (within the role's bounds), else `replicas`
-    (the last decided, from status): the pods that exist or start. A `kubectl scale` of a Deployment is then
-    what the decision starts from and is patched back when it differs from the decision; read from status it
-    stayed, since the decision equalled the number recorded and nothing was patched."""
+def live_replicas(replicas: Mapping[str, int], deployments: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """Each role's replicas as its Deployment's spec has them now, else `replicas` (the last decided, from
+    status): what a decision is compared with, so a `kubectl scale` outside the bounds is patched back."""
     out = dict(replicas)
     for role in replicas:
         spec = (deployments.get(role) or {}).get("spec") or {}
         if isinstance(spec.get("replicas"), int):
-            low, high = bounds[role]
-            out[role] = min(max(spec["replicas"], low), high)
+            out[role] = spec["replicas"]
     return out
+
+
+def scale_routers_back(kube: Kube, pool: Pool, body: kopf.Body, router: Mapping[str, Any] | None,
+                       reconciled: bool) -> None:
+    """The router Deployment at spec.router.replicas: one scaled by hand (to 0, a pool that answers nothing) came
+    back only at the next edit of the spec. Not before this generation's reconcile, which applies the spec."""
+    live = ((router or {}).get("spec") or {}).get("replicas")
+    wanted = pool.spec["router"]["replicas"]
+    if not reconciled or not isinstance(live, int) or live == wanted:
+        return
+    kube.patch("apps/v1", "deployments", pool.namespace, desired.router_name(pool), {"spec": {"replicas": wanted}})
+    message = f"router: {live} -> {wanted} replicas (spec.router.replicas; the Deployment was scaled by hand)"
+    kopf.event(body, type="Normal", reason="Scaled", message=message)
+    log.info("pool %s/%s %s", pool.namespace, pool.name, message)
+
+
+def deployed_replicas(replicas: Mapping[str, int], deployments: Mapping[str, Mapping[str, Any]],
+                      bounds: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+    """`live_replicas` within each role's bounds: the pods that exist or start, what the decision starts from. A
+    `kubectl scale` of a Deployment is then patched back when it differs from the decision; read from status it
+    stayed, since the decision equalled the number recorded and nothing was patched."""
+    live = live_replicas(replicas, deployments)
+    return {role: min(max(n, bounds[role][0]), bounds[role][1]) for role, n in live.items()}
 
 
 def observe(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> list[PodMetrics]:
@@ -471,10 +490,12 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
             message = f"the Deployments of {', '.join(missing)} are gone and could not be applied again: {exc}"
         kopf.event(body, type="Warning", reason="Repaired", message=message)
         log.warning("pool %s/%s: %s", pool.namespace, pool.name, message)
+    scale_routers_back(kube, pool, body, deployments.get("router"), reconciled(status, generation))
+    live = live_replicas(replicas, deployments)  # a Deployment scaled by hand, out of bounds too, is patched back
     if not operator_scales:  # the HPAs own the replicas: the Deployments say what they are
         replicas = {role: int(((deployments.get(role) or {}).get("spec") or {}).get("replicas") or n)
                     for role, n in replicas.items()}
-    else:  # what exists, so that a Deployment scaled by hand is scaled back to the decision
+    else:  # what exists, within the bounds: what the decision starts from
         replicas = deployed_replicas(replicas, deployments, {role: pool.bounds(role) for role in pool.roles})
     missing_metrics = unanswered(pods, scraped)
     routers = RouterView()
@@ -489,9 +510,9 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
     decision = state.scaler_for(pool).observe(now, scraped, replicas, routers.held, idle,
                                               {role: len(names) for role, names in missing_metrics.items()})
     hit_rates = pod_hit_rates(state, now, scraped)
-    for role, n in decision.changed(replicas).items() if operator_scales else ():
-        message = decision.describe(role, replicas)
-        if n < replicas[role]:
+    for role, n in decision.changed(live).items() if operator_scales else ():
+        message = decision.describe(role, live)
+        if n < live[role]:
             write_deletion_costs(kube, pool, role, pods, scraped, hit_rates)
         kube.patch("apps/v1", "deployments", pool.namespace, desired.engine_name(pool, role), {"spec": {"replicas": n}})
         kopf.event(body, type="Normal", reason="Scaled", message=message)

@@ -732,6 +732,38 @@ def test_a_deployment_deleted_by_hand_is_applied_again_at_the_next_tick(tmp_path
     run(main)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_deployments_scaled_by_hand_out_of_bounds_are_scaled_back(tmp_path: Path) -> None:
+    """`kubectl scale` of the engines past their max (or below their min), or of the router to 0, stayed: the
+    decision was compared with the replicas clamped to the bounds, which it equalled, and the router's replicas
+    were applied only at an edit of the spec. A pool someone scaled to 0 answered nothing until then."""
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            await env.k8s.post(POOLS, json=pool_body(scaling={"intervalSeconds": 1}))
+            await eventually(lambda: env.pool().get("status", {}).get("observedGeneration") == 1)
+            deployments = f"/apis/apps/v1/namespaces/{NS}/deployments"
+            await env.k8s.patch(f"{deployments}/chat-both", json={"spec": {"replicas": 10}})  # max 4
+            await env.k8s.patch(f"{deployments}/chat-router", json={"spec": {"replicas": 0}})
+
+            async def clock() -> None:  # the operator's clock runs 10x faster than the test's
+                while True:
+                    await asyncio.sleep(0.05)
+                    env.clock[0] += 0.5
+
+            ticking = asyncio.create_task(clock())
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-both")["spec"]["replicas"] <= 4)
+            await eventually(lambda: env.get("apps/v1/deployments", "chat-router")["spec"]["replicas"] == 2)
+            ticking.cancel()
+
+            def said(start: str) -> bool:  # kopf posts Events in the background
+                return any(e["message"].startswith(start) for e in env.events("Scaled"))
+
+            await eventually(lambda: said("both: 10 -> ") and said("router: 0 -> 2 replicas"))
+
+    run(main)
+
+
 class FakeEngine:
     """An engine pod on 127.0.0.x as the operator's calls see it: its /metrics, a /v1/models listing no adapter,
     and 200 to everything posted (an adapter load, a warm-up gate); every request is recorded with the internal
