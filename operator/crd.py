@@ -73,6 +73,7 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "AdaptersLoaded", "Router
 QUANTITY = (r"^[+]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
             r"(([KMGTPE]i)|[numkMGTPE]|([eE][-+]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SERVICE_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # a DNS-1035 label: a Service's name starts with a letter
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 MAX_TOLERATIONS = 32
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # a Secret's or ConfigMap's name
@@ -398,6 +399,10 @@ OBJECT_RULES: tuple[Rule, ...] = (
          f"metadata.name: at most {MAX_NAME_LENGTH} characters: it prefixes the names of the objects the pool owns "
          "(NAME-engines, NAME-router, NAME-prefill, NAME-internal-token), which must stay valid Kubernetes names",
          lambda o: len(str((o.get("metadata") or {}).get("name") or "")) <= MAX_NAME_LENGTH),
+    Rule((), f"self.metadata.name.matches('{SERVICE_NAME}')",
+         "metadata.name: lowercase letters, digits and '-', starting with a letter: it names the pool's Services "
+         "(NAME-router, NAME-engines), which Kubernetes refuses otherwise (1chat, chat.v2)",
+         lambda o: _matches(SERVICE_NAME, str((o.get("metadata") or {}).get("name") or ""))),
 )
 
 
@@ -882,7 +887,31 @@ def complete_spec(spec: Any, defaults: PoolDefaults = PoolDefaults()) -> dict[st
         if not rule.check(target):
             raise SpecError(rule.message)
     _check_settings(full, own_images)
+    for program in ("engine", "router"):
+        _check_resources(program, full[program]["resources"])
     return full
+
+
+NATIVE_RESOURCES = ("cpu", "memory", "ephemeral-storage")  # and hugepages-*; any other is an extended resource
+
+
+def _check_resources(program: str, resources: Mapping[str, Any]) -> None:
+    """SpecError for what the API server refuses in a pod, so the pool says so (InvalidSpec) instead of failing
+    at every apply: a request above its limit, an extended resource (nvidia.com/gpu) requested without an equal
+    limit."""
+    from kubernetes.utils.quantity import parse_quantity  # here: `kvmesh up` reads pools without the client
+
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    for name, request in requests.items():
+        limit = limits.get(name)
+        if limit is not None and parse_quantity(request) > parse_quantity(limit):
+            raise SpecError(f"{program}.resources: requests.{name} {request} is above limits.{name} {limit}, which "
+                            "Kubernetes refuses")
+        extended = name not in NATIVE_RESOURCES and not name.startswith("hugepages-")
+        if extended and (limit is None or parse_quantity(limit) != parse_quantity(request)):
+            raise SpecError(f"{program}.resources: {name} is an extended resource, which Kubernetes takes only with "
+                            f"limits.{name} equal to requests.{name}: give it as a limit alone, e.g. "
+                            f"limits: {{{name}: {request}}}")
 
 
 @dataclass(frozen=True)
@@ -936,9 +965,10 @@ def parse_pool(body: Mapping[str, Any], defaults: PoolDefaults = PoolDefaults())
         raise SpecError(f"metadata.labels must be a mapping and metadata.generation an integer, got "
                         f"{meta.get('labels')!r} and {meta.get('generation')!r}")
     name = meta.get("name")
-    if not isinstance(name, str) or not _matches(DNS_LABEL, name) or len(name) > MAX_NAME_LENGTH:
-        raise SpecError(f"metadata.name must be a DNS label of at most {MAX_NAME_LENGTH} characters (it prefixes the "
-                        f"pool's objects), got {name!r}")
+    if not isinstance(name, str) or not _matches(SERVICE_NAME, name) or len(name) > MAX_NAME_LENGTH:
+        raise SpecError(f"metadata.name must be at most {MAX_NAME_LENGTH} characters: lowercase letters, digits and "
+                        f"'-', starting with a letter (it prefixes the pool's objects, its Services among them), got "
+                        f"{name!r}")
     if "spec" not in body:
         raise SpecError("spec is required")
     return Pool(name=name, namespace=meta.get("namespace") or "default", spec=complete_spec(body["spec"], defaults),

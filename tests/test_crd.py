@@ -5,6 +5,7 @@ cel-python), and the operator's own reading of a pool (`parse_pool`) agrees with
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -257,7 +258,7 @@ def test_a_gateway_weight_from_0_drained_to_the_maximum_is_valid(weight: int) ->
 def test_pool_objects_need_a_short_dns_name_and_the_right_kind() -> None:
     body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "Chat_Pool"},
             "spec": {"model": {"source": "bundled"}}}
-    with pytest.raises(SpecError, match="DNS label"):
+    with pytest.raises(SpecError, match="starting with a letter"):
         parse_pool(body)
     with pytest.raises(SpecError, match="expected apiVersion"):
         parse_pool({**body, "kind": "Deployment"})
@@ -272,7 +273,7 @@ def test_a_pool_name_longer_than_the_operator_takes_is_refused_by_the_api_server
     body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "a" * length, "namespace": "ml"},
             "spec": {"model": {"source": "bundled"}}}
     errors = object_cel_errors(body)
-    assert [r.check(body) for r in OBJECT_RULES] == [length <= MAX_NAME_LENGTH]  # the Python twin agrees
+    assert [r.check(body) for r in OBJECT_RULES] == [length <= MAX_NAME_LENGTH, True]  # the Python twins agree
     if length <= MAX_NAME_LENGTH:
         assert errors == []
         assert parse_pool(body).name == "a" * length
@@ -280,6 +281,50 @@ def test_a_pool_name_longer_than_the_operator_takes_is_refused_by_the_api_server
         assert errors and "metadata.name: at most 40 characters" in errors[0]
         with pytest.raises(SpecError, match="at most 40 characters"):
             parse_pool(body)
+
+
+@pytest.mark.parametrize(("name", "valid"), [("chat", True), ("chat-v2", True), ("c", True), ("1chat", False),
+                                           ("chat.v2", False), ("-chat", False), ("chat-", False)])
+def test_a_pool_name_no_service_can_carry_is_refused_by_the_api_server(name: str, valid: bool) -> None:
+    """`1chat` passed the CRD and parse_pool, then its Services (1chat-router, 1chat-engines: a Service's name must
+    start with a letter) were refused at every apply, and no Deployment was ever made."""
+    body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": "ml"},
+            "spec": {"model": {"source": "bundled"}}}
+    errors = object_cel_errors(body)
+    assert [r.check(body) for r in OBJECT_RULES] == [True, valid]
+    if valid:
+        assert errors == [] and parse_pool(body).name == name
+    else:
+        assert errors and "starting with a letter" in errors[0]
+        with pytest.raises(SpecError, match="starting with a letter"):
+            parse_pool(body)
+
+
+@pytest.mark.parametrize(("resources", "said"), [
+    ({"requests": {"cpu": "4"}, "limits": {"cpu": "2"}}, "requests.cpu 4 is above limits.cpu 2"),
+    ({"requests": {"memory": "5Gi"}, "limits": {"memory": "4096Mi"}}, "requests.memory 5Gi is above limits.memory"),
+    ({"requests": {"nvidia.com/gpu": 1}}, "nvidia.com/gpu is an extended resource"),
+    ({"requests": {"nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 1}}, "is above limits.nvidia.com/gpu"),
+])
+def test_resources_the_api_server_refuses_in_a_pod_are_a_spec_error(resources: dict[str, Any], said: str) -> None:
+    """These passed the CRD and the operator, then every apply of the Deployment was a 422 the pool reported only as
+    'Unprocessable Entity', retried forever."""
+    for program in ("engine", "router"):
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "chat"},
+                "spec": {"model": {"source": "bundled"}, program: {"resources": resources}}}
+        with pytest.raises(SpecError, match=re.escape(f"{program}.resources: ") + ".*" + re.escape(said)):
+            parse_pool(body)
+
+
+@pytest.mark.parametrize("resources", [{"requests": {"cpu": "500m"}, "limits": {"cpu": "0.5"}},
+                                       {"limits": {"nvidia.com/gpu": 1}},
+                                       {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": 1}},
+                                       {"requests": {"hugepages-2Mi": "1Gi"}, "limits": {"hugepages-2Mi": "1Gi"}},
+                                       {"requests": {"cpu": 2, "memory": "4Gi"}, "limits": {"memory": "8Gi"}}])
+def test_resources_a_pod_may_have_are_taken(resources: dict[str, Any]) -> None:
+    body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "chat"},
+            "spec": {"model": {"source": "bundled"}, "engine": {"resources": resources}}}
+    assert parse_pool(body).spec["engine"]["resources"] == resources
 
 
 @pytest.mark.parametrize("edit", [{"metadata": ["chat"]}, {"metadata": "chat"}, {"spec": ["model"]},
