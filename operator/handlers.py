@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -120,10 +121,26 @@ def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Pruned:
     return Pruned(deleted, kept)
 
 
+REJECTED = "Rejected"  # the Degraded reason of an object the API server refused as invalid (422)
+
+
+def api_answer(exc: Exception) -> str:
+    """An API error as the pool's condition and Event say it: the status line and the server's own message, which
+    names the field (`422 Unprocessable Entity: ...spec.containers[0].resources.requests: Invalid value...`)."""
+    if not isinstance(exc, ApiException):
+        return str(exc)
+    try:
+        message = json.loads(exc.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return f"{exc.status} {exc.reason}: {message}" if message else f"{exc.status} {exc.reason}"
+
+
 class ApplyFailed(Exception):
     """A pool's objects could not all be applied; the message names the step and the API's answer, `reason` the
     Degraded condition's: NameConflict (an object of that name is another's), InvalidSecret (the pool's
-    internal-token Secret holds no usable token) or ApiError."""
+    internal-token Secret holds no usable token), Rejected (the API server refused an object as invalid: only a
+    change of the spec helps) or ApiError."""
 
     def __init__(self, message: str, reason: str = "ApiError") -> None:
         super().__init__(message)
@@ -140,7 +157,7 @@ def pool_token(kube: Kube, pool: Pool) -> str:
     try:
         secret = kube.create_or_read(wanted)
     except Exception as exc:  # an API answer, or no answer at all
-        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+        reason = api_answer(exc)
         raise ApplyFailed(f"reading or creating Secret {name} failed: {reason}") from exc
     if not same_owner(wanted, secret):
         raise ApplyFailed(f"Secret {name} exists and is not this pool's ({owned_by(secret)}): it is left as it is; "
@@ -192,9 +209,10 @@ def apply_pool(kube: Kube, pool: Pool, objects: list[dict[str, Any]], held: Coll
         step = "pruning objects the spec no longer asks for"
         pruned = prune(kube, pool, objects)
     except Exception as exc:  # an API answer, or no answer at all (the retries spent on a dead connection)
-        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
-        raise ApplyFailed(f"{step} failed: {reason}",
-                          "NameConflict" if isinstance(exc, NameTaken) else "ApiError") from exc
+        reason = api_answer(exc)
+        invalid = isinstance(exc, ApiException) and exc.status == 422
+        kind = "NameConflict" if isinstance(exc, NameTaken) else REJECTED if invalid else "ApiError"
+        raise ApplyFailed(f"{step} failed: {reason}", kind) from exc
     kept = f", {' and '.join(pruned.kept)} kept until the new mode serves" if pruned.kept else ""
     return Applied(f"{done['created']} created, {done['patched']} patched, {len(pruned.deleted)} deleted{kept}",
                    pruned.kept)
@@ -205,7 +223,7 @@ def live_deployments(kube: Kube, pool: Pool) -> dict[str, dict[str, Any]]:
     try:
         return by_role(kube.list("apps/v1", "deployments", pool.namespace, f"{POOL_LABEL}={pool.name}"))
     except Exception as exc:  # an API answer, or none (the retries spent)
-        reason = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+        reason = api_answer(exc)
         raise ApplyFailed(f"listing the pool's Deployments failed: {reason}") from exc
 
 
@@ -403,6 +421,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
         except ApplyFailed as exc:
             patch.status["conditions"] = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
             kopf.event(body, type="Warning", reason=exc.reason, message=str(exc))
+            if exc.reason == REJECTED:  # the same spec is refused again: no retry until the spec changes
+                raise kopf.PermanentError(str(exc)) from exc
             raise kopf.TemporaryError(str(exc), delay=backoff_seconds(retry)) from exc
         state.condition(status, "Degraded", False, "Reconciled", "objects applied", generation)
         shared = desired.router_state(pool)

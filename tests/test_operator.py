@@ -371,9 +371,11 @@ def test_an_invalid_spec_is_reported_as_degraded_and_fixing_it_recovers(tmp_path
     run(main)
 
 
-def fail(env: Env, action: kmock.action, plural: str, times: int, status: int) -> list[kmock.Request]:
-    """The next `times` requests of `action` on `plural` answer `status`; returns those requests as they come.
-    (The emulator still carries out a failed write, as a server that committed it and then failed to answer.)"""
+def fail(env: Env, action: kmock.action, plural: str, times: int, status: int,
+         message: str | None = None) -> list[kmock.Request]:
+    """The next `times` requests of `action` on `plural` answer `status` (with the Status `message`, if given);
+    returns those requests as they come. (The emulator still carries out a failed write, as a server that committed
+    it and then failed to answer.)"""
     failed: list[kmock.Request] = []
     before = max((r.id for r in env.k8s), default=-1)  # kmock offers a new reaction the requests already answered
 
@@ -386,7 +388,9 @@ def fail(env: Env, action: kmock.action, plural: str, times: int, status: int) -
         failed.append(request)
         return True
 
-    env.k8s[action][matches] << kmock.KubernetesError(status=status, reason=HTTPStatus(status).phrase)
+    error = kmock.KubernetesError(status=status, reason=HTTPStatus(status).phrase,
+                                  **({"message": message} if message else {}))
+    env.k8s[action][matches] << error
     return failed
 
 
@@ -419,6 +423,32 @@ def test_a_transient_api_error_is_retried_within_the_reconcile(tmp_path: Path) -
             await eventually(lambda: env.pool()["status"]["observedGeneration"] == 2)
             assert len(failed) == 1 and env.get("apps/v1/deployments", "chat-both") is None
             assert conditions(env)["Degraded"]["status"] == "False" and env.events("ApiError") == []
+
+    run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_object_the_api_server_refuses_is_rejected_with_its_message_until_the_spec_changes(
+        tmp_path: Path) -> None:
+    """A 422 (an admission policy, a quota's rule: the spec is what is wrong) was Degraded/ApiError saying only
+    '422 Unprocessable Entity', and retried with backoff forever, an Event each time. The condition now carries the
+    server's message, which names the field, and nothing is retried until the spec changes."""
+    refusal = ('Deployment.apps "chat-both" is invalid: spec.template.spec.containers[0].resources.limits: '
+               'Invalid value: "64": must be less than or equal to the namespace limit of 16')
+
+    async def main() -> None:
+        async with operator(tmp_path) as env:
+            failed = fail(env, kmock.action.CREATE, "deployments", 1, 422, refusal)
+            await env.k8s.post(POOLS, json=pool_body())
+            degraded = await eventually(lambda: conditions(env)["Degraded"])
+            assert degraded["reason"] == "Rejected" and refusal in degraded["message"], degraded
+            assert "applying Deployment chat-both failed: 422 Unprocessable Entity: " in degraded["message"]
+            await asyncio.sleep(3)  # a TemporaryError would have been retried after 1 s and 2 s
+            assert len(failed) == 1 and len(env.events("Rejected")) == 1
+            await env.k8s.patch(f"{POOLS}/chat", json={"spec": {"router": {"replicas": 1}}})
+            await eventually(lambda: conditions(env)["Degraded"]["status"] == "False")
+            assert env.get("apps/v1/deployments", "chat-both") is not None
 
     run(main)
 
