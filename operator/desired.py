@@ -314,6 +314,13 @@ while time.time() < end and failed < {tries}:
 """
 
 
+def adapter_mounts(pool: Pool) -> list[tuple[str, str]]:
+    """(claim, mount path) of each LoRA adapter on a volume claim of its own, in the spec's order: where the
+    engine pods mount them, and what a pod must mount to be sent a load of the adapter."""
+    return [(a["volumeClaim"], f"{ADAPTERS_DIR}/{a['name']}") for a in pool.spec["model"]["loraAdapters"]
+            if "volumeClaim" in a]
+
+
 def _volumes(pool: Pool, engine: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_name(pool)}},
@@ -336,10 +343,9 @@ def _volumes(pool: Pool, engine: bool) -> tuple[list[dict[str, Any]], list[dict[
                                                                     "readOnly": True}})
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
     if engine:  # adapters on their own claims: each at ADAPTERS_DIR/NAME, where its path points (the CRD's rule)
-        for i, adapter in enumerate(a for a in pool.spec["model"]["loraAdapters"] if "volumeClaim" in a):
-            volumes.append({"name": f"lora-{i}", "persistentVolumeClaim": {"claimName": adapter["volumeClaim"],
-                                                                          "readOnly": True}})
-            mounts.append({"name": f"lora-{i}", "mountPath": f"{ADAPTERS_DIR}/{adapter['name']}", "readOnly": True})
+        for i, (claim, path) in enumerate(adapter_mounts(pool)):
+            volumes.append({"name": f"lora-{i}", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+            mounts.append({"name": f"lora-{i}", "mountPath": path, "readOnly": True})
     host_tier = pool.spec["engine"]["hostTierMiB"]
     if engine and host_tier:
         volumes.append({"name": "host-tier", "emptyDir": {"medium": "Memory", "sizeLimit": f"{host_tier}Mi"}})

@@ -686,17 +686,22 @@ def sync_adapters(pool: Pool, body: kopf.Body, pods: list[dict[str, Any]], adapt
     retried, also after a restart, which finds the refusals in status.adapters), and log every action and a tick
     that leaves engines out of step. The pool's AdaptersLoaded condition, or None to set none."""
     port = pool.spec["engine"]["port"]
-    claims = {a["volumeClaim"] for a in pool.spec["model"]["loraAdapters"] if "volumeClaim" in a}
+    wanted = set(desired.adapter_mounts(pool))
 
     def engine(p: dict[str, Any]) -> EnginePod:
         return EnginePod(p["metadata"]["name"], p["metadata"]["labels"].get(ROLE_LABEL, "both"), pod_url(p, port),
                          sum(int(c.get("restartCount") or 0) for c in (p.get("status") or {}).get("containerStatuses")
                              or []), str(p["metadata"].get("uid") or ""))
 
-    def mounts_every_claim(p: dict[str, Any]) -> bool:  # a pod of the template before an adapter's claim was added
-        mounted = {(v.get("persistentVolumeClaim") or {}).get("claimName") for v in (p.get("spec") or {}).get(
-            "volumes") or []}
-        return claims <= mounted
+    def mounts_every_claim(p: dict[str, Any]) -> bool:
+        """False for a pod of an older template: before an adapter's claim was added, or an adapter renamed on its
+        claim (mounted under its old name), which would be sent a load of a path it lacks and refuse it."""
+        spec = p.get("spec") or {}
+        claims = {v.get("name"): (v.get("persistentVolumeClaim") or {}).get("claimName")
+                  for v in spec.get("volumes") or []}
+        mounted = {(claims.get(m.get("name")), m.get("mountPath")) for c in spec.get("containers") or []
+                   for m in c.get("volumeMounts") or []}
+        return wanted <= mounted
 
     # Alive: pods with an engine that may serve adapters (a pod not yet given an address has started none, and
     # will read the current list at start); Ready ones are synced, the others keep what they refused.

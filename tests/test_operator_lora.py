@@ -19,6 +19,7 @@ import pytest
 
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.protocol import LORA_FINGERPRINT_FIELD, OperatorMetric
+from kvmesh.operator import handlers
 from kvmesh.operator.crd import Pool, parse_pool
 from kvmesh.operator.desired import CONFIG_HASH_ANNOTATION, config_map, desired_objects, engine_adapters
 from kvmesh.operator.lora import (
@@ -213,6 +214,40 @@ def test_changing_anything_else_still_rolls_the_engines() -> None:
     (old, new) = (next(o for o in desired_objects(p) if o["metadata"]["name"] == "chat-both")
                   for p in (pool_with(adapters), pool_with(claimed)))
     assert old["spec"]["template"] != new["spec"]["template"]
+
+
+def test_pods_that_mount_an_adapter_under_its_old_name_are_not_sent_its_new_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter renamed on its own claim (support-v1 -> support-v2, claim `support`) rolls the engines; meanwhile
+    the old pods mount the claim at /adapters/support-v1. They counted as synced (their claim names matched), were
+    sent a load of /adapters/support-v2, a path they lack, and the pool said AdapterRefused for a correct spec. The
+    engine's answers are stubbed: its pod's volume mounts exist only in a cluster."""
+    sent: list[Any] = []
+    events: list[str] = []
+    monkeypatch.setattr(handlers, "http_served", lambda *_, **__: {"support-v1": "/adapters/support-v1"})
+
+    def act(url: str, action: Any, *_: Any, **__: Any) -> tuple[int, str]:  # what a pod lacking the path answers
+        sent.append(action)
+        return 400, f"{action.path}: no such directory"
+
+    monkeypatch.setattr(handlers, "http_act", act)
+    monkeypatch.setattr(handlers.kopf, "event", lambda body, **kw: events.append(kw["reason"]))
+
+    def renamed(name: str) -> Pool:
+        return pool_with([{"name": name, "path": f"/adapters/{name}", "volumeClaim": "support"}])
+
+    def pod_of(pool: Pool) -> dict[str, Any]:
+        (engine,) = [o for o in desired_objects(pool)
+                     if o["kind"] == "Deployment" and o["metadata"]["name"] == "chat-both"]
+        return {"metadata": {"name": "chat-both-x", "uid": "u", "labels": {"kvmesh.io/role": "both"}},
+                "spec": engine["spec"]["template"]["spec"],
+                "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    new = renamed("support-v2")
+    handlers.sync_adapters(new, None, [pod_of(renamed("support-v1"))], AdapterMemory(), OperatorMetrics())
+    assert sent == [] and events == []
+    handlers.sync_adapters(new, None, [pod_of(new)], AdapterMemory(), OperatorMetrics())  # a pod of the new template
+    assert [a.name for a in sent if a.kind == LOAD] == ["support-v2"]
 
 
 # ---- applying it to real engines -------------------------------------------------------------------------------------
