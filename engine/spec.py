@@ -12,8 +12,10 @@ x ~ p; accept d iff x == d, else emit x" accepts with probability p(d) and, on r
 distributed as p with d removed and renormalised: the standard rejection-sampling rule for a deterministic draft,
 so the output distribution is exactly the target's. Because the draw is the one the non-speculative sampler
 makes for that output index, a seeded request's output is the same token for token with or without
-speculation, on any pod, wherever the logits are the same bits both ways (the CPU in fp32; on a GPU the draft run's
-extend kernel and the decode kernel sum in different orders, so a near-tie can flip: docs/engine.md).
+speculation, on any pod, wherever the logits are the same bits both ways. They rarely are: verified positions go
+through the prefill attention path and a batch of another shape (about 1e-6 apart on the CPU in fp32; on a GPU the
+extend and decode kernels sum in different orders), so a near-tie can flip, as between batch shapes without
+speculation (docs/engine.md).
 """
 
 from __future__ import annotations
