@@ -117,13 +117,17 @@ def plan_from_file(path: str | Path) -> PoolPlan:
 
 def read_pool_file(path: str | Path) -> Any:
     """The local pool a file holds, read and checked by operator/crd.py as the cluster's API server and operator
-    check a pool. Raises OSError or ValueError (a YAML error, or the spec's: SpecError) naming the problem."""
+    check a pool, the values of its programs' settings included (before any process starts, not as an engine's exit).
+    Raises OSError or ValueError (a YAML error, or the spec's: SpecError) naming the problem."""
     from kvmesh.operator.crd import load_pool_file
+    from kvmesh.operator.desired import check_program_files
 
     try:
-        return replace(load_pool_file(str(path)), namespace=LOCAL_NAMESPACE)
+        pool = replace(load_pool_file(str(path)), namespace=LOCAL_NAMESPACE)
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not YAML: {exc}") from None
+    check_program_files(pool)
+    return pool
 
 
 class PoolFile:

@@ -982,7 +982,10 @@ def load_pool_file(path: str) -> Pool:
         docs = [d for d in yaml.safe_load_all(f) if d]
     pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(pools) != 1:
-        raise SpecError(f"{path}: expected one {KIND}, found {len(pools)}")
+        kinds = [str(d.get("kind")) if isinstance(d, dict) else type(d).__name__ for d in docs]
+        near = [f" (did you mean {KIND}?)" if difflib.get_close_matches(k, [KIND], cutoff=0.7) else "" for k in kinds]
+        found = ", ".join(f"{k}{hint}" for k, hint in zip(kinds, near, strict=True)) or "no YAML documents"
+        raise SpecError(f"{path}: expected one {KIND}, found {len(pools)} among its documents' kinds: {found}")
     return parse_pool(pools[0], PoolDefaults(local=True))
 
 

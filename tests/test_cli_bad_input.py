@@ -139,3 +139,19 @@ def test_a_router_or_pod_that_is_no_url_is_named(capsys: pytest.CaptureFixture[s
     """The gateway took any --router and failed every request sent to it (502); a pod's port that is no number
     failed at every scrape."""
     assert refused(capsys, argv).startswith(said)
+
+
+@pytest.mark.parametrize(("pool", "said"), [
+    ("kind: InferencePol\nmetadata: {name: chat}\nspec: {model: {source: bundled}}\n",
+     "found 0 among its documents' kinds: InferencePol (did you mean InferencePool?)"),
+    ("kind: InferencePool\nmetadata: {name: chat}\nspec:\n  model: {source: bundled}\n"
+     "  engine: {settings: {max_model_len: 1}}\n", "engine.settings: max_model_len must be at least 2, got 1"),
+])
+def test_a_pool_file_kvmesh_up_cannot_run_is_named_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], pool: str, said: str) -> None:
+    """A misspelled kind said only 'found 0'; a setting's value the engine refuses started the router and the
+    engines, and failed when an engine exited."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("apiVersion: kvmesh.io/v1alpha1\n" + pool)
+    line = refused(capsys, ["up", "-f", str(path), "--port", str(free_port())])
+    assert line.startswith("kvmesh up: ") and line.endswith(said)
