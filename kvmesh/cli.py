@@ -637,6 +637,16 @@ def _sim_engine(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `kvmesh` command. A Ctrl-C before a command has set up its own (while its modules load, a second or
+    two) ends it with 130 and one line, not a KeyboardInterrupt traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("kvmesh: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-aware LLM serving")
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

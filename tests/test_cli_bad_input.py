@@ -155,3 +155,16 @@ def test_a_pool_file_kvmesh_up_cannot_run_is_named_before_anything_starts(
     path.write_text("apiVersion: kvmesh.io/v1alpha1\n" + pool)
     line = refused(capsys, ["up", "-f", str(path), "--port", str(free_port())])
     assert line.startswith("kvmesh up: ") and line.endswith(said)
+
+
+def test_a_ctrl_c_while_a_command_loads_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvmesh up` sets up its own Ctrl-C handling after its modules load (a second or two): a Ctrl-C before then
+    printed a KeyboardInterrupt traceback. Here the command raises it as an import interrupted would."""
+    import kvmesh.cli
+
+    def loading(_: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvmesh.cli, "_status", loading)
+    assert refused(capsys, ["status"], rc=130) == "kvmesh: interrupted"
