@@ -287,13 +287,18 @@ def test_a_handoff_no_decode_pod_takes_is_released_at_once(served: Served,
     reply = httpx.post(pool["router"] + "/v1/completions", json={"prompt": tokens(80, 90), "max_tokens": 4},
                        timeout=60)
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_pod", reply.text
-    for _ in range(100):  # within 10 s, well before the handle's 30 s TTL
-        if blocks_pinned(pool["prefill"]) == 0:
-            break
-        threading.Event().wait(0.1)
-    assert blocks_pinned(pool["prefill"]) == 0
+    assert_unpinned_soon(pool["prefill"])
     monkeypatch.undo()
     wait_nothing_in_flight(router)
+
+
+def assert_unpinned_soon(prefill: str) -> None:
+    """The prefill pod pins no block within 10 s, well before a handle's 30 s TTL would free them."""
+    for _ in range(100):
+        if blocks_pinned(prefill) == 0:
+            break
+        threading.Event().wait(0.1)
+    assert blocks_pinned(prefill) == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -320,10 +325,6 @@ def test_a_client_gone_during_the_decode_hop_releases_the_handoff(served: Served
                        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
         assert reached.wait(60)
         assert blocks_pinned(pool["prefill"]) > 0  # the handoff's KV, pinned for the decode pod
-    for _ in range(100):  # the client has gone: within 10 s, well before the handle's 30 s TTL
-        if blocks_pinned(pool["prefill"]) == 0:
-            break
-        threading.Event().wait(0.1)
-    assert blocks_pinned(pool["prefill"]) == 0
+    assert_unpinned_soon(pool["prefill"])  # the client has gone
     monkeypatch.undo()
     wait_nothing_in_flight(router)
