@@ -308,10 +308,12 @@ def live_replicas(replicas: Mapping[str, int], deployments: Mapping[str, Mapping
 def scale_routers_back(kube: Kube, pool: Pool, body: kopf.Body, router: Mapping[str, Any] | None,
                        reconciled: bool) -> None:
     """The router Deployment at spec.router.replicas: one scaled by hand (to 0, a pool that answers nothing) came
-    back only at the next edit of the spec. Not before this generation's reconcile, which applies the spec."""
+    back only at the next edit of the spec. Not before this generation's reconcile, which applies the spec, nor
+    from a tick that read an older spec than the pool now has (an edit's reconcile may have applied it already)."""
     live = ((router or {}).get("spec") or {}).get("replicas")
     wanted = pool.spec["router"]["replicas"]
-    if not reconciled or not isinstance(live, int) or live == wanted:
+    current = int(body.metadata.get("generation") or 0) == pool.generation
+    if not reconciled or not current or not isinstance(live, int) or live == wanted:
         return
     kube.patch("apps/v1", "deployments", pool.namespace, desired.router_name(pool), {"spec": {"replicas": wanted}})
     message = f"router: {live} -> {wanted} replicas (spec.router.replicas; the Deployment was scaled by hand)"

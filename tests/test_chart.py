@@ -84,6 +84,7 @@ def test_lint_finds_no_errors() -> None:
 def test_the_schema_rejects_bad_values() -> None:
     for bad in ({"ports": {"engine": 70000}}, {"operator": {"replicas": 4}}, {"unknown": 1},
                 {"securityContext": {"readOnlyRootFilesystem": False}}, {"pool": {"name": "Not_A_Name"}},
+                {"pool": {"name": "1chat"}},  # a Service's name starts with a letter, as the CRD says
                 {"pool": {"enabled": True, "spec": {"mode": "disaggregated"}}}):  # a spec of your own names a model
         with pytest.raises(helm_python.HelmValuesError):
             render(bad)

@@ -9,9 +9,12 @@ import time
 from statistics import NormalDist
 from typing import Any
 
+import kopf
 import pytest
 
 from kvmesh.engine.protocol import FINISH_REASONS, Metric, VllmMetric
+from kvmesh.operator import handlers
+from kvmesh.operator.crd import API_VERSION, KIND, parse_pool
 from kvmesh.operator.forecast import Counters, PodMetrics, TrafficEstimator, parse_pod
 from kvmesh.operator.handlers import OperatorConfig, deployed_replicas, unanswered
 from kvmesh.operator.scale_in import Candidate, deletion_costs, removal_order
@@ -215,6 +218,28 @@ def test_a_deployment_scaled_by_hand_is_what_the_decision_starts_from() -> None:
     assert deployed_replicas({"both": 3}, deployments, {"both": (1, 8)}) == {"both": 8}
     assert deployed_replicas({"both": 3}, {}, {"both": (1, 8)}) == {"both": 3}  # none yet: the record
     assert deployed_replicas({"both": 3}, {"both": {"spec": {"replicas": 0}}}, {"both": (0, 8)}) == {"both": 0}
+
+
+def test_the_router_deployment_is_scaled_back_only_by_a_tick_of_the_current_spec(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router Deployment scaled by hand goes back to spec.router.replicas; a tick that read the spec before an edit
+    (the timer runs beside the reconcile, which may have applied the new count already) must not undo the edit."""
+    patched: list[dict[str, Any]] = []
+
+    class Recorder:
+        def patch(self, *args: Any) -> None:
+            patched.append(args[-1])
+
+    monkeypatch.setattr(handlers.kopf, "event", lambda *_, **__: None)
+    pool = parse_pool({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "chat", "generation": 5},
+                       "spec": {"model": {"source": "bundled"}, "router": {"replicas": 1}}})
+    live = {"spec": {"replicas": 3}}
+    handlers.scale_routers_back(Recorder(), pool, kopf.Body({"metadata": {"generation": 6}}), live, True)
+    assert patched == []  # an edit to 3 that this tick's spec predates
+    handlers.scale_routers_back(Recorder(), pool, kopf.Body({"metadata": {"generation": 5}}), live, False)
+    assert patched == []  # this generation's reconcile has yet to apply the spec
+    handlers.scale_routers_back(Recorder(), pool, kopf.Body({"metadata": {"generation": 5}}), live, True)
+    assert patched == [{"spec": {"replicas": 1}}]  # scaled by hand: back to the spec
 
 
 def test_the_operator_measures_its_intervals_on_the_monotonic_clock() -> None:

@@ -244,13 +244,15 @@ def _converted_dir(gguf_path: Path, progress: bool, on_progress: ProgressCallbac
 
 
 def _open_gguf(gguf_path: Path) -> GGUFReader:
-    """Read a GGUF's header and tensor index; the gguf package's own errors (a failed reshape) don't say why."""
+    """Read a GGUF's header and tensor index; the gguf package's own errors (a failed reshape) don't say why. An
+    OSError (no permission) is raised as it is: it says why."""
     try:
         return GGUFReader(gguf_path)
-    except (ValueError, IndexError, KeyError, OSError) as e:
+    except (ValueError, IndexError, KeyError) as e:
         size = gguf_path.stat().st_size
-        raise ValueError(f"{gguf_path} ({size:,} bytes) is not a readable GGUF file: is it truncated (an interrupted "
-                         f"download or copy) or corrupt? ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{gguf_path} ({size:,} bytes) is not a GGUF file this gguf package reads: is it truncated "
+                         f"(an interrupted download or copy), corrupt, or written by a newer GGUF version? "
+                         f"({type(e).__name__}: {e})") from e
 
 
 def _field(reader: GGUFReader, key: str, default: object = None) -> object:
