@@ -61,8 +61,9 @@ SCHEMA = spec_schema()
 INT64 = 2**63
 BASE = parse_pool(example("aggregated.yaml"))  # a running pool that a fuzzed one is an edit of (kvmesh up -f)
 # The operator's refusals the API server cannot make: the settings and the picker's weights keep unknown fields, so
-# CEL cannot read them.
-OPERATOR_ONLY = re.compile(r"^((engine|router)\.settings|router\.weights)\b")
+# CEL cannot read them; resources are compared as quantities (a request above its limit, an extended resource
+# without an equal limit), which the API server refuses only in the pod the operator makes.
+OPERATOR_ONLY = re.compile(r"^((engine|router)\.(settings|resources)|router\.weights)\b")
 # A message names the field it is about: a spec path, or the object's own fields.
 NAMES_A_FIELD = re.compile(r"\b(spec|metadata|apiVersion|" + "|".join(SCHEMA["properties"]) + r")\b")
 
