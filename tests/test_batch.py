@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import json
 import random
@@ -621,8 +622,8 @@ def test_a_batch_cancelled_before_it_started_counts_every_request_as_failed(stor
 
 
 def test_a_passing_database_fault_loses_no_answer(store: BatchStore) -> None:
-    """One renewal fails (a dropped connection): the run goes on and every answer is written."""
-    faults = iter([RuntimeError("connection reset")])
+    """One renewal mid-run fails (a dropped connection): the run goes on and every answer is written."""
+    faults = iter([None, RuntimeError("connection reset")])  # the first renewal, before any request is sent, passes
     renew = store.renew
 
     def flaky_renew(batch_id: str, owner: str, lease_seconds: float) -> str | None:
@@ -702,6 +703,27 @@ def test_a_replica_taking_a_batch_over_sends_only_what_was_not_answered(store: B
     assert sorted(sent) == ["q1", "q2", "q4"]
     assert batch["status"] == "completed" and errors == []
     assert [x["custom_id"] for x in output] == [f"r{i}" for i in range(5)]  # once each, in file order
+
+
+def test_a_replica_whose_lease_ran_out_while_it_prepared_the_batch_sends_nothing(store: BatchStore) -> None:
+    """Reading and checking a large input file may outlast the lease, and another replica take the batch meanwhile:
+    the first one, its preparation done, sends none of the requests the new holder sends too."""
+    sent: list[str] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        sent.append(body["messages"][1]["content"])
+        return served(body)
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
+    first = store.claim("replica-a", 60)
+    assert first is not None and store.start(batch_id, "replica-a", 5, "m")
+    store.renew(batch_id, "replica-a", -1)  # replica-a's lease ran out while it prepared
+    taken = store.claim("replica-b", 60)
+    assert taken is not None and taken.id == batch_id
+    runner = BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST, owner="replica-a")
+    asyncio.run(runner.run(dataclasses.replace(first, status="in_progress")))
+    assert sent == []
+    assert store.renew(batch_id, "replica-b", 60) == "in_progress"  # replica-b holds it still
 
 
 def test_a_batch_the_runner_keeps_failing_on_is_failed_not_retried_forever(store: BatchStore) -> None:

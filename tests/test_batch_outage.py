@@ -72,7 +72,7 @@ def test_an_outage_mid_batch_runs_each_request_once_and_writes_every_answer_when
 
     total = 60
     batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(total)])
-    settings = BatchSettings(concurrency=4, flush_seconds=0.05, lease_seconds=0.5, poll_seconds=0.05)
+    settings = BatchSettings(concurrency=4, flush_seconds=0.05, lease_seconds=1.0, poll_seconds=0.05)
     counters = [Counters(), Counters()]
     failures = [0, 0]
 
