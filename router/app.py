@@ -439,6 +439,10 @@ class Relay:
     text_offset_base: int = 0
     text_offset_next: int = 0
     stream_id: str | None = None
+    # the first answer's `created` and `model`: every chunk carries them, whichever pod sent it (clients that
+    # accumulate a stream, such as the openai client's, read them from any chunk)
+    stream_created: int | None = None
+    stream_model: str | None = None
     chat: bool = False
     strip_role: bool = False  # the client already has the assistant role (a prefill hop or another pod sent it)
     role_sent: bool = False
@@ -451,7 +455,8 @@ class Relay:
     started: bool = False  # the relay began (one that never did is counted by its RelayResponse)
 
     def on_chunk(self, chunk: dict[str, Any], trace: Trace) -> dict[str, Any]:
-        """Record what a chunk delivers and make it look like one stream: first id, no second role."""
+        """Record what a chunk delivers and make it look like one stream: first id, created and model, no second
+        role."""
         if "error" in chunk:
             self.failed = True
             return chunk
@@ -459,7 +464,9 @@ class Relay:
         if trace.first_chunk_at is None:
             trace.first_chunk_at = time.monotonic()
         self.stream_id = self.stream_id or chunk.get("id")
-        chunk["id"] = self.stream_id
+        self.stream_created = self.stream_created or chunk.get("created")
+        self.stream_model = self.stream_model or chunk.get("model")
+        chunk.update(id=self.stream_id, created=self.stream_created, model=self.stream_model)
         self.chat = chunk.get("object") == "chat.completion.chunk"
         for choice in chunk.get("choices", []):
             ids = choice.pop("token_ids", []) if self.strip_ids else choice.get("token_ids", [])
@@ -494,7 +501,7 @@ class Relay:
         else:
             choice["text"] = text
         return {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": int(time.time()), "choices": [choice]}
+                "created": self.stream_created, "model": self.stream_model, "choices": [choice]}
 
 
 class RelayResponse(StreamingResponse):
@@ -1664,7 +1671,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             resumable = {**raw, RETURN_TOKEN_IDS_FIELD: True, "stream_options": with_usage(raw)}
             shift = text_offset_after(choice.get("logprobs")) or 0
             state = Relay(booking, resumable, path, headers, tried, strip_ids=not client_ids, migratable=True,
-                          sent_ids=[token], stream_id=first["id"], strip_role=True, role_sent=True,
+                          sent_ids=[token], stream_id=first["id"], stream_created=first["created"],
+                          stream_model=first["model"], strip_role=True, role_sent=True,
                           prefill_usage=first["usage"], chat="message" in choice, client_usage=wants_usage(raw),
                           text_offset_base=shift, text_offset_next=shift)
             opening = state.text_chunk(opening_text)

@@ -204,6 +204,24 @@ def test_a_split_answer_s_logprobs_begin_with_the_prefill_pod_s_token(pool: dict
     wait_nothing_in_flight(router)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_split_stream_s_chunks_share_one_model_and_created(pool: dict[str, str], router: Router,
+                                                             chat: bool) -> None:
+    """The router builds the first chunk from the prefill pod's token: it carries that answer's model and created,
+    as the decode pod's chunks then do, so a client accumulating the stream (the openai client's) reads one model
+    (it read None) and one creation time (the router's clock, which could be a second off)."""
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "A tale of an owl. " * 12}]})
+                  if chat else ("/v1/completions", {"prompt": tokens(46, 90)}))
+    body |= {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True, "cache_salt": "one-model"}
+    with httpx.stream("POST", pool["router"] + path, json=body, timeout=60) as reply:
+        assert reply.headers["x-kvmesh-pod"] == f"{pool['prefill']},{pool['decode']}"
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= 4
+    model = httpx.get(pool["decode"] + "/v1/models", timeout=10).json()["data"][0]["id"]
+    assert {(chunk.get("model"), chunk["created"]) for chunk in chunks} == {(model, chunks[-1]["created"])}
+    wait_nothing_in_flight(router)
+
+
 def test_an_echo_is_answered_whole_by_one_pod(pool: dict[str, str], router: Router) -> None:
     """An echo with logprobs (an evaluation harness scoring a prompt) reads the prompt's logprobs on the pod that
     computes the prompt: the router sends it whole to a decode pod, never split (the engine refuses echo with a
