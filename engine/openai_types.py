@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,7 +21,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import from_json
+from pydantic_core import InitErrorDetails, PydanticCustomError, from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -427,8 +428,11 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _nothing_to_do(self) -> CompletionRequest:
+        """Checked once echo is read, yet raised as max_tokens' error, so a 400 names it (`param`, the message)."""
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens must be at least 1 (0 only with echo, for the prompt alone)")
+            problem = PydanticCustomError("value_error", "must be at least 1 (0 only with echo, for the prompt alone)")
+            raise ValidationError.from_exception_data(
+                type(self).__name__, [InitErrorDetails(type=problem, loc=("max_tokens",), input=0)])
         return self
 
     @field_validator("prompt")
@@ -551,6 +555,7 @@ class ChatRequest(_Common):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
+    web_search_options: Any = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(_own_template_variables)
 
@@ -574,6 +579,13 @@ class ChatRequest(_Common):
     def _no_audio(cls, value: Any) -> None:
         if value is not None:
             raise ValueError("audio output is not supported")
+        return value
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("web search is not supported: this server answers from the model alone")
         return value
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
@@ -673,9 +685,23 @@ def finish_apart(choice: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**choice, "finish_reason": None}, end] if delivers else [end]
 
 
+# A body that is not a JSON object (a JSON array or string; on the engine, any body sent with another Content-Type,
+# as `curl -d` sends form data's): pydantic's own words ("Input should be a valid dictionary or object to extract
+# fields from") name nothing the client sent
+NOT_A_JSON_OBJECT = "the request body must be a JSON object, sent with Content-Type: application/json"
+_BODY_SHAPE_ERRORS = ("model_type", "model_attributes_type")
+
+
+def validation_problem(loc: Sequence[str], error: Mapping[str, Any]) -> str:
+    """One validation error of a request body, at its field's path `loc` (empty: the body), as a 400 says it."""
+    if not loc and error.get("type") in _BODY_SHAPE_ERRORS:
+        return NOT_A_JSON_OBJECT
+    return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}"
+
+
 def validation_problems(exc: ValidationError) -> str:
     """A request body's first few validation errors, each at its field's path, as a 400 says them."""
-    return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+    return "; ".join(validation_problem([str(x) for x in e["loc"]], e) for e in exc.errors()[:5])
 
 
 def validation_param(exc: ValidationError) -> str | None:

@@ -53,6 +53,7 @@ from kvmesh.engine.openai_types import (
     error_body,
     finish_apart,
     http_error_handler,
+    validation_problem,
 )
 from kvmesh.engine.protocol import (
     CACHE_SOURCES,
@@ -900,7 +901,7 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
                 continue
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             param = param or (loc[0] if loc else None)
-            problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+            problems.append(validation_problem(loc, err))
         return JSONResponse(error_body("; ".join(problems[:5]), param=param), status_code=400)
 
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]

@@ -647,7 +647,7 @@ class Router:
             try:  # as the engine builds it: the same prompt, the same block hashes
                 return body.prompt_ids(self.tokenizer)
             except ValueError as exc:
-                raise RouteError(400, f"messages: {exc}") from None
+                raise RouteError(400, f"messages: {exc}", param="messages") from None
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -656,8 +656,9 @@ class Router:
         # Token ids from the client (several prompts: route by the first): the only ids that need checking.
         ids = list(prompt[0]) if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else list(prompt)
         vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise RouteError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1})")
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise RouteError(400, f"prompt token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}",
+                             param="prompt")
         return ids
 
     async def admit(self, payload: bytes, headers: Mapping[str, str], chat: bool,
@@ -867,7 +868,7 @@ class Router:
         if info.model:
             served = {name for p in states if p.healthy for name in (p.models or {p.model})}
             if served and info.model not in served:
-                raise RouteError(404, unknown_model(info.model, served), code=MODEL_NOT_FOUND)
+                raise RouteError(404, unknown_model(info.model, served), code=MODEL_NOT_FOUND, param="model")
         return pick(info, states, view.matches, self.picker, roles)
 
     def models(self) -> dict[str, Any]:
@@ -1065,7 +1066,8 @@ def request_priority(header: str | None) -> int:
     try:
         return parse_priority(header)
     except ValueError:
-        raise RouteError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}") from None
+        raise RouteError(400, f"{PRIORITY_HEADER} must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}",
+                         param=PRIORITY_HEADER) from None
 
 
 def forwarded_headers(trace: Trace) -> dict[str, str]:
@@ -1487,7 +1489,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             return booking, reply, decision
         if unloaded:
             raise RouteError(404, f"The model `{trace.info.lora}` is no longer served by any pod it was sent to",
-                             code=MODEL_NOT_FOUND)
+                             code=MODEL_NOT_FOUND, param="model")
         return None
 
     async def hold(wait: PodWait, trace: Trace, http: HttpRequest | None) -> Response | None:
