@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvmesh.engine.model.tokenizer import TEXT_PARTS_SEPARATOR
 from kvmesh.router.batches import BatchInputError, check_metadata
 from kvmesh.router.usage import cached_tokens, usage_count
 
@@ -25,6 +26,8 @@ ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_FIELDS = ("name", "description", "parameters", "strict")  # a function tool's, as the chat request has them
 SCHEMA_FIELDS = ("name", "schema", "strict", "description")  # text.format's of type json_schema
+# text.verbosity's default at OpenAI: the only value served (another would ask for a shorter or longer answer)
+DEFAULT_VERBOSITY = "medium"
 # the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
 SAMPLING_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty",
                        "frequency_penalty", "logit_bias", "repetition_penalty", "chat_template_kwargs")
@@ -60,17 +63,18 @@ class ResponsesError(ValueError):
 
 
 def _text_of(content: Any, param: str) -> str:
-    """A message's content as one string: a string, or a list of input_text/output_text parts."""
+    """A message's content (or a function call's output) as one string: a string, or a list of
+    input_text/output_text parts joined as the chat path joins a message's text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ResponsesError("content must be a string or a list of text parts", param)
+        raise ResponsesError(f"{param} must be a string or a list of text parts", param)
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, Mapping) or part.get("type") not in ("input_text", "output_text"):
             raise ResponsesError("only input_text and output_text content parts are supported", f"{param}[{i}]")
         texts.append(str(part.get("text", "")))
-    return "".join(texts)
+    return TEXT_PARTS_SEPARATOR.join(texts)
 
 
 def _check_id(value: Any, param: str) -> None:
@@ -117,7 +121,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": str(item.get("output", ""))})
+                             "content": _text_of(item.get("output", ""), f"{param}.output")})
         else:
             raise ResponsesError(f"input items of type {kind!r} are not supported", f"{param}.type")
     return messages
@@ -189,19 +193,28 @@ def tool_choice(choice: Any) -> str | dict[str, str] | None:
 
 
 def text_config(text: Any) -> dict[str, Any] | None:
-    """A request's `text` as a response echoes it: its `format` with the fields of its type (None: not sent)."""
+    """A request's `text` as a response echoes it: its `format` with the fields of its type (no `format`: text),
+    and its `verbosity` if sent (None: `text` not sent)."""
     if text is None:
         return None
-    form = text.get("format") if isinstance(text, Mapping) else None
+    if not isinstance(text, Mapping):
+        raise ResponsesError("text must be an object", "text")
+    verbosity = text.get("verbosity")
+    if verbosity not in (None, DEFAULT_VERBOSITY):  # would change what the answer holds, which is not done here
+        raise ResponsesError(f"text.verbosity other than {DEFAULT_VERBOSITY!r} is not supported: the answer is not "
+                             "steered to a length (set max_output_tokens or say so in the instructions)",
+                             "text.verbosity")
+    echoed = {"verbosity": verbosity} if verbosity is not None else {}
+    form = text.get("format")
     kind = form.get("type") if isinstance(form, Mapping) else None
-    if text and kind not in ("text", "json_object", "json_schema"):
+    if form is not None and kind not in ("text", "json_object", "json_schema"):
         raise ResponsesError("text.format must be an object whose type is text, json_object or json_schema",
                              "text.format")
     if kind != "json_schema":
-        return {"format": {"type": kind or "text"}}
+        return {"format": {"type": kind or "text"}, **echoed}
     if not isinstance(form.get("schema"), Mapping):
         raise ResponsesError("text.format.schema must be a JSON schema object", "text.format.schema")
-    return {"format": {"type": kind, **{key: form[key] for key in SCHEMA_FIELDS if key in form}}}
+    return {"format": {"type": kind, **{key: form[key] for key in SCHEMA_FIELDS if key in form}}, **echoed}
 
 
 def _response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -292,7 +305,7 @@ def _listed(item: Mapping[str, Any], default_id: str) -> dict[str, Any]:
         return {**entry, "call_id": item.get("call_id"), "name": item.get("name"),
                 "arguments": item.get("arguments", "")}
     if kind == "function_call_output":
-        return {**entry, "call_id": item.get("call_id"), "output": str(item.get("output", ""))}
+        return {**entry, "call_id": item.get("call_id"), "output": _text_of(item.get("output", ""), "output")}
     part = "output_text" if item.get("role") == "assistant" else "input_text"
     content = item.get("content", "")
     parts = [{"type": part, "text": content}] if isinstance(content, str) else content

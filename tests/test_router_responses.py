@@ -19,7 +19,14 @@ from kvmesh.router.app import build_router, create_router_app
 from kvmesh.router.auth import tenant_hash
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.limits import Limiter
-from kvmesh.router.responses import ResponsesError, chat_request, input_items, response_object, turn_messages
+from kvmesh.router.responses import (
+    ResponsesError,
+    chat_request,
+    input_items,
+    response_object,
+    response_shell,
+    turn_messages,
+)
 from kvmesh.router.responses_api import Responses, items_page, response_routes
 from kvmesh.router.responses_store import (
     RESPONSES_TABLE,
@@ -77,6 +84,47 @@ def test_function_call_items_become_tool_messages() -> None:
     assert chat["messages"][0]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
     assert chat["messages"][1] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+
+
+def test_text_parts_are_joined_as_the_chat_path_joins_them() -> None:
+    """The same conversation is the same prompt, sent to /v1/responses or to /v1/chat/completions (whose text parts
+    the engine joins with newlines)."""
+    chat = chat_request({"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]})
+    assert chat["messages"] == [{"role": "user", "content": "a\nb"}]
+
+
+def test_a_function_call_output_of_text_parts_is_their_text() -> None:
+    """The openai client types a function_call_output's output as a string or a list of input parts: the model
+    reads the parts' text (it read a Python repr of the list), and the listed item holds it."""
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": [
+        {"type": "input_text", "text": "21"}, {"type": "input_text", "text": "more"}]}
+    assert chat_request({"model": "m", "input": [call, output]})["messages"][1] == {
+        "role": "tool", "tool_call_id": "c1", "content": "21\nmore"}
+    listed = input_items({"input": [call, output]}, "resp_1")[1]
+    assert listed["output"] == "21\nmore"
+    TypeAdapter(ResponseItem).validate_python(listed)
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA=="}
+    for refused, param in (([{"type": "input_text", "text": "x"}, image], "input[1].output[1]"),
+                           (42, "input[1].output")):
+        with pytest.raises(ResponsesError) as caught:
+            chat_request({"model": "m", "input": [call, {**output, "output": refused}]})
+        assert caught.value.param == param
+
+
+def test_text_without_format_is_text_and_only_the_default_verbosity_is_served() -> None:
+    """A `text` with no `format` asks for text (it was refused naming text.format, which the client never sent);
+    a verbosity other than the default would change what the answer holds, so it is refused rather than ignored."""
+    for text in ({"verbosity": "medium"}, {"format": None}, {}):
+        assert "response_format" not in chat_request({"model": "m", "input": "x", "text": text})
+    shell = response_shell("resp_1", {"model": "m", "input": "x", "text": {"verbosity": "medium"}}, 0)
+    assert shell["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
+    Response.model_validate(shell)
+    for verbosity in ("low", "high"):
+        with pytest.raises(ResponsesError) as caught:
+            chat_request({"model": "m", "input": "x", "text": {"verbosity": verbosity}})
+        assert caught.value.param == "text.verbosity" and "text.format" not in str(caught.value)
 
 
 @pytest.mark.parametrize(("body", "param"), [

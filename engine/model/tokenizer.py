@@ -90,6 +90,11 @@ def _template_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+# What a message's text parts are joined with (as vLLM does), wherever parts become one content string: chat
+# messages here, the Responses API's input_text parts in the router, so one conversation is one prompt
+TEXT_PARTS_SEPARATOR = "\n"
+
+
 def _content_text(index: int, content: object) -> str:
     """A message's content as one string; OpenAI's list of text parts is joined with newlines (as vLLM does)."""
     if isinstance(content, str):
@@ -101,7 +106,7 @@ def _content_text(index: int, content: object) -> str:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ValueError(f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return TEXT_PARTS_SEPARATOR.join(texts)
 
 
 def _normalize_messages(messages: object, developer_role: bool) -> list[dict]:
