@@ -277,7 +277,7 @@ class Elector:
             try:
                 action = await asyncio.wait_for(self._round(), max(left, 0.001))
             except (TimeoutError, LeaseError) as exc:
-                log.warning("lease %s/%s not renewed: %s", self.api.namespace, self.api.name, exc or "timed out")
+                log.warning("lease %s/%s not renewed: %s", self.api.namespace, self.api.name, str(exc) or "timed out")
                 action = None
             if action == Action.LOST:
                 self._stopped()
