@@ -191,7 +191,7 @@ def _body_chunks(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse
 
 def immediate(error: RouteError, retry_after: int | None = None) -> pb.ProcessingResponse:
     """The gateway answers the client at once with this status and an OpenAI-style error body."""
-    body = error_body(error.message, error.kind, code=error.code)
+    body = error_body(error.message, error.kind, error.param, error.code)
     extra = dict(error.headers)  # a rate limit's Retry-After and x-ratelimit-*, as the HTTP edge sends them
     if retry_after is not None:
         extra["retry-after"] = str(retry_after)

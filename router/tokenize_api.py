@@ -97,7 +97,8 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
         cards = models()["data"]
         served = {card["id"] for card in cards}
         if body.model is not None and served and body.model not in served:
-            return JSONResponse(error_body(unknown_model(body.model, served), code=MODEL_NOT_FOUND), status_code=404)
+            return JSONResponse(error_body(unknown_model(body.model, served), param="model", code=MODEL_NOT_FOUND),
+                                status_code=404)
         return body, large
 
     async def answer(http: HttpRequest, kind: type[BaseModel], work: Callable[[Any], tuple[dict[str, Any], int]],

@@ -327,6 +327,7 @@ async def test_an_unknown_model_gets_404(picker) -> None:
     payload = json.dumps({**completion(6), "model": "other"}).encode()
     status, error, _ = refusal((await full_duplex(stub, [request_headers(), *body_chunks(payload)]))[0])
     assert status == 404 and error["error"]["code"] == "model_not_found"
+    assert error["error"]["param"] == "model"  # as the router's HTTP edge and the engine name it
 
 
 @pytest.mark.asyncio

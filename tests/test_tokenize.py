@@ -80,6 +80,7 @@ def test_bad_calls_say_why(edges: dict[str, str], edge: str) -> None:
     assert post(url, "/tokenize", {"prompt": "a", "tools": TOOLS}).status_code == 400
     gone = post(url, "/tokenize", {"prompt": "a", "model": "no-such-model"})
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    assert gone.json()["error"]["param"] == "model"
     outside = post(url, "/detokenize", {"tokens": [1, 10**9]})
     assert outside.status_code == 400 and "outside the vocabulary" in outside.json()["error"]["message"]
 
