@@ -38,6 +38,9 @@ MAX_REPETITION_PENALTY = 10.0  # vLLM takes any positive value; past this every 
 # what the chat template is given by the engine itself: chat_template_kwargs may not replace them
 TEMPLATE_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                     "pad_token", "unk_token", "raise_exception", "strftime_now"})
+# chat's `verbosity` and the Responses API's `text.verbosity`: OpenAI's default, the only one served (another asks
+# for a shorter or longer answer, which this server does not steer)
+DEFAULT_VERBOSITY = "medium"
 MAX_N = 16  # choices per prompt
 # The sequences one request may start: a completion's prompts times `n`, each one engine request and one choice of
 # the answer. OpenAI caps a request's choices at 128 (its bound on `n`); a list of prompts shares that bound, so one
@@ -556,6 +559,7 @@ class ChatRequest(_Common):
     modalities: list[str] | None = None
     audio: Any = None
     web_search_options: Any = None
+    verbosity: str | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(_own_template_variables)
 
@@ -586,6 +590,14 @@ class ChatRequest(_Common):
     def _no_web_search(cls, value: Any) -> None:
         if value is not None:
             raise ValueError("web search is not supported: this server answers from the model alone")
+        return value
+
+    @field_validator("verbosity")
+    @classmethod
+    def _default_verbosity(cls, value: str | None) -> str | None:
+        if value not in (None, DEFAULT_VERBOSITY):
+            raise ValueError(f"other than {DEFAULT_VERBOSITY!r} is not supported: the answer is not steered to a "
+                             "length")
         return value
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:

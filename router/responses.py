@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvmesh.engine.model.tokenizer import TEXT_PARTS_SEPARATOR
+from kvmesh.engine.openai_types import DEFAULT_VERBOSITY
 from kvmesh.router.batches import BatchInputError, check_metadata
 from kvmesh.router.usage import cached_tokens, usage_count
 
@@ -26,8 +27,6 @@ ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_FIELDS = ("name", "description", "parameters", "strict")  # a function tool's, as the chat request has them
 SCHEMA_FIELDS = ("name", "schema", "strict", "description")  # text.format's of type json_schema
-# text.verbosity's default at OpenAI: the only value served (another would ask for a shorter or longer answer)
-DEFAULT_VERBOSITY = "medium"
 # the chat path's own sampling fields (beyond OpenAI's), taken as they are: the engine checks them
 SAMPLING_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty",
                        "frequency_penalty", "logit_bias", "repetition_penalty", "chat_template_kwargs")

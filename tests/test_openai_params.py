@@ -46,6 +46,7 @@ def refusal(url: str, path: str, body: Any, headers: dict[str, str] | None = Non
     (CHAT, {"messages": HI}, {PRIORITY_HEADER: "urgent"}, 400, PRIORITY_HEADER, PRIORITY_HEADER),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens", "max_tokens: must be at least 1"),
     (CHAT, {"messages": HI, "web_search_options": {}}, None, 400, "web_search_options", "web search"),
+    (CHAT, {"messages": HI, "verbosity": "low"}, None, 400, "verbosity", "not steered to a length"),
 ])
 def test_engine_and_router_name_the_same_field(pool: dict[str, str], path: str, body: dict[str, Any],
                                                headers: dict[str, str] | None, status: int, param: str,
@@ -60,6 +61,13 @@ def test_a_completion_of_max_tokens_0_with_echo_is_the_prompt(pool: dict[str, st
     for url in pool.values():
         reply = httpx.post(url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 0, "echo": True}, timeout=30)
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "hi", reply.text
+
+
+def test_a_chat_of_the_default_verbosity_is_answered(pool: dict[str, str]) -> None:
+    """`verbosity: medium` is OpenAI's default, what every answer is: SDKs that send it get their answer."""
+    for url in pool.values():
+        reply = httpx.post(url + CHAT, json={"messages": HI, "max_tokens": 2, "verbosity": "medium"}, timeout=30)
+        assert reply.status_code == 200, reply.text
 
 
 @pytest.mark.parametrize("url_of", ["engine", "router"])
