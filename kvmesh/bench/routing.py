@@ -5,12 +5,18 @@ random routing's mean TTFT is about 20 s. Every policy replays the same trace th
 is the router's own picker and prefix index (policies.RouterPolicy). Reported per policy: the token hit ratio
 against the unbounded-cache ideal, mean and p99 TTFT, and the imbalance of busy time, with kvmesh's mean TTFT
 as a ratio to each baseline's; a TTFT CDF as a PNG.
+
+`--router-replicas N ...` adds kvmesh run as N independent router replicas (policies.RouterReplicasPolicy: each
+its own scrapes, counters and provisional entries), against one replica of the same model; `--spread-arrivals W`
+spreads each instant's arrivals over the W seconds after it (the Mooncake trace's timestamps come in 3 s buckets,
+about 10 requests at each instant).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,9 +32,11 @@ from kvmesh.bench.policies import (
     RandomPolicy,
     RoundRobinPolicy,
     RouterPolicy,
+    RouterReplicasPolicy,
 )
 from kvmesh.bench.sim import ClusterSpec, RoutingPolicy, SimRequest, SimResult, build_requests, simulate
 from kvmesh.bench.traces import MOONCAKE_TRACE, ideal_hit_ratio, load_mooncake
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.picker import PickerConfig
 
 RANDOM_TTFT_SECONDS = 20.0  # the load of the reference setting: random routing's mean TTFT (Mooncake's 19.65 s)
@@ -61,6 +69,18 @@ class Row:
     p99_ttft: float
     imbalance: float
     kvmesh_speedup: float  # this policy's mean TTFT over kvmesh's
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """kvmesh run as `replicas` router replicas, and its mean TTFT as a ratio to one replica's."""
+
+    replicas: int
+    hit_ratio: float
+    mean_ttft: float
+    p99_ttft: float
+    imbalance: float
+    ttft_ratio: float  # this mean TTFT over one replica's
 
 
 def calibrate(requests: Sequence[SimRequest], spec: ClusterSpec, target: float = RANDOM_TTFT_SECONDS,
@@ -96,6 +116,35 @@ def study(requests: Sequence[SimRequest], spec: ClusterSpec, runs: Sequence[Rout
     rows = [Row(r.policy, r.hit_ratio, r.hit_ratio / ideal if ideal else 0.0, r.pulled_ratio, r.mean_ttft,
                 r.p99_ttft, r.imbalance, r.mean_ttft / ours if ours else 0.0) for r in results]
     return rows, results
+
+
+def spread_arrivals(requests: Sequence[SimRequest], window: float, seed: int = 0) -> list[SimRequest]:
+    """The same requests with each arrival moved to a uniformly random (seeded) time within the `window` seconds
+    after it, by arrival: undoes a trace's rounding of timestamps to buckets of `window` seconds, which turned each
+    bucket's arrivals into a burst at one instant."""
+    rng = random.Random(seed)
+    moved = [SimRequest(r.rid, r.arrival + rng.uniform(0, window), r.prompt_tokens, r.output_tokens, r.hash_ids,
+                        r.block_hashes) for r in requests]
+    return sorted(moved, key=lambda r: r.arrival)
+
+
+def replica_study(requests: Sequence[SimRequest], spec: ClusterSpec, counts: Sequence[int], picker: PickerConfig,
+                  seed: int = 0, progress: Callable[[int], None] | None = None) -> list[ReplicaRow]:
+    """kvmesh as each number of router replicas in `counts` (one replica first: the reference of the ratios)."""
+    results = [simulate(requests, spec, RouterReplicasPolicy(n, seed, RouterPolicy(picker)), progress=progress)
+               for n in counts]
+    one = results[0].mean_ttft
+    return [ReplicaRow(n, r.hit_ratio, r.mean_ttft, r.p99_ttft, r.imbalance, r.mean_ttft / one if one else 0.0)
+            for n, r in zip(counts, results, strict=True)]
+
+
+def replica_table(rows: Sequence[ReplicaRow]) -> str:
+    lines = ["| router replicas | token hit ratio | mean TTFT (s) | p99 TTFT (s) | imbalance | "
+             "mean TTFT vs 1 replica |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.replicas} | {r.hit_ratio:.1%} | {r.mean_ttft:.2f} | {r.p99_ttft:.2f} | {r.imbalance:.2f} | "
+                     f"{r.ttft_ratio:.2f}x |")
+    return "\n".join(lines)
 
 
 def table(rows: Sequence[Row], ideal: float) -> str:
@@ -148,6 +197,12 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
                    help="prefill tokens/s per instance; default: calibrated so random's mean TTFT is 20 s")
     p.add_argument("--weight", action="append", default=[], metavar="NAME=VALUE",
                    help="a picker setting for kvmesh's policy, as in the router config's `weights` (repeatable)")
+    p.add_argument("--router-replicas", type=int, nargs="+", metavar="N",
+                   help="also run kvmesh as N independent router replicas (each its own scrapes, counters and "
+                        "provisional entries; requests dealt at random), against 1 replica of the same model")
+    p.add_argument("--spread-arrivals", type=float, metavar="SECONDS",
+                   help="move each arrival to a random time within SECONDS after it (the Mooncake trace's "
+                        "timestamps come in 3 s buckets); the prefill speed is calibrated on the trace as recorded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write the TTFT CDF here (PNG)")
@@ -178,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
         plots.check_output_path(args.plot, "--plot")
         if args.instances < 1:
             raise ValueError("--instances must be at least 1")
+        if args.router_replicas is not None and min(args.router_replicas) < 1:
+            raise ValueError(f"--router-replicas must be at least 1, got {min(args.router_replicas)}")
+        if args.spread_arrivals is not None and not args.spread_arrivals >= 0:
+            raise ValueError(f"--spread-arrivals must be 0 or more seconds, got {args.spread_arrivals}")
         picker = picker_from_flags(args.weight)
         trace = load_mooncake(args.trace, args.limit)
         spec = ClusterSpec({"prefill": args.instances}, cache_tokens=args.cache_tokens)
@@ -188,20 +247,33 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     speed = args.prefill_speed
     if speed is None:
-        print(f"calibrating the prefill speed so that random's mean TTFT is {RANDOM_TTFT_SECONDS:.0f} s ...",
-              file=sys.stderr)
-        speed = calibrate(requests, spec, seed=args.seed)
+        print(f"calibrating the prefill speed so that random's mean TTFT is {RANDOM_TTFT_SECONDS:.0f} s "
+              f"{'on the trace as recorded ' if args.spread_arrivals is not None else ''}...", file=sys.stderr)
+        speed = calibrate(requests, spec, seed=args.seed)  # as recorded: spread or not, the same hardware
+    if args.spread_arrivals is not None:
+        requests = spread_arrivals(requests, args.spread_arrivals, args.seed)
     spec = _with_speed(spec, speed)
     ideal = ideal_hit_ratio(trace)
     runs = policies(args.seed, picker)
     with tqdm(total=len(requests) * len(runs), unit="req", desc="policies") as bar:
         rows, results = study(requests, spec, runs, ideal, bar.update)
+    replica_rows: list[ReplicaRow] = []
+    if args.router_replicas is not None:
+        counts = sorted({1, *args.router_replicas})
+        with tqdm(total=len(requests) * len(counts), unit="req", desc="router replicas") as bar:
+            replica_rows = replica_study(requests, spec, counts, picker, args.seed, bar.update)
+    spread = "" if args.spread_arrivals is None else f"; arrivals spread over {args.spread_arrivals:g} s"
     print(f"\n{len(requests)} requests, {args.instances} instances x {args.cache_tokens:,} cached tokens, "
-          f"prefill {speed:,.0f} tokens/s; unbounded-cache hit ratio {ideal:.1%}\n")
+          f"prefill {speed:,.0f} tokens/s; unbounded-cache hit ratio {ideal:.1%}{spread}\n")
     print(table(rows, ideal))
     checks = verdicts(rows)
     for name, ok in checks.items():
         print(f"  {'met    ' if ok else 'NOT met'}  {name}")
+    scrape_interval = RouterConfig().scrape_interval_seconds
+    if replica_rows:
+        print(f"\nkvmesh as independent router replicas, each scraping every {scrape_interval:g} s and counting only "
+              "its own requests between scrapes (1 replica reads scraped numbers too, unlike the kvmesh row above):\n")
+        print(replica_table(replica_rows))
     if args.plot:
         plot_cdf(results, Path(args.plot), f"TTFT, Mooncake trace, {args.instances} instances")
     if args.json:
@@ -211,6 +283,11 @@ def run(args: argparse.Namespace) -> int:
             "picker": vars(picker), "rows": [vars(r) for r in rows], "targets": checks,
             "seconds": time.perf_counter() - started,
         }
+        if args.spread_arrivals is not None:
+            body["spread_arrivals_seconds"] = args.spread_arrivals
+        if replica_rows:
+            body["router_replicas"] = {"scrape_interval_seconds": scrape_interval,
+                                       "rows": [vars(r) for r in replica_rows]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(body, indent=2) + "\n")
     return 0

@@ -453,8 +453,9 @@ class Instance:
             self.seq += 1
             batch = KVEventBatch(self.name, self.seq, tuple(self._events))
             self._events.clear()
-            applied = self.cluster.index.apply(self.name, batch)
-            assert applied, f"{self.name}: the index refused batch {batch.seq}"
+            for index in self.cluster.router_indexes:  # every router replica reads every pod's stream
+                applied = index.apply(self.name, batch)
+                assert applied, f"{self.name}: the index refused batch {batch.seq}"
 
 
 # ---- routing and scaling interfaces --------------------------------------------------------------------------
@@ -611,6 +612,11 @@ class Cluster:
         self.scaled_role = scaled_role or ("both" if spec.pools.get("both") else "prefill")
         self.now = 0.0
         self.index = PrefixIndex()
+        # the indexes of the router replicas, `index` first: each is fed every instance's event batches as they are
+        # published, since every replica subscribes to every pod's stream (add_router_index adds one)
+        self.router_indexes: list[PrefixIndex] = [self.index]
+        # called with each request as it finishes: what a router replica's counters of its own requests learn
+        self.finish_listeners: list[Callable[[SimRequest], None]] = []
         self.instances: dict[str, Instance] = {}
         self.busy: dict[str, float] = {}
         self._heap: list[tuple[float, int, Callable[[], object]]] = []
@@ -761,6 +767,17 @@ class Cluster:
     def on_finish(self, request: SimRequest) -> None:
         request.finished_at = self.now
         self.finished.append(request)
+        for listener in self.finish_listeners:
+            listener(request)
+
+    def add_router_index(self) -> PrefixIndex:
+        """Another router replica's prefix index, fed from now on every batch the instances publish (each replica
+        subscribes to every pod's event stream). Made before the first request, so it misses no event."""
+        if any(i.seq for i in self.instances.values()):
+            raise RuntimeError("a router index added after the instances published events would miss them")
+        index = PrefixIndex()
+        self.router_indexes.append(index)
+        return index
 
     # ---- instances coming and going --------------------------------------------------------------------------
 
@@ -786,7 +803,8 @@ class Cluster:
         if inst.name in self.instances:
             self.busy[inst.name] = inst.busy_seconds
             del self.instances[inst.name]
-            self.index.remove_pod(inst.name)
+            for index in self.router_indexes:
+                index.remove_pod(inst.name)
 
     def observe(self) -> Observation:
         """The scaled role's instances (starting ones too, as not ready) and the traffic since the last call."""
