@@ -314,9 +314,11 @@ class BatchRunner:
         or expired), YIELDED when its turn ended (the requests in flight finish; the rest wait for its next
         turn), or None when the lease was lost."""
         # preparing (reading and checking the file, maybe of 100 MiB) may outlast the lease: another replica that
-        # took the batch meanwhile runs it, and this one sends nothing rather than requests it sends too
-        if await asyncio.to_thread(self.store.renew, batch.id, self.owner, self.settings.lease_seconds) is None:
-            return None
+        # took the batch meanwhile runs it, and this one sends nothing rather than requests it sends too; a batch
+        # cancelled meanwhile ends with nothing sent (the keeper's first tick would stop it a flush period later)
+        status = await asyncio.to_thread(self.store.renew, batch.id, self.owner, self.settings.lease_seconds)
+        if status in (None, "cancelling"):
+            return status
         answered = await asyncio.to_thread(self.store.answered_lines, batch.id)
         ordered = [line for line in run_order(lines, self.settings.order) if line.line not in answered]
         shared = GROUP_MIN_CHARS if self.settings.order == PREFIX_ORDER else 0

@@ -726,6 +726,27 @@ def test_a_replica_whose_lease_ran_out_while_it_prepared_the_batch_sends_nothing
     assert store.renew(batch_id, "replica-b", 60) == "in_progress"  # replica-b holds it still
 
 
+def test_a_batch_cancelled_while_its_file_was_checked_sends_nothing(store: BatchStore) -> None:
+    """The client cancels while the replica reads and checks the input: the run sends no request (it used to send
+    for a flush period, each answer charged and written) and the batch ends cancelled, every request unrun."""
+    sent: list[str] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        sent.append(body["messages"][1]["content"])
+        return served(body)
+
+    batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
+    claimed = store.claim("replica-a", 60)
+    assert claimed is not None and store.start(batch_id, "replica-a", 5, "m")
+    store.cancel(TENANT, batch_id)
+    runner = BatchRunner(store, send, lambda pseudonym: "default", Counters(), FAST, owner="replica-a")
+    asyncio.run(runner.run(dataclasses.replace(claimed, status="in_progress")))
+    batch, output, errors = output_of(store, batch_id)
+    assert sent == [] and output == []
+    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    assert [x["error"]["code"] for x in errors] == ["batch_cancelled"] * 5
+
+
 def test_a_batch_the_runner_keeps_failing_on_is_failed_not_retried_forever(store: BatchStore) -> None:
     calls: list[str] = []
 
