@@ -317,7 +317,12 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=_port, help="serve the operator's Prometheus metrics on this port")
     p.add_argument("--health-port", type=_port, help="serve a liveness probe at /healthz on this port")
     p.add_argument("--render-crd", action="store_true", help="print the InferencePool CRD and exit")
+    from kvmesh.bench.args import positive_int
     from kvmesh.operator.leader import DEFAULT_LEASE_NAME, Timing
+
+    p.add_argument("--workers", type=positive_int, metavar="THREADS",
+                   help="how many pools' handlers (scaling ticks, reconciles) run at once, each in a thread that "
+                        "mostly waits on the API server and the pods (default and sizing: docs/operator.md)")
 
     timing = Timing()
     p.add_argument("--leader-elect", action="store_true",
@@ -372,7 +377,8 @@ def _operator(args: argparse.Namespace) -> int:
     try:
         run(OperatorConfig(kubeconfig=args.kubeconfig, namespaces=tuple(args.namespaces),
                            tick_seconds=args.tick_seconds, metrics_port=args.metrics_port,
-                           health_port=args.health_port, election=_election(args)))
+                           health_port=args.health_port, election=_election(args),
+                           **({"workers": args.workers} if args.workers is not None else {})))
     except ValueError as exc:  # no kubeconfig and not in a cluster; election durations that overlap leaders
         print(f"kvmesh operator: {exc}", file=sys.stderr)
         return 2

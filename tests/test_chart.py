@@ -64,7 +64,7 @@ RENDERINGS = {
     "default": render(),
     "default, Prometheus Operator": render(api_versions=(MONITORING_API,)),
     "disaggregated pool, Prometheus Operator": render(DISAGGREGATED, api_versions=(MONITORING_API,)),
-    "namespaced operator": render({"operator": {"watchNamespaces": ["team-a", "team-b", "kvmesh"]},
+    "namespaced operator": render({"operator": {"watchNamespaces": ["team-a", "team-b", "kvmesh"], "workers": 128},
                                    "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"app": "x"}}}]},
                                    "pool": {"enabled": True}}),
     "two operators": render({"operator": {"replicas": 2}}),
@@ -83,6 +83,7 @@ def test_lint_finds_no_errors() -> None:
 
 def test_the_schema_rejects_bad_values() -> None:
     for bad in ({"ports": {"engine": 70000}}, {"operator": {"replicas": 4}}, {"unknown": 1},
+                {"operator": {"workers": 0}}, {"operator": {"workers": "many"}},
                 {"securityContext": {"readOnlyRootFilesystem": False}}, {"pool": {"name": "Not_A_Name"}},
                 {"pool": {"name": "1chat"}},  # a Service's name starts with a letter, as the CRD says
                 {"pool": {"enabled": True, "spec": {"mode": "disaggregated"}}}):  # a spec of your own names a model
@@ -234,11 +235,13 @@ def test_pods_are_locked_down(name: str) -> None:
 
 def test_the_operator_command_is_one_kvmesh_accepts() -> None:
     """The chart's arguments, given to the real `kvmesh operator` (with --render-crd, so it parses them, prints
-    the CRD and exits without a cluster)."""
-    for name in ("default", "namespaced operator"):
+    the CRD and exits without a cluster). operator.workers is passed only when set (else the operator's
+    default)."""
+    for name, workers in (("default", []), ("namespaced operator", ["--workers=128"])):
         (deployment,) = by_kind(manifests(RENDERINGS[name]), "Deployment")
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert container["args"][0] == "operator"
+        assert [a for a in container["args"] if a.startswith("--workers")] == workers
         out = subprocess.run([sys.executable, "-m", "kvmesh.cli", *container["args"], "--render-crd"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
