@@ -45,7 +45,7 @@ from kvmesh.operator.conditions import pool_conditions, ready_replicas, switchin
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool, spec_roles
 from kvmesh.operator.engines import Scraper, close_pod_client, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
-from kvmesh.operator.kube import PLURALS, Kube, NameTaken, owned_by, same_owner
+from kvmesh.operator.kube import PLURALS, Kube, NameTaken, merged, owned_by, same_owner
 from kvmesh.operator.leader import Election, run_elected
 from kvmesh.operator.lora import REFUSED, AdapterMemory, AdapterStatus, EnginePod, adapter_tick, http_act, http_served
 from kvmesh.operator.memory import (
@@ -597,19 +597,6 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
         if merged(status.get(key), value) != status.get(key):
             patch.status[key] = value
     return decision
-
-
-def merged(current: Any, patch: Any) -> Any:
-    """`current` with the merge patch (RFC 7386) `patch` applied: what the API server would store."""
-    if not isinstance(patch, Mapping):
-        return patch
-    out = dict(current) if isinstance(current, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merged(out.get(key), value)
-    return out
 
 
 def last_decision(previous: Any, decision: Decision) -> dict[str, Any]:

@@ -46,6 +46,19 @@ LAST_APPLIED_ANNOTATION = "kvmesh.io/last-applied"
 Path = tuple[str, ...]  # a key's path in an object, e.g. ("spec", "replicas")
 
 
+def merged(current: Any, patch: Any) -> Any:
+    """`current` with the merge patch (RFC 7386) `patch` applied: what the API server would store."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(current) if isinstance(current, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merged(out.get(key), value)
+    return out
+
+
 def three_way_patch(last_applied: Mapping[str, Any] | None, patch: Mapping[str, Any],
                     keep: Collection[Path] = ()) -> dict[str, Any]:
     """The merge patch (RFC 7386) that makes an object hold `patch`'s fields and no longer those it was last

@@ -13,7 +13,7 @@ import json
 import random
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -470,6 +470,17 @@ def served(body: dict[str, Any]) -> Answer:
                         "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
 
 
+def recording_sender() -> tuple[list[str], Callable[[str, str, dict[str, Any]], Awaitable[Answer]]]:
+    """A send that answers at once and records each request's question, in the order sent."""
+    sent: list[str] = []
+
+    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
+        sent.append(body["messages"][1]["content"])
+        return served(body)
+
+    return sent, send
+
+
 async def run_claimed(runner: BatchRunner, store: BatchStore) -> None:
     claimed = await asyncio.to_thread(store.claim, runner.owner, runner.settings.lease_seconds)
     assert claimed is not None
@@ -686,11 +697,7 @@ def test_a_batch_past_its_window_expires_with_its_requests_in_the_error_file(sto
 def test_a_replica_taking_a_batch_over_sends_only_what_was_not_answered(store: BatchStore) -> None:
     from kvmesh.router.batches import LineResult
 
-    sent: list[str] = []
-
-    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
-        sent.append(body["messages"][1]["content"])
-        return served(body)
+    sent, send = recording_sender()
 
     batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
     first = store.claim("replica-a", 60)
@@ -708,11 +715,7 @@ def test_a_replica_taking_a_batch_over_sends_only_what_was_not_answered(store: B
 def test_a_replica_whose_lease_ran_out_while_it_prepared_the_batch_sends_nothing(store: BatchStore) -> None:
     """Reading and checking a large input file may outlast the lease, and another replica take the batch meanwhile:
     the first one, its preparation done, sends none of the requests the new holder sends too."""
-    sent: list[str] = []
-
-    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
-        sent.append(body["messages"][1]["content"])
-        return served(body)
+    sent, send = recording_sender()
 
     batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
     first = store.claim("replica-a", 60)
@@ -729,11 +732,7 @@ def test_a_replica_whose_lease_ran_out_while_it_prepared_the_batch_sends_nothing
 def test_a_batch_cancelled_while_its_file_was_checked_sends_nothing(store: BatchStore) -> None:
     """The client cancels while the replica reads and checks the input: the run sends no request (it used to send
     for a flush period, each answer charged and written) and the batch ends cancelled, every request unrun."""
-    sent: list[str] = []
-
-    async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
-        sent.append(body["messages"][1]["content"])
-        return served(body)
+    sent, send = recording_sender()
 
     batch_id = new_batch(store, [line(f"r{i}", chat("s", f"q{i}")) for i in range(5)])
     claimed = store.claim("replica-a", 60)

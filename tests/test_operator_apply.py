@@ -13,23 +13,10 @@ from typing import Any
 import pytest
 
 from kvmesh.operator.desired import HANDED_OFF
-from kvmesh.operator.kube import LAST_APPLIED_ANNOTATION, last_applied, recorded, three_way_patch
+from kvmesh.operator.kube import LAST_APPLIED_ANNOTATION, last_applied, merged, recorded, three_way_patch
 from tests.test_operator import NS, POOLS, eventually, operator, pool_body, run
 
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
-
-
-def merge(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies a merge patch."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge(out.get(key), value)
-    return out
 
 
 def test_keys_removed_at_any_depth_are_nulled_and_the_rest_is_the_new_patch() -> None:
@@ -65,7 +52,7 @@ def test_nothing_the_operator_never_applied_is_nulled() -> None:
     new = {"spec": {"template": {"spec": {"nodeSelector": {"gpu": "h100"}}}}}
     assert three_way_patch({"spec": {"template": {"spec": {"nodeSelector": {"gpu": "a100"}}}}}, new) == new
     assert three_way_patch(None, new) == new
-    after = merge(live, three_way_patch(None, new))
+    after = merged(live, three_way_patch(None, new))
     assert after["metadata"] == live["metadata"] and after["spec"]["replicas"] == 5
     assert after["spec"]["template"]["spec"] == {"dnsPolicy": "ClusterFirst", "nodeSelector": {"gpu": "h100"}}
 
