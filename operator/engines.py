@@ -26,6 +26,7 @@ import httpx
 
 from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, READY_PATH, serving_metrics
 from kvmesh.operator.warmup import ServingPod, Warmup, WarmupUnanswered, warm_body
+from kvmesh.router.proxy import IDLE_SECONDS
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
 WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick waits for it (targets in parallel)
@@ -34,9 +35,10 @@ SCRAPE_WORKERS = 16  # pods scraped at once
 
 # The shared client's connections: no cap on those open at once (a capped pool would queue a scrape behind other
 # pools' and count the wait against its timeout: kopf runs many pools' ticks at once, each scraping up to
-# SCRAPE_WORKERS pods), and enough kept alive between calls for a fleet's pods; httpx's default keep-alive expiry
-# (5 s) stays, no longer than the engines' servers keep an idle connection.
-POD_CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+# SCRAPE_WORKERS pods), and enough kept alive between calls for a fleet's pods; an idle one is dropped before the
+# engines' servers drop it (the router's IDLE_SECONDS: at httpx's default of 5 s, uvicorn's own, a call reusing a
+# connection idle for just under 5 s met the pod closing it, a reset read as a pod that does not answer)
+POD_CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=IDLE_SECONDS)
 
 Scraper = Callable[[str], str]  # URL -> Prometheus text
 

@@ -369,6 +369,20 @@ def observe_routers(pods: list[dict[str, Any]], port: int, scrape: Scraper) -> R
     return RouterView(total, unseen)
 
 
+def kopf_connection(configuration: Configuration) -> kopf.ConnectionInfo:
+    """What kopf's watches and patches authenticate with: the same server, certificates and bearer token as the
+    operator's own API calls. The token is asked of the configuration each time (kopf logs in again after a 401),
+    which runs the client's refresh hook: a service account's token file, rotated by the kubelet, is read again.
+    The loaders keep it under `BearerToken`, as `Bearer X` (kubeconfig) or `bearer X` (in the cluster)."""
+    c = configuration
+    header = (c.get_api_key_with_prefix("BearerToken") or "").strip()
+    scheme, _, rest = header.partition(" ")
+    token = rest.strip() if scheme.lower() == "bearer" and rest.strip() else header
+    return kopf.ConnectionInfo(server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl,
+                               scheme="Bearer" if token else None, token=token or None,
+                               certificate_path=c.cert_file, private_key_path=c.key_file)
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configuration: Configuration,
              scrape: Scraper = http_scrape, metrics: OperatorMetrics | None = None,
              warm: Warmer | None = None, open_gates: GateOpener | None = None) -> OperatorMetrics:
@@ -402,11 +416,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
-        c = configuration
-        token = (c.api_key or {}).get("authorization", "")
-        return kopf.ConnectionInfo(server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl,
-                                   scheme="Bearer" if token else None, token=token.removeprefix("Bearer ") or None,
-                                   certificate_path=c.cert_file, private_key_path=c.key_file)
+        return kopf_connection(configuration)
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
