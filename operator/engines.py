@@ -6,10 +6,7 @@ Every call but the scrape (/metrics is open) carries the pool's internal token (
 given one as `auth`: the cluster operator's, read from the pool's Secret (`InternalToken.fixed`), or `kvmesh up`'s,
 read from its work folder.
 
-Every call goes through one long-lived client (`pod_client`; operator/lora.py's calls too): a client made per call
-(`httpx.get`) loaded the CA bundle into a new TLS context each time, although the pods are called over plain
-http: 36 ms of wall time (31 ms of CPU) per scrape against 2 ms with a shared client, which at 15 pools left healthy
-pods reported as not answering within their 2 s timeout (66 of 480 pod-ticks), holding up scale-down.
+Every call goes through the operator's one client for pods (operator/pod_client.py).
 
 Kopf-free: the cluster operator (operator/handlers.py) and the local one inside `kvmesh up -f`
 (operator/local.py) make the same calls.
@@ -19,51 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from threading import Lock
 from typing import Any
 
 import httpx
 
 from kvmesh.engine.protocol import KV_HOT_PATH, KV_WARM_PATH, READY_PATH, serving_metrics
+from kvmesh.operator.pod_client import pod_client
 from kvmesh.operator.warmup import ServingPod, Warmup, WarmupUnanswered, warm_body
-from kvmesh.router.proxy import IDLE_SECONDS
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
 WARM_TIMEOUT_SECONDS = 60.0  # one new pod's whole warm-up; the scaling tick waits for it (targets in parallel)
 
 SCRAPE_WORKERS = 16  # pods scraped at once
 
-# The shared client's connections: no cap on those open at once (a capped pool would queue a scrape behind other
-# pools' and count the wait against its timeout: kopf runs many pools' ticks at once, each scraping up to
-# SCRAPE_WORKERS pods), and enough kept alive between calls for a fleet's pods; an idle one is dropped before the
-# engines' servers drop it (the router's IDLE_SECONDS: at httpx's default of 5 s, uvicorn's own, a call reusing a
-# connection idle for just under 5 s met the pod closing it, a reset read as a pod that does not answer)
-POD_CONNECTION_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=IDLE_SECONDS)
-
 Scraper = Callable[[str], str]  # URL -> Prometheus text
-
-_pod_client: httpx.Client | None = None
-_pod_client_lock = Lock()
-
-
-def pod_client() -> httpx.Client:
-    """The one client of the operator's calls to pods, made at the first call (httpx.Client is thread-safe: every
-    tick's threads share it); each call passes its own timeout and auth."""
-    global _pod_client
-    with _pod_client_lock:
-        if _pod_client is None:
-            _pod_client = httpx.Client(limits=POD_CONNECTION_LIMITS)
-        return _pod_client
-
-
-def close_pod_client() -> None:
-    """Close the shared client's connections (at the operator's exit); a later call makes a new one."""
-    global _pod_client
-    with _pod_client_lock:
-        client, _pod_client = _pod_client, None
-    if client is not None:
-        client.close()
-
 
 def http_scrape(url: str) -> str:
     response = pod_client().get(url, timeout=SCRAPE_TIMEOUT_SECONDS)

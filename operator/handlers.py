@@ -43,7 +43,7 @@ from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
 from kvmesh.operator.conditions import pool_conditions, ready_replicas, switching
 from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool, spec_roles
-from kvmesh.operator.engines import Scraper, close_pod_client, http_open_gates, http_scrape, http_warm, scrape_all
+from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
 from kvmesh.operator.kube import PLURALS, Kube, NameTaken, merged, owned_by, same_owner
 from kvmesh.operator.leader import Election, run_elected
@@ -58,6 +58,7 @@ from kvmesh.operator.memory import (
     status_replicas,
 )
 from kvmesh.operator.metrics import LeaderMetrics, OperatorMetrics
+from kvmesh.operator.pod_client import close_pod_client
 from kvmesh.operator.routers_first import REASON as ROUTERS_FIRST
 from kvmesh.operator.routers_first import held_message, legacy_engines, routers_first
 from kvmesh.operator.scale_in import deletion_costs

@@ -36,6 +36,7 @@ import httpx
 
 from kvmesh.engine.protocol import LOAD_LORA_PATH, LORA_ACTIONS, LORA_OUTCOMES, MODELS_PATH, UNLOAD_LORA_PATH
 from kvmesh.operator.crd import MAX_ADAPTER_REFUSALS, MAX_MANAGED_ADAPTERS, Pool
+from kvmesh.operator.pod_client import pod_client
 from kvmesh.router.lora import ServedModels
 
 LOAD, UNLOAD = LORA_ACTIONS
@@ -304,8 +305,6 @@ Clock = Callable[[], float]
 
 def http_served(url: str, timeout: float = MODELS_TIMEOUT_SECONDS, auth: httpx.Auth | None = None) -> dict[str, str]:
     """The adapters the engine at `url` serves (`auth`: the pool's internal token, operator/engines.py)."""
-    from kvmesh.operator.engines import pod_client  # here: engines imports desired, which imports this module
-
     reply = pod_client().get(url + MODELS_PATH, timeout=timeout, auth=auth)
     reply.raise_for_status()
     return served_adapters(reply.json())
@@ -315,8 +314,6 @@ def http_act(url: str, action: AdapterAction, timeout: float = ACTION_TIMEOUT_SE
              auth: httpx.Auth | None = None) -> tuple[int | None, str]:
     """POST the action (with the pool's internal token, `auth`); the status and the engine's error message (None
     and the reason when no answer came)."""
-    from kvmesh.operator.engines import pod_client  # here: engines imports desired, which imports this module
-
     path, body = (LOAD_LORA_PATH, {"lora_name": action.name, "lora_path": action.path,
                                    "load_inplace": action.inplace}) if action.kind == LOAD \
         else (UNLOAD_LORA_PATH, {"lora_name": action.name})

@@ -19,9 +19,10 @@ from kvmesh import cli
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.operator import handlers
 from kvmesh.operator.crd import PLURAL
-from kvmesh.operator.engines import POD_CONNECTION_LIMITS, http_open_gates, http_scrape, http_warm, scrape_all
+from kvmesh.operator.engines import http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.handlers import DEFAULT_WORKERS, OperatorConfig, last_decision, register
 from kvmesh.operator.lora import LOAD, AdapterAction, http_act, http_served
+from kvmesh.operator.pod_client import POD_CONNECTION_LIMITS
 from kvmesh.operator.scaling import Decision, RoleDecision
 from kvmesh.operator.warmup import ServingPod, Warmup
 from kvmesh.processes import free_port
