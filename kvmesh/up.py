@@ -1052,15 +1052,16 @@ def prometheus_targets(pool: str, members: list[tuple[Child, str]],
                        operator_url: str | None = None) -> list[dict[str, object]]:
     """Prometheus file_sd targets for every (process, role) of the pool, labelled as the chart's PodMonitor labels
     pods in Kubernetes (namespace, pool, role, pod), so the dashboards and alerts work on a local pool unchanged;
-    and the local operator's, labelled as the chart's ServiceMonitor labels the operator (namespace, pod: no pool
-    or role, which its series carry themselves and a target label of the same name would rename)."""
+    and the local operator's, labelled as the chart's ServiceMonitor labels the operator (namespace, pod and
+    component: no pool or role, which its series carry themselves and a target label of the same name would
+    rename)."""
     targets: list[dict[str, object]] = [
         {"targets": [scrape_target(child.url)],
          "labels": {"namespace": LOCAL_NAMESPACE, "pool": pool, "role": role, "pod": child.name}}
         for child, role in members]
     if operator_url is not None:
         targets.append({"targets": [scrape_target(operator_url)],
-                        "labels": {"namespace": LOCAL_NAMESPACE, "pod": "operator"}})
+                        "labels": {"namespace": LOCAL_NAMESPACE, "pod": "operator", "component": "operator"}})
     return targets
 
 

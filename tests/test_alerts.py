@@ -20,6 +20,7 @@ from .promql import CHART, RULES, promtool
 POOL = 'namespace="ml", pool="chat"'
 WHERE = {"namespace": "ml", "pool": "chat"}
 OPERATOR = 'pool_namespace="ml", pool="chat", namespace="kvmesh-system", pod="kvmesh-operator-0"'
+OPERATOR_TARGET = 'namespace="kvmesh-system", pod="kvmesh-operator-0"'  # its own target's labels (and its series')
 RESTARTED = OPERATOR.replace("kvmesh-operator-0", "kvmesh-operator-1")  # a new pod: new series
 # The operator's heartbeat (time() is 0 at the first sample): evaluated every minute, its stamp equal to the time
 LAST, INTERVAL = OperatorMetric.LAST_EVALUATION, OperatorMetric.EVALUATION_INTERVAL
@@ -74,6 +75,12 @@ NO_ROUTERS = alert("KvmeshPoolHasNoRouters", {"severity": "critical", **WHERE}, 
                    "a NetworkPolicy).")
 
 
+def forecast_above(role: str, usage: str) -> dict[str, Any]:
+    return alert("KvmeshKVForecastAbove95Percent", {"severity": "warning", "role": role, **WHERE},
+                 f"Pool ml/chat: {role} engines' KV usage forecast above 95 %",
+                 f"The {role} engines forecast a p90 KV usage of {usage}: add replicas or KV memory.")
+
+
 def router_down(pod: str) -> dict[str, Any]:
     return alert("KvmeshRouterDown", {"severity": "warning", "pod": pod, "role": "router", **WHERE},
                  f"Router ml/{pod} of pool chat is down",
@@ -94,17 +101,20 @@ def engines_unavailable(role: str, wanted: int) -> dict[str, Any]:
 # Each case: input series (1 minute apart), when to look, and what must be firing then (nothing: silent).
 CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
     "forecast above 95 %": (
-        [(f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e0", {POOL}}}', "0.97x10"),
-         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e1", {POOL}}}', "0.96x10"),
-         (f'kvmesh_kv_forecast_usage_ratio{{level="p50", pod="e0", {POOL}}}', "0.5x10")],
-        "5m",
-        [alert("KvmeshKVForecastAbove95Percent", {"severity": "warning", **WHERE},
-               "Pool ml/chat: KV usage forecast above 95 %",
-               "The engines forecast a p90 KV usage of 96.5%: add replicas or KV memory.")]),
+        [(f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e0", role="both", {POOL}}}', "0.97x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e1", role="both", {POOL}}}', "0.96x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p50", pod="e0", role="both", {POOL}}}', "0.5x10")],
+        "5m", [forecast_above("both", "96.5%")]),
     "forecast below 95 % on average": (
-        [(f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e0", {POOL}}}', "0.99x10"),
-         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e1", {POOL}}}', "0.85x10")],
+        [(f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e0", role="both", {POOL}}}', "0.99x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="e1", role="both", {POOL}}}', "0.85x10")],
         "5m", []),
+    "decode forecast above 95 % beside idle prefill engines": (
+        # a disaggregated pool: the prefill engines' low usage must not hide decode engines about to fill
+        [(f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="d0", role="decode", {POOL}}}', "1.2x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="d1", role="decode", {POOL}}}', "1.2x10"),
+         (f'kvmesh_kv_forecast_usage_ratio{{level="p90", pod="p0", role="prefill", {POOL}}}', "0.05x10")],
+        "5m", [forecast_above("decode", "120%")]),
     "hit ratio halved": (
         # 1,000 prompt tokens a minute; 80 % hit for 80 minutes, then 20 %
         [(f'kvmesh_prefix_cache_query_tokens_total{{pod="e0", {POOL}}}', "0+1000x120"),
@@ -273,6 +283,27 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [(f"{LAST}{{{OPERATOR}}}", "0+60x5"), (f"{INTERVAL}{{{OPERATOR}}}", "15x5"), POOL_PODS],
         "10m",
         [alert("KvmeshOperatorStalled", {"severity": "warning", **WHERE}, *STALLED)]),
+    "the operator gone for four hours": (
+        # its series ended at 5m and nobody acted: the pool still has no operator
+        [(f"{LAST}{{{OPERATOR}}}", "0+60x5"), (f"{INTERVAL}{{{OPERATOR}}}", "15x5"),
+         (f'up{{pod="r0", role="router", {POOL}}}', "1x300")],
+        "245m",
+        [alert("KvmeshOperatorStalled", {"severity": "warning", **WHERE}, STALLED[0],
+               STALLED[1].replace("5m 0s", "4h 0m 0s"))]),
+    "the operator's pod crash-looping": (
+        [(f'up{{component="operator", {OPERATOR_TARGET}}}', "1x5 0x20"), POOL_PODS],
+        "15m",
+        [alert("KvmeshOperatorDown", {"severity": "warning", "component": "operator", "namespace": "kvmesh-system",
+                                      "pod": "kvmesh-operator-0"},
+               "The kvmesh operator kvmesh-system/kvmesh-operator-0 is down",
+               "Prometheus cannot scrape the operator pod: the pools still serve, but while no operator runs nothing "
+               "scales them, warms their new engines, syncs their adapters or applies their edits. Check the pod "
+               "(`kubectl -n kvmesh-system get pods -l app.kubernetes.io/component=operator`: restarts, Pending) and "
+               "its log.")]),
+    "the operator's pod restarting": (
+        # down for 3 minutes (a new pod pulling its image): shorter than the 5 minutes the alert waits
+        [(f'up{{component="operator", {OPERATOR_TARGET}}}', "1x5 0x3 1x20"), POOL_PODS],
+        "9m", []),
     "the operator evaluates every period": (
         [(f"{LAST}{{{OPERATOR}}}", "0+60x40"), (f"{INTERVAL}{{{OPERATOR}}}", "60x40"), POOL_PODS],
         "30m", []),
@@ -396,12 +427,25 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
          *HEARTBEAT],
         "8m", []),
     "routers that cannot be scheduled": (
-        # the router Deployment's pods are Pending: no address, so no target and no `up` at all; the operator
-        # evaluates the pool (its heartbeat), whose engine is up
-        [(f'up{{pod="e0", role="both", {POOL}}}', "1x40"), (f'{DESIRED}{{role="both", {OPERATOR}}}', "1x40"),
-         *HEARTBEAT],
-        "5m",
+        # the router's pod, evicted at 15m, is Pending since: no address, so no target and no `up` at all; the
+        # operator evaluates the pool (its heartbeat), whose engine is up
+        [(f'up{{pod="r0", role="router", {POOL}}}', "1x15"), (f'up{{pod="e0", role="both", {POOL}}}', "1x40"),
+         (f'{DESIRED}{{role="both", {OPERATOR}}}', "1x40"), *HEARTBEAT],
+        "25m",
         [NO_ROUTERS]),
+    # A new pool (its first heartbeat at 0) whose router pod is a down target while its image is pulled: left
+    # alone for 15 minutes, as the engines of a pool starting from zero are ...
+    "a new pool's router starting for 12 minutes": (
+        [(f'up{{pod="r0", role="router", {POOL}}}', "0x40"), (f'up{{pod="e0", role="both", {POOL}}}', "1x40"),
+         *HEARTBEAT],
+        "12m",
+        [router_down("r0")]),
+    # ... and an outage after that
+    "a new pool's router down for 20 minutes": (
+        [(f'up{{pod="r0", role="router", {POOL}}}', "0x40"), (f'up{{pod="e0", role="both", {POOL}}}', "1x40"),
+         *HEARTBEAT],
+        "20m",
+        [NO_ROUTERS, router_down("r0")]),
     # Engines the operator wants whose pods cannot be scheduled (no GPU node, a quota): no target, no `up` to sum,
     # so KvmeshPoolHasNoEngines cannot see them. Silent for 10 minutes (a node being added) ...
     "engines Pending for 9 minutes": (
@@ -481,7 +525,8 @@ def test_the_rule_file_is_valid() -> None:
                                      "KvmeshPoolHasNoEngines", "KvmeshPoolNotServing", "KvmeshWarmupNotReached",
                                      "KvmeshLoraAdapterRefused", "KvmeshApiKeysRotationRefused", "KvmeshBatchStalled",
                                      "KvmeshResponseStoreFailing", "KvmeshDatabaseFailing",
-                                     "KvmeshOperatorStalled", "KvmeshOperatorEvaluationsFailing",
+                                     "KvmeshOperatorDown", "KvmeshOperatorStalled",
+                                     "KvmeshOperatorEvaluationsFailing",
                                      "KvmeshPoolEnginesUnavailable", "KvmeshRouterDown", "KvmeshPoolHasNoRouters"])
 
 

@@ -8,7 +8,9 @@ import re
 from typing import Any
 
 import pytest
+import yaml
 
+from .promql import RULES
 from .test_chart import (
     MONITORING_API,
     OWN_PORTS,
@@ -153,3 +155,17 @@ def test_the_pod_monitor_scrapes_each_pool_pod_once_on_its_serving_port(values: 
     labels, ports = pods["router"]
     assert pod_monitor_scrapes(confined, "team-a", labels, ports) == [ports["http"]]
     assert pod_monitor_scrapes(confined, "team-b", labels, ports) == []
+
+
+def test_the_operator_s_targets_carry_the_label_its_down_alert_selects() -> None:
+    """KvmeshOperatorDown selects `up{component="operator"}`: the operator's ServiceMonitor must set that label on
+    its targets (and on no other monitor's), or the alert can never fire."""
+    rules = {r["alert"]: r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r}
+    assert 'up{component="operator"}' in rules["KvmeshOperatorDown"]["expr"]
+    docs = monitoring({"gateway": {"enabled": True}})
+    labelled = {m["metadata"]["name"]: {r["targetLabel"]: r["replacement"] for e in m["spec"]["endpoints"]
+                                        for r in e.get("relabelings", []) if "replacement" in r}
+                for m in by_kind(docs, "ServiceMonitor")}
+    operator = next(name for name in labelled if name != GATEWAY_MONITOR)
+    assert labelled[operator] == {"component": "operator"}
+    assert labelled[GATEWAY_MONITOR].get("component") != "operator"

@@ -68,9 +68,10 @@ def pool_headers(log: Path) -> dict[str, str]:
 
 
 def operator_url(targets: Path) -> str:
-    """The local operator's /metrics target: labelled like the chart's operator target, without pool or role."""
+    """The local operator's /metrics target: labelled like the chart's operator target (KvmeshOperatorDown selects
+    it by its component), without pool or role."""
     (operator,) = [t for t in json.loads(targets.read_text()) if t["labels"].get("pod") == "operator"]
-    assert operator["labels"] == {"namespace": "local", "pod": "operator"}
+    assert operator["labels"] == {"namespace": "local", "pod": "operator", "component": "operator"}
     return "http://" + operator["targets"][0]
 
 
