@@ -175,7 +175,8 @@ CASES: dict[str, tuple[list[tuple[str, str]], str, list[dict[str, Any]]]] = {
         [alert("KvmeshWarmupNotReached", {"severity": "warning", **WHERE},
                "Pool ml/chat: a new engine went live unwarmed",
                "1 new engine(s) waited out their warm-up grace in the last 30 minutes: check that the operator runs "
-               "and reaches the engine pods.")]),
+               "and reaches the engine pods, and that the pool's scaling.warmupGraceSeconds exceeds its "
+               "scaling.intervalSeconds (the operator warms a new pod at its first tick after the pod loads).")]),
     "new engines warmed": (
         [(f'kvmesh_warmup_gate_opened_total{{reason="warmed", pod="e1", role="decode", {POOL}}}', "0x5 1x10"),
          (f'kvmesh_warmup_gate_opened_total{{reason="grace_expired", pod="e1", role="decode", {POOL}}}', "0x15")],
