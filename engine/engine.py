@@ -262,6 +262,9 @@ class Engine:
         self._promotion_keys: dict[str, str] = {}  # request -> holder of its promoted prefix until it runs
         self._swapped: set[str] = set()  # preempted requests whose blocks come back from the host tier
         self._tier_tokens: dict[str, dict[str, int]] = {}  # request -> prompt tokens promoted, by tier
+        # requests another pod started (they arrived with output: a handoff's decode, a migrated stream) -> the output
+        # tokens they arrived with: that pod counted their prompt lookup and first token (docs/metrics.md)
+        self._continued: dict[str, int] = {}
         self.tiers = self._make_tiers(self.kv_layout.block_bytes())
         for name, path in config.lora_modules.items():
             try:
@@ -681,6 +684,8 @@ class Engine:
         while self._inbox:
             request = self._inbox.popleft()
             self.requests[request.request_id] = request
+            if request.output_ids:
+                self._continued[request.request_id] = len(request.output_ids)
             if request.extra.lora is not None:
                 adapter = self.loras.loaded.get(request.extra.lora)
                 if adapter is None:
@@ -744,23 +749,30 @@ class Engine:
     def _on_admitted(self, request: Request) -> None:
         m = self.metrics
         prompt = len(request.prompt_ids)
-        m.prefix_queries.labels(self.model_name).inc(prompt)
-        m.prefix_hits.labels(self.model_name).inc(request.cached_tokens)
-        m.query_tokens.inc(prompt)
         promoted = self._tier_tokens.pop(request.request_id, {})
         left = request.cached_tokens
         for tier in LOWER_TIERS:  # a promoted prefix is part of the hit (unless a shorter one was taken)
             request.cached_by_tier[tier] = min(promoted.get(tier, 0), left)
             left -= request.cached_by_tier[tier]
-            m.hit_tokens.labels(tier).inc(request.cached_by_tier[tier])
-        m.hit_tokens.labels("device").inc(left)
         if self.tiers is not None and request.num_computed_tokens:
             chain = self.kv.prefix_hashes(request.request_id, request.token_ids, request.extra)
             self.tiers.on_hit(chain, request.num_computed_tokens // self.config.block_size, self.config.hash_root)
-        m.hit_length.observe(request.cached_tokens)
-        m.prompt_tokens.labels(self.model_name).inc(prompt)
-        if prompt < self.config.block_size:
-            m.short_queries.inc()
+        if request.request_id in self._continued:
+            # the pod that started it looked its prompt up and answered the client its cached_tokens: counted here
+            # too, a handoff's pulled blocks read as hits of a cache that served no client (docs/metrics.md)
+            m.continued_prompt_tokens.inc(prompt)
+            m.continued_cached_tokens.inc(request.cached_tokens)
+        else:
+            m.prefix_queries.labels(self.model_name).inc(prompt)
+            m.prefix_hits.labels(self.model_name).inc(request.cached_tokens)
+            m.query_tokens.inc(prompt)
+            for tier in LOWER_TIERS:
+                m.hit_tokens.labels(tier).inc(request.cached_by_tier[tier])
+            m.hit_tokens.labels("device").inc(left)
+            m.hit_length.observe(request.cached_tokens)
+            if prompt < self.config.block_size:
+                m.short_queries.inc()
+        m.prompt_tokens.labels(self.model_name).inc(prompt)  # per pod: the operator sizes a role by what it holds
         m.queue_time.observe(time.monotonic() - request.arrival_time)
         if request.import_key is not None:  # the request now holds the pulled blocks itself
             request.peer_tokens = min(request.peer_tokens, request.cached_tokens)
@@ -944,13 +956,17 @@ class Engine:
     def _observe_output_step(self, r: Request, now: float) -> None:
         """Latency, once per request per step that outputs tokens: time to first token at its first, then
         vllm:inter_token_latency_seconds as the time since its previous output step (as vLLM observes it), so a
-        step that outputs a run of verified drafts is one gap, not one gap and near-zero ones."""
+        step that outputs a run of verified drafts is one gap, not one gap and near-zero ones. A request another pod
+        started had its first token there: its first step here is the gap since it arrived, an inter-token one."""
         m = self.metrics
         if r.first_token_time is None:
             r.first_token_time = now
-            m.ttft.labels(self.model_name).observe(now - r.arrival_time)
-            if r.first_scheduled_time is not None:
-                m.prefill_time.observe(now - r.first_scheduled_time)
+            if r.request_id in self._continued:
+                m.itl.labels(self.model_name).observe(now - r.arrival_time)
+            else:
+                m.ttft.labels(self.model_name).observe(now - r.arrival_time)
+                if r.first_scheduled_time is not None:
+                    m.prefill_time.observe(now - r.first_scheduled_time)
         elif r.last_token_time is not None:
             m.itl.labels(self.model_name).observe(now - r.last_token_time)
         r.last_token_time = now
@@ -1010,6 +1026,7 @@ class Engine:
         self._tier_tokens.pop(r.request_id, None)
         self._swapped.discard(r.request_id)
         self._histories.pop(r.request_id, None)
+        resumed = self._continued.pop(r.request_id, None)  # output tokens it arrived with; None: it started here
         handoff = None
         # a handoff keeps the request's blocks; one finished as it arrived (a constraint already complete) has none
         kept = r.handoff_ttl is not None and r.request_id in self.kv.seqs
@@ -1031,12 +1048,18 @@ class Engine:
         m.requests.labels(reason if reason in ("stop", "length", "abort") else "error").inc()
         if reason in ("stop", "length") and error is None:
             self.lengths.observe(r.workload, r.num_generated)
+        # a prefill handed off at its length goes on on a decode pod, where the client's request ends and is timed
+        if reason in ("stop", "length") and error is None and not (handoff is not None and reason == "length"):
             m.e2e.labels(self.model_name).observe(now - r.arrival_time)
             m.request_generation_tokens.labels(self.model_name).observe(r.num_generated)
-            if r.first_token_time is not None:
-                m.decode_time.observe(now - r.first_token_time)
-                if r.num_generated > 1:
-                    m.tpot.observe((now - r.first_token_time) / (r.num_generated - 1))
+            # decoding began at its first token, or for a request continued here (its first token sent by the pod
+            # that started it) at its arrival
+            decoding_since = r.first_token_time if resumed is None else r.arrival_time
+            if decoding_since is not None:
+                m.decode_time.observe(now - decoding_since)
+                after_first = r.num_generated - (1 if resumed is None else resumed)
+                if after_first > 0:
+                    m.tpot.observe((now - decoding_since) / after_first)
         tokens, text, logprob, top = last or ([], "", None, None)
         self._emit(
             r,

@@ -42,8 +42,17 @@ from kvmesh.engine.protocol import (
     VllmMetric as V,
 )
 
-LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
+# Whole requests (TTFT, end-to-end, queue, prefill and decode time): from a cached short prompt's milliseconds to
+# an hour, so that a long generation or a long wait in the queue lands in a bucket of its own rather than in +Inf
+REQUEST_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5, 10.0,
+    15.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 180.0, 300.0, 450.0, 600.0, 900.0, 1200.0, 1800.0, 2700.0, 3600.0
+)
+# One step or one transfer (inter-token latency, time per output token, KV transfers): a decode step takes 1 to 50 ms,
+# so the bottom is fine-grained; the top still holds a stalled step or a large transfer
+STEP_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
 )
 TOKEN_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -199,24 +208,32 @@ class EngineMetrics:
         self.preemptions = Counter(V.PREEMPTIONS, "Preemptions.", lm, registry=r)
         self.prompt_tokens = Counter(V.PROMPT_TOKENS, "Prompt tokens of admitted requests.", lm, registry=r)
         self.generation_tokens = Counter(V.GENERATION_TOKENS, "Generated tokens.", lm, registry=r)
-        self.ttft = Histogram(V.TTFT, "Time to first token.", lm, buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(V.ITL, "Time between output tokens.", lm, buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(V.E2E, "Request latency, arrival to finish.", lm, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(V.TTFT, "Time to first token, on the pod that produced it.", lm,
+                              buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(V.ITL, "Time between output tokens.", lm, buckets=STEP_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(V.E2E, "Request latency, arrival to finish, on the pod where it ended.", lm,
+                             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram(
             V.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", lm, buckets=TOKEN_BUCKETS, registry=r
         )
         self.query_tokens = Counter(M.PREFIX_QUERY_TOKENS, "Prompt tokens looked up in the cache.", registry=r)
         self.hit_tokens = Counter(M.PREFIX_HIT_TOKENS, "Prompt tokens served from cache.", ["tier"], registry=r)
         self.short_queries = Counter(M.PREFIX_SHORT_QUERIES, "Prompts shorter than one block.", registry=r)
+        self.continued_prompt_tokens = Counter(M.CONTINUED_PROMPT_TOKENS, "Prompt tokens of requests another pod "
+                                               "started (a handoff's decode, a migrated stream).", registry=r)
+        self.continued_cached_tokens = Counter(M.CONTINUED_CACHED_TOKENS, "Of those, tokens not computed here "
+                                               "(pulled from the pod that started it, or cached here).", registry=r)
         self.hit_length = Histogram(M.PREFIX_HIT_LENGTH, "Cached prompt tokens per request.", buckets=TOKEN_BUCKETS,
                                     registry=r)
         self.evictions = Counter(M.EVICTIONS, "Blocks evicted, by tier and reason.", ["tier", "reason"], registry=r)
         self.preemptions_by_mode = Counter(M.PREEMPTIONS, "Preemptions by mode.", ["mode"], registry=r)
-        self.queue_time = Histogram(M.QUEUE_TIME, "Arrival to first schedule.", buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram(M.PREFILL_TIME, "First schedule to first token.", buckets=LATENCY_BUCKETS,
+        self.queue_time = Histogram(M.QUEUE_TIME, "Arrival to first schedule.", buckets=REQUEST_LATENCY_BUCKETS,
+                                    registry=r)
+        self.prefill_time = Histogram(M.PREFILL_TIME, "First schedule to first token.", buckets=REQUEST_LATENCY_BUCKETS,
                                       registry=r)
-        self.decode_time = Histogram(M.DECODE_TIME, "First token to finish.", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(M.TPOT, "Mean time per output token after the first.", buckets=LATENCY_BUCKETS,
+        self.decode_time = Histogram(M.DECODE_TIME, "First token to finish.", buckets=REQUEST_LATENCY_BUCKETS,
+                                     registry=r)
+        self.tpot = Histogram(M.TPOT, "Mean time per output token after the first.", buckets=STEP_LATENCY_BUCKETS,
                               registry=r)
         self.batch_size = Histogram(M.STEP_BATCH_SIZE, "Sequences per model step.", buckets=BATCH_BUCKETS, registry=r)
         self.steps = Counter(M.STEPS, "Model steps run.", registry=r)
@@ -226,7 +243,7 @@ class EngineMetrics:
         self.transfer_bytes = Counter(M.KV_TRANSFER_BYTES, "KV bytes moved between pods.", ["direction"],
                                       registry=r)
         self.transfer_seconds = Histogram(M.KV_TRANSFER_SECONDS, "KV transfer time.", ["kind"],
-                                          buckets=LATENCY_BUCKETS, registry=r)
+                                          buckets=STEP_LATENCY_BUCKETS, registry=r)
         self.handles_expired = Counter(M.KV_HANDLES_EXPIRED, "Handoff handles that expired unused.", registry=r)
         self.structured_requests = Counter(M.STRUCTURED_REQUESTS, "Requests with a structured output constraint.",
                                            ["kind"], registry=r)

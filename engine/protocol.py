@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import cbor2
 import xxhash
+from prometheus_client import disable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 # ---------------------------------------------------------------------------------------------------------
@@ -360,6 +361,11 @@ class KVBlocksSnapshot:
 # gauge()); no other kvmesh_ series does (labelled families, counters, histograms, kvmesh_engine_loading)
 MODEL_LABEL = "model_name"
 
+# No counter or histogram exports a `_created` series (the Prometheus client's default): no reader uses them and
+# docs/metrics.md lists none. Here, in the one module every component's metrics import (engine, router, gateway,
+# operator), so that no process exports them whichever of its modules is imported first.
+disable_created_metrics()
+
 
 class VllmMetric:
     """Names existing gateways read; exported under vLLM's names (with its colon) for compatibility."""
@@ -398,6 +404,11 @@ class Metric:
     PREFIX_HIT_TOKENS = "kvmesh_prefix_cache_hit_tokens"  # counter; label tier
     PREFIX_SHORT_QUERIES = "kvmesh_prefix_cache_short_queries"  # counter: prompts shorter than one block
     PREFIX_HIT_LENGTH = "kvmesh_prefix_cache_hit_length_tokens"  # histogram per request
+    # counters: the prompt tokens of requests this pod continued (they arrived with output: a handoff's decode, a
+    # migrated stream), which the pod that started them counted as prompt lookups and hits; and of those, the
+    # tokens this pod did not compute (pulled from that pod, or found in its own cache)
+    CONTINUED_PROMPT_TOKENS = "kvmesh_continued_prompt_tokens"
+    CONTINUED_CACHED_TOKENS = "kvmesh_continued_cached_tokens"
     EVICTIONS = "kvmesh_kv_evictions"  # counter; labels tier, reason
     PREEMPTIONS = "kvmesh_preemptions"  # counter; label mode (recompute, swap)
     QUEUED_PREFILL_TOKENS = "kvmesh_prefill_tokens_pending"  # gauge: uncached prompt tokens waiting or in flight
