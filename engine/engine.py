@@ -978,15 +978,18 @@ class Engine:
         p = r.params
         finish = None
         is_stop_token = (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        before = len(r.text)
         if is_stop_token:
             finish = "stop"
             r.text += r.detokenizer.flush()  # the output ends here: nothing will complete a held-back character
         else:
             r.text += r.detokenizer.step([token])
         sendable = len(r.text)
-        # no stop string ends an output before min_tokens were generated; at the min_tokens-th one it may (vLLM's)
-        stops = p.stop if r.num_generated >= p.min_tokens else []
-        hits = [at for stop in stops if (at := r.text.find(stop, max(0, len(r.emitted_text) - len(stop) + 1))) >= 0]
+        # A stop string ends the output only in a token after the first min_tokens, as a stop token does (those are
+        # masked for the first min_tokens), and only where it ends in this token's text: one completed within the
+        # first min_tokens stays in the output (vLLM's rule), though it may be held back yet.
+        stops = p.stop if r.num_generated > p.min_tokens else []
+        hits = [at for stop in stops if (at := r.text.find(stop, max(0, before - len(stop) + 1))) >= 0]
         if hits:
             r.text = r.text[: min(hits)]
             sendable = len(r.text)

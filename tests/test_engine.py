@@ -334,9 +334,13 @@ def test_min_tokens_holds_off_stop_strings(tiny_engine: Engine) -> None:
     assert len(early.tokens) < 12
     (held,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop], min_tokens=12)
     assert held.tokens == free.tokens and held.final.finish_reason == "length"
-    # the token that completes the stop string is the min_tokens-th: it may end the output, as in vLLM
+    # the token that completes the stop string is the min_tokens-th: it ends nothing, as a stop token would not
+    # (vLLM's rule), and the string stays in the output; one token earlier, it ends the output
     (at_min,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop], min_tokens=len(early.tokens))
-    assert at_min.tokens == early.tokens and at_min.final.finish_reason == "stop"
+    assert at_min.tokens == free.tokens and at_min.final.finish_reason == "length"
+    assert "".join(o.new_text for o in at_min.outputs) == text
+    (after_min,) = generate(tiny_engine, [prompt(12, 12)], max_tokens=12, stop=[stop], min_tokens=len(early.tokens) - 1)
+    assert after_min.tokens == early.tokens and after_min.final.finish_reason == "stop"
 
 
 def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
