@@ -12,6 +12,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from kvmesh.engine.protocol import GatewayMetric, OperatorMetric
+from kvmesh.operator.crd import spec_schema
 from kvmesh.operator.metrics import LeaderMetrics, OperatorMetrics
 from kvmesh.router.app import build_router
 from kvmesh.router.config import RouterConfig
@@ -20,6 +21,7 @@ from kvmesh.router.gateway_app import GatewayMetrics
 
 from .conftest import make_engine
 from .promql import (
+    CHART,
     DASHBOARDS,
     RULES,
     all_queries,
@@ -156,3 +158,14 @@ def test_the_pickers_list_pools_from_a_series_every_router_has_from_its_start(ex
         for q in queries:
             names = metric_names(q.concrete)
             assert names and names <= sampled and not names & engine, (q.where, names)
+
+
+def test_the_kv_overview_s_horizon_is_a_pool_s_default_forecast_horizon() -> None:
+    """'Forecast against actual usage' shifts each forecast by the horizon picker: it must default to the horizon
+    the operator gives a pool's engines (`scaling.horizonSeconds`), or it compares a forecast with the usage long
+    before its horizon (a fixed 10 s against the pools' 90 s), and the picker must take any other value a pool sets."""
+    default = spec_schema()["properties"]["scaling"]["properties"]["horizonSeconds"]["default"]
+    (horizon,) = [v for v in dashboard(CHART / "dashboards" / "kv-overview.json")["templating"]["list"]
+                  if v["name"] == "horizon"]
+    assert horizon["type"] == "textbox"
+    assert horizon["query"] == horizon["current"]["value"] == f"{default:g}s"
