@@ -55,6 +55,10 @@ MAX_CHOICES_CHARS = 120_000
 # SQL, a language's expressions in Lark or GBNF) takes a few kB; the densest 64 KiB (7,400 short alternatives)
 # compiles in a fifth of a second.
 MAX_GRAMMAR_CHARS = 64 * 1024
+# A cache_salt's length. The router sets 32 hex characters; vLLM suggests 43 (256 random bits in base64) and sets no
+# bound. Unbounded, a client reaching an engine directly (or any with auth off) had each salt stored with every piece
+# its tokenizer cached: 100 KB salts would have held 2.8 GiB at the cache's token bound.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 def _choices_within_bound(choices: list[str]) -> list[str]:
@@ -318,7 +322,7 @@ class _Common(BaseModel):
     guided_grammar: GrammarText | None = None
     guided_whitespace_pattern: str | None = None  # vLLM's: refused (JSON here is written with fixed separators)
     user: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     kv_transfer: KVTransfer | None = None
     resume_output_ids: list[int] | None = None
     return_token_ids: bool = False

@@ -5,7 +5,10 @@ tokenizer for which cutting is not exact is never cut."""
 from __future__ import annotations
 
 import contextvars
+import gc
 import json
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,68 @@ def test_a_tokenizer_where_cuts_are_not_exact_is_encoded_whole(bundled_dir: Path
     assert tok.token_cache is None
     text = "First line\nSecond line and more words\n" * 200
     assert tok.encode(text) == whole(tok, text, add_special_tokens=True)
+
+
+def _held_bytes(fill: Callable[[], TokenCache]) -> tuple[TokenCache, int]:
+    """The cache `fill` builds and the bytes Python holds for it once filled (tracemalloc: the entries, their keys
+    and the table)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        cache = fill()
+        gc.collect()
+        return cache, tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+
+
+def _in_scope(scope: str, work: Callable[[], object]) -> None:
+    contextvars.copy_context().run(lambda: (CACHE_SCOPE.set(scope), work()))
+
+
+# the review's probes: 64 "=" make one token and one emoji makes Python hold the text at 4 bytes a character (358.9
+# bytes a cached token, 359 MiB at the token bound); a small last piece costs a whole entry for a few tokens
+ADVERSARIAL: dict[str, tuple[Callable[[int], str], int]] = {  # the texts, and how many fill a 64 KiB cache
+    "long pieces held at 4 bytes a character": (lambda i: "=" * 64000 + f"\U0001F642{i} end", 30),
+    "small last pieces": (lambda i: "The router keeps one index of every block. " * 60 + f"x{i}", 300),
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_the_cache_holds_no_more_bytes_than_its_budget(tokenizer: Tokenizer, name: str) -> None:
+    budget = 64 * 1024
+    text, texts = ADVERSARIAL[name]
+
+    def fill() -> TokenCache:
+        cache = TokenCache(capacity_bytes=budget)
+        for i in range(texts):
+            cache.encode(text(i), tokenizer.encode_batch)
+        return cache
+
+    cache, held = _held_bytes(fill)
+    assert budget // 2 < cache.size_bytes <= budget  # full: the bound in bytes is what stopped it
+    # past the charged bytes only the cache object itself, its lock and counters (under 1 KiB)
+    assert held <= budget + 2048, f"{held} bytes held for a budget of {budget}"
+
+
+def test_a_long_piece_or_a_long_salt_is_not_held(tokenizer: Tokenizer) -> None:
+    """A cached token costs its 4 bytes and its share of the entry, whatever the piece's text or the scope: neither
+    is kept (the review measured 359 bytes a token for the long pieces, 2,889 for 100 KB salts)."""
+    text = ADVERSARIAL["long pieces held at 4 bytes a character"][0]
+
+    def pieces_of_long_texts() -> TokenCache:
+        cache = TokenCache(capacity_tokens=40_000)
+        for i in range(40):
+            cache.encode(text(i), tokenizer.encode_batch)
+        return cache
+
+    def long_salts() -> TokenCache:
+        cache = TokenCache(capacity_tokens=40_000)
+        for i in range(40):
+            _in_scope(f"{i:06d}" + "s" * 100_000, lambda: cache.encode("=" * 2100 + " x", tokenizer.encode_batch))
+        return cache
+
+    for fill, most_per_token in ((pieces_of_long_texts, 8), (long_salts, 40)):
+        cache, held = _held_bytes(fill)
+        assert cache.tokens > 0 and held / cache.tokens <= most_per_token, (fill.__name__, held / cache.tokens)

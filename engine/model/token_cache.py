@@ -16,19 +16,30 @@ SentencePiece-style prefix marker) gets whole-text encoding, never a different a
 Pieces are kept per scope (`CACHE_SCOPE`: the request's tenant in the router, its cache_salt in the engine), as
 the prefix cache is salted per tenant: a text another tenant sent came back several times faster, so any tenant
 could tell whether anyone had sent a given document or system prompt.
+
+The cache is bounded in bytes as well as tokens, each entry charged what it really holds: a piece is remembered by a
+32-byte keyed digest of its text (the key: a digest of its scope), not by the text or the scope, and its ids as 4-byte
+machine integers. Keys of (scope, piece text) counting tokens only had let one token hold 359 bytes (64 "=" to a
+token, and one emoji making Python store the text at 4 bytes a character: 359 MiB at the default bound) and a
+100 KB cache_salt 2.9 kB (2.8 GiB).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 
 _SAFE_CUT = re.compile(r"(?<=\S)(?= [^\W\d_])|(?<=\S\n)(?=\S)")
 DEFAULT_PIECE_CHARS = 2048  # about 500 tokens: small enough that a new turn re-tokenizes little
-DEFAULT_CAPACITY_TOKENS = 1 << 20  # about 40 MB of cached ids at most
+DEFAULT_CAPACITY_TOKENS = 1 << 20  # a bound in tokens (Tokenizer's token_cache_tokens; 0 turns the cache off)
+DEFAULT_CAPACITY_BYTES = 40 << 20  # and in bytes, whichever binds first: 40 MiB a process (each router, each engine)
+_DIGEST_BYTES = 32  # blake2b's longest key: a scope's digest keys its pieces' digests
 _PROBE = (
     "Hello world! It's 2024-05-17, and the price is $1,234.56.\n\nSection 2:\tdata\n  indented line\n"
     "def f(x):\n    return x ** 2  # comment\n\n\n"
@@ -57,17 +68,36 @@ def pieces(text: str, piece_chars: int) -> list[str]:
     return out
 
 
-class TokenCache:
-    """(scope, piece text) -> token ids, least recently used out first, bounded by the tokens it holds;
-    thread-safe."""
+def _scope_key(scope: str) -> bytes:
+    """A fixed-size stand-in for the scope: a cache_salt of any length costs the cache nothing more."""
+    return hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_BYTES).digest()
 
-    def __init__(self, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS, piece_chars: int = DEFAULT_PIECE_CHARS):
-        if capacity_tokens < 0 or piece_chars < 1:
-            raise ValueError("capacity_tokens must be >= 0 and piece_chars >= 1")
+
+def _piece_key(scope_key: bytes, piece: str) -> bytes:
+    """The piece's entry: a 256-bit digest of its text keyed by its scope (another scope's never matches);
+    surrogatepass, as JSON may carry a lone surrogate, and it encodes each string to different bytes."""
+    return hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_BYTES, key=scope_key).digest()
+
+
+def entry_bytes(key: bytes, ids: array) -> int:
+    """What an entry holds in memory besides its place in the table: its key and its ids."""
+    return sys.getsizeof(key) + sys.getsizeof(ids)
+
+
+class TokenCache:
+    """piece digest (keyed by scope) -> token ids, least recently used out first, bounded by the tokens it holds
+    and by the bytes its entries take; thread-safe."""
+
+    def __init__(self, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS, piece_chars: int = DEFAULT_PIECE_CHARS,
+                 capacity_bytes: int = DEFAULT_CAPACITY_BYTES):
+        if capacity_tokens < 0 or capacity_bytes < 0 or piece_chars < 1:
+            raise ValueError("capacity_tokens and capacity_bytes must be >= 0 and piece_chars >= 1")
         self.capacity_tokens = capacity_tokens
+        self.capacity_bytes = capacity_bytes
         self.piece_chars = piece_chars
-        self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+        self._entries: OrderedDict[bytes, array] = OrderedDict()
         self._tokens = 0
+        self._entries_bytes = 0  # the entries' own, without the table
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -89,10 +119,16 @@ class TokenCache:
     def tokens(self) -> int:
         return self._tokens
 
+    @property
+    def size_bytes(self) -> int:
+        """What the cache holds, as charged against `capacity_bytes`: its entries and its table, whose slots and
+        links (105 to 190 bytes an entry, as entries come and go) are counted as they are, not estimated."""
+        return self._entries_bytes + sys.getsizeof(self._entries)
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._tokens = 0
+            self._tokens = self._entries_bytes = 0
 
     def encode(self, text: str, encode_batch: EncodeBatch) -> list[int]:
         """The ids of `text`: pieces this scope cached from the cache, the rest encoded in one batch and
@@ -100,19 +136,20 @@ class TokenCache:
         parts = pieces(text, self.piece_chars)
         if len(parts) == 1:
             return encode_batch(parts)[0]
-        scope = CACHE_SCOPE.get()
+        scope_key = _scope_key(CACHE_SCOPE.get())
+        keys = [_piece_key(scope_key, part) for part in parts]
         found: list[Sequence[int] | None] = [None] * len(parts)
         with self._lock:
-            for i, part in enumerate(parts):
-                ids = self._entries.get((scope, part))
+            for i, key in enumerate(keys):
+                ids = self._entries.get(key)
                 if ids is not None:
-                    self._entries.move_to_end((scope, part))
+                    self._entries.move_to_end(key)
                     found[i] = ids
         missing = [i for i, ids in enumerate(found) if ids is None]
         if missing:
             for i, ids in zip(missing, encode_batch([parts[i] for i in missing]), strict=True):
                 found[i] = ids
-            self._remember([((scope, parts[i]), found[i]) for i in missing])  # type: ignore[misc]
+            self._remember([(keys[i], found[i]) for i in missing])  # type: ignore[misc]
         with self._lock:
             self.hits += len(parts) - len(missing)
             self.misses += len(missing)
@@ -121,13 +158,17 @@ class TokenCache:
             out.extend(ids)  # type: ignore[arg-type]
         return out
 
-    def _remember(self, entries: list[tuple[tuple[str, str], Sequence[int]]]) -> None:
+    def _remember(self, entries: list[tuple[bytes, Sequence[int]]]) -> None:
         with self._lock:
             for key, ids in entries:
-                if key in self._entries or len(ids) > self.capacity_tokens:
+                held = array("i", ids)
+                size = entry_bytes(key, held)
+                if key in self._entries or len(held) > self.capacity_tokens or size > self.capacity_bytes:
                     continue
-                self._entries[key] = tuple(ids)
-                self._tokens += len(ids)
-            while self._tokens > self.capacity_tokens:
-                _, dropped = self._entries.popitem(last=False)
+                self._entries[key] = held
+                self._tokens += len(held)
+                self._entries_bytes += size
+            while self._entries and (self._tokens > self.capacity_tokens or self.size_bytes > self.capacity_bytes):
+                key, dropped = self._entries.popitem(last=False)
                 self._tokens -= len(dropped)
+                self._entries_bytes -= entry_bytes(key, dropped)
