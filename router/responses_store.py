@@ -8,8 +8,9 @@ not found, as an unknown one. Synchronous: the router calls the database store i
 A response keeps only the chat messages its turn adds (router/responses.turn_messages) and a link to the response
 it continues; a continuation's history is the chain's messages read back root first, so a conversation of n turns
 stores each turn once, not n times. Responses linked this way form a tree (a conversation and its branches) that
-lives and expires as one: saving a turn extends its root's expiry, which every member reads. A deleted or evicted
-response that others continue from stays as a hidden part of their history until the last of them goes.
+lives and expires as one: saving a turn extends its root's expiry, which every member reads. A deleted response
+that others continue from stays as a hidden part of their history until the last of them goes (in memory it
+counts against the store's capacity; evicted, its messages move into the responses continuing from it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sqlalchemy import (
@@ -226,25 +227,35 @@ class DatabaseResponses:
         self.engine.dispose()
 
 
-@dataclass
+@dataclass(eq=False)
+class _Conversation:
+    """Responses linked by continuation in memory: they live and expire as one, and leave the store oldest first."""
+
+    key: str  # its first response's id: its place in its tenant's order
+    expires_at: float
+    members: dict[str, None] = field(default_factory=dict)  # oldest first: a response's ancestors come before it
+
+
+@dataclass(eq=False)
 class _Held:
     """One response in memory: a visible one, or a hidden part of the responses that continue from it."""
 
     tenant: str
-    stored: StoredResponse
-    added: Messages  # what its turn added (all of the history at a root)
+    stored: StoredResponse | None  # None once hidden: it only lends its messages to others' histories
+    added: Messages  # what its turn added (at a response with no previous one, all of its history)
     previous: str | None  # the response it continues
-    root: str  # its conversation's root (itself at a root)
-    expires_at: float  # at a root: the conversation's expiry
-    children: int = 0  # responses that continue from it
-    hidden: bool = False
+    conversation: _Conversation
+    children: set[str] = field(default_factory=set)  # the responses that continue from it
 
 
 class MemoryResponses:
-    """A replica's newest `capacity` responses in memory (no database). Past it, the oldest response of the tenant
-    holding the most goes first (the tenant that saved the last one among those tied), so a tenant filling the
-    store evicts its own responses, never another's while it holds more; one evicted is kept hidden while others
-    continue from it, so a conversation's messages are held once."""
+    """A replica's newest `capacity` responses in memory (no database), hidden ones that others continue from
+    counted: past it, the oldest response of the least recently continued conversation of the tenant holding the
+    most goes (the tenant that saved the last one among those tied), so a tenant filling the store evicts its own
+    responses, never another's while it holds more, and a conversation still going keeps its turns longest. The
+    messages of a response that goes move into the responses continuing from it, so a conversation longer than the
+    store goes on. Each response holds its turn's messages; the oldest held of a conversation also those before it,
+    at most a context window (truncation is refused)."""
 
     not_found_hint = (" This router keeps stored responses in its own memory (the pool has no database): behind "
                       "several router replicas, a response stored by another is not found here; give the pool a "
@@ -253,49 +264,64 @@ class MemoryResponses:
     def __init__(self, capacity: int, ttl: int) -> None:
         self.capacity, self.ttl = capacity, ttl
         self._held: dict[str, _Held] = {}
-        self._visible: dict[str, OrderedDict[str, None]] = {}  # per tenant holding any, oldest first
-        self._count = 0  # visible responses, all tenants'
+        # per tenant holding any: its conversations, least recently continued first, and how many responses it holds
+        self._conversations: dict[str, OrderedDict[str, _Conversation]] = {}
+        self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _find(self, tenant: str, response_id: str) -> _Held | None:
         held = self._held.get(response_id)
-        if held is None or held.tenant != tenant or held.hidden:
+        if held is None or held.tenant != tenant or held.stored is None:
             return None
-        return held if self._held[held.root].expires_at >= time.time() else None
+        return held if held.conversation.expires_at >= time.time() else None
 
     def save(self, tenant: str, stored: StoredResponse, earlier: Sequence[dict[str, Any]],
              added: Sequence[dict[str, Any]]) -> None:
         response_id, now = stored.response["id"], time.time()
         with self._lock:
+            conversations = self._conversations.setdefault(tenant, OrderedDict())
             parent = self._held.get(stored.previous_id or "")
-            if parent is not None and parent.tenant == tenant and self._held[parent.root].expires_at >= now:
-                parent.children += 1
-                self._held[parent.root].expires_at = now + self.ttl
-                held = _Held(tenant, stored, list(added), stored.previous_id, parent.root, now + self.ttl)
+            if parent is not None and parent.tenant == tenant and parent.conversation.expires_at >= now:
+                parent.children.add(response_id)
+                conversations.move_to_end(parent.conversation.key)
+                held = _Held(tenant, stored, list(added), stored.previous_id, parent.conversation)
             else:
-                held = _Held(tenant, stored, [*earlier, *added], None, response_id, now + self.ttl)
+                conversation = conversations[response_id] = _Conversation(response_id, now)
+                held = _Held(tenant, stored, [*earlier, *added], None, conversation)
+            held.conversation.expires_at = now + self.ttl
+            held.conversation.members[response_id] = None
             self._held[response_id] = held
-            self._visible.setdefault(tenant, OrderedDict())[response_id] = None
-            self._count += 1
-            while self._count > self.capacity:
-                most = max(self._visible, key=lambda t: (len(self._visible[t]), t == tenant))
-                self._hide(next(iter(self._visible[most])))
+            self._counts[tenant] = self._counts.get(tenant, 0) + 1
+            while len(self._held) > self.capacity:
+                most = max(self._counts, key=lambda t: (self._counts[t], t == tenant))
+                oldest = next(iter(self._conversations[most].values()))
+                self._drop(next(iter(oldest.members)))
+
+    def _drop(self, response_id: str) -> None:
+        """Remove a response; those continuing from it start with its history (theirs then holds it)."""
+        held = self._held.pop(response_id)
+        for child_id in held.children:
+            child = self._held[child_id]
+            child.added, child.previous = [*held.added, *child.added], None
+        if held.previous is not None:
+            self._held[held.previous].children.discard(response_id)
+        conversation, tenant = held.conversation, held.tenant
+        del conversation.members[response_id]
+        if not conversation.members:
+            del self._conversations[tenant][conversation.key]
+        self._counts[tenant] -= 1
+        if not self._counts[tenant]:
+            del self._counts[tenant], self._conversations[tenant]
 
     def _hide(self, response_id: str) -> None:
         """Hide a response; drop it, and the hidden ones above it it alone continued from, unless one continues
         from it."""
-        tenant = self._held[response_id].tenant
-        del self._visible[tenant][response_id]
-        self._count -= 1
-        if not self._visible[tenant]:
-            del self._visible[tenant]
         held: _Held | None = self._held[response_id]
-        held.hidden = True
-        while held is not None and held.hidden and not held.children:
-            del self._held[response_id]
-            response_id, held = held.previous, self._held.get(held.previous or "")
-            if held is not None:
-                held.children -= 1
+        held.stored = None  # type: ignore[union-attr]
+        while held is not None and held.stored is None and not held.children:
+            previous = held.previous
+            self._drop(response_id)
+            response_id, held = previous or "", self._held.get(previous or "")
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         with self._lock:

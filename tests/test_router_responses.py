@@ -437,8 +437,41 @@ def test_memory_store_keeps_the_newest_and_scopes_by_tenant() -> None:
     assert store.get("t2", "resp_2") is None and not store.delete("t2", "resp_2")
     assert store.delete("t1", "resp_2") and store.get("t1", "resp_2") is None
     saved(store, "t1", "resp_3")
-    saved(store, "t1", "resp_4")  # evicts resp_1, the last response continuing the hidden resp_0
+    saved(store, "t1", "resp_4")  # evicts resp_1, which resp_0's messages had moved into when resp_2 came
     assert store.get("t1", "resp_1") is None and set(store._held) == {"resp_3", "resp_4"}
+
+
+def test_memory_store_bounds_what_it_holds_hidden_responses_included() -> None:
+    """The bound counts every response held, a hidden one that others continue from included (a chain of 1,000
+    continuations had held 1,000 at a capacity of 10); a conversation longer than the store goes on, its evicted
+    turns' messages moved into the turn after them."""
+    store = MemoryResponses(capacity=10, ttl=60)
+    for n in range(1000):
+        saved(store, "t1", f"resp_{n}", f"resp_{n - 1}" if n else None)
+        assert len(store._held) == min(n + 1, 10)
+    assert store.history("t1", "resp_999") == [{"role": "user", "content": f"resp_{n}"} for n in range(1000)]
+    assert store.get("t1", "resp_990") is not None and store.get("t1", "resp_989") is None
+    saved(store, "t1", "resp_1000", "resp_999")
+    assert len(store.history("t1", "resp_1000") or []) == 1001
+
+    store = MemoryResponses(capacity=3, ttl=60)  # a deleted response kept for the one continuing it counts
+    saved(store, "t1", "a0")
+    saved(store, "t1", "a1", "a0")
+    assert store.delete("t1", "a0") and set(store._held) == {"a0", "a1"}
+    saved(store, "t1", "b0")
+    saved(store, "t1", "c0")  # the fourth held: the hidden a0 goes, its messages into a1
+    assert set(store._held) == {"a1", "b0", "c0"}
+    assert store.history("t1", "a1") == [{"role": "user", "content": "a0"}, {"role": "user", "content": "a1"}]
+
+
+def test_memory_store_evicts_the_least_recently_continued_conversation_first() -> None:
+    """The oldest response of a conversation still going outlives a newer one of a conversation that stopped."""
+    store = MemoryResponses(capacity=4, ttl=60)
+    for response_id, previous in (("a0", None), ("b0", None), ("a1", "a0"), ("c0", None), ("a2", "a1")):
+        saved(store, "t1", response_id, previous)
+    assert store.get("t1", "b0") is None
+    assert store.history("t1", "a2") == [{"role": "user", "content": f"a{n}"} for n in range(3)]
+    assert all(store.get("t1", kept) is not None for kept in ("a0", "a1", "a2", "c0"))
 
 
 def test_database_store_scopes_by_tenant_and_forgets_expired(database_url: str,
