@@ -40,6 +40,7 @@ from sqlalchemy.exc import DBAPIError
 
 from kvmesh.router.batch_store import BatchStore, ClaimedBatch
 from kvmesh.router.batches import (
+    ACTIVE_STATUSES,
     BATCH_ORDERS,
     PREFIX_ORDER,
     BatchLine,
@@ -204,10 +205,12 @@ class BatchRunner:
         self.settings = settings or BatchSettings()
         self.owner = owner or new_id("router-")
         self._checked: dict[str, CheckedInput] = {}  # the input files of batches paused between turns, newest first
+        # batch id -> (its tenant pseudonym, runs in a row here that raised); dropped when a run succeeds, when the
+        # batch is failed for it, or at the sweep once the batch ended (on another replica maybe) or is gone
+        self._crashes: dict[str, tuple[str, int]] = {}
 
     async def serve_forever(self) -> None:
         swept = -math.inf
-        crashes: dict[str, int] = {}  # batch id -> runs in a row that raised
         while True:
             claimed = None
             try:
@@ -218,6 +221,7 @@ class BatchRunner:
                 if time.monotonic() - swept >= SWEEP_SECONDS:
                     swept = time.monotonic()
                     await asyncio.to_thread(self.store.delete_expired)
+                    await asyncio.to_thread(self._forget_ended_crashes)
                 claimed = await asyncio.to_thread(self.store.claim, self.owner, self.settings.lease_seconds)
             except Exception as exc:  # the database away: batches wait for it, interactive traffic does not notice
                 self._database_fault(exc, "batch runner: could not read the batches")
@@ -239,17 +243,27 @@ class BatchRunner:
                     self._database_fault(exc, f"batch runner: batch {claimed.id}: the database failed")
                     await asyncio.sleep(self.settings.poll_seconds)
                     continue
-                crashes[claimed.id] = crashes.get(claimed.id, 0) + 1
-                log.exception("batch runner: batch %s stopped (%d time(s))", claimed.id, crashes[claimed.id])
-                if crashes[claimed.id] >= MAX_CRASHES:  # not a passing fault: end it rather than retry forever
+                crashes = self._crashes.get(claimed.id, (claimed.tenant, 0))[1] + 1
+                self._crashes[claimed.id] = (claimed.tenant, crashes)
+                log.exception("batch runner: batch %s stopped (%d time(s))", claimed.id, crashes)
+                if crashes >= MAX_CRASHES:  # not a passing fault: end it rather than retry forever
                     with contextlib.suppress(Exception):
                         await self._fail(claimed, [LineProblem("runner_error", f"the batch runner failed on this "
                                                                                f"batch {MAX_CRASHES} times: {exc}")])
+                        del self._crashes[claimed.id]  # failed, or no longer this replica's to fail
                 await asyncio.sleep(self.settings.poll_seconds)
             else:
-                crashes.pop(claimed.id, None)
+                self._crashes.pop(claimed.id, None)
             finally:
                 self.counters.running(-1)
+
+    def _forget_ended_crashes(self) -> None:
+        """Drop the crash counts of batches that ended or are gone: one that crashed here and then finished on
+        another replica never comes back to clear its count, which stayed for the life of the process."""
+        for batch_id, (tenant, _) in list(self._crashes.items()):
+            batch = self.store.batch(tenant, batch_id)
+            if batch is None or batch["status"] not in ACTIVE_STATUSES:
+                del self._crashes[batch_id]
 
     def _database_fault(self, exc: BaseException, message: str) -> None:
         """A failed operation on the database: counted, remembered for the next claim's grace, and logged (with its
