@@ -360,6 +360,9 @@ class _Completions:
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.model = body.model if body.model in engine.loras.loaded else engine.model_name  # an adapter's name
+        # a stream asked for its usage: every chunk carries the key, null until the last (as OpenAI's API sends it;
+        # typed clients declare it on the chunk)
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.streamed_text: dict[int, int] = {}  # per streamed choice, the length of its tokens' text so far
         self.echoed: list[tuple[str, list[int]]] = []  # with echo, per choice: the prompt's text and ids
         # the output constraint: a structured output's, or a tool_choice's (validation allows one or the other)
@@ -628,12 +631,11 @@ class _Completions:
             "model": self.model,
             "choices": choices,
         }
-        if usage is not None:
+        if self.include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
         b = self.body
@@ -662,7 +664,7 @@ class _Completions:
                 # router never sees the delivered tokens without the end that follows them
                 yield "".join(self._chunk([c]) for c in (finish_apart(choice) if self.chat else [choice]))
                 started.add(index)
-            if include_usage:
+            if self.include_usage:
                 yield self._chunk([], _usage(finals, job))
             yield "data: [DONE]\n\n"
         except ConnectionAbortedError:  # the client left: the stream ends there, no error (it was an ASGI traceback)

@@ -484,6 +484,10 @@ class Relay:
                 self.text_offset_next = text_offset_after(logprobs) or self.text_offset_next
         if chunk.get("usage") and self.prefill_usage:
             chunk["usage"] = merge_usage(self.prefill_usage, chunk["usage"])
+        if self.client_usage:  # OpenAI's: the key on every chunk, null until the last, whichever pod sent it
+            chunk.setdefault("usage", None)
+        elif not chunk.get("usage"):  # the null of the usage the router asked for, not the client
+            chunk.pop("usage", None)
         return chunk
 
     @property
@@ -500,8 +504,11 @@ class Relay:
             choice["delta"] = {"content": text}
         else:
             choice["text"] = text
-        return {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.stream_created, "model": self.stream_model, "choices": [choice]}
+        chunk = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.stream_created, "model": self.stream_model, "choices": [choice]}
+        if self.client_usage:
+            chunk["usage"] = None
+        return chunk
 
 
 class RelayResponse(StreamingResponse):
@@ -1143,9 +1150,11 @@ async def _single_chunk_stream(whole: dict[str, Any], raw: dict[str, Any]) -> As
         choice = {k: v for k, v in choice.items() if k != "message"} | {"delta": delta}
     base = {"id": whole["id"], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": whole["created"], "model": whole["model"]}
+    if wants_usage(raw):
+        base["usage"] = None  # until the last chunk, as the engines send it
     for part in finish_apart(choice) if chat else [choice]:  # a chat's finish_reason in a chunk of its own
         yield "data: " + json.dumps(base | {"choices": [part]}) + "\n\n"
-    if wants_usage(raw):
+    if "usage" in base:
         yield "data: " + json.dumps(base | {"choices": [], "usage": whole["usage"]}) + "\n\n"
     yield "data: [DONE]\n\n"
 

@@ -146,16 +146,40 @@ def in_subset(endpoint: str, subset: set[str]) -> bool:
     return endpoint in subset or endpoint.rsplit(":", 1)[0].strip("[]") in subset
 
 
+# How an engine's chunk ends when its stream asked for the usage and this is not the last chunk (json.dumps writes
+# the key last): the top-level key, since the closing brace is the object's own, found without parsing the chunk
+NULL_USAGE_END = ', "usage": null}'
+
+
 def usage_from_sse(line: str) -> dict[str, Any] | None:
     """The usage object of one `data: {...}` line of a streamed answer, if it carries one."""
     data = sse_data(line)
-    if data is None or not data.startswith("{") or '"usage"' not in data:
+    if data is None or not data.startswith("{") or '"usage"' not in data or data.endswith(NULL_USAGE_END):
         return None
     try:
         usage = json.loads(data).get("usage")
     except (json.JSONDecodeError, AttributeError):
         return None
     return usage if isinstance(usage, dict) else None
+
+
+def without_null_usage(line: str) -> str:
+    """A chunk's line for a client that did not ask for the usage, which the router asked for: the `"usage": null`
+    it carries taken out (cut from the text when the engine wrote it last; a pod of another make's chunk parsed and
+    written again)."""
+    if line.endswith(NULL_USAGE_END):
+        return line[: -len(NULL_USAGE_END)] + "}"
+    data = sse_data(line)
+    if data is None or not data.startswith("{") or '"usage"' not in data:
+        return line
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        return line
+    if not isinstance(chunk, dict) or "usage" not in chunk or chunk["usage"] is not None:
+        return line
+    del chunk["usage"]
+    return "data: " + json.dumps(chunk)
 
 
 # ---- messages to Envoy -----------------------------------------------------------------------------------------
@@ -402,7 +426,8 @@ class Exchange:
         router.metrics.retries.inc()
 
     def _response_body(self, chunk: pb.HttpBody) -> pb.ProcessingResponse:
-        """Read the answer for its usage and timing (the request log), and hand it on unchanged."""
+        """Read the answer for its usage and timing (the request log), and hand it on (less the usage the router
+        asked for and the client did not)."""
         trace = self.choice.trace if self.choice else None
         out = chunk.body
         if trace is not None and chunk.body:
@@ -412,13 +437,16 @@ class Exchange:
                 lines = (self.tail + chunk.body.decode(errors="replace")).split("\n")
                 self.tail = lines.pop()
                 kept = []
+                hide_usage = self.choice is not None and self.choice.hide_usage
                 for line in lines:
                     trace.chunks += (sse_data(line) or "").startswith("{")
                     usage = usage_from_sse(line)
                     self.usage = usage or self.usage
-                    if not (usage and self.choice is not None and self.choice.hide_usage):
+                    if not hide_usage:
                         kept.append(line)
-                if self.choice is not None and self.choice.hide_usage:  # whole lines only; the tail waits
+                    elif not usage:
+                        kept.append(without_null_usage(line))
+                if hide_usage:  # whole lines only; the tail waits
                     out = "".join(line + "\n" for line in kept).encode()
             elif len(self.answer) + len(chunk.body) <= MAX_USAGE_BYTES:
                 self.answer += chunk.body

@@ -91,6 +91,7 @@ def test_disaggregated_streaming_chat(pool: dict[str, str], router: Router) -> N
     assert text == whole["choices"][0]["message"]["content"]
     assert roles == 1 and len(ids) == 1
     assert chunks[-1]["usage"]["completion_tokens"] == 10
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)  # the key on every chunk, as OpenAI's
     wait_nothing_in_flight(router)
 
 

@@ -773,23 +773,34 @@ async def test_a_streamed_answer_is_read_for_its_usage_across_chunk_boundaries(p
     assert counted(router, "ok") == 1 and all(p.inflight == 0 for p in router.pods.pods.values())
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["engine", "compact"])
 @pytest.mark.parametrize("client_asked", [False, True])
 @pytest.mark.asyncio
-async def test_a_stream_s_usage_is_asked_for_and_shown_only_to_a_client_that_asked(picker, client_asked: bool) -> None:
+async def test_a_stream_s_usage_is_asked_for_and_shown_only_to_a_client_that_asked(picker, client_asked: bool,
+                                                                                   compact: bool) -> None:
     """The request log and the cached-tokens counter need a stream's usage: the engine is asked for it; a client
-    that did not ask gets the stream without that chunk, as from the router's HTTP edge."""
+    that did not ask gets the stream without that chunk, and the others without their `"usage": null` (an engine
+    writes it last; a pod of another make, `compact`, anywhere), as from the router's HTTP edge."""
     router, stub, _ = picker
     extra = {"stream": True, **({"stream_options": {"include_usage": True}} if client_asked else {})}
     usage = {"prompt_tokens": 96, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
-    text = sse({"choices": [{"text": "a"}]}, {"choices": [], "usage": usage})
-    cut = text.index(b'"usage"')  # the usage line split between two chunks
+    first = {"usage": None, "choices": [{"text": "a"}]} if compact else {"choices": [{"text": "a"}], "usage": None}
+    separators = (",", ":") if compact else None
+    text = b"".join(b"data: " + json.dumps(event, separators=separators).encode() + b"\n\n"
+                    for event in (first, {"choices": [], "usage": usage})) + b"data: [DONE]\n\n"
+    cuts = text.index(b'"usage"'), text.rindex(b'"usage"')  # each usage line split between two chunks
+    pieces = [text[: cuts[0]], text[cuts[0]: cuts[1]], text[cuts[1]:]]
     replies = await full_duplex(stub, [request_headers(), *body_chunks(json.dumps(completion(26, **extra)).encode()),
-                                       *response_phases([text[:cut], text[cut:]], content_type="text/event-stream")])
+                                       *response_phases(pieces, content_type="text/event-stream")])
     forwarded = json.loads(replies[1].request_body.response.body_mutation.streamed_response.body)
     assert forwarded["stream_options"]["include_usage"] is True
     echoed = b"".join(r.response_body.response.body_mutation.streamed_response.body for r in replies
                       if r.WhichOneof("response") == "response_body")
-    assert (b'"usage"' in echoed) is client_asked and b'"text": "a"' in echoed and echoed.endswith(b"[DONE]\n\n")
+    if client_asked:
+        assert echoed == text
+    else:
+        events = [line.removeprefix(b"data: ") for line in echoed.split(b"\n") if line]
+        assert [json.loads(events[0]), events[1:]] == [{"choices": [{"text": "a"}]}, [b"[DONE]"]]
     assert router.metrics.actual._value.get() == 32
 
 
