@@ -6,23 +6,34 @@ The check runs in a child process with a deadline (`python -m kvmesh.engine.cons
 decides whether intersected regexes can match anything in time exponential in their number, so a 1 KiB schema
 (an allOf of 25 string patterns) held a thread, and the router's event loop, for minutes. A check past the
 deadline is a 400 and its child is killed; a few children serve all checks, each check one at a time.
+
+Tenants share the children but nothing else: verdicts are remembered per scope (CACHE_SCOPE, as the token cache's
+pieces: the tenant in the router, the cache_salt in the engine), so a tenant timing a check learns nothing of the
+schemas others sent; and a free child goes to the waiting scope that holds the fewest, so a tenant sending schemas
+that each run out the deadline holds at most one child while another tenant waits. No child within
+CHECK_QUEUE_SECONDS is ChecksBusy, which each edge answers as a retryable overload (with Retry-After), not a 400.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
 import json
+import math
 import queue
 import select
 import subprocess
 import sys
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import IO, Any
 
 import llguidance
 from llguidance import LLMatcher
 
+from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.protocol import STRUCTURED_KINDS
 
 # JSON as json.dumps writes it: fixed separators, no free whitespace between tokens (with free whitespace a model
@@ -57,32 +68,47 @@ class Constraint:
 
 def check(constraint: Constraint) -> None:
     """Raise ValueError with llguidance's message when the constraint is not a valid grammar (or could not be
-    checked within CHECK_SECONDS). Needs no tokenizer, so the router's request parsing refuses a bad schema or regex
-    as the engine's does. Verdicts are remembered: agents send the same schema with every request, and compiling a
-    large one takes tens of milliseconds."""
+    checked within CHECK_SECONDS); ChecksBusy (not a ValueError, so validation passes it on to the edge) when no
+    checker was free in time. Needs no tokenizer, so the router's request parsing refuses a bad schema or regex
+    as the engine's does. Verdicts are remembered per CACHE_SCOPE: agents send the same schema with every request,
+    and compiling a large one takes tens of milliseconds."""
     spec_json = json.dumps(constraint.spec, sort_keys=True)
     check_once = _problem if len(spec_json) <= CACHED_SPEC_CHARS else _problem.__wrapped__
     try:
-        problem = check_once(constraint.kind, spec_json)
+        problem = check_once(_scope_key(CACHE_SCOPE.get()), constraint.kind, spec_json)
     except NotChecked as exc:  # raised, so never remembered: the next request is checked
         raise ValueError(str(exc)) from None
     if problem is not None:
         raise ValueError(problem)
 
 
-CACHED_SPEC_CHARS = 16384  # larger specs are checked each time: the cache holds at most 1024 x 16 KiB
+CACHED_SPEC_CHARS = 16384  # larger specs are checked each time: the cache holds at most 1024 x 16 KiB, all scopes
 CHECK_SECONDS = 2.0  # a grammar check's deadline (checks of real schemas take milliseconds to tens of them)
 CHECK_WORKERS = 2  # child processes checking at once; a check waits up to CHECK_QUEUE_SECONDS for one
 CHECK_QUEUE_SECONDS = 4 * CHECK_SECONDS
+_SCOPE_DIGEST_BYTES = 16  # a scope's stand-in in the verdicts' keys: an engine's cache_salt may be long
 
 
 class NotChecked(Exception):
-    """No verdict this time (every checker busy, or the checking process failed): not one to remember."""
+    """No verdict this time (the checking process failed): not one to remember, and a 400 for this request."""
+
+
+class ChecksBusy(Exception):
+    """No checker free within CHECK_QUEUE_SECONDS: the server's overload, not the request's fault, so each edge
+    answers it as a retryable overload; a slot frees within one check's deadline, hence the Retry-After."""
+
+    retry_after_seconds = math.ceil(CHECK_SECONDS)
+
+
+def _scope_key(scope: str) -> bytes:
+    """A fixed-size stand-in for a scope, in the verdicts' keys and the checkers' accounts."""
+    return hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=_SCOPE_DIGEST_BYTES).digest()
 
 
 @functools.lru_cache(maxsize=1024)
-def _problem(kind: str, spec_json: str) -> str | None:
-    return _CHECKERS.problem(kind, spec_json)
+def _problem(scope_key: bytes, kind: str, spec_json: str) -> str | None:
+    """The verdict, remembered per scope: a verdict another scope's request left is never this one's."""
+    return _CHECKERS.problem(scope_key, kind, spec_json)
 
 
 def verdict(kind: str, spec_json: str) -> str | None:
@@ -134,16 +160,55 @@ def _read_line(stream: IO[bytes]) -> bytes:
     return b"".join(parts)
 
 
+class _FairSlots:
+    """`count` slots shared by scopes. A free slot goes to the waiter whose scope holds the fewest slots (the
+    earliest among equals): slots never idle while anyone waits (alone, a scope may use them all), yet a scope that
+    waits for its first slot is served before any scope already holding one, so it waits at most until the first
+    held check ends (CHECK_SECONDS, within CHECK_QUEUE_SECONDS) however many checks another scope has queued."""
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._held: Counter[bytes] = Counter()
+        self._waiting: list[tuple[int, bytes]] = []  # (arrival, scope)
+        self._arrivals = itertools.count()
+        self._changed = threading.Condition()
+
+    def acquire(self, scope: bytes, timeout: float) -> bool:
+        """Whether a slot was taken for `scope` within `timeout` seconds."""
+        with self._changed:
+            waiter = (next(self._arrivals), scope)
+            self._waiting.append(waiter)
+            taken = self._changed.wait_for(lambda: self._free > 0 and self._next() == waiter, timeout)
+            self._waiting.remove(waiter)
+            if taken:
+                self._free -= 1
+                self._held[scope] += 1
+            self._changed.notify_all()  # the next in line changed
+            return taken
+
+    def release(self, scope: bytes) -> None:
+        with self._changed:
+            self._free += 1
+            self._held[scope] -= 1
+            if not self._held[scope]:
+                del self._held[scope]
+            self._changed.notify_all()
+
+    def _next(self) -> tuple[int, bytes]:
+        return min(self._waiting, key=lambda waiter: (self._held[waiter[1]], waiter[0]))
+
+
 class _Checkers:
     """Up to CHECK_WORKERS children, started when first needed and kept; one that misses the deadline is killed."""
 
     def __init__(self) -> None:
-        self._slots = threading.BoundedSemaphore(CHECK_WORKERS)
+        self._slots = _FairSlots(CHECK_WORKERS)
         self._idle: queue.LifoQueue[_Child] = queue.LifoQueue()
 
-    def problem(self, kind: str, spec_json: str) -> str | None:
-        if not self._slots.acquire(timeout=CHECK_QUEUE_SECONDS):
-            raise NotChecked(f"{kind} not checked: this server's constraint checks are all busy, try again")
+    def problem(self, scope_key: bytes, kind: str, spec_json: str) -> str | None:
+        if not self._slots.acquire(scope_key, CHECK_QUEUE_SECONDS):
+            raise ChecksBusy(f"{kind} not checked: this server's constraint checks are all busy, try again in "
+                             f"{ChecksBusy.retry_after_seconds} s")
         try:
             try:
                 child = self._idle.get_nowait()
@@ -161,7 +226,7 @@ class _Checkers:
             self._idle.put(child)
             return answer
         finally:
-            self._slots.release()
+            self._slots.release(scope_key)
 
 
 _CHECKERS = _Checkers()

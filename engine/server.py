@@ -19,7 +19,7 @@ from dataclasses import asdict
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Query
+from fastapi import Depends, FastAPI, Query
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline
+from kvmesh.engine.constraint import ChecksBusy
 from kvmesh.engine.engine import LOAD_PROGRESS, Engine
 from kvmesh.engine.internal_token import InternalToken, RequireToken
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
@@ -118,6 +119,18 @@ class ApiError(Exception):
         """OpenAI's error object (a response's body, or a streamed event's)."""
         return error_body(self.message, "invalid_request_error" if self.status < 500 else "server_error", self.param,
                           self.code)
+
+
+async def _checks_scope(http: HttpRequest) -> None:
+    """The request's cache_salt as its CACHE_SCOPE before its body is validated (a dependency runs before the
+    body's validation, which checks its grammar): its verdict is remembered for requests with that salt only
+    (engine/constraint.py), as its texts' pieces are. The body is the JSON FastAPI has already read."""
+    try:
+        raw = await http.json()
+    except ValueError:  # not JSON: refused by its validation, which checks nothing
+        return
+    salt = raw.get("cache_salt") if isinstance(raw, dict) else None
+    CACHE_SCOPE.set(salt if isinstance(salt, str) else "")
 
 
 class WarmupGate:
@@ -378,16 +391,20 @@ class _Completions:
         tok = self.engine.tokenizer
         if isinstance(self.body, ChatRequest):
             try:
-                return [self.body.prompt_ids(tok)]
+                return [self.body.truncated(self.body.prompt_ids(tok), self.engine.max_model_len)]
             except ValueError as exc:
                 raise ApiError(400, f"messages: {exc}", param="messages") from None
-        prompt = self.body.prompt
+        return [self.body.truncated(ids, self.engine.max_model_len) for ids in self._completion_prompts()]
+
+    def _completion_prompts(self) -> list[list[int]]:
+        assert isinstance(self.body, CompletionRequest)
+        tok, prompt, special = self.engine.tokenizer, self.body.prompt, self.body.add_special_tokens
         if isinstance(prompt, str):
-            return [tok.encode(prompt)]
+            return [tok.encode(prompt, add_special_tokens=special)]
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         if all(isinstance(p, str) for p in prompt):
-            return [tok.encode(p) for p in prompt]  # type: ignore[arg-type]
+            return [tok.encode(p, add_special_tokens=special) for p in prompt]  # type: ignore[arg-type]
         return [list(p) for p in prompt]  # type: ignore[union-attr]
 
     def params(self, prompt_len: int) -> SamplingParams:
@@ -429,9 +446,12 @@ class _Completions:
             frequency_penalty=b.frequency_penalty,
             repetition_penalty=b.repetition_penalty,
             logit_bias=b.logit_bias_ids(),
+            allowed_token_ids=b.allowed_token_ids or [],
+            include_stop_str_in_output=b.include_stop_str_in_output,
+            skip_special_tokens=b.skip_special_tokens,
         )
         try:
-            params.validate(e.vocab_size)
+            params.validate(e.vocab_size, e.tokenizer.eos_token_ids)
         except InvalidParam as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         return params
@@ -892,6 +912,12 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
 
+    @app.exception_handler(ChecksBusy)
+    async def _checks_busy(_: HttpRequest, exc: ChecksBusy) -> JSONResponse:
+        """No grammar checker free: this pod's overload, retryable (a router tries another pod)."""
+        return JSONResponse(ApiError(503, str(exc), code="checks_busy").body, status_code=503,
+                            headers={"Retry-After": str(exc.retry_after_seconds)})
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         problems = []
@@ -926,11 +952,11 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             if call is not None:
                 call.finish(handler.id, handler.model, job.requests, job.prompt_of)
 
-    @app.post(CHAT_COMPLETIONS_PATH)
+    @app.post(CHAT_COMPLETIONS_PATH, dependencies=[Depends(_checks_scope)])
     async def chat_completions(body: ChatRequest, http: HttpRequest) -> Response:
         return await _serve(body, http, chat=True)
 
-    @app.post(COMPLETIONS_PATH)
+    @app.post(COMPLETIONS_PATH, dependencies=[Depends(_checks_scope)])
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         return await _serve(body, http, chat=False)
 

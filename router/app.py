@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import BodyDeadline
+from kvmesh.engine.constraint import ChecksBusy
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.model.tokenizer import Tokenizer
@@ -84,7 +85,15 @@ from kvmesh.engine.protocol import (
     workload_class,
 )
 from kvmesh.engine.tracing import OFF, ROUTER_SERVICE, Tracing, setup_tracing
-from kvmesh.router.asgi import RouteError, error_response, read_body, sse_data, stream_error_ending, wait_disconnected
+from kvmesh.router.asgi import (
+    OVERLOADED_CODE,
+    RouteError,
+    error_response,
+    read_body,
+    sse_data,
+    stream_error_ending,
+    wait_disconnected,
+)
 from kvmesh.router.auth import (
     CACHE_SALT_SECRET_ENV,
     DEFAULT_TENANT,
@@ -135,6 +144,7 @@ from kvmesh.router.shed import ShedPolicy, fair_share, priority_label, should_sh
 from kvmesh.router.store import DATABASE_COMPONENTS, AsyncRequestLog, RequestLog, RequestRecord
 from kvmesh.router.tokenize_api import (
     body_bound,
+    checks_busy,
     past_body_bound,
     tokenize_routes,
     unknown_model,
@@ -147,7 +157,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 COMPLETION_PATHS = {COMPLETIONS_PATH: False, CHAT_PATH: True}  # the routes that take completions -> chat
-OVERLOADED_CODE = "overloaded"  # the error code of a 429 the overloaded pool sheds (router/shed.py)
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 # refusals another pod may not give: busy, draining, or (401) holding another internal token while a new one spreads
 RETRYABLE = (401, 429, 503)
@@ -709,6 +718,8 @@ class Router:
             raise RouteError(400, past_body_bound(bound), code=CONTEXT_LENGTH_CODE, headers=lease.headers)
         model = ChatRequest if chat else CompletionRequest
         inline = len(payload) <= INLINE_TOKENIZE_BYTES
+        # this request's task and the threads it is checked and tokenized in: its tenant's verdicts and pieces only
+        CACHE_SCOPE.set(tenant)
         try:
             raw = read_json(payload) if inline else await work.run(read_json, payload)
             # a grammar's check may take seconds (engine/constraint.py): never on the event loop
@@ -719,6 +730,8 @@ class Router:
                              headers=lease.headers) from None
         except ValueError as exc:  # read_json's
             raise RouteError(400, str(exc), headers=lease.headers) from None
+        except ChecksBusy as exc:
+            raise checks_busy(exc, lease.headers) from None
         if isinstance(body, CompletionRequest) and (long := _longest_text_prompt(body)) > (each := body_bound(cards)):
             raise RouteError(400, past_body_bound(each, f"a prompt of {long} characters"), param="prompt",
                              code=CONTEXT_LENGTH_CODE, headers=lease.headers)
@@ -728,7 +741,6 @@ class Router:
         body.kv_transfer = body.resume_output_ids = None
         if self.keys.enabled:  # the tenant's salt, whatever the client sent: tenants never share cached blocks
             raw[CACHE_SALT_FIELD] = body.cache_salt = cache_salt_for(tenant, self.salt_secret)
-        CACHE_SCOPE.set(tenant)  # this request's task and the thread it tokenizes in: its tenant's pieces only
         start = time.perf_counter()
         if len(payload) <= INLINE_TOKENIZE_BYTES:
             info, prompt_tokens = self.measure(body, priority)

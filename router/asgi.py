@@ -11,6 +11,10 @@ from starlette.types import Receive
 
 from kvmesh.engine.openai_types import error_body
 
+# the error code of a 429 the router answers its own overload with: a request the overloaded pool sheds
+# (router/shed.py), a grammar no checker was free for (engine/constraint.py)
+OVERLOADED_CODE = "overloaded"
+
 
 class RouteError(Exception):
     """A request refused before an engine answered it: its status, OpenAI-style message, code and type."""

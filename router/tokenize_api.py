@@ -7,7 +7,7 @@ too)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter
@@ -15,6 +15,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from kvmesh.engine.constraint import ChecksBusy
 from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
@@ -26,7 +27,7 @@ from kvmesh.engine.openai_types import (
     validation_problems,
 )
 from kvmesh.engine.protocol import DETOKENIZE_PATH, TOKENIZE_PATH
-from kvmesh.router.asgi import RouteError, error_response
+from kvmesh.router.asgi import OVERLOADED_CODE, RouteError, error_response
 from kvmesh.router.auth import unauthorized_body
 from kvmesh.router.config import INLINE_TOKENIZE_BYTES, MAX_REQUEST_BODY_BYTES
 from kvmesh.router.limits import Lease
@@ -65,6 +66,14 @@ def unknown_model(model: str, served: set[str]) -> str:
     return f"The model `{model}` does not exist; this pool serves {', '.join(sorted(served))}"
 
 
+def checks_busy(exc: ChecksBusy, headers: Mapping[str, str] | None = None) -> RouteError:
+    """The refusal of a request whose grammar no checker was free for (engine/constraint.py), on these routes and
+    the completion routes alike: the router's overload, not the request's fault, so a 429 with Retry-After, as a
+    shed request's, which clients retry (a 400 they would not)."""
+    return RouteError(429, str(exc), code=OVERLOADED_CODE, kind="rate_limit_error",
+                      headers={**(headers or {}), "retry-after": str(exc.retry_after_seconds)})
+
+
 def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str | None],
                     models: Callable[[], dict[str, Any]],
                     admit: Callable[[str, int | None], Lease] | None = None) -> APIRouter:
@@ -94,6 +103,8 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
             body = await asyncio.to_thread(kind.model_validate_json, payload)
         except ValidationError as exc:
             return JSONResponse(error_body(validation_problems(exc)), status_code=400)
+        except ChecksBusy as exc:
+            return error_response(checks_busy(exc))
         cards = models()["data"]
         served = {card["id"] for card in cards}
         if body.model is not None and served and body.model not in served:
@@ -115,12 +126,12 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
         except RouteError as exc:
             return error_response(exc)
         spent = 0
+        CACHE_SCOPE.set(tenant)  # one tenant's texts never tokenize, nor its tools' schemas check, faster for another
         try:
             parsed = await parse(http, kind)
             if isinstance(parsed, JSONResponse):
                 return parsed
             body, large = parsed
-            CACHE_SCOPE.set(tenant)  # one tenant's texts never tokenize faster for another
             try:
                 result, spent = await asyncio.to_thread(work, body) if large else work(body)
             except ValueError as exc:

@@ -327,17 +327,24 @@ def test_a_schema_too_complex_to_check_in_time_is_refused_and_checks_go_on() -> 
 
 
 def test_a_check_that_gave_no_verdict_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every checker busy (or its process gone) is a 400 for this request only: the next one is checked."""
+    """A checking process gone is a 400 for this request only, every checker busy its retryable overload
+    (tests/test_constraint_tenants.py): the next request is checked."""
     from kvmesh.engine import constraint
 
     schema = {"type": "object", "properties": {"busy": {"type": "integer"}}}
     answer = constraint._CHECKERS.problem
 
-    def busy(kind: str, spec_json: str) -> str | None:
-        raise constraint.NotChecked(f"{kind} not checked: this server's constraint checks are all busy, try again")
+    def gone(scope_key: bytes, kind: str, spec_json: str) -> str | None:
+        raise constraint.NotChecked(f"{kind} not checked: the checking process ended, try again")
 
+    def busy(scope_key: bytes, kind: str, spec_json: str) -> str | None:
+        raise constraint.ChecksBusy(f"{kind} not checked: this server's constraint checks are all busy")
+
+    monkeypatch.setattr(constraint._CHECKERS, "problem", gone)
+    with pytest.raises(ValueError, match="process ended"):
+        check(Constraint("json_schema", schema, "response_format"))
     monkeypatch.setattr(constraint._CHECKERS, "problem", busy)
-    with pytest.raises(ValueError, match="all busy"):
+    with pytest.raises(constraint.ChecksBusy):
         check(Constraint("json_schema", schema, "response_format"))
     monkeypatch.setattr(constraint._CHECKERS, "problem", answer)
     check(Constraint("json_schema", schema, "response_format"))
