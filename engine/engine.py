@@ -698,7 +698,8 @@ class Engine:
                 request.lora_slot = adapter.slot
                 request.extra = dataclasses.replace(request.extra, lora_fingerprint=adapter.fingerprint)
             try:
-                request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
+                                                             request.params.skip_special_tokens)
                 if request.output_ids:  # the client has their text, but for a tail a stop string may still take
                     request.text = request.detokenizer.step(request.output_ids)
                     request.emitted_text = request.text[: sendable_length(request.text, 0, request.params.stop)]
@@ -981,17 +982,24 @@ class Engine:
         before = len(r.text)
         if is_stop_token:
             finish = "stop"
+            if p.include_stop_str_in_output:  # vLLM's: the stop token's text too (none for a skipped special one)
+                r.text += r.detokenizer.step([token])
             r.text += r.detokenizer.flush()  # the output ends here: nothing will complete a held-back character
         else:
             r.text += r.detokenizer.step([token])
         sendable = len(r.text)
         # A stop string ends the output only in a token after the first min_tokens, as a stop token does (those are
         # masked for the first min_tokens), and only where it ends in this token's text: one completed within the
-        # first min_tokens stays in the output (vLLM's rule), though it may be held back yet.
+        # first min_tokens stays in the output (vLLM's rule), though it may be held back yet. The earliest match
+        # wins; with include_stop_str_in_output the output ends after it instead of before. A tail that could begin
+        # a stop string is held back either way (the flag needs no holding back, but a pod resuming the request and
+        # the router sending a disaggregated first token split the text as protocol.sendable_length does).
         stops = p.stop if r.num_generated > p.min_tokens else []
-        hits = [at for stop in stops if (at := r.text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        hits = [(at, at + len(stop)) for stop in stops
+                if (at := r.text.find(stop, max(0, before - len(stop) + 1))) >= 0]
         if hits:
-            r.text = r.text[: min(hits)]
+            start, end = min(hits)
+            r.text = r.text[: end if p.include_stop_str_in_output else start]
             sendable = len(r.text)
             finish = "stop"
         if finish is None and r.guide is not None and r.guide.finished:  # complete: only EOS could follow

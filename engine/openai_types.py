@@ -290,8 +290,48 @@ def _own_template_variables(value: dict[str, Any] | None) -> dict[str, Any] | No
     return value
 
 
+# vLLM's request fields beyond OpenAI's that this server does not honour: each is refused with a 400 naming it when
+# given a value other than its neutral one (its default, or null), never ignored, since an ignored one answers other
+# than asked. Name -> (neutral value, why). The one home of this list: docs/engine.md states it from here.
+REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
+    "bad_words": ([], "is not supported: no words are banned from the output here"),
+    "prompt_logprobs": (None, "is not supported: for a completion, send echo: true with logprobs for the prompt's "
+                              "logprobs"),
+    "use_beam_search": (False, "is not supported: beam search is not run here"),
+    "length_penalty": (1.0, "is not supported: it weighs beam search, which is not run here"),
+    "logits_processors": (None, "are not supported: no custom logits processors run here"),
+    "vllm_xargs": (None, "is not supported: no sampling plugins run here to read it"),
+    "return_tokens_as_token_ids": (False, "is not supported: logprobs name tokens by their text"),
+    "prompt_embeds": (None, "is not supported: prompts are text or token ids"),
+}
+# the chat endpoint's own (its prompt is built from the messages through the chat template)
+REFUSED_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
+    "echo": (False, "is not supported for chat (a completion echoes its prompt)"),
+    "continue_final_message": (False, "is not supported: the answer starts a new assistant turn"),
+    "documents": (None, "are not supported: put them in the messages"),
+    "chat_template": (None, "is not supported: the model's own chat template is used"),
+    "add_special_tokens": (False, "is not supported for chat: the chat template places the special tokens"),
+}
+# vLLM's fields accepted (ignored, as any unknown field) because they change nothing an answer holds:
+# spaces_between_special_tokens (special tokens' text is joined as the tokenizer decodes it, as vLLM's fast tokenizers
+# do whatever it says), priority (x-kvmesh-priority orders requests here), request_id (the response's id is the
+# engine's own), mm_processor_kwargs (only text is served), guided_decoding_backend (llguidance enforces every
+# constraint).
+
+
+def _refused(data: Any, refused: Mapping[str, tuple[Any, str]], model: str) -> Any:
+    """`data` unchanged; a ValidationError at the first refused field given a value other than its neutral one."""
+    if isinstance(data, dict):
+        for name, (neutral, why) in refused.items():
+            if data.get(name) not in (None, neutral):
+                raise ValidationError.from_exception_data(model, [InitErrorDetails(
+                    type=PydanticCustomError("value_error", why), loc=(name,), input=data[name])])
+    return data
+
+
 class _Common(BaseModel):
-    """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI-compatible servers do."""
+    """Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI-compatible servers do, except
+    vLLM's that would change the answer (REFUSED_FIELDS)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -326,8 +366,31 @@ class _Common(BaseModel):
     kv_transfer: KVTransfer | None = None
     resume_output_ids: list[int] | None = None
     return_token_ids: bool = False
+    # vLLM's sampling extensions (SamplingParams' meanings)
+    include_stop_str_in_output: bool = False  # a stop string (and a stop token's text) stays in the output
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)  # only these may be sampled
+    skip_special_tokens: bool = True  # false: special tokens' text (such as "<|im_end|>") is in the output
+    # the prompt's last N tokens only (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     _text = field_validator("*", mode="before")(_text_fields)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _refused(data, REFUSED_FIELDS, cls.__name__)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be at least 1 (the prompt's last N tokens), or -1 for as many as the context holds")
+        return value
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """A prompt's ids as this request has them computed: its last `truncate_prompt_tokens`, as vLLM keeps."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return prompt_ids[-keep:] if keep is not None else prompt_ids
 
     @model_validator(mode="before")
     @classmethod
@@ -384,7 +447,17 @@ class _Common(BaseModel):
         if len(self.constraints()) > 1:
             named = ", ".join(c.param for c in self.constraints())
             raise ValueError(f"at most one structured output constraint per request, got {named}")
+        if self.allowed_token_ids and self.constraints():
+            self._allowed_tokens_alone(self.constraints()[0].param)
         return self
+
+    def _allowed_tokens_alone(self, mask: str) -> None:
+        """allowed_token_ids beside an output constraint, refused naming allowed_token_ids: the two masks could leave
+        no token to sample at some step, which nothing can tell before it comes."""
+        problem = PydanticCustomError("value_error", f"cannot be combined with {mask}: their masks together could "
+                                                     "leave no token to sample")
+        raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+            type=problem, loc=("allowed_token_ids",), input=self.allowed_token_ids)])
 
     def constraints(self) -> list[Constraint]:
         found = [self.response_format.constraint() if self.response_format else None,
@@ -422,6 +495,7 @@ class CompletionRequest(_Common):
     echo: bool = False  # the prompt before the completion, and with logprobs its tokens' (lm-eval's loglikelihood)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without the tokenizer's BOS
 
     @field_validator("best_of")
     @classmethod
@@ -556,6 +630,7 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool = True
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, a date, a system default)
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
     # Fields that change what an answer holds, which this server does not do: refused with a 400 naming the field
     # rather than ignored (an ignored one answers something else than what was asked)
     functions: Any = None
@@ -566,6 +641,17 @@ class ChatRequest(_Common):
     verbosity: str | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(_own_template_variables)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_in_chat(cls, data: Any) -> Any:
+        return _refused(data, REFUSED_CHAT_FIELDS, cls.__name__)
+
+    @model_validator(mode="after")
+    def _allowed_tokens_without_tool_mask(self) -> ChatRequest:
+        if self.allowed_token_ids and self.tool_mode in ("required", "named"):
+            self._allowed_tokens_alone("tool_choice")
+        return self
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -607,7 +693,7 @@ class ChatRequest(_Common):
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         """What the engine prefills and the router hashes, from one place (`chat_ids` with this request's tools and
         template variables); ValueError when the template refuses the messages."""
-        return chat_ids(tokenizer, self.messages, self.tools, template_kwargs=self.chat_template_kwargs)
+        return chat_ids(tokenizer, self.messages, self.tools, self.add_generation_prompt, self.chat_template_kwargs)
 
     @field_validator("tools")
     @classmethod

@@ -59,6 +59,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # vLLM's: divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: only these may be sampled (empty: any)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string, or a stop token's text, ends the output
+    skip_special_tokens: bool = True  # vLLM's: false decodes special tokens into the text too
 
     def __post_init__(self) -> None:
         if self.seed is None:
@@ -70,8 +73,9 @@ class SamplingParams:
         """Below 1e-5 the scaled logits overflow; such a temperature means greedy, as in vLLM."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise InvalidParam naming the first parameter outside its range."""
+    def validate(self, vocab_size: int, eos_ids: frozenset[int] = frozenset()) -> None:
+        """Raise InvalidParam naming the first parameter outside its range, or allowed_token_ids that min_tokens
+        would leave nothing of (`eos_ids`: the model's end tokens, which min_tokens masks with stop_token_ids)."""
         if self.max_tokens < 0:  # 0: the prompt alone (echo), which the API allows only with echo
             raise InvalidParam("max_tokens", f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -113,10 +117,19 @@ class SamplingParams:
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
             raise InvalidParam("logit_bias", f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and "
                                              f"{MAX_LOGIT_BIAS:g}")
+        bad = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidParam("allowed_token_ids", f"allowed_token_ids outside the vocabulary (0..{vocab_size - 1}): "
+                                                    f"{bad[:5]}")
+        if self.min_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= eos_ids | set(
+                self.stop_token_ids):
+            raise InvalidParam("allowed_token_ids", "allowed_token_ids holds only stop tokens, which min_tokens "
+                                                    "forbids for the first tokens: nothing could be sampled")
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.penalizes_repeats)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.penalizes_repeats
+                    or self.allowed_token_ids)
 
     @property
     def penalizes_repeats(self) -> bool:
@@ -163,7 +176,8 @@ def prompt_vocabulary(prompt_ids: Sequence[int]) -> torch.Tensor:
 def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int], prompt: torch.Tensor | None) -> None:
     """logit_bias and the penalties, in place on one row, in vLLM's order: the bias, then vLLM's repetition penalty
     over the tokens of the prompt (`prompt`, its distinct ids) and the output, then OpenAI's presence (once per
-    token generated) and frequency (once per time)."""
+    token generated) and frequency (once per time); last, every token outside allowed_token_ids to -inf, which no
+    bias or penalty moves."""
     if p.logit_bias:  # first, as vLLM's sampler applies it before the penalties (the repetition one scales it)
         ids = torch.tensor(list(p.logit_bias), device=logits.device)
         logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
@@ -176,6 +190,11 @@ def _adjust(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int], p
     if generated and (p.presence_penalty or p.frequency_penalty):
         counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1])
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if p.allowed_token_ids:
+        ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = logits[ids]
+        logits.fill_(float("-inf"))
+        logits[ids] = kept
 
 
 def _apply_masks(logits: torch.Tensor, masks: Masks) -> None:

@@ -610,11 +610,12 @@ class _Completions:
         return self.echoed[index][0]
 
     def _prompt_text(self, prompt_index: int, ids: list[int]) -> str:
-        """The prompt text a choice echoes: as the client sent it, or its token ids decoded."""
+        """The prompt text a choice echoes: as the client sent it, or its token ids decoded (those it kept, when
+        truncate_prompt_tokens dropped some)."""
         prompt = self.body.prompt  # type: ignore[union-attr]
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and self.body.truncate_prompt_tokens is None:
             return prompt
-        if isinstance(prompt[0], str):
+        if isinstance(prompt[0], str) and self.body.truncate_prompt_tokens is None:
             return prompt[prompt_index]  # type: ignore[return-value]
         return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
