@@ -1617,8 +1617,11 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     ) -> Response | None:
         """Prefill on a prefill pod (it samples the first token and keeps the KV under a handle), then decode on
         a decode pod that pulls the KV and continues. None when the prefill hop failed: serve it whole."""
+        asked = raw.get("max_completion_tokens") or raw.get("max_tokens")
         prefill_body = {**raw, "stream": False, RETURN_TOKEN_IDS_FIELD: True, KV_TRANSFER_FIELD: {"mode": "prefill"}}
         prefill_body.pop("stream_options", None)
+        if asked == 1:  # the prefill pod's one token is the whole answer: no KV to keep for a decode step
+            del prefill_body[KV_TRANSFER_FIELD]
         try:
             opened = await open_upstream(trace, prefill_body, path, headers, set(), roles=("prefill",))
         except PodTimeout:  # a prefill hop that failed like any other: served whole
@@ -1651,8 +1654,9 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         router.metrics.predicted.inc(decision.predicted_cached_tokens)
         _count_cached(first)
         client_ids = bool(raw.get(RETURN_TOKEN_IDS_FIELD))
-        asked = raw.get("max_completion_tokens") or raw.get("max_tokens")
         if choice["finish_reason"] == "stop" or asked == 1 or ticket is None or len(ids) != 1:
+            if ticket is not None:  # the prefill pod keeps the KV for a decode step that will not come
+                release_handoff(prefill_pod.url, ticket)
             if client_ids:
                 choice["token_ids"] = ids
             router.metrics.count_request("ok", trace.route, trace.source)

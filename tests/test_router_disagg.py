@@ -347,3 +347,32 @@ def test_a_client_gone_during_the_decode_hop_releases_the_handoff(served: Served
     assert_unpinned_soon(pool["prefill"])  # the client has gone
     monkeypatch.undo()
     wait_nothing_in_flight(router)
+
+
+def test_a_one_token_answer_pins_nothing_on_the_prefill_pod(pool: dict[str, str], router: Router) -> None:
+    """A request for one token is answered by the prefill pod alone: it is sent there as a plain request, so the
+    pod keeps no KV under a handle for a decode step that will not come (it did, for the handle's 30 s)."""
+    reply = httpx.post(pool["router"] + "/v1/completions",
+                       json={"prompt": tokens(95, 90), "max_tokens": 1, "temperature": 0}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvmesh-pod"] == pool["prefill"]
+    assert reply.json()["usage"]["completion_tokens"] == 1
+    assert_unpinned_soon(pool["prefill"])
+    wait_nothing_in_flight(router)
+
+
+def test_a_stop_at_the_first_token_releases_the_handoff(pool: dict[str, str], router: Router) -> None:
+    """The prefill pod's first token completes a stop string: the prefill pod's answer is the whole answer, and
+    the KV it kept for the decode pod is released at once instead of at the handle's 30 s TTL."""
+    prompt = tokens(96, 90)  # a seed no other test of the module sends (its prefix would be pulled, not split)
+    first = httpx.post(pool["router"] + "/v1/completions",  # answered by the prefill pod alone (above)
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0}, timeout=60).json()
+    stop = first["choices"][0]["text"]
+    assert stop.strip(), "the tiny model's first token here must have text to stop on"
+    reply = httpx.post(pool["router"] + "/v1/completions",
+                       json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvmesh-pod"] == pool["prefill"]
+    assert reply.json()["choices"][0]["finish_reason"] == "stop"
+    assert_unpinned_soon(pool["prefill"])
+    wait_nothing_in_flight(router)
