@@ -16,15 +16,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
-from fastapi import Depends, FastAPI, Query
+from fastapi import FastAPI, Query
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -54,6 +54,7 @@ from kvmesh.engine.openai_types import (
     error_body,
     finish_apart,
     http_error_handler,
+    read_json,
     validation_problem,
 )
 from kvmesh.engine.protocol import (
@@ -105,6 +106,7 @@ EVENTS_HEARTBEAT_SECONDS = 10.0
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI; chat gets the rest of the context
 DISCONNECT_CHECK_SECONDS = 0.5
 COMPLETION_ROUTES = (CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH)
+BodyT = TypeVar("BodyT", bound=BaseModel)  # a request body's model
 
 
 class ApiError(Exception):
@@ -121,16 +123,33 @@ class ApiError(Exception):
                           self.code)
 
 
-async def _checks_scope(http: HttpRequest) -> None:
-    """The request's cache_salt as its CACHE_SCOPE before its body is validated (a dependency runs before the
-    body's validation, which checks its grammar): its verdict is remembered for requests with that salt only
-    (engine/constraint.py), as its texts' pieces are. The body is the JSON FastAPI has already read."""
-    try:
-        raw = await http.json()
-    except ValueError:  # not JSON: refused by its validation, which checks nothing
-        return
-    salt = raw.get("cache_salt") if isinstance(raw, dict) else None
+def _validated(model: type[BodyT], raw: bytes, json_body: bool) -> BodyT:
+    """The body as `model`, read as FastAPI reads one (JSON unless sent with another Content-Type, whose bytes are
+    then no object) and refused alike (RequestValidationError). Called in a worker thread: validation checks a
+    request's grammar, which may wait seconds for a checker (engine/constraint.py), and on the event loop that
+    wait stalled every stream of the pod. The body's cache_salt is its CACHE_SCOPE first, so the verdict is
+    remembered for requests with that salt only, as its texts' pieces are."""
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    data: Any = raw
+    if json_body:
+        try:
+            data = read_json(raw)  # with its nesting bound: json.loads in a worker thread crashed on a deep one
+        except ValueError as exc:  # "malformed JSON: ... at line L column C"
+            raise ApiError(400, f"body: {exc}") from None
+    salt = data.get("cache_salt") if isinstance(data, dict) else None
     CACHE_SCOPE.set(salt if isinstance(salt, str) else "")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+async def parsed_body(http: HttpRequest, model: type[BodyT]) -> BodyT:
+    """The request's body as `model`, validated off the event loop (`_validated`)."""
+    media = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    json_body = not media or media.endswith("/json") or media.endswith("+json")
+    return await asyncio.to_thread(_validated, model, await http.body(), json_body)
 
 
 class WarmupGate:
@@ -953,13 +972,13 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             if call is not None:
                 call.finish(handler.id, handler.model, job.requests, job.prompt_of)
 
-    @app.post(CHAT_COMPLETIONS_PATH, dependencies=[Depends(_checks_scope)])
-    async def chat_completions(body: ChatRequest, http: HttpRequest) -> Response:
-        return await _serve(body, http, chat=True)
+    @app.post(CHAT_COMPLETIONS_PATH)
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await _serve(await parsed_body(http, ChatRequest), http, chat=True)
 
-    @app.post(COMPLETIONS_PATH, dependencies=[Depends(_checks_scope)])
-    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
-        return await _serve(body, http, chat=False)
+    @app.post(COMPLETIONS_PATH)
+    async def completions(http: HttpRequest) -> Response:
+        return await _serve(await parsed_body(http, CompletionRequest), http, chat=False)
 
     def model_cards() -> list[dict[str, Any]]:
         e = holder.get()
@@ -982,8 +1001,9 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         raise ApiError(404, f"The model '{model}' does not exist", param="model", code=MODEL_NOT_FOUND)
 
     @app.post(TOKENIZE_PATH)
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(http: HttpRequest) -> dict[str, Any]:
         """vLLM's /tokenize: the ids a completion of this prompt or these messages would prefill."""
+        body = await parsed_body(http, TokenizeRequest)  # its tools' schemas are checked
         e = holder.get()
         _check_model(e, body.model)
         try:  # off the loop, as a completion's prompt: a long one takes milliseconds

@@ -214,3 +214,32 @@ def test_no_checker_free_is_the_engine_s_retryable_503(engine_app: TestClient, h
     assert reply.status_code == 503, reply.text
     assert reply.headers["retry-after"] == str(constraint.ChecksBusy.retry_after_seconds)
     assert "all busy" in reply.json()["error"]["message"]
+
+
+def test_an_engine_checks_a_grammar_off_its_event_loop(engine_app: TestClient, held: type[HeldChild]) -> None:
+    """An engine's request validation waits for a checker (up to its deadline, or the queue's 8 s): on the event
+    loop, that wait stalled every stream and every probe of the pod. With a check held, /health still answers."""
+    regex = "[a-z]{2,5}"
+    held.gates[f'"{regex}"'] = threading.Event()
+    replies: dict[str, Any] = {}
+
+    def completion() -> None:
+        replies["completion"] = engine_app.post("/v1/completions", json={  # refused once checked (max_tokens)
+            "prompt": "x", "max_tokens": -1, "structured_outputs": {"regex": regex}})
+
+    def health() -> None:
+        replies["health"] = engine_app.get("/health")
+
+    checking = threading.Thread(target=completion, daemon=True)
+    checking.start()
+    eventually(lambda: f'"{regex}"' in held.asked)  # the check holds its checker now
+    probe = threading.Thread(target=health, daemon=True)
+    probe.start()
+    probe.join(timeout=30)  # a bound on a hang, not a timing: the loop answers at once or never
+    answered_while_checking = "health" in replies
+    held.gates[f'"{regex}"'].set()
+    checking.join(timeout=30)
+    probe.join(timeout=30)
+    assert answered_while_checking, "the event loop was held by the grammar check"
+    assert replies["health"].status_code == 200
+    assert replies["completion"].status_code == 400 and "max_tokens" in replies["completion"].text

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.openai_types import (
@@ -24,6 +25,9 @@ from kvmesh.engine.openai_types import (
     MAX_GRAMMAR_CHARS,
     MAX_N,
     MAX_SEQUENCES_PER_REQUEST,
+    ChatRequest,
+    CompletionRequest,
+    TokenizeRequest,
 )
 from kvmesh.engine.tools import ToolStream, parse_hermes
 
@@ -429,10 +433,17 @@ def test_json_text_nested_too_deeply_is_a_400(http: httpx.Client, path: str, bod
     ("/tokenize", {"prompt": "\ud800"}, "prompt"),
 ])
 def test_text_that_is_not_unicode_is_a_400(http: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
-    """Was a 500: a lone surrogate (JSON allows the escape) reached the tokenizer, which cannot encode it."""
+    """Was a 500: a lone surrogate (the json module reads the escape) reached the tokenizer, which cannot encode it.
+    The body's reader (openai_types.read_json, the router's too) refuses the escape, saying where; a body built
+    in Python is refused by the field's own check, naming it."""
     reply = post(http, path, {**body, "max_tokens": 1} if path != "/tokenize" else body)
     assert reply.status_code == 400, reply.text
-    assert reply.json()["error"]["param"] == param and "Unicode" in reply.json()["error"]["message"]
+    message = reply.json()["error"]["message"]
+    assert message.startswith("body: malformed JSON: ") and ("surrogate" in message or "hex escape" in message)
+    model = TokenizeRequest if path == "/tokenize" else ChatRequest if "chat" in path else CompletionRequest
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate(body)
+    assert str(refused.value.errors()[0]["loc"][0]) == param and "Unicode" in str(refused.value)
 
 
 def test_tool_call_parsers_skip_what_is_not_a_call() -> None:
@@ -475,10 +486,12 @@ def test_the_frameworks_own_refusals_are_openai_errors(http: httpx.Client) -> No
 
 
 def test_malformed_json_is_named_as_such_not_as_a_field(http: httpx.Client) -> None:
-    """Its error's loc is the offset of the fault: it was reported as param "1"."""
+    """Its error says where the fault is, in no field: it was reported as param "1"."""
     error = http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
     assert error.status_code == 400
-    assert error.json()["error"]["param"] is None and "malformed JSON at character" in error.json()["error"]["message"]
+    assert error.json()["error"]["param"] is None
+    assert error.json()["error"]["message"].startswith("body: malformed JSON: ")
+    assert "line 1 column 11" in error.json()["error"]["message"]
 
 
 def test_missing_content_names_its_message(http: httpx.Client) -> None:
