@@ -6,32 +6,18 @@ replica, held its entry for the life of the process."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvmesh.router import batch_runner
-from kvmesh.router.batch_runner import Answer, BatchRunner
+from kvmesh.router.batch_runner import BatchRunner
 from kvmesh.router.batch_store import BatchStore, ClaimedBatch
 
-from .test_batch import FAST, TENANT, Counters, chat, line, new_batch, run_claimed, served
+from .test_batch import FAST, TENANT, Counters, chat, line, new_batch, run_claimed
+from .test_batch_runner_memory import broken, send, store
 
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[BatchStore]:
-    batches = BatchStore(f"sqlite:///{tmp_path / 'pool.db'}")
-    yield batches
-    batches.close()
-
-
-async def send(tenant: str, path: str, body: dict[str, Any]) -> Answer:
-    return served(body)
-
-
-def broken(pseudonym: str) -> str:
-    raise RuntimeError("a bug in the runner")
+__all__ = ["store"]  # the fixture: a batch store on SQLite
 
 
 class ClaimsOnce:

@@ -5,38 +5,22 @@ are a 400 naming the field, never accepted and ignored (review 209)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from kvmesh.engine.openai_types import REFUSED_CHAT_FIELDS, REFUSED_FIELDS
-from kvmesh.router.app import build_router
-from kvmesh.router.config import RouterConfig
 
-from .conftest import make_engine
-from .engines import serve_engine, serve_router
+from .test_openai_params import CHAT, COMPLETIONS, HI, pool
 
+__all__ = ["pool"]  # the fixture: one engine and a router in front of it
 pytestmark = pytest.mark.slow
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-HI = [{"role": "user", "content": "hi"}]
 # the tiny model's greedy answer to PROMPT begins " Earth", "statistics", " magnitude" (ids 2591, 33848, 10684)
 PROMPT = "hello world"
 GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
 IM_START = 1  # a special token of the bundled tokenizer, "<|im_start|>"
-
-
-@pytest.fixture(scope="module")
-def pool(tiny_dir: Path) -> Iterator[dict[str, str]]:
-    """The engine's URL and the router's, in front of it."""
-    with serve_engine(make_engine(tiny_dir, kv_cache_blocks=64, max_model_len=256)) as engine:
-        router = build_router(RouterConfig(pods=[engine], scrape_interval_seconds=0.1), tiny_dir)
-        with serve_router(router) as url:
-            yield {"engine": engine, "router": url}
 
 
 def complete(url: str, body: dict[str, Any], stream: bool) -> tuple[str, list[int], dict[str, Any]]:
