@@ -4,10 +4,12 @@ pool), `chat`, `status`, `bench`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh import __version__
@@ -257,6 +259,9 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     """Everything a user can get wrong is checked here, before a model is converted or a process started: one line
     and exit status 2."""
+    if args.ready_file:  # before the imports below (seconds): a killed run's would say "ready" meanwhile
+        with contextlib.suppress(OSError):  # a folder that does not exist: refused below
+            Path(args.ready_file).unlink(missing_ok=True)
     from kvmesh.up import PoolPlan, plan_from_file, run_pool, startup_problem
 
     def refuse(problem: str) -> int:

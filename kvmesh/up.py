@@ -63,6 +63,11 @@ CLOCK_RATE_ENV = "KVMESH_UP_CLOCK_RATE"
 LOCAL_NAMESPACE = "local"  # a local pool's namespace: its targets' `namespace`, its operator's `pool_namespace`
 LOCAL_DATABASE = "pool.db"  # in the pool's work folder: the router's SQLite database when the pool names none
 INTERNAL_TOKEN_FILE = "internal-token"  # in the pool's work folder: the pool's internal token (0600)
+# In the pool's work folder while it runs: the pid of its `kvmesh up`, so a later run can tell a run that was killed
+# (SIGKILL, a crash) from a live one and remove its leftovers (`remove_leftovers`); removed at a clean-up, so a
+# folder kept for its logs is left alone.
+UP_PID_FILE = "kvmesh-up.pid"
+WORKDIR_PREFIX = "kvmesh-"  # a pool's work folder: WORKDIR_PREFIX + its name + mkdtemp's suffix, in the temp folder
 INTERRUPTED = 130  # the exit status of a Ctrl-C before the pool started: 128 + SIGINT, as a shell reports it
 # An engine's KV tier files (`LocalEngines.tier_paths`): the disk tier's folder (the engine's own default folder;
 # not the work folder, which is often in a memory-backed /tmp); the host tier's is HOST_TIER_DIR, shared memory.
@@ -975,11 +980,68 @@ def _settings_problem(engine: Mapping[str, Any], router: Mapping[str, Any]) -> s
     return None
 
 
+def _stop_signals() -> tuple[int, ...]:
+    """The signals that stop the pool: Ctrl-C, SIGTERM, and SIGHUP (its terminal closed), unless SIGHUP is ignored
+    (started under nohup: it must outlive its terminal)."""
+    hang_up = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hang_up)
+
+
+_STOP_SIGNALS = _stop_signals()
+
+
+def _quiet_hung_up_terminal() -> None:
+    """After SIGHUP: stdout and stderr that go to a terminal go to /dev/null instead, since writing to a terminal
+    that hung up fails (EIO) and would end the stop half-way, leaving processes and files behind."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        if os.isatty(fd):
+            os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def remove_leftovers(temp_dir: Path | None = None, tier_dirs: Sequence[Path] | None = None) -> list[Path]:
+    """Remove what runs of `kvmesh up` that were killed left (SIGKILL or a crash: no clean-up ran): their work
+    folders and their engines' KV tier files (a host tier holds its size of RAM in /dev/shm until deleted). A run's
+    leftovers go only if its work folder names a `kvmesh up` pid (`UP_PID_FILE`) that no longer runs: never a live
+    run's, nor a folder kept for its logs (it has no pid file). The work folders removed."""
+    temp_dir = Path(temp_dir or tempfile.gettempdir())
+    tier_dirs = tier_dirs if tier_dirs is not None else (Path(HOST_TIER_DIR), DISK_TIER_DIR)
+    removed = []
+    for pid_file in temp_dir.glob(f"{WORKDIR_PREFIX}*/{UP_PID_FILE}"):
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            continue  # a run writing it now, or not ours
+        if _running(pid):
+            continue
+        workdir = pid_file.parent
+        for folder in tier_dirs:
+            for path in folder.glob(f"{workdir.name}-engine-*.kv"):
+                path.unlink(missing_ok=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+        removed.append(workdir)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts: it is not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class _StopNow(Exception):
     """A second Ctrl-C or SIGTERM while the pool stops gracefully."""
 
 
 def _stop_now(signum: int, frame: object) -> None:
+    if signum == signal.SIGHUP:
+        _quiet_hung_up_terminal()
     raise _StopNow
 
 
@@ -991,8 +1053,8 @@ def stop_pool(engines: LocalEngines, client: httpx.Client, router_signal: int = 
     (POST /v1/admin/drain: they refuse new requests) until none runs or queues a request, at most
     ENGINES_DRAIN_SECONDS; then SIGINT, and SIGKILL STOP_TIMEOUT_SECONDS later. A second Ctrl-C or SIGTERM
     kills whatever is left at once: False then."""
-    signal.signal(signal.SIGINT, _stop_now)
-    signal.signal(signal.SIGTERM, _stop_now)
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _stop_now)
     try:
         router = engines.router
         if router is not None and router.process.poll() is None:
@@ -1013,8 +1075,8 @@ def stop_pool(engines: LocalEngines, client: httpx.Client, router_signal: int = 
         print("kvmesh up: stopped", file=sys.stderr, flush=True)
         return True
     except _StopNow:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
         children = engines.children()[::-1]  # the router first: its clients see their streams cut, not ended
         for child in children:
             if child.process.poll() is None:
@@ -1107,11 +1169,15 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     stopped_by: list[int] = []  # the signal that stopped the pool, if one did
 
     def interrupt(signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal closed: stop as at SIGTERM, saying nothing more to it
+            _quiet_hung_up_terminal()
+            signum = signal.SIGTERM
         stopped_by.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, interrupt)
+    remove_leftovers()
     if ready_file:  # a stale one (a run killed before it could remove it) would say "ready" before this pool is
         Path(ready_file).unlink(missing_ok=True)
     try:
@@ -1134,7 +1200,8 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         _say(f"cannot read the model {plan.model}: {exc!r}")
         return 2
     threads = max(1, (os.cpu_count() or 2) // plan.engines)
-    workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{plan.name}-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{plan.name}-"))
+    (workdir / UP_PID_FILE).write_text(str(os.getpid()))
     engines: LocalEngines | None = None
     code, graceful = 1, False
     try:
@@ -1178,6 +1245,7 @@ def _clean_up(workdir: Path, engines: LocalEngines | None, ready_file: str | Non
     if engines is not None:
         engines.remove_tier_files()
         _empty_targets(engines)
+    (workdir / UP_PID_FILE).unlink(missing_ok=True)  # stopped: a later run leaves a kept folder alone
     if keep:
         _say(f"logs kept in {workdir}")
     else:

@@ -1,0 +1,77 @@
+"""`kvmesh up` on the second day: what a killed run leaves (its work folder, its engines' KV tier files) goes at the
+next start, never a live run's; closing the terminal (SIGHUP) stops the pool as SIGTERM does, cleaning up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvmesh import cli
+from kvmesh.processes import free_port, launch
+from kvmesh.up import UP_PID_FILE, remove_leftovers
+
+
+def _run(temp: Path, tiers: Path, name: str, pid: int | None) -> Path:
+    """A fake run's work folder (with a pid file naming `pid`, if any) and a host tier file of its engine."""
+    workdir = temp / f"kvmesh-local-{name}"
+    workdir.mkdir()
+    (workdir / "router.log").write_text("log")
+    if pid is not None:
+        (workdir / UP_PID_FILE).write_text(str(pid))
+    (tiers / f"{workdir.name}-engine-0-host.kv").write_bytes(b"\0" * 16)
+    return workdir
+
+
+def test_a_killed_runs_leftovers_go_and_a_live_or_kept_runs_stay(tmp_path: Path) -> None:
+    temp, tiers = tmp_path / "tmp", tmp_path / "shm"
+    temp.mkdir()
+    tiers.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    killed = _run(temp, tiers, "killed", gone.pid)
+    live = _run(temp, tiers, "live", os.getpid())
+    kept = _run(temp, tiers, "kept", None)  # stopped with --keep-logs: no pid file
+    assert remove_leftovers(temp, [tiers]) == [killed]
+    assert not killed.exists() and live.exists() and kept.exists()
+    left = sorted(p.name for p in tiers.iterdir())
+    assert left == sorted(f"{run.name}-engine-0-host.kv" for run in (live, kept))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sighup_stops_the_pool_and_cleans_up(tmp_path: Path) -> None:
+    temp, ready, log = tmp_path / "tmp", tmp_path / "ready", tmp_path / "up.log"
+    temp.mkdir()
+    env = {"TMPDIR": str(temp)}  # its work folder goes there, where the test looks for it
+    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--sim", "--engines", "1", "--port", str(free_port()),
+                   "--ready-file", str(ready)], log, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert [p.name for p in temp.iterdir() if p.name.startswith("kvmesh-")], "no work folder while it runs"
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not ready.exists()
+    assert not [p for p in temp.iterdir() if p.name.startswith("kvmesh-")], log.read_text()[-3000:]
+
+
+def test_a_stale_ready_file_goes_before_anything_else(tmp_path: Path) -> None:
+    """Removed first thing, before `kvmesh up` loads its modules (seconds, during which a script waiting on the file
+    took a killed run's pool for this one): here the run is refused at its first check and the file is gone."""
+    ready = tmp_path / "ready"
+    ready.write_text("http://127.0.0.1:19299/v1")  # a killed run's
+    assert cli.main(["up", "--sim", "--port", "0", "--ready-file", str(ready)]) == 2
+    assert not ready.exists()
