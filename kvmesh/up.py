@@ -235,11 +235,26 @@ class Child:
              f"{self.backoff.restarts + 1} in {delay:g} s on {self.url}{why}")
 
     def respawn(self, now: float) -> None:
-        """Start the same command line again (its port, so its URL and a host KV tier named by the port are the
-        same), once its back-off is over."""
+        """Start the same command line again, on its port unless another process took it meanwhile
+        (`_move_if_port_taken`), once its back-off is over."""
         self.process = spawn(self.args, self.log, new_session=True, env=self.env)
         self.backoff.restarted(now)
         _say(f"{self.name} restarting (restart {self.backoff.restarts}) on {self.url}")
+
+
+def _move_if_port_taken(child: Child) -> None:
+    """Before an engine restarts: if another process took its port while it was down (its port is an ephemeral
+    one, `free_port`, which the OS hands out again), it starts on a new free port instead of crash-looping on the
+    old one; the pods file names its new URL once it serves (`publish`), and its tier files are named by the engine,
+    not the port, so it finds them again."""
+    port = httpx.URL(child.url).port
+    if port is None or bind_problem(port) is None:
+        return
+    new = free_port()
+    flag = child.args.index("--port")
+    child.args[flag + 1] = str(new)
+    child.url = f"http://127.0.0.1:{new}"
+    _say(f"{child.name}'s port {port} is taken by another process: it restarts on port {new}")
 
 
 def _exit_status(code: int | None) -> str:
@@ -569,6 +584,7 @@ class LocalEngines:
                      f"draining: not restarted, it was leaving the pool")
                 self._stop(engine)
             elif engine.state == CRASHED and now >= (engine.child.backoff.due or now):
+                _move_if_port_taken(engine.child)
                 engine.child.respawn(now)
                 # it reads the engine files as they are now: a roll under way has nothing left to replace in it
                 engine.state, engine.generation, engine.answered = STARTING, self.generation, None

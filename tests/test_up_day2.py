@@ -1,10 +1,12 @@
 """`kvmesh up` on the second day: what a killed run leaves (its work folder, its engines' KV tier files) goes at the
-next start, never a live run's; closing the terminal (SIGHUP) stops the pool as SIGTERM does, cleaning up."""
+next start, never a live run's; closing the terminal (SIGHUP) stops the pool as SIGTERM does, cleaning up; a
+crashed engine whose port was taken meanwhile restarts on another."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh import cli
+from kvmesh import cli, up
 from kvmesh.processes import free_port, launch
-from kvmesh.up import UP_PID_FILE, remove_leftovers
+from kvmesh.up import CRASHED, UP_PID_FILE, Child, Engine, LocalEngines, PoolPlan, remove_leftovers
 
 
 def _run(temp: Path, tiers: Path, name: str, pid: int | None) -> Path:
@@ -75,3 +77,23 @@ def test_a_stale_ready_file_goes_before_anything_else(tmp_path: Path) -> None:
     ready.write_text("http://127.0.0.1:19299/v1")  # a killed run's
     assert cli.main(["up", "--sim", "--port", "0", "--ready-file", str(ready)]) == 2
     assert not ready.exists()
+
+
+def test_an_engine_whose_port_was_taken_restarts_on_a_free_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crashed engine whose port another process took while it was down would crash-loop on it for good."""
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    started: list[list[str]] = []
+    monkeypatch.setattr(up, "spawn", lambda args, log, **kw: started.append(list(args)) or exited)
+    engines = LocalEngines(PoolPlan(), ["sim-engine"], tmp_path, None)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        child = Child("engine-0", f"http://127.0.0.1:{taken}", exited, tmp_path / "engine-0.log",
+                      ["sim-engine", "--port", str(taken)])
+        child.backoff.due = 0.0
+        engines.engines.append(Engine(child, "both", state=CRASHED))
+        engines._restart_crashed(time.monotonic())
+    port = int(started[0][started[0].index("--port") + 1])
+    assert port != taken and child.url == f"http://127.0.0.1:{port}"
