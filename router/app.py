@@ -186,6 +186,7 @@ class PodWait:
     def __init__(self, pods: PodSet, seconds: float, limit: int) -> None:
         self.pods, self.seconds, self.limit = pods, seconds, limit
         self.held = 0  # kvmesh_router_requests_waiting_for_pods
+        self.draining = False  # the router stops: nothing is held any more (`stop`)
         self._ready = asyncio.Event()
         pods.scrape_listeners.append(self._pod_scraped)
 
@@ -196,11 +197,19 @@ class PodWait:
 
     def should_hold(self) -> bool:
         """Whether a request arriving now waits: no pod is ready, and there is room."""
-        return self.held < self.limit and not self.ready()
+        return self.held < self.limit and not self.draining and not self.ready()
+
+    def stop(self) -> None:
+        """The router begins draining: every held request wakes at once (answered `stopping`), instead of waiting
+        out its hold past the router's drain bound, to be cut by the server's shutdown with a plain-text 500."""
+        self.draining = True
+        self._ready.set()
 
     async def wait(self) -> bool:
-        """Hold one request until a pod is ready (True) or `seconds` pass (False). Cancelling it (the client left)
-        drops it from the count."""
+        """Hold one request until a pod is ready (True) or `seconds` pass or the router drains (False). Cancelling
+        it (the client left) drops it from the count."""
+        if self.draining:
+            return False
         self.held += 1
         try:
             try:
@@ -217,6 +226,12 @@ class PodWait:
         return RouteError(503, f"the pool is starting from zero and no engine was ready within {self.seconds:g} s; "
                                "retry later", code="no_pod", kind="server_error",
                           headers={"retry-after": str(STARTING_RETRY_AFTER_SECONDS)})
+
+    def stopping(self) -> RouteError:
+        """The answer to a request held when the router began draining: 503, retry (another router, or this pool
+        once it runs again)."""
+        return RouteError(503, "the router is shutting down and no engine is ready; retry later", code="no_pod",
+                          kind="server_error", headers={"retry-after": str(STARTING_RETRY_AFTER_SECONDS)})
 
     def _pod_scraped(self) -> None:
         if self.held and self.ready():
@@ -1180,12 +1195,15 @@ class Drain:
     draining: bool = False
     settle: float = 0.0  # new requests still served this long: SHUTDOWN_SETTLE_SECONDS after a SIGTERM
     gateway: ExtProcServer | None = None
+    pod_wait: PodWait | None = None  # the requests held while no pod is ready: answered at once when it begins
     picker_stopped: asyncio.Task[None] | None = None  # the picker's drain, once started
 
     def begin(self, settle: float | None = None) -> None:
         """Start draining, and the picker's drain if it serves and has not started one (on the event loop)."""
         self.draining = True
         self.settle = self.settle if settle is None else settle
+        if self.pod_wait is not None:
+            self.pod_wait.stop()
         if self.gateway is not None and self.picker_stopped is None:
             self.picker_stopped = asyncio.ensure_future(self.gateway.stop(drain=SHUTDOWN_DRAIN_SECONDS,
                                                                           settle=self.settle))
@@ -1272,6 +1290,7 @@ def header_map(scope: Scope) -> dict[str, str]:
 
 def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     drain = drain or Drain()
+    drain.pod_wait = router.pod_wait
 
     async def watch_keys() -> None:
         while True:
@@ -1529,7 +1548,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
         if waiting.result():
             return None
         router.no_pod(trace)
-        return error_response(wait.timed_out())
+        return error_response(wait.stopping() if wait.draining else wait.timed_out())
 
     def no_pod(trace: Trace, message: str) -> JSONResponse:
         """503 with Retry-After when every pod refused or failed: counted and logged as no_pod."""

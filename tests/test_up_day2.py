@@ -9,13 +9,18 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+import uvicorn
 
 from kvmesh import cli, up
-from kvmesh.processes import free_port, launch
+from kvmesh.processes import free_port, launch, wait_healthy, write_json_atomically
+from kvmesh.router.app import Drain, RouterServer, build_router, create_router_app
+from kvmesh.router.config import RouterConfig
 from kvmesh.up import CRASHED, UP_PID_FILE, Child, Engine, LocalEngines, PoolPlan, remove_leftovers
 
 
@@ -97,3 +102,40 @@ def test_an_engine_whose_port_was_taken_restarts_on_a_free_one(tmp_path: Path, m
         engines._restart_crashed(time.monotonic())
     port = int(started[0][started[0].index("--port") + 1])
     assert port != taken and child.url == f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.slow
+def test_a_request_held_at_zero_engines_gets_a_503_at_once_when_the_router_stops(tiny_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A Ctrl-C while the router held a request for a pool at zero engines: the client waited out the drain (~26 s)
+    and got uvicorn's plain-text 500; it gets the JSON 503 no_pod with Retry-After at once."""
+    pods_file = tmp_path / "pods.json"
+    write_json_atomically(pods_file, {"pods": []})
+    router = build_router(RouterConfig(pods_file=str(pods_file), scrape_interval_seconds=0.1,
+                                       hold_without_pods_seconds=120), tiny_dir)
+    port, drain = free_port(), Drain()
+    server = RouterServer(uvicorn.Config(create_router_app(router, drain), host="127.0.0.1", port=port,
+                                         log_level="warning", timeout_graceful_shutdown=30), drain)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=30)
+        replies: list[httpx.Response] = []
+        client = threading.Thread(target=lambda: replies.append(httpx.post(
+            url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)), daemon=True)
+        client.start()
+        deadline = time.monotonic() + 10
+        while router.pod_wait is not None and router.pod_wait.held == 0:
+            assert time.monotonic() < deadline, "the request was not held"
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        server.handle_exit(signal.SIGINT, None)  # as at a Ctrl-C
+        client.join(timeout=60)
+        assert time.monotonic() - stopped < 5
+        assert replies[0].status_code == 503, replies[0].text
+        assert replies[0].json()["error"]["code"] == "no_pod"
+        assert int(replies[0].headers["retry-after"]) > 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=40)
