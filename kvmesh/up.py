@@ -1246,6 +1246,14 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     return code if graceful else STOPPED_AT_ONCE
 
 
+def ready_message(pool: str, engines: int, endpoint: str) -> str:
+    """What `kvmesh up` prints once the pool serves: where, and what to do next (try it, stop it)."""
+    base = endpoint.removesuffix("/v1")
+    return (f"kvmesh up: pool {pool!r} ready: {engines} engine{'' if engines == 1 else 's'} behind {endpoint}\n"
+            f"  try it:  kvmesh chat --url {base} 'Hello'   (or: curl {endpoint}/models)\n"
+            f"  Ctrl-C stops the pool")
+
+
 def _clean_up(workdir: Path, engines: LocalEngines | None, ready_file: str | None, endpoint: str, keep: bool) -> None:
     """After the pool stopped: its ready file goes (a script must not find a stopped pool "ready"; only if it still
     names this pool's endpoint: another run may have written it since), and its engines' KV tier files (caches no
@@ -1322,7 +1330,7 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
                 print(f"kvmesh up: operator metrics at {engines.operator_url}/metrics", file=sys.stderr)
             engines.publish()  # the targets file, before the ready file: whoever waits on it finds the targets too
             endpoint = _endpoint(router_port)
-            print(f"kvmesh up: pool {plan.name!r} ready: {plan.engines} engines behind {endpoint}", flush=True)
+            print(ready_message(plan.name, plan.engines, endpoint), flush=True)
             engines.ready = True
             if ready_file:
                 write_atomically(Path(ready_file), endpoint)

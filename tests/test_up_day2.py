@@ -21,7 +21,7 @@ from kvmesh import cli, up
 from kvmesh.processes import free_port, launch, wait_healthy, write_json_atomically
 from kvmesh.router.app import Drain, RouterServer, build_router, create_router_app
 from kvmesh.router.config import RouterConfig
-from kvmesh.up import CRASHED, UP_PID_FILE, Child, Engine, LocalEngines, PoolPlan, remove_leftovers
+from kvmesh.up import CRASHED, UP_PID_FILE, Child, Engine, LocalEngines, PoolPlan, ready_message, remove_leftovers
 
 
 def _run(temp: Path, tiers: Path, name: str, pid: int | None) -> Path:
@@ -139,3 +139,11 @@ def test_a_request_held_at_zero_engines_gets_a_503_at_once_when_the_router_stops
     finally:
         server.should_exit = True
         thread.join(timeout=40)
+
+
+def test_the_ready_line_says_how_to_try_and_stop_the_pool() -> None:
+    one = ready_message("x", 1, "http://127.0.0.1:19201/v1")
+    assert one.splitlines()[0] == "kvmesh up: pool 'x' ready: 1 engine behind http://127.0.0.1:19201/v1"
+    assert "kvmesh chat --url http://127.0.0.1:19201 " in one and "curl http://127.0.0.1:19201/v1/models" in one
+    assert "Ctrl-C stops" in one
+    assert "ready: 2 engines behind" in ready_message("x", 2, "http://127.0.0.1:19201/v1")
