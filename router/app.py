@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -674,6 +675,12 @@ class Router:
         ))
 
     def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
+        """The ids of the (first) prompt as the engines compute it, so its block hashes are theirs: without the BOS
+        for `add_special_tokens: false`, and only its last `truncate_prompt_tokens` (-1, "as many as the context
+        holds", keeps all here: the router does not know the pods' context, and a prompt longer than it is refused)."""
+        return body.truncated(self._prompt_ids(body), sys.maxsize)
+
+    def _prompt_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(body, ChatRequest):
             try:  # as the engine builds it: the same prompt, the same block hashes
                 return body.prompt_ids(self.tokenizer)
@@ -683,7 +690,7 @@ class Router:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
         # Token ids from the client (several prompts: route by the first): the only ids that need checking.
         ids = list(prompt[0]) if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else list(prompt)
         vocab = self.tokenizer.vocab_size
@@ -843,7 +850,8 @@ class Router:
         prompt = body.prompt if isinstance(body, CompletionRequest) else None
         if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], str | list):
             return 0
-        return sum(len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompt[1:])
+        return sum(len(self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)) if isinstance(p, str)
+                   else len(p) for p in prompt[1:])
 
     def request_info(self, body: ChatRequest | CompletionRequest, priority: int) -> RequestInfo:
         """Tokenize as the engines do and hash the leading blocks (at most max_hashed_tokens tokens), with the

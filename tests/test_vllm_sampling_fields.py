@@ -5,12 +5,15 @@ are a 400 naming the field, never accepted and ignored (review 209)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from kvmesh.engine.openai_types import REFUSED_CHAT_FIELDS, REFUSED_FIELDS
+from kvmesh.engine.openai_types import REFUSED_CHAT_FIELDS, REFUSED_FIELDS, CompletionRequest
+from kvmesh.router.app import build_router
+from kvmesh.router.config import RouterConfig
 
 from .test_openai_params import CHAT, COMPLETIONS, HI, pool
 
@@ -151,3 +154,18 @@ def test_a_field_not_honoured_is_refused_naming_it(pool: dict[str, str], path: s
         assert error["message"].startswith(f"{name}: ") and "not supported" in error["message"], (url, error)
         neutral = REFUSED_FIELDS.get(name, REFUSED_CHAT_FIELDS.get(name))[0]
         assert httpx.post(url + path, json={**body, "max_tokens": 1, name: neutral}, timeout=30).status_code == 200
+
+
+def test_the_router_hashes_the_prompt_the_engine_computes(tiny_dir: Path) -> None:
+    """Prefix-aware routing matches the engines' blocks only if the router hashes what they compute: the prompt's
+    last `truncate_prompt_tokens`, and a text without the tokenizer's special tokens when asked (it hashed the
+    whole prompt as tokenized by default, so such requests never matched a pod's cache)."""
+    router = build_router(RouterConfig(pods=[]), tiny_dir)
+    ids = list(range(300, 340))
+    whole = router.request_info(CompletionRequest(prompt=ids), 0)
+    kept = router.request_info(CompletionRequest(prompt=ids, truncate_prompt_tokens=20), 0)
+    assert (whole.prompt_tokens, kept.prompt_tokens) == (40, 20)
+    assert kept.block_hashes == router.request_info(CompletionRequest(prompt=ids[-20:]), 0).block_hashes
+    text = "hello world " * 8
+    plain = router.request_info(CompletionRequest(prompt=text, add_special_tokens=False), 0)
+    assert plain.prompt_tokens == len(router.tokenizer.encode(text, add_special_tokens=False))
