@@ -17,7 +17,6 @@ CHECK_QUEUE_SECONDS is ChecksBusy, which each edge answers as a retryable overlo
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -33,7 +32,7 @@ from typing import IO, Any
 import llguidance
 from llguidance import LLMatcher
 
-from kvmesh.engine.model.token_cache import CACHE_SCOPE
+from kvmesh.engine.model.token_cache import CACHE_SCOPE, scope_key
 from kvmesh.engine.protocol import STRUCTURED_KINDS
 
 # JSON as json.dumps writes it: fixed separators, no free whitespace between tokens (with free whitespace a model
@@ -75,7 +74,7 @@ def check(constraint: Constraint) -> None:
     spec_json = json.dumps(constraint.spec, sort_keys=True)
     check_once = _problem if len(spec_json) <= CACHED_SPEC_CHARS else _problem.__wrapped__
     try:
-        problem = check_once(_scope_key(CACHE_SCOPE.get()), constraint.kind, spec_json)
+        problem = check_once(scope_key(CACHE_SCOPE.get()), constraint.kind, spec_json)
     except NotChecked as exc:  # raised, so never remembered: the next request is checked
         raise ValueError(str(exc)) from None
     if problem is not None:
@@ -86,7 +85,6 @@ CACHED_SPEC_CHARS = 16384  # larger specs are checked each time: the cache holds
 CHECK_SECONDS = 2.0  # a grammar check's deadline (checks of real schemas take milliseconds to tens of them)
 CHECK_WORKERS = 2  # child processes checking at once; a check waits up to CHECK_QUEUE_SECONDS for one
 CHECK_QUEUE_SECONDS = 4 * CHECK_SECONDS
-_SCOPE_DIGEST_BYTES = 16  # a scope's stand-in in the verdicts' keys: an engine's cache_salt may be long
 
 
 class NotChecked(Exception):
@@ -98,11 +96,6 @@ class ChecksBusy(Exception):
     answers it as a retryable overload; a slot frees within one check's deadline, hence the Retry-After."""
 
     retry_after_seconds = math.ceil(CHECK_SECONDS)
-
-
-def _scope_key(scope: str) -> bytes:
-    """A fixed-size stand-in for a scope, in the verdicts' keys and the checkers' accounts."""
-    return hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=_SCOPE_DIGEST_BYTES).digest()
 
 
 @functools.lru_cache(maxsize=1024)

@@ -68,15 +68,16 @@ def pieces(text: str, piece_chars: int) -> list[str]:
     return out
 
 
-def _scope_key(scope: str) -> bytes:
-    """A fixed-size stand-in for the scope: a cache_salt of any length costs the cache nothing more."""
+def scope_key(scope: str) -> bytes:
+    """A fixed-size stand-in for a scope (a cache_salt of any length costs a cache nothing more): this cache's, and
+    the grammar checks' verdicts' (engine/constraint.py)."""
     return hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_BYTES).digest()
 
 
-def _piece_key(scope_key: bytes, piece: str) -> bytes:
+def _piece_key(scope: bytes, piece: str) -> bytes:
     """The piece's entry: a 256-bit digest of its text keyed by its scope (another scope's never matches);
     surrogatepass, as JSON may carry a lone surrogate, and it encodes each string to different bytes."""
-    return hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_BYTES, key=scope_key).digest()
+    return hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_BYTES, key=scope).digest()
 
 
 def entry_bytes(key: bytes, ids: array) -> int:
@@ -136,8 +137,8 @@ class TokenCache:
         parts = pieces(text, self.piece_chars)
         if len(parts) == 1:
             return encode_batch(parts)[0]
-        scope_key = _scope_key(CACHE_SCOPE.get())
-        keys = [_piece_key(scope_key, part) for part in parts]
+        scope = scope_key(CACHE_SCOPE.get())
+        keys = [_piece_key(scope, part) for part in parts]
         found: list[Sequence[int] | None] = [None] * len(parts)
         with self._lock:
             for i, key in enumerate(keys):
