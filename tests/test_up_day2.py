@@ -56,8 +56,14 @@ def test_sighup_stops_the_pool_and_cleans_up(tmp_path: Path) -> None:
     temp, ready, log = tmp_path / "tmp", tmp_path / "ready", tmp_path / "up.log"
     temp.mkdir()
     env = {"TMPDIR": str(temp)}  # its work folder goes there, where the test looks for it
-    proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--sim", "--engines", "1", "--port", str(free_port()),
-                   "--ready-file", str(ready)], log, env=env)
+    # as from a terminal's shell: SIGHUP at its default (a test run under nohup ignores it, and so would its child,
+    # which then rightly keeps running when SIGHUP comes)
+    kept = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        proc = launch([sys.executable, "-m", "kvmesh.cli", "up", "--sim", "--engines", "1", "--port",
+                       str(free_port()), "--ready-file", str(ready)], log, env=env)
+    finally:
+        signal.signal(signal.SIGHUP, kept)
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
