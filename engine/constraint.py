@@ -16,6 +16,9 @@ CHECK_QUEUE_SECONDS is ChecksBusy, which each edge answers as a retryable overlo
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextvars
 import functools
 import itertools
 import json
@@ -26,8 +29,9 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import llguidance
 from llguidance import LLMatcher
@@ -85,6 +89,16 @@ CACHED_SPEC_CHARS = 16384  # larger specs are checked each time: the cache holds
 CHECK_SECONDS = 2.0  # a grammar check's deadline (checks of real schemas take milliseconds to tens of them)
 CHECK_WORKERS = 2  # child processes checking at once; a check waits up to CHECK_QUEUE_SECONDS for one
 CHECK_QUEUE_SECONDS = 4 * CHECK_SECONDS
+# Request bodies are parsed in threads of their own (`parse_off_loop`), on the router and the engine alike: parsing
+# checks a request's grammar, which may wait CHECK_QUEUE_SECONDS for a checker, and such waits in the default pool
+# would hold the threads that tokenize prompts and move KV for every tenant.
+_BODY_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvmesh-body")
+_T = TypeVar("_T")
+
+
+async def parse_off_loop(call: Callable[..., _T], *args: Any) -> _T:
+    """`call(*args)` (a body's parsing and validation) in a body thread, with the caller's context (its CACHE_SCOPE)."""
+    return await asyncio.get_running_loop().run_in_executor(_BODY_THREADS, contextvars.copy_context().run, call, *args)
 
 
 class NotChecked(Exception):

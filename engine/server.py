@@ -7,9 +7,7 @@ asyncio queue per request. Nothing here computes.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import contextvars
 import json
 import logging
 import threading
@@ -31,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline
-from kvmesh.engine.constraint import ChecksBusy
+from kvmesh.engine.constraint import ChecksBusy, parse_off_loop
 from kvmesh.engine.engine import LOAD_PROGRESS, Engine
 from kvmesh.engine.internal_token import InternalToken, RequireToken
 from kvmesh.engine.kv.transfer import KV_FETCH_PATH, PulledBlocks, TransferError, pull_blocks
@@ -147,18 +145,11 @@ def _validated(model: type[BodyT], raw: bytes, json_body: bool) -> BodyT:
         raise RequestValidationError(exc.errors()) from None
 
 
-# Bodies are validated in threads of their own: a validation may wait seconds for a grammar checker, and in the
-# default pool such waits would hold the threads that tokenize prompts and move KV for every tenant.
-_VALIDATION = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvmesh-validate")
-
-
 async def parsed_body(http: HttpRequest, model: type[BodyT]) -> BodyT:
     """The request's body as `model`, validated off the event loop (`_validated`)."""
     media = http.headers.get("content-type", "").split(";")[0].strip().lower()
     json_body = not media or media.endswith("/json") or media.endswith("+json")
-    raw = await http.body()
-    return await asyncio.get_running_loop().run_in_executor(
-        _VALIDATION, contextvars.copy_context().run, _validated, model, raw, json_body)
+    return await parse_off_loop(_validated, model, await http.body(), json_body)
 
 
 class WarmupGate:

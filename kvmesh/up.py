@@ -1046,8 +1046,8 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True
 
 
@@ -1194,8 +1194,6 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     for signum in _STOP_SIGNALS:
         signal.signal(signum, interrupt)
     remove_leftovers()
-    if ready_file:  # a stale one (a run killed before it could remove it) would say "ready" before this pool is
-        Path(ready_file).unlink(missing_ok=True)
     try:
         if plan.sim:  # no weights: the bundled tokenizer, served under the simulated model's name
             from kvmesh.bench.sim_engine import PROFILES, served_name

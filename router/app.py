@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import BodyDeadline
-from kvmesh.engine.constraint import ChecksBusy
+from kvmesh.engine.constraint import ChecksBusy, parse_off_loop
 from kvmesh.engine.internal_token import InternalToken
 from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.model.tokenizer import Tokenizer
@@ -568,7 +568,8 @@ class Admitted:
 
 @dataclass
 class BodyWork:
-    """An admitted request's parsing and tokenizing, done in a thread past INLINE_TOKENIZE_BYTES, under its tenant's
+    """An admitted request's parsing and tokenizing, done in a body thread (`parse_off_loop`) past
+    INLINE_TOKENIZE_BYTES or when it holds a grammar, under its tenant's
     concurrency slot. A thread cannot be stopped: a request cancelled while one works on its body (a gateway's stream
     gone, a batch stopped) gives its slot back when the thread is done, so aborting requests never has more of a
     tenant's bodies worked on at once than its limit allows."""
@@ -578,7 +579,7 @@ class BodyWork:
 
     async def run(self, call: Callable[..., T], *args: Any) -> T:
         """`call(*args)` in a thread, which a cancelled caller leaves running."""
-        self.running = asyncio.ensure_future(asyncio.to_thread(call, *args))
+        self.running = asyncio.ensure_future(parse_off_loop(call, *args))
         return await asyncio.shield(self.running)
 
     def close(self) -> None:

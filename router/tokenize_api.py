@@ -15,7 +15,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from kvmesh.engine.constraint import ChecksBusy
+from kvmesh.engine.constraint import ChecksBusy, parse_off_loop
 from kvmesh.engine.model.token_cache import CACHE_SCOPE
 from kvmesh.engine.model.tokenizer import Tokenizer
 from kvmesh.engine.openai_types import (
@@ -100,7 +100,7 @@ def tokenize_routes(tokenizer: Tokenizer, tenant_for: Callable[[str | None], str
             chunks.append(chunk)
         payload, large = b"".join(chunks), size > INLINE_TOKENIZE_BYTES
         try:  # in a thread whatever its size: a tool's schema is a grammar to check, which may take seconds
-            body = await asyncio.to_thread(kind.model_validate_json, payload)
+            body = await parse_off_loop(kind.model_validate_json, payload)
         except ValidationError as exc:
             return JSONResponse(error_body(validation_problems(exc)), status_code=400)
         except ChecksBusy as exc:

@@ -135,9 +135,7 @@ def test_up_says_interrupted_at_a_ctrl_c_while_the_model_is_prepared(
 
     monkeypatch.setattr(up, "resolve_model_dir", converting)
     monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))  # where a work folder would be made
-    ready = tmp_path / "ready"
-    ready.write_text("http://127.0.0.1:1/v1")  # a stale one: gone before anything else
-    assert up.run_pool(PoolPlan(), free_loopback_port(), str(ready)) == up.INTERRUPTED == 130
+    assert up.run_pool(PoolPlan(), free_loopback_port()) == up.INTERRUPTED == 130
     assert capsys.readouterr().err.splitlines()[-1] == "kvmesh up: interrupted"
     assert list(tmp_path.iterdir()) == []
 
