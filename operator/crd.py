@@ -768,6 +768,8 @@ def _check_list(value: Any, schema: Mapping[str, Any], where: str) -> list[Any]:
         raise SpecError(f"{where}: expected a list, got {type(value).__name__}")
     if len(value) > schema.get("maxItems", len(value)):
         raise SpecError(f"{where}: {len(value)} items, at most {schema['maxItems']} allowed")
+    if len(value) < schema.get("minItems", 0):
+        raise SpecError(f"{where}: {len(value)} items, at least {schema['minItems']} needed")
     items = [_check(item, schema["items"], f"{where}[{i}]") for i, item in enumerate(value)]
     keys = schema.get("x-kubernetes-list-map-keys")
     if keys:

@@ -172,6 +172,8 @@ SCHEMA_BAD = [
     ("engine.scheduling.tolerations", [{"key": "gpu", "effect": "NoRun"}], "effect"),
     ("router.scheduling.priorityClassName", "Not_A_Name", "priorityClassName"),
     ("engine.scheduling.nodeSelector", {"gpu": 1}, "gpu"),
+    ("engine.scheduling.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": []}}}, "nodeSelectorTerms: 0 items, at least 1"),  # a pod with it could run nowhere
     ("engine.imagePullSecrets", [{"secret": "regcred"}], "name"),
     ("router.apiKeys", {"secretName": "keys", "key": "../etc/passwd"}, "key"),  # a file name, not a path
     ("router.apiKeys", {"secretName": "keys", "key": ".."}, "key"),
