@@ -702,7 +702,8 @@ class Engine:
                                                              request.params.skip_special_tokens)
                 if request.output_ids:  # the client has their text, but for a tail a stop string may still take
                     request.text = request.detokenizer.step(request.output_ids)
-                    request.emitted_text = request.text[: sendable_length(request.text, 0, request.params.stop)]
+                    request.emitted_text = request.text[: sendable_length(request.text, 0, request.params.stop,
+                                                                          request.params.include_stop_str_in_output)]
                 if request.guide is not None and request.guide.finished:  # resumed after its complete output
                     self._finish(request, "stop")  # as the first pod ended it, without a step for an EOS
                     continue
@@ -992,8 +993,8 @@ class Engine:
         # masked for the first min_tokens), and only where it ends in this token's text: one completed within the
         # first min_tokens stays in the output (vLLM's rule), though it may be held back yet. The earliest match
         # wins; with include_stop_str_in_output the output ends after it instead of before. A tail that could begin
-        # a stop string is held back either way (the flag needs no holding back, but a pod resuming the request and
-        # the router sending a disaggregated first token split the text as protocol.sendable_length does).
+        # a stop string is held back unless that flag is set (protocol.sendable_length: a pod resuming the request
+        # and the router sending a disaggregated first token split the text the same way).
         stops = p.stop if r.num_generated > p.min_tokens else []
         hits = [(at, at + len(stop)) for stop in stops
                 if (at := r.text.find(stop, max(0, before - len(stop) + 1))) >= 0]
@@ -1013,7 +1014,7 @@ class Engine:
                     r.text += r.detokenizer.flush()  # a half character no later token will complete
                 sendable = len(r.text)
             else:
-                sendable = sendable_length(r.text, len(r.emitted_text), p.stop)
+                sendable = sendable_length(r.text, len(r.emitted_text), p.stop, p.include_stop_str_in_output)
         delta = r.text[len(r.emitted_text) : sendable]
         r.emitted_text += delta
         if finish is None:

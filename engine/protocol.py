@@ -36,11 +36,15 @@ RETURN_TOKEN_IDS_FIELD = "return_token_ids"
 
 
 
-def sendable_length(text: str, start: int, stops: Sequence[str]) -> int:
+def sendable_length(text: str, start: int, stops: Sequence[str], include_stop_str_in_output: bool = False) -> int:
     """How much of an output's `text` a pod sends: all but a tail (after `start`, what was sent already) that could
     still grow into a stop string. A pod resuming after `resume_output_ids` takes the client to have their text up
     to here (from 0), so it sends a held-back tail itself, or drops it when the stop string completes; a router
-    that sends a first token's text (a disaggregated request) sends the same much."""
+    that sends a first token's text (a disaggregated request) sends the same much. With the request's
+    `include_stop_str_in_output` nothing is held back (vLLM's rule): a stop string that completes stays in the
+    output, so no text sent could be taken back."""
+    if include_stop_str_in_output:
+        return len(text)
     keep = len(text)
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text) - start), 0, -1):
