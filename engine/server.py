@@ -146,7 +146,8 @@ def _validated(model: type[BodyT], raw: bytes, json_body: bool) -> BodyT:
 
 
 async def parsed_body(http: HttpRequest, model: type[BodyT]) -> BodyT:
-    """The request's body as `model`, validated off the event loop (`_validated`)."""
+    """The request's body as `model`, validated off the event loop (`_validated`): every route that takes a JSON body
+    reads it here, so each answers a malformed one with the same 400 ("body: malformed JSON: ... line L column C")."""
     media = http.headers.get("content-type", "").split(";")[0].strip().lower()
     json_body = not media or media.endswith("/json") or media.endswith("+json")
     return await parse_off_loop(_validated, model, await http.body(), json_body)
@@ -943,10 +944,6 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         problems = []
         param = None
         for err in exc.errors():
-            if err.get("type") == "json_invalid":  # its loc is the offset of the fault, not a field
-                reason = (err.get("ctx") or {}).get("error", "")
-                problems.append(f"body: malformed JSON at character {err['loc'][-1]}: {reason}".rstrip(": "))
-                continue
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             param = param or (loc[0] if loc else None)
             problems.append(validation_problem(loc, err))
@@ -1013,7 +1010,8 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         return {"count": len(ids), "max_model_len": e.max_model_len, "tokens": ids}
 
     @app.post(DETOKENIZE_PATH)
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(http: HttpRequest) -> dict[str, Any]:
+        body = await parsed_body(http, DetokenizeRequest)
         e = holder.get()
         _check_model(e, body.model)
         try:
@@ -1022,8 +1020,9 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
             raise ApiError(400, str(exc), param="tokens") from None
 
     @app.post(LOAD_LORA_PATH)
-    async def load_lora_adapter(body: LoadLoraRequest) -> dict[str, Any]:
+    async def load_lora_adapter(http: HttpRequest) -> dict[str, Any]:
         """Read the adapter off the event loop, then take a slot on the engine thread (vLLM's endpoint)."""
+        body = await parsed_body(http, LoadLoraRequest)
         e = holder.get()
         if body.lora_name in e.loras.loaded and not body.load_inplace:  # before reading files: answers fast
             raise ApiError(400, f"LoRA adapter {body.lora_name!r} is already loaded; unload it first, or load it "
@@ -1035,7 +1034,8 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
                 LORA_FINGERPRINT_FIELD: entry.fingerprint, "message": f"LoRA adapter {entry.name!r} loaded"}
 
     @app.post(UNLOAD_LORA_PATH)
-    async def unload_lora_adapter(body: UnloadLoraRequest) -> dict[str, Any]:
+    async def unload_lora_adapter(http: HttpRequest) -> dict[str, Any]:
+        body = await parsed_body(http, UnloadLoraRequest)
         e = holder.get()
         with _lora_errors():
             entry = await asyncio.wrap_future(e.call(lambda: e.remove_lora(body.lora_name)))
@@ -1102,8 +1102,9 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         return holder.get().kv_config.to_json()
 
     @app.post(KV_FETCH_PATH)
-    async def kv_fetch(body: FetchRequest) -> Response:
+    async def kv_fetch(http: HttpRequest) -> Response:
         """Cached blocks by hash, in frames of many blocks, for a peer (docs/contracts.md, contract 4)."""
+        body = await parsed_body(http, FetchRequest)
         e = holder.get()
         try:
             key, ids = await asyncio.wrap_future(e.call(lambda: e.pin_for_send(body.block_hashes, body.handle)))
@@ -1142,9 +1143,10 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
                           headers={"x-kvmesh-blocks": str(len(ids))})
 
     @app.post(KV_RELEASE_PATH)
-    async def kv_release(body: ReleaseRequest) -> dict[str, Any]:
+    async def kv_release(http: HttpRequest) -> dict[str, Any]:
         """The router gave up on a handoff (no decode pod took it): its blocks are unpinned now, not at its TTL;
         they stay cached."""
+        body = await parsed_body(http, ReleaseRequest)
         e = holder.get()
         await asyncio.wrap_future(e.call(lambda: e.drop_handle(body.handle)))
         return {"released": body.handle}
@@ -1157,7 +1159,8 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
         return HotResponse(chains=[HotChainBody(hashes=c.hashes, hits=c.hits) for c in chains]).model_dump()
 
     @app.post(KV_WARM_PATH)
-    async def kv_warm(body: WarmRequest) -> dict[str, Any]:
+    async def kv_warm(http: HttpRequest) -> dict[str, Any]:
+        body = await parsed_body(http, WarmRequest)
         e, gate = holder.get(), holder.loaded_gate()  # both set together once the model loads
         outcome = "warm_failed"
         try:
