@@ -105,7 +105,7 @@ from kvmesh.router.auth import (
     cache_salt_for,
     tenant_hash,
 )
-from kvmesh.router.batch_api import BatchMetrics, batch_routes, tenants_by_pseudonym
+from kvmesh.router.batch_api import BatchMetrics, UploadSlots, batch_routes, tenants_by_pseudonym
 from kvmesh.router.batch_runner import Answer, BatchRunner
 from kvmesh.router.batch_store import BatchStore
 from kvmesh.router.batches import (
@@ -113,6 +113,7 @@ from kvmesh.router.batches import (
     CHAT_PATH,
     CLIENT_SOURCE,
     COMPLETIONS_PATH,
+    MAX_CONCURRENT_UPLOADS,
     REQUEST_SOURCES,
     RESPONSES_PATH,
     new_id,
@@ -130,7 +131,13 @@ from kvmesh.router.limits import Lease, Limiter, LimitTable, Refusal, parse_tena
 from kvmesh.router.lora import union_cards
 from kvmesh.router.picker import REASONS, Decision, PickerConfig, PodState, RequestInfo, pick
 from kvmesh.router.pods import Pod, PodSet
-from kvmesh.router.pool_status import POOL_STATUS_PATH, pod_state, pool_status
+from kvmesh.router.pool_status import (
+    POOL_STATUS_PATH,
+    POOL_STATUS_REFUSED,
+    POOL_STATUS_REFUSED_CODE,
+    pod_state,
+    pool_status,
+)
 from kvmesh.router.proxy import Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from kvmesh.router.pull import PullPlan, PullPolicy, plan_pull
 from kvmesh.router.responses_api import STORE_OPERATIONS, Responses, response_routes
@@ -633,6 +640,8 @@ class Router:
     # the pool's internal token: sent by the proxy and the scrapes, and set by the ext_proc picker on what a Gateway
     # forwards to an engine (none: engines ask for none)
     internal_token: InternalToken = field(default_factory=lambda: InternalToken(None))
+    # the uploads this replica reads at once (batch_max_concurrent_uploads), shared fairly by the tenants
+    uploads: UploadSlots = field(default_factory=lambda: UploadSlots(MAX_CONCURRENT_UPLOADS))
 
     def tenants(self) -> Iterable[str]:
         """The tenants that have a key now (the one default tenant with auth off)."""
@@ -798,6 +807,13 @@ class Router:
         keys, as the priority; otherwise the class is derived from the request (protocol.workload_class)."""
         trusted = self.limits.table.of(tenant).trust_workload_header
         return not self.keys.enabled if trusted is None else trusted
+
+    def reads_pool_status(self, tenant: str) -> bool:
+        """Whether `tenant`'s key reads GET /kvmesh/pool (`read_pool_status`): every engine's address and live load,
+        which with several tenants is the others' traffic, for an operator asking why a request went where it
+        went, not for a tenant. Unset: only without API keys (every client is then the one tenant)."""
+        allowed = self.limits.table.of(tenant).read_pool_status
+        return not self.keys.enabled if allowed is None else allowed
 
     def reload_keys(self) -> bool:
         """Take a changed keys file (blocking: the app's background task runs it off the event loop); whether a new
@@ -1058,7 +1074,8 @@ def build_router(config: RouterConfig, tokenizer_dir: Path) -> Router:
                                        metrics.database_failed("limit_sync"))
                   if config.database_url and config.rate_limit_sync else None,
                   responses=open_store(config.database_url, config.responses_ttl_seconds,
-                                       config.responses_memory_items), pod_wait=pod_wait, internal_token=token)
+                                       config.responses_memory_items), pod_wait=pod_wait, internal_token=token,
+                  uploads=UploadSlots(config.batch_max_concurrent_uploads))
 
 
 def _abort_pod(upstream: Upstream, url: str, why: str) -> None:
@@ -1388,8 +1405,7 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
 
     app.include_router(batch_routes(router.batches, lambda header: router.keys.tenant_for(header),
                                     router.config.batch_max_file_bytes, router.config.batch_max_enqueued_requests,
-                                    router.admit_call, router.config.file_quota(),
-                                    router.config.batch_max_concurrent_uploads,
+                                    router.admit_call, router.config.file_quota(), router.uploads,
                                     router.metrics.database_failed("batch_api")))
     app.include_router(tokenize_routes(router.tokenizer, lambda header: router.keys.tenant_for(header), router.models,
                                        router.admit_call))
@@ -1896,11 +1912,15 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
     @app.get(POOL_STATUS_PATH)
     async def pool(http: HttpRequest) -> JSONResponse:
         """Every pod as this replica sees it (`kvmesh status` prints it). It names the engines' addresses and their
-        live load, so with API keys it asks one, as /v1/models does ($KVMESH_API_KEY for `kvmesh status`)."""
+        live load, so with API keys it asks the key of a tenant trusted with it (`Router.reads_pool_status`;
+        $KVMESH_API_KEY for `kvmesh status`): 401 without a valid key, 403 for another tenant's."""
         try:
-            router.authenticate(http.headers)
+            tenant = router.authenticate(http.headers)
         except RouteError as exc:
             return error_response(exc)
+        if not router.reads_pool_status(tenant):
+            return error_response(RouteError(403, POOL_STATUS_REFUSED, code=POOL_STATUS_REFUSED_CODE,
+                                             kind="permission_error"))
         return JSONResponse(pool_status(router.pods.pods, router.pods.snapshot(), router.index, time.monotonic()))
 
     @app.get("/metrics")

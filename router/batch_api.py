@@ -9,8 +9,10 @@ tenant's id is a 404, as an unknown one. The store calls run in a worker thread;
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +33,7 @@ from kvmesh.router.batches import (
     FINAL_STATUSES,
     MAX_CONCURRENT_UPLOADS,
     UPLOAD_PURPOSE,
+    UPLOAD_WAIT_SECONDS,
     BatchInputError,
     FileQuota,
     check_metadata,
@@ -79,6 +82,72 @@ class BatchMetrics:
         self.held.inc(delta)
 
 
+class UploadSlots:
+    """The uploads one replica reads at once, shared by its tenants as the grammar checkers are (engine/constraint.py
+    `_FairSlots`): a free slot goes to the waiting upload whose tenant reads the fewest now (the earliest among
+    equals), so a tenant alone may use every slot, yet one uploading slowly on all of them makes another wait only
+    until the first of its uploads ends, never behind its queued ones. One event loop: no lock."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = count
+        self._held: Tally[str] = Tally()
+        self._waiting: list[tuple[int, str, asyncio.Future[None]]] = []  # (arrival, tenant, told when given one)
+        self._arrivals = itertools.count()
+
+    @property
+    def held(self) -> int:
+        return self.count - self._free
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def acquire(self, tenant: str, timeout: float) -> bool:
+        """Whether a slot was taken for `tenant` within `timeout` seconds (the caller releases it)."""
+        if self._free and not self._waiting:
+            self._give(tenant)
+            return True
+        told = asyncio.get_running_loop().create_future()
+        waiter = (next(self._arrivals), tenant, told)
+        self._waiting.append(waiter)
+        try:
+            await asyncio.wait({told}, timeout=timeout)
+        except BaseException:  # the client left: a slot given meanwhile goes back, else the place in line
+            self._leave(waiter)
+            raise
+        if told.done():
+            return True
+        self._waiting.remove(waiter)
+        return False
+
+    def release(self, tenant: str) -> None:
+        self._free += 1
+        self._held[tenant] -= 1
+        if not self._held[tenant]:
+            del self._held[tenant]
+        self._hand_over()
+
+    def _give(self, tenant: str) -> None:
+        self._free -= 1
+        self._held[tenant] += 1
+
+    def _hand_over(self) -> None:
+        """Free slots to the waiters whose tenants hold the fewest."""
+        while self._free and self._waiting:
+            waiter = min(self._waiting, key=lambda w: (self._held[w[1]], w[0]))
+            self._waiting.remove(waiter)
+            self._give(waiter[1])
+            waiter[2].set_result(None)
+
+    def _leave(self, waiter: tuple[int, str, asyncio.Future[None]]) -> None:
+        if waiter[2].done():
+            self.release(waiter[1])
+        else:
+            self._waiting.remove(waiter)
+            waiter[2].cancel()
+
+
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
@@ -87,7 +156,7 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], str | None],
                  max_file_bytes: int, max_enqueued_requests: int,
                  admit: Callable[[str, int | None, bool], Lease] | None = None, quota: FileQuota | None = None,
-                 max_uploads: int = MAX_CONCURRENT_UPLOADS,
+                 uploads: UploadSlots | None = None,
                  database_failed: Callable[[], None] = lambda: None) -> APIRouter:
     """The endpoints; `tenant_for(authorization header)` is the tenant of a valid key (None: refused); a tenant's
     batches enqueue at most `max_enqueued_requests` (batch_max_enqueued_requests). `admit(tenant, None, request)`
@@ -96,11 +165,12 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
     429 over them. The Files and Batches API is the tenant's traffic like any other, an upload its heaviest; reading
     a batch's or a file's object, or a list, which clients poll (as OpenAI's docs show), takes no request, so
     polling a batch never spends the tenant's quota. The tenant's stored files are held within `quota`, and this
-    replica reads at most `max_uploads` uploads at once. A call the database cannot serve now (away, restarting, its
-    disk full) is a 503 `database_unavailable` with Retry-After, counted by `database_failed()`
-    (kvmesh_router_database_errors_total{component="batch_api"})."""
+    replica reads at most `uploads.count` uploads at once (default MAX_CONCURRENT_UPLOADS), fairly shared by its
+    tenants (UploadSlots): one waits up to UPLOAD_WAIT_SECONDS for a slot, then is told to retry. A call the
+    database cannot serve now (away, restarting, its disk full) is a 503 `database_unavailable` with Retry-After,
+    counted by `database_failed()` (kvmesh_router_database_errors_total{component="batch_api"})."""
     api = APIRouter()
-    uploading = 0  # uploads being read and stored now (one event loop: a plain count)
+    slots = uploads if uploads is not None else UploadSlots(MAX_CONCURRENT_UPLOADS)
     logged = [-LOG_EVERY_SECONDS]  # when a failure's traceback was last logged
 
     def admitted(http: HttpRequest, request: bool = True) -> tuple[BatchStore, str, Lease | None] | Response:
@@ -168,21 +238,22 @@ def batch_routes(store: BatchStore | None, tenant_for: Callable[[str | None], st
 
     @api.post("/v1/files")
     async def upload(http: HttpRequest) -> Response:
-        nonlocal uploading
         if isinstance(caller := admitted(http), Response):  # before reading a byte of the body
             return caller
-        lease = caller[2]
-        if uploading >= max_uploads:  # each holds up to max_file_bytes on disk and a piece of it in memory
+        tenant, lease = caller[1], caller[2]
+        # each upload holds up to max_file_bytes on disk and a piece of it in memory; its body is not read (nor its
+        # body_read_timeout_seconds started) while it waits for a slot
+        if not await slots.acquire(tenant, UPLOAD_WAIT_SECONDS):
             if lease is not None:
                 lease.close()
-            return JSONResponse(error_body(f"this router replica is reading {uploading} uploads already, its most "
-                                           f"(batch_max_concurrent_uploads); retry in a moment", "rate_limit_error",
+            return JSONResponse(error_body(f"this router replica is reading {slots.held} uploads already, its most "
+                                           f"(batch_max_concurrent_uploads), and none came free for this one within "
+                                           f"{UPLOAD_WAIT_SECONDS:g} s; retry in a moment", "rate_limit_error",
                                            code="too_many_uploads"), status_code=429, headers={"retry-after": "1"})
-        uploading += 1
         try:
             return await _upload(http, caller)
         finally:
-            uploading -= 1
+            slots.release(tenant)
             if lease is not None:
                 lease.close()  # once more does nothing: `call` closes it after storing
 

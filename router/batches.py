@@ -40,6 +40,8 @@ MAX_FILE_BYTES = 100 * 2**20  # an input file's default bound (OpenAI's is 200 M
 MAX_STORED_FILES = 1000
 MAX_STORED_BYTES = 10 * 2**30  # a hundred input files at the default bound
 MAX_CONCURRENT_UPLOADS = 4  # uploads one replica reads at once, over all tenants: each is up to MAX_FILE_BYTES
+# how long an upload waits for one of them (the next free one goes to the tenant reading the fewest) before its 429
+UPLOAD_WAIT_SECONDS = 5.0
 # who sent a request the router serves (label `source` of kvmesh_router_requests_total and kvmesh_router_shed_total): a
 # client, or this router's own batch runner, whose 429s are deferrals it retries and no client sees
 CLIENT_SOURCE, BATCH_SOURCE = REQUEST_SOURCES = ("client", "batch")

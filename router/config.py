@@ -117,7 +117,8 @@ class RouterConfig:
     # requests a tenant's validating and in-progress batches hold at most: POST /v1/batches past it is a 429
     batch_max_enqueued_requests: int = MAX_ENQUEUED_REQUESTS
     # files (uploads, and batches' output and error files) and their bytes one tenant stores at most: an upload past
-    # either is a 400; and uploads this replica reads at once, over all tenants (past it a 429, Retry-After 1 s)
+    # either is a 400; and uploads this replica reads at once, shared fairly by the tenants (batch_api.UploadSlots;
+    # none free within UPLOAD_WAIT_SECONDS: a 429, Retry-After 1 s)
     batch_max_stored_files: int = MAX_STORED_FILES
     batch_max_stored_bytes: int = MAX_STORED_BYTES
     batch_max_concurrent_uploads: int = MAX_CONCURRENT_UPLOADS

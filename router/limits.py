@@ -37,9 +37,11 @@ class TenantLimits:
 
     `max_priority` is the highest `x-kvmesh-priority` the tenant's requests get (a higher one is lowered to it: the
     header is the client's own word, and the engines' queues and the router's shedding obey it), and
-    `trust_workload_header` whether its `x-kvmesh-workload` is taken (else the class is derived from the request);
-    None for either: the router's default (`Router.priority_ceiling`, `Router.trusts_workload`), which trusts the
-    client only when the router has no API keys (every client is then one tenant: nobody to protect from whom)."""
+    `trust_workload_header` whether its `x-kvmesh-workload` is taken (else the class is derived from the request),
+    and `read_pool_status` whether its key reads the pool's document (GET /kvmesh/pool: every engine's load, so
+    the other tenants' traffic); None for any: the router's default (`Router.priority_ceiling`,
+    `Router.trusts_workload`, `Router.reads_pool_status`), which trusts the client only when the router has no API
+    keys (every client is then one tenant: nobody to protect from whom)."""
 
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
@@ -47,6 +49,7 @@ class TenantLimits:
     weight: float = 1.0
     max_priority: int | None = None
     trust_workload_header: bool | None = None
+    read_pool_status: bool | None = None
 
     def share(self, fraction: float) -> TenantLimits:
         """This fraction of the limits: what one replica enforces when the replicas split them evenly. A rate is never
@@ -145,8 +148,9 @@ def _checked(entry: Mapping[str, Any]) -> TenantLimits:
         elif isinstance(ceiling, bool) or not isinstance(ceiling, int) or not MIN_PRIORITY <= ceiling <= MAX_PRIORITY:
             raise ValueError(f"max_priority must be a whole number from {MIN_PRIORITY} to {MAX_PRIORITY} or null (no "
                              f"ceiling), not {ceiling!r}")
-    if "trust_workload_header" in entry and not isinstance(entry["trust_workload_header"], bool):
-        raise ValueError(f"trust_workload_header must be true or false, not {entry['trust_workload_header']!r}")
+    for trust in ("trust_workload_header", "read_pool_status"):
+        if trust in entry and not isinstance(entry[trust], bool):
+            raise ValueError(f"{trust} must be true or false, not {entry[trust]!r}")
     for name, nullable in (("requests_per_minute", True), ("tokens_per_minute", True), ("weight", False)):
         value = entry.get(name)
         if name not in entry or (value is None and nullable):

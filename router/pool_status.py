@@ -16,6 +16,11 @@ from kvmesh.router.picker import PodState
 from kvmesh.router.pods import Pod
 
 POOL_STATUS_PATH = "/kvmesh/pool"
+# the 403 of a key whose tenant may not read it (Router.reads_pool_status), saying what the operator sets
+POOL_STATUS_REFUSED_CODE = "pool_status_not_allowed"
+POOL_STATUS_REFUSED = ("the pool's status shows every engine's load, so the other tenants' traffic: this API key's "
+                       "tenant may not read it; an operator's tenant needs `read_pool_status: true` in the router's "
+                       "`tenants` config")
 
 
 def pod_state(pod: Pod) -> str:

@@ -1,14 +1,14 @@
 """What a tenant cannot take for itself: a priority above its ceiling (the engines' queues and the router's shedding
 obey the header), a workload class it was not trusted to name, a tokens-per-minute limit passed with a list of
-prompts, the pool's database and memory through uploads, the router's CPU through /tokenize, and the pool's
-engines and load through /kvmesh/pool. A keyed router in front of loopback stub pods (tests/test_router_broken_reply
-.py) or the tiny engine in-process; the limits are per minute, so nothing here waits for a bucket to refill."""
+prompts, the pool's database and memory through uploads, and the router's CPU through /tokenize (the pool's
+engines and load through /kvmesh/pool: tests/test_tenant_pool_status.py). A keyed router in front of loopback stub
+pods (tests/test_router_broken_reply.py) or the tiny engine in-process; the limits are per minute, so nothing here
+waits for a bucket to refill."""
 
 from __future__ import annotations
 
 import asyncio
 import io
-import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,15 +19,14 @@ import httpx
 import pytest
 import yaml
 
-from kvmesh.cli import main
 from kvmesh.engine.protocol import MAX_PRIORITY, PRIORITY_HEADER, WORKLOAD_HEADER
+from kvmesh.router import batch_api
 from kvmesh.router.app import Router, build_router
 from kvmesh.router.auth import hash_key
 from kvmesh.router.batch_store import PIECE_BYTES, BatchStore
 from kvmesh.router.batches import BATCH_PRIORITY, BatchInputError, FileQuota
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.limits import parse_tenants
-from kvmesh.router.pool_status import POOL_STATUS_PATH
 
 from .conftest import make_engine
 from .engines import serve_checked, serve_router
@@ -158,9 +157,12 @@ def test_uploads_are_held_within_the_tenants_request_limit_and_file_quota(
     assert int(refused.headers["retry-after"]) >= 1
 
 
-def test_an_upload_past_the_replicas_concurrent_uploads_is_a_429(batch_router: tuple[str, Router]) -> None:
+def test_an_upload_past_the_replicas_concurrent_uploads_is_a_429(batch_router: tuple[str, Router],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Four 95 MiB uploads at once took the router from 424 to 1,282 MiB: a replica reads at most
-    batch_max_concurrent_uploads at once (here 1); the next is told to come back, and the first still lands."""
+    batch_max_concurrent_uploads at once (here 1); the next, once it waited UPLOAD_WAIT_SECONDS for a slot, is told
+    to come back, and the first still lands (tests/test_tenant_uploads.py: who gets a slot that comes free)."""
+    monkeypatch.setattr(batch_api, "UPLOAD_WAIT_SECONDS", 0.05)
     url, _ = batch_router
     boundary = b"kvmesh"
     body = (b"--kvmesh\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--kvmesh\r\n"
@@ -287,19 +289,3 @@ def test_tokenize_is_limited_charged_and_bounded(keyed: tuple[str, Router]) -> N
     assert httpx.post(url + "/tokenize", json={"prompt": "hi"}, headers=auth("acme"), timeout=30).status_code == 200
     refused = httpx.post(url + "/tokenize", json={"prompt": "hi"}, headers=auth("acme"), timeout=30)  # the 4th
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
-
-
-def test_the_pool_document_asks_a_key_when_the_router_has_keys(keyed: tuple[str, Router],
-                                                                capsys: pytest.CaptureFixture[str],
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """It names every engine's address and live load: a stranger gets a 401, `kvmesh status` shows a key from
-    $KVMESH_API_KEY (and says to set it when it has none)."""
-    url, _ = keyed
-    stranger = httpx.get(url + POOL_STATUS_PATH, timeout=30)
-    assert stranger.status_code == 401 and stranger.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(url + POOL_STATUS_PATH, headers=auth("globex"), timeout=30).json()["pods"]
-    monkeypatch.delenv("KVMESH_API_KEY", raising=False)
-    assert main(["status", "--url", url]) == 1 and "KVMESH_API_KEY" in capsys.readouterr().err
-    monkeypatch.setenv("KVMESH_API_KEY", KEYS["globex"])
-    assert main(["status", "--url", url, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["pods"]
