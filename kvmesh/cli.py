@@ -250,6 +250,9 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the work folder (the processes' logs, the router's SQLite database) after a clean stop; "
                         "it is always kept when the pool fails")
+    p.add_argument("--state-dir",
+                   help="where the pool's work folder goes (default $KVMESH_STATE_DIR, else $XDG_STATE_HOME/kvmesh, "
+                        "else ~/.local/state/kvmesh: out of reach of /tmp cleaners)")
     from kvmesh.bench.sim_engine import PROFILES
 
     p.add_argument("--sim", nargs="?", const="cpu-smollm", choices=sorted(PROFILES),
@@ -262,7 +265,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.ready_file:  # before the imports below (seconds): a killed run's would say "ready" meanwhile
         with contextlib.suppress(OSError):  # a folder that does not exist: refused below
             Path(args.ready_file).unlink(missing_ok=True)
-    from kvmesh.up import PoolPlan, plan_from_file, run_pool, startup_problem
+    from kvmesh.up import PoolPlan, plan_from_file, run_pool, startup_problem, state_dir
 
     def refuse(problem: str) -> int:
         print(f"kvmesh up: {problem}", file=sys.stderr)
@@ -288,9 +291,10 @@ def _up(args: argparse.Namespace) -> int:
         plan.model = args.model
     if args.sim:
         plan.sim = args.sim
-    if problem := startup_problem(plan, args.port, args.ready_file, args.targets_file):
+    state = Path(args.state_dir).expanduser() if args.state_dir else state_dir()
+    if problem := startup_problem(plan, args.port, args.ready_file, args.targets_file, state):
         return refuse(problem)
-    return run_pool(plan, args.port, args.ready_file, args.targets_file, keep_logs=args.keep_logs)
+    return run_pool(plan, args.port, args.ready_file, args.targets_file, keep_logs=args.keep_logs, state=state)
 
 
 def _engines_problem(plan: PoolPlan, engines: int, file: str | None) -> str | None:

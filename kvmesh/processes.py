@@ -68,12 +68,32 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def tail(log: Path, lines: int = 20) -> str:
-    """The last `lines` of a child's log (empty if it cannot be read): what an error shows of why it failed."""
+TAIL_BYTES = 16 * 1024  # the most of a log that `tail` reads: a failure's last lines, never a long run's history
+
+
+def tail(log: Path, lines: int = 20, start: int = 0) -> str:
+    """The last `lines` of what a child wrote to its log from byte `start` on (empty if it cannot be read): what
+    an error shows of why it failed. `start`: the log's size when the child started, so a restarted child's
+    failure shows its own lines, not its predecessors' again; at most TAIL_BYTES are read."""
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        with log.open("rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            begin = max(start, size - TAIL_BYTES)
+            file.seek(begin)
+            text = file.read().decode(errors="replace")
     except OSError:
         return ""
+    if begin > start and "\n" in text:  # begun inside a line: drop that line's end
+        text = text.partition("\n")[2]
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def log_size(log: Path) -> int:
+    """How many bytes `log` holds now (0 if there is none yet): where a child started now begins to write in it."""
+    try:
+        return log.stat().st_size
+    except OSError:
+        return 0
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 120.0,

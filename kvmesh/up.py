@@ -43,6 +43,7 @@ from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, LIVENESS_PATH
 from kvmesh.processes import (
     bind_problem,
     free_port,
+    log_size,
     spawn,
     tail,
     wait_or_kill,
@@ -67,10 +68,15 @@ INTERNAL_TOKEN_FILE = "internal-token"  # in the pool's work folder: the pool's 
 # (SIGKILL, a crash) from a live one and remove its leftovers (`remove_leftovers`); removed at a clean-up, so a
 # folder kept for its logs is left alone.
 UP_PID_FILE = "kvmesh-up.pid"
-WORKDIR_PREFIX = "kvmesh-"  # a pool's work folder: WORKDIR_PREFIX + its name + mkdtemp's suffix, in the temp folder
+# In the pool's work folder, when it writes a Prometheus targets file: that file's path and the router's target, so
+# the next run empties the file of a run that was killed (`remove_leftovers`) as a clean stop does (`_empty_targets`).
+TARGETS_RECORD = "targets-file.json"
+# The pools' work folders live in the state folder (`state_dir`), or in this variable's folder when it is set.
+STATE_DIR_ENV = "KVMESH_STATE_DIR"
+WORKDIR_PREFIX = "kvmesh-"  # a pool's work folder: WORKDIR_PREFIX + its name + mkdtemp's suffix, in the state folder
 INTERRUPTED = 130  # the exit status of a Ctrl-C before the pool started: 128 + SIGINT, as a shell reports it
-# An engine's KV tier files (`LocalEngines.tier_paths`): the disk tier's folder (the engine's own default folder;
-# not the work folder, which is often in a memory-backed /tmp); the host tier's is HOST_TIER_DIR, shared memory.
+# An engine's KV tier files (`LocalEngines.tier_paths`): the disk tier's folder (the engine's own default folder,
+# a cache); the host tier's is HOST_TIER_DIR, shared memory.
 DISK_TIER_DIR = Path.home() / ".cache" / "kvmesh"
 # Liveness (`LocalEngines._check_liveness`), as the kubelet's probe (every 10 s, 3 failures): a serving engine's
 # /livez is asked every LIVENESS_PERIOD_SECONDS (within LIVENESS_PROBE_TIMEOUT_SECONDS); one that has answered 200
@@ -217,9 +223,12 @@ class Child:
     args: list[str] = field(default_factory=list)  # `kvmesh ...` arguments, the port included
     backoff: CrashBackOff = field(default_factory=lambda: CrashBackOff(time.monotonic()))
     env: dict[str, str] = field(default_factory=dict)  # the variables it starts with (the pool's token file)
+    log_start: int = 0  # the log's size when the current process started: what it wrote begins there
 
     def tail(self, lines: int = 20) -> str:
-        return tail(self.log, lines)
+        """The end of what the current process wrote (a crash line shows this life's error, not every earlier
+        one's again)."""
+        return tail(self.log, lines, self.log_start)
 
     @property
     def waiting(self) -> bool:
@@ -230,13 +239,14 @@ class Child:
         """Say that it died unasked (`what` it was doing), with its log's tail, and start its back-off."""
         delay = self.backoff.crashed(now)
         log = self.tail()
-        why = f":\n{log}" if log else " (its log is empty)"
+        why = f":\n{log}" if log else " (it wrote nothing to its log)"
         _say(f"{self.name} exited with {_exit_status(self.process.returncode)} unasked{what}; restart "
              f"{self.backoff.restarts + 1} in {delay:g} s on {self.url}{why}")
 
     def respawn(self, now: float) -> None:
         """Start the same command line again, on its port unless another process took it meanwhile
         (`_move_if_port_taken`), once its back-off is over."""
+        self.log_start = log_size(self.log)
         self.process = spawn(self.args, self.log, new_session=True, env=self.env)
         self.backoff.restarted(now)
         _say(f"{self.name} restarting (restart {self.backoff.restarts}) on {self.url}")
@@ -253,7 +263,7 @@ def _move_if_port_taken(child: Child) -> None:
     new = free_port()
     flag = child.args.index("--port")
     child.args[flag + 1] = str(new)
-    child.url = f"http://127.0.0.1:{new}"
+    child.url = local_url(new)
     _say(f"{child.name}'s port {port} is taken by another process: it restarts on port {new}")
 
 
@@ -267,12 +277,20 @@ def _exit_status(code: int | None) -> str:
     return str(code)
 
 
+def local_url(port: int) -> str:
+    """The URL of a child of the pool listening on `port`."""
+    return f"http://127.0.0.1:{port}"
+
+
 def _spawn(name: str, args: list[str], port: int, workdir: Path, env: Mapping[str, str] | None = None) -> Child:
     """In its own session (Ctrl-C reaches only `kvmesh up`, which stops the pool in order), and stopped with
-    `kvmesh up` even if that is killed; `env`: more variables (`LocalEngines.child_env`)."""
+    `kvmesh up` even if that is killed; `env`: more variables (`LocalEngines.child_env`). Its log is appended to
+    (a router restarted for its settings writes into the same one)."""
     log = workdir / f"{name}.log"
     env = dict(env or {})
-    return Child(name, f"http://127.0.0.1:{port}", spawn(args, log, new_session=True, env=env), log, args, env=env)
+    start = log_size(log)
+    return Child(name, local_url(port), spawn(args, log, new_session=True, env=env), log, args, env=env,
+                 log_start=start)
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
@@ -814,7 +832,7 @@ class _ScalingWatch:
         self.adapters_said = ""  # the adapters' last reported state: a new one is printed once
         port = free_port()
         self.server, _ = start_http_server(port, addr="127.0.0.1", registry=self.operator.metrics.registry)
-        engines.operator_url = f"http://127.0.0.1:{port}"
+        engines.operator_url = local_url(port)
 
     def now(self) -> float:
         """The operator's clock (`CLOCK_RATE_ENV`)."""
@@ -1016,15 +1034,16 @@ def _quiet_hung_up_terminal() -> None:
     os.close(devnull)
 
 
-def remove_leftovers(temp_dir: Path | None = None, tier_dirs: Sequence[Path] | None = None) -> list[Path]:
-    """Remove what runs of `kvmesh up` that were killed left (SIGKILL or a crash: no clean-up ran): their work
-    folders and their engines' KV tier files (a host tier holds its size of RAM in /dev/shm until deleted). A run's
-    leftovers go only if its work folder names a `kvmesh up` pid (`UP_PID_FILE`) that no longer runs: never a live
-    run's, nor a folder kept for its logs (it has no pid file). The work folders removed."""
-    temp_dir = Path(temp_dir or tempfile.gettempdir())
+def remove_leftovers(state: Path, tier_dirs: Sequence[Path] | None = None) -> list[Path]:
+    """Remove what runs of `kvmesh up` that were killed left (SIGKILL or a crash: no clean-up ran) in the state
+    folder `state`: their work folders, their engines' KV tier files (a host tier holds its size of RAM in /dev/shm
+    until deleted), and their targets in a targets file they wrote (`TARGETS_RECORD`: emptied as a clean stop
+    empties it, whether or not this run writes one). A run's leftovers go only if its work folder names a
+    `kvmesh up` pid (`UP_PID_FILE`) that no longer runs: never a live run's, nor a folder kept for its logs (it has
+    no pid file). The work folders removed."""
     tier_dirs = tier_dirs if tier_dirs is not None else (Path(HOST_TIER_DIR), DISK_TIER_DIR)
     removed = []
-    for pid_file in temp_dir.glob(f"{WORKDIR_PREFIX}*/{UP_PID_FILE}"):
+    for pid_file in state.glob(f"{WORKDIR_PREFIX}*/{UP_PID_FILE}"):
         try:
             pid = int(pid_file.read_text())
         except (OSError, ValueError):
@@ -1035,9 +1054,21 @@ def remove_leftovers(temp_dir: Path | None = None, tier_dirs: Sequence[Path] | N
         for folder in tier_dirs:
             for path in folder.glob(f"{workdir.name}-engine-*.kv"):
                 path.unlink(missing_ok=True)
+        _empty_killed_runs_targets(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
         removed.append(workdir)
     return removed
+
+
+def _empty_killed_runs_targets(workdir: Path) -> None:
+    """The targets file a killed run wrote (its `TARGETS_RECORD`), emptied if it still names that run's router."""
+    try:
+        record = json.loads((workdir / TARGETS_RECORD).read_text())
+        path, router = Path(record["path"]), str(record["router"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # it wrote none (or the record is unreadable: nothing known to empty)
+    if _empty_targets(path, router):
+        _say(f"emptied the targets file {path} of a killed run (its processes are gone)")
 
 
 def _running(pid: int) -> bool:
@@ -1144,17 +1175,25 @@ def prometheus_targets(pool: str, members: list[tuple[Child, str]],
 
 
 def startup_problem(plan: PoolPlan, router_port: int, ready_file: str | None = None,
-                    targets_file: str | None = None) -> str | None:
+                    targets_file: str | None = None, state: Path | None = None) -> str | None:
     """Why the pool could not start or say that it did, checked before anything starts (a model converted, a
     process spawned), or None. The router's port must be free: a router that cannot bind it crash-loops, while
     whatever holds the port answers the health checks as if it were this pool's. The ready and targets files must
-    be writable where they are named: found out only once the pool is up, the pool would stop again."""
+    be writable where they are named: found out only once the pool is up, the pool would stop again. The state
+    folder `state`, if given, is made if it is missing (a first run) and must be writable."""
     if not 1 <= router_port <= 65535:
         return f"--port {router_port}: a port is a number from 1 to 65535"
     host = str(plan.router.get("host") or "127.0.0.1")
     if (problem := bind_problem(router_port, host)) is not None:
         return (f"the router's port {router_port} on {host} cannot be used ({problem}): another kvmesh up or server "
                 f"holds it? Stop it or give another --port")
+    if state is not None:  # first: a targets file may be named beside the work folders
+        try:
+            state.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"the state folder {state} (--state-dir) cannot be made: {exc.strerror or exc}"
+        if not os.access(state, os.W_OK | os.X_OK):
+            return f"the state folder {state} (--state-dir) is not writable"
     for flag, name in (("--ready-file", ready_file), ("--targets-file", targets_file)):
         if name and (problem := _unwritable(Path(name))) is not None:
             return f"{flag} {name}: {problem}"
@@ -1174,14 +1213,28 @@ def _unwritable(path: Path) -> str | None:
 
 
 def _endpoint(router_port: int) -> str:
-    return f"http://127.0.0.1:{router_port}/v1"
+    return f"{local_url(router_port)}/v1"
+
+
+def state_dir() -> Path:
+    """Where `kvmesh up` makes its runs' work folders: $KVMESH_STATE_DIR, else `kvmesh` in the XDG state folder
+    ($XDG_STATE_HOME when it is an absolute path, as the XDG spec asks, else ~/.local/state), the spec's place for
+    logs and history. Not /tmp: a running pool's files there are aged out by /tmp cleaners (systemd-tmpfiles after
+    10 days), and a crashed engine then crash-loops on its missing config and token; its logs and request log go
+    with them, and a memory-backed /tmp keeps the request log in RAM."""
+    if override := os.environ.get(STATE_DIR_ENV):
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state") / "kvmesh"
 
 
 def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
-             targets_file: str | None = None, keep_logs: bool = False) -> int:
+             targets_file: str | None = None, keep_logs: bool = False, state: Path | None = None) -> int:
     """Start the pool and supervise it until Ctrl-C or SIGTERM (0) or a failed start (1); then stop it
     gracefully (`stop_pool`), or at once on a second Ctrl-C (STOPPED_AT_ONCE). A model that cannot be read is 2,
-    a Ctrl-C while it is prepared INTERRUPTED. What the run leaves is removed as it ends (`_clean_up`)."""
+    a Ctrl-C while it is prepared INTERRUPTED. Its work folder is made in `state` (default `state_dir()`), where
+    what a killed run left is removed first (`remove_leftovers`); what this run leaves is removed as it ends
+    (`_clean_up`)."""
     stopped_by: list[int] = []  # the signal that stopped the pool, if one did
 
     def interrupt(signum: int, frame: object) -> None:
@@ -1193,7 +1246,8 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
 
     for signum in _STOP_SIGNALS:
         signal.signal(signum, interrupt)
-    remove_leftovers()
+    state = state or state_dir()
+    remove_leftovers(state)
     try:
         if plan.sim:  # no weights: the bundled tokenizer, served under the simulated model's name
             from kvmesh.bench.sim_engine import PROFILES, served_name
@@ -1214,8 +1268,12 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         _say(f"cannot read the model {plan.model}: {exc!r}")
         return 2
     threads = max(1, (os.cpu_count() or 2) // plan.engines)
-    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{plan.name}-"))
+    state.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{plan.name}-", dir=state))
     (workdir / UP_PID_FILE).write_text(str(os.getpid()))
+    if targets_file:
+        write_json_atomically(workdir / TARGETS_RECORD, {"path": str(Path(targets_file).absolute()),
+                                                         "router": scrape_target(local_url(router_port))})
     engines: LocalEngines | None = None
     code, graceful = 1, False
     try:
@@ -1266,7 +1324,8 @@ def _clean_up(workdir: Path, engines: LocalEngines | None, ready_file: str | Non
             pass
     if engines is not None:
         engines.remove_tier_files()
-        _empty_targets(engines)
+        if engines.targets_file and engines.router is not None:
+            _empty_targets(Path(engines.targets_file), scrape_target(engines.router.url))
     (workdir / UP_PID_FILE).unlink(missing_ok=True)  # stopped: a later run leaves a kept folder alone
     if keep:
         _say(f"logs kept in {workdir}")
@@ -1274,26 +1333,26 @@ def _clean_up(workdir: Path, engines: LocalEngines | None, ready_file: str | Non
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _empty_targets(engines: LocalEngines) -> None:
-    """After the pool stopped: its targets file (`--targets-file`) becomes `[]`, only if it still names this
-    pool's router (another run may have written it since). Left as it was, it would list dead processes and
-    Prometheus would fire KvmeshEngineDown and friends. Emptied rather than removed: an empty list drops the
-    targets in every Prometheus version, while a removed file is not read at all, and whether its last targets
-    go then depends on the version (and on a file_sd path without a glob, which some log as an error); a file
-    read half-way through a removal keeps them."""
-    if not engines.targets_file or engines.router is None:
-        return
-    path, router = Path(engines.targets_file), scrape_target(engines.router.url)
+def _empty_targets(path: Path, router: str) -> bool:
+    """After a pool stopped (or, for a run that was killed, at the next start): its targets file (`--targets-file`)
+    becomes `[]`, only if it still names the pool's `router` target (another run may have written it since).
+    Left as it was, it would list dead processes and Prometheus would fire KvmeshEngineDown and friends. Emptied
+    rather than removed: an empty list drops the targets in every Prometheus version, while a removed file is not
+    read at all, and whether its last targets go then depends on the version (and on a file_sd path without a
+    glob, which some log as an error); a file read half-way through a removal keeps them. Whether it emptied it."""
     try:
         groups = json.loads(path.read_text())
         ours = any(router in group.get("targets", []) for group in groups)
     except (OSError, ValueError, TypeError, AttributeError):
-        return
-    if ours:
-        try:
-            write_json_atomically(path, [])
-        except OSError as exc:
-            _say(f"cannot empty the targets file {path}: {exc}")
+        return False
+    if not ours:
+        return False
+    try:
+        write_json_atomically(path, [])
+    except OSError as exc:
+        _say(f"cannot empty the targets file {path}: {exc}")
+        return False
+    return True
 
 
 def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_port: int,

@@ -1,9 +1,10 @@
-"""`kvmesh up` on the second day: what a killed run leaves (its work folder, its engines' KV tier files) goes at the
-next start, never a live run's; closing the terminal (SIGHUP) stops the pool as SIGTERM does, cleaning up; a
-crashed engine whose port was taken meanwhile restarts on another."""
+"""`kvmesh up` on the second day: what a killed run leaves (its work folder, its engines' KV tier files, its targets
+in the Prometheus targets file it wrote) goes at the next start, never a live run's; closing the terminal (SIGHUP)
+stops the pool as SIGTERM does, cleaning up; a crashed engine whose port was taken meanwhile restarts on another."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -21,7 +22,18 @@ from kvmesh import cli, up
 from kvmesh.processes import free_port, launch, wait_healthy, write_json_atomically
 from kvmesh.router.app import Drain, RouterServer, build_router, create_router_app
 from kvmesh.router.config import RouterConfig
-from kvmesh.up import CRASHED, UP_PID_FILE, Child, Engine, LocalEngines, PoolPlan, ready_message, remove_leftovers
+from kvmesh.up import (
+    CRASHED,
+    STATE_DIR_ENV,
+    TARGETS_RECORD,
+    UP_PID_FILE,
+    Child,
+    Engine,
+    LocalEngines,
+    PoolPlan,
+    ready_message,
+    remove_leftovers,
+)
 
 
 def _run(temp: Path, tiers: Path, name: str, pid: int | None) -> Path:
@@ -50,12 +62,36 @@ def test_a_killed_runs_leftovers_go_and_a_live_or_kept_runs_stay(tmp_path: Path)
     assert left == sorted(f"{run.name}-engine-0-host.kv" for run in (live, kept))
 
 
+def test_a_killed_runs_targets_are_emptied_at_the_next_start_unless_another_run_wrote_the_file_since(
+        tmp_path: Path) -> None:
+    """A killed run's targets file listed its dead processes until a run started with the same --targets-file
+    was ready (Prometheus fired KvmeshEngineDown meanwhile, and for good if no run wrote it again)."""
+    temp, tiers = tmp_path / "state", tmp_path / "shm"
+    temp.mkdir()
+    tiers.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    files = {}
+    for name, router, pid in (("killed", "127.0.0.1:21001", gone.pid), ("rewritten", "127.0.0.1:21002", gone.pid),
+                              ("live", "127.0.0.1:21003", os.getpid())):
+        workdir = _run(temp, tiers, name, pid)
+        files[name] = tmp_path / f"{name}-targets.json"
+        (workdir / TARGETS_RECORD).write_text(json.dumps({"path": str(files[name]), "router": router}))
+        files[name].write_text(json.dumps([{"targets": [router], "labels": {"pod": "router"}}]))
+    since = [{"targets": ["127.0.0.1:21999"], "labels": {"pod": "router"}}]  # another run's, written since
+    files["rewritten"].write_text(json.dumps(since))
+    remove_leftovers(temp, [tiers])
+    assert json.loads(files["killed"].read_text()) == []
+    assert json.loads(files["rewritten"].read_text()) == since
+    assert "127.0.0.1:21003" in files["live"].read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sighup_stops_the_pool_and_cleans_up(tmp_path: Path) -> None:
-    temp, ready, log = tmp_path / "tmp", tmp_path / "ready", tmp_path / "up.log"
+    temp, ready, log = tmp_path / "state", tmp_path / "ready", tmp_path / "up.log"
     temp.mkdir()
-    env = {"TMPDIR": str(temp)}  # its work folder goes there, where the test looks for it
+    env = {STATE_DIR_ENV: str(temp)}  # its work folder goes there, where the test looks for it
     # as from a terminal's shell: SIGHUP at its default (a test run under nohup ignores it, and so would its child,
     # which then rightly keeps running when SIGHUP comes)
     kept = signal.signal(signal.SIGHUP, signal.SIG_DFL)
