@@ -147,6 +147,32 @@ class PoolDefaults:
 # ---- schema building blocks -----------------------------------------------------------------------------------
 
 
+# A default the operator fills in but the CRD does not declare. The API server applies a CRD's defaults to every
+# pool it serves, so a defaulted field added in a release reaches every stored pool as soon as that CRD is applied:
+# an older operator (after a rollback, or before `helm upgrade` rolls it) refuses each pool for a field it does not
+# know. Fields added since the first release (tests/data/crd_first_release_fields.txt) default this way.
+OPERATOR_DEFAULT = "x-kvmesh-operator-default"
+
+
+def _operator_default(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with its default kept for the operator and left out of the CRD."""
+    return {**{k: v for k, v in schema.items() if k != "default"}, OPERATOR_DEFAULT: schema["default"]}
+
+
+def _served(schema: Any, done: dict[int, Any] | None = None) -> Any:
+    """The schema as the CRD declares it: without the operator's own defaults (a part used twice stays one object,
+    which the YAML writes once)."""
+    done = {} if done is None else done
+    if id(schema) not in done:
+        if isinstance(schema, dict):
+            done[id(schema)] = {k: _served(v, done) for k, v in schema.items() if k != OPERATOR_DEFAULT}
+        elif isinstance(schema, list):
+            done[id(schema)] = [_served(v, done) for v in schema]
+        else:
+            return schema
+    return done[id(schema)]
+
+
 def _obj(properties: dict[str, Any], required: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "object", "properties": properties, **extra}
     if required:
@@ -289,7 +315,7 @@ def _scheduling(program: str) -> dict[str, Any]:
         "nodeAffinityPolicy": _enum("whether nodeAffinity and nodeSelector limit the domains", ("Honor", "Ignore")),
         "nodeTaintsPolicy": _enum("whether taints limit the domains", ("Honor", "Ignore")),
     }, ("maxSkew", "topologyKey", "whenUnsatisfiable"), description="a topology spread constraint")
-    return _obj({
+    return _operator_default(_obj({
         "nodeSelector": {**labels, "description": "node labels the pods' node must have"},
         "tolerations": {"type": "array", "maxItems": MAX_TOLERATIONS, "default": [], "items": toleration,
                         "description": "taints the pods tolerate (nvidia.com/gpu on GPU nodes, for instance)"},
@@ -301,7 +327,7 @@ def _scheduling(program: str) -> dict[str, Any]:
         "runtimeClassName": _str("the pods' RuntimeClass (nvidia, on clusters that name the GPU runtime so)",
                                  pattern=DNS_SUBDOMAIN, maxLength=253),
     }, description=f"where the {program} pods run (the pod spec's fields of the same names); a local pool "
-                   "(`kvmesh up -f`) ignores them", default={})
+                   "(`kvmesh up -f`) ignores them", default={}))
 
 
 def _role_replicas(role: str) -> dict[str, Any]:
@@ -564,11 +590,11 @@ def spec_schema() -> dict[str, Any]:
         "store": store,
         "scaling": scaling,
         "gatewayInferencePool": gateway,
-        "gateway": _obj({"weight": _int(
+        "gateway": _operator_default(_obj({"weight": _int(
             "this pool's share of the requests `kvmesh gateway` sends for a model other pools list too: its weight "
             "over the sum of theirs (a canary at 5 then 25 %); 0 drains it while another pool's weight is above 0 "
             "(when every one is 0 they share equally)", 0, MAX_WEIGHT, default=DEFAULT_WEIGHT)},
-            description="how `kvmesh gateway` routes to this pool", default={}),
+            description="how `kvmesh gateway` routes to this pool", default={})),
     }, ("model",), description="the desired pool")
     return _with_rules(spec)
 
@@ -645,7 +671,7 @@ def crd_manifest() -> dict[str, Any]:
                     "apiVersion": {"type": "string"},
                     "kind": {"type": "string"},
                     "metadata": {"type": "object"},
-                    "spec": spec_schema(),
+                    "spec": _served(spec_schema()),
                     "status": status_schema(),
                 }, ("spec",), description="A pool of engines serving one model behind a KV-cache-aware router"),
                     "x-kubernetes-validations": [{"rule": r.cel, "message": r.message} for r in OBJECT_RULES]}},
@@ -695,8 +721,8 @@ def _check(value: Any, schema: Mapping[str, Any], where: str) -> Any:
             else:
                 raise SpecError(f"{where}: unknown field {key!r}; known: {', '.join(props)}")
         for key, prop in props.items():
-            if key not in out and "default" in prop:
-                out[key] = _check(prop["default"], prop, f"{where}.{key}")
+            for default in (prop[k] for k in ("default", OPERATOR_DEFAULT) if k in prop and key not in out):
+                out[key] = _check(default, prop, f"{where}.{key}")
         for key in schema.get("required", ()):
             if key not in out:
                 raise SpecError(f"{where}.{key} is required")
