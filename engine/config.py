@@ -31,6 +31,9 @@ from kvmesh.engine.typed_fields import check_port, check_types, read_settings_fi
 MIB = 1 << 20
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")  # see engine/attention.py
 QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "prefix")  # see engine/scheduler.py
+# vLLM's logprobs_mode values: what a request's logprobs report (engine/sampling.py's sample and token_logprobs)
+DEFAULT_LOGPROBS_MODE = "raw_logprobs"
+LOGPROBS_MODES: tuple[str, ...] = (DEFAULT_LOGPROBS_MODE, "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
@@ -87,6 +90,11 @@ class EngineConfig:
     # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     # "prompt_lookup_max": b}, a mapping or its JSON text (engine/spec.py); None: off
     speculative_config: dict[str, Any] | str | None = None
+    # what logprobs report, vLLM's setting: raw_* the model's own distribution, processed_* the one sampled from
+    # (after a constraint's mask, logit_bias, penalties, min_tokens, temperature, min_p, top_k and top_p); *_logprobs
+    # log-probabilities, *_logits the logits themselves. Prompt logprobs (echo) pass no sampler: raw and processed
+    # report the same there
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
 
     def validate(self) -> None:
         check_types(self, "engine")
@@ -144,6 +152,8 @@ class EngineConfig:
         if self.queue_policy not in QUEUE_POLICIES or self.max_queue_delay_seconds < 0:
             raise ValueError(f"queue_policy must be one of {', '.join(QUEUE_POLICIES)} and max_queue_delay_seconds "
                              f">= 0, got {self.queue_policy!r}, {self.max_queue_delay_seconds}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         HashAlgo(self.hash_algo)
         from kvmesh.engine.spec import SpecConfig
 

@@ -863,7 +863,8 @@ class Engine:
                 generated.append(r.output_ids + list(s.draft_ids[:i]) if i and penalized else r.output_ids)
                 prompts.append(r.prompt_vocabulary)
         masks = self.structured.masks(guides)  # None, at no cost, when nothing is constrained
-        samples = sample(logits, params, indices, self.tokenizer.eos_token_ids, generated, masks, prompts)
+        samples = sample(logits, params, indices, self.tokenizer.eos_token_ids, generated, masks, prompts,
+                         self.config.logprobs_mode)
         now = time.monotonic()
         row = 0
         for s in sampling:
@@ -899,7 +900,7 @@ class Engine:
                 record = r.prompt_logprobs
                 assert record is not None and reads.start == record.positions_done, "prompt rows read in order"
                 lps, tops = token_logprobs(own[: len(reads)], r.prompt_ids[reads.start + 1 : reads.stop + 1],
-                                           r.params.prompt_logprobs or 0)
+                                           r.params.prompt_logprobs or 0, self.config.logprobs_mode)
                 record.logprobs += lps
                 record.top_logprobs += tops
             if last:

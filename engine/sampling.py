@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvmesh.engine.config import DEFAULT_LOGPROBS_MODE
 from kvmesh.engine.openai_types import (
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -29,6 +30,9 @@ from kvmesh.engine.openai_types import (
 from kvmesh.engine.structured import Masks
 
 GREEDY_TEMPERATURE = 1e-5
+# what an -inf logprob or logit (a token a processed logprobs_mode filtered out) is reported as: JSON has no
+# infinity, and vLLM's OpenAI server clamps to this value
+LOGPROB_FLOOR = -9999.0
 
 
 class InvalidParam(ValueError):
@@ -255,15 +259,21 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 LOGPROB_SLICE_ROWS = 256  # prompt rows turned into logprobs at a time: a log_softmax copy of 50 MB at 49k tokens
 
 
+def _reported(logits: torch.Tensor, logprobs_mode: str) -> torch.Tensor:
+    """What a logprobs_mode reports of these logits: their log-probabilities (*_logprobs) or themselves (*_logits)."""
+    return torch.log_softmax(logits, dim=-1) if logprobs_mode.endswith("_logprobs") else logits
+
+
 @torch.inference_mode()
-def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
-                   top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int,
+                   logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Row i's log-probability of token_ids[i] under the model's distribution, and its `top` most likely tokens
-    with theirs: a prompt's logprobs (echo), read from its positions' logits a slice at a time."""
+    with theirs: a prompt's logprobs (echo), read from its positions' logits a slice at a time. No sampler touches
+    a prompt's tokens, so raw and processed modes agree (vLLM's rule): *_logits modes report the logits."""
     chosen: list[float] = []
     tops: list[list[tuple[int, float]]] = []
     for begin in range(0, len(token_ids), LOGPROB_SLICE_ROWS):
-        rows = torch.log_softmax(logits[begin : begin + LOGPROB_SLICE_ROWS].float(), dim=-1)
+        rows = _reported(logits[begin : begin + LOGPROB_SLICE_ROWS].float(), logprobs_mode)
         ids = torch.tensor(token_ids[begin : begin + LOGPROB_SLICE_ROWS], dtype=torch.long, device=rows.device)
         chosen += rows.gather(1, ids[:, None]).squeeze(1).tolist()
         if top:
@@ -283,13 +293,16 @@ def sample(
     generated: Sequence[Sequence[int]] | None = None,
     masks: Masks | None = None,
     prompts: Sequence[torch.Tensor | None] | None = None,
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
 ) -> SampleResult:
     """Sample one token per row of `logits` ([rows, vocab]); row i follows params[i] at output_indices[i], after
     its structured-output mask (`masks`), its penalties over `generated[i]` (the tokens it generated so far) and
     `prompts[i]` (its prompt's distinct ids, for repetition_penalty), and its logit_bias. Rows still under their
     `min_tokens` cannot pick `stop_ids` or their own stop_token_ids, unless their
     constraint allows nothing else (the constraint wins: a token it forbids would fail the request). Logprobs are
-    the model's own."""
+    the model's own, or with a processed `logprobs_mode` (config.LOGPROBS_MODES) those of the distribution sampled
+    from: after all of the above, then temperature, min_p, top_k and top_p (a greedy row's: none of these four, as
+    vLLM's, which neutralises them for greedy requests)."""
     if not logits.shape[0] == len(params) == len(output_indices):
         raise ValueError(f"sample: {logits.shape[0]} logits rows, {len(params)} sampling params and "
                          f"{len(output_indices)} output indices; one of each per row")
@@ -313,10 +326,17 @@ def sample(
             if row in constrained and not torch.isfinite(logits[row]).any():
                 logits[row, stops] = kept  # the constraint allows only stop tokens here: it ends the output early
     tokens = first_argmax(logits)
+    want_logprobs = any(p.logprobs for p in params)
+    # the processed rows reported: the sampler's logits, each sampled row's scaled and filtered in the loop below
+    processed = logits.clone() if want_logprobs and logprobs_mode.startswith("processed") else None
     for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
-        if p.greedy:
+        if p.temperature < GREEDY_TEMPERATURE or (p.greedy and processed is None):
             continue
         scaled = _filter_tail(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
+        if processed is not None:
+            processed[row] = scaled
+        if p.greedy:  # top_k 1: the argmax is taken already
+            continue
         probs = torch.softmax(scaled, dim=-1)
         generator = torch.Generator().manual_seed(token_seed(p.seed or 0, index))
         # drawn on the CPU whatever the device, so every pod, CPU or GPU, continues the same stream
@@ -324,16 +344,15 @@ def sample(
         # the exponential race: argmax p_i / E_i draws i with probability p_i
         tokens[row] = first_argmax((probs / noise)[None])[0]
     token_list = tokens.tolist()
-    want_logprobs = any(p.logprobs for p in params)
     if not want_logprobs:
         return SampleResult(token_list, None, None)
-    # logprobs of the model's own distribution (before temperature and filters), as vLLM reports them
-    logprobs = torch.log_softmax(raw, dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    reported = _reported(raw if processed is None else processed, logprobs_mode)
+    chosen = reported.gather(1, tokens[:, None]).squeeze(1).clamp(min=LOGPROB_FLOOR).tolist()
     k = max(p.top_logprobs for p in params)
     tops: list[list[tuple[int, float]]] = [[] for _ in params]
     if k > 0:
-        values, ids = torch.topk(logprobs, k, dim=-1)
+        values, ids = torch.topk(reported, k, dim=-1)
+        values = values.clamp(min=LOGPROB_FLOOR)
         for row, p in enumerate(params):
             n = p.top_logprobs
             tops[row] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist(), strict=True))
