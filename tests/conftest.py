@@ -20,6 +20,7 @@ from hypothesis import settings
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.model.loader import resolve_model_dir
+from kvmesh.up import STATE_DIR_ENV
 
 # Property tests draw the same examples on every run, so CI passes or fails on the code, never on the draw; explore
 # with other draws by hand: HYPOTHESIS_PROFILE=explore pytest ... (random, more examples).
@@ -89,6 +90,15 @@ def tiny_engine(tiny_dir: Path) -> Iterator[Engine]:
     engine = make_engine(tiny_dir)
     yield engine
     engine.kv.check_invariants()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvmesh_state_dir() -> Iterator[Path]:
+    """`kvmesh up`'s state folder for the session's runs, so that they stay out of the user's ~/.local/state
+    (outside pytest's temporary directories, which other pytest runs prune while a long run's pool uses it)."""
+    with tempfile.TemporaryDirectory(prefix="kvmesh-state-") as where, pytest.MonkeyPatch.context() as patch:
+        patch.setenv(STATE_DIR_ENV, where)
+        yield Path(where)
 
 
 @pytest.fixture(scope="session")
