@@ -1687,7 +1687,8 @@ def create_router_app(router: Router, drain: Drain | None = None) -> FastAPI:
             ids = choice.pop("token_ids")
             text = choice["message"]["content"] if "message" in choice else choice["text"]
             # the decode pod sends a tail of it that may yet grow into a stop string, or drops it (contract 0)
-            opening_text = text[: sendable_length(text, 0, stop_strings(raw.get("stop")))]
+            opening_text = text[: sendable_length(text, 0, stop_strings(raw.get("stop")),
+                                                  bool(raw.get("include_stop_str_in_output")))]
         except (ValueError, LookupError, TypeError):  # not an answer this router can continue
             logging.getLogger("kvmesh.router").warning(
                 "the prefill pod %s sent an answer that is not a completion; serving the request whole",

@@ -127,13 +127,16 @@ def test_a_tool_call_is_answered_whole_by_one_pod(pool: dict[str, str], router: 
     wait_nothing_in_flight(router)
 
 
+@pytest.mark.parametrize("include", [False, True], ids=["stop-dropped", "include_stop_str_in_output"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_that_begins_in_the_prefill_pod_s_token_ends_the_split_answer_as_one_pod(
-        pool: dict[str, str], router: Router, stream: bool) -> None:
+        pool: dict[str, str], router: Router, stream: bool, include: bool) -> None:
     """The prefill pod's first token may end with the start of a stop string the decode pod's next token
     completes: the router sends that token's text without the tail (the decode pod sends it, or drops it when the
-    stop string completes), so the client reads what one pod alone sends, not the stop string's first part."""
-    body = {"prompt": tokens(43, 90), "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    stop string completes), so the client reads what one pod alone sends, not the stop string's first part. With
+    include_stop_str_in_output nothing is held back, by the router as by the decode pod."""
+    body = {"prompt": tokens(43, 90), "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "include_stop_str_in_output": include}
     free = httpx.post(pool["decode"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     first, second = (httpx.post(pool["decode"] + "/detokenize", json={"tokens": [t]}, timeout=10).json()["prompt"]
                      for t in free["token_ids"][:2])
@@ -141,8 +144,8 @@ def test_a_stop_string_that_begins_in_the_prefill_pod_s_token_ends_the_split_ans
     body["stop"] = [first[-1] + second[0]]
     assert free["text"].find(body["stop"][0]) == len(first) - 1
     alone = httpx.post(pool["decode"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]
-    assert alone["text"] == first[:-1] and alone["finish_reason"] == "stop"
-    body["cache_salt"] = f"split-{stream}"  # the decode pod cached this prompt above: no hit, so the router splits
+    assert alone["text"] == (first + second[0] if include else first[:-1]) and alone["finish_reason"] == "stop"
+    body["cache_salt"] = f"split-{stream}-{include}"  # the decode pod cached the prompt: none
     if not stream:
         reply = httpx.post(pool["router"] + "/v1/completions", json=body, timeout=60)
         assert reply.headers["x-kvmesh-pod"] == f"{pool['prefill']},{pool['decode']}"
