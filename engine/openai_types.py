@@ -107,9 +107,13 @@ class KVTransfer(BaseModel):
     - prefill: compute the prompt, sample the first token, keep the KV under a handle for `ttl_seconds`;
     - decode: pull the prompt's blocks this pod lacks from `source` (under `handle`) and continue after
       `first_token`;
-    - pull: fetch the blocks of the first `tokens` prompt tokens from `source` before computing the rest."""
+    - pull: fetch the blocks of the first `tokens` prompt tokens from `source` before computing the rest.
 
-    model_config = ConfigDict(extra="forbid")
+    Only kvmesh's router writes it, and a router of the next release meets engines of this one mid-roll: a field
+    this engine does not know is ignored, not refused with a 400 that would fail the request (or every handoff)
+    until the roll ends. So a later field must be one an older engine may leave unread; a later mode is refused."""
+
+    model_config = ConfigDict(extra="ignore")
     mode: Literal["prefill", "decode", "pull"]
     source: str | None = Field(default=None, pattern=r"^https?://")
     handle: str | None = None
@@ -140,9 +144,13 @@ class ReleaseRequest(BaseModel):
 
 
 class WarmRequest(BaseModel):
-    """POST /v1/kv/warm: pull from `source` the blocks of these chains (hashes from the root) this pod lacks."""
+    """POST /v1/kv/warm: pull from `source` the blocks of these chains (hashes from the root) this pod lacks.
 
-    model_config = ConfigDict(extra="forbid")
+    Only kvmesh's operator sends it, and a newer operator warms this release's pods during a roll: a field this
+    engine does not know is ignored (a later field must be one an older engine may leave unread), not a 400 that
+    would leave every new pod cold."""
+
+    model_config = ConfigDict(extra="ignore")
     source: str = Field(pattern=r"^https?://")
     chains: list[list[int]] = Field(min_length=1, max_length=HOT_CHAINS_MAX)
 

@@ -12,7 +12,7 @@ import math
 import re
 import struct
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -277,6 +277,18 @@ class KVConfig:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> KVConfig:
+        """A pod's /v1/kv/config answer, less fields this release does not know (a newer engine's, mid-roll)."""
+        return cls(**_known_fields(cls, body))
+
+
+def _known_fields(kind: type, body: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `body` that name fields of dataclass `kind`: what an older reader takes of a newer writer's
+    answer (a writer adds only what a reader may leave unread)."""
+    known = {f.name for f in fields(kind)}
+    return {k: v for k, v in body.items() if k in known}
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Contract 2: KV events
@@ -353,6 +365,11 @@ class KVBlocksSnapshot:
     boot_id: str
     seq: int
     blocks: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> KVBlocksSnapshot:
+        """A pod's /v1/kv/blocks answer, less fields this release does not know (a newer engine's, mid-roll)."""
+        return cls(**_known_fields(cls, body))
 
 
 # ---------------------------------------------------------------------------------------------------------

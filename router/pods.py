@@ -12,7 +12,6 @@ tokenizer or chat template) is refused loudly and never indexed or routed to.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -384,9 +383,7 @@ class PodSet:
         return await self._client.get(pod.url + path, timeout=HEALTH_TIMEOUT_SECONDS)
 
     async def _read_config(self, pod: Pod) -> None:
-        body = (await self._scrape(pod, KV_CONFIG_PATH)).json()
-        known = {f.name for f in dataclasses.fields(KVConfig)}
-        config = KVConfig(**{k: v for k, v in body.items() if k in known})  # a newer engine may say more
+        config = KVConfig.from_json((await self._scrape(pod, KV_CONFIG_PATH)).json())  # a newer engine may say more
         boot_id, _ = self.index.resume_point(pod.name)
         if boot_id is not None and boot_id != config.boot_id:
             self.index.remove_pod(pod.name)  # a restarted pod: its old blocks are gone before its events say so
@@ -471,7 +468,7 @@ class PodSet:
 
     async def _resync(self, pod: Pod) -> None:
         body = (await self._client.get(pod.url + KV_BLOCKS_PATH)).json()
-        self.index.load_snapshot(pod.name, KVBlocksSnapshot(**body))
+        self.index.load_snapshot(pod.name, KVBlocksSnapshot.from_json(body))  # a newer engine may say more
 
     async def _event_loop(self, pod: Pod) -> None:
         while True:

@@ -102,7 +102,10 @@ def no_progress(_: float) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine needs to build the model and size its KV cache, independent of the checkpoint's format."""
+    """What the engine needs to build the model and size its KV cache, independent of the checkpoint's format.
+
+    A field added later takes a default that means what engines before it did: `weights_fingerprint` hashes a
+    field only away from its default, so engines of both versions fingerprint unchanged weights alike mid-roll."""
 
     name: str
     vocab_size: int
@@ -576,6 +579,19 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 _WEIGHTS_FINGERPRINT_VERSION = 2  # bump when what the fingerprint covers changes
+_NOT_FINGERPRINTED = ("name", "eos_token_ids")  # ModelConfig fields that change nothing of the KV
+# ModelConfig fields with a default that the fingerprint hashes at it too, as it did before it skipped defaults:
+# so the fingerprints engines published before (and the tier files written under them) stay as they were
+_FINGERPRINTED_AT_DEFAULT = ("qk_norm",)
+
+
+def _at_default(config: ModelConfig, spec: dataclasses.Field) -> bool:
+    """Whether `config` holds the field's default: an engine that predates the field computes the KV so too."""
+    if spec.default is not dataclasses.MISSING:
+        return getattr(config, spec.name) == spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return getattr(config, spec.name) == spec.default_factory()
+    return False
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -591,8 +607,12 @@ def weights_fingerprint(config: ModelConfig, digests: dict[str, str], quantizati
     the architecture read from config.json (but the served name and the stop ids) and how the weights are computed
     with (`quantization`: int8 products give other K and V than the checkpoint's own). Two checkpoints with the
     same name and shape differ here, so a KV tier file, a peer's blocks or a router's pairing of pods never takes
-    one's KV for the other's; the same tensors sharded or saved otherwise do not."""
-    arch = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("name", "eos_token_ids")}
+    one's KV for the other's; the same tensors sharded or saved otherwise do not. A field at its default is left
+    out (but _FINGERPRINTED_AT_DEFAULT's), so a release that adds one to ModelConfig keeps the fingerprints of
+    models that do not use it: its engines and the last release's still pull, hand off and warm between them."""
+    values = dataclasses.asdict(config)
+    arch = {f.name: values[f.name] for f in dataclasses.fields(config)
+            if f.name not in _NOT_FINGERPRINTED and (f.name in _FINGERPRINTED_AT_DEFAULT or not _at_default(config, f))}
     arch["quantization"] = quantization or "none"
     digest = hashlib.sha256(f"kvmesh-weights-{_WEIGHTS_FINGERPRINT_VERSION}\n".encode())
     digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
