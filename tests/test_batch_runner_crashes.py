@@ -16,6 +16,7 @@ from kvmesh.router.batch_store import BatchStore, ClaimedBatch
 
 from .test_batch import FAST, TENANT, Counters, chat, line, new_batch, run_claimed
 from .test_batch_runner_memory import broken, send, store
+from .waiting import eventually
 
 __all__ = ["store"]  # the fixture: a batch store on SQLite
 
@@ -37,11 +38,6 @@ class ClaimsOnce:
         return self.store.claim(owner, lease_seconds)
 
 
-async def until(done: Any) -> None:
-    while not done():
-        await asyncio.sleep(0.02)
-
-
 def test_a_batch_failed_for_its_crashes_leaves_no_count(store: BatchStore) -> None:
     batch_id = new_batch(store, [line("a", chat("s", "q"))])
     counters = Counters()
@@ -49,7 +45,7 @@ def test_a_batch_failed_for_its_crashes_leaves_no_count(store: BatchStore) -> No
 
     async def scenario() -> None:
         task = asyncio.create_task(runner.serve_forever())
-        await until(lambda: counters.ended)
+        await eventually(lambda: counters.ended)
         task.cancel()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
@@ -67,12 +63,12 @@ def test_a_batch_that_crashed_here_and_finished_elsewhere_leaves_no_count(
 
     async def scenario() -> None:
         task = asyncio.create_task(here.serve_forever())
-        await until(lambda: batch_id in here._crashes)
+        await eventually(lambda: batch_id in here._crashes)
         await asyncio.to_thread(store.release, batch_id, "here")
         await run_claimed(elsewhere, store)
         batch = store.batch(TENANT, batch_id)
         assert batch is not None and batch["status"] == "completed"
-        await until(lambda: not here._crashes)  # at the next sweep
+        await eventually(lambda: not here._crashes)  # at the next sweep
         task.cancel()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

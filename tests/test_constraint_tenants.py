@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,17 +25,10 @@ from kvmesh.router.auth import hash_key
 from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
+from .waiting import wait_for
 
 KEYS = {"acme": "sk-acme-214", "globex": "sk-globex-214"}
 SCHEMA = {"type": "object", "properties": {"plan": {"type": "string", "pattern": "^[a-z]{3,9}$"}}}
-
-
-def eventually(holds: Callable[[], bool], seconds: float = 30) -> None:
-    """Wait for a state another thread reaches (a bound on the wait, not an assertion on time)."""
-    end = time.monotonic() + seconds
-    while not holds():
-        assert time.monotonic() < end, "the threads never got there"
-        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -152,13 +144,13 @@ def test_a_tenant_waiting_for_its_first_checker_goes_before_another_s_queue(held
     next checker freed (on the old semaphore it waited behind acme's queue, and with acme looping, past its wait)."""
     outcomes: dict[str, object] = {}
     threads = [regex_check("acme", "a1", outcomes), regex_check("acme", "a2", outcomes)]
-    eventually(lambda: len(held.asked) == constraint.CHECK_WORKERS)
+    wait_for(lambda: len(held.asked) == constraint.CHECK_WORKERS)
     for scope, regex in (("acme", "a3"), ("acme", "a4"), ("globex", "g1")):  # queued in this order
         threads.append(regex_check(scope, regex, outcomes))
-        eventually(lambda: waits_for_a_checker(threads[-1]))
+        wait_for(lambda: waits_for_a_checker(threads[-1]))
     assert held.asked == ['"a1"', '"a2"']
     held.gates['"a1"'].set()
-    eventually(lambda: len(held.asked) == 3)
+    wait_for(lambda: len(held.asked) == 3)
     assert held.asked[2] == '"g1"'
     for gate in held.gates.values():
         gate.set()
@@ -171,7 +163,7 @@ def hold_every_checker(held: type[HeldChild], outcomes: dict[str, object]) -> No
     """Another tenant's checks on every checker, until the fixture opens their gates."""
     for i in range(constraint.CHECK_WORKERS):
         regex_check("initech", f"held{i}", outcomes)
-    eventually(lambda: len(held.asked) == constraint.CHECK_WORKERS)
+    wait_for(lambda: len(held.asked) == constraint.CHECK_WORKERS)
 
 
 def test_no_checker_free_is_the_router_s_retryable_429(held: type[HeldChild], tiny_dir: Path,
@@ -232,7 +224,7 @@ def test_an_engine_checks_a_grammar_off_its_event_loop(engine_app: TestClient, h
 
     checking = threading.Thread(target=completion, daemon=True)
     checking.start()
-    eventually(lambda: f'"{regex}"' in held.asked)  # the check holds its checker now
+    wait_for(lambda: f'"{regex}"' in held.asked)  # the check holds its checker now
     probe = threading.Thread(target=health, daemon=True)
     probe.start()
     probe.join(timeout=30)  # a bound on a hang, not a timing: the loop answers at once or never

@@ -10,9 +10,8 @@ import logging
 import random
 import string
 import threading
-import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -63,6 +62,7 @@ from .conftest import make_engine
 from .engines import serve_engine, serve_router
 from .test_operator import write_kubeconfig
 from .test_router_auth import write_keys
+from .waiting import wait_for
 
 
 def served(*names: str, adapters: dict[str, str] | None = None) -> ServedModels:
@@ -322,7 +322,7 @@ def serve_asgi(app: Any, healthy: bool = True) -> Iterator[str]:
         if healthy:
             wait_healthy(url, timeout=30)
         else:
-            eventually(lambda: _answers(url))
+            wait_for(lambda: _answers(url))
         yield url
     finally:
         server.should_exit = True
@@ -335,15 +335,6 @@ def _answers(url: str) -> bool:
     except httpx.TransportError:
         return False
     return True
-
-
-def eventually(check: Callable[[], Any], seconds: float = 60.0) -> Any:
-    """Poll `check` until it is true (the bound only ends a failing test on a loaded machine)."""
-    deadline = time.monotonic() + seconds
-    while not (result := check()):
-        assert time.monotonic() < deadline, "condition never reached"
-        time.sleep(0.05)
-    return result
 
 
 def stub_router(model: str, seen: list[dict[str, Any]], release: threading.Event) -> Starlette:
@@ -692,7 +683,7 @@ def test_a_client_leaving_a_stream_closes_it_upstream(gateway: str, pools: dict[
         for line in streamed.iter_lines():
             if line.startswith("data: {"):
                 break  # the first chunk: leave
-    eventually(lambda: router_requests(router, "client_gone") == before + 1)
+    wait_for(lambda: router_requests(router, "client_gone") == before + 1)
 
 
 @pytest.mark.slow
@@ -718,13 +709,13 @@ def test_a_canary_pool_takes_its_weight_s_share_and_none_once_drained(
                     assert reply.status_code == 200 and reply.headers["x-kvmesh-pod"] == engine, reply.text
                 return router_requests(stable) - before[0], router_requests(canary) - before[1]
 
-            eventually(lambda: gateway.table.routers.get("beta") == (stable_url, canary_url))
+            wait_for(lambda: gateway.table.routers.get("beta") == (stable_url, canary_url))
             assert send(8) == (6, 2)
             taken = {dict(labels)["router"]: value for (name, labels), value in scrape(url).items()
                      if name == f"{GatewayMetric.UPSTREAM_REQUESTS}_total" and dict(labels)["model"] == "beta"}
             assert taken == {stable_url: 6, canary_url: 2}
             gateway.discover = static_routers([stable_url, canary_url], [f"{canary_url}=0"])  # rolled back
-            eventually(lambda: gateway.table.weights.get(canary_url) == 0)
+            wait_for(lambda: gateway.table.weights.get(canary_url) == 0)
             assert send(4) == (4, 0)
 
 
@@ -737,10 +728,10 @@ def test_a_router_that_dies_drops_out_and_its_model_then_404s(
     with serve_asgi(GatewayApp(gateway)) as url:
         with serve_router(second) as beta:
             gateway.discover = static_routers([pools["alpha"][0], beta])
-            eventually(lambda: gateway.table.serves("beta"))
+            wait_for(lambda: gateway.table.serves("beta"))
             assert httpx.post(url + "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 1},
                               timeout=60).status_code == 200
-        eventually(lambda: not gateway.table.serves("beta"))  # that router stopped; the gateway goes on
+        wait_for(lambda: not gateway.table.serves("beta"))  # that router stopped; the gateway goes on
         assert gateway.table.states[beta] == DOWN
         reply = httpx.post(url + "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 1},
                            timeout=60)

@@ -47,6 +47,7 @@ from kvmesh.engine.server import EngineHolder, create_app
 
 from .conftest import make_engine
 from .test_engine import Result, prompt
+from .waiting import wait_for
 
 ATOL = 1e-3  # fp32 logits and logprobs against transformers (measured: at most 1.7e-4, logits up to about 7)
 ALL = TARGET_MODULES
@@ -584,14 +585,6 @@ def test_an_adapter_unloaded_between_the_check_and_the_queue_is_a_404(served, mo
     assert error["code"] == "model_not_found" and "'all' was unloaded" in error["message"]
 
 
-def wait_until(condition, what: str) -> None:
-    for _ in range(600):
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
-
-
 @pytest.mark.slow
 def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engine], adapters: dict[str, Path],
                                                   tmp_path: Path) -> None:
@@ -667,12 +660,12 @@ def test_models_endpoint_load_unload_and_metrics(served: tuple[TestClient, Engin
     request.on_output = lambda out: finished.set() if out.finish_reason else None
     engine.submit(request)
     refused(UNLOAD_LORA_PATH, {"lora_name": "all"}, 409, "running or queued")
-    wait_until(lambda: lora_info(http)[0]["running_lora_adapters"] == "all", "running label")
+    wait_for(lambda: lora_info(http)[0]["running_lora_adapters"] == "all", "running label")
     labels, stamp, _ = lora_info(http)
     assert (labels["waiting_lora_adapters"], labels["max_lora"]) == ("", "2")
     assert abs(stamp - time.time()) < 3600  # a unix time, as vLLM's
     engine.abort("long")
-    wait_until(finished.is_set, "abort")
+    wait_for(finished.is_set, "abort")
     assert http.post(UNLOAD_LORA_PATH, json={"lora_name": "all"}).status_code == 200
     assert [c["id"] for c in http.get("/v1/models").json()["data"]] == [base]
     gone = http.post("/v1/completions", json={"model": "all", "prompt": [5], "max_tokens": 1})
@@ -697,7 +690,7 @@ def test_load_inplace_updates_a_busy_adapter_over_http_when_a_slot_is_spare(
     assert load("qv", adapters["qv"], load_inplace=True).status_code == 200  # not loaded: a plain load
     before = engine.loras.loaded["all"]
     long = submit(engine, "all", prompt(51, 8), max_tokens=1000)
-    wait_until(lambda: lora_info(http)[0]["running_lora_adapters"] == "all", "running label")
+    wait_for(lambda: lora_info(http)[0]["running_lora_adapters"] == "all", "running label")
     full = load("all", qv_v2, load_inplace=True)
     assert full.status_code == 409, full.text
     error = full.json()["error"]
@@ -713,6 +706,6 @@ def test_load_inplace_updates_a_busy_adapter_over_http_when_a_slot_is_spare(
     answer = http.post("/v1/completions", json={"model": "all", "prompt": [5, 6], "max_tokens": 2})
     assert answer.status_code == 200 and answer.json()["model"] == "all"
     engine.abort(long.request.request_id)
-    wait_until(lambda: engine.loras.retired == {}, "the old slot freed")
+    wait_for(lambda: engine.loras.retired == {}, "the old slot freed")
     assert long.final.finish_reason == "abort" and engine.loras.free_slots() == [before.slot]
     assert lora_info(http)[2] == 1

@@ -220,8 +220,10 @@ def write_kubeconfig(path: Path, server: str, namespace: str | None = NS) -> Pat
 
 @contextlib.asynccontextmanager
 async def operator(tmp_path: Path, tick: float = 0.2, warm: Warmer | None = None,
-                   open_gates: GateOpener | None = None) -> AsyncIterator[Env]:
-    async with Cluster() as k8s, kmock.Server(k8s) as server:
+                   open_gates: GateOpener | None = None, cluster: type[Cluster] = Cluster) -> AsyncIterator[Env]:
+    """The operator against a fresh emulator (`cluster`: a subclass that answers some requests as a real API
+    server would, where the emulator cannot)."""
+    async with cluster() as k8s, kmock.Server(k8s) as server:
         serve_operator_resources(k8s)
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(server.url))
         clock, gate = [1000.0], TickGate()

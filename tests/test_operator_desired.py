@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import dataclasses
 import json
 import subprocess
@@ -34,6 +35,7 @@ from kvmesh.operator import rbac
 from kvmesh.operator.crd import ENGINE_SETTINGS, Pool, PoolDefaults, SpecError, load_pool_file, parse_pool
 from kvmesh.operator.desired import (
     CONFIG_HASH_ANNOTATION,
+    HANDED_OFF,
     HOST_TIER_FILL,
     INTERNAL_TOKEN_DIR,
     check_program_files,
@@ -47,6 +49,7 @@ from kvmesh.operator.desired import (
     secret_token,
 )
 from kvmesh.operator.forecast import Counters, TrafficEstimator, parse_pod, scaling_policy
+from kvmesh.operator.kube import last_applied, merged, recorded, three_way_patch
 from kvmesh.operator.local import local_engine_settings
 from kvmesh.router.config import GATEWAY_EXT_PROC_PORT, SHUTDOWN_DRAIN_SECONDS, load_router_config
 from kvmesh.router.picker import PickerConfig
@@ -496,6 +499,32 @@ def test_a_configuration_change_rolls_the_pods_that_read_it_and_a_replica_change
     hashed = pool(engine={**base.spec["engine"], "blockSize": 32})  # in both files: both roll
     assert template_hash(hashed) != template_hash(base)
     assert template_hash(hashed, "chat-router") != template_hash(base, "chat-router")
+
+
+def test_every_deployment_starts_a_new_pod_before_it_stops_an_old_one() -> None:
+    """Kubernetes' default strategy (25 % surge, 25 % unavailable rounded down) took one of 4 or more routers down
+    before its replacement was Ready; the routers roll as the engines do, one new pod at a time, none down."""
+    base = pool()
+    for p in (pool(router={**base.spec["router"], "replicas": 4}), pool(DISAGGREGATED)):
+        for name, deployment in by_kind(desired_objects(p), "Deployment").items():
+            assert deployment["spec"]["strategy"] == {
+                "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, name
+
+
+def test_the_routers_new_strategy_reaches_a_running_pool_without_rolling_its_routers() -> None:
+    """An upgrade from a release whose router Deployment had no strategy: the operator's apply (a three-way merge
+    patch, `Kube.apply`) onto the live Deployment, as that release recorded it and the API server defaulted it,
+    changes its strategy and nothing of its pod template, so no new ReplicaSet: no router pod rolls for it."""
+    p = pool(router={**pool().spec["router"], "replicas": 4})
+    new = patch_body(p, by_kind(desired_objects(p), "Deployment")["chat-router"])
+    before = copy.deepcopy(new)
+    del before["spec"]["strategy"]  # what the previous release applied: the rest is the same spec's
+    live = recorded(before, before)
+    live["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}
+    after = merged(live, three_way_patch(last_applied(live), recorded(new, new), HANDED_OFF))
+    assert after["spec"]["template"] == live["spec"]["template"]
+    assert {k for k, v in after["spec"].items() if live["spec"].get(k) != v} == {"strategy"}
+    assert after["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def test_hpa_mode_creates_autoscalers_on_the_forecast_and_never_patches_engine_replicas() -> None:

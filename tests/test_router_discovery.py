@@ -28,6 +28,8 @@ from kvmesh.router.discovery import desired_pods, endpoint_url
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.pods import PodSet
 
+from .waiting import eventually
+
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 EXPECTED = KVConfig(model="", block_size=16, hash_algo="xxh3_64", hash_root=0, tokenizer_fingerprint="t",
                     num_device_blocks=0, boot_id="")
@@ -119,13 +121,6 @@ def run(main: Callable[[], Coroutine[Any, Any, None]], seconds: float = 20.0) ->
     asyncio.run(asyncio.wait_for(main(), seconds))
 
 
-async def eventually(check: Callable[[], bool], seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 def running_tasks() -> set[str]:
     return {t.get_name() for t in asyncio.all_tasks() if not t.done()}
 
@@ -148,8 +143,8 @@ def test_sync_adds_drains_and_removes_pods_with_their_tasks() -> None:
         index.add_provisional(b, [1, 2, 3], time.monotonic(), ttl=60)
         pods.sync({a: False})
         assert set(pods.pods) == {a} and b not in index.pods()
-        await asyncio.sleep(0)
-        assert not {f"scrape {b}", f"events {b}"} & running_tasks()
+        await eventually(lambda: not {f"scrape {b}", f"events {b}"} & running_tasks(),  # cancelled mid-connect
+                         "the removed pod's tasks to end")
         await pods.stop()
         assert not {f"scrape {a}", f"events {a}"} & running_tasks()
 

@@ -56,6 +56,7 @@ from kvmesh.router.extproc import (
 from kvmesh.router.limits import Limiter, parse_tenants
 
 from .engines import serve_router, tiny_engines
+from .waiting import eventually
 
 POD_A, POD_B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 MODEL = "tiny"
@@ -553,22 +554,13 @@ def held(router: Router) -> float:
     return value
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    """Wait for what the server does a moment later (a stream read, a cancellation seen); no timing asserted."""
-    for _ in range(3000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the condition never held")
-
-
 async def held_stream(router: Router, stub: pb_grpc.ExternalProcessorStub, seed: int) -> grpc.aio.StreamStreamCall:
     """A completion sent whole through a stream as Envoy does, once the router holds it."""
     call = stub.Process()
     await call.write(request_headers())
     for message in body_chunks(json.dumps(completion(seed)).encode()):
         await call.write(message)
-    await until(lambda: held(router) == 1)
+    await eventually(lambda: held(router) == 1)
     return call
 
 
@@ -614,8 +606,8 @@ async def test_a_held_stream_the_gateway_cancels_leaves_the_gauge_at_once(bundle
     async with holding_picker(bundled_dir, 600.0) as (router, stub, _):
         call = await held_stream(router, stub, 42)
         call.cancel()
-        await until(lambda: held(router) == 0)
-        await until(lambda: counted(router, "client_gone") == 1)
+        await eventually(lambda: held(router) == 0)
+        await eventually(lambda: counted(router, "client_gone") == 1)
         router.pods.pods[POD_A].healthy = True  # a pod that starts later is given nothing for it
         router.pods.scraped()
         assert not router.pod_wait or router.pod_wait.held == 0

@@ -47,6 +47,7 @@ from .engines import serve_engine, serve_router
 from .test_kv_transfer import metric
 from .test_lora import write_adapter
 from .test_router_extproc import body_chunks, chosen, full_duplex, refusal, request_headers
+from .waiting import wait_for
 
 BASE = "tiny"
 OLD, NEW = "0123456789abcdef", "fedcba9876543210"  # two fingerprints of an adapter's weights
@@ -252,14 +253,6 @@ async def test_the_gateway_edge_routes_adapters_to_their_pods_and_refuses_unknow
 
 
 # ---- end to end: a router over two real engines, one with the adapter -------------------------------------------
-
-
-def wait_for(condition: Any, what: str, seconds: float = 30.0) -> None:
-    """Until `condition()` holds (a bound for a failing test, not a timing assertion)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def listed(router_url: str) -> dict[str, str | None]:

@@ -4,7 +4,6 @@ served in this process following the file as engines join, drain and leave."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kvmesh.router.config import RouterConfig, load_router_config
 from kvmesh.router.pods_file import PodsFileWatcher, parse_pods_file
 
 from .engines import serve_router, tiny_engines
+from .waiting import wait_for
 
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 
@@ -79,13 +79,6 @@ def pod_states(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {s.labels["state"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
             if s.name == RouterMetric.PODS}
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def served_by(url: str, prompt: list[int]) -> str:

@@ -22,9 +22,9 @@ from kvmesh.router.config import RouterConfig
 
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
-from .test_gateway import eventually
 from .test_router_disconnect import wait_nothing_in_flight
 from .test_router_migration import migrations_of
+from .waiting import wait_for
 
 STALL_SECONDS = 1.0
 
@@ -56,7 +56,7 @@ def pool(tiny_dir: Path) -> Iterator[tuple[str, dict[str, Hang]]]:
             stack.callback(hang.released.set)  # the held thread ends before its engine stops
         router = build_router(RouterConfig(pods=list(hangs), scrape_interval_seconds=0.1), tiny_dir)
         url = stack.enter_context(serve_router(router))
-        eventually(lambda: len(httpx.get(url + "/health").json()["pods"]) == 2)
+        wait_for(lambda: len(httpx.get(url + "/health").json()["pods"]) == 2)
         yield url, hangs
         wait_nothing_in_flight(router)
 
@@ -79,7 +79,7 @@ def test_a_stalled_pod_says_so_and_its_stream_goes_on_on_the_other(pool: tuple[s
             ids += [t for choice in chunk["choices"] for t in choice.get("token_ids", [])]
             if len(ids) >= 10 and not hangs[serving].on.is_set():
                 hangs[serving].on.set()  # its next step hangs
-                stalled = eventually(lambda: httpx.get(serving + "/health").json()["status"] == "stalled")
+                stalled = wait_for(lambda: httpx.get(serving + "/health").json()["status"] == "stalled")
                 alive = httpx.get(serving + "/livez")  # the liveness probe's: the kubelet restarts the pod
                 assert stalled and alive.status_code == 503 and alive.json()["status"] == "stalled"
                 for _ in range(3):  # every probe is answered 503, but the log says it once, with where it hangs
@@ -89,4 +89,4 @@ def test_a_stalled_pod_says_so_and_its_stream_goes_on_on_the_other(pool: tuple[s
     assert ids == expected["choices"][0]["token_ids"]
     assert migrations_of(url) == migrations + 1
     hangs[serving].released.set()  # the step returns: steps progress again
-    assert eventually(lambda: httpx.get(serving + "/livez").status_code == 200)
+    assert wait_for(lambda: httpx.get(serving + "/livez").status_code == 200)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from kvmesh.router.pods import PodSet
 
 from .conftest import make_engine
 from .engines import serve_engine
+from .waiting import eventually
 
 
 @contextmanager
@@ -29,13 +29,6 @@ def warming_engine(tiny_dir: Path) -> Iterator[tuple[str, Engine]]:
     engine = make_engine(tiny_dir, kv_cache_blocks=64, warmup_grace_seconds=600)
     with serve_engine(engine, healthy=False) as url:
         yield url, engine
-
-
-async def eventually(check: Callable[[], bool], seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def test_a_warming_pod_is_no_candidate_until_its_health_turns_ok(tiny_dir: Path,

@@ -29,7 +29,7 @@ from kvmesh.router.config import RouterConfig
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
 from .test_operator import NS, POOLS, MetricsServer, eventually, operator, pool_body, run
-from .test_router_pods_file import wait_for
+from .waiting import wait_for
 
 PROMPT = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0}
 

@@ -37,7 +37,8 @@ from kvmesh.router.config import RouterConfig
 from .conftest import make_engine
 from .engines import serve_engine, serve_router
 from .test_lora import submit, write_adapter
-from .test_router_lora import listed, wait_for
+from .test_router_lora import listed
+from .waiting import wait_for
 
 FREE = LatencyModel(0.0, 0.0, 0.0, 0.0, 1e15)
 

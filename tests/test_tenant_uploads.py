@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,19 +22,11 @@ from kvmesh.router.batch_api import UploadSlots
 
 from .test_router_broken_reply import routed, stub_pod
 from .test_router_tenant_guards import KEYS, keys_file, upload
+from .waiting import wait_for
 
 BODY = (b"--kvmesh\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--kvmesh\r\n"
         b"content-disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\r\n{}\n\r\n--kvmesh--\r\n")
 HELD_BACK = 20  # bytes of BODY a slow upload sends before it is told to finish
-
-
-def until(condition: Callable[[], bool]) -> None:
-    """A bounded poll (not a timing): the router's event loop gets to it within a few milliseconds."""
-    for _ in range(400):
-        if condition():
-            return
-        time.sleep(0.025)
-    assert condition()
 
 
 @contextmanager
@@ -72,18 +63,18 @@ def test_a_tenant_uploading_slowly_on_every_slot_does_not_keep_another_tenant_ou
     `too_many_uploads` at once, whatever acme held."""
     url, router = two_slots
     with slow_upload(url, "acme") as first, slow_upload(url, "acme") as second, ThreadPoolExecutor(1) as client:
-        until(lambda: router.uploads.held == 2)
+        wait_for(lambda: router.uploads.held == 2)
         with slow_upload(url, "acme") as third:
-            until(lambda: router.uploads.waiting == 1)
+            wait_for(lambda: router.uploads.waiting == 1)
             globex: Future[httpx.Response] = client.submit(upload, url, "globex", b"{}\n")
-            until(lambda: router.uploads.waiting == 2)
+            wait_for(lambda: router.uploads.waiting == 2)
             assert first().startswith(b"HTTP/1.1 200")
             # served at once (in arrival order acme's third, slow too, would hold the slot the whole 30 s wait)
             assert globex.result(timeout=10).status_code == 200
-            until(lambda: router.uploads.waiting == 0 and router.uploads.held == 2)  # acme's third: globex's slot
+            wait_for(lambda: router.uploads.waiting == 0 and router.uploads.held == 2)  # acme's third: globex's slot
             assert third().startswith(b"HTTP/1.1 200")
         assert second().startswith(b"HTTP/1.1 200")
-    until(lambda: router.uploads.held == 0)
+    wait_for(lambda: router.uploads.held == 0)
 
 
 def test_a_tenant_alone_uses_every_slot_and_past_them_waits_then_gets_a_429(
@@ -93,7 +84,7 @@ def test_a_tenant_alone_uses_every_slot_and_past_them_waits_then_gets_a_429(
     url, router = two_slots
     monkeypatch.setattr(batch_api, "UPLOAD_WAIT_SECONDS", 0.3)
     with slow_upload(url, "acme") as first, slow_upload(url, "acme") as second:
-        until(lambda: router.uploads.held == 2)
+        wait_for(lambda: router.uploads.held == 2)
         refused = upload(url, "acme", b"{}\n")
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_uploads"
         assert refused.headers["retry-after"] == "1" and router.uploads.waiting == 0

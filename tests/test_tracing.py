@@ -46,6 +46,7 @@ from kvmesh.router.tracing import hop, request_span
 
 from .conftest import make_engine
 from .engines import serve_checked, serve_router
+from .waiting import wait_for
 
 CLIENT_TRACE = "0af7651916cd43dd8421aaa7b7a1c9e5"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -143,14 +144,6 @@ def memory(tiny_dir: Path) -> Iterator[Memory]:
         with serve_router(router) as router_url:
             m.engine, m.router, m.router_obj = url, router_url, router
             yield m
-
-
-def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
-    """Until `condition()` holds (spans are exported after the response is sent); fails only if it never does."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.05)
 
 
 def named(spans: list[Any], name: str) -> list[Any]:
