@@ -7,10 +7,15 @@ status (updatedReplicas, observedGeneration), so a rollout whose new pods never 
 Stable because the old ones still serve. A Deployment past its progressDeadlineSeconds is a stuck rollout: the
 pool is Degraded/RolloutStuck, naming it. After a change of mode, while the previous mode's roles are kept serving
 until the new ones can (desired.retained_roles), the pool is Ready and Progressing with reason SwitchingMode.
+
+Also which part of a status patch the API server refused as invalid (`refused_status`): a CRD older than the
+operator (its schema limits the condition types to those it knew) refuses every patch that carries a newer
+condition, and the rest of the status is then written without it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,3 +89,51 @@ def pool_conditions(roles: tuple[str, ...], replicas: Mapping[str, int],
                              f"the rollout of {', '.join(stalled)} made no progress within its deadline (new pods "
                              "not becoming ready: see their events and logs); the old pods serve meanwhile"))
     return out
+
+
+# The fields a 422's causes name, as the API server writes them: `status.conditions[5].type`, `status.kvUsage.observed`
+_CONDITION_FIELD = re.compile(r"^status\.conditions\[(\d+)\]")
+_STATUS_FIELD = re.compile(r"^status\.([^.\[]+)")
+
+
+@dataclass(frozen=True)
+class RefusedStatus:
+    """What the API server refused in a pool's status: condition types (an older CRD's enum lacks them), and other
+    top-level status fields."""
+
+    condition_types: frozenset[str]
+    fields: frozenset[str]
+
+    def __or__(self, other: RefusedStatus) -> RefusedStatus:
+        return RefusedStatus(self.condition_types | other.condition_types, self.fields | other.fields)
+
+    def __str__(self) -> str:
+        return " and ".join([f"the condition {t}" for t in sorted(self.condition_types)]
+                            + [f"status.{f}" for f in sorted(self.fields)])
+
+    def left_out_of(self, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """`patch` (a status merge patch; not changed) without these: a merge patch replaces the conditions list
+        whole, so the stored list is the one sent, less the refused types."""
+        out = {k: v for k, v in patch.items() if k not in self.fields}
+        if isinstance(out.get("conditions"), list):
+            out["conditions"] = [c for c in out["conditions"] if c.get("type") not in self.condition_types]
+        return out
+
+
+def refused_status(patch: Mapping[str, Any], answer: Mapping[str, Any]) -> RefusedStatus | None:
+    """What the API server's 422 `answer` (a Status) refused of the status merge patch `patch`, from the fields
+    its causes name: a condition by its index in the list sent, any other field as the top-level key holding it.
+    None when it names nothing the patch has (no smaller patch would do)."""
+    details = answer.get("details")
+    causes = details.get("causes") if isinstance(details, Mapping) else None
+    conditions = patch.get("conditions")
+    conditions = conditions if isinstance(conditions, list) else []
+    types: set[str] = set()
+    fields: set[str] = set()
+    for cause in causes if isinstance(causes, list) else []:
+        field = str(cause.get("field") or "") if isinstance(cause, Mapping) else ""
+        if (found := _CONDITION_FIELD.match(field)) and int(found[1]) < len(conditions):
+            types.add(str(conditions[int(found[1])].get("type")))
+        elif (found := _STATUS_FIELD.match(field)) and found[1] in patch:
+            fields.add(found[1])
+    return RefusedStatus(frozenset(types), frozenset(fields)) if types or fields else None

@@ -3,7 +3,8 @@
 Reconciling (create, update, resume): parse the pool, make sure its internal-token Secret exists (created once with
 a fresh token, never rewritten: `pool_token`), compute its objects, apply each by create-then-patch (an object that
 exists answers 409 to the create and is merge-patched three ways: what the operator applied last time, recorded on
-the object, and no longer asks for is deleted), and write status. A bad spec sets
+the object, and no longer asks for is deleted), and write status (the handlers write it themselves, `write_status`,
+so that a status the API server refuses is said, and the rest of it still written). A bad spec sets
 Degraded/InvalidSpec and waits for the next change; an API call that still fails after `API_RETRY`'s few tries
 sets Degraded/ApiError and kopf retries the handler with exponential backoff. Neither raises out of a handler
 uncaught, so the operator never crash-loops.
@@ -41,8 +42,18 @@ from prometheus_client import start_http_server
 from kvmesh.engine.internal_token import MIN_TOKEN_CHARS, InternalToken, new_token
 from kvmesh.engine.protocol import POOL_LABEL, ROLE_LABEL
 from kvmesh.operator import desired
-from kvmesh.operator.conditions import pool_conditions, ready_replicas, switching
-from kvmesh.operator.crd import GROUP, PLURAL, VERSION, Pool, PoolDefaults, SpecError, parse_pool, spec_roles
+from kvmesh.operator.conditions import RefusedStatus, pool_conditions, ready_replicas, refused_status, switching
+from kvmesh.operator.crd import (
+    API_VERSION,
+    GROUP,
+    PLURAL,
+    VERSION,
+    Pool,
+    PoolDefaults,
+    SpecError,
+    parse_pool,
+    spec_roles,
+)
 from kvmesh.operator.engines import Scraper, http_open_gates, http_scrape, http_warm, scrape_all
 from kvmesh.operator.forecast import PodMetrics, parse_pod, parse_router_held
 from kvmesh.operator.kube import PLURALS, Kube, NameTaken, merged, owned_by, same_owner
@@ -132,16 +143,87 @@ def prune(kube: Kube, pool: Pool, objects: list[dict[str, Any]]) -> Pruned:
 REJECTED = "Rejected"  # the Degraded reason of an object the API server refused as invalid (422)
 
 
+def answer_body(exc: ApiException) -> dict[str, Any]:
+    """The Status object an API error carries ({} when its body is not one)."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except (ValueError, TypeError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def api_answer(exc: Exception) -> str:
     """An API error as the pool's condition and Event say it: the status line and the server's own message, which
     names the field (`422 Unprocessable Entity: ...spec.containers[0].resources.requests: Invalid value...`)."""
     if not isinstance(exc, ApiException):
         return str(exc)
-    try:
-        message = json.loads(exc.body or "{}").get("message")
-    except (ValueError, AttributeError):
-        message = None
+    message = answer_body(exc).get("message")
     return f"{exc.status} {exc.reason}: {message}" if message else f"{exc.status} {exc.reason}"
+
+
+STATUS_REFUSED = "StatusRefused"  # the Warning Event of a status patch the API server refused as invalid (422)
+# How long a pool's status is written without what the API server refused before the whole is tried again, so that
+# a CRD applied meanwhile gets the refused fields written again without a restart of the operator.
+STATUS_RECHECK_SECONDS = 300.0
+# The fix of a refused status, as docs/operations.md's upgrade gives it (Helm installs a chart's crds/ once and never
+# upgrades them, so a `helm upgrade` alone leaves the API server validating against the older CRD)
+CRD_APPLY = "kubectl apply --server-side --force-conflicts -f charts/kvmesh/crds/"
+
+
+@dataclass
+class StatusWrites:
+    """What one pool's status is written without, because the API server refused it, and since when (monotonic)."""
+
+    refused: RefusedStatus | None = None
+    since: float = 0.0
+
+
+def status_writes(memo: kopf.Memo) -> StatusWrites:
+    """The pool's StatusWrites, which its reconcile and its scaling tick share (kopf keeps one memo per pool)."""
+    writes: StatusWrites = memo.setdefault("kvmesh-status", StatusWrites())
+    return writes
+
+
+def write_status(kube: Kube, body: kopf.Body, writes: StatusWrites, report: Mapping[str, Any],
+                 current: Mapping[str, Any] | None = None) -> None:
+    """Merge-patch the pool's status with `report` (only the fields that differ from `current`, when given).
+
+    The handlers write status themselves, not through kopf's patch, which kopf applies after a handler returns:
+    there a refusal ended the pool's scaling timer for good (kopf stops a timer whose patch raises) and no one was
+    told. A 422 here (an InferencePool CRD older than the operator, whose schema refuses a newer condition type)
+    is a Warning Event and an error log naming the likely cause and its fix, and the status is written again
+    without what the answer names, as every later status for STATUS_RECHECK_SECONDS, when the whole is tried
+    again. A 422 that names nothing of the patch, and any other error, goes on to the caller."""
+    namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+    whole = writes.refused is None or time.monotonic() - writes.since >= STATUS_RECHECK_SECONDS
+    sent = writes.refused.left_out_of(report) if writes.refused is not None and not whole else dict(report)
+    if current is not None:
+        sent = {k: v for k, v in sent.items() if merged(current.get(k), v) != current.get(k)}
+    if not sent:
+        return
+    try:
+        kube.patch(API_VERSION, PLURAL, namespace, name, {"status": sent}, subresource="status")
+    except ApiException as exc:
+        if exc.status != HTTPStatus.UNPROCESSABLE_ENTITY:
+            raise
+        refused = refused_status(sent, answer_body(exc))
+        done = (f"it is written without {refused} meanwhile, and whole again every {STATUS_RECHECK_SECONDS:.0f} s"
+                if refused is not None else "none of it was written")
+        message = (f"the API server refused the pool's status as invalid: the InferencePool CRD it serves is likely "
+                   f"older than this operator (a helm upgrade never upgrades the chart's crds/); apply this "
+                   f"release's: {CRD_APPLY}; {done}. The API server: {api_answer(exc)}")
+        kopf.event(body, type="Warning", reason=STATUS_REFUSED, message=message[:1024])
+        log.error("pool %s/%s: %s", namespace, name, message)
+        if refused is None:
+            raise
+        if not whole and writes.refused is not None:
+            refused = writes.refused | refused
+        writes.refused, writes.since = refused, time.monotonic()
+        kube.patch(API_VERSION, PLURAL, namespace, name, {"status": refused.left_out_of(sent)}, subresource="status")
+        return
+    if whole and writes.refused is not None:
+        log.info("pool %s/%s: the API server now takes %s in status", namespace, name, writes.refused)
+        writes.refused = None
 
 
 class ApplyFailed(Exception):
@@ -422,19 +504,20 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
-    def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, retry: int, memo: kopf.Memo,
-                  old: Any = None, **_: Any) -> None:
+    def reconcile(body: kopf.Body, status: kopf.Status, retry: int, memo: kopf.Memo, old: Any = None,
+                  **_: Any) -> None:
         generation = int(body.metadata.get("generation") or 0)
         state: PoolMemory = memo.setdefault("kvmesh", PoolMemory())
+        writes = status_writes(memo)
         try:
             pool = parse_pool(body, config.pool_defaults)
             desired.check_program_files(pool)
         except SpecError as exc:
             state.condition(status, "Degraded", True, "InvalidSpec", str(exc), generation)
-            patch.status["conditions"] = state.condition(status, "Progressing", False, "InvalidSpec",
-                                                         "waiting for a valid spec", generation)
-            patch.status["observedGeneration"] = generation
+            conditions = state.condition(status, "Progressing", False, "InvalidSpec", "waiting for a valid spec",
+                                         generation)
             kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
+            write_status(kube, body, writes, {"conditions": conditions, "observedGeneration": generation})
             return  # nothing to retry until the spec changes, which runs this handler again
         # `old`: the spec kopf last handled (an update's); the roles this change adds were not run under it
         added = [r for r in pool.roles if old is not None and r not in spec_roles((old or {}).get("spec"))]
@@ -446,7 +529,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             rollout = routers_first(desired.desired_objects(pool, replicas), live)
             applied = apply_pool(kube, pool, rollout.objects, rollout.held)
         except ApplyFailed as exc:
-            patch.status["conditions"] = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
+            conditions = state.condition(status, "Degraded", True, exc.reason, str(exc), generation)
+            try:
+                write_status(kube, body, writes, {"conditions": conditions})
+            except Exception as write_failed:  # an API that failed the apply may fail this too: retried as one
+                log.warning("pool %s/%s: writing its status failed: %s", pool.namespace, pool.name,
+                            api_answer(write_failed))
             kopf.event(body, type="Warning", reason=exc.reason, message=str(exc))
             if exc.reason == REJECTED:  # the same spec is refused again: no retry until the spec changes
                 raise kopf.PermanentError(str(exc)) from exc
@@ -469,11 +557,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             conditions = state.condition(status, "Progressing", True, "Applied", applied.summary, generation)
         if not any(c["type"] == "Ready" for c in conditions):
             conditions = state.condition(status, "Ready", False, "Starting", "waiting for pods", generation)
-        patch.status["conditions"] = conditions
-        patch.status["observedGeneration"] = generation
-        patch.status["routerAddress"] = desired.router_address(pool)
-        patch.status["replicas"] = status_replicas(pool, {r: {"desired": n, "ready": 0 if r in added else (
-            (status.get("replicas") or {}).get(r) or {}).get("ready", 0)} for r, n in replicas.items()})
+        write_status(kube, body, writes, {
+            "conditions": conditions, "observedGeneration": generation, "routerAddress": desired.router_address(pool),
+            "replicas": status_replicas(pool, {r: {"desired": n, "ready": 0 if r in added else (
+                (status.get("replicas") or {}).get(r) or {}).get("ready", 0)} for r, n in replicas.items()})})
         kopf.event(body, type="Normal", reason="Reconciled", message=f"objects: {applied.summary}")
 
     # A failed tick (an API or scrape error) is logged and the next tick tries again: no backoff to wait out.
@@ -482,7 +569,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
     # an error at every wake of the timer.
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.tick_seconds, errors=kopf.ErrorsMode.IGNORED,
                 registry=registry)
-    def scale(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    def scale(body: kopf.Body, status: kopf.Status, memo: kopf.Memo, **_: Any) -> None:
         try:
             pool = parse_pool(body, config.pool_defaults)
         except SpecError:  # reconcile reported it
@@ -497,8 +584,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
             if "kvmesh-lora" not in memo:  # a restarted operator carries on from what the pool's status kept
                 memo["kvmesh-lora"] = AdapterMemory.from_status(status)
             auth = current_token(kube, pool, memo)
-            tick(kube, pool, body, status, patch, state, now, scrape, metrics, warm, open_gates, memo["kvmesh-lora"],
-                 auth)
+            tick(kube, pool, body, status, status_writes(memo), state, now, scrape, metrics, warm, open_gates,
+                 memo["kvmesh-lora"], auth)
 
     # Optional: no finalizer for it, so a pool's deletion never waits on the operator.
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
@@ -508,12 +595,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, configurat
     return metrics
 
 
-def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, state: PoolMemory,
+def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], writes: StatusWrites, state: PoolMemory,
          now: float, scrape: Scraper, operator_metrics: OperatorMetrics, warm: Warmer | None = None,
          open_gates: GateOpener | None = None, adapters: AdapterMemory | None = None,
          auth: InternalToken | None = None) -> Decision:
     """One scaling evaluation of one pool: observe, decide, act (scale, warm new pods, sync LoRA adapters), report
-    (the status fields that changed: an evaluation that changes nothing writes nothing).
+    (the status fields that changed, `write_status`: an evaluation that changes nothing writes nothing).
     Every call to an engine sends the pool's token `auth`: `warm` and `open_gates` default to the HTTP calls with
     it (a test passes its own)."""
     warm = warm or functools.partial(http_warm, auth=auth)
@@ -604,9 +691,7 @@ def tick(kube: Kube, pool: Pool, body: kopf.Body, status: Mapping[str, Any], pat
                          "predicted": round(max((d.predicted_usage for d in kv), default=0.0), 4),
                          "overloadProbability": round(max((d.overload_probability for d in kv), default=0.0), 4)}
     report["lastDecision"] = last_decision(status.get("lastDecision"), decision)
-    for key, value in report.items():
-        if merged(status.get(key), value) != status.get(key):
-            patch.status[key] = value
+    write_status(kube, body, writes, report, status)
     return decision
 
 

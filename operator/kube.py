@@ -221,9 +221,11 @@ class Kube:
             if exc.status != HTTPStatus.NOT_FOUND:
                 raise
 
-    def patch(self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
-        self.call("PATCH", self.path(api_version, plural, namespace, name), dict(body),
-                  content_type="application/merge-patch+json")
+    def patch(self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any],
+              subresource: str | None = None) -> None:
+        """Merge-patch one object, or its `subresource` (`status`)."""
+        path = self.path(api_version, plural, namespace, name) + (f"/{subresource}" if subresource else "")
+        self.call("PATCH", path, dict(body), content_type="application/merge-patch+json")
 
     def list(self, api_version: str, plural: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         answer = self.call("GET", self.path(api_version, plural, namespace), query=[("labelSelector", label_selector)])
