@@ -54,6 +54,10 @@ def sendable_length(text: str, start: int, stops: Sequence[str], include_stop_st
     return keep
 
 
+# Calls between kvmesh's own programs (router to engines, engine to engine, operator to pods, `kvmesh up` to its
+# children) take no proxy from the environment (HTTP_PROXY and the like): a laptop's or a cluster's proxy cannot reach
+# loopback or pod addresses, and without this every such call went to it. httpx clients take these keywords.
+INTERNAL_HTTP_CLIENT = {"trust_env": False}
 POOL_LABEL = "kvmesh.io/pool"
 ROLE_LABEL = "kvmesh.io/role"
 Role = Literal["prefill", "decode", "both", "router"]

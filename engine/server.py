@@ -69,6 +69,7 @@ from kvmesh.engine.protocol import (
     HEALTH_WARMING,
     HOT_CHAINS_DEFAULT,
     HOT_CHAINS_MAX,
+    INTERNAL_HTTP_CLIENT,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
@@ -903,7 +904,8 @@ def create_app(holder: EngineHolder, tracing: Tracing = OFF, on_exit: Callable[[
     `token`: the pool's internal token (engine/internal_token.py), by default from the environment; asked of every
     caller and sent to peers."""
     token = token if token is not None else InternalToken.from_env()
-    peers = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0), auth=token)  # KV transfers from other pods
+    peers = httpx.AsyncClient(**INTERNAL_HTTP_CLIENT, timeout=httpx.Timeout(10.0, read=60.0),
+                              auth=token)  # KV transfers from other pods
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

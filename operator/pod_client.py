@@ -14,6 +14,7 @@ from threading import Lock
 
 import httpx
 
+from kvmesh.engine.protocol import INTERNAL_HTTP_CLIENT
 from kvmesh.router.proxy import IDLE_SECONDS
 
 # No cap on connections open at once (a capped pool would queue a scrape behind other pools' and count the wait
@@ -32,7 +33,7 @@ def pod_client() -> httpx.Client:
     global _client
     with _lock:
         if _client is None:
-            _client = httpx.Client(limits=POD_CONNECTION_LIMITS)
+            _client = httpx.Client(**INTERNAL_HTTP_CLIENT, limits=POD_CONNECTION_LIMITS)
         return _client
 
 

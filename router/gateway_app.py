@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvmesh.engine.body_deadline import BODY_REFUSED, DEFAULT_BODY_READ_TIMEOUT_SECONDS, BodyDeadline, send_json
 from kvmesh.engine.openai_types import MODEL_NOT_FOUND, error_body
-from kvmesh.engine.protocol import MODEL_PATH_PREFIX, MODELS_PATH, GatewayMetric
+from kvmesh.engine.protocol import INTERNAL_HTTP_CLIENT, MODEL_PATH_PREFIX, MODELS_PATH, GatewayMetric
 from kvmesh.router.asgi import RouteError, read_body, wait_disconnected
 from kvmesh.router.batches import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
 from kvmesh.router.config import MAX_HOLD_SECONDS, MAX_REQUEST_BODY_BYTES, SHUTDOWN_DRAIN_SECONDS, RouterConfig
@@ -282,7 +282,7 @@ class Gateway:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(READ_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS),
-            trust_env=False)  # the routers' addresses are the cluster's: no proxy from the environment
+            **INTERNAL_HTTP_CLIENT)
         for name in ("accept", "accept-encoding", "user-agent"):  # httpx's defaults: a router gets the client's own
             del self.client.headers[name]
         await self.refresh()

@@ -26,6 +26,7 @@ from kvmesh.engine.protocol import (
     HEALTH_LOADING,
     HEALTH_STALLED,
     HEALTH_WARMING,
+    INTERNAL_HTTP_CLIENT,
     KV_BLOCKS_PATH,
     KV_CONFIG_PATH,
     KV_EVENTS_PATH,
@@ -219,7 +220,7 @@ class PodSet:
         # scrapes, one after another; its event stream; a resync). Requests go through router/proxy.py, bounded.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=EVENT_READ_TIMEOUT_SECONDS),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                                         auth=token)
+                                         auth=token, **INTERNAL_HTTP_CLIENT)
         self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Task[None]]] = {}
         self._started = False
         # called after every scrape of a pod, which is when it can become ready (router/app.py PodWait)
