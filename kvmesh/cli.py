@@ -433,6 +433,8 @@ def _chat(args: argparse.Namespace) -> int:
 
     import httpx
 
+    from kvmesh.bench.serve import user_http_client
+
     def fail(problem: str, code: int = 1) -> int:
         print(f"kvmesh chat: {problem}", file=sys.stderr)
         return code
@@ -443,7 +445,7 @@ def _chat(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     started = time.monotonic()
     deadline, said = started + args.wait, False
-    with httpx.Client(base_url=base, timeout=300) as client:
+    with httpx.Client(base_url=base, timeout=300, **user_http_client(base)) as client:
         while True:
             try:
                 status = client.get("/health", timeout=10).status_code

@@ -103,6 +103,8 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, timeout:
     still runs: a child that failed to bind its port (another server holds it) is not the one answering."""
     import httpx  # here: `kvmesh --help` imports the benchmarks, which import this module
 
+    from kvmesh.engine.protocol import INTERNAL_HTTP_CLIENT
+
     def exited() -> RuntimeError:
         assert proc is not None
         return RuntimeError(f"{url} exited with {proc.returncode}{_tail_of(log)}")
@@ -112,7 +114,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, timeout:
         if proc is not None and proc.poll() is not None:
             raise exited()
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2, **INTERNAL_HTTP_CLIENT).status_code == 200:
                 if proc is not None and proc.poll() is not None:
                     raise exited()
                 return

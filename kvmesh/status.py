@@ -11,6 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.bench.serve import user_http_client
 from kvmesh.engine.internal_token import TOKEN_REFUSED_CODE
 from kvmesh.engine.protocol import STARTING_POD_STATES, TIERS
 from kvmesh.router.pool_status import POOL_STATUS_PATH
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     key = os.environ.get(API_KEY_ENV)
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    with httpx.Client(base_url=args.url, timeout=10, headers=headers) as client:
+    with httpx.Client(base_url=args.url, timeout=10, headers=headers, **user_http_client(args.url)) as client:
         try:
             while True:
                 doc, problem = _poll(client, args.url)

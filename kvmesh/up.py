@@ -39,7 +39,7 @@ from prometheus_client import start_http_server
 
 from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, InternalToken, new_token, write_token_file
 from kvmesh.engine.model.loader import resolve_model_dir
-from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, LIVENESS_PATH
+from kvmesh.engine.protocol import DRAIN_PATH, HOST_TIER_DIR, INTERNAL_HTTP_CLIENT, LIVENESS_PATH
 from kvmesh.processes import (
     bind_problem,
     free_port,
@@ -300,7 +300,7 @@ def _wait_healthy(children: list[Child], timeout: float) -> Child | None:
     port of one that died is not it). Raises TimeoutError after `timeout` s in all."""
     deadline = time.monotonic() + timeout
     waiting = list(children)
-    with httpx.Client(timeout=2.0) as client:
+    with httpx.Client(timeout=2.0, **INTERNAL_HTTP_CLIENT) as client:
         while waiting:
             if exited := next((c for c in waiting if c.process.poll() is not None), None):
                 return exited  # before any health answer: an exit says more than another child's load error
@@ -1294,7 +1294,7 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
         try:
             code = _supervise(plan, engines, model_dir, router_port, ready_file)
         finally:  # also when supervising failed unexpectedly
-            with httpx.Client(timeout=2.0, auth=engines.token) as client:
+            with httpx.Client(timeout=2.0, auth=engines.token, **INTERNAL_HTTP_CLIENT) as client:
                 graceful = stop_pool(engines, client, stopped_by[0] if stopped_by else signal.SIGINT)
     finally:
         failed = code not in (0, INTERRUPTED) or (engines is not None and not engines.ready)
@@ -1376,7 +1376,8 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
         if dead is not None:
             _say(_failure(dead))
             return 1
-        with httpx.Client(timeout=2.0, auth=engines.token) as client:  # drains send the pool's token
+        # drains send the pool's token
+        with httpx.Client(timeout=2.0, auth=engines.token, **INTERNAL_HTTP_CLIENT) as client:
             dead = _wait_routed(client, engines, HEALTH_TIMEOUT_SECONDS)
             if dead is not None:
                 _say(_failure(dead))

@@ -243,7 +243,8 @@ async def run_load(url: str, requests: Sequence[BenchRequest], *, concurrency: i
                     results[i] = await send(client, url, requests[i], model, extra)
         bar.update()
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, auth=auth) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, auth=auth,
+                                 **user_http_client(url)) as client:
         await asyncio.gather(*(one(i, client) for i in range(len(requests))))
     bar.close()
     return [r for r in results if r is not None], time.perf_counter() - start
@@ -253,6 +254,26 @@ def base_url(url: str) -> str:
     """`http://host:port`, whether the user gave that, a trailing slash, or the `/v1` of OpenAI clients."""
     url = url.rstrip("/")
     return url.removesuffix("/v1")
+
+
+def user_http_client(url: str) -> dict[str, Any]:
+    """httpx client keywords for a user's --url (`kvmesh chat`, `status`, `bench serve`): the environment's proxy
+    settings apply as they do to curl, but never to a loopback host (127.0.0.0/8, ::1, localhost), which no proxy
+    can reach: with HTTP_PROXY set, every call to `kvmesh up`'s own router went to the proxy and hung."""
+    import ipaddress
+
+    import httpx
+
+    from kvmesh.engine.protocol import INTERNAL_HTTP_CLIENT
+
+    host = httpx.URL(url).host.rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return dict(INTERNAL_HTTP_CLIENT)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: the proxy settings decide
+        loopback = False
+    return dict(INTERNAL_HTTP_CLIENT) if loopback else {}
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
@@ -449,7 +470,8 @@ def _served_max_len(url: str, auth: Any = None) -> int | None:
     import httpx
 
     try:
-        data = httpx.get(f"{base_url(url)}/v1/models", timeout=10, auth=auth).json()["data"]
+        with httpx.Client(**user_http_client(url), timeout=10, auth=auth) as client:
+            data = client.get(f"{base_url(url)}/v1/models").json()["data"]
         return int(data[0]["max_model_len"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         return None
