@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,6 +82,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
+INTERRUPTED_DURING_LOAD = 130  # as a shell reports a Ctrl-C
+
+
 def _serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
@@ -106,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(config.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     holder = EngineHolder(loader=lambda: Engine(config))
-    holder.load_in_background()
+    loading = holder.load_in_background()
 
     def on_exit() -> None:
         if holder.engine is not None:
@@ -114,6 +118,11 @@ def _serve(args: argparse.Namespace) -> int:
         tracing.shutdown()  # the last batch of spans
 
     uvicorn.run(create_app(holder, tracing, on_exit), host=config.host, port=config.port, log_level=args.log_level)
+    if loading.is_alive():  # stopped (Ctrl-C) while the model loads: the interpreter's own exit would abort
+        print("kvmesh serve: stopped while the model was loading", file=sys.stderr)  # the loader inside torch
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_DURING_LOAD)
     return 0
 
 
@@ -351,8 +360,6 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
 
 def _election(args: argparse.Namespace) -> Election | None:
     """The --leader-elect flags as an Election; ValueError for durations that would let two leaders overlap."""
-    import os
-
     from kvmesh.operator.leader import Election, Timing
     from kvmesh.router.discovery import default_namespace
 
