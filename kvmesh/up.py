@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -1302,11 +1303,28 @@ def run_pool(plan: PoolPlan, router_port: int, ready_file: str | None = None,
     return code if graceful else STOPPED_AT_ONCE
 
 
-def ready_message(pool: str, engines: int, endpoint: str) -> str:
-    """What `kvmesh up` prints once the pool serves: where, and what to do next (try it, stop it)."""
+def invoked_command() -> str:
+    """How to run kvmesh as this process was run, for the hints it prints: `kvmesh` when that is what PATH finds,
+    else the path or `python -m` it was started with (a user who ran .venv/bin/kvmesh without the venv on PATH got
+    a hint that said `kvmesh`, which their shell did not find)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name != "__main__":  # python -m kvmesh.cli
+        return f"{shlex.quote(sys.executable)} -m {spec.name.removesuffix('.__main__')}"
+    invoked = sys.argv[0]
+    on_path = shutil.which("kvmesh")
+    try:
+        same = on_path is not None and os.path.samefile(on_path, invoked)
+    except OSError:
+        same = False
+    return "kvmesh" if same else shlex.quote(invoked)
+
+
+def ready_message(pool: str, engines: int, endpoint: str, command: str = "kvmesh") -> str:
+    """What `kvmesh up` prints once the pool serves: where, and what to do next (try it with `command`, stop it)."""
     base = endpoint.removesuffix("/v1")
     return (f"kvmesh up: pool {pool!r} ready: {engines} engine{'' if engines == 1 else 's'} behind {endpoint}\n"
-            f"  try it:  kvmesh chat --url {base} 'Hello'   (or: curl {endpoint}/models)\n"
+            f"  try it:  {command} chat --url {base} 'Hello'   (or: curl {endpoint}/models)\n"
             f"  Ctrl-C stops the pool")
 
 
@@ -1388,7 +1406,7 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
                 print(f"kvmesh up: operator metrics at {engines.operator_url}/metrics", file=sys.stderr)
             engines.publish()  # the targets file, before the ready file: whoever waits on it finds the targets too
             endpoint = _endpoint(router_port)
-            print(ready_message(plan.name, plan.engines, endpoint), flush=True)
+            print(ready_message(plan.name, plan.engines, endpoint, invoked_command()), flush=True)
             engines.ready = True
             if ready_file:
                 write_atomically(Path(ready_file), endpoint)
