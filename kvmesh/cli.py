@@ -91,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvmesh.engine.config import EngineConfig, load_config
     from kvmesh.engine.engine import Engine
+    from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, InternalToken
     from kvmesh.engine.server import EngineHolder, create_app
     from kvmesh.engine.tracing import ENGINE_SERVICE, setup_tracing
 
@@ -100,6 +101,11 @@ def _serve(args: argparse.Namespace) -> int:
         tracing = setup_tracing(ENGINE_SERVICE, config.otlp_traces_endpoint)
     except (OSError, ValueError) as exc:
         print(f"kvmesh serve: {exc}", file=sys.stderr)
+        return 2
+    try:  # before the model loads: a file that cannot be read was a traceback with the loader running
+        token = InternalToken.from_env()
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh serve: ${INTERNAL_TOKEN_FILE_ENV}: {exc}", file=sys.stderr)
         return 2
     # before the model loads in a thread of its own: a taken port stopped the process in the middle of torch's
     # work there, which aborted it (SIGABRT) instead of saying why
@@ -117,7 +123,8 @@ def _serve(args: argparse.Namespace) -> int:
             holder.engine.close()  # also syncs and unlocks the KV tier files
         tracing.shutdown()  # the last batch of spans
 
-    uvicorn.run(create_app(holder, tracing, on_exit), host=config.host, port=config.port, log_level=args.log_level)
+    uvicorn.run(create_app(holder, tracing, on_exit, token), host=config.host, port=config.port,
+                log_level=args.log_level)
     if loading.is_alive():  # stopped (Ctrl-C) while the model loads: the interpreter's own exit would abort
         print("kvmesh serve: stopped while the model was loading", file=sys.stderr)  # the loader inside torch
         sys.stdout.flush()
