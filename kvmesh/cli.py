@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvmesh import __version__
 from kvmesh.engine.protocol import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, KV_CACHE_DTYPES, QUANTIZATIONS
@@ -667,6 +668,22 @@ def _sim_engine(args: argparse.Namespace) -> int:
     return run_sim_engine(args)
 
 
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> NoReturn:
+    """Exit 2 through the parser of the subcommand given (its usage, not the top level's), with the closest flag it
+    has for a mistyped one: `kvmesh up --prot 1` said only `kvmesh: error: unrecognized arguments`."""
+    target = parser
+    for name in ("command", "bench"):  # down the subcommands given: `kvmesh bench serve` has two
+        chosen = getattr(args, name, None)
+        actions = [a for a in target._actions if isinstance(a, argparse._SubParsersAction)]
+        if chosen is None or not actions or chosen not in actions[0].choices:
+            break
+        target = actions[0].choices[chosen]
+    flags = [flag for action in target._actions for flag in action.option_strings]
+    mistyped = next((e.split("=", 1)[0] for e in extras if e.startswith("--")), None)
+    close = difflib.get_close_matches(mistyped, flags, n=1) if mistyped else []
+    target.error(f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {close[0]}?)" if close else ""))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The `kvmesh` command. A Ctrl-C before a command has set up its own (while its modules load, a second or
     two) ends it with 130 and one line, not a KeyboardInterrupt traceback."""
@@ -696,7 +713,9 @@ def _main(argv: Sequence[str] | None) -> int:
     from kvmesh.bench.sim_engine import add_parser as add_sim_engine
 
     add_sim_engine(sub)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unrecognized(parser, args, extras)
     handlers = {"serve": _serve, "router": _router, "gateway": _gateway, "up": _up, "operator": _operator,
                 "chat": _chat, "status": _status, "bench": _bench, "sim-engine": _sim_engine}
     return handlers[args.command](args)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvmesh.cli import main
 from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV
 from kvmesh.processes import free_port
 
@@ -25,3 +26,18 @@ def test_a_token_file_that_cannot_be_read_is_one_line_naming_the_variable() -> N
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.startswith(f"kvmesh serve: ${INTERNAL_TOKEN_FILE_ENV}: ") and "/nonexistent/token" in \
         done.stderr and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["up", "--prot", "1"], "kvmesh up: error: unrecognized arguments: --prot 1 (did you mean --port?)"),
+    (["status", "--jsn"], "kvmesh status: error: unrecognized arguments: --jsn (did you mean --json?)"),
+    (["bench", "serve", "--concurency=3"],
+     "kvmesh bench serve: error: unrecognized arguments: --concurency=3 (did you mean --concurrency?)"),
+])
+def test_a_mistyped_flag_is_said_by_its_subcommand_with_the_closest_flag(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.splitlines()[-1] == said, err
+    assert err.startswith(f"usage: {said.split(': error')[0]} "), err  # the subcommand's usage, not kvmesh's
