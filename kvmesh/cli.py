@@ -686,12 +686,17 @@ def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, ext
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `kvmesh` command. A Ctrl-C before a command has set up its own (while its modules load, a second or
-    two) ends it with 130 and one line, not a KeyboardInterrupt traceback."""
+    two) ends it with 130 and one line, not a KeyboardInterrupt traceback; a closed pipe on stdout ends it
+    quietly."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("kvmesh: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # its reader went away (`kvmesh status --json | head`): what it wanted, it has
+        devnull = os.open(os.devnull, os.O_WRONLY)  # else the exit's own flush of stdout fails again, and says so
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -3,9 +3,13 @@ file that cannot be read, a mistyped flag, a closed pipe, an API key for chat, a
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -41,3 +45,49 @@ def test_a_mistyped_flag_is_said_by_its_subcommand_with_the_closest_flag(
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.splitlines()[-1] == said, err
     assert err.startswith(f"usage: {said.split(': error')[0]} "), err  # the subcommand's usage, not kvmesh's
+
+
+Answer = Callable[[BaseHTTPRequestHandler], tuple[int, dict[str, object]]]
+
+
+@pytest.fixture
+def stub() -> Iterator[Callable[[Answer], str]]:
+    """A loopback HTTP server answering every GET with what the test's function returns; its URL."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def serve(answer: Answer) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                code, doc = answer(self)
+                body = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_status_json_into_a_closed_pipe_ends_quietly(stub: Callable[[Answer], str]) -> None:
+    """`kvmesh status --json | head -c 100`: a BrokenPipeError traceback before. The document is far larger than a
+    pipe's buffer, so the write meets the closed pipe whatever the timing."""
+    url = stub(lambda _: (200, {"pods": [{"name": f"pod-{i}"} for i in range(50_000)]}))
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "status", "--json", "--url", url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert len(proc.stdout.read(100)) == 100
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=30) == 0 and err == "", err
