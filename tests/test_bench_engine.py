@@ -25,6 +25,7 @@ def test_the_engine_benchmark_takes_turns_with_transformers_and_reports_the_medi
     rounds = result["rounds"]
     assert len(rounds) == 3 and all(r["engine"]["output_tokens"] == 12 for r in rounds)
     assert all(r["transformers_tokens_per_second"] > 0 for r in rounds)
+    assert [r["first"] for r in rounds] == ["engine", "transformers", "engine"]  # a drift favours neither
     assert result["ratio_median"] == statistics.median(r["ratio"] for r in rounds)
     ttft = result["prefix_ttft"]
     assert ttft["cached_tokens"] == 80 and ttft["warm_computed_tokens"] == 16  # only the last block computed

@@ -3,8 +3,8 @@
 Everything runs in one process on the same machine and dtype, so the ratios compare like with like:
 - output tokens per second with 1, 8 and 32 concurrent requests of 128 prompt and 128 output tokens (greedy),
   and transformers' `generate` on the same 32 prompts as one padded batch, the two taking turns for several
-  rounds (new prompts each round): on a shared machine one pair of runs moved the ratio from 1.0x to 1.5x, so
-  the ratio reported is the median of the rounds' ratios, with their range;
+  rounds (new prompts each round, each side first in every other round): on a shared machine one pair of runs
+  moved the ratio from 1.0x to 1.5x, so the ratio reported is the median of the rounds' ratios, with their range;
 - TTFT of a 2,000-token prompt cold, and with all but its last block cached;
 - peak resident memory of the engine with the bundled model (before the baseline loads).
 """
@@ -99,6 +99,7 @@ class BaselineRound:
 
     engine: ThroughputPoint
     transformers_tokens_per_second: float
+    first: str  # which ran first ("engine" or "transformers"): they alternate, so a drift favours neither
 
     @property
     def ratio(self) -> float:
@@ -161,11 +162,17 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     if not args.no_baseline:
         baseline_model = load_transformers(model_dir, engine.dtype, args.quantization)
         for r in range(args.rounds):
-            print(f"round {r + 1}/{args.rounds}: the engine, then transformers generate, {top} prompts ...",
-                  file=sys.stderr)
+            first = ("engine", "transformers")[r % 2]
+            order = "the engine, then transformers" if first == "engine" else "transformers, then the engine"
+            print(f"round {r + 1}/{args.rounds}: {order} generate, {top} prompts ...", file=sys.stderr)
             batch = prompts(top, 1000 + r)  # new prompts each round: the engine's cache holds the last ones
-            point = throughput(engine, batch, args.output_tokens)
-            rounds.append(BaselineRound(point, transformers_generate(baseline_model, batch, args.output_tokens)))
+            if first == "engine":
+                point = throughput(engine, batch, args.output_tokens)
+                baseline_speed = transformers_generate(baseline_model, batch, args.output_tokens)
+            else:
+                baseline_speed = transformers_generate(baseline_model, batch, args.output_tokens)
+                point = throughput(engine, batch, args.output_tokens)
+            rounds.append(BaselineRound(point, baseline_speed, first))
     ratio = statistics.median(r.ratio for r in rounds) if rounds else None
     baseline = statistics.median(r.transformers_tokens_per_second for r in rounds) if rounds else None
     print()
