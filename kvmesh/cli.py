@@ -409,18 +409,30 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
+API_KEY_ENV = "KVMESH_API_KEY"  # `kvmesh chat`'s and `kvmesh status`'s key for a router with API keys
+API_KEY_HELP = f"an API key of the router's, for a router with API keys (default: ${API_KEY_ENV})"
+
+
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="send one chat message to an OpenAI-compatible endpoint and print the answer")
+    p = sub.add_parser("chat", help="send one chat message to an OpenAI-compatible endpoint and print the answer",
+                       epilog=f"${API_KEY_ENV}: the API key sent, unless --api-key is given")
     p.add_argument("message")
     p.add_argument("--url", default="http://127.0.0.1:8080",
                    help="the endpoint's base URL, with or without /v1 (default: kvmesh up's router; an engine "
                         "of its own listens on :8000)")
+    p.add_argument("--api-key", help=API_KEY_HELP)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds to wait for the endpoint to become healthy and answer (a 503 is asked again)")
 
 
 CHAT_QUIET_SECONDS = 3.0  # `kvmesh chat` waits this long for /health before it says what it waits for
+
+
+def api_key_headers(key: str | None) -> dict[str, str]:
+    """The header carrying `key` (--api-key), else $KVMESH_API_KEY, else none."""
+    key = key or os.environ.get(API_KEY_ENV)
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def _base_url(url: str) -> str:
@@ -460,7 +472,8 @@ def _chat(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     started = time.monotonic()
     deadline, said = started + args.wait, False
-    with httpx.Client(base_url=base, timeout=300, **user_http_client(base)) as client:
+    with httpx.Client(base_url=base, timeout=300, headers=api_key_headers(args.api_key),
+                      **user_http_client(base)) as client:
         while True:
             try:
                 status = client.get("/health", timeout=10).status_code
@@ -506,9 +519,12 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _status_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="a router's pods: state, load, KV use and forecast, the cached blocks it indexes")
+    p = sub.add_parser("status", help="a router's pods: state, load, KV use and forecast, the cached blocks it indexes",
+                       epilog=f"${API_KEY_ENV}: the API key sent, unless --api-key is given (a router with API keys "
+                              "shows its pool to a tenant with read_pool_status: true only)")
     p.add_argument("--url", default="http://127.0.0.1:8080",
                    help="the router's base URL, with or without /v1 (default: kvmesh up's)")
+    p.add_argument("--api-key", help=API_KEY_HELP)
     p.add_argument("--json", action="store_true", help="print the router's document (GET /kvmesh/pool) as it is")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="print it again every SECONDS until Ctrl-C")
 

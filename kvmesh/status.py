@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.bench.serve import user_http_client
+from kvmesh.cli import API_KEY_ENV, api_key_headers
 from kvmesh.engine.internal_token import TOKEN_REFUSED_CODE
 from kvmesh.engine.protocol import STARTING_POD_STATES, TIERS
 from kvmesh.router.pool_status import POOL_STATUS_PATH
@@ -19,7 +19,6 @@ from kvmesh.router.pool_status import POOL_STATUS_PATH
 if TYPE_CHECKING:
     import httpx
 
-API_KEY_ENV = "KVMESH_API_KEY"  # a key of the router's, for a router with API keys (its pool document asks one)
 _COLUMNS = ("POD", "STATE", "ROLE", "RUN", "WAIT", "SENT", "KV", "P90", "P(OVER)", f"INDEXED {'/'.join(TIERS)}", "LAG",
             "AGE")
 
@@ -32,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         print("kvmesh status: --watch takes a number of seconds above 0", file=sys.stderr)
         return 2
-    key = os.environ.get(API_KEY_ENV)
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers = api_key_headers(getattr(args, "api_key", None))
     with httpx.Client(base_url=args.url, timeout=10, headers=headers, **user_http_client(args.url)) as client:
         try:
             while True:
@@ -62,8 +60,12 @@ def _poll(client: httpx.Client, url: str) -> tuple[dict[str, Any] | None, str]:
         if _error_code(reply) == TOKEN_REFUSED_CODE:  # an engine of a pool: it answers its pool's token only
             return None, (f"{url} is a pool's engine, not a router (it answered HTTP 401 {TOKEN_REFUSED_CODE}): "
                           "give --url the router's URL (kvmesh up's: http://127.0.0.1:8080)")
-        return None, (f"{url}{POOL_STATUS_PATH} answered HTTP 401: this router has API keys; set ${API_KEY_ENV} to "
-                      "one of them")
+        return None, (f"{url}{POOL_STATUS_PATH} answered HTTP 401: this router has API keys; set ${API_KEY_ENV} "
+                      "(or --api-key) to one of them")
+    if reply.status_code == 403:
+        return None, (f"{url}{POOL_STATUS_PATH} answered HTTP 403: this API key's tenant may not read the pool's "
+                      "status; the router's tenants config must give it `read_pool_status: true` (docs/router.md, "
+                      "\"The pool as a router sees it\")")
     if reply.status_code != 200:
         return None, (f"{url}{POOL_STATUS_PATH} answered HTTP {reply.status_code} (is it a kvmesh router?): "
                       f"{reply.text[:200]}")

@@ -52,12 +52,19 @@ Answer = Callable[[BaseHTTPRequestHandler], tuple[int, dict[str, object]]]
 
 @pytest.fixture
 def stub() -> Iterator[Callable[[Answer], str]]:
-    """A loopback HTTP server answering every GET with what the test's function returns; its URL."""
+    """A loopback HTTP server answering every GET and POST with what the test's function returns; its URL."""
     servers: list[ThreadingHTTPServer] = []
 
     def serve(answer: Answer) -> str:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                self.answer()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.answer()
+
+            def answer(self) -> None:
                 code, doc = answer(self)
                 body = json.dumps(doc).encode()
                 self.send_response(code)
@@ -91,3 +98,39 @@ def test_status_json_into_a_closed_pipe_ends_quietly(stub: Callable[[Answer], st
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=30) == 0 and err == "", err
+
+
+CHAT_ANSWER = {"choices": [{"message": {"content": "hi"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+
+
+@pytest.mark.parametrize(("flag", "env", "sent"), [([], "from-env", "from-env"),
+                                                   (["--api-key", "from-flag"], "from-env", "from-flag")])
+def test_chat_sends_the_api_key(flag: list[str], env: str, sent: str, stub: Callable[[Answer], str],
+                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvmesh chat` had no way to send one: a router with API keys answered it 401."""
+    seen: list[str | None] = []
+
+    def answer(request: BaseHTTPRequestHandler) -> tuple[int, dict[str, object]]:
+        if request.command == "POST":
+            seen.append(request.headers.get("authorization"))
+        return 200, CHAT_ANSWER
+
+    monkeypatch.setenv("KVMESH_API_KEY", env)
+    assert main(["chat", "--url", stub(answer), "--wait", "5", *flag, "hello"]) == 0
+    assert seen == [f"Bearer {sent}"] and capsys.readouterr().out == "hi\n"
+
+
+def test_status_says_a_refused_key_needs_read_pool_status(stub: Callable[[Answer], str],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    url = stub(lambda _: (403, {"error": {"code": "pool_status_not_allowed", "message": "no"}}))
+    assert main(["status", "--url", url, "--api-key", "k"]) == 1
+    err = capsys.readouterr().err
+    assert "read_pool_status: true" in err and "docs/router.md" in err and "is it a kvmesh router" not in err, err
+
+
+@pytest.mark.parametrize("command", ["chat", "status"])
+def test_chat_and_status_help_name_the_key_variable(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "KVMESH_API_KEY" in out and "--api-key" in out, out
