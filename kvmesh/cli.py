@@ -435,10 +435,11 @@ def api_key_headers(key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
-def _base_url(url: str) -> str:
-    """The server's base URL from what the user gave (`kvmesh chat`'s and `kvmesh status`'s --url): the OpenAI base
-    URL (`.../v1`, what `kvmesh up` prints and clients are configured with) as well as the server's. ValueError,
-    saying what to fix, for a URL no retry makes work: no http(s) scheme, a port that is not a number."""
+def checked_base_url(url: str) -> str:
+    """The server's base URL from what the user gave (the --url of `kvmesh chat`, `status`, `bench serve`): the
+    OpenAI base URL (`.../v1`, what `kvmesh up` prints and clients are configured with) as well as the server's.
+    ValueError, saying what to fix, for a URL no retry makes work: no http(s) scheme, a port that is not a
+    number."""
     import httpx
 
     from kvmesh.bench.serve import base_url
@@ -467,7 +468,7 @@ def _chat(args: argparse.Namespace) -> int:
         return code
 
     try:
-        base = _base_url(args.url)
+        base = checked_base_url(args.url)
     except ValueError as exc:
         return fail(str(exc), 2)
     started = time.monotonic()
@@ -533,7 +534,7 @@ def _status(args: argparse.Namespace) -> int:
     from kvmesh.status import run
 
     try:
-        args.url = _base_url(args.url)
+        args.url = checked_base_url(args.url)
     except ValueError as exc:
         print(f"kvmesh status: {exc}", file=sys.stderr)
         return 2

@@ -134,3 +134,17 @@ def test_chat_and_status_help_name_the_key_variable(command: str, capsys: pytest
         main([command, "--help"])
     out = capsys.readouterr().out
     assert "KVMESH_API_KEY" in out and "--api-key" in out, out
+
+
+@pytest.mark.parametrize(("url", "code", "said"), [
+    ("127.0.0.1:1", 2, "kvmesh bench serve: --url 127.0.0.1:1: give the scheme too, e.g. http://127.0.0.1:1"),
+    ("http://127.0.0.1:{closed}", 1, "kvmesh bench serve: no request to http://127.0.0.1:{closed} succeeded (2 sent): "
+                                     "ConnectError"),
+])
+def test_bench_serve_against_nothing_fails_in_one_line(url: str, code: int, said: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """It printed a table of nan (and exited 1 only for the closed port)."""
+    closed = free_port()
+    assert main(["bench", "serve", "--url", url.format(closed=closed), "--num-requests", "2"]) == code
+    out, err = capsys.readouterr()
+    assert out == "" and said.format(closed=closed) in err and "nan" not in err, (out, err)

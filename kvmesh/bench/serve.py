@@ -479,9 +479,11 @@ def _served_max_len(url: str, auth: Any = None) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.bench.plots import check_output_path
+    from kvmesh.cli import checked_base_url
 
-    try:  # before the run: a bad path must not cost its results
+    try:  # before the run: a bad path or URL must not cost its results
         check_output_path(args.json, "--json")
+        checked_base_url(args.url)
     except ValueError as exc:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
         return 2
@@ -504,6 +506,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
         return 2
     report = summarize(results, seconds, slo)
+    if not report.completed:  # a table of nan says nothing: why the requests failed does
+        problem = next(iter(report.errors), "no request was sent")
+        print(f"kvmesh bench serve: no request to {args.url} succeeded ({len(results)} sent): {problem}",
+              file=sys.stderr)
+        return 1
     print(format_report(report))
     if args.json:
         path = Path(args.json)
