@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import functools
 import logging
 import os
 import sys
@@ -15,7 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from kvmesh import __version__
-from kvmesh.engine.protocol import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, KV_CACHE_DTYPES, QUANTIZATIONS
+from kvmesh.engine.protocol import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    DEFAULT_MAX_NUM_SEQS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+)
 from kvmesh.processes import LOG_LEVELS, bind_problem
 
 if TYPE_CHECKING:
@@ -34,23 +42,40 @@ def _port(text: str) -> int:
     return port
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help says each flag's default (review: it said few), unless its help already does or there is none to
+    say (None: the config file's or the program's, which the help then states)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default in (None, False, [], argparse.SUPPRESS)
+                or action.help == argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run an engine: the OpenAI API for one model")
     p.add_argument("--config", help="YAML file with an `engine` section (flags override it)")
     p.add_argument("--model", help="HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name")
+    p.add_argument("--served-model-name",
+                   help="the name clients give as `model` (default: the model directory's or file's name)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, help="port (default 8000)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' and activations' dtype (default auto: bfloat16 on CUDA and on CPUs with bf16 "
+                        "units, else float32)")
     p.add_argument("--device", help="auto, cpu or cuda")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="int8: int8 weights and activations (CPU)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="auto (default): the model's dtype; int8: a scale per token and head, about 2x the blocks")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    help="auto (default): the Triton kernels on CUDA, torch on CPU")
-    p.add_argument("--block-size", type=int)
+    p.add_argument("--block-size", type=int,
+                   help=f"tokens per KV cache block, the prefix cache's unit (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--kv-cache-memory-mib", type=int, help="device KV cache budget in MiB (default 512)")
-    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-seqs", type=int,
+                   help=f"sequences batched in one step at most (default {DEFAULT_MAX_NUM_SEQS})")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (chunked prefill)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
@@ -58,7 +83,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-policy", choices=["fcfs", "prefix"], help="fcfs (default) or prefix: longest cached first")
     p.add_argument("--max-queue-delay-seconds", type=float, help="prefix queue: the most a request is passed over")
     p.add_argument("--hash-algo", choices=["xxh3_64", "sha256_cbor_64bit"])
-    p.add_argument("--role", choices=["prefill", "decode", "both"])
+    p.add_argument("--role", choices=["prefill", "decode", "both"],
+                   help="disaggregated serving: prefill only, decode only (pulling the KV from a prefill engine), "
+                        "or both (default)")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--kv-host-memory-mib", type=float, help="host KV tier in shared memory (default 0: off)")
     p.add_argument("--kv-host-path", help="the host tier's file (default /dev/shm/kvmesh-kv-host-<port>.kv)")
@@ -80,7 +107,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-traces-endpoint",
                    help="export OpenTelemetry traces over OTLP/HTTP here, e.g. http://collector:4318/v1/traces "
                         "(default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="the least severe log lines shown")
 
 
 INTERRUPTED_DURING_LOAD = 130  # as a shell reports a Ctrl-C
@@ -153,7 +180,7 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-traces-endpoint",
                    help="export OpenTelemetry traces over OTLP/HTTP here, e.g. http://collector:4318/v1/traces "
                         "(default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="the least severe log lines shown")
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -214,7 +241,7 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--body-read-timeout-seconds", type=float, default=DEFAULT_BODY_READ_TIMEOUT_SECONDS,
                    help=f"a request's whole body must arrive within this long, or it is answered 408 and its "
                         f"connection closed (default {DEFAULT_BODY_READ_TIMEOUT_SECONDS:g}, as the router's)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="the least severe log lines shown")
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -363,7 +390,7 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
                    f"(default {timing.renew_deadline_seconds:g})")
     p.add_argument("--leader-elect-retry-period", type=float, default=timing.retry_seconds, metavar="SECONDS",
                    help=f"how often candidates try and leaders renew (default {timing.retry_seconds:g})")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="the least severe log lines shown")
 
 
 def _election(args: argparse.Namespace) -> Election | None:
@@ -414,6 +441,8 @@ API_KEY_HELP = f"an API key of the router's, for a router with API keys (default
 
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    from kvmesh.bench.args import positive_int
+
     p = sub.add_parser("chat", help="send one chat message to an OpenAI-compatible endpoint and print the answer",
                        epilog=f"${API_KEY_ENV}: the API key sent, unless --api-key is given")
     p.add_argument("message")
@@ -421,7 +450,7 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
                    help="the endpoint's base URL, with or without /v1 (default: kvmesh up's router; an engine "
                         "of its own listens on :8000)")
     p.add_argument("--api-key", help=API_KEY_HELP)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="the answer's length at most, in tokens")
     p.add_argument("--wait", type=float, default=600.0,
                    help="seconds to wait for the endpoint to become healthy and answer (a 503 is asked again)")
 
@@ -719,7 +748,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-aware LLM serving")
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser,
+                                                               formatter_class=_DefaultsFormatter))
     _serve_parser(sub)
     _router_parser(sub)
     _gateway_parser(sub)

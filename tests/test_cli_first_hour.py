@@ -148,3 +148,26 @@ def test_bench_serve_against_nothing_fails_in_one_line(url: str, code: int, said
     assert main(["bench", "serve", "--url", url.format(closed=closed), "--num-requests", "2"]) == code
     out, err = capsys.readouterr()
     assert out == "" and said.format(closed=closed) in err and "nan" not in err, (out, err)
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+
+
+def test_help_says_defaults_and_what_serves_flags_do(capsys: pytest.CaptureFixture[str]) -> None:
+    serve = _help(capsys, "serve")
+    for said in ("--dtype {auto,float32,bfloat16,float16} weights'", "--block-size BLOCK_SIZE tokens per KV",
+                 "--max-num-seqs MAX_NUM_SEQS sequences batched", "--role {prefill,decode,both} disaggregated",
+                 "--served-model-name SERVED_MODEL_NAME the name clients", "(default: info)"):
+        assert said in serve, said
+    chat = _help(capsys, "chat")
+    assert "(default: 64)" in chat and "(default: 600.0)" in chat, chat
+    assert "(default: None)" not in serve + chat
+
+
+def test_chat_refuses_max_tokens_0_in_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["chat", "--max-tokens", "0", "hi"])
+    assert exited.value.code == 2 and "--max-tokens: expected a whole number >= 1" in capsys.readouterr().err
