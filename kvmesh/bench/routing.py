@@ -2,9 +2,11 @@
 
 Mooncake's setting (FAST '25, Fig. 5): 16 prefill instances with 3 M-token caches, the prefill speed set so that
 random routing's mean TTFT is about 20 s. Every policy replays the same trace through the same simulator; kvmesh's
-is the router's own picker and prefix index (policies.RouterPolicy). Reported per policy: the token hit ratio
-against the unbounded-cache ideal, mean and p99 TTFT, and the imbalance of busy time, with kvmesh's mean TTFT
-as a ratio to each baseline's; a TTFT CDF as a PNG.
+is the router's own picker and prefix index (policies.RouterPolicy). The baselines include what production
+prefix-aware routers do (prefix + load + KV, without kvmesh's TTFT scorer and pulls) and kvmesh without pulls.
+Reported per policy: the token hit ratio against the unbounded-cache ideal, with and without tokens pulled from
+peers, mean and p99 TTFT, and the imbalance of busy time, with kvmesh's mean TTFT as a ratio to each baseline's;
+a TTFT CDF as a PNG.
 
 `--router-replicas N ...` adds kvmesh run as N independent router replicas (policies.RouterReplicasPolicy: each
 its own scrapes, counters and provisional entries), against one replica of the same model; `--spread-arrivals W`
@@ -42,6 +44,10 @@ from kvmesh.router.picker import PickerConfig
 RANDOM_TTFT_SECONDS = 20.0  # the load of the reference setting: random routing's mean TTFT (Mooncake's 19.65 s)
 PREFIX_ONLY = PickerConfig(prefix_weight=1.0, kv_weight=0.0, load_weight=0.001, ttft_weight=0.0,
                            balance_factor=1e9)  # the longest prefix wins; load only breaks ties; no guard
+# what production prefix-aware routers do (llm-d's and AIBrix's prefix + load scorers): the router's prefix, KV and
+# load scorers and its load guard, without kvmesh's TTFT scorer and without pulls
+PREFIX_LOAD = PickerConfig(ttft_weight=0.0)
+PREFIX_LOAD_NAME = "prefix+load (llm-d/AIBrix-like)"
 
 
 def policies(seed: int, picker: PickerConfig) -> list[RoutingPolicy]:
@@ -52,7 +58,9 @@ def policies(seed: int, picker: PickerConfig) -> list[RoutingPolicy]:
         RoundRobinPolicy(),
         LeastRequestPolicy(seed),
         OraclePolicy(seed),
-        RouterPolicy(PREFIX_ONLY, name="prefix-only", pulls=False),
+        RouterPolicy(PREFIX_ONLY, name="prefix-only, no load guard", pulls=False),
+        RouterPolicy(PREFIX_LOAD, name=PREFIX_LOAD_NAME, pulls=False),
+        RouterPolicy(picker, name="kvmesh, pulls off", pulls=False),
         RouterPolicy(picker),
     ]
 
@@ -62,9 +70,10 @@ class Row:
     """One policy's numbers, and kvmesh's mean TTFT as a speed-up over it."""
 
     policy: str
-    hit_ratio: float
+    hit_ratio: float  # pulled tokens count as hits (contract 0)
     of_ideal: float
     pulled_ratio: float
+    local_of_ideal: float  # the hit ratio without pulled tokens, as a share of the ideal
     mean_ttft: float
     p99_ttft: float
     imbalance: float
@@ -113,8 +122,11 @@ def study(requests: Sequence[SimRequest], spec: ClusterSpec, runs: Sequence[Rout
     """Replay `requests` once per policy; the last policy is kvmesh, the reference of the speed-ups."""
     results = [simulate(requests, spec, policy, progress=progress) for policy in runs]
     ours = results[-1].mean_ttft
-    rows = [Row(r.policy, r.hit_ratio, r.hit_ratio / ideal if ideal else 0.0, r.pulled_ratio, r.mean_ttft,
-                r.p99_ttft, r.imbalance, r.mean_ttft / ours if ours else 0.0) for r in results]
+    def of_ideal(ratio: float) -> float:
+        return ratio / ideal if ideal else 0.0
+
+    rows = [Row(r.policy, r.hit_ratio, of_ideal(r.hit_ratio), r.pulled_ratio, of_ideal(r.hit_ratio - r.pulled_ratio),
+                r.mean_ttft, r.p99_ttft, r.imbalance, r.mean_ttft / ours if ours else 0.0) for r in results]
     return rows, results
 
 
@@ -148,20 +160,25 @@ def replica_table(rows: Sequence[ReplicaRow]) -> str:
 
 
 def table(rows: Sequence[Row], ideal: float) -> str:
-    lines = [f"| policy | token hit ratio | of ideal ({ideal:.1%}) | pulled | mean TTFT (s) | p99 TTFT (s) | "
-             "imbalance | kvmesh faster by |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| policy | token hit ratio | of ideal ({ideal:.1%}) | pulled | of ideal without pulled | "
+             "mean TTFT (s) | p99 TTFT (s) | imbalance | kvmesh faster by |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.policy} | {r.hit_ratio:.1%} | {r.of_ideal:.0%} | {r.pulled_ratio:.1%} | "
-                     f"{r.mean_ttft:.2f} | {r.p99_ttft:.2f} | {r.imbalance:.2f} | {r.kvmesh_speedup:.2f}x |")
+                     f"{r.local_of_ideal:.0%} | {r.mean_ttft:.2f} | {r.p99_ttft:.2f} | {r.imbalance:.2f} | "
+                     f"{r.kvmesh_speedup:.2f}x |")
     return "\n".join(lines)
 
 
 def verdicts(rows: Sequence[Row]) -> dict[str, bool]:
-    """The routing targets, checked on kvmesh's row against the baselines' rows of the same run."""
+    """The routing targets, checked on kvmesh's row against the baselines' rows of the same run. The hit ratio is
+    checked twice: pulled tokens count as cached for TTFT, but they were computed elsewhere and crossed the network,
+    so the target is also checked on the instances' own hits."""
     by = {r.policy: r for r in rows}
     ours = rows[-1]
     return {
-        "hit ratio within 90 % of ideal": ours.of_ideal >= 0.9,
+        "hit ratio within 90 % of ideal, pulled tokens counted as hits": ours.of_ideal >= 0.9,
+        "hit ratio within 90 % of ideal, pulled tokens not counted": ours.local_of_ideal >= 0.9,
         "imbalance <= 1.1": ours.imbalance <= 1.1,
         "mean TTFT >= 6.4x better than random": by["random"].kvmesh_speedup >= 6.4,
         "mean TTFT >= 1.72x better than least-request": by["least-request"].kvmesh_speedup >= 1.72,
