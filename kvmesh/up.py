@@ -1320,6 +1320,22 @@ def invoked_command() -> str:
     return "kvmesh" if same else shlex.quote(invoked)
 
 
+def cluster_only_fields(pool: Any) -> list[str]:
+    """The fields of a pool file that a local pool ignores (engine.resources, router.replicas, ...), said at start
+    as an edit's are (operator/local.py `ignored_locally`): they were said only once the file changed. They are
+    those the file sets beyond a pool of its model, mode and replicas alone; none where that pool cannot be had."""
+    from kvmesh.operator.crd import PoolDefaults, complete_spec
+    from kvmesh.operator.local import ignored_locally
+
+    least = {"model": {"source": pool.spec["model"]["source"]}, "mode": pool.spec["mode"],
+             "replicas": pool.spec["replicas"]}
+    try:
+        bare = replace(pool, spec=complete_spec(least, PoolDefaults(local=True)))
+    except ValueError:
+        return []
+    return ignored_locally(bare, pool)
+
+
 def ready_message(pool: str, engines: int, endpoint: str, command: str = "kvmesh") -> str:
     """What `kvmesh up` prints once the pool serves: where, and what to do next (try it with `command`, stop it)."""
     base = endpoint.removesuffix("/v1")
@@ -1389,7 +1405,11 @@ def _supervise(plan: PoolPlan, engines: LocalEngines, model_dir: Path, router_po
         engines.start_router(["router", "--config", str(router_file), "--model", str(model_dir), "--port",
                               str(router_port), "--log-level", "warning"], router_port)
         kind = f"simulated ({plan.sim}) " if plan.sim else ""
-        print(f"kvmesh up: starting {plan.engines} {kind}engines and a router (logs in {workdir}) ...", file=sys.stderr)
+        plural = "" if plan.engines == 1 else "s"
+        print(f"kvmesh up: starting {plan.engines} {kind}engine{plural} and a router (logs in {workdir}) ...",
+              file=sys.stderr)
+        if plan.pool is not None and (ignored := cluster_only_fields(plan.pool)):
+            _say(f"{plan.file}: ignored locally, a cluster's only: {', '.join(ignored)}")
         dead = _wait_healthy(engines.children(), HEALTH_TIMEOUT_SECONDS)
         if dead is not None:
             _say(_failure(dead))
