@@ -64,7 +64,11 @@ class InternalToken(httpx.Auth):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> InternalToken:
-        return cls(environ.get(INTERNAL_TOKEN_FILE_ENV) or None)
+        """The token of the file the environment names; a ValueError naming the variable when it cannot be used."""
+        try:
+            return cls(environ.get(INTERNAL_TOKEN_FILE_ENV) or None)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"${INTERNAL_TOKEN_FILE_ENV}: {exc}") from None
 
     @classmethod
     def fixed(cls, token: str) -> InternalToken:

@@ -119,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvmesh.engine.config import EngineConfig, load_config
     from kvmesh.engine.engine import Engine
-    from kvmesh.engine.internal_token import INTERNAL_TOKEN_FILE_ENV, InternalToken
+    from kvmesh.engine.internal_token import InternalToken
     from kvmesh.engine.server import EngineHolder, create_app
     from kvmesh.engine.tracing import ENGINE_SERVICE, setup_tracing
 
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:  # before the model loads: a file that cannot be read was a traceback with the loader running
         token = InternalToken.from_env()
     except (OSError, ValueError) as exc:
-        print(f"kvmesh serve: ${INTERNAL_TOKEN_FILE_ENV}: {exc}", file=sys.stderr)
+        print(f"kvmesh serve: {exc}", file=sys.stderr)
         return 2
     # before the model loads in a thread of its own: a taken port stopped the process in the middle of torch's
     # work there, which aborted it (SIGABRT) instead of saying why

@@ -25,10 +25,12 @@ def _kvmesh(*argv: str, env: dict[str, str] | None = None, **kwargs: object) -> 
                           env={**os.environ, **(env or {})}, **kwargs)  # type: ignore[call-overload]
 
 
-def test_a_token_file_that_cannot_be_read_is_one_line_naming_the_variable() -> None:
-    done = _kvmesh("serve", "--port", str(free_port()), env={INTERNAL_TOKEN_FILE_ENV: "/nonexistent/token"})
+@pytest.mark.parametrize("program", [["serve"], ["sim-engine"], ["router", "--pod", "http://127.0.0.1:1"]],
+                         ids=lambda argv: argv[0])
+def test_a_token_file_that_cannot_be_read_is_one_line_naming_the_variable(program: list[str]) -> None:
+    done = _kvmesh(*program, "--port", str(free_port()), env={INTERNAL_TOKEN_FILE_ENV: "/nonexistent/token"})
     assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.startswith(f"kvmesh serve: ${INTERNAL_TOKEN_FILE_ENV}: ") and "/nonexistent/token" in \
+    assert done.stderr.startswith(f"kvmesh {program[0]}: ${INTERNAL_TOKEN_FILE_ENV}: ") and "/nonexistent/token" in \
         done.stderr and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
 
 

@@ -459,7 +459,7 @@ def finite(value: Any) -> Any:
 def pool_token() -> Any:
     """The internal token of the pool named by $KVMESH_INTERNAL_TOKEN_FILE (`<workdir>/internal-token` of a
     `kvmesh up`, whose engines answer only their pool), as an httpx.Auth that sends it; without it, one that sends
-    nothing. Raises OSError or ValueError for a file that cannot be read or holds no token."""
+    nothing. Raises ValueError, naming the variable, for a file that cannot be read or holds no token."""
     from kvmesh.engine.internal_token import InternalToken
 
     return InternalToken.from_env()

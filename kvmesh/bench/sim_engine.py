@@ -162,12 +162,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvmesh.bench.sim_runner import SimEngine
+    from kvmesh.engine.internal_token import InternalToken
     from kvmesh.engine.server import EngineHolder, create_app
 
     profile = PROFILES[args.profile]
     try:
         latency = latency_from_args(profile, args)
         config = sim_config(profile, args.config, {name: getattr(args, name) for name in ENGINE_FLAGS})
+        token = InternalToken.from_env()  # before the engine loads: a bad file is one line, not a traceback
     except (OSError, ValueError) as exc:
         print(f"kvmesh sim-engine: {exc}", file=sys.stderr)
         return 2
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     holder = EngineHolder(loader=lambda: SimEngine(config, profile, latency))
     holder.load_in_background()
-    uvicorn.run(create_app(holder), host=config.host, port=config.port, log_level=args.log_level)
+    uvicorn.run(create_app(holder, token=token), host=config.host, port=config.port, log_level=args.log_level)
     if holder.engine is not None:
         holder.engine.stop()
     return 0
