@@ -58,7 +58,7 @@ def test_a_missing_or_short_token_file_is_an_error_at_start(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="at least 16"):
         InternalToken(tmp_path / "short")
     assert not InternalToken.from_env({}).enabled
-    with pytest.raises(ValueError, match=rf"^\$KVMESH_INTERNAL_TOKEN_FILE: .*absent"):  # what the programs print
+    with pytest.raises(ValueError, match=r"^\$KVMESH_INTERNAL_TOKEN_FILE: .*absent"):  # what the programs print
         InternalToken.from_env({"KVMESH_INTERNAL_TOKEN_FILE": str(tmp_path / "absent")})
     assert InternalToken(None).headers() == {} and InternalToken(None).admits("/v1/kv/fetch", None)
 
