@@ -499,19 +499,37 @@ def test_prompt_logprobs_are_the_models_over_chunks_a_cached_prefix_and_a_preemp
     tight.kv.check_invariants()
 
 
+@dataclass(frozen=True)
+class StopInToken6:
+    """A prompt, its free greedy output, that output's text after tokens 6 and 7, and a stop string that begins in
+    token 6's text and (when `completes`) ends in token 7's: a stop string a pod must hold back a tail for."""
+
+    ids: list[int]
+    free: Result
+    before: str
+    after: str
+    stop: str
+
+
+def stop_in_token_6(engine: Engine, completes: bool) -> StopInToken6:
+    ids = prompt(21, 12)
+    [free] = generate(engine, [ids], max_tokens=10)
+    decode = engine.tokenizer.decode
+    before, after = decode(free.tokens[:6]), decode(free.tokens[:7])
+    assert after.startswith(before) and len(after) > len(before) and "\ufffd" not in after  # whole characters
+    stop = before[-2:] + (after[len(before)] if completes else "\x00")
+    assert decode(free.tokens).find(stop) == (len(before) - 2 if completes else -1)
+    return StopInToken6(ids, free, before, after, stop)
+
+
 @pytest.mark.parametrize("completes", [False, True])
 def test_a_resumed_request_sends_or_drops_the_tail_a_stop_string_may_take(tiny_engine: Engine,
                                                                          completes: bool) -> None:
     """A pod holds back the tail of its text that may grow into a stop string; the client of a stream that moves to
     another pod (resume_output_ids) has the text up to there. The pod going on sends that tail when the stop string
     does not come, and drops it when it does: the client reads what one pod alone would have sent."""
-    ids = prompt(21, 12)
-    [free] = generate(tiny_engine, [ids], max_tokens=10)
-    decode = tiny_engine.tokenizer.decode
-    before, after = decode(free.tokens[:6]), decode(free.tokens[:7])
-    assert after.startswith(before) and len(after) > len(before) and "\ufffd" not in after  # whole characters
-    stop = before[-2:] + (after[len(before)] if completes else "\x00")  # begins in token 6's text
-    assert decode(free.tokens).find(stop) == (len(before) - 2 if completes else -1)
+    case = stop_in_token_6(tiny_engine, completes)
+    ids, free, before, stop, decode = case.ids, case.free, case.before, case.stop, tiny_engine.tokenizer.decode
     params = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}
     [alone] = generate(tiny_engine, [ids], **params)
     client = before[: len(before) - 2]  # what the first pod had sent after 6 tokens

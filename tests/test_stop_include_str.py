@@ -10,7 +10,7 @@ from kvmesh.engine.protocol import sendable_length
 from kvmesh.engine.request import Request, RequestOutput
 from kvmesh.engine.sampling import SamplingParams
 
-from .test_engine import generate, prompt
+from .test_engine import generate, stop_in_token_6
 
 
 def test_nothing_is_held_back_when_the_stop_string_stays_in_the_output() -> None:
@@ -24,12 +24,9 @@ def test_a_stream_with_include_stop_str_in_output_sends_a_possible_stop_strings_
     """The tail of token 6's text begins the stop string: with the flag it is sent with token 6, not after token 7
     shows whether the stop string completes; the whole output is the same as without holding back. A pod resuming
     after token 6 (resume_output_ids) takes the client to have all of its text."""
-    ids = prompt(21, 12)
-    [free] = generate(tiny_engine, [ids], max_tokens=10)
+    case = stop_in_token_6(tiny_engine, completes)
+    ids, free, before, after, stop = case.ids, case.free, case.before, case.after, case.stop
     decode = tiny_engine.tokenizer.decode
-    before, after = decode(free.tokens[:6]), decode(free.tokens[:7])
-    assert after.startswith(before) and len(after) > len(before) and "\ufffd" not in after  # whole characters
-    stop = before[-2:] + (after[len(before)] if completes else "\x00")  # begins in token 6's text
     params = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True, "stop": [stop],
               "include_stop_str_in_output": True}
     [alone] = generate(tiny_engine, [ids], **params)
