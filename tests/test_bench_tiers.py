@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,14 @@ def test_each_fresh_engine_serves_an_untimed_cold_prompt_first_and_each_cell_has
             super().submit(request)
 
     monkeypatch.setattr(tiers, "Engine", RecordingEngine)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     out = tmp_path / "tiers.json"
     assert main(["bench", "tiers", "--model", str(tiny_dir), "--prefix-tokens", ",".join(map(str, LENGTHS)),
                  "--chunks", "1,2", "--copy-blocks", "4", "--disk-dir", str(tmp_path), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert not list(temp.iterdir()), "the benchmark's work folder outlived it"
 
     served = [p for p in prompts if p]  # the probe that reads the block size serves nothing
     for engine_prompts in served:

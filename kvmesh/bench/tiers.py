@@ -17,6 +17,7 @@ three samples, reported with their range.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -183,14 +184,20 @@ def _close(engine: Engine) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The benchmark, its tier files in folders of its own that go with it, however it ends."""
+    with contextlib.ExitStack() as folders:
+        work = Path(folders.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-")))
+        shm = Path(folders.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-bench-", dir="/dev/shm"))) \
+            if Path("/dev/shm").is_dir() else work
+        return _run(args, shm, Path(args.disk_dir) if args.disk_dir else work)
+
+
+def _run(args: argparse.Namespace, shm: Path, disk: Path) -> int:
     lengths, chunks = args.prefix_tokens, args.chunks
     config = EngineConfig(model=args.model, dtype=args.dtype)
     loaded = load_model(config)
     vocab = loaded.tokenizer.vocab_size
     g = torch.Generator().manual_seed(0)
-    work = Path(tempfile.mkdtemp(prefix="kvmesh-bench-tiers-"))
-    shm = Path(tempfile.mkdtemp(prefix="kvmesh-bench-", dir="/dev/shm")) if Path("/dev/shm").is_dir() else work
-    disk = Path(args.disk_dir) if args.disk_dir else work
     probe = _engine(loaded, args.model, args.dtype, 4, None, None, 0, 0)
     block_bytes = probe.runner.kv_cache[0].numel() * probe.runner.kv_cache.element_size()
     del probe
@@ -209,8 +216,6 @@ def run(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps({"machine": machine_info(torch_threads=torch.get_num_threads()),
                                                    "block_bytes": sweep_bytes,
                                                    "chunks": [asdict(p) for p in sweep]}, indent=2))
-        if shm != work:
-            shm.rmdir()
         return 0
     longest = max(lengths)
     prompt_blocks = -(-(longest + SUFFIX) // 16)
@@ -304,6 +309,4 @@ def run(args: argparse.Namespace) -> int:
             "recovery": {kept: {"start_seconds": start_seconds[kept], **asdict(point)}
                          for kept, point in recovery.items()},
         }, indent=2))
-    if shm != work:
-        shm.rmdir()
     return 0
