@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.bench.routing import PREFIX_LOAD_NAME
 from kvmesh.cli import main
 
 
@@ -28,7 +29,8 @@ def test_bench_cluster_writes_a_table_json_and_a_plot(tmp_path: Path, capsys: py
     assert code == 0
     body = json.loads(out.read_text())
     policies = [row["policy"] for row in body["rows"]]
-    assert policies[0] == "random" and policies[-1] == "kvmesh" and len(policies) == 6
+    assert policies[0] == "random" and policies[-1] == "kvmesh" and len(policies) == 8
+    assert PREFIX_LOAD_NAME in policies  # the baseline the routing headline is measured against
     kvmesh = body["rows"][-1]
     assert 0 < kvmesh["hit_ratio"] <= body["ideal_hit_ratio"] + 1e-9
     assert png.stat().st_size > 0 and "| kvmesh |" in capsys.readouterr().out
