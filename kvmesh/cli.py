@@ -7,13 +7,12 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
-import functools
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvmesh import __version__
 from kvmesh.engine.protocol import (
@@ -52,6 +51,20 @@ class _DefaultsFormatter(argparse.HelpFormatter):
                 or action.help == argparse.SUPPRESS):
             return action.help
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    """The parser of each subcommand, `bench`'s own among them: --help says every flag's default, that of a flag
+    with no help text too (argparse shows nothing at all for such a flag)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"formatter_class": _DefaultsFormatter, **kwargs})
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.help is None and action.option_strings and action.default not in (None, False, []):
+            action.help = "default: %(default)s"
+        return action
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -574,7 +587,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.args import positive_int, positive_ints
 
     p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench", required=True)
+    bench = p.add_subparsers(dest="bench", required=True, parser_class=_SubcommandParser)
     e = bench.add_parser("engine", help="engine throughput and prefix-cache TTFT, beside transformers' generate")
     e.add_argument("--concurrency", type=positive_ints, default="1,8,32", help="comma-separated request counts")
     e.add_argument("--prompt-tokens", type=int, default=128)
@@ -748,9 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh", description="KV-cache-aware LLM serving")
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True,
-                                parser_class=functools.partial(argparse.ArgumentParser,
-                                                               formatter_class=_DefaultsFormatter))
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     _serve_parser(sub)
     _router_parser(sub)
     _gateway_parser(sub)

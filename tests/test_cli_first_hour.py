@@ -167,6 +167,8 @@ def test_help_says_defaults_and_what_serves_flags_do(capsys: pytest.CaptureFixtu
     chat = _help(capsys, "chat")
     assert "(default: 64)" in chat and "(default: 600.0)" in chat, chat
     assert "(default: None)" not in serve + chat
+    bench = _help(capsys, "bench", "engine")  # a benchmark's flags, those without help text too
+    assert "--prompt-tokens PROMPT_TOKENS default: 128" in bench and "--rounds ROUNDS" in bench, bench
 
 
 def test_chat_refuses_max_tokens_0_in_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
