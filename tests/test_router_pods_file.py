@@ -102,6 +102,10 @@ def test_the_router_follows_its_pods_file(tiny_dir: Path, tmp_path: Path) -> Non
             write_atomically(pods_file, [{"url": first, "draining": True}, {"url": second, "role": "both"}])
             wait_for(lambda: pod_states(url).get("healthy") == 1 and pod_states(url).get("draining") == 1,
                      "the second engine to join and the first to drain")
+            # counted healthy at its first scrape, the joining pod was once not yet routable (a fresh-clone run
+            # answered 503 no_pod there, 1 run in 4): the test waits for it to take a request, then checks it alone does
+            wait_for(lambda: httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 1},
+                                        timeout=60).status_code == 200, "the second engine to take requests")
             assert served_by(url, [9, 10, 11, 12] * 8) == second  # the only pod taking new requests
             wait_for(lambda: router.index.resume_point(second)[0] is not None, "its KV events to be indexed")
 
